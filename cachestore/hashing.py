@@ -1,0 +1,136 @@
+"""Chained block hashes: the one key scheme from GPU to S3 (DESIGN.md, "Keys").
+
+``h[i] = H(h[i-1] || token_ids[i] as int32 LE || extra_keys[i])`` and ``h[-1] = H(namespace)``.
+``H`` is sha256 by default (collision resistant, which tenant isolation needs) or xxh128 as an
+opt-in for speed. Python's ``hash()`` is never used: keys must be equal across processes,
+restarts and machines.
+
+Torch-free. Pure functions only; nothing here mutates shared state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)
+HashFn = Callable[[bytes], bytes]
+
+# Bumped whenever the byte layout of a cached KV block changes (engine/kv_cache.py).
+KV_LAYOUT_VERSION = 1
+DEFAULT_BLOCK_SIZE = 16
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def xxh128(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+HASH_FNS: dict[str, HashFn] = {"sha256": sha256, "xxh128": xxh128}
+
+
+def get_hash_fn(name: str) -> HashFn:
+    try:
+        return HASH_FNS[name]
+    except KeyError:
+        raise ValueError(f"unknown block hash {name!r}; choose one of {sorted(HASH_FNS)}") from None
+
+
+def _encode_extra(extra_keys: Sequence[object] | None) -> bytes:
+    # Extra keys (multimodal hashes, LoRA ids) are encoded as length-prefixed UTF-8 of repr-free
+    # str() values so that they are stable across processes.
+    if not extra_keys:
+        return b""
+    out = bytearray(b"\x00X")
+    for key in extra_keys:
+        raw = key if isinstance(key, bytes) else str(key).encode()
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def hash_block_tokens(
+    parent: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[object] | None = None,
+    hash_fn: HashFn = sha256,
+) -> BlockHash:
+    """Hash one block given its parent's hash. Pure; raises ValueError on out-of-range ids."""
+    try:
+        body = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must fit in int32: {exc}") from None
+    return BlockHash(hash_fn(parent + body + _encode_extra(extra_keys)))
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that makes two caches incompatible; its hash seeds every chain.
+
+    ``model_fingerprint`` names the architecture, the weights' identity and the dtype
+    (see ``engine.model_loader.model_fingerprint``). ``cache_salt`` isolates tenants.
+    """
+
+    model_fingerprint: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_layout_version: int = KV_LAYOUT_VERSION
+    tp_rank: int = 0
+    tp_size: int = 1
+    cache_salt: str = ""
+    hash_name: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        get_hash_fn(self.hash_name)
+
+    def describe(self) -> str:
+        return (
+            f"kvtier/v{self.kv_layout_version}|model={self.model_fingerprint}|bs={self.block_size}"
+            f"|tp={self.tp_rank}/{self.tp_size}|salt={self.cache_salt}|h={self.hash_name}"
+        )
+
+    @property
+    def hash_fn(self) -> HashFn:
+        return get_hash_fn(self.hash_name)
+
+    def seed(self) -> BlockHash:
+        """``h[-1]``: the hash of this namespace."""
+        return BlockHash(self.hash_fn(self.describe().encode()))
+
+    def key_prefix(self) -> str:
+        """Short stable prefix tiers put in front of ``hex(h[i])`` (``namespace/hex``)."""
+        return self.seed().hex()[:16]
+
+
+def hash_request_tokens(
+    namespace: Namespace,
+    token_ids: Sequence[int],
+    extra_keys: Iterable[Sequence[object] | None] | None = None,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of ``token_ids``; a trailing partial block is not hashed."""
+    bs = namespace.block_size
+    fn = namespace.hash_fn
+    prev = namespace.seed() if parent is None else parent
+    extras = list(extra_keys) if extra_keys is not None else None
+    out: list[BlockHash] = []
+    for i in range(len(token_ids) // bs):
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        prev = hash_block_tokens(prev, token_ids[i * bs : (i + 1) * bs], extra, fn)
+        out.append(prev)
+    return out
+
+
+def block_key(namespace: Namespace, block_hash: BlockHash) -> str:
+    """The tier key of one block: ``namespace_prefix/hex(hash)``."""
+    return f"{namespace.key_prefix()}/{block_hash.hex()}"

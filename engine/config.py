@@ -1,0 +1,56 @@
+"""Frozen configuration dataclasses, one per component, mapped one-to-one from CLI flags.
+
+Components receive these explicitly; nothing reads a global config or the environment here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: derive from memory (GPU: profile + gpu_memory_utilization; CPU: cpu_kv_cache_bytes).
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+    cache_salt: str = ""
+    hash_name: str = "sha256"
+
+    def __post_init__(self) -> None:
+        if self.block_size != 16:
+            # FlashInfer page size, key scheme and tiers all assume 16 (DESIGN.md).
+            raise ValueError(f"block_size must be 16, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory; None = the embedded demo model
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_offload: bool = False
+    kv_offload_config: str | dict | None = None  # YAML path or the same dict (tiers issue)
+    request_log: str | None = None

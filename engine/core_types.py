@@ -1,0 +1,58 @@
+"""The contract between the scheduler (torch-free, decides) and the model runner (moves tensors).
+
+One ``SchedulerOutput`` per step is all the runner sees; one ``ModelRunnerOutput`` is all it
+returns. Names follow vLLM / FlashAttention: ``block_table``, ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's slice of a step.
+
+    ``token_ids`` are the tokens fed this step: a prefill chunk, or the one last sampled token
+    when decoding. Their positions are ``num_computed_tokens .. num_computed_tokens+len-1``; the
+    KV of positions ``< num_computed_tokens`` is already in the cache under ``block_table``.
+    ``block_table`` covers at least ``num_computed_tokens + len(token_ids)`` positions; the
+    runner writes the new KV into it (slot = block_table[pos // bs] * bs + pos % bs).
+    ``sample`` is true when the last position of this slice produces the next token (decode, or
+    the final chunk of a prefill). ``num_output_tokens`` counts tokens already generated, so a
+    seeded sampler can derive per-token randomness independent of batching.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    num_output_tokens: int = 0
+    # All tokens so far (prompt + output), needed only by penalties; may be empty.
+    all_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests that finished or were preempted since the last step: the runner drops their state.
+    finished_req_ids: frozenset[str] = frozenset()
+    # Filled by the KV connector's scheduler side (offload issue); None when no connector.
+    kv_connector_metadata: object | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # req_id -> sampled token id, only for requests with ``sample=True``.
+    sampled_token_ids: dict[str, int]
+    # Optional, for tests and logprobs: req_id -> logits row (a torch tensor) of the sampled pos.
+    logits: dict[str, object] | None = None
