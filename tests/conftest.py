@@ -1,8 +1,27 @@
-"""Shared test configuration: the `gpu` marker skips cleanly without CUDA."""
+"""Shared test configuration: the `gpu` marker, and real Redis / S3 servers as fixtures.
+
+Server fixtures (session scope, started on first use, killed at session end):
+
+- ``redis_server``: ``tests.servers.RedisServer`` (``.url``, ``.start()``, ``.stop()``,
+  ``.kill()``, ``.flush()``, ``.client()``), or an external server from KVTIER_TEST_REDIS_URL.
+- ``s3_server``: ``tests.servers.S3Server`` (``.endpoint_url``, ``.credentials()``,
+  ``.client()``, ``.create_bucket()``, ``.start()``, ``.stop()``, ``.kill()``), or an external
+  endpoint from KVTIER_TEST_S3_ENDPOINT (keys from KVTIER_TEST_S3_ACCESS_KEY /
+  KVTIER_TEST_S3_SECRET_KEY, else boto3's usual chain).
+
+Function-scoped helpers give each test a clean slate: ``redis_url`` (server running and
+flushed), ``s3_bucket`` (a fresh empty bucket, deleted afterwards). External servers have
+``managed == False``; tests that stop or kill servers skip on them.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+from tests.servers import ExternalRedis, ExternalS3, RedisServer, S3Server
 
 
 def _cuda_available() -> bool:
@@ -20,3 +39,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer | ExternalRedis]:
+    """A running Redis for the whole session (own redis-server unless KVTIER_TEST_REDIS_URL)."""
+    pytest.importorskip("redis", reason="redis-py not installed (pip install kvtier[redis])")
+    external = os.environ.get("KVTIER_TEST_REDIS_URL")
+    server: RedisServer | ExternalRedis
+    if external:
+        server = ExternalRedis(external)
+    else:
+        if not os.path.exists("/usr/bin/redis-server"):
+            pytest.skip("redis-server not found at /usr/bin/redis-server")
+        server = RedisServer()
+        server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A running S3 endpoint for the whole session (moto unless KVTIER_TEST_S3_ENDPOINT)."""
+    pytest.importorskip("boto3", reason="boto3 not installed (pip install kvtier[s3])")
+    external = os.environ.get("KVTIER_TEST_S3_ENDPOINT")
+    server: S3Server
+    if external:
+        server = ExternalS3(
+            external,
+            os.environ.get("KVTIER_TEST_S3_ACCESS_KEY"),
+            os.environ.get("KVTIER_TEST_S3_SECRET_KEY"),
+        )
+    else:
+        pytest.importorskip("moto.server", reason="moto[server] not installed")
+        server = S3Server()
+        server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer | ExternalRedis) -> str:
+    """The session Redis, running (restarted if a previous test stopped it) and flushed."""
+    redis_server.ensure_running()
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> Iterator[str]:
+    """A fresh empty bucket on the session S3 server (restarted if a test stopped it)."""
+    s3_server.ensure_running()
+    bucket = s3_server.create_bucket()
+    yield bucket
+    if s3_server.running:
+        s3_server.delete_bucket(bucket)
