@@ -98,3 +98,29 @@ def s3_bucket(s3_server: S3Server) -> Iterator[str]:
     yield bucket
     if s3_server.running:
         s3_server.delete_bucket(bucket)
+
+
+@pytest.fixture
+def s3_config(s3_server: S3Server, s3_bucket: str) -> dict[str, object]:
+    """A tier-config dict (``{"kind": "s3", ...}``) for a fresh bucket on the session server.
+
+    Field names are those of ``tiers.s3.S3TierConfig`` / the ``s3`` kind in tier_config.
+    """
+    creds = s3_server.credentials()
+    config: dict[str, object] = {
+        "kind": "s3",
+        "endpoint_url": s3_server.endpoint_url,
+        "bucket": s3_bucket,
+        "prefix": "kv/",
+        "region": creds["region_name"],
+    }
+    if "aws_access_key_id" in creds:
+        config["access_key_id"] = creds["aws_access_key_id"]
+        config["secret_access_key"] = creds["aws_secret_access_key"]
+    return config
+
+
+@pytest.fixture
+def redis_config(redis_url: str) -> dict[str, object]:
+    """A tier-config dict (``{"kind": "redis", "url": ...}``) for the flushed session Redis."""
+    return {"kind": "redis", "url": redis_url}
