@@ -14,6 +14,7 @@ Not thread-safe: one test thread drives a server's lifecycle.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -109,17 +110,63 @@ class _ChildServer:
             proc.wait(timeout=10)
 
 
-class RedisServer(_ChildServer):
-    """A private redis-server: no RDB/AOF persistence, data only in memory."""
+def _cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is also free and below 65536."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
-    def __init__(self, port: int | None = None, maxmemory_bytes: int = 0) -> None:
-        super().__init__(port)
+
+class RedisServer(_ChildServer):
+    """A private redis-server: no RDB/AOF persistence, data only in memory.
+
+    ``cluster=True`` runs a one-node Redis Cluster owning all 16384 slots: cheap, and enough to
+    exercise the cluster client path (slot map, MOVED handling, cluster pipelines).
+    """
+
+    def __init__(
+        self, port: int | None = None, maxmemory_bytes: int = 0, cluster: bool = False
+    ) -> None:
+        super().__init__(port or (_cluster_port() if cluster else None))
         self.maxmemory_bytes = maxmemory_bytes
+        self.cluster = cluster
         self._dir = tempfile.mkdtemp(prefix="kvtier-redis-")
 
     @property
     def url(self) -> str:
+        if self.cluster:
+            return f"redis+cluster://127.0.0.1:{self.port}"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start (no-op if running); a cluster node also claims every slot and waits for OK."""
+        if self.running:
+            return
+        if self.cluster:  # a restarted node must not reload a stale slot map
+            shutil.rmtree(self._dir, ignore_errors=True)
+            os.makedirs(self._dir)
+        super().start()
+        if self.cluster:
+            import redis
+
+            client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+            try:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+                deadline = time.monotonic() + self.startup_timeout_s
+                while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("one-node Redis Cluster did not reach state ok")
+                    time.sleep(0.05)
+            finally:
+                client.close()
 
     def _cwd(self) -> str | None:
         return self._dir
@@ -130,6 +177,8 @@ class RedisServer(_ChildServer):
             "--save", "", "--appendonly", "no", "--dir", self._dir,
             "--protected-mode", "no", "--loglevel", "warning",
         ]  # fmt: skip
+        if self.cluster:
+            cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         if self.maxmemory_bytes:
             cmd += ["--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
         return cmd
@@ -138,7 +187,7 @@ class RedisServer(_ChildServer):
         """A plain redis-py client (for planting values and flushing)."""
         import redis
 
-        return redis.Redis.from_url(self.url, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def flush(self) -> None:
         """Remove every key in every database (tests start from an empty server)."""
