@@ -1,1 +1,84 @@
+"""Tier registry: ``kind`` -> factory, each factory importing its backend module lazily.
 
+A factory takes the kind's frozen config (``cachestore.tier_config``) and returns a ready Tier.
+The built-in kinds resolve to these classmethods, so a backend module only needs to exist and
+expose its factory under this name (nothing imports it until that kind is configured):
+
+    host    tiers.host:HostTier.from_config(HostTierConfig)
+    lmdb    tiers.lmdb:LmdbTier.from_config(LmdbTierConfig)
+    redis   tiers.redis:RedisTier.from_config(RedisTierConfig)
+    s3      tiers.s3:S3Tier.from_config(S3TierConfig)
+    remote  tiers.remote:RemoteTier.from_config(RemoteTierConfig)
+
+``register_tier`` adds or replaces a kind (tests, out-of-tree tiers). The registry is mutated
+only by ``register_tier``; it is safe to read from several threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+
+TierFactory = Callable[[Any], Tier]
+
+
+def _host(config: Any) -> Tier:
+    from tiers.host import HostTier
+
+    return HostTier.from_config(config)
+
+
+def _lmdb(config: Any) -> Tier:
+    from tiers.lmdb import LmdbTier
+
+    return LmdbTier.from_config(config)
+
+
+def _redis(config: Any) -> Tier:
+    from tiers.redis import RedisTier  # type: ignore[import-not-found,unused-ignore]
+
+    return RedisTier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+
+
+def _s3(config: Any) -> Tier:
+    from tiers.s3 import S3Tier  # type: ignore[import-not-found,unused-ignore]
+
+    return S3Tier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+
+
+def _remote(config: Any) -> Tier:
+    from tiers.remote import RemoteTier  # type: ignore[import-not-found,unused-ignore]
+
+    return RemoteTier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+
+
+_FACTORIES: dict[str, TierFactory] = {
+    "host": _host, "lmdb": _lmdb, "redis": _redis, "s3": _s3, "remote": _remote,
+}
+
+
+def register_tier(kind: str, factory: TierFactory) -> None:
+    """Add or replace the factory for ``kind``."""
+    _FACTORIES[kind] = factory
+
+
+def tier_kinds() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def create_tier(config: Any) -> Tier:
+    """Build the tier for ``config`` (any object with a ``kind`` attribute).
+
+    Raises ValueError for an unregistered kind; backend errors propagate.
+    """
+    kind = getattr(config, "kind", None)
+    factory = _FACTORIES.get(kind) if isinstance(kind, str) else None
+    if factory is None:
+        raise ValueError(f"no tier registered for kind {kind!r}; known: {tier_kinds()}")
+    return factory(config)
+
+
+__all__ = ["Evicted", "Tier", "TierError", "TierUsage", "Value", "create_tier", "register_tier",
+           "tier_kinds"]

@@ -1,0 +1,177 @@
+"""The encoded form of one KV block, as every tier stores it (DESIGN.md, "Keys").
+
+Layout (all integers little-endian)::
+
+    fixed header  magic "KVTB" | version u16 | flags u16 | meta_len u32 | payload_len u64
+    meta          dtype, layout, namespace (each u16 length + UTF-8) | ndim u8 | ndim x u64 shape
+    payload       payload_len raw bytes
+    checksum      xxh3_64 over everything above, u64
+
+Decoding checks, in this order: the buffer holds a fixed header ("truncated"), the magic
+("bad_magic"), the version ("version"), that the declared lengths match the buffer
+("truncated" when it is shorter, "length_mismatch" when longer), the checksum ("checksum"),
+that the metadata parses ("bad_meta") and the namespace ("namespace"). A block that fails any
+check is a miss to the store, never wrong data.
+
+Torch-free; pure functions. ``decode_block`` is zero copy: the payload is a memoryview into the
+caller's buffer and is valid as long as that buffer is.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sHHIQ")
+FIXED_HEADER_BYTES = _FIXED.size  # 20
+CHECKSUM_BYTES = 8
+_U16 = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
+
+# Bytes per element of the dtypes a KV cache uses; "torch." prefixes are accepted and dropped.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+}
+
+
+class CodecError(Exception):
+    """An encoded block that cannot be trusted. ``reason`` is one of the module's reason codes."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a reader needs to interpret a payload. ``namespace`` is ``Namespace.key_prefix()``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    namespace: str
+
+    def __post_init__(self) -> None:
+        dtype = self.dtype.removeprefix("torch.")
+        if dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_ITEMSIZE)}")
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if len(self.shape) > 255 or any(d < 0 for d in self.shape):
+            raise ValueError(f"bad shape {self.shape}: at most 255 non-negative dimensions")
+        for name in ("layout", "namespace"):
+            if len(getattr(self, name).encode()) > 0xFFFF:
+                raise ValueError(f"{name} longer than 65535 bytes")
+
+    @property
+    def payload_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBlock:
+    meta: BlockMeta
+    payload: memoryview  # a view into the decoded buffer (zero copy)
+    version: int
+
+
+def _meta_bytes(meta: BlockMeta) -> bytes:
+    out = bytearray()
+    for text in (meta.dtype, meta.layout, meta.namespace):
+        raw = text.encode()
+        out += _U16.pack(len(raw)) + raw
+    out.append(len(meta.shape))
+    for dim in meta.shape:
+        out += _U64.pack(dim)
+    return bytes(out)
+
+
+def encoded_size(meta: BlockMeta) -> int:
+    """Exact encoded size of a block with ``meta``; the host tier sizes its slots with it."""
+    return FIXED_HEADER_BYTES + len(_meta_bytes(meta)) + meta.payload_bytes + CHECKSUM_BYTES
+
+
+def encode_block_into(out: memoryview | bytearray, payload: bytes | memoryview, meta: BlockMeta,
+                      *, version: int = FORMAT_VERSION) -> int:
+    """Write the encoded block at the start of ``out`` (mutates it); return the bytes written.
+
+    Raises ValueError when the payload size does not match ``meta`` or ``out`` is too small.
+    ``version`` exists so that tests can write an old format; callers leave it alone.
+    """
+    view = memoryview(payload).cast("B")
+    if view.nbytes != meta.payload_bytes:
+        raise ValueError(f"payload is {view.nbytes} bytes but {meta.dtype}{list(meta.shape)} "
+                         f"needs {meta.payload_bytes}")
+    meta_raw = _meta_bytes(meta)
+    total = FIXED_HEADER_BYTES + len(meta_raw) + view.nbytes + CHECKSUM_BYTES
+    dest = memoryview(out).cast("B")
+    if dest.nbytes < total:
+        raise ValueError(f"output buffer holds {dest.nbytes} bytes, block needs {total}")
+    _FIXED.pack_into(dest, 0, MAGIC, version, 0, len(meta_raw), view.nbytes)
+    pos = FIXED_HEADER_BYTES
+    dest[pos:pos + len(meta_raw)] = meta_raw
+    pos += len(meta_raw)
+    dest[pos:pos + view.nbytes] = view
+    pos += view.nbytes
+    _U64.pack_into(dest, pos, xxhash.xxh3_64_intdigest(dest[:pos]))
+    return total
+
+
+def encode_block(payload: bytes | memoryview, meta: BlockMeta) -> bytes:
+    """The encoded block as new bytes. Raises ValueError on a size mismatch."""
+    out = bytearray(encoded_size(meta))
+    encode_block_into(out, payload, meta)
+    return bytes(out)
+
+
+def _parse_meta(raw: memoryview) -> BlockMeta:
+    pos = 0
+    texts = []
+    for _ in range(3):
+        (n,) = _U16.unpack_from(raw, pos)
+        texts.append(bytes(raw[pos + 2:pos + 2 + n]).decode())
+        pos += 2 + n
+    ndim = raw[pos]
+    shape = tuple(_U64.unpack_from(raw, pos + 1 + 8 * i)[0] for i in range(ndim))
+    if pos + 1 + 8 * ndim != raw.nbytes:
+        raise ValueError("trailing bytes after shape")
+    return BlockMeta(dtype=texts[0], layout=texts[1], namespace=texts[2], shape=shape)
+
+
+def decode_block(buf: bytes | bytearray | memoryview,
+                 expected_namespace: str | None = None) -> DecodedBlock:
+    """Check and decode one block. Pure; raises CodecError (see module docstring for reasons)."""
+    view = memoryview(buf).cast("B")
+    if view.nbytes < FIXED_HEADER_BYTES:
+        raise CodecError("truncated", f"{view.nbytes} bytes, header needs {FIXED_HEADER_BYTES}")
+    magic, version, _flags, meta_len, payload_len = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError("bad_magic", f"{magic!r}")
+    if version != FORMAT_VERSION:
+        raise CodecError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
+    body_end = FIXED_HEADER_BYTES + meta_len + payload_len
+    total = body_end + CHECKSUM_BYTES
+    if view.nbytes < total:
+        raise CodecError("truncated", f"{view.nbytes} bytes, header declares {total}")
+    if view.nbytes > total:
+        raise CodecError("length_mismatch", f"{view.nbytes} bytes, header declares {total}")
+    (stored,) = _U64.unpack_from(view, body_end)
+    if xxhash.xxh3_64_intdigest(view[:body_end]) != stored:
+        raise CodecError("checksum")
+    try:
+        meta = _parse_meta(view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + meta_len])
+    except (ValueError, struct.error, IndexError, UnicodeDecodeError) as exc:
+        raise CodecError("bad_meta", str(exc)) from None
+    if meta.payload_bytes != payload_len:
+        raise CodecError("bad_meta", f"shape needs {meta.payload_bytes} bytes, got {payload_len}")
+    if expected_namespace is not None and meta.namespace != expected_namespace:
+        raise CodecError("namespace", f"{meta.namespace!r} != {expected_namespace!r}")
+    start = FIXED_HEADER_BYTES + meta_len
+    return DecodedBlock(meta=meta, payload=view[start:body_end], version=version)

@@ -1,0 +1,216 @@
+"""The tier stack as configured: one YAML file (or the same dict) -> frozen per-kind configs.
+
+Example::
+
+    tiers:
+      - {kind: host, capacity: 4GiB}
+      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
+      - {kind: redis, url: "redis://cache:6379/0", ttl_s: 3600}
+      - {kind: s3, bucket: kv, endpoint_url: "http://minio:9000", prefix: kv/, blocks_per_object: 16}
+      - {kind: remote, url: "tcp://cache-server:7000", token: secret}
+
+Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
+sizes accept ``parse_size`` strings. Errors raise ConfigError naming the tier and the field.
+Building tiers goes through the registry in ``tiers`` so optional backends load only when chosen.
+Pure parsing; the only I/O is reading the file in ``load_tier_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cachestore.sizes import parse_size
+
+if TYPE_CHECKING:  # importing tiers at runtime here would be circular
+    from tiers.base import Tier
+
+
+class ConfigError(ValueError):
+    """A tier configuration that cannot be used; the message names the tier and the field."""
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _pos_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _pos_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _size(value: object) -> int:
+    size = parse_size(value)  # type: ignore[arg-type]
+    if size <= 0:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _f(parse: Callable[[object], Any], default: Any = dataclasses.MISSING, *,
+       secret: bool = False) -> Any:
+    """A config field: ``parse`` checks and converts the YAML value; no default = required."""
+    return field(default=default, repr=not secret, metadata={"parse": parse})
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    """Pinned host memory. ``slot_bytes`` (max encoded block size) may come from the engine."""
+
+    kind: ClassVar[str] = "host"
+    capacity: int = _f(_size)
+    slot_bytes: int | None = _f(_size, None)
+    pin_memory: bool | None = _f(_bool, None)  # None: pin when CUDA is available
+
+
+@dataclass(frozen=True, slots=True)
+class LmdbTierConfig:
+    kind: ClassVar[str] = "lmdb"
+    path: str = _f(_str)
+    capacity: int = _f(_size)
+    map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 1MiB
+    writer_queue_size: int = _f(_pos_int, 256)
+    sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    kind: ClassVar[str] = "redis"
+    url: str = _f(_str, secret=True)  # may hold a password
+    ttl_s: float | None = _f(_pos_float, None)
+    key_prefix: str = _f(_str, "kvtier:")
+    socket_timeout_s: float = _f(_pos_float, 2.0)
+    max_connections: int = _f(_pos_int, 16)
+
+
+@dataclass(frozen=True, slots=True)
+class S3TierConfig:
+    kind: ClassVar[str] = "s3"
+    bucket: str = _f(_str)
+    endpoint_url: str | None = _f(_str, None)
+    prefix: str = _f(_str, "kv/")
+    blocks_per_object: int = _f(_pos_int, 16)
+    region: str = _f(_str, "us-east-1")
+    access_key_id: str | None = _f(_str, None, secret=True)
+    secret_access_key: str | None = _f(_str, None, secret=True)
+    timeout_s: float = _f(_pos_float, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """A ``kvtier cache-server`` reached over the network."""
+
+    kind: ClassVar[str] = "remote"
+    url: str = _f(_str)
+    token: str | None = _f(_str, None, secret=True)
+    timeout_s: float = _f(_pos_float, 5.0)
+
+
+TierConfig = HostTierConfig | LmdbTierConfig | RedisTierConfig | S3TierConfig | RemoteTierConfig
+CONFIG_CLASSES: dict[str, type[Any]] = {
+    cls.kind: cls
+    for cls in (HostTierConfig, LmdbTierConfig, RedisTierConfig, S3TierConfig, RemoteTierConfig)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TierStackConfig:
+    tiers: tuple[TierConfig, ...]
+
+
+def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:
+    """One ``{kind: ..., ...}`` mapping -> its frozen config. Raises ConfigError."""
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with a 'kind' field, got {entry!r}")
+    kind = entry.get("kind")
+    if kind is None:
+        raise ConfigError(f"{where}: missing field 'kind' (one of {sorted(CONFIG_CLASSES)})")
+    cls = CONFIG_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ConfigError(f"{where}: unknown kind {kind!r}; choose one of {sorted(CONFIG_CLASSES)}")
+    where = f"{where} ({kind})"
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in entry if k != "kind" and k not in known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in entry or entry[name] is None:
+            if f.default is dataclasses.MISSING:
+                raise ConfigError(f"{where}: missing required field '{name}'")
+            continue
+        try:
+            kwargs[name] = f.metadata["parse"](entry[name])
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field '{name}': {exc}") from None
+    return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+def parse_tier_config(data: object) -> TierStackConfig:
+    """``{"tiers": [...]}`` -> TierStackConfig. Raises ConfigError on anything invalid."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"tier config must be a mapping with a 'tiers' list, got {data!r}")
+    extra = sorted(str(k) for k in data if k != "tiers")
+    if extra:
+        raise ConfigError(f"tier config: unknown top-level field(s) {extra}; only 'tiers'")
+    entries = data.get("tiers")
+    if not isinstance(entries, list):
+        raise ConfigError("tier config: field 'tiers' must be a list of tier mappings")
+    if not entries:
+        raise ConfigError("tier config: field 'tiers' is empty; configure at least one tier")
+    tiers = tuple(parse_tier_entry(e, f"tiers[{i}]") for i, e in enumerate(entries))
+    if any(isinstance(t, HostTierConfig) for t in tiers[1:]):
+        raise ConfigError("tier config: a 'host' tier may only be the first (top) tier")
+    return TierStackConfig(tiers=tiers)
+
+
+def load_tier_config(path: str | Path) -> TierStackConfig:
+    """Read and parse a YAML file. Raises ConfigError (also for unreadable or invalid YAML)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read tier config {path}: {exc}") from None
+    return parse_tier_config(data)
+
+
+def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) -> list[Tier]:
+    """Construct every tier through the ``tiers`` registry, top first.
+
+    ``host_slot_bytes`` fills in a host tier's ``slot_bytes`` when the YAML leaves it out (the
+    engine knows its block size). On any failure the tiers built so far are closed and the error
+    propagates (ConfigError for a missing slot size, TierError or ImportError from a backend).
+    """
+    from tiers import create_tier
+
+    built: list[Tier] = []
+    try:
+        for cfg in config.tiers:
+            if isinstance(cfg, HostTierConfig) and cfg.slot_bytes is None:
+                if host_slot_bytes is None:
+                    raise ConfigError("host tier: 'slot_bytes' is not set and the engine gave none")
+                cfg = dataclasses.replace(cfg, slot_bytes=host_slot_bytes)
+            built.append(create_tier(cfg))
+    except BaseException:
+        for tier in built:
+            tier.close()
+        raise
+    return built

@@ -1,0 +1,125 @@
+"""Tier configuration: the documented YAML parses; every error names its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachestore.sizes import format_size, parse_size
+from cachestore.tier_config import (
+    ConfigError,
+    HostTierConfig,
+    LmdbTierConfig,
+    RedisTierConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+    build_tiers,
+    load_tier_config,
+    parse_tier_config,
+)
+
+EXAMPLE = """
+tiers:
+  - {kind: host, capacity: 4GiB}
+  - {kind: lmdb, path: /tmp/kvtier-lmdb, capacity: 100GiB}
+  - {kind: redis, url: "redis://127.0.0.1:6379/0", ttl_s: 3600}
+  - {kind: s3, bucket: kv, endpoint_url: "http://127.0.0.1:9000", prefix: kv/, blocks_per_object: 16}
+  - {kind: remote, url: "tcp://cache:7000", token: s3cret}
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4GiB", 4 * 2**30), ("100GB", 100 * 10**9), ("512MiB", 512 * 2**20), ("1024", 1024),
+    (4096, 4096), ("1.5 KiB", 1536), ("2tb", 2 * 10**12), ("7B", 7), ("0.5MiB", 2**19),
+])
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("4G", "unknown size unit 'G'"), ("GiB", "cannot parse size"), ("-1GiB", "cannot parse"),
+    (-5, "non-negative"), (True, "size must be"), ("0.3B", "whole number"), (1.5, "int or a string"),
+])
+def test_parse_size_errors(text: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_size(text)  # type: ignore[arg-type]
+
+
+def test_format_size() -> None:
+    assert [format_size(n) for n in (4 * 2**30, 1536, 1000, 2**20)] == [
+        "4GiB", "1536B", "1000B", "1MiB"]
+    assert parse_size(format_size(3 * 2**40)) == 3 * 2**40
+
+
+def test_example_yaml_parses(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(EXAMPLE)
+    cfg = load_tier_config(path)
+    assert cfg.tiers == (
+        HostTierConfig(capacity=4 * 2**30),
+        LmdbTierConfig(path="/tmp/kvtier-lmdb", capacity=100 * 2**30),
+        RedisTierConfig(url="redis://127.0.0.1:6379/0", ttl_s=3600.0),
+        S3TierConfig(bucket="kv", endpoint_url="http://127.0.0.1:9000", prefix="kv/",
+                     blocks_per_object=16),
+        RemoteTierConfig(url="tcp://cache:7000", token="s3cret"),
+    )
+    assert cfg.tiers[1].map_headroom == 0.25 and cfg.tiers[2].key_prefix == "kvtier:"
+    assert "s3cret" not in repr(cfg) and "6379" not in repr(cfg)  # secrets stay out of logs
+    with pytest.raises(AttributeError):
+        cfg.tiers[0].capacity = 1  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"tiers": []}, "field 'tiers' is empty"),
+    ({}, "field 'tiers' must be a list"),
+    ([1], "must be a mapping"),
+    ({"tiers": [], "extra": 1}, "unknown top-level field(s) ['extra']"),
+    ({"tiers": [{"kind": "floppy"}]}, "tiers[0]: unknown kind 'floppy'"),
+    ({"tiers": [{"capacity": "1GiB"}]}, "tiers[0]: missing field 'kind'"),
+    ({"tiers": ["host"]}, "tiers[0]: expected a mapping"),
+    ({"tiers": [{"kind": "host"}]}, "tiers[0] (host): missing required field 'capacity'"),
+    ({"tiers": [{"kind": "host", "capacity": "4 parsecs"}]},
+     "tiers[0] (host): field 'capacity': unknown size unit 'parsecs'"),
+    ({"tiers": [{"kind": "host", "capacity": 0}]}, "field 'capacity': expected a positive size"),
+    ({"tiers": [{"kind": "host", "capacity": "1GiB", "colour": "red"}]},
+     "tiers[0] (host): unknown field(s) ['colour']"),
+    ({"tiers": [{"kind": "host", "capacity": "1GiB"}, {"kind": "lmdb", "capacity": "1GiB"}]},
+     "tiers[1] (lmdb): missing required field 'path'"),
+    ({"tiers": [{"kind": "s3", "bucket": "b", "blocks_per_object": 0}]},
+     "tiers[0] (s3): field 'blocks_per_object': expected a positive integer, got 0"),
+    ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": "soon"}]},
+     "tiers[0] (redis): field 'ttl_s': expected a positive number"),
+    ({"tiers": [{"kind": "lmdb", "path": "/x", "capacity": 1},
+                {"kind": "host", "capacity": 1}]}, "a 'host' tier may only be the first"),
+])
+def test_errors_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config(data)
+    assert message in str(info.value)
+
+
+def test_bad_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers: [ {kind: host")
+    with pytest.raises(ConfigError, match="cannot read tier config"):
+        load_tier_config(path)
+    with pytest.raises(ConfigError, match="cannot read tier config"):
+        load_tier_config(tmp_path / "missing.yaml")
+
+
+def test_build_tiers_through_registry(tmp_path: Path) -> None:
+    cfg = parse_tier_config({"tiers": [
+        {"kind": "host", "capacity": "64KiB"},
+        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": "1MiB"},
+    ]})
+    with pytest.raises(ConfigError, match="'slot_bytes' is not set"):
+        build_tiers(cfg)
+    tiers = build_tiers(cfg, host_slot_bytes=4096)
+    try:
+        assert [type(t).__name__ for t in tiers] == ["HostTier", "LmdbTier"]
+        assert tiers[0].usage().capacity_bytes == 64 * 1024
+        assert tiers[1].usage().capacity_bytes == 2**20
+    finally:
+        for tier in tiers:
+            tier.close()
