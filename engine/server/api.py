@@ -1,0 +1,92 @@
+"""``build_app``: the FastAPI app serving OpenAI-compatible endpoints over an ``AsyncEngine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 while the engine thread runs, 503 after it died), ``GET /metrics``
+(Prometheus text format). The app does not own the engine: whoever built the engine shuts
+it down (``kvtier serve`` does, after uvicorn returns).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.server.async_engine import AsyncEngine
+from engine.server.endpoints import create_chat_completion, create_completion
+from engine.server.errors import error_response, install_error_handlers
+from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from engine.server.serving import ServingContext
+
+_ENDPOINTS = frozenset(
+    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+)
+
+
+class _RequestCounter:
+    """ASGI middleware counting HTTP requests by endpoint and response status. Pure ASGI
+    (not BaseHTTPMiddleware) so streamed responses pass through untouched."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"  # bounded label cardinality
+        status: list[int] = []
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.record_request(endpoint, status[0] if status else 500)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+    """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``."""
+    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine.stats, served_model_name)
+    ctx = ServingContext(engine, served_model_name, metrics)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(_RequestCounter, metrics=metrics)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, request, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, request, raw)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(503, f"engine is not running: {engine.dead_error!r}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,238 @@
+"""``AsyncEngine``: one ``LLMEngine`` driven by one background thread, consumed from asyncio.
+
+``LLMEngine`` is not thread-safe, so every call into it (add, abort, step, stats) happens on
+the engine thread. The asyncio side only enqueues commands and reads per-request queues that
+the engine thread feeds through ``loop.call_soon_threadsafe``. A later issue moves the engine
+core into its own process over ZMQ; that is a swap of this class behind the same four public
+calls: ``generate``, ``abort``, ``stats``, ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or shutdown): no request can make progress."""
+
+
+class EngineCore(Protocol):
+    """What ``AsyncEngine`` needs from ``engine.llm_engine.LLMEngine``."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def abort_request(self, req_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict[str, float | int]: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's mailbox: items are RequestOutput or an exception to raise."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe; a closed loop (client gone at shutdown) drops the item."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    req_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    req_id: str
+
+
+class AsyncEngine:
+    """Owns ``engine`` and the thread that drives it; ``start()`` must be called once.
+
+    Thread-safety: every public method may be called from any thread, ``generate`` from an
+    asyncio loop. A request-level error (``add_request`` raising ValueError for a bad prompt)
+    is raised by that request's ``generate`` only; an error in ``step()`` is fatal: every
+    waiting request and every later ``generate`` raises ``EngineDeadError``.
+    """
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()  # guarded by _cond
+        self._streams: dict[str, _Stream] = {}  # guarded by _cond
+        self._stats: dict[str, float | int] = dict(engine.stats())  # replaced, never mutated
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Builds the LLMEngine (loads the model) and starts the engine thread."""
+        from engine.llm_engine import LLMEngine
+
+        async_engine = cls(LLMEngine(config))
+        async_engine.start()
+        return async_engine
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> dict[str, float | int]:
+        """The engine's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
+        return self._stats
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req_id: str,
+        *,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per engine step that touched the request, the last one
+        with ``finished=True``. Raises ValueError for a rejected request, EngineDeadError if
+        the engine stops. Closing or cancelling the iterator early aborts the request."""
+        stream = _Stream(asyncio.get_running_loop())
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
+            if req_id in self._streams:
+                raise ValueError(f"duplicate request id {req_id!r}")
+            self._streams[req_id] = stream
+            self._commands.append(_Add(req_id, prompt, params, arrival_time))
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already forgot the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_nowait(req_id)
+
+    async def abort(self, req_id: str) -> None:
+        self._abort_nowait(req_id)
+
+    def _abort_nowait(self, req_id: str) -> None:
+        with self._cond:
+            if self._streams.pop(req_id, None) is not None:
+                self._commands.append(_Abort(req_id))
+                self._cond.notify()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the engine thread after its current step; waiting requests get
+        EngineDeadError. Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        self._fail_all(EngineDeadError("engine shut down"))
+
+    # --- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or self._has_work()):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._stats = dict(self.engine.stats())
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine for all
+            logger.exception("engine thread failed")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    def _has_work(self) -> bool:
+        # Called with _cond held, on the engine thread only (the engine is not thread-safe).
+        return self.engine.has_unfinished_requests()
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            try:
+                self.engine.abort_request(command.req_id)
+            except (KeyError, ValueError):
+                pass  # it finished in the same step the client left
+            return
+        try:
+            self.engine.add_request(
+                command.req_id, command.prompt, command.params, arrival_time=command.arrival_time
+            )
+        except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
+            with self._cond:
+                stream = self._streams.pop(command.req_id, None)
+            if stream is not None:
+                stream.put(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._cond:
+                if output.finished:
+                    stream = self._streams.pop(output.req_id, None)
+                else:
+                    stream = self._streams.get(output.req_id)
+            if stream is not None:
+                stream.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.put(error)

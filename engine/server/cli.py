@@ -1,0 +1,82 @@
+"""``kvtier serve``: flags -> EngineConfig (one-to-one), then uvicorn on the FastAPI app."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Mutates ``parser``: adds every ``kvtier serve`` flag."""
+    parser.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", default=None, help="name clients use (default: the model's)"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16")
+    )
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-offload", action="store_true", help="offload KV to lower tiers")
+    parser.add_argument("--kv-offload-config", default=None, metavar="FILE", help="tiers YAML")
+    parser.add_argument("--request-log", default=None, metavar="FILE")
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Pure mapping of parsed flags to EngineConfig; raises ValueError on bad values."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(
+            num_gpu_blocks=args.num_gpu_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+        ),
+        kv_offload=args.kv_offload,
+        kv_offload_config=args.kv_offload_config,
+        request_log=args.request_log,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.server.api import build_app
+    from engine.server.async_engine import AsyncEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        logger.error("bad arguments: %s", exc)
+        return 2
+    engine = AsyncEngine.from_config(config)
+    name = args.served_model_name or engine.model_name
+    logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    try:
+        uvicorn.run(
+            build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level
+        )
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,133 @@
+"""Prometheus metrics for the server, on a dedicated ``CollectorRegistry``.
+
+Request counts and latency histograms are recorded by the API as requests flow; token and
+prefix-cache counters and queue gauges are read from the engine's ``stats()`` snapshot at
+scrape time (the engine already keeps them as monotonic totals), so they are never double
+counted and cost nothing between scrapes. A registry per app keeps tests and two apps in one
+process apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (engine stats key, metric name without _total, help). Names match engine.stats() keys.
+_ENGINE_COUNTERS = (
+    ("prompt_tokens_total", "kvtier_prompt_tokens", "Prompt tokens processed"),
+    ("generation_tokens_total", "kvtier_generation_tokens", "Tokens generated"),
+    (
+        "prefix_cache_hit_tokens_total",
+        "kvtier_prefix_cache_hit_tokens",
+        "Prompt tokens served from the prefix cache",
+    ),
+    (
+        "prefix_cache_queried_tokens_total",
+        "kvtier_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache",
+    ),
+    ("num_preemptions_total", "kvtier_num_preemptions", "Requests preempted for lack of blocks"),
+)
+_ENGINE_GAUGES = (
+    ("num_requests_running", "kvtier_num_requests_running", "Requests being scheduled"),
+    ("num_requests_waiting", "kvtier_num_requests_waiting", "Requests waiting to be scheduled"),
+    ("gpu_blocks_total", "kvtier_gpu_blocks_total", "KV blocks in the GPU pool"),
+    ("gpu_blocks_free", "kvtier_gpu_blocks_free", "KV blocks free or cached-evictable"),
+)
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    """Turns an engine stats snapshot into counter and gauge families at scrape time."""
+
+    def __init__(self, read_stats: Callable[[], Mapping[str, float | int]], model: str) -> None:
+        self._read_stats = read_stats
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        for key, name, doc in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats.get(key, 0)))
+            yield family
+        for key, name, doc in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], float(stats.get(key, 0)))
+            yield family
+
+
+class ServerMetrics:
+    """All server metrics. Thread-safe (prometheus-client metrics are)."""
+
+    def __init__(
+        self, read_stats: Callable[[], Mapping[str, float | int]], model_name: str
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(read_stats, model_name))
+        self.requests = Counter(
+            "kvtier_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvtier_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "kvtier_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of one request",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvtier_e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric in this registry."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping; feed it each output's arrival. Not thread-safe (one
+    request is consumed by one coroutine)."""
+
+    __slots__ = ("_metrics", "_arrival_s", "_last_token_s")
+
+    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_token_s: float | None = None
+
+    def on_tokens(self, num_new_tokens: int, now_s: float) -> None:
+        if num_new_tokens <= 0:
+            return
+        if self._last_token_s is None:
+            self._metrics.ttft.observe(now_s - self._arrival_s)
+        else:
+            # Tokens that arrive together (one output carrying several) share the interval.
+            gap = (now_s - self._last_token_s) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self._metrics.inter_token.observe(gap)
+        self._last_token_s = now_s
+
+    def on_finished(self, now_s: float) -> None:
+        self._metrics.e2e.observe(now_s - self._arrival_s)

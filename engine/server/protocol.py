@@ -1,0 +1,245 @@
+"""OpenAI-compatible request and response models (pydantic), and the request -> SamplingParams
+mapping. Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos`` and
+``stop_token_ids`` are vLLM-style extensions. Unknown fields are ignored, as OpenAI clients
+send fields this server does not implement."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A request the server rejects with 400 (``param`` names the offending field)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def check_supported(self) -> None:
+        """Raises ProtocolError for valid-but-unsupported options."""
+        if self.n != 1:
+            raise ProtocolError(f"only n=1 is supported, got n={self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ProtocolError(f"{name} is not supported", name)
+        if self.logprobs not in (None, False, 0):
+            raise ProtocolError("logprobs are not supported", "logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options requires stream=true", "stream_options")
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """``max_tokens`` is the resolved budget (the server fills a default). Raises
+        ProtocolError naming the field when SamplingParams rejects a value."""
+        stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+            )
+        except ValueError as exc:
+            message = str(exc)
+            param = message.split(" ", 1)[0] if message else None
+            raise ProtocolError(message, param) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (strings or token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ProtocolError("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ProtocolError("echo is not supported", "echo")
+        if self.suffix:
+            raise ProtocolError("suffix is not supported", "suffix")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens supersedes the deprecated max_tokens in OpenAI's API.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvtier"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,229 @@
+"""Request handling shared by ``/v1/completions`` and ``/v1/chat/completions``: model check,
+prompt length and ``max_tokens`` resolution, starting engine requests so that rejections
+become HTTP errors before any byte is streamed, merging several prompts' streams, SSE
+framing, and client-disconnect cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from engine.outputs import RequestOutput
+from engine.server.async_engine import AsyncEngine
+from engine.server.errors import APIError
+from engine.server.metrics import RequestTimer, ServerMetrics
+from engine.server.protocol import ProtocolError, UsageInfo, _SamplingRequest
+
+T = TypeVar("T")
+DONE_LINE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class StartedRequest:
+    """A request the engine accepted: its first output and the iterator for the rest."""
+
+    index: int
+    first: RequestOutput
+    rest: AsyncIterator[RequestOutput]
+    timer: RequestTimer
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Yields every output (the first included), recording latency metrics."""
+        output: RequestOutput | None = self.first
+        while output is not None:
+            now = time.monotonic()
+            self.timer.on_tokens(len(output.new_token_ids), now)
+            if output.finished:
+                self.timer.on_finished(now)
+            yield output
+            if output.finished:
+                return
+            output = await anext(self.rest, None)
+
+
+class ServingContext:
+    """Holds the engine, the served name and metrics for the endpoint handlers."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+
+    def check_model(self, request: _SamplingRequest) -> None:
+        if request.model is not None and request.model != self.served_model_name:
+            raise APIError(
+                404,
+                f"The model `{request.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prepare(self, request: _SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
+        """Resolves ``max_tokens`` and enforces ``prompt + max_tokens <= max_model_len``.
+        Raises ProtocolError (400)."""
+        max_len = self.engine.max_model_len
+        if not token_ids:
+            raise ProtocolError("prompt must not be empty", "prompt")
+        if len(token_ids) >= max_len:
+            raise ProtocolError(
+                f"prompt is {len(token_ids)} tokens long but this model's maximum context "
+                f"length is {max_len} tokens (prompt plus at least one generated token)",
+                "prompt" if hasattr(request, "prompt") else "messages",
+            )
+        requested = request.requested_max_tokens()
+        explicit = requested is not None and (
+            "max_tokens" in request.model_fields_set
+            or "max_completion_tokens" in request.model_fields_set
+        )
+        remaining = max_len - len(token_ids)
+        if not explicit or requested is None:
+            # An unset budget means "as much as fits"; OpenAI's completions default (16) is
+            # clamped to the context rather than turned into an error.
+            max_tokens = remaining if requested is None else min(requested, remaining)
+        else:
+            max_tokens = requested
+            if requested >= 1 and len(token_ids) + requested > max_len:
+                raise ProtocolError(
+                    f"this model's maximum context length is {max_len} tokens, but "
+                    f"{len(token_ids) + requested} were requested ({len(token_ids)} in the "
+                    f"prompt, {requested} for the completion)",
+                    "max_tokens",
+                )
+        return PreparedPrompt(token_ids, max_tokens)
+
+    async def start(
+        self, request_id: str, prompts: list[PreparedPrompt], request: _SamplingRequest
+    ) -> list[StartedRequest]:
+        """Submits every prompt and waits for each one's first output, so that a rejected
+        request raises here (ValueError -> 400) before a response starts. On any failure the
+        already started requests are aborted."""
+        arrival = time.monotonic()
+        params = [request.to_sampling_params(p.max_tokens) for p in prompts]
+        iters = [
+            self.engine.generate(
+                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival
+            ).__aiter__()
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        tasks = [asyncio.ensure_future(anext(it)) for it in iters]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException:
+            # gather does not cancel the siblings; cancelling them closes their generators,
+            # whose cleanup aborts the requests in the engine.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [
+            StartedRequest(i, first, it, RequestTimer(self.metrics, arrival))
+            for i, (first, it) in enumerate(zip(firsts, iters, strict=True))
+        ]
+
+
+def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(o.token_ids) for o in finals)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    if not output.finished:
+        return None
+    return output.finish_reason or "stop"
+
+
+async def collect_final(started: StartedRequest) -> RequestOutput:
+    """Consumes a request to its end and returns its last output (cumulative text/ids)."""
+    last = started.first
+    async for output in started.outputs():
+        last = output
+    return last
+
+
+async def merge(started: list[StartedRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several requests' outputs as they arrive. Closing the merged iterator
+    cancels the pumps, which closes (and so aborts) every unfinished request."""
+    if len(started) == 1:
+        async for output in started[0].outputs():
+            yield started[0].index, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
+        asyncio.Queue()
+    )
+
+    async def pump(s: StartedRequest) -> None:
+        try:
+            async for output in s.outputs():
+                queue.put_nowait((s.index, output, None))
+            queue.put_nowait((s.index, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((s.index, None, exc))
+
+    tasks = [asyncio.create_task(pump(s)) for s in started]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Runs ``work``; if the client disconnects first, cancels it (aborting its engine
+    requests) and raises asyncio.CancelledError."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_disconnect(raw.receive))
+    try:
+        done, _ = await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        work_task.cancel()
+        await asyncio.gather(work_task, return_exceptions=True)
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+
+
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
