@@ -45,6 +45,12 @@ def _pos_int(value: object) -> int:
     return value
 
 
+def _nonneg_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
 def _pos_float(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"expected a positive number, got {value!r}")
@@ -92,16 +98,24 @@ class LmdbTierConfig:
 
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
+    """Field names mirror ``tiers.redis.RedisTierConfig``; the registry converts by name."""
+
     kind: ClassVar[str] = "redis"
     url: str = _f(_str, secret=True)  # may hold a password
-    ttl_s: float | None = _f(_pos_float, None)
+    cluster: bool = _f(_bool, False)
     key_prefix: str = _f(_str, "kvtier:")
+    ttl_s: float | None = _f(_pos_float, None)
+    max_value_bytes: int = _f(_size, 512 * 1024 * 1024)
     socket_timeout_s: float = _f(_pos_float, 2.0)
-    max_connections: int = _f(_pos_int, 16)
+    connect_timeout_s: float = _f(_pos_float, 1.0)
+    max_connections: int = _f(_pos_int, 64)
+    retries: int = _f(_nonneg_int, 1)
 
 
 @dataclass(frozen=True, slots=True)
 class S3TierConfig:
+    """Field names mirror ``tiers.s3.S3TierConfig``; the registry converts by name."""
+
     kind: ClassVar[str] = "s3"
     bucket: str = _f(_str)
     endpoint_url: str | None = _f(_str, None)

@@ -2,12 +2,14 @@
 
 A factory takes the kind's frozen config (``cachestore.tier_config``) and returns a ready Tier.
 The built-in kinds resolve to these classmethods, so a backend module only needs to exist and
-expose its factory under this name (nothing imports it until that kind is configured):
+expose its factory under this name (nothing imports it until that kind is configured).
+redis and s3 define their own frozen config dataclass; the parsed YAML config is converted to
+it field by field (same names), so their ``__post_init__`` checks still run:
 
     host    tiers.host:HostTier.from_config(HostTierConfig)
     lmdb    tiers.lmdb:LmdbTier.from_config(LmdbTierConfig)
-    redis   tiers.redis:RedisTier.from_config(RedisTierConfig)
-    s3      tiers.s3:S3Tier.from_config(S3TierConfig)
+    redis   tiers.redis:RedisTier.from_config(tiers.redis.RedisTierConfig)
+    s3      tiers.s3:S3Tier.from_config(tiers.s3.S3TierConfig)
     remote  tiers.remote:RemoteTier.from_config(RemoteTierConfig)
 
 ``register_tier`` adds or replaces a kind (tests, out-of-tree tiers). The registry is mutated
@@ -16,6 +18,7 @@ only by ``register_tier``; it is safe to read from several threads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,16 +39,28 @@ def _lmdb(config: Any) -> Tier:
     return LmdbTier.from_config(config)
 
 
-def _redis(config: Any) -> Tier:
-    from tiers.redis import RedisTier  # type: ignore[import-not-found,unused-ignore]
+def _same_fields(config: Any, backend_cls: type[Any]) -> Any:
+    """``config`` rebuilt as ``backend_cls`` (a dataclass) from the fields both share.
 
-    return RedisTier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+    The parsed YAML config (``cachestore.tier_config``) mirrors a backend's own config class
+    field by field; this keeps the backend free to define (and validate) its class itself.
+    """
+    if isinstance(config, backend_cls):
+        return config
+    names = {f.name for f in dataclasses.fields(backend_cls)}
+    return backend_cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+
+
+def _redis(config: Any) -> Tier:
+    from tiers.redis import RedisTier, RedisTierConfig
+
+    return RedisTier.from_config(_same_fields(config, RedisTierConfig))
 
 
 def _s3(config: Any) -> Tier:
-    from tiers.s3 import S3Tier  # type: ignore[import-not-found,unused-ignore]
+    from tiers.s3 import S3Tier, S3TierConfig  # type: ignore[import-not-found,unused-ignore]
 
-    return S3Tier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+    return S3Tier.from_config(_same_fields(config, S3TierConfig))  # type: ignore[no-any-return,unused-ignore]
 
 
 def _remote(config: Any) -> Tier:

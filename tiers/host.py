@@ -1,0 +1,258 @@
+"""Host tier: a fixed slab of (pinned) host memory cut into equal slots, LRU-evicted.
+
+The slab is allocated ONCE at construction: ``capacity // slot_bytes`` slots of ``slot_bytes``
+(the largest encoded block, ``cachestore.codec.encoded_size``). With CUDA the slab is pinned
+(page-locked) so GPU<->host copies run at link speed; on CPU it is plain memory. No allocation
+happens afterwards, so a full tier never fragments and never grows.
+
+- LRU: ``lookup``, ``get_many`` and ``put_many`` refresh recency. When no slot is free, ``put_many``
+  evicts the least recently used *unpinned, committed* entry and returns it (with a copy of its
+  bytes, since the slot is reused at once) so the store can demote it.
+- Pins: ``pin``/``unpin`` are counted; a pinned entry is never evicted, deleted or overwritten.
+  The store pins between ``prepare_load`` and ``complete_load``.
+- Zero copy: ``get_many`` returns memoryviews into the slab. A view stays valid while its entry
+  is pinned; unpinned, it is valid until the entry is evicted or overwritten (which only a
+  later ``put_many``/``reserve`` can do). Pin before handing a view to a copy engine.
+- Direct writes: ``reserve(key, nbytes)`` hands out a slot's memory (and its offset in
+  ``slab_tensor()``) so a GPU->host copy lands in place; ``commit(key)`` makes it visible,
+  ``abort(key)`` frees it. Reserved entries are invisible and unevictable until then.
+
+Thread-safe: one lock guards the index; copies into the slab happen under it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from threading import Lock
+from typing import Any
+
+from tiers.base import Evicted, Tier, TierUsage, Value
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    nbytes: int
+    pins: int = 0
+    committed: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where to write a reserved block: ``view`` (== slab bytes ``[offset, offset+nbytes)``)."""
+
+    view: memoryview
+    offset: int
+    evicted: list[Evicted]
+
+
+class HostTier(Tier):
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int, *,
+                 pin_memory: bool | None = None) -> None:
+        """Allocate the slab. Raises ValueError when not even one slot fits."""
+        if slot_bytes <= 0 or capacity_bytes < slot_bytes:
+            raise ValueError(f"host tier needs capacity >= slot_bytes > 0, got "
+                             f"capacity={capacity_bytes} slot_bytes={slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        self._tensor, self._slab = _allocate(self.num_slots * slot_bytes, pin_memory)
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))  # pop() -> slot 0 first
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
+        self._used_bytes = 0
+        self.num_oversize_skipped = 0
+        self.num_full_skipped = 0  # every slot pinned or reserved
+        self._lock = Lock()
+
+    @classmethod
+    def from_config(cls, config: Any) -> HostTier:
+        """Registry factory (``tiers.host:HostTier.from_config``) for a ``HostTierConfig``."""
+        if config.slot_bytes is None:
+            raise ValueError("host tier needs slot_bytes (from the config or the engine)")
+        return cls(config.capacity, config.slot_bytes, pin_memory=config.pin_memory)
+
+    @property
+    def pinned_memory(self) -> bool:
+        return bool(self._tensor is not None and self._tensor.is_pinned())
+
+    def slab_tensor(self) -> Any:
+        """The whole slab as a uint8 torch tensor (None without torch). Offsets match reserve."""
+        return self._tensor
+
+    # -- Tier protocol -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed:
+                    return i
+                self._entries.move_to_end(key)
+            return len(keys)
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        out: list[Value | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed:
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                start = entry.slot * self.slot_bytes
+                out.append(self._slab[start:start + entry.nbytes])
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        evicted: list[Evicted] = []
+        with self._lock:
+            for key, value in items:
+                src = memoryview(value).cast("B")
+                if src.nbytes > self.slot_bytes:
+                    self.num_oversize_skipped += 1
+                    continue
+                entry = self._entries.get(key)
+                if entry is not None:
+                    if entry.pins or not entry.committed:
+                        continue  # keys are content hashes: the stored bytes are the same
+                    self._used_bytes += src.nbytes - entry.nbytes
+                    entry.nbytes = src.nbytes
+                    self._entries.move_to_end(key)
+                else:
+                    entry = self._new_entry(key, src.nbytes, evicted, committed=True)
+                    if entry is None:
+                        continue
+                start = entry.slot * self.slot_bytes
+                self._slab[start:start + src.nbytes] = src
+        return evicted
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete unpinned entries; pinned or reserved ones stay (and are not counted)."""
+        removed = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.committed and not entry.pins:
+                    self._drop(key, entry)
+                    removed += 1
+        return removed
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(used_bytes=self._used_bytes,
+                             capacity_bytes=self.num_slots * self.slot_bytes,
+                             num_entries=sum(e.committed for e in self._entries.values()))
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._free = []
+            self._used_bytes = 0
+            self.num_slots = 0  # nothing fits any more; the slab goes with the last view
+            self._slab = memoryview(b"")
+            self._tensor = None
+
+    # -- pins and direct writes ----------------------------------------------------------
+
+    def pin(self, keys: Sequence[str]) -> int:
+        """Pin the leading present keys; return how many were pinned (stops at the first miss)."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed:
+                    return i
+                entry.pins += 1
+            return len(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Undo one ``pin`` per key; absent or unpinned keys are ignored."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.pins:
+                    entry.pins -= 1
+
+    def reserve(self, key: str, nbytes: int) -> Reservation | None:
+        """A slot for ``key`` to be written in place; None if present, too big, or no room."""
+        with self._lock:
+            if key in self._entries or nbytes > self.slot_bytes:
+                return None
+            evicted: list[Evicted] = []
+            entry = self._new_entry(key, nbytes, evicted, committed=False)
+            if entry is None:
+                return None
+            offset = entry.slot * self.slot_bytes
+            return Reservation(self._slab[offset:offset + nbytes], offset, evicted)
+
+    def commit(self, key: str) -> bool:
+        """Make a reserved entry visible (most recently used). False if it was not reserved."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.committed:
+                return False
+            entry.committed = True
+            self._entries.move_to_end(key)
+            return True
+
+    def abort(self, key: str) -> None:
+        """Free a reserved (uncommitted) slot; a no-op for anything else."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.committed:
+                self._drop(key, entry)
+
+    def lru_keys(self) -> list[str]:
+        """Committed keys, least recently used first (for tests and debugging)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.committed]
+
+    def check_integrity(self) -> None:
+        """Assert free + used slots == all slots, each slot owned once, byte count exact."""
+        with self._lock:
+            slots = [e.slot for e in self._entries.values()] + self._free
+            assert sorted(slots) == list(range(self.num_slots)), "slot accounting broken"
+            assert self._used_bytes == sum(e.nbytes for e in self._entries.values())
+
+    # -- internals (lock held) -----------------------------------------------------------
+
+    def _new_entry(self, key: str, nbytes: int, evicted: list[Evicted],
+                   committed: bool) -> _Entry | None:
+        if not self._free and not self._evict_one(evicted):
+            self.num_full_skipped += 1
+            return None
+        entry = _Entry(slot=self._free.pop(), nbytes=nbytes, committed=committed)
+        self._entries[key] = entry
+        self._used_bytes += nbytes
+        return entry
+
+    def _evict_one(self, evicted: list[Evicted]) -> bool:
+        for key, entry in self._entries.items():
+            if entry.committed and not entry.pins:
+                start = entry.slot * self.slot_bytes
+                # Copied out: the slot is about to be reused for the incoming block.
+                evicted.append(Evicted(key, bytes(self._slab[start:start + entry.nbytes])))
+                self._drop(key, entry)
+                return True
+        return False
+
+    def _drop(self, key: str, entry: _Entry) -> None:
+        del self._entries[key]
+        self._used_bytes -= entry.nbytes
+        self._free.append(entry.slot)
+
+
+def _allocate(num_bytes: int, pin_memory: bool | None) -> tuple[Any, memoryview]:
+    """The slab as (torch uint8 tensor or None, writable memoryview over the same bytes)."""
+    try:
+        import torch
+    except ImportError:  # torch-less deployments (e.g. a cache server) still get a host tier
+        if pin_memory:
+            raise ValueError("pin_memory=True needs torch with CUDA") from None
+        return None, memoryview(bytearray(num_bytes))
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+    return tensor, memoryview(tensor.numpy()).cast("B")
