@@ -1,0 +1,285 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, prefix reuse,
+preemption by recompute. Torch-free; never touches a device. Not thread-safe.
+
+Each ``schedule()`` first serves running requests (decodes and unfinished prefill chunks) in
+admission order, then admits waiting ones in FIFO order while the token budget and
+``max_num_seqs`` allow. When the pool runs out of blocks the most recently admitted running
+request is preempted: its blocks are freed, its outputs kept, and it goes back to the *front*
+of the waiting queue to re-prefill prompt + outputs (usually hitting its own cached blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.config import SchedulerConfig
+from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.kv_cache_manager import NO_HIT, KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalHit:
+    """Leading tokens past the GPU prefix hit that lower tiers hold. ``load_async``: the
+    request waits in WAITING_FOR_KV while they load, instead of loading within the step."""
+
+    num_tokens: int = 0
+    load_async: bool = False
+
+
+class SchedulerConnector(Protocol):
+    """CONNECTOR HOOK: the KV offload connector's scheduler side (offload issue fills it in).
+    All methods run on the scheduler thread."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        """How many tokens past ``num_computed_tokens`` lower tiers can supply. No side effect."""
+        ...
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Blocks are allocated: ``num_external_tokens`` after the GPU hit are to be loaded."""
+        ...
+
+    def get_finished_loading(self) -> set[str]:
+        """Requests in WAITING_FOR_KV whose loads completed since the last call."""
+        ...
+
+    def build_connector_meta(self, output: SchedulerOutput) -> object:
+        """The per-step metadata handed to the worker side via ``kv_connector_metadata``."""
+        ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        """A request finished or was aborted; its blocks are about to be freed."""
+        ...
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    prefix_cache_queried_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    num_preemptions_total: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        *,
+        connector: SchedulerConnector | None = None,
+        debug: bool = False,
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.connector = connector
+        self.debug = debug
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; max_model_len is {self.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop string, abort): frees its blocks. None if it is not known."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.get(req_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
+        self.kv.free(request)
+        del self.requests[request.req_id]
+        self._finished_ids.add(request.req_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        self._finished_ids.add(request.req_id)  # the runner drops its per-request state
+
+    def _slice(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_table=self.kv.get_block_ids(request.req_id),
+            sample=start + num_new == request.num_tokens,
+            sampling=request.sampling_params,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide one step. Mutates queues and block tables (not ``num_computed_tokens``, which
+        ``update_from_output`` advances). An output with no requests is not meant for the
+        runner; its ``finished_req_ids`` are carried over to the next non-empty one."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while not self.kv.allocate_slots(request, total):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself; nothing after it is left in running
+            scheduled.append(self._slice(request, num_new))
+            budget -= num_new
+            idx += 1
+
+        if not preempted:  # blocks are short: admitting now would only thrash
+            budget = self._admit_waiting(budget, scheduled)
+
+        if self.debug and not self.requests:
+            self.kv.pool.check_integrity()
+        output = SchedulerOutput(
+            requests=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=frozenset(self._finished_ids),
+        )
+        if scheduled:
+            self._finished_ids.clear()
+            if self.connector is not None:
+                meta = self.connector.build_connector_meta(output)
+                output = dataclasses.replace(output, kv_connector_metadata=meta)
+        return output
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        loaded = self.connector.get_finished_loading() if self.connector is not None else set()
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status is RequestStatus.WAITING_FOR_KV:
+                if request.req_id not in loaded:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                # Its blocks are allocated and now hold the loaded KV.
+                hit, num_external = NO_HIT, 0
+                num_computed = request.num_computed_tokens
+                self.kv.cache_blocks(request)
+            else:
+                hit = self.kv.get_computed_blocks(request)
+                num_computed = hit.num_tokens
+                external = ExternalHit()
+                # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
+                if self.connector is not None:
+                    external = self.connector.get_num_new_matched_tokens(request, num_computed)
+                # Always leave the last token to compute: it yields the logit to sample.
+                num_external = min(external.num_tokens, request.num_tokens - 1 - num_computed)
+                if external.load_async and num_external > 0:
+                    # CONNECTOR HOOK (b): allocate, then wait for the load off the step path.
+                    total = num_computed + num_external
+                    if not self.kv.allocate_slots(request, total, hit):
+                        break
+                    self._count_prefix(request, num_computed, num_computed + num_external)
+                    request.num_computed_tokens = total
+                    self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+                        request, self.kv.get_block_ids(request.req_id), num_external
+                    )
+                    request.status = RequestStatus.WAITING_FOR_KV
+                    skipped.append(self.waiting.popleft())
+                    continue
+                num_computed += num_external
+            num_new = request.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_computed + num_new, hit):
+                break
+            self.waiting.popleft()
+            if request.status is not RequestStatus.WAITING_FOR_KV:
+                self._count_prefix(request, hit.num_tokens, num_computed)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.get_block_ids(request.req_id), num_external
+                    )
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._slice(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _count_prefix(self, request: Request, num_gpu_hit: int, num_cached: int) -> None:
+        self.stats.prefix_cache_queried_tokens_total += request.num_tokens
+        self.stats.prefix_cache_hit_tokens_total += num_gpu_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance progress after the runner executed ``output``: cache newly full blocks,
+        append sampled tokens, finish requests on token-level stops. Returns the requests that
+        got exactly one new token this step (the last of ``output_token_ids``), finished ones
+        included. Raises RuntimeError if the runner skipped a request that had to sample."""
+        updated: list[Request] = []
+        for sliced in output.requests:
+            request = self.requests.get(sliced.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted since it was scheduled
+            request.num_computed_tokens += len(sliced.token_ids)
+            self.kv.cache_blocks(request)
+            if not sliced.sample:
+                continue
+            try:
+                token_id = runner_output.sampled_token_ids[sliced.req_id]
+            except KeyError:
+                raise RuntimeError(f"runner returned no token for {sliced.req_id!r}") from None
+            request.append_output_token(int(token_id))
+            stop = request.check_token_stop(self.max_model_len)
+            if stop is not None:
+                self.running.remove(request)
+                self._finish(request, stop)
+            updated.append(request)
+        return updated
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,298 @@
+"""Scheduler logic against a deterministic stand-in runner that keeps a fake paged KV cache.
+
+The fake runner stores each position's token id in its slot and, before computing a slice,
+checks that every earlier position's slot holds the right token; its sampled token is a
+function of the whole cached sequence. So wrong block tables, bad prefix hits or broken
+preemption show up as assertion errors or as outputs that differ from a reference run.
+"""
+
+from __future__ import annotations
+
+from cachestore.hashing import Namespace
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ExternalHit, Scheduler
+
+BS = 16
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.kv: dict[int, int] = {}  # slot -> token id
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        sampled: dict[str, int] = {}
+        for sr in out.requests:
+            truth = self.scheduler.requests[sr.req_id].all_token_ids
+            assert len(sr.block_table) * BS >= sr.num_computed_tokens + len(sr.token_ids)
+            for pos in range(sr.num_computed_tokens):
+                slot = sr.block_table[pos // BS] * BS + pos % BS
+                assert self.kv.get(slot) == truth[pos], f"{sr.req_id}: stale KV at {pos}"
+            for i, tok in enumerate(sr.token_ids):
+                pos = sr.num_computed_tokens + i
+                assert tok == truth[pos]
+                self.kv[sr.block_table[pos // BS] * BS + pos % BS] = tok
+            if sr.sample:
+                end = sr.num_computed_tokens + len(sr.token_ids)
+                seq = [self.kv[sr.block_table[p // BS] * BS + p % BS] for p in range(end)]
+                sampled[sr.req_id] = (sum((p + 1) * t for p, t in enumerate(seq)) + 7) % 997 + 3
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def make(
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_seqs: int = 8,
+    chunked: bool = True,
+    connector: object | None = None,
+) -> tuple[Scheduler, FakeRunner]:
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, Namespace(model_fingerprint="fake"))
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
+    )
+    sched = Scheduler(config, kv, max_model_len=1024, connector=connector, debug=True)  # type: ignore[arg-type]
+    return sched, FakeRunner(sched)
+
+
+def req(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Request(req_id, list(prompt), params)
+
+
+def prompt(n: int, base: int = 0) -> list[int]:
+    return [(base + 3 * i) % 500 + 10 for i in range(n)]
+
+
+def run_all(sched: Scheduler, runner: FakeRunner, max_steps: int = 500) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+    outs: dict[str, list[int]] = {}
+    steps: list[SchedulerOutput] = []
+    tracked = dict(sched.requests)
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        assert so.requests, "scheduler stalled"
+        steps.append(so)
+        sched.update_from_output(so, runner.execute_model(so))
+        sched.kv.pool.check_integrity()
+    assert not sched.has_unfinished_requests()
+    for rid, r in tracked.items():
+        outs[rid] = list(r.output_token_ids)
+    return outs, steps
+
+
+def slices(so: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    return [(s.req_id, s.num_computed_tokens, len(s.token_ids), s.sample) for s in so.requests]
+
+
+def test_chunked_prefill_splits_under_the_token_budget() -> None:
+    sched, runner = make(budget=32)
+    sched.add_request(req("a", prompt(100), max_tokens=3))
+    sched.add_request(req("b", prompt(20, base=1), max_tokens=2))
+    _, steps = run_all(sched, runner)
+    assert [slices(s) for s in steps] == [
+        [("a", 0, 32, False)],
+        [("a", 32, 32, False)],
+        [("a", 64, 32, False)],
+        [("a", 96, 4, True), ("b", 0, 20, True)],
+        [("a", 100, 1, True), ("b", 20, 1, True)],
+        [("a", 101, 1, True)],
+    ]
+    assert all(s.num_batched_tokens <= 32 for s in steps)
+    assert [s.num_batched_tokens for s in steps] == [32, 32, 32, 24, 2, 1]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
+    sched, runner = make(budget=40, chunked=False)
+    sched.add_request(req("a", prompt(30), max_tokens=2))
+    sched.add_request(req("b", prompt(30, base=5), max_tokens=1))
+    _, steps = run_all(sched, runner)
+    assert [slices(s) for s in steps] == [
+        [("a", 0, 30, True)],
+        [("a", 30, 1, True), ("b", 0, 30, True)],
+    ]
+
+
+def test_max_num_seqs_is_respected_exactly() -> None:
+    sched, runner = make(budget=1000, max_seqs=2)
+    for i in range(5):
+        sched.add_request(req(f"r{i}", prompt(10, base=i), max_tokens=3 + i))
+    _, steps = run_all(sched, runner)
+    counts = [len(s.requests) for s in steps]
+    assert max(counts) == 2
+    # r0..r4 need 3..7 tokens; a slot frees when one finishes.
+    assert counts == [2] * 10 + [1] * 5
+    assert [r for r, *_ in slices(steps[3])] == ["r1", "r2"]  # r0 done after 3 tokens
+
+
+def test_prefix_hit_skips_exactly_the_cached_full_blocks() -> None:
+    sched, runner = make()
+    base = prompt(50)
+    sched.add_request(req("a", base, max_tokens=2))
+    out_a, _ = run_all(sched, runner)
+    # Shares 40 tokens: blocks 0 and 1 hit (32 tokens); block 2 differs at token 40.
+    b_prompt = base[:40] + prompt(12, base=77)
+    sched.add_request(req("b", b_prompt, max_tokens=2))
+    so = sched.schedule()
+    assert slices(so) == [("b", 32, 20, True)]
+    b = sched.requests["b"]
+    assert b.num_cached_tokens == 32
+    sched.update_from_output(so, runner.execute_model(so))
+    run_all(sched, runner)
+    # Identical 48-token prompt: 3 full blocks cached but the last token must be computed.
+    sched.add_request(req("c", base[:48], max_tokens=1))
+    sched.add_request(req("d", base[:49], max_tokens=1))
+    so = sched.schedule()
+    assert slices(so) == [("c", 32, 16, True), ("d", 48, 1, True)]
+    assert sched.stats.prefix_cache_hit_tokens_total == 32 + 32 + 48
+    assert sched.stats.prefix_cache_queried_tokens_total == 50 + 52 + 48 + 49
+    sched.update_from_output(so, runner.execute_model(so))
+    # Outputs with a hit equal those computed from scratch.
+    ref, ref_runner = make(num_blocks=64)
+    ref.kv.enable_caching = False
+    ref.add_request(req("b", b_prompt, max_tokens=2))
+    ref_out, _ = run_all(ref, ref_runner)
+    assert ref_out["b"] == b.output_token_ids
+    assert out_a["a"] != ref_out["b"]
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    prompts = {f"r{i}": prompt(20 + i, base=11 * i) for i in range(3)}
+    ref, ref_runner = make(num_blocks=64)
+    for rid, p in prompts.items():
+        ref.add_request(req(rid, p, max_tokens=30))
+    expected, _ = run_all(ref, ref_runner)
+    assert ref.stats.num_preemptions_total == 0
+    # 3 requests need 4 blocks each at the end (50-52 tokens); the pool has 7.
+    sched, runner = make(num_blocks=7)
+    for rid, p in prompts.items():
+        sched.add_request(req(rid, p, max_tokens=30))
+    tracked = dict(sched.requests)
+    got, steps = run_all(sched, runner)
+    assert sched.stats.num_preemptions_total > 0
+    assert got == expected
+    assert all(len(v) == 30 for v in got.values())
+    # The most recently admitted request is the one preempted first, and goes back to waiting.
+    assert tracked["r2"].num_preemptions >= 1
+    assert tracked["r0"].num_preemptions == 0
+    # A preempted request is reported to the runner as finished so it drops its state.
+    assert any("r2" in s.finished_req_ids for s in steps)
+    assert sched.kv.pool.num_free_blocks == 7
+
+
+def test_abort_frees_blocks_and_reports_finished_id() -> None:
+    sched, runner = make(num_blocks=10, budget=100)
+    sched.add_request(req("a", prompt(40), max_tokens=10))
+    sched.add_request(req("b", prompt(40, base=3), max_tokens=10))
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute_model(so))
+    assert sched.kv.pool.num_free_blocks == 10 - 3 - 3
+    aborted = sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert aborted is not None and aborted.status.finish_reason == "abort"
+    assert sched.finish_request("a", RequestStatus.FINISHED_ABORTED) is None
+    assert sched.kv.pool.num_free_blocks == 7
+    so = sched.schedule()
+    assert so.finished_req_ids == frozenset({"a"})
+    assert slices(so) == [("b", 40, 1, True)]
+    sched.kv.pool.check_integrity()
+
+
+def test_token_stops_and_length() -> None:
+    sched, runner = make()
+    probe, probe_runner = make()
+    probe.add_request(req("p", prompt(5), max_tokens=3))
+    out, _ = run_all(probe, probe_runner)
+    stop_tok = out["p"][1]
+    params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_tok,))
+    r = Request("s", prompt(5), params)
+    sched.add_request(r)
+    run_all(sched, runner)
+    assert r.output_token_ids == out["p"][:2]
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.stop_reason == stop_tok
+    eos = Request("e", prompt(5), SamplingParams(max_tokens=10, temperature=0.0), eos_token_ids=frozenset({stop_tok}))
+    sched.add_request(eos)
+    run_all(sched, runner)
+    assert eos.output_token_ids == out["p"][:2] and eos.stop_reason is None
+    ignore = Request("i", prompt(5), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), eos_token_ids=frozenset({stop_tok}))
+    sched.add_request(ignore)
+    run_all(sched, runner)
+    assert ignore.output_token_ids == out["p"] and ignore.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_rejects_duplicates_and_overlong_prompts() -> None:
+    sched, _ = make()
+    sched.add_request(req("a", prompt(5)))
+    try:
+        sched.add_request(req("a", prompt(5)))
+    except ValueError as exc:
+        assert "duplicate request id 'a'" in str(exc)
+    else:
+        raise AssertionError("duplicate accepted")
+    try:
+        sched.add_request(req("long", prompt(1024)))
+    except ValueError as exc:
+        assert "max_model_len is 1024" in str(exc)
+    else:
+        raise AssertionError("overlong prompt accepted")
+
+
+class FakeConnector:
+    """Claims lower tiers hold tokens [32, 48) of any request; loads asynchronously by writing
+    the right tokens into the fake KV slots, finishing one schedule() call later."""
+
+    def __init__(self) -> None:
+        self.runner: FakeRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.pending: set[str] = set()
+        self.allocs: list[tuple[str, int]] = []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        if num_computed_tokens == 32 and request.num_tokens > 48:
+            return ExternalHit(num_tokens=16, load_async=True)
+        return ExternalHit()
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.allocs.append((request.req_id, num_external_tokens))
+        if num_external_tokens:
+            assert self.runner is not None
+            for pos in range(32, 48):
+                self.runner.kv[block_ids[pos // BS] * BS + pos % BS] = request.all_token_ids[pos]
+            self.pending.add(request.req_id)
+
+    def get_finished_loading(self) -> set[str]:
+        done, self.pending = self.pending, set()
+        return done
+
+    def build_connector_meta(self, output: SchedulerOutput) -> object:
+        return {"n": len(output.requests)}
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        return None
+
+
+def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
+    conn = FakeConnector()
+    sched, runner = make(connector=conn)
+    conn.runner = runner
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=2))
+    run_all(sched, runner)
+    sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
+    sched.add_request(req("c", prompt(10, base=4), max_tokens=2))
+    so = sched.schedule()
+    assert slices(so) == [("c", 0, 10, True)]  # b is loading; c runs meanwhile
+    assert so.kv_connector_metadata == {"n": 1}
+    assert sched.requests["b"].status is RequestStatus.WAITING_FOR_KV
+    sched.update_from_output(so, runner.execute_model(so))
+    so = sched.schedule()
+    assert slices(so) == [("c", 10, 1, True), ("b", 48, 14, True)]
+    assert sched.requests["b"].num_cached_tokens == 48
+    assert ("b", 16) in conn.allocs
+    sched.update_from_output(so, runner.execute_model(so))
+    run_all(sched, runner)
