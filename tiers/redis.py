@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -129,8 +129,13 @@ class RedisTier(Tier):
             raise TierError(f"redis connect {redact_url(config.url)}: {exc}") from exc
 
     @classmethod
-    def from_config(cls, config: RedisTierConfig) -> RedisTier:
-        """Registry factory (``tiers.redis:RedisTier.from_config``)."""
+    def from_config(cls, config: Any) -> RedisTier:
+        """Registry factory (``tiers.redis:RedisTier.from_config``): accepts this module's config
+        or any config object (``cachestore.tier_config.RedisTierConfig``) with a subset of its
+        fields; absent fields take this module's defaults."""
+        if not isinstance(config, RedisTierConfig):
+            names = [f.name for f in fields(RedisTierConfig)]
+            config = RedisTierConfig(**{n: getattr(config, n) for n in names if hasattr(config, n)})
         return cls(config)
 
     def __repr__(self) -> str:

@@ -1,0 +1,324 @@
+"""S3 tier: encoded blocks grouped into objects, so a long chain costs a few requests, not n.
+
+Object layout under ``prefix`` in ``bucket`` (any S3-compatible endpoint: AWS, MinIO, Ceph, moto):
+
+- ``{prefix}g/{uuid}`` — a *group*: up to ``blocks_per_object`` values of one ``put_many``
+  call, consecutive in chain order, concatenated. Immutable once written (a fresh uuid each time).
+- ``{prefix}k/{key}`` — a *pointer* per block key: a small msgpack map ``{"g": group object,
+  "k": [the group's keys], "o": [offsets], "n": [lengths]}``. Every pointer of a group carries
+  the group's whole manifest, so reading ONE pointer locates every key of its group.
+
+Reads walk the chain: the pointer of the first unresolved key resolves it and the following
+keys that the manifest lists in the same order; then the next unresolved key. Pointers of the
+likely next groups (every ``blocks_per_object`` keys) are fetched in parallel speculatively, so
+``lookup`` of n chain keys written together costs about n / blocks_per_object GETs in one or two
+round trips; ``get_many`` adds one range GET per group touched, all in parallel. Keys written by
+different ``put_many`` calls, or looked up out of chain order, still resolve correctly, at up to
+one pointer GET per key.
+
+Trade-offs, and why:
+- Writes cost 1 + blocks_per_object PUTs per group (pointers are ~1-2 KiB each): the tier sits
+  at the bottom of the hierarchy and is written by background demotion, while reads sit on a
+  request's critical path. Pointers are written after their group, so a crash between the two
+  leaves an unreachable group (garbage for a lifecycle rule), never a dangling pointer.
+- A key reached through a group-mate's manifest is served from that group even if the key was
+  overwritten later in another group. Keys are content hashes of (namespace, token chain), so
+  both values encode the same block; a key read through its own pointer always gets the latest.
+- ``delete_many`` removes the keys' pointers and rewrites the pointers of their group-mates so
+  that no manifest lists a deleted key (exact for the normal write-once case). Group objects are
+  not deleted (other keys may still live in them); expire ``g/`` and ``k/`` with an S3 lifecycle
+  rule of equal age — an expired group turns its keys into misses, never into wrong data.
+- ``usage`` LISTs the prefix (one request per 1000 objects): for dashboards, not a hot path.
+
+Every botocore error (timeouts, connection refused, HTTP errors other than "no such key") and
+``OSError`` becomes ``TierError``. Thread-safe: one boto3 client (thread-safe) from a private
+session, a thread pool for parallel requests; no other shared mutable state.
+``get_many`` returns memoryviews into downloaded buffers, valid forever.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import msgpack
+
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class S3TierConfig:
+    """One bucket/prefix on an S3-compatible endpoint. Keys: explicit, else boto3's chain."""
+
+    bucket: str
+    endpoint_url: str | None = None  # None: AWS S3
+    prefix: str = "kv/"
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    blocks_per_object: int = 16
+    timeout_s: float = 10.0  # read timeout per request
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 2  # botocore "standard" retries, total attempts per request
+    max_pool_connections: int = 32  # also the number of parallel requests
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ValueError("s3 tier needs a bucket")
+        if self.blocks_per_object <= 0 or self.max_pool_connections <= 0:
+            raise ValueError("blocks_per_object and max_pool_connections must be positive")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.max_attempts <= 0:
+            raise ValueError("timeouts and max_attempts must be positive")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+
+    def __repr__(self) -> str:  # never show the secret
+        return (f"S3TierConfig(bucket={self.bucket!r}, endpoint_url={self.endpoint_url!r}, "
+                f"prefix={self.prefix!r}, blocks_per_object={self.blocks_per_object})")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Pointer:
+    group: str
+    keys: tuple[str, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Location:
+    group: str
+    offset: int
+    length: int
+
+
+class S3Tier(Tier):
+    """Tier over an S3 bucket prefix. See the module docstring for the layout and semantics."""
+
+    name = "s3"
+
+    def __init__(self, config: S3TierConfig) -> None:
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.config = config
+        self._client_error = ClientError
+        self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
+        creds: dict[str, Any] = {}
+        if config.access_key_id is not None:
+            creds = {"aws_access_key_id": config.access_key_id,
+                     "aws_secret_access_key": config.secret_access_key}  # fmt: skip
+        boto_config = Config(
+            connect_timeout=config.connect_timeout_s,
+            read_timeout=config.timeout_s,
+            retries={"max_attempts": config.max_attempts, "mode": "standard"},
+            max_pool_connections=config.max_pool_connections,
+        )
+        # A private session: boto3's default session is not thread-safe to create clients from.
+        session = boto3.session.Session(region_name=config.region, **creds)
+        self._s3 = session.client("s3", endpoint_url=config.endpoint_url, config=boto_config)
+        self._pool = ThreadPoolExecutor(config.max_pool_connections, thread_name_prefix="kv-s3")
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> S3Tier:
+        """Registry factory (``tiers.s3:S3Tier.from_config``): accepts this module's config or
+        any config object (``cachestore.tier_config.S3TierConfig``) with a subset of its fields."""
+        if not isinstance(config, S3TierConfig):
+            names = [f.name for f in fields(S3TierConfig)]
+            config = S3TierConfig(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+        return cls(config)
+
+    def __repr__(self) -> str:
+        return f"S3Tier({self.config!r})"
+
+    # -- object names and requests ---------------------------------------------------------
+
+    def _pointer_name(self, key: str) -> str:
+        return f"{self.config.prefix}k/{key}"
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise TierError(f"s3 tier {op} after close")
+        try:
+            return fn()
+        except self._errors as exc:
+            raise TierError(f"s3 {op} on {self.config.bucket}/{self.config.prefix}: {exc}") from exc
+
+    def _get(self, name: str, byte_range: str | None = None) -> bytes | None:
+        """Object body, or None if absent. Raises TierError on any other failure."""
+        kwargs: dict[str, Any] = {"Bucket": self.config.bucket, "Key": name}
+        if byte_range:
+            kwargs["Range"] = byte_range
+        try:
+            return self._call("get", lambda: self._s3.get_object(**kwargs)["Body"].read())
+        except TierError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, self._client_error):
+                code = cause.response.get("Error", {}).get("Code")
+                if code in ("NoSuchKey", "404", "NotFound"):
+                    return None
+            raise
+
+    def _put(self, name: str, body: bytes | memoryview) -> None:
+        self._call("put", lambda: self._s3.put_object(
+            Bucket=self.config.bucket, Key=name, Body=body))  # fmt: skip
+
+    def _parallel(self, fn: Callable[[T], R], args: Iterable[T]) -> list[R]:
+        """``fn`` over ``args`` on the pool, results in order; the first TierError propagates."""
+        futures = [self._pool.submit(fn, a) for a in args]
+        return [f.result() for f in futures]
+
+    def _read_pointer(self, key: str) -> _Pointer | None:
+        raw = self._get(self._pointer_name(key))
+        if raw is None:
+            return None
+        try:
+            m = msgpack.unpackb(raw)
+            return _Pointer(m["g"], tuple(m["k"]), tuple(m["o"]), tuple(m["n"]))
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            return None  # a damaged pointer is a miss, like a damaged block
+
+    @staticmethod
+    def _pack_pointer(p: _Pointer) -> bytes:
+        return msgpack.packb(
+            {"g": p.group, "k": list(p.keys), "o": list(p.offsets), "n": list(p.lengths)})
+
+    # -- resolution ------------------------------------------------------------------------
+
+    def _resolve(self, keys: Sequence[str], stop_at_miss: bool) -> list[_Location | None]:
+        """Locations of ``keys`` (all of them, or the leading run when ``stop_at_miss``).
+
+        Speculatively fetches, in parallel, the pointers of the next unresolved key and of the
+        keys ``blocks_per_object`` apart after it (where the next groups start if the chain was
+        written in one call); a manifest then resolves the keys it lists in the same order.
+        """
+        bpo = self.config.blocks_per_object
+        fanout = max(1, self.config.max_pool_connections // 2)
+        out: list[_Location | None] = [None] * len(keys)
+        i = 0
+        while i < len(keys):
+            probes = list(range(i, len(keys), bpo))[:fanout]
+            pointers = dict(zip(probes, self._parallel(self._read_pointer,
+                                                       [keys[p] for p in probes])))  # fmt: skip
+            while i < len(keys) and i in pointers:
+                ptr = pointers[i]
+                if ptr is None or keys[i] not in ptr.keys:
+                    if stop_at_miss:
+                        return out[:i]
+                    i += 1
+                    continue
+                j = ptr.keys.index(keys[i])
+                while i < len(keys) and j < len(ptr.keys) and ptr.keys[j] == keys[i]:
+                    out[i] = _Location(ptr.group, ptr.offsets[j], ptr.lengths[j])
+                    i, j = i + 1, j + 1
+        return out
+
+    # -- Tier API --------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Leading keys present (pointer GETs only; about len/blocks_per_object of them)."""
+        return len(self._resolve(keys, stop_at_miss=True))
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        """Resolve, then one range GET per group touched (parallel). Missing group -> None."""
+        locs = self._resolve(keys, stop_at_miss=False)
+        spans: dict[str, tuple[int, int]] = {}
+        for loc in locs:
+            if loc is not None:
+                lo, hi = spans.get(loc.group, (loc.offset, loc.offset + loc.length))
+                spans[loc.group] = (min(lo, loc.offset), max(hi, loc.offset + loc.length))
+        groups = list(spans)
+        bodies = self._parallel(
+            lambda g: self._get(g, f"bytes={spans[g][0]}-{spans[g][1] - 1}"), groups)
+        by_group = dict(zip(groups, bodies))
+        out: list[Value | None] = []
+        for loc in locs:
+            body = None if loc is None else by_group[loc.group]
+            if loc is None or body is None:
+                out.append(None)
+                continue
+            start = loc.offset - spans[loc.group][0]
+            view = memoryview(body)[start : start + loc.length]
+            out.append(view if view.nbytes == loc.length else None)  # short read: a miss
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        """Write groups of ``blocks_per_object`` consecutive items, then their pointers.
+
+        A key given twice keeps its last value. Never evicts (capacity is the bucket's).
+        """
+        last = {key: idx for idx, (key, _) in enumerate(items)}
+        unique = [item for idx, item in enumerate(items) if last[item[0]] == idx]
+        bpo = self.config.blocks_per_object
+        chunks = [unique[s : s + bpo] for s in range(0, len(unique), bpo)]
+        self._parallel(self._put_group, chunks)
+        return []
+
+    def _put_group(self, chunk: Sequence[tuple[str, Value]]) -> None:
+        offsets, lengths, pos = [], [], 0
+        for _, value in chunk:
+            n = value.nbytes if isinstance(value, memoryview) else len(value)
+            offsets.append(pos)
+            lengths.append(n)
+            pos += n
+        group = f"{self.config.prefix}g/{uuid.uuid4().hex}"
+        self._put(group, b"".join(v for _, v in chunk))
+        ptr = _Pointer(group, tuple(k for k, _ in chunk), tuple(offsets), tuple(lengths))
+        body = self._pack_pointer(ptr)
+        # Pointers go out sequentially here: this runs on a pool thread already, and waiting on
+        # the same pool from inside it could deadlock once every worker is a group writer.
+        for key, _ in chunk:
+            self._put(self._pointer_name(key), body)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete pointers; rewrite group-mates' pointers so no manifest lists a deleted key."""
+        wanted = list(dict.fromkeys(keys))
+        pointers = self._parallel(self._read_pointer, wanted)
+        present = {k: p for k, p in zip(wanted, pointers) if p is not None and k in p.keys}
+        if not present:
+            return 0
+        names = [{"Key": self._pointer_name(k)} for k in present]
+        for s in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
+            self._call("delete", lambda b=names[s : s + 1000]: self._s3.delete_objects(
+                Bucket=self.config.bucket, Delete={"Objects": b, "Quiet": True}))  # fmt: skip
+        mates = {m for p in present.values() for m in p.keys if m not in present}
+        for mate, ptr in zip(mates, self._parallel(self._read_pointer, list(mates))):
+            if ptr is None or not set(ptr.keys) & present.keys():
+                continue
+            keep = [j for j, k in enumerate(ptr.keys) if k not in present]
+            trimmed = _Pointer(ptr.group, tuple(ptr.keys[j] for j in keep),
+                               tuple(ptr.offsets[j] for j in keep),
+                               tuple(ptr.lengths[j] for j in keep))  # fmt: skip
+            self._put(self._pointer_name(mate), self._pack_pointer(trimmed))
+        return len(present)
+
+    def usage(self) -> TierUsage:
+        """Bytes in group objects (including superseded values) and the number of pointers."""
+        used, entries = 0, 0
+        pages = self._call("usage", lambda: list(self._s3.get_paginator("list_objects_v2")
+                                                 .paginate(Bucket=self.config.bucket,
+                                                           Prefix=self.config.prefix)))  # fmt: skip
+        for page in pages:
+            for obj in page.get("Contents", []):
+                rest = obj["Key"][len(self.config.prefix) :]
+                if rest.startswith("g/"):
+                    used += int(obj["Size"])
+                elif rest.startswith("k/"):
+                    entries += 1
+        return TierUsage(used_bytes=used, capacity_bytes=None, num_entries=entries)
+
+    def close(self) -> None:
+        """Stop the request pool and close the client's connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._s3.close()
