@@ -1,0 +1,79 @@
+"""``kvtier serve`` flag mapping, the dispatcher wiring, and ``kvtier demo`` end to end."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from engine.cli import build_parser
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.server.cli import engine_config_from_args
+
+
+def _serve_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+def test_serve_defaults_map_to_default_engine_config() -> None:
+    args = _serve_args([])
+    assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_serve_flags_map_one_to_one() -> None:
+    args = _serve_args(
+        [
+            "--model", "/models/m", "--dtype", "bfloat16", "--device", "cuda:1",
+            "--num-gpu-blocks", "128", "--max-num-batched-tokens", "512",
+            "--max-num-seqs", "8", "--max-model-len", "1024", "--seed", "7",
+            "--no-prefix-caching", "--kv-offload", "--kv-offload-config", "tiers.yaml",
+            "--request-log", "req.jsonl", "--host", "0.0.0.0", "--port", "9001",
+            "--served-model-name", "m1",
+        ]
+    )  # fmt: skip
+    assert engine_config_from_args(args) == EngineConfig(
+        model="/models/m",
+        dtype="bfloat16",
+        device="cuda:1",
+        seed=7,
+        cache=CacheConfig(num_gpu_blocks=128, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=1024),
+        kv_offload=True,
+        kv_offload_config="tiers.yaml",
+        request_log="req.jsonl",
+    )
+    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, "m1")
+
+
+def test_serve_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        engine_config_from_args(_serve_args(["--num-gpu-blocks", "0"]))
+    with pytest.raises(SystemExit):
+        _serve_args(["--dtype", "int3"])
+
+
+def test_demo_runs_and_later_turns_hit_the_prefix_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import demo
+
+    args = build_parser(["demo"]).parse_args(
+        ["demo", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
+    )
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "users=2 turns=3" in out
+    assert re.search(r"^requests\s+6$", out, re.M), out
+    first_rate, later_rate = map(float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups())
+    assert later_rate > 0.0, out
+    # Later turns replay whole histories; they must reuse more than first turns do.
+    assert later_rate > first_rate, out
+    ttft = re.search(r"^TTFT p50 ms\s+(\S+)\s+(\S+)$", out, re.M)
+    assert ttft is not None and all(float(v) > 0 for v in ttft.groups()), out
+
+
+def test_percentile_nearest_rank() -> None:
+    from engine.demo import percentile
+
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [percentile(values, q) for q in (0, 20, 50, 90, 100)] == [1.0, 1.0, 3.0, 5.0, 5.0]
