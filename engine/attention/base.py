@@ -1,0 +1,100 @@
+"""The attention backend interface and the per-step metadata the runner builds for it.
+
+Per step: the runner builds one ``AttentionMetadata`` for the whole flat batch, calls
+``backend.plan(metadata)`` once, then the model calls ``backend.forward(layer_idx, q, k, v,
+kv_layer)`` for every layer. ``forward`` writes the new tokens' k/v into the paged cache at
+``slot_mapping`` and attends each query over its request's context plus the new tokens,
+causal within the chunk. A FlashInfer backend fits the same shape: ``plan`` derives its
+``indptr``/``indices``/``last_page_len`` from ``block_tables`` and ``seq_lens`` and runs the
+wrapper's plan; ``forward`` runs the planned wrapper on the layer's view.
+
+Layout of ``kv_layer`` (a strided view of the block-major cache, see engine/kv_cache.py):
+``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, index 0 = key, 1 = value.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """One step's batch geometry; tensors live on the model's device.
+
+    Requests are laid out back to back in the flat token batch: request ``i`` owns rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and, after this step, has ``seq_lens[i]`` tokens of
+    KV (context ``seq_lens[i] - query_len`` already cached plus its new tokens).
+    ``block_tables[i, :ceil(seq_lens[i] / block_size)]`` are its blocks; the rest of the row
+    is padding (0). ``slot_mapping[t] = block * block_size + offset`` for every new token.
+    The ``*_cpu`` lists mirror the tensors on the host so backends can loop or plan without a
+    device sync.
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the block-major KV cache. One instance per model runner.
+
+    Not thread-safe: ``plan`` stores per-step state used by the following ``forward`` calls.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare for one step's batch; called once per step before any ``forward``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq * D]``.
+
+        Mutates ``kv_layer``: stores k/v at the planned ``slot_mapping``."""
+
+
+def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new tokens' k/v ``[T, Hkv, D]`` into a layer view at flat slots (in place)."""
+    block_size = kv_layer.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    # Advanced indexing on the strided view writes through to the block-major tensor.
+    kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)

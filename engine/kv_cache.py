@@ -1,0 +1,88 @@
+"""The paged KV cache: ONE block-major tensor ``[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]`` (DESIGN.md "Physics").
+
+One block's KV for every layer is one contiguous run of ``bytes_per_block`` bytes, so the
+offload connector moves a whole block with one copy (``gather_blocks``/``scatter_blocks``),
+while attention reads the per-layer strided view ``layer_view(i)`` =
+``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The shape of one block; enough to size the cache before allocating it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KVCache:
+    """Owns the cache tensor. Not thread-safe; block ids are validated by the caller
+    (the runner checks block tables against ``num_blocks``)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # Zeroed so padding rows read by a kernel are finite; the cost is a one-time memset.
+        self.tensor = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def layer_view(self, layer_idx: int) -> torch.Tensor:
+        """Strided view ``[num_blocks, 2, block_size, kv_heads, head_dim]`` of one layer
+        (no copy; writes go to the cache)."""
+        return self.tensor[:, layer_idx]
+
+    def gather_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Copy whole blocks out: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``, a new
+        contiguous tensor on the cache's device (one ``index_select``)."""
+        ids = self._ids(block_ids)
+        return self.tensor.index_select(0, ids)
+
+    def scatter_blocks(self, block_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
+        """Overwrite whole blocks in place from ``data`` shaped like ``gather_blocks``' result
+        (any device; copied to the cache's device and dtype). Raises ValueError on a bad shape."""
+        ids = self._ids(block_ids)
+        expected = (ids.numel(), *self.spec.block_shape)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"scatter_blocks: data shape {tuple(data.shape)} != {expected}")
+        self.tensor.index_copy_(0, ids, data.to(device=self.tensor.device, dtype=self.tensor.dtype))
+
+    def _ids(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(block_ids, dtype=torch.long).to(self.tensor.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        return ids

@@ -1,0 +1,34 @@
+"""Model registry: HF ``architectures[0]`` name -> plain-torch implementation.
+
+Modules are imported only when their architecture is requested.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.models.base import CausalLM, ModelArchConfig
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("engine.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("engine.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("engine.models.qwen", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class for an HF architecture name. Raises ValueError if unsupported."""
+    if architecture not in _REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    module, cls = _REGISTRY[architecture]
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["CausalLM", "ModelArchConfig", "get_model_class", "supported_architectures"]

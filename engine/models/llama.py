@@ -1,0 +1,149 @@
+"""The Llama-family decoder in plain torch: Llama 2/3, Mistral (no sliding window), and, by
+config flags, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+Projections are fused (qkv, gate+up) for fewer, larger matmuls; ``load_weights`` maps the
+HF checkpoint names (``q_proj``, ``k_proj``, ...) onto the fused shards. Attention itself is
+delegated to the step's ``AttentionBackend``, which owns the paged KV cache access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+from torch import nn
+
+from engine.models.base import ModelArchConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
+    from engine.kv_cache import KVCache
+
+# HF name fragment -> (our fused parameter fragment, shard index)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary  # shared by all layers; not a submodule weight
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(self.layer_idx, q, k, v, kv_cache.layer_view(self.layer_idx))
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_idx, rotary)
+        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``model.*`` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements ``engine.models.base.CausalLM``. Holds no per-request state."""
+
+    def __init__(self, arch: ModelArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        n_pos = max(max_positions or 0, arch.max_position_embeddings)
+        # Built outside the module tree so a meta-device build still gets a real table.
+        self._rotary = RotaryEmbedding(arch.head_dim, n_pos, arch.rope)
+        self.model = DecoderStack(arch, self._rotary)
+        if arch.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, attn, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.matmul(hidden, weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in (casting dtype/device). Raises ValueError on an unknown
+        name or a shape mismatch; ignores rotary buffers and a tied ``lm_head``."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.lm_head is None and name.startswith("lm_head.")):
+                continue
+            shard = None
+            for hf_part, (ours, idx) in _FUSED.items():
+                if hf_part in name:
+                    name, shard = name.replace(hf_part, ours), idx
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            param = params[name]
+            target = param.data
+            if shard is not None:
+                sizes = self._shard_sizes(name)
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _shard_sizes(self, fused_name: str) -> list[int]:
+        if ".qkv_proj." in fused_name:
+            return self.model.layers[0].self_attn.shard_sizes()
+        return [self.arch.intermediate_size, self.arch.intermediate_size]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same weights and math as Llama; sliding windows are rejected by ModelArchConfig."""
