@@ -1,0 +1,276 @@
+"""Reload-versus-recompute pricing (DESIGN.md, "Cost model"): pure functions, no state.
+
+``T_reload = sum(hop latencies) + bytes / min(hop bandwidths)``: the hops of one transfer
+(e.g. Redis -> host, host -> GPU) are pipelined, so the slowest link sets the rate while every
+hop's latency is paid once. ``T_recompute(n | c) = a + b*n + c2*n*(c + n/2)``: a fixed launch
+cost, a per-token (linear layers) cost and an attention cost of ``n`` new tokens over ``c``
+cached ones plus half of their own causal triangle.
+
+``choose_split`` prices every way to serve a prompt whose leading blocks are cached somewhere
+below the GPU: load ``[0, k)`` and recompute the rest, for every ``k``, or compute the head
+``[0, m)`` while the tail ``[m, K)`` loads concurrently (Cake, arXiv 2410.03065: computing block
+``j`` needs every block before it, loading needs nothing).
+
+Torch-free, no I/O; every function is pure and thread-safe. Calibration and online (EWMA)
+updates build new frozen values on top of these types; nothing here mutates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+STRATEGY_RECOMPUTE = "recompute"  # compute everything past the GPU hit
+STRATEGY_LOAD_PREFIX = "load_prefix"  # load [0, k) then compute [k, end)
+STRATEGY_OVERLAP = "overlap"  # compute [0, m) while [m, K) loads, then compute [K, end)
+
+
+@dataclass(frozen=True, slots=True)
+class TierCost:
+    """One hop of a transfer: a fixed latency per transfer and a sustained bandwidth."""
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"tier {self.name!r}: latency_s must be >= 0, got {self.latency_s}")
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(
+                f"tier {self.name!r}: bandwidth must be > 0, got {self.bandwidth_bytes_per_s}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One measured prefill: ``num_tokens`` new tokens over ``context_tokens`` took ``seconds``."""
+
+    num_tokens: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """``t(n, c) = fixed_s + per_token_s * n + attention_s * n * (c + n / 2)`` for ``n > 0``."""
+
+    fixed_s: float
+    per_token_s: float
+    attention_s: float
+
+    def time(self, num_tokens: int, context_tokens: int = 0) -> float:
+        """Seconds to prefill ``num_tokens`` after ``context_tokens``; 0 when nothing is new."""
+        if num_tokens < 0 or context_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got n={num_tokens}, c={context_tokens}")
+        if num_tokens == 0:
+            return 0.0
+        n = float(num_tokens)
+        return self.fixed_s + self.per_token_s * n + self.attention_s * n * (context_tokens + n / 2)
+
+    @classmethod
+    def fit(cls, samples: Sequence[PrefillSample]) -> PrefillCost:
+        """Least-squares fit of the three coefficients; needs >= 3 independent samples.
+
+        Raises ValueError when the samples do not determine the coefficients.
+        """
+        rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
+                for s in samples]
+        # Normal equations A^T A x = A^T y, solved by Gaussian elimination with pivoting: three
+        # unknowns do not justify numpy, and cachestore stays dependency-light.
+        ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
+        aty = [sum(r[i] * s.seconds for r, s in zip(rows, samples)) for i in range(3)]
+        m = [ata[i] + [aty[i]] for i in range(3)]
+        for col in range(3):
+            piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+            if abs(m[piv][col]) < 1e-300 or len(samples) < 3:
+                raise ValueError("prefill samples do not determine a, b and c2 (need 3 distinct)")
+            m[col], m[piv] = m[piv], m[col]
+            for r in range(3):
+                if r != col:
+                    f = m[r][col] / m[col][col]
+                    m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+        a, b, c2 = (m[i][3] / m[i][i] for i in range(3))
+        return cls(fixed_s=a, per_token_s=b, attention_s=c2)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """KV bytes one token occupies across all layers (K and V)."""
+
+    name: str
+    kv_bytes_per_token: int
+
+    def block_bytes(self, block_tokens: int) -> int:
+        return self.kv_bytes_per_token * block_tokens
+
+
+# 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 B; Qwen2.5-7B: 28 x 4 x 128 x 2 x 2;
+# Llama-3-70B: 80 x 8 x 128 x 2 x 2.
+MODEL_PROFILES: dict[str, ModelProfile] = {
+    p.name: p
+    for p in (
+        ModelProfile("llama-3-8b", 131072),
+        ModelProfile("qwen2.5-7b", 57344),
+        ModelProfile("llama-3-70b", 327680),
+    )
+}
+
+# DESIGN.md "Physics": HF prefill of the Llama-3-8B shape on one H200 (bf16, no cache).
+LLAMA3_8B_H200_SAMPLES = (
+    PrefillSample(1024, 0, 0.031),
+    PrefillSample(4096, 0, 0.120),
+    PrefillSample(16384, 0, 0.577),
+)
+LLAMA3_8B_H200_PREFILL = PrefillCost.fit(LLAMA3_8B_H200_SAMPLES)
+
+# Priors per tier kind until calibration replaces them. host: the measured pinned copy
+# (DESIGN.md); the others are typical figures for a local NVMe behind LMDB, Redis over 25 GbE and
+# an S3-compatible store, and are meant to be overridden (`--tier-cost`).
+DEFAULT_TIER_COSTS: dict[str, TierCost] = {
+    t.name: t
+    for t in (
+        TierCost("host", 10e-6, 55.4e9),
+        TierCost("lmdb", 100e-6, 3.0e9),
+        TierCost("redis", 500e-6, 2.5e9),
+        TierCost("s3", 20e-3, 1.0e9),
+    )
+}
+
+
+def get_model_profile(name: str) -> ModelProfile:
+    try:
+        return MODEL_PROFILES[name]
+    except KeyError:
+        known = sorted(MODEL_PROFILES)
+        raise ValueError(f"unknown model profile {name!r}; choose one of {known}") from None
+
+
+def hops_to_gpu(tier_name: str, costs: dict[str, TierCost]) -> tuple[TierCost, ...]:
+    """The hops a block read from ``tier_name`` takes to reach the GPU.
+
+    ``gpu`` needs none, ``host`` one; every other tier stages through pinned host memory.
+    Raises ValueError for a tier without a cost entry.
+    """
+    if tier_name == "gpu":
+        return ()
+    if tier_name not in costs:
+        raise ValueError(f"no cost for tier {tier_name!r}; known: {sorted(costs)} (--tier-cost)")
+    if tier_name == "host" or "host" not in costs:
+        return (costs[tier_name],)
+    return (costs[tier_name], costs["host"])
+
+
+def reload_time(num_blocks: int, block_bytes: int, hops: Sequence[TierCost]) -> float:
+    """Seconds to bring ``num_blocks`` blocks over pipelined ``hops``; 0 for no blocks or hops."""
+    if num_blocks < 0 or block_bytes < 0:
+        raise ValueError(f"num_blocks and block_bytes must be >= 0, got {num_blocks}, {block_bytes}")
+    if num_blocks == 0 or not hops:
+        return 0.0
+    latency = sum(h.latency_s for h in hops)
+    return latency + num_blocks * block_bytes / min(h.bandwidth_bytes_per_s for h in hops)
+
+
+def recompute_time(num_tokens: int, context_tokens: int, prefill: PrefillCost) -> float:
+    """Seconds to prefill ``num_tokens`` new tokens after ``context_tokens`` cached ones."""
+    return prefill.time(num_tokens, context_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to serve a prompt: compute ``[0, load_begin)`` (overlapped with the load),
+    load blocks ``[load_begin, load_end)``, compute everything from ``load_end`` on."""
+
+    strategy: str
+    load_begin: int
+    load_end: int
+    predicted_s: float
+
+    @property
+    def num_load_blocks(self) -> int:
+        return self.load_end - self.load_begin
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The cheapest option and the best of each other family (recompute, load all, ...)."""
+
+    best: Option
+    alternatives: tuple[Option, ...]
+
+    @property
+    def predicted_s(self) -> float:
+        return self.best.predicted_s
+
+
+def _run_load_times(hops_per_block: Sequence[Sequence[TierCost]], block_bytes: int,
+                    reverse: bool) -> list[float]:
+    """``out[i]``: time to load the first (or, reversed, the last) ``i`` blocks.
+
+    Runs of blocks from the same source are one transfer each; different sources are priced
+    one after another (conservative: they may share the host->GPU link). O(K).
+    """
+    order = list(reversed(hops_per_block)) if reverse else list(hops_per_block)
+    out = [0.0]
+    closed, run_start = 0.0, 0
+    for i, hops in enumerate(order):
+        if i > 0 and hops != order[i - 1]:
+            closed += reload_time(i - run_start, block_bytes, order[i - 1])
+            run_start = i
+        out.append(closed + reload_time(i + 1 - run_start, block_bytes, hops))
+    return out
+
+
+def choose_split(
+    hops_per_block: Sequence[Sequence[TierCost]],
+    block_tokens: int,
+    block_bytes: int,
+    prompt_tokens: int,
+    prefill: PrefillCost,
+    computed_tokens: int = 0,
+) -> Decision:
+    """Price every load/compute split of a prompt and return the cheapest.
+
+    ``hops_per_block[i]`` are the hops from the source tier of the ``i``-th leading cached block
+    (counted after the ``computed_tokens`` already on the GPU) to the GPU. Options: load
+    ``[0, k)`` then compute the rest, for every ``k`` in ``0..K``; and, for ``0 < m < K``,
+    compute ``[0, m)`` while ``[m, K)`` loads, then compute the rest. Ties go to the option
+    that moves fewer blocks. Pure; O(K). Raises ValueError on inconsistent sizes.
+    """
+    num_cached = len(hops_per_block)
+    if block_tokens <= 0 or computed_tokens < 0:
+        raise ValueError(f"bad block_tokens={block_tokens} or computed_tokens={computed_tokens}")
+    if computed_tokens + num_cached * block_tokens > prompt_tokens:
+        raise ValueError(
+            f"{num_cached} cached blocks of {block_tokens} after {computed_tokens} tokens exceed "
+            f"the prompt ({prompt_tokens} tokens)"
+        )
+    c0 = computed_tokens
+
+    def rest(k: int) -> float:
+        done = c0 + k * block_tokens
+        return prefill.time(prompt_tokens - done, done)
+
+    head_load = _run_load_times(hops_per_block, block_bytes, reverse=False)
+    tail_load = _run_load_times(hops_per_block, block_bytes, reverse=True)
+    prefix = [
+        Option(STRATEGY_RECOMPUTE if k == 0 else STRATEGY_LOAD_PREFIX, 0, k,
+               head_load[k] + rest(k))
+        for k in range(num_cached + 1)
+    ]
+    tail_rest = rest(num_cached)
+    overlap = [
+        Option(STRATEGY_OVERLAP, m, num_cached,
+               max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest)
+        for m in range(1, num_cached)
+    ]
+
+    def rank(o: Option) -> tuple[float, int]:
+        return (o.predicted_s, o.num_load_blocks)
+
+    best = min(prefix + overlap, key=rank)
+    families = [prefix[0], prefix[-1], min(prefix, key=rank)]
+    if overlap:
+        families.append(min(overlap, key=rank))
+    alternatives = tuple(dict.fromkeys(o for o in families if o != best))
+    return Decision(best=best, alternatives=alternatives)
