@@ -1,0 +1,154 @@
+"""Tokenizer loading, chat templates, incremental detokenization and stop strings.
+
+``load_tokenizer`` reads a local directory only (no hub access, ever). ``IncrementalDetokenizer``
+turns a growing list of output token ids into text deltas for streaming: it never emits a
+partial UTF-8 character, never re-emits text, and holds back any tail that could be the start
+of a stop string until it is known not to be one. Not thread-safe (one per request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Tokens of the prompt decoded along with the output, so that decoders which depend on the
+# left context (SentencePiece's leading space, byte-level merges) produce the same text.
+_PREFIX_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenizerBase
+    """AutoTokenizer from a local directory. Raises ValueError if it has no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load a tokenizer from {model_dir!r}: {exc}") from exc
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS); ids pass
+    through as ints."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    return [int(t) for t in prompt]
+
+
+def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``conversation`` rendered by the chat template with the assistant
+    generation prompt. The template writes BOS itself, so no special tokens are added again.
+    Raises ValueError when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(
+        list(conversation), add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def eos_token_ids(tokenizer: Any) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset({int(eos)})
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizerUpdate:
+    """Text added by one ``update`` call; ``stop_string`` is set when a stop string ended it
+    (the text then stops right before it)."""
+
+    new_text: str
+    stop_string: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Per-request streaming detokenizer with stop-string handling.
+
+    ``text`` is everything emitted so far. Stop strings are searched only in text not yet
+    emitted and only once ``min_tokens`` outputs exist; the held-back tail is released by
+    ``flush`` when the request ends for another reason.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._num_outputs = 0
+        self._min_tokens = min_tokens
+        self._stop = tuple(stop)
+        self._decoded = ""  # all complete output text, held-back tail included
+        self.text = ""  # emitted so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+    def _decode_new(self) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def update(self, new_token_ids: Sequence[int], *, decode: bool = True) -> DetokenizerUpdate:
+        """Add output tokens and return the text that became final. ``decode=False`` appends
+        ids without turning them into text (a stop token or EOS is not part of the text)."""
+        self._num_outputs += len(new_token_ids)
+        if not decode:
+            return DetokenizerUpdate("")
+        self._ids.extend(new_token_ids)
+        self._decoded += self._decode_new()
+        return self._emit()
+
+    def _emit(self) -> DetokenizerUpdate:
+        emitted = len(self.text)
+        if self._stop and self._num_outputs >= self._min_tokens:
+            found = [(self._decoded.find(s, emitted), s) for s in self._stop]
+            hits = [(i, s) for i, s in found if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                new_text = self._decoded[emitted:index]
+                self.text += new_text
+                return DetokenizerUpdate(new_text, stop)
+            end = len(self._decoded) - self._held_back_len(emitted)
+        else:
+            end = len(self._decoded)
+        new_text = self._decoded[emitted:end] if end > emitted else ""
+        self.text += new_text
+        return DetokenizerUpdate(new_text)
+
+    def _held_back_len(self, emitted: int) -> int:
+        """Length of the longest unemitted tail that is a proper prefix of a stop string."""
+        tail = self._decoded[emitted:]
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(tail)), best, -1):
+                if tail.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        """The request ended without a stop string: release held-back text and any trailing
+        bytes that never completed a character. Returns the text newly emitted."""
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(full_text) > len(prefix_text):
+            self._decoded += full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+        new_text = self._decoded[len(self.text) :]
+        self.text += new_text
+        return new_text

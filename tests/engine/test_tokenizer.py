@@ -1,0 +1,131 @@
+"""Tokenizer loading, chat template, incremental detokenization and stop strings (demo BPE)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.demo_model import save_demo_tokenizer
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    encode_chat,
+    encode_prompt,
+    eos_token_ids,
+    load_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = tmp_path_factory.mktemp("tok")
+    save_demo_tokenizer(str(out))
+    return load_tokenizer(str(out))
+
+
+def stream(tok: Any, text: str, stop: tuple[str, ...] = (), prompt: str = "Q:") -> tuple[list[str], IncrementalDetokenizer, str | None]:
+    """Feed ``text``'s tokens one at a time; returns the deltas and the stop string hit."""
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop=stop)
+    deltas: list[str] = []
+    for t in ids:
+        upd = detok.update([t])
+        deltas.append(upd.new_text)
+        if upd.stop_string is not None:
+            return deltas, detok, upd.stop_string
+    deltas.append(detok.flush())
+    return deltas, detok, None
+
+
+def test_load_encode_and_eos(tok: Any, tmp_path: Path) -> None:
+    ids = encode_prompt(tok, "hello world")
+    assert ids[0] == 1  # BOS from the post-processor
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+    assert encode_prompt(tok, [5, 6]) == [5, 6]
+    assert eos_token_ids(tok) == frozenset({2})
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_chat_template(tok: Any) -> None:
+    ids = encode_chat(tok, [{"role": "user", "content": "hi there"}])
+    assert ids[0] == 1 and ids.count(1) == 1  # BOS once, from the template
+    text = tok.decode(ids)
+    assert text == "<s><|user|>\nhi there<|end|>\n<|assistant|>\n"
+
+
+def test_multibyte_text_streams_without_broken_characters(tok: Any) -> None:
+    text = "héllo → 世界 🙂 naïve café"
+    deltas, detok, stop = stream(tok, text)
+    assert stop is None
+    assert "".join(deltas) == text == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+    # Byte-level tokens split the multi-byte characters, so some steps must emit nothing.
+    assert deltas.count("") > 0
+
+
+def test_random_tokens_concatenate_to_the_full_decode(tok: Any) -> None:
+    rng = random.Random(7)
+    for _ in range(5):
+        out_ids = [rng.randrange(3, len(tok)) for _ in range(40)]
+        detok = IncrementalDetokenizer(tok, [1, 50, 60])
+        deltas = [detok.update([t]).new_text for t in out_ids]
+        deltas.append(detok.flush())
+        assert "".join(deltas) == tok.decode(out_ids, skip_special_tokens=True)
+        # Before the flush no delta ends in the middle of a character.
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1])
+
+
+def test_stop_string_excluded_and_held_back(tok: Any) -> None:
+    deltas, detok, stop = stream(tok, "hello world, stop here please", stop=("stop",))
+    assert stop == "stop"
+    assert detok.text == "hello world, " == "".join(deltas)
+    # "s", "st", "sto" are held back until the stop string is complete.
+    assert all("s" not in d for d in deltas)
+
+
+def test_false_start_of_stop_string_is_released(tok: Any) -> None:
+    deltas, detok, stop = stream(tok, "a sto b stop c", stop=("stop",))
+    assert stop == "stop"
+    assert detok.text == "a sto b "
+    deltas, detok, stop = stream(tok, "ends with st", stop=("stop",))
+    assert stop is None
+    assert "".join(deltas) == detok.text == "ends with st"
+    assert deltas[-1].endswith("st")  # only the flush released the tail
+
+
+def test_earliest_of_several_stop_strings_wins(tok: Any) -> None:
+    _, detok, stop = stream(tok, "one two three four", stop=("four", "two", "hree"))
+    assert stop == "two"
+    assert detok.text == "one "
+
+
+def _run_min_tokens(tok: Any, min_tokens: int) -> tuple[str | None, str]:
+    ids = tok.encode("x stop y stop z", add_special_tokens=False)
+    assert len(ids) == 11  # x, " st", o, p, " ", y, " st", o, p, " ", z
+    detok = IncrementalDetokenizer(tok, [1], stop=("stop",), min_tokens=min_tokens)
+    for t in ids:
+        stop = detok.update([t]).stop_string
+        if stop:
+            return stop, detok.text
+    detok.flush()
+    return None, detok.text
+
+
+def test_min_tokens_defers_stop_strings(tok: Any) -> None:
+    # Stop strings count only once min_tokens outputs exist, and only in text not yet emitted.
+    assert _run_min_tokens(tok, 0) == ("stop", "x ")
+    assert _run_min_tokens(tok, 5) == ("stop", "x stop y ")
+    assert _run_min_tokens(tok, 9) == (None, "x stop y stop z")
+
+
+def test_stop_token_is_not_detokenized(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, [1])
+    ids = tok.encode("abc", add_special_tokens=False)
+    detok.update(ids)
+    last = tok.encode("def", add_special_tokens=False)
+    assert detok.update(last, decode=False).new_text == ""
+    assert detok.flush() == ""
+    assert detok.text == "abc"
