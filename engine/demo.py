@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_chat
 
 SYSTEM_PROMPT = (
     "You are the kvtier demo assistant. You answer questions about caching, storage tiers "
@@ -66,15 +67,6 @@ def user_message(user: int, turn: int) -> str:
     return _QUESTIONS[turn % len(_QUESTIONS)].format(topic)
 
 
-def encode_conversation(tokenizer: object, messages: list[dict[str, str]]) -> list[int]:
-    """Chat-template token ids ending with the assistant generation prompt."""
-    text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    # The template writes BOS itself; adding special tokens would double it.
-    return list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
-
-
 def run_workload(engine: object, users: int, turns: int, max_tokens: int) -> list[TurnRecord]:
     """Runs ``turns`` rounds; in each, every user's next turn is submitted at once and the
     engine stepped until all finish. Mutates the engine's cache (that is the point)."""
@@ -86,7 +78,7 @@ def run_workload(engine: object, users: int, turns: int, max_tokens: int) -> lis
         for user, history in enumerate(histories):
             history.append({"role": "user", "content": user_message(user, turn)})
             req_id = f"u{user}-t{turn}"
-            token_ids = encode_conversation(engine.tokenizer, history)  # type: ignore[attr-defined]
+            token_ids = encode_chat(engine.tokenizer, history)  # type: ignore[attr-defined]
             prompt_lens[req_id] = len(token_ids)
             engine.add_request(req_id, token_ids, params, arrival_time=time.monotonic())  # type: ignore[attr-defined]
         finals = {}

@@ -191,9 +191,10 @@ class AsyncEngine:
                     self._commands.clear()
                 for command in commands:
                     self._apply(command)
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # Snapshot before dispatch: a client that sees its output sees stats with it.
                 self._stats = dict(self.engine.stats())
+                self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine for all
             logger.exception("engine thread failed")
             self._dead = exc

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.async_engine import EngineDeadError
+from engine.tokenizer import encode_chat, encode_prompt
 from engine.server.errors import error_body
 from engine.server.protocol import (
     AssistantMessage,
@@ -43,24 +44,11 @@ logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def encode_prompt(tokenizer: object, prompt: str | list[int]) -> list[int]:
-    """Token ids for a completion prompt; ids pass through unchanged."""
-    if isinstance(prompt, list):
-        return [int(t) for t in prompt]
-    return list(tokenizer.encode(prompt))  # type: ignore[attr-defined]
-
-
-def encode_chat(tokenizer: object, conversation: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``conversation`` rendered by the model's chat template, ending with the
-    assistant generation prompt. Raises ProtocolError when there is no usable template."""
+def _encode_chat(tokenizer: object, conversation: list[dict[str, str]]) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-            conversation, add_generation_prompt=True, tokenize=False
-        )
-    except ValueError as exc:  # transformers: no chat template set
+        return encode_chat(tokenizer, conversation)
+    except ValueError as exc:  # no chat template, or the template rejected the messages
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
-    # The template writes any BOS itself; adding special tokens again would double it.
-    return list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
 
 
 async def _error_tail(exc: BaseException) -> AsyncIterator[str]:
@@ -137,7 +125,7 @@ async def create_chat_completion(
 ) -> Response:
     ctx.check_model(request)
     request.check_supported()
-    token_ids = encode_chat(ctx.engine.tokenizer, request.conversation())
+    token_ids = _encode_chat(ctx.engine.tokenizer, request.conversation())
     prompts = [ctx.prepare(request, token_ids)]
     request_id = new_request_id("chatcmpl")
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))

@@ -1,0 +1,288 @@
+"""The real HTTP server (uvicorn on a loopback port, tiny random-weight llama) driven with the
+``openai`` client: greedy results equal ``LLM.generate``, streamed equals non-streamed, exact
+usage, metrics, concurrency, disconnects and OpenAI-shaped 4xx errors."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.server.api import build_app
+from engine.server.async_engine import AsyncEngine
+from tests.engine.hf_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
+PROMPT = "The cache keeps every block of the prompt"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Where does an evicted block go?"},
+]
+
+
+@dataclass
+class Server:
+    base_url: str
+    engine: AsyncEngine
+    llm: object  # engine.llm.LLM on the same weights and config, the reference
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    import uvicorn
+
+    from engine.llm import LLM
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("server"), "llama", seed=5)
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=96),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+    )
+    engine = AsyncEngine.from_config(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    llm = LLM(model_dir, device="cpu", num_gpu_blocks=96, max_model_len=MAX_MODEL_LEN)
+    yield Server(f"http://127.0.0.1:{port}", engine, llm)
+    uv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+    sock.close()
+
+
+def _reference(server: Server, prompt: str | list[int], **params: object) -> object:
+    sp = SamplingParams(temperature=0.0, **params)  # type: ignore[arg-type]
+    return server.llm.generate([prompt], sp)[0]  # type: ignore[attr-defined]
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = rf"^{re.escape(name)}{re.escape(labels)}\s+(\S+)$" if labels else rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$"
+    match = re.search(pattern, text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def _wait_idle(server: Server, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = server.engine.stats()
+        if stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {server.engine.stats()}")
+
+
+def test_models_and_health(server: Server) -> None:
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_completion_matches_llm_streamed_and_not(server: Server) -> None:
+    ref = _reference(server, PROMPT, max_tokens=16, ignore_eos=True)
+    client = server.client
+    extra = {"ignore_eos": True}
+    full = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body=extra
+    )
+    assert full.choices[0].text == ref.text
+    assert full.choices[0].finish_reason == "length"
+    assert full.model == MODEL and full.object == "text_completion"
+    prompt_len = len(ref.prompt_token_ids)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_len, 16)
+    assert full.usage.total_tokens == prompt_len + 16
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra,
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_id_prompt_and_stop_string(server: Server) -> None:
+    ids = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56]
+    ref = _reference(server, ids, max_tokens=10, ignore_eos=True)
+    got = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.choices[0].text == ref.text
+    assert got.usage.prompt_tokens == len(ids)
+    # Stop on a piece of the greedy text: the server must cut exactly where LLM does.
+    stop = ref.text[len(ref.text) // 2 :][:2]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable stop string")  # pragma: no cover
+    ref_stop = _reference(server, ids, max_tokens=10, ignore_eos=True, stop=(stop,))
+    got_stop = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert got_stop.choices[0].text == ref_stop.text
+    assert got_stop.choices[0].finish_reason == "stop"
+    assert stop not in got_stop.choices[0].text
+
+
+def test_chat_matches_llm_streamed_and_not(server: Server) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = server.llm.chat(MESSAGES, sp)[0]  # type: ignore[attr-defined]
+    client = server.client
+    extra = {"ignore_eos": True}
+    full = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=12, temperature=0, extra_body=extra
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == ref.text
+    assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert full.usage.completion_tokens == 12
+    assert full.object == "chat.completion"
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra,
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + 12
+
+
+def test_default_max_tokens(server: Server) -> None:
+    got = server.client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.usage.completion_tokens == 16  # OpenAI's completions default
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
+    # Chat without a budget generates up to the end of the context.
+    assert chat.usage.total_tokens == MAX_MODEL_LEN
+    assert chat.choices[0].finish_reason == "length"
+
+
+def test_concurrent_streaming_clients(server: Server) -> None:
+    prompts = [PROMPT, "Redis holds the blocks", "a b c d e f g", "S3 is slow but large"]
+    refs = [_reference(server, p, max_tokens=14, ignore_eos=True).text for p in prompts]
+
+    def stream(prompt: str) -> str:
+        chunks = server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=14, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(stream, prompts)) == refs
+
+
+def test_metrics_count_requests_and_tokens(server: Server) -> None:
+    _wait_idle(server)
+    before = httpx.get(f"{server.base_url}/metrics").text
+    got = server.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    httpx.post(f"{server.base_url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    after_resp = httpx.get(f"{server.base_url}/metrics")
+    assert after_resp.headers["content-type"].startswith("text/plain")
+    after = after_resp.text
+    ok = '{endpoint="/v1/completions",status="200"}'
+    missing = '{endpoint="/v1/completions",status="404"}'
+    assert _metric(after, "kvtier_requests_total", ok) == _metric(before, "kvtier_requests_total", ok) + 1
+    assert _metric(after, "kvtier_requests_total", missing) == _metric(before, "kvtier_requests_total", missing) + 1
+    gen = "kvtier_generation_tokens_total"
+    assert _metric(after, gen) == _metric(before, gen) + got.usage.completion_tokens
+    assert _metric(after, "kvtier_prompt_tokens_total") > _metric(before, "kvtier_prompt_tokens_total")
+    # The same prompt was served before: its full blocks are prefix-cache hits now.
+    hit = "kvtier_prefix_cache_hit_tokens_total"
+    assert _metric(after, hit) >= _metric(before, hit) + 16
+    assert _metric(after, "kvtier_prefix_cache_queried_tokens_total") > 0
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        name = f"kvtier_{hist}_seconds_count"
+        assert _metric(after, name) > _metric(before, name)
+    assert _metric(after, "kvtier_num_requests_running") == 0
+    assert "kvtier_num_requests_waiting" in after
+
+
+def test_client_disconnect_aborts_streaming_request(server: Server) -> None:
+    _wait_idle(server)
+    before = server.engine.stats()["generation_tokens_total"]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+    _wait_idle(server)
+    assert server.engine.stats()["generation_tokens_total"] - before < 60
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "word " * 200}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -5}, 400, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True, "temperature": -1}, 400, "temperature"),
+    ],
+)  # fmt: skip
+def test_errors_are_openai_shaped(
+    server: Server, path: str, body: dict[str, object], status: int, param: str
+) -> None:
+    resp = httpx.post(f"{server.base_url}{path}", json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"]
+
+
+def test_openai_client_raises_typed_errors(server: Server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        server.client.completions.create(model=MODEL, prompt="word " * 200)
+    resp = httpx.get(f"{server.base_url}/no/such/route")
+    assert resp.status_code == 404 and resp.json()["error"]["message"] == "Not Found"
