@@ -430,6 +430,10 @@ class CacheServer:
         """Ask the loop to drain and exit. Thread-safe; callable from a signal handler."""
         self._stop.set()
 
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the loop has exited and closed everything; True if it has."""
+        return self._done.wait(timeout_s)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         self.request_stop()
         if self._thread is not None:
