@@ -137,3 +137,104 @@ def save_demo_tokenizer(out_dir: str) -> int:
     tok = build_demo_tokenizer()
     tok.save_pretrained(out_dir)
     return len(tok)
+
+
+DEMO_ARCH: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": TOKENIZER_VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
+
+
+def default_cache_dir() -> str:
+    """``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier`` (read only when no directory is given)."""
+    return os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+
+
+def _demo_weights() -> dict:  # name -> torch.Tensor
+    import torch
+
+    cfg = DEMO_ARCH
+    hidden, inter, vocab = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+    q_out = int(cfg["num_attention_heads"]) * int(cfg["head_dim"])
+    kv_out = int(cfg["num_key_value_heads"]) * int(cfg["head_dim"])
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(int(cfg["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_out, hidden),
+            p + "self_attn.k_proj.weight": (kv_out, hidden),
+            p + "self_attn.v_proj.weight": (kv_out, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_out),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    gen = torch.Generator(device="cpu").manual_seed(DEMO_SEED)
+    weights = {}
+    for name, shape in shapes.items():  # fixed insertion order -> fixed random stream
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * noise
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights[name] = 0.5 * noise
+        else:
+            weights[name] = noise / shape[-1] ** 0.5  # keeps activations near unit scale
+    return weights
+
+
+def write_demo_model(out_dir: str) -> None:
+    """Write every demo-model file into an existing empty ``out_dir`` (deterministic bytes)."""
+    from safetensors.torch import save_file
+
+    save_file(_demo_weights(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(DEMO_ARCH, f, indent=2, sort_keys=True)
+    gen_cfg = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump(gen_cfg, f, indent=2, sort_keys=True)
+    save_demo_tokenizer(out_dir)
+
+
+def ensure_demo_model(cache_dir: str | None = None) -> str:
+    """Return the demo model directory, writing it first if absent. Safe under concurrent
+    first use: each caller builds in its own temp dir and renames atomically; a caller that
+    loses the race drops its copy. Raises OSError if the cache directory is not writable."""
+    root = Path(cache_dir or default_cache_dir())
+    final = root / DEMO_SUBDIR
+    if (final / "config.json").is_file():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{DEMO_SUBDIR}-", dir=root)
+    try:
+        write_demo_model(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise  # not a lost race: a real failure
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
