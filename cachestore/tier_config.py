@@ -91,7 +91,7 @@ class LmdbTierConfig:
     kind: ClassVar[str] = "lmdb"
     path: str = _f(_str)
     capacity: int = _f(_size)
-    map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 1MiB
+    map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 64MiB
     writer_queue_size: int = _f(_pos_int, 256)
     sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
 

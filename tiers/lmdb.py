@@ -1,0 +1,274 @@
+"""LMDB tier: encoded blocks on local disk, capacity-bounded LRU, one writer thread.
+
+- Files: one LMDB environment at ``path`` with two sub-databases: ``blocks`` (key -> encoded
+  block) and ``recency`` (key -> last-access sequence, u64 LE). The map size is the capacity plus
+  ``map_headroom`` (B-tree pages and free-list overhead) so that eviction, not MDB_MAP_FULL,
+  bounds the data.
+- LRU: an in-memory index (key -> size, least recent first) is rebuilt on open from ``recency``,
+  so a restarted process keeps serving what was stored, in the same eviction order. Reads refresh
+  recency in memory at once and on disk lazily, in the writer's next transaction (and on close).
+- One writer: ``put_many`` and ``delete_many`` go through a bounded queue to a single writer
+  thread and WAIT for their write transaction to commit, so their return value (evictions,
+  counts) is exact. Readers run in parallel in their own read-only transactions.
+- ``get_many`` reads with ``buffers=True`` and copies each value once out of the map before the
+  read transaction ends (an LMDB buffer dies with it), so it returns ``bytes`` valid forever.
+  ``lookup`` answers from the in-memory index and touches no transaction.
+- Pins (``pin``/``unpin``, counted) keep entries from eviction, as in the host tier.
+- Every ``lmdb.Error`` becomes ``TierError``. One process per ``path``: the index is per process.
+
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+
+_SEQ = struct.Struct("<Q")
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _WriteOp:
+    puts: Sequence[tuple[str, Value]] = ()
+    deletes: Sequence[str] = ()
+    done: threading.Event = field(default_factory=threading.Event)
+    evicted: list[Evicted] = field(default_factory=list)
+    num_deleted: int = 0
+    error: BaseException | None = None
+
+
+@contextmanager
+def _guard(op: str, path: str) -> Iterator[None]:
+    import lmdb
+
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise TierError(f"lmdb {op} at {path}: {exc}") from exc
+
+
+class LmdbTier(Tier):
+    name = "lmdb"
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, map_headroom: float = 0.25,
+                 writer_queue_size: int = 256, sync: bool = False) -> None:
+        """Open (creating if needed) the environment and rebuild the LRU index.
+
+        Raises TierError when LMDB cannot open ``path``.
+        """
+        import lmdb
+
+        self.path = str(path)
+        self.capacity_bytes = capacity_bytes
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
+        # readers dominate small tiers. The file is sparse, so unused map costs nothing.
+        map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
+        with _guard("open", self.path):
+            self._env = lmdb.open(self.path, map_size=map_size, max_dbs=2, sync=sync,
+                                  metasync=sync, readahead=False, max_readers=256)
+            self._blocks = self._env.open_db(b"blocks")
+            self._recency = self._env.open_db(b"recency")
+        self._lock = threading.Lock()  # guards the index, pins, dirty recency and _seq
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
+        self._pins: dict[str, int] = {}
+        self._dirty: dict[str, int] = {}  # key -> seq not yet written to ``recency``
+        self._used_bytes = 0
+        self._seq = 0
+        self._rebuild_index()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name=f"lmdb-writer:{self.path}",
+                                        daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def from_config(cls, config: Any) -> LmdbTier:
+        """Registry factory (``tiers.lmdb:LmdbTier.from_config``) for an ``LmdbTierConfig``."""
+        return cls(config.path, config.capacity, map_headroom=config.map_headroom,
+                   writer_queue_size=config.writer_queue_size, sync=config.sync)
+
+    def _rebuild_index(self) -> None:
+        """Reset the in-memory index from disk (at open, and after an aborted write)."""
+        self._index.clear()
+        self._dirty.clear()
+        self._used_bytes = 0
+        order: list[tuple[int, str]] = []
+        sizes: dict[str, int] = {}
+        with _guard("open", self.path), self._env.begin(buffers=True) as txn:
+            for raw_key, raw_seq in txn.cursor(db=self._recency):
+                order.append((_SEQ.unpack(raw_seq)[0], bytes(raw_key).decode()))
+            for raw_key, raw_value in txn.cursor(db=self._blocks):
+                sizes[bytes(raw_key).decode()] = len(raw_value)
+        # A block without a recency record (crash between the two puts cannot happen: both go
+        # in one transaction; kept defensive) counts as least recently used.
+        seen = {key for _, key in order}
+        missing = [(-1, k) for k in sizes if k not in seen]
+        for seq, key in sorted(missing + order):
+            if key in sizes:
+                self._index[key] = sizes[key]
+                self._used_bytes += sizes[key]
+                self._seq = max(self._seq, seq)
+
+    # -- Tier protocol -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._index:
+                    return i
+                self._touch(key)
+            return len(keys)
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        out: list[Value | None] = []
+        with _guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key in keys:
+                buf = txn.get(key.encode())
+                out.append(None if buf is None else bytes(buf))
+        with self._lock:
+            for key, value in zip(keys, out):
+                if value is not None and key in self._index:
+                    self._touch(key)
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        """Waits for the write transaction; returns the evicted entries with their bytes."""
+        return self._submit(_WriteOp(puts=items)).evicted if items else []
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete unpinned keys (waits for the write); pinned ones stay and are not counted."""
+        return self._submit(_WriteOp(deletes=keys)).num_deleted if keys else 0
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self._used_bytes, self.capacity_bytes, len(self._index))
+
+    def close(self) -> None:
+        """Finish queued writes, persist recency, close the environment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._writer.join()
+        self._env.close()
+
+    # -- pins ----------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[str]) -> int:
+        """Pin the leading present keys; return how many (stops at the first absent key)."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._index:
+                    return i
+                self._pins[key] = self._pins.get(key, 0) + 1
+            return len(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                n = self._pins.get(key, 0)
+                if n > 1:
+                    self._pins[key] = n - 1
+                elif n == 1:
+                    del self._pins[key]
+
+    def lru_keys(self) -> list[str]:
+        """Keys, least recently used first (tests, debugging)."""
+        with self._lock:
+            return list(self._index)
+
+    # -- writer --------------------------------------------------------------------------
+
+    def _touch(self, key: str) -> None:  # lock held
+        self._seq += 1
+        self._index.move_to_end(key)
+        self._dirty[key] = self._seq
+
+    def _submit(self, op: _WriteOp) -> _WriteOp:
+        if self._closed:
+            raise TierError(f"lmdb tier at {self.path} is closed")
+        self._queue.put(op)
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op
+
+    def _write_loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is _STOP:
+                try:
+                    self._apply(None)  # persist recency
+                except TierError:
+                    pass
+                return
+            try:
+                self._apply(op)
+            except BaseException as exc:  # handed to the waiting caller, never lost
+                op.error = exc if isinstance(exc, TierError) else TierError(f"lmdb write: {exc}")
+            finally:
+                op.done.set()
+
+    def _apply(self, op: _WriteOp | None) -> None:
+        """One write transaction: commits on success, aborts on error (then the in-memory
+        index, which the transaction already changed, is rebuilt from disk to stay exact)."""
+        with self._lock:
+            try:
+                with _guard("write", self.path), self._env.begin(write=True) as txn:
+                    for key, seq in self._dirty.items():
+                        if key in self._index:
+                            txn.put(key.encode(), _SEQ.pack(seq), db=self._recency)
+                    if op is not None:
+                        for key in op.deletes:
+                            if key in self._index and key not in self._pins:
+                                self._delete(txn, key)
+                                op.num_deleted += 1
+                        for key, value in op.puts:
+                            self._put_one(txn, key, memoryview(value).cast("B"), op)
+                self._dirty.clear()
+            except BaseException:
+                self._rebuild_index()
+                raise
+
+    def _put_one(self, txn: Any, key: str, value: memoryview, op: _WriteOp) -> None:
+        # Lock held, inside the write transaction.
+        if value.nbytes > self.capacity_bytes:
+            return
+        old = self._index.get(key)
+        room = self.capacity_bytes - self._used_bytes + (old or 0)
+        victims: list[str] = []
+        for victim in self._index:
+            if room >= value.nbytes:
+                break
+            if victim != key and victim not in self._pins:
+                victims.append(victim)
+                room += self._index[victim]
+        if room < value.nbytes:
+            return  # everything else is pinned: skip, keep any old copy
+        for victim in victims:
+            raw = txn.get(victim.encode(), db=self._blocks)
+            op.evicted.append(Evicted(victim, None if raw is None else bytes(raw)))
+            self._delete(txn, victim)
+        if old is not None:
+            self._used_bytes -= self._index.pop(key)
+        self._seq += 1
+        txn.put(key.encode(), value, db=self._blocks)
+        txn.put(key.encode(), _SEQ.pack(self._seq), db=self._recency)
+        self._index[key] = value.nbytes
+        self._used_bytes += value.nbytes
+
+    def _delete(self, txn: Any, key: str) -> None:  # lock held
+        txn.delete(key.encode(), db=self._blocks)
+        txn.delete(key.encode(), db=self._recency)
+        self._used_bytes -= self._index.pop(key)
