@@ -145,8 +145,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide one step. Mutates queues and block tables (not ``num_computed_tokens``, which
-        ``update_from_output`` advances). An output with no requests is not meant for the
-        runner; its ``finished_req_ids`` are carried over to the next non-empty one."""
+        ``update_from_output`` advances). Hand every output to the runner, an empty one too:
+        its ``finished_req_ids`` are reported once."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -178,8 +178,8 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=frozenset(self._finished_ids),
         )
+        self._finished_ids.clear()
         if scheduled:
-            self._finished_ids.clear()
             if self.connector is not None:
                 meta = self.connector.build_connector_meta(output)
                 output = dataclasses.replace(output, kv_connector_metadata=meta)

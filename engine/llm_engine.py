@@ -1,0 +1,188 @@
+"""``LLMEngine``: tokenizer + scheduler + model runner, stepped by one caller thread.
+
+Each ``step()`` schedules one batch, runs it, advances request state, detokenizes the new
+tokens (stop strings included) and returns a ``RequestOutput`` for every request that produced
+a token or finished. Not thread-safe: one thread drives it (the server's engine thread, or
+``LLM``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cachestore.hashing import Namespace
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    """Raises ValueError at construction on an inconsistent config (e.g. chunked prefill off
+    with a token budget below ``max_model_len``)."""
+
+    def __init__(self, config: EngineConfig, *, debug: bool = False) -> None:
+        from engine.model_runner import ModelRunner
+
+        self.config = config
+        model_dir = config.model
+        if model_dir is None:
+            from engine.demo_model import ensure_demo_model
+
+            model_dir = ensure_demo_model()
+        self.model_dir = model_dir
+        self.model_name = config.model or "kvtier-demo"
+        self.runner = ModelRunner(config, model_dir)
+        self.tokenizer: Any = load_tokenizer(model_dir)
+        cache_cfg, sched_cfg = config.cache, config.scheduler
+        bs = cache_cfg.block_size
+        # A sequence that needs more blocks than the whole pool could never run.
+        self.max_model_len = min(self.runner.max_model_len, self.runner.num_gpu_blocks * bs)
+        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({sched_cfg.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len})"
+            )
+        self.pool = BlockPool(self.runner.num_gpu_blocks, bs, cache_cfg.enable_prefix_caching)
+        namespace = Namespace(
+            model_fingerprint=self.runner.model_fingerprint,
+            block_size=bs,
+            cache_salt=cache_cfg.cache_salt,
+            hash_name=cache_cfg.hash_name,
+        )
+        kv_manager = KVCacheManager(self.pool, namespace, cache_cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, kv_manager, self.max_model_len, debug=debug)
+        eos = self.runner.eos_token_ids
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = (int(self.tokenizer.eos_token_id),)
+        self.eos_token_ids = frozenset(eos)
+        self._vocab_size = self.runner.vocab_size
+        self._states: dict[str, _RequestState] = {}
+        self._aborted: list[RequestOutput] = []
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for a duplicate id, an empty prompt, token ids
+        outside the vocabulary, or a prompt of max_model_len tokens or more."""
+        if req_id in self._states:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for output"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(req_id, prompt_ids, params, self.eos_token_ids, arrival_time=arrival)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens)
+        self.scheduler.add_request(request)
+        self._states[req_id] = _RequestState(request, detok, RequestMetrics(arrival_time=arrival))
+
+    def abort_request(self, req_id: str) -> None:
+        """End a request now; its final output (finish_reason "abort") comes with the next
+        ``step()``. Unknown or already finished ids are ignored."""
+        state = self._states.pop(req_id, None)
+        if state is None:
+            return
+        self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+        state.metrics.finished_time = time.monotonic()
+        self._aborted.append(self._output(state, [], "", finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step. Mutates everything; raises whatever the runner raises."""
+        outputs, self._aborted = self._aborted, []
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        now = time.monotonic()
+        for request in self.scheduler.update_from_output(sched_out, runner_out):
+            outputs.append(self._process_token(request, now))
+        return outputs
+
+    def _process_token(self, request: Request, now: float) -> RequestOutput:
+        state = self._states[request.req_id]
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self._prompt_tokens_total += request.num_prompt_tokens
+        metrics.last_token_time = now
+        self._generation_tokens_total += 1
+        token_id = request.output_token_ids[-1]
+        # A stop token or EOS ends the request but is not part of the text.
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED
+        update = state.detokenizer.update([token_id], decode=not stopped_by_token)
+        new_text = update.new_text
+        if update.stop_string is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = update.stop_string
+        elif request.is_finished:
+            new_text += state.detokenizer.flush()
+        if request.is_finished:
+            metrics.finished_time = now
+            del self._states[request.req_id]
+        return self._output(state, [token_id], new_text, finished=request.is_finished)
+
+    def _output(
+        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool
+    ) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            req_id=request.req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=state.detokenizer.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=dataclasses.replace(state.metrics),  # a snapshot, not a live view
+        )
+
+    def stats(self) -> dict[str, float | int]:
+        """Counters (``*_total``, monotonic) and gauges for metrics. No side effect."""
+        s = self.scheduler.stats
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "prompt_tokens_total": self._prompt_tokens_total,
+            "generation_tokens_total": self._generation_tokens_total,
+            "prefix_cache_hit_tokens_total": s.prefix_cache_hit_tokens_total,
+            "prefix_cache_queried_tokens_total": s.prefix_cache_queried_tokens_total,
+            "num_preemptions_total": s.num_preemptions_total,
+            "gpu_blocks_total": self.pool.num_blocks,
+            "gpu_blocks_free": self.pool.num_free_blocks,
+            "gpu_cache_usage": self.pool.usage(),
+        }
