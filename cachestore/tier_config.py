@@ -125,6 +125,9 @@ class S3TierConfig:
     access_key_id: str | None = _f(_str, None, secret=True)
     secret_access_key: str | None = _f(_str, None, secret=True)
     timeout_s: float = _f(_pos_float, 10.0)
+    connect_timeout_s: float = _f(_pos_float, 2.0)
+    max_attempts: int = _f(_pos_int, 2)
+    max_pool_connections: int = _f(_pos_int, 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,7 @@ class RemoteTierConfig:
     kind: ClassVar[str] = "remote"
     url: str = _f(_str)
     token: str | None = _f(_str, None, secret=True)
+    token_file: str | None = _f(_str, None)  # read by the remote tier when ``token`` is unset
     timeout_s: float = _f(_pos_float, 5.0)
 
 
