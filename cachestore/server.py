@@ -57,8 +57,16 @@ class Backend(Protocol):
     """
 
     def lookup(self, keys: Sequence[str]) -> int: ...
-    def get_many(self, keys: Sequence[str]) -> list[Value | None]: ...
-    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        """Values valid until ``release`` (or the next call) on the same thread."""
+
+    def release(self) -> None:
+        """The caller is done with the values of its last ``get_many``."""
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        """Store copies: the values (views of frames or of a client segment) die after it."""
+
     def delete_many(self, keys: Sequence[str]) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -239,8 +247,15 @@ class OpHandler:
 
     def _op_get(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                 frames: Sequence[Any], rec: dict[str, Any]) -> tuple[dict[str, Any], list[Value]]:
-        values = self.backend.get_many(ikeys) if ikeys else []
+        try:
+            return self._get(header, tenant, ikeys, rec)
+        finally:
+            self.backend.release()
+
+    def _get(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+             rec: dict[str, Any]) -> tuple[dict[str, Any], list[Value]]:
         segment, offset, end = self._shm_region(header, tenant)
+        values = self.backend.get_many(ikeys) if ikeys else []
         sizes: list[int] = []
         shm_offsets: list[int] = []
         payloads: list[Value] = []
@@ -286,8 +301,9 @@ class OpHandler:
                     isinstance(o, int) and 0 <= o and o + s <= segment.size
                     for o, s in zip(offsets, sizes, strict=True))):
                 raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
-            # Copy out before acknowledging: the client reuses its segment right after.
-            views = [memoryview(bytes(segment.buf[o : o + s])) for o, s in zip(offsets, sizes, strict=True)]
+            # No copy here: put_many copies into the store before we acknowledge, and the
+            # client does not touch its segment until the acknowledgement.
+            views = [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
             rec["path"] = "shm"
         else:
             if len(frames) != len(sizes):

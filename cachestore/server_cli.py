@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,19 +27,36 @@ class TierBackend:
     """The daemon's ``Backend`` over a top-first list of tiers, written through to all.
 
     Reads go top-down (a hit in a lower tier is not promoted); puts go to every tier, so the
-    durable one holds every acknowledged block. Used until/unless ``cachestore.store`` exists.
-    Thread-safe because tiers are.
+    durable one holds every acknowledged block. Thread-safe because tiers are.
+
+    Zero copy from a top tier that can pin (the host slab): ``get_many`` pins what it returns
+    views of, and ``release`` (the daemon calls it once it copied them out) unpins, so a
+    concurrent put can never overwrite a slot being read. Other values are bytes.
     """
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         if not tiers:
             raise ValueError("the cache server needs at least one tier")
         self.tiers = list(tiers)
+        self._local = threading.local()
+
+    def release(self) -> None:
+        """Unpin what this thread's last ``get_many`` pinned. Idempotent."""
+        pinned = getattr(self._local, "pinned", None)
+        if pinned:
+            self._local.pinned = None
+            self.tiers[0].unpin(pinned)  # type: ignore[attr-defined]
 
     def lookup(self, keys: Sequence[str]) -> int:
         return max(t.lookup(keys) for t in self.tiers)
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        self.release()
+        top = self.tiers[0]
+        pinned: set[str] = set()
+        if hasattr(top, "pin"):
+            pinned = {k for k in keys if top.pin([k]) == 1}
+            self._local.pinned = list(pinned)
         out: list[Value | None] = [None] * len(keys)
         missing = list(range(len(keys)))
         for tier in self.tiers:
@@ -49,8 +67,10 @@ class TierBackend:
             for i, value in zip(missing, values, strict=True):
                 if value is None:
                     still.append(i)
+                elif isinstance(value, bytes) or (tier is top and keys[i] in pinned):
+                    out[i] = value
                 else:
-                    out[i] = value if isinstance(value, bytes) else bytes(value)
+                    out[i] = bytes(value)  # an unpinned view could be overwritten: own it
             missing = still
         return out
 

@@ -1,0 +1,205 @@
+"""Cache daemon throughput vs redis-server, same run: get/put of 2 MiB and 64 KiB blocks.
+
+Backends, each a separate server process on loopback:
+- ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
+- ``daemon-tcp``: ``kvtier cache-server`` (host-memory tier) through tiers.remote, payload frames
+- ``daemon-shm``: the same daemon and client, same-host shared-memory path
+For each: block size x {single key, batched} x {1, N concurrent client processes}, for
+``--seconds`` each. Gets return bytes (redis) or memoryviews (daemon); ``--touch`` copies every
+value once on the client too, for an apples-to-apples "bytes in my hands" figure.
+
+Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
+Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--touch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
+BATCH = {"2MiB": 16, "64KiB": 64}
+WORKING_SET = {"2MiB": 32, "64KiB": 256}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                            "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        info["device"] = "cpu"
+    return info
+
+
+def _client(kind: str, url: str) -> Any:
+    if kind == "redis":
+        import redis
+
+        return redis.Redis.from_url(url)
+    from tiers.remote import RemoteTier
+
+    return RemoteTier(url, use_shm=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
+
+
+def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
+            seconds: float, touch: bool, start: Any, out: Any) -> None:
+    client = _client(kind, url)
+    payload = os.urandom(size)
+    # Warm up: connections, the shm segment at full size, page faults.
+    _one(client, kind, op, keys[:batch], payload, touch)
+    _one(client, kind, op, keys[:batch], payload, touch)
+    start.wait()
+    moved, calls, i = 0, 0, 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        chunk = [keys[(i + j) % len(keys)] for j in range(batch)]
+        i += batch
+        moved += _one(client, kind, op, chunk, payload, touch)
+        calls += 1
+    out.put((moved, time.perf_counter() - t0, calls))
+    if kind != "redis":
+        client.close()
+
+
+def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch: bool) -> int:
+    if kind == "redis":
+        if op == "put":
+            if len(keys) == 1:
+                client.set(keys[0], payload)
+            else:
+                client.mset({k: payload for k in keys})
+            return len(payload) * len(keys)
+        values = [client.get(keys[0])] if len(keys) == 1 else client.mget(keys)
+    else:
+        if op == "put":
+            client.put_many([(k, payload) for k in keys])
+            return len(payload) * len(keys)
+        values = client.get_many(keys)
+        if touch:
+            values = [bytes(v) for v in values]
+    assert all(v is not None and len(v) == len(payload) for v in values), "bench miss"
+    return sum(len(v) for v in values)
+
+
+def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, clients: int,
+             seconds: float, touch: bool) -> float:
+    size = SIZES[size_name]
+    batch = BATCH[size_name] if batched else 1
+    ctx = mp.get_context("fork")
+    start, out = ctx.Barrier(clients + 1), ctx.Queue()
+    procs = []
+    for c in range(clients):
+        keys = [f"bench{c}/{i:08x}" for i in range(WORKING_SET[size_name] // clients or 1)]
+        if op == "get":  # every client reads keys that exist (written by its own put pass)
+            keys = [f"bench0/{i:08x}" for i in range(WORKING_SET[size_name])]
+        p = ctx.Process(target=_worker, args=(kind, url, op, size, batch, keys, seconds, touch,
+                                              start, out))
+        p.start()
+        procs.append(p)
+    start.wait()
+    results = [out.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join()
+    return sum(m for m, _, _ in results) / max(t for _, t, _ in results) / 1e9
+
+
+def _prefill(kind: str, url: str, size_name: str) -> None:
+    client = _client(kind, url)
+    keys = [f"bench0/{i:08x}" for i in range(WORKING_SET[size_name])]
+    _one(client, kind, "put", keys, os.urandom(SIZES[size_name]), False)
+    if kind != "redis":
+        client.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--touch", action="store_true", help="copy each got value on the client")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="kvtier-bench-")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        rport, dport = _free_port(), _free_port()
+        procs.append(subprocess.Popen(
+            ["redis-server", "--port", str(rport), "--save", "", "--appendonly", "no",
+             "--dir", tmp, "--maxmemory", "2gb", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL))
+        cfg = os.path.join(tmp, "tiers.yaml")
+        with open(cfg, "w") as f:
+            f.write("tiers:\n  - {kind: host, capacity: 1GiB, slot_bytes: 2MiB, pin_memory: false}\n")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(dport),
+             "--admin-port", "-1", "--config", cfg, "--max-keys", "4096"],
+            cwd=ROOT, stdout=subprocess.DEVNULL))
+        _wait_port(rport)
+        _wait_port(dport)
+        urls = {"redis": f"redis://127.0.0.1:{rport}/0", "daemon-tcp": f"tcp://127.0.0.1:{dport}",
+                "daemon-shm": f"tcp://127.0.0.1:{dport}"}
+        cases: list[dict[str, Any]] = []
+        for size_name in SIZES:
+            for kind in urls:
+                _prefill(kind, urls[kind], size_name)
+            for op in ("get", "put"):
+                for batched in (False, True):
+                    for clients in sorted({1, args.clients}):
+                        row: dict[str, Any] = {"size": size_name, "op": op, "batched": batched,
+                                               "clients": clients}
+                        for kind, url in urls.items():
+                            row[kind] = round(run_case(kind, url, op, size_name, batched, clients,
+                                                       args.seconds, args.touch), 3)
+                        row["tcp_vs_redis"] = round(row["daemon-tcp"] / row["redis"], 2)
+                        row["shm_vs_redis"] = round(row["daemon-shm"] / row["redis"], 2)
+                        cases.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({"bench": "server", "unit": "GB/s", "machine": machine(),
+                      "seconds": args.seconds, "touch": args.touch, "cases": cases}, indent=1))
+    big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
+    summary = ", ".join(
+        f"{c['op']}{'-batch' if c['batched'] else ''} tcp {c['tcp_vs_redis']}x shm "
+        f"{c['shm_vs_redis']}x" for c in big)
+    print(f"server bench (2 MiB, 1 client, vs redis GB/s): {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
