@@ -61,7 +61,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             keep.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
 
 
 def _learn_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:
@@ -74,7 +74,7 @@ def _learn_merges(words: list[str], num_merges: int) -> list[tuple[str, str]]:
         pairs: Counter[tuple[str, str]] = Counter()
         for w, n in counts.items():
             s = seqs[w]
-            for a, b in zip(s, s[1:]):
+            for a, b in zip(s, s[1:], strict=False):
                 pairs[(a, b)] += n
         if not pairs:
             break

@@ -10,8 +10,8 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

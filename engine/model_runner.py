@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import load_model, model_fingerprint
-from engine.sampler import SampleRequest, Sampler
+from engine.sampler import Sampler, SampleRequest
 
 _CUDA_MARGIN_BYTES = 1 << 30  # activations, logits and allocator slack outside the KV cache
 
@@ -154,7 +154,7 @@ class ModelRunner:
                     for rid in batch.sample_req_ids
                 ]
                 tokens = self.sampler(logits, requests)
-                sampled = dict(zip(batch.sample_req_ids, tokens))
+                sampled = dict(zip(batch.sample_req_ids, tokens, strict=True))
                 if logits_out is not None:
                     rows = logits.cpu()
                     logits_out = {rid: rows[i] for i, rid in enumerate(batch.sample_req_ids)}

@@ -51,7 +51,7 @@ class Sampler:
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
             sampled = self._sample_rows(logits[rows].float(), [requests[i] for i in rows])
-            for i, tok in zip(rows, sampled):
+            for i, tok in zip(rows, sampled, strict=True):
                 out[i] = tok
         return out
 
@@ -88,7 +88,7 @@ class Sampler:
     def _uniforms(self, requests: list[SampleRequest]) -> list[float]:
         unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
         shared = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64).tolist()
-        draws = dict(zip(unseeded, shared))
+        draws = dict(zip(unseeded, shared, strict=True))
         return [
             draws[i] if r.params.seed is None else seeded_uniform(r.params.seed, r.num_output_tokens)
             for i, r in enumerate(requests)

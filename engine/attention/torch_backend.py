@@ -27,7 +27,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._meta = metadata
         self._masks = []
         device = metadata.slot_mapping.device
-        for q_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu):
+        for q_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True):
             if q_len == 1:
                 self._masks.append(None)  # a decode token sees the whole context
                 continue
@@ -53,7 +53,7 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         bs = meta.block_size
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
             num_blocks = -(-seq_len // bs)
             blocks = meta.block_tables[i, :num_blocks].long()
             kv = kv_layer[blocks]  # [nb, 2, bs, Hkv, D] gathered copy

@@ -8,7 +8,8 @@ delegated to the step's ``AttentionBackend``, which owns the paged KV cache acce
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
