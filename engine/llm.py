@@ -81,7 +81,7 @@ class LLM:
                 raise ValueError(f"{len(param_list)} SamplingParams for {len(items)} prompts")
         req_ids: list[str] = []
         try:
-            for prompt, p in zip(items, param_list):
+            for prompt, p in zip(items, param_list, strict=True):
                 req_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(req_id, prompt, p)
                 req_ids.append(req_id)

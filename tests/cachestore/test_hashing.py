@@ -53,7 +53,7 @@ def test_changing_token_i_changes_hashes_from_its_block_on(i: int) -> None:
     after = hash_request_tokens(BASE, changed)
     b = i // 16
     assert after[:b] == before[:b]
-    assert all(x != y for x, y in zip(after[b:], before[b:]))
+    assert all(x != y for x, y in zip(after[b:], before[b:], strict=True))
     assert len(after) == len(before) == 5
 
 

@@ -57,7 +57,7 @@ def test_greedy_matches_hf_with_and_without_prefix_hits(arch: str, models: dict)
     rng = random.Random(11)
     prompts = [rand_prompt(rng, n) for n in (3, 16, 29, 70)]
     outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.prompt_token_ids == p
         assert o.token_ids == hf_greedy(hf, p, 12), f"prompt of {len(p)} tokens"
         assert o.finish_reason == "length" and o.num_cached_tokens == 0
@@ -66,7 +66,7 @@ def test_greedy_matches_hf_with_and_without_prefix_hits(arch: str, models: dict)
     base = prompts[3]
     second = [base[:64] + rand_prompt(rng, k) for k in (1, 9, 30)] + [base[:40]]
     outs2 = llm.generate(second, GREEDY)
-    for p, o in zip(second, outs2):
+    for p, o in zip(second, outs2, strict=True):
         assert o.token_ids == hf_greedy(hf, p, 12)
     # 4 full blocks hit for the first three, 2 for the 40-token prompt.
     assert [o.num_cached_tokens for o in outs2] == [64, 64, 64, 32]
@@ -80,7 +80,7 @@ def test_chunked_prefill_matches_hf(models: dict) -> None:
     rng = random.Random(5)
     prompts = [rand_prompt(rng, n) for n in (50, 7, 33)]
     outs = llm.generate(prompts, GREEDY)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == hf_greedy(hf, p, 12)
     assert llm.engine.stats()["prompt_tokens_total"] == 90
 
@@ -94,7 +94,7 @@ def test_preemption_matches_hf(models: dict) -> None:
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert llm.engine.stats()["num_preemptions_total"] > 0
-    for p, o in zip(prompts, outs):
+    for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == hf_greedy(hf, p, 20)
     assert llm.engine.stats()["gpu_blocks_free"] == 8
     llm.engine.pool.check_integrity()
