@@ -1,0 +1,174 @@
+"""The cache daemon: ops end to end over a real ZMQ socket, the shm path, admin port, CLI, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from cachestore.server import CacheServer, ServerConfig
+from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
+from cachestore.server_cli import TierBackend
+from cachestore.server_protocol import PROTOCOL_VERSION, checksum
+from tests.servers import free_port
+from tiers.host import HostTier
+from tiers.lmdb import LmdbTier
+from tiers.remote import RemoteTier
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _value(key: str, size: int) -> bytes:
+    seed = checksum(key.encode()).to_bytes(8, "little")
+    return (seed * (size // 8 + 1))[:size]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[CacheServer]:
+    backend = TierBackend([HostTier(8 << 20, 256 << 10, pin_memory=False),
+                           LmdbTier(tmp_path / "lmdb", 64 << 20)])
+    metrics = AdminMetrics()
+    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0",
+                                   access_log_path=str(tmp_path / "access.jsonl")),
+                      backend, on_request=metrics.record)
+    metrics.bind(srv)
+    srv.metrics = metrics  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop()
+    backend.close()
+
+
+def _shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("kvtier-")}
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_round_trip_lookup_delete_stats(server: CacheServer, use_shm: bool) -> None:
+    before = _shm_names()
+    tier = RemoteTier(server.bound_url, use_shm=use_shm, timeout_s=5, batch_keys=7)
+    keys = [f"ns0/{i:032x}" for i in range(20)]  # 3 pipelined requests per batch
+    items = [(k, _value(k, 1000 + 37 * i)) for i, k in enumerate(keys)]
+    assert tier.put_many(items) == []
+    assert tier.lookup(keys) == 20
+    assert tier.lookup(keys[:9] + ["ns0/absent"] + keys[9:]) == 9
+    got = tier.get_many(keys + ["ns0/absent"])
+    assert [bytes(v) for v in got[:20]] == [v for _, v in items]
+    assert got[20] is None
+    usage = tier.usage()
+    assert (usage.used_bytes, usage.num_entries) == (sum(len(v) for _, v in items), 20)
+    assert tier.delete_many(keys[:5] + ["ns0/absent"]) == 5
+    assert tier.lookup(keys) == 0 and tier.lookup(keys[5:]) == 15
+    assert tier.usage().num_entries == 15
+    # The path really taken shows up in the byte counters of the metrics.
+    text = server.metrics.exposition().decode()  # type: ignore[attr-defined]
+    path = "shm" if use_shm else "tcp"
+    assert f'kvtier_server_bytes_total{{op="get",path="{path}"}}' in text
+    tier.close()
+    assert _shm_names() == before  # nothing left in /dev/shm, even while the daemon runs
+
+
+def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
+    tier = RemoteTier(server.bound_url, use_shm=True, shm_bytes=1 << 20, timeout_s=5)
+    items = [(f"ns0/{i:04x}", _value(str(i), 200_000)) for i in range(12)]  # 2.4 MB > 1 MiB
+    tier.put_many(items)
+    first = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # partly over frames
+    second = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # grown: all via shm
+    assert first == second == [v for _, v in items]
+    tier.close()
+
+
+def test_access_log_is_jsonl(server: CacheServer, tmp_path: Path) -> None:
+    tier = RemoteTier(server.bound_url, use_shm=False)
+    tier.put_many([("ns1/aa", b"x" * 10)])
+    tier.get_many(["ns1/aa", "ns1/bb"])
+    tier.close()
+    server.stop()
+    lines = [json.loads(x) for x in (tmp_path / "access.jsonl").read_text().splitlines()]
+    assert [(r["op"], r["namespace"], r["keys"]) for r in lines] == [
+        ("put", "default", ["ns1/aa"]), ("get", "default", ["ns1/aa", "ns1/bb"])]
+    assert lines[1]["hits"] == 1 and all(isinstance(r["ts"], float) for r in lines)
+
+
+def test_admin_endpoints(server: CacheServer) -> None:
+    port = free_port()
+    admin = AdminServer(create_app(server, server.metrics), "127.0.0.1", port).start()  # type: ignore[attr-defined]
+    try:
+        tier = RemoteTier(server.bound_url, use_shm=False)
+        tier.put_many([("ns2/01", b"a" * 100), ("ns2/02", b"b" * 50)])
+        tier.get_many(["ns2/01", "ns2/99"])
+        tier.close()
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while not admin.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        stats = httpx.get(f"{base}/stats").json()
+        assert stats["namespaces"] == {"default": {"bytes": 150, "keys": 2}}
+        assert stats["store"]["tiers"]["lmdb"]["num_entries"] == 2
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'kvtier_server_requests_total{code="OK",op="put"} 1.0' in metrics
+        assert 'kvtier_server_keys_total{op="get",result="hit"} 1.0' in metrics
+        assert 'kvtier_server_keys_total{op="get",result="miss"} 1.0' in metrics
+        assert 'kvtier_server_namespace_bytes{namespace="default"} 150.0' in metrics
+        assert 'kvtier_tier_entries{tier="host"} 2.0' in metrics
+        for name in METRIC_NAMES:
+            assert name in metrics
+    finally:
+        admin.stop()
+
+
+def test_raw_protocol_reply_shape(server: CacheServer) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.bound_url)
+    header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
+              "sizes": [3], "checksums": [checksum(b"abc")]}
+    sock.send_multipart([msgpack.packb(header), b"abc"])
+    assert sock.poll(5000)
+    reply = msgpack.unpackb(sock.recv_multipart()[0])
+    assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "evicted": 0}
+    sock.send_multipart([msgpack.packb({**header, "id": 42, "op": "get", "sizes": None})])
+    assert sock.poll(5000)
+    frames = sock.recv_multipart()
+    assert msgpack.unpackb(frames[0])["sizes"] == [3] and frames[1:] == [b"abc"]
+    sock.close(0)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "cache-server", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_cli_refuses_public_bind_without_tokens(tmp_path: Path) -> None:
+    proc = _spawn(["--host", "0.0.0.0", "--port", "0", "--admin-port", "-1",
+                   "--data-dir", str(tmp_path)])
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "without --tokens" in err
+
+
+def test_cli_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
+    port = free_port()
+    proc = _spawn(["--port", str(port), "--admin-port", "-1", "--data-dir", str(tmp_path)])
+    assert proc.stdout is not None
+    assert "listening on" in proc.stdout.readline()
+    before = _shm_names()
+    tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=5)
+    tier.put_many([("ns/01", b"v" * 1000)])
+    assert bytes(tier.get_many(["ns/01"])[0]) == b"v" * 1000
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopped" in out
+    tier.close()
+    assert _shm_names() == before
