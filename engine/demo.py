@@ -137,8 +137,8 @@ def format_summary(model_name: str, records: list[TurnRecord], wall_s: float) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=4, help="concurrent conversations")
-    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=16, help="reply length cap")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    parser.add_argument("--max-tokens", type=int, default=12, help="reply length cap")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
 
 

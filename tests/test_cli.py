@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 
 import pytest
 
@@ -54,8 +63,12 @@ def test_serve_rejects_bad_values() -> None:
         _serve_args(["--dtype", "int3"])
 
 
-def test_demo_runs_and_later_turns_hit_the_prefix_cache(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_and_later_turns_hit_the_prefix_cache(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from engine import demo
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # build the demo model here, not ~
 
     args = build_parser(["demo"]).parse_args(
         ["demo", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
@@ -77,3 +90,41 @@ def test_percentile_nearest_rank() -> None:
 
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert [percentile(values, q) for q in (0, 20, 50, 90, 100)] == [1.0, 1.0, 3.0, 5.0, 5.0]
+
+
+def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None:
+    from tests.engine.hf_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path, "llama", seed=1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--port", str(port),
+        "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "32",
+        "--max-model-len", "64", "--log-level", "warning",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 45
+        while True:
+            assert proc.poll() is None, "kvtier serve exited early"
+            assert time.monotonic() < deadline, "kvtier serve did not come up"
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        models = httpx.get(f"{base}/v1/models").json()
+        assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 64)]
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+        usage = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["usage"]
+        assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
