@@ -110,7 +110,9 @@ class FreeBlockQueue:
             if seen > self.num_free_blocks + 1:
                 raise AssertionError("free queue longer than its count (cycle?)")
         if seen - 1 != self.num_free_blocks:
-            raise AssertionError(f"free queue has {seen - 1} blocks, count says {self.num_free_blocks}")
+            raise AssertionError(
+                f"free queue has {seen - 1} blocks, count says {self.num_free_blocks}"
+            )
 
 
 class BlockPoolListener(Protocol):

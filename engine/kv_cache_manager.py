@@ -73,13 +73,17 @@ class KVCacheManager:
         bs = self.block_size
         hits: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block = self.pool.get_cached_block(block_hash, request.all_token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.get_cached_block(
+                block_hash, request.all_token_ids[i * bs : (i + 1) * bs]
+            )
             if block is None:
                 break
             hits.append(block)
         return PrefixHit(blocks=tuple(hits), num_tokens=len(hits) * bs)
 
-    def num_blocks_needed(self, request: Request, num_total_tokens: int, hit: PrefixHit = NO_HIT) -> int:
+    def num_blocks_needed(
+        self, request: Request, num_total_tokens: int, hit: PrefixHit = NO_HIT
+    ) -> int:
         """Free-queue blocks that ``allocate_slots`` would consume: new blocks plus prefix-hit
         blocks revived from the free queue. No side effect."""
         table = self._tables.get(request.req_id, [])

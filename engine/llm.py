@@ -46,7 +46,9 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]  # one tokenized prompt
     for p in prompts:
         if not isinstance(p, (str, list)):
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(p).__name__}")
+            raise TypeError(
+                f"a prompt must be a str or a list of token ids, got {type(p).__name__}"
+            )
     return prompts  # type: ignore[return-value]
 
 

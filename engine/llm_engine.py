@@ -52,10 +52,14 @@ class LLMEngine:
         bs = cache_cfg.block_size
         # A sequence that needs more blocks than the whole pool could never run.
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_gpu_blocks * bs)
-        if not sched_cfg.enable_chunked_prefill and sched_cfg.max_num_batched_tokens < self.max_model_len:
+        if (
+            not sched_cfg.enable_chunked_prefill
+            and sched_cfg.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
-                f"without chunked prefill max_num_batched_tokens ({sched_cfg.max_num_batched_tokens})"
-                f" must be >= max_model_len ({self.max_model_len})"
+                "without chunked prefill max_num_batched_tokens "
+                f"({sched_cfg.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len})"
             )
         self.pool = BlockPool(self.runner.num_gpu_blocks, bs, cache_cfg.enable_prefix_caching)
         namespace = Namespace(
@@ -93,7 +97,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self._vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})"
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; it must be shorter than "

@@ -76,7 +76,9 @@ def test_greedy_matches_hf_with_and_without_prefix_hits(arch: str, models: dict)
 
 def test_chunked_prefill_matches_hf(models: dict) -> None:
     model_dir, hf = models["llama"]
-    llm = LLM(model_dir, num_gpu_blocks=64, max_num_batched_tokens=16, dtype="float32", device="cpu")
+    llm = LLM(
+        model_dir, num_gpu_blocks=64, max_num_batched_tokens=16, dtype="float32", device="cpu"
+    )
     rng = random.Random(5)
     prompts = [rand_prompt(rng, n) for n in (50, 7, 33)]
     outs = llm.generate(prompts, GREEDY)
@@ -108,19 +110,24 @@ def llama_llm(models: dict) -> LLM:
 def test_max_tokens_and_stop_token_ids(llama_llm: LLM) -> None:
     rng = random.Random(21)
     prompt = rand_prompt(rng, 10)
-    (full,) = llama_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    (full,) = llama_llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    )
     assert len(full.token_ids) == 16 and full.finish_reason == "length"
     tok = llama_llm.tokenizer
     assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
     stop_tok = full.token_ids[6]
     first = full.token_ids.index(stop_tok)
     (o,) = llama_llm.generate(
-        [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_tok,))
+        [prompt],
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_tok,)),
     )
     assert o.token_ids == full.token_ids[: first + 1]
     assert (o.finish_reason, o.stop_reason) == ("stop", stop_tok)
     assert o.text == tok.decode(full.token_ids[:first], skip_special_tokens=True)
-    (short,) = llama_llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    (short,) = llama_llm.generate(
+        [prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    )
     assert short.token_ids == full.token_ids[:5] and short.finish_reason == "length"
 
 
@@ -147,7 +154,9 @@ def test_stop_strings_end_generation_exactly(llama_llm: LLM) -> None:
     found = 0
     for _ in range(6):
         prompt = rand_prompt(rng, 8)
-        (full,) = llama_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        (full,) = llama_llm.generate(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
         pick = _pick_stop_string(tok, full.token_ids)
         if pick is None:
             continue
@@ -163,7 +172,9 @@ def test_stop_strings_end_generation_exactly(llama_llm: LLM) -> None:
 
 def test_streaming_deltas_and_metrics(llama_llm: LLM) -> None:
     engine = llama_llm.engine
-    engine.add_request("s1", "hello world", SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        "s1", "hello world", SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    )
     deltas, ids, finals = [], [], []
     while engine.has_unfinished_requests():
         for out in engine.step():

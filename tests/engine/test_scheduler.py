@@ -56,7 +56,9 @@ def make(
     config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
     )
-    sched = Scheduler(config, kv, max_model_len=1024, connector=connector, debug=True)  # type: ignore[arg-type]
+    sched = Scheduler(
+        config, kv, max_model_len=1024, connector=connector, debug=True  # type: ignore[arg-type]
+    )
     return sched, FakeRunner(sched)
 
 
@@ -69,7 +71,9 @@ def prompt(n: int, base: int = 0) -> list[int]:
     return [(base + 3 * i) % 500 + 10 for i in range(n)]
 
 
-def run_all(sched: Scheduler, runner: FakeRunner, max_steps: int = 500) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
+def run_all(
+    sched: Scheduler, runner: FakeRunner, max_steps: int = 500
+) -> tuple[dict[str, list[int]], list[SchedulerOutput]]:
     outs: dict[str, list[int]] = {}
     steps: list[SchedulerOutput] = []
     tracked = dict(sched.requests)
@@ -215,11 +219,21 @@ def test_token_stops_and_length() -> None:
     run_all(sched, runner)
     assert r.output_token_ids == out["p"][:2]
     assert r.status is RequestStatus.FINISHED_STOPPED and r.stop_reason == stop_tok
-    eos = Request("e", prompt(5), SamplingParams(max_tokens=10, temperature=0.0), eos_token_ids=frozenset({stop_tok}))
+    eos = Request(
+        "e",
+        prompt(5),
+        SamplingParams(max_tokens=10, temperature=0.0),
+        eos_token_ids=frozenset({stop_tok}),
+    )
     sched.add_request(eos)
     run_all(sched, runner)
     assert eos.output_token_ids == out["p"][:2] and eos.stop_reason is None
-    ignore = Request("i", prompt(5), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), eos_token_ids=frozenset({stop_tok}))
+    ignore = Request(
+        "i",
+        prompt(5),
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        eos_token_ids=frozenset({stop_tok}),
+    )
     sched.add_request(ignore)
     run_all(sched, runner)
     assert ignore.output_token_ids == out["p"] and ignore.status is RequestStatus.FINISHED_LENGTH
@@ -257,7 +271,9 @@ class FakeConnector:
             return ExternalHit(num_tokens=16, load_async=True)
         return ExternalHit()
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.allocs.append((request.req_id, num_external_tokens))
         if num_external_tokens:
             assert self.runner is not None

@@ -25,7 +25,9 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return load_tokenizer(str(out))
 
 
-def stream(tok: Any, text: str, stop: tuple[str, ...] = (), prompt: str = "Q:") -> tuple[list[str], IncrementalDetokenizer, str | None]:
+def stream(
+    tok: Any, text: str, stop: tuple[str, ...] = (), prompt: str = "Q:"
+) -> tuple[list[str], IncrementalDetokenizer, str | None]:
     """Feed ``text``'s tokens one at a time; returns the deltas and the stop string hit."""
     ids = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, tok.encode(prompt), stop=stop)
