@@ -15,7 +15,7 @@ from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ExternalHit, Scheduler
+from engine.scheduler import ExternalHit, Scheduler, SchedulerConnector
 
 BS = 16
 
@@ -49,16 +49,14 @@ def make(
     budget: int = 64,
     max_seqs: int = 8,
     chunked: bool = True,
-    connector: object | None = None,
+    connector: SchedulerConnector | None = None,
 ) -> tuple[Scheduler, FakeRunner]:
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, Namespace(model_fingerprint="fake"))
     config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked
     )
-    sched = Scheduler(
-        config, kv, max_model_len=1024, connector=connector, debug=True  # type: ignore[arg-type]
-    )
+    sched = Scheduler(config, kv, max_model_len=1024, connector=connector, debug=True)
     return sched, FakeRunner(sched)
 
 
