@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 import pytest
 
 from engine.cli import build_parser
@@ -77,7 +76,9 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     out = capsys.readouterr().out
     assert "users=2 turns=3" in out
     assert re.search(r"^requests\s+6$", out, re.M), out
-    first_rate, later_rate = map(float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups())
+    first_rate, later_rate = map(
+        float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups()
+    )
     assert later_rate > 0.0, out
     # Later turns replay whole histories; they must reuse more than first turns do.
     assert later_rate > first_rate, out

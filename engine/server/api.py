@@ -8,6 +8,8 @@ it down (``kvtier serve`` does, after uvicorn returns).
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -52,7 +54,14 @@ class _RequestCounter:
 
         try:
             await self.app(scope, receive, send_and_record)
-        finally:
+        except asyncio.CancelledError:
+            # The client went away before a response started (nginx's "client closed").
+            self.metrics.record_request(endpoint, status[0] if status else 499)
+            raise
+        except BaseException:
+            self.metrics.record_request(endpoint, status[0] if status else 500)
+            raise
+        else:
             self.metrics.record_request(endpoint, status[0] if status else 500)
 
 

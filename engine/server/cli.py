@@ -64,7 +64,9 @@ def main(args: argparse.Namespace) -> int:
     from engine.server.api import build_app
     from engine.server.async_engine import AsyncEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:

@@ -12,7 +12,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.server.async_engine import EngineDeadError
-from engine.tokenizer import encode_chat, encode_prompt
 from engine.server.errors import error_body
 from engine.server.protocol import (
     AssistantMessage,
@@ -39,6 +38,7 @@ from engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
+from engine.tokenizer import encode_chat, encode_prompt
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -71,9 +71,7 @@ async def create_completion(
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
-    finals = await unless_disconnected(
-        raw, asyncio.gather(*(collect_final(s) for s in started))
-    )
+    finals = await unless_disconnected(raw, asyncio.gather(*(collect_final(s) for s in started)))
     response = CompletionResponse(
         id=request_id,
         model=ctx.served_model_name,

@@ -29,7 +29,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -67,7 +67,9 @@ class _SamplingRequest(_Request):
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """``max_tokens`` is the resolved budget (the server fills a default). Raises
         ProtocolError naming the field when SamplingParams rejects a value."""
-        stop: tuple[str, ...] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop: tuple[str, ...] = (
+            (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -90,7 +92,7 @@ class _SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -135,7 +137,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import APIError
 from engine.server.metrics import RequestTimer, ServerMetrics
-from engine.server.protocol import ProtocolError, UsageInfo, _SamplingRequest
+from engine.server.protocol import ProtocolError, SamplingRequest, UsageInfo
 
 T = TypeVar("T")
 DONE_LINE = "data: [DONE]\n\n"
@@ -74,7 +74,7 @@ class ServingContext:
         self.served_model_name = served_model_name
         self.metrics = metrics
 
-    def check_model(self, request: _SamplingRequest) -> None:
+    def check_model(self, request: SamplingRequest) -> None:
         if request.model is not None and request.model != self.served_model_name:
             raise APIError(
                 404,
@@ -83,7 +83,7 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def prepare(self, request: _SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
+    def prepare(self, request: SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
         """Resolves ``max_tokens`` and enforces ``prompt + max_tokens <= max_model_len``.
         Raises ProtocolError (400)."""
         max_len = self.engine.max_model_len
@@ -117,7 +117,7 @@ class ServingContext:
         return PreparedPrompt(token_ids, max_tokens)
 
     async def start(
-        self, request_id: str, prompts: list[PreparedPrompt], request: _SamplingRequest
+        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest
     ) -> list[StartedRequest]:
         """Submits every prompt and waits for each one's first output, so that a rejected
         request raises here (ValueError -> 400) before a response starts. On any failure the
@@ -175,9 +175,7 @@ async def merge(started: list[StartedRequest]) -> AsyncIterator[tuple[int, Reque
         async for output in started[0].outputs():
             yield started[0].index, output
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
-        asyncio.Queue()
-    )
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(s: StartedRequest) -> None:
         try:

@@ -17,7 +17,11 @@ from tests.engine.hf_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[1, 17, 40, 99, 230, 7], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [1, 300]]
+PROMPTS = [
+    [1, 17, 40, 99, 230, 7],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [1, 300],
+]
 
 
 def _config(model_dir: str) -> EngineConfig:
@@ -172,7 +176,6 @@ def test_step_failure_fails_waiting_requests_and_later_ones(engine: AsyncEngine)
         return real_step()
 
     engine.engine.step = failing_step  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
     async def run() -> tuple[BaseException | list[RequestOutput], ...]:
         return await asyncio.wait_for(
