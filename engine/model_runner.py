@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,6 +22,19 @@ from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import load_model, model_fingerprint
 from engine.sampler import Sampler, SampleRequest
+
+
+class KVConnectorWorker(Protocol):
+    """The worker side of a KV connector as the runner calls it (implemented in connectors/).
+
+    Called from the engine thread only, once per step, in this order: ``start_load_kv``
+    before the forward pass, ``wait_for_save`` and ``after_step`` after it."""
+
+    def start_load_kv(self, metadata: object | None) -> None: ...
+
+    def wait_for_save(self) -> None: ...
+
+    def after_step(self, metadata: object | None) -> None: ...
 
 _CUDA_MARGIN_BYTES = 1 << 30  # activations, logits and allocator slack outside the KV cache
 
@@ -95,6 +109,15 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         # req_id -> tokens whose KV this runner has written; dropped on finished_req_ids.
         self._num_tokens_written: dict[str, int] = {}
+        self._kv_connector: KVConnectorWorker | None = None
+
+    def set_kv_connector(self, worker: KVConnectorWorker | None) -> None:
+        """Attach (or detach with None) the worker side of a KV connector. Each step then calls
+        ``worker.start_load_kv(meta)`` before the forward pass (loads into this step's blocks
+        must be issued first) and ``worker.wait_for_save()`` then ``worker.after_step(meta)``
+        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``. Empty steps call
+        them too, so a connector can make progress while nothing is scheduled."""
+        self._kv_connector = worker
 
     def _num_blocks_for(self, spec: KVCacheSpec) -> int:
         cache_cfg = self.config.cache
@@ -138,9 +161,16 @@ class ModelRunner:
         range, position past max_model_len, duplicate req_id)."""
         for req_id in out.finished_req_ids:
             self._num_tokens_written.pop(req_id, None)
+        connector = self._kv_connector
         if out.is_empty:
+            if connector is not None:
+                connector.start_load_kv(out.kv_connector_metadata)
+                connector.wait_for_save()
+                connector.after_step(out.kv_connector_metadata)
             return ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         batch = self.prepare_inputs(out)
+        if connector is not None:
+            connector.start_load_kv(out.kv_connector_metadata)
         with torch.inference_mode():
             self.attn_backend.plan(batch.metadata)
             hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
@@ -158,6 +188,9 @@ class ModelRunner:
                 if logits_out is not None:
                     rows = logits.cpu()
                     logits_out = {rid: rows[i] for i, rid in enumerate(batch.sample_req_ids)}
+        if connector is not None:
+            connector.wait_for_save()
+            connector.after_step(out.kv_connector_metadata)
         for r in out.requests:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
         return ModelRunnerOutput(sampled_token_ids=sampled, logits=logits_out)

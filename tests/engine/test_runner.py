@@ -181,3 +181,41 @@ def test_bad_scheduler_output_is_rejected_clearly(tmp_path) -> None:
         step(runner, req("x", [], 0, [0]))
     empty = runner.execute_model(SchedulerOutput([], 0), return_logits=False)
     assert empty.sampled_token_ids == {} and empty.logits is None
+
+
+class RecordingConnector:
+    """A connector worker that records the calls the runner makes, and what the cache held
+    when the load was started (the load must come before this step's KV is written)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.calls: list[tuple[str, object]] = []
+
+    def start_load_kv(self, metadata: object | None) -> None:
+        self.calls.append(("start_load_kv", metadata))
+        self.cache_sum_at_load = float(self.runner.kv_cache.tensor.abs().sum())
+
+    def wait_for_save(self) -> None:
+        self.calls.append(("wait_for_save", None))
+
+    def after_step(self, metadata: object | None) -> None:
+        self.calls.append(("after_step", metadata))
+
+
+def test_kv_connector_hooks_run_around_the_forward_pass(tmp_path) -> None:
+    runner = make_runner(make_tiny_model(tmp_path, "llama"), num_blocks=4)
+    conn = RecordingConnector(runner)
+    runner.set_kv_connector(conn)
+    meta = object()
+    r = req("x", [5, 6, 7], 0, [1])
+    out = runner.execute_model(SchedulerOutput([r], 3, kv_connector_metadata=meta))
+    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
+    assert conn.cache_sum_at_load == 0.0 and runner.kv_cache.tensor.abs().sum() > 0
+    assert list(out.sampled_token_ids) == ["x"]
+    conn.calls.clear()
+    runner.execute_model(SchedulerOutput([], 0, kv_connector_metadata=meta))
+    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
+    runner.set_kv_connector(None)
+    conn.calls.clear()
+    runner.execute_model(SchedulerOutput([req("x", [8], 3, [1], n_out=1)], 1))
+    assert conn.calls == []
