@@ -1,0 +1,52 @@
+"""What every benchmark reports about the machine it ran on, and small timing helpers.
+
+``machine_info()`` never fails: a field it cannot learn is ``None``. torch is imported only if
+it is installed (bench/tiers.py's Redis/S3 rows do not need it).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU model and count, Python/torch versions, CUDA device name if any."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": None,
+        "cuda_device": None,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["cuda_device"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of an ascending list, nearest-rank; 0.0 when empty."""
+    if not sorted_values:
+        return 0.0
+    rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values)) - 1))
+    return sorted_values[rank]
