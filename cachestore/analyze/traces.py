@@ -225,3 +225,18 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     if fmt == "prompts":
         return read_prompts(path, bt, tokenizer_dir)
     return READERS[fmt](path, bt)
+
+
+def trace_from_requests(requests: list[list[Hashable]], block_tokens: int = 16,
+                        input_tokens: list[int] | None = None,
+                        timestamps_s: list[float] | None = None) -> Trace:
+    """Build a trace in memory (tests, benchmarks): one list of block keys per request.
+
+    ``input_tokens`` defaults to full blocks; ``timestamps_s`` to the request index.
+    """
+    n = len(requests)
+    tokens = input_tokens or [len(r) * block_tokens for r in requests]
+    ts = timestamps_s or [float(i) for i in range(n)]
+    if len(tokens) != n or len(ts) != n:
+        raise ValueError("input_tokens and timestamps_s need one entry per request")
+    return _build("memory", block_tokens, [(ts[i], list(requests[i]), tokens[i]) for i in range(n)])
