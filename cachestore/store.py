@@ -1,0 +1,354 @@
+"""The hierarchical store: one ordered list of tiers (top = fastest) behind one API.
+
+- ``lookup`` says, per tier, how many leading keys it holds, and for the chain which tier serves
+  each leading block (the first tier holding it); the chain is the longest prefix available
+  across all tiers.
+- ``get_many`` reads top-down, decodes through the codec (checksum, namespace), and queues
+  hits from lower tiers for promotion into the top tier (asynchronous).
+- ``put_many`` writes encoded blocks to the top tier. Evictions from tier i are demoted to tier
+  i+1 by one background worker per tier, fed by bounded queues; a full queue drops the demotion
+  (counted), never blocks the caller. The last tier's evictions are dropped (counted).
+- Pins: between ``prepare_load`` and ``complete_load`` a key is pinned in every tier that
+  supports pins (host, lmdb: ``pin``/``unpin`` methods) and is not evicted there.
+- In-flight stores: ``prepare_store`` hands each key to one caller only (not present at the top,
+  not being stored); ``put_many`` skips a key another ``put_many`` is writing. A concurrent
+  ``get_many`` of a key being stored MISSES; it never waits.
+- Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
+  ``errors`` count, never an exception to the caller; a CodecError is a miss plus ``corrupt``,
+  and the bad value is deleted. A failing tier is skipped with exponential backoff
+  (``TierHealth``), then probed again.
+
+Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cachestore.codec import CodecError, decode_block
+from cachestore.store_metrics import TierHealth, TierStats, register_prometheus
+from tiers.base import Evicted, Tier, Value
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_SKIP: Any = object()  # a tier call that did not happen or failed
+_STOP: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    namespace: str | None = None  # expected ``Namespace.key_prefix()`` of every block; None: any
+    queue_batches: int = 64  # per-tier demotion / promotion queue bound, in batches
+    promote_on_get: bool = True
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    ewma_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.queue_batches <= 0 or not 0 < self.ewma_alpha <= 1:
+            raise ValueError("queue_batches must be positive and ewma_alpha in (0, 1]")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass(frozen=True, slots=True)
+class TierLookup:
+    name: str
+    num_leading: int  # leading keys this tier holds (0 when it failed or is backing off)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    per_tier: tuple[TierLookup, ...]
+    served_by: tuple[int, ...]  # tier index serving each block of the available prefix
+
+    @property
+    def num_blocks(self) -> int:
+        """Length of the longest prefix available across all tiers."""
+        return len(self.served_by)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(tier_index, start, count)`` for each stretch of blocks served by one tier."""
+        out: list[tuple[int, int, int]] = []
+        for i, tier in enumerate(self.served_by):
+            if out and out[-1][0] == tier:
+                out[-1] = (tier, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((tier, i, 1))
+        return out
+
+
+class HierarchicalStore:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig, *, registry: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Start one worker per tier. ``registry``: a prometheus_client CollectorRegistry."""
+        if not tiers:
+            raise ValueError("a hierarchical store needs at least one tier")
+        self.tiers = list(tiers)
+        self.config = config
+        names = [t.name for t in self.tiers]
+        self._stats = [TierStats(n if names.count(n) == 1 else f"{n}{i}", config.ewma_alpha)
+                       for i, n in enumerate(names)]
+        self._health = [TierHealth(config.backoff_initial_s, config.backoff_max_s, clock)
+                        for _ in self.tiers]
+        self._lock = threading.Lock()
+        self._storing: set[str] = set()  # handed out by prepare_store
+        self._writing: set[str] = set()  # inside a put_many
+        self._load_pins: Counter[tuple[int, str]] = Counter()
+        # Queue i feeds tier i: promotions for the top tier, demotions for the others.
+        self._queues: list[queue.Queue[Any]] = [queue.Queue(config.queue_batches)
+                                                for _ in self.tiers]
+        self._workers = [threading.Thread(target=self._work, args=(i,), daemon=True,
+                                          name=f"kvtier-store-{s.name}")
+                         for i, s in enumerate(self._stats)]
+        for worker in self._workers:
+            worker.start()
+        self._collector = None
+        if registry is not None:
+            self._collector = register_prometheus(registry, self._tier_rows)
+        self._registry = registry
+        self._closed = False
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> LookupResult:
+        """Side-effect free but for LRU refreshes inside tiers. Never raises for tier failures."""
+        per_tier = [self._call(i, lambda t: t.lookup(keys), 0) for i in range(len(self.tiers))]
+        # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
+        known = [(0, n) for n in per_tier]
+        served: list[int] = []
+        for p in range(len(keys)):
+            for i in range(len(self.tiers)):
+                start, n = known[i]
+                if p > start + n:  # past what we know: ask again from p
+                    n = self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    known[i] = (start, n) = (p, n)
+                if p < start + n:
+                    served.append(i)
+                    break
+            else:
+                break
+        return LookupResult(
+            per_tier=tuple(TierLookup(s.name, n) for s, n in zip(self._stats, per_tier)),
+            served_by=tuple(served))
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
+
+        A payload from the host tier is a view into its slab: stable while the key is pinned
+        (``prepare_load``), otherwise until the host tier evicts it. Others are owned bytes.
+        """
+        out: list[Value | None] = [None] * len(keys)
+        remaining = list(range(len(keys)))
+        promote: list[tuple[str, bytes]] = []
+        for i, tier in enumerate(self.tiers):
+            if not remaining:
+                break
+            wanted = [keys[j] for j in remaining]
+            t0 = time.perf_counter()
+            values = self._call(i, lambda t: t.get_many(wanted), _SKIP)
+            if values is _SKIP:
+                continue
+            seconds = time.perf_counter() - t0
+            still, corrupt, nbytes = [], [], 0
+            for j, value in zip(remaining, values):
+                if value is None:
+                    still.append(j)
+                    continue
+                nbytes += len(value)
+                try:
+                    out[j] = decode_block(value, self.config.namespace).payload
+                except CodecError as exc:
+                    log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
+                    corrupt.append(keys[j])
+                    still.append(j)
+                    continue
+                if i > 0 and self.config.promote_on_get:
+                    promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
+            stats = self._stats[i]
+            stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
+            if corrupt:
+                stats.add("corrupt", len(corrupt))
+                self._call(i, lambda t: t.delete_many(corrupt), 0)
+            remaining = still
+        if promote:
+            self._promote(promote)
+        return out
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> int:
+        """Write encoded blocks (``codec.encode_block``) to the top tier; return how many were
+        written. Keys another ``put_many`` is writing, and repeats, are skipped. Never raises
+        for tier failures (a failed write is counted and returns 0)."""
+        with self._lock:
+            mine: list[tuple[str, Value]] = []
+            for key, value in items:
+                if key not in self._writing:
+                    self._writing.add(key)
+                    mine.append((key, value))
+        try:
+            return self._write(0, mine) if mine else 0
+        finally:
+            with self._lock:
+                self._writing.difference_update(k for k, _ in mine)
+
+    def prepare_store(self, keys: Sequence[str]) -> list[str]:
+        """The keys this caller should store: not at the top tier and not being stored by
+        someone else. They stay reserved until ``complete_store``."""
+        with self._lock:
+            fresh = [k for k in dict.fromkeys(keys) if k not in self._storing
+                     and k not in self._writing]
+            self._storing.update(fresh)
+        present = {k for k in fresh if self._call(0, lambda t, k=k: t.contains(k), False)}
+        if present:
+            with self._lock:
+                self._storing.difference_update(present)
+        return [k for k in fresh if k not in present]
+
+    def complete_store(self, keys: Sequence[str], success: bool) -> None:
+        """Release keys from ``prepare_store``; ``success`` is for the caller's bookkeeping:
+        the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
+        with self._lock:
+            self._storing.difference_update(keys)
+
+    def prepare_load(self, keys: Sequence[str]) -> int:
+        """Pin each key in every pin-capable tier holding it; return how many leading keys are
+        pinned somewhere. Balance with ``complete_load(keys)``."""
+        pinned_somewhere = [False] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            pin = getattr(tier, "pin", None)
+            if pin is None:
+                continue
+            for j, key in enumerate(keys):
+                if self._call(i, lambda t, key=key: pin([key]), 0) == 1:
+                    pinned_somewhere[j] = True
+                    with self._lock:
+                        self._load_pins[(i, key)] += 1
+        return next((j for j, p in enumerate(pinned_somewhere) if not p), len(keys))
+
+    def complete_load(self, keys: Sequence[str]) -> None:
+        """Undo ``prepare_load``'s pins for ``keys``."""
+        for key in keys:
+            for i, tier in enumerate(self.tiers):
+                with self._lock:
+                    if self._load_pins[(i, key)] == 0:
+                        continue
+                    self._load_pins[(i, key)] -= 1
+                    if self._load_pins[(i, key)] == 0:
+                        del self._load_pins[(i, key)]
+                self._call(i, lambda t, key=key: t.unpin([key]), None)
+
+    # -- background ----------------------------------------------------------------------
+
+    def _write(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
+        """Write to tier i (in the caller's thread); demote what it evicted. Returns count."""
+        t0 = time.perf_counter()
+        evicted = self._call(i, lambda t: t.put_many(items), _SKIP)
+        if evicted is _SKIP:
+            return 0
+        stats = self._stats[i]
+        stats.record_write(sum(len(v) for _, v in items), time.perf_counter() - t0)
+        if evicted:
+            stats.add("evictions", len(evicted))
+            self._demote(i, evicted)
+        return len(items)
+
+    def _demote(self, i: int, evicted: list[Evicted]) -> None:
+        stats = self._stats[i]
+        if i + 1 == len(self.tiers):
+            stats.add("dropped_at_bottom", len(evicted))
+            return
+        batch = [(e.key, e.value) for e in evicted if e.value is not None]
+        if len(batch) < len(evicted):
+            stats.add("demotions_dropped", len(evicted) - len(batch))
+        if batch:
+            try:
+                self._queues[i + 1].put_nowait(batch)
+            except queue.Full:
+                stats.add("demotions_dropped", len(batch))
+
+    def _promote(self, items: list[tuple[str, bytes]]) -> None:
+        try:
+            self._queues[0].put_nowait(items)
+        except queue.Full:
+            self._stats[0].add("promotions_dropped", len(items))
+            return
+        self._stats[0].add("promotions", len(items))
+
+    def _work(self, i: int) -> None:
+        q = self._queues[i]
+        while True:
+            batch = q.get()
+            try:
+                if batch is _STOP:
+                    return
+                if i > 0 and not self._health[i].available():
+                    # A tier backing off passes its demotions further down instead.
+                    self._stats[i].add("skipped")
+                    self._demote(i, [Evicted(k, v) for k, v in batch])
+                else:
+                    self._write(i, batch)
+            except Exception:  # a worker must survive anything; the batch is lost, counted
+                log.exception("store worker for tier %d", i)
+                self._stats[i].add("errors")
+            finally:
+                q.task_done()
+
+    def _call(self, i: int, fn: Callable[[Tier], T], default: T) -> T:
+        """Run ``fn`` on tier i unless it is backing off; a failure counts and backs off."""
+        health = self._health[i]
+        if not health.available():
+            self._stats[i].add("skipped")
+            return default
+        try:
+            result = fn(self.tiers[i])
+        except Exception as exc:  # TierError, or a backend bug: still a miss, never a failure
+            log.warning("tier %s failed: %s", self.tiers[i].name, exc)
+            self._stats[i].add("errors")
+            health.record_failure()
+            return default
+        health.record_success()
+        return result
+
+    # -- lifecycle and stats -------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until promotions and demotions queued so far are written (tests use it)."""
+        for q in self._queues:  # items only flow downwards, so one pass in order suffices
+            q.join()
+
+    def _tier_rows(self) -> list[dict[str, Any]]:
+        rows = [s.snapshot() for s in self._stats]
+        for row, q, health in zip(rows, self._queues, self._health):
+            row["queue_batches"] = q.qsize()
+            row["consecutive_failures"] = health.consecutive_failures
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            in_flight = len(self._storing | self._writing)
+            pins = sum(self._load_pins.values())
+        return {"tiers": self._tier_rows(), "in_flight_stores": in_flight, "load_pins": pins}
+
+    def close(self) -> None:
+        """Drain the queues, stop the workers, unregister metrics, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        for q in self._queues:
+            q.put(_STOP)
+        for worker in self._workers:
+            worker.join()
+        if self._collector is not None:
+            self._registry.unregister(self._collector)
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,217 @@
+"""Hierarchical store: exact demotion counts, promotion, lookup, corruption and failing tiers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachestore.codec import BlockMeta, encode_block, encoded_size
+from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.tier_config import build_tiers, parse_tier_config
+from tiers.host import HostTier
+from tiers.lmdb import LmdbTier
+
+NS = Namespace("store-test")
+PREFIX = NS.key_prefix()
+META = BlockMeta(dtype="uint8", shape=(32,), layout="block_major_v1", namespace=PREFIX)
+SIZE = encoded_size(META)
+KEYS = [block_key(NS, h) for h in hash_request_tokens(NS, list(range(16 * 24)))]
+
+
+def payload(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def block(i: int) -> bytes:
+    return encode_block(payload(i), META)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(tmp_path: Path, host_blocks: int = 4, lmdb_blocks: int = 6,
+               **config: Any) -> HierarchicalStore:
+    tiers = [HostTier(host_blocks * SIZE, SIZE), LmdbTier(tmp_path / "db", lmdb_blocks * SIZE)]
+    return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX, **config))
+
+
+def counters(store: HierarchicalStore, name: str) -> list[int]:
+    return [row[name] for row in store.stats()["tiers"]]
+
+
+def test_fill_beyond_capacity_demotes_host_to_lmdb_then_drops(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    host, lmdb = store.tiers
+    for i in range(12):
+        assert store.put_many([(KEYS[i], block(i))]) == 1
+    store.flush()
+    assert host.lru_keys() == KEYS[8:12]
+    assert lmdb.lru_keys() == KEYS[2:8]
+    assert counters(store, "evictions") == [8, 2]
+    assert counters(store, "dropped_at_bottom") == [0, 2]
+    assert counters(store, "bytes_written") == [12 * SIZE, 8 * SIZE]
+    res = store.lookup(KEYS[2:12])
+    assert [t.num_leading for t in res.per_tier] == [0, 6]
+    assert res.served_by == (1,) * 6 + (0,) * 4 and res.runs() == [(1, 0, 6), (0, 6, 4)]
+    assert store.lookup(KEYS[:12]).num_blocks == 0  # KEYS[0] is gone everywhere
+    store.close()
+
+
+def test_get_decodes_promotes_and_counts(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    host, lmdb = store.tiers
+    for i in range(8):
+        store.put_many([(KEYS[i], block(i))])
+    store.flush()
+    assert lmdb.lru_keys() == KEYS[0:4] and host.lru_keys() == KEYS[4:8]
+    got = store.get_many([KEYS[5], KEYS[1], KEYS[20]])
+    assert [None if g is None else bytes(g) for g in got] == [payload(5), payload(1), None]
+    store.flush()
+    # KEYS[1] was promoted to host, which evicted its LRU entry KEYS[4] down to LMDB.
+    assert host.lru_keys() == [KEYS[6], KEYS[7], KEYS[5], KEYS[1]]
+    assert lmdb.lru_keys() == [KEYS[0], KEYS[2], KEYS[3], KEYS[1], KEYS[4]]
+    assert counters(store, "hits") == [1, 1] and counters(store, "misses") == [2, 1]
+    assert counters(store, "promotions") == [1, 0]
+    assert counters(store, "bytes_read") == [SIZE, SIZE]
+    assert store.stats()["tiers"][1]["read_bandwidth_bps"] > 0
+    store.close()
+
+
+def test_corrupt_or_foreign_value_in_lower_tier_is_a_miss(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    lmdb = store.tiers[1]
+    bad = bytearray(block(1))
+    bad[-20] ^= 0x01
+    other = encode_block(payload(2), BlockMeta("uint8", (32,), "block_major_v1", "other-ns"))
+    lmdb.put_many([(KEYS[1], bytes(bad)), (KEYS[2], other), (KEYS[3], block(3))])
+    got = store.get_many(KEYS[1:4])
+    assert got[0] is None and got[1] is None and bytes(got[2]) == payload(3)
+    assert counters(store, "corrupt") == [0, 2]
+    assert counters(store, "hits") == [0, 1] and counters(store, "misses") == [3, 2]
+    assert lmdb.lookup([KEYS[1]]) == 0 and lmdb.lookup([KEYS[2]]) == 0  # bad values deleted
+    store.close()
+
+
+def test_pins_dedup_and_full_demotion_queue(tmp_path: Path) -> None:
+    store = make_store(tmp_path, queue_batches=1)
+    host, lmdb = store.tiers
+    assert store.prepare_store(KEYS[:3]) == KEYS[:3]
+    assert store.prepare_store(KEYS[1:5]) == KEYS[3:5]  # 1, 2 already being stored
+    store.put_many([(KEYS[i], block(i)) for i in range(4)])
+    store.complete_store(KEYS[:5], success=True)
+    assert store.prepare_store(KEYS[:6]) == [KEYS[4], KEYS[5]]  # 0..3 now at the top
+    store.complete_store(KEYS[4:6], success=False)
+    assert store.prepare_load([KEYS[0], KEYS[1], KEYS[9]]) == 2
+    assert store.stats()["load_pins"] == 2
+    # Hold the LMDB writer so that the store's demotion worker blocks on its first batch.
+    with lmdb._lock:
+        store.put_many([(KEYS[4], block(4))])
+        deadline = time.monotonic() + 10
+        while store.stats()["tiers"][1]["queue_batches"] and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the worker has taken the batch and blocks in LMDB
+        for i in range(5, 8):
+            store.put_many([(KEYS[i], block(i))])
+        # Evictions, oldest unpinned first: 2 (taken by the worker), 3 (queued), 4, 5 (dropped).
+        assert [k in host.lru_keys() for k in KEYS[:2]] == [True, True]
+        assert counters(store, "demotions_dropped") == [2, 0]
+    store.flush()
+    assert lmdb.lru_keys() == [KEYS[2], KEYS[3]]
+    store.complete_load([KEYS[0], KEYS[1], KEYS[9]])
+    assert store.stats()["load_pins"] == 0
+    store.put_many([(KEYS[8], block(8))])
+    store.flush()
+    assert KEYS[0] not in host.lru_keys() and lmdb.lru_keys()[-1] == KEYS[0]
+    store.close()
+
+
+def test_prometheus_export(tmp_path: Path) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    store = HierarchicalStore([HostTier(4 * SIZE, SIZE)], StoreConfig(), registry=registry)
+    store.put_many([(KEYS[0], block(0))])
+    store.get_many([KEYS[0], KEYS[1]])
+    assert registry.get_sample_value("kvtier_store_hits_total", {"tier": "host"}) == 1.0
+    assert registry.get_sample_value("kvtier_store_misses_total", {"tier": "host"}) == 1.0
+    assert registry.get_sample_value("kvtier_store_bytes_written_total",
+                                     {"tier": "host"}) == float(SIZE)
+    store.close()
+    assert registry.get_sample_value("kvtier_store_hits_total", {"tier": "host"}) is None
+
+
+def _four_tiers(tmp_path: Path, redis_config: dict[str, Any],
+                s3_config: dict[str, Any]) -> list[Any]:
+    cfg = parse_tier_config({"tiers": [
+        {"kind": "host", "capacity": 2 * SIZE, "slot_bytes": SIZE},
+        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": 3 * SIZE},
+        dict(redis_config), dict(s3_config),
+    ]})
+    return build_tiers(cfg)
+
+
+def test_four_tiers_demote_in_order_and_promote_from_s3(
+        tmp_path: Path, redis_config: dict[str, Any], s3_config: dict[str, Any]) -> None:
+    store = HierarchicalStore(_four_tiers(tmp_path, redis_config, s3_config),
+                              StoreConfig(namespace=PREFIX))
+    host, lmdb, redis, s3 = store.tiers
+    for i in range(8):
+        store.put_many([(KEYS[i], block(i))])
+    store.flush()
+    assert host.lru_keys() == KEYS[6:8] and lmdb.lru_keys() == KEYS[3:6]
+    assert redis.lookup(KEYS[:3]) == 3 and redis.lookup(KEYS[3:8]) == 0
+    assert counters(store, "evictions") == [6, 3, 0, 0]
+    res = store.lookup(KEYS[:8])
+    assert res.served_by == (2, 2, 2, 1, 1, 1, 0, 0)
+    assert [t.num_leading for t in res.per_tier] == [0, 0, 3, 0]
+    # A block only S3 has (Redis never evicts, so S3 is written directly here).
+    s3.put_many([(KEYS[16], block(16))])
+    assert store.lookup([KEYS[16]]).served_by == (3,)
+    (got,) = store.get_many([KEYS[16]])
+    assert bytes(got) == payload(16)
+    store.flush()
+    assert host.lru_keys() == [KEYS[7], KEYS[16]]
+    assert counters(store, "hits") == [0, 0, 0, 1] and counters(store, "promotions") == [1, 0, 0, 0]
+    assert store.lookup([KEYS[16]]).served_by == (0,)
+    store.close()
+
+
+def test_failing_tier_degrades_to_misses_with_backoff(
+        tmp_path: Path, redis_server: Any, redis_config: dict[str, Any]) -> None:
+    clock = FakeClock()
+    cfg = parse_tier_config({"tiers": [
+        {"kind": "host", "capacity": 2 * SIZE, "slot_bytes": SIZE},
+        {**redis_config, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "retries": 0},
+    ]})
+    store = HierarchicalStore(build_tiers(cfg), StoreConfig(namespace=PREFIX,
+                              backoff_initial_s=10.0), clock=clock)
+    store.tiers[1].put_many([(KEYS[0], block(0))])
+    redis_server.stop()
+    try:
+        assert store.get_many([KEYS[0]]) == [None]
+        assert counters(store, "errors") == [0, 1]
+        assert store.lookup([KEYS[0]]).num_blocks == 0  # backing off: skipped, no error
+        assert counters(store, "errors") == [0, 1] and counters(store, "skipped")[1] >= 1
+        for i in range(1, 4):  # host evictions demoted into the dead tier: passed on, dropped
+            store.put_many([(KEYS[i], block(i))])
+        store.flush()
+        assert counters(store, "evictions") == [1, 0]
+        assert counters(store, "dropped_at_bottom") == [0, 1]  # skipped tier passes it down
+        assert store.get_many([KEYS[3]])[0] is not None
+        clock.now += 10.0  # backoff over: the next call probes and fails again (20 s now)
+        assert store.get_many([KEYS[0]]) == [None] and counters(store, "errors") == [0, 2]
+    finally:
+        redis_server.start()
+    clock.now += 20.0
+    store.tiers[1].put_many([(KEYS[9], block(9))])  # the restarted server starts empty
+    (got,) = store.get_many([KEYS[9]])
+    assert got is not None and bytes(got) == payload(9)
+    assert store.stats()["tiers"][1]["consecutive_failures"] == 0
+    store.close()
