@@ -209,6 +209,30 @@ def test_concurrent_streaming_clients(server: Server) -> None:
         assert list(pool.map(stream, prompts)) == refs
 
 
+def test_batched_prompts_give_one_choice_each(server: Server) -> None:
+    prompts = [PROMPT, "Redis holds the blocks"]
+    refs = [_reference(server, p, max_tokens=9, ignore_eos=True) for p in prompts]
+    extra = {"ignore_eos": True}
+    full = server.client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=9, temperature=0, extra_body=extra
+    )
+    assert [(c.index, c.text) for c in full.choices] == [(0, refs[0].text), (1, refs[1].text)]
+    num_prompt = sum(len(r.prompt_token_ids) for r in refs)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (num_prompt, 18)
+    texts = ["", ""]
+    chunks = server.client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=9, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra,
+    )  # fmt: skip
+    usage = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [refs[0].text, refs[1].text]
+    assert usage is not None and usage.total_tokens == num_prompt + 18
+
+
 def test_metrics_count_requests_and_tokens(server: Server) -> None:
     _wait_idle(server)
     before = httpx.get(f"{server.base_url}/metrics").text
@@ -253,6 +277,26 @@ def test_client_disconnect_aborts_streaming_request(server: Server) -> None:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")
+    _wait_idle(server)
+    assert server.engine.stats()["generation_tokens_total"] - before < 60
+
+
+def test_client_disconnect_aborts_non_streaming_request(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _wait_idle(server)
+    core = server.engine.engine
+    real_step = core.step
+
+    def slow_step() -> list[object]:
+        time.sleep(0.02)  # 100 tokens take >= 2 s: the client leaves long before
+        return real_step()
+
+    monkeypatch.setattr(core, "step", slow_step)
+    before = server.engine.stats()["generation_tokens_total"]
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.5)
     _wait_idle(server)
     assert server.engine.stats()["generation_tokens_total"] - before < 60
 
