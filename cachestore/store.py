@@ -128,15 +128,16 @@ class HierarchicalStore:
             for i in range(len(self.tiers)):
                 start, n = known[i]
                 if p > start + n:  # past what we know: ask again from p
-                    n = self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
-                    known[i] = (start, n) = (p, n)
+                    start, n = p, self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    known[i] = (start, n)
                 if p < start + n:
                     served.append(i)
                     break
             else:
                 break
         return LookupResult(
-            per_tier=tuple(TierLookup(s.name, n) for s, n in zip(self._stats, per_tier)),
+            per_tier=tuple(TierLookup(s.name, n)
+                           for s, n in zip(self._stats, per_tier, strict=True)),
             served_by=tuple(served))
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
@@ -153,12 +154,12 @@ class HierarchicalStore:
                 break
             wanted = [keys[j] for j in remaining]
             t0 = time.perf_counter()
-            values = self._call(i, lambda t: t.get_many(wanted), _SKIP)
+            values = self._call(i, lambda t, w=wanted: t.get_many(w), _SKIP)
             if values is _SKIP:
                 continue
             seconds = time.perf_counter() - t0
             still, corrupt, nbytes = [], [], 0
-            for j, value in zip(remaining, values):
+            for j, value in zip(remaining, values, strict=False):  # a tier's answer
                 if value is None:
                     still.append(j)
                     continue
@@ -176,7 +177,7 @@ class HierarchicalStore:
             stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
             if corrupt:
                 stats.add("corrupt", len(corrupt))
-                self._call(i, lambda t: t.delete_many(corrupt), 0)
+                self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
             remaining = still
         if promote:
             self._promote(promote)
@@ -228,7 +229,7 @@ class HierarchicalStore:
             if pin is None:
                 continue
             for j, key in enumerate(keys):
-                if self._call(i, lambda t, key=key: pin([key]), 0) == 1:
+                if self._call(i, lambda t, key=key, pin=pin: pin([key]), 0) == 1:
                     pinned_somewhere[j] = True
                     with self._lock:
                         self._load_pins[(i, key)] += 1
@@ -237,7 +238,7 @@ class HierarchicalStore:
     def complete_load(self, keys: Sequence[str]) -> None:
         """Undo ``prepare_load``'s pins for ``keys``."""
         for key in keys:
-            for i, tier in enumerate(self.tiers):
+            for i in range(len(self.tiers)):
                 with self._lock:
                     if self._load_pins[(i, key)] == 0:
                         continue
@@ -327,7 +328,7 @@ class HierarchicalStore:
 
     def _tier_rows(self) -> list[dict[str, Any]]:
         rows = [s.snapshot() for s in self._stats]
-        for row, q, health in zip(rows, self._queues, self._health):
+        for row, q, health in zip(rows, self._queues, self._health, strict=True):
             row["queue_batches"] = q.qsize()
             row["consecutive_failures"] = health.consecutive_failures
         return rows

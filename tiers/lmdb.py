@@ -137,7 +137,7 @@ class LmdbTier(Tier):
                 buf = txn.get(key.encode())
                 out.append(None if buf is None else bytes(buf))
         with self._lock:
-            for key, value in zip(keys, out):
+            for key, value in zip(keys, out, strict=True):
                 if value is not None and key in self._index:
                     self._touch(key)
         return out
