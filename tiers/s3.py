@@ -206,8 +206,8 @@ class S3Tier(Tier):
         i = 0
         while i < len(keys):
             probes = list(range(i, len(keys), bpo))[:fanout]
-            pointers = dict(zip(probes, self._parallel(self._read_pointer,
-                                                       [keys[p] for p in probes])))  # fmt: skip
+            found = self._parallel(self._read_pointer, [keys[p] for p in probes])
+            pointers = dict(zip(probes, found, strict=True))
             while i < len(keys) and i in pointers:
                 ptr = pointers[i]
                 if ptr is None or keys[i] not in ptr.keys:
@@ -238,7 +238,7 @@ class S3Tier(Tier):
         groups = list(spans)
         bodies = self._parallel(
             lambda g: self._get(g, f"bytes={spans[g][0]}-{spans[g][1] - 1}"), groups)
-        by_group = dict(zip(groups, bodies))
+        by_group = dict(zip(groups, bodies, strict=True))
         out: list[Value | None] = []
         for loc in locs:
             body = None if loc is None else by_group[loc.group]
@@ -282,15 +282,15 @@ class S3Tier(Tier):
         """Delete pointers; rewrite group-mates' pointers so no manifest lists a deleted key."""
         wanted = list(dict.fromkeys(keys))
         pointers = self._parallel(self._read_pointer, wanted)
-        present = {k: p for k, p in zip(wanted, pointers) if p is not None and k in p.keys}
+        present = {k: p for k, p in zip(wanted, pointers, strict=True) if p is not None and k in p.keys}
         if not present:
             return 0
         names = [{"Key": self._pointer_name(k)} for k in present]
         for s in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
             self._call("delete", lambda b=names[s : s + 1000]: self._s3.delete_objects(
                 Bucket=self.config.bucket, Delete={"Objects": b, "Quiet": True}))  # fmt: skip
-        mates = {m for p in present.values() for m in p.keys if m not in present}
-        for mate, ptr in zip(mates, self._parallel(self._read_pointer, list(mates))):
+        mates = list({m: None for p in present.values() for m in p.keys if m not in present})
+        for mate, ptr in zip(mates, self._parallel(self._read_pointer, mates), strict=True):
             if ptr is None or not set(ptr.keys) & present.keys():
                 continue
             keep = [j for j, k in enumerate(ptr.keys) if k not in present]

@@ -39,7 +39,7 @@ def as_bytes(v: Value | None) -> bytes | None:
 def test_put_get_round_trip(tier: Tier, nbytes: int, wrap: type) -> None:
     keys = chain_keys(3)
     vals = [value(i, nbytes) for i in range(3)]
-    assert tier.put_many([(k, wrap(v)) for k, v in zip(keys, vals)]) == []
+    assert tier.put_many([(k, wrap(v)) for k, v in zip(keys, vals, strict=True)]) == []
     assert [as_bytes(v) for v in tier.get_many(keys)] == vals
     assert tier.contains(keys[1])
 
@@ -116,7 +116,7 @@ def test_concurrent_threads_see_their_own_writes(tier: Tier) -> None:
             vals = [value(1000 * t + i, nbytes) for i in range(per_thread)]
             barrier.wait()
             for round_ in range(3):
-                tier.put_many(list(zip(keys, vals)))
+                tier.put_many(list(zip(keys, vals, strict=True)))
                 assert tier.lookup(keys) == per_thread
                 assert [as_bytes(v) for v in tier.get_many(keys)] == vals, f"round {round_}"
         except BaseException as exc:  # collected: an assert in a thread would be lost
@@ -173,7 +173,7 @@ def test_a_new_client_sees_what_an_old_one_wrote(make_tier: MakeTier, tier_kind:
     keys = chain_keys(20)
     vals = [value(i, 32 * KIB) for i in range(20)]
     first = make_tier()
-    first.put_many(list(zip(keys, vals)))
+    first.put_many(list(zip(keys, vals, strict=True)))
     first.close()
     second = make_tier()
     assert second.lookup(keys) == 20
