@@ -79,7 +79,7 @@ class PrefillCost:
         # Normal equations A^T A x = A^T y, solved by Gaussian elimination with pivoting: three
         # unknowns do not justify numpy, and cachestore stays dependency-light.
         ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
-        aty = [sum(r[i] * s.seconds for r, s in zip(rows, samples)) for i in range(3)]
+        aty = [sum(r[i] * s.seconds for r, s in zip(rows, samples, strict=True)) for i in range(3)]
         m = [ata[i] + [aty[i]] for i in range(3)]
         for col in range(3):
             piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
@@ -89,7 +89,7 @@ class PrefillCost:
             for r in range(3):
                 if r != col:
                     f = m[r][col] / m[col][col]
-                    m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+                    m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
         a, b, c2 = (m[i][3] / m[i][i] for i in range(3))
         return cls(fixed_s=a, per_token_s=b, attention_s=c2)
 

@@ -57,7 +57,7 @@ def format_table(doc: dict) -> str:
     if "sweep" in doc:
         sw = doc["sweep"]
         lines += ["", f"sweep of tier {sw['tier']} ({sw['method']}): capacity -> block / token hit"]
-        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"]):
+        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"], strict=True):
             lines.append(f"  {_cap(c):>14}  {_pct(b):>8}  {_pct(t):>8}")
     return "\n".join(lines)
 
@@ -104,7 +104,7 @@ def write_markdown(doc: dict, path: str, plot_path: str | None = None,
         sw = doc["sweep"]
         out += ["", f"## Sweep of tier `{sw['tier']}` ({sw['method']})", "",
                 "| capacity (blocks) | block hit | token hit |", "| ---: | ---: | ---: |"]
-        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"]):
+        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"], strict=True):
             out.append(f"| {_cap(c)} | {_pct(b)} | {_pct(t)} |")
     if plot_path:
         out += ["", f"![hit ratio and reuse distance]({Path(plot_path).name})"]
@@ -127,7 +127,7 @@ def write_plot(doc: dict, path: str) -> None:
     if "sweep" in doc:
         sw = doc["sweep"]
         # Placed at the hierarchy's total capacity, where an LRU hierarchy meets the curve.
-        pts = [(c, t) for c, t in zip(sw["total_capacity_blocks"], sw["token_hit_ratio"])
+        pts = [(c, t) for c, t in zip(sw["total_capacity_blocks"], sw["token_hit_ratio"], strict=True)
                if c is not None and c > 0]
         if pts:
             ax1.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o", color="tab:red",

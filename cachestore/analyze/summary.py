@@ -71,7 +71,7 @@ def _savings(trace: Trace, cfg: AnalyzeConfig, res: ReplayResult) -> dict[str, f
     hit_tokens = np.minimum(res.hit_blocks * bt, trace.input_tokens)
     baseline = saved = restore = net = 0.0
     pf = cfg.prefill
-    for r, (length, got) in enumerate(zip(trace.input_tokens.tolist(), hit_tokens.tolist())):
+    for r, (length, got) in enumerate(zip(trace.input_tokens.tolist(), hit_tokens.tolist(), strict=True)):
         full = pf.time(length, 0)
         baseline += full
         if got == 0:
