@@ -5,6 +5,10 @@ One block's KV for every layer is one contiguous run of ``bytes_per_block`` byte
 offload connector moves a whole block with one copy (``gather_blocks``/``scatter_blocks``),
 while attention reads the per-layer strided view ``layer_view(i)`` =
 ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+
+One extra scratch block sits past the end (id ``num_blocks``, never handed to the scheduler):
+CUDA-graph padding rows write their KV there and attend over it, so a padded decode batch never
+touches a real block. ``attention_view(i)`` is the layer view including it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,16 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         # Zeroed so padding rows read by a kernel are finite; the cost is a one-time memset.
-        self.tensor = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+        self._storage = torch.zeros(
+            (num_blocks + 1, *spec.block_shape), dtype=spec.dtype, device=device
+        )
+        # The blocks the scheduler manages: a contiguous prefix view of the storage.
+        self.tensor = self._storage[:num_blocks]
+
+    @property
+    def scratch_block_id(self) -> int:
+        """The block past the end reserved for padding rows (never in a block table)."""
+        return self.num_blocks
 
     @property
     def block_size(self) -> int:
@@ -65,6 +78,11 @@ class KVCache:
         """Strided view ``[num_blocks, 2, block_size, kv_heads, head_dim]`` of one layer
         (no copy; writes go to the cache)."""
         return self.tensor[:, layer_idx]
+
+    def attention_view(self, layer_idx: int) -> torch.Tensor:
+        """Like ``layer_view`` but ``num_blocks + 1`` blocks long: the scratch block included,
+        so attention may address ``scratch_block_id``. What the models hand to attention."""
+        return self._storage[:, layer_idx]
 
     def gather_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Copy whole blocks out: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``, a new

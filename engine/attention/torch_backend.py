@@ -60,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
             keys = kv[:, 0].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
             vals = kv[:, 1].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
             # [Hkv, group, q_len, D] x [Hkv, 1, D, seq_len] -> [Hkv, group, q_len, seq_len]
-            qi = q[start : start + q_len].float().view(q_len, self.num_kv_heads, group, self.head_dim)
+            qi = q[start : start + q_len].float().reshape(q_len, self.num_kv_heads, group, self.head_dim)
             qi = qi.permute(1, 2, 0, 3)
             kt = keys.float().permute(1, 2, 0).unsqueeze(1)
             scores = torch.matmul(qi, kt) * self.scale

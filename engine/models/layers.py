@@ -25,10 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # One fused float32 normalization (F.rms_norm) instead of five elementwise kernels:
+        # the same recipe, and far fewer launches per decode step on a GPU.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -55,10 +55,12 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary position embedding to q ``[T, Hq, D]`` and k ``[T, Hkv, D]``.
+    """Rotary position embedding for q ``[T, Hq, D]`` and k ``[T, Hkv, D]``.
 
-    The cos/sin table is a plain attribute (not a buffer) so that a model built on the meta
-    device keeps it; it moves to the activations' device on first use."""
+    The cos/sin table is computed in float32 once and kept per (device, dtype), cast like the
+    reference (float32 then the activation dtype). It is a plain attribute, not a buffer, so
+    that a model built on the meta device keeps it. ``cos_sin(positions, dtype)`` gathers one
+    step's rows once for all layers; ``apply`` rotates with them (3 kernels per tensor)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -67,24 +69,36 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos()
-        self._sin = emb.sin()
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign lives in the table.
+        half = head_dim // 2
+        self._sin_signed = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.max_positions = max_positions
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed sin)``, each ``[T, 1, D]`` in ``dtype`` on ``positions.device``."""
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            table = (
+                self._cos.to(device=positions.device, dtype=dtype),
+                self._sin_signed.to(device=positions.device, dtype=dtype),
+            )
+            self._tables[key] = table
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]``; returns a new tensor."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin_signed)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos.device != positions.device:
-            self._cos = self._cos.to(positions.device)
-            self._sin = self._sin.to(positions.device)
-        cos = self._cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
 
 
 class SwiGLUMLP(nn.Module):

@@ -48,16 +48,27 @@ class Attention(nn.Module):
         return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
+        kv_cache: KVCache,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        """``rope`` = this step's ``(cos, signed sin)`` rows (RotaryEmbedding.cos_sin)."""
+        cos, sin = rope
+        qkv = self.qkv_proj(x)
+        num_tokens = qkv.shape[0]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = attn.forward(self.layer_idx, q, k, v, kv_cache.layer_view(self.layer_idx))
+            q, k, _ = qkv.split(self.shard_sizes(), dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        else:
+            # q and k are adjacent in the fused output: rotate both with one set of kernels.
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = attn.forward(self.layer_idx, q, k, v, kv_cache.attention_view(self.layer_idx))
         return self.o_proj(out)
 
 
@@ -70,9 +81,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
+        kv_cache: KVCache,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn, kv_cache)
+        x = x + self.self_attn(rope, self.input_layernorm(x), attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -105,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self._rotary.cos_sin(positions, x.dtype)  # gathered once for every layer
         for layer in self.model.layers:
-            x = layer(positions, x, attn, kv_cache)
+            x = layer(rope, x, attn, kv_cache)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
