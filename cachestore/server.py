@@ -97,7 +97,9 @@ class NamespaceUsage:
     """Bytes and keys each tenant stored through this daemon (for quotas and /stats).
 
     Counts what was put since the daemon started, minus deletes and evictions the store
-    reported; keys a previous run left in LMDB are not counted until overwritten. Thread-safe.
+    reported; keys a previous run left in LMDB are not counted until overwritten. Thread-safe;
+    the quota check and the update are not one atomic step, so concurrent puts of one tenant
+    may overshoot its quota by at most one request each.
     """
 
     def __init__(self) -> None:
@@ -219,6 +221,9 @@ class OpHandler:
     def _op_hello(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                   frames: Sequence[Any], rec: dict[str, Any]) -> tuple[dict[str, Any], list[Value]]:
         shm_ok = False
+        replaced = header.get("replaces")
+        if isinstance(replaced, str) and self._segments is not None:
+            self._segments.detach(replaced, tenant)  # the client grew its segment
         name = header.get("shm")
         if (isinstance(name, str) and self._segments is not None
                 and header.get("host_id") == self.host_id):

@@ -231,6 +231,8 @@ class RemoteTier(Tier):
         header: dict[str, Any] = {"op": "hello", "host_id": self._host_id}
         if segment is not None:
             header["shm"] = segment.name
+        if conn.segment is not None:
+            header["replaces"] = conn.segment.name  # the daemon unmaps the old one now
         conn.hello_done = True  # _call below must not recurse into another hello
         try:
             ((reply, _),) = self._call(conn, [(header, [])])
