@@ -1,0 +1,195 @@
+"""Start-up calibration: measure prefill and tier transfers, fit the cost model's priors.
+
+Torch-free: the engine passes callbacks that do the device work.
+
+- ``calibrate_prefill(run_prefill)`` times ``run_prefill(num_tokens, context_tokens)`` (it returns
+  seconds) at a few sizes after one warm-up call, keeps the fastest of ``repeats`` runs per size
+  and fits ``PrefillCost`` by least squares with non-negative coefficients.
+- ``calibrate_copy(copy_blocks, block_bytes)`` fits a ``TierCost`` to the time
+  ``copy_blocks(n)`` takes for 1 and for ``num_blocks`` blocks: two sizes separate the fixed
+  latency from the bandwidth. The host -> GPU hop is measured this way with a torch callback.
+- ``calibrate_tier(tier, block_bytes)`` does the same through a real tier's ``get_many`` on
+  blocks it first writes with ``put_many`` under a private key prefix, and deletes them after.
+- ``calibrate(...)`` runs all of them and returns a ready ``OnlineCostModel``.
+
+Progress goes to stderr through tqdm. Safe to run while others use the tiers: it only adds and
+removes its own keys (a random prefix), which may evict others' blocks from a full tier.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from itertools import combinations
+
+from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
+from cachestore.cost_online import CostPriors, OnlineCostModel
+from tiers.base import Tier
+
+# (new tokens, context tokens): lengths and context both vary so all three terms are determined.
+DEFAULT_PREFILL_SIZES: tuple[tuple[int, int], ...] = (
+    (256, 0), (1024, 0), (4096, 0), (1024, 3072), (256, 4096),
+)
+
+
+def _progress(total: int, desc: str, enabled: bool):  # -> tqdm
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, leave=False)
+
+
+def calibrate_prefill(run_prefill: Callable[[int, int], float],
+                      sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
+                      repeats: int = 2, progress: bool = True) -> PrefillCost:
+    """Fit ``PrefillCost`` to timed prefills. ``run_prefill(n, c)`` prefills ``n`` new tokens
+    after ``c`` cached ones and returns the seconds it took. Raises ValueError when ``sizes``
+    do not determine a fit (fewer than 3 distinct shapes) or a run reports no time."""
+    if repeats < 1 or len(set(sizes)) < 3:
+        raise ValueError(f"need repeats >= 1 and >= 3 distinct sizes, got {repeats}, {sizes}")
+    samples: list[PrefillSample] = []
+    with _progress(len(sizes) * repeats + 1, "calibrate prefill", progress) as bar:
+        run_prefill(*min(sizes))  # warm-up: first-call allocations and kernel compilation
+        bar.update(1)
+        for n, c in sizes:
+            best = float("inf")
+            for _ in range(repeats):
+                best = min(best, float(run_prefill(n, c)))
+                bar.update(1)
+            if not best > 0:
+                raise ValueError(f"run_prefill({n}, {c}) reported {best} s")
+            samples.append(PrefillSample(n, c, best))
+    return fit_prefill_nonnegative(samples)
+
+
+def fit_prefill_nonnegative(samples: Sequence[PrefillSample]) -> PrefillCost:
+    """Least squares of ``t = a + b*n + c2*n*(c + n/2)`` with ``a, b, c2 >= 0``: the best of
+    every subset of free coefficients whose solution is non-negative (3 unknowns: 7 subsets).
+    Noise must not make a long prompt look free. Raises ValueError with fewer than 3 samples."""
+    if len(samples) < 3:
+        raise ValueError("need at least 3 prefill samples")
+    rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
+            for s in samples]
+    ys = [s.seconds for s in samples]
+    best: tuple[float, list[float]] | None = None
+    for k in (3, 2, 1):
+        for active in combinations(range(3), k):
+            coef = _least_squares([[r[i] for i in active] for r in rows], ys)
+            if coef is None or min(coef) < 0:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, x in zip(active, coef, strict=True):
+                full[i] = x
+            sse = sum((sum(f * v for f, v in zip(full, r, strict=True)) - y) ** 2
+                      for r, y in zip(rows, ys, strict=True))
+            if best is None or sse < best[0]:
+                best = (sse, full)
+    assert best is not None  # the 1-coefficient fit of a positive target is always >= 0
+    return PrefillCost(*best[1])
+
+
+def _least_squares(a: list[list[float]], y: list[float]) -> list[float] | None:
+    """Normal equations solved by Gauss-Jordan with pivoting; None when singular."""
+    k = len(a[0])
+    m = [[sum(r[i] * r[j] for r in a) for j in range(k)]
+         + [sum(r[i] * t for r, t in zip(a, y, strict=True))] for i in range(k)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(k):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * z for x, z in zip(m[r], m[col], strict=True)]
+    return [m[i][k] / m[i][i] for i in range(k)]
+
+
+def calibrate_copy(copy_blocks: Callable[[int], float], block_bytes: int, name: str, *,
+                   num_blocks: int = 32, repeats: int = 3) -> TierCost:
+    """Fit one hop from ``copy_blocks(n)`` (moves ``n`` blocks, returns seconds; the fastest of
+    ``repeats`` counts) at ``n = 1`` and ``n = num_blocks``: ``B = (N-1)*b / (t_N - t_1)``,
+    ``L = t_1 - b/B`` clamped at 0. When noise makes ``t_N <= t_1`` the bandwidth is taken as
+    ``N*b / t_N``. Raises ValueError for ``num_blocks < 2`` or a non-positive time."""
+    if num_blocks < 2 or block_bytes <= 0:
+        raise ValueError(f"need num_blocks >= 2 and block_bytes > 0, got {num_blocks}, "
+                         f"{block_bytes}")
+    copy_blocks(1)  # warm-up
+    t1 = min(copy_blocks(1) for _ in range(repeats))
+    tn = min(copy_blocks(num_blocks) for _ in range(repeats))
+    if not (t1 > 0 and tn > 0):
+        raise ValueError(f"{name}: copy times must be > 0, got {t1}, {tn}")
+    if tn > t1:
+        bandwidth = (num_blocks - 1) * block_bytes / (tn - t1)
+    else:
+        bandwidth = num_blocks * block_bytes / tn
+    return TierCost(name, max(t1 - block_bytes / bandwidth, 0.0), bandwidth)
+
+
+def calibrate_tier(tier: Tier, block_bytes: int, num_blocks: int = 32, *,
+                   repeats: int = 3) -> TierCost:
+    """Time ``get_many`` of real blocks through ``tier`` (see ``calibrate_copy``). Writes
+    ``num_blocks`` random blocks under a private prefix first and deletes them in any case.
+    Raises TierError when the tier fails, ValueError when it did not keep the blocks."""
+    prefix = f"kvtier-calibration-{uuid.uuid4().hex}/"
+    keys = [f"{prefix}{i:08x}" for i in range(num_blocks)]
+    payload = os.urandom(block_bytes)
+    try:
+        tier.put_many([(k, payload) for k in keys])
+        if tier.lookup(keys) != num_blocks:
+            raise ValueError(f"tier {tier.name!r} kept fewer than {num_blocks} blocks of "
+                             f"{block_bytes} bytes; give it more capacity or fewer blocks")
+
+        def read(n: int) -> float:
+            t0 = time.perf_counter()
+            values = tier.get_many(keys[:n])
+            for v in values:
+                if v is None or len(v) != block_bytes:
+                    raise ValueError(f"tier {tier.name!r} lost a calibration block")
+                if isinstance(v, memoryview):  # a zero-copy view is read only when copied out
+                    bytes(v)
+            return time.perf_counter() - t0
+
+        return calibrate_copy(read, block_bytes, tier.name, num_blocks=num_blocks,
+                              repeats=repeats)
+    finally:
+        tier.delete_many(keys)
+
+
+def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
+              run_prefill: Callable[[int, int], float] | None = None, *,
+              host_to_gpu: Callable[[int], float] | None = None,
+              priors: CostPriors | None = None,
+              prefill_sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
+              num_blocks: int = 32, alpha: float = 0.2, progress: bool = True,
+              ) -> OnlineCostModel:
+    """Measure what can be measured and start an ``OnlineCostModel`` from it.
+
+    Every tier except ``host`` is timed with ``calibrate_tier``; the ``host`` entry is the
+    host -> GPU hop, timed with ``host_to_gpu(n)`` when given, else by reading the host tier
+    (on a CPU engine that copy is the hop). ``run_prefill`` (optional) fits the prefill model.
+    Whatever is not measured keeps its value from ``priors`` (required then). A tier that fails
+    keeps its prior too. Raises ValueError when neither a measurement nor a prior exists."""
+    costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
+    with _progress(len(tiers), "calibrate tiers", progress) as bar:
+        for tier in tiers:
+            try:
+                if tier.name == "host" and host_to_gpu is not None:
+                    costs["host"] = calibrate_copy(host_to_gpu, block_bytes, "host",
+                                                   num_blocks=num_blocks)
+                else:
+                    costs[tier.name] = calibrate_tier(tier, block_bytes, num_blocks)
+            except Exception as exc:  # a failing tier must not stop the engine from starting
+                if tier.name not in costs:
+                    raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "
+                                     f"no prior is given") from exc
+            bar.update(1)
+    if run_prefill is not None:
+        prefill = calibrate_prefill(run_prefill, prefill_sizes, progress=progress)
+    elif priors is not None:
+        prefill = priors.prefill
+    else:
+        raise ValueError("calibrate needs run_prefill or priors for the prefill model")
+    return OnlineCostModel(costs, prefill, block_bytes, block_tokens, alpha=alpha)
