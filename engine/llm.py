@@ -64,6 +64,21 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def kv_stats(self) -> dict[str, Any]:
+        """KV reuse statistics (``LLMEngine.kv_stats``): GPU hits, loaded and recomputed tokens,
+        per-tier hit blocks, bytes moved, load time, decisions, failed loads."""
+        return self.engine.kv_stats()
+
+    def close(self) -> None:
+        """Write out offloaded KV, close the tiers and the request log. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -129,4 +144,6 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        # Idle now: blocks freed by the last step go to the tiers before generate returns.
+        self.engine.flush_kv()
         return [finals[r] for r in req_ids]

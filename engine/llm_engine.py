@@ -11,17 +11,22 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachestore.hashing import Namespace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+
+if TYPE_CHECKING:
+    from connectors.offload import OffloadConnector
 
 
 @dataclass(slots=True)
@@ -29,6 +34,7 @@ class _RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    arrival_unix_s: float
 
 
 class LLMEngine:
@@ -68,8 +74,26 @@ class LLMEngine:
             cache_salt=cache_cfg.cache_salt,
             hash_name=cache_cfg.hash_name,
         )
+        self.namespace = namespace
         kv_manager = KVCacheManager(self.pool, namespace, cache_cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, kv_manager, self.max_model_len, debug=debug)
+        self.offload: OffloadConnector | None = None
+        if config.kv_offload:
+            from connectors.offload import OffloadConnector
+
+            self.offload = OffloadConnector.create(
+                config.kv_offload_config, self.runner.kv_cache, namespace
+            )
+            self.pool.set_listener(self.offload.scheduler)
+            self.runner.set_kv_connector(self.offload.worker)
+        self.scheduler = Scheduler(
+            sched_cfg,
+            kv_manager,
+            self.max_model_len,
+            connector=self.offload.scheduler if self.offload is not None else None,
+            debug=debug,
+        )
+        self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self._closed = False
         eos = self.runner.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (int(self.tokenizer.eos_token_id),)
@@ -105,11 +129,14 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; it must be shorter than "
                 f"max_model_len ({self.max_model_len}) to leave room for output"
             )
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        now = time.monotonic()
+        arrival = now if arrival_time is None else arrival_time
         request = Request(req_id, prompt_ids, params, self.eos_token_ids, arrival_time=arrival)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens)
         self.scheduler.add_request(request)
-        self._states[req_id] = _RequestState(request, detok, RequestMetrics(arrival_time=arrival))
+        self._states[req_id] = _RequestState(
+            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival)
+        )
 
     def abort_request(self, req_id: str) -> None:
         """End a request now; its final output (finish_reason "abort") comes with the next
@@ -119,6 +146,7 @@ class LLMEngine:
             return
         self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         state.metrics.finished_time = time.monotonic()
+        self._log_request(state)
         self._aborted.append(self._output(state, [], "", finished=True))
 
     def has_unfinished_requests(self) -> bool:
@@ -128,7 +156,11 @@ class LLMEngine:
         """Run one engine step. Mutates everything; raises whatever the runner raises."""
         outputs, self._aborted = self._aborted, []
         sched_out = self.scheduler.schedule()
+        t0 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out)
+        if self.offload is not None:
+            self.offload.after_step()
+            self._observe_prefill(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(sched_out, runner_out):
             outputs.append(self._process_token(request, now))
@@ -157,6 +189,7 @@ class LLMEngine:
         if request.is_finished:
             metrics.finished_time = now
             del self._states[request.req_id]
+            self._log_request(state)
         return self._output(state, [token_id], new_text, finished=request.is_finished)
 
     def _output(
@@ -177,8 +210,75 @@ class LLMEngine:
             metrics=dataclasses.replace(state.metrics),  # a snapshot, not a live view
         )
 
-    def stats(self) -> dict[str, float | int]:
-        """Counters (``*_total``, monotonic) and gauges for metrics. No side effect."""
+    def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
+        if self.offload is not None and len(out.requests) == 1:
+            r = out.requests[0]
+            if len(r.token_ids) > 1:
+                self.offload.cost_model.observe_prefill(
+                    len(r.token_ids), r.num_computed_tokens, seconds
+                )
+
+    def _log_request(self, state: _RequestState) -> None:
+        if self.request_log is None:
+            return
+        request, m = state.request, state.metrics
+        bs = self.config.cache.block_size
+        hit_tiers = request.kv_hit_tiers
+        if self.offload is None:
+            hit_tiers = ["gpu"] * (max(request.num_cached_tokens, 0) // bs)
+        ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+        self.request_log.write(
+            RequestLogEntry(
+                ts=state.arrival_unix_s,
+                req_id=request.req_id,
+                prompt_tokens=request.num_prompt_tokens,
+                block_hashes=tuple(
+                    h.hex() for h in request.block_hashes[: request.num_prompt_tokens // bs]
+                ),
+                hit_tiers=tuple(hit_tiers),
+                decision=request.kv_decision,
+                ttft_s=ttft,
+            )
+        )
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV reuse counters: ``gpu_hit_tokens``, ``loaded_tokens``, ``recomputed_tokens``,
+        per-tier ``hit_blocks``, bytes saved/loaded, load time, decisions, failed loads, the
+        store's per-tier stats and the cost model (empty counters without kv offload)."""
+        if self.offload is not None:
+            return self.offload.stats()
+        return {
+            "gpu_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens_total,
+            "loaded_tokens": 0,
+            "recomputed_tokens": 0,
+            "tiers": {},
+            "decisions": {},
+            "failed_loads": 0,
+        }
+
+    def flush_kv(self) -> None:
+        """Write every freed block to the tiers now (between steps; no-op without offload)."""
+        if self.offload is not None:
+            self.offload.flush()
+
+    def close(self) -> None:
+        """Flush and close the offload connector (its store and tiers) and the request log.
+        Idempotent; the engine must not be stepped afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.offload is not None:
+                self.offload.close()
+        finally:
+            if self.request_log is not None:
+                self.request_log.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (``*_total``, monotonic) and gauges for metrics, flat numbers only (with
+        offload on, ``kv_*_total`` counters too; ``kv_stats`` has the details). No side
+        effect."""
         s = self.scheduler.stats
         return {
             "num_requests_running": self.scheduler.num_running,
@@ -191,4 +291,19 @@ class LLMEngine:
             "gpu_blocks_total": self.pool.num_blocks,
             "gpu_blocks_free": self.pool.num_free_blocks,
             "gpu_cache_usage": self.pool.usage(),
+            **self._kv_counters(),
+        }
+
+    def _kv_counters(self) -> dict[str, int | float]:
+        if self.offload is None:
+            return {}
+        kv = self.offload.counters.snapshot()
+        return {
+            "kv_gpu_hit_tokens_total": kv["gpu_hit_tokens"],
+            "kv_loaded_tokens_total": kv["loaded_tokens"],
+            "kv_recomputed_tokens_total": kv["recomputed_tokens"],
+            "kv_saved_bytes_total": kv["saved_bytes"],
+            "kv_loaded_bytes_total": kv["loaded_bytes"],
+            "kv_failed_loads_total": kv["failed_loads"],
+            "kv_load_seconds_total": kv["load_seconds"],
         }

@@ -72,6 +72,10 @@ class Request:
     # Chained hashes of every full block of all_token_ids computed so far (kv_cache_manager).
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: str | int | None = None
+    # Set by the KV offload connector at admission, for the request log: the tier that served
+    # each leading cached block ("gpu", "host", "lmdb", ...) and the reload decision.
+    kv_hit_tiers: list[str] = field(default_factory=list)
+    kv_decision: str = "recompute"
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -13,48 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
+from connectors.base import ExternalHit, SchedulerConnector
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True, slots=True)
-class ExternalHit:
-    """Leading tokens past the GPU prefix hit that lower tiers hold. ``load_async``: the
-    request waits in WAITING_FOR_KV while they load, instead of loading within the step."""
-
-    num_tokens: int = 0
-    load_async: bool = False
-
-
-class SchedulerConnector(Protocol):
-    """CONNECTOR HOOK: the KV offload connector's scheduler side (offload issue fills it in).
-    All methods run on the scheduler thread."""
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
-        """How many tokens past ``num_computed_tokens`` lower tiers can supply. No side effect."""
-        ...
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        """Blocks are allocated: ``num_external_tokens`` after the GPU hit are to be loaded."""
-        ...
-
-    def get_finished_loading(self) -> set[str]:
-        """Requests in WAITING_FOR_KV whose loads completed since the last call."""
-        ...
-
-    def build_connector_meta(self, output: SchedulerOutput) -> object:
-        """The per-step metadata handed to the worker side via ``kv_connector_metadata``."""
-        ...
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> None:
-        """A request finished or was aborted; its blocks are about to be freed."""
-        ...
 
 
 @dataclass(slots=True)
@@ -84,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
+        # WAITING_FOR_KV requests whose load ended -> leading tokens with valid KV. Kept until
+        # the request is admitted (the admit loop may stop before reaching it).
+        self._loaded: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
@@ -116,6 +83,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._loaded.pop(request.req_id, None)
         if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
         self.kv.free(request)
@@ -179,22 +147,28 @@ class Scheduler:
             finished_req_ids=frozenset(self._finished_ids),
         )
         self._finished_ids.clear()
-        if scheduled:
-            if self.connector is not None:
-                meta = self.connector.build_connector_meta(output)
-                output = dataclasses.replace(output, kv_connector_metadata=meta)
+        if self.connector is not None:  # empty steps too: loads and saves progress meanwhile
+            meta = self.connector.build_connector_meta(output)
+            output = dataclasses.replace(output, kv_connector_metadata=meta)
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        loaded = self.connector.get_finished_loading() if self.connector is not None else set()
+        if self.connector is not None:
+            self._loaded.update(self.connector.get_finished_loading())
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING_FOR_KV:
-                if request.req_id not in loaded:
+                num_valid = self._loaded.get(request.req_id)
+                if num_valid is None:
                     skipped.append(self.waiting.popleft())
                     continue
-                # Its blocks are allocated and now hold the loaded KV.
+                # Its blocks are allocated and now hold the loaded KV; a short load (missing or
+                # corrupt block, tier down, timeout) is recomputed from its first missing block.
+                if num_valid < request.num_computed_tokens:
+                    if request.num_preemptions == 0:
+                        request.num_cached_tokens = min(request.num_cached_tokens, num_valid)
+                    request.num_computed_tokens = num_valid
                 hit, num_external = NO_HIT, 0
                 num_computed = request.num_computed_tokens
                 self.kv.cache_blocks(request)
@@ -215,7 +189,7 @@ class Scheduler:
                     self._count_prefix(request, num_computed, num_computed + num_external)
                     request.num_computed_tokens = total
                     self.connector.update_state_after_alloc(  # type: ignore[union-attr]
-                        request, self.kv.get_block_ids(request.req_id), num_external
+                        request, self.kv.get_block_ids(request.req_id), num_computed, num_external
                     )
                     request.status = RequestStatus.WAITING_FOR_KV
                     skipped.append(self.waiting.popleft())
@@ -228,11 +202,15 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_computed + num_new, hit):
                 break
             self.waiting.popleft()
+            self._loaded.pop(request.req_id, None)
             if request.status is not RequestStatus.WAITING_FOR_KV:
                 self._count_prefix(request, hit.num_tokens, num_computed)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
-                        request, self.kv.get_block_ids(request.req_id), num_external
+                        request,
+                        self.kv.get_block_ids(request.req_id),
+                        hit.num_tokens,
+                        num_external,
                     )
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING

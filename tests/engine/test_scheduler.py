@@ -270,7 +270,11 @@ class FakeConnector:
         return ExternalHit()
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
+        num_external_tokens: int,
     ) -> None:
         self.allocs.append((request.req_id, num_external_tokens))
         if num_external_tokens:
@@ -279,9 +283,9 @@ class FakeConnector:
                 self.runner.kv[block_ids[pos // BS] * BS + pos % BS] = request.all_token_ids[pos]
             self.pending.add(request.req_id)
 
-    def get_finished_loading(self) -> set[str]:
+    def get_finished_loading(self) -> dict[str, int]:
         done, self.pending = self.pending, set()
-        return done
+        return {req_id: 48 for req_id in done}
 
     def build_connector_meta(self, output: SchedulerOutput) -> object:
         return {"n": len(output.requests)}

@@ -1,0 +1,112 @@
+"""Configuration of the KV offload connector: the tier stack plus the connector's own knobs.
+
+One YAML file (or the same dict) holds both::
+
+    decision: cost          # cost | load | recompute
+    load_timeout_s: 5.0     # a load still running after this falls back to recompute
+    tiers:
+      - {kind: host, capacity: 4GiB}
+      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
+
+``tiers`` is exactly ``cachestore.tier_config``'s format. Without a config, ``kv_offload=True``
+uses ``default_offload_config``: a host tier of min(25% of MemAvailable, 8 GiB) and an LMDB tier
+under the user's cache directory. This module is the only place the connector reads the
+environment (``KVTIER_CACHE_DIR``, ``HOME``) or /proc/meminfo; constructors get the result.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachestore.tier_config import (
+    ConfigError,
+    HostTierConfig,
+    LmdbTierConfig,
+    TierStackConfig,
+    parse_tier_config,
+)
+
+DECISIONS = ("cost", "load", "recompute")
+DEFAULT_HOST_CAP_BYTES = 8 << 30
+DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
+_FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    tiers: TierStackConfig
+    decision: str = "cost"
+    load_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.decision not in DECISIONS:
+            raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
+        if not self.load_timeout_s > 0:
+            raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
+
+
+def parse_offload_config(data: object) -> OffloadConfig:
+    """``{"tiers": [...], "decision": ..., "load_timeout_s": ...}`` -> OffloadConfig.
+    Raises ConfigError naming the bad field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
+    known = {"tiers", "decision", "load_timeout_s"}
+    extra = sorted(str(k) for k in data if k not in known)
+    if extra:
+        raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
+    timeout = data.get("load_timeout_s", 5.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ConfigError(f"kv offload config: load_timeout_s must be a number, got {timeout!r}")
+    return OffloadConfig(
+        tiers=parse_tier_config({"tiers": data.get("tiers")}),
+        decision=str(data.get("decision", "cost")),
+        load_timeout_s=float(timeout),
+    )
+
+
+def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -> OffloadConfig:
+    """A YAML path or an already-parsed dict -> OffloadConfig. Raises ConfigError."""
+    if isinstance(source, Mapping):
+        return parse_offload_config(source)
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(source).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read kv offload config {source}: {exc}") from None
+    return parse_offload_config(data)
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable from /proc/meminfo (4 GiB if unreadable). The one place it is read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _FALLBACK_MEM_AVAILABLE
+
+
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$KVTIER_CACHE_DIR``, else ``~/.cache/kvtier``."""
+    env = os.environ if env is None else env
+    explicit = env.get("KVTIER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(env.get("HOME") or Path.home()) / ".cache" / "kvtier"
+
+
+def default_offload_config(namespace_prefix: str, *, mem_available: int | None = None,
+                           cache_dir: Path | None = None) -> OffloadConfig:
+    """Host tier (min(25% of MemAvailable, 8 GiB)) over LMDB at ``<cache>/lmdb/<prefix>``."""
+    mem = mem_available_bytes() if mem_available is None else mem_available
+    root = default_cache_dir() if cache_dir is None else cache_dir
+    host = HostTierConfig(capacity=max(min(mem // 4, DEFAULT_HOST_CAP_BYTES), 1 << 20))
+    lmdb = LmdbTierConfig(path=str(root / "lmdb" / namespace_prefix),
+                          capacity=DEFAULT_LMDB_CAPACITY_BYTES)
+    return OffloadConfig(tiers=TierStackConfig(tiers=(host, lmdb)))

@@ -1,0 +1,207 @@
+"""The offload connector's scheduler side: decides what to save and what to load. Torch-free.
+
+- Saves: as the block pool's listener it collects every full block entering the free queue
+  (``on_block_freed``) and lists them all in the next step's metadata, so the worker copies them
+  out at that step's start, before any forward pass could overwrite them. A pending block that
+  the pool evicts meanwhile (``on_block_evicted``) sets ``saves_reuse_blocks``.
+- Loads: for a new request, past the GPU prefix hit, ``store.lookup`` says how many further
+  leading blocks the tiers hold and which tier serves each; the decision policy (``cost``: the
+  online cost model; ``load``; ``recompute``) picks how many leading blocks to load. Only whole
+  leading runs are executed: an ``overlap`` (Cake) best option is priced but executed as the
+  cheapest load-prefix option.
+- Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
+  by ``get_finished_loading`` as the number of leading tokens that hold valid KV.
+
+Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cachestore.cost_model import STRATEGY_LOAD_PREFIX, STRATEGY_RECOMPUTE, Decision
+from cachestore.cost_online import OnlineCostModel
+from cachestore.hashing import BlockHash, Namespace, block_key
+from cachestore.store import HierarchicalStore
+from connectors.base import (
+    BlockLoad,
+    BlockSave,
+    ExternalHit,
+    KVConnectorMetadata,
+    WorkerReport,
+)
+from connectors.offload_stats import OffloadStats
+from engine.core_types import SchedulerOutput
+from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The answer of ``get_num_new_matched_tokens`` for one request, kept for the allocation."""
+
+    num_computed_tokens: int
+    keys: tuple[str, ...]  # every available block's key past the GPU hit
+    tiers: tuple[str, ...]  # the tier serving each of them
+    num_load_blocks: int
+    decision: str
+
+
+@dataclass(slots=True)
+class _Inflight:
+    request: Request
+    load: BlockLoad
+    tiers: tuple[str, ...]
+
+
+class OffloadScheduler:
+    def __init__(self, store: HierarchicalStore, namespace: Namespace, *, decision: str,
+                 cost_model: OnlineCostModel, stats: OffloadStats) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self.decision = decision
+        self.cost_model = cost_model
+        self.stats = stats
+        self._pending_saves: dict[int, str] = {}  # block id -> key, freed since the last step
+        self._reused = False
+        self._plans: dict[str, _Plan] = {}
+        self._new_loads: list[BlockLoad] = []
+        self._inflight: dict[str, _Inflight] = {}
+        self._cancelled: set[str] = set()
+        self._finished: dict[str, int] = {}
+
+    # -- BlockPoolListener ---------------------------------------------------------------
+
+    def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None:
+        self._pending_saves[block_id] = block_key(self.namespace, block_hash)
+
+    def on_block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        if block_id in self._pending_saves:
+            self._reused = True  # its new owner may write it in this very step
+
+    # -- SchedulerConnector --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan."""
+        bs = self.block_size
+        start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        self._plans.pop(request.req_id, None)
+        if end <= start or len(request.block_hashes) < end:
+            return ExternalHit()
+        keys = [block_key(self.namespace, h) for h in request.block_hashes[start:end]]
+        found = self.store.lookup(keys)
+        if found.num_blocks == 0:
+            return ExternalHit()
+        tiers = tuple(self.store.tiers[i].name for i in found.served_by)
+        num_load, label = self._decide(start, tiers, request.num_tokens)
+        self._plans[request.req_id] = _Plan(
+            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, num_load, label)
+        return ExternalHit(num_tokens=num_load * bs, load_async=num_load > 0)
+
+    def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int
+                ) -> tuple[int, str]:
+        if self.decision == "load":
+            return len(tiers), STRATEGY_LOAD_PREFIX
+        if self.decision == "recompute":
+            return 0, STRATEGY_RECOMPUTE
+        try:
+            decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
+        except ValueError as exc:  # a tier the model has no price for: do the safe thing
+            log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
+            return 0, STRATEGY_RECOMPUTE
+        return _executable(decision)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_gpu_hit_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        bs = self.block_size
+        self.stats.add(gpu_hit_tokens=num_gpu_hit_tokens)
+        plan = self._plans.pop(request.req_id, None)
+        hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
+        request.kv_decision = STRATEGY_RECOMPUTE
+        if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
+            request.kv_hit_tiers = hit_tiers
+            return
+        num_load = num_external_tokens // bs
+        self.stats.count_decision(plan.decision)
+        self.stats.add(recomputed_tokens=(len(plan.keys) - num_load) * bs)
+        request.kv_decision = plan.decision if num_load else STRATEGY_RECOMPUTE
+        request.kv_hit_tiers = hit_tiers
+        if num_load == 0:
+            return
+        first = num_gpu_hit_tokens // bs
+        load = BlockLoad(request.req_id, tuple(block_ids[first:first + num_load]),
+                         plan.keys[:num_load], num_gpu_hit_tokens, plan.tiers[:num_load])
+        self._new_loads.append(load)
+        self._inflight[request.req_id] = _Inflight(request, load, plan.tiers[:num_load])
+
+    def update_from_worker(self, report: WorkerReport) -> None:
+        """Take the worker's finished loads (the engine calls this after every step)."""
+        bs = self.block_size
+        for result in report.finished_loads:
+            inflight = self._inflight.pop(result.req_id, None)
+            if inflight is None:
+                continue  # cancelled: the request is gone
+            n = result.num_loaded_blocks
+            self.stats.add(loaded_tokens=n * bs,
+                           recomputed_tokens=(result.num_requested_blocks - n) * bs)
+            self.stats.count_tier_hits(list(inflight.tiers[:n]))
+            inflight.request.kv_hit_tiers = [*inflight.request.kv_hit_tiers,
+                                              *inflight.tiers[:n]]
+            if n == 0:
+                inflight.request.kv_decision = STRATEGY_RECOMPUTE
+            self._finished[result.req_id] = inflight.load.first_token + n * bs
+
+    def get_finished_loading(self) -> Mapping[str, int]:
+        done, self._finished = self._finished, {}
+        return done
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(
+            saves=tuple(BlockSave(b, k) for b, k in self._pending_saves.items()),
+            loads=tuple(self._new_loads),
+            cancelled_loads=frozenset(self._cancelled),
+            saves_reuse_blocks=self._reused,
+            num_scheduled_requests=len(output.requests),
+        )
+        self._pending_saves = {}
+        self._new_loads = []
+        self._cancelled = set()
+        self._reused = False
+        return meta
+
+    def take_pending_saves(self) -> tuple[BlockSave, ...]:
+        """The saves not yet handed to the worker (for a flush between steps); clears them."""
+        saves = tuple(BlockSave(b, k) for b, k in self._pending_saves.items())
+        self._pending_saves = {}
+        self._reused = False
+        return saves
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        req_id = request.req_id
+        self._plans.pop(req_id, None)
+        self._finished.pop(req_id, None)
+        if self._inflight.pop(req_id, None) is not None:
+            self.stats.add(cancelled_loads=1)
+            unsent = [ld for ld in self._new_loads if ld.req_id != req_id]
+            if len(unsent) == len(self._new_loads):
+                self._cancelled.add(req_id)  # the worker has it: drop it there
+            self._new_loads = unsent
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._inflight)
+
+
+def _executable(decision: Decision) -> tuple[int, str]:
+    """Blocks to load and the label: the best option if it loads a leading run (or nothing),
+    else the cheapest option that does (an overlap split is priced, not executed)."""
+    options = (decision.best, *decision.alternatives)
+    runnable = [o for o in options if o.load_begin == 0]
+    best = min(runnable, key=lambda o: (o.predicted_s, o.num_load_blocks))
+    return best.load_end, best.strategy

@@ -1,0 +1,66 @@
+"""Counters of the KV offload connector, shared by its scheduler and worker sides.
+
+Token counters (per admission of a request, a preempted request counting again):
+- ``gpu_hit_tokens``: prompt tokens served by the GPU prefix cache;
+- ``loaded_tokens``: tokens whose KV was loaded from the tiers (valid blocks only);
+- ``recomputed_tokens``: tokens the tiers held but that were computed anyway (the decision
+  chose recompute for them, or their load failed, came back short or timed out).
+
+Thread-safe (one lock): the worker side updates transfer counters from its load thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    gpu_hit_tokens: int = 0
+    loaded_tokens: int = 0
+    recomputed_tokens: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    save_skipped_blocks: int = 0  # already held by the store (dedup)
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    num_loads: int = 0
+    failed_loads: int = 0  # loads that came back short (missing/corrupt block, tier down)
+    timed_out_loads: int = 0
+    cancelled_loads: int = 0
+    decisions: Counter[str] = field(default_factory=Counter)
+    tier_hit_blocks: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: float) -> None:
+        """Add to named counters atomically. Raises AttributeError on an unknown name."""
+        with self._lock:
+            for name, delta in deltas.items():
+                if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
+                    raise AttributeError(name)
+                setattr(self, name, getattr(self, name) + delta)
+
+    def count_decision(self, decision: str) -> None:
+        with self._lock:
+            self.decisions[decision] += 1
+
+    def count_tier_hits(self, tier_names: list[str]) -> None:
+        with self._lock:
+            self.tier_hit_blocks.update(tier_names)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy as plain values (JSON-ready)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                name: getattr(self, name)
+                for name in self.__slots__  # type: ignore[attr-defined]
+                if not name.startswith("_") and name not in ("decisions", "tier_hit_blocks")
+            }
+            out["decisions"] = dict(self.decisions)
+            out["tiers"] = {name: {"hit_blocks": n} for name, n in self.tier_hit_blocks.items()}
+        return out

@@ -1,0 +1,68 @@
+"""The engine's JSONL request log (``--request-log FILE``), in the schema of docs/analyze.md.
+
+One JSON object per finished request, one per line::
+
+    {"ts": 1764403200.12, "req_id": "llm-0", "prompt_tokens": 85,
+     "block_hashes": ["9f2c...", ...], "hit_tiers": ["gpu", "host", "lmdb"],
+     "decision": "load_prefix", "ttft_s": 0.0123}
+
+``ts`` is the Unix time the request arrived; ``block_hashes`` the hex chained hashes of every
+full block of the prompt; ``hit_tiers`` the tier that served each leading cached block;
+``decision`` the reload decision (``cost_model.STRATEGY_*``). ``kvtier analyze`` reads it
+(format ``request-log``). Each line is written and flushed at once, so a crash loses at most
+the line being written. Not thread-safe: the engine thread writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLogEntry:
+    ts: float
+    req_id: str
+    prompt_tokens: int
+    block_hashes: tuple[str, ...]
+    hit_tiers: tuple[str, ...]
+    decision: str
+    ttft_s: float | None
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "ts": self.ts,
+            "req_id": self.req_id,
+            "prompt_tokens": self.prompt_tokens,
+            "block_hashes": list(self.block_hashes),
+            "hit_tiers": list(self.hit_tiers),
+            "decision": self.decision,
+            "ttft_s": self.ttft_s,
+        }, separators=(",", ":"))
+
+
+class RequestLog:
+    """Appends entries to ``path`` (created with its parent directory; appended to if it
+    exists). Raises OSError at construction when the file cannot be opened."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self.num_written = 0
+
+    def write(self, entry: RequestLogEntry) -> None:
+        """Append one line and flush. A closed log ignores the entry."""
+        if self._fh is None:
+            return
+        self._fh.write(entry.to_json() + "\n")
+        self._fh.flush()
+        self.num_written += 1
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
