@@ -16,7 +16,8 @@
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
   ``errors`` count, never an exception to the caller; a CodecError is a miss plus ``corrupt``,
   and the bad value is deleted. A failing tier is skipped with exponential backoff
-  (``TierHealth``), then probed again.
+  (``TierHealth``), then probed again. Demotions into a tier that fails or backs off pass on to
+  the tier below it (dropped, counted, at the bottom).
 
 Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 """
@@ -196,7 +197,7 @@ class HierarchicalStore:
                     self._writing.add(key)
                     mine.append((key, value))
         try:
-            return self._write(0, mine) if mine else 0
+            return max(self._write(0, mine), 0) if mine else 0
         finally:
             with self._lock:
                 self._writing.difference_update(k for k, _ in mine)
@@ -250,11 +251,12 @@ class HierarchicalStore:
     # -- background ----------------------------------------------------------------------
 
     def _write(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
-        """Write to tier i (in the caller's thread); demote what it evicted. Returns count."""
+        """Write to tier i (in the caller's thread); demote what it evicted. Returns count, or
+        -1 when the tier failed or was backing off (nothing written, nothing demoted)."""
         t0 = time.perf_counter()
         evicted = self._call(i, lambda t: t.put_many(items), _SKIP)
         if evicted is _SKIP:
-            return 0
+            return -1
         stats = self._stats[i]
         stats.record_write(sum(len(v) for _, v in items), time.perf_counter() - t0)
         if evicted:
@@ -295,8 +297,9 @@ class HierarchicalStore:
                     # A tier backing off passes its demotions further down instead.
                     self._stats[i].add("skipped")
                     self._demote(i, [Evicted(k, v) for k, v in batch])
-                else:
-                    self._write(i, batch)
+                elif self._write(i, batch) < 0 and i > 0:
+                    # So does a tier whose write just failed (counted in its errors).
+                    self._demote(i, [Evicted(k, v) for k, v in batch])
             except Exception:  # a worker must survive anything; the batch is lost, counted
                 log.exception("store worker for tier %d", i)
                 self._stats[i].add("errors")

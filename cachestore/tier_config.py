@@ -5,7 +5,7 @@ Example::
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
-      - {kind: redis, url: "redis://cache:6379/0", ttl_s: 3600}
+      - {kind: redis, url: "redis://cache:6379/0", ttl_s: 3600, capacity: 64GiB}
       - {kind: s3, bucket: kv, endpoint_url: "http://minio:9000", prefix: kv/, blocks_per_object: 16}
       - {kind: remote, url: "tcp://cache-server:7000", token: secret}
 
@@ -110,11 +110,19 @@ class RedisTierConfig:
     connect_timeout_s: float = _f(_pos_float, 1.0)
     max_connections: int = _f(_pos_int, 64)
     retries: int = _f(_nonneg_int, 1)
+    capacity: int | None = _f(_size, None)  # bytes; None: the server's maxmemory bounds it
+
+    def __post_init__(self) -> None:
+        clustered = self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
+        if self.capacity is not None and clustered:
+            raise ValueError("field 'capacity' needs a single Redis server, not a cluster "
+                             "(bound each shard with maxmemory instead)")
 
 
 @dataclass(frozen=True, slots=True)
 class S3TierConfig:
-    """Field names mirror ``tiers.s3.S3TierConfig``; the registry converts by name."""
+    """Field names mirror ``tiers.s3.S3TierConfig``; the registry converts by name. No
+    ``capacity``: the bucket bounds itself (an S3 lifecycle rule expiring ``prefix``)."""
 
     kind: ClassVar[str] = "s3"
     bucket: str = _f(_str)
@@ -178,7 +186,10 @@ def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:
             kwargs[name] = f.metadata["parse"](entry[name])
         except ValueError as exc:
             raise ConfigError(f"{where}: field '{name}': {exc}") from None
-    return cls(**kwargs)  # type: ignore[no-any-return]
+    try:
+        return cls(**kwargs)  # type: ignore[no-any-return]
+    except ValueError as exc:  # a check across fields (__post_init__)
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def parse_tier_config(data: object) -> TierStackConfig:

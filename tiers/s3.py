@@ -29,6 +29,10 @@ Trade-offs, and why:
   not deleted (other keys may still live in them); expire ``g/`` and ``k/`` with an S3 lifecycle
   rule of equal age — an expired group turns its keys into misses, never into wrong data.
 - ``usage`` LISTs the prefix (one request per 1000 objects): for dashboards, not a hot path.
+- No ``capacity``: the tier never evicts (``put_many`` returns no ``Evicted``). S3 is the
+  bottom of the hierarchy, where the store would drop evictions anyway, and LRU bookkeeping
+  would cost a write per read. Bound the bucket with a lifecycle rule expiring ``{prefix}g/``
+  and ``{prefix}k/`` after the same age (e.g. 7 days); what expires becomes a miss.
 
 Every botocore error (timeouts, connection refused, HTTP errors other than "no such key") and
 ``OSError`` becomes ``TierError``. Thread-safe: one boto3 client (thread-safe) from a private

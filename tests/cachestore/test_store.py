@@ -12,6 +12,7 @@ from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import build_tiers, parse_tier_config
+from tiers.base import TierUsage
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 
@@ -149,10 +150,11 @@ def test_prometheus_export(tmp_path: Path) -> None:
 
 def _four_tiers(tmp_path: Path, redis_config: dict[str, Any],
                 s3_config: dict[str, Any]) -> list[Any]:
+    """host 2 blocks -> LMDB 3 blocks -> Redis 2 blocks (tier-side LRU) -> S3 (unbounded)."""
     cfg = parse_tier_config({"tiers": [
         {"kind": "host", "capacity": 2 * SIZE, "slot_bytes": SIZE},
         {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": 3 * SIZE},
-        dict(redis_config), dict(s3_config),
+        {**redis_config, "capacity": 2 * SIZE}, dict(s3_config),
     ]})
     return build_tiers(cfg)
 
@@ -162,24 +164,37 @@ def test_four_tiers_demote_in_order_and_promote_from_s3(
     store = HierarchicalStore(_four_tiers(tmp_path, redis_config, s3_config),
                               StoreConfig(namespace=PREFIX))
     host, lmdb, redis, s3 = store.tiers
-    for i in range(8):
-        store.put_many([(KEYS[i], block(i))])
+    for i in range(10):
+        assert store.put_many([(KEYS[i], block(i))]) == 1
     store.flush()
-    assert host.lru_keys() == KEYS[6:8] and lmdb.lru_keys() == KEYS[3:6]
-    assert redis.lookup(KEYS[:3]) == 3 and redis.lookup(KEYS[3:8]) == 0
-    assert counters(store, "evictions") == [6, 3, 0, 0]
-    res = store.lookup(KEYS[:8])
-    assert res.served_by == (2, 2, 2, 1, 1, 1, 0, 0)
-    assert [t.num_leading for t in res.per_tier] == [0, 0, 3, 0]
-    # A block only S3 has (Redis never evicts, so S3 is written directly here).
-    s3.put_many([(KEYS[16], block(16))])
-    assert store.lookup([KEYS[16]]).served_by == (3,)
-    (got,) = store.get_many([KEYS[16]])
-    assert bytes(got) == payload(16)
+    # Pressure pushed every block exactly one tier further per eviction: 8 left host, 5 of
+    # them left LMDB, 3 of those left Redis for S3, which holds them byte for byte.
+    assert host.lru_keys() == KEYS[8:10] and lmdb.lru_keys() == KEYS[5:8]
+    assert redis.usage() == TierUsage(2 * SIZE, 2 * SIZE, 2)
+    assert redis.lookup(KEYS[3:5]) == 2 and redis.lookup(KEYS[:3]) == 0
+    assert s3.usage().num_entries == 3
+    assert [bytes(v) for v in s3.get_many(KEYS[:3])] == [block(i) for i in range(3)]
+    assert counters(store, "evictions") == [8, 5, 3, 0]
+    assert counters(store, "bytes_written") == [10 * SIZE, 8 * SIZE, 5 * SIZE, 3 * SIZE]
+    assert counters(store, "demotions_dropped") == [0, 0, 0, 0]
+    assert counters(store, "dropped_at_bottom") == [0, 0, 0, 0]
+    res = store.lookup(KEYS[:10])
+    assert res.served_by == (3, 3, 3, 2, 2, 1, 1, 1, 0, 0)
+    assert [t.num_leading for t in res.per_tier] == [0, 0, 0, 3]
+    assert res.runs() == [(3, 0, 3), (2, 3, 2), (1, 5, 3), (0, 8, 2)]
+    # KEYS[1] lives only in S3: a read decodes it and promotes it to host, and the room made
+    # for it cascades: host evicts 8 -> LMDB evicts 5 -> Redis evicts 3 -> S3.
+    (got,) = store.get_many([KEYS[1]])
+    assert got is not None and bytes(got) == payload(1)
     store.flush()
-    assert host.lru_keys() == [KEYS[7], KEYS[16]]
-    assert counters(store, "hits") == [0, 0, 0, 1] and counters(store, "promotions") == [1, 0, 0, 0]
-    assert store.lookup([KEYS[16]]).served_by == (0,)
+    assert host.lru_keys() == [KEYS[9], KEYS[1]]
+    assert lmdb.lru_keys() == [KEYS[6], KEYS[7], KEYS[8]]
+    assert redis.lookup(KEYS[4:6]) == 2 and redis.usage().num_entries == 2
+    assert s3.lookup(KEYS[:4]) == 4 and s3.usage().num_entries == 4
+    assert counters(store, "hits") == [0, 0, 0, 1] and counters(store, "misses") == [1, 1, 1, 0]
+    assert counters(store, "promotions") == [1, 0, 0, 0]
+    assert counters(store, "evictions") == [9, 6, 4, 0]
+    assert store.lookup(KEYS[:10]).served_by == (3, 0, 3, 3, 2, 2, 1, 1, 1, 0)
     store.close()
 
 
