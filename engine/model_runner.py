@@ -5,6 +5,12 @@ and decodes mixed) into one batch, builds the attention metadata (positions, slo
 block tables), runs one forward pass, computes logits only for rows that sample, and samples.
 The scheduler decides; this class never allocates blocks: it trusts the block tables it is
 given after checking they cover the positions and lie inside the cache.
+
+On CUDA: the KV cache size comes from a start-up memory profile (engine/memory_profile.py)
+unless ``num_gpu_blocks`` is set; decode-only steps replay CUDA graphs (engine/cuda_graphs.py)
+when the attention backend supports them; per-step inputs go through ONE pinned host buffer
+and one non-blocking copy; the only device synchronization of a step is the copy of the
+sampled token ids back to the host.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
-from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import load_model, model_fingerprint
+from engine.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
+from engine.model_loader import LoadedModel, load_model, model_fingerprint
 from engine.sampler import Sampler, SampleRequest
+from engine.sampling_params import SamplingParams
 
 
 class KVConnectorWorker(Protocol):
@@ -36,7 +45,22 @@ class KVConnectorWorker(Protocol):
 
     def after_step(self, metadata: object | None) -> None: ...
 
-_CUDA_MARGIN_BYTES = 1 << 30  # activations, logits and allocator slack outside the KV cache
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """One step's flat batch as host lists (validated), before any device copy."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]  # each row cut to ceil(seq_len / block_size) blocks
+    logits_rows: list[int]
+    sample_req_ids: list[str]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,38 +102,82 @@ def read_eos_token_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
 
 class ModelRunner:
     """Owns the model, the KV cache, the attention backend and the sampler. Not thread-safe:
-    one engine loop calls ``execute_model`` at a time."""
+    one engine loop calls ``execute_model`` at a time.
 
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    ``cuda_graphs=False`` keeps every step eager (debugging, or a backend without graphs)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True) -> None:
+        device = resolve_device(config.device)
+        loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len)
+        self._setup(
+            config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
+            read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs,
+        )
+
+    @classmethod
+    def from_loaded(
+        cls,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        fingerprint: str,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        cuda_graphs: bool = True,
+    ) -> ModelRunner:
+        """A runner around a model already in memory on ``config.device`` (benchmarks that
+        share weights with a reference model)."""
+        runner = cls.__new__(cls)
+        runner._setup(
+            config, resolve_device(config.device), loaded, fingerprint, eos_token_ids, cuda_graphs
+        )
+        return runner
+
+    def _setup(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        loaded: LoadedModel,
+        fingerprint: str,
+        eos_token_ids: tuple[int, ...],
+        cuda_graphs: bool,
+    ) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        loaded = load_model(model_dir, config.dtype, self.device, config.scheduler.max_model_len)
+        self.device = device
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype
         self._max_model_len = config.scheduler.max_model_len or loaded.arch.max_position_embeddings
-        self._fingerprint = model_fingerprint(model_dir, loaded.dtype)
-        self._eos_token_ids = read_eos_token_ids(model_dir, loaded.hf_config)
-        spec = KVCacheSpec(
-            num_layers=loaded.arch.num_layers,
-            num_kv_heads=loaded.arch.num_kv_heads,
-            head_dim=loaded.arch.head_dim,
-            dtype=loaded.dtype,
-            block_size=config.cache.block_size,
-        )
-        self.kv_cache = KVCache(spec, self._num_blocks_for(spec), self.device)
-        self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device.type)
-        self.attn_backend = create_attention_backend(
-            self.attention_backend_name,
-            loaded.arch.num_heads,
-            loaded.arch.num_kv_heads,
-            loaded.arch.head_dim,
-            loaded.arch.head_dim**-0.5,
-        )
-        self.sampler = Sampler(config.seed)
+        self._fingerprint = fingerprint
+        self._eos_token_ids = eos_token_ids
         # req_id -> tokens whose KV this runner has written; dropped on finished_req_ids.
         self._num_tokens_written: dict[str, int] = {}
         self._kv_connector: KVConnectorWorker | None = None
+        backend = config.attention_backend
+        if backend == "auto" and self.dtype == torch.float32:
+            backend = "torch"  # FlashInfer kernels are fp16/bf16 only
+        self.attention_backend_name = resolve_backend_name(backend, device.type)
+        arch = loaded.arch
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.head_dim**-0.5,
+        )
+        self.attn_backend.bind(self.dtype, device)
+        self.sampler = Sampler(config.seed, device)
+        spec = KVCacheSpec(
+            num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+            dtype=self.dtype, block_size=config.cache.block_size,
+        )
+        use_graphs = cuda_graphs and device.type == "cuda" and self.attn_backend.graph_capable
+        sizes = capture_sizes(config.scheduler.max_num_seqs) if use_graphs else []
+        self.kv_budget: KVBudget | None = None
+        self.cuda_graphs: DecodeGraphs | None = None  # the profile step below runs eagerly
+        self.kv_cache = KVCache(spec, self._num_blocks_for(spec, max(sizes, default=0)), device)
+        if use_graphs:
+            max_blocks_per_seq = -(-self._max_model_len // spec.block_size)
+            self.cuda_graphs = DecodeGraphs(
+                self.model, self.attn_backend, self.kv_cache, sizes, max_blocks_per_seq
+            )
+            self.cuda_graphs.capture()
 
     def set_kv_connector(self, worker: KVConnectorWorker | None) -> None:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls
@@ -119,21 +187,49 @@ class ModelRunner:
         them too, so a connector can make progress while nothing is scheduled."""
         self._kv_connector = worker
 
-    def _num_blocks_for(self, spec: KVCacheSpec) -> int:
+    def _num_blocks_for(self, spec: KVCacheSpec, max_capture_size: int) -> int:
         cache_cfg = self.config.cache
         if cache_cfg.num_gpu_blocks is not None:
             return cache_cfg.num_gpu_blocks
         if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * cache_cfg.gpu_memory_utilization) - _CUDA_MARGIN_BYTES
-        else:
-            budget = cache_cfg.cpu_kv_cache_bytes
+            self.kv_budget = self._profile_kv_budget(spec, max_capture_size)
+            log_budget(self.kv_budget)
+            return max(1, self.kv_budget.num_blocks - 1)  # one block goes to the scratch block
+        budget = cache_cfg.cpu_kv_cache_bytes
         num_blocks = budget // spec.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget {budget} bytes holds no block of {spec.bytes_per_block} bytes"
             )
         return num_blocks
+
+    def _profile_kv_budget(self, spec: KVCacheSpec, max_capture_size: int) -> KVBudget:
+        """Profile one eager step of ``max_num_batched_tokens`` tokens spread over up to
+        ``max_num_seqs`` sampling requests, on a throw-away cache just big enough."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self._max_model_len)
+        num_reqs = min(sched.max_num_seqs, num_tokens)
+        lens = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
+        bs = spec.block_size
+        reqs: list[ScheduledRequest] = []
+        next_block = 0
+        for i, n in enumerate(lens):
+            blocks = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(blocks)
+            reqs.append(ScheduledRequest(f"profile-{i}", [1] * n, 0, blocks, True, SamplingParams(temperature=0.0)))
+
+        def run_step() -> int:
+            self.kv_cache = KVCache(spec, next_block, self.device)
+            self.execute_model(SchedulerOutput(reqs, num_tokens, frozenset(r.req_id for r in reqs)))
+            nbytes = (next_block + 1) * spec.bytes_per_block
+            del self.kv_cache
+            self._num_tokens_written.clear()
+            return nbytes
+
+        profile = measure_profile(self.device, run_step, num_tokens)
+        return kv_budget_from(
+            profile, self.config.cache.gpu_memory_utilization, spec.bytes_per_block, max_capture_size
+        )
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -168,26 +264,26 @@ class ModelRunner:
                 connector.wait_for_save()
                 connector.after_step(out.kv_connector_metadata)
             return ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
-        batch = self.prepare_inputs(out)
+        host = self._host_batch(out)
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
+        sampled: dict[str, int] = {}
+        logits_out: dict[str, object] | None = {} if return_logits else None
         with torch.inference_mode():
-            self.attn_backend.plan(batch.metadata)
-            hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
-            sampled: dict[str, int] = {}
-            logits_out: dict[str, object] | None = {} if return_logits else None
-            if batch.sample_req_ids:
-                logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+            hidden, logits_indices = self._forward(host)
+            if host.sample_req_ids:
+                rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
+                logits = self.model.compute_logits(rows)
                 by_id = {r.req_id: r for r in out.requests}
                 requests = [
                     SampleRequest(by_id[rid].sampling, by_id[rid].num_output_tokens)
-                    for rid in batch.sample_req_ids
+                    for rid in host.sample_req_ids
                 ]
-                tokens = self.sampler(logits, requests)
-                sampled = dict(zip(batch.sample_req_ids, tokens, strict=True))
+                tokens = self.sampler.sample(logits, requests).tolist()  # the step's one sync
+                sampled = dict(zip(host.sample_req_ids, tokens, strict=True))
                 if logits_out is not None:
-                    rows = logits.cpu()
-                    logits_out = {rid: rows[i] for i, rid in enumerate(batch.sample_req_ids)}
+                    cpu_rows = logits.cpu()
+                    logits_out = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
         if connector is not None:
             connector.wait_for_save()
             connector.after_step(out.kv_connector_metadata)
@@ -195,16 +291,34 @@ class ModelRunner:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
         return ModelRunnerOutput(sampled_token_ids=sampled, logits=logits_out)
 
+    def _forward(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the step, and the rows to take logits from (None: all rows)."""
+        graphs = self.cuda_graphs
+        size = graphs.padded_size(len(host.query_lens)) if graphs is not None else None
+        if graphs is not None and size is not None and host.is_decode_only:
+            n = len(host.input_ids)
+            pad = size - n
+            scratch_slot = self.kv_cache.scratch_block_id * self.kv_cache.block_size
+            io = torch.tensor(
+                [host.input_ids + [0] * pad, host.positions + [0] * pad, host.slots + [scratch_slot] * pad],
+                dtype=torch.int64,
+            ).pin_memory()
+            hidden = graphs.run(io, host.seq_lens, host.block_tables)
+            if host.logits_rows == list(range(n)):
+                return hidden, None
+            return hidden, self._to_device(host.logits_rows, torch.int64)
+        batch = self._device_batch(host)
+        self.attn_backend.plan(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
+        return hidden, batch.logits_indices
+
     def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
         """Flatten a step into device tensors (pure: no cache access). Raises ValueError."""
+        return self._device_batch(self._host_batch(out))
+
+    def _host_batch(self, out: SchedulerOutput) -> HostBatch:
         bs = self.kv_cache.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_ids: list[str] = []
+        host = HostBatch([], [], [], [], [], [], [], [])
         seen: set[str] = set()
         for r in out.requests:
             if r.req_id in seen:
@@ -218,38 +332,51 @@ class ModelRunner:
                 raise ValueError(f"request {r.req_id!r}: {end} tokens exceed max_model_len {self._max_model_len}")
             if len(r.block_table) * bs < end:
                 raise ValueError(f"request {r.req_id!r}: block table of {len(r.block_table)} blocks cannot hold {end} tokens")
-            needed = r.block_table[: -(-end // bs)]
+            needed = list(r.block_table[: -(-end // bs)])
             if any(b < 0 or b >= self.kv_cache.num_blocks for b in needed):
                 raise ValueError(f"request {r.req_id!r}: block id outside [0, {self.kv_cache.num_blocks})")
-            input_ids.extend(r.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(r.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
+            host.input_ids.extend(r.token_ids)
+            host.positions.extend(range(start, end))
+            host.slots.extend(needed[p // bs] * bs + p % bs for p in range(start, end))
+            host.query_lens.append(n)
+            host.seq_lens.append(end)
+            host.block_tables.append(needed)
             if r.sample:
-                logits_rows.append(len(input_ids) - 1)
-                sample_ids.append(r.req_id)
-        max_blocks = max(-(-s // bs) for s in seq_lens)
-        tables = [list(r.block_table[:max_blocks]) for r in out.requests]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+                host.logits_rows.append(len(host.input_ids) - 1)
+                host.sample_req_ids.append(r.req_id)
+        return host
+
+    def _device_batch(self, host: HostBatch) -> BatchInputs:
+        """All per-step inputs in one host buffer and one (pinned, non-blocking) copy."""
+        num_tokens, num_reqs = len(host.input_ids), len(host.query_lens)
+        max_blocks = max(len(t) for t in host.block_tables)
         cu = [0]
-        for n in query_lens:
+        for n in host.query_lens:
             cu.append(cu[-1] + n)
+        flat: list[int] = host.input_ids + host.positions + host.slots + host.logits_rows + cu + host.seq_lens
+        for t in host.block_tables:
+            flat.extend(t)
+            flat.extend([0] * (max_blocks - len(t)))
+        packed = self._to_device(flat, torch.int64)
+        parts = packed.split(
+            [num_tokens, num_tokens, num_tokens, len(host.logits_rows), num_reqs + 1, num_reqs, num_reqs * max_blocks]
+        )
         metadata = AttentionMetadata(
-            cu_seqlens_q=self._to_device(cu, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(tables, torch.int32),
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
+            cu_seqlens_q=parts[4].to(torch.int32),
+            seq_lens=parts[5].to(torch.int32),
+            block_tables=parts[6].view(num_reqs, max_blocks).to(torch.int32),
+            slot_mapping=parts[2],
+            query_lens_cpu=host.query_lens,
+            seq_lens_cpu=host.seq_lens,
+            block_size=self.kv_cache.block_size,
+            block_tables_cpu=host.block_tables,
         )
         return BatchInputs(
-            input_ids=self._to_device(input_ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
+            input_ids=parts[0],
+            positions=parts[1],
             metadata=metadata,
-            logits_indices=self._to_device(logits_rows, torch.int64),
-            sample_req_ids=sample_ids,
+            logits_indices=parts[3],
+            sample_req_ids=host.sample_req_ids,
         )
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

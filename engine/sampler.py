@@ -6,6 +6,11 @@ seeded by a stable hash of ``(seed, num_output_tokens)``, so output token ``n`` 
 the seed, ``n`` and the logits, never on which other requests share the batch or on the
 device. Requests without a seed draw from one engine-level generator seeded by
 ``config.seed`` (reproducible for the same sequence of batches).
+
+On CUDA, unseeded top-k/top-p rows use FlashInfer's fused sampling kernel (rejection sampling,
+no sort) with a CUDA generator seeded by ``config.seed``; seeded rows keep the inverse-CDF path
+above so their tokens stay batch- and device-independent. ``sample`` returns the token ids as
+a device tensor without synchronizing; ``__call__`` adds the one copy back to the host.
 """
 
 from __future__ import annotations
@@ -33,29 +38,74 @@ def seeded_uniform(seed: int, num_output_tokens: int) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
-class Sampler:
-    """Stateful only through the engine-level generator (not thread-safe)."""
+def _flashinfer_sampling() -> object | None:
+    try:
+        import flashinfer.sampling
+    except ImportError:
+        return None
+    return flashinfer.sampling
 
-    def __init__(self, seed: int) -> None:
+
+class Sampler:
+    """Stateful only through the engine-level generators (not thread-safe)."""
+
+    def __init__(self, seed: int, device: torch.device | str | None = None) -> None:
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        self._cuda_generator: torch.Generator | None = None
+        self._gpu_kernels: object | None = None
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and dev.type == "cuda":
+            self._gpu_kernels = _flashinfer_sampling()
+            if self._gpu_kernels is not None:
+                self._cuda_generator = torch.Generator(device=dev).manual_seed(seed)
+
+    @property
+    def uses_flashinfer(self) -> bool:
+        return self._gpu_kernels is not None
 
     def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
         """``logits [n, vocab]`` (one row per entry of ``requests``) -> n token ids.
 
         Does not modify ``logits``. Raises ValueError if the row count differs."""
+        return self.sample(logits, requests).tolist()
+
+    def sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """Like ``__call__`` but returns int64 ``[n]`` on ``logits.device``, no host sync."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
-        if not requests:
-            return []
-        out = logits.float().argmax(dim=-1).tolist()  # greedy rows keep this
-        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if rows:
-            sampled = self._sample_rows(logits[rows].float(), [requests[i] for i in rows])
-            for i, tok in zip(rows, sampled, strict=True):
-                out[i] = tok
+        logits = logits.float()
+        out = logits.argmax(dim=-1)  # greedy rows keep this
+        seeded = [i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is not None]
+        unseeded = [i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
+        if unseeded:
+            rows = [requests[i] for i in unseeded]
+            if self._gpu_kernels is not None and logits.is_cuda:
+                picked = self._sample_rows_flashinfer(logits[unseeded], rows)
+            else:
+                picked = self._sample_rows(logits[unseeded], rows)
+            out[unseeded] = picked
+        if seeded:
+            out[seeded] = self._sample_rows(logits[seeded], [requests[i] for i in seeded])
         return out
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
+    def _sample_rows_flashinfer(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[-1]
+        params = [r.params for r in requests]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device, non_blocking=True)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        picked = self._gpu_kernels.top_k_top_p_sampling_from_logits(  # type: ignore[attr-defined]
+            logits / temps.unsqueeze(1),
+            top_k.to(device, non_blocking=True),
+            top_p.to(device, non_blocking=True),
+            filter_apply_order="top_k_first",
+            deterministic=True,
+            generator=self._cuda_generator,
+        )
+        return picked.long()
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         device = logits.device
         vocab = logits.shape[-1]
         temps = torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1)
@@ -83,7 +133,7 @@ class Sampler:
         # Rounding can put the target at the very end of the cdf: clamp to the last kept token.
         num_kept = (sorted_probs > 0).sum(dim=-1, keepdim=True)
         picks = torch.minimum(picks, num_kept - 1)
-        return sorted_ids.gather(1, picks).squeeze(1).tolist()
+        return sorted_ids.gather(1, picks).squeeze(1)
 
     def _uniforms(self, requests: list[SampleRequest]) -> list[float]:
         unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]

@@ -40,6 +40,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Host copy of the block tables (rows may be longer than needed; same ids as the tensor).
+    block_tables_cpu: list[list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -71,6 +73,21 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    def bind(self, kv_dtype: torch.dtype, device: torch.device) -> None:  # noqa: B027
+        """Called once by the runner after the KV cache exists (its dtype and device), before
+        any ``plan``. Backends that pre-allocate device workspaces do it here; default no-op."""
+
+    @property
+    def graph_capable(self) -> bool:
+        """Whether ``plan_cuda_graph`` works (decode batches replayable as CUDA graphs)."""
+        return False
+
+    def plan_cuda_graph(self, metadata: AttentionMetadata, batch_size: int, max_pages: int) -> None:
+        """Plan a decode-only batch padded to ``batch_size`` rows for a CUDA-graph replay whose
+        static buffers are ``metadata``'s tensors. Raises NotImplementedError unless
+        ``graph_capable``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run CUDA graphs")
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:
