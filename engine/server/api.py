@@ -1,7 +1,7 @@
-"""``build_app``: the FastAPI app serving OpenAI-compatible endpoints over an ``AsyncEngine``.
+"""``build_app``: the FastAPI app serving OpenAI-compatible endpoints over an ``EngineClient``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while the engine thread runs, 503 after it died), ``GET /metrics``
+``GET /health`` (200 while the engine runs, 503 once its thread or process died), ``GET /metrics``
 (Prometheus text format). The app does not own the engine: whoever built the engine shuts
 it down (``kvtier serve`` does, after uvicorn returns).
 """
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.async_engine import AsyncEngine
+from engine.core.base import EngineClient
 from engine.server.endpoints import create_chat_completion, create_completion
 from engine.server.errors import error_response, install_error_handlers
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -65,7 +65,7 @@ class _RequestCounter:
             self.metrics.record_request(endpoint, status[0] if status else 500)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
+def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.stats, served_model_name)

@@ -1,10 +1,11 @@
-"""``AsyncEngine``: one ``LLMEngine`` driven by one background thread, consumed from asyncio.
+"""``AsyncEngine``: one ``LLMEngine`` driven by one background thread of the API process.
 
-``LLMEngine`` is not thread-safe, so every call into it (add, abort, step, stats) happens on
-the engine thread. The asyncio side only enqueues commands and reads per-request queues that
-the engine thread feeds through ``loop.call_soon_threadsafe``. A later issue moves the engine
-core into its own process over ZMQ; that is a swap of this class behind the same four public
-calls: ``generate``, ``abort``, ``stats``, ``shutdown``.
+``kvtier serve`` runs the engine core in its own process (``engine.core.client``); this
+in-process variant stays for ``--engine-in-process`` and for tests that reach into the engine
+(``.engine``). ``LLMEngine`` is not thread-safe, so every call into it (add, abort, step, stats)
+happens on the engine thread. The asyncio side only enqueues commands and reads per-request
+queues that the engine thread feeds through ``loop.call_soon_threadsafe``. Both variants
+satisfy ``engine.core.base.EngineClient``.
 """
 
 from __future__ import annotations
@@ -14,18 +15,16 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
+from engine.core.base import EngineDeadError, EngineStats, OutputStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
+__all__ = ["AsyncEngine", "EngineCore", "EngineDeadError"]
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or shutdown): no request can make progress."""
 
 
 class EngineCore(Protocol):
@@ -46,22 +45,7 @@ class EngineCore(Protocol):
     def abort_request(self, req_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def stats(self) -> dict[str, float | int]: ...
-
-
-@dataclass(slots=True)
-class _Stream:
-    """One request's mailbox: items are RequestOutput or an exception to raise."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Thread-safe; a closed loop (client gone at shutdown) drops the item."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass
+    def stats(self) -> EngineStats: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +77,8 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self._cond = threading.Condition()
         self._commands: deque[_Add | _Abort] = deque()  # guarded by _cond
-        self._streams: dict[str, _Stream] = {}  # guarded by _cond
-        self._stats: dict[str, float | int] = dict(engine.stats())  # replaced, never mutated
+        self._streams: dict[str, OutputStream] = {}  # guarded by _cond
+        self._stats: EngineStats = dict(engine.stats())  # replaced, never mutated
         self._dead: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
@@ -119,7 +103,7 @@ class AsyncEngine:
     def dead_error(self) -> BaseException | None:
         return self._dead
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> EngineStats:
         """The engine's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
         return self._stats
 
@@ -134,7 +118,7 @@ class AsyncEngine:
         """Yields one RequestOutput per engine step that touched the request, the last one
         with ``finished=True``. Raises ValueError for a rejected request, EngineDeadError if
         the engine stops. Closing or cancelling the iterator early aborts the request."""
-        stream = _Stream(asyncio.get_running_loop())
+        stream = OutputStream(asyncio.get_running_loop())
         with self._cond:
             if self._dead is not None or self._stopping:
                 raise EngineDeadError(f"engine is not running: {self._dead!r}")
@@ -143,20 +127,8 @@ class AsyncEngine:
             self._streams[req_id] = stream
             self._commands.append(_Add(req_id, prompt, params, arrival_time))
             self._cond.notify()
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already forgot the request
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._abort_nowait(req_id)
+        async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
+            yield output
 
     async def abort(self, req_id: str) -> None:
         self._abort_nowait(req_id)

@@ -1,4 +1,5 @@
-"""``kvtier serve``: flags -> EngineConfig (one-to-one), then uvicorn on the FastAPI app."""
+"""``kvtier serve``: flags -> EngineConfig and CoreProcConfig (one-to-one), then uvicorn on the
+FastAPI app. The engine core runs in its own process unless ``--engine-in-process``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import logging
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.base import EngineClient
+from engine.core.client import CoreProcConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload", action="store_true", help="offload KV to lower tiers")
     parser.add_argument("--kv-offload-config", default=None, metavar="FILE", help="tiers YAML")
     parser.add_argument("--request-log", default=None, metavar="FILE")
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core on a thread of the HTTP process instead of its own process",
+    )
+    parser.add_argument(
+        "--engine-num-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads of the engine core process (default: torch's choice)",
+    )
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -58,21 +73,46 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def core_proc_config_from_args(args: argparse.Namespace) -> CoreProcConfig:
+    """Pure mapping of the engine-process flags; raises ValueError on bad values."""
+    return CoreProcConfig(num_threads=args.engine_num_threads)
+
+
+def start_engine(
+    config: EngineConfig, proc_config: CoreProcConfig, *, in_process: bool = False
+) -> EngineClient:
+    """Loads the model and returns a running engine: the core in its own process by default,
+    on a thread of this process with ``in_process``. The caller must ``shutdown()`` it.
+    Raises EngineStartupError (core process) or the load error (in process)."""
+    if in_process:
+        from engine.server.async_engine import AsyncEngine
+
+        return AsyncEngine.from_config(config)
+    from engine.core.client import EngineCoreClient
+
+    return EngineCoreClient.start(config, proc_config)
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from engine.core.client import EngineStartupError
     from engine.server.api import build_app
-    from engine.server.async_engine import AsyncEngine
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
     try:
         config = engine_config_from_args(args)
+        proc_config = core_proc_config_from_args(args)
     except ValueError as exc:
         logger.error("bad arguments: %s", exc)
         return 2
-    engine = AsyncEngine.from_config(config)
+    try:
+        engine = start_engine(config, proc_config, in_process=args.engine_in_process)
+    except EngineStartupError as exc:
+        logger.error("%s", exc)
+        return 1
     name = args.served_model_name or engine.model_name
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     try:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.server.async_engine import EngineDeadError
+from engine.core.base import EngineDeadError
 from engine.server.errors import error_body
 from engine.server.protocol import (
     AssistantMessage,

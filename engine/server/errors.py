@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.server.async_engine import EngineDeadError
+from engine.core.base import EngineDeadError
 from engine.server.protocol import ErrorInfo, ErrorResponse, ProtocolError
 
 logger = logging.getLogger(__name__)

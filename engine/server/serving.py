@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from engine.outputs import RequestOutput
-from engine.server.async_engine import AsyncEngine
+from engine.core.base import EngineClient
 from engine.server.errors import APIError
 from engine.server.metrics import RequestTimer, ServerMetrics
 from engine.server.protocol import ProtocolError, SamplingRequest, UsageInfo
@@ -69,7 +69,7 @@ class StartedRequest:
 class ServingContext:
     """Holds the engine, the served name and metrics for the endpoint handlers."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics

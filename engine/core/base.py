@@ -1,0 +1,85 @@
+"""What the HTTP layer needs from an engine, whichever process runs it.
+
+``EngineClient`` is the contract the endpoints use; ``engine.server.async_engine.AsyncEngine``
+(the core on a thread of the API process) and ``engine.core.client.EngineCoreClient`` (the core
+in its own process) both satisfy it. ``OutputStream`` is the per-request mailbox both use to
+hand outputs from their background thread to the asyncio consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+# An engine ``stats()`` snapshot: numbers at the top level, and possibly nested dicts or lists
+# of per-tier rows (the offload connector's); see engine.server.metrics for how they export.
+EngineStats = dict[str, Any]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a step raised, its process died, or shutdown): no request can make
+    progress."""
+
+
+class EngineClient(Protocol):
+    """The engine as the HTTP endpoints see it. Every method may be called from any thread;
+    ``generate`` from an asyncio loop."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    @property
+    def is_running(self) -> bool: ...
+    @property
+    def dead_error(self) -> BaseException | None: ...
+    def stats(self) -> EngineStats: ...
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req_id: str,
+        *,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, req_id: str) -> None: ...
+    def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
+@dataclass(slots=True)
+class OutputStream:
+    """One request's mailbox: items are RequestOutput or an exception to raise. Written from
+    the engine's background thread, read by one coroutine on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe; a closed loop (client gone at shutdown) drops the item."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+    async def iterate(self, on_abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """Yields outputs until one has ``finished=True``; raises a queued exception. If the
+        consumer stops early (close, cancel), calls ``on_abandon`` (which aborts the request)."""
+        finished = False
+        try:
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already forgot the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                on_abandon()

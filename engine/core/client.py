@@ -1,0 +1,350 @@
+"""``EngineCoreClient``: the API process's handle on an engine core running in its own process.
+
+``start`` spawns ``engine.core.proc.run_engine_core``, binds the two ZMQ sockets (ipc:// in a
+fresh temp dir), loads the tokenizer while the core loads the model, and waits for the core's
+``Ready`` (``EngineStartupError`` carries the core's message if it fails). A background thread
+then reads ``StepOutputs``, detokenizes them (``output_processor``), and hands each request's
+outputs to its asyncio consumer. It also watches the core's process sentinel: if the core
+dies, every pending and later request fails with ``EngineDeadError`` and ``is_running`` turns
+False (``/health`` answers 503). The API process never runs model work, so it stays
+responsive during long prefills.
+
+Why a thread rather than an asyncio task: one client serves whichever event loops call it
+(uvicorn's, or several successive ``asyncio.run`` in tests), and the thread blocks in
+``zmq.Poller`` on the socket and the process sentinel together.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.core.base import EngineDeadError, EngineStats, OutputStream
+from engine.core.messages import (
+    AbortRequests, AddRequest, CoreEvent, CoreFailed, Ready, RequestRejected, Shutdown,
+    StartupFailed, StatsRequest, StepOutputs, decode_event, encode_request,
+)  # fmt: skip
+from engine.core.output_processor import RequestState, core_params
+from engine.core.proc import CoreAddresses, run_engine_core
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_prompt, load_tokenizer
+
+logger = logging.getLogger(__name__)
+_LAST_EVENTS_GRACE_S = 0.2  # after the core exits, how long its last messages may trail
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core failed to load (the message is the core's error) or exited early."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreProcConfig:
+    """How the core process runs. ``num_threads``: torch intra-op threads in the core (None:
+    torch's default); ``startup_timeout_s``: None waits as long as the model takes to load;
+    ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at shutdown)."""
+
+    num_threads: int | None = None
+    startup_timeout_s: float | None = None
+    ipc_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    state: RequestState  # touched by the output thread only
+    stream: OutputStream
+
+
+class EngineCoreClient:
+    """Satisfies ``engine.core.base.EngineClient``; build it with ``start``. Thread-safe."""
+
+    def __init__(
+        self, proc: Any, zmq_ctx: zmq.Context, requests: zmq.Socket, events: zmq.Socket,
+        tokenizer: Any, ready: Ready, ipc_dir: str | None,
+    ) -> None:  # fmt: skip
+        self._proc = proc
+        self._zmq_ctx = zmq_ctx
+        self._requests_sock = requests  # guarded by _send_lock
+        self._events_sock = events  # owned by the output thread
+        self._ipc_dir = ipc_dir  # removed at shutdown when we created it
+        self.tokenizer = tokenizer
+        self.model_name: str = ready.model_name
+        self.max_model_len: int = ready.max_model_len
+        self.core_pid: int = ready.pid
+        self._stats: EngineStats = ready.stats  # replaced, never mutated
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._requests: dict[str, _Entry] = {}  # guarded by _lock
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._output_loop, name="kvtier-core-outputs", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, proc_config: CoreProcConfig | None = None
+    ) -> EngineCoreClient:
+        """Spawns the core and returns once it has loaded the model. Raises
+        EngineStartupError (with the core's message) if it cannot."""
+        proc_config = proc_config or CoreProcConfig()
+        model_dir = config.model
+        if model_dir is None:
+            from engine.demo_model import ensure_demo_model
+
+            model_dir = ensure_demo_model()  # before the spawn, so only one process builds it
+        ipc_dir = proc_config.ipc_dir or tempfile.mkdtemp(prefix="kvtier-core-")
+        owned_dir = ipc_dir if proc_config.ipc_dir is None else None
+        addresses = CoreAddresses(f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/events")
+        zmq_ctx = zmq.Context()
+        requests = zmq_ctx.socket(zmq.PUSH)
+        requests.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
+        requests.bind(addresses.requests)
+        events = zmq_ctx.socket(zmq.PULL)
+        events.bind(addresses.events)
+        spawn = multiprocessing.get_context("spawn")  # never fork after torch or threads
+        proc = spawn.Process(
+            target=run_engine_core,
+            args=(config, addresses, proc_config.num_threads),
+            name="kvtier-engine-core",
+            daemon=True,  # torn down with the API process even if shutdown is skipped
+        )
+        proc.start()
+        try:
+            tokenizer = load_tokenizer(model_dir)  # overlaps with the core's model load
+            ready = _wait_ready(events, proc, proc_config.startup_timeout_s)
+        except BaseException:
+            _stop_process(proc, 0.0)
+            requests.close(linger=0)
+            events.close(linger=0)
+            zmq_ctx.term()
+            if owned_dir is not None:
+                shutil.rmtree(owned_dir, ignore_errors=True)
+            raise
+        return cls(proc, zmq_ctx, requests, events, tokenizer, ready, owned_dir)
+
+    # --- the EngineClient interface -----------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stopping and self._proc.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> EngineStats:
+        """The core's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
+        return self._stats
+
+    def request_stats(self) -> None:
+        """Asks the core for fresh stats; ``stats()`` shows them once they arrive."""
+        self._send(encode_request(StatsRequest()))
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        req_id: str,
+        *,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Same contract as ``AsyncEngine.generate``: one output per core step that touched the
+        request, the last ``finished``; ValueError for a rejected request, EngineDeadError if
+        the core stops; closing the iterator early aborts the request in the core."""
+        import asyncio
+
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        try:
+            data = encode_request(AddRequest(req_id, prompt_ids, core_params(params), arrival))
+        except TypeError as exc:
+            raise ValueError(f"sampling params cannot be sent to the engine core: {exc}") from exc
+        state = RequestState.new(self.tokenizer, req_id, prompt_ids, params, arrival)
+        stream = OutputStream(asyncio.get_running_loop())
+        with self._lock:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
+            if req_id in self._requests:
+                raise ValueError(f"duplicate request id {req_id!r}")
+            self._requests[req_id] = _Entry(state, stream)
+        try:
+            self._send(data)
+        except EngineDeadError:
+            with self._lock:
+                self._requests.pop(req_id, None)
+            raise
+        async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
+            yield output
+
+    async def abort(self, req_id: str) -> None:
+        self._abort_nowait(req_id)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the core after its current step (killing it after ``timeout_s``); waiting
+        requests get EngineDeadError. Idempotent."""
+        with self._lock:
+            already, self._stopping = self._stopping, True
+        if already:
+            return
+        try:
+            self._send(encode_request(Shutdown()))
+        except EngineDeadError:
+            pass  # already gone
+        _stop_process(self._proc, timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        self._fail_all(EngineDeadError("engine shut down"))
+        with self._send_lock:
+            self._requests_sock.close(linger=0)
+        if not self._thread.is_alive():
+            self._events_sock.close(linger=0)
+            self._zmq_ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        with self._send_lock:
+            if self._requests_sock.closed:
+                raise EngineDeadError("engine shut down")
+            try:
+                # NOBLOCK: with no high-water mark, Again means the core is not connected.
+                self._requests_sock.send(data, zmq.NOBLOCK)
+            except zmq.Again as exc:
+                raise EngineDeadError("engine core is not connected") from exc
+
+    def _abort_nowait(self, req_id: str) -> None:
+        with self._lock:
+            entry = self._requests.pop(req_id, None)
+        if entry is not None:
+            self._send_abort(req_id)
+
+    def _send_abort(self, req_id: str) -> None:
+        try:
+            self._send(encode_request(AbortRequests([req_id])))
+        except EngineDeadError:
+            pass  # a dead core runs nothing
+
+    def _output_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._events_sock, zmq.POLLIN)
+        poller.register(self._proc.sentinel, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._events_sock in events:
+                    self._drain_events()
+                if self._proc.sentinel in events:
+                    break
+            # The core exited: take the messages it sent last, then fail what is left.
+            while self._events_sock.poll(int(_LAST_EVENTS_GRACE_S * 1000)):
+                self._drain_events()
+        except Exception as exc:  # noqa: BLE001 - the client cannot go on without its reader
+            logger.exception("engine core output thread failed")
+            self._set_dead(EngineDeadError(f"engine core output thread failed: {exc!r}"))
+        if not self._stopping and self._dead is None:
+            self._proc.join(1.0)
+            code = self._proc.exitcode
+            logger.error("engine core process died (exit code %s)", code)
+            self._set_dead(EngineDeadError(f"engine core process died (exit code {code})"))
+        self._fail_all(self._dead or EngineDeadError("engine shut down"))
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                data = self._events_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode_event(data))
+
+    def _handle(self, event: CoreEvent) -> None:
+        if isinstance(event, StepOutputs):
+            # Stats first: a client that sees its output sees the stats of that step with it.
+            self._stats = event.stats
+            for core_output in event.outputs:
+                with self._lock:
+                    entry = self._requests.get(core_output.req_id)
+                if entry is None:
+                    continue  # aborted, or ended by a stop string while the core ran ahead
+                processed = entry.state.process(core_output)
+                if processed.output.finished:
+                    with self._lock:
+                        self._requests.pop(core_output.req_id, None)
+                if processed.abort_in_core:
+                    self._send_abort(core_output.req_id)
+                entry.stream.put(processed.output)
+        elif isinstance(event, RequestRejected):
+            with self._lock:
+                entry = self._requests.pop(event.req_id, None)
+            if entry is not None:
+                entry.stream.put(ValueError(event.message))
+        elif isinstance(event, CoreFailed):
+            self._set_dead(EngineDeadError(event.message))
+            self._fail_all(self._dead or EngineDeadError(event.message))
+        else:
+            logger.warning("unexpected engine core event %s", type(event).__name__)
+
+    def _set_dead(self, error: BaseException) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = error
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            entries = list(self._requests.values())
+            self._requests.clear()
+        for entry in entries:
+            entry.stream.put(error)
+
+
+def _wait_ready(events: zmq.Socket, proc: Any, timeout_s: float | None) -> Ready:
+    """Blocks until the core's first event; raises EngineStartupError unless it is Ready."""
+    poller = zmq.Poller()
+    poller.register(events, zmq.POLLIN)
+    poller.register(proc.sentinel, zmq.POLLIN)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        ready = dict(poller.poll(wait_ms))
+        if events in ready or (proc.sentinel in ready and events.poll(200)):
+            event = decode_event(events.recv())
+            if isinstance(event, Ready):
+                return event
+            if isinstance(event, StartupFailed):
+                raise EngineStartupError(f"engine core failed to start: {event.message}")
+            raise EngineStartupError(f"unexpected first event {type(event).__name__}")
+        if proc.sentinel in ready:
+            proc.join(1.0)
+            raise EngineStartupError(
+                f"engine core process exited with code {proc.exitcode} before it was ready"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise EngineStartupError(f"engine core not ready within {timeout_s} s")
+
+
+def _stop_process(proc: Any, timeout_s: float) -> None:
+    """Waits up to ``timeout_s`` for a clean exit, then terminates, then kills."""
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

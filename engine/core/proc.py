@@ -1,0 +1,185 @@
+"""The engine-core process: builds ``LLMEngine`` and steps it, fed and drained over ZMQ.
+
+``EngineCoreClient`` spawns ``run_engine_core`` (multiprocessing *spawn*: never fork a process
+that holds torch or threads). The core connects a PULL socket for ``CoreRequest``s and a PUSH
+socket for ``CoreEvent``s to addresses the API process has bound, loads the model, reports
+``Ready`` (or ``StartupFailed`` with the error's message), then loops: drain every pending
+request, run one ``step()`` if any request is unfinished, push that step's outputs and stats
+as one ``StepOutputs``. With no work it blocks in ``poll`` (no busy wait). It exits on
+``Shutdown``, when its parent process is gone, or (code 1, after ``CoreFailed``) when a step
+raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutput,
+    CoreRequest,
+    Ready,
+    RequestRejected,
+    Shutdown,
+    StartupFailed,
+    StatsRequest,
+    StepOutputs,
+    decode_request,
+    encode_event,
+)
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+_LAST_EVENTS_LINGER_MS = 5000  # time to deliver the final events (CoreFailed) before exiting
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddresses:
+    """ZMQ endpoints, bound by the API process and connected by the core."""
+
+    requests: str  # API PUSH -> core PULL
+    events: str  # core PUSH -> API PULL
+
+
+def run_engine_core(
+    config: EngineConfig, addresses: CoreAddresses, num_threads: int | None
+) -> None:
+    """Process entry point; exits with 0 after Shutdown or parent death, 1 on failure.
+    ``num_threads``: torch intra-op threads for this process (None: torch's default)."""
+    # Ctrl-C in a terminal signals the whole process group; the API process decides when the
+    # core stops (it sends Shutdown after draining HTTP), so the core ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import zmq
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(addresses.requests)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
+    outbox.connect(addresses.events)
+    code = 1
+    try:
+        try:
+            engine = _build_engine(config, num_threads)
+        except BaseException as exc:  # noqa: BLE001 - any failure is reported to the API
+            logger.exception("engine core failed to start")
+            outbox.send(encode_event(StartupFailed(f"{type(exc).__name__}: {exc}")))
+            return
+        ready = Ready(engine.model_name, engine.max_model_len, engine.stats(), os.getpid())
+        outbox.send(encode_event(ready))
+        parent = multiprocessing.parent_process()
+        sentinel = parent.sentinel if parent is not None else None
+        code = EngineCoreLoop(engine, inbox, outbox, sentinel).run()
+    except BaseException:  # noqa: BLE001 - logged here, since sys.exit below replaces it
+        logger.exception("engine core loop failed")
+        code = 1
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=_LAST_EVENTS_LINGER_MS)
+        ctx.term()
+        sys.exit(code)
+
+
+def _build_engine(config: EngineConfig, num_threads: int | None) -> Any:  # -> LLMEngine
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def to_core_output(output: RequestOutput) -> CoreOutput:
+    m = output.metrics
+    return CoreOutput(
+        req_id=output.req_id,
+        new_token_ids=list(output.new_token_ids),
+        finished=output.finished,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        num_cached_tokens=output.num_cached_tokens,
+        first_token_time=None if m is None else m.first_token_time,
+        last_token_time=None if m is None else m.last_token_time,
+        finished_time=None if m is None else m.finished_time,
+    )
+
+
+class EngineCoreLoop:
+    """Owns the engine and both sockets; ``run`` on the process's only engine thread."""
+
+    def __init__(self, engine: Any, inbox: Any, outbox: Any, parent_sentinel: int | None):
+        self.engine = engine
+        self._inbox = inbox
+        self._outbox = outbox
+        self._parent_sentinel = parent_sentinel
+
+    def run(self) -> int:
+        """Returns the process exit code: 0 on Shutdown or parent death, 1 if a step raised."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        if self._parent_sentinel is not None:
+            poller.register(self._parent_sentinel, zmq.POLLIN)
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            events = dict(poller.poll(0 if busy else None))
+            if self._parent_sentinel is not None and self._parent_sentinel in events:
+                logger.warning("API process is gone; engine core exits")
+                return 0
+            if not self._drain_requests():
+                return 0
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fatal: reported, then the process exits
+                logger.exception("engine step failed")
+                self._send(CoreFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+                return 1
+            self._send(StepOutputs([to_core_output(o) for o in outputs], self.engine.stats()))
+
+    def _drain_requests(self) -> bool:
+        """Applies every queued request; False once Shutdown arrived."""
+        import zmq
+
+        while True:
+            try:
+                data = self._inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = decode_request(data)
+            except ValueError:
+                logger.exception("dropping a malformed request message")
+                continue
+            if isinstance(msg, Shutdown):
+                return False
+            self._apply(msg)
+
+    def _apply(self, msg: CoreRequest) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.engine.add_request(
+                    msg.req_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
+                )
+            except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
+                self._send(RequestRejected(msg.req_id, str(exc)))
+        elif isinstance(msg, AbortRequests):
+            for req_id in msg.req_ids:
+                self.engine.abort_request(req_id)  # unknown or finished ids are ignored
+        elif isinstance(msg, StatsRequest):
+            self._send(StepOutputs([], self.engine.stats()))
+
+    def _send(self, event: Any) -> None:
+        self._outbox.send(encode_event(event))
