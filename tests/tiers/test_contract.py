@@ -132,10 +132,11 @@ def test_concurrent_threads_see_their_own_writes(tier: Tier) -> None:
 
 
 def test_eviction_at_capacity_returns_oldest_keys(make_tier: MakeTier, tier_kind: str) -> None:
-    if tier_kind not in BOUNDED_KINDS:
-        pytest.skip(f"{tier_kind}: capacity is the server's, the tier never evicts itself")
+    if tier_kind == "s3":
+        pytest.skip("s3: no capacity; a bucket lifecycle rule bounds it")
     nbytes = 64 * KIB
-    # Room for four values in the host slab; for LMDB a capacity of about four values.
+    # Room for four values in the host slab; for LMDB and Redis (optional ``capacity``, LRU
+    # kept in Redis) a capacity of about four values.
     capacity = 4 * HOST_SLOT_BYTES if tier_kind == "host" else 4 * nbytes + 16 * KIB
     tier = make_tier(capacity=capacity)
     keys = chain_keys(10)
@@ -152,14 +153,18 @@ def test_eviction_at_capacity_returns_oldest_keys(make_tier: MakeTier, tier_kind
     assert tier.get_many(evicted_keys) == [None] * len(evicted_keys)
     usage = tier.usage()
     assert usage.num_entries == len(survivors) and usage.used_bytes <= capacity
-    if tier_kind == "host":
-        assert evicted_keys == keys[:6]  # exactly four slots
+    if tier_kind in ("host", "redis"):
+        assert evicted_keys == keys[:6]  # exactly four slots / four values' bytes
+    if tier_kind == "redis":  # values counted exactly, and always handed over for demotion
+        assert usage.used_bytes == 4 * nbytes
+        assert [bytes(e.value or b"") for e in evicted] == [value(i, nbytes) for i in range(6)]
 
 
 def test_lookup_refreshes_recency_for_lru_tiers(make_tier: MakeTier, tier_kind: str) -> None:
-    if tier_kind != "host":
-        pytest.skip("exact LRU order is asserted for the host tier (lmdb: tests/tiers/test_lmdb)")
-    tier = make_tier(capacity=3 * HOST_SLOT_BYTES)
+    if tier_kind not in ("host", "redis"):
+        pytest.skip(f"{tier_kind}: exact LRU order is asserted for host and redis with capacity "
+                    "(lmdb: tests/tiers/test_lmdb)")
+    tier = make_tier(capacity=3 * HOST_SLOT_BYTES if tier_kind == "host" else 3000)
     keys = chain_keys(4)
     tier.put_many([(k, value(i, 1000)) for i, k in enumerate(keys[:3])])
     assert tier.lookup(keys[:1]) == 1  # keys[0] becomes most recent
