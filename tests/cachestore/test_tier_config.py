@@ -1,7 +1,9 @@
-"""Tier configuration: the documented YAML parses; every error names its field."""
+"""Tier configuration: the documented YAML parses; every backend field reaches the backend's own
+config and the built tier; every error names its tier and field."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -122,4 +124,103 @@ def test_build_tiers_through_registry(tmp_path: Path) -> None:
         assert tiers[1].usage().capacity_bytes == 2**20
     finally:
         for tier in tiers:
+            tier.close()
+
+
+REDIS_FULL = {"kind": "redis", "url": "redis://127.0.0.1:6379/2", "cluster": False,
+              "key_prefix": "kv:", "ttl_s": 60, "max_value_bytes": "8MiB",
+              "socket_timeout_s": 0.5, "connect_timeout_s": 0.25, "max_connections": 8,
+              "retries": 0, "capacity": "1GiB"}
+S3_FULL = {"kind": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000", "prefix": "p/",
+           "blocks_per_object": 4, "region": "eu-west-1", "access_key_id": "AK",
+           "secret_access_key": "SK", "timeout_s": 3, "connect_timeout_s": 0.5,
+           "max_attempts": 1, "max_pool_connections": 4}
+
+
+def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
+    from tiers import _same_fields
+    from tiers.redis import RedisTierConfig as RedisBackend
+    from tiers.s3 import S3TierConfig as S3Backend
+
+    redis_cfg, s3_cfg = parse_tier_config({"tiers": [REDIS_FULL, S3_FULL]}).tiers
+    assert redis_cfg == RedisTierConfig(
+        url="redis://127.0.0.1:6379/2", cluster=False, key_prefix="kv:", ttl_s=60.0,
+        max_value_bytes=8 * 2**20, socket_timeout_s=0.5, connect_timeout_s=0.25,
+        max_connections=8, retries=0, capacity=2**30)
+    assert s3_cfg == S3TierConfig(
+        bucket="kv", endpoint_url="http://127.0.0.1:9000", prefix="p/", blocks_per_object=4,
+        region="eu-west-1", access_key_id="AK", secret_access_key="SK", timeout_s=3.0,
+        connect_timeout_s=0.5, max_attempts=1, max_pool_connections=4)
+    # Every YAML field exists, with the same value, on the backend's own config (the registry
+    # converts by name, so a field missing there would be silently dropped).
+    for parsed, backend_cls in ((redis_cfg, RedisBackend), (s3_cfg, S3Backend)):
+        backend = _same_fields(parsed, backend_cls)
+        for f in dataclasses.fields(parsed):
+            assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
+    assert "SK" not in repr(s3_cfg) and "6379" not in repr(redis_cfg)
+
+
+def test_backend_defaults_match_the_backends() -> None:
+    from tiers.redis import RedisTierConfig as RedisBackend
+    from tiers.s3 import S3TierConfig as S3Backend
+
+    redis_cfg = RedisTierConfig(url="redis://h:6379/0")
+    s3_cfg = S3TierConfig(bucket="b")
+    for parsed, backend in ((redis_cfg, RedisBackend(url="redis://h:6379/0")),
+                            (s3_cfg, S3Backend(bucket="b"))):
+        for f in dataclasses.fields(parsed):
+            assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
+    assert redis_cfg.capacity is None and redis_cfg.retries == 1
+    assert s3_cfg.max_attempts == 2 and s3_cfg.max_pool_connections == 32
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"cluster": "yes"}, "field 'cluster': expected true or false, got 'yes'"),
+    ({"max_value_bytes": 0}, "field 'max_value_bytes': expected a positive size"),
+    ({"max_value_bytes": "lots"}, "field 'max_value_bytes': cannot parse size"),
+    ({"connect_timeout_s": 0}, "field 'connect_timeout_s': expected a positive number, got 0"),
+    ({"retries": -1}, "field 'retries': expected a non-negative integer, got -1"),
+    ({"retries": 1.5}, "field 'retries': expected a non-negative integer"),
+    ({"capacity": "0B"}, "field 'capacity': expected a positive size"),
+    ({"capacity": "1GiB", "cluster": True}, "field 'capacity' needs a single Redis server"),
+    ({"capacity": "1GiB", "url": "redis+cluster://h:7000"},
+     "field 'capacity' needs a single Redis server"),
+])
+def test_redis_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "redis", "url": "redis://h:6379/0", **entry}]})
+    assert str(info.value).startswith("tiers[0] (redis): ") and message in str(info.value)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"connect_timeout_s": -1}, "field 'connect_timeout_s': expected a positive number"),
+    ({"max_attempts": 0}, "field 'max_attempts': expected a positive integer, got 0"),
+    ({"max_pool_connections": "many"}, "field 'max_pool_connections': expected a positive"),
+    ({"max_pool_connections": True}, "field 'max_pool_connections': expected a positive"),
+    ({"capacity": "1TiB"}, "unknown field(s) ['capacity']"),
+])
+def test_s3_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "s3", "bucket": "b", **entry}]})
+    assert str(info.value).startswith("tiers[0] (s3): ") and message in str(info.value)
+
+
+def test_built_redis_and_s3_tiers_carry_the_fields(
+        redis_config: dict, s3_config: dict) -> None:
+    cfg = parse_tier_config({"tiers": [
+        {**redis_config, "connect_timeout_s": 0.25, "retries": 0, "capacity": "4KiB",
+         "max_value_bytes": "1KiB"},
+        {**s3_config, "connect_timeout_s": 0.5, "max_attempts": 1, "max_pool_connections": 3},
+    ]})
+    redis_tier, s3_tier = build_tiers(cfg)
+    try:
+        rc, sc = redis_tier.config, s3_tier.config  # type: ignore[attr-defined]
+        assert (rc.connect_timeout_s, rc.retries, rc.capacity) == (0.25, 0, 4096)
+        assert redis_tier.usage().capacity_bytes == 4096
+        assert redis_tier.put_many([("k", b"x" * 1025)]) == []  # over max_value_bytes: skipped
+        assert redis_tier.get_many(["k"]) == [None]
+        assert (sc.connect_timeout_s, sc.max_attempts, sc.max_pool_connections) == (0.5, 1, 3)
+        assert s3_tier._pool._max_workers == 3  # type: ignore[attr-defined]
+    finally:
+        for tier in (redis_tier, s3_tier):
             tier.close()
