@@ -17,9 +17,6 @@ Why a thread rather than an asyncio task: one client serves whichever event loop
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -30,37 +27,28 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.base import EngineDeadError, EngineStats, OutputStream
+from engine.core.launch import CoreProcConfig, CoreProcess, EngineStartupError
 from engine.core.messages import (
-    AbortRequests, AddRequest, CoreEvent, CoreFailed, Ready, RequestRejected, Shutdown,
-    StartupFailed, StatsRequest, StepOutputs, decode_event, encode_request,
+    AbortRequests,
+    AddRequest,
+    CoreEvent,
+    CoreFailed,
+    Ready,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+    StepOutputs,
+    decode_event,
+    encode_request,
 )  # fmt: skip
 from engine.core.output_processor import RequestState, core_params
-from engine.core.proc import CoreAddresses, run_engine_core
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt, load_tokenizer
 
+__all__ = ["CoreProcConfig", "EngineCoreClient", "EngineStartupError"]
 logger = logging.getLogger(__name__)
-_LAST_EVENTS_GRACE_S = 0.2  # after the core exits, how long its last messages may trail
-
-
-class EngineStartupError(RuntimeError):
-    """The engine core failed to load (the message is the core's error) or exited early."""
-
-
-@dataclass(frozen=True, slots=True)
-class CoreProcConfig:
-    """How the core process runs. ``num_threads``: torch intra-op threads in the core (None:
-    torch's default); ``startup_timeout_s``: None waits as long as the model takes to load;
-    ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at shutdown)."""
-
-    num_threads: int | None = None
-    startup_timeout_s: float | None = None
-    ipc_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+_LAST_EVENTS_GRACE_MS = 200  # after the core exits, how long its last messages may trail
 
 
 @dataclass(slots=True)
@@ -72,15 +60,10 @@ class _Entry:
 class EngineCoreClient:
     """Satisfies ``engine.core.base.EngineClient``; build it with ``start``. Thread-safe."""
 
-    def __init__(
-        self, proc: Any, zmq_ctx: zmq.Context, requests: zmq.Socket, events: zmq.Socket,
-        tokenizer: Any, ready: Ready, ipc_dir: str | None,
-    ) -> None:  # fmt: skip
-        self._proc = proc
-        self._zmq_ctx = zmq_ctx
-        self._requests_sock = requests  # guarded by _send_lock
-        self._events_sock = events  # owned by the output thread
-        self._ipc_dir = ipc_dir  # removed at shutdown when we created it
+    def __init__(self, core: CoreProcess, tokenizer: Any, ready: Ready) -> None:
+        self._core = core
+        self._requests_sock = core.requests  # guarded by _send_lock
+        self._events_sock = core.events  # owned by the output thread
         self.tokenizer = tokenizer
         self.model_name: str = ready.model_name
         self.max_model_len: int = ready.max_model_len
@@ -108,41 +91,26 @@ class EngineCoreClient:
             from engine.demo_model import ensure_demo_model
 
             model_dir = ensure_demo_model()  # before the spawn, so only one process builds it
-        ipc_dir = proc_config.ipc_dir or tempfile.mkdtemp(prefix="kvtier-core-")
-        owned_dir = ipc_dir if proc_config.ipc_dir is None else None
-        addresses = CoreAddresses(f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/events")
-        zmq_ctx = zmq.Context()
-        requests = zmq_ctx.socket(zmq.PUSH)
-        requests.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
-        requests.bind(addresses.requests)
-        events = zmq_ctx.socket(zmq.PULL)
-        events.bind(addresses.events)
-        spawn = multiprocessing.get_context("spawn")  # never fork after torch or threads
-        proc = spawn.Process(
-            target=run_engine_core,
-            args=(config, addresses, proc_config.num_threads),
-            name="kvtier-engine-core",
-            daemon=True,  # torn down with the API process even if shutdown is skipped
-        )
-        proc.start()
+        core = CoreProcess(config, proc_config)
         try:
-            tokenizer = load_tokenizer(model_dir)  # overlaps with the core's model load
-            ready = _wait_ready(events, proc, proc_config.startup_timeout_s)
+            tokenizer, tokenizer_error = None, None
+            try:
+                tokenizer = load_tokenizer(model_dir)  # overlaps with the core's model load
+            except ValueError as exc:
+                tokenizer_error = exc  # the core's own verdict on the directory comes first
+            ready = core.wait_ready(proc_config.startup_timeout_s)
+            if tokenizer_error is not None:
+                raise EngineStartupError(str(tokenizer_error)) from tokenizer_error
         except BaseException:
-            _stop_process(proc, 0.0)
-            requests.close(linger=0)
-            events.close(linger=0)
-            zmq_ctx.term()
-            if owned_dir is not None:
-                shutil.rmtree(owned_dir, ignore_errors=True)
+            core.close()
             raise
-        return cls(proc, zmq_ctx, requests, events, tokenizer, ready, owned_dir)
+        return cls(core, tokenizer, ready)
 
     # --- the EngineClient interface -----------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._stopping and self._proc.is_alive()
+        return self._dead is None and not self._stopping and self._core.proc.is_alive()
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -206,17 +174,14 @@ class EngineCoreClient:
             self._send(encode_request(Shutdown()))
         except EngineDeadError:
             pass  # already gone
-        _stop_process(self._proc, timeout_s)
+        self._core.stop(timeout_s)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         self._fail_all(EngineDeadError("engine shut down"))
         with self._send_lock:
             self._requests_sock.close(linger=0)
         if not self._thread.is_alive():
-            self._events_sock.close(linger=0)
-            self._zmq_ctx.term()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._core.close()
 
     # --- internals ------------------------------------------------------------------------------
 
@@ -245,23 +210,23 @@ class EngineCoreClient:
     def _output_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._events_sock, zmq.POLLIN)
-        poller.register(self._proc.sentinel, zmq.POLLIN)
+        poller.register(self._core.sentinel, zmq.POLLIN)
         try:
             while True:
                 events = dict(poller.poll())
                 if self._events_sock in events:
                     self._drain_events()
-                if self._proc.sentinel in events:
+                if self._core.sentinel in events:
                     break
             # The core exited: take the messages it sent last, then fail what is left.
-            while self._events_sock.poll(int(_LAST_EVENTS_GRACE_S * 1000)):
+            while self._events_sock.poll(_LAST_EVENTS_GRACE_MS):
                 self._drain_events()
         except Exception as exc:  # noqa: BLE001 - the client cannot go on without its reader
             logger.exception("engine core output thread failed")
             self._set_dead(EngineDeadError(f"engine core output thread failed: {exc!r}"))
         if not self._stopping and self._dead is None:
-            self._proc.join(1.0)
-            code = self._proc.exitcode
+            self._core.proc.join(1.0)
+            code = self._core.proc.exitcode
             logger.error("engine core process died (exit code %s)", code)
             self._set_dead(EngineDeadError(f"engine core process died (exit code {code})"))
         self._fail_all(self._dead or EngineDeadError("engine shut down"))
@@ -312,39 +277,3 @@ class EngineCoreClient:
             self._requests.clear()
         for entry in entries:
             entry.stream.put(error)
-
-
-def _wait_ready(events: zmq.Socket, proc: Any, timeout_s: float | None) -> Ready:
-    """Blocks until the core's first event; raises EngineStartupError unless it is Ready."""
-    poller = zmq.Poller()
-    poller.register(events, zmq.POLLIN)
-    poller.register(proc.sentinel, zmq.POLLIN)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        ready = dict(poller.poll(wait_ms))
-        if events in ready or (proc.sentinel in ready and events.poll(200)):
-            event = decode_event(events.recv())
-            if isinstance(event, Ready):
-                return event
-            if isinstance(event, StartupFailed):
-                raise EngineStartupError(f"engine core failed to start: {event.message}")
-            raise EngineStartupError(f"unexpected first event {type(event).__name__}")
-        if proc.sentinel in ready:
-            proc.join(1.0)
-            raise EngineStartupError(
-                f"engine core process exited with code {proc.exitcode} before it was ready"
-            )
-        if deadline is not None and time.monotonic() >= deadline:
-            raise EngineStartupError(f"engine core not ready within {timeout_s} s")
-
-
-def _stop_process(proc: Any, timeout_s: float) -> None:
-    """Waits up to ``timeout_s`` for a clean exit, then terminates, then kills."""
-    proc.join(timeout_s)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(2.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from engine.outputs import RequestOutput
 from engine.core.base import EngineClient
+from engine.outputs import RequestOutput
 from engine.server.errors import APIError
 from engine.server.metrics import RequestTimer, ServerMetrics
 from engine.server.protocol import ProtocolError, SamplingRequest, UsageInfo

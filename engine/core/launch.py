@@ -1,0 +1,121 @@
+"""``CoreProcess``: spawning the engine-core process, its sockets, the readiness handshake and
+stopping it. ``EngineCoreClient`` owns one; nothing here touches requests.
+
+The API process binds both sockets (ipc:// in a fresh temp dir by default) before spawning,
+so the core only connects. Spawn, never fork: the API process may already hold torch state
+and threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.core.messages import Ready, StartupFailed, decode_event
+from engine.core.proc import CoreAddresses, run_engine_core
+
+_LAST_EVENT_GRACE_MS = 200  # after the core exits, how long its last message may trail
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core failed to load (the message is the core's error) or exited early."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreProcConfig:
+    """How the core process runs. ``num_threads``: torch intra-op threads in the core (None:
+    torch's default); ``startup_timeout_s``: None waits as long as the model takes to load;
+    ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at close)."""
+
+    num_threads: int | None = None
+    startup_timeout_s: float | None = None
+    ipc_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.startup_timeout_s is not None and self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+
+class CoreProcess:
+    """The spawned core and the API ends of its two sockets. ``requests`` (PUSH) is for the
+    caller to guard; ``events`` (PULL) belongs to one reader thread. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, proc_config: CoreProcConfig) -> None:
+        """Binds the sockets and starts the process (returns at once; see ``wait_ready``)."""
+        self._owned_dir = None if proc_config.ipc_dir else tempfile.mkdtemp(prefix="kvtier-core-")
+        ipc_dir = proc_config.ipc_dir or self._owned_dir
+        addresses = CoreAddresses(f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/events")
+        self.zmq_ctx = zmq.Context()
+        self.requests = self.zmq_ctx.socket(zmq.PUSH)
+        self.requests.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
+        self.requests.bind(addresses.requests)
+        self.events = self.zmq_ctx.socket(zmq.PULL)
+        self.events.bind(addresses.events)
+        spawn = multiprocessing.get_context("spawn")
+        self.proc: Any = spawn.Process(
+            target=run_engine_core,
+            args=(config, addresses, proc_config.num_threads),
+            name="kvtier-engine-core",
+            daemon=True,  # torn down with the API process even if nobody calls stop()
+        )
+        self.proc.start()
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the process exits."""
+        return int(self.proc.sentinel)
+
+    def wait_ready(self, timeout_s: float | None) -> Ready:
+        """Blocks until the core's first event. Raises EngineStartupError (with the core's
+        message) unless it is Ready; the caller then ``close``s."""
+        poller = zmq.Poller()
+        poller.register(self.events, zmq.POLLIN)
+        poller.register(self.sentinel, zmq.POLLIN)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3))
+            ready = dict(poller.poll(wait_ms))
+            exited = self.sentinel in ready
+            if self.events in ready or (exited and self.events.poll(_LAST_EVENT_GRACE_MS)):
+                event = decode_event(self.events.recv())
+                if isinstance(event, Ready):
+                    return event
+                if isinstance(event, StartupFailed):
+                    raise EngineStartupError(f"engine core failed to start: {event.message}")
+                raise EngineStartupError(f"unexpected first event {type(event).__name__}")
+            if exited:
+                self.proc.join(1.0)
+                code = self.proc.exitcode
+                raise EngineStartupError(f"engine core process exited with code {code} early")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise EngineStartupError(f"engine core not ready within {timeout_s} s")
+
+    def stop(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for the process to exit (after a Shutdown message), then
+        terminates it, then kills it. Idempotent."""
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def close(self) -> None:
+        """Stops the process now if it still runs, closes the sockets, removes the temp dir.
+        Call once the ``events`` reader is done."""
+        self.stop(0.0)
+        self.requests.close(linger=0)
+        self.events.close(linger=0)
+        self.zmq_ctx.term()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)

@@ -1,0 +1,231 @@
+"""The engine core in its own process (``EngineCoreClient``): wire format, outputs equal to
+``LLM.generate`` for every sampling mode (detokenization and stop strings now happen in the API
+process), aborts reaching the core, startup errors, and the HTTP server on a deliberately slow
+model: ``/health`` answers during a long prefill, a client disconnect aborts in the core, and
+killing the core fails pending requests and turns ``/health`` to 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import httpx
+import msgpack
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.base import EngineDeadError
+from engine.core.client import CoreProcConfig, EngineCoreClient, EngineStartupError
+from engine.core.messages import (
+    AbortRequests, AddRequest, CoreOutput, Ready, RequestRejected, Shutdown, StatsRequest,
+    StepOutputs, decode_event, decode_request, encode_event, encode_request,
+)  # fmt: skip
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from tests.engine.hf_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(90)
+ONE_THREAD = CoreProcConfig(num_threads=1)  # 2-core CI machine: the core must not take both
+PROMPTS = [
+    [1, 17, 40, 99, 230, 7],
+    [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [1, 300],
+]
+
+
+def _config(model_dir: str, **scheduler: object) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=128, **scheduler),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("core_proc"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: str) -> Iterator[EngineCoreClient]:
+    engine = EngineCoreClient.start(_config(model_dir), ONE_THREAD)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> object:
+    from engine.llm import LLM
+
+    return LLM(model_dir, device="cpu", num_gpu_blocks=64, max_model_len=128)
+
+
+async def _collect(
+    engine: EngineCoreClient, prompt: list[int], params: SamplingParams, req_id: str
+) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, req_id)]
+
+
+def _wait_idle(engine: EngineCoreClient, timeout_s: float = 10.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0:
+            return stats
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {engine.stats()}")
+
+
+# --- wire format --------------------------------------------------------------------------------
+
+
+def test_messages_round_trip_through_msgpack() -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.5, top_k=3, seed=9, stop=["ab"],
+                            stop_token_ids=[4], min_tokens=1, extra={"k": [1, 2]})  # fmt: skip
+    requests = [AddRequest("r", [1, 2], params, 12.5), AbortRequests(["a", "b"]),
+                StatsRequest(), Shutdown()]  # fmt: skip
+    for msg in requests:
+        data = encode_request(msg)
+        assert isinstance(msgpack.unpackb(data), list)  # plain msgpack, no pickle inside
+        assert decode_request(data) == msg
+    out = CoreOutput("r", [7], True, "stop", 4, 16, 1.0, 2.0, 2.5)
+    stats = {"n_total": 3, "tiers": [{"name": "host", "hits": 1}], "odd": object()}
+    events = [Ready("m", 128, {"a": 1}, 42), RequestRejected("r", "bad"),
+              StepOutputs([out, replace(out, req_id="s", finished=False)], stats)]  # fmt: skip
+    decoded = [decode_event(encode_event(e)) for e in events]
+    assert decoded[:2] == events[:2]
+    assert decoded[2] == StepOutputs(events[2].outputs, {**stats, "odd": None})
+
+
+def test_malformed_messages_raise_value_error() -> None:
+    for data in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([99]), msgpack.packb([1, "r"])):
+        with pytest.raises(ValueError):
+            decode_request(data)
+    with pytest.raises(ValueError, match="malformed AddRequest"):
+        decode_request(msgpack.packb([1, "r", [1], {"max_tokens": 0}, 1.0]))
+    with pytest.raises(ValueError):
+        decode_event(msgpack.packb([13, [["r"]], {}]))
+
+
+# --- the client against a real core process ---------------------------------------------------
+
+
+def _sampling_modes(llm: object) -> list[SamplingParams]:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = llm.generate([PROMPTS[0]], greedy)[0]  # type: ignore[attr-defined]
+    text = ref.text
+    stop = next(text[i : i + 2] for i in range(len(text) // 3, len(text)) if text[i].strip())
+    return [
+        greedy,
+        replace(greedy, stop=(stop,)),  # a stop string in the middle of the greedy text
+        replace(greedy, stop=(stop,), min_tokens=10),  # ignored until 10 tokens exist
+        replace(greedy, stop_token_ids=(ref.token_ids[4],)),
+        SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=7),  # EOS may end it
+        SamplingParams(max_tokens=12, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True),
+    ]
+
+
+def test_outputs_equal_llm_generate_for_every_sampling_mode(
+    client: EngineCoreClient, llm: object
+) -> None:
+    modes = _sampling_modes(llm)
+    cases = [(p, sp) for p in PROMPTS for sp in modes]
+
+    async def run_all() -> list[list[RequestOutput]]:
+        return await asyncio.gather(
+            *(_collect(client, p, sp, f"m{i}") for i, (p, sp) in enumerate(cases))
+        )
+
+    results = asyncio.run(run_all())
+    # One batch: the engine's results do not depend on batching (greedy, and seeded sampling).
+    refs = llm.generate([p for p, _ in cases], [sp for _, sp in cases])  # type: ignore[attr-defined]
+    for (prompt, _), outputs, ref in zip(cases, results, refs, strict=True):
+        final = outputs[-1]
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        got = (final.token_ids, final.text, final.finish_reason, final.stop_reason)
+        assert got == (ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason)
+        assert final.prompt_token_ids == prompt
+        assert [t for o in outputs for t in o.new_token_ids] == ref.token_ids
+        assert "".join(o.new_text for o in outputs) == ref.text
+    assert {r.finish_reason for r in refs} >= {"length", "stop"}  # both paths exercised
+    assert any(isinstance(r.stop_reason, str) for r in refs)
+    assert any(isinstance(r.stop_reason, int) for r in refs)
+    _wait_idle(client)
+
+
+def test_stop_string_aborts_the_request_in_the_core(client: EngineCoreClient, llm: object) -> None:
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ref = llm.generate([PROMPTS[1]], replace(params, max_tokens=12))[0]  # type: ignore[attr-defined]
+    stop = next(ref.text[i : i + 2] for i in range(len(ref.text) // 2, 0, -1)
+                if ref.text[i].strip())  # fmt: skip
+    before = _wait_idle(client)["generation_tokens_total"]
+    outputs = asyncio.run(_collect(client, PROMPTS[1], replace(params, stop=(stop,)), "stop"))
+    final = outputs[-1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert len(final.token_ids) <= len(ref.token_ids)
+    after = _wait_idle(client)["generation_tokens_total"]
+    # The core ran ahead of the abort by a few steps at most, never to max_tokens.
+    assert len(final.token_ids) <= after - before < len(final.token_ids) + 20  # type: ignore[operator]
+
+
+def test_prefix_hit_and_metrics_cross_the_process_boundary(client: EngineCoreClient) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompt = [1, *range(300, 320)]  # 21 tokens: one full 16-token block
+    first = asyncio.run(_collect(client, prompt, params, "px1"))[-1]
+    second = asyncio.run(_collect(client, prompt, params, "px2"))[-1]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 16)
+    m = second.metrics
+    assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time  # type: ignore[operator]
+
+
+def test_closing_the_stream_early_aborts_in_the_core(client: EngineCoreClient) -> None:
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    before = _wait_idle(client)["generation_tokens_total"]
+
+    async def run() -> None:
+        stream = client.generate(PROMPTS[1], params, "early")
+        assert not (await anext(stream)).finished
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert _wait_idle(client)["generation_tokens_total"] - before < 50  # type: ignore[operator]
+
+
+def test_rejected_and_duplicate_requests(client: EngineCoreClient, llm: object) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[BaseException | list[RequestOutput], ...]:
+        first = client.generate(PROMPTS[0], greedy, "dup")
+        await anext(first)
+        with pytest.raises(ValueError, match="duplicate"):
+            await anext(client.generate(PROMPTS[0], greedy, "dup"))
+        await first.aclose()
+        return await asyncio.gather(
+            _collect(client, [], greedy, "empty"),
+            _collect(client, [1] * 200, greedy, "too-long"),
+            _collect(client, [1, 10**6], greedy, "vocab"),
+            _collect(client, PROMPTS[2], greedy, "fine"),
+            return_exceptions=True,
+        )
+
+    empty, too_long, vocab, fine = asyncio.run(run())
+    assert isinstance(empty, ValueError) and "empty" in str(empty)
+    assert isinstance(too_long, ValueError) and "max_model_len" in str(too_long)
+    assert isinstance(vocab, ValueError) and "vocabulary" in str(vocab)
+    ref = llm.generate([PROMPTS[2]], greedy)[0]  # type: ignore[attr-defined]
+    assert isinstance(fine, list) and fine[-1].token_ids == ref.token_ids
+    assert client.is_running
+
+
+def test_startup_error_carries_the_core_message(model_dir: str) -> None:
+    bad = _config(model_dir, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(EngineStartupError, match="without chunked prefill"):
+        EngineCoreClient.start(bad, ONE_THREAD)
