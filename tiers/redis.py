@@ -8,11 +8,12 @@ Two ways to bound it:
 - ``capacity=N`` bytes of values: the tier keeps LRU bookkeeping IN Redis, next to the blocks,
   so that every client sharing the server sees one order: a sorted set ``{prefix}@lru`` (key ->
   access sequence from the counter ``{prefix}@seq``), a hash ``{prefix}@sizes`` (key -> value
-  bytes) and a running total ``{prefix}@bytes``. Writes, reads (which refresh recency) and
-  deletes run as Lua scripts, each atomic on the server, so concurrent clients never overshoot
-  the capacity or report one eviction twice. ``put_many`` evicts the least recently used keys
-  before storing each value and returns them as ``Evicted`` with their bytes (GET, then DEL, in
-  the same script), so the store demotes them to the next tier (S3). Keys gone behind the
+  bytes) and a running total ``{prefix}@bytes``. A write is one MULTI: a Lua script that
+  updates the bookkeeping and evicts, then the SETs; reads (which refresh recency) and deletes
+  run small scripts. Each is atomic on the server, so concurrent clients never overshoot the
+  capacity or report one eviction twice, and values never pass through Lua. ``put_many`` evicts
+  the least recently used keys before storing each value and returns them as ``Evicted`` with
+  their bytes (GET, then DEL, in the script), so the store demotes them to the next tier (S3). Keys gone behind the
   bookkeeping's back (TTL expiry, the server's own maxmemory eviction) are forgotten when a
   read misses them or eviction reaches them. Set the server's ``maxmemory`` above ``capacity``
   plus overhead so the server never evicts first. Not with ``cluster``: one script touches keys
@@ -53,7 +54,9 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 T = TypeVar("T")
 
 # The LRU scripts (capacity mode). KEYS: @lru zset, @sizes hash, @bytes total, @seq counter.
-# Block keys are passed in ARGV, without the prefix, so the bookkeeping stores them bare.
+# Block keys are passed in ARGV, without the prefix, so the bookkeeping stores them bare. Values
+# never pass through Lua (a copy into and out of a Lua string halves throughput): the admit
+# script runs first in a MULTI whose SETs follow it, so the whole put is atomic on the server.
 _LUA_FORGET = """
 local function forget(key)
   local size = redis.call('HGET', KEYS[2], key)
@@ -64,20 +67,25 @@ local function forget(key)
   end
 end
 """
-# ARGV: capacity, ttl_ms (0: none), prefix, key1, value1, key2, value2, ...
-# Returns victim1, value1, victim2, value2, ... (victims whose value was already gone omitted).
-_LUA_PUT = """
-local cap, ttl, pre = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+# ARGV: capacity, prefix, n_drop, n_drop keys to delete (this call's items that its later items
+# evict at once), then key1, size1, key2, size2, ... to admit, evicting the least recent keys
+# first. Returns victim1, value1, ... (GET before DEL; victims already gone are omitted).
+_LUA_ADMIT = _LUA_FORGET + """
+local cap, pre, ndrop = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+for i = 4, 3 + ndrop do
+  redis.call('DEL', pre .. ARGV[i])
+  forget(ARGV[i])
+end
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
 local out = {}
-for i = 4, #ARGV, 2 do
-  local key, value = ARGV[i], ARGV[i + 1]
+for i = 4 + ndrop, #ARGV, 2 do
+  local key, size = ARGV[i], tonumber(ARGV[i + 1])
   local old = redis.call('HGET', KEYS[2], key)
   if old then  -- an overwrite: its old bytes leave first, and it is never its own victim
     total = total - tonumber(old)
     redis.call('ZREM', KEYS[1], key)
   end
-  while total + #value > cap do
+  while total + size > cap do
     local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
     if not victim then break end
     local bytes = redis.call('GET', pre .. victim)
@@ -90,43 +98,30 @@ for i = 4, #ARGV, 2 do
       out[#out + 1] = bytes
     end
   end
-  if ttl > 0 then
-    redis.call('SET', pre .. key, value, 'PX', ttl)
-  else
-    redis.call('SET', pre .. key, value)
-  end
-  redis.call('HSET', KEYS[2], key, #value)
+  redis.call('HSET', KEYS[2], key, size)
   redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[4]), key)
-  total = total + #value
+  total = total + size
 end
 redis.call('SET', KEYS[3], total)
 return out
 """
-# ARGV: mode ('get' | 'lookup'), prefix, keys... A hit refreshes recency (tracked keys only);
-# a miss forgets the key. 'get' returns values (nil = miss); 'lookup' the leading hit count.
-_LUA_READ = _LUA_FORGET + """
-local mode, pre = ARGV[1], ARGV[2]
-local out = {}
+# ARGV: mode ('touch' | 'lookup'), prefix, keys... A present key gets a fresh recency (tracked
+# keys only); an absent one is forgotten. 'lookup' stops at the first absent key and returns
+# how many came before it; 'touch' (after a pipelined GET) visits every key.
+_LUA_TOUCH = _LUA_FORGET + """
+local lookup, pre = ARGV[1] == 'lookup', ARGV[2]
 for i = 3, #ARGV do
   local key = ARGV[i]
-  local value
-  if mode == 'get' then
-    value = redis.call('GET', pre .. key)
-  else
-    value = redis.call('EXISTS', pre .. key) == 1
-  end
-  if value then
+  if redis.call('EXISTS', pre .. key) == 1 then
     if redis.call('ZSCORE', KEYS[1], key) then
       redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[4]), key)
     end
   else
     forget(key)
-    if mode == 'lookup' then return i - 3 end
+    if lookup then return i - 3 end
   end
-  out[i - 2] = value
 end
-if mode == 'lookup' then return #ARGV - 2 end
-return out
+return #ARGV - 2
 """
 # ARGV: prefix, keys... Returns how many keys existed.
 _LUA_DELETE = _LUA_FORGET + """
@@ -239,8 +234,8 @@ class RedisTier(Tier):
         if config.capacity is not None:
             self.max_value_bytes = min(self.max_value_bytes, config.capacity)
             # register_script loads nothing yet: EVALSHA, falling back to EVAL after a restart.
-            self._put_script = self._client.register_script(_LUA_PUT)
-            self._read_script = self._client.register_script(_LUA_READ)
+            self._admit_script = self._client.register_script(_LUA_ADMIT)
+            self._touch_script = self._client.register_script(_LUA_TOUCH)
             self._delete_script = self._client.register_script(_LUA_DELETE)
             p = config.key_prefix
             self._meta_keys = [f"{p}@lru", f"{p}@sizes", f"{p}@bytes", f"{p}@seq"]
@@ -290,7 +285,7 @@ class RedisTier(Tier):
         if self.capacity is not None:
             if not keys:
                 return 0
-            return int(self._script("lookup", self._read_script,
+            return int(self._script("lookup", self._touch_script,
                                     ["lookup", self.config.key_prefix, *keys]))
         found = 0
         for start in range(0, len(keys), _LOOKUP_BATCH):
@@ -303,12 +298,15 @@ class RedisTier(Tier):
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """One pipelined GET per key, a single round trip (per node on a cluster). With
-        ``capacity``: one script that also refreshes the recency of every hit."""
-        if self.capacity is not None:
-            if not keys:
-                return []
-            return list(self._script("get", self._read_script,
-                                     ["get", self.config.key_prefix, *keys]))
+        ``capacity`` the same round trip runs a script that refreshes the hits' recency."""
+        if self.capacity is not None and keys:
+            with self._guard("get"):
+                pipe = self._client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.get(self._k(key))
+                self._touch_script(keys=self._meta_keys, client=pipe,
+                                   args=["touch", self.config.key_prefix, *keys])
+                return list(pipe.execute()[:-1])
         return self._pipelined("get", keys, lambda p, k: p.get(k))
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
@@ -317,7 +315,8 @@ class RedisTier(Tier):
         Without ``capacity`` nothing is evicted here (the server evicts silently). With it, the
         least recently used keys are evicted before each value is stored (a value of this very
         call included, if the call alone exceeds the capacity) and returned, oldest first, with
-        their bytes. Raises TierError; a failed call may have stored (and evicted) part of it.
+        their bytes. A key given twice keeps its last value. Raises TierError; a failed call may
+        have stored (and evicted) part of it.
         """
         kept = [(k, v) for k, v in items if _nbytes(v) <= self.max_value_bytes]
         self.num_oversize_skipped += len(items) - len(kept)
@@ -325,21 +324,40 @@ class RedisTier(Tier):
             return []
         ttl_ms = None if self.config.ttl_s is None else max(1, round(self.config.ttl_s * 1000))
         if self.capacity is not None:
-            evicted: list[Evicted] = []
-            for start in range(0, len(kept), _PUT_CHUNK):
-                args: list[Any] = [self.capacity, ttl_ms or 0, self.config.key_prefix]
-                for key, value in kept[start : start + _PUT_CHUNK]:
-                    args += [key, value]
-                flat = self._script("put", self._put_script, args)
-                evicted += [Evicted(flat[j].decode(), flat[j + 1])
-                            for j in range(0, len(flat), 2)]  # fmt: skip
-            return evicted
+            return self._put_bounded(kept, ttl_ms)
         with self._guard("put"):
             pipe = self._client.pipeline(transaction=False)
             for key, value in kept:
                 pipe.set(self._k(key), value, px=ttl_ms)
             pipe.execute()
         return []  # Redis evicts on its own (maxmemory-policy); it does not tell us what
+
+    def _put_bounded(self, items: list[tuple[str, Value]], ttl_ms: int | None) -> list[Evicted]:
+        """One MULTI per chunk: the admit script (bookkeeping, evictions), then the SETs."""
+        last = {key: idx for idx, (key, _) in enumerate(items)}
+        unique = [it for idx, it in enumerate(items) if last[it[0]] == idx]  # last value wins
+        # Items that this very call's later items would evict at once (the call alone exceeds
+        # the capacity) are not sent: deleted, and reported evicted with their new bytes.
+        room, keep_from = self.capacity or 0, len(unique)
+        while keep_from > 0 and _nbytes(unique[keep_from - 1][1]) <= room:
+            keep_from -= 1
+            room -= _nbytes(unique[keep_from][1])
+        dropped, admitted = unique[:keep_from], unique[keep_from:]
+        evicted: list[Evicted] = []
+        for start in range(0, max(len(admitted), 1), _PUT_CHUNK):
+            chunk = admitted[start : start + _PUT_CHUNK]
+            drop = [k for k, _ in dropped] if start == 0 else []
+            args: list[Any] = [self.capacity, self.config.key_prefix, len(drop), *drop]
+            for key, value in chunk:
+                args += [key, _nbytes(value)]
+            with self._guard("put"):
+                pipe = self._client.pipeline(transaction=True)
+                self._admit_script(keys=self._meta_keys, args=args, client=pipe)
+                for key, value in chunk:
+                    pipe.set(self._k(key), value, px=ttl_ms)
+                flat = pipe.execute()[0]
+            evicted += [Evicted(flat[j].decode(), flat[j + 1]) for j in range(0, len(flat), 2)]
+        return evicted + [Evicted(k, v) for k, v in dropped]
 
     def delete_many(self, keys: Sequence[str]) -> int:
         if self.capacity is not None:

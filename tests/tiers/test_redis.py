@@ -226,3 +226,24 @@ def test_capacity_dead_server_raises_then_recovers_with_scripts_reloaded(
     assert tier.get_many(["a"]) == [None] and tier.usage() == TierUsage(0, 200, 0)
     assert tier.put_many([("a", b"3" * 150), ("b", b"4" * 100)]) == [Evicted("a", b"3" * 150)]
     tier.close()
+
+
+def test_capacity_large_calls_are_chunked_and_keep_lru_semantics(
+        redis_server: RedisServer, redis_url: str) -> None:
+    """75 items (more than one MULTI chunk) into room for 30, one key repeated, with a TTL: the
+    result is what storing them one by one would give."""
+    tier = RedisTier(RedisTierConfig(url=redis_url, capacity=300, ttl_s=30))
+    tier.put_many([("old", b"o" * 10)])
+    items = [(f"k{i:02d}", bytes([i]) * 10) for i in range(70)] + [("k05", b"new" * 3 + b"!")]
+    items += [(f"m{i}", b"m" * 10) for i in range(4)]
+    evicted = tier.put_many(items)
+    # The repeat of k05 keeps its last value and its last position; 30 of 74 distinct keys fit.
+    order = [f"k{i:02d}" for i in range(70) if i != 5] + ["k05"] + [f"m{i}" for i in range(4)]
+    assert [e.key for e in evicted] == ["old", *order[:44]]
+    assert evicted[0].value == b"o" * 10 and evicted[1] == Evicted("k00", bytes([0]) * 10)
+    assert _meta(redis_server)[0] == [k.encode() for k in order[44:]]
+    assert tier.get_many(["k05", "k69"]) == [b"newnewnew!", bytes([69]) * 10]
+    raw = redis_server.client()
+    assert 29_000 < raw.pttl("kvtier:k05") <= 30_000 and raw.dbsize() == 30 + 4
+    raw.close()
+    tier.close()
