@@ -7,9 +7,9 @@ killing the core fails pending requests and turns ``/health`` to 503."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +23,18 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.base import EngineDeadError
 from engine.core.client import CoreProcConfig, EngineCoreClient, EngineStartupError
 from engine.core.messages import (
-    AbortRequests, AddRequest, CoreOutput, Ready, RequestRejected, Shutdown, StatsRequest,
-    StepOutputs, decode_event, decode_request, encode_event, encode_request,
+    AbortRequests,
+    AddRequest,
+    CoreOutput,
+    Ready,
+    RequestRejected,
+    Shutdown,
+    StatsRequest,
+    StepOutputs,
+    decode_event,
+    decode_request,
+    encode_event,
+    encode_request,
 )  # fmt: skip
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -229,3 +239,128 @@ def test_startup_error_carries_the_core_message(model_dir: str) -> None:
     bad = _config(model_dir, max_num_batched_tokens=16, enable_chunked_prefill=False)
     with pytest.raises(EngineStartupError, match="without chunked prefill"):
         EngineCoreClient.start(bad, ONE_THREAD)
+
+
+# --- the HTTP server on a slow model: responsiveness, disconnects, core death -----------------
+
+SLOW = "slow"
+
+
+def _long_prompt(shift: int) -> list[int]:
+    """481 tokens; a different ``shift`` shares no prefix block with another (no cache hits)."""
+    return [1, *range(3 + shift, 483 + shift)]
+
+
+@dataclass
+class SlowServer:
+    base_url: str
+    engine: EngineCoreClient
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlowServer]:
+    """8 layers of width 256 and an 8-token step budget: a 481-token prefill takes about 60
+    engine steps (over a second) in the core process."""
+    from tests.engine.test_server import run_server
+
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp("slow"), "llama", seed=2,
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+    )  # fmt: skip
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=8),
+    )
+    engine = EngineCoreClient.start(config, ONE_THREAD)
+    try:
+        with run_server(engine, SLOW) as base_url:
+            yield SlowServer(base_url, engine)
+    finally:
+        engine.shutdown()
+
+
+def test_health_answers_quickly_during_a_long_prefill(slow_server: SlowServer) -> None:
+    engine = slow_server.engine
+    before = _wait_idle(engine)["generation_tokens_total"]
+    body = {"model": SLOW, "prompt": _long_prompt(0), "max_tokens": 2, "ignore_eos": True}
+    request = threading.Thread(
+        target=httpx.post, args=(f"{slow_server.base_url}/v1/completions",),
+        kwargs={"json": body, "timeout": 60},
+    )  # fmt: skip
+    latencies: list[float] = []
+    polls_during_prefill = 0
+    with httpx.Client(base_url=slow_server.base_url, timeout=5) as http:
+        http.get("/health")  # connect before timing
+        request.start()
+        deadline = time.monotonic() + 60
+        while engine.stats()["generation_tokens_total"] == before:  # no token yet: prefill
+            assert time.monotonic() < deadline
+            start = time.monotonic()
+            status = http.get("/health").status_code
+            latencies.append(time.monotonic() - start)
+            assert status == 200
+            polls_during_prefill += engine.stats()["num_requests_running"] == 1
+            time.sleep(0.02)
+    request.join(60)
+    # The prefill ran in the core for many polls, and not one poll waited on it.
+    assert polls_during_prefill >= 10, (polls_during_prefill, latencies)
+    assert max(latencies) < 0.2, sorted(latencies)[-5:]
+
+
+def test_non_streaming_client_disconnect_aborts_in_the_core(slow_server: SlowServer) -> None:
+    engine = slow_server.engine
+    before = _wait_idle(engine)["generation_tokens_total"]
+    body = {"model": SLOW, "prompt": _long_prompt(1), "max_tokens": 30, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves during the prefill
+        httpx.post(f"{slow_server.base_url}/v1/completions", json=body, timeout=0.3)
+    after = _wait_idle(engine, timeout_s=30)["generation_tokens_total"]
+    assert after - before < 30  # type: ignore[operator]
+
+
+def test_killing_the_core_fails_pending_requests_and_health(slow_server: SlowServer) -> None:
+    """Runs last on this server: it leaves the engine dead."""
+    engine, url = slow_server.engine, slow_server.base_url
+    _wait_idle(engine)
+    stream_lines: list[str] = []
+    first_chunk = threading.Event()
+    responses: list[httpx.Response] = []
+
+    def stream() -> None:
+        body = {"model": SLOW, "prompt": [1, 7, 8], "max_tokens": 400, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    stream_lines.append(line)
+                    first_chunk.set()
+
+    def prefill() -> None:
+        body = {"model": SLOW, "prompt": _long_prompt(2), "max_tokens": 5, "ignore_eos": True}
+        responses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=prefill)]
+    for t in threads:
+        t.start()
+    assert first_chunk.wait(30)
+    deadline = time.monotonic() + 30
+    while engine.stats()["num_requests_running"] < 2:  # both inside the core
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+    os.kill(engine.core_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    # The streamed request already had its 200: the failure arrives in-band, then [DONE].
+    assert stream_lines[-1] == "data: [DONE]"
+    error = json.loads(stream_lines[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and "died" in error["message"]
+    # The one still in prefill fails with 503 before any byte of a response.
+    assert responses[0].status_code == 503
+    assert "died (exit code -9)" in responses[0].json()["error"]["message"]
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+    later = httpx.post(f"{url}/v1/completions", json={"model": SLOW, "prompt": [1, 2]})
+    assert later.status_code == 503
+    assert not engine.is_running and isinstance(engine.dead_error, EngineDeadError)
