@@ -1,4 +1,5 @@
-"""``kvtier serve`` flag mapping, the dispatcher wiring, and ``kvtier demo`` end to end."""
+"""``kvtier serve`` flag mapping, the dispatcher wiring, ``kvtier serve`` end to end (the engine
+core in its own process), and ``kvtier demo`` end to end."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 
 from engine.cli import build_parser
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.server.cli import engine_config_from_args
+from engine.core.client import CoreProcConfig
+from engine.server.cli import core_proc_config_from_args, engine_config_from_args
 
 
 def _serve_args(argv: list[str]) -> argparse.Namespace:
@@ -28,6 +30,8 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     args = _serve_args([])
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
     assert engine_config_from_args(args) == EngineConfig()
+    assert core_proc_config_from_args(args) == CoreProcConfig()
+    assert args.engine_in_process is False  # the core runs in its own process by default
 
 
 def test_serve_flags_map_one_to_one() -> None:
@@ -38,7 +42,7 @@ def test_serve_flags_map_one_to_one() -> None:
             "--max-num-seqs", "8", "--max-model-len", "1024", "--seed", "7",
             "--no-prefix-caching", "--kv-offload", "--kv-offload-config", "tiers.yaml",
             "--request-log", "req.jsonl", "--host", "0.0.0.0", "--port", "9001",
-            "--served-model-name", "m1",
+            "--served-model-name", "m1", "--engine-num-threads", "3", "--engine-in-process",
         ]
     )  # fmt: skip
     assert engine_config_from_args(args) == EngineConfig(
@@ -53,11 +57,15 @@ def test_serve_flags_map_one_to_one() -> None:
         request_log="req.jsonl",
     )
     assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, "m1")
+    assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3)
+    assert args.engine_in_process is True
 
 
 def test_serve_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         engine_config_from_args(_serve_args(["--num-gpu-blocks", "0"]))
+    with pytest.raises(ValueError, match="num_threads"):
+        core_proc_config_from_args(_serve_args(["--engine-num-threads", "0"]))
     with pytest.raises(SystemExit):
         _serve_args(["--dtype", "int3"])
 
@@ -93,6 +101,19 @@ def test_percentile_nearest_rank() -> None:
     assert [percentile(values, q) for q in (0, 20, 50, 90, 100)] == [1.0, 1.0, 3.0, 5.0, 5.0]
 
 
+def _engine_core_children(pid: int) -> list[int]:
+    """Child processes of ``pid`` started by multiprocessing spawn (Linux /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in children:
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+        except FileNotFoundError:
+            pass  # exited meanwhile
+    return found
+
+
 def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None:
     from tests.engine.hf_models import make_tiny_model
 
@@ -103,7 +124,7 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
     cmd = [
         sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--port", str(port),
         "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "32",
-        "--max-model-len", "64", "--log-level", "warning",
+        "--max-model-len", "64", "--log-level", "warning", "--engine-num-threads", "1",
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
@@ -123,8 +144,11 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
         usage = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["usage"]
         assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        # The default layout: the model runs in a spawned engine-core child process.
+        (core_pid,) = _engine_core_children(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
+        assert not Path(f"/proc/{core_pid}").exists()  # stopped and reaped by kvtier serve
     finally:
         if proc.poll() is None:
             proc.kill()
