@@ -12,18 +12,23 @@ raises.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+import zmq
 
 from engine.config import EngineConfig
 from engine.core.messages import (
     AbortRequests,
     AddRequest,
+    CoreEvent,
     CoreFailed,
     CoreOutput,
     CoreRequest,
@@ -37,6 +42,9 @@ from engine.core.messages import (
     encode_event,
 )
 from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 _LAST_EVENTS_LINGER_MS = 5000  # time to deliver the final events (CoreFailed) before exiting
@@ -58,8 +66,6 @@ def run_engine_core(
     # Ctrl-C in a terminal signals the whole process group; the API process decides when the
     # core stops (it sends Shutdown after draining HTTP), so the core ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import zmq
-
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(addresses.requests)
@@ -86,10 +92,25 @@ def run_engine_core(
         inbox.close(linger=0)
         outbox.close(linger=_LAST_EVENTS_LINGER_MS)
         ctx.term()
-        sys.exit(code)
+        _exit(code)
 
 
-def _build_engine(config: EngineConfig, num_threads: int | None) -> Any:  # -> LLMEngine
+def _exit(code: int) -> None:
+    """Exits as the interpreter would (wait for non-daemon threads, run atexit handlers: tier
+    flushes, multiprocessing's own) but without its module teardown, which takes about a
+    second once torch is loaded and has nothing left to release here."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _build_engine(config: EngineConfig, num_threads: int | None) -> LLMEngine:
     if num_threads is not None:
         import torch
 
@@ -117,7 +138,13 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
 class EngineCoreLoop:
     """Owns the engine and both sockets; ``run`` on the process's only engine thread."""
 
-    def __init__(self, engine: Any, inbox: Any, outbox: Any, parent_sentinel: int | None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        parent_sentinel: int | None,
+    ) -> None:
         self.engine = engine
         self._inbox = inbox
         self._outbox = outbox
@@ -125,8 +152,6 @@ class EngineCoreLoop:
 
     def run(self) -> int:
         """Returns the process exit code: 0 on Shutdown or parent death, 1 if a step raised."""
-        import zmq
-
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
         if self._parent_sentinel is not None:
@@ -151,8 +176,6 @@ class EngineCoreLoop:
 
     def _drain_requests(self) -> bool:
         """Applies every queued request; False once Shutdown arrived."""
-        import zmq
-
         while True:
             try:
                 data = self._inbox.recv(zmq.NOBLOCK)
@@ -181,5 +204,5 @@ class EngineCoreLoop:
         elif isinstance(msg, StatsRequest):
             self._send(StepOutputs([], self.engine.stats()))
 
-    def _send(self, event: Any) -> None:
+    def _send(self, event: CoreEvent) -> None:
         self._outbox.send(encode_event(event))

@@ -194,6 +194,14 @@ def test_prefix_hit_and_metrics_cross_the_process_boundary(client: EngineCoreCli
     m = second.metrics
     assert m is not None and m.first_token_time is not None and m.last_token_time is not None
     assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time  # type: ignore[operator]
+    # An explicit stats request gets a fresh snapshot pushed back (the core is idle by now).
+    snapshot = client.stats()
+    client.request_stats()
+    deadline = time.monotonic() + 10
+    while client.stats() is snapshot:
+        assert time.monotonic() < deadline, "no stats reply"
+        time.sleep(0.005)
+    assert client.stats()["prefix_cache_hit_tokens_total"] >= 16
 
 
 def test_closing_the_stream_early_aborts_in_the_core(client: EngineCoreClient) -> None:
