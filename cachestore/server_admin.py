@@ -11,7 +11,7 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
     kvtier_server_inflight_requests              gauge
     kvtier_server_namespace_bytes{namespace}     gauge
     kvtier_server_namespace_keys{namespace}      gauge
-    kvtier_tier_used_bytes{tier}                 gauge     from the store's stats at scrape time
+    kvtier_tier_used_bytes{tier}                 gauge     from the store's tier_usage at scrape
     kvtier_tier_capacity_bytes{tier}             gauge
     kvtier_tier_entries{tier}                    gauge
 
@@ -102,15 +102,12 @@ class _LiveCollector:
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes held per tier", labels=["tier"])
         cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
         entries = GaugeMetricFamily("kvtier_tier_entries", "Entries per tier", labels=["tier"])
-        try:
-            tiers = server.backend.stats().get("tiers", {})
-        except Exception:  # a failing tier must not fail the scrape
-            tiers = {}
-        for name, t in tiers.items():
-            used.add_metric([name], t.get("used_bytes", 0))
-            if t.get("capacity_bytes") is not None:
-                cap.add_metric([name], t["capacity_bytes"])
-            entries.add_metric([name], t.get("num_entries", 0))
+        # tier_usage leaves out a failing tier rather than failing the scrape.
+        for name, u in server.store.tier_usage().items():
+            used.add_metric([name], u.used_bytes)
+            if u.capacity_bytes is not None:
+                cap.add_metric([name], u.capacity_bytes)
+            entries.add_metric([name], u.num_entries)
         yield used
         yield cap
         yield entries
@@ -132,12 +129,11 @@ def create_app(server: CacheServer, metrics: AdminMetrics) -> Any:
 
     @app.get("/stats")
     def stats() -> dict[str, Any]:
-        try:
-            store = server.backend.stats()
-        except Exception as exc:
-            store = {"error": repr(exc)}
-        return {"store": store, "namespaces": server.handler.usage.snapshot(),
-                "inflight": server.inflight}
+        usage = {name: {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
+                        "num_entries": u.num_entries}
+                 for name, u in server.store.tier_usage().items()}
+        return {"store": server.store.stats(), "tier_usage": usage,
+                "namespaces": server.handler.usage.snapshot(), "inflight": server.inflight}
 
     @app.get("/namespaces")
     def namespaces() -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """``kvtier cache-server``: flags -> ``ServerConfig``, the store, the admin port, signal handling.
 
-The store: the tiers of ``--config`` (YAML, ``cachestore.tier_config``) plus, with
-``--data-dir``, an LMDB tier there (unless the YAML already has one). LMDB commits a put before
-it returns, so a put the daemon acknowledged survives a crash of the daemon and a restart on the
-same ``--data-dir`` serves it again.
+The store is a ``HierarchicalStore`` over: a host-memory tier (``--host-capacity``, on top),
+the tiers of ``--config`` (YAML, ``cachestore.tier_config``) and, with ``--data-dir``, an LMDB
+tier there (unless the YAML already has one). Puts write through to the first LMDB tier
+(``StoreConfig.write_through_to``): LMDB commits before ``put_many`` returns, so a put the daemon
+acknowledged survives SIGKILL of the daemon and a restart on the same ``--data-dir`` serves it
+again. Host-tier evictions demote to LMDB, LMDB's to Redis/S3 below, in the background.
 
 SIGTERM/SIGINT drain: requests already received are answered, then everything closes.
 The only module of the daemon that reads files named on the command line (tokens, YAML).
@@ -14,86 +16,12 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from cachestore.server_usage import NamespaceUsage
 from cachestore.sizes import parse_size
-from tiers.base import Evicted, Tier, Value
-
-
-class TierBackend:
-    """The daemon's ``Backend`` over a top-first list of tiers, written through to all.
-
-    Reads go top-down (a hit in a lower tier is not promoted); puts go to every tier, so the
-    durable one holds every acknowledged block. Thread-safe because tiers are.
-
-    Zero copy from a top tier that can pin (the host slab): ``get_many`` pins what it returns
-    views of, and ``release`` (the daemon calls it once it copied them out) unpins, so a
-    concurrent put can never overwrite a slot being read. Other values are bytes.
-    """
-
-    def __init__(self, tiers: Sequence[Tier]) -> None:
-        if not tiers:
-            raise ValueError("the cache server needs at least one tier")
-        self.tiers = list(tiers)
-        self._local = threading.local()
-
-    def release(self) -> None:
-        """Unpin what this thread's last ``get_many`` pinned. Idempotent."""
-        pinned = getattr(self._local, "pinned", None)
-        if pinned:
-            self._local.pinned = None
-            self.tiers[0].unpin(pinned)  # type: ignore[attr-defined]
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        return max(t.lookup(keys) for t in self.tiers)
-
-    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        self.release()
-        top = self.tiers[0]
-        pinned: set[str] = set()
-        if hasattr(top, "pin"):
-            pinned = {k for k in keys if top.pin([k]) == 1}
-            self._local.pinned = list(pinned)
-        out: list[Value | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
-        for tier in self.tiers:
-            if not missing:
-                break
-            values = tier.get_many([keys[i] for i in missing])
-            still = []
-            for i, value in zip(missing, values, strict=True):
-                if value is None:
-                    still.append(i)
-                elif isinstance(value, bytes) or (tier is top and keys[i] in pinned):
-                    out[i] = value
-                else:
-                    out[i] = bytes(value)  # an unpinned view could be overwritten: own it
-            missing = still
-        return out
-
-    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
-        evicted: list[Evicted] = []
-        for tier in self.tiers:
-            evicted = tier.put_many(items)
-        return evicted  # what the bottom tier dropped is gone from the daemon
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        return max(t.delete_many(keys) for t in self.tiers)
-
-    def stats(self) -> dict[str, Any]:
-        tiers = {}
-        for tier in self.tiers:
-            u = tier.usage()
-            tiers[tier.name] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
-                                "num_entries": u.num_entries}
-        return {"tiers": tiers}
-
-    def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
+from cachestore.store import HierarchicalStore, StoreConfig
+from tiers.base import Tier
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-host", default=None, help="admin bind address (default --host)")
     parser.add_argument("--data-dir", default=None, help="LMDB directory (persistence)")
     parser.add_argument("--lmdb-capacity", default="10GiB", help="LMDB capacity under --data-dir")
+    parser.add_argument("--host-capacity", default=None,
+                        help="host-memory tier on top of the others (default: none)")
+    parser.add_argument("--host-slot-bytes", default="4MiB",
+                        help="host tier slot: the largest block it holds (larger: LMDB only)")
     parser.add_argument("--config", default=None, help="tiers YAML (cachestore.tier_config)")
     parser.add_argument("--tokens", default=None,
                         help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines")
@@ -118,9 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
     """The daemon's tier stack, top first. Raises ConfigError/ValueError with a clear message."""
-    from cachestore.tier_config import LmdbTierConfig, build_tiers, load_tier_config
+    from cachestore.tier_config import (
+        HostTierConfig,
+        LmdbTierConfig,
+        build_tiers,
+        load_tier_config,
+    )
 
     configs = list(load_tier_config(args.config).tiers) if args.config else []
+    if args.host_capacity and not any(isinstance(c, HostTierConfig) for c in configs):
+        configs.insert(0, HostTierConfig(capacity=parse_size(args.host_capacity),
+                                         slot_bytes=parse_size(args.host_slot_bytes),
+                                         pin_memory=False))  # no GPU reads the daemon's memory
     if args.data_dir and not any(isinstance(c, LmdbTierConfig) for c in configs):
         lmdb = LmdbTierConfig(path=str(Path(args.data_dir) / "lmdb"),
                               capacity=parse_size(args.lmdb_capacity))
@@ -131,6 +72,14 @@ def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
     from cachestore.tier_config import TierStackConfig
 
     return build_tiers(TierStackConfig(tiers=tuple(configs)))
+
+
+def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
+    """The daemon's store over ``tiers`` (owned from here on), writing through to the first
+    LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
+    durable = next((i for i, t in enumerate(tiers) if t.name == "lmdb"), None)
+    config = StoreConfig(write_through_to=durable if durable else None)
+    return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -150,15 +99,16 @@ def main(args: argparse.Namespace) -> int:
         config = ServerConfig(url=f"tcp://{host}:{args.port}", limits=limits,
                               num_workers=args.workers, shm_enabled=not args.no_shm,
                               access_log_path=args.access_log)
-        backend = TierBackend(build_tiers_for(args))
+        usage = NamespaceUsage()
+        store = build_store(build_tiers_for(args), usage)
     except (OSError, ValueError) as exc:
         print(f"kvtier cache-server: {exc}", file=sys.stderr)
         return 2
     metrics = AdminMetrics()
     try:
-        server = CacheServer(config, backend, tokens, on_request=metrics.record)
+        server = CacheServer(config, store, tokens, on_request=metrics.record, usage=usage)
     except ValueError as exc:
-        backend.close()
+        store.close()
         print(f"kvtier cache-server: {exc}", file=sys.stderr)
         return 2
     metrics.bind(server)
@@ -178,6 +128,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if admin is not None:
             admin.stop()
-        backend.close()
+        store.close()
     print("kvtier cache-server stopped", flush=True)
     return 0

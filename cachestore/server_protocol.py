@@ -57,6 +57,7 @@ class ErrorCode(enum.IntEnum):
     SHM_UNAVAILABLE = 11  # the named shared-memory segment is unknown: re-hello or use frames
     SHUTTING_DOWN = 12
     INTERNAL = 13  # a store failure; the client treats it as a miss
+    BAD_BLOCK = 14  # a put payload is not an encoded block (cachestore.codec) of its key's namespace
 
 
 class ProtocolError(Exception):

@@ -5,7 +5,10 @@
   across all tiers.
 - ``get_many`` reads top-down, decodes through the codec (checksum, namespace), and queues
   hits from lower tiers for promotion into the top tier (asynchronous).
-- ``put_many`` writes encoded blocks to the top tier. Evictions from tier i are demoted to tier
+- ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
+  what a cache server hands on to its clients.
+- ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
+  synchronously to that (durable) tier too before returning. Evictions from tier i are demoted to tier
   i+1 by one background worker per tier, fed by bounded queues; a full queue drops the demotion
   (counted), never blocks the caller. The last tier's evictions are dropped (counted).
 - Pins: between ``prepare_load`` and ``complete_load`` a key is pinned in every tier that
@@ -17,7 +20,8 @@
   ``errors`` count, never an exception to the caller; a CodecError is a miss plus ``corrupt``,
   and the bad value is deleted. A failing tier is skipped with exponential backoff
   (``TierHealth``), then probed again. Demotions into a tier that fails or backs off pass on to
-  the tier below it (dropped, counted, at the bottom).
+  the tier below it (dropped, counted, at the bottom). ``on_drop`` hears of keys dropped at the
+  bottom (gone from the store unless an upper tier still holds a copy).
 
 Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 """
@@ -35,7 +39,7 @@ from typing import Any, TypeVar
 
 from cachestore.codec import CodecError, decode_block
 from cachestore.store_metrics import TierHealth, TierStats, register_prometheus
-from tiers.base import Evicted, Tier, Value
+from tiers.base import Evicted, Tier, TierUsage, Value
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,8 +55,13 @@ class StoreConfig:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     ewma_alpha: float = 0.2
+    # Index of a tier ``put_many`` also writes synchronously (a durable one, e.g. LMDB), so an
+    # acknowledged put survives a crash of the process. None: the top tier only.
+    write_through_to: int | None = None
 
     def __post_init__(self) -> None:
+        if self.write_through_to is not None and self.write_through_to < 0:
+            raise ValueError("write_through_to must be a tier index >= 0 or None")
         if self.queue_batches <= 0 or not 0 < self.ewma_alpha <= 1:
             raise ValueError("queue_batches must be positive and ewma_alpha in (0, 1]")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
@@ -88,10 +97,17 @@ class LookupResult:
 
 class HierarchicalStore:
     def __init__(self, tiers: Sequence[Tier], config: StoreConfig, *, registry: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """Start one worker per tier. ``registry``: a prometheus_client CollectorRegistry."""
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[list[str]], None] | None = None) -> None:
+        """Start one worker per tier. ``registry``: a prometheus_client CollectorRegistry.
+        ``on_drop(keys)`` is called (from the writing thread) with keys the last tier evicted.
+        Raises ValueError for no tiers or a ``write_through_to`` past the last tier."""
         if not tiers:
             raise ValueError("a hierarchical store needs at least one tier")
+        if config.write_through_to is not None and config.write_through_to >= len(tiers):
+            raise ValueError(f"write_through_to={config.write_through_to} but only "
+                             f"{len(tiers)} tier(s)")
+        self._on_drop = on_drop
         self.tiers = list(tiers)
         self.config = config
         names = [t.name for t in self.tiers]
@@ -147,6 +163,15 @@ class HierarchicalStore:
         A payload from the host tier is a view into its slab: stable while the key is pinned
         (``prepare_load``), otherwise until the host tier evicts it. Others are owned bytes.
         """
+        return self._read(keys, decoded=True)
+
+    def get_many_encoded(self, keys: Sequence[str]) -> list[Value | None]:
+        """Like ``get_many`` (same checks, promotion, counters, view lifetime) but each hit is
+        the whole encoded block, checksum and namespace already verified; a block that fails
+        them is a miss and is deleted, exactly as in ``get_many``."""
+        return self._read(keys, decoded=False)
+
+    def _read(self, keys: Sequence[str], decoded: bool) -> list[Value | None]:
         out: list[Value | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         promote: list[tuple[str, bytes]] = []
@@ -166,7 +191,8 @@ class HierarchicalStore:
                     continue
                 nbytes += len(value)
                 try:
-                    out[j] = decode_block(value, self.config.namespace).payload
+                    block = decode_block(value, self.config.namespace)
+                    out[j] = block.payload if decoded else value
                 except CodecError as exc:
                     log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
                     corrupt.append(keys[j])
@@ -189,7 +215,8 @@ class HierarchicalStore:
     def put_many(self, items: Sequence[tuple[str, Value]]) -> int:
         """Write encoded blocks (``codec.encode_block``) to the top tier; return how many were
         written. Keys another ``put_many`` is writing, and repeats, are skipped. Never raises
-        for tier failures (a failed write is counted and returns 0)."""
+        for tier failures (a failed write is counted and returns 0). With ``write_through_to``
+        the count is what that tier accepted: 0 means the blocks are not durable."""
         with self._lock:
             mine: list[tuple[str, Value]] = []
             for key, value in items:
@@ -197,10 +224,25 @@ class HierarchicalStore:
                     self._writing.add(key)
                     mine.append((key, value))
         try:
-            return max(self._write(0, mine), 0) if mine else 0
+            if not mine:
+                return 0
+            through = self.config.write_through_to
+            written = self._write(0, mine)
+            if through is not None and through > 0:
+                # The durable tier decides the answer: the top is a cache in front of it.
+                written = self._write(through, mine)
+            return max(written, 0)
         finally:
             with self._lock:
                 self._writing.difference_update(k for k, _ in mine)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` from every tier (pinned entries stay where a tier keeps pins).
+        Returns the largest count any one tier reported. Never raises for tier failures."""
+        if not keys:
+            return 0
+        return max(self._call(i, lambda t: t.delete_many(keys), 0)
+                   for i in range(len(self.tiers)))
 
     def prepare_store(self, keys: Sequence[str]) -> list[str]:
         """The keys this caller should store: not at the top tier and not being stored by
@@ -268,6 +310,8 @@ class HierarchicalStore:
         stats = self._stats[i]
         if i + 1 == len(self.tiers):
             stats.add("dropped_at_bottom", len(evicted))
+            if self._on_drop is not None:
+                self._on_drop([e.key for e in evicted])
             return
         batch = [(e.key, e.value) for e in evicted if e.value is not None]
         if len(batch) < len(evicted):
@@ -335,6 +379,16 @@ class HierarchicalStore:
             row["queue_batches"] = q.qsize()
             row["consecutive_failures"] = health.consecutive_failures
         return rows
+
+    def tier_usage(self) -> dict[str, TierUsage]:
+        """Each tier's ``usage()`` by its stats name; a tier that fails or backs off is left
+        out. Asks the tiers (Redis/S3: a server round trip), so not for hot paths."""
+        out: dict[str, TierUsage] = {}
+        for i, s in enumerate(self._stats):
+            usage = self._call(i, lambda t: t.usage(), None)
+            if usage is not None:
+                out[s.name] = usage
+        return out
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

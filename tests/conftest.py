@@ -9,6 +9,9 @@ Server fixtures (session scope, started on first use, killed at session end):
   endpoint from KVTIER_TEST_S3_ENDPOINT (keys from KVTIER_TEST_S3_ACCESS_KEY /
   KVTIER_TEST_S3_SECRET_KEY, else boto3's usual chain).
 
+``--server-soak-s`` (or KVTIER_SERVER_SOAK_S, read here only) sets the cache-server soak
+test's duration through the ``server_soak_s`` fixture.
+
 Function-scoped helpers give each test a clean slate: ``redis_url`` (server running and
 flushed), ``s3_bucket`` (a fresh empty bucket, deleted afterwards). External servers have
 ``managed == False``; tests that stop or kill servers skip on them.
@@ -30,6 +33,18 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--server-soak-s", type=float,
+                     default=float(os.environ.get("KVTIER_SERVER_SOAK_S", "5")),
+                     help="seconds the cache-server soak test runs (env KVTIER_SERVER_SOAK_S)")
+
+
+@pytest.fixture(scope="session")
+def server_soak_s(pytestconfig: pytest.Config) -> float:
+    """Duration of the cache-server soak test: ``--server-soak-s`` (default 5 s)."""
+    return float(pytestconfig.getoption("--server-soak-s"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,10 +16,11 @@ import msgpack
 import pytest
 import zmq
 
+from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
-from cachestore.server_cli import TierBackend
 from cachestore.server_protocol import PROTOCOL_VERSION, checksum
+from cachestore.store import HierarchicalStore, StoreConfig
 from tests.servers import free_port
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
@@ -29,14 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _value(key: str, size: int) -> bytes:
+    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
+    ns = key.split("/", 1)[0]
+    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
     seed = checksum(key.encode()).to_bytes(8, "little")
-    return (seed * (size // 8 + 1))[:size]
+    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[CacheServer]:
-    backend = TierBackend([HostTier(8 << 20, 256 << 10, pin_memory=False),
-                           LmdbTier(tmp_path / "lmdb", 64 << 20)])
+    backend = HierarchicalStore([HostTier(8 << 20, 256 << 10, pin_memory=False),
+                                 LmdbTier(tmp_path / "lmdb", 64 << 20)],
+                                StoreConfig(write_through_to=1))
     metrics = AdminMetrics()
     srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0",
                                    access_log_path=str(tmp_path / "access.jsonl")),
@@ -80,7 +85,7 @@ def test_round_trip_lookup_delete_stats(server: CacheServer, use_shm: bool) -> N
 
 def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
     tier = RemoteTier(server.bound_url, use_shm=True, shm_bytes=1 << 20, timeout_s=5)
-    items = [(f"ns0/{i:04x}", _value(str(i), 200_000)) for i in range(12)]  # 2.4 MB > 1 MiB
+    items = [(k, _value(k, 200_000)) for k in (f"ns0/{i:04x}" for i in range(12))]  # 2.4 MB > 1 MiB
     tier.put_many(items)
     first = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # partly over frames
     second = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # grown: all via shm
@@ -90,7 +95,7 @@ def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
 
 def test_access_log_is_jsonl(server: CacheServer, tmp_path: Path) -> None:
     tier = RemoteTier(server.bound_url, use_shm=False)
-    tier.put_many([("ns1/aa", b"x" * 10)])
+    tier.put_many([("ns1/aa", _value("ns1/aa", 100))])
     tier.get_many(["ns1/aa", "ns1/bb"])
     tier.close()
     server.stop()
@@ -105,7 +110,7 @@ def test_admin_endpoints(server: CacheServer) -> None:
     admin = AdminServer(create_app(server, server.metrics), "127.0.0.1", port).start()  # type: ignore[attr-defined]
     try:
         tier = RemoteTier(server.bound_url, use_shm=False)
-        tier.put_many([("ns2/01", b"a" * 100), ("ns2/02", b"b" * 50)])
+        tier.put_many([("ns2/01", _value("ns2/01", 100)), ("ns2/02", _value("ns2/02", 250))])
         tier.get_many(["ns2/01", "ns2/99"])
         tier.close()
         base = f"http://127.0.0.1:{port}"
@@ -114,13 +119,14 @@ def test_admin_endpoints(server: CacheServer) -> None:
             time.sleep(0.02)
         assert httpx.get(f"{base}/health").json()["status"] == "ok"
         stats = httpx.get(f"{base}/stats").json()
-        assert stats["namespaces"] == {"default": {"bytes": 150, "keys": 2}}
-        assert stats["store"]["tiers"]["lmdb"]["num_entries"] == 2
+        assert stats["namespaces"] == {"default": {"bytes": 350, "keys": 2}}
+        assert stats["tier_usage"]["lmdb"]["num_entries"] == 2  # written through
+        assert [t["name"] for t in stats["store"]["tiers"]] == ["host", "lmdb"]
         metrics = httpx.get(f"{base}/metrics").text
         assert 'kvtier_server_requests_total{code="OK",op="put"} 1.0' in metrics
         assert 'kvtier_server_keys_total{op="get",result="hit"} 1.0' in metrics
         assert 'kvtier_server_keys_total{op="get",result="miss"} 1.0' in metrics
-        assert 'kvtier_server_namespace_bytes{namespace="default"} 150.0' in metrics
+        assert 'kvtier_server_namespace_bytes{namespace="default"} 350.0' in metrics
         assert 'kvtier_tier_entries{tier="host"} 2.0' in metrics
         for name in METRIC_NAMES:
             assert name in metrics
@@ -132,16 +138,17 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(server.bound_url)
+    blk = _value("p/01", 100)
     header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
-              "sizes": [3], "checksums": [checksum(b"abc")]}
-    sock.send_multipart([msgpack.packb(header), b"abc"])
+              "sizes": [100], "checksums": [checksum(blk)]}
+    sock.send_multipart([msgpack.packb(header), blk])
     assert sock.poll(5000)
     reply = msgpack.unpackb(sock.recv_multipart()[0])
     assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "evicted": 0}
     sock.send_multipart([msgpack.packb({**header, "id": 42, "op": "get", "sizes": None})])
     assert sock.poll(5000)
     frames = sock.recv_multipart()
-    assert msgpack.unpackb(frames[0])["sizes"] == [3] and frames[1:] == [b"abc"]
+    assert msgpack.unpackb(frames[0])["sizes"] == [100] and frames[1:] == [blk]
     sock.close(0)
 
 
@@ -165,8 +172,8 @@ def test_cli_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     assert "listening on" in proc.stdout.readline()
     before = _shm_names()
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=5)
-    tier.put_many([("ns/01", b"v" * 1000)])
-    assert bytes(tier.get_many(["ns/01"])[0]) == b"v" * 1000
+    tier.put_many([("ns/01", _value("ns/01", 1000))])
+    assert bytes(tier.get_many(["ns/01"])[0]) == _value("ns/01", 1000)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "stopped" in out

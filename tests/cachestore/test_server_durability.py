@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server_protocol import checksum
 from tests.servers import free_port
 from tiers.base import TierError
@@ -19,14 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _value(key: str, size: int) -> bytes:
+    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
+    ns = key.split("/", 1)[0]
+    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
     seed = checksum(key.encode()).to_bytes(8, "little")
-    return (seed * (size // 8 + 1))[:size]
+    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 def _start(port: int, data_dir: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(data_dir), "--lmdb-capacity", "256MiB"],
+         "--admin-port", "-1", "--data-dir", str(data_dir), "--lmdb-capacity", "256MiB",
+         "--host-capacity", "8MiB", "--host-slot-bytes", "300KiB"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and "listening" in proc.stdout.readline()
     return proc

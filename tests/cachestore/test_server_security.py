@@ -1,12 +1,11 @@
 """R4: hostile input gets a clear error and never crashes the daemon or crosses tenants.
 
 The soak test runs 16 clients against a daemon process and bounds its anonymous RSS; its
-duration is KVTIER_SERVER_SOAK_S seconds (default 5; run once with 60 for the report).
+duration is ``--server-soak-s`` (tests/conftest.py; default 5, or KVTIER_SERVER_SOAK_S).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -21,8 +20,8 @@ import pytest
 import zmq
 
 from cachestore import shm
+from cachestore.codec import BlockMeta, encode_block
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_cli import TierBackend
 from cachestore.server_protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -30,6 +29,7 @@ from cachestore.server_protocol import (
     TokenTable,
     checksum,
 )
+from cachestore.store import HierarchicalStore, StoreConfig
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.lmdb import LmdbTier
@@ -47,7 +47,7 @@ LIMITS = ServerLimits(max_keys_per_request=32, max_frame_bytes=1 << 20,
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[CacheServer]:
-    backend = TierBackend([LmdbTier(tmp_path / "lmdb", 64 << 20)])
+    backend = HierarchicalStore([LmdbTier(tmp_path / "lmdb", 64 << 20)], StoreConfig())
     srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", limits=LIMITS), backend,
                       TokenTable.parse(TOKENS)).start()
     yield srv
@@ -72,6 +72,12 @@ class Raw:
     def op(self, payloads: list[bytes] | None = None, **header: Any) -> dict[str, Any]:
         full = {"v": PROTOCOL_VERSION, "id": 7, "token": "tok-alice-0001", **header}
         return self.ask([msgpack.packb(full), *(payloads or [])])[0]
+
+
+def _block(key: str, payload: bytes) -> bytes:
+    """``payload`` as an encoded block of ``key``'s namespace (what the daemon accepts)."""
+    ns = key.split("/", 1)[0]
+    return encode_block(payload, BlockMeta("uint8", (len(payload),), "test", ns))
 
 
 def _put(raw: Raw, token: str, keys: list[str], values: list[bytes]) -> dict[str, Any]:
@@ -126,6 +132,22 @@ def test_tokens_keys_and_limits(server: CacheServer) -> None:
     assert raw.op(op="lookup", keys=["ns/cs", "ns/big"])["count"] == 0  # nothing stored
 
 
+def test_put_of_anything_but_an_encoded_block_is_refused(server: CacheServer) -> None:
+    raw = Raw(server.bound_url)
+    reply = _put(raw, "tok-alice-0001", ["ns/j1"], [b"not a block at all, just bytes"])
+    assert reply["code"] == ErrorCode.BAD_BLOCK and "bad_magic" in reply["error"]
+    foreign = _block("other/j2", b"x" * 32)  # a well-formed block of another namespace
+    reply = _put(raw, "tok-alice-0001", ["ns/ok", "ns/j2"], [_block("ns/ok", b"y"), foreign])
+    assert reply["code"] == ErrorCode.BAD_BLOCK
+    assert "payload 1" in reply["error"] and "namespace" in reply["error"]
+    torn = bytearray(_block("ns/j3", b"z" * 64))
+    torn[-10] ^= 1  # a flipped payload bit under a transport checksum that matches it
+    reply = _put(raw, "tok-alice-0001", ["ns/j3"], [bytes(torn)])
+    assert reply["code"] == ErrorCode.BAD_BLOCK and "checksum" in reply["error"]
+    assert raw.op(op="lookup", keys=["ns/ok"])["count"] == 0  # nothing of a refused put stored
+    assert raw.op(op="stats")["stats"] == {"namespace": "alice", "bytes": 0, "keys": 0}
+
+
 def test_frame_over_zmq_limit_drops_peer_not_daemon(server: CacheServer) -> None:
     raw = Raw(server.bound_url)
     head = {"v": PROTOCOL_VERSION, "id": 1, "op": "put", "token": "tok-alice-0001",
@@ -137,19 +159,20 @@ def test_frame_over_zmq_limit_drops_peer_not_daemon(server: CacheServer) -> None
 
 def test_no_cross_tenant_reads_and_quota(server: CacheServer) -> None:
     raw = Raw(server.bound_url)
-    assert _put(raw, "tok-alice-0001", ["ns/secret"], [b"alice-data"])["code"] == 0
+    alice_block, bob_block = _block("ns/secret", b"alice-data"), _block("ns/secret", b"bob")
+    assert _put(raw, "tok-alice-0001", ["ns/secret"], [alice_block])["code"] == 0
     assert raw.op(op="lookup", keys=["ns/secret"], token="tok-bob-000002")["count"] == 0
     bob_get = raw.op(op="get", keys=["ns/secret"], token="tok-bob-000002")
     assert bob_get["sizes"] == [-1]
     assert raw.op(op="delete", keys=["ns/secret"], token="tok-bob-000002")["deleted"] == 0
     assert raw.op(op="stats", token="tok-bob-000002")["stats"] == {
         "namespace": "bob", "bytes": 0, "keys": 0}
-    assert _put(raw, "tok-bob-000002", ["ns/secret"], [b"bob-data!!"])["code"] == 0
+    assert _put(raw, "tok-bob-000002", ["ns/secret"], [bob_block])["code"] == 0
     alice = raw.ask([msgpack.packb({"v": PROTOCOL_VERSION, "id": 9, "op": "get",
                                     "token": "tok-alice-0001", "keys": ["ns/secret"]})])
-    assert alice[1] == [b"alice-data"]
-    # Quota: 4 MiB per namespace. Three 1 MiB blocks fit (plus 10 bytes), a fifth does not.
-    mib = b"q" * (1 << 20)
+    assert alice[1] == [alice_block]
+    # Quota: 4 MiB per namespace. Three 1 MiB blocks fit (plus a small one), a fifth does not.
+    mib = _block("ns/q", b"q" * ((1 << 20) - 100))
     for i in range(3):
         assert _put(raw, "tok-alice-0001", [f"ns/q{i}"], [mib])["code"] == 0
     assert _put(raw, "tok-alice-0001", ["ns/q0"], [mib])["code"] == 0  # overwrite: no growth
@@ -189,8 +212,8 @@ def _rss_anon_kib(pid: int) -> int:
     raise AssertionError("no RssAnon")
 
 
-def test_sixteen_clients_memory_bounded(tmp_path: Path) -> None:
-    seconds = float(os.environ.get("KVTIER_SERVER_SOAK_S", "5"))
+def test_sixteen_clients_memory_bounded(tmp_path: Path, server_soak_s: float) -> None:
+    seconds = server_soak_s
     port = free_port()
     (tmp_path / "tokens").write_text(TOKENS)
     proc = subprocess.Popen(
@@ -213,7 +236,7 @@ def test_sixteen_clients_memory_bounded(tmp_path: Path) -> None:
             try:
                 while not stop.is_set():
                     keys = [f"ns/{i:02x}{k:04x}" for k in rng.sample(range(400), 8)]
-                    values = [rng.randbytes(rng.choice((4096, 65536))) for _ in keys]
+                    values = [_block(k, rng.randbytes(rng.choice((4096, 65536)))) for k in keys]
                     tier.put_many(list(zip(keys, values, strict=True)))
                     got = tier.get_many(keys)
                     # Each client owns its keys: a value is exactly what it put, or evicted.

@@ -18,8 +18,8 @@ import yaml
 
 from cachestore.server import CacheServer, RequestRecord, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics
-from cachestore.server_cli import TierBackend
 from cachestore.server_protocol import ErrorCode
+from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import parse_tier_config
 from tiers.lmdb import LmdbTier
 
@@ -133,14 +133,14 @@ def test_grafana_queries_only_exported_metrics(tmp_path: Path) -> None:
     assert used and used <= exported, used - exported
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     # ...and a live daemon's /metrics exposition really carries every one of them.
-    backend = TierBackend([LmdbTier(tmp_path, 1 << 20)])
-    server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0"), backend)
+    store = HierarchicalStore([LmdbTier(tmp_path, 1 << 20)], StoreConfig())
+    server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0"), store)
     metrics = AdminMetrics()
     metrics.bind(server)
     server.handler.usage.add("default", [("default/ns/01", 10)])
     metrics.record(RequestRecord("get", "default", ErrorCode.OK, 2, 1, 0, 10, "tcp", 0.001))
     text = metrics.exposition().decode()
-    backend.close()
+    store.close()
     for name in used:
         assert re.search(rf"^{name}[{{ ]", text, re.M), name
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_cli import TierBackend
 from cachestore.server_protocol import ServerLimits, checksum
+from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import parse_tier_entry
 from tests.servers import free_port
 from tiers import create_tier
@@ -22,12 +23,15 @@ from tiers.remote import RemoteTier
 
 
 def _value(key: str, size: int) -> bytes:
+    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
+    ns = key.split("/", 1)[0]
+    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
     seed = checksum(key.encode()).to_bytes(8, "little")
-    return (seed * (size // 8 + 1))[:size]
+    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
-def _serve(path: Path, port: int) -> tuple[CacheServer, TierBackend]:
-    backend = TierBackend([LmdbTier(path, 64 << 20)])
+def _serve(path: Path, port: int) -> tuple[CacheServer, HierarchicalStore]:
+    backend = HierarchicalStore([LmdbTier(path, 64 << 20)], StoreConfig())
     limits = ServerLimits(max_keys_per_request=16)
     server = CacheServer(ServerConfig(url=f"tcp://127.0.0.1:{port}", limits=limits), backend)
     return server.start(), backend
@@ -57,8 +61,8 @@ def test_contract_round_trip(served: tuple[CacheServer, int], use_shm: bool) -> 
     assert tier.lookup(keys) == 50
     got = tier.get_many(list(reversed(keys)))
     assert [bytes(v) for v in got] == list(reversed(values))  # ordered like keys
-    tier.put_many([(keys[0], b"overwritten")])
-    assert bytes(tier.get_many([keys[0]])[0]) == b"overwritten"
+    tier.put_many([(keys[0], _value(keys[0], 99))])
+    assert bytes(tier.get_many([keys[0]])[0]) == _value(keys[0], 99)
     assert tier.delete_many(keys[:10] + keys[:2]) == 10
     assert tier.lookup(keys) == 0 and tier.lookup(keys[10:]) == 40
     assert tier.usage().num_entries == 40
@@ -94,7 +98,7 @@ def test_server_down_is_fast_error_then_recovery(tmp_path: Path) -> None:
     port = free_port()
     server, backend = _serve(tmp_path / "lmdb", port)
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retry_interval_s=0.3)
-    tier.put_many([("ns/01", b"kept on disk")])
+    tier.put_many([("ns/01", _value("ns/01", 120))])
     server.stop()
     backend.close()
     t0 = time.monotonic()
@@ -107,7 +111,7 @@ def test_server_down_is_fast_error_then_recovery(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 0.1
     server, backend = _serve(tmp_path / "lmdb", port)  # same port, same LMDB
     time.sleep(0.4)
-    assert bytes(tier.get_many(["ns/01"])[0]) == b"kept on disk"
+    assert bytes(tier.get_many(["ns/01"])[0]) == _value("ns/01", 120)
     tier.close()
     server.stop()
     backend.close()
@@ -117,7 +121,7 @@ def test_daemon_restart_renegotiates_shm(tmp_path: Path) -> None:
     port = free_port()
     server, backend = _serve(tmp_path / "lmdb", port)
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=True, timeout_s=2)
-    tier.put_many([("ns/02", b"x" * 5000)])
+    tier.put_many([("ns/02", _value("ns/02", 5000))])
     server.stop()
     backend.close()
     server, backend = _serve(tmp_path / "lmdb", port)
@@ -129,7 +133,7 @@ def test_daemon_restart_renegotiates_shm(tmp_path: Path) -> None:
         except TierError:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-    assert bytes(got[0]) == b"x" * 5000  # the daemon forgot the segment: hello again, retried
+    assert bytes(got[0]) == _value("ns/02", 5000)  # the daemon forgot the segment: hello again, retried
     tier.close()
     server.stop()
     backend.close()
@@ -140,8 +144,8 @@ def test_built_from_tier_config(served: tuple[CacheServer, int]) -> None:
     cfg = parse_tier_entry({"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "t0k3n-x"})
     tier = create_tier(cfg)
     assert isinstance(tier, RemoteTier) and "t0k3n" not in repr(tier)
-    tier.put_many([("ns/03", b"via config")])
-    assert bytes(tier.get_many(["ns/03"])[0]) == b"via config"
+    tier.put_many([("ns/03", _value("ns/03", 80))])
+    assert bytes(tier.get_many(["ns/03"])[0]) == _value("ns/03", 80)
     tier.close()
     with pytest.raises(ValueError, match="tcp://"):
         RemoteTier("http://example.com")

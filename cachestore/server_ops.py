@@ -1,0 +1,297 @@
+"""Request handling of the cache daemon: one request (frames) in, one ``Reply`` out.
+
+``OpHandler.handle`` authenticates, checks keys and limits, maps client keys into the
+tenant's space (``prefix/hex`` is stored as ``tenant/prefix/hex``) and runs the op against the
+daemon's ``HierarchicalStore``. It never raises: anything malformed is an error reply, a store
+failure an ``INTERNAL`` reply (a miss to the client).
+
+- get: the keys are pinned in the store (``prepare_load``) while their blocks are copied into
+  the reply (frames, or the client's shared-memory segment), so a concurrent put can never
+  overwrite a host-tier slot being read. Blocks come from ``get_many_encoded``: checksum
+  verified, a corrupt one is a miss.
+- put: every payload must match its size and checksum and be an encoded block
+  (``cachestore.codec``) of its key's namespace, or nothing is stored. It is acknowledged only
+  after ``put_many`` returned having written it, i.e. after the store's write-through tier
+  (LMDB under ``--data-dir``) committed it: an acknowledged put survives SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from cachestore import shm
+from cachestore.codec import CodecError, decode_block
+from cachestore.server_protocol import (
+    ErrorCode,
+    ProtocolError,
+    ServerLimits,
+    Tenant,
+    checksum,
+    error_header,
+    unpack_request,
+)
+from cachestore.server_usage import NamespaceUsage
+from cachestore.store import HierarchicalStore
+from tiers.base import Value
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    header: dict[str, Any]
+    payloads: list[Value]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One served request, for metrics and the access log."""
+
+    op: str
+    namespace: str
+    code: ErrorCode
+    num_keys: int
+    num_hits: int
+    bytes_in: int
+    bytes_out: int
+    path: str  # "tcp" (payload frames) or "shm"
+    seconds: float
+
+
+_Body = tuple[dict[str, Any], list[Value]]
+_Op = Callable[[dict[str, Any], str, list[str], Sequence[Any], dict[str, Any]], _Body]
+_LOGGED_OPS = frozenset({"lookup", "get", "put", "delete"})
+
+
+class OpHandler:
+    """Turns one request (frames after the identity) into one ``Reply``; never raises.
+
+    Thread-safe: called from the worker pool. ``authenticate`` maps a token to a ``Tenant`` or
+    raises ``ProtocolError``. ``segments`` is None when the shared-memory path is off. The
+    handler does not own ``store`` (the daemon's owner closes it).
+    """
+
+    def __init__(self, store: HierarchicalStore, limits: ServerLimits,
+                 authenticate: Callable[[object], Tenant],
+                 segments: shm.AttachedSegments | None,
+                 usage: NamespaceUsage,
+                 on_request: Callable[[RequestRecord], None] | None = None,
+                 access_log_path: str | None = None) -> None:
+        self.store = store
+        self.limits = limits
+        self.usage = usage
+        self.host_id = shm.host_id()
+        self._authenticate = authenticate
+        self._segments = segments
+        self._on_request = on_request
+        self._log_lock = threading.Lock()
+        self._log = open(access_log_path, "a", buffering=1) if access_log_path else None
+        self._ops: dict[str, _Op] = {
+            "hello": self._op_hello, "bye": self._op_bye, "lookup": self._op_lookup,
+            "get": self._op_get, "put": self._op_put, "delete": self._op_delete,
+            "stats": self._op_stats,
+        }
+
+    def close(self) -> None:
+        if self._log is not None:
+            with self._log_lock:
+                self._log.close()
+                self._log = None
+
+    def handle(self, frames: Sequence[zmq.Frame | bytes]) -> Reply:
+        start = time.perf_counter()
+        request_id, op, tenant = -1, "?", "?"
+        rec: dict[str, Any] = {"num_keys": 0, "num_hits": 0, "bytes_in": 0, "bytes_out": 0,
+                               "path": "tcp", "keys": []}
+        try:
+            if len(frames) - 1 > self.limits.max_keys_per_request:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames is too many")
+            header = unpack_request(_buffer(frames[0]), self.limits)
+            request_id, op = header["id"], header["op"]
+            who = self._authenticate(header.get("token"))
+            tenant = who.name
+            keys: list[str] = header.get("keys", [])
+            who.check_keys(keys)
+            rec["num_keys"], rec["keys"] = len(keys), keys
+            if op != "put" and len(frames) > 1:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"{op} takes no payload frames")
+            ikeys = [f"{tenant}/{k}" for k in keys]
+            body, payloads = self._ops[op](header, tenant, ikeys, frames[1:], rec)
+            reply = Reply({"id": request_id, "code": 0, "error": "", **body}, payloads)
+            code = ErrorCode.OK
+        except ProtocolError as exc:
+            code, reply = exc.code, Reply(error_header(request_id, exc.code, exc.message), [])
+        except Exception as exc:  # a store failure: the client sees a miss, the daemon lives
+            code = ErrorCode.INTERNAL
+            reply = Reply(error_header(request_id, code, f"store error: {exc!r}"[:500]), [])
+        record = RequestRecord(op, tenant, code, rec["num_keys"], rec["num_hits"],
+                               rec["bytes_in"], rec["bytes_out"], rec["path"],
+                               time.perf_counter() - start)
+        if self._on_request is not None:
+            self._on_request(record)
+        if self._log is not None and code == ErrorCode.OK and op in _LOGGED_OPS:
+            line = json.dumps({"ts": round(time.time(), 6), "op": op, "namespace": tenant,
+                               "keys": rec["keys"], "hits": rec["num_hits"]})
+            with self._log_lock:
+                if self._log is not None:
+                    self._log.write(line + "\n")
+        return reply
+
+    # -- ops: each returns (reply fields, payload frames) ------------------------------------
+
+    def _op_hello(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                  frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        shm_ok = False
+        replaced = header.get("replaces")
+        if isinstance(replaced, str) and self._segments is not None:
+            self._segments.detach(replaced, tenant)  # the client grew its segment
+        name = header.get("shm")
+        if (isinstance(name, str) and self._segments is not None
+                and header.get("host_id") == self.host_id):
+            try:
+                self._segments.attach(name, tenant)
+                shm_ok = True
+            except (OSError, ValueError):
+                shm_ok = False  # another /dev/shm (container) or a bad name: frames it is
+        lim = self.limits
+        return {"shm": shm_ok, "namespace": tenant, "max_keys_per_request":
+                lim.max_keys_per_request, "max_frame_bytes": lim.max_frame_bytes,
+                "max_request_bytes": lim.max_request_bytes}, []
+
+    def _op_bye(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        name = header.get("shm")
+        if isinstance(name, str) and self._segments is not None:
+            self._segments.detach(name, tenant)
+        return {}, []
+
+    def _op_lookup(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                   frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        count = self.store.lookup(ikeys).num_blocks if ikeys else 0
+        rec["num_hits"] = count
+        return {"count": count}, []
+
+    def _op_get(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        segment, offset, end = self._shm_region(header, tenant)
+        if not ikeys:
+            return {"sizes": [], **({"shm_offsets": []} if segment is not None else {})}, []
+        self.store.prepare_load(ikeys)  # host-tier views stay put until copied out below
+        try:
+            values = self.store.get_many_encoded(ikeys)
+            sizes: list[int] = []
+            shm_offsets: list[int] = []
+            payloads: list[Value] = []
+            for value in values:
+                if value is None:
+                    sizes.append(-1)
+                    shm_offsets.append(-1)
+                    continue
+                size = len(value)
+                sizes.append(size)
+                rec["num_hits"] += 1
+                rec["bytes_out"] += size
+                if segment is not None and offset + size <= end:
+                    segment.buf[offset : offset + size] = value
+                    shm_offsets.append(offset)
+                    offset += size
+                    rec["path"] = "shm"
+                else:
+                    shm_offsets.append(-1)
+                    # The reply leaves from the loop thread after the unpin: own the bytes.
+                    payloads.append(value if isinstance(value, bytes) else bytes(value))
+        finally:
+            self.store.complete_load(ikeys)
+        body: dict[str, Any] = {"sizes": sizes}
+        if segment is not None:
+            body["shm_offsets"] = shm_offsets
+        return body, payloads
+
+    def _op_put(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        sizes: list[int] = header["sizes"]
+        views = self._put_views(header, tenant, sizes, frames, rec)
+        for i, (view, size, digest) in enumerate(zip(views, sizes, header["checksums"],
+                                                     strict=True)):
+            if len(view) != size or checksum(view) != digest:
+                raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
+                                    f"payload {i} does not match its size/checksum; nothing stored")
+        for i, (view, key) in enumerate(zip(views, header["keys"], strict=True)):
+            try:
+                decode_block(view, key.split("/", 1)[0])
+            except CodecError as exc:
+                raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {i} is not an encoded block "
+                                    f"of its key's namespace ({exc}); nothing stored") from None
+        accounted = list(zip(ikeys, sizes, strict=True))
+        quota = self.limits.max_namespace_bytes
+        if quota is not None and (self.usage.used(tenant) + self.usage.delta(tenant, accounted)
+                                  > quota):
+            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
+                                f"namespace {tenant!r} would exceed its quota of {quota} bytes")
+        if ikeys and self.store.put_many(list(zip(ikeys, views, strict=True))) == 0:
+            # The store counts the failure; the client must not believe the blocks are kept.
+            # (Also when every key was being written by a concurrent put: rare, and a miss.)
+            raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
+        self.usage.add(tenant, accounted)
+        rec["bytes_in"] = sum(sizes)
+        return {"stored": len(ikeys), "evicted": 0}, []
+
+    def _put_views(self, header: dict[str, Any], tenant: str, sizes: list[int],
+                   frames: Sequence[Any], rec: dict[str, Any]) -> list[memoryview]:
+        """The put's payloads, from frames or the client's segment. Raises ProtocolError."""
+        lim = self.limits
+        if any(s > lim.max_frame_bytes for s in sizes) or sum(sizes) > lim.max_request_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"payload over the limit ({lim.max_frame_bytes} bytes per block, "
+                                f"{lim.max_request_bytes} per request)")
+        if "shm_offsets" not in header:
+            if len(frames) != len(sizes):
+                raise ProtocolError(ErrorCode.BAD_FRAME,
+                                    f"{len(frames)} payload frames for {len(sizes)} keys")
+            return [_buffer(f) for f in frames]
+        segment, _, _ = self._shm_region(header, tenant)
+        offsets = header["shm_offsets"]
+        if segment is None:
+            raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
+        if (not isinstance(offsets, list) or len(offsets) != len(sizes) or not all(
+                isinstance(o, int) and 0 <= o and o + s <= segment.size
+                for o, s in zip(offsets, sizes, strict=True))):
+            raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
+        # No copy here: put_many copies into the store before we acknowledge, and the client
+        # does not touch its segment until the acknowledgement.
+        rec["path"] = "shm"
+        return [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
+
+    def _op_delete(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                   frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        deleted = self.store.delete_many(ikeys) if ikeys else 0
+        self.usage.remove(ikeys)
+        return {"deleted": deleted}, []
+
+    def _op_stats(self, header: dict[str, Any], tenant: str, ikeys: list[str],
+                  frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+        mine = self.usage.snapshot().get(tenant, {"bytes": 0, "keys": 0})
+        return {"stats": {"namespace": tenant, **mine}}, []
+
+    def _shm_region(self, header: dict[str, Any], tenant: str
+                    ) -> tuple[shm.ShmSegment | None, int, int]:
+        name = header.get("shm")
+        if not isinstance(name, str) or self._segments is None:
+            return None, 0, 0
+        segment = self._segments.get(name, tenant)
+        if segment is None:
+            raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
+        start, length = header.get("shm_start", 0), header.get("shm_length", segment.size)
+        if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
+                and 0 <= length and start + length <= segment.size):
+            raise ProtocolError(ErrorCode.BAD_HEADER, "shm region out of the segment")
+        return segment, start, start + length
+
+
+def _buffer(frame: zmq.Frame | bytes) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
