@@ -16,6 +16,7 @@ Why a thread rather than an asyncio task: one client serves whichever event loop
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -135,8 +136,6 @@ class EngineCoreClient:
         """Same contract as ``AsyncEngine.generate``: one output per core step that touched the
         request, the last ``finished``; ValueError for a rejected request, EngineDeadError if
         the core stops; closing the iterator early aborts the request in the core."""
-        import asyncio
-
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
@@ -237,7 +236,12 @@ class EngineCoreClient:
                 data = self._events_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(decode_event(data))
+            try:
+                event = decode_event(data)
+            except ValueError:
+                logger.exception("dropping a malformed message from the engine core")
+                continue
+            self._handle(event)
 
     def _handle(self, event: CoreEvent) -> None:
         if isinstance(event, StepOutputs):
