@@ -140,13 +140,33 @@ class S3TierConfig:
 
 @dataclass(frozen=True, slots=True)
 class RemoteTierConfig:
-    """A ``kvtier cache-server`` reached over the network."""
+    """A ``kvtier cache-server`` reached over the network.
+
+    At most one of ``token`` / ``token_file`` (a file holding the token, read when the tier is
+    built, so the secret stays out of the YAML) and one of ``timeout_s`` / ``timeout_ms``
+    (neither: 5 s)."""
 
     kind: ClassVar[str] = "remote"
     url: str = _f(_str)
     token: str | None = _f(_str, None, secret=True)
-    token_file: str | None = _f(_str, None)  # read by the remote tier when ``token`` is unset
-    timeout_s: float = _f(_pos_float, 5.0)
+    token_file: str | None = _f(_str, None)
+    timeout_s: float | None = _f(_pos_float, None)
+    timeout_ms: int | None = _f(_pos_int, None)
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"field 'url' must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("fields 'token' and 'token_file' are mutually exclusive")
+        if self.timeout_s is not None and self.timeout_ms is not None:
+            raise ValueError("fields 'timeout_s' and 'timeout_ms' are mutually exclusive")
+
+    @property
+    def effective_timeout_s(self) -> float:
+        """``timeout_s``, else ``timeout_ms`` / 1000, else 5 s."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return self.timeout_ms / 1000 if self.timeout_ms is not None else 5.0
 
 
 TierConfig = HostTierConfig | LmdbTierConfig | RedisTierConfig | S3TierConfig | RemoteTierConfig

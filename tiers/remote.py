@@ -1,6 +1,7 @@
 """The ``remote`` tier: a client of ``kvtier cache-server`` (wire format: cachestore.server_protocol).
 
-Config: ``{kind: remote, url: "tcp://host:port", token: ..., timeout_s: ...}``.
+Config: ``{kind: remote, url: "tcp://host:port", token: ... | token_file: PATH,
+timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``).
 
 - Connections: one DEALER socket per calling thread (ZMQ sockets are not thread-safe), created
   lazily, reused across calls, replaced after any timeout (a fresh socket drops stale replies).
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -33,6 +34,9 @@ import zmq
 from cachestore import shm
 from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, checksum, pack
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+
+if TYPE_CHECKING:
+    from cachestore.tier_config import RemoteTierConfig
 
 
 class _ShmLost(TierError):
@@ -75,16 +79,19 @@ class RemoteTier(Tier):
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: Any) -> RemoteTier:
-        """From ``cachestore.tier_config.RemoteTierConfig`` (``token_file`` honoured if set)."""
-        token = getattr(config, "token", None)
-        token_file = getattr(config, "token_file", None)
-        if token is None and token_file:
-            token = Path(token_file).read_text().strip()
-        timeout_s = getattr(config, "timeout_s", None)
-        if timeout_s is None and getattr(config, "timeout_ms", None):
-            timeout_s = config.timeout_ms / 1000
-        return cls(config.url, token=token, timeout_s=timeout_s or 5.0)
+    def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
+        """From ``cachestore.tier_config.RemoteTierConfig``: ``token_file`` is read here (its
+        contents, surrounding whitespace stripped). Raises TierError if it cannot be read or
+        is empty."""
+        token = config.token
+        if config.token_file is not None:
+            try:
+                token = Path(config.token_file).read_text().strip()
+            except OSError as exc:
+                raise TierError(f"remote tier: cannot read token_file: {exc}") from None
+            if not token:
+                raise TierError(f"remote tier: token_file {config.token_file} is empty")
+        return cls(config.url, token=token, timeout_s=config.effective_timeout_s)
 
     def __repr__(self) -> str:  # never print the token
         return f"RemoteTier(url={self.url!r}, token={'***' if self._token else None})"

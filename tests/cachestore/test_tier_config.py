@@ -19,6 +19,7 @@ from cachestore.tier_config import (
     build_tiers,
     load_tier_config,
     parse_tier_config,
+    parse_tier_entry,
 )
 
 EXAMPLE = """
@@ -224,3 +225,31 @@ def test_built_redis_and_s3_tiers_carry_the_fields(
     finally:
         for tier in (redis_tier, s3_tier):
             tier.close()
+
+
+def test_remote_fields_parse_with_defaults() -> None:
+    cfg = parse_tier_entry({"kind": "remote", "url": "tcp://cache:7000",
+                            "token_file": "/run/secrets/kv", "timeout_ms": 250})
+    assert cfg == RemoteTierConfig(url="tcp://cache:7000", token_file="/run/secrets/kv",
+                                   timeout_ms=250)
+    assert cfg.effective_timeout_s == 0.25 and cfg.token is None
+    plain = parse_tier_entry({"kind": "remote", "url": "ipc:///tmp/kv.sock"})
+    assert (plain.timeout_s, plain.timeout_ms, plain.effective_timeout_s) == (None, None, 5.0)
+    seconds = parse_tier_entry({"kind": "remote", "url": "tcp://h:1", "timeout_s": 2})
+    assert seconds.effective_timeout_s == 2.0
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"token": "a", "token_file": "/f"}, "'token' and 'token_file' are mutually exclusive"),
+    ({"timeout_s": 1, "timeout_ms": 1000}, "'timeout_s' and 'timeout_ms' are mutually exclusive"),
+    ({"timeout_ms": 0}, "field 'timeout_ms': expected a positive integer, got 0"),
+    ({"timeout_ms": 1.5}, "field 'timeout_ms': expected a positive integer, got 1.5"),
+    ({"timeout_s": -2}, "field 'timeout_s': expected a positive number"),
+    ({"token_file": ""}, "field 'token_file': expected a non-empty string"),
+    ({"url": "http://cache:7000"}, "field 'url' must be tcp://HOST:PORT or ipc://PATH"),
+    ({"timeout": 3}, "unknown field(s) ['timeout']"),
+])
+def test_remote_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "remote", "url": "tcp://cache:7000", **entry}]})
+    assert str(info.value).startswith("tiers[0] (remote): ") and message in str(info.value)

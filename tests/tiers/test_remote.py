@@ -12,7 +12,7 @@ import pytest
 
 from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import ServerLimits, checksum
+from cachestore.server_protocol import ServerLimits, TokenTable, checksum
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import parse_tier_entry
 from tests.servers import free_port
@@ -149,3 +149,27 @@ def test_built_from_tier_config(served: tuple[CacheServer, int]) -> None:
     tier.close()
     with pytest.raises(ValueError, match="tcp://"):
         RemoteTier("http://example.com")
+
+
+def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
+    store = HierarchicalStore([LmdbTier(tmp_path / "lmdb", 16 << 20)], StoreConfig())
+    server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0"), store,
+                         TokenTable.parse("tok-from-file-1 team\n")).start()
+    try:
+        (tmp_path / "token").write_text("  tok-from-file-1\n")
+        cfg = parse_tier_entry({"kind": "remote", "url": server.bound_url,
+                                "token_file": str(tmp_path / "token"), "timeout_ms": 1500})
+        tier = create_tier(cfg)
+        assert isinstance(tier, RemoteTier) and tier.timeout_s == 1.5
+        tier.put_many([("ns/04", _value("ns/04", 90))])  # accepted: the file's token is valid
+        assert tier.usage().num_entries == 1 and "tok-from" not in repr(tier)
+        tier.close()
+        (tmp_path / "empty").write_text("\n")
+        for path, needle in ((tmp_path / "empty", "is empty"), (tmp_path / "nope", "cannot read")):
+            bad = parse_tier_entry({"kind": "remote", "url": server.bound_url,
+                                    "token_file": str(path)})
+            with pytest.raises(TierError, match=needle):
+                create_tier(bad)
+    finally:
+        server.stop()
+        store.close()
