@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import build_tiers, parse_tier_config
-from tiers.base import TierUsage
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 
@@ -229,4 +230,76 @@ def test_failing_tier_degrades_to_misses_with_backoff(
     (got,) = store.get_many([KEYS[9]])
     assert got is not None and bytes(got) == payload(9)
     assert store.stats()["tiers"][1]["consecutive_failures"] == 0
+    store.close()
+
+
+class DownTier(Tier):
+    """A tier whose backend is gone: every call raises TierError."""
+
+    name = "down"
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        raise TierError("down")
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        raise TierError("down")
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        raise TierError("down")
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        raise TierError("down")
+
+    def usage(self) -> TierUsage:
+        raise TierError("down")
+
+
+def test_write_through_commits_to_the_durable_tier_before_returning(tmp_path: Path) -> None:
+    store = make_store(tmp_path, write_through_to=1)
+    host, lmdb = store.tiers
+    assert store.put_many([(KEYS[i], block(i)) for i in range(3)]) == 3
+    # No flush: the put itself wrote both tiers.
+    assert host.lookup(KEYS[:3]) == 3 and lmdb.lookup(KEYS[:3]) == 3
+    assert counters(store, "bytes_written") == [3 * SIZE, 3 * SIZE]
+    store.close()
+    reopened = LmdbTier(tmp_path / "db", 6 * SIZE)  # what a restarted process finds
+    assert [bytes(v) for v in reopened.get_many(KEYS[:3])] == [block(i) for i in range(3)]
+    reopened.close()
+    # A durable tier that fails: 0 written (not durable), though the top tier took it.
+    broken = HierarchicalStore([HostTier(4 * SIZE, SIZE), DownTier()],
+                               StoreConfig(namespace=PREFIX, write_through_to=1))
+    assert broken.put_many([(KEYS[5], block(5))]) == 0
+    assert counters(broken, "errors") == [0, 1] and broken.tiers[0].lookup([KEYS[5]]) == 1
+    broken.close()
+    with pytest.raises(ValueError, match="only 2 tier"):
+        make_store(tmp_path / "x", write_through_to=2)
+    with pytest.raises(ValueError, match="write_through_to"):
+        StoreConfig(write_through_to=-1)
+
+
+def test_encoded_reads_delete_usage_and_drops(tmp_path: Path) -> None:
+    dropped: list[str] = []
+    tiers = [HostTier(2 * SIZE, SIZE), LmdbTier(tmp_path / "db", 3 * SIZE)]
+    store = HierarchicalStore(tiers, StoreConfig(namespace=PREFIX), on_drop=dropped.extend)
+    host, lmdb = store.tiers
+    for i in range(6):
+        store.put_many([(KEYS[i], block(i))])
+        store.flush()
+    # Host keeps 4, 5; its evictions 0..3 went to LMDB (3 blocks), which dropped KEYS[0].
+    assert host.lru_keys() == KEYS[4:6] and lmdb.lru_keys() == KEYS[1:4]
+    assert dropped == [KEYS[0]]
+    usage = store.tier_usage()
+    assert {n: u.num_entries for n, u in usage.items()} == {"host": 2, "lmdb": 3}
+    assert usage["lmdb"].used_bytes == 3 * SIZE
+    assert store.delete_many([KEYS[5], KEYS[3], KEYS[9]]) == 1  # one in each tier
+    assert store.lookup([KEYS[5]]).num_blocks == 0 and store.lookup([KEYS[3]]).num_blocks == 0
+    bad = bytearray(block(7))
+    bad[-12] ^= 0x01
+    lmdb.put_many([(KEYS[7], bytes(bad))])
+    got = store.get_many_encoded([KEYS[4], KEYS[2], KEYS[0], KEYS[7]])
+    assert [None if g is None else bytes(g) for g in got] == [block(4), block(2), None, None]
+    assert counters(store, "corrupt") == [0, 1] and lmdb.lookup([KEYS[7]]) == 0
+    store.flush()
+    assert host.lookup([KEYS[2]]) == 1  # promoted like a decoded read
+    assert store.delete_many([]) == 0
     store.close()
