@@ -2,7 +2,8 @@
 
 Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
-- ``daemon-tcp``: ``kvtier cache-server`` (host-memory tier) through tiers.remote, payload frames
+- ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
+  write-through, like the memory-only redis) through tiers.remote, payload frames
 - ``daemon-shm``: the same daemon and client, same-host shared-memory path
 For each: block size x {single key, batched} x {1, N concurrent client processes}, for
 ``--seconds`` each. Gets return bytes (redis) or memoryviews (daemon); ``--touch`` copies every
@@ -65,6 +66,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _block(key: str, size: int) -> bytes:
+    """Random bytes as one encoded block of exactly ``size`` bytes for ``key``'s namespace (the
+    daemon refuses anything else; redis gets the same bytes)."""
+    from cachestore.codec import BlockMeta, encode_block, encoded_size
+
+    ns = key.split("/", 1)[0]
+    n = size - encoded_size(BlockMeta("uint8", (0,), "bench", ns))
+    return encode_block(os.urandom(n), BlockMeta("uint8", (n,), "bench", ns))
+
+
 def _client(kind: str, url: str) -> Any:
     if kind == "redis":
         import redis
@@ -78,7 +89,7 @@ def _client(kind: str, url: str) -> Any:
 def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
             seconds: float, touch: bool, start: Any, out: Any) -> None:
     client = _client(kind, url)
-    payload = os.urandom(size)
+    payload = _block(keys[0], size)
     # Warm up: connections, the shm segment at full size, page faults.
     _one(client, kind, op, keys[:batch], payload, touch)
     _one(client, kind, op, keys[:batch], payload, touch)
@@ -140,7 +151,7 @@ def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, client
 def _prefill(kind: str, url: str, size_name: str) -> None:
     client = _client(kind, url)
     keys = [f"bench0/{i:08x}" for i in range(WORKING_SET[size_name])]
-    _one(client, kind, "put", keys, os.urandom(SIZES[size_name]), False)
+    _one(client, kind, "put", keys, _block(keys[0], SIZES[size_name]), False)
     if kind != "redis":
         client.close()
 
