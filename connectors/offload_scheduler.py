@@ -135,6 +135,10 @@ class OffloadScheduler:
         if num_load == 0:
             return
         first = num_gpu_hit_tokens // bs
+        # Pin now, in the same schedule() as the lookup, so that saves written before the load
+        # thread reads cannot evict these blocks from the host tier meanwhile. The worker's
+        # load thread unpins them (complete_load) when its read ends.
+        self.store.prepare_load(list(plan.keys[:num_load]))
         load = BlockLoad(request.req_id, tuple(block_ids[first:first + num_load]),
                          plan.keys[:num_load], num_gpu_hit_tokens, plan.tiers[:num_load])
         self._new_loads.append(load)
@@ -191,6 +195,9 @@ class OffloadScheduler:
             unsent = [ld for ld in self._new_loads if ld.req_id != req_id]
             if len(unsent) == len(self._new_loads):
                 self._cancelled.add(req_id)  # the worker has it: drop it there
+            else:  # never sent: undo its pins here
+                mine = next(ld for ld in self._new_loads if ld.req_id == req_id)
+                self.store.complete_load(list(mine.keys))
             self._new_loads = unsent
 
     @property

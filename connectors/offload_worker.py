@@ -6,8 +6,8 @@ Per step (``ModelRunner`` calls, engine thread):
      remaining blocks. CPU: a synchronous copy. CUDA: on a side stream (after the compute
      stream's earlier writes) into pinned host memory; the compute stream waits on that copy's
      event only when ``meta.saves_reuse_blocks`` (a block already has a new owner).
-   - loads: new ones are handed to one background thread, which pins the keys, reads them
-     through the store (lower tiers staging into host memory), decodes into a (pinned) host
+   - loads: new ones are handed to one background thread, which reads the keys (pinned by
+     the scheduler side's ``prepare_load``; it unpins them) through the store (lower tiers staging into host memory), decodes into a (pinned) host
      tensor and unpins. Cancelled ones are dropped. Every load whose read finished is scattered
      into its GPU blocks in ONE batched copy; a load running past ``load_timeout_s`` ends with
      0 blocks (the scheduler recomputes). On an empty step with loads in flight it waits for
@@ -175,17 +175,16 @@ class OffloadWorker:
         raises: any failure is a short (possibly empty) result."""
         t0 = time.perf_counter()
         keys = list(load.keys)
+        size = self.meta.payload_bytes
         try:
-            self.store.prepare_load(keys)
-            try:
+            try:  # the scheduler side pinned the keys (prepare_load) when it planned the load
                 values = self.store.get_many(keys)
-                size = self.meta.payload_bytes
                 n = 0
                 while n < len(values) and values[n] is not None and len(values[n]) == size:
                     n += 1
                 data = torch.empty((n, *self.kv_cache.spec.block_shape),
                                    dtype=self.kv_cache.spec.dtype, pin_memory=self._cuda)
-                rows = data.view(torch.uint8).reshape(n, -1).numpy()
+                rows = data.view(torch.uint8).view(n, size).numpy()
                 for i in range(n):
                     rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
             finally:

@@ -155,6 +155,12 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         if self.connector is not None:
             self._loaded.update(self.connector.get_finished_loading())
+        if self._loaded:
+            # Loaded requests first: they already hold their blocks, so a new request stuck
+            # at the head for lack of blocks must not keep them (and their blocks) waiting.
+            ready = [r for r in self.waiting if r.req_id in self._loaded]
+            rest = [r for r in self.waiting if r.req_id not in self._loaded]
+            self.waiting = deque(ready + rest)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -184,7 +190,10 @@ class Scheduler:
                 if external.load_async and num_external > 0:
                     # CONNECTOR HOOK (b): allocate, then wait for the load off the step path.
                     total = num_computed + num_external
-                    if not self.kv.allocate_slots(request, total, hit):
+                    # Blocks for the whole prompt now: once loaded, the request must be able
+                    # to run without more blocks, or requests holding loaded KV could fill the
+                    # pool and wait on each other forever.
+                    if not self.kv.allocate_slots(request, request.num_tokens, hit):
                         break
                     self._count_prefix(request, num_computed, num_computed + num_external)
                     request.num_computed_tokens = total
