@@ -3,18 +3,23 @@
 ``EngineClient`` is the contract the endpoints use; ``engine.server.async_engine.AsyncEngine``
 (the core on a thread of the API process) and ``engine.core.client.EngineCoreClient`` (the core
 in its own process) both satisfy it. ``OutputStream`` is the per-request mailbox both use to
-hand outputs from their background thread to the asyncio consumer.
+hand outputs from their background thread to the asyncio consumer; ``StatsSampler`` builds
+the stats snapshot both publish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # An engine ``stats()`` snapshot: numbers at the top level, and possibly nested dicts or lists
 # of per-tier rows (the offload connector's); see engine.server.metrics for how they export.
@@ -83,3 +88,33 @@ class OutputStream:
         finally:
             if not finished:
                 on_abandon()
+
+
+class StatsSampler:
+    """Builds the stats snapshot an engine front end publishes after each step: the engine's
+    ``stats()`` (flat counters and gauges, fresh every call) plus its ``kv_stats()`` (KV offload
+    details: per-tier rows, decisions, cost model) under ``"kv"``, refreshed at most every
+    ``kv_interval_s`` because it walks the store's locks. Details that ``stats()`` already has
+    as ``kv_<name>_total`` counters are left out of ``"kv"``. A failing ``kv_stats()`` keeps the
+    previous details (stats never fail a step). Not thread-safe: the engine's thread only."""
+
+    def __init__(self, kv_interval_s: float = 1.0) -> None:
+        self._kv_interval_s = kv_interval_s
+        self._kv: dict[str, Any] = {}
+        self._kv_at: float | None = None
+
+    def sample(self, engine: Any, *, refresh_kv: bool = False) -> EngineStats:
+        """``engine``: an LLMEngine (``stats()``, ``kv_stats()``). Returns a new dict."""
+        stats: EngineStats = dict(engine.stats())
+        now = time.monotonic()
+        if refresh_kv or self._kv_at is None or now - self._kv_at >= self._kv_interval_s:
+            self._kv_at = now
+            try:
+                kv = engine.kv_stats()
+            except Exception:  # noqa: BLE001 - metrics must never take the engine down
+                logger.exception("kv_stats() failed; keeping the previous KV details")
+            else:
+                self._kv = {k: v for k, v in kv.items() if f"kv_{k}_total" not in stats}
+        if self._kv:
+            stats["kv"] = self._kv
+        return stats

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from engine.config import EngineConfig
+from engine.core.base import StatsSampler
 from engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -80,11 +81,14 @@ def run_engine_core(
             logger.exception("engine core failed to start")
             outbox.send(encode_event(StartupFailed(f"{type(exc).__name__}: {exc}")))
             return
-        ready = Ready(engine.model_name, engine.max_model_len, engine.stats(), os.getpid())
-        outbox.send(encode_event(ready))
         parent = multiprocessing.parent_process()
         sentinel = parent.sentinel if parent is not None else None
-        code = EngineCoreLoop(engine, inbox, outbox, sentinel).run()
+        loop = EngineCoreLoop(engine, inbox, outbox, sentinel)
+        stats = loop.sampler.sample(engine, refresh_kv=True)
+        outbox.send(
+            encode_event(Ready(engine.model_name, engine.max_model_len, stats, os.getpid()))
+        )
+        code = loop.run()
     except BaseException:  # noqa: BLE001 - logged here, since sys.exit below replaces it
         logger.exception("engine core loop failed")
         code = 1
@@ -136,7 +140,8 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
 
 
 class EngineCoreLoop:
-    """Owns the engine and both sockets; ``run`` on the process's only engine thread."""
+    """Owns the engine and both sockets; ``run`` on the process's only engine thread. The
+    engine is closed (offload flushed, tiers closed) when ``run`` returns, however it ends."""
 
     def __init__(
         self,
@@ -149,9 +154,19 @@ class EngineCoreLoop:
         self._inbox = inbox
         self._outbox = outbox
         self._parent_sentinel = parent_sentinel
+        self.sampler = StatsSampler()
 
     def run(self) -> int:
         """Returns the process exit code: 0 on Shutdown or parent death, 1 if a step raised."""
+        try:
+            return self._loop()
+        finally:
+            try:
+                self.engine.close()
+            except Exception:  # noqa: BLE001 - exiting anyway; the log says why
+                logger.exception("closing the engine failed")
+
+    def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self._inbox, zmq.POLLIN)
         if self._parent_sentinel is not None:
@@ -172,7 +187,10 @@ class EngineCoreLoop:
                 logger.exception("engine step failed")
                 self._send(CoreFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
                 return 1
-            self._send(StepOutputs([to_core_output(o) for o in outputs], self.engine.stats()))
+            # Going idle: no later step would refresh the KV details, so refresh them now.
+            idle = not self.engine.has_unfinished_requests()
+            stats = self.sampler.sample(self.engine, refresh_kv=idle)
+            self._send(StepOutputs([to_core_output(o) for o in outputs], stats))
 
     def _drain_requests(self) -> bool:
         """Applies every queued request; False once Shutdown arrived."""
@@ -202,7 +220,7 @@ class EngineCoreLoop:
             for req_id in msg.req_ids:
                 self.engine.abort_request(req_id)  # unknown or finished ids are ignored
         elif isinstance(msg, StatsRequest):
-            self._send(StepOutputs([], self.engine.stats()))
+            self._send(StepOutputs([], self.sampler.sample(self.engine, refresh_kv=True)))
 
     def _send(self, event: CoreEvent) -> None:
         self._outbox.send(encode_event(event))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
-from engine.core.base import EngineDeadError, EngineStats, OutputStream
+from engine.core.base import EngineDeadError, EngineStats, OutputStream, StatsSampler
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -46,6 +46,8 @@ class EngineCore(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
+    def kv_stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: deque[_Add | _Abort] = deque()  # guarded by _cond
         self._streams: dict[str, OutputStream] = {}  # guarded by _cond
-        self._stats: EngineStats = dict(engine.stats())  # replaced, never mutated
+        self._sampler = StatsSampler()  # used on the engine thread once it runs
+        self._stats: EngineStats = self._sampler.sample(engine)  # replaced, never mutated
         self._dead: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
@@ -140,8 +143,8 @@ class AsyncEngine:
                 self._cond.notify()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stops the engine thread after its current step; waiting requests get
-        EngineDeadError. Idempotent."""
+        """Stops the engine thread after its current step and closes the engine (offload
+        flushed); waiting requests get EngineDeadError. Idempotent."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -165,12 +168,22 @@ class AsyncEngine:
                     self._apply(command)
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 # Snapshot before dispatch: a client that sees its output sees stats with it.
-                self._stats = dict(self.engine.stats())
+                idle = not self.engine.has_unfinished_requests()  # no later step refreshes
+                self._stats = self._sampler.sample(self.engine, refresh_kv=idle)
                 self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine for all
             logger.exception("engine thread failed")
             self._dead = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        # On the engine thread, after its last step: flushes offload and closes the tiers.
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - stopping anyway; the log says why
+            logger.exception("closing the engine failed")
 
     def _has_work(self) -> bool:
         # Called with _cond held, on the engine thread only (the engine is not thread-safe).

@@ -6,31 +6,20 @@ scrape time (the engine already keeps them as monotonic totals), so they are nev
 counted and cost nothing between scrapes. A registry per app keeps tests and two apps in one
 process apart.
 
-Every other numeric ``stats()`` key is exported too, so that keys the KV offload connector adds
-appear without a change here (``kvtier_`` + the key; a counter when the key ends in ``_total``,
-else a gauge; every sample labelled ``model_name``):
-
-- ``"loaded_tokens_total": 96`` -> ``kvtier_loaded_tokens_total 96``
-- ``"decisions_by_kind_total": {"reload": 3, "recompute": 1}`` (numbers keyed by a label value;
-  ``_by_<label>`` names the label, else it is ``key``) ->
-  ``kvtier_decisions_total{kind="reload"} 3``
-- ``"tiers": {"host": {"hit_blocks_total": 5}}`` or ``"tiers": [{"name": "host",
-  "hit_blocks_total": 5}]`` (per-group rows; the group key, minus a plural ``s``, is both the
-  label and the metric prefix) -> ``kvtier_tier_hit_blocks_total{tier="host"} 5``
-
-Booleans count as 0/1; strings and anything else are skipped; a name that would collide with
-a metric of the server's own is skipped.
+Every other numeric value of the snapshot, nested ones included (the KV offload counters and
+per-tier rows), is exported generically by ``stats_export``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from engine.server.stats_export import stats_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -71,75 +60,9 @@ _SERVER_NAMES = frozenset(
         "kvtier_time_to_first_token_seconds",
         "kvtier_inter_token_latency_seconds",
         "kvtier_e2e_request_latency_seconds",
-        *(name for _, name, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES)),
+        *(name.removesuffix("_total") for _, name, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES)),
     )
 )
-_INVALID_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float))  # bool is an int: exported as 0/1
-
-
-def _metric_name(*parts: str) -> str:
-    return "kvtier_" + "_".join(_INVALID_NAME_CHARS.sub("_", p) for p in parts if p)
-
-
-class _FamilySet:
-    """Families built during one scrape, keyed by name; a counter iff the name ends in _total."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.families: dict[str, Metric] = {}
-
-    def add(self, name: str, value: float, label: tuple[str, str] | None = None) -> None:
-        base = name.removesuffix("_total")
-        if base in _SERVER_NAMES:
-            return
-        labels = ["model_name"] if label is None else ["model_name", label[0]]
-        family = self.families.get(name)
-        if family is None:
-            kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            family = kind(name, "engine stats() key (exported generically)", labels=labels)
-            self.families[name] = family
-        elif len(family.samples) and len(family.samples[0].labels) != len(labels):
-            return  # the same name with another label set: keep the first shape
-        values = [self.model] if label is None else [self.model, label[1]]
-        family.add_metric(values, float(value))
-
-
-def _export_generic(stats: Mapping[str, Any], out: _FamilySet) -> None:
-    for key, value in stats.items():
-        if key in _KNOWN_KEYS:
-            continue
-        if _is_number(value):
-            out.add(_metric_name(key), value)
-        elif isinstance(value, Mapping) and all(_is_number(v) for v in value.values()):
-            name, _, label = key.partition("_by_")
-            suffix = ""
-            if label.endswith("_total"):
-                label, suffix = label.removesuffix("_total"), "_total"
-            metric = _metric_name(name + suffix if label else key)
-            label_name = _INVALID_NAME_CHARS.sub("_", label) if label else "key"
-            for sub, number in value.items():
-                out.add(metric, number, (label_name, str(sub)))
-        else:
-            _export_rows(key, value, out)
-
-
-def _export_rows(key: str, value: Any, out: _FamilySet) -> None:
-    """``{"host": {...}}`` or ``[{"name": "host", ...}]``: one labelled sample per row."""
-    if isinstance(value, Mapping):
-        rows = [(str(k), v) for k, v in value.items() if isinstance(v, Mapping)]
-    elif isinstance(value, list):
-        rows = [(str(r["name"]), r) for r in value if isinstance(r, Mapping) and "name" in r]
-    else:
-        return
-    group = _INVALID_NAME_CHARS.sub("_", key.removesuffix("s") if len(key) > 1 else key)
-    for row_name, row in rows:
-        for leaf, number in row.items():
-            if leaf != "name" and _is_number(number):
-                out.add(_metric_name(group, leaf), number, (group, row_name))
 
 
 class _EngineStatsCollector(Collector):
@@ -159,9 +82,7 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model], float(stats.get(key, 0)))
             yield family
-        generic = _FamilySet(self._model)
-        _export_generic(stats, generic)
-        yield from generic.families.values()
+        yield from stats_families(stats, self._model, skip_keys=_KNOWN_KEYS, reserved=_SERVER_NAMES)
 
 
 class ServerMetrics:

@@ -249,6 +249,34 @@ def test_startup_error_carries_the_core_message(model_dir: str) -> None:
         EngineCoreClient.start(bad, ONE_THREAD)
 
 
+def test_kv_offload_stats_reach_metrics_from_the_core_process(model_dir: str) -> None:
+    """A 24-block pool and five 100-token prompts: the first prompt's 6 full blocks are
+    evicted to the host tier, and sending it again loads them back. The core's offload
+    counters and per-tier rows show up in /metrics without any server-side code for them."""
+    from tests.engine.test_server import _metric, run_server
+
+    offload = {"decision": "load", "tiers": [{"kind": "host", "capacity": "8MiB"}]}
+    config = replace(
+        _config(model_dir), cache=CacheConfig(num_gpu_blocks=24),
+        kv_offload=True, kv_offload_config=offload,
+    )  # fmt: skip
+    prompts = [[1, *range(10 + 90 * i, 109 + 90 * i)] for i in range(5)]
+    engine = EngineCoreClient.start(config, ONE_THREAD)
+    try:
+        with run_server(engine, "kv") as url:
+            for prompt in [*prompts, prompts[0]]:
+                body = {"model": "kv", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+                assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            text = httpx.get(f"{url}/metrics").text
+    finally:
+        engine.shutdown()
+    assert _metric(text, "kvtier_kv_loaded_tokens_total") == 6 * 16
+    assert _metric(text, "kvtier_kv_tier_hit_blocks", '{model_name="kv",tier="host"}') == 6
+    assert _metric(text, "kvtier_kv_store_tier_hits", '{model_name="kv",tier="host"}') == 6
+    assert _metric(text, "kvtier_kv_saved_bytes_total") > 0
+    assert "# TYPE kvtier_kv_loaded_tokens_total counter" in text
+
+
 # --- the HTTP server on a slow model: responsiveness, disconnects, core death -----------------
 
 SLOW = "slow"
