@@ -41,7 +41,7 @@ from engine.core.messages import (
     StepOutputs,
     decode_event,
     encode_request,
-)  # fmt: skip
+)
 from engine.core.output_processor import RequestState, core_params
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ class EngineCoreClient:
             from engine.demo_model import ensure_demo_model
 
             model_dir = ensure_demo_model()  # before the spawn, so only one process builds it
-        core = CoreProcess(config, proc_config)
+        core = CoreProcess.spawn(config, proc_config)
         try:
             tokenizer, tokenizer_error = None, None
             try:

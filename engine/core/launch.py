@@ -49,25 +49,40 @@ class CoreProcess:
     """The spawned core and the API ends of its two sockets. ``requests`` (PUSH) is for the
     caller to guard; ``events`` (PULL) belongs to one reader thread. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig, proc_config: CoreProcConfig) -> None:
+    def __init__(
+        self,
+        proc: Any,
+        zmq_ctx: zmq.Context,
+        requests: zmq.Socket,
+        events: zmq.Socket,
+        owned_dir: str | None,
+    ) -> None:
+        self.proc = proc  # a started multiprocessing.Process
+        self.zmq_ctx = zmq_ctx
+        self.requests = requests
+        self.events = events
+        self._owned_dir = owned_dir  # the temp dir of the sockets, removed at close
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, proc_config: CoreProcConfig) -> CoreProcess:
         """Binds the sockets and starts the process (returns at once; see ``wait_ready``)."""
-        self._owned_dir = None if proc_config.ipc_dir else tempfile.mkdtemp(prefix="kvtier-core-")
-        ipc_dir = proc_config.ipc_dir or self._owned_dir
+        owned_dir = None if proc_config.ipc_dir else tempfile.mkdtemp(prefix="kvtier-core-")
+        ipc_dir = proc_config.ipc_dir or owned_dir
         addresses = CoreAddresses(f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/events")
-        self.zmq_ctx = zmq.Context()
-        self.requests = self.zmq_ctx.socket(zmq.PUSH)
-        self.requests.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
-        self.requests.bind(addresses.requests)
-        self.events = self.zmq_ctx.socket(zmq.PULL)
-        self.events.bind(addresses.events)
-        spawn = multiprocessing.get_context("spawn")
-        self.proc: Any = spawn.Process(
+        zmq_ctx = zmq.Context()
+        requests = zmq_ctx.socket(zmq.PUSH)
+        requests.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
+        requests.bind(addresses.requests)
+        events = zmq_ctx.socket(zmq.PULL)
+        events.bind(addresses.events)
+        proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=(config, addresses, proc_config.num_threads),
             name="kvtier-engine-core",
             daemon=True,  # torn down with the API process even if nobody calls stop()
         )
-        self.proc.start()
+        proc.start()
+        return cls(proc, zmq_ctx, requests, events, owned_dir)
 
     @property
     def sentinel(self) -> int:

@@ -35,7 +35,7 @@ from engine.core.messages import (
     decode_request,
     encode_event,
     encode_request,
-)  # fmt: skip
+)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
