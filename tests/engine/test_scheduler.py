@@ -314,3 +314,46 @@ def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
     assert ("b", 16) in conn.allocs
     sched.update_from_output(so, runner.execute_model(so))
     run_all(sched, runner)
+
+
+class ShortLoadConnector(FakeConnector):
+    """Plans FakeConnector's load of [32, 48), but the load comes back empty (a corrupt or
+    missing block): only the 32 GPU-hit tokens are valid."""
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        self.allocs.append((request.req_id, num_gpu_hit_tokens, num_external_tokens))
+        if num_external_tokens:
+            self.pending.add(request.req_id)  # nothing written into the blocks
+
+    def get_finished_loading(self) -> dict[str, int]:
+        done, self.pending = self.pending, set()
+        return {req_id: 32 for req_id in done}
+
+
+def test_short_load_recomputes_from_the_first_missing_block() -> None:
+    conn = ShortLoadConnector()
+    sched, runner = make(connector=conn)
+    conn.runner = runner
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=2))
+    run_all(sched, runner)
+    sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
+    so = sched.schedule()
+    assert slices(so) == [] and so.kv_connector_metadata == {"n": 0}
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.WAITING_FOR_KV and b.num_computed_tokens == 48
+    assert len(sched.kv.get_block_ids("b")) == 4  # the whole 62-token prompt, allocated up front
+    sched.update_from_output(so, runner.execute_model(so))
+    so = sched.schedule()
+    # The fake runner checks every position below 32 holds the right token before computing.
+    assert slices(so) == [("b", 32, 30, True)]
+    assert b.num_cached_tokens == 32 and conn.allocs == [("a", 0, 0), ("b", 32, 16)]
+    sched.update_from_output(so, runner.execute_model(so))
+    outs, _ = run_all(sched, runner)
+    assert len(outs["b"]) == 2 and not sched.requests
