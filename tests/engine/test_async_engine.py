@@ -4,6 +4,7 @@ concurrency, abort on early close, request errors, engine failure and shutdown n
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -208,3 +209,30 @@ def test_shutdown_releases_waiting_requests(engine: AsyncEngine) -> None:
 
     asyncio.run(asyncio.wait_for(run(), timeout=20))
     assert not engine.is_running
+
+
+def test_shutdown_closes_the_engine_on_its_thread(engine: AsyncEngine) -> None:
+    closed_on: list[str] = []
+    real_close = engine.engine.close
+
+    def close() -> None:
+        closed_on.append(threading.current_thread().name)
+        real_close()
+
+    engine.engine.close = close  # type: ignore[method-assign]
+    engine.shutdown()
+    engine.shutdown()  # idempotent: the engine is closed once
+    assert closed_on == ["kvtier-engine"]
+
+
+def test_idle_stats_carry_fresh_kv_details(engine: AsyncEngine) -> None:
+    prompt = [1, *range(300, 320)]  # one full block, a prefix hit the second time
+
+    async def run() -> dict[str, object]:
+        for i in range(2):
+            await _collect(engine, prompt, f"kv{i}")
+        return await _wait_idle(engine)
+
+    stats = asyncio.run(run())
+    # Without offload, kv_stats() still reports the GPU hits; idle snapshots are never stale.
+    assert stats["kv"]["gpu_hit_tokens"] == stats["prefix_cache_hit_tokens_total"] == 16  # type: ignore[index]
