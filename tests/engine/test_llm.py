@@ -243,3 +243,45 @@ def test_engine_exports_are_lazy(tmp_path: Path) -> None:
 
     code = "import sys, engine; engine.SamplingParams; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_preemption_with_kv_offload_matches_hf(models: dict, tmp_path: Path) -> None:
+    """Preempted requests come back through the host tier (decision: load) and still match HF;
+    the engine's stats() carries the flat kv_*_total counters."""
+    model_dir, hf = models["qwen2"]
+    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": "4MiB"}]}
+    log_path = tmp_path / "req.jsonl"
+    with LLM(model_dir, num_gpu_blocks=8, max_num_seqs=4, dtype="float32", device="cpu",
+             kv_offload=True, kv_offload_config=config, request_log=str(log_path)) as llm:
+        rng = random.Random(9)
+        prompts = [rand_prompt(rng, n) for n in (20, 24, 27, 30)]
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params)
+        for p, o in zip(prompts, outs, strict=True):
+            assert o.token_ids == hf_greedy(hf, p, 20)
+        stats = llm.engine.stats()
+        assert stats["num_preemptions_total"] > 0
+        assert stats["kv_loaded_tokens_total"] == llm.kv_stats()["loaded_tokens"]
+        assert stats["gpu_blocks_free"] == 8
+        llm.engine.pool.check_integrity()
+    llm.close()  # idempotent
+    lines = log_path.read_text().splitlines()
+    assert len(lines) == 4 and all('"decision"' in line for line in lines)
+
+
+def test_request_log_without_offload(models: dict, tmp_path: Path) -> None:
+    log_path = tmp_path / "sub" / "req.jsonl"
+    llm = LLM(models["llama"][0], num_gpu_blocks=64, dtype="float32", device="cpu",
+              request_log=str(log_path))
+    p = rand_prompt(random.Random(4), 40)
+    llm.generate([p, p], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.generate([p], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.close()
+    import json
+
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["req_id"] for r in rows] == ["llm-0", "llm-1", "llm-2"]
+    assert [len(r["block_hashes"]) for r in rows] == [2, 2, 2]
+    assert rows[0]["hit_tiers"] == [] and rows[2]["hit_tiers"] == ["gpu", "gpu"]
+    assert all(r["decision"] == "recompute" and r["prompt_tokens"] == 40 for r in rows)
+    assert llm.kv_stats()["gpu_hit_tokens"] == llm.engine.stats()["prefix_cache_hit_tokens_total"]
