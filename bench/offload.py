@@ -1,0 +1,623 @@
+"""KV offload benchmark: block transfers, TTFT with reload vs recompute, multi-round QA, and the
+cost model's choice against the measured best, each beside its baseline in the same run.
+
+    python bench/offload.py --out DIR            # CUDA: Llama-3-8B shape, random bf16 weights
+    python bench/offload.py --out DIR --quick    # CPU (or CUDA): the embedded demo model
+
+Sections (JSON keys):
+- ``transfer``: ``KVCache.gather_blocks`` + one (pinned) host copy, and ``scatter_blocks`` back,
+  of 256 random blocks of the Llama-3-8B shape (2 MiB each), vs a raw ``copy_`` of the bytes.
+- ``ttft``: a prefix of 1K/4K/16K tokens is prefilled, written to the tiers (``flush_kv``) and
+  dropped from the GPU prefix cache; then the same prefix with a new question: recompute
+  (offload off), reload from host, reload from LMDB (a 4-slot host tier demotes everything to
+  LMDB), and ``decision: cost`` (the engine's own cost model).
+- ``qa``: LMCache-style multi-round QA (users x rounds, shared system prompt, growing per-user
+  history, a GPU pool too small for all histories): TTFT p50/p99 and throughput, offload on/off.
+- ``sweep``: prefix length x tier speed. A real LMDB tier behind a throttle (latency plus a
+  bandwidth cap), calibrated with cachestore.calibration; each point times recompute, load-all
+  (tier read + host->device copy + prefill of the rest) and the model's choice from measured
+  parts (an ``overlap`` choice combines its measured parts with max(), as it would run).
+
+The 8B shape is built directly on the device with random weights: ``engine.model_runner``'s
+``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
+checkpoint is ever written. Prints one JSON document and a one-line summary; ``--out DIR`` also
+writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``; the rest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_info, percentile  # noqa: E402
+from cachestore.calibration import calibrate  # noqa: E402
+from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE  # noqa: E402
+from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from tiers.base import Evicted, Tier, TierUsage, Value  # noqa: E402
+
+GREEDY1 = SamplingParams(max_tokens=1, temperature=0.0)
+RANDOM_MARKER = "kvtier_bench_random_weights.json"
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+HOST_CAPACITY = 12 << 30  # pinned; holds every prefix of the TTFT section and all QA histories
+TOKEN_RANGE = (10, 500)  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
+
+
+# -- set-up --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What every section needs: the model, where it runs, and the sizes of this run."""
+
+    model_dir: str | None  # None: the embedded demo model
+    device: torch.device
+    workdir: str
+    lengths: tuple[int, ...]  # TTFT / sweep prefix lengths (multiples of 16)
+    transfer_blocks: int
+    qa: dict[str, int]
+    sweep_factors: tuple[tuple[float, float], ...]  # (x break-even bandwidth, x prefill latency)
+    max_batched_tokens: int
+    request_timeout_s: float  # a generate call taking longer means the engine is stuck
+
+
+def _random_model_dir(workdir: str) -> str:
+    """config.json, the demo tokenizer and a marker; the weights are made on the device."""
+    from safetensors.torch import save_file
+
+    from engine.demo_model import save_demo_tokenizer
+
+    out = os.path.join(workdir, "llama-3-8b-random")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f, indent=1)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    save_demo_tokenizer(out)
+    # model_fingerprint hashes safetensors headers: one tiny tensor names this random model.
+    save_file({"bench_seed": torch.zeros(1)}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, RANDOM_MARKER), "w") as f:
+        json.dump({"init": "normal(0, 0.02), norms 1", "seed": 0}, f)
+    return out
+
+
+def _install_random_loader() -> None:
+    """Wrap ``load_model`` so a marked directory gets random weights built on the device once
+    per (dir, dtype, device, max_positions) and shared by every engine of this process."""
+    import engine.model_loader as ml
+    import engine.model_runner as mr
+
+    real = ml.load_model
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def load(model_dir: str, dtype: str, device: Any, max_positions: int | None = None) -> Any:
+        if not os.path.exists(os.path.join(model_dir, RANDOM_MARKER)):
+            return real(model_dir, dtype, device, max_positions)
+        key = (model_dir, dtype, str(device), max_positions)
+        if key not in cache:
+            from engine.models import ModelArchConfig, get_model_class
+
+            hf = ml.read_hf_config(model_dir)
+            arch = ModelArchConfig.from_hf(hf)
+            torch_dtype = ml.resolve_dtype(dtype, hf)
+            with torch.device("meta"):
+                model = get_model_class(arch.architecture)(arch, max_positions)
+            model = model.to(dtype=torch_dtype).to_empty(device=device)
+            gen = torch.Generator(device=device).manual_seed(0)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(0.0, 0.02, generator=gen)
+            cache[key] = ml.LoadedModel(model=model.eval(), arch=arch, dtype=torch_dtype,
+                                        hf_config=hf)
+        return cache[key]
+
+    ml.load_model = load
+    mr.load_model = load  # imported by name there
+
+
+def build_setup(quick: bool, workdir: str) -> Setup:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)  # tiny models on a shared CPU: threads only add contention
+    if quick:
+        return Setup(None, device, workdir, (256, 1024), 32,
+                     {"users": 4, "rounds": 3, "system": 64, "context": 192, "question": 16,
+                      "answer": 8, "pool_users": 2},
+                     ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
+    if not cuda:
+        raise SystemExit("the full benchmark needs CUDA (Llama-3-8B shape); use --quick on CPU")
+    _install_random_loader()
+    return Setup(_random_model_dir(workdir), device, workdir, (1024, 4096, 16384), 256,
+                 {"users": 12, "rounds": 4, "system": 1024, "context": 2048, "question": 64,
+                  "answer": 32, "pool_users": 3},
+                 ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.0), (16.0, 0.5)), 16384 + 256,
+                 300.0)
+
+
+def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None) -> Any:
+    from engine.llm import LLM
+
+    kwargs: dict[str, Any] = {
+        "num_gpu_blocks": num_gpu_blocks, "max_num_batched_tokens": setup.max_batched_tokens,
+        "max_num_seqs": 64, "seed": 0,
+    }
+    if setup.model_dir is not None:
+        kwargs["dtype"] = "bfloat16"
+    if offload is not None:
+        kwargs.update(kv_offload=True, kv_offload_config=offload)
+    return LLM(setup.model_dir, **kwargs)
+
+
+def close_llm(llm: Any) -> None:
+    llm.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bytes_per_block(setup: Setup) -> int:
+    """KV bytes of one block of the benchmarked model, from its config.json."""
+    from engine.demo_model import ensure_demo_model
+    from engine.model_loader import read_hf_config, resolve_dtype
+    from engine.models import ModelArchConfig
+
+    hf = read_hf_config(setup.model_dir or ensure_demo_model())
+    arch = ModelArchConfig.from_hf(hf)
+    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                       resolve_dtype("auto", hf))
+    return spec.bytes_per_block
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+
+_REQ_IDS = itertools.count()
+
+
+def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams,
+                 timeout_s: float) -> list[Any]:
+    """``LLM.generate`` with a deadline: a stalled engine (no request can progress) raises
+    RuntimeError with its stats instead of hanging the whole benchmark."""
+    eng = llm.engine
+    ids = [f"bench-{next(_REQ_IDS)}" for _ in prompts]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        eng.add_request(rid, prompt, params)
+    finals: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.req_id] = out
+        if time.monotonic() > deadline:
+            stats = eng.stats()
+            for rid in ids:
+                eng.abort_request(rid)
+            for _ in range(100):  # let the aborts land; a wedged engine may never drain
+                if not eng.has_unfinished_requests():
+                    break
+                eng.step()
+            raise RuntimeError(f"engine stalled: {len(finals)}/{len(ids)} requests finished "
+                               f"after {timeout_s:.0f} s; stats {stats}")
+    return [finals[r] for r in ids]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- transfer -------------------------------------------------------------------------------
+
+
+def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
+    """Block gather/scatter through KVCache vs a raw copy of the same bytes, best of repeats."""
+    dev, n = setup.device, setup.transfer_blocks
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    kv = KVCache(spec, 2 * n, dev)
+    ids = torch.randperm(2 * n, generator=torch.Generator().manual_seed(0))[:n].tolist()
+    pinned = dev.type == "cuda"
+    host = torch.empty((n, *spec.block_shape), dtype=spec.dtype, pin_memory=pinned)
+    raw_dev = torch.empty_like(host, device=dev)
+    nbytes = n * spec.bytes_per_block
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    rows = {}
+    cases = {
+        "device_to_host": (lambda: host.copy_(kv.gather_blocks(ids), non_blocking=pinned),
+                           lambda: host.copy_(raw_dev, non_blocking=pinned)),
+        "host_to_device": (lambda: kv.scatter_blocks(ids, host),
+                           lambda: raw_dev.copy_(host, non_blocking=pinned)),
+    }
+    for name, (blocks_fn, raw_fn) in cases.items():
+        t_blocks, t_raw = best(blocks_fn), best(raw_fn)
+        rows[name] = {"blocks_gbps": nbytes / t_blocks / 1e9, "raw_gbps": nbytes / t_raw / 1e9,
+                      "ratio": t_raw / t_blocks}
+    return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "pinned": pinned, **rows}
+
+
+# -- TTFT: recompute vs reload ---------------------------------------------------------------
+
+
+def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    out = run_requests(llm, [prompt], GREEDY1, timeout_s)[0]
+    wall = time.perf_counter() - t0
+    ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else wall
+    return ttft, out.num_cached_tokens
+
+
+def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[str, Any] | None:
+    lmdb = {"kind": "lmdb", "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
+            "capacity": 48 << 30 if setup.model_dir else 1 << 30}
+    host_cap = HOST_CAPACITY if setup.model_dir else (512 << 20)
+    if mode == "recompute":
+        return None
+    if mode == "lmdb":
+        return {"decision": "load", "tiers": [{"kind": "host", "capacity": 4 * slot_bytes}, lmdb]}
+    return {"decision": "load" if mode == "host" else "cost",
+            "tiers": [{"kind": "host", "capacity": host_cap}]}
+
+
+def bench_ttft(setup: Setup) -> dict[str, Any]:
+    """For each mode, one engine; for each length: prefill prefix+q1, flush to the tiers, drop
+    the GPU prefix cache, then time prefix+q2 (TTFT, median of 3 prefixes)."""
+    rng = random.Random(1)
+    max_len = max(setup.lengths)
+    num_blocks = (max_len + 64) // 16 + 4
+    rows: dict[str, dict[str, Any]] = {}
+    slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
+    for mode in ("recompute", "host", "lmdb", "cost"):
+        llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode))
+        try:
+            run_requests(llm, [random_tokens(rng, 64)], GREEDY1,
+                         setup.request_timeout_s)  # warm-up: kernels, allocator
+            per_len: dict[str, Any] = {}
+            for length in setup.lengths:
+                ttfts, cached = [], []
+                for _ in range(3):
+                    prefix = random_tokens(rng, length)
+                    run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1,
+                                 setup.request_timeout_s)
+                    llm.engine.flush_kv()
+                    if not llm.engine.pool.reset_prefix_cache():
+                        raise RuntimeError("GPU blocks still in use after generate")
+                    t, c = _ttft_once(llm, prefix + random_tokens(rng, 16),
+                                      setup.request_timeout_s)
+                    ttfts.append(t)
+                    cached.append(c)
+                ttfts.sort()
+                per_len[str(length)] = {"ttft_s": ttfts[1], "cached_tokens": cached[1]}
+            stats = llm.kv_stats()
+            per_len["decisions"] = stats.get("decisions", {})
+            per_len["tier_hit_blocks"] = {k: v.get("hit_blocks", 0)
+                                          for k, v in stats.get("tiers", {}).items()}
+            rows[mode] = per_len
+        finally:
+            close_llm(llm)
+    speedups = {
+        f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"] / rows[mode][str(length)][
+            "ttft_s"]
+        for mode in ("host", "lmdb", "cost") for length in setup.lengths
+    }
+    return {"modes": rows, "speedup_vs_recompute": speedups}
+
+
+# -- multi-round QA ------------------------------------------------------------------------
+
+
+def bench_qa(setup: Setup) -> dict[str, Any]:
+    """LMCache's multi-round QA shape, offload on (decision: cost) vs off, same prompts."""
+    q = setup.qa
+    out: dict[str, Any] = {"params": q}
+    hist_tokens = q["system"] + q["context"] + q["rounds"] * (q["question"] + q["answer"])
+    pool = q["pool_users"] * (hist_tokens // 16 + 2) + 4
+    out["params"] = {**q, "num_gpu_blocks": pool, "max_history_tokens": hist_tokens}
+    for name, offload in (("off", None), ("on", {"decision": "cost", "tiers": [
+            {"kind": "host", "capacity": HOST_CAPACITY if setup.model_dir else (512 << 20)}]})):
+        rng = random.Random(2)
+        system = random_tokens(rng, q["system"])
+        history = [system + random_tokens(rng, q["context"]) for _ in range(q["users"])]
+        params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
+        llm = make_llm(setup, pool, offload)
+        try:
+            run_requests(llm, [random_tokens(rng, 32)], GREEDY1, setup.request_timeout_s)  # warm-up
+            ttfts: list[float] = []
+            generated = 0
+            t0 = time.perf_counter()
+            for _ in range(q["rounds"]):
+                prompts = [h + random_tokens(rng, q["question"]) for h in history]
+                outs = run_requests(llm, prompts, params, setup.request_timeout_s)
+                for i, o in enumerate(outs):
+                    ttfts.append(o.metrics.ttft_s if o.metrics and o.metrics.ttft_s else 0.0)
+                    generated += len(o.token_ids)
+                    history[i] = prompts[i] + list(o.token_ids)
+            wall = time.perf_counter() - t0
+            ttfts.sort()
+            out[name] = {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+                         "output_tokens_per_s": generated / wall, "wall_s": wall,
+                         "requests": len(ttfts),
+                         "decisions": llm.kv_stats().get("decisions", {})}
+        finally:
+            close_llm(llm)
+    out["ttft_p50_ratio"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
+    out["throughput_ratio"] = out["on"]["output_tokens_per_s"] / out["off"]["output_tokens_per_s"]
+    return out
+
+
+# -- cost-model sweep ----------------------------------------------------------------------
+
+
+class ThrottledTier(Tier):
+    """A tier whose reads take at least ``latency_s + nbytes / bandwidth`` (it sleeps the rest).
+    Writes, lookups and deletes pass through. Thread-safe as the inner tier."""
+
+    def __init__(self, inner: Tier, latency_s: float, bandwidth_bytes_per_s: float) -> None:
+        self.inner, self.latency_s, self.bandwidth = inner, latency_s, bandwidth_bytes_per_s
+        self.name = inner.name
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        return self.inner.lookup(keys)
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        t0 = time.perf_counter()
+        values = self.inner.get_many(keys)
+        nbytes = sum(len(v) for v in values if v is not None)
+        rest = self.latency_s + nbytes / self.bandwidth - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+        return values
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        return self.inner.put_many(items)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self.inner.delete_many(keys)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+
+class _Parts:
+    """Measured building blocks of the sweep: prefill(n | c) on the engine (offload off, the
+    context held in the GPU prefix cache) and loads of k blocks (tier read + host->device)."""
+
+    def __init__(self, setup: Setup, llm: Any, tier: Tier, keys: list[str]) -> None:
+        self.setup, self.llm, self.tier, self.keys = setup, llm, tier, keys
+        spec = llm.engine.runner.kv_cache.spec
+        # Loads land in a cache of their own: the engine's blocks keep the measured contexts.
+        self.kv = KVCache(spec, len(keys), setup.device)
+        self.bpb = spec.bytes_per_block
+        # Staging allocated once: pinning per load would cost more than the copy.
+        self.staged = torch.empty(len(keys) * self.bpb, dtype=torch.uint8,
+                                  pin_memory=setup.device.type == "cuda")
+        self.staged_np = self.staged.numpy()
+        self.rng = random.Random(3)
+        self._prefill: dict[tuple[int, int], float] = {}
+        self._contexts: dict[int, list[int]] = {}
+
+    def prefill(self, n: int, c: int) -> float:
+        """Best of 2 TTFTs of ``n`` new tokens after ``c`` cached ones (memoized)."""
+        if (n, c) not in self._prefill:
+            ctx = self._contexts.setdefault(c, random_tokens(self.rng, c))
+            times = []
+            for _ in range(2):
+                if c:
+                    run_requests(self.llm, [ctx + random_tokens(self.rng, 1)], GREEDY1,
+                                 self.setup.request_timeout_s)  # cache the context
+                t, cached = _ttft_once(self.llm, ctx + random_tokens(self.rng, n),
+                                         self.setup.request_timeout_s)
+                if cached < c:
+                    raise RuntimeError(f"context of {c} tokens not cached ({cached})")
+                times.append(t)
+            self._prefill[(n, c)] = min(times)
+        return self._prefill[(n, c)]
+
+    def host_to_device(self, k: int, values: Sequence[Value] | None = None) -> float:
+        """Stage ``k`` blocks into (pinned) host memory and scatter them; returns seconds."""
+        bpb = self.bpb
+        payload = values or [bytes(bpb)] * k
+        t0 = time.perf_counter()
+        for i, v in enumerate(payload):
+            self.staged_np[i * bpb:(i + 1) * bpb] = np.frombuffer(v, dtype=np.uint8)
+        data = self.staged[:k * bpb].view(self.kv.spec.dtype).view(k, *self.kv.spec.block_shape)
+        self.kv.scatter_blocks(list(range(k)), data)
+        sync(self.kv.device)
+        return time.perf_counter() - t0
+
+    def load(self, begin: int, end: int) -> float:
+        t0 = time.perf_counter()
+        values = self.tier.get_many(self.keys[begin:end])
+        read = time.perf_counter() - t0
+        if any(v is None for v in values):
+            raise RuntimeError("sweep tier lost blocks")
+        return read + self.host_to_device(end - begin, values)  # type: ignore[arg-type]
+
+
+def bench_sweep(setup: Setup) -> dict[str, Any]:
+    from tiers.lmdb import LmdbTier
+
+    max_blocks = max(setup.lengths) // 16
+    llm = make_llm(setup, max(setup.lengths) // 16 * 3 + 16, None)
+    lmdb = LmdbTier(os.path.join(setup.workdir, "sweep-lmdb"), (max_blocks + 64) * (
+        llm.engine.runner.kv_cache.bytes_per_block + 4096) * 2)
+    points: list[dict[str, Any]] = []
+    try:
+        bpb = llm.engine.runner.kv_cache.bytes_per_block
+        keys = [f"sweep/{i:08x}" for i in range(max_blocks)]
+        for i in range(0, max_blocks, 64):
+            lmdb.put_many([(k, os.urandom(bpb)) for k in keys[i:i + 64]])
+        parts = _Parts(setup, llm, lmdb, keys)
+        run_requests(llm, [random_tokens(parts.rng, 64)], GREEDY1,
+                     setup.request_timeout_s)  # warm-up
+        sizes = [(256, 0), (1024, 0), (min(max(setup.lengths), 4096), 0), (256, 1024),
+                 (1024, 1024)]
+        for length in setup.lengths:
+            k_all = length // 16
+            recompute = parts.prefill(length + 16, 0)
+            breakeven_bw = k_all * bpb / recompute
+            for bw_factor, lat_factor in setup.sweep_factors:
+                tier = ThrottledTier(lmdb, lat_factor * recompute, bw_factor * breakeven_bw)
+                parts.tier = tier
+                model = calibrate([tier], bpb, 16, parts.prefill, prefill_sizes=sizes,
+                                  host_to_gpu=parts.host_to_device, num_blocks=16,
+                                  progress=False)
+                d = model.decide(0, ["lmdb"] * k_all, length + 16)
+                load_all = parts.load(0, k_all) + parts.prefill(16, length)
+                b = d.best
+                if b.strategy == STRATEGY_RECOMPUTE:
+                    chosen = recompute
+                elif b.strategy == STRATEGY_OVERLAP:
+                    chosen = max(parts.prefill(16 * b.load_begin, 0),
+                                 parts.load(b.load_begin, b.load_end)) + parts.prefill(16, length)
+                else:
+                    done = 16 * b.load_end
+                    chosen = parts.load(0, b.load_end) + parts.prefill(length + 16 - done, done)
+                best = min(recompute, load_all, chosen)
+                points.append({
+                    "prefix_tokens": length, "bandwidth_gbps": bw_factor * breakeven_bw / 1e9,
+                    "latency_s": lat_factor * recompute, "choice": b.strategy,
+                    "load_blocks": [b.load_begin, b.load_end], "predicted_s": d.predicted_s,
+                    "recompute_s": recompute, "load_all_s": load_all, "chosen_s": chosen,
+                    "ratio_to_best": chosen / best,
+                    "not_slower_than_both": chosen <= max(recompute, load_all) * 1.02,
+                })
+    finally:
+        lmdb.close()
+        close_llm(llm)
+    ratios = [p["ratio_to_best"] for p in points]
+    return {"points": points, "worst_ratio_to_best": max(ratios),
+            "within_5pct": sum(r <= 1.05 for r in ratios), "num_points": len(points),
+            "never_slower_than_both": all(p["not_slower_than_both"] for p in points)}
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
+    """The issue's H200 targets; meaningful only for the full run on CUDA."""
+    t: dict[str, Any] = {}
+
+    def check(name: str, section: str, get: Callable[[dict[str, Any]], float], goal: float) -> None:
+        sec = res.get(section, {})
+        if "error" not in sec and sec:
+            value = get(sec)
+            t[name] = {"value": value, "target": goal, "met": value >= goal}
+
+    check("d2h_ratio", "transfer", lambda s: s["device_to_host"]["ratio"], 0.9)
+    check("h2d_ratio", "transfer", lambda s: s["host_to_device"]["ratio"], 0.9)
+    check("h2d_gbps", "transfer", lambda s: s["host_to_device"]["blocks_gbps"], 50.0)
+    top = str(max(setup.lengths))
+    check(f"ttft_{top}_host_speedup", "ttft", lambda s: s["speedup_vs_recompute"][f"host_{top}"],
+          12.0)
+    check("qa_ttft_p50_ratio", "qa", lambda s: s["ttft_p50_ratio"], 5.0)
+    check("qa_throughput_ratio", "qa", lambda s: s["throughput_ratio"], 2.0)
+    check("sweep_within_5pct", "sweep", lambda s: s["within_5pct"] / s["num_points"], 1.0)
+    return t
+
+
+def _summary(res: dict[str, Any], setup: Setup) -> str:
+    parts = [f"offload ({res['machine'].get('cuda_device') or 'cpu'}, "
+             f"{'quick' if setup.model_dir is None else 'llama-3-8b shape'}):"]
+    tr, tt, qa, sw = (res.get(k, {}) for k in ("transfer", "ttft", "qa", "sweep"))
+    if "device_to_host" in tr:
+        parts.append(f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
+                     f"({tr['device_to_host']['ratio']:.2f}x raw), h2d "
+                     f"{tr['host_to_device']['blocks_gbps']:.1f} GB/s "
+                     f"({tr['host_to_device']['ratio']:.2f}x raw);")
+    if "speedup_vs_recompute" in tt:
+        top = max(setup.lengths)
+        s = tt["speedup_vs_recompute"]
+        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, lmdb "
+                     f"{s[f'lmdb_{top}']:.1f}x, cost {s[f'cost_{top}']:.1f}x;")
+    if "ttft_p50_ratio" in qa:
+        parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower, throughput "
+                     f"{qa['throughput_ratio']:.2f}x with offload;")
+    if "points" in sw:
+        parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
+                     f"points (worst {sw['worst_ratio_to_best']:.2f}x)")
+    failed = [k for k in ("transfer", "ttft", "qa", "sweep") if "error" in res.get(k, {})]
+    if failed:
+        parts.append(f"FAILED: {', '.join(failed)}")
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="directory for offload.json")
+    ap.add_argument("--quick", action="store_true", help="demo model, small sizes (CPU-friendly)")
+    ap.add_argument("--sections", default="transfer,ttft,qa,sweep")
+    args = ap.parse_args(argv)
+    sections = {"transfer": bench_transfer, "ttft": bench_ttft, "qa": bench_qa,
+                "sweep": bench_sweep}
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(sections))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {sorted(sections)}")
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
+        setup = build_setup(args.quick, workdir)
+        res: dict[str, Any] = {"bench": "offload", "machine": machine_info(),
+                               "quick": args.quick, "lengths": list(setup.lengths)}
+        for name in chosen:
+            t0 = time.perf_counter()
+            try:
+                res[name] = sections[name](setup)
+            except Exception as exc:  # report and go on: one broken part must not hide the rest
+                traceback.print_exc(file=sys.stderr)
+                res[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            res[name]["section_s"] = time.perf_counter() - t0
+            print(f"[offload] {name} done in {res[name]['section_s']:.1f}s", file=sys.stderr)
+        # The issue's targets are for the H200 run; a quick run only reports its figures.
+        res["targets"] = {} if args.quick else _targets(res, setup)
+        summary = _summary(res, setup)
+        res["summary"] = summary
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "offload.json"), "w") as f:
+            f.write(text + "\n")
+    print(summary)
+    return 1 if any("error" in res.get(k, {}) for k in chosen) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
