@@ -167,20 +167,20 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
               ) -> OnlineCostModel:
     """Measure what can be measured and start an ``OnlineCostModel`` from it.
 
-    Every tier except ``host`` is timed with ``calibrate_tier``; the ``host`` entry is the
-    host -> GPU hop, timed with ``host_to_gpu(n)`` when given, else by reading the host tier
-    (on a CPU engine that copy is the hop). ``run_prefill`` (optional) fits the prefill model.
+    The ``host`` entry is the host -> GPU hop that every load ends with: timed with
+    ``host_to_gpu(n)`` when given (whether or not a host tier is in ``tiers``), else by reading
+    the host tier if there is one (on a CPU engine that copy is the hop). Every other tier is
+    timed with ``calibrate_tier``. ``run_prefill`` (optional) fits the prefill model.
     Whatever is not measured keeps its value from ``priors`` (required then). A tier that fails
     keeps its prior too. Raises ValueError when neither a measurement nor a prior exists."""
     costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
+    if host_to_gpu is not None:
+        costs["host"] = calibrate_copy(host_to_gpu, block_bytes, "host", num_blocks=num_blocks)
+        tiers = [t for t in tiers if t.name != "host"]
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             try:
-                if tier.name == "host" and host_to_gpu is not None:
-                    costs["host"] = calibrate_copy(host_to_gpu, block_bytes, "host",
-                                                   num_blocks=num_blocks)
-                else:
-                    costs[tier.name] = calibrate_tier(tier, block_bytes, num_blocks)
+                costs[tier.name] = calibrate_tier(tier, block_bytes, num_blocks)
             except Exception as exc:  # a failing tier must not stop the engine from starting
                 if tier.name not in costs:
                     raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "

@@ -142,3 +142,21 @@ def test_calibrate_combines_measurements_and_priors(tmp_path) -> None:
     assert model.block_bytes == 4096 and model.block_tokens == 16
     with pytest.raises(ValueError, match="no prior"):
         calibrate([_BrokenTier()], 4096, 16, progress=False)
+
+
+def test_calibrate_measures_the_host_hop_without_a_host_tier(tmp_path) -> None:
+    with LmdbTier(tmp_path / "lmdb", 16 << 20) as lmdb:
+        model = calibrate([lmdb], 4096, 16, host_to_gpu=lambda n: 2e-5 + n * 4096 / 2e10,
+                          priors=CostPriors("t", {}, TRUTH, 4096), num_blocks=8,
+                          progress=False)
+    costs = model.tier_costs()
+    assert costs["host"].bandwidth_bytes_per_s == pytest.approx(2e10, rel=1e-9)
+    assert costs["host"].latency_s == pytest.approx(2e-5, rel=1e-9)
+    assert model.prefill_cost() == TRUTH
+    # An lmdb block now pays both hops in decide(), pipelined.
+    d = model.decide(0, ["lmdb"], 32)
+    (load,) = [o for o in (d.best, *d.alternatives) if o.strategy == "load_prefix"]
+    lm = costs["lmdb"]
+    expected = (lm.latency_s + 2e-5 + 4096 / min(lm.bandwidth_bytes_per_s, 2e10)
+                + TRUTH.time(16, 16))
+    assert load.predicted_s == pytest.approx(expected, rel=1e-12)
