@@ -173,3 +173,19 @@ def test_default_config_uses_host_and_lmdb_in_the_cache_dir(
         assert meta.payload_bytes == llm.engine.runner.kv_cache.bytes_per_block == 8192
         assert host.slot_bytes == encoded_size(meta) > 8192
         assert 1 << 20 <= host.num_slots * host.slot_bytes <= 8 << 30
+
+
+@pytest.mark.gpu
+def test_cuda_side_stream_saves_and_batched_loads_keep_outputs(model_dir: str) -> None:
+    """On CUDA: saves gathered on the side stream into pinned memory, loads scattered in one
+    batched copy; outputs equal the no-offload engine's on the same device."""
+    kw: dict[str, Any] = dict(dtype="float32", device="cuda", attention_backend="torch")
+    ref = run_conversations(LLM(model_dir, num_gpu_blocks=24, **kw))
+    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": 256 * SLOT}]}
+    with LLM(model_dir, num_gpu_blocks=24, kv_offload=True, kv_offload_config=config,
+             **kw) as llm:
+        assert llm.engine.offload.store.tiers[0].pinned_memory  # type: ignore[union-attr]
+        assert run_conversations(llm) == ref
+        kv = llm.kv_stats()
+    assert kv["tiers"]["host"]["hit_blocks"] > 0 and kv["failed_loads"] == 0
+    assert kv["loaded_tokens"] > 0 and kv["saved_blocks"] > 0
