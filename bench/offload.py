@@ -63,7 +63,8 @@ LLAMA3_8B = {
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
 HOST_CAPACITY = 12 << 30  # pinned; holds every prefix of the TTFT section and all QA histories
-TOKEN_RANGE = (10, 500)  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
+TOKEN_RANGE = (10, 500)
+SWEEP_CALIBRATION_BLOCKS = 16  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
 
 
 # -- set-up --------------------------------------------------------------------------------
@@ -424,10 +425,11 @@ class _Parts:
         self.setup, self.llm, self.tier, self.keys = setup, llm, tier, keys
         spec = llm.engine.runner.kv_cache.spec
         # Loads land in a cache of their own: the engine's blocks keep the measured contexts.
-        self.kv = KVCache(spec, len(keys), setup.device)
+        capacity = max(len(keys), SWEEP_CALIBRATION_BLOCKS)
+        self.kv = KVCache(spec, capacity, setup.device)
         self.bpb = spec.bytes_per_block
         # Staging allocated once: pinning per load would cost more than the copy.
-        self.staged = torch.empty(len(keys) * self.bpb, dtype=torch.uint8,
+        self.staged = torch.empty(capacity * self.bpb, dtype=torch.uint8,
                                   pin_memory=setup.device.type == "cuda")
         self.staged_np = self.staged.numpy()
         self.rng = random.Random(3)
@@ -476,7 +478,8 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
     from tiers.lmdb import LmdbTier
 
     max_blocks = max(setup.lengths) // 16
-    llm = make_llm(setup, max(setup.lengths) // 16 * 3 + 16, None)
+    # Room for a context and its new tokens at every length and calibration size (<= 4K).
+    llm = make_llm(setup, max(3 * max(setup.lengths), 4096) // 16 + 16, None)
     lmdb = LmdbTier(os.path.join(setup.workdir, "sweep-lmdb"), (max_blocks + 64) * (
         llm.engine.runner.kv_cache.bytes_per_block + 4096) * 2)
     points: list[dict[str, Any]] = []
@@ -498,7 +501,8 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
                 tier = ThrottledTier(lmdb, lat_factor * recompute, bw_factor * breakeven_bw)
                 parts.tier = tier
                 model = calibrate([tier], bpb, 16, parts.prefill, prefill_sizes=sizes,
-                                  host_to_gpu=parts.host_to_device, num_blocks=16,
+                                  host_to_gpu=parts.host_to_device,
+                                  num_blocks=SWEEP_CALIBRATION_BLOCKS,
                                   progress=False)
                 d = model.decide(0, ["lmdb"] * k_all, length + 16)
                 load_all = parts.load(0, k_all) + parts.prefill(16, length)
