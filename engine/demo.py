@@ -1,19 +1,27 @@
 """``kvtier demo``: a multi-turn chat workload on the embedded demo model, summarised.
 
 Several users chat at once; every turn's prompt carries the whole conversation so far, so
-later turns should find their history in the prefix cache. The summary reports the prefix-
-cache hit rate (hit tokens / prompt tokens) and TTFT for first turns against later turns.
+later turns should find their history cached. The GPU pool is kept small (``--num-gpu-blocks``)
+so that the histories do not fit it: the workload runs once without KV offload (the baseline:
+evicted history is recomputed) and once with it (host tier over LMDB in a temporary directory,
+or ``--offload-dir``; the cost model decides per request whether reloading beats recomputing).
+The summary reports the prefix-cache hit rate (GPU hits plus loaded tokens over prompt tokens)
+and TTFT for first against later turns of the offload run, then per-tier hits, loaded versus
+recomputed tokens, the cost model's decisions, and TTFT with and without offload side by side.
 Greedy sampling and short replies keep it to seconds on a laptop CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat
 
@@ -135,21 +143,86 @@ def format_summary(model_name: str, records: list[TurnRecord], wall_s: float) ->
     return "\n".join(lines)
 
 
+def demo_offload_config(directory: str, host_capacity: str, decision: str) -> dict[str, Any]:
+    """The embedded offload config: a small host tier over LMDB under ``directory``."""
+    return {
+        "decision": decision,
+        "tiers": [
+            {"kind": "host", "capacity": host_capacity},
+            {"kind": "lmdb", "path": f"{directory}/lmdb", "capacity": "1GiB"},
+        ],
+    }
+
+
+def format_offload(kv: dict[str, Any], records: list[TurnRecord],
+                   baseline: list[TurnRecord] | None, num_gpu_blocks: int) -> str:
+    """Per-tier hits, token accounting, decisions, bytes, and TTFT against the baseline."""
+    tiers = ", ".join(f"{name} {row['hit_blocks']} blocks" for name, row in kv["tiers"].items())
+    decisions = ", ".join(f"{k} {v}" for k, v in sorted(kv["decisions"].items())) or "none"
+    lines = [
+        f"kv offload          host + lmdb, decision policy {kv['decision_policy']}, "
+        f"GPU pool {num_gpu_blocks} blocks",
+        f"tier hits           {tiers}",
+        f"tokens              gpu hit {kv['gpu_hit_tokens']}, loaded {kv['loaded_tokens']}, "
+        f"recomputed {kv['recomputed_tokens']} (held by tiers but computed)",
+        f"cost model          {decisions}",
+        f"bytes               saved {kv['saved_bytes'] / 2**20:.2f} MiB, loaded "
+        f"{kv['loaded_bytes'] / 2**20:.2f} MiB in {1e3 * kv['load_seconds']:.1f} ms; "
+        f"failed loads {kv['failed_loads']}",
+    ]
+    if baseline is not None:
+        later_off = summarize([r for r in records if r.turn > 0])
+        later_base = summarize([r for r in baseline if r.turn > 0])
+        ratio = later_base.ttft_p50_s / later_off.ttft_p50_s if later_off.ttft_p50_s else math.nan
+        lines += [
+            f"{'later turns':20}{'no offload':>14}{'offload':>14}",
+            f"{'cache hit %':20}{100 * later_base.hit_rate:>14.1f}{100 * later_off.hit_rate:>14.1f}",
+            f"{'TTFT median ms':20}{1e3 * later_base.ttft_p50_s:>14.1f}"
+            f"{1e3 * later_off.ttft_p50_s:>14.1f}",
+            f"TTFT speed-up       {ratio:.2f}x (median of later turns, no offload / offload)",
+        ]
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=4, help="concurrent conversations")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=12, help="reply length cap")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--num-gpu-blocks", type=int, default=24,
+                        help="GPU KV pool size in 16-token blocks (small: histories must not fit)")
+    parser.add_argument("--host-capacity", default="256KiB", help="host tier size")
+    parser.add_argument("--decision", default="cost", choices=("cost", "load", "recompute"),
+                        help="reload-versus-recompute policy")
+    parser.add_argument("--offload-dir", default=None,
+                        help="keep the LMDB tier here (default: a temporary directory)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the run without KV offload")
 
 
 def main(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
 
-    if args.users < 1 or args.turns < 1:
-        print("kvtier demo: --users and --turns must be >= 1")
+    if args.users < 1 or args.turns < 1 or args.num_gpu_blocks < 1:
+        print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1")
         return 2
-    engine = LLMEngine(EngineConfig(model=None, device=args.device))
-    start = time.perf_counter()
-    records = run_workload(engine, args.users, args.turns, args.max_tokens)
-    print(format_summary(engine.model_name, records, time.perf_counter() - start))
+    config = EngineConfig(model=None, device=args.device,
+                          cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks))
+    baseline = None
+    if not args.no_baseline:
+        engine = LLMEngine(config)
+        baseline = run_workload(engine, args.users, args.turns, args.max_tokens)
+        engine.close()
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        offload = demo_offload_config(args.offload_dir or tmp, args.host_capacity, args.decision)
+        engine = LLMEngine(dataclasses.replace(config, kv_offload=True, kv_offload_config=offload))
+        try:
+            start = time.perf_counter()
+            records = run_workload(engine, args.users, args.turns, args.max_tokens)
+            wall_s = time.perf_counter() - start
+            kv = engine.kv_stats()
+        finally:
+            engine.close()
+    print(format_summary(engine.model_name, records, wall_s))
+    print(format_offload(kv, records, baseline, args.num_gpu_blocks))
     return 0
