@@ -67,8 +67,9 @@ class BlockLoad:
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.keys) or not self.keys:
-            raise ValueError(f"load for {self.req_id!r}: {len(self.block_ids)} blocks for "
-                             f"{len(self.keys)} keys")
+            raise ValueError(
+                f"load for {self.req_id!r}: {len(self.block_ids)} blocks for {len(self.keys)} keys"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,10 @@ class SchedulerConnector(Protocol):
         ...
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_gpu_hit_tokens: int,
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
         num_external_tokens: int,
     ) -> None:
         """Blocks are allocated: tokens ``[num_gpu_hit_tokens, +num_external_tokens)`` are to

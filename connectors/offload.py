@@ -32,23 +32,39 @@ from engine.kv_cache import KVCache
 
 
 class OffloadConnector:
-    def __init__(self, config: OffloadConfig, store: HierarchicalStore, kv_cache: KVCache,
-                 namespace: Namespace, cost_model: OnlineCostModel) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        store: HierarchicalStore,
+        kv_cache: KVCache,
+        namespace: Namespace,
+        cost_model: OnlineCostModel,
+    ) -> None:
         """Takes ownership of ``store`` (``close`` closes it)."""
         self.config = config
         self.store = store
         self.cost_model = cost_model
         self.counters = OffloadStats()
-        self.scheduler = OffloadScheduler(store, namespace, decision=config.decision,
-                                          cost_model=cost_model, stats=self.counters)
-        self.worker = OffloadWorker(kv_cache, store, block_meta(kv_cache, namespace.key_prefix()),
-                                    load_timeout_s=config.load_timeout_s, stats=self.counters,
-                                    cost_model=cost_model)
+        self.scheduler = OffloadScheduler(
+            store, namespace, decision=config.decision, cost_model=cost_model, stats=self.counters
+        )
+        self.worker = OffloadWorker(
+            kv_cache,
+            store,
+            block_meta(kv_cache, namespace.key_prefix()),
+            load_timeout_s=config.load_timeout_s,
+            stats=self.counters,
+            cost_model=cost_model,
+        )
         self._closed = False
 
     @classmethod
-    def create(cls, source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
-               kv_cache: KVCache, namespace: Namespace) -> OffloadConnector:
+    def create(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
+        kv_cache: KVCache,
+        namespace: Namespace,
+    ) -> OffloadConnector:
         """Build from a YAML path, a dict, an ``OffloadConfig`` or None (the defaults).
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         prefix = namespace.key_prefix()
@@ -62,9 +78,12 @@ class OffloadConnector:
         tiers = build_tiers(config.tiers, host_slot_bytes=encoded_size(meta))
         store = HierarchicalStore(tiers, StoreConfig(namespace=prefix))
         priors = default_priors("cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b")
-        cost_model = OnlineCostModel(dict(priors.tier_costs), priors.prefill,
-                                     block_bytes=kv_cache.bytes_per_block,
-                                     block_tokens=kv_cache.block_size)
+        cost_model = OnlineCostModel(
+            dict(priors.tier_costs),
+            priors.prefill,
+            block_bytes=kv_cache.bytes_per_block,
+            block_tokens=kv_cache.block_size,
+        )
         return cls(config, store, kv_cache, namespace, cost_model)
 
     def after_step(self, report: WorkerReport | None = None) -> None:

@@ -101,12 +101,14 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(env.get("HOME") or Path.home()) / ".cache" / "kvtier"
 
 
-def default_offload_config(namespace_prefix: str, *, mem_available: int | None = None,
-                           cache_dir: Path | None = None) -> OffloadConfig:
+def default_offload_config(
+    namespace_prefix: str, *, mem_available: int | None = None, cache_dir: Path | None = None
+) -> OffloadConfig:
     """Host tier (min(25% of MemAvailable, 8 GiB)) over LMDB at ``<cache>/lmdb/<prefix>``."""
     mem = mem_available_bytes() if mem_available is None else mem_available
     root = default_cache_dir() if cache_dir is None else cache_dir
     host = HostTierConfig(capacity=max(min(mem // 4, DEFAULT_HOST_CAP_BYTES), 1 << 20))
-    lmdb = LmdbTierConfig(path=str(root / "lmdb" / namespace_prefix),
-                          capacity=DEFAULT_LMDB_CAPACITY_BYTES)
+    lmdb = LmdbTierConfig(
+        path=str(root / "lmdb" / namespace_prefix), capacity=DEFAULT_LMDB_CAPACITY_BYTES
+    )
     return OffloadConfig(tiers=TierStackConfig(tiers=(host, lmdb)))

@@ -58,8 +58,15 @@ class _Inflight:
 
 
 class OffloadScheduler:
-    def __init__(self, store: HierarchicalStore, namespace: Namespace, *, decision: str,
-                 cost_model: OnlineCostModel, stats: OffloadStats) -> None:
+    def __init__(
+        self,
+        store: HierarchicalStore,
+        namespace: Namespace,
+        *,
+        decision: str,
+        cost_model: OnlineCostModel,
+        stats: OffloadStats,
+    ) -> None:
         self.store = store
         self.namespace = namespace
         self.block_size = namespace.block_size
@@ -99,11 +106,13 @@ class OffloadScheduler:
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)
         num_load, label = self._decide(start, tiers, request.num_tokens)
         self._plans[request.req_id] = _Plan(
-            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, num_load, label)
+            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, num_load, label
+        )
         return ExternalHit(num_tokens=num_load * bs, load_async=num_load > 0)
 
-    def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int
-                ) -> tuple[int, str]:
+    def _decide(
+        self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int
+    ) -> tuple[int, str]:
         if self.decision == "load":
             return len(tiers), STRATEGY_LOAD_PREFIX
         if self.decision == "recompute":
@@ -116,7 +125,10 @@ class OffloadScheduler:
         return _executable(decision)
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_gpu_hit_tokens: int,
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
         num_external_tokens: int,
     ) -> None:
         bs = self.block_size
@@ -139,8 +151,13 @@ class OffloadScheduler:
         # thread reads cannot evict these blocks from the host tier meanwhile. The worker's
         # load thread unpins them (complete_load) when its read ends.
         self.store.prepare_load(list(plan.keys[:num_load]))
-        load = BlockLoad(request.req_id, tuple(block_ids[first:first + num_load]),
-                         plan.keys[:num_load], num_gpu_hit_tokens, plan.tiers[:num_load])
+        load = BlockLoad(
+            request.req_id,
+            tuple(block_ids[first : first + num_load]),
+            plan.keys[:num_load],
+            num_gpu_hit_tokens,
+            plan.tiers[:num_load],
+        )
         self._new_loads.append(load)
         self._inflight[request.req_id] = _Inflight(request, load, plan.tiers[:num_load])
 
@@ -152,11 +169,11 @@ class OffloadScheduler:
             if inflight is None:
                 continue  # cancelled: the request is gone
             n = result.num_loaded_blocks
-            self.stats.add(loaded_tokens=n * bs,
-                           recomputed_tokens=(result.num_requested_blocks - n) * bs)
+            self.stats.add(
+                loaded_tokens=n * bs, recomputed_tokens=(result.num_requested_blocks - n) * bs
+            )
             self.stats.count_tier_hits(list(inflight.tiers[:n]))
-            inflight.request.kv_hit_tiers = [*inflight.request.kv_hit_tiers,
-                                              *inflight.tiers[:n]]
+            inflight.request.kv_hit_tiers = [*inflight.request.kv_hit_tiers, *inflight.tiers[:n]]
             if n == 0:
                 inflight.request.kv_decision = STRATEGY_RECOMPUTE
             self._finished[result.req_id] = inflight.load.first_token + n * bs

@@ -42,8 +42,12 @@ KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] 
 
 def block_meta(kv_cache: KVCache, namespace_prefix: str) -> BlockMeta:
     """The codec metadata of one block of ``kv_cache`` (its encoded size sizes host slots)."""
-    return BlockMeta(dtype=str(kv_cache.spec.dtype), shape=kv_cache.spec.block_shape,
-                     layout=KV_LAYOUT, namespace=namespace_prefix)
+    return BlockMeta(
+        dtype=str(kv_cache.spec.dtype),
+        shape=kv_cache.spec.block_shape,
+        layout=KV_LAYOUT,
+        namespace=namespace_prefix,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +74,16 @@ class _PendingSave:
 
 
 class OffloadWorker:
-    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta, *,
-                 load_timeout_s: float, stats: OffloadStats,
-                 cost_model: OnlineCostModel | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        store: HierarchicalStore,
+        meta: BlockMeta,
+        *,
+        load_timeout_s: float,
+        stats: OffloadStats,
+        cost_model: OnlineCostModel | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.store = store
         self.meta = meta
@@ -95,7 +106,8 @@ class OffloadWorker:
         for load in metadata.loads:
             future = self._pool.submit(self._read, load)
             self._loads[load.req_id] = _PendingLoad(
-                load, future, time.monotonic() + self.load_timeout_s)
+                load, future, time.monotonic() + self.load_timeout_s
+            )
         for req_id in metadata.cancelled_loads:
             if self._loads.pop(req_id, None) is not None:
                 log.debug("load for %s cancelled", req_id)
@@ -108,15 +120,20 @@ class OffloadWorker:
         if pending.event is not None:
             pending.event.synchronize()  # type: ignore[attr-defined]
         rows = pending.data.view(torch.uint8).reshape(len(pending.saves), -1).numpy()
-        items = [(s.key, encode_block(memoryview(rows[i]), self.meta))
-                 for i, s in enumerate(pending.saves)]
+        items = [
+            (s.key, encode_block(memoryview(rows[i]), self.meta))
+            for i, s in enumerate(pending.saves)
+        ]
         keys = [s.key for s in pending.saves]
         try:
             written = self.store.put_many(items)
         finally:
             self.store.complete_store(keys, True)
-        self.stats.add(saved_blocks=written, saved_bytes=written * self.meta.payload_bytes,
-                       save_seconds=time.perf_counter() - pending.started)
+        self.stats.add(
+            saved_blocks=written,
+            saved_bytes=written * self.meta.payload_bytes,
+            save_seconds=time.perf_counter() - pending.started,
+        )
 
     def after_step(self, metadata: object | None) -> None:
         return None
@@ -155,8 +172,11 @@ class OffloadWorker:
             self._save = _PendingSave(todo, self.kv_cache.gather_blocks(ids), None, t0)
             return
         compute = torch.cuda.current_stream(self.kv_cache.device)
-        host = torch.empty((len(ids), *self.kv_cache.spec.block_shape),
-                           dtype=self.kv_cache.spec.dtype, pin_memory=True)
+        host = torch.empty(
+            (len(ids), *self.kv_cache.spec.block_shape),
+            dtype=self.kv_cache.spec.dtype,
+            pin_memory=True,
+        )
         event = torch.cuda.Event()
         with torch.cuda.stream(self._side_stream):
             self._side_stream.wait_stream(compute)  # the KV was written by earlier forwards
@@ -182,8 +202,11 @@ class OffloadWorker:
                 n = 0
                 while n < len(values) and values[n] is not None and len(values[n]) == size:
                     n += 1
-                data = torch.empty((n, *self.kv_cache.spec.block_shape),
-                                   dtype=self.kv_cache.spec.dtype, pin_memory=self._cuda)
+                data = torch.empty(
+                    (n, *self.kv_cache.spec.block_shape),
+                    dtype=self.kv_cache.spec.dtype,
+                    pin_memory=self._cuda,
+                )
                 rows = data.view(torch.uint8).view(n, size).numpy()
                 for i in range(n):
                     rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
@@ -215,14 +238,18 @@ class OffloadWorker:
                 ids.extend(load.block_ids[: res.num_blocks])
                 chunks.append(res.data)
             short = res.num_blocks < len(load.keys)
-            self.stats.add(num_loads=1, failed_loads=int(short), loaded_blocks=res.num_blocks,
-                           loaded_bytes=res.nbytes, load_seconds=res.seconds)
+            self.stats.add(
+                num_loads=1,
+                failed_loads=int(short),
+                loaded_blocks=res.num_blocks,
+                loaded_bytes=res.nbytes,
+                load_seconds=res.seconds,
+            )
             tiers = set(load.source_tiers)
             if self.cost_model is not None and res.num_blocks and len(tiers) == 1:
                 # Only a load served by one tier says something about that tier's speed.
                 self.cost_model.observe_transfer(tiers.pop(), res.nbytes, res.seconds)
-            self._finished.append(LoadResult(req_id, res.num_blocks, len(load.keys),
-                                             res.seconds))
+            self._finished.append(LoadResult(req_id, res.num_blocks, len(load.keys), res.seconds))
         if ids:
             data = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             self.kv_cache.scatter_blocks(ids, data)

@@ -154,8 +154,12 @@ def demo_offload_config(directory: str, host_capacity: str, decision: str) -> di
     }
 
 
-def format_offload(kv: dict[str, Any], records: list[TurnRecord],
-                   baseline: list[TurnRecord] | None, num_gpu_blocks: int) -> str:
+def format_offload(
+    kv: dict[str, Any],
+    records: list[TurnRecord],
+    baseline: list[TurnRecord] | None,
+    num_gpu_blocks: int,
+) -> str:
     """Per-tier hits, token accounting, decisions, bytes, and TTFT against the baseline."""
     tiers = ", ".join(f"{name} {row['hit_blocks']} blocks" for name, row in kv["tiers"].items())
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(kv["decisions"].items())) or "none"
@@ -189,15 +193,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=12, help="reply length cap")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--num-gpu-blocks", type=int, default=24,
-                        help="GPU KV pool size in 16-token blocks (small: histories must not fit)")
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=24,
+        help="GPU KV pool size in 16-token blocks (small: histories must not fit)",
+    )
     parser.add_argument("--host-capacity", default="256KiB", help="host tier size")
-    parser.add_argument("--decision", default="cost", choices=("cost", "load", "recompute"),
-                        help="reload-versus-recompute policy")
-    parser.add_argument("--offload-dir", default=None,
-                        help="keep the LMDB tier here (default: a temporary directory)")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip the run without KV offload")
+    parser.add_argument(
+        "--decision",
+        default="cost",
+        choices=("cost", "load", "recompute"),
+        help="reload-versus-recompute policy",
+    )
+    parser.add_argument(
+        "--offload-dir",
+        default=None,
+        help="keep the LMDB tier here (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the run without KV offload"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,8 +222,9 @@ def main(args: argparse.Namespace) -> int:
     if args.users < 1 or args.turns < 1 or args.num_gpu_blocks < 1:
         print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1")
         return 2
-    config = EngineConfig(model=None, device=args.device,
-                          cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks))
+    config = EngineConfig(
+        model=None, device=args.device, cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks)
+    )
     baseline = None
     if not args.no_baseline:
         engine = LLMEngine(config)

@@ -32,15 +32,18 @@ class RequestLogEntry:
     ttft_s: float | None
 
     def to_json(self) -> str:
-        return json.dumps({
-            "ts": self.ts,
-            "req_id": self.req_id,
-            "prompt_tokens": self.prompt_tokens,
-            "block_hashes": list(self.block_hashes),
-            "hit_tiers": list(self.hit_tiers),
-            "decision": self.decision,
-            "ttft_s": self.ttft_s,
-        }, separators=(",", ":"))
+        return json.dumps(
+            {
+                "ts": self.ts,
+                "req_id": self.req_id,
+                "prompt_tokens": self.prompt_tokens,
+                "block_hashes": list(self.block_hashes),
+                "hit_tiers": list(self.hit_tiers),
+                "decision": self.decision,
+                "ttft_s": self.ttft_s,
+            },
+            separators=(",", ":"),
+        )
 
 
 class RequestLog:

@@ -37,15 +37,17 @@ from engine.sampling_params import SamplingParams
 from tiers.host import HostTier
 
 NS = Namespace(model_fingerprint="test-base")
-META = BlockMeta(dtype="float32", shape=(2, 2, 16, 2, 16), layout="block_major_v1",
-                 namespace=NS.key_prefix())
+META = BlockMeta(
+    dtype="float32", shape=(2, 2, 16, 2, 16), layout="block_major_v1", namespace=NS.key_prefix()
+)
 PAYLOAD = bytes(META.payload_bytes)
 
 
 @pytest.fixture
 def store() -> Iterator[HierarchicalStore]:
-    s = HierarchicalStore([HostTier(64 * 9000, 9000, pin_memory=False)],
-                          StoreConfig(namespace=NS.key_prefix()))
+    s = HierarchicalStore(
+        [HostTier(64 * 9000, 9000, pin_memory=False)], StoreConfig(namespace=NS.key_prefix())
+    )
     yield s
     s.close()
 
@@ -86,7 +88,7 @@ def test_freed_blocks_become_saves_in_free_order_and_eviction_marks_reuse(
     blocks = pool.get_new_blocks(3)
     r = request(48)
     for b, h, i in zip(blocks, r.block_hashes, range(3), strict=True):
-        pool.cache_full_block(b, h, r.all_token_ids[i * 16:(i + 1) * 16])
+        pool.cache_full_block(b, h, r.all_token_ids[i * 16 : (i + 1) * 16])
     pool.free_blocks(reversed(blocks))
     empty = SchedulerOutput([], 0)
     meta = side.build_connector_meta(empty)
@@ -153,8 +155,13 @@ def test_load_lifecycle_pins_reports_and_cancels(store: HierarchicalStore) -> No
 
 
 def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
-    cfg = load_offload_config({"decision": "recompute", "load_timeout_s": 2,
-                               "tiers": [{"kind": "host", "capacity": "1MiB"}]})
+    cfg = load_offload_config(
+        {
+            "decision": "recompute",
+            "load_timeout_s": 2,
+            "tiers": [{"kind": "host", "capacity": "1MiB"}],
+        }
+    )
     assert cfg.decision == "recompute" and cfg.load_timeout_s == 2.0
     assert cfg.tiers.tiers == (HostTierConfig(capacity=1 << 20),)
     yaml_path = tmp_path / "offload.yaml"
@@ -172,7 +179,9 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert default_cache_dir({"KVTIER_CACHE_DIR": "/c"}) == Path("/c")
     assert default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/kvtier")
     small = default_offload_config("abc", mem_available=8 << 20, cache_dir=Path("/c"))
-    assert small.tiers.tiers == (HostTierConfig(capacity=2 << 20),
-                                 LmdbTierConfig(path="/c/lmdb/abc", capacity=32 << 30))
+    assert small.tiers.tiers == (
+        HostTierConfig(capacity=2 << 20),
+        LmdbTierConfig(path="/c/lmdb/abc", capacity=32 << 30),
+    )
     big = default_offload_config("abc", mem_available=64 << 30, cache_dir=Path("/c"))
     assert big.tiers.tiers[0] == HostTierConfig(capacity=8 << 30)

@@ -41,8 +41,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make_llm(model_dir: str, num_blocks: int, offload: dict | None = None, **kw: Any) -> LLM:
     if offload is None:
         return LLM(model_dir, num_gpu_blocks=num_blocks, dtype="float32", device="cpu", **kw)
-    return LLM(model_dir, num_gpu_blocks=num_blocks, dtype="float32", device="cpu",
-               kv_offload=True, kv_offload_config=offload, **kw)
+    return LLM(
+        model_dir,
+        num_gpu_blocks=num_blocks,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload,
+        **kw,
+    )
 
 
 def run_conversations(llm: LLM, users: int = 6, turns: int = 4, seed: int = 5) -> list[list[int]]:
@@ -66,10 +73,13 @@ def reference(model_dir: str) -> list[list[int]]:
 
 
 def host_lmdb(tmp_path: Path, host_slots: int = 12) -> dict:
-    return {"decision": "load", "tiers": [
-        {"kind": "host", "capacity": host_slots * SLOT},
-        {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
-    ]}
+    return {
+        "decision": "load",
+        "tiers": [
+            {"kind": "host", "capacity": host_slots * SLOT},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ],
+    }
 
 
 def test_host_and_lmdb_reloads_keep_outputs_and_survive_a_restart(
@@ -155,8 +165,15 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
     assert lines[2]["hit_tiers"] == ["gpu", "gpu", "host", "host", "host"]
     assert lines[2]["decision"] == "load_prefix" and lines[0]["decision"] == "recompute"
     assert lines[0]["hit_tiers"] == [] and lines[0]["ttft_s"] > 0
-    assert set(lines[0]) == {"ts", "req_id", "prompt_tokens", "block_hashes", "hit_tiers",
-                             "decision", "ttft_s"}
+    assert set(lines[0]) == {
+        "ts",
+        "req_id",
+        "prompt_tokens",
+        "block_hashes",
+        "hit_tiers",
+        "decision",
+        "ttft_s",
+    }
 
 
 def test_default_config_uses_host_and_lmdb_in_the_cache_dir(
@@ -182,8 +199,7 @@ def test_cuda_side_stream_saves_and_batched_loads_keep_outputs(model_dir: str) -
     kw: dict[str, Any] = dict(dtype="float32", device="cuda", attention_backend="torch")
     ref = run_conversations(LLM(model_dir, num_gpu_blocks=24, **kw))
     config = {"decision": "load", "tiers": [{"kind": "host", "capacity": 256 * SLOT}]}
-    with LLM(model_dir, num_gpu_blocks=24, kv_offload=True, kv_offload_config=config,
-             **kw) as llm:
+    with LLM(model_dir, num_gpu_blocks=24, kv_offload=True, kv_offload_config=config, **kw) as llm:
         assert llm.engine.offload.store.tiers[0].pinned_memory  # type: ignore[union-attr]
         assert run_conversations(llm) == ref
         kv = llm.kv_stats()

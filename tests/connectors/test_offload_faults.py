@@ -86,17 +86,22 @@ def plant_redis(tier: dict[str, Any], keys: list[str]) -> None:
 def plant_s3(tier: dict[str, Any], keys: list[str], s3: Any) -> None:
     bucket, prefix = tier["bucket"], tier["prefix"]
     for key in keys:
-        pointer = msgpack.unpackb(s3.get_object(Bucket=bucket, Key=f"{prefix}k/{key}")["Body"].read())
+        pointer = msgpack.unpackb(
+            s3.get_object(Bucket=bucket, Key=f"{prefix}k/{key}")["Body"].read()
+        )
         i = pointer["k"].index(key)
         group = bytearray(s3.get_object(Bucket=bucket, Key=pointer["g"])["Body"].read())
         off, n = pointer["o"][i], pointer["n"][i]
-        group[off:off + n] = flip(bytes(group[off:off + n]))
+        group[off : off + n] = flip(bytes(group[off : off + n]))
         s3.put_object(Bucket=bucket, Key=pointer["g"], Body=bytes(group))
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "redis", "s3"])
 def test_corrupt_second_blocks_are_recomputed_from_there(
-    model_dir: str, reference: list[list[int]], kind: str, tmp_path: Path,
+    model_dir: str,
+    reference: list[list[int]],
+    kind: str,
+    tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> None:
     if kind == "lmdb":

@@ -251,8 +251,16 @@ def test_preemption_with_kv_offload_matches_hf(models: dict, tmp_path: Path) -> 
     model_dir, hf = models["qwen2"]
     config = {"decision": "load", "tiers": [{"kind": "host", "capacity": "4MiB"}]}
     log_path = tmp_path / "req.jsonl"
-    with LLM(model_dir, num_gpu_blocks=8, max_num_seqs=4, dtype="float32", device="cpu",
-             kv_offload=True, kv_offload_config=config, request_log=str(log_path)) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=8,
+        max_num_seqs=4,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=config,
+        request_log=str(log_path),
+    ) as llm:
         rng = random.Random(9)
         prompts = [rand_prompt(rng, n) for n in (20, 24, 27, 30)]
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -271,8 +279,13 @@ def test_preemption_with_kv_offload_matches_hf(models: dict, tmp_path: Path) -> 
 
 def test_request_log_without_offload(models: dict, tmp_path: Path) -> None:
     log_path = tmp_path / "sub" / "req.jsonl"
-    llm = LLM(models["llama"][0], num_gpu_blocks=64, dtype="float32", device="cpu",
-              request_log=str(log_path))
+    llm = LLM(
+        models["llama"][0],
+        num_gpu_blocks=64,
+        dtype="float32",
+        device="cpu",
+        request_log=str(log_path),
+    )
     p = rand_prompt(random.Random(4), 40)
     llm.generate([p, p], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     llm.generate([p], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
