@@ -158,7 +158,8 @@ class OffloadWorker:
     def _start_saves(self, saves: tuple[BlockSave, ...], reuse: bool) -> None:
         if not saves:
             return
-        assert self._save is None, "wait_for_save was not called after the last step"
+        if self._save is not None:  # the last step raised before wait_for_save: finish it
+            self.wait_for_save()
         t0 = time.perf_counter()
         fresh = set(self.store.prepare_store([s.key for s in saves]))
         todo = [s for s in saves if s.key in fresh]
