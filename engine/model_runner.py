@@ -101,18 +101,45 @@ def read_eos_token_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _resolve_fused(wanted: bool | None, model: torch.nn.Module, device: torch.device) -> bool:
+    """Decide and apply the fused-kernel switch (see ModelRunner). Raises ValueError when
+    ``wanted`` is True and the kernels or the model cannot do it."""
+    from engine.kernels import fused_kernels_available
+
+    supported = hasattr(model, "fused_kernels")
+    if wanted is False or (wanted is None and not supported):
+        enabled = False
+    elif not supported:
+        raise ValueError(f"{type(model).__name__} has no fused-kernel path")
+    else:
+        enabled = fused_kernels_available(device)
+        if wanted and not enabled:
+            raise ValueError(f"fused kernels requested but unavailable on {device} "
+                             "(they need CUDA and triton)")
+    if supported:
+        model.fused_kernels = enabled
+    return enabled
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the attention backend and the sampler. Not thread-safe:
     one engine loop calls ``execute_model`` at a time.
 
-    ``cuda_graphs=False`` keeps every step eager (debugging, or a backend without graphs)."""
+    ``cuda_graphs=False`` keeps every step eager (debugging, or a backend without graphs).
+    ``fused_kernels``: None (default) = the Triton fused norm/activation kernels when
+    ``engine.kernels.fused_kernels_available`` (CUDA, Triton, self-check passed), else the
+    torch path; False = always the torch path; True = require them (ValueError if unavailable).
+    The choice is written to the model (``model.fused_kernels``) before any step or capture."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True,
+        fused_kernels: bool | None = None,
+    ) -> None:
         device = resolve_device(config.device)
         loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len)
         self._setup(
             config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
-            read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs,
+            read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs, fused_kernels,
         )
 
     @classmethod
@@ -124,12 +151,14 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         *,
         cuda_graphs: bool = True,
+        fused_kernels: bool | None = None,
     ) -> ModelRunner:
         """A runner around a model already in memory on ``config.device`` (benchmarks that
         share weights with a reference model)."""
         runner = cls.__new__(cls)
         runner._setup(
-            config, resolve_device(config.device), loaded, fingerprint, eos_token_ids, cuda_graphs
+            config, resolve_device(config.device), loaded, fingerprint, eos_token_ids, cuda_graphs,
+            fused_kernels,
         )
         return runner
 
@@ -141,6 +170,7 @@ class ModelRunner:
         fingerprint: str,
         eos_token_ids: tuple[int, ...],
         cuda_graphs: bool,
+        fused_kernels: bool | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -157,6 +187,7 @@ class ModelRunner:
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer kernels are fp16/bf16 only
         self.attention_backend_name = resolve_backend_name(backend, device.type)
+        self.fused_kernels = _resolve_fused(fused_kernels, self.model, device)
         arch = loaded.arch
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, arch.num_heads, arch.num_kv_heads, arch.head_dim,

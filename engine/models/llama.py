@@ -4,6 +4,11 @@ config flags, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 Projections are fused (qkv, gate+up) for fewer, larger matmuls; ``load_weights`` maps the
 HF checkpoint names (``q_proj``, ``k_proj``, ...) onto the fused shards. Attention itself is
 delegated to the step's ``AttentionBackend``, which owns the paged KV cache access.
+
+``fused_kernels`` (set by the runner, default False) switches the decoder to the fused path:
+the residual stream is carried beside the hidden state, each norm is one Triton kernel that
+also adds the residual (``engine.kernels.fused_add_rms_norm``), and the MLP's SiLU * up is one
+kernel (``silu_and_mul``). Same math, one rounding apart; the torch path is the fallback.
 """
 
 from __future__ import annotations
@@ -87,6 +92,24 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(rope, self.input_layernorm(x), attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None,
+        attn: AttentionBackend, kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path: ``(h, residual)`` in, ``(mlp output, residual stream)`` out; the
+        residual stream before this layer is ``h + residual`` (``h`` alone at layer 0)."""
+        from engine.kernels import fused_add_rms_norm, silu_and_mul
+
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            ln = self.input_layernorm
+            h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
+        h = self.self_attn(rope, h, attn, kv_cache)
+        ln = self.post_attention_layernorm
+        h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
+        return self.mlp.down_proj(silu_and_mul(self.mlp.gate_up_proj(h))), residual
+
 
 class DecoderStack(nn.Module):
     """HF's ``model.*`` submodule: embeddings, layers, final norm."""
@@ -112,15 +135,32 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.fused_kernels = False  # see the module docstring; CUDA + Triton only
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self._rotary.cos_sin(positions, x.dtype)  # gathered once for every layer
+        if self.fused_kernels:
+            return self._forward_fused(rope, x, attn, kv_cache)
         for layer in self.model.layers:
             x = layer(rope, x, attn, kv_cache)
         return self.model.norm(x)
+
+    def _forward_fused(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        from engine.kernels import fused_add_rms_norm
+
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            x, residual = layer.forward_fused(rope, x, residual, attn, kv_cache)
+        if residual is None:  # a model without layers
+            return self.model.norm(x)
+        norm = self.model.norm
+        return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,96 @@
+"""Fused Triton kernels for the decoder's small elementwise steps (CUDA only).
+
+A Llama decode step at batch 1 is launch-bound outside the matmuls: every layer runs a residual
+add, an RMSNorm, a SiLU, a multiply, ... each a ~2 us kernel inside the CUDA graph. Two fused
+kernels remove most of them:
+
+- ``fused_add_rms_norm(x, residual, weight, eps)`` -> ``(normed, new_residual)``: one kernel
+  for ``r = x + residual; normed = rms_norm(r) * weight``;
+- ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` over the merged gate/up projection output.
+
+Triton is imported lazily (only when ``fused_kernels_available`` or a kernel is called), so the
+package itself imports on a machine without it. ``fused_kernels_available(device)`` is the one
+switch the runner uses: True only on CUDA, with Triton importable, after a one-time self-check
+of both kernels against the torch reference on that device (a kernel that fails to compile or
+disagrees turns the fused path off with a warning instead of breaking the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CHECKED: dict[str, bool] = {}
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)``, both new tensors in x's dtype.
+    Does not mutate its inputs. Raises ImportError without Triton."""
+    from engine.kernels.triton_ops import add_rms_norm
+
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` of shape ``[T, 2I]`` -> ``[T, I]``,
+    computed in float32, rounded once. Raises ImportError without Triton."""
+    from engine.kernels.triton_ops import silu_and_mul as _silu_and_mul
+
+    return _silu_and_mul(gate_up)
+
+
+def _self_check(device: torch.device) -> None:
+    """Run both kernels once on small bf16 inputs and compare to torch; raises on mismatch."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, 256, device=device, generator=gen).to(torch.bfloat16)
+    r = torch.randn(3, 256, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.rand(256, device=device, generator=gen).to(torch.bfloat16) + 0.5
+    normed, new_r = fused_add_rms_norm(x, r, w, 1e-5)
+    ref_r = x + r
+    ref = torch.nn.functional.rms_norm(ref_r, (256,), w, 1e-5)
+    torch.testing.assert_close(new_r, ref_r, rtol=0, atol=0)
+    torch.testing.assert_close(normed.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    gu = torch.randn(3, 512, device=device, generator=gen).to(torch.bfloat16)
+    ref_act = torch.nn.functional.silu(gu[:, :256].float()) * gu[:, 256:].float()
+    torch.testing.assert_close(silu_and_mul(gu).float(), ref_act, rtol=2e-2, atol=2e-2)
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    """True when the fused kernels can run on ``device``: CUDA, Triton importable, and the
+    self-check passed (done once per device per process; logs why when False)."""
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _CHECKED:
+        ok = triton_importable()
+        if not ok:
+            logger.info("fused kernels off: triton is not installed")
+        else:
+            try:
+                _self_check(device)
+            except Exception as exc:  # a broken kernel must not break the engine
+                logger.warning("fused kernels off: self-check failed: %s: %s", type(exc).__name__, exc)
+                ok = False
+        _CHECKED[key] = ok
+    return _CHECKED[key]
+
+
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_kernels_available",
+    "silu_and_mul",
+    "triton_importable",
+]

@@ -1,0 +1,127 @@
+"""The fused Triton kernels (engine/kernels) against the torch reference.
+
+Runs wherever Triton imports: on a CUDA machine on the GPU, elsewhere on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set here before the kernels are first imported, since
+Triton reads it when a kernel is decorated). Skipped cleanly where Triton is not installed (it
+is not a default dependency). The model-level test runs the tiny Llama on the CPU torch path
+with and without the fused kernels and compares the logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
+
+import torch.nn.functional as F  # noqa: E402
+
+from engine.kernels import fused_add_rms_norm, fused_kernels_available, silu_and_mul  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# bf16: the kernels round once where torch may round twice, and the interpreter rounds
+# float32 -> bf16 its own way: up to two bf16 ulps (2^-7 relative).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 300), (3, 4096)])
+def test_fused_add_rms_norm_matches_torch(dtype: torch.dtype, rows: int, cols: int) -> None:
+    x = rand(rows, cols, dtype=dtype, seed=rows + cols)
+    res = rand(rows, cols, dtype=dtype, seed=rows * cols, scale=3.0)
+    w = rand(cols, dtype=dtype, seed=1).abs() + 0.5
+    x0, res0 = x.clone(), res.clone()
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_res = x + res
+    ref = F.rms_norm(ref_res.float(), (cols,), w.float(), 1e-5)
+    assert normed.dtype == dtype and new_res.dtype == dtype and normed.shape == (rows, cols)
+    torch.testing.assert_close(new_res.float(), ref_res.float(), **TOL[dtype])
+    torch.testing.assert_close(normed.float(), ref, **TOL[dtype])
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 100), (5, 1024), (2, 1500)])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, inter: int) -> None:
+    gate_up = rand(rows, 2 * inter, dtype=dtype, seed=inter, scale=2.0)
+    out = silu_and_mul(gate_up)
+    g, u = gate_up.float().split(inter, dim=-1)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.silu(g) * u, **TOL[dtype])
+
+
+def test_kernels_read_row_strided_views() -> None:
+    base = rand(4, 256, dtype=torch.float32, seed=3)
+    x = base[:, :128]  # row stride 256, unit column stride
+    res = rand(4, 128, dtype=torch.float32, seed=4)
+    w = torch.ones(128, device=DEVICE)
+    normed, new_res = fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(normed, F.rms_norm(x + res, (128,), w, 1e-6))
+    torch.testing.assert_close(silu_and_mul(base[1:3]), F.silu(base[1:3, :128]) * base[1:3, 128:])
+
+
+def test_bad_shapes_raise() -> None:
+    x = rand(2, 8, dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_add_rms_norm(x, x[:1], torch.ones(8, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="unit column stride"):
+        fused_add_rms_norm(x.t(), x.t(), torch.ones(2, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(rand(2, 7, dtype=torch.float32, seed=0))
+
+
+def test_empty_batch() -> None:
+    x = torch.empty(0, 16, device=DEVICE)
+    normed, new_res = fused_add_rms_norm(x, x, torch.ones(16, device=DEVICE), 1e-5)
+    assert normed.shape == (0, 16) and new_res.shape == (0, 16)
+    assert silu_and_mul(torch.empty(0, 32, device=DEVICE)).shape == (0, 16)
+
+
+def test_available_only_on_cuda() -> None:
+    assert fused_kernels_available(torch.device("cpu")) is False
+    if torch.cuda.is_available():
+        assert fused_kernels_available(torch.device("cuda")) is True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
+    """The whole decoder (prefill + decode, fp32 CPU) with model.fused_kernels on and off."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.core_types import ScheduledRequest, SchedulerOutput
+    from engine.model_runner import ModelRunner
+    from engine.sampling_params import SamplingParams
+    from tests.engine.hf_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path, arch, seed=3)
+    cfg = EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=8))
+    runner = ModelRunner(cfg, model_dir)
+    assert runner.fused_kernels is False and runner.model.fused_kernels is False
+    with pytest.raises(ValueError, match="unavailable"):
+        ModelRunner(cfg, model_dir, fused_kernels=True)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = torch.randint(3, 500, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = {}
+    for fused in (False, True):
+        runner.model.fused_kernels = fused  # what the runner's switch sets on CUDA
+        rid = f"r{fused}"
+        out = runner.execute_model(SchedulerOutput(
+            [ScheduledRequest(rid, prompt, 0, [5, 1], True, greedy)], 21), return_logits=True)
+        tok = out.sampled_token_ids[rid]
+        dec = runner.execute_model(SchedulerOutput(
+            [ScheduledRequest(rid, [tok], 21, [5, 1], True, greedy, 1)], 1), return_logits=True)
+        logits[fused] = (out.logits[rid], dec.logits[rid])
+        runner.execute_model(SchedulerOutput([], 0, frozenset({rid})))
+    for a, b in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
