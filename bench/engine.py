@@ -13,12 +13,19 @@ Measured, each with HF's figure and the ratio:
 - a correctness check: relative error of the last-position logits, engine vs HF.
 
 Prints JSON (also written to ``--out``) and a one-line summary. GPU only.
-Usage: python -m bench.engine [--models llama3-8b,qwen2.5-7b] [--out FILE] [--quick]
+Each engine variant runs in turn on the same weights: ``fused`` (Triton fused residual-add +
+RMSNorm and SiLU*mul, engine/kernels) and ``torch`` (the plain path); the decode figures of the
+two side by side give ``decode_fused_vs_torch`` (ratio = torch ms / fused ms).
+
+Usage: python -m bench.engine [--models llama3-8b,qwen2.5-7b] [--sections check,prefill,decode,generate]
+       [--variants fused,torch] [--no-hf] [--num-gpu-blocks N] [--out FILE] [--quick]
+       python -m bench.engine --warm [--warm-parts prefill,decode,sampling]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -142,102 +149,147 @@ class EngineDriver:
                 seqs[rid].append(tok)
 
 
-def bench_model(name: str, quick: bool) -> dict[str, Any]:
-    device = torch.device("cuda")
-    t0 = time.perf_counter()
-    loaded, hf = build_models(name, device)
-    build_s = time.perf_counter() - t0
-    cfg = EngineConfig(
-        dtype="bfloat16", device="cuda", attention_backend="flashinfer",
-        cache=CacheConfig(gpu_memory_utilization=0.55),
-        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=MAX_LEN),
-    )
-    t0 = time.perf_counter()
-    runner = ModelRunner.from_loaded(cfg, loaded, f"bench-{name}")
-    init_s = time.perf_counter() - t0
-    drv = EngineDriver(runner)
-    vocab = loaded.arch.vocab_size
-    res: dict[str, Any] = {
-        "model": name, "build_s": round(build_s, 1), "runner_init_s": round(init_s, 1),
-        "kv_budget": runner.kv_budget.summary() if runner.kv_budget else None,
-        "num_gpu_blocks": runner.num_gpu_blocks,
-        "cuda_graph_sizes": runner.cuda_graphs.sizes if runner.cuda_graphs else None,
-        "cuda_graph_pool_mib": round(runner.cuda_graphs.pool_bytes / 2**20, 1) if runner.cuda_graphs else None,
-    }
-    reps = 2 if quick else 3
+SECTIONS = ("check", "prefill", "decode", "generate")
+VARIANTS = ("fused", "torch")  # fused: Triton norm/activation kernels; torch: the plain path
 
-    # Correctness: last-position logits of a 1K prompt, engine vs HF on the same weights.
-    check = random_prompts(1, 1024, vocab, 1)[0]
-    [table] = drv.tables(1, 1024)
-    req = ScheduledRequest("check", check, 0, table, True, GREEDY)
-    ours_logits = runner.execute_model(SchedulerOutput([req], 1024), return_logits=True).logits["check"]
-    with torch.inference_mode():
-        hf_logits = hf(torch.tensor([check], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
-    res["logits_rel_err_vs_hf"] = float((ours_logits - hf_logits).norm() / hf_logits.norm())
 
-    # Prefill.
-    res["prefill"] = []
-    for n in (1024, 4096, 16384):
-        prompt = random_prompts(1, n, vocab, n)[0]
-        [table] = drv.tables(1, n)
-        ids = torch.tensor([prompt], device=device)
-        ours_s = timed(lambda: drv.prefill([prompt], [table], "p"), reps)
-        with torch.inference_mode():
-            hf_s = timed(lambda: hf(ids, logits_to_keep=1), reps)
-        res["prefill"].append({"tokens": n, "engine_ms": round(ours_s * 1e3, 2), "hf_ms": round(hf_s * 1e3, 2),
-                               "speedup": round(hf_s / ours_s, 2)})
-        torch.cuda.empty_cache()
-
-    # Decode ms/token.
-    res["decode"] = []
-    steps = 32 if quick else 64
-    for batch in (1, 8, 32):
-        prompts = random_prompts(batch, 512, vocab, 100 + batch)
-        tables = drv.tables(batch, 512 + steps + 8)
-        first = drv.prefill(prompts, tables, f"d{batch}-")
-        seqs = {rid: prompts[i] + [first[rid]] for i, rid in enumerate(first)}
-        drv.decode(seqs, tables, 4)  # warm-up
+def measure_decode(drv: EngineDriver, vocab: int, batch: int, steps: int) -> float:
+    """Median ms per decode step (3 runs of ``steps`` steps) after 512-token prompts."""
+    prompts = random_prompts(batch, 512, vocab, 100 + batch)
+    tables = drv.tables(batch, 512 + 4 * steps + 8)
+    first = drv.prefill(prompts, tables, f"d{batch}-")
+    seqs = {rid: prompts[i] + [first[rid]] for i, rid in enumerate(first)}
+    drv.decode(seqs, tables, 4)  # warm-up
+    runs = []
+    for _ in range(3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         drv.decode(seqs, tables, steps)
         torch.cuda.synchronize()
-        ours_ms = (time.perf_counter() - t0) / steps * 1e3
-        ids = torch.tensor(prompts, device=device)
-        gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-        with torch.inference_mode():
-            t_short = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 1)
-            t_long = timed(lambda: hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen), 1)
-        hf_ms = (t_long - t_short) / steps * 1e3
-        res["decode"].append({"batch": batch, "engine_ms_per_step": round(ours_ms, 3), "hf_ms_per_step": round(hf_ms, 3),
-                              "speedup": round(hf_ms / ours_ms, 2)})
+        runs.append((time.perf_counter() - t0) / steps * 1e3)
+    drv.runner.execute_model(SchedulerOutput([], 0, frozenset(seqs)))
+    return statistics.median(runs)
 
-    # Batch generation: 32 x (512 in, 256 out).
-    n_out = 64 if quick else 256
-    prompts = random_prompts(32, 512, vocab, 7)
-    tables = drv.tables(32, 512 + n_out)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    first = drv.prefill(prompts, tables, "g")
-    seqs = {rid: prompts[i] + [first[rid]] for i, rid in enumerate(first)}
-    drv.decode(seqs, tables, n_out - 1)
-    torch.cuda.synchronize()
-    ours_s = time.perf_counter() - t0
-    ids = torch.tensor(prompts, device=device)
-    with torch.inference_mode():
+
+def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[str],
+                 quick: bool) -> dict[str, Any]:
+    """The chosen sections on one runner; HF's figure beside each when ``hf`` is given."""
+    device = torch.device("cuda")
+    drv = EngineDriver(runner)
+    vocab = runner.vocab_size
+    res: dict[str, Any] = {"fused_kernels": runner.fused_kernels}
+    reps = 2 if quick else 3
+    if "check" in sections and hf is not None:
+        # Correctness: last-position logits of a 1K prompt, engine vs HF on the same weights.
+        check = random_prompts(1, 1024, vocab, 1)[0]
+        [table] = drv.tables(1, 1024)
+        req = ScheduledRequest("check", check, 0, table, True, GREEDY)
+        ours_logits = runner.execute_model(SchedulerOutput([req], 1024), return_logits=True).logits["check"]
+        runner.execute_model(SchedulerOutput([], 0, frozenset({"check"})))
+        with torch.inference_mode():
+            hf_logits = hf(torch.tensor([check], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
+        res["logits_rel_err_vs_hf"] = float((ours_logits - hf_logits).norm() / hf_logits.norm())
+    if "prefill" in sections:
+        res["prefill"] = []
+        for n in (1024, 4096, 16384):
+            prompt = random_prompts(1, n, vocab, n)[0]
+            [table] = drv.tables(1, n)
+            ours_s = timed(lambda: drv.prefill([prompt], [table], "p"), reps)
+            row: dict[str, Any] = {"tokens": n, "engine_ms": round(ours_s * 1e3, 2)}
+            if hf is not None:
+                ids = torch.tensor([prompt], device=device)
+                with torch.inference_mode():
+                    hf_s = timed(lambda: hf(ids, logits_to_keep=1), reps)
+                row.update(hf_ms=round(hf_s * 1e3, 2), speedup=round(hf_s / ours_s, 2))
+            res["prefill"].append(row)
+            torch.cuda.empty_cache()
+    if "decode" in sections:
+        res["decode"] = []
+        steps = 32 if quick else 64
+        for batch in (1, 8, 32):
+            ours_ms = measure_decode(drv, vocab, batch, steps)
+            row = {"batch": batch, "engine_ms_per_step": round(ours_ms, 3)}
+            if hf is not None:
+                ids = torch.tensor(random_prompts(batch, 512, vocab, 100 + batch), device=device)
+                gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+                with torch.inference_mode():
+                    t_short = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 1)
+                    t_long = timed(lambda: hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen), 1)
+                hf_ms = (t_long - t_short) / steps * 1e3
+                row.update(hf_ms_per_step=round(hf_ms, 3), speedup=round(hf_ms / ours_ms, 2))
+            res["decode"].append(row)
+    if "generate" in sections:
+        # Batch generation: 32 x (512 in, n_out out).
+        n_out = 64 if quick else 256
+        prompts = random_prompts(32, 512, vocab, 7)
+        tables = drv.tables(32, 512 + n_out)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, eos_token_id=None, pad_token_id=0)
+        first = drv.prefill(prompts, tables, "g")
+        seqs = {rid: prompts[i] + [first[rid]] for i, rid in enumerate(first)}
+        drv.decode(seqs, tables, n_out - 1)
         torch.cuda.synchronize()
-        hf_s = time.perf_counter() - t0
-    total = 32 * n_out
-    res["generate_batch32"] = {"prompt": 512, "new_tokens": n_out, "engine_tok_s": round(total / ours_s, 1),
-                               "hf_tok_s": round(total / hf_s, 1), "speedup": round(hf_s / ours_s, 2)}
-    del runner, hf, loaded
+        ours_s = time.perf_counter() - t0
+        total = 32 * n_out
+        row = {"prompt": 512, "new_tokens": n_out, "engine_tok_s": round(total / ours_s, 1)}
+        if hf is not None:
+            ids = torch.tensor(prompts, device=device)
+            with torch.inference_mode():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, eos_token_id=None, pad_token_id=0)
+                torch.cuda.synchronize()
+                hf_s = time.perf_counter() - t0
+            row.update(hf_tok_s=round(total / hf_s, 1), speedup=round(hf_s / ours_s, 2))
+        res["generate_batch32"] = row
+    return res
+
+
+def bench_model(name: str, sections: set[str], variants: list[str], with_hf: bool, quick: bool,
+                num_gpu_blocks: int | None) -> dict[str, Any]:
+    """Each variant's runner in turn (built, measured, freed) on the same weights; HF's figures
+    with the first variant only; a fused-vs-torch decode ratio when both ran."""
+    device = torch.device("cuda")
+    t0 = time.perf_counter()
+    loaded, hf = build_models(name, device)
+    res: dict[str, Any] = {"model": name, "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
+    cfg = EngineConfig(
+        dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+        cache=CacheConfig(gpu_memory_utilization=0.55, num_gpu_blocks=num_gpu_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=MAX_LEN),
+    )
+    for i, variant in enumerate(variants):
+        t0 = time.perf_counter()
+        try:
+            runner = ModelRunner.from_loaded(cfg, loaded, f"bench-{name}", fused_kernels=variant == "fused")
+            row: dict[str, Any] = {
+                "runner_init_s": round(time.perf_counter() - t0, 1),
+                "kv_budget": runner.kv_budget.summary() if runner.kv_budget else None,
+                "num_gpu_blocks": runner.num_gpu_blocks,
+                "cuda_graph_sizes": runner.cuda_graphs.sizes if runner.cuda_graphs else None,
+            }
+            row.update(bench_engine(runner, hf if with_hf and i == 0 else None, sections, quick))
+        except Exception as exc:  # report and go on with the other variant
+            logging.exception("variant %s failed", variant)
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        res["variants"][variant] = row
+        print(json.dumps({"model": name, "variant": variant, **row}), flush=True)
+        runner = None  # free the cache and the graph pool before the next variant
+        gc.collect()
+        torch.cuda.empty_cache()
+    dec = {v: r["decode"] for v, r in res["variants"].items() if "decode" in r}
+    if "fused" in dec and "torch" in dec:
+        res["decode_fused_vs_torch"] = [
+            {"batch": f["batch"], "fused_ms": f["engine_ms_per_step"], "torch_ms": t["engine_ms_per_step"],
+             "speedup": round(t["engine_ms_per_step"] / f["engine_ms_per_step"], 3)}
+            for f, t in zip(dec["fused"], dec["torch"], strict=True)
+        ]
+    del hf, loaded
     torch.cuda.empty_cache()
     return res
 
 
-def warm_flashinfer() -> dict[str, float]:
+def warm_flashinfer(parts: set[str] = frozenset({"prefill", "decode", "sampling"})) -> dict[str, float]:
     """Build (JIT-compile or load from the cache dir) the FlashInfer modules the engine uses:
     bf16 head_dim 128 prefill and decode, and the sampling kernels. Returns seconds per part."""
     from engine.attention.base import AttentionMetadata
@@ -250,6 +302,8 @@ def warm_flashinfer() -> dict[str, float]:
     cache = torch.zeros(4, 2, 16, 2, 128, dtype=torch.bfloat16, device=device)
     times = {}
     for kind, q_lens in (("prefill_s", [5]), ("decode_s", [1])):
+        if kind[:-2] not in parts:
+            continue
         t0 = time.perf_counter()
         n = sum(q_lens)
         meta = AttentionMetadata(
@@ -264,6 +318,8 @@ def warm_flashinfer() -> dict[str, float]:
         backend.forward(0, q, k, k, cache)
         torch.cuda.synchronize()
         times[kind] = round(time.perf_counter() - t0, 1)
+    if "sampling" not in parts:
+        return times
     t0 = time.perf_counter()
     Sampler(0, device)(torch.randn(2, 64, device=device), [SampleRequest(SamplingParams(temperature=1.0, top_k=5), 0)] * 2)
     times["sampling_s"] = round(time.perf_counter() - t0, 1)
@@ -273,14 +329,23 @@ def warm_flashinfer() -> dict[str, float]:
 def summary(results: list[dict[str, Any]]) -> str:
     parts = []
     for r in results:
-        d1 = next(d for d in r["decode"] if d["batch"] == 1)
-        p16 = r["prefill"][-1]
-        parts.append(
-            f"{r['model']}: decode b1 {d1['engine_ms_per_step']} ms (HF {d1['hf_ms_per_step']}), "
-            f"b32 gen {r['generate_batch32']['engine_tok_s']} tok/s = {r['generate_batch32']['speedup']}x HF, "
-            f"prefill {p16['tokens']} {p16['engine_ms']} ms vs HF {p16['hf_ms']} ({p16['speedup']}x), "
-            f"logits rel err {r['logits_rel_err_vs_hf']:.1e}"
-        )
+        bits = [r["model"] + ":"]
+        for variant, v in r["variants"].items():
+            if "error" in v:
+                bits.append(f"{variant} FAILED")
+                continue
+            d1 = next((d for d in v.get("decode", []) if d["batch"] == 1), None)
+            if d1:
+                hf = f" (HF {d1['hf_ms_per_step']})" if "hf_ms_per_step" in d1 else ""
+                bits.append(f"{variant} decode b1 {d1['engine_ms_per_step']} ms{hf}")
+            if v.get("prefill"):
+                p16 = v["prefill"][-1]
+                bits.append(f"{variant} prefill {p16['tokens']} {p16['engine_ms']} ms")
+            if "generate_batch32" in v:
+                bits.append(f"{variant} b32 gen {v['generate_batch32']['engine_tok_s']} tok/s")
+        for d in r.get("decode_fused_vs_torch", []):
+            bits.append(f"b{d['batch']} fused/torch {d['fused_ms']}/{d['torch_ms']} ms ({d['speedup']}x)")
+        parts.append(", ".join(bits))
     return " | ".join(parts)
 
 
@@ -290,19 +355,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens")
     parser.add_argument("--warm", action="store_true", help="only build the FlashInfer kernels")
+    parser.add_argument("--warm-parts", default="prefill,decode,sampling",
+                        help="with --warm: which FlashInfer modules to build")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {SECTIONS}")
+    parser.add_argument("--variants", default="fused,torch", help=f"subset of {VARIANTS}, in order")
+    parser.add_argument("--no-hf", action="store_true", help="engine figures only (no HF model runs)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None,
+                        help="fixed KV cache size instead of the memory profile")
     args = parser.parse_args(argv)
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not sections <= set(SECTIONS) or not set(variants) <= set(VARIANTS) or not variants:
+        parser.error(f"sections must be in {SECTIONS}, variants in {VARIANTS}")
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "needs CUDA", "machine": machine_info()}))
         return 0
     if args.warm:
-        print(json.dumps({"flashinfer_warmup": warm_flashinfer()}))
+        print(json.dumps({"flashinfer_warmup": warm_flashinfer(set(args.warm_parts.split(",")))}))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     results = []
     for name in args.models.split(","):
-        results.append(bench_model(name, args.quick))
+        results.append(bench_model(name, sections, variants, not args.no_hf, args.quick,
+                                   args.num_gpu_blocks))
         print(json.dumps(results[-1]), flush=True)
-    report = {"benchmark": "engine", "machine": machine_info(), "quick": args.quick, "results": results,
+    report = {"benchmark": "engine", "machine": machine_info(), "quick": args.quick,
+              "argv": sys.argv[1:] if argv is None else argv, "results": results,
               "summary": summary(results)}
     text = json.dumps(report, indent=2)
     print(text)
