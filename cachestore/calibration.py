@@ -164,13 +164,15 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
               priors: CostPriors | None = None,
               prefill_sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
               num_blocks: int = 32, alpha: float = 0.2, progress: bool = True,
-              ) -> OnlineCostModel:
+              tier_block_bytes: int | None = None) -> OnlineCostModel:
     """Measure what can be measured and start an ``OnlineCostModel`` from it.
 
     The ``host`` entry is the host -> GPU hop that every load ends with: timed with
     ``host_to_gpu(n)`` when given (whether or not a host tier is in ``tiers``), else by reading
     the host tier if there is one (on a CPU engine that copy is the hop). Every other tier is
-    timed with ``calibrate_tier``. ``run_prefill`` (optional) fits the prefill model.
+    timed with ``calibrate_tier`` on blocks of ``tier_block_bytes`` (default ``block_bytes``;
+    pass the encoded size, codec header included, to move what a real load moves).
+    ``run_prefill`` (optional) fits the prefill model.
     Whatever is not measured keeps its value from ``priors`` (required then). A tier that fails
     keeps its prior too. Raises ValueError when neither a measurement nor a prior exists."""
     costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
@@ -180,7 +182,8 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             try:
-                costs[tier.name] = calibrate_tier(tier, block_bytes, num_blocks)
+                costs[tier.name] = calibrate_tier(tier, tier_block_bytes or block_bytes,
+                                                  num_blocks)
             except Exception as exc:  # a failing tier must not stop the engine from starting
                 if tier.name not in costs:
                     raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "

@@ -6,6 +6,12 @@ and wires the two sides: ``scheduler`` (``OffloadScheduler``: the block pool's l
 scheduler's connector) and ``worker`` (``OffloadWorker``: the model runner's connector). The
 engine hands the worker's report to the scheduler side after each step (``after_step``).
 
+Start-up calibration (``calibrate: true`` in the config, the default): before the connector is
+attached, the cost model's priors are replaced by measurements (``cachestore.calibration``):
+a few prefill sizes through the real runner on scratch blocks (``CalibrationTarget``), each
+tier's batched read of real-sized encoded blocks (written under a private prefix and deleted),
+and the host -> device scatter. A tqdm bar shows progress on stderr; the result is logged.
+
 Lifecycle: ``flush`` writes every block freed since the last step and waits for the store's
 demotions (an idle engine calls it so that a restarted engine finds everything); ``close``
 flushes, stops the load thread and closes the store (and its tiers). Not thread-safe: the
@@ -14,21 +20,39 @@ engine thread drives it.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from cachestore.calibration import calibrate
 from cachestore.codec import encoded_size
-from cachestore.cost_online import OnlineCostModel, default_priors
+from cachestore.cost_online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import build_tiers
+from connectors import offload_calibration as cal
 from connectors.base import WorkerReport
 from connectors.offload_config import OffloadConfig, default_offload_config, load_offload_config
 from connectors.offload_scheduler import OffloadScheduler
 from connectors.offload_stats import OffloadStats
 from connectors.offload_worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationTarget:
+    """What start-up calibration needs from the engine to time prefills: the runner's
+    ``execute_model``, and the limits a throwaway prefill must respect."""
+
+    execute: cal.Execute
+    max_model_len: int
+    token_budget: int
+    vocab_size: int
 
 
 class OffloadConnector:
@@ -64,8 +88,13 @@ class OffloadConnector:
         source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
         kv_cache: KVCache,
         namespace: Namespace,
+        *,
+        calibration: CalibrationTarget | None = None,
     ) -> OffloadConnector:
         """Build from a YAML path, a dict, an ``OffloadConfig`` or None (the defaults).
+        With ``config.calibrate``, measure the priors first (prefill only when ``calibration``
+        is given; the tiers and the host hop always). Call before the worker is attached to the
+        runner and before any request: calibration uses the cache's blocks as scratch.
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         prefix = namespace.key_prefix()
         if source is None:
@@ -77,13 +106,19 @@ class OffloadConnector:
         meta = block_meta(kv_cache, prefix)
         tiers = build_tiers(config.tiers, host_slot_bytes=encoded_size(meta))
         store = HierarchicalStore(tiers, StoreConfig(namespace=prefix))
-        priors = default_priors("cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b")
-        cost_model = OnlineCostModel(
-            dict(priors.tier_costs),
-            priors.prefill,
-            block_bytes=kv_cache.bytes_per_block,
-            block_tokens=kv_cache.block_size,
+        kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
+        base = default_priors(kind)
+        priors = CostPriors(
+            kind, dict(base.tier_costs), base.prefill, kv_cache.bytes_per_block, kv_cache.block_size
         )
+        try:
+            if config.calibrate:
+                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta), calibration)
+            else:
+                cost_model = OnlineCostModel.from_priors(priors)
+        except BaseException:
+            store.close()
+            raise
         return cls(config, store, kv_cache, namespace, cost_model)
 
     def after_step(self, report: WorkerReport | None = None) -> None:
@@ -119,3 +154,56 @@ class OffloadConnector:
         finally:
             self.worker.close()
             self.store.close()
+
+
+def _calibrate(
+    store: HierarchicalStore,
+    kv_cache: KVCache,
+    priors: CostPriors,
+    encoded_block_bytes: int,
+    target: CalibrationTarget | None,
+) -> OnlineCostModel:
+    """Measure prefill (when ``target`` is given), every tier but host, and the host hop;
+    log the result. Leaves the scratch blocks zeroed and the runner without state."""
+    t0 = time.perf_counter()
+    num_blocks = min(16 if kv_cache.device.type == "cuda" else 8, kv_cache.num_blocks)
+    host_to_gpu = cal.host_to_gpu_timer(kv_cache, num_blocks) if num_blocks >= 2 else None
+    run_prefill, sizes, scratch = None, cal.DEFAULT_PREFILL_SIZES, num_blocks
+    if target is not None:
+        cap = cal.max_prefill_tokens(kv_cache, target.max_model_len, target.token_budget)
+        if cap >= 32:
+            sizes = cal.prefill_sizes(cap)
+            run_prefill = cal.prefill_timer(target.execute, kv_cache.block_size, target.vocab_size)
+            scratch = max(scratch, -(-max(n + c for n, c in sizes) // kv_cache.block_size))
+    try:
+        model = calibrate(
+            store.tiers,
+            kv_cache.bytes_per_block,
+            kv_cache.block_size,
+            run_prefill,
+            host_to_gpu=host_to_gpu,
+            priors=priors,
+            prefill_sizes=sizes,
+            num_blocks=max(num_blocks, 2),
+            tier_block_bytes=encoded_block_bytes,
+        )
+    finally:
+        if target is not None:
+            cal.finish(target.execute, kv_cache, min(scratch, kv_cache.num_blocks))
+        elif host_to_gpu is not None:
+            kv_cache.tensor[:num_blocks].zero_()
+    log.info("kv offload calibrated in %.2fs: %s", time.perf_counter() - t0, describe(model))
+    return model
+
+
+def describe(model: OnlineCostModel) -> str:
+    """One line: every tier's latency and bandwidth, and the prefill fit."""
+    p = model.prefill_cost()
+    tiers = ", ".join(
+        f"{name} {c.latency_s * 1e6:.0f}us {c.bandwidth_bytes_per_s / 1e9:.2f}GB/s"
+        for name, c in model.tier_costs().items()
+    )
+    return (
+        f"{tiers}; prefill {p.fixed_s * 1e3:.2f}ms + {p.per_token_s * 1e6:.2f}us/token "
+        f"+ {p.attention_s * 1e9:.3f}ns*n*(c+n/2)"
+    )

@@ -4,6 +4,7 @@ One YAML file (or the same dict) holds both::
 
     decision: cost          # cost | load | recompute
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
+    calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
@@ -40,6 +41,7 @@ class OffloadConfig:
     tiers: TierStackConfig
     decision: str = "cost"
     load_timeout_s: float = 5.0
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
@@ -49,21 +51,26 @@ class OffloadConfig:
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
-    """``{"tiers": [...], "decision": ..., "load_timeout_s": ...}`` -> OffloadConfig.
+    """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...}`` ->
+    OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
-    known = {"tiers", "decision", "load_timeout_s"}
+    known = {"tiers", "decision", "load_timeout_s", "calibrate"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
     timeout = data.get("load_timeout_s", 5.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ConfigError(f"kv offload config: load_timeout_s must be a number, got {timeout!r}")
+    calibrate = data.get("calibrate", True)
+    if not isinstance(calibrate, bool):
+        raise ConfigError(f"kv offload config: calibrate must be true or false, got {calibrate!r}")
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),
         load_timeout_s=float(timeout),
+        calibrate=calibrate,
     )
 
 

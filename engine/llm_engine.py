@@ -78,10 +78,16 @@ class LLMEngine:
         kv_manager = KVCacheManager(self.pool, namespace, cache_cfg.enable_prefix_caching)
         self.offload: OffloadConnector | None = None
         if config.kv_offload:
-            from connectors.offload import OffloadConnector
+            from connectors.offload import CalibrationTarget, OffloadConnector
 
+            target = CalibrationTarget(
+                self.runner.execute_model,
+                self.max_model_len,
+                sched_cfg.max_num_batched_tokens,
+                self.runner.vocab_size,
+            )
             self.offload = OffloadConnector.create(
-                config.kv_offload_config, self.runner.kv_cache, namespace
+                config.kv_offload_config, self.runner.kv_cache, namespace, calibration=target
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)
