@@ -25,13 +25,14 @@ import queue
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.shared import backend_errors
 
 _SEQ = struct.Struct("<Q")
 _STOP = object()
@@ -47,14 +48,10 @@ class _WriteOp:
     error: BaseException | None = None
 
 
-@contextmanager
-def _guard(op: str, path: str) -> Iterator[None]:
+def _guard(op: str, path: str) -> AbstractContextManager[None]:
     import lmdb
 
-    try:
-        yield
-    except lmdb.Error as exc:
-        raise TierError(f"lmdb {op} at {path}: {exc}") from exc
+    return backend_errors((lmdb.Error,), "lmdb", op, f"at {path}")
 
 
 class LmdbTier(Tier):

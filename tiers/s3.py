@@ -45,12 +45,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgpack
-
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.s3_layout import Location, Pointer, resolve
+from tiers.shared import backend_errors, config_as, last_value_wins
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,21 +87,6 @@ class S3TierConfig:
                 f"prefix={self.prefix!r}, blocks_per_object={self.blocks_per_object})")  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class _Pointer:
-    group: str
-    keys: tuple[str, ...]
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Location:
-    group: str
-    offset: int
-    length: int
-
-
 class S3Tier(Tier):
     """Tier over an S3 bucket prefix. See the module docstring for the layout and semantics."""
 
@@ -135,10 +120,7 @@ class S3Tier(Tier):
     def from_config(cls, config: Any) -> S3Tier:
         """Registry factory (``tiers.s3:S3Tier.from_config``): accepts this module's config or
         any config object (``cachestore.tier_config.S3TierConfig``) with a subset of its fields."""
-        if not isinstance(config, S3TierConfig):
-            names = [f.name for f in fields(S3TierConfig)]
-            config = S3TierConfig(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-        return cls(config)
+        return cls(config_as(config, S3TierConfig))
 
     def __repr__(self) -> str:
         return f"S3Tier({self.config!r})"
@@ -149,12 +131,9 @@ class S3Tier(Tier):
         return f"{self.config.prefix}k/{key}"
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
-        if self._closed:
-            raise TierError(f"s3 tier {op} after close")
-        try:
+        where = f"on {self.config.bucket}/{self.config.prefix}"
+        with backend_errors(self._errors, "s3", op, where, closed=self._closed):
             return fn()
-        except self._errors as exc:
-            raise TierError(f"s3 {op} on {self.config.bucket}/{self.config.prefix}: {exc}") from exc
 
     def _get(self, name: str, byte_range: str | None = None) -> bytes | None:
         """Object body, or None if absent. Raises TierError on any other failure."""
@@ -180,50 +159,17 @@ class S3Tier(Tier):
         futures = [self._pool.submit(fn, a) for a in args]
         return [f.result() for f in futures]
 
-    def _read_pointer(self, key: str) -> _Pointer | None:
+    def _read_pointer(self, key: str) -> Pointer | None:
         raw = self._get(self._pointer_name(key))
-        if raw is None:
-            return None
-        try:
-            m = msgpack.unpackb(raw)
-            return _Pointer(m["g"], tuple(m["k"]), tuple(m["o"]), tuple(m["n"]))
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-            return None  # a damaged pointer is a miss, like a damaged block
-
-    @staticmethod
-    def _pack_pointer(p: _Pointer) -> bytes:
-        return msgpack.packb(
-            {"g": p.group, "k": list(p.keys), "o": list(p.offsets), "n": list(p.lengths)})
+        return None if raw is None else Pointer.unpack(raw)
 
     # -- resolution ------------------------------------------------------------------------
 
-    def _resolve(self, keys: Sequence[str], stop_at_miss: bool) -> list[_Location | None]:
-        """Locations of ``keys`` (all of them, or the leading run when ``stop_at_miss``).
-
-        Speculatively fetches, in parallel, the pointers of the next unresolved key and of the
-        keys ``blocks_per_object`` apart after it (where the next groups start if the chain was
-        written in one call); a manifest then resolves the keys it lists in the same order.
-        """
-        bpo = self.config.blocks_per_object
-        fanout = max(1, self.config.max_pool_connections // 2)
-        out: list[_Location | None] = [None] * len(keys)
-        i = 0
-        while i < len(keys):
-            probes = list(range(i, len(keys), bpo))[:fanout]
-            found = self._parallel(self._read_pointer, [keys[p] for p in probes])
-            pointers = dict(zip(probes, found, strict=True))
-            while i < len(keys) and i in pointers:
-                ptr = pointers[i]
-                if ptr is None or keys[i] not in ptr.keys:
-                    if stop_at_miss:
-                        return out[:i]
-                    i += 1
-                    continue
-                j = ptr.keys.index(keys[i])
-                while i < len(keys) and j < len(ptr.keys) and ptr.keys[j] == keys[i]:
-                    out[i] = _Location(ptr.group, ptr.offsets[j], ptr.lengths[j])
-                    i, j = i + 1, j + 1
-        return out
+    def _resolve(self, keys: Sequence[str], stop_at_miss: bool) -> list[Location | None]:
+        """``s3_layout.resolve`` with this tier's pointer reads (parallel, on the pool)."""
+        return resolve(keys, lambda names: self._parallel(self._read_pointer, names),
+                       self.config.blocks_per_object,
+                       max(1, self.config.max_pool_connections // 2), stop_at_miss)
 
     # -- Tier API --------------------------------------------------------------------------
 
@@ -259,24 +205,16 @@ class S3Tier(Tier):
 
         A key given twice keeps its last value. Never evicts (capacity is the bucket's).
         """
-        last = {key: idx for idx, (key, _) in enumerate(items)}
-        unique = [item for idx, item in enumerate(items) if last[item[0]] == idx]
+        unique = last_value_wins(items)
         bpo = self.config.blocks_per_object
         chunks = [unique[s : s + bpo] for s in range(0, len(unique), bpo)]
         self._parallel(self._put_group, chunks)
         return []
 
     def _put_group(self, chunk: Sequence[tuple[str, Value]]) -> None:
-        offsets, lengths, pos = [], [], 0
-        for _, value in chunk:
-            n = value.nbytes if isinstance(value, memoryview) else len(value)
-            offsets.append(pos)
-            lengths.append(n)
-            pos += n
         group = f"{self.config.prefix}g/{uuid.uuid4().hex}"
         self._put(group, b"".join(v for _, v in chunk))
-        ptr = _Pointer(group, tuple(k for k, _ in chunk), tuple(offsets), tuple(lengths))
-        body = self._pack_pointer(ptr)
+        body = Pointer.for_group(group, chunk).pack()
         # Pointers go out sequentially here: this runs on a pool thread already, and waiting on
         # the same pool from inside it could deadlock once every worker is a group writer.
         for key, _ in chunk:
@@ -297,11 +235,7 @@ class S3Tier(Tier):
         for mate, ptr in zip(mates, self._parallel(self._read_pointer, mates), strict=True):
             if ptr is None or not set(ptr.keys) & present.keys():
                 continue
-            keep = [j for j, k in enumerate(ptr.keys) if k not in present]
-            trimmed = _Pointer(ptr.group, tuple(ptr.keys[j] for j in keep),
-                               tuple(ptr.offsets[j] for j in keep),
-                               tuple(ptr.lengths[j] for j in keep))  # fmt: skip
-            self._put(self._pointer_name(mate), self._pack_pointer(trimmed))
+            self._put(self._pointer_name(mate), ptr.without(present).pack())
         return len(present)
 
     def usage(self) -> TierUsage:
