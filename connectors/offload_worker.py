@@ -7,11 +7,15 @@ Per step (``ModelRunner`` calls, engine thread):
      stream's earlier writes) into pinned host memory; the compute stream waits on that copy's
      event only when ``meta.saves_reuse_blocks`` (a block already has a new owner).
    - loads: new ones are handed to one background thread, which reads the keys (pinned by
-     the scheduler side's ``prepare_load``; it unpins them) through the store (lower tiers staging into host memory), decodes into a (pinned) host
-     tensor and unpins. Cancelled ones are dropped. Every load whose read finished is scattered
-     into its GPU blocks in ONE batched copy; a load running past ``load_timeout_s`` ends with
-     0 blocks (the scheduler recomputes). On an empty step with loads in flight it waits for
-     the first to finish (up to its deadline) instead of letting the engine spin.
+     the scheduler side's ``prepare_load``; it unpins them) through the store, one read per run
+     of blocks from the same tier, into a (pinned) host tensor. Cancelled ones are dropped.
+     Every load whose read finished is scattered into its GPU blocks in ONE batched copy; a
+     load running past ``load_timeout_s`` ends with 0 blocks (the scheduler recomputes). On an
+     empty step with loads in flight it waits for the first to finish (up to its deadline)
+     instead of letting the engine spin.
+   - cost model (``observe_transfer``: the hop from a tier into host memory; ``host``: host ->
+     device): each non-host run's timed read under its tier, each batched scatter under
+     ``host``. A run read from the host tier is host memory already and is not a hop.
 2. ``wait_for_save()``, after the forward: waits for the gather's event (CUDA), encodes the
    blocks (codec header + payload) and writes them to the top tier; the store demotes from there.
 3. ``take_report()``: finished loads for the scheduler side.
@@ -51,11 +55,32 @@ def block_meta(kv_cache: KVCache, namespace_prefix: str) -> BlockMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class TierSample:
+    """One timed hop for the cost model: ``nbytes`` from ``tier`` into host memory."""
+
+    tier: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class _ReadResult:
     num_blocks: int
     data: torch.Tensor | None  # [num_blocks, *block_shape] on the host
     seconds: float
     nbytes: int
+    hops: tuple[TierSample, ...] = ()  # per run of blocks from one tier, in order
+
+
+def _runs(tiers: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """``(tier, start, end)`` for each stretch of consecutive blocks from one tier."""
+    out: list[tuple[str, int, int]] = []
+    for i, tier in enumerate(tiers):
+        if out and out[-1][0] == tier:
+            out[-1] = (tier, out[-1][1], i + 1)
+        else:
+            out.append((tier, i, i + 1))
+    return out
 
 
 @dataclass(slots=True)
@@ -192,31 +217,44 @@ class OffloadWorker:
     # -- loads ---------------------------------------------------------------------------
 
     def _read(self, load: BlockLoad) -> _ReadResult:
-        """Load thread: read ``load.keys`` through the store into one host tensor. Never
-        raises: any failure is a short (possibly empty) result."""
+        """Load thread: read ``load.keys`` through the store into one host tensor, one store
+        read per run of blocks expected from the same tier (each timed: that tier's hop into
+        host memory). Stops at the first missing block. Never raises: any failure is a short
+        (possibly empty) result."""
         t0 = time.perf_counter()
         keys = list(load.keys)
         size = self.meta.payload_bytes
+        tiers = load.source_tiers if len(load.source_tiers) == len(keys) else ("",) * len(keys)
+        hops: list[TierSample] = []
+        n = 0
         try:
             try:  # the scheduler side pinned the keys (prepare_load) when it planned the load
-                values = self.store.get_many(keys)
-                n = 0
-                while n < len(values) and values[n] is not None and len(values[n]) == size:
-                    n += 1
                 data = torch.empty(
-                    (n, *self.kv_cache.spec.block_shape),
+                    (len(keys), *self.kv_cache.spec.block_shape),
                     dtype=self.kv_cache.spec.dtype,
                     pin_memory=self._cuda,
                 )
-                rows = data.view(torch.uint8).view(n, size).numpy()
-                for i in range(n):
-                    rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
+                rows = data.view(torch.uint8).view(len(keys), size).numpy()
+                for tier, start, end in _runs(tiers):
+                    t_run = time.perf_counter()
+                    values = self.store.get_many(keys[start:end])
+                    got = 0
+                    while got < len(values) and values[got] is not None:
+                        if len(values[got]) != size:  # type: ignore[arg-type]
+                            break
+                        rows[start + got] = memoryview(values[got]).cast("B")  # type: ignore[arg-type]
+                        got += 1
+                    n += got
+                    if got:
+                        hops.append(TierSample(tier, got * size, time.perf_counter() - t_run))
+                    if got < end - start:
+                        break
             finally:
                 self.store.complete_load(keys)
         except Exception:  # a read that fails is a miss; the request recomputes
             log.exception("kv load for %s failed", load.req_id)
             return _ReadResult(0, None, time.perf_counter() - t0, 0)
-        return _ReadResult(n, data, time.perf_counter() - t0, n * size)
+        return _ReadResult(n, data[:n], time.perf_counter() - t0, n * size, tuple(hops))
 
     def _finish_loads(self, wait: bool) -> None:
         if wait and self._loads:
@@ -246,11 +284,22 @@ class OffloadWorker:
                 loaded_bytes=res.nbytes,
                 load_seconds=res.seconds,
             )
-            tiers = set(load.source_tiers)
-            if self.cost_model is not None and res.num_blocks and len(tiers) == 1:
-                # Only a load served by one tier says something about that tier's speed.
-                self.cost_model.observe_transfer(tiers.pop(), res.nbytes, res.seconds)
+            self._observe(res.hops)
             self._finished.append(LoadResult(req_id, res.num_blocks, len(load.keys), res.seconds))
         if ids:
             data = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            self.kv_cache.scatter_blocks(ids, data)
+            t0 = time.perf_counter()
+            self.kv_cache.scatter_blocks(ids, data)  # from pinned memory: synchronous
+            if self.cost_model is not None:  # the host -> device hop of every block loaded
+                nbytes = data.numel() * data.element_size()
+                self.cost_model.observe_transfer("host", nbytes, time.perf_counter() - t0)
+
+    def _observe(self, hops: tuple[TierSample, ...]) -> None:
+        """Feed the cost model each tier's read, per ``observe_transfer``'s contract (the hop
+        from that tier into host memory). A run read from the host tier is not a hop: it is
+        host memory already (its ``host`` hop is the scatter, observed there)."""
+        if self.cost_model is None:
+            return
+        for hop in hops:
+            if hop.tier and hop.tier != "host":
+                self.cost_model.observe_transfer(hop.tier, hop.nbytes, hop.seconds)
