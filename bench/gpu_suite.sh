@@ -1,19 +1,45 @@
 #!/usr/bin/env bash
-# The GPU suite in one go on a CUDA host without internet: GPU tests, then GPU benchmarks.
+# The GPU suite in one go on a CUDA host without internet: warm-up, GPU tests, GPU benchmarks.
 # Usage: bench/gpu_suite.sh [OUT_DIR]   (default: $OUT, else ./gpu-suite-out)
-# - installs the wheels carried in .whl/ (flashinfer and deps) into /tmp/site if present;
+# - installs the wheels carried in .whl/ (flashinfer and deps) into /tmp/site if present
+#   (SUITE_INSTALL=0 skips that when the caller already did);
 # - keeps FlashInfer's JIT cache inside the repo (.flashinfer-cache/, git-excluded) so a
-#   second run on the same host skips the ~80 s compile;
-# - writes gpu_tests.txt, warmup.json and one JSON per benchmark into OUT_DIR.
-# Add a benchmark by appending "name|command" to BENCHES (its JSON goes to $OUT_DIR/name.json).
+#   second run on the same host skips the ~90 s compile;
+# - writes into OUT_DIR (at most 7 files): warmup.json, gpu_tests.txt, and per benchmark
+#   NAME.json + NAME.log.
+# Selection and budgets, all by environment (defaults in brackets):
+#   SUITE_STAGES      stages to run, comma-separated          [warm,tests,benches]
+#   WARM_PARTS        FlashInfer modules to build              [prefill,decode,sampling]
+#   GPU_TESTS_K       pytest -k expression for the GPU tests   [all]
+#   SUITE_BENCHES     benchmarks to run, in order              [engine,offload]
+#   ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each benchmark
+#   T_WARM T_TESTS T_ENGINE T_OFFLOAD  seconds per stage (timeout), so one hang leaves time
+#                                      for the rest              [300 600 900 600]
+#   SUITE_DEADLINE_S  whole-suite budget from its start: no stage runs past it (each stage's
+#                     limit is cut to what is left, less 5 s)     [none]
+# Add a benchmark: a "name|command|timeout-variable" entry in BENCHES; the command gets
+# OUT_DIR in $BENCH_OUT and writes $BENCH_OUT/name.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-gpu-suite-out}}"
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+STAGES=",${SUITE_STAGES:-warm,tests,benches},"
+START=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - START )) s] $*"; }
+# limit T: T, cut to the time left before SUITE_DEADLINE_S (at least 1 s).
+limit() {
+  local t="$1"
+  if [ -n "${SUITE_DEADLINE_S:-}" ]; then
+    local left=$(( SUITE_DEADLINE_S - ($(date +%s) - START) - 5 ))
+    [ "$left" -lt "$t" ] && t=$left
+    [ "$t" -lt 1 ] && t=1
+  fi
+  echo "$t"
+}
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "${SUITE_INSTALL:-1}" != 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -27,22 +53,38 @@ fi
 
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 "$PY" -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' || exit 1
+"$PY" -c 'import triton; print("triton", triton.__version__)' || echo "no triton: fused kernels off"
 
 status=0
-echo "== warm FlashInfer"
-"$PY" -m bench.engine --warm | tee "$OUT_DIR/warmup.json" || status=1
+if [[ "$STAGES" == *,warm,* ]]; then
+  stamp "warm FlashInfer (${WARM_PARTS:-prefill,decode,sampling})"
+  timeout -k 5 "$(limit "${T_WARM:-300}")" "$PY" -m bench.engine --warm --warm-parts "${WARM_PARTS:-prefill,decode,sampling}" \
+    | tee "$OUT_DIR/warmup.json" || status=1
+fi
 
-echo "== GPU tests"
-"$PY" -m pytest -q -m gpu -s tests/engine/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
+if [[ "$STAGES" == *,tests,* ]]; then
+  stamp "GPU tests ${GPU_TESTS_K:+(-k $GPU_TESTS_K)}"
+  kargs=()
+  [ -n "${GPU_TESTS_K:-}" ] && kargs=(-k "$GPU_TESTS_K")
+  timeout -k 5 "$(limit "${T_TESTS:-600}")" "$PY" -m pytest -q -s -rs tests/engine/test_gpu.py tests/engine/test_kernels.py \
+    -p no:cacheprovider "${kargs[@]}" 2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
+fi
 
 BENCHES=(
-  "engine|-m bench.engine ${ENGINE_BENCH_ARGS:-}"
+  "engine|-m bench.engine ${ENGINE_BENCH_ARGS:-} --out \$BENCH_OUT/engine.json|T_ENGINE"
+  "offload|bench/offload.py ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
 )
-for entry in "${BENCHES[@]}"; do
-  name="${entry%%|*}"
-  cmd="${entry#*|}"
-  echo "== bench $name"
-  # shellcheck disable=SC2086
-  "$PY" $cmd --out "$OUT_DIR/$name.json" || status=1
-done
+if [[ "$STAGES" == *,benches,* ]]; then
+  export BENCH_OUT="$OUT_DIR"
+  for entry in "${BENCHES[@]}"; do
+    IFS='|' read -r name cmd tvar <<< "$entry"
+    [[ ",${SUITE_BENCHES:-engine,offload}," == *",$name,"* ]] || continue
+    declare -A defaults=([T_ENGINE]=900 [T_OFFLOAD]=600)
+    lim="$(limit "${!tvar:-${defaults[$tvar]}}")"
+    stamp "bench $name (limit ${lim} s)"
+    # shellcheck disable=SC2086
+    timeout -k 5 "$lim" "$PY" $(eval echo $cmd) 2>&1 | tee "$OUT_DIR/$name.log" || status=1
+  done
+fi
+stamp "done, status $status"
 exit $status

@@ -3,6 +3,12 @@ cost model's choice against the measured best, each beside its baseline in the s
 
     python bench/offload.py --out DIR            # CUDA: Llama-3-8B shape, random bf16 weights
     python bench/offload.py --out DIR --quick    # CPU (or CUDA): the embedded demo model
+    python bench/offload.py --out DIR --tiny     # the full code path (random-weight loader,
+                                                 # bf16 on CUDA) with a tiny Llama config
+
+Runtime on one H200 is bounded by ``--lengths``, ``--lmdb-max-len`` (the LMDB TTFT mode only
+for prefixes up to this length: a 16K prefix is 2 GiB of LMDB writes per repetition),
+``--reps``, ``--sweep-lengths`` and ``--qa-users``; the defaults aim at about 4 minutes.
 
 Sections (JSON keys):
 - ``transfer``: ``KVCache.gather_blocks`` + one (pinned) host copy, and ``scatter_blocks`` back,
@@ -27,6 +33,7 @@ writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import json
@@ -62,7 +69,10 @@ LLAMA3_8B = {
     "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
 }
-HOST_CAPACITY = 12 << 30  # pinned; holds every prefix of the TTFT section and all QA histories
+HOST_CAPACITY = 8 << 30  # pinned; holds the TTFT prefixes (3 x 16K = 6 GiB) and all QA histories
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "max_position_embeddings": 4096}
 TOKEN_RANGE = (10, 500)
 SWEEP_CALIBRATION_BLOCKS = 16  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
 
@@ -83,18 +93,23 @@ class Setup:
     sweep_factors: tuple[tuple[float, float], ...]  # (x break-even bandwidth, x prefill latency)
     max_batched_tokens: int
     request_timeout_s: float  # a generate call taking longer means the engine is stuck
+    dtype: str = "auto"
+    reps: int = 3  # TTFT repetitions per (mode, length); the median is reported
+    lmdb_max_len: int = 1 << 30  # the LMDB TTFT mode skips longer prefixes
+    sweep_lengths: tuple[int, ...] = ()  # () = lengths
+    host_capacity: int = 512 << 20
 
 
-def _random_model_dir(workdir: str) -> str:
+def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
     """config.json, the demo tokenizer and a marker; the weights are made on the device."""
     from safetensors.torch import save_file
 
     from engine.demo_model import save_demo_tokenizer
 
-    out = os.path.join(workdir, "llama-3-8b-random")
+    out = os.path.join(workdir, f"llama-random-{config['hidden_size']}")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f, indent=1)
+        json.dump(config, f, indent=1)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
     save_demo_tokenizer(out)
@@ -142,24 +157,54 @@ def _install_random_loader() -> None:
     mr.load_model = load  # imported by name there
 
 
-def build_setup(quick: bool, workdir: str) -> Setup:
+def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None) -> Setup:
+    """``quick``: the demo model; ``tiny``: the full path on a tiny random Llama; ``full``: the
+    Llama-3-8B shape (CUDA only). ``args`` overrides sizes (see main's flags)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # tiny models on a shared CPU: threads only add contention
-    if quick:
-        return Setup(None, device, workdir, (256, 1024), 32,
-                     {"users": 4, "rounds": 3, "system": 64, "context": 192, "question": 16,
-                      "answer": 8, "pool_users": 2},
-                     ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
-    if not cuda:
-        raise SystemExit("the full benchmark needs CUDA (Llama-3-8B shape); use --quick on CPU")
-    _install_random_loader()
-    return Setup(_random_model_dir(workdir), device, workdir, (1024, 4096, 16384), 256,
-                 {"users": 12, "rounds": 4, "system": 1024, "context": 2048, "question": 64,
-                  "answer": 32, "pool_users": 3},
-                 ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.0), (16.0, 0.5)), 16384 + 256,
-                 300.0)
+    if mode == "quick":
+        setup = Setup(None, device, workdir, (256, 1024), 32,
+                      {"users": 4, "rounds": 3, "system": 64, "context": 192, "question": 16,
+                       "answer": 8, "pool_users": 2},
+                      ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
+    elif mode == "tiny":
+        _install_random_loader()
+        setup = Setup(_random_model_dir(workdir, TINY), device, workdir, (256, 1024), 16,
+                      {"users": 4, "rounds": 2, "system": 64, "context": 128, "question": 16,
+                       "answer": 4, "pool_users": 2},
+                      ((0.25, 0.0), (16.0, 0.5)), 2048, 60.0,
+                      dtype="bfloat16" if cuda else "float32", reps=1, lmdb_max_len=256,
+                      sweep_lengths=(256,))
+    else:
+        if not cuda:
+            raise SystemExit("the full benchmark needs CUDA (Llama-3-8B shape); use --quick or "
+                             "--tiny on CPU")
+        _install_random_loader()
+        setup = Setup(_random_model_dir(workdir, LLAMA3_8B), device, workdir, (1024, 4096, 16384),
+                      256,
+                      {"users": 12, "rounds": 4, "system": 1024, "context": 2048, "question": 64,
+                       "answer": 32, "pool_users": 3},
+                      ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
+                      120.0, dtype="bfloat16", reps=3, lmdb_max_len=4096,
+                      sweep_lengths=(1024, 4096), host_capacity=HOST_CAPACITY)
+    if args is not None:
+        over: dict[str, Any] = {}
+        if args.lengths:
+            over["lengths"] = tuple(int(x) for x in args.lengths.split(","))
+        if args.sweep_lengths:
+            over["sweep_lengths"] = tuple(int(x) for x in args.sweep_lengths.split(","))
+        if args.reps:
+            over["reps"] = args.reps
+        if args.lmdb_max_len:
+            over["lmdb_max_len"] = args.lmdb_max_len
+        if args.qa_users:
+            over["qa"] = {**setup.qa, "users": args.qa_users}
+        setup = dataclasses.replace(setup, **over)
+    if any(n % 16 for n in setup.lengths + setup.sweep_lengths):
+        raise SystemExit("prefix lengths must be multiples of 16")
+    return setup
 
 
 def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None) -> Any:
@@ -170,7 +215,7 @@ def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None) 
         "max_num_seqs": 64, "seed": 0,
     }
     if setup.model_dir is not None:
-        kwargs["dtype"] = "bfloat16"
+        kwargs["dtype"] = setup.dtype
     if offload is not None:
         kwargs.update(kv_offload=True, kv_offload_config=offload)
     return LLM(setup.model_dir, **kwargs)
@@ -289,7 +334,7 @@ def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, in
 def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[str, Any] | None:
     lmdb = {"kind": "lmdb", "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
             "capacity": 48 << 30 if setup.model_dir else 1 << 30}
-    host_cap = HOST_CAPACITY if setup.model_dir else (512 << 20)
+    host_cap = setup.host_capacity
     if mode == "recompute":
         return None
     if mode == "lmdb":
@@ -313,8 +358,10 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                          setup.request_timeout_s)  # warm-up: kernels, allocator
             per_len: dict[str, Any] = {}
             for length in setup.lengths:
+                if mode == "lmdb" and length > setup.lmdb_max_len:
+                    continue  # a 16K prefix is 2 GiB of LMDB writes per repetition
                 ttfts, cached = [], []
-                for _ in range(3):
+                for _ in range(setup.reps):
                     prefix = random_tokens(rng, length)
                     run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1,
                                  setup.request_timeout_s)
@@ -326,7 +373,9 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                     ttfts.append(t)
                     cached.append(c)
                 ttfts.sort()
-                per_len[str(length)] = {"ttft_s": ttfts[1], "cached_tokens": cached[1]}
+                mid = len(ttfts) // 2
+                per_len[str(length)] = {"ttft_s": ttfts[mid], "cached_tokens": sorted(cached)[mid],
+                                        "all_ttft_s": ttfts}
             stats = llm.kv_stats()
             per_len["decisions"] = stats.get("decisions", {})
             per_len["tier_hit_blocks"] = {k: v.get("hit_blocks", 0)
@@ -338,6 +387,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
         f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"] / rows[mode][str(length)][
             "ttft_s"]
         for mode in ("host", "lmdb", "cost") for length in setup.lengths
+        if str(length) in rows[mode]
     }
     return {"modes": rows, "speedup_vs_recompute": speedups}
 
@@ -353,7 +403,7 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     pool = q["pool_users"] * (hist_tokens // 16 + 2) + 4
     out["params"] = {**q, "num_gpu_blocks": pool, "max_history_tokens": hist_tokens}
     for name, offload in (("off", None), ("on", {"decision": "cost", "tiers": [
-            {"kind": "host", "capacity": HOST_CAPACITY if setup.model_dir else (512 << 20)}]})):
+            {"kind": "host", "capacity": setup.host_capacity}]})):
         rng = random.Random(2)
         system = random_tokens(rng, q["system"])
         history = [system + random_tokens(rng, q["context"]) for _ in range(q["users"])]
@@ -477,9 +527,10 @@ class _Parts:
 def bench_sweep(setup: Setup) -> dict[str, Any]:
     from tiers.lmdb import LmdbTier
 
-    max_blocks = max(setup.lengths) // 16
+    lengths = setup.sweep_lengths or setup.lengths
+    max_blocks = max(lengths) // 16
     # Room for a context and its new tokens at every length and calibration size (<= 4K).
-    llm = make_llm(setup, max(3 * max(setup.lengths), 4096) // 16 + 16, None)
+    llm = make_llm(setup, max(3 * max(lengths), 4096) // 16 + 16, None)
     lmdb = LmdbTier(os.path.join(setup.workdir, "sweep-lmdb"), (max_blocks + 64) * (
         llm.engine.runner.kv_cache.bytes_per_block + 4096) * 2)
     points: list[dict[str, Any]] = []
@@ -491,9 +542,9 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
         parts = _Parts(setup, llm, lmdb, keys)
         run_requests(llm, [random_tokens(parts.rng, 64)], GREEDY1,
                      setup.request_timeout_s)  # warm-up
-        sizes = [(256, 0), (1024, 0), (min(max(setup.lengths), 4096), 0), (256, 1024),
+        sizes = [(256, 0), (1024, 0), (min(max(lengths), 4096), 0), (256, 1024),
                  (1024, 1024)]
-        for length in setup.lengths:
+        for length in lengths:
             k_all = length // 16
             recompute = parts.prefill(length + 16, 0)
             breakeven_bw = k_all * bpb / recompute
@@ -560,7 +611,7 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
 
 def _summary(res: dict[str, Any], setup: Setup) -> str:
     parts = [f"offload ({res['machine'].get('cuda_device') or 'cpu'}, "
-             f"{'quick' if setup.model_dir is None else 'llama-3-8b shape'}):"]
+             f"{'quick' if setup.model_dir is None else res.get('mode', 'full')}):"]
     tr, tt, qa, sw = (res.get(k, {}) for k in ("transfer", "ttft", "qa", "sweep"))
     if "device_to_host" in tr:
         parts.append(f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
@@ -570,8 +621,10 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "speedup_vs_recompute" in tt:
         top = max(setup.lengths)
         s = tt["speedup_vs_recompute"]
-        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, lmdb "
-                     f"{s[f'lmdb_{top}']:.1f}x, cost {s[f'cost_{top}']:.1f}x;")
+        lm = max((k for k in s if k.startswith("lmdb_")), key=lambda k: int(k[5:]), default=None)
+        lm_txt = f"lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else "lmdb -"
+        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {lm_txt}, "
+                     f"cost {s[f'cost_{top}']:.1f}x;")
     if "ttft_p50_ratio" in qa:
         parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower, throughput "
                      f"{qa['throughput_ratio']:.2f}x with offload;")
@@ -584,10 +637,28 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     return " ".join(parts)
 
 
+def _write(out_dir: str | None, res: dict[str, Any]) -> None:
+    """DIR/offload.json (replaced whole, so a reader never sees half a file)."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "offload.json")
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(res, indent=2, default=str) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for offload.json")
     ap.add_argument("--quick", action="store_true", help="demo model, small sizes (CPU-friendly)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the full code path on a tiny random Llama (CPU-friendly)")
+    ap.add_argument("--lengths", help="TTFT prefix lengths, comma-separated (multiples of 16)")
+    ap.add_argument("--sweep-lengths", help="sweep prefix lengths (default: the mode's)")
+    ap.add_argument("--reps", type=int, help="TTFT repetitions per point (median reported)")
+    ap.add_argument("--lmdb-max-len", type=int, help="LMDB TTFT mode only up to this length")
+    ap.add_argument("--qa-users", type=int, help="multi-round QA users")
     ap.add_argument("--sections", default="transfer,ttft,qa,sweep")
     args = ap.parse_args(argv)
     sections = {"transfer": bench_transfer, "ttft": bench_ttft, "qa": bench_qa,
@@ -597,9 +668,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {sorted(sections)}")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
-        setup = build_setup(args.quick, workdir)
+        mode = "quick" if args.quick else "tiny" if args.tiny else "full"
+        setup = build_setup(mode, workdir, args)
         res: dict[str, Any] = {"bench": "offload", "machine": machine_info(),
-                               "quick": args.quick, "lengths": list(setup.lengths)}
+                               "quick": args.quick, "mode": mode, "lengths": list(setup.lengths),
+                               "argv": sys.argv[1:] if argv is None else argv}
         for name in chosen:
             t0 = time.perf_counter()
             try:
@@ -609,16 +682,13 @@ def main(argv: list[str] | None = None) -> int:
                 res[name] = {"error": f"{type(exc).__name__}: {exc}"}
             res[name]["section_s"] = time.perf_counter() - t0
             print(f"[offload] {name} done in {res[name]['section_s']:.1f}s", file=sys.stderr)
+            _write(args.out, {**res, "partial": True})  # a run killed later keeps this much
         # The issue's targets are for the H200 run; a quick run only reports its figures.
-        res["targets"] = {} if args.quick else _targets(res, setup)
+        res["targets"] = _targets(res, setup) if mode == "full" else {}
         summary = _summary(res, setup)
         res["summary"] = summary
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "offload.json"), "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(res, indent=2))
+    _write(args.out, res)
     print(summary)
     return 1 if any("error" in res.get(k, {}) for k in chosen) else 0
 
