@@ -39,11 +39,15 @@ from engine.request import Request
 
 @dataclass(frozen=True, slots=True)
 class ExternalHit:
-    """Leading tokens past the GPU prefix hit that lower tiers hold. ``load_async``: the
-    request waits in WAITING_FOR_KV while they load, instead of loading within the step."""
+    """Tokens past the GPU prefix hit (``c``) to load from lower tiers: ``[c + num_head_tokens,
+    + num_tokens)``. ``load_async``: the load runs in the background instead of within the step.
+    Without a head the request waits in WAITING_FOR_KV while it loads. With one (Cake overlap,
+    async only) it runs at once, computing the head ``[c, c + num_head_tokens)`` meanwhile, and
+    waits only if the head is done first; the tail's KV counts once the load ended."""
 
     num_tokens: int = 0
     load_async: bool = False
+    num_head_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,14 +124,16 @@ class SchedulerConnector(Protocol):
         num_gpu_hit_tokens: int,
         num_external_tokens: int,
     ) -> None:
-        """Blocks are allocated: tokens ``[num_gpu_hit_tokens, +num_external_tokens)`` are to
-        be loaded into ``block_ids`` (0 external tokens: nothing to load, stats only)."""
+        """Blocks are allocated (for the whole prompt when loading): the ``num_external_tokens``
+        tokens after ``num_gpu_hit_tokens`` plus the hit's head (``ExternalHit``) are to be loaded
+        into ``block_ids`` (0 external tokens: nothing to load, stats only)."""
         ...
 
     def get_finished_loading(self) -> Mapping[str, int]:
-        """Requests in WAITING_FOR_KV whose loads ended since the last call, each mapped to the
-        number of leading tokens whose KV is now valid (less than asked on a partial load:
-        the scheduler recomputes from there). Each id is reported once."""
+        """Requests whose loads ended since the last call (WAITING_FOR_KV, or overlapping),
+        each mapped to the number of leading tokens whose KV is then valid, counting an
+        overlapping request's head as computed (less than asked on a partial load: the
+        scheduler recomputes from there). Each id is reported once."""
         ...
 
     def build_connector_meta(self, output: SchedulerOutput) -> object:
@@ -136,7 +142,9 @@ class SchedulerConnector(Protocol):
         ...
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
-        """A request finished or was aborted; its blocks are freed right after this call."""
+        """A request finished or was aborted, or gives its blocks up while its load is in
+        flight (preempted while overlapping, released for running work): its blocks are freed
+        right after this call, so any load of it must be cancelled."""
         ...
 
 

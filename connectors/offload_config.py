@@ -2,7 +2,7 @@
 
 One YAML file (or the same dict) holds both::
 
-    decision: cost          # cost | load | recompute
+    decision: cost          # cost | load | recompute | overlap (forced Cake split)
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     tiers:
@@ -30,7 +30,7 @@ from cachestore.tier_config import (
     parse_tier_config,
 )
 
-DECISIONS = ("cost", "load", "recompute")
+DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
 _FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)

@@ -6,9 +6,10 @@
   the pool evicts meanwhile (``on_block_evicted``) sets ``saves_reuse_blocks``.
 - Loads: for a new request, past the GPU prefix hit, ``store.lookup`` says how many further
   leading blocks the tiers hold and which tier serves each; the decision policy (``cost``: the
-  online cost model; ``load``; ``recompute``) picks how many leading blocks to load. Only whole
-  leading runs are executed: an ``overlap`` (Cake) best option is priced but executed as the
-  cheapest load-prefix option.
+  online cost model; ``load``; ``recompute``; ``overlap``: the cost model's cheapest overlap
+  split, forced) picks what to load. A ``load_prefix`` loads blocks ``[0, k)`` while the request
+  waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
+  head ``[0, m)`` (``ExternalHit.num_head_tokens``).
 - Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV.
 
@@ -21,7 +22,13 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cachestore.cost_model import STRATEGY_LOAD_PREFIX, STRATEGY_RECOMPUTE, Decision
+from cachestore.cost_model import (
+    STRATEGY_LOAD_PREFIX,
+    STRATEGY_OVERLAP,
+    STRATEGY_RECOMPUTE,
+    Decision,
+    Option,
+)
 from cachestore.cost_online import OnlineCostModel
 from cachestore.hashing import BlockHash, Namespace, block_key
 from cachestore.store import HierarchicalStore
@@ -46,7 +53,8 @@ class _Plan:
     num_computed_tokens: int
     keys: tuple[str, ...]  # every available block's key past the GPU hit
     tiers: tuple[str, ...]  # the tier serving each of them
-    num_load_blocks: int
+    num_head_blocks: int  # computed while the load runs (overlap), else 0
+    num_load_blocks: int  # loaded after the head
     decision: str
 
 
@@ -55,6 +63,7 @@ class _Inflight:
     request: Request
     load: BlockLoad
     tiers: tuple[str, ...]
+    overlap: bool = False  # a tail load: its blocks do not extend the leading hit
 
 
 class OffloadScheduler:
@@ -104,25 +113,29 @@ class OffloadScheduler:
         if found.num_blocks == 0:
             return ExternalHit()
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)
-        num_load, label = self._decide(start, tiers, request.num_tokens)
+        option = self._decide(start, tiers, request.num_tokens)
+        head, num_load = option.load_begin, option.num_load_blocks
         self._plans[request.req_id] = _Plan(
-            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, num_load, label
+            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
+            option.strategy,
         )
-        return ExternalHit(num_tokens=num_load * bs, load_async=num_load > 0)
+        return ExternalHit(
+            num_tokens=num_load * bs, load_async=num_load > 0, num_head_tokens=head * bs
+        )
 
-    def _decide(
-        self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int
-    ) -> tuple[int, str]:
+    def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
         if self.decision == "load":
-            return len(tiers), STRATEGY_LOAD_PREFIX
+            return Option(STRATEGY_LOAD_PREFIX, 0, len(tiers), 0.0)
         if self.decision == "recompute":
-            return 0, STRATEGY_RECOMPUTE
+            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
         try:
             decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
         except ValueError as exc:  # a tier the model has no price for: do the safe thing
             log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
-            return 0, STRATEGY_RECOMPUTE
-        return _executable(decision)
+            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+        if self.decision == "overlap":
+            return _cheapest_overlap(decision, len(tiers))
+        return decision.best
 
     def update_state_after_alloc(
         self,
@@ -140,26 +153,30 @@ class OffloadScheduler:
             request.kv_hit_tiers = hit_tiers
             return
         num_load = num_external_tokens // bs
+        head = plan.num_head_blocks if num_load else 0
         self.stats.count_decision(plan.decision)
         self.stats.add(recomputed_tokens=(len(plan.keys) - num_load) * bs)
         request.kv_decision = plan.decision if num_load else STRATEGY_RECOMPUTE
-        request.kv_hit_tiers = hit_tiers
+        request.kv_hit_tiers = hit_tiers  # leading blocks only: an overlap's head is computed
         if num_load == 0:
             return
-        first = num_gpu_hit_tokens // bs
+        if head:
+            self.stats.add(overlap_head_tokens=head * bs, num_overlaps=1)
+        first = num_gpu_hit_tokens // bs + head
+        loaded = slice(head, head + num_load)
         # Pin now, in the same schedule() as the lookup, so that saves written before the load
         # thread reads cannot evict these blocks from the host tier meanwhile. The worker's
         # load thread unpins them (complete_load) when its read ends.
-        self.store.prepare_load(list(plan.keys[:num_load]))
+        self.store.prepare_load(list(plan.keys[loaded]))
         load = BlockLoad(
             request.req_id,
             tuple(block_ids[first : first + num_load]),
-            plan.keys[:num_load],
-            num_gpu_hit_tokens,
-            plan.tiers[:num_load],
+            plan.keys[loaded],
+            first * bs,
+            plan.tiers[loaded],
         )
         self._new_loads.append(load)
-        self._inflight[request.req_id] = _Inflight(request, load, plan.tiers[:num_load])
+        self._inflight[request.req_id] = _Inflight(request, load, plan.tiers[loaded], head > 0)
 
     def update_from_worker(self, report: WorkerReport) -> None:
         """Take the worker's finished loads (the engine calls this after every step)."""
@@ -173,7 +190,9 @@ class OffloadScheduler:
                 loaded_tokens=n * bs, recomputed_tokens=(result.num_requested_blocks - n) * bs
             )
             self.stats.count_tier_hits(list(inflight.tiers[:n]))
-            inflight.request.kv_hit_tiers = [*inflight.request.kv_hit_tiers, *inflight.tiers[:n]]
+            if not inflight.overlap:
+                request = inflight.request
+                request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
             if n == 0:
                 inflight.request.kv_decision = STRATEGY_RECOMPUTE
             self._finished[result.req_id] = inflight.load.first_token + n * bs
@@ -222,10 +241,10 @@ class OffloadScheduler:
         return len(self._inflight)
 
 
-def _executable(decision: Decision) -> tuple[int, str]:
-    """Blocks to load and the label: the best option if it loads a leading run (or nothing),
-    else the cheapest option that does (an overlap split is priced, not executed)."""
-    options = (decision.best, *decision.alternatives)
-    runnable = [o for o in options if o.load_begin == 0]
-    best = min(runnable, key=lambda o: (o.predicted_s, o.num_load_blocks))
-    return best.load_end, best.strategy
+def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
+    """The forced ``overlap`` policy: the cheapest overlap split the model priced; with fewer
+    than two cached blocks there is none, and everything is loaded."""
+    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == STRATEGY_OVERLAP]
+    if not splits:
+        return Option(STRATEGY_LOAD_PREFIX, 0, num_cached, 0.0)
+    return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))

@@ -4,7 +4,9 @@ Token counters (per admission of a request, a preempted request counting again):
 - ``gpu_hit_tokens``: prompt tokens served by the GPU prefix cache;
 - ``loaded_tokens``: tokens whose KV was loaded from the tiers (valid blocks only);
 - ``recomputed_tokens``: tokens the tiers held but that were computed anyway (the decision
-  chose recompute for them, or their load failed, came back short or timed out).
+  chose recompute for them, or their load failed, came back short or timed out);
+- ``overlap_head_tokens``: of those, the heads computed while an overlap's tail loaded
+  (``num_overlaps`` such requests).
 
 Thread-safe (one lock): the worker side updates transfer counters from its load thread.
 """
@@ -33,6 +35,8 @@ class OffloadStats:
     failed_loads: int = 0  # loads that came back short (missing/corrupt block, tier down)
     timed_out_loads: int = 0
     cancelled_loads: int = 0
+    overlap_head_tokens: int = 0
+    num_overlaps: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
     tier_hit_blocks: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from connectors.base import ExternalHit, SchedulerConnector
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.kv_cache_manager import NO_HIT, KVCacheManager
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
 
@@ -26,6 +26,7 @@ class SchedulerStats:
     prefix_cache_queried_tokens_total: int = 0
     prefix_cache_hit_tokens_total: int = 0
     num_preemptions_total: int = 0
+    num_released_loads_total: int = 0  # loading requests that gave their blocks to running work
 
 
 class Scheduler:
@@ -49,8 +50,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         # WAITING_FOR_KV requests whose load ended -> leading tokens with valid KV. Kept until
-        # the request is admitted (the admit loop may stop before reaching it).
+        # the request is admitted (the admit loop may stop before reaching it), or, for an
+        # overlapping request, until its head is computed.
         self._loaded: dict[str, int] = {}
+        # Overlapping requests (RUNNING, their tail loading): req_id -> end of the head, the
+        # token they may not compute past until the load ends.
+        self._overlap: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
@@ -84,6 +89,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self._loaded.pop(request.req_id, None)
+        self._overlap.pop(request.req_id, None)
         if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
         self.kv.free(request)
@@ -91,6 +97,10 @@ class Scheduler:
         self._finished_ids.add(request.req_id)
 
     def _preempt(self, request: Request) -> None:
+        if self._overlap.pop(request.req_id, None) is not None:
+            self._loaded.pop(request.req_id, None)
+            if self.connector is not None:  # its tail load must not write the freed blocks
+                self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -113,21 +123,30 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide one step. Mutates queues and block tables (not ``num_computed_tokens``, which
-        ``update_from_output`` advances). Hand every output to the runner, an empty one too:
-        its ``finished_req_ids`` are reported once."""
+        ``update_from_output`` advances, but for loads that ended). Hand every output to the
+        runner, an empty one too: its ``finished_req_ids`` are reported once."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        if self.connector is not None:
+            self._loaded.update(self.connector.get_finished_loading())
 
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.req_id in self._overlap:
+                num_new = self._overlap_slice(request, budget)
+                if num_new == 0:  # its head is computed, its tail still loading
+                    idx += 1
+                    continue
             total = request.num_computed_tokens + num_new
             while not self.kv.allocate_slots(request, total):
+                preempted = True
+                if self._release_a_load():
+                    continue  # a loading request gave its blocks back; try again
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted = True
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
@@ -152,9 +171,42 @@ class Scheduler:
             output = dataclasses.replace(output, kv_connector_metadata=meta)
         return output
 
+    def _overlap_slice(self, request: Request, budget: int) -> int:
+        """Tokens an overlapping request computes this step: its head up to the barrier while
+        its tail loads; once both are done, it skips the tail's valid KV (the worker scattered
+        it into the request's own blocks) and goes on. A failed tail load recomputes."""
+        barrier = self._overlap[request.req_id]
+        if request.num_computed_tokens < barrier:
+            return min(barrier - request.num_computed_tokens, budget)
+        num_valid = self._loaded.pop(request.req_id, None)
+        if num_valid is None:
+            return 0
+        del self._overlap[request.req_id]
+        if num_valid > request.num_computed_tokens:
+            if request.num_preemptions == 0:
+                request.num_cached_tokens += num_valid - request.num_computed_tokens
+            request.num_computed_tokens = num_valid
+            self.kv.cache_blocks(request)
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _release_a_load(self) -> bool:
+        """Running work needs blocks: the most recent request still loading (WAITING_FOR_KV,
+        load not ended) gives its blocks back, its load cancelled, and waits again as a new
+        request. So loads can never hold the pool hostage. False if there is none."""
+        for request in reversed(self.waiting):
+            if request.status is RequestStatus.WAITING_FOR_KV and request.req_id not in self._loaded:
+                if self.connector is not None:
+                    self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = -1  # counted again when it is admitted again
+                request.status = RequestStatus.WAITING
+                self.stats.num_released_loads_total += 1
+                return True
+        return False
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        if self.connector is not None:
-            self._loaded.update(self.connector.get_finished_loading())
         if self._loaded:
             # Loaded requests first: they already hold their blocks, so a new request stuck
             # at the head for lack of blocks must not keep them (and their blocks) waiting.
@@ -162,6 +214,7 @@ class Scheduler:
             rest = [r for r in self.waiting if r.req_id not in self._loaded]
             self.waiting = deque(ready + rest)
         skipped: list[Request] = []
+        chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING_FOR_KV:
@@ -175,9 +228,11 @@ class Scheduler:
                     if request.num_preemptions == 0:
                         request.num_cached_tokens = min(request.num_cached_tokens, num_valid)
                     request.num_computed_tokens = num_valid
-                hit, num_external = NO_HIT, 0
-                num_computed = request.num_computed_tokens
                 self.kv.cache_blocks(request)
+                num_computed = request.num_computed_tokens
+                num_new = request.num_tokens - num_computed
+                if num_new > budget and not chunked:
+                    break
             else:
                 hit = self.kv.get_computed_blocks(request)
                 num_computed = hit.num_tokens
@@ -185,42 +240,50 @@ class Scheduler:
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
                 if self.connector is not None:
                     external = self.connector.get_num_new_matched_tokens(request, num_computed)
+                head = external.num_head_tokens if external.load_async else 0
                 # Always leave the last token to compute: it yields the logit to sample.
-                num_external = min(external.num_tokens, request.num_tokens - 1 - num_computed)
+                num_external = min(
+                    external.num_tokens, request.num_tokens - 1 - num_computed - head
+                )
                 if external.load_async and num_external > 0:
-                    # CONNECTOR HOOK (b): allocate, then wait for the load off the step path.
-                    total = num_computed + num_external
-                    # Blocks for the whole prompt now: once loaded, the request must be able
-                    # to run without more blocks, or requests holding loaded KV could fill the
-                    # pool and wait on each other forever.
+                    # CONNECTOR HOOK (b): blocks for the whole prompt now: once loaded, the
+                    # request must be able to run without more blocks, or requests holding
+                    # loaded KV could fill the pool and wait on each other forever.
+                    if head > budget and not chunked:
+                        break
                     if not self.kv.allocate_slots(request, request.num_tokens, hit):
                         break
-                    self._count_prefix(request, num_computed, num_computed + num_external)
-                    request.num_computed_tokens = total
+                    loaded_now = num_external if head == 0 else 0
+                    self._count_prefix(request, num_computed, num_computed + loaded_now)
                     self.connector.update_state_after_alloc(  # type: ignore[union-attr]
                         request, self.kv.get_block_ids(request.req_id), num_computed, num_external
                     )
-                    request.status = RequestStatus.WAITING_FOR_KV
-                    skipped.append(self.waiting.popleft())
-                    continue
-                num_computed += num_external
-            num_new = request.num_tokens - num_computed
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_computed + num_new, hit):
-                break
+                    if head == 0:  # wait for the load off the step path
+                        request.num_computed_tokens = num_computed + num_external
+                        request.status = RequestStatus.WAITING_FOR_KV
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    # Overlap (Cake): compute the head now while the tail loads.
+                    self._overlap[request.req_id] = num_computed + head
+                    num_new = head
+                else:
+                    num_computed += num_external
+                    num_new = request.num_tokens - num_computed
+                    if num_new > budget and not chunked:
+                        break
+                    if not self.kv.allocate_slots(
+                        request, num_computed + min(num_new, budget), hit
+                    ):
+                        break
+                    self._count_prefix(request, hit.num_tokens, num_computed)
+                    if self.connector is not None:
+                        self.connector.update_state_after_alloc(
+                            request, self.kv.get_block_ids(request.req_id), hit.num_tokens,
+                            num_external,
+                        )
+            num_new = min(num_new, budget)  # blocks: allocated above, or when its load began
             self.waiting.popleft()
             self._loaded.pop(request.req_id, None)
-            if request.status is not RequestStatus.WAITING_FOR_KV:
-                self._count_prefix(request, hit.num_tokens, num_computed)
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        request,
-                        self.kv.get_block_ids(request.req_id),
-                        hit.num_tokens,
-                        num_external,
-                    )
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
