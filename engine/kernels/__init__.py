@@ -6,7 +6,9 @@ kernels remove most of them:
 
 - ``fused_add_rms_norm(x, residual, weight, eps)`` -> ``(normed, new_residual)``: one kernel
   for ``r = x + residual; normed = rms_norm(r) * weight``;
-- ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` over the merged gate/up projection output.
+- ``silu_and_mul(gate_up)`` -> ``silu(gate) * up`` over the merged gate/up projection output;
+- ``rotary(x, cos, sin_signed)``: the rotate-half rotary embedding of q and k (read in place
+  from the fused qkv output) in one kernel instead of three.
 
 Triton is imported lazily (only when ``fused_kernels_available`` or a kernel is called), so the
 package itself imports on a machine without it. ``fused_kernels_available(device)`` is the one
@@ -52,6 +54,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _silu_and_mul(gate_up)
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]`` (any token/head strides, unit
+    last stride) with ``cos``/``sin_signed`` ``[T, 1, D]`` as ``RotaryEmbedding.cos_sin``
+    returns them (the sign of the first half lives in the table). Returns a new contiguous
+    ``[T, H, D]`` tensor; computed in float32, rounded once. Raises ImportError without Triton."""
+    from engine.kernels.triton_ops import rotary as _rotary
+
+    return _rotary(x, cos, sin_signed)
+
+
 def _self_check(device: torch.device) -> None:
     """Run both kernels once on small bf16 inputs and compare to torch; raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -66,6 +78,13 @@ def _self_check(device: torch.device) -> None:
     gu = torch.randn(3, 512, device=device, generator=gen).to(torch.bfloat16)
     ref_act = torch.nn.functional.silu(gu[:, :256].float()) * gu[:, 256:].float()
     torch.testing.assert_close(silu_and_mul(gu).float(), ref_act, rtol=2e-2, atol=2e-2)
+    from engine.models.layers import RotaryEmbedding
+
+    qk = torch.randn(3, 6, 64, device=device, generator=gen).to(torch.bfloat16)
+    cos = torch.rand(3, 1, 64, device=device, generator=gen).to(torch.bfloat16)
+    sin = torch.rand(3, 1, 64, device=device, generator=gen).to(torch.bfloat16)
+    ref_rot = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
+    torch.testing.assert_close(rotary(qk, cos, sin).float(), ref_rot, rtol=2e-2, atol=2e-2)
 
 
 def fused_kernels_available(device: torch.device) -> bool:
@@ -91,6 +110,7 @@ def fused_kernels_available(device: torch.device) -> bool:
 __all__ = [
     "fused_add_rms_norm",
     "fused_kernels_available",
+    "rotary",
     "silu_and_mul",
     "triton_importable",
 ]

@@ -97,3 +97,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, x_tok_stride, x_head_stride, cs_stride, num_heads,
+    head_dim, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tok = (pid // num_heads).to(tl.int64)
+    head = (pid % num_heads).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    half = head_dim // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    base = x_ptr + tok * x_tok_stride + head * x_head_stride
+    x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + (tok * num_heads + head) * head_dim
+    tl.store(out + offs, (x * c + xp * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """See ``engine.kernels.rotary``. Raises ValueError on mismatched shapes."""
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, H, D] with unit last stride, got {tuple(x.shape)}")
+    tokens, heads, dim = x.shape
+    cos2, sin2 = cos.reshape(tokens, -1), sin_signed.reshape(tokens, -1)
+    if dim % 2 or cos2.shape != (tokens, dim) or sin2.shape != (tokens, dim):
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not match x {tuple(x.shape)}")
+    if cos2.stride() != (dim, 1) or sin2.stride() != (dim, 1):
+        cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    _rotary_kernel[(tokens * heads,)](
+        x, cos2, sin2, out, x.stride(0), x.stride(1), dim, heads, dim,
+        BLOCK=triton.next_power_of_2(dim), num_warps=1 if dim <= 128 else 2,
+    )
+    return out

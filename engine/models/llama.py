@@ -8,7 +8,8 @@ delegated to the step's ``AttentionBackend``, which owns the paged KV cache acce
 ``fused_kernels`` (set by the runner, default False) switches the decoder to the fused path:
 the residual stream is carried beside the hidden state, each norm is one Triton kernel that
 also adds the residual (``engine.kernels.fused_add_rms_norm``), and the MLP's SiLU * up is one
-kernel (``silu_and_mul``). Same math, one rounding apart; the torch path is the fallback.
+kernel (``silu_and_mul``), and q/k rotary is one kernel (``rotary``; not with per-head q/k
+norms). Same math, one rounding apart; the torch path is the fallback.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class Attention(nn.Module):
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
-        kv_cache: KVCache,
+        kv_cache: KVCache, fused: bool = False,
     ) -> torch.Tensor:
-        """``rope`` = this step's ``(cos, signed sin)`` rows (RotaryEmbedding.cos_sin)."""
+        """``rope`` = this step's ``(cos, signed sin)`` rows (RotaryEmbedding.cos_sin);
+        ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary)."""
         cos, sin = rope
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
@@ -71,7 +73,12 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            qk = RotaryEmbedding.apply(qk, cos, sin)
+            if fused:
+                from engine.kernels import rotary
+
+                qk = rotary(qk, cos, sin)
+            else:
+                qk = RotaryEmbedding.apply(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.forward(self.layer_idx, q, k, v, kv_cache.attention_view(self.layer_idx))
         return self.o_proj(out)
@@ -105,7 +112,7 @@ class DecoderLayer(nn.Module):
         else:
             ln = self.input_layernorm
             h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
-        h = self.self_attn(rope, h, attn, kv_cache)
+        h = self.self_attn(rope, h, attn, kv_cache, fused=True)
         ln = self.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
         return self.mlp.down_proj(silu_and_mul(self.mlp.gate_up_proj(h))), residual

@@ -127,3 +127,23 @@ def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
         runner.execute_model(SchedulerOutput([], 0, frozenset({rid})))
     for a, b in zip(logits[False], logits[True], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim", [(6, 64), (3, 128), (2, 48)])
+def test_rotary_matches_torch_on_a_strided_qkv_view(dtype: torch.dtype, heads: int, dim: int) -> None:
+    from engine.kernels import rotary
+    from engine.models.base import RopeConfig
+    from engine.models.layers import RotaryEmbedding
+
+    tokens = 5
+    qkv = rand(tokens, (heads + 2) * dim, dtype=dtype, seed=heads * dim)
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # row stride (heads + 2) * dim
+    rope = RotaryEmbedding(dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+    out = rotary(qk, cos, sin)
+    ref = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
+    assert out.shape == (tokens, heads, dim) and out.is_contiguous() and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    torch.testing.assert_close(out[0].float(), qk[0].float(), **TOL[dtype])  # position 0: identity
