@@ -8,20 +8,17 @@
 - ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
   what a cache server hands on to its clients.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
-  synchronously to that (durable) tier too before returning. Evictions from tier i are demoted to tier
-  i+1 by one background worker per tier, fed by bounded queues; a full queue drops the demotion
-  (counted), never blocks the caller. The last tier's evictions are dropped (counted).
-- Pins: between ``prepare_load`` and ``complete_load`` a key is pinned in every tier that
-  supports pins (host, lmdb: ``pin``/``unpin`` methods) and is not evicted there.
+  synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
+  to tier i+1 in the background, never blocking the caller (``cachestore.demotion``).
+- Pins: between ``prepare_load`` and ``complete_load`` a key is pinned (one call per tier for
+  the batch) in every tier that supports pins (``PinningTier``: host, lmdb); not evicted there.
 - In-flight stores: ``prepare_store`` hands each key to one caller only (not present at the top,
   not being stored); ``put_many`` skips a key another ``put_many`` is writing. A concurrent
   ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
   ``errors`` count, never an exception to the caller; a CodecError is a miss plus ``corrupt``,
   and the bad value is deleted. A failing tier is skipped with exponential backoff
-  (``TierHealth``), then probed again. Demotions into a tier that fails or backs off pass on to
-  the tier below it (dropped, counted, at the bottom). ``on_drop`` hears of keys dropped at the
-  bottom (gone from the store unless an upper tier still holds a copy).
+  (``TierHealth``), then probed again. ``on_drop`` hears of keys dropped at the bottom.
 
 Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 """
@@ -29,70 +26,23 @@ Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cachestore.codec import CodecError, decode_block
-from cachestore.store_metrics import TierHealth, TierStats, register_prometheus
-from tiers.base import Evicted, Tier, TierUsage, Value
+from cachestore.demotion import TierMovers
+from cachestore.store_metrics import TierHealth, TierStats, call_with_backoff, register_prometheus
+from cachestore.store_types import LookupResult, PinningTier, StoreConfig, TierLookup
+from tiers.base import Tier, TierUsage, Value
+
+__all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SKIP: Any = object()  # a tier call that did not happen or failed
-_STOP: Any = object()
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    namespace: str | None = None  # expected ``Namespace.key_prefix()`` of every block; None: any
-    queue_batches: int = 64  # per-tier demotion / promotion queue bound, in batches
-    promote_on_get: bool = True
-    backoff_initial_s: float = 1.0
-    backoff_max_s: float = 60.0
-    ewma_alpha: float = 0.2
-    # Index of a tier ``put_many`` also writes synchronously (a durable one, e.g. LMDB), so an
-    # acknowledged put survives a crash of the process. None: the top tier only.
-    write_through_to: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.write_through_to is not None and self.write_through_to < 0:
-            raise ValueError("write_through_to must be a tier index >= 0 or None")
-        if self.queue_batches <= 0 or not 0 < self.ewma_alpha <= 1:
-            raise ValueError("queue_batches must be positive and ewma_alpha in (0, 1]")
-        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
-            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
-
-
-@dataclass(frozen=True, slots=True)
-class TierLookup:
-    name: str
-    num_leading: int  # leading keys this tier holds (0 when it failed or is backing off)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    per_tier: tuple[TierLookup, ...]
-    served_by: tuple[int, ...]  # tier index serving each block of the available prefix
-
-    @property
-    def num_blocks(self) -> int:
-        """Length of the longest prefix available across all tiers."""
-        return len(self.served_by)
-
-    def runs(self) -> list[tuple[int, int, int]]:
-        """``(tier_index, start, count)`` for each stretch of blocks served by one tier."""
-        out: list[tuple[int, int, int]] = []
-        for i, tier in enumerate(self.served_by):
-            if out and out[-1][0] == tier:
-                out[-1] = (tier, out[-1][1], out[-1][2] + 1)
-            else:
-                out.append((tier, i, 1))
-        return out
 
 
 class HierarchicalStore:
@@ -107,7 +57,6 @@ class HierarchicalStore:
         if config.write_through_to is not None and config.write_through_to >= len(tiers):
             raise ValueError(f"write_through_to={config.write_through_to} but only "
                              f"{len(tiers)} tier(s)")
-        self._on_drop = on_drop
         self.tiers = list(tiers)
         self.config = config
         names = [t.name for t in self.tiers]
@@ -119,14 +68,8 @@ class HierarchicalStore:
         self._storing: set[str] = set()  # handed out by prepare_store
         self._writing: set[str] = set()  # inside a put_many
         self._load_pins: Counter[tuple[int, str]] = Counter()
-        # Queue i feeds tier i: promotions for the top tier, demotions for the others.
-        self._queues: list[queue.Queue[Any]] = [queue.Queue(config.queue_batches)
-                                                for _ in self.tiers]
-        self._workers = [threading.Thread(target=self._work, args=(i,), daemon=True,
-                                          name=f"kvtier-store-{s.name}")
-                         for i, s in enumerate(self._stats)]
-        for worker in self._workers:
-            worker.start()
+        self._movers = TierMovers(self._stats, self._health, config.queue_batches, self._write,
+                                  on_drop)
         self._collector = None
         if registry is not None:
             self._collector = register_prometheus(registry, self._tier_rows)
@@ -152,10 +95,8 @@ class HierarchicalStore:
                     break
             else:
                 break
-        return LookupResult(
-            per_tier=tuple(TierLookup(s.name, n)
-                           for s, n in zip(self._stats, per_tier, strict=True)),
-            served_by=tuple(served))
+        per = tuple(TierLookup(s.name, n) for s, n in zip(self._stats, per_tier, strict=True))
+        return LookupResult(per_tier=per, served_by=tuple(served))
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
@@ -207,7 +148,7 @@ class HierarchicalStore:
                 self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
             remaining = still
         if promote:
-            self._promote(promote)
+            self._movers.promote(promote)
         return out
 
     # -- writes --------------------------------------------------------------------------
@@ -264,31 +205,38 @@ class HierarchicalStore:
             self._storing.difference_update(keys)
 
     def prepare_load(self, keys: Sequence[str]) -> int:
-        """Pin each key in every pin-capable tier holding it; return how many leading keys are
-        pinned somewhere. Balance with ``complete_load(keys)``."""
+        """Pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier);
+        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``.
+        Never raises for tier failures (a failed tier pins nothing)."""
         pinned_somewhere = [False] * len(keys)
         for i, tier in enumerate(self.tiers):
-            pin = getattr(tier, "pin", None)
-            if pin is None:
+            if not keys or not isinstance(tier, PinningTier):
                 continue
-            for j, key in enumerate(keys):
-                if self._call(i, lambda t, key=key, pin=pin: pin([key]), 0) == 1:
-                    pinned_somewhere[j] = True
-                    with self._lock:
+            flags = self._call(i, lambda t: t.pin_each(keys), None)  # type: ignore[attr-defined]
+            if flags is None:
+                continue
+            with self._lock:
+                for j, (key, pinned) in enumerate(zip(keys, flags, strict=True)):
+                    if pinned:
+                        pinned_somewhere[j] = True
                         self._load_pins[(i, key)] += 1
         return next((j for j, p in enumerate(pinned_somewhere) if not p), len(keys))
 
     def complete_load(self, keys: Sequence[str]) -> None:
-        """Undo ``prepare_load``'s pins for ``keys``."""
-        for key in keys:
-            for i in range(len(self.tiers)):
-                with self._lock:
-                    if self._load_pins[(i, key)] == 0:
+        """Undo ``prepare_load``'s pins for ``keys`` (one ``unpin`` call per tier)."""
+        unpin: list[list[str]] = [[] for _ in self.tiers]
+        with self._lock:
+            for key in keys:
+                for i in range(len(self.tiers)):
+                    if self._load_pins[(i, key)] == 0:  # a Counter reads 0 without inserting
                         continue
                     self._load_pins[(i, key)] -= 1
                     if self._load_pins[(i, key)] == 0:
                         del self._load_pins[(i, key)]
-                self._call(i, lambda t, key=key: t.unpin([key]), None)
+                    unpin[i].append(key)
+        for i, mine in enumerate(unpin):
+            if mine:
+                self._call(i, lambda t, m=mine: t.unpin(m), None)  # type: ignore[attr-defined]
 
     # -- background ----------------------------------------------------------------------
 
@@ -303,80 +251,24 @@ class HierarchicalStore:
         stats.record_write(sum(len(v) for _, v in items), time.perf_counter() - t0)
         if evicted:
             stats.add("evictions", len(evicted))
-            self._demote(i, evicted)
+            self._movers.demote(i, evicted)
         return len(items)
-
-    def _demote(self, i: int, evicted: list[Evicted]) -> None:
-        stats = self._stats[i]
-        if i + 1 == len(self.tiers):
-            stats.add("dropped_at_bottom", len(evicted))
-            if self._on_drop is not None:
-                self._on_drop([e.key for e in evicted])
-            return
-        batch = [(e.key, e.value) for e in evicted if e.value is not None]
-        if len(batch) < len(evicted):
-            stats.add("demotions_dropped", len(evicted) - len(batch))
-        if batch:
-            try:
-                self._queues[i + 1].put_nowait(batch)
-            except queue.Full:
-                stats.add("demotions_dropped", len(batch))
-
-    def _promote(self, items: list[tuple[str, bytes]]) -> None:
-        try:
-            self._queues[0].put_nowait(items)
-        except queue.Full:
-            self._stats[0].add("promotions_dropped", len(items))
-            return
-        self._stats[0].add("promotions", len(items))
-
-    def _work(self, i: int) -> None:
-        q = self._queues[i]
-        while True:
-            batch = q.get()
-            try:
-                if batch is _STOP:
-                    return
-                if i > 0 and not self._health[i].available():
-                    # A tier backing off passes its demotions further down instead.
-                    self._stats[i].add("skipped")
-                    self._demote(i, [Evicted(k, v) for k, v in batch])
-                elif self._write(i, batch) < 0 and i > 0:
-                    # So does a tier whose write just failed (counted in its errors).
-                    self._demote(i, [Evicted(k, v) for k, v in batch])
-            except Exception:  # a worker must survive anything; the batch is lost, counted
-                log.exception("store worker for tier %d", i)
-                self._stats[i].add("errors")
-            finally:
-                q.task_done()
 
     def _call(self, i: int, fn: Callable[[Tier], T], default: T) -> T:
         """Run ``fn`` on tier i unless it is backing off; a failure counts and backs off."""
-        health = self._health[i]
-        if not health.available():
-            self._stats[i].add("skipped")
-            return default
-        try:
-            result = fn(self.tiers[i])
-        except Exception as exc:  # TierError, or a backend bug: still a miss, never a failure
-            log.warning("tier %s failed: %s", self.tiers[i].name, exc)
-            self._stats[i].add("errors")
-            health.record_failure()
-            return default
-        health.record_success()
-        return result
+        return call_with_backoff(self.tiers[i], fn, default, name=self.tiers[i].name,
+                                 stats=self._stats[i], health=self._health[i])
 
     # -- lifecycle and stats -------------------------------------------------------------
 
     def flush(self) -> None:
         """Wait until promotions and demotions queued so far are written (tests use it)."""
-        for q in self._queues:  # items only flow downwards, so one pass in order suffices
-            q.join()
+        self._movers.flush()
 
     def _tier_rows(self) -> list[dict[str, Any]]:
         rows = [s.snapshot() for s in self._stats]
-        for row, q, health in zip(rows, self._queues, self._health, strict=True):
-            row["queue_batches"] = q.qsize()
+        for i, (row, health) in enumerate(zip(rows, self._health, strict=True)):
+            row["queue_batches"] = self._movers.queued_batches(i)
             row["consecutive_failures"] = health.consecutive_failures
         return rows
 
@@ -401,11 +293,7 @@ class HierarchicalStore:
         if self._closed:
             return
         self._closed = True
-        self.flush()
-        for q in self._queues:
-            q.put(_STOP)
-        for worker in self._workers:
-            worker.join()
+        self._movers.stop()
         if self._collector is not None:
             self._registry.unregister(self._collector)
         for tier in self.tiers:

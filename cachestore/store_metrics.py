@@ -2,16 +2,21 @@
 
 ``TierStats`` is what ``HierarchicalStore.stats()`` reports per tier and what the Prometheus
 collector exports; ``TierHealth`` decides when a failing tier is skipped (exponential backoff)
-and when it is probed again. Both are thread-safe (one lock each). Torch-free; prometheus-client
+and when it is probed again, and ``call_with_backoff`` applies both to one tier call. Both are thread-safe (one lock each). Torch-free; prometheus-client
 is imported only when a registry is given.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+log = logging.getLogger("cachestore.store")  # the store's logger: these are its tier failures
+T = TypeVar("T")
+X = TypeVar("X")
 
 COUNTERS = (
     "hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "skipped",
@@ -107,6 +112,25 @@ class TierHealth:
     def consecutive_failures(self) -> int:
         with self._lock:
             return self._failures
+
+
+def call_with_backoff(target: X, fn: Callable[[X], T], default: T, *, name: str,
+                      stats: TierStats, health: TierHealth) -> T:
+    """``fn(target)`` unless ``health`` says back off (then ``default``, counted ``skipped``).
+    Any exception (TierError, or a backend bug) is logged, counted in ``errors``, recorded as a
+    failure and answered with ``default``: a miss, never a failure of the caller."""
+    if not health.available():
+        stats.add("skipped")
+        return default
+    try:
+        result = fn(target)
+    except Exception as exc:
+        log.warning("tier %s failed: %s", name, exc)
+        stats.add("errors")
+        health.record_failure()
+        return default
+    health.record_success()
+    return result
 
 
 @dataclass(frozen=True, slots=True)

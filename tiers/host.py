@@ -167,6 +167,18 @@ class HostTier(Tier):
                 entry.pins += 1
             return len(keys)
 
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        """Pin every present key, past a missing one too (one lock hold for the batch); True
+        where pinned. A key given twice is pinned twice. The store's ``prepare_load`` uses it."""
+        out: list[bool] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.committed:
+                    entry.pins += 1
+                out.append(entry is not None and entry.committed)
+        return out
+
     def unpin(self, keys: Sequence[str]) -> None:
         """Undo one ``pin`` per key; absent or unpinned keys are ignored."""
         with self._lock:

@@ -171,6 +171,16 @@ class LmdbTier(Tier):
                 self._pins[key] = self._pins.get(key, 0) + 1
             return len(keys)
 
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        """Pin every present key, past an absent one too; True where pinned (see HostTier)."""
+        out: list[bool] = []
+        with self._lock:
+            for key in keys:
+                if key in self._index:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                out.append(key in self._index)
+        return out
+
     def unpin(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:

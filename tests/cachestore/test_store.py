@@ -9,45 +9,23 @@ from typing import Any
 
 import pytest
 
-from cachestore.codec import BlockMeta, encode_block, encoded_size
-from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.codec import BlockMeta, encode_block
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import build_tiers, parse_tier_config
-from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tests.cachestore.store_helpers import (
+    KEYS,
+    PREFIX,
+    SIZE,
+    DownTier,
+    FakeClock,
+    block,
+    counters,
+    make_store,
+    payload,
+)
+from tiers.base import TierUsage
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
-
-NS = Namespace("store-test")
-PREFIX = NS.key_prefix()
-META = BlockMeta(dtype="uint8", shape=(32,), layout="block_major_v1", namespace=PREFIX)
-SIZE = encoded_size(META)
-KEYS = [block_key(NS, h) for h in hash_request_tokens(NS, list(range(16 * 24)))]
-
-
-def payload(i: int) -> bytes:
-    return bytes([i]) * 32
-
-
-def block(i: int) -> bytes:
-    return encode_block(payload(i), META)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_store(tmp_path: Path, host_blocks: int = 4, lmdb_blocks: int = 6,
-               **config: Any) -> HierarchicalStore:
-    tiers = [HostTier(host_blocks * SIZE, SIZE), LmdbTier(tmp_path / "db", lmdb_blocks * SIZE)]
-    return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX, **config))
-
-
-def counters(store: HierarchicalStore, name: str) -> list[int]:
-    return [row[name] for row in store.stats()["tiers"]]
 
 
 def test_fill_beyond_capacity_demotes_host_to_lmdb_then_drops(tmp_path: Path) -> None:
@@ -132,6 +110,54 @@ def test_pins_dedup_and_full_demotion_queue(tmp_path: Path) -> None:
     store.put_many([(KEYS[8], block(8))])
     store.flush()
     assert KEYS[0] not in host.lru_keys() and lmdb.lru_keys()[-1] == KEYS[0]
+    store.close()
+
+
+class _PinCalls:
+    """Records each pin_each/unpin call of a tier as (tier name, op, keys)."""
+
+    calls: list[tuple[str, str, list[str]]]
+
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        self.calls.append((self.name, "pin_each", list(keys)))  # type: ignore[attr-defined]
+        return super().pin_each(keys)  # type: ignore[misc, no-any-return]
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self.calls.append((self.name, "unpin", list(keys)))  # type: ignore[attr-defined]
+        super().unpin(keys)  # type: ignore[misc]
+
+
+class _Host(_PinCalls, HostTier):
+    pass
+
+
+class _Lmdb(_PinCalls, LmdbTier):
+    pass
+
+
+def test_prepare_load_pins_with_one_call_per_tier(tmp_path: Path) -> None:
+    calls: list[tuple[str, str, list[str]]] = []
+    host, lmdb = _Host(4 * SIZE, SIZE), _Lmdb(tmp_path / "db", 6 * SIZE)
+    host.calls = lmdb.calls = calls
+    store = HierarchicalStore([host, lmdb], StoreConfig(namespace=PREFIX))
+    for i in range(6):
+        store.put_many([(KEYS[i], block(i))])
+    store.flush()
+    assert host.lru_keys() == KEYS[2:6] and lmdb.lru_keys() == KEYS[:2]
+    batch = [KEYS[0], KEYS[2], KEYS[1], KEYS[20], KEYS[3], KEYS[3]]
+    assert store.prepare_load(batch) == 3  # KEYS[20] is nowhere; 3 is pinned past it, twice
+    assert calls == [("host", "pin_each", batch), ("lmdb", "pin_each", batch)]
+    assert store.stats()["load_pins"] == 5
+    for i in range(6, 9):
+        store.put_many([(KEYS[i], block(i))])
+    assert host.lru_keys() == [KEYS[2], KEYS[3], KEYS[7], KEYS[8]]  # pinned 2, 3 stayed
+    calls.clear()
+    store.complete_load(batch)
+    assert calls == [("host", "unpin", [KEYS[2], KEYS[3], KEYS[3]]),
+                     ("lmdb", "unpin", [KEYS[0], KEYS[1]])]
+    assert store.stats()["load_pins"] == 0 and store.prepare_load([]) == 0
+    store.put_many([(KEYS[9], block(9))])
+    assert host.lru_keys() == [KEYS[3], KEYS[7], KEYS[8], KEYS[9]]  # 2 unpinned: evicted
     store.close()
 
 
@@ -231,27 +257,6 @@ def test_failing_tier_degrades_to_misses_with_backoff(
     assert got is not None and bytes(got) == payload(9)
     assert store.stats()["tiers"][1]["consecutive_failures"] == 0
     store.close()
-
-
-class DownTier(Tier):
-    """A tier whose backend is gone: every call raises TierError."""
-
-    name = "down"
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        raise TierError("down")
-
-    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        raise TierError("down")
-
-    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
-        raise TierError("down")
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        raise TierError("down")
-
-    def usage(self) -> TierUsage:
-        raise TierError("down")
 
 
 def test_write_through_commits_to_the_durable_tier_before_returning(tmp_path: Path) -> None:

@@ -61,6 +61,17 @@ def test_lru_order_and_eviction_returns_keys_and_bytes(tier: HostTier) -> None:
     assert bytes(tier.get_many(["b"])[0]) == _val(20)
 
 
+def test_pin_each_pins_past_a_miss_and_counts_repeats(tier: HostTier) -> None:
+    tier.put_many([(k, _val(i)) for i, k in enumerate("abcd")])
+    assert tier.pin_each(["a", "x", "c", "c"]) == [True, False, True, True]
+    assert tier.pin_each([]) == []
+    tier.unpin(["c"])  # one of c's two pins
+    evicted = tier.put_many([("e", _val(4)), ("f", _val(5)), ("g", _val(6))])
+    assert [e.key for e in evicted] == ["b", "d", "e"]
+    tier.unpin(["a", "c"])
+    assert [e.key for e in tier.put_many([("h", _val(7))])] == ["a"]
+
+
 def test_pinned_entries_survive_and_oversize_is_skipped(tier: HostTier) -> None:
     tier.put_many([(k, _val(i)) for i, k in enumerate("abcd")])
     assert tier.pin(["a", "b", "x", "c"]) == 2

@@ -62,6 +62,15 @@ def test_pinned_entries_survive(tier: LmdbTier) -> None:
     assert [e.key for e in tier.put_many([("g", _val(6))])] == ["a"]
 
 
+def test_pin_each_pins_past_a_miss_and_counts_repeats(tier: LmdbTier) -> None:
+    tier.put_many([(k, _val(i)) for i, k in enumerate("abcd")])
+    assert tier.pin_each(["a", "x", "c", "c"]) == [True, False, True, True]
+    tier.unpin(["c"])  # one of c's two pins
+    assert [e.key for e in tier.put_many([("e", _val(4)), ("f", _val(5))])] == ["b", "d"]
+    tier.unpin(["a", "c"])
+    assert [e.key for e in tier.put_many([("g", _val(6))])] == ["a"]
+
+
 def test_restart_keeps_contents_and_lru_order(tmp_path: Path) -> None:
     path = tmp_path / "db"
     first = LmdbTier(path, capacity_bytes=4 * VAL)

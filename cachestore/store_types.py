@@ -1,0 +1,75 @@
+"""The hierarchical store's config and result types, and what it needs of a pin-capable tier.
+
+``StoreConfig`` is the store's one frozen config; ``LookupResult`` (with a ``TierLookup`` per
+tier) is what ``HierarchicalStore.lookup`` answers. ``PinningTier`` is the structural protocol
+the store checks to pin keys between ``prepare_load`` and ``complete_load`` (host, lmdb).
+Immutable values, safe to share between threads. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    namespace: str | None = None  # expected ``Namespace.key_prefix()`` of every block; None: any
+    queue_batches: int = 64  # per-tier demotion / promotion queue bound, in batches
+    promote_on_get: bool = True
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    ewma_alpha: float = 0.2
+    # Index of a tier ``put_many`` also writes synchronously (a durable one, e.g. LMDB), so an
+    # acknowledged put survives a crash of the process. None: the top tier only.
+    write_through_to: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.write_through_to is not None and self.write_through_to < 0:
+            raise ValueError("write_through_to must be a tier index >= 0 or None")
+        if self.queue_batches <= 0 or not 0 < self.ewma_alpha <= 1:
+            raise ValueError("queue_batches must be positive and ewma_alpha in (0, 1]")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass(frozen=True, slots=True)
+class TierLookup:
+    name: str
+    num_leading: int  # leading keys this tier holds (0 when it failed or is backing off)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    per_tier: tuple[TierLookup, ...]
+    served_by: tuple[int, ...]  # tier index serving each block of the available prefix
+
+    @property
+    def num_blocks(self) -> int:
+        """Length of the longest prefix available across all tiers."""
+        return len(self.served_by)
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``(tier_index, start, count)`` for each stretch of blocks served by one tier."""
+        out: list[tuple[int, int, int]] = []
+        for i, tier in enumerate(self.served_by):
+            if out and out[-1][0] == tier:
+                out[-1] = (tier, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((tier, i, 1))
+        return out
+
+
+@runtime_checkable
+class PinningTier(Protocol):
+    """A tier that can keep entries from eviction (host, lmdb). Pins are counted per key."""
+
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        """Pin every present key of ``keys`` (past a missing one too) in one call; True where
+        pinned. A key given twice is pinned twice. Raises TierError on a backend failure."""
+        ...
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Undo one pin per key; absent or unpinned keys are ignored."""
+        ...

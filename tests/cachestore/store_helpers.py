@@ -1,0 +1,73 @@
+"""Shared pieces of the store tests: keys and blocks of one namespace, a two-tier store
+(host over LMDB), per-tier counters, a settable clock and a tier whose backend is gone.
+
+``DownTier`` also serves any test that needs a tier failing every call (calibration's broken
+tier: ``DownTier(name="redis")``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cachestore.codec import BlockMeta, encode_block, encoded_size
+from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.store import HierarchicalStore, StoreConfig
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.host import HostTier
+from tiers.lmdb import LmdbTier
+
+NS = Namespace("store-test")
+PREFIX = NS.key_prefix()
+META = BlockMeta(dtype="uint8", shape=(32,), layout="block_major_v1", namespace=PREFIX)
+SIZE = encoded_size(META)
+KEYS = [block_key(NS, h) for h in hash_request_tokens(NS, list(range(16 * 24)))]
+
+
+def payload(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def block(i: int) -> bytes:
+    return encode_block(payload(i), META)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(tmp_path: Path, host_blocks: int = 4, lmdb_blocks: int = 6,
+               **config: Any) -> HierarchicalStore:
+    tiers = [HostTier(host_blocks * SIZE, SIZE), LmdbTier(tmp_path / "db", lmdb_blocks * SIZE)]
+    return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX, **config))
+
+
+def counters(store: HierarchicalStore, name: str) -> list[int]:
+    return [row[name] for row in store.stats()["tiers"]]
+
+
+class DownTier(Tier):
+    """A tier whose backend is gone: every call raises TierError."""
+
+    def __init__(self, name: str = "down") -> None:
+        self.name = name
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        raise TierError("down")
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        raise TierError("down")
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        raise TierError("down")
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        raise TierError("down")
+
+    def usage(self) -> TierUsage:
+        raise TierError("down")
