@@ -1,0 +1,198 @@
+"""The remote tier's connections to ``kvtier cache-server``: one per calling thread.
+
+- One DEALER socket per thread (ZMQ sockets are not thread-safe), created lazily, reused across
+  calls, replaced after any timeout (a fresh socket drops stale replies); for
+  ``retry_interval_s`` after a failure the thread fails fast without waiting.
+- ``call`` pipelines: every request is sent before the first reply is read; replies are matched
+  by request id and may come back in any order. A reply with an unknown id (a request that
+  already timed out) is dropped.
+- Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
+  segment (``cachestore.shm``); if the daemon maps it, payloads can move through it. ``grow``
+  replaces it with a larger one (a new hello).
+
+Thread-safe (per-thread connections); ``close`` must not race with calls in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from cachestore import shm
+from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, pack
+from tiers.base import TierError, Value
+
+
+class ShmLost(TierError):
+    """The daemon no longer maps this thread's segment (it restarted): hello, then retry."""
+
+
+class Conn:
+    """One thread's socket, segment and negotiated limits."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.next_id = 1
+        self.hello_done = False
+        self.segment: shm.ShmSegment | None = None
+        self.max_keys = 1024
+        self.max_request_bytes = 1 << 30
+
+
+class Connections:
+    """Per-thread connections to one daemon, with the hello/shm handshake."""
+
+    def __init__(self, url: str, token: str, timeout_s: float, use_shm: bool, shm_bytes: int,
+                 max_shm_bytes: int, retry_interval_s: float) -> None:
+        self.url = url
+        self._token = token
+        self.timeout_s = timeout_s
+        self.use_shm = use_shm
+        self.shm_bytes = shm_bytes
+        self.max_shm_bytes = max_shm_bytes
+        self.retry_interval_s = retry_interval_s
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._conns: list[Conn] = []
+        self._host_id = shm.host_id()
+        self._closed = False
+
+    def get(self) -> Conn:
+        """This thread's connection (made, and said hello on, at first use). Raises TierError
+        when closed, or while failing fast after a timeout."""
+        if self._closed:
+            raise TierError("remote tier is closed")
+        conn: Conn | None = getattr(self._local, "conn", None)
+        if conn is None:
+            if time.monotonic() < getattr(self._local, "down_until", 0.0):
+                raise TierError(f"cache server {self.url} unavailable (retrying shortly)")
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server not there
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.connect(self.url)
+            conn = Conn(sock)
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        if not conn.hello_done:
+            self._hello(conn)
+        return conn
+
+    def _hello(self, conn: Conn, size: int | None = None) -> None:
+        segment = None
+        if self.use_shm:
+            try:
+                segment = shm.ShmSegment.create(size or self.shm_bytes)
+            except OSError:
+                segment = None
+        header: dict[str, Any] = {"op": "hello", "host_id": self._host_id}
+        if segment is not None:
+            header["shm"] = segment.name
+        if conn.segment is not None:
+            header["replaces"] = conn.segment.name  # the daemon unmaps the old one now
+        conn.hello_done = True  # _call below must not recurse into another hello
+        try:
+            ((reply, _),) = self.call(conn, [(header, [])])
+        except BaseException:
+            conn.hello_done = False
+            if segment is not None:
+                segment.close()
+            raise
+        conn.max_keys = reply["max_keys_per_request"]
+        conn.max_request_bytes = reply["max_request_bytes"]
+        if conn.segment is not None:
+            conn.segment.close()
+        conn.segment = None
+        if segment is not None:
+            segment.unlink()  # both sides hold a mapping; nothing stays in /dev/shm
+            if reply["shm"]:
+                conn.segment = segment
+            else:
+                segment.close()
+
+    def grow(self, conn: Conn, needed: int) -> None:
+        size = min(max(needed, 2 * (conn.segment.size if conn.segment else 0)), self.max_shm_bytes)
+        if conn.segment is not None and size > conn.segment.size:
+            self._hello(conn, size)
+
+    def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
+              ) -> list[tuple[dict[str, Any], list[zmq.Frame]]]:
+        """Send every request, then collect every reply (pipelined), in request order.
+        Raises TierError (ShmLost when the daemon forgot this thread's segment)."""
+        deadline = time.monotonic() + self.timeout_s
+        ids: list[int] = []
+        try:
+            for header, payloads in requests:
+                request_id = conn.next_id
+                conn.next_id += 1
+                ids.append(request_id)
+                msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
+                if not conn.sock.poll(_ms_left(deadline), zmq.POLLOUT):
+                    raise TierError(f"cache server {self.url} not reachable")
+                conn.sock.send_multipart([pack(msg), *payloads], copy=False)
+            replies: dict[int, tuple[dict[str, Any], list[zmq.Frame]]] = {}
+            while len(replies) < len(ids):
+                if not conn.sock.poll(_ms_left(deadline), zmq.POLLIN):
+                    raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s")
+                frames = conn.sock.recv_multipart(copy=False)
+                reply = msgpack.unpackb(frames[0].buffer, raw=False)
+                if reply.get("id") in ids:
+                    replies[reply["id"]] = (reply, frames[1:])
+                elif reply.get("id") == -1:  # an error the daemon could not tie to an id
+                    raise TierError(f"cache server refused a request: {reply.get('error')}")
+        except TierError:
+            self._reset(conn)
+            raise
+        except zmq.ZMQError as exc:
+            self._reset(conn)
+            raise TierError(f"cache server {self.url}: {exc}") from exc
+        out = [replies[i] for i in ids]
+        for reply, _ in out:
+            code = reply.get("code", ErrorCode.INTERNAL)
+            if code == ErrorCode.SHM_UNAVAILABLE:
+                conn.hello_done = False  # the daemon restarted or forgot us: hello again next call
+                raise ShmLost("cache server lost the shared-memory segment")
+            if code != ErrorCode.OK:
+                raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
+        return out
+
+    def _reset(self, conn: Conn) -> None:
+        """Drop a socket that timed out; fail fast for ``retry_interval_s``."""
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        if conn.segment is not None:
+            conn.segment.close()
+        conn.sock.close(linger=0)
+        self._local.conn = None
+        self._local.down_until = time.monotonic() + self.retry_interval_s
+
+
+    def close(self) -> None:
+        """Say bye for each shared segment, close every socket and the context. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            if conn.segment is not None:
+                try:  # let the daemon drop its mapping now rather than at LRU time
+                    msg = {"v": PROTOCOL_VERSION, "id": 0, "op": "bye", "token": self._token,
+                           "shm": conn.segment.name}
+                    conn.sock.send(pack(msg), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+                conn.segment.close()
+            conn.sock.close(linger=100)
+        self._ctx.term()
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
