@@ -1,5 +1,6 @@
-"""Shared pieces of the store tests: keys and blocks of one namespace, a two-tier store
-(host over LMDB), per-tier counters, a settable clock and a tier whose backend is gone.
+"""Shared pieces of the store and cache-server tests: keys and blocks of one namespace, a
+two-tier store (host over LMDB), per-tier counters, a settable clock, a tier whose backend is
+gone, and ``sized_block`` (an encoded block of an exact size, what the daemon accepts).
 
 ``DownTier`` also serves any test that needs a tier failing every call (calibration's broken
 tier: ``DownTier(name="redis")``).
@@ -13,6 +14,7 @@ from typing import Any
 
 from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.server_protocol import checksum
 from cachestore.store import HierarchicalStore, StoreConfig
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.host import HostTier
@@ -23,6 +25,15 @@ PREFIX = NS.key_prefix()
 META = BlockMeta(dtype="uint8", shape=(32,), layout="block_major_v1", namespace=PREFIX)
 SIZE = encoded_size(META)
 KEYS = [block_key(NS, h) for h in hash_request_tokens(NS, list(range(16 * 24)))]
+
+
+def sized_block(key: str, size: int) -> bytes:
+    """An encoded block of exactly ``size`` bytes in ``key``'s namespace, its payload derived
+    from ``key`` (deterministic: the same key always gives the same bytes)."""
+    ns = key.split("/", 1)[0]
+    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
+    seed = checksum(key.encode()).to_bytes(8, "little")
+    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 def payload(i: int) -> bytes:

@@ -16,25 +16,17 @@ import msgpack
 import pytest
 import zmq
 
-from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
 from cachestore.server_protocol import PROTOCOL_VERSION, checksum
 from cachestore.store import HierarchicalStore, StoreConfig
+from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 from tiers.remote import RemoteTier
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _value(key: str, size: int) -> bytes:
-    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
-    ns = key.split("/", 1)[0]
-    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
-    seed = checksum(key.encode()).to_bytes(8, "little")
-    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 @pytest.fixture
@@ -63,7 +55,7 @@ def test_round_trip_lookup_delete_stats(server: CacheServer, use_shm: bool) -> N
     before = _shm_names()
     tier = RemoteTier(server.bound_url, use_shm=use_shm, timeout_s=5, batch_keys=7)
     keys = [f"ns0/{i:032x}" for i in range(20)]  # 3 pipelined requests per batch
-    items = [(k, _value(k, 1000 + 37 * i)) for i, k in enumerate(keys)]
+    items = [(k, sized_block(k, 1000 + 37 * i)) for i, k in enumerate(keys)]
     assert tier.put_many(items) == []
     assert tier.lookup(keys) == 20
     assert tier.lookup(keys[:9] + ["ns0/absent"] + keys[9:]) == 9
@@ -85,7 +77,7 @@ def test_round_trip_lookup_delete_stats(server: CacheServer, use_shm: bool) -> N
 
 def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
     tier = RemoteTier(server.bound_url, use_shm=True, shm_bytes=1 << 20, timeout_s=5)
-    items = [(k, _value(k, 200_000)) for k in (f"ns0/{i:04x}" for i in range(12))]  # 2.4 MB > 1 MiB
+    items = [(k, sized_block(k, 200_000)) for k in (f"ns0/{i:04x}" for i in range(12))]  # 2.4 MB > 1 MiB
     tier.put_many(items)
     first = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # partly over frames
     second = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # grown: all via shm
@@ -95,7 +87,7 @@ def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
 
 def test_access_log_is_jsonl(server: CacheServer, tmp_path: Path) -> None:
     tier = RemoteTier(server.bound_url, use_shm=False)
-    tier.put_many([("ns1/aa", _value("ns1/aa", 100))])
+    tier.put_many([("ns1/aa", sized_block("ns1/aa", 100))])
     tier.get_many(["ns1/aa", "ns1/bb"])
     tier.close()
     server.stop()
@@ -110,7 +102,7 @@ def test_admin_endpoints(server: CacheServer) -> None:
     admin = AdminServer(create_app(server, server.metrics), "127.0.0.1", port).start()  # type: ignore[attr-defined]
     try:
         tier = RemoteTier(server.bound_url, use_shm=False)
-        tier.put_many([("ns2/01", _value("ns2/01", 100)), ("ns2/02", _value("ns2/02", 250))])
+        tier.put_many([("ns2/01", sized_block("ns2/01", 100)), ("ns2/02", sized_block("ns2/02", 250))])
         tier.get_many(["ns2/01", "ns2/99"])
         tier.close()
         base = f"http://127.0.0.1:{port}"
@@ -138,7 +130,7 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(server.bound_url)
-    blk = _value("p/01", 100)
+    blk = sized_block("p/01", 100)
     header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
               "sizes": [100], "checksums": [checksum(blk)]}
     sock.send_multipart([msgpack.packb(header), blk])
@@ -172,8 +164,8 @@ def test_cli_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     assert "listening on" in proc.stdout.readline()
     before = _shm_names()
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=5)
-    tier.put_many([("ns/01", _value("ns/01", 1000))])
-    assert bytes(tier.get_many(["ns/01"])[0]) == _value("ns/01", 1000)
+    tier.put_many([("ns/01", sized_block("ns/01", 1000))])
+    assert bytes(tier.get_many(["ns/01"])[0]) == sized_block("ns/01", 1000)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "stopped" in out

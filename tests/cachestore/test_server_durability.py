@@ -10,21 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-from cachestore.codec import BlockMeta, encode_block, encoded_size
-from cachestore.server_protocol import checksum
+from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.remote import RemoteTier
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _value(key: str, size: int) -> bytes:
-    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
-    ns = key.split("/", 1)[0]
-    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
-    seed = checksum(key.encode()).to_bytes(8, "little")
-    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 def _start(port: int, data_dir: Path) -> subprocess.Popen[str]:
@@ -56,7 +47,7 @@ def test_sigkill_mid_put_keeps_every_acknowledged_block(tmp_path: Path) -> None:
                 size = 256 << 10 if n % 2 else 48 << 10
                 with lock:
                     attempted.extend(keys)
-                tier.put_many([(k, _value(k, size)) for k in keys])
+                tier.put_many([(k, sized_block(k, size)) for k in keys])
                 with lock:
                     acked.extend(keys)
         except TierError:
@@ -86,10 +77,10 @@ def test_sigkill_mid_put_keeps_every_acknowledged_block(tmp_path: Path) -> None:
         assert missing == []
         for key, value in zip(acked, got, strict=True):
             assert value is not None
-            assert bytes(value) == _value(key, len(value)) and len(value) in (48 << 10, 256 << 10)
+            assert bytes(value) == sized_block(key, len(value)) and len(value) in (48 << 10, 256 << 10)
         for key, value in zip(in_flight, tier.get_many(in_flight), strict=True):
             if value is not None:  # committed before the kill but not acknowledged: whole
-                assert bytes(value) == _value(key, len(value))
+                assert bytes(value) == sized_block(key, len(value))
                 assert len(value) in (48 << 10, 256 << 10)
         tier.close()
     finally:

@@ -10,24 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import ServerLimits, TokenTable, checksum
+from cachestore.server_protocol import ServerLimits, TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import parse_tier_entry
+from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers import create_tier
 from tiers.base import TierError
 from tiers.lmdb import LmdbTier
 from tiers.remote import RemoteTier
-
-
-def _value(key: str, size: int) -> bytes:
-    """An encoded block (the daemon accepts nothing else) of exactly ``size`` bytes for ``key``."""
-    ns = key.split("/", 1)[0]
-    n = size - encoded_size(BlockMeta("uint8", (0,), "test", ns))
-    seed = checksum(key.encode()).to_bytes(8, "little")
-    return encode_block((seed * (n // 8 + 1))[:n], BlockMeta("uint8", (n,), "test", ns))
 
 
 def _serve(path: Path, port: int) -> tuple[CacheServer, HierarchicalStore]:
@@ -51,7 +43,7 @@ def test_contract_round_trip(served: tuple[CacheServer, int], use_shm: bool) -> 
     _, port = served
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=use_shm, batch_keys=5)
     keys = [f"abcd/{i:040x}" for i in range(50)]  # 10 requests in flight, server cap 16 keys
-    values = [_value(k, 100 + i * 1000) for i, k in enumerate(keys)]
+    values = [sized_block(k, 100 + i * 1000) for i, k in enumerate(keys)]
     assert tier.lookup(keys) == 0 and tier.get_many(keys[:3]) == [None, None, None]
     tier.put_many(list(zip(keys[:20], values[:20], strict=True)))
     assert tier.lookup(keys) == 20
@@ -61,8 +53,8 @@ def test_contract_round_trip(served: tuple[CacheServer, int], use_shm: bool) -> 
     assert tier.lookup(keys) == 50
     got = tier.get_many(list(reversed(keys)))
     assert [bytes(v) for v in got] == list(reversed(values))  # ordered like keys
-    tier.put_many([(keys[0], _value(keys[0], 99))])
-    assert bytes(tier.get_many([keys[0]])[0]) == _value(keys[0], 99)
+    tier.put_many([(keys[0], sized_block(keys[0], 99))])
+    assert bytes(tier.get_many([keys[0]])[0]) == sized_block(keys[0], 99)
     assert tier.delete_many(keys[:10] + keys[:2]) == 10
     assert tier.lookup(keys) == 0 and tier.lookup(keys[10:]) == 40
     assert tier.usage().num_entries == 40
@@ -80,9 +72,9 @@ def test_threads_share_one_tier(served: tuple[CacheServer, int]) -> None:
     def work(t: int) -> None:
         keys = [f"t{t}/{i:04x}" for i in range(40)]
         for _ in range(5):
-            tier.put_many([(k, _value(k, 3000)) for k in keys])
+            tier.put_many([(k, sized_block(k, 3000)) for k in keys])
             got = tier.get_many(keys)
-            if [None if v is None else bytes(v) for v in got] != [_value(k, 3000) for k in keys]:
+            if [None if v is None else bytes(v) for v in got] != [sized_block(k, 3000) for k in keys]:
                 errors.append(f"thread {t}: wrong values")
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
@@ -98,7 +90,7 @@ def test_server_down_is_fast_error_then_recovery(tmp_path: Path) -> None:
     port = free_port()
     server, backend = _serve(tmp_path / "lmdb", port)
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=0.5, retry_interval_s=0.3)
-    tier.put_many([("ns/01", _value("ns/01", 120))])
+    tier.put_many([("ns/01", sized_block("ns/01", 120))])
     server.stop()
     backend.close()
     t0 = time.monotonic()
@@ -111,7 +103,7 @@ def test_server_down_is_fast_error_then_recovery(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 0.1
     server, backend = _serve(tmp_path / "lmdb", port)  # same port, same LMDB
     time.sleep(0.4)
-    assert bytes(tier.get_many(["ns/01"])[0]) == _value("ns/01", 120)
+    assert bytes(tier.get_many(["ns/01"])[0]) == sized_block("ns/01", 120)
     tier.close()
     server.stop()
     backend.close()
@@ -121,7 +113,7 @@ def test_daemon_restart_renegotiates_shm(tmp_path: Path) -> None:
     port = free_port()
     server, backend = _serve(tmp_path / "lmdb", port)
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=True, timeout_s=2)
-    tier.put_many([("ns/02", _value("ns/02", 5000))])
+    tier.put_many([("ns/02", sized_block("ns/02", 5000))])
     server.stop()
     backend.close()
     server, backend = _serve(tmp_path / "lmdb", port)
@@ -133,7 +125,7 @@ def test_daemon_restart_renegotiates_shm(tmp_path: Path) -> None:
         except TierError:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-    assert bytes(got[0]) == _value("ns/02", 5000)  # the daemon forgot the segment: hello again, retried
+    assert bytes(got[0]) == sized_block("ns/02", 5000)  # the daemon forgot the segment: hello again, retried
     tier.close()
     server.stop()
     backend.close()
@@ -144,8 +136,8 @@ def test_built_from_tier_config(served: tuple[CacheServer, int]) -> None:
     cfg = parse_tier_entry({"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "t0k3n-x"})
     tier = create_tier(cfg)
     assert isinstance(tier, RemoteTier) and "t0k3n" not in repr(tier)
-    tier.put_many([("ns/03", _value("ns/03", 80))])
-    assert bytes(tier.get_many(["ns/03"])[0]) == _value("ns/03", 80)
+    tier.put_many([("ns/03", sized_block("ns/03", 80))])
+    assert bytes(tier.get_many(["ns/03"])[0]) == sized_block("ns/03", 80)
     tier.close()
     with pytest.raises(ValueError, match="tcp://"):
         RemoteTier("http://example.com")
@@ -161,7 +153,7 @@ def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
                                 "token_file": str(tmp_path / "token"), "timeout_ms": 1500})
         tier = create_tier(cfg)
         assert isinstance(tier, RemoteTier) and tier.timeout_s == 1.5
-        tier.put_many([("ns/04", _value("ns/04", 90))])  # accepted: the file's token is valid
+        tier.put_many([("ns/04", sized_block("ns/04", 90))])  # accepted: the file's token is valid
         assert tier.usage().num_entries == 1 and "tok-from" not in repr(tier)
         tier.close()
         (tmp_path / "empty").write_text("\n")
