@@ -357,3 +357,147 @@ def test_short_load_recomputes_from_the_first_missing_block() -> None:
     sched.update_from_output(so, runner.execute_model(so))
     outs, _ = run_all(sched, runner)
     assert len(outs["b"]) == 2 and not sched.requests
+
+
+class OverlapConnector(FakeConnector):
+    """Lower tiers hold [32, 64) of any request past a 32-token GPU hit: the head [32, 48) is
+    computed while the tail [48, 64) loads; the load ends after ``delay`` schedule() calls,
+    valid up to ``valid`` (64: whole tail; 48: it failed). The tail's tokens are written into
+    the fake KV only when the load succeeds."""
+
+    def __init__(self, delay: int, valid: int = 64) -> None:
+        super().__init__()
+        self.delay, self.valid = delay, valid
+        self.blocks: dict[str, list[int]] = {}
+        self.countdown: dict[str, int] = {}
+        self.finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        if num_computed_tokens == 32 and request.num_tokens > 64:
+            return ExternalHit(num_tokens=16, load_async=True, num_head_tokens=16)
+        return ExternalHit()
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_gpu_hit_tokens: int, n: int
+    ) -> None:
+        self.allocs.append((request.req_id, n))
+        if n:
+            self.blocks[request.req_id] = block_ids
+            self.countdown[request.req_id] = self.delay
+
+    def get_finished_loading(self) -> dict[str, int]:
+        done: dict[str, int] = {}
+        for req_id in list(self.countdown):
+            self.countdown[req_id] -= 1
+            if self.countdown[req_id] < 0:
+                del self.countdown[req_id]
+                assert self.runner is not None and self.scheduler is not None
+                truth = self.scheduler.requests[req_id].all_token_ids
+                for pos in range(48, self.valid):
+                    slot = self.blocks[req_id][pos // BS] * BS + pos % BS
+                    self.runner.kv[slot] = truth[pos]
+                done[req_id] = self.valid
+        return done
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        self.finished.append(request.req_id)
+        self.countdown.pop(request.req_id, None)  # cancelled
+
+
+def overlap_setup(conn: OverlapConnector) -> tuple[Scheduler, FakeRunner, list[int]]:
+    sched, runner = make(connector=conn)
+    conn.runner, conn.scheduler = runner, sched
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=2))
+    run_all(sched, runner)
+    return sched, runner, base[:32] + prompt(50, base=9)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> list[tuple[str, int, int, bool]]:
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute_model(so))
+    return slices(so)
+
+
+def test_overlap_computes_the_head_while_the_tail_loads_then_skips_it() -> None:
+    conn = OverlapConnector(delay=1)
+    sched, runner, b_prompt = overlap_setup(conn)
+    sched.add_request(req("b", b_prompt, max_tokens=2))
+    assert step(sched, runner) == [("b", 32, 16, False)]  # the head, at once
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.RUNNING and len(sched.kv.get_block_ids("b")) == 6
+    assert step(sched, runner) == []  # head done, tail still loading
+    # The load ended: the fake runner checks positions [0, 64) hold the right tokens.
+    assert step(sched, runner) == [("b", 64, 18, True)]
+    assert b.num_cached_tokens == 32 + 16 and conn.allocs[-1] == ("b", 16)
+    outs, _ = run_all(sched, runner)
+    ref_sched, ref_runner = make()
+    ref_sched.add_request(req("b", b_prompt, max_tokens=2))
+    assert outs["b"] == run_all(ref_sched, ref_runner)[0]["b"]
+
+
+def test_a_failed_tail_load_is_recomputed_from_the_head_end() -> None:
+    conn = OverlapConnector(delay=0, valid=48)
+    sched, runner, b_prompt = overlap_setup(conn)
+    sched.add_request(req("b", b_prompt, max_tokens=2))
+    assert step(sched, runner) == [("b", 32, 16, False)]
+    assert step(sched, runner) == [("b", 48, 34, True)]
+    assert sched.requests["b"].num_cached_tokens == 32
+    run_all(sched, runner)
+
+
+def test_preempting_an_overlapping_request_cancels_its_load() -> None:
+    conn = OverlapConnector(delay=50)
+    sched, runner, b_prompt = overlap_setup(conn)
+    sched.add_request(req("b", b_prompt, max_tokens=2))
+    step(sched, runner)
+    b = sched.requests["b"]
+    sched.running.remove(b)
+    sched.running.append(b)
+    sched._preempt(sched.running.pop())
+    assert conn.finished == ["a", "b"] and "b" not in conn.countdown
+    assert b.status is RequestStatus.PREEMPTED and not sched.kv.get_block_ids("b")
+    sched.kv.pool.check_integrity()
+
+
+class NeverLoads(FakeConnector):
+    """Every request past a 32-token hit loads [32, 48) and the load never ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: list[str] = []
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_gpu_hit_tokens: int, n: int
+    ) -> None:
+        self.allocs.append((request.req_id, n))
+
+    def get_finished_loading(self) -> dict[str, int]:
+        return {}
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        self.finished.append(request.req_id)
+
+
+def test_loading_requests_give_their_blocks_to_running_work() -> None:
+    """Pool of 8 blocks. ``r`` runs (3 blocks, growing); ``b`` starts loading and takes the
+    whole 4-block prompt plus its shared hit; when ``r`` needs a block, ``b`` gives its blocks
+    back (load cancelled) instead of ``r`` being preempted."""
+    conn = NeverLoads()
+    sched, runner = make(num_blocks=8, connector=conn)
+    conn.runner = runner
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=1))
+    run_all(sched, runner)
+    sched.add_request(req("r", prompt(47, base=5), max_tokens=30))
+    assert step(sched, runner) == [("r", 0, 47, True)]
+    sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
+    step(sched, runner)
+    b = sched.requests["b"]
+    assert b.status is RequestStatus.WAITING_FOR_KV
+    for _ in range(40):
+        if "r" not in sched.requests:
+            break
+        assert step(sched, runner)[0][0] in ("r", "b")
+    assert "r" not in sched.requests and sched.stats.num_preemptions_total == 0
+    assert sched.stats.num_released_loads_total >= 1 and conn.finished[:2] == ["a", "b"]
