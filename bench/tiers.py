@@ -7,6 +7,8 @@ through the baseline:
     host   numpy copy into a preallocated buffer (memcpy)   get = get_many + copy out of the slab
     lmdb   one plain file per block: write() / read()        (page cache, no fsync, like the tier)
     redis  raw redis-py SET / GET (hiredis), pipelined when batched
+    redis-lru  the same, the tier's ``capacity`` set (LRU bookkeeping in Lua, room for twice the
+           working set: no evictions); ``lru_vs_plain`` compares it with the plain Redis tier
     s3     raw boto3 put_object / get_object, one object per block, parallel when batched
 
 Redis and S3 are private redis-server / moto servers on loopback (tests/servers.py) unless
@@ -87,9 +89,10 @@ class Backend:
     """One tier and its baseline, set up for one block size."""
 
     def __init__(self, tier: Tier, put: Callable[[Items], None],
-                 get: Callable[[list[str]], list[Any]]) -> None:  # fmt: skip
+                 get: Callable[[list[str]], list[Any]],
+                 tier_get: Callable[[list[str]], object] | None = None) -> None:  # fmt: skip
         self.tier, self.base_put, self.base_get = tier, put, get
-        self.tier_get: Callable[[list[str]], object] = tier.get_many
+        self.tier_get = tier_get or tier.get_many
 
     def close(self) -> None:
         self.tier.close()
@@ -113,14 +116,11 @@ def host_backend(block: int, num: int, scratch: str) -> Backend:
             out[:] = slab[index[key] * block : (index[key] + 1) * block]
         return keys
 
-    backend = Backend(tier, put, get)
-
     def tier_get(keys: list[str]) -> None:  # the consumer copies out of the slab, like memcpy
         for view in tier.get_many(keys):
             out[:] = np.frombuffer(view, dtype=np.uint8)  # type: ignore[arg-type]
 
-    backend.tier_get = tier_get
-    return backend
+    return Backend(tier, put, get, tier_get)
 
 
 def lmdb_backend(block: int, num: int, scratch: str) -> Backend:
@@ -145,13 +145,14 @@ def lmdb_backend(block: int, num: int, scratch: str) -> Backend:
     return Backend(tier, put, get)
 
 
-def redis_backend(url: str) -> Callable[[int, int, str], Backend]:
+def redis_backend(url: str, lru: bool = False) -> Callable[[int, int, str], Backend]:
     def make(block: int, num: int, scratch: str) -> Backend:
         import redis
 
         from tiers.redis import RedisTier, RedisTierConfig
 
-        tier = RedisTier(RedisTierConfig(url=url, key_prefix="bench:"))
+        capacity = 2 * num * block if lru else None
+        tier = RedisTier(RedisTierConfig(url=url, key_prefix="bench:", capacity=capacity))
         raw = redis.Redis.from_url(url)
         raw.flushdb()
 
@@ -218,16 +219,14 @@ def run_one(name: str, make: Callable[[int, int, str], Backend], block: int, tot
             backend.tier_get(keys[:1])
             for mode, size in (("single", 1), ("batched", min(batch, num))):
                 chunks = [list(range(s, min(s + size, num))) for s in range(0, num, size)]
-                res = {
-                    ("put", "tier"): time_calls([lambda c=c: backend.tier.put_many(
-                        [items[i] for i in c]) for c in chunks], num * block, repeats),
-                    ("put", "base"): time_calls([lambda c=c: backend.base_put(
-                        [items[i] for i in c]) for c in chunks], num * block, repeats),
-                    ("get", "tier"): time_calls([lambda c=c: backend.tier_get(
-                        [keys[i] for i in c]) for c in chunks], num * block, repeats),
-                    ("get", "base"): time_calls([lambda c=c: backend.base_get(
-                        [keys[i] for i in c]) for c in chunks], num * block, repeats),
-                }  # fmt: skip
+                ops: dict[tuple[str, str], Callable[[list[int]], object]] = {
+                    ("put", "tier"): lambda c: backend.tier.put_many([items[i] for i in c]),
+                    ("put", "base"): lambda c: backend.base_put([items[i] for i in c]),
+                    ("get", "tier"): lambda c: backend.tier_get([keys[i] for i in c]),
+                    ("get", "base"): lambda c: backend.base_get([keys[i] for i in c]),
+                }  # timed in this order: puts first, so that the gets hit
+                res = {k: time_calls([lambda c=c, f=f: f(c) for c in chunks], num * block, repeats)
+                       for k, f in ops.items()}  # fmt: skip
                 for op in ("put", "get"):
                     t, b = res[(op, "tier")], res[(op, "base")]
                     rows.append(Row(name, block, mode, op, num, round(t.gbps, 3),
@@ -241,7 +240,7 @@ def run_one(name: str, make: Callable[[int, int, str], Backend], block: int, tot
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tiers", default="host,lmdb,redis,s3")
+    p.add_argument("--tiers", default="host,lmdb,redis,redis-lru,s3")
     p.add_argument("--sizes", default="64KiB,2MiB,8MiB")
     p.add_argument("--total", default="32MiB", help="bytes moved per tier, size and call shape")
     p.add_argument("--batch", type=int, default=32, help="keys per call in batched mode")
@@ -256,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started: list[Any] = []
     makers: dict[str, Callable[[int, int, str], Backend]] = {
         "host": host_backend, "lmdb": lmdb_backend}
-    if "redis" in names:
+    if "redis" in names or "redis-lru" in names:
         url = args.redis_url
         if url is None:
             from tests.servers import RedisServer
@@ -265,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.start()
             started.append(server)
             url = server.url
-        makers["redis"] = redis_backend(url)
+        makers["redis"], makers["redis-lru"] = redis_backend(url), redis_backend(url, lru=True)
     if "s3" in names:
         from tests.servers import S3Server
 
@@ -273,8 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.s3_endpoint is None:
             s3.start()
             started.append(s3)
-        endpoint = args.s3_endpoint or s3.endpoint_url
-        makers["s3"] = s3_backend(endpoint, s3.credentials())
+        makers["s3"] = s3_backend(args.s3_endpoint or s3.endpoint_url, s3.credentials())
     rows: list[Row] = []
     try:
         for name in names:
@@ -283,11 +281,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for server in started:
             server.cleanup()
+    plain = {(r.block_bytes, r.mode, r.op): r.tier_gbps for r in rows if r.tier == "redis"}
+    lru_vs_plain = [{"block_bytes": r.block_bytes, "mode": r.mode, "op": r.op,
+                     "ratio": round(r.tier_gbps / plain[(r.block_bytes, r.mode, r.op)], 3)}
+                    for r in rows if r.tier == "redis-lru" and plain.get((r.block_bytes, r.mode, r.op))]  # fmt: skip
     print(json.dumps({"benchmark": "tiers", "machine": machine_info(),
-                      "rows": [asdict(r) for r in rows]}, indent=1))  # fmt: skip
+                      "rows": [asdict(r) for r in rows], "lru_vs_plain": lru_vs_plain},
+                     indent=1))  # fmt: skip
     parts = [f"{r.tier} {r.block_bytes >> 10}KiB {r.mode} {r.op} {r.tier_gbps:.2f}GB/s "
              f"({r.ratio:.2f}x {'memcpy' if r.tier == 'host' else 'raw'})"
              for r in rows if r.mode == "batched" and r.block_bytes == 2 << 20]  # fmt: skip
+    parts += [f"redis-lru/redis {c['op']} {c['ratio']:.2f}x" for c in lru_vs_plain
+              if c["mode"] == "batched" and c["block_bytes"] == 2 << 20]  # fmt: skip
     print("summary: " + "; ".join(parts or [f"{len(rows)} rows"]))
     return 0
 
