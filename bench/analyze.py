@@ -14,7 +14,7 @@ sortedcontainers``), fed the trace converted to its lookup-hash events (``chunk_
 Ratios below 1 mean kvtier is faster. Also checks that both tools count the same leading-hit
 blocks at that capacity. Prints one JSON document and a one-line summary.
 
-    .venv/bin/python bench/analyze.py [--trace ../shared/traces/conversation_trace.jsonl]
+    .venv/bin/python bench/analyze.py [--trace tests/data/traces/conversation_trace.jsonl.gz]
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from bench.common import machine_info  # noqa: E402
 from cachestore.analyze.simulate import TierSpec  # noqa: E402
 from cachestore.analyze.stack_distance import lru_hit_curve  # noqa: E402
 from cachestore.analyze.summary import AnalyzeConfig, analyze  # noqa: E402
-from cachestore.analyze.traces import read_trace  # noqa: E402
+from cachestore.analyze.traces import open_text, read_trace  # noqa: E402
 from cachestore.cost_model import get_model_profile  # noqa: E402
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
-                             "traces", "conversation_trace.jsonl")
+DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
+                             "traces", "conversation_trace.jsonl.gz")
 
 
 def _timed(fn: Callable[[], Any], times: list[float]) -> Any:
@@ -56,7 +56,7 @@ def _lmcache_events(path: str, block_tokens: int) -> list[dict[str, Any]] | None
     except Exception:  # noqa: BLE001 - any import failure means "peer unavailable"
         return None
     events = []
-    with open(path, encoding="utf-8") as fh:
+    with open_text(path) as fh:
         for line in fh:
             if line.strip():
                 r = json.loads(line)

@@ -16,11 +16,13 @@ the returned ``Trace`` is immutable by convention (its arrays are not written af
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -71,9 +73,16 @@ class Trace:
         return counts
 
 
+
+def open_text(path: Path) -> IO[str]:
+    """Open a trace for reading as UTF-8 text; ``*.gz`` files are decompressed on the fly."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
 def detect_format(path: Path) -> str:
     """Guess the format from the first non-empty line. Raises ValueError on an empty file."""
-    with open(path, encoding="utf-8") as fh:
+    with open_text(path) as fh:
         first = next((line for line in fh if line.strip()), None)
     if first is None:
         raise ValueError(f"{path}: empty trace")
@@ -125,7 +134,7 @@ def _build(fmt: str, block_tokens: int, rows: list[tuple[float, list, int]]) -> 
 
 
 def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
+    with open_text(path) as fh:
         for lineno, line in enumerate(fh, 1):
             if line.strip():
                 try:
@@ -167,7 +176,7 @@ def read_access_log(path: Path, block_tokens: int) -> Trace:
 def _prompt_texts(path: Path) -> list[object]:
     """Each line: a JSON prompt object, or plain text (a JSON string counts as text)."""
     out: list[object] = []
-    with open(path, encoding="utf-8") as fh:
+    with open_text(path) as fh:
         for line in fh:
             if not line.strip():
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from cachestore.analyze.traces import detect_format, read_trace
 from cachestore.hashing import Namespace, hash_request_tokens
 from engine.cli import main as kvtier
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-SYNTHETIC = TRACES / "synthetic_trace.jsonl"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+SYNTHETIC = TRACES / "synthetic_trace.jsonl.gz"
 
 
 def _lines(path: Path, rows: list[object]) -> Path:
@@ -134,7 +135,7 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
     if not SYNTHETIC.exists():
         pytest.skip(f"{SYNTHETIC} absent")
     head = tmp_path / "head.jsonl"
-    head.write_text("".join(SYNTHETIC.read_text().splitlines(keepends=True)[:400]))
+    head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
     docs = []
     for extra in ([], ["--replay"]):
         assert kvtier(["analyze", str(head), "--tier", "host=300", "--tier", "s3=900",

@@ -16,13 +16,13 @@ from cachestore.analyze.simulate import TierSpec, lru_hierarchy, replay
 from cachestore.analyze.stack_distance import COLD, lru_hit_curve, stack_distances
 from cachestore.analyze.traces import Trace, read_trace, trace_from_requests
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def _trace(name: str) -> Trace:
-    path = TRACES / f"{name}_trace.jsonl"
+    path = TRACES / f"{name}_trace.jsonl.gz"
     if not path.exists():
-        pytest.skip(f"{path} absent (Mooncake traces live in ../shared/traces)")
+        pytest.skip(f"{path} absent (the Mooncake traces are vendored in tests/data/traces)")
     return read_trace(path)
 
 
