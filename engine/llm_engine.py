@@ -2,7 +2,8 @@
 
 Each ``step()`` schedules one batch, runs it, advances request state, detokenizes the new
 tokens (stop strings included) and returns a ``RequestOutput`` for every request that produced
-a token or finished. Not thread-safe: one thread drives it (the server's engine thread, or
+a token or finished. With ``detokenize=False`` (the engine-core process: the API process
+detokenizes) outputs carry token ids only, empty text, and stop strings are the caller's job. Not thread-safe: one thread drives it (the server's engine thread, or
 ``LLM``).
 """
 
@@ -32,19 +33,23 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class _RequestState:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: token ids only (detokenize=False)
     metrics: RequestMetrics
     arrival_unix_s: float
 
 
 class LLMEngine:
     """Raises ValueError at construction on an inconsistent config (e.g. chunked prefill off
-    with a token budget below ``max_model_len``)."""
+    with a token budget below ``max_model_len``). ``detokenize=False``: no text, no stop
+    strings (a caller that detokenizes itself, like the API process, handles them)."""
 
-    def __init__(self, config: EngineConfig, *, debug: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, *, debug: bool = False, detokenize: bool = True
+    ) -> None:
         from engine.model_runner import ModelRunner
 
         self.config = config
+        self.detokenize = detokenize
         model_dir = config.model
         if model_dir is None:
             from engine.demo_model import ensure_demo_model
@@ -138,7 +143,11 @@ class LLMEngine:
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
         request = Request(req_id, prompt_ids, params, self.eos_token_ids, arrival_time=arrival)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.min_tokens)
+        detok = None
+        if self.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.stop, params.min_tokens
+            )
         self.scheduler.add_request(request)
         self._states[req_id] = _RequestState(
             request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival)
@@ -181,17 +190,20 @@ class LLMEngine:
         metrics.last_token_time = now
         self._generation_tokens_total += 1
         token_id = request.output_token_ids[-1]
-        # A stop token or EOS ends the request but is not part of the text.
-        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED
-        update = state.detokenizer.update([token_id], decode=not stopped_by_token)
-        new_text = update.new_text
-        if update.stop_string is not None:
-            if not request.is_finished:
-                self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = update.stop_string
-        elif request.is_finished:
-            new_text += state.detokenizer.flush()
+        new_text = ""
+        detok = state.detokenizer
+        if detok is not None:
+            # A stop token or EOS ends the request but is not part of the text.
+            stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED
+            update = detok.update([token_id], decode=not stopped_by_token)
+            new_text = update.new_text
+            if update.stop_string is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = update.stop_string
+            elif request.is_finished:
+                new_text += detok.flush()
         if request.is_finished:
             metrics.finished_time = now
             del self._states[request.req_id]
@@ -206,7 +218,7 @@ class LLMEngine:
             req_id=request.req_id,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=state.detokenizer.text,
+            text=state.detokenizer.text if state.detokenizer is not None else "",
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,

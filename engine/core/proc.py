@@ -121,7 +121,9 @@ def _build_engine(config: EngineConfig, num_threads: int | None) -> LLMEngine:
         torch.set_num_threads(num_threads)
     from engine.llm_engine import LLMEngine
 
-    return LLMEngine(config)
+    # Token ids only: the API process detokenizes (and owns stop strings), so doing it here
+    # too would be wasted work on the engine thread.
+    return LLMEngine(config, detokenize=False)
 
 
 def to_core_output(output: RequestOutput) -> CoreOutput:

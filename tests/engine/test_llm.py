@@ -3,6 +3,7 @@ models, with prefix hits, chunked prefill and preemption; stops; streaming; erro
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -298,3 +299,33 @@ def test_request_log_without_offload(models: dict, tmp_path: Path) -> None:
     assert rows[0]["hit_tiers"] == [] and rows[2]["hit_tiers"] == ["gpu", "gpu"]
     assert all(r["decision"] == "recompute" and r["prompt_tokens"] == 40 for r in rows)
     assert llm.kv_stats()["gpu_hit_tokens"] == llm.engine.stats()["prefix_cache_hit_tokens_total"]
+
+
+def test_engine_without_detokenization_gives_token_ids_only(models: dict, llama_llm: LLM) -> None:
+    """``detokenize=False`` (the engine-core process): the same token ids, no text, and stop
+    strings left to the caller; stop token ids still end a request."""
+    from engine.llm_engine import LLMEngine
+
+    tok = llama_llm.tokenizer
+    rng = random.Random(4)
+    prompt = rand_prompt(rng, 8)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (full,) = llama_llm.generate([prompt], params)
+    pick = _pick_stop_string(tok, full.token_ids)
+    assert pick is not None
+    engine = LLMEngine(llama_llm.config, detokenize=False)
+    stop_tok = full.token_ids[5]
+    engine.add_request("s", prompt, dataclasses.replace(params, stop=(pick[0],)))
+    engine.add_request("t", prompt, dataclasses.replace(params, stop_token_ids=(stop_tok,)))
+    finals: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.text == "" and out.new_text == ""
+            if out.finished:
+                finals[out.req_id] = out
+    assert finals["s"].token_ids == full.token_ids  # the stop string is not seen here
+    assert finals["s"].finish_reason == "length"
+    first = full.token_ids.index(stop_tok)
+    assert finals["t"].token_ids == full.token_ids[: first + 1]
+    assert (finals["t"].finish_reason, finals["t"].stop_reason) == ("stop", stop_tok)
+
