@@ -19,9 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,39 +29,12 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.common import machine_info  # noqa: E402
+from tests.servers import RedisServer, free_port  # noqa: E402
+
 SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} never opened")
-
-
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                            "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        info["device"] = "cpu"
-    return info
 
 
 def _block(key: str, size: int) -> bytes:
@@ -163,23 +134,20 @@ def main() -> int:
     ap.add_argument("--touch", action="store_true", help="copy each got value on the client")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-")
-    procs: list[subprocess.Popen[bytes]] = []
+    redis_server = RedisServer(maxmemory_bytes=2 << 30)  # no persistence, like the daemon here
+    procs: list[subprocess.Popen[str]] = []
     try:
-        rport, dport = _free_port(), _free_port()
-        procs.append(subprocess.Popen(
-            ["redis-server", "--port", str(rport), "--save", "", "--appendonly", "no",
-             "--dir", tmp, "--maxmemory", "2gb", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL))
+        redis_server.start()
+        dport = free_port()
         cfg = os.path.join(tmp, "tiers.yaml")
         with open(cfg, "w") as f:
             f.write("tiers:\n  - {kind: host, capacity: 1GiB, slot_bytes: 2MiB, pin_memory: false}\n")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(dport),
              "--admin-port", "-1", "--config", cfg, "--max-keys", "4096"],
-            cwd=ROOT, stdout=subprocess.DEVNULL))
-        _wait_port(rport)
-        _wait_port(dport)
-        urls = {"redis": f"redis://127.0.0.1:{rport}/0", "daemon-tcp": f"tcp://127.0.0.1:{dport}",
+            cwd=ROOT, stdout=subprocess.PIPE, text=True))
+        assert procs[0].stdout is not None and "listening" in procs[0].stdout.readline()
+        urls = {"redis": redis_server.url, "daemon-tcp": f"tcp://127.0.0.1:{dport}",
                 "daemon-shm": f"tcp://127.0.0.1:{dport}"}
         cases: list[dict[str, Any]] = []
         for size_name in SIZES:
@@ -201,8 +169,9 @@ def main() -> int:
         for p in procs:
             p.terminate()
             p.wait(10)
+        redis_server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"bench": "server", "unit": "GB/s", "machine": machine(),
+    print(json.dumps({"bench": "server", "unit": "GB/s", "machine": machine_info(),
                       "seconds": args.seconds, "touch": args.touch, "cases": cases}, indent=1))
     big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
     summary = ", ".join(
