@@ -54,3 +54,5 @@ class EngineConfig:
     kv_offload: bool = False
     kv_offload_config: str | dict | None = None  # YAML path or the same dict (tiers issue)
     request_log: str | None = None
+    # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
+    enforce_eager: bool = False

@@ -57,7 +57,7 @@ class LLMEngine:
             model_dir = ensure_demo_model()
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
-        self.runner = ModelRunner(config, model_dir)
+        self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
         self.tokenizer: Any = load_tokenizer(model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload-config", default=None, metavar="FILE", help="tiers YAML")
     parser.add_argument("--request-log", default=None, metavar="FILE")
     parser.add_argument(
+        "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine core on a thread of the HTTP process instead of its own process",
@@ -70,6 +73,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload=args.kv_offload,
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -329,3 +329,23 @@ def test_engine_without_detokenization_gives_token_ids_only(models: dict, llama_
     assert finals["t"].token_ids == full.token_ids[: first + 1]
     assert (finals["t"].finish_reason, finals["t"].stop_reason) == ("stop", stop_tok)
 
+
+
+def test_enforce_eager_maps_from_llm_kwargs_and_the_serve_flag(models: dict) -> None:
+    import argparse
+
+    from engine.server.cli import add_arguments, engine_config_from_args
+
+    llm = LLM(models["llama"][0], num_gpu_blocks=8, dtype="float32", device="cpu", enforce_eager=True)
+    assert llm.config.enforce_eager and llm.engine.runner.cuda_graphs is None
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager
+    assert not engine_config_from_args(parser.parse_args([])).enforce_eager
+
+
+@pytest.mark.gpu
+def test_enforce_eager_skips_cuda_graphs(models: dict) -> None:
+    kw: dict[str, Any] = dict(num_gpu_blocks=8, dtype="bfloat16", device="cuda")
+    assert LLM(models["llama"][0], **kw).engine.runner.cuda_graphs is not None
+    assert LLM(models["llama"][0], enforce_eager=True, **kw).engine.runner.cuda_graphs is None
