@@ -21,6 +21,7 @@ import pytest
 from cachestore.codec import BlockMeta, CodecError, decode_block, encode_block, encode_block_into
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
+from tests.cachestore.store_helpers import counters
 from tests.servers import RedisServer, S3Server
 from tests.tiers.conftest import MakeTier
 from tiers.base import Tier, TierError
@@ -124,22 +125,31 @@ def test_corrupt_values_are_detected_never_returned(
     assert seen == reason or (tier_kind == "s3" and corruption == "truncated" and seen == "miss")
 
 
+def _kill_restart_recover(tier: Tier, kill: Callable[[], None], restart: Callable[[], None],
+                          read_op: Callable[[], object]) -> None:
+    """A backend killed under the tier: ``read_op`` and a put raise TierError; restarted
+    (empty), the old key is a miss and a new put reads back through the codec."""
+    good = encode_block(PAYLOAD, META)
+    tier.put_many([(KEY, good)])
+    kill()
+    with pytest.raises(TierError):
+        read_op()
+    with pytest.raises(TierError):
+        tier.put_many([(KEY, good)])
+    restart()
+    assert read_through_codec(tier, KEY) == "miss"
+    tier.put_many([(KEY, good)])
+    assert read_through_codec(tier, KEY) == "ok"
+    tier.close()
+
+
 def test_redis_killed_and_restarted_tier_recovers(redis_server: RedisServer, redis_url: str) -> None:
     if not redis_server.managed:
         pytest.skip("external Redis: cannot kill it")
     tier = RedisTier(RedisTierConfig(url=redis_url, retries=0))
-    good = encode_block(PAYLOAD, META)
-    tier.put_many([(KEY, good)])
-    redis_server.kill()
-    with pytest.raises(TierError):
-        tier.get_many([KEY])
-    with pytest.raises(TierError):
-        tier.put_many([(KEY, good)])
-    redis_server.start()
-    assert read_through_codec(tier, KEY) == "miss"  # no persistence: restarted empty
-    tier.put_many([(KEY, good)])
-    assert read_through_codec(tier, KEY) == "ok"
-    tier.close()
+    # No persistence: the restarted server is empty.
+    _kill_restart_recover(tier, redis_server.kill, redis_server.start,
+                          lambda: tier.get_many([KEY]))
 
 
 def test_s3_killed_and_restarted_tier_recovers(s3_server: S3Server, s3_config: dict) -> None:
@@ -149,19 +159,12 @@ def test_s3_killed_and_restarted_tier_recovers(s3_server: S3Server, s3_config: d
 
     fields = {k: v for k, v in s3_config.items() if k != "kind"}
     tier = S3Tier(S3TierConfig(**fields, max_attempts=1))
-    good = encode_block(PAYLOAD, META)
-    tier.put_many([(KEY, good)])
-    s3_server.kill()
-    with pytest.raises(TierError):
-        tier.lookup([KEY])
-    with pytest.raises(TierError):
-        tier.put_many([(KEY, good)])
-    s3_server.start()  # moto restarts empty: the bucket is gone too
-    s3_server.create_bucket(fields["bucket"])  # type: ignore[arg-type]
-    assert read_through_codec(tier, KEY) == "miss"
-    tier.put_many([(KEY, good)])
-    assert read_through_codec(tier, KEY) == "ok"
-    tier.close()
+
+    def restart() -> None:
+        s3_server.start()  # moto restarts empty: the bucket is gone too
+        s3_server.create_bucket(fields["bucket"])  # type: ignore[arg-type]
+
+    _kill_restart_recover(tier, s3_server.kill, restart, lambda: tier.lookup([KEY]))
 
 
 # -- through the hierarchical store ---------------------------------------------------------
@@ -171,10 +174,6 @@ SLOT = len(encode_block(PAYLOAD, META))
 
 def store_keys(n: int, salt: int = 0) -> list[str]:
     return [f"{NS}/{salt:08x}{i:056x}" for i in range(n)]
-
-
-def counters(store: HierarchicalStore, name: str) -> list[int]:
-    return [row[name] for row in store.stats()["tiers"]]
 
 
 def test_store_reads_of_corrupt_values_are_misses(make_tier: MakeTier, tier_kind: str) -> None:
