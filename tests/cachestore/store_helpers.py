@@ -45,8 +45,10 @@ def block(i: int) -> bytes:
 
 
 class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
+    """A monotonic clock the test moves by hand (``clock.now += seconds``)."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        self.now = start
 
     def __call__(self) -> float:
         return self.now

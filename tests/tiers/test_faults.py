@@ -21,7 +21,7 @@ import pytest
 from cachestore.codec import BlockMeta, CodecError, decode_block, encode_block, encode_block_into
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
-from tests.cachestore.store_helpers import counters
+from tests.cachestore.store_helpers import FakeClock, counters
 from tests.servers import RedisServer, S3Server
 from tests.tiers.conftest import MakeTier
 from tiers.base import Tier, TierError
@@ -204,14 +204,6 @@ def test_store_reads_of_corrupt_values_are_misses(make_tier: MakeTier, tier_kind
     store.close()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
     redis_server: RedisServer, s3_server: S3Server,
     redis_config: dict, s3_config: dict,
@@ -220,7 +212,7 @@ def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
         pytest.skip("external servers: cannot kill them")
     from cachestore.tier_config import build_tiers, parse_tier_config
 
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     backoff_s = 0.5
     cfg = parse_tier_config({"tiers": [
         {"kind": "host", "capacity": 2 * SLOT, "slot_bytes": SLOT},
