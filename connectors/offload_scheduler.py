@@ -63,7 +63,8 @@ class _Inflight:
     request: Request
     load: BlockLoad
     tiers: tuple[str, ...]
-    overlap: bool = False  # a tail load: its blocks do not extend the leading hit
+    # Extend the request log's leading hit: first admission, and not an overlap's tail.
+    record: bool = True
 
 
 class OffloadScheduler:
@@ -147,17 +148,20 @@ class OffloadScheduler:
         bs = self.block_size
         self.stats.add(gpu_hit_tokens=num_gpu_hit_tokens)
         plan = self._plans.pop(request.req_id, None)
-        hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
-        request.kv_decision = STRATEGY_RECOMPUTE
+        # The request log describes the prompt's first admission; a preempted request hitting
+        # its own blocks again must not rewrite it.
+        record = request.num_preemptions == 0
+        if record:  # leading blocks only (an overlap's head is computed; its tail is not)
+            request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
+            request.kv_decision = STRATEGY_RECOMPUTE
         if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
-            request.kv_hit_tiers = hit_tiers
             return
         num_load = num_external_tokens // bs
         head = plan.num_head_blocks if num_load else 0
         self.stats.count_decision(plan.decision)
         self.stats.add(recomputed_tokens=(len(plan.keys) - num_load) * bs)
-        request.kv_decision = plan.decision if num_load else STRATEGY_RECOMPUTE
-        request.kv_hit_tiers = hit_tiers  # leading blocks only: an overlap's head is computed
+        if record and num_load:
+            request.kv_decision = plan.decision
         if num_load == 0:
             return
         if head:
@@ -176,7 +180,9 @@ class OffloadScheduler:
             plan.tiers[loaded],
         )
         self._new_loads.append(load)
-        self._inflight[request.req_id] = _Inflight(request, load, plan.tiers[loaded], head > 0)
+        self._inflight[request.req_id] = _Inflight(
+            request, load, plan.tiers[loaded], record=record and head == 0
+        )
 
     def update_from_worker(self, report: WorkerReport) -> None:
         """Take the worker's finished loads (the engine calls this after every step)."""
@@ -190,11 +196,11 @@ class OffloadScheduler:
                 loaded_tokens=n * bs, recomputed_tokens=(result.num_requested_blocks - n) * bs
             )
             self.stats.count_tier_hits(list(inflight.tiers[:n]))
-            if not inflight.overlap:
-                request = inflight.request
+            request = inflight.request
+            if inflight.record:
                 request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
-            if n == 0:
-                inflight.request.kv_decision = STRATEGY_RECOMPUTE
+                if n == 0:
+                    request.kv_decision = STRATEGY_RECOMPUTE
             self._finished[result.req_id] = inflight.load.first_token + n * bs
 
     def get_finished_loading(self) -> Mapping[str, int]:
