@@ -1,6 +1,7 @@
 """Shared pieces of the store and cache-server tests: keys and blocks of one namespace, a
 two-tier store (host over LMDB), per-tier counters, a settable clock, a tier whose backend is
-gone, and ``sized_block`` (an encoded block of an exact size, what the daemon accepts).
+gone, host/LMDB tiers logging their pin calls, and ``sized_block`` (an encoded block of an
+exact size, what the daemon accepts).
 
 ``DownTier`` also serves any test that needs a tier failing every call (calibration's broken
 tier: ``DownTier(name="redis")``).
@@ -84,3 +85,25 @@ class DownTier(Tier):
 
     def usage(self) -> TierUsage:
         raise TierError("down")
+
+
+class _PinLog:
+    """Records each pin_each/unpin call of a tier as (tier name, op, keys)."""
+
+    calls: list[tuple[str, str, list[str]]]
+
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:
+        self.calls.append((self.name, "pin_each", list(keys)))  # type: ignore[attr-defined]
+        return super().pin_each(keys)  # type: ignore[misc, no-any-return]
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self.calls.append((self.name, "unpin", list(keys)))  # type: ignore[attr-defined]
+        super().unpin(keys)  # type: ignore[misc]
+
+
+class PinLogHost(_PinLog, HostTier):
+    """A host tier that logs its pin calls."""
+
+
+class PinLogLmdb(_PinLog, LmdbTier):
+    """An LMDB tier that logs its pin calls."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ from tests.cachestore.store_helpers import (
     SIZE,
     DownTier,
     FakeClock,
+    PinLogHost,
+    PinLogLmdb,
     block,
     counters,
     make_store,
@@ -113,31 +114,9 @@ def test_pins_dedup_and_full_demotion_queue(tmp_path: Path) -> None:
     store.close()
 
 
-class _PinCalls:
-    """Records each pin_each/unpin call of a tier as (tier name, op, keys)."""
-
-    calls: list[tuple[str, str, list[str]]]
-
-    def pin_each(self, keys: Sequence[str]) -> list[bool]:
-        self.calls.append((self.name, "pin_each", list(keys)))  # type: ignore[attr-defined]
-        return super().pin_each(keys)  # type: ignore[misc, no-any-return]
-
-    def unpin(self, keys: Sequence[str]) -> None:
-        self.calls.append((self.name, "unpin", list(keys)))  # type: ignore[attr-defined]
-        super().unpin(keys)  # type: ignore[misc]
-
-
-class _Host(_PinCalls, HostTier):
-    pass
-
-
-class _Lmdb(_PinCalls, LmdbTier):
-    pass
-
-
 def test_prepare_load_pins_with_one_call_per_tier(tmp_path: Path) -> None:
     calls: list[tuple[str, str, list[str]]] = []
-    host, lmdb = _Host(4 * SIZE, SIZE), _Lmdb(tmp_path / "db", 6 * SIZE)
+    host, lmdb = PinLogHost(4 * SIZE, SIZE), PinLogLmdb(tmp_path / "db", 6 * SIZE)
     host.calls = lmdb.calls = calls
     store = HierarchicalStore([host, lmdb], StoreConfig(namespace=PREFIX))
     for i in range(6):
