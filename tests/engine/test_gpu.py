@@ -225,7 +225,7 @@ def test_fused_kernels_equal_the_torch_path_on_gpu(gpu_model) -> None:
     # own bf16 error against fp32 HF is ~1e-2 on these models).
     same: dict[str, list[int]] = {}
     for r in seqs_p:
-        agree = next((i for i, (a, b) in enumerate(zip(seqs_f[r], seqs_p[r])) if a != b), len(seqs_p[r]))
+        agree = next((i for i, (a, b) in enumerate(zip(seqs_f[r], seqs_p[r], strict=False)) if a != b), len(seqs_p[r]))
         same[r] = [p for p in got_p[r] if p < agree]
     compared = sum(len(v) for v in same.values())
     num = sum(float((got_f[r][p] - got_p[r][p]).norm() ** 2) for r in same for p in same[r])
