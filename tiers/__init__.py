@@ -18,7 +18,6 @@ only by ``register_tier``; it is safe to read from several threads.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,34 +38,22 @@ def _lmdb(config: Any) -> Tier:
     return LmdbTier.from_config(config)
 
 
-def _same_fields(config: Any, backend_cls: type[Any]) -> Any:
-    """``config`` rebuilt as ``backend_cls`` (a dataclass) from the fields both share.
-
-    The parsed YAML config (``cachestore.tier_config``) mirrors a backend's own config class
-    field by field; this keeps the backend free to define (and validate) its class itself.
-    """
-    if isinstance(config, backend_cls):
-        return config
-    names = {f.name for f in dataclasses.fields(backend_cls)}
-    return backend_cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-
-
 def _redis(config: Any) -> Tier:
-    from tiers.redis import RedisTier, RedisTierConfig
+    from tiers.redis import RedisTier
 
-    return RedisTier.from_config(_same_fields(config, RedisTierConfig))
+    return RedisTier.from_config(config)
 
 
 def _s3(config: Any) -> Tier:
-    from tiers.s3 import S3Tier, S3TierConfig  # type: ignore[import-not-found,unused-ignore]
+    from tiers.s3 import S3Tier
 
-    return S3Tier.from_config(_same_fields(config, S3TierConfig))  # type: ignore[no-any-return,unused-ignore]
+    return S3Tier.from_config(config)
 
 
 def _remote(config: Any) -> Tier:
-    from tiers.remote import RemoteTier  # type: ignore[import-not-found,unused-ignore]
+    from tiers.remote import RemoteTier
 
-    return RemoteTier.from_config(config)  # type: ignore[no-any-return,unused-ignore]
+    return RemoteTier.from_config(config)
 
 
 _FACTORIES: dict[str, TierFactory] = {

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
 from cachestore.calibration import (
@@ -15,7 +13,7 @@ from cachestore.calibration import (
 )
 from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
 from cachestore.cost_online import CostPriors
-from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tests.cachestore.store_helpers import DownTier
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 
@@ -99,32 +97,13 @@ def test_calibrate_tier_refuses_a_tier_too_small() -> None:
         assert tier.usage().num_entries == 0
 
 
-class _BrokenTier(Tier):
-    name = "redis"
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        raise TierError("down")
-
-    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        raise TierError("down")
-
-    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
-        raise TierError("down")
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        raise TierError("down")
-
-    def usage(self) -> TierUsage:
-        return TierUsage(0, None, 0)
-
-
 def test_calibrate_combines_measurements_and_priors(tmp_path) -> None:
     redis_prior = TierCost("redis", 5e-4, 2.5e9)
     priors = CostPriors("t", {"redis": redis_prior}, TRUTH, block_bytes=4096)
     host = HostTier(64 * 4096, 4096, pin_memory=False)
     lmdb = LmdbTier(tmp_path / "lmdb", 16 << 20)
     try:
-        model = calibrate([host, lmdb, _BrokenTier()], 4096, 16,
+        model = calibrate([host, lmdb, DownTier(name="redis")], 4096, 16,
                           lambda n, c: 2 * TRUTH.time(n, c),
                           host_to_gpu=lambda n: 1e-5 + n * 4096 / 1e10, priors=priors,
                           prefill_sizes=[(16, 0), (512, 0), (2048, 1024)], num_blocks=8,
@@ -141,7 +120,7 @@ def test_calibrate_combines_measurements_and_priors(tmp_path) -> None:
     assert model.prefill_cost().per_token_s == pytest.approx(2e-5, rel=1e-9)
     assert model.block_bytes == 4096 and model.block_tokens == 16
     with pytest.raises(ValueError, match="no prior"):
-        calibrate([_BrokenTier()], 4096, 16, progress=False)
+        calibrate([DownTier(name="redis")], 4096, 16, progress=False)
 
 
 def test_calibrate_measures_the_host_hop_without_a_host_tier(tmp_path) -> None:

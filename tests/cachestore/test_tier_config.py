@@ -139,7 +139,7 @@ S3_FULL = {"kind": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000"
 
 
 def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
-    from tiers import _same_fields
+    from tiers.shared import config_as
     from tiers.redis import RedisTierConfig as RedisBackend
     from tiers.s3 import S3TierConfig as S3Backend
 
@@ -155,7 +155,7 @@ def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
     # Every YAML field exists, with the same value, on the backend's own config (the registry
     # converts by name, so a field missing there would be silently dropped).
     for parsed, backend_cls in ((redis_cfg, RedisBackend), (s3_cfg, S3Backend)):
-        backend = _same_fields(parsed, backend_cls)
+        backend = config_as(parsed, backend_cls)
         for f in dataclasses.fields(parsed):
             assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
     assert "SK" not in repr(s3_cfg) and "6379" not in repr(redis_cfg)
