@@ -139,9 +139,9 @@ S3_FULL = {"kind": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000"
 
 
 def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
-    from tiers.shared import config_as
     from tiers.redis import RedisTierConfig as RedisBackend
     from tiers.s3 import S3TierConfig as S3Backend
+    from tiers.shared import config_as
 
     redis_cfg, s3_cfg = parse_tier_config({"tiers": [REDIS_FULL, S3_FULL]}).tiers
     assert redis_cfg == RedisTierConfig(
