@@ -28,14 +28,12 @@ The 8B shape is built directly on the device with random weights: ``engine.model
 ``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
 checkpoint is ever written. Prints one JSON document and a one-line summary; ``--out DIR`` also
 writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``; the rest run.
+Set-up, engine helpers and the sweep's parts live in bench/offload_parts.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
-import itertools
 import json
 import os
 import random
@@ -43,243 +41,33 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info, percentile  # noqa: E402
+from bench.offload_parts import (  # noqa: E402
+    GREEDY1,
+    SWEEP_CALIBRATION_BLOCKS,
+    Setup,
+    ThrottledTier,
+    _Parts,
+    _ttft_once,
+    build_setup,
+    bytes_per_block,
+    close_llm,
+    make_llm,
+    random_tokens,
+    run_requests,
+    sync,
+)
 from cachestore.calibration import calibrate  # noqa: E402
 from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tiers.base import Evicted, Tier, TierUsage, Value  # noqa: E402
-
-GREEDY1 = SamplingParams(max_tokens=1, temperature=0.0)
-RANDOM_MARKER = "kvtier_bench_random_weights.json"
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-}
-HOST_CAPACITY = 8 << 30  # pinned; holds the TTFT prefixes (3 x 16K = 6 GiB) and all QA histories
-TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "max_position_embeddings": 4096}
-TOKEN_RANGE = (10, 500)
-SWEEP_CALIBRATION_BLOCKS = 16  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
-
-
-# -- set-up --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Setup:
-    """What every section needs: the model, where it runs, and the sizes of this run."""
-
-    model_dir: str | None  # None: the embedded demo model
-    device: torch.device
-    workdir: str
-    lengths: tuple[int, ...]  # TTFT / sweep prefix lengths (multiples of 16)
-    transfer_blocks: int
-    qa: dict[str, int]
-    sweep_factors: tuple[tuple[float, float], ...]  # (x break-even bandwidth, x prefill latency)
-    max_batched_tokens: int
-    request_timeout_s: float  # a generate call taking longer means the engine is stuck
-    dtype: str = "auto"
-    reps: int = 3  # TTFT repetitions per (mode, length); the median is reported
-    lmdb_max_len: int = 1 << 30  # the LMDB TTFT mode skips longer prefixes
-    sweep_lengths: tuple[int, ...] = ()  # () = lengths
-    host_capacity: int = 512 << 20
-
-
-def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
-    """config.json, the demo tokenizer and a marker; the weights are made on the device."""
-    from safetensors.torch import save_file
-
-    from engine.demo_model import save_demo_tokenizer
-
-    out = os.path.join(workdir, f"llama-random-{config['hidden_size']}")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-    save_demo_tokenizer(out)
-    # model_fingerprint hashes safetensors headers: one tiny tensor names this random model.
-    save_file({"bench_seed": torch.zeros(1)}, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, RANDOM_MARKER), "w") as f:
-        json.dump({"init": "normal(0, 0.02), norms 1", "seed": 0}, f)
-    return out
-
-
-def _install_random_loader() -> None:
-    """Wrap ``load_model`` so a marked directory gets random weights built on the device once
-    per (dir, dtype, device, max_positions) and shared by every engine of this process."""
-    import engine.model_loader as ml
-    import engine.model_runner as mr
-
-    real = ml.load_model
-    cache: dict[tuple[Any, ...], Any] = {}
-
-    def load(model_dir: str, dtype: str, device: Any, max_positions: int | None = None) -> Any:
-        if not os.path.exists(os.path.join(model_dir, RANDOM_MARKER)):
-            return real(model_dir, dtype, device, max_positions)
-        key = (model_dir, dtype, str(device), max_positions)
-        if key not in cache:
-            from engine.models import ModelArchConfig, get_model_class
-
-            hf = ml.read_hf_config(model_dir)
-            arch = ModelArchConfig.from_hf(hf)
-            torch_dtype = ml.resolve_dtype(dtype, hf)
-            with torch.device("meta"):
-                model = get_model_class(arch.architecture)(arch, max_positions)
-            model = model.to(dtype=torch_dtype).to_empty(device=device)
-            gen = torch.Generator(device=device).manual_seed(0)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if "norm" in name:
-                        p.fill_(1.0)
-                    else:
-                        p.normal_(0.0, 0.02, generator=gen)
-            cache[key] = ml.LoadedModel(model=model.eval(), arch=arch, dtype=torch_dtype,
-                                        hf_config=hf)
-        return cache[key]
-
-    ml.load_model = load
-    mr.load_model = load  # imported by name there
-
-
-def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None) -> Setup:
-    """``quick``: the demo model; ``tiny``: the full path on a tiny random Llama; ``full``: the
-    Llama-3-8B shape (CUDA only). ``args`` overrides sizes (see main's flags)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    if not cuda:
-        torch.set_num_threads(1)  # tiny models on a shared CPU: threads only add contention
-    if mode == "quick":
-        setup = Setup(None, device, workdir, (256, 1024), 32,
-                      {"users": 4, "rounds": 3, "system": 64, "context": 192, "question": 16,
-                       "answer": 8, "pool_users": 2},
-                      ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
-    elif mode == "tiny":
-        _install_random_loader()
-        setup = Setup(_random_model_dir(workdir, TINY), device, workdir, (256, 1024), 16,
-                      {"users": 4, "rounds": 2, "system": 64, "context": 128, "question": 16,
-                       "answer": 4, "pool_users": 2},
-                      ((0.25, 0.0), (16.0, 0.5)), 2048, 60.0,
-                      dtype="bfloat16" if cuda else "float32", reps=1, lmdb_max_len=256,
-                      sweep_lengths=(256,))
-    else:
-        if not cuda:
-            raise SystemExit("the full benchmark needs CUDA (Llama-3-8B shape); use --quick or "
-                             "--tiny on CPU")
-        _install_random_loader()
-        setup = Setup(_random_model_dir(workdir, LLAMA3_8B), device, workdir, (1024, 4096, 16384),
-                      256,
-                      {"users": 12, "rounds": 4, "system": 1024, "context": 2048, "question": 64,
-                       "answer": 32, "pool_users": 3},
-                      ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
-                      120.0, dtype="bfloat16", reps=3, lmdb_max_len=4096,
-                      sweep_lengths=(1024, 4096), host_capacity=HOST_CAPACITY)
-    if args is not None:
-        over: dict[str, Any] = {}
-        if args.lengths:
-            over["lengths"] = tuple(int(x) for x in args.lengths.split(","))
-        if args.sweep_lengths:
-            over["sweep_lengths"] = tuple(int(x) for x in args.sweep_lengths.split(","))
-        if args.reps:
-            over["reps"] = args.reps
-        if args.lmdb_max_len:
-            over["lmdb_max_len"] = args.lmdb_max_len
-        if args.qa_users:
-            over["qa"] = {**setup.qa, "users": args.qa_users}
-        setup = dataclasses.replace(setup, **over)
-    if any(n % 16 for n in setup.lengths + setup.sweep_lengths):
-        raise SystemExit("prefix lengths must be multiples of 16")
-    return setup
-
-
-def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None) -> Any:
-    from engine.llm import LLM
-
-    kwargs: dict[str, Any] = {
-        "num_gpu_blocks": num_gpu_blocks, "max_num_batched_tokens": setup.max_batched_tokens,
-        "max_num_seqs": 64, "seed": 0,
-    }
-    if setup.model_dir is not None:
-        kwargs["dtype"] = setup.dtype
-    if offload is not None:
-        kwargs.update(kv_offload=True, kv_offload_config=offload)
-    return LLM(setup.model_dir, **kwargs)
-
-
-def close_llm(llm: Any) -> None:
-    llm.close()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def bytes_per_block(setup: Setup) -> int:
-    """KV bytes of one block of the benchmarked model, from its config.json."""
-    from engine.demo_model import ensure_demo_model
-    from engine.model_loader import read_hf_config, resolve_dtype
-    from engine.models import ModelArchConfig
-
-    hf = read_hf_config(setup.model_dir or ensure_demo_model())
-    arch = ModelArchConfig.from_hf(hf)
-    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                       resolve_dtype("auto", hf))
-    return spec.bytes_per_block
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
-
-
-_REQ_IDS = itertools.count()
-
-
-def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams,
-                 timeout_s: float) -> list[Any]:
-    """``LLM.generate`` with a deadline: a stalled engine (no request can progress) raises
-    RuntimeError with its stats instead of hanging the whole benchmark."""
-    eng = llm.engine
-    ids = [f"bench-{next(_REQ_IDS)}" for _ in prompts]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        eng.add_request(rid, prompt, params)
-    finals: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                finals[out.req_id] = out
-        if time.monotonic() > deadline:
-            stats = eng.stats()
-            for rid in ids:
-                eng.abort_request(rid)
-            for _ in range(100):  # let the aborts land; a wedged engine may never drain
-                if not eng.has_unfinished_requests():
-                    break
-                eng.step()
-            raise RuntimeError(f"engine stalled: {len(finals)}/{len(ids)} requests finished "
-                               f"after {timeout_s:.0f} s; stats {stats}")
-    return [finals[r] for r in ids]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 # -- transfer -------------------------------------------------------------------------------
 
@@ -321,14 +109,6 @@ def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
 
 
 # -- TTFT: recompute vs reload ---------------------------------------------------------------
-
-
-def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    out = run_requests(llm, [prompt], GREEDY1, timeout_s)[0]
-    wall = time.perf_counter() - t0
-    ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else wall
-    return ttft, out.num_cached_tokens
 
 
 def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[str, Any] | None:
@@ -435,93 +215,6 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
 
 
 # -- cost-model sweep ----------------------------------------------------------------------
-
-
-class ThrottledTier(Tier):
-    """A tier whose reads take at least ``latency_s + nbytes / bandwidth`` (it sleeps the rest).
-    Writes, lookups and deletes pass through. Thread-safe as the inner tier."""
-
-    def __init__(self, inner: Tier, latency_s: float, bandwidth_bytes_per_s: float) -> None:
-        self.inner, self.latency_s, self.bandwidth = inner, latency_s, bandwidth_bytes_per_s
-        self.name = inner.name
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        return self.inner.lookup(keys)
-
-    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        t0 = time.perf_counter()
-        values = self.inner.get_many(keys)
-        nbytes = sum(len(v) for v in values if v is not None)
-        rest = self.latency_s + nbytes / self.bandwidth - (time.perf_counter() - t0)
-        if rest > 0:
-            time.sleep(rest)
-        return values
-
-    def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
-        return self.inner.put_many(items)
-
-    def delete_many(self, keys: Sequence[str]) -> int:
-        return self.inner.delete_many(keys)
-
-    def usage(self) -> TierUsage:
-        return self.inner.usage()
-
-
-class _Parts:
-    """Measured building blocks of the sweep: prefill(n | c) on the engine (offload off, the
-    context held in the GPU prefix cache) and loads of k blocks (tier read + host->device)."""
-
-    def __init__(self, setup: Setup, llm: Any, tier: Tier, keys: list[str]) -> None:
-        self.setup, self.llm, self.tier, self.keys = setup, llm, tier, keys
-        spec = llm.engine.runner.kv_cache.spec
-        # Loads land in a cache of their own: the engine's blocks keep the measured contexts.
-        capacity = max(len(keys), SWEEP_CALIBRATION_BLOCKS)
-        self.kv = KVCache(spec, capacity, setup.device)
-        self.bpb = spec.bytes_per_block
-        # Staging allocated once: pinning per load would cost more than the copy.
-        self.staged = torch.empty(capacity * self.bpb, dtype=torch.uint8,
-                                  pin_memory=setup.device.type == "cuda")
-        self.staged_np = self.staged.numpy()
-        self.rng = random.Random(3)
-        self._prefill: dict[tuple[int, int], float] = {}
-        self._contexts: dict[int, list[int]] = {}
-
-    def prefill(self, n: int, c: int) -> float:
-        """Best of 2 TTFTs of ``n`` new tokens after ``c`` cached ones (memoized)."""
-        if (n, c) not in self._prefill:
-            ctx = self._contexts.setdefault(c, random_tokens(self.rng, c))
-            times = []
-            for _ in range(2):
-                if c:
-                    run_requests(self.llm, [ctx + random_tokens(self.rng, 1)], GREEDY1,
-                                 self.setup.request_timeout_s)  # cache the context
-                t, cached = _ttft_once(self.llm, ctx + random_tokens(self.rng, n),
-                                         self.setup.request_timeout_s)
-                if cached < c:
-                    raise RuntimeError(f"context of {c} tokens not cached ({cached})")
-                times.append(t)
-            self._prefill[(n, c)] = min(times)
-        return self._prefill[(n, c)]
-
-    def host_to_device(self, k: int, values: Sequence[Value] | None = None) -> float:
-        """Stage ``k`` blocks into (pinned) host memory and scatter them; returns seconds."""
-        bpb = self.bpb
-        payload = values or [bytes(bpb)] * k
-        t0 = time.perf_counter()
-        for i, v in enumerate(payload):
-            self.staged_np[i * bpb:(i + 1) * bpb] = np.frombuffer(v, dtype=np.uint8)
-        data = self.staged[:k * bpb].view(self.kv.spec.dtype).view(k, *self.kv.spec.block_shape)
-        self.kv.scatter_blocks(list(range(k)), data)
-        sync(self.kv.device)
-        return time.perf_counter() - t0
-
-    def load(self, begin: int, end: int) -> float:
-        t0 = time.perf_counter()
-        values = self.tier.get_many(self.keys[begin:end])
-        read = time.perf_counter() - t0
-        if any(v is None for v in values):
-            raise RuntimeError("sweep tier lost blocks")
-        return read + self.host_to_device(end - begin, values)  # type: ignore[arg-type]
 
 
 def bench_sweep(setup: Setup) -> dict[str, Any]:
