@@ -194,12 +194,12 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
         for n in (1024, 4096, 16384):
             prompt = random_prompts(1, n, vocab, n)[0]
             [table] = drv.tables(1, n)
-            ours_s = timed(lambda: drv.prefill([prompt], [table], "p"), reps)
+            ours_s = timed(lambda p=prompt, t=table: drv.prefill([p], [t], "p"), reps)
             row: dict[str, Any] = {"tokens": n, "engine_ms": round(ours_s * 1e3, 2)}
             if hf is not None:
                 ids = torch.tensor([prompt], device=device)
                 with torch.inference_mode():
-                    hf_s = timed(lambda: hf(ids, logits_to_keep=1), reps)
+                    hf_s = timed(lambda x=ids: hf(x, logits_to_keep=1), reps)
                 row.update(hf_ms=round(hf_s * 1e3, 2), speedup=round(hf_s / ours_s, 2))
             res["prefill"].append(row)
             torch.cuda.empty_cache()
@@ -213,8 +213,8 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
                 ids = torch.tensor(random_prompts(batch, 512, vocab, 100 + batch), device=device)
                 gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
                 with torch.inference_mode():
-                    t_short = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen), 1)
-                    t_long = timed(lambda: hf.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **gen), 1)
+                    t_short = timed(lambda x=ids, g=gen: hf.generate(x, max_new_tokens=1, min_new_tokens=1, **g), 1)
+                    t_long = timed(lambda x=ids, g=gen: hf.generate(x, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **g), 1)
                 hf_ms = (t_long - t_short) / steps * 1e3
                 row.update(hf_ms_per_step=round(hf_ms, 3), speedup=round(hf_ms / ours_ms, 2))
             res["decode"].append(row)
