@@ -96,19 +96,27 @@ def test_tier_yamls_parse_with_the_real_parser() -> None:
     assert kinds == [["redis", "s3"], ["host", "remote"], ["redis", "s3"], ["host", "remote"]]
 
 
+def _compose_command() -> list[str] | None:
+    """``docker compose`` (v2 plugin) where it works, else Debian's ``docker-compose`` (v1)."""
+    docker = shutil.which("docker")
+    if docker is not None:
+        probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy is not None else None
+
+
 def test_compose_services_and_config() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     assert set(compose["services"]) >= {"engine", "cache-server", "redis", "minio"}
     daemon = compose["services"]["cache-server"]["command"]
     assert daemon[0] == "cache-server" and "--tokens" in daemon  # non-loopback needs tokens
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker CLI")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"docker compose unavailable: {probe.stderr.strip()[:80]}")
-    result = subprocess.run([docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"),
-                             "config", "--quiet"], capture_output=True, text=True)
+    command = _compose_command()
+    if command is None:
+        pytest.skip("neither `docker compose` nor docker-compose is available")
+    result = subprocess.run([*command, "-f", str(DEPLOY / "docker-compose.yml"), "config",
+                             "--quiet"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
