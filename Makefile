@@ -21,6 +21,7 @@ demo: install
 	$(VENV)/bin/kvtier demo
 
 test: install
+	./scripts/test-services.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 lint: install
