@@ -21,7 +21,7 @@ demo: install
 	$(VENV)/bin/kvtier demo
 
 test: install
-	./scripts/test-services.sh
+	./tests/install-servers.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 lint: install

@@ -12,12 +12,12 @@ if [ "$(id -u)" -ne 0 ]; then
     command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "test-services: please install ${missing[*]} (no apt-get here); tests needing them will fail" >&2
+    echo "install-servers: please install ${missing[*]} (no apt-get here); tests needing them will fail" >&2
     exit 0
 fi
-echo "test-services: installing ${missing[*]} from Debian's packages" >&2
+echo "install-servers: installing ${missing[*]} from Debian's packages" >&2
 $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" || {
-    echo "test-services: could not install ${missing[*]}; tests needing them will fail" >&2
+    echo "install-servers: could not install ${missing[*]}; tests needing them will fail" >&2
     exit 0
 }
 # The Debian package starts a system instance; the tests start their own on free ports.
