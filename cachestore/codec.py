@@ -175,3 +175,21 @@ def decode_block(buf: bytes | bytearray | memoryview,
         raise CodecError("namespace", f"{meta.namespace!r} != {expected_namespace!r}")
     start = FIXED_HEADER_BYTES + meta_len
     return DecodedBlock(meta=meta, payload=view[start:body_end], version=version)
+
+
+def header_bytes(meta: BlockMeta) -> bytes:
+    """The exact bytes an encoded block with ``meta`` starts with (fixed header + meta), i.e.
+    everything before the payload. Deterministic per ``meta``: comparing a stored block's first
+    ``len(header_bytes(meta))`` bytes with it checks magic, version, flags, lengths, dtype,
+    layout, namespace and shape at once (not the checksum). Pure."""
+    meta_raw = _meta_bytes(meta)
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, 0, len(meta_raw), meta.payload_bytes) + meta_raw
+
+
+def seal_block(out: memoryview | bytearray, total: int) -> None:
+    """Write the checksum of an encoded block whose header and payload are already in
+    ``out[:total - CHECKSUM_BYTES]`` (e.g. the header from ``header_bytes`` and a payload a
+    device copied in place). Mutates ``out``; the result decodes like ``encode_block``'s."""
+    dest = memoryview(out).cast("B")
+    body_end = total - CHECKSUM_BYTES
+    _U64.pack_into(dest, body_end, xxhash.xxh3_64_intdigest(dest[:body_end]))

@@ -10,6 +10,12 @@
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
   to tier i+1 in the background, never blocking the caller (``cachestore.demotion``).
+- Host fast path (when the top tier is a ``SlabTier``, the host tier): ``locate_host`` gives
+  slab offsets of pinned host blocks whose header matches (no checksum: this process wrote
+  them), so the caller copies payloads straight out of the slab; ``stage_host`` reads blocks
+  from lower tiers (checksummed) into the slab and pins them there; ``reserve_host`` /
+  ``commit_host`` / ``abort_host`` let a device copy land in a host slot in place, evictions
+  going to the demotion queue as for ``put_many``.
 - Pins: between ``prepare_load`` and ``complete_load`` a key is pinned (one call per tier for
   the batch) in every tier that supports pins (``PinningTier``: host, lmdb); not evicted there.
 - In-flight stores: ``prepare_store`` hands each key to one caller only (not present at the top,
@@ -35,7 +41,7 @@ from typing import Any, TypeVar
 from cachestore.codec import CodecError, decode_block
 from cachestore.demotion import TierMovers
 from cachestore.store_metrics import TierHealth, TierStats, call_with_backoff, register_prometheus
-from cachestore.store_types import LookupResult, PinningTier, StoreConfig, TierLookup
+from cachestore.store_types import LookupResult, PinningTier, SlabTier, StoreConfig, TierLookup
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
@@ -112,13 +118,103 @@ class HierarchicalStore:
         them is a miss and is deleted, exactly as in ``get_many``."""
         return self._read(keys, decoded=False)
 
-    def _read(self, keys: Sequence[str], decoded: bool) -> list[Value | None]:
+    # -- host fast path --------------------------------------------------------------------
+
+    def host_slab(self) -> SlabTier | None:
+        """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
+        top = self.tiers[0]
+        return top if isinstance(top, SlabTier) else None
+
+    def locate_host(self, keys: Sequence[str], header: bytes, nbytes: int) -> list[int | None]:
+        """Slab offsets of ``keys`` in the host tier (``SlabTier.locate``), each hit pinned
+        there (balance with ``unpin_host`` of the hits); all None without a slab tier or when it
+        fails. Counts hits like a read. Never raises for tier failures."""
+        slab = self.host_slab()
+        if slab is None or not keys:
+            return [None] * len(keys)
+        t0 = time.perf_counter()
+        out = self._call(0, lambda t: slab.locate(keys, header, nbytes, pin=True), None)
+        if out is None:
+            return [None] * len(keys)
+        hits = sum(o is not None for o in out)
+        self._stats[0].record_read(hits, len(keys) - hits, hits * nbytes, time.perf_counter() - t0)
+        return out
+
+    def stage_host(self, keys: Sequence[str]) -> int:
+        """Pin ``keys`` in the host tier, reading the ones it lacks from the lower tiers
+        (checksummed, no promotion) and writing them there first (evictions demoted); return
+        how many leading keys are now pinned in the host tier (pins past those are undone).
+        Balance with ``unpin_host(keys[:n])``. Never reads host bytes unpinned: a slot may be
+        reused by a concurrent write. For a background thread (it does the tier reads).
+        Never raises for tier failures."""
+        if not keys or self.host_slab() is None:
+            return 0
+        pin = self.pin_host
+        flags = pin(keys)
+        missing = [j for j, f in enumerate(flags) if not f]
+        if missing:
+            values = self._read([keys[j] for j in missing], decoded=False, promote_hits=False,
+                                first_tier=1)
+            got = [(keys[j], v) for j, v in zip(missing, values, strict=True) if v is not None]
+            if got:
+                self._write(0, [(k, v if isinstance(v, bytes) else bytes(v)) for k, v in got])
+                again = pin([k for k, _ in got])
+                pinned = {k for (k, _), f in zip(got, again, strict=True) if f}
+                flags = [f or keys[j] in pinned for j, f in enumerate(flags)]
+        n = next((j for j, f in enumerate(flags) if not f), len(keys))
+        self.unpin_host([k for k, f in zip(keys[n:], flags[n:], strict=True) if f])
+        return n
+
+    def pin_host(self, keys: Sequence[str]) -> list[bool]:
+        """Pin each of ``keys`` the host tier holds (``pin_each``); True where pinned. All False
+        without a slab tier or on a failure. Balance with ``unpin_host`` of the pinned ones."""
+        if not keys or self.host_slab() is None:
+            return [False] * len(keys)
+        flags = self._call(0, lambda t: t.pin_each(keys), None)  # type: ignore[attr-defined]
+        return list(flags) if flags is not None else [False] * len(keys)
+
+    def unpin_host(self, keys: Sequence[str]) -> None:
+        """Undo ``stage_host``'s and ``locate_host``'s pins. Never raises for tier failures."""
+        if keys:
+            self._call(0, lambda t: t.unpin(keys), None)  # type: ignore[attr-defined]
+
+    def reserve_host(self, key: str, nbytes: int) -> Any:
+        """A host slot to write ``key`` in place (``tiers.host.Reservation``), or None (no slab
+        tier, present, too big, no room, tier failure). Evictions are demoted at once."""
+        slab = self.host_slab()
+        if slab is None:
+            return None
+        res = self._call(0, lambda t: slab.reserve(key, nbytes), None)
+        if res is not None and res.evicted:
+            self._stats[0].add("evictions", len(res.evicted))
+            self._movers.demote(0, res.evicted)
+        return res
+
+    def commit_host(self, key: str, nbytes: int) -> bool:
+        """Make a reserved slot visible (its bytes must be a whole encoded block)."""
+        slab = self.host_slab()
+        t0 = time.perf_counter()
+        ok = bool(slab is not None and self._call(0, lambda t: slab.commit(key), False))
+        if ok:
+            self._stats[0].record_write(nbytes, time.perf_counter() - t0)
+        return ok
+
+    def abort_host(self, key: str) -> None:
+        """Free a reserved slot (the copy into it failed)."""
+        slab = self.host_slab()
+        if slab is not None:
+            self._call(0, lambda t: slab.abort(key), None)
+
+    def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
+              first_tier: int = 0) -> list[Value | None]:
         out: list[Value | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         promote: list[tuple[str, bytes]] = []
         for i, tier in enumerate(self.tiers):
             if not remaining:
                 break
+            if i < first_tier:
+                continue
             wanted = [keys[j] for j in remaining]
             t0 = time.perf_counter()
             values = self._call(i, lambda t, w=wanted: t.get_many(w), _SKIP)
@@ -139,7 +235,7 @@ class HierarchicalStore:
                     corrupt.append(keys[j])
                     still.append(j)
                     continue
-                if i > 0 and self.config.promote_on_get:
+                if i > 0 and promote_hits and self.config.promote_on_get:
                     promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
             stats = self._stats[i]
             stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)

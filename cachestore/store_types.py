@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,4 +72,32 @@ class PinningTier(Protocol):
 
     def unpin(self, keys: Sequence[str]) -> None:
         """Undo one pin per key; absent or unpinned keys are ignored."""
+        ...
+
+
+@runtime_checkable
+class SlabTier(Protocol):
+    """A tier over one fixed memory slab (the host tier): in-place reads and writes for the
+    store's host fast path (``HierarchicalStore.locate_host``/``reserve_host``)."""
+
+    def locate(self, keys: Sequence[str], header: bytes, nbytes: int, *,
+               pin: bool = False) -> list[int | None]:
+        """Slab offset of each committed entry of size ``nbytes`` starting with ``header``;
+        ``pin``: pin each hit too."""
+        ...
+
+    def reserve(self, key: str, nbytes: int) -> Any:
+        """A slot to write in place (with ``offset`` and ``evicted``), or None."""
+        ...
+
+    def commit(self, key: str) -> bool:
+        """Make a reserved slot visible."""
+        ...
+
+    def abort(self, key: str) -> None:
+        """Free a reserved slot."""
+        ...
+
+    def slab_tensor(self) -> Any:
+        """The slab as a uint8 torch tensor (None without torch)."""
         ...

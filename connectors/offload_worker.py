@@ -2,26 +2,29 @@
 
 Per step (``ModelRunner`` calls, engine thread):
 1. ``start_load_kv(meta)``, before the forward pass:
-   - saves: drop the keys the store already holds (``prepare_store``), then ONE gather of all the
-     remaining blocks. CPU: a synchronous copy. CUDA: on a side stream (after the compute
-     stream's earlier writes) into pinned host memory; the compute stream waits on that copy's
-     event only when ``meta.saves_reuse_blocks`` (a block already has a new owner).
-   - loads: new ones are handed to one background thread, which reads the keys (pinned by
-     the scheduler side's ``prepare_load``; it unpins them) through the store, one read per run
-     of blocks from the same tier, into a (pinned) host tensor. Cancelled ones are dropped.
-     Every load whose read finished is scattered into its GPU blocks in ONE batched copy; a
-     load running past ``load_timeout_s`` ends with 0 blocks (the scheduler recomputes). On an
-     empty step with loads in flight it waits for the first to finish (up to its deadline)
-     instead of letting the engine spin.
-   - cost model (``observe_transfer``: the hop from a tier into host memory; ``host``: host ->
-     device): each non-host run's timed read under its tier, each batched scatter under
-     ``host``. A run read from the host tier is host memory already and is not a hop.
-2. ``wait_for_save()``, after the forward: waits for the gather's event (CUDA), encodes the
-   blocks (codec header + payload) and writes them to the top tier; the store demotes from there.
-3. ``take_report()``: finished loads for the scheduler side.
+   - saves (``HostSaver``): payloads copied from the GPU straight into reserved host-tier slots.
+   - loads, host fast path: the scheduler side pinned the keys (``prepare_load``). For the
+     leading blocks the host tier holds, ``store.locate_host`` gives their slab offsets (the
+     codec header checked, not the checksum: this process wrote them) and each block is ONE
+     copy from the slab into its cache block (``SlabCopier``): CUDA: ``non_blocking`` on the
+     side stream, then an event; CPU: memcpy. No staging, no allocation, no decode.
+   - the rest of a load (blocks in lower tiers) goes to one background thread:
+     ``store.stage_host`` reads them (checksummed) into host slots and pins them there; once it
+     finished (polled at a step start), those blocks take the same slab -> device copy. A load
+     whose staging runs past ``load_timeout_s`` ends with what was copied so far.
+   - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
+     once); their pins are released when the copies and the staging ended.
+   - an empty step (no scheduled request) with loads in flight waits for the first staging
+     (up to its deadline) and for the copies, so the load is reported this step.
+2. ``wait_for_save()``, after the forward: the save batch is sealed (checksum, commit) by the
+   saver's thread (CUDA) or at once (CPU).
+3. ``take_report()``: every load whose copies completed (event queried), reported in the step
+   they landed in, so its request runs in the next step. Entries stay pinned until then.
+Cost model (``observe_transfer``): the staging of lower-tier blocks under their tier (the hop
+into host memory), the copies of each load under ``host`` (the host -> device hop).
 
 Not thread-safe except where noted: the engine thread drives it; the load thread only runs
-``_read`` and touches nothing but the store, the stats and its own result.
+``_stage`` and touches nothing but the store and its own result.
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cachestore.codec import BlockMeta, encode_block
+from cachestore.codec import BlockMeta, encoded_size, header_bytes
 from cachestore.cost_online import OnlineCostModel
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockLoad, BlockSave, KVConnectorMetadata, LoadResult, WorkerReport
+from connectors.offload_copy import SlabCopier
+from connectors.offload_saves import HostSaver
 from connectors.offload_stats import OffloadStats
 from engine.kv_cache import KVCache
 
@@ -55,47 +60,25 @@ def block_meta(kv_cache: KVCache, namespace_prefix: str) -> BlockMeta:
 
 
 @dataclass(frozen=True, slots=True)
-class TierSample:
-    """One timed hop for the cost model: ``nbytes`` from ``tier`` into host memory."""
-
-    tier: str
-    nbytes: int
+class _Staged:
+    num_blocks: int  # leading keys now pinned in the host tier
     seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class _ReadResult:
-    num_blocks: int
-    data: torch.Tensor | None  # [num_blocks, *block_shape] on the host
-    seconds: float
-    nbytes: int
-    hops: tuple[TierSample, ...] = ()  # per run of blocks from one tier, in order
-
-
-def _runs(tiers: tuple[str, ...]) -> list[tuple[str, int, int]]:
-    """``(tier, start, end)`` for each stretch of consecutive blocks from one tier."""
-    out: list[tuple[str, int, int]] = []
-    for i, tier in enumerate(tiers):
-        if out and out[-1][0] == tier:
-            out[-1] = (tier, out[-1][1], i + 1)
-        else:
-            out.append((tier, i, i + 1))
-    return out
+    data: torch.Tensor | None = None  # the blocks after those, read through the store
 
 
 @dataclass(slots=True)
-class _PendingLoad:
+class _Load:
     load: BlockLoad
-    future: cf.Future[_ReadResult]
     deadline: float
-
-
-@dataclass(slots=True)
-class _PendingSave:
-    saves: list[BlockSave]
-    data: torch.Tensor  # host copy, valid once ``event`` (if any) completed
-    event: object | None
     started: float
+    copied: int = 0  # leading blocks whose copies were issued
+    staging: cf.Future[_Staged] | None = None
+    staged_keys: tuple[str, ...] = ()  # pinned by ``stage_host``: unpin when done
+    located: list[str] = field(default_factory=list)  # pinned by ``locate_host``: likewise
+    event: object | None = None  # CUDA: recorded after the last issued copy
+    timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
+    copy_seconds: float = 0.0  # CPU
+    issuing: bool = True  # more copies may follow (staging pending)
 
 
 class OffloadWorker:
@@ -117,189 +100,234 @@ class OffloadWorker:
         self.cost_model = cost_model
         self._cuda = kv_cache.device.type == "cuda"
         self._side_stream = torch.cuda.Stream(kv_cache.device) if self._cuda else None
+        self._header = header_bytes(meta)
+        self._total = encoded_size(meta)
+        slab = store.host_slab()
+        host = slab.slab_tensor() if slab is not None else None
+        self._copier = SlabCopier(kv_cache, host) if host is not None else None
+        self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._loads: dict[str, _PendingLoad] = {}
+        self._loads: dict[str, _Load] = {}
+        self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
-        self._save: _PendingSave | None = None
 
     # -- runner hooks --------------------------------------------------------------------
 
     def start_load_kv(self, metadata: object | None) -> None:
         if not isinstance(metadata, KVConnectorMetadata):
             return
-        self._start_saves(metadata.saves, metadata.saves_reuse_blocks)
-        for load in metadata.loads:
-            future = self._pool.submit(self._read, load)
-            self._loads[load.req_id] = _PendingLoad(
-                load, future, time.monotonic() + self.load_timeout_s
-            )
+        self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
         for req_id in metadata.cancelled_loads:
-            if self._loads.pop(req_id, None) is not None:
+            pending = self._loads.pop(req_id, None)
+            if pending is not None:
                 log.debug("load for %s cancelled", req_id)
-        self._finish_loads(wait=metadata.num_scheduled_requests == 0)
+                if pending.event is not None:  # its blocks may be rewritten by this forward
+                    torch.cuda.current_stream(self.kv_cache.device).wait_event(pending.event)
+                self._draining.append(pending)
+        for load in metadata.loads:
+            if load.req_id in metadata.cancelled_loads:  # its blocks may be reused at once
+                self.store.complete_load(load.keys)
+                continue
+            self._loads[load.req_id] = self._begin(load)
+        idle = metadata.num_scheduled_requests == 0
+        if idle and self._loads:
+            first = min(self._loads.values(), key=lambda p: p.deadline)
+            if first.staging is not None:
+                cf.wait([first.staging], timeout=max(first.deadline - time.monotonic(), 0.0))
+        self._advance()
+        if idle and self._loads:
+            for pending in self._loads.values():
+                if not pending.issuing and pending.event is not None:
+                    pending.event.synchronize()  # type: ignore[attr-defined]
+        self._poll()
 
     def wait_for_save(self) -> None:
-        pending, self._save = self._save, None
-        if pending is None:
-            return
-        if pending.event is not None:
-            pending.event.synchronize()  # type: ignore[attr-defined]
-        rows = pending.data.view(torch.uint8).reshape(len(pending.saves), -1).numpy()
-        items = [
-            (s.key, encode_block(memoryview(rows[i]), self.meta))
-            for i, s in enumerate(pending.saves)
-        ]
-        keys = [s.key for s in pending.saves]
-        try:
-            written = self.store.put_many(items)
-        finally:
-            self.store.complete_store(keys, True)
-        self.stats.add(
-            saved_blocks=written,
-            saved_bytes=written * self.meta.payload_bytes,
-            save_seconds=time.perf_counter() - pending.started,
-        )
+        self._saver.end_step()
 
     def after_step(self, metadata: object | None) -> None:
         return None
 
     def take_report(self) -> WorkerReport:
+        self._poll()
         done, self._finished = self._finished, []
         return WorkerReport(finished_loads=tuple(done))
 
     def save_now(self, saves: tuple[BlockSave, ...]) -> None:
-        """Copy ``saves`` out and write them at once (engine idle: shutdown, flush)."""
-        self._start_saves(saves, reuse=False)
-        self.wait_for_save()
+        """Copy ``saves`` out and make them visible at once (engine idle: shutdown, flush)."""
+        self._saver.start(saves, reuse=False)
+        self._saver.drain()
 
     def close(self) -> None:
-        """Finish pending saves, drop pending loads, stop the load thread. Idempotent."""
-        self.wait_for_save()
+        """Finish pending saves, drop pending loads (releasing their pins), stop the threads.
+        Idempotent."""
+        self._saver.close()
+        self._draining.extend(self._loads.values())
         self._loads.clear()
+        for pending in self._draining:
+            if pending.staging is not None:
+                cf.wait([pending.staging])
+            if pending.event is not None:
+                pending.event.synchronize()  # type: ignore[attr-defined]
+        self._poll()
         self._pool.shutdown(wait=True)
-
-    # -- saves ---------------------------------------------------------------------------
-
-    def _start_saves(self, saves: tuple[BlockSave, ...], reuse: bool) -> None:
-        if not saves:
-            return
-        if self._save is not None:  # the last step raised before wait_for_save: finish it
-            self.wait_for_save()
-        t0 = time.perf_counter()
-        fresh = set(self.store.prepare_store([s.key for s in saves]))
-        todo = [s for s in saves if s.key in fresh]
-        seen: set[str] = set()
-        todo = [s for s in todo if not (s.key in seen or seen.add(s.key))]  # type: ignore[func-returns-value]
-        self.stats.add(save_skipped_blocks=len(saves) - len(todo))
-        if not todo:
-            return
-        ids = [s.block_id for s in todo]
-        if self._side_stream is None:
-            self._save = _PendingSave(todo, self.kv_cache.gather_blocks(ids), None, t0)
-            return
-        compute = torch.cuda.current_stream(self.kv_cache.device)
-        host = torch.empty(
-            (len(ids), *self.kv_cache.spec.block_shape),
-            dtype=self.kv_cache.spec.dtype,
-            pin_memory=True,
-        )
-        event = torch.cuda.Event()
-        with torch.cuda.stream(self._side_stream):
-            self._side_stream.wait_stream(compute)  # the KV was written by earlier forwards
-            gathered = self.kv_cache.gather_blocks(ids)
-            host.copy_(gathered, non_blocking=True)
-            event.record(self._side_stream)
-        gathered.record_stream(self._side_stream)
-        if reuse:
-            compute.wait_event(event)
-        self._save = _PendingSave(todo, host, event, t0)
 
     # -- loads ---------------------------------------------------------------------------
 
-    def _read(self, load: BlockLoad) -> _ReadResult:
-        """Load thread: read ``load.keys`` through the store into one host tensor, one store
-        read per run of blocks expected from the same tier (each timed: that tier's hop into
-        host memory). Stops at the first missing block. Never raises: any failure is a short
-        (possibly empty) result."""
-        t0 = time.perf_counter()
-        keys = list(load.keys)
-        size = self.meta.payload_bytes
-        tiers = load.source_tiers if len(load.source_tiers) == len(keys) else ("",) * len(keys)
-        hops: list[TierSample] = []
-        n = 0
-        try:
-            try:  # the scheduler side pinned the keys (prepare_load) when it planned the load
-                data = torch.empty(
-                    (len(keys), *self.kv_cache.spec.block_shape),
-                    dtype=self.kv_cache.spec.dtype,
-                    pin_memory=self._cuda,
-                )
-                rows = data.view(torch.uint8).view(len(keys), size).numpy()
-                for tier, start, end in _runs(tiers):
-                    t_run = time.perf_counter()
-                    values = self.store.get_many(keys[start:end])
-                    got = 0
-                    while got < len(values) and values[got] is not None:
-                        if len(values[got]) != size:  # type: ignore[arg-type]
-                            break
-                        rows[start + got] = memoryview(values[got]).cast("B")  # type: ignore[arg-type]
-                        got += 1
-                    n += got
-                    if got:
-                        hops.append(TierSample(tier, got * size, time.perf_counter() - t_run))
-                    if got < end - start:
-                        break
-            finally:
-                self.store.complete_load(keys)
-        except Exception:  # a read that fails is a miss; the request recomputes
-            log.exception("kv load for %s failed", load.req_id)
-            return _ReadResult(0, None, time.perf_counter() - t0, 0)
-        return _ReadResult(n, data[:n], time.perf_counter() - t0, n * size, tuple(hops))
-
-    def _finish_loads(self, wait: bool) -> None:
-        if wait and self._loads:
-            first = min(self._loads.values(), key=lambda p: p.deadline)
-            cf.wait([first.future], timeout=max(first.deadline - time.monotonic(), 0.0))
+    def _begin(self, load: BlockLoad) -> _Load:
         now = time.monotonic()
-        ids: list[int] = []
-        chunks: list[torch.Tensor] = []
-        for req_id, pending in list(self._loads.items()):
-            load = pending.load
-            if pending.future.done():
-                res = pending.future.result()
+        pending = _Load(load, now + self.load_timeout_s, time.perf_counter())
+        lead = self._locate_and_copy(pending, load.keys)
+        if lead < len(load.keys):
+            pending.staging = self._pool.submit(self._stage, load.keys[lead:])
+        else:
+            pending.issuing = False
+        return pending
+
+    def _stage(self, keys: tuple[str, ...]) -> _Staged:
+        """Load thread: lower-tier blocks into pinned host slots. Never raises."""
+        t0 = time.perf_counter()
+        try:
+            n = self.store.stage_host(keys) if self._copier is not None else 0
+        except Exception:  # a read that fails is a miss; the request recomputes
+            log.exception("kv staging of %d blocks failed", len(keys))
+            return _Staged(0, time.perf_counter() - t0)
+        try:
+            data = self._read_through(keys[n:]) if n < len(keys) else None
+        except Exception:
+            log.exception("kv read of %d blocks failed", len(keys) - n)
+            data = None
+        return _Staged(n, time.perf_counter() - t0, data)
+
+    def _read_through(self, keys: tuple[str, ...]) -> torch.Tensor:
+        """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
+        every slot pinned): the leading ones, read through the store into one host tensor
+        (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
+        # Host hits are views into the slab: pinned while copied, or a concurrent write (this
+        # very read's promotions) may reuse their slots.
+        pinned = [k for k, f in zip(keys, self.store.pin_host(keys), strict=True) if f]
+        try:
+            values = self.store.get_many(keys)
+            size = self.meta.payload_bytes
+            n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
+                     len(values))
+            spec = self.kv_cache.spec
+            data = torch.empty((n, *spec.block_shape), dtype=spec.dtype, pin_memory=self._cuda)
+            rows = data.view(torch.uint8).view(n, -1).numpy()
+            for i in range(n):
+                rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
+        finally:
+            self.store.unpin_host(pinned)
+        return data
+
+    def _locate_and_copy(self, pending: _Load, keys: tuple[str, ...]) -> int:
+        """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
+        next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
+        offsets = self.store.locate_host(keys, self._header, self._total)
+        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
+        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
+                               if o is not None])
+        pending.located.extend(keys[:lead])
+        self._copy(pending, offsets[:lead])  # type: ignore[arg-type]
+        return lead
+
+    def _copy(self, pending: _Load, offsets: list[int]) -> None:
+        """Issue the slab -> cache copies of the next ``len(offsets)`` blocks of ``pending``."""
+        if not offsets or self._copier is None:
+            return
+        start = pending.copied
+        ids = pending.load.block_ids[start:start + len(offsets)]
+        payload = [o + len(self._header) for o in offsets]
+        pending.copied += len(offsets)
+        if self._side_stream is None:
+            t0 = time.perf_counter()
+            self._copier.to_device(ids, payload)
+            pending.copy_seconds += time.perf_counter() - t0
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._side_stream):  # type: ignore[arg-type]
+            begin.record(self._side_stream)  # type: ignore[arg-type]
+            self._copier.to_device(ids, payload)
+            end.record(self._side_stream)  # type: ignore[arg-type]
+        pending.event = end
+        pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
+
+    def _advance(self) -> None:
+        """Copy in the blocks of every finished staging; end staging that ran out of time."""
+        now = time.monotonic()
+        for pending in self._loads.values():
+            future = pending.staging
+            if not pending.issuing or future is None:
+                continue
+            if future.done():
+                staged = future.result()
+                first = pending.copied
+                keys = pending.load.keys[first:first + staged.num_blocks]
+                pending.staging = None
+                pending.issuing = False
+                pending.staged_keys = keys
+                lead = self._locate_and_copy(pending, keys)
+                data = staged.data
+                if lead == len(keys) and data is not None and len(data):  # one sync scatter
+                    t0 = time.perf_counter()
+                    start = pending.copied
+                    self.kv_cache.scatter_blocks(pending.load.block_ids[start:start + len(data)],
+                                                 data)
+                    pending.copy_seconds += time.perf_counter() - t0
+                    pending.copied += len(data)
+                    keys = pending.load.keys[first:pending.copied]
+                tiers = pending.load.source_tiers
+                tier = tiers[first] if first < len(tiers) else ""
+                if keys and tier and tier != "host" and self.cost_model is not None:
+                    nbytes = len(keys) * self.kv_cache.bytes_per_block
+                    self.cost_model.observe_transfer(tier, nbytes, staged.seconds)
             elif now >= pending.deadline:
                 self.stats.add(timed_out_loads=1)
-                res = _ReadResult(0, None, self.load_timeout_s, 0)
-            else:
+                pending.issuing = False  # the staging's pins are released once it ends
+
+    def _poll(self) -> None:
+        """Report loads whose copies completed; release pins of drained ones."""
+        for req_id, pending in list(self._loads.items()):
+            if pending.issuing or not _done(pending.event):
                 continue
             del self._loads[req_id]
-            if res.num_blocks and res.data is not None:
-                ids.extend(load.block_ids[: res.num_blocks])
-                chunks.append(res.data)
-            short = res.num_blocks < len(load.keys)
-            self.stats.add(
-                num_loads=1,
-                failed_loads=int(short),
-                loaded_blocks=res.num_blocks,
-                loaded_bytes=res.nbytes,
-                load_seconds=res.seconds,
-            )
-            self._observe(res.hops)
-            self._finished.append(LoadResult(req_id, res.num_blocks, len(load.keys), res.seconds))
-        if ids:
-            data = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            t0 = time.perf_counter()
-            self.kv_cache.scatter_blocks(ids, data)  # from pinned memory: synchronous
-            if self.cost_model is not None:  # the host -> device hop of every block loaded
-                nbytes = data.numel() * data.element_size()
-                self.cost_model.observe_transfer("host", nbytes, time.perf_counter() - t0)
+            self._release(pending)
+            n, load = pending.copied, pending.load
+            seconds = time.perf_counter() - pending.started
+            self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
+                           loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
+            self._observe_host(pending)
+            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds))
+        still: list[_Load] = []
+        for pending in self._draining:
+            if (pending.staging is None or pending.staging.done()) and _done(pending.event):
+                self._release(pending)
+            else:
+                still.append(pending)
+        self._draining = still
 
-    def _observe(self, hops: tuple[TierSample, ...]) -> None:
-        """Feed the cost model each tier's read, per ``observe_transfer``'s contract (the hop
-        from that tier into host memory). A run read from the host tier is not a hop: it is
-        host memory already (its ``host`` hop is the scatter, observed there)."""
-        if self.cost_model is None:
+    def _release(self, pending: _Load) -> None:
+        future, pending.staging = pending.staging, None
+        if future is not None:  # ended without its copies (cancelled or timed out)
+            if not future.done():
+                pending.staging = future
+                self._draining.append(pending)
+                return
+            n = future.result().num_blocks
+            pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
+        self.store.unpin_host([*pending.staged_keys, *pending.located])
+        pending.staged_keys, pending.located = (), []
+        self.store.complete_load(pending.load.keys)
+
+    def _observe_host(self, pending: _Load) -> None:
+        if self.cost_model is None or not pending.copied:
             return
-        for hop in hops:
-            if hop.tier and hop.tier != "host":
-                self.cost_model.observe_transfer(hop.tier, hop.nbytes, hop.seconds)
+        if pending.timings:
+            seconds = sum(b.elapsed_time(e) for b, e, _ in pending.timings) / 1e3  # type: ignore[attr-defined]
+        else:
+            seconds = pending.copy_seconds
+        nbytes = pending.copied * self.kv_cache.bytes_per_block
+        self.cost_model.observe_transfer("host", nbytes, max(seconds, 1e-9))
+
+
+def _done(event: object | None) -> bool:
+    return event is None or bool(event.query())  # type: ignore[attr-defined]

@@ -13,6 +13,10 @@ happens afterwards, so a full tier never fragments and never grows.
 - Zero copy: ``get_many`` returns memoryviews into the slab. A view stays valid while its entry
   is pinned; unpinned, it is valid until the entry is evicted or overwritten (which only a
   later ``put_many``/``reserve`` can do). Pin before handing a view to a copy engine.
+- Direct reads: ``locate(keys, header, nbytes)`` gives the slab offset of each committed entry
+  whose stored bytes start with ``header`` (the codec's ``header_bytes``: magic, version,
+  lengths, namespace, shape) and whose size is ``nbytes``, so a device copy can read the payload
+  in place. No checksum: this process wrote those bytes; lower tiers keep it.
 - Direct writes: ``reserve(key, nbytes)`` hands out a slot's memory (and its offset in
   ``slab_tensor()``) so a GPU->host copy lands in place; ``commit(key)`` makes it visible,
   ``abort(key)`` frees it. Reserved entries are invisible and unevictable until then.
@@ -186,6 +190,29 @@ class HostTier(Tier):
                 entry = self._entries.get(key)
                 if entry is not None and entry.pins:
                     entry.pins -= 1
+
+    def locate(self, keys: Sequence[str], header: bytes, nbytes: int, *,
+               pin: bool = False) -> list[int | None]:
+        """Slab offset of each key's entry (None: absent, reserved, another size, or a stored
+        header other than ``header``); refreshes recency of hits. The offset is that of the
+        whole encoded block: the payload starts ``len(header)`` bytes later. ``pin``: pin each
+        hit in the same lock hold (balance with ``unpin``), so the offset stays valid."""
+        out: list[int | None] = []
+        size = len(header)
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.committed or entry.nbytes != nbytes:
+                    out.append(None)
+                    continue
+                start = entry.slot * self.slot_bytes
+                if self._slab[start:start + size] != header:
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                entry.pins += pin
+                out.append(start)
+        return out
 
     def reserve(self, key: str, nbytes: int) -> Reservation | None:
         """A slot for ``key`` to be written in place; None if present, too big, or no room."""

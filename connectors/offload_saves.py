@@ -1,0 +1,168 @@
+"""The offload worker's save path: GPU blocks straight into host-tier slots.
+
+Per step (engine thread): ``start(saves, reuse)`` before the forward drops keys the store holds
+or another caller is storing (``prepare_store``), reserves one host slot per block
+(``store.reserve_host``: evictions go to the demotion queue), writes each slot's codec header
+(``header_bytes``, a few dozen bytes) on the CPU, and copies the payloads into the slots:
+CUDA: one ``index_select`` of the blocks on a side stream (after the compute stream's earlier
+writes; the compute stream waits on it only when ``reuse``), then one 2 MiB D2H copy per block
+into the pinned slab, and an event; CPU: synchronous copies. ``end_step()`` after the forward
+hands the batch to the seal thread (CUDA) or seals it at once (CPU): wait for the event, write
+each checksum (``seal_block``), ``commit_host``. So the checksum is in place before a block is
+visible and thus before it can be demoted; no pinned allocation and no encode on the engine
+thread. A slot that cannot be reserved (top tier not a slab, a write-through store, no room)
+falls back to
+``encode_block`` + ``put_many`` in the same seal job.
+
+Not thread-safe: the engine thread calls ``start``/``end_step``/``drain``; the seal thread only
+touches the store (thread-safe), the stats (locked) and its own batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cachestore.codec import BlockMeta, encode_block, encoded_size, header_bytes, seal_block
+from cachestore.store import HierarchicalStore
+from connectors.base import BlockSave
+from connectors.offload_copy import SlabCopier
+from connectors.offload_stats import OffloadStats
+from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Batch:
+    slotted: list[tuple[str, memoryview]]  # key, its reserved slot (whole encoded block)
+    spilled: list[tuple[str, torch.Tensor]]  # key, payload on the host (no slot)
+    event: object | None  # the copies' CUDA event
+    started: float
+
+
+class HostSaver:
+    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
+                 stats: OffloadStats, side_stream: object | None) -> None:
+        self.kv_cache = kv_cache
+        self.store = store
+        self.meta = meta
+        self.stats = stats
+        self._side = side_stream
+        self._header = header_bytes(meta)
+        self._total = encoded_size(meta)
+        slab = store.host_slab()
+        host = slab.slab_tensor() if slab is not None else None
+        if store.config.write_through_to is not None:
+            host = None  # ``put_many`` writes through to the durable tier: keep that path
+        self._copier = SlabCopier(kv_cache, host) if host is not None else None
+        self._pending: _Batch | None = None
+        self._sealing: list[cf.Future[None]] = []
+        self._pool = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-seal")
+                      if side_stream is not None else None)
+
+    def start(self, saves: tuple[BlockSave, ...], reuse: bool) -> None:
+        """Reserve slots and issue the copies of ``saves`` (engine thread, before the forward)."""
+        if not saves:
+            return
+        if self._pending is not None:  # the last step raised before end_step: finish it
+            self.end_step()
+        t0 = time.perf_counter()
+        fresh = set(self.store.prepare_store([s.key for s in saves]))
+        todo: dict[str, int] = {}
+        for s in saves:
+            if s.key in fresh and s.key not in todo:
+                todo[s.key] = s.block_id
+        self.stats.add(save_skipped_blocks=len(saves) - len(todo))
+        if not todo:
+            return
+        slotted: list[tuple[str, memoryview]] = []
+        offsets: list[int] = []
+        rows: list[int] = []
+        spill: list[tuple[int, str]] = []
+        hsize = len(self._header)
+        for row, key in enumerate(todo):
+            res = self.store.reserve_host(key, self._total) if self._copier is not None else None
+            if res is None:
+                spill.append((row, key))
+                continue
+            res.view[:hsize] = self._header
+            slotted.append((key, res.view))
+            offsets.append(res.offset + hsize)
+            rows.append(row)
+        ids = list(todo.values())
+        event = None
+        spilled: list[tuple[str, torch.Tensor]] = []
+        if self._side is None:
+            if self._copier is not None:
+                self._copier.to_host([ids[r] for r in rows], offsets)
+            spilled = [(k, self.kv_cache.gather_blocks([ids[r]])[0].clone()) for r, k in spill]
+        else:
+            compute = torch.cuda.current_stream(self.kv_cache.device)
+            event = torch.cuda.Event()
+            with torch.cuda.stream(self._side):  # type: ignore[arg-type]
+                self._side.wait_stream(compute)  # type: ignore[attr-defined]
+                gathered = self.kv_cache.tensor.reshape(len(self.kv_cache.tensor), -1).view(
+                    torch.uint8).index_select(0, torch.as_tensor(ids, device=self.kv_cache.device))
+                if reuse:  # a block has a new owner: the forward waits for the gather only
+                    gather_done = torch.cuda.Event()
+                    gather_done.record(self._side)
+                    compute.wait_event(gather_done)
+                if self._copier is not None:
+                    self._copier.rows_to_host(gathered, rows, offsets)
+                spilled = [(k, gathered[r].to("cpu", non_blocking=True)) for r, k in spill]
+                event.record(self._side)  # type: ignore[arg-type]
+            gathered.record_stream(self._side)  # type: ignore[arg-type]
+        self._pending = _Batch(slotted, spilled, event, t0)
+
+    def end_step(self) -> None:
+        """After the forward: seal this step's batch (in the background with CUDA)."""
+        batch, self._pending = self._pending, None
+        if batch is None:
+            return
+        if self._pool is None:
+            self._seal(batch)
+            return
+        self._sealing = [f for f in self._sealing if not f.done()]
+        self._sealing.append(self._pool.submit(self._seal, batch))
+
+    def drain(self) -> None:
+        """End the step and wait until every batch is sealed and visible."""
+        self.end_step()
+        for future in self._sealing:
+            future.result()
+        self._sealing = []
+
+    def close(self) -> None:
+        """Drain, then stop the seal thread. Idempotent."""
+        self.drain()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _seal(self, batch: _Batch) -> None:
+        """Wait for the copies, checksum and commit each slot, write spilled blocks through the
+        store. Never raises: a failure aborts the slots (a later save may store them again)."""
+        keys = [k for k, _ in batch.slotted] + [k for k, _ in batch.spilled]
+        written = 0
+        try:
+            if batch.event is not None:
+                batch.event.synchronize()  # type: ignore[attr-defined]
+            for key, view in batch.slotted:
+                seal_block(view, self._total)
+                written += self.store.commit_host(key, self._total)
+            if batch.spilled:
+                items = [(k, encode_block(memoryview(t.contiguous().view(torch.uint8).numpy()),
+                                          self.meta)) for k, t in batch.spilled]
+                written += self.store.put_many(items)
+        except Exception:
+            log.exception("kv save of %d blocks failed", len(keys))
+            for key, _ in batch.slotted:
+                self.store.abort_host(key)
+        finally:
+            self.store.complete_store(keys, True)
+        self.stats.add(saved_blocks=written, saved_bytes=written * self.meta.payload_bytes,
+                       save_seconds=time.perf_counter() - batch.started)
