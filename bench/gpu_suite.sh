@@ -11,6 +11,7 @@
 #   SUITE_STAGES      stages to run, comma-separated          [warm,tests,benches]
 #   WARM_PARTS        FlashInfer modules to build              [prefill,decode,sampling]
 #   GPU_TESTS_K       pytest -k expression for the GPU tests   [all]
+#   GPU_TESTS_FILES   test files the GPU tests come from      [tests/engine/test_gpu.py tests/engine/test_kernels.py]
 #   SUITE_BENCHES     benchmarks to run, in order              [engine,offload]
 #   ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each benchmark
 #   T_WARM T_TESTS T_ENGINE T_OFFLOAD  seconds per stage (timeout), so one hang leaves time
@@ -66,7 +67,9 @@ if [[ "$STAGES" == *,tests,* ]]; then
   stamp "GPU tests ${GPU_TESTS_K:+(-k $GPU_TESTS_K)}"
   kargs=()
   [ -n "${GPU_TESTS_K:-}" ] && kargs=(-k "$GPU_TESTS_K")
-  timeout -k 5 "$(limit "${T_TESTS:-600}")" "$PY" -m pytest -q -s -rs tests/engine/test_gpu.py tests/engine/test_kernels.py \
+  # shellcheck disable=SC2086
+  timeout -k 5 "$(limit "${T_TESTS:-600}")" "$PY" -m pytest -q -s -rs \
+    ${GPU_TESTS_FILES:-tests/engine/test_gpu.py tests/engine/test_kernels.py} \
     -p no:cacheprovider "${kargs[@]}" 2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
 fi
 

@@ -83,19 +83,31 @@ def finish(execute: Execute, kv_cache: KVCache, num_scratch_blocks: int) -> None
 
 
 def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int) -> Callable[[int], float]:
-    """``copy(n)``: scatter ``n <= max_blocks`` blocks from host memory (pinned on CUDA) into
-    scratch blocks ``[0, n)`` as a load does, synchronized; returns seconds."""
-    spec = kv_cache.spec
+    """``copy(n)``: copy ``n <= max_blocks`` blocks from host memory (pinned on CUDA) laid out
+    like host-tier slots (a header before each payload) into scratch blocks ``[0, n)`` exactly
+    as a load's host fast path does (``SlabCopier.to_device``: one copy per block),
+    synchronized; returns seconds. The one host buffer is allocated here, once."""
+    from connectors.offload_copy import SlabCopier
+
+    nbytes = kv_cache.bytes_per_block
+    stride = nbytes + _SLOT_HEADER_BYTES
     pinned = kv_cache.device.type == "cuda"
-    host = torch.empty((max_blocks, *spec.block_shape), dtype=spec.dtype, pin_memory=pinned)
-    host.view(torch.uint8).fill_(0x3C)  # finite in every float dtype
+    host = torch.empty(max_blocks * stride, dtype=torch.uint8, pin_memory=pinned)
+    host.fill_(0x3C)  # finite in every float dtype
+    copier = SlabCopier(kv_cache, host)
     ids = list(range(max_blocks))
+    offsets = [i * stride + _SLOT_HEADER_BYTES for i in ids]
 
     def copy(num_blocks: int) -> float:
         t0 = time.perf_counter()
-        kv_cache.scatter_blocks(ids[:num_blocks], host[:num_blocks])
+        copier.to_device(ids[:num_blocks], offsets[:num_blocks])
         if pinned:
             torch.cuda.synchronize(kv_cache.device)
         return time.perf_counter() - t0
 
     return copy
+
+
+# About a codec header's size (fixed part, dtype, layout, namespace, shape): the payload's
+# offset inside a host slot is then not a multiple of anything, as in the real slab.
+_SLOT_HEADER_BYTES = 141

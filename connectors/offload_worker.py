@@ -244,7 +244,10 @@ class OffloadWorker:
             pending.copy_seconds += time.perf_counter() - t0
             return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        compute = torch.cuda.current_stream(self.kv_cache.device)
         with torch.cuda.stream(self._side_stream):  # type: ignore[arg-type]
+            # The blocks' previous owner may still have forwards queued that write them.
+            self._side_stream.wait_stream(compute)  # type: ignore[attr-defined]
             begin.record(self._side_stream)  # type: ignore[arg-type]
             self._copier.to_device(ids, payload)
             end.record(self._side_stream)  # type: ignore[arg-type]

@@ -139,3 +139,21 @@ def test_bad_meta_behind_a_valid_checksum() -> None:
     with pytest.raises(CodecError) as info:
         decode_block(bytes(buf))
     assert info.value.reason == "bad_meta"
+
+
+def test_header_bytes_prefix_and_seal_block_match_encode_block() -> None:
+    from cachestore.codec import header_bytes, seal_block
+
+    full = _block()
+    header = header_bytes(META)
+    assert full.startswith(header)
+    assert len(header) + META.payload_bytes + CHECKSUM_BYTES == len(full)
+    other = header_bytes(BlockMeta(META.dtype, META.shape, META.layout, "other-ns"))
+    assert other != header and len(other) != len(header)
+    # Header + payload written in place, checksum last: byte-identical to encode_block.
+    buf = bytearray(len(full))
+    buf[:len(header)] = header
+    buf[len(header):len(header) + len(PAYLOAD)] = PAYLOAD
+    seal_block(buf, len(full))
+    assert bytes(buf) == full
+    assert bytes(decode_block(buf, expected_namespace=NS).payload) == PAYLOAD

@@ -140,3 +140,20 @@ def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
     assert errors == []
     tier.check_integrity()
     assert tier.usage().num_entries == 16
+
+
+def test_locate_checks_size_and_header_and_pins_on_request(tier: HostTier) -> None:
+    header = b"HDR1"
+    tier.put_many([("a", header + _val(1, SLOT - 4)), ("b", b"XXXX" + _val(2, SLOT - 4)),
+                   ("c", header + _val(3, 10))])
+    assert tier.reserve("d", SLOT) is not None  # reserved: invisible to locate
+    assert tier.locate(["a", "b", "c", "d", "zz"], header, SLOT) == [0, None, None, None, None]
+    # a's slot is slot 0 (first free); with pin=True it cannot be evicted or deleted.
+    assert tier.locate(["a"], header, SLOT, pin=True) == [0]
+    tier.commit("d")
+    assert tier.delete_many(["a"]) == 0
+    evicted = tier.put_many([("e", _val(5)), ("f", _val(6))])
+    assert "a" not in [e.key for e in evicted] and tier.lookup(["a"]) == 1
+    assert bytes(tier.get_many(["a"])[0]) == header + _val(1, SLOT - 4)
+    tier.unpin(["a"])
+    assert tier.delete_many(["a"]) == 1
