@@ -142,7 +142,8 @@ class HierarchicalStore:
 
     def stage_host(self, keys: Sequence[str]) -> int:
         """Pin ``keys`` in the host tier, reading the ones it lacks from the lower tiers
-        (checksummed, no promotion) and writing them there first (evictions demoted); return
+        (checksummed, no promotion) and writing them there first (evictions demoted) when they
+        all fit beside the pinned and reserved entries; return
         how many leading keys are now pinned in the host tier (pins past those are undone).
         Balance with ``unpin_host(keys[:n])``. Never reads host bytes unpinned: a slot may be
         reused by a concurrent write. For a background thread (it does the tier reads).
@@ -152,7 +153,8 @@ class HierarchicalStore:
         pin = self.pin_host
         flags = pin(keys)
         missing = [j for j, f in enumerate(flags) if not f]
-        if missing:
+        room = self._call(0, lambda t: t.available_slots(), 0) if missing else 0  # type: ignore[attr-defined]
+        if missing and len(missing) <= room:  # else they would evict each other: caller reads
             values = self._read([keys[j] for j in missing], decoded=False, promote_hits=False,
                                 first_tier=1)
             got = [(keys[j], v) for j, v in zip(missing, values, strict=True) if v is not None]

@@ -101,3 +101,7 @@ class SlabTier(Protocol):
     def slab_tensor(self) -> Any:
         """The slab as a uint8 torch tensor (None without torch)."""
         ...
+
+    def available_slots(self) -> int:
+        """Slots a write could take now (free, or evictable)."""
+        ...

@@ -243,6 +243,12 @@ class HostTier(Tier):
             if entry is not None and not entry.committed:
                 self._drop(key, entry)
 
+    def available_slots(self) -> int:
+        """Slots a write could take now: free ones plus committed, unpinned entries."""
+        with self._lock:
+            return len(self._free) + sum(e.committed and not e.pins
+                                         for e in self._entries.values())
+
     def lru_keys(self) -> list[str]:
         """Committed keys, least recently used first (for tests and debugging)."""
         with self._lock:

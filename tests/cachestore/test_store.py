@@ -287,3 +287,33 @@ def test_encoded_reads_delete_usage_and_drops(tmp_path: Path) -> None:
     assert host.lookup([KEYS[2]]) == 1  # promoted like a decoded read
     assert store.delete_many([]) == 0
     store.close()
+
+
+def test_stage_host_places_and_pins_only_what_fits(tmp_path) -> None:
+    from cachestore.codec import BlockMeta, encode_block, encoded_size
+    from cachestore.store import HierarchicalStore, StoreConfig
+    from tiers.host import HostTier
+    from tiers.lmdb import LmdbTier
+
+    meta = BlockMeta(dtype="uint8", shape=(64,), layout="t", namespace="ns")
+    size = encoded_size(meta)
+    host = HostTier(3 * size, size)
+    store = HierarchicalStore([host, LmdbTier(str(tmp_path / "l"), 1 << 20)],
+                              StoreConfig(namespace="ns", promote_on_get=False))
+    try:
+        blocks = {f"ns/{i}": encode_block(bytes([i]) * 64, meta) for i in range(5)}
+        store.tiers[1].put_many(list(blocks.items()))
+        keys = list(blocks)
+        assert store.stage_host(keys[:2]) == 2  # read from LMDB, written, pinned
+        assert host.lru_keys() == keys[:2] and all(e.pins == 1 for e in host._entries.values())
+        assert host.available_slots() == 1
+        assert store.stage_host(keys[2:5]) == 0  # 3 would not fit beside 2 pinned: untouched
+        assert host.lru_keys() == keys[:2]
+        store.unpin_host(keys[:2])
+        assert store.stage_host(keys[1:4]) == 3  # 1 present (pinned again) + 2 placed
+        assert sorted(host.lru_keys()) == sorted(keys[1:4])
+        assert [bytes(v) for v in host.get_many(keys[1:4])] == [blocks[k] for k in keys[1:4]]
+        store.unpin_host(keys[1:4])
+        assert all(e.pins == 0 for e in host._entries.values())
+    finally:
+        store.close()
