@@ -25,6 +25,11 @@ Ownership (why a free never races a copy):
   WAITING_FOR_KV). The worker writes them only at a step start, and only for a load that is not
   in that step's ``cancelled_loads``. A request aborted while loading is cancelled in the same
   metadata in which its blocks can first be reused, so the scheduler frees them at once.
+- An in-step load (``BlockLoad.slab_offsets`` set; ``ExternalHit(load_async=False)``) is
+  copied by the worker in ``start_load_kv`` of the very step that admits its request, before
+  that step's forward (CPU: synchronously; CUDA: on the side stream, the compute stream waiting
+  on the copies' event). The scheduler side validated and pinned its host slots while planning
+  it, so the copy cannot come back short: the scheduler counts those tokens as computed at once.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ class ExternalHit:
     + num_tokens)``. ``load_async``: the load runs in the background instead of within the step.
     Without a head the request waits in WAITING_FOR_KV while it loads. With one (Cake overlap,
     async only) it runs at once, computing the head ``[c, c + num_head_tokens)`` meanwhile, and
-    waits only if the head is done first; the tail's KV counts once the load ended."""
+    waits only if the head is done first; the tail's KV counts once the load ended.
+    ``load_async=False`` with ``num_tokens``: an in-step load; the tokens count as computed at
+    admission and the request's remaining tokens are computed in that same step."""
 
     num_tokens: int = 0
     load_async: bool = False
@@ -68,12 +75,25 @@ class BlockLoad:
     keys: tuple[str, ...]
     first_token: int
     source_tiers: tuple[str, ...] = ()  # the tier expected to serve each block (for pricing)
+    # In-step load: the host slab offset of each block's encoded slot, located (header checked)
+    # and pinned by the scheduler side; the worker copies them before this step's forward and
+    # unpins them. Empty: an async load (``prepare_load`` pins; the worker locates or stages).
+    slab_offsets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.keys) or not self.keys:
             raise ValueError(
                 f"load for {self.req_id!r}: {len(self.block_ids)} blocks for {len(self.keys)} keys"
             )
+        if self.slab_offsets and len(self.slab_offsets) != len(self.keys):
+            raise ValueError(
+                f"in-step load for {self.req_id!r}: {len(self.slab_offsets)} offsets for "
+                f"{len(self.keys)} keys"
+            )
+
+    @property
+    def in_step(self) -> bool:
+        return bool(self.slab_offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +172,8 @@ class WorkerConnector(Protocol):
     """The worker side, as ``ModelRunner.set_kv_connector`` calls it (engine thread only)."""
 
     def start_load_kv(self, metadata: object | None) -> None:
-        """Before the forward pass: copy out this step's saves, then scatter completed loads."""
+        """Before the forward pass: copy out this step's saves, copy this step's in-step loads
+        (the forward reads them), then scatter completed async loads."""
         ...
 
     def wait_for_save(self) -> None:

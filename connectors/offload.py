@@ -69,13 +69,15 @@ class OffloadConnector:
         self.store = store
         self.cost_model = cost_model
         self.counters = OffloadStats()
+        meta = block_meta(kv_cache, namespace.key_prefix())
         self.scheduler = OffloadScheduler(
-            store, namespace, decision=config.decision, cost_model=cost_model, stats=self.counters
+            store, namespace, decision=config.decision, cost_model=cost_model,
+            stats=self.counters, block_meta=meta if config.in_step_host_loads else None,
         )
         self.worker = OffloadWorker(
             kv_cache,
             store,
-            block_meta(kv_cache, namespace.key_prefix()),
+            meta,
             load_timeout_s=config.load_timeout_s,
             stats=self.counters,
             cost_model=cost_model,

@@ -5,6 +5,7 @@ One YAML file (or the same dict) holds both::
     decision: cost          # cost | load | recompute | overlap (forced Cake split)
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
+    in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
@@ -42,6 +43,10 @@ class OffloadConfig:
     decision: str = "cost"
     load_timeout_s: float = 5.0
     calibrate: bool = True
+    # Host-tier loads copied before the forward of the step that admits the request (the
+    # request runs at once); false: they wait in WAITING_FOR_KV like lower-tier loads (the
+    # old behaviour, one more engine step; kept as the benchmark's baseline).
+    in_step_host_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
@@ -51,12 +56,12 @@ class OffloadConfig:
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
-    """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...}`` ->
-    OffloadConfig.
+    """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
+    "in_step_host_loads": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
-    known = {"tiers", "decision", "load_timeout_s", "calibrate"}
+    known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -66,11 +71,17 @@ def parse_offload_config(data: object) -> OffloadConfig:
     calibrate = data.get("calibrate", True)
     if not isinstance(calibrate, bool):
         raise ConfigError(f"kv offload config: calibrate must be true or false, got {calibrate!r}")
+    in_step = data.get("in_step_host_loads", True)
+    if not isinstance(in_step, bool):
+        raise ConfigError(
+            f"kv offload config: in_step_host_loads must be true or false, got {in_step!r}"
+        )
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),
         load_timeout_s=float(timeout),
         calibrate=calibrate,
+        in_step_host_loads=in_step,
     )
 
 

@@ -10,8 +10,18 @@
   split, forced) picks what to load. A ``load_prefix`` loads blocks ``[0, k)`` while the request
   waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
   head ``[0, m)`` (``ExternalHit.num_head_tokens``).
+- In-step loads (``block_meta`` given): a ``load_prefix`` whose blocks all sit in the host
+  tier is located in the slab now (``store.locate_host``: the codec header checked, the slots
+  pinned) and offered as ``ExternalHit(load_async=False)``: the scheduler counts those tokens as
+  computed at admission, and the worker copies the slots in before that same step's forward.
+  A slot that fails its header check (or is gone) ends the load there: the rest is recomputed,
+  decided before anything was promised. The pins are released by the worker after the copy, or
+  here when the plan is dropped (asked again, not used, request finished).
 - Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
-  by ``get_finished_loading`` as the number of leading tokens that hold valid KV.
+  by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
+  only: an in-step load was counted at admission).
+- Keys: ``namespace_prefix/hex(hash)`` (``cachestore.hashing.block_key``), with the prefix
+  computed once here rather than once per block (it is a sha256 of the namespace).
 
 Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
 """
@@ -29,8 +39,9 @@ from cachestore.cost_model import (
     Decision,
     Option,
 )
+from cachestore.codec import BlockMeta, encoded_size, header_bytes
 from cachestore.cost_online import OnlineCostModel
-from cachestore.hashing import BlockHash, Namespace, block_key
+from cachestore.hashing import BlockHash, Namespace
 from cachestore.store import HierarchicalStore
 from connectors.base import (
     BlockLoad,
@@ -56,6 +67,9 @@ class _Plan:
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
     decision: str
+    # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys.
+    slab_offsets: tuple[int, ...] = ()
+    num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
 
 
 @dataclass(slots=True)
@@ -76,9 +90,15 @@ class OffloadScheduler:
         decision: str,
         cost_model: OnlineCostModel,
         stats: OffloadStats,
+        block_meta: BlockMeta | None = None,
     ) -> None:
+        """``block_meta``: the codec metadata of a block; given, host-tier hits load in-step."""
         self.store = store
         self.namespace = namespace
+        self._key_prefix = namespace.key_prefix()
+        self._in_step = block_meta is not None and store.host_slab() is not None
+        self._header = header_bytes(block_meta) if block_meta is not None else b""
+        self._slot_bytes = encoded_size(block_meta) if block_meta is not None else 0
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -93,8 +113,12 @@ class OffloadScheduler:
 
     # -- BlockPoolListener ---------------------------------------------------------------
 
+    def _key(self, block_hash: BlockHash) -> str:
+        """``block_key(namespace, block_hash)`` without re-hashing the namespace per block."""
+        return f"{self._key_prefix}/{block_hash.hex()}"
+
     def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None:
-        self._pending_saves[block_id] = block_key(self.namespace, block_hash)
+        self._pending_saves[block_id] = self._key(block_hash)
 
     def on_block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
         if block_id in self._pending_saves:
@@ -103,26 +127,48 @@ class OffloadScheduler:
     # -- SchedulerConnector --------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
-        """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan."""
+        """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan. An
+        in-step plan pins its host slots until it is used or dropped (asked again, finished)."""
         bs = self.block_size
         start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        self._plans.pop(request.req_id, None)
+        self._drop_plan(request.req_id)
         if end <= start or len(request.block_hashes) < end:
             return ExternalHit()
-        keys = [block_key(self.namespace, h) for h in request.block_hashes[start:end]]
+        keys = [self._key(h) for h in request.block_hashes[start:end]]
         found = self.store.lookup(keys)
         if found.num_blocks == 0:
             return ExternalHit()
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)
         option = self._decide(start, tiers, request.num_tokens)
         head, num_load = option.load_begin, option.num_load_blocks
+        offsets: tuple[int, ...] = ()
+        unlocated = 0
+        if self._in_step and head == 0 and num_load and all(t == "host" for t in tiers[:num_load]):
+            offsets = self._locate(keys[:num_load])
+            unlocated, num_load = num_load - len(offsets), len(offsets)
         self._plans[request.req_id] = _Plan(
             num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
-            option.strategy,
+            option.strategy, offsets, unlocated,
         )
+        in_step = bool(offsets) or unlocated > 0
         return ExternalHit(
-            num_tokens=num_load * bs, load_async=num_load > 0, num_head_tokens=head * bs
+            num_tokens=num_load * bs, load_async=num_load > 0 and not in_step,
+            num_head_tokens=head * bs,
         )
+
+    def _locate(self, keys: list[str]) -> tuple[int, ...]:
+        """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
+        pinned; pins past that run are undone at once."""
+        offsets = self.store.locate_host(keys, self._header, self._slot_bytes)
+        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
+        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
+                               if o is not None])
+        return tuple(offsets[:lead])  # type: ignore[arg-type]
+
+    def _drop_plan(self, req_id: str) -> None:
+        plan = self._plans.pop(req_id, None)
+        if plan is not None and plan.slab_offsets:
+            self.store.unpin_host(plan.keys[: len(plan.slab_offsets)])
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
         if self.decision == "load":
@@ -155,11 +201,19 @@ class OffloadScheduler:
             request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
             request.kv_decision = STRATEGY_RECOMPUTE
         if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
+            if plan is not None:  # planned for another GPU hit: unused
+                self._plans[request.req_id] = plan
+                self._drop_plan(request.req_id)
             return
         num_load = num_external_tokens // bs
         head = plan.num_head_blocks if num_load else 0
         self.stats.count_decision(plan.decision)
         self.stats.add(recomputed_tokens=(len(plan.keys) - num_load) * bs)
+        if plan.num_unlocated:  # an in-step load cut short at planning time
+            self.stats.add(failed_loads=1)
+        offsets = plan.slab_offsets[:num_load]
+        if len(offsets) < len(plan.slab_offsets):  # located but not loaded: unpin
+            self.store.unpin_host(plan.keys[len(offsets) : len(plan.slab_offsets)])
         if record and num_load:
             request.kv_decision = plan.decision
         if num_load == 0:
@@ -168,16 +222,19 @@ class OffloadScheduler:
             self.stats.add(overlap_head_tokens=head * bs, num_overlaps=1)
         first = num_gpu_hit_tokens // bs + head
         loaded = slice(head, head + num_load)
-        # Pin now, in the same schedule() as the lookup, so that saves written before the load
-        # thread reads cannot evict these blocks from the host tier meanwhile. The worker's
-        # load thread unpins them (complete_load) when its read ends.
-        self.store.prepare_load(list(plan.keys[loaded]))
+        if not offsets:
+            # Pin now, in the same schedule() as the lookup, so that saves written before the
+            # load thread reads cannot evict these blocks from the host tier meanwhile. The
+            # worker's load thread unpins them (complete_load) when its read ends. (An in-step
+            # load's slots were pinned by ``locate_host``; the worker unpins them.)
+            self.store.prepare_load(list(plan.keys[loaded]))
         load = BlockLoad(
             request.req_id,
             tuple(block_ids[first : first + num_load]),
             plan.keys[loaded],
             first * bs,
             plan.tiers[loaded],
+            offsets,
         )
         self._new_loads.append(load)
         self._inflight[request.req_id] = _Inflight(
@@ -201,6 +258,11 @@ class OffloadScheduler:
                 request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
                 if n == 0:
                     request.kv_decision = STRATEGY_RECOMPUTE
+            if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
+                if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
+                    log.error("in-step load of %s came back short (%d/%d blocks)",
+                              result.req_id, n, result.num_requested_blocks)
+                continue
             self._finished[result.req_id] = inflight.load.first_token + n * bs
 
     def get_finished_loading(self) -> Mapping[str, int]:
@@ -230,9 +292,10 @@ class OffloadScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         req_id = request.req_id
-        self._plans.pop(req_id, None)
+        self._drop_plan(req_id)
         self._finished.pop(req_id, None)
-        if self._inflight.pop(req_id, None) is not None:
+        inflight = self._inflight.pop(req_id, None)
+        if inflight is not None and not inflight.load.in_step:  # in-step: copied in its step
             self.stats.add(cancelled_loads=1)
             unsent = [ld for ld in self._new_loads if ld.req_id != req_id]
             if len(unsent) == len(self._new_loads):

@@ -267,6 +267,9 @@ class Scheduler:
                     self._overlap[request.req_id] = num_computed + head
                     num_new = head
                 else:
+                    # CONNECTOR HOOK (c): an in-step load (``load_async`` False): those tokens
+                    # count as computed now; the worker copies them in before this step's
+                    # forward, so the rest of the prompt is computed in this very step.
                     num_computed += num_external
                     num_new = request.num_tokens - num_computed
                     if num_new > budget and not chunked:

@@ -171,7 +171,7 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import connectors.offload_worker as ow
+    import connectors.offload_loads as ow
 
     worker, store, cache, _ = parts
     keys, blobs = _host_blocks(worker, store, cache, 2)
