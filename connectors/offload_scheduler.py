@@ -32,6 +32,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cachestore.codec import BlockMeta, encoded_size, header_bytes
 from cachestore.cost_model import (
     STRATEGY_LOAD_PREFIX,
     STRATEGY_OVERLAP,
@@ -39,7 +40,6 @@ from cachestore.cost_model import (
     Decision,
     Option,
 )
-from cachestore.codec import BlockMeta, encoded_size, header_bytes
 from cachestore.cost_online import OnlineCostModel
 from cachestore.hashing import BlockHash, Namespace
 from cachestore.store import HierarchicalStore

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from cachestore.codec import encoded_size
 from cachestore.hashing import Namespace, hash_request_tokens
@@ -21,21 +19,6 @@ from engine import LLM, SamplingParams
 VOCAB = 500
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SLOT = 8192 + 160  # one encoded block of the tiny model, with room for the codec header
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def make_llm(model_dir: str, num_blocks: int, offload: dict | None = None, **kw: Any) -> LLM:

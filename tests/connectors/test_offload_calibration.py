@@ -4,32 +4,15 @@ host hop are measured, the priors replaced, kv_stats() reports them, and nothing
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from cachestore.cost_online import default_priors
 from cachestore.tier_config import ConfigError
 from connectors.offload_calibration import prefill_sizes
 from connectors.offload_config import parse_offload_config
 from tests.connectors.test_offload import GREEDY, VOCAB, make_llm
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def tiers(tmp_path: Path) -> list[dict]:

@@ -5,34 +5,18 @@ no-offload engine, no request fails, and the failed loads are counted exactly.""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
-import torch
 
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from engine import LLM
 from tests.connectors.test_offload import GREEDY, VOCAB, make_llm
 
 USERS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def prompts(seed: int = 9) -> list[list[int]]:

@@ -5,31 +5,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-import torch
 
 from cachestore.cost_model import PrefillCost, TierCost
 from cachestore.cost_online import OnlineCostModel
 from engine import SamplingParams
 from tests.connectors.test_offload import SLOT, VOCAB, host_lmdb, make_llm, run_conversations
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def test_forced_overlap_keeps_outputs_identical(model_dir: str, tmp_path: Path) -> None:

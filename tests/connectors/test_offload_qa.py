@@ -6,32 +6,15 @@ completes within a bounded number of steps with outputs identical to the no-offl
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.connectors.test_offload import VOCAB, make_llm
 
 USERS, ROUNDS, MAX_STEPS = 5, 3, 600
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def qa_rounds(llm: LLM) -> list[list[int]]:

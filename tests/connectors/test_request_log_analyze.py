@@ -5,29 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-import torch
 
 from cachestore.analyze.cli import add_arguments, main
 from tests.connectors.test_offload import host_lmdb, make_llm, run_conversations
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.engine.hf_models import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
 
 
 def test_request_log_is_analyzed_and_agrees_with_the_engine(
