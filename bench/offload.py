@@ -19,6 +19,12 @@ Sections (JSON keys):
   dropped from the GPU prefix cache; then the same prefix with a new question: recompute
   (offload off), reload from host, reload from LMDB (a 4-slot host tier demotes everything to
   LMDB), and ``decision: cost`` (the engine's own cost model).
+- ``reload_steps``: the fixed cost of a reload. For each prefix length, one engine per mode:
+  recompute (offload off), host reload with ``in_step_host_loads: false`` (the load waits in
+  WAITING_FOR_KV and the request runs one step later: the behaviour before) and with in-step
+  loads (copied before the forward of the admitting step). Reports engine steps from
+  ``add_request`` to the first token, TTFT, each step's wall time and the time in the scheduler,
+  the worker's pre-forward hook and the runner; ratios in-step vs async and vs recompute.
 - ``qa``: LMCache-style multi-round QA (users x rounds, shared system prompt, growing per-user
   history, a GPU pool too small for all histories): TTFT p50/p99 and throughput, offload on/off.
 - ``sweep``: prefix length x tier speed. A real LMDB tier behind a throttle (latency plus a
@@ -61,6 +67,7 @@ from bench.offload_parts import (  # noqa: E402
     build_setup,
     bytes_per_block,
     close_llm,
+    first_token_steps,
     make_llm,
     random_tokens,
     run_requests,
@@ -250,6 +257,56 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     return {"modes": rows, "speedup_vs_recompute": speedups}
 
 
+# -- reload steps: the fixed cost of a reload ----------------------------------------------
+
+
+def bench_reload_steps(setup: Setup) -> dict[str, Any]:
+    """Steps to the first token and TTFT: recompute vs host reload async (before) vs in-step
+    (after). Each mode sees the same prompts; median of ``reps`` by TTFT."""
+    modes: dict[str, bool | None] = {"recompute": None, "host_async": False,
+                                     "host_in_step": True}
+    num_blocks = (max(setup.lengths) + 64) // 16 + 4
+    rows: dict[str, dict[str, Any]] = {}
+    for mode, in_step in modes.items():
+        offload = None if in_step is None else {
+            "decision": "load", "calibrate": False, "in_step_host_loads": in_step,
+            "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
+        rng = random.Random(4)
+        llm = make_llm(setup, num_blocks, offload)
+        try:
+            run_requests(llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s)
+            per_len: dict[str, Any] = {}
+            for length in setup.lengths:
+                samples = []
+                for _ in range(setup.reps):
+                    prefix = random_tokens(rng, length)
+                    run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1,
+                                 setup.request_timeout_s)
+                    llm.engine.flush_kv()
+                    if not llm.engine.pool.reset_prefix_cache():
+                        raise RuntimeError("GPU blocks still in use after generate")
+                    samples.append(first_token_steps(llm, prefix + random_tokens(rng, 16),
+                                                     setup.request_timeout_s))
+                samples.sort(key=lambda f: f.ttft_s)
+                mid = samples[len(samples) // 2]
+                per_len[str(length)] = {
+                    "ttft_s": mid.ttft_s, "steps_to_first_token": mid.steps,
+                    "step_ms": list(mid.step_ms), "schedule_ms": mid.schedule_ms,
+                    "load_ms": mid.load_ms, "execute_ms": mid.execute_ms,
+                    "cached_tokens": mid.cached_tokens,
+                    "all_ttft_s": [f.ttft_s for f in samples]}
+            rows[mode] = per_len
+        finally:
+            close_llm(llm)
+    ratios = {}
+    for length in map(str, setup.lengths):
+        ttft = {m: rows[m][length]["ttft_s"] for m in modes}
+        ratios[length] = {"async_over_in_step": ttft["host_async"] / ttft["host_in_step"],
+                          "recompute_over_async": ttft["recompute"] / ttft["host_async"],
+                          "recompute_over_in_step": ttft["recompute"] / ttft["host_in_step"]}
+    return {"modes": rows, "ratios": ratios}
+
+
 # -- multi-round QA ------------------------------------------------------------------------
 
 
@@ -386,6 +443,16 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
              f"{'quick' if setup.model_dir is None else res.get('mode', 'full')}):"]
     tr, tt, qa, sw = (res.get(k, {}) for k in ("transfer", "ttft", "qa", "sweep"))
     lp = res.get("load_path", {})
+    rs = res.get("reload_steps", {})
+    if "ratios" in rs:
+        top = str(max(setup.lengths))
+        m, r = rs["modes"], rs["ratios"][top]
+        parts.append(f"reload {top} tok: {m['host_async'][top]['steps_to_first_token']} -> "
+                     f"{m['host_in_step'][top]['steps_to_first_token']} steps, TTFT "
+                     f"{m['host_async'][top]['ttft_s'] * 1e3:.1f} -> "
+                     f"{m['host_in_step'][top]['ttft_s'] * 1e3:.1f} ms "
+                     f"({r['async_over_in_step']:.2f}x; vs recompute "
+                     f"{r['recompute_over_async']:.1f}x -> {r['recompute_over_in_step']:.1f}x);")
     if "ratio_to_raw" in lp:
         parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
                      f"({lp['ratio_to_raw']:.2f}x raw; decode path {lp['decode_ratio_to_raw']:.2f}x);")
@@ -407,7 +474,8 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "points" in sw:
         parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
                      f"points (worst {sw['worst_ratio_to_best']:.2f}x)")
-    failed = [k for k in ("transfer", "load_path", "ttft", "qa", "sweep") if "error" in res.get(k, {})]
+    failed = [k for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep")
+              if "error" in res.get(k, {})]
     if failed:
         parts.append(f"FAILED: {', '.join(failed)}")
     return " ".join(parts)
@@ -435,9 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, help="TTFT repetitions per point (median reported)")
     ap.add_argument("--lmdb-max-len", type=int, help="LMDB TTFT mode only up to this length")
     ap.add_argument("--qa-users", type=int, help="multi-round QA users")
-    ap.add_argument("--sections", default="transfer,load_path,ttft,qa,sweep")
+    ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
     args = ap.parse_args(argv)
-    sections = {"transfer": bench_transfer, "load_path": bench_load_path, "ttft": bench_ttft, "qa": bench_qa,
+    sections = {"transfer": bench_transfer, "load_path": bench_load_path,
+                "reload_steps": bench_reload_steps, "ttft": bench_ttft, "qa": bench_qa,
                 "sweep": bench_sweep}
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(sections))

@@ -39,7 +39,7 @@ LLAMA3_8B = {
 HOST_CAPACITY = 8 << 30  # pinned; holds the TTFT prefixes (3 x 16K = 6 GiB) and all QA histories
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "max_position_embeddings": 4096}
+        "head_dim": 32, "max_position_embeddings": 32768}  # room for 16K prefixes on CPU
 TOKEN_RANGE = (10, 500)
 SWEEP_CALIBRATION_BLOCKS = 16  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
 
@@ -247,6 +247,64 @@ def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """One request timed step by step from ``add_request`` to its first token."""
+
+    ttft_s: float
+    steps: int  # engine steps until the step that returned the first token, that one included
+    step_ms: tuple[float, ...]  # wall time of each of those steps
+    schedule_ms: float  # in Scheduler.schedule (hashing, GPU hit, store lookup, allocation)
+    load_ms: float  # in the worker's start_load_kv (saves + load copies, before the forward)
+    execute_ms: float  # in ModelRunner.execute_model (start_load_kv and the forward included)
+    cached_tokens: int
+
+
+def first_token_steps(llm: Any, prompt: list[int], timeout_s: float) -> FirstToken:
+    """Add ``prompt`` (one token wanted) and step the engine until it yields, timing each step
+    and, inside them, the scheduler, the runner and the connector worker's pre-forward hook
+    (wrapped on the instances for this call only)."""
+    eng = llm.engine
+    spent = {"schedule": 0.0, "load": 0.0, "execute": 0.0}
+    worker = eng.offload.worker if eng.offload is not None else None
+    targets = [(eng.scheduler, "schedule", "schedule"), (eng.runner, "execute_model", "execute")]
+    if worker is not None:
+        targets.append((worker, "start_load_kv", "load"))
+
+    def timed(fn: Any, key: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+
+    for obj, name, key in targets:
+        setattr(obj, name, timed(getattr(obj, name), key))
+    rid = f"bench-{next(_REQ_IDS)}"
+    steps: list[float] = []
+    try:
+        t0 = time.perf_counter()
+        eng.add_request(rid, prompt, GREEDY1)
+        out = None
+        while out is None:
+            s0 = time.perf_counter()
+            outs = eng.step()
+            steps.append(time.perf_counter() - s0)
+            out = next((o for o in outs if o.req_id == rid), None)
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"no first token after {len(steps)} steps")
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        for obj, name, _ in targets:
+            delattr(obj, name)  # the class's method again
+    ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else sum(steps)
+    return FirstToken(ttft, len(steps), tuple(x * 1e3 for x in steps), spent["schedule"] * 1e3,
+                      spent["load"] * 1e3, spent["execute"] * 1e3, out.num_cached_tokens)
 
 
 def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, int]:
