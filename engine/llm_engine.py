@@ -230,6 +230,8 @@ class LLMEngine:
 
     def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
+        if getattr(out.kv_connector_metadata, "loads", ()):
+            return  # an in-step load's copies ran inside this step: not a pure prefill
         if self.offload is not None and len(out.requests) == 1:
             r = out.requests[0]
             if len(r.token_ids) > 1:
