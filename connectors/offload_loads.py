@@ -1,28 +1,24 @@
 """The offload worker's load path: store -> GPU cache blocks (``HostLoader``).
 
-Per step (engine thread, ``OffloadWorker.start_load_kv`` before the forward):
-- in-step loads (``BlockLoad.in_step``): the scheduler side located and pinned every slot (the
-  codec header checked) while it planned the load, so each block is ONE copy from the slab into
-  its cache block, issued now (``SlabCopier``): CPU: memcpy; CUDA: ``non_blocking`` on the side
-  stream, then an event that the compute stream waits on, so this step's forward reads them.
-- async loads, host part: ``store.locate_host`` gives the slab offsets of the leading blocks the
-  host tier holds (header checked, not the checksum: this process wrote them), copied the same
-  way (the request waits in WAITING_FOR_KV, so nothing this step reads them).
-- async loads, the rest (lower tiers): one background thread, ``store.stage_host`` reads them
-  (checksummed) into host slots and pins them; once it finished (polled at a step start), they
-  take the same slab -> device copy. Blocks the slab cannot take are read into one tensor and
+``start`` (engine thread, before the forward):
+- in-step loads (``BlockLoad.in_step``): the scheduler side located and pinned each slot (codec
+  header checked) while planning, so each block is ONE slab -> cache copy issued now
+  (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
+  compute stream waits on, since this step's forward reads them).
+- async loads: ``store.locate_host`` finds the leading host-tier blocks (header checked, not the
+  checksum: this process wrote them), copied the same way; the rest (lower tiers) is staged by
+  one background thread (``store.stage_host``: checksummed reads into pinned host slots), then
+  copied at a later step start; blocks the slab cannot take are read into one tensor and
   scattered. A load whose staging runs past ``load_timeout_s`` ends with what was copied.
 - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
-  once); their pins are released when the copies and the staging ended.
-- an empty step (no scheduled request) with loads in flight waits for the first staging (up to
-  its deadline) and for the copies, so the load is reported this step.
-``poll()``: every load whose copies completed (event queried) becomes a ``LoadResult``, reported
-in the step it landed in; its pins are released then.
-Cost model (``observe_transfer``): the staging of lower-tier blocks under their tier (the hop
-into host memory), the copies of each load under ``host`` (the host -> device hop).
+  once); their pins are released once the copies and the staging ended. An idle step (nothing
+  scheduled) waits for the first staging and for the copies, so the load is reported now.
+``poll``: a load whose copies completed becomes a ``LoadResult`` (reported in the step it
+landed in) and its pins are released. Cost model: lower-tier staging is observed under its
+tier, each load's copies under ``host``.
 
-Not thread-safe except where noted: the engine thread drives it; the load thread only runs
-``_stage`` and touches nothing but the store and its own result.
+Not thread-safe: the engine thread drives it; the load thread only runs ``_stage`` and touches
+nothing but the store and its own result.
 """
 
 from __future__ import annotations

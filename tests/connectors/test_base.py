@@ -163,6 +163,11 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
         }
     )
     assert cfg.decision == "recompute" and cfg.load_timeout_s == 2.0
+    assert cfg.in_step_host_loads is True
+    host = [{"kind": "host", "capacity": 1}]
+    assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
+    with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
+        load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
     assert cfg.tiers.tiers == (HostTierConfig(capacity=1 << 20),)
     yaml_path = tmp_path / "offload.yaml"
     yaml_path.write_text("tiers:\n  - {kind: lmdb, path: /x, capacity: 1GiB}\n")

@@ -316,6 +316,46 @@ def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
     run_all(sched, runner)
 
 
+class InStepConnector(FakeConnector):
+    """FakeConnector's tokens [32, 48) as an in-step load (``load_async=False``): the fake
+    worker writes them when the blocks are allocated, i.e. before this step's forward."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        if num_computed_tokens == 32 and request.num_tokens > 48:
+            return ExternalHit(num_tokens=16, load_async=False)
+        return ExternalHit()
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        super().update_state_after_alloc(request, block_ids, num_gpu_hit_tokens,
+                                         num_external_tokens)
+        self.pending.clear()  # nothing to wait for: the tokens count as computed now
+
+
+def test_an_in_step_load_runs_the_request_in_its_admitting_step() -> None:
+    conn = InStepConnector()
+    sched, runner = make(connector=conn)
+    conn.runner = runner
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=2))
+    run_all(sched, runner)
+    sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
+    sched.add_request(req("c", prompt(10, base=4), max_tokens=2))
+    so = sched.schedule()
+    # b: 32 GPU-hit tokens + 16 loaded in-step, its last 14 computed in this very step.
+    assert slices(so) == [("b", 48, 14, True), ("c", 0, 10, True)]
+    assert sched.requests["b"].status is RequestStatus.RUNNING
+    assert sched.requests["b"].num_cached_tokens == 48 and ("b", 16) in conn.allocs
+    sched.update_from_output(so, runner.execute_model(so))
+    assert sched.requests["b"].num_output_tokens == 1
+    run_all(sched, runner)
+
+
 class ShortLoadConnector(FakeConnector):
     """Plans FakeConnector's load of [32, 48), but the load comes back empty (a corrupt or
     missing block): only the 32 GPU-hit tokens are valid."""
