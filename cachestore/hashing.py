@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 import xxhash
@@ -85,13 +85,16 @@ class Namespace:
     tp_size: int = 1
     cache_salt: str = ""
     hash_name: str = "sha256"
+    # Derived once (a hash of describe()); every block key and chain seed reuses it.
+    _seed: bytes = field(init=False, repr=False, compare=False, default=b"")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
-        get_hash_fn(self.hash_name)
+        fn = get_hash_fn(self.hash_name)
+        object.__setattr__(self, "_seed", fn(self.describe().encode()))
 
     def describe(self) -> str:
         return (
@@ -105,7 +108,7 @@ class Namespace:
 
     def seed(self) -> BlockHash:
         """``h[-1]``: the hash of this namespace."""
-        return BlockHash(self.hash_fn(self.describe().encode()))
+        return BlockHash(self._seed)
 
     def key_prefix(self) -> str:
         """Short stable prefix tiers put in front of ``hex(h[i])`` (``namespace/hex``)."""
