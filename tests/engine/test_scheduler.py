@@ -264,9 +264,11 @@ class FakeConnector:
         self.pending: set[str] = set()
         self.allocs: list[tuple[str, int]] = []
 
+    load_async = True  # InStepConnector: the same tokens, loaded within the admitting step
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
         if num_computed_tokens == 32 and request.num_tokens > 48:
-            return ExternalHit(num_tokens=16, load_async=True)
+            return ExternalHit(num_tokens=16, load_async=self.load_async)
         return ExternalHit()
 
     def update_state_after_alloc(
@@ -320,10 +322,7 @@ class InStepConnector(FakeConnector):
     """FakeConnector's tokens [32, 48) as an in-step load (``load_async=False``): the fake
     worker writes them when the blocks are allocated, i.e. before this step's forward."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
-        if num_computed_tokens == 32 and request.num_tokens > 48:
-            return ExternalHit(num_tokens=16, load_async=False)
-        return ExternalHit()
+    load_async = False
 
     def update_state_after_alloc(
         self,
