@@ -64,6 +64,7 @@ from bench.offload_parts import (  # noqa: E402
     ThrottledTier,
     _Parts,
     _ttft_once,
+    best_time,
     build_setup,
     bytes_per_block,
     close_llm,
@@ -71,7 +72,6 @@ from bench.offload_parts import (  # noqa: E402
     make_llm,
     random_tokens,
     run_requests,
-    sync,
 )
 from cachestore.calibration import calibrate  # noqa: E402
 from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE  # noqa: E402
@@ -93,15 +93,7 @@ def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     nbytes = n * spec.bytes_per_block
 
     def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_time(fn, dev, repeats)
 
     rows = {}
     cases = {
@@ -165,15 +157,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
         kv.scatter_blocks(list(ids), staging)
 
     def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return best_time(fn, dev, repeats)
 
     try:
         t_raw = best(lambda: raw_dev.copy_(host, non_blocking=dev.type == "cuda"))

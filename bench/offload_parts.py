@@ -15,7 +15,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +246,20 @@ def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams,
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Best wall time of ``fn`` over ``repeats`` runs after one warm-up, the device synchronized
+    before and after each run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 
