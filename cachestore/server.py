@@ -2,9 +2,12 @@
 many engines.
 
 Threads: the loop thread owns the ROUTER socket (ZMQ sockets are not thread-safe); it receives
-whole multipart requests, hands each to a worker pool running ``server_ops.OpHandler``, and
-sends the replies workers queue back (a pipe wakes the loop). Workers never touch a socket.
-Replies may leave out of order; clients match them by request id.
+whole multipart requests and parses them (``OpHandler.parse``: header, token, keys, limits;
+a refusal is answered at once). A get or lookup the host tier can serve whole is answered on
+the loop thread too (``OpHandler.serve_inline``: tens of microseconds, cheaper than the
+hand-off); everything else goes to a worker pool running ``OpHandler.run``, whose replies the
+loop sends (a pipe wakes it). Workers never touch a socket. Replies may leave out of order;
+clients match them by request id.
 
 Contracts:
 - Every request gets exactly one reply, an error reply for anything malformed; nothing a
@@ -63,6 +66,8 @@ class ServerConfig:
     max_shm_segment_bytes: int = 4 << 30
     drain_timeout_s: float = 10.0
     access_log_path: str | None = None
+    # Serve host-tier gets/lookups on the loop thread (False: every request via the pool).
+    inline_reads: bool = True
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
@@ -188,7 +193,7 @@ class CacheServer:
         drain_deadline: float | None = None
 
         def finish(identity: bytes, future: Any) -> None:
-            reply = future.result()  # OpHandler.handle never raises
+            reply = future.result()  # OpHandler.run never raises
             replies.put((identity, reply))
             os.write(wake_w, b"x")
 
@@ -218,8 +223,15 @@ class CacheServer:
                             [identity, pack(error_header(-1, ErrorCode.SHUTTING_DOWN,
                                                          "daemon is shutting down"))])
                         continue
+                    parsed = self._handler.parse(frames[1:])
+                    if isinstance(parsed, Reply):  # refused: no store work to hand off
+                        _send(router, identity, parsed, copy=False)
+                        continue
+                    if self.config.inline_reads and self._handler.serve_inline(
+                            parsed, lambda r, ident=identity: _send(router, ident, r, copy=True)):
+                        continue
                     self.inflight += 1
-                    fut = pool.submit(self._handler.handle, frames[1:])
+                    fut = pool.submit(self._handler.run, parsed)
                     fut.add_done_callback(lambda f, ident=identity: finish(ident, f))
 
     def _flush(self, router: zmq.Socket, replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> None:
@@ -229,8 +241,14 @@ class CacheServer:
             except queue.Empty:
                 return
             self.inflight -= 1
-            try:
-                router.send_multipart([identity, pack(reply.header), *reply.payloads], copy=False)
-            except zmq.ZMQError:
-                pass  # the peer is gone (ROUTER drops silently; this is belt and braces)
+            _send(router, identity, reply, copy=False)
+
+
+def _send(router: zmq.Socket, identity: bytes, reply: Reply, copy: bool) -> None:
+    """Send one reply. ``copy``: ZMQ copies the payloads before returning (payloads that are
+    pinned host-tier views, unpinned right after); else it sends owned bytes zero copy."""
+    try:
+        router.send_multipart([identity, pack(reply.header), *reply.payloads], copy=copy)
+    except zmq.ZMQError:
+        pass  # the peer is gone (ROUTER drops silently; this is belt and braces)
 

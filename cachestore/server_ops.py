@@ -21,47 +21,28 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from cachestore import shm
-from cachestore.codec import CodecError, decode_block
+from cachestore.codec import CodecError, decode_block, header_bytes
 from cachestore.server_protocol import (
     ErrorCode,
     ProtocolError,
+    Reply,
+    Request,
+    RequestRecord,
     ServerLimits,
     Tenant,
     checksum,
     error_header,
     unpack_request,
 )
+from cachestore.server_reads import HostReads, copy_out
 from cachestore.server_usage import NamespaceUsage
 from cachestore.store import HierarchicalStore
-from tiers.base import Value
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    header: dict[str, Any]
-    payloads: list[Value]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """One served request, for metrics and the access log."""
-
-    op: str
-    namespace: str
-    code: ErrorCode
-    num_keys: int
-    num_hits: int
-    bytes_in: int
-    bytes_out: int
-    path: str  # "tcp" (payload frames) or "shm"
-    seconds: float
-
+from tiers.base import Tier, Value
 
 _Body = tuple[dict[str, Any], list[Value]]
 _Op = Callable[[dict[str, Any], str, list[str], Sequence[Any], dict[str, Any]], _Body]
@@ -96,6 +77,9 @@ class OpHandler:
             "get": self._op_get, "put": self._op_put, "delete": self._op_delete,
             "stats": self._op_stats,
         }
+        slab = store.host_slab()
+        self._fast = HostReads(store, slab) if isinstance(slab, Tier) else None
+        self.num_inline = 0  # gets/lookups served by serve_inline (written by the loop thread only)
 
     def close(self) -> None:
         if self._log is not None:
@@ -104,39 +88,101 @@ class OpHandler:
                 self._log = None
 
     def handle(self, frames: Sequence[zmq.Frame | bytes]) -> Reply:
-        start = time.perf_counter()
-        request_id, op, tenant = -1, "?", "?"
-        rec: dict[str, Any] = {"num_keys": 0, "num_hits": 0, "bytes_in": 0, "bytes_out": 0,
-                               "path": "tcp", "keys": []}
+        """Parse and run one request (the worker-pool path); never raises."""
+        parsed = self.parse(frames)
+        return parsed if isinstance(parsed, Reply) else self.run(parsed)
+
+    def parse(self, frames: Sequence[zmq.Frame | bytes]) -> Request | Reply:
+        """Decode, authenticate and check one request: a ``Request`` to run, or the error
+        ``Reply`` (already recorded). Cheap (no store access): the loop thread calls it."""
+        req = Request({}, "?", "?", [], frames, {"num_keys": 0, "num_hits": 0, "bytes_in": 0,
+                                                 "bytes_out": 0, "path": "tcp", "keys": []},
+                      time.perf_counter())
         try:
             if len(frames) - 1 > self.limits.max_keys_per_request:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames is too many")
-            header = unpack_request(_buffer(frames[0]), self.limits)
-            request_id, op = header["id"], header["op"]
-            who = self._authenticate(header.get("token"))
-            tenant = who.name
-            keys: list[str] = header.get("keys", [])
+            req.header = unpack_request(_buffer(frames[0]), self.limits)
+            req.op = req.header["op"]
+            who = self._authenticate(req.header.get("token"))
+            req.tenant = who.name
+            keys: list[str] = req.header.get("keys", [])
             who.check_keys(keys)
-            rec["num_keys"], rec["keys"] = len(keys), keys
-            if op != "put" and len(frames) > 1:
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"{op} takes no payload frames")
-            ikeys = [f"{tenant}/{k}" for k in keys]
-            body, payloads = self._ops[op](header, tenant, ikeys, frames[1:], rec)
-            reply = Reply({"id": request_id, "code": 0, "error": "", **body}, payloads)
-            code = ErrorCode.OK
-        except ProtocolError as exc:
-            code, reply = exc.code, Reply(error_header(request_id, exc.code, exc.message), [])
-        except Exception as exc:  # a store failure: the client sees a miss, the daemon lives
-            code = ErrorCode.INTERNAL
-            reply = Reply(error_header(request_id, code, f"store error: {exc!r}"[:500]), [])
-        record = RequestRecord(op, tenant, code, rec["num_keys"], rec["num_hits"],
-                               rec["bytes_in"], rec["bytes_out"], rec["path"],
-                               time.perf_counter() - start)
+            req.rec["num_keys"], req.rec["keys"] = len(keys), keys
+            if req.op != "put" and len(frames) > 1:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"{req.op} takes no payload frames")
+            req.ikeys = [f"{req.tenant}/{k}" for k in keys]
+            return req
+        except Exception as exc:
+            return self._fail(req, exc)
+
+    def run(self, req: Request) -> Reply:
+        """Run a parsed request against the store; never raises. For the worker pool."""
+        try:
+            body, payloads = self._ops[req.op](req.header, req.tenant, req.ikeys, req.frames[1:],
+                                               req.rec)
+        except Exception as exc:
+            return self._fail(req, exc)
+        return self._done(req, ErrorCode.OK, self._ok(req, body, payloads))
+
+    def serve_inline(self, req: Request, send: Callable[[Reply], None]) -> bool:
+        """Serve a get or lookup whose keys the host tier holds, on the calling (loop) thread,
+        and ``send`` its reply while the blocks are still pinned (``send`` must copy payload
+        frames); False (nothing sent, nothing pinned) when the request needs the worker pool.
+        Host blocks skip the checksum (this daemon checked it on the way in: a put payload,
+        or a lower-tier read before promotion) but not ``locate_host``'s header and size check."""
+        if self._fast is None or req.op not in ("get", "lookup") or not req.ikeys:
+            return False
+        if req.op == "lookup":
+            if self._fast.lookup(req.ikeys) < len(req.ikeys):
+                return False
+            req.rec["num_hits"] = len(req.ikeys)
+            send(self._done(req, ErrorCode.OK, self._ok(req, {"count": len(req.ikeys)}, [])))
+            self.num_inline += 1
+            return True
+        try:
+            segment, offset, end = self._shm_region(req.header, req.tenant)
+        except ProtocolError:
+            return False  # the pool answers it with the error
+        views = self._fast.pinned_views(req.tenant, req.header["keys"], req.ikeys)
+        if views is None:
+            return False
+        try:
+            body, payloads = copy_out(views, segment, offset, end, req.rec, owned=False)
+        except Exception:  # e.g. the segment was detached meanwhile: the pool decides
+            self.store.unpin_host(req.ikeys)
+            req.rec.update(num_hits=0, bytes_out=0, path="tcp")
+            return False
+        try:
+            send(self._done(req, ErrorCode.OK, self._ok(req, body, payloads)))
+        finally:
+            self.store.unpin_host(req.ikeys)
+        self.num_inline += 1
+        return True
+
+    def _ok(self, req: Request, body: dict[str, Any], payloads: list[Value]) -> Reply:
+        return Reply({"id": req.header["id"], "code": 0, "error": "", **body}, payloads)
+
+    def _fail(self, req: Request, exc: Exception) -> Reply:
+        request_id = req.header.get("id", -1)
+        if isinstance(exc, ProtocolError):
+            return self._done(req, exc.code, Reply(error_header(request_id, exc.code,
+                                                                exc.message), []))
+        # A store failure: the client sees a miss, the daemon lives.
+        message = f"store error: {exc!r}"[:500]
+        return self._done(req, ErrorCode.INTERNAL,
+                          Reply(error_header(request_id, ErrorCode.INTERNAL, message), []))
+
+    def _done(self, req: Request, code: ErrorCode, reply: Reply) -> Reply:
+        """Record and log a finished request; returns ``reply``."""
+        rec = req.rec
         if self._on_request is not None:
-            self._on_request(record)
-        if self._log is not None and code == ErrorCode.OK and op in _LOGGED_OPS:
-            line = json.dumps({"ts": round(time.time(), 6), "op": op, "namespace": tenant,
-                               "keys": rec["keys"], "hits": rec["num_hits"]})
+            self._on_request(RequestRecord(req.op, req.tenant, code, rec["num_keys"],
+                                           rec["num_hits"], rec["bytes_in"], rec["bytes_out"],
+                                           rec["path"], time.perf_counter() - req.start))
+        if self._log is not None and code == ErrorCode.OK and req.op in _LOGGED_OPS:
+            line = json.dumps({"ts": round(time.time(), 6), "op": req.op,
+                               "namespace": req.tenant, "keys": rec["keys"],
+                               "hits": rec["num_hits"]})
             with self._log_lock:
                 if self._log is not None:
                     self._log.write(line + "\n")
@@ -184,33 +230,12 @@ class OpHandler:
         self.store.prepare_load(ikeys)  # host-tier views stay put until copied out below
         try:
             values = self.store.get_many_encoded(ikeys)
-            sizes: list[int] = []
-            shm_offsets: list[int] = []
-            payloads: list[Value] = []
-            for value in values:
-                if value is None:
-                    sizes.append(-1)
-                    shm_offsets.append(-1)
-                    continue
-                size = len(value)
-                sizes.append(size)
-                rec["num_hits"] += 1
-                rec["bytes_out"] += size
-                if segment is not None and offset + size <= end:
-                    segment.buf[offset : offset + size] = value
-                    shm_offsets.append(offset)
-                    offset += size
-                    rec["path"] = "shm"
-                else:
-                    shm_offsets.append(-1)
-                    # The reply leaves from the loop thread after the unpin: own the bytes.
-                    payloads.append(value if isinstance(value, bytes) else bytes(value))
+            if self._fast is not None:
+                self._fast.learn(tenant, header["keys"], values)
+            # The reply leaves from the loop thread after the unpin: frames own their bytes.
+            return copy_out(values, segment, offset, end, rec, owned=True)
         finally:
             self.store.complete_load(ikeys)
-        body: dict[str, Any] = {"sizes": sizes}
-        if segment is not None:
-            body["shm_offsets"] = shm_offsets
-        return body, payloads
 
     def _op_put(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                 frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
@@ -221,9 +246,10 @@ class OpHandler:
             if len(view) != size or checksum(view) != digest:
                 raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
                                     f"payload {i} does not match its size/checksum; nothing stored")
+        metas = []
         for i, (view, key) in enumerate(zip(views, header["keys"], strict=True)):
             try:
-                decode_block(view, key.split("/", 1)[0])
+                metas.append(decode_block(view, key.split("/", 1)[0]).meta)
             except CodecError as exc:
                 raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {i} is not an encoded block "
                                     f"of its key's namespace ({exc}); nothing stored") from None
@@ -238,6 +264,8 @@ class OpHandler:
             # (Also when every key was being written by a concurrent put: rare, and a miss.)
             raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
         self.usage.add(tenant, accounted)
+        if self._fast is not None and metas:  # blocks of one put share a namespace, mostly
+            self._fast.remember(tenant, metas[-1].namespace, header_bytes(metas[-1]), sizes[-1])
         rec["bytes_in"] = sum(sizes)
         return {"stored": len(ikeys), "evicted": 0}, []
 
@@ -295,3 +323,4 @@ class OpHandler:
 
 def _buffer(frame: zmq.Frame | bytes) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+

@@ -28,11 +28,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import xxhash
+
+from tiers.base import Value
 
 PROTOCOL_VERSION = 1
 OPS = frozenset({"hello", "lookup", "get", "put", "delete", "stats", "bye"})
@@ -83,6 +86,41 @@ class ServerLimits:
         for name in ("max_header_bytes", "max_keys_per_request", "max_frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    header: dict[str, Any]
+    payloads: list[Value]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One served request, for metrics and the access log."""
+
+    op: str
+    namespace: str
+    code: ErrorCode
+    num_keys: int
+    num_hits: int
+    bytes_in: int
+    bytes_out: int
+    path: str  # "tcp" (payload frames) or "shm"
+    seconds: float
+
+
+@dataclass(slots=True)
+class Request:
+    """A parsed, authenticated request (``OpHandler.parse``), to ``run`` or ``serve_inline``.
+    ``frames[0]`` is the header frame; ``ikeys`` are the tenant's internal keys."""
+
+    header: dict[str, Any]
+    op: str
+    tenant: str
+    ikeys: list[str]
+    frames: Sequence[Any]
+    rec: dict[str, Any]
+    start: float
 
 
 def checksum(data: bytes | memoryview) -> int:

@@ -1,0 +1,119 @@
+"""The cache daemon's inline read path: host-tier blocks without the store's checksum pass.
+
+``OpHandler.serve_inline`` answers a get whose keys the store's host tier (the top ``SlabTier``)
+holds on the daemon's loop thread, with no worker-pool hand-off and no second xxh3 pass over
+blocks this daemon already verified (put payloads are checksummed and decoded before they are
+stored; lower-tier blocks are checksummed before they are promoted). What is still checked per
+block is its stored codec header and size (``HierarchicalStore.locate_host``), as the engine's
+host fast path does (docs/offload_design.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cachestore import shm
+from cachestore.codec import decode_block, header_bytes
+from cachestore.store import HierarchicalStore
+from tiers.base import Tier, Value
+
+
+class HostReads:
+    """Reads of the store's host tier without the store's checksum pass (``serve_inline``).
+
+    Remembers, per (tenant, key prefix), the codec header and size of the blocks last seen
+    (puts, pool-path gets): one namespace is one model, layout and block size, so its blocks
+    share them. ``pinned_views`` checks each block's stored header and size against that
+    (``HierarchicalStore.locate_host``, which also pins the hits and counts them as host
+    reads) -- never the xxh3 checksum, which this daemon verified when the block came in.
+    Thread-safe (dict operations are atomic; the tier locks itself); never raises.
+    """
+
+    MAX_HINTS = 4096
+
+    def __init__(self, store: HierarchicalStore, slab: Tier) -> None:
+        self._store = store
+        self._slab = slab
+        self._hints: dict[tuple[str, str], tuple[bytes, int]] = {}
+
+    def remember(self, tenant: str, prefix: str, header: bytes, nbytes: int) -> None:
+        if len(self._hints) >= self.MAX_HINTS and (tenant, prefix) not in self._hints:
+            self._hints.clear()  # a flood of namespaces: start over rather than grow
+        self._hints[(tenant, prefix)] = (header, nbytes)
+
+    def learn(self, tenant: str, keys: Sequence[str], values: Sequence[Value | None]) -> None:
+        """Remember the header of verified blocks (``get_many_encoded`` results) whose
+        namespace has none yet, or another one."""
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                continue
+            prefix = key.split("/", 1)[0]
+            hint = self._hints.get((tenant, prefix))
+            if hint is not None and len(value) == hint[1] and value[:len(hint[0])] == hint[0]:
+                continue
+            meta = decode_block(value).meta  # verified already; this runs once per namespace
+            self.remember(tenant, prefix, header_bytes(meta), len(value))
+
+    def lookup(self, ikeys: list[str]) -> int:
+        """Leading keys the host tier holds (0 if it fails)."""
+        try:
+            return self._slab.lookup(ikeys)
+        except Exception:
+            return 0
+
+    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]
+                     ) -> list[Value] | None:
+        """Views of every key's host block, each pinned (balance with ``store.unpin_host``),
+        or None (nothing pinned) unless all of them are there with the expected header."""
+        prefix = keys[0].split("/", 1)[0]
+        hint = self._hints.get((tenant, prefix))
+        if hint is None or not all(k.startswith(prefix) and k[len(prefix)] == "/" for k in keys):
+            return None
+        # Membership first: a request that falls back is then not counted as a host read twice.
+        if self.lookup(ikeys) < len(ikeys):
+            return None
+        header, nbytes = hint
+        offsets = self._store.locate_host(ikeys, header, nbytes)
+        hits = [k for k, o in zip(ikeys, offsets, strict=True) if o is not None]
+        if len(hits) < len(ikeys):
+            self._store.unpin_host(hits)
+            return None
+        try:
+            views = self._slab.get_many(ikeys)
+        except Exception:
+            views = []
+        if len(views) != len(ikeys) or any(v is None or len(v) != nbytes for v in views):
+            self._store.unpin_host(ikeys)  # cannot happen to pinned entries; belt and braces
+            return None
+        return views  # type: ignore[return-value]
+
+
+def copy_out(values: Sequence[Value | None], segment: shm.ShmSegment | None, offset: int,
+             end: int, rec: dict[str, Any], owned: bool) -> tuple[dict[str, Any], list[Value]]:
+    """A get's reply body and frames: hits into ``segment[offset:end]`` while they fit,
+    the rest as frames (copied to bytes when ``owned``). Values must stay valid (pinned)."""
+    sizes: list[int] = []
+    shm_offsets: list[int] = []
+    payloads: list[Value] = []
+    for value in values:
+        if value is None:
+            sizes.append(-1)
+            shm_offsets.append(-1)
+            continue
+        size = len(value)
+        sizes.append(size)
+        rec["num_hits"] += 1
+        rec["bytes_out"] += size
+        if segment is not None and offset + size <= end:
+            segment.buf[offset : offset + size] = value
+            shm_offsets.append(offset)
+            offset += size
+            rec["path"] = "shm"
+        else:
+            shm_offsets.append(-1)
+            payloads.append(bytes(value) if owned and not isinstance(value, bytes) else value)
+    body: dict[str, Any] = {"sizes": sizes}
+    if segment is not None:
+        body["shm_offsets"] = shm_offsets
+    return body, payloads
