@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-keys", type=int, default=4096, help="keys per request")
     parser.add_argument("--namespace-quota", default=None, help="bytes per namespace (default: none)")
     parser.add_argument("--no-shm", action="store_true", help="disable the shared-memory path")
+    parser.add_argument("--no-inline-reads", action="store_true",
+                        help="send every request to the worker pool (no loop-thread host reads)")
 
 
 def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
@@ -98,7 +100,8 @@ def main(args: argparse.Namespace) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         config = ServerConfig(url=f"tcp://{host}:{args.port}", limits=limits,
                               num_workers=args.workers, shm_enabled=not args.no_shm,
-                              access_log_path=args.access_log)
+                              access_log_path=args.access_log,
+                              inline_reads=not args.no_inline_reads)
         usage = NamespaceUsage()
         store = build_store(build_tiers_for(args), usage)
     except (OSError, ValueError) as exc:

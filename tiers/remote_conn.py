@@ -133,9 +133,13 @@ class Connections:
                 conn.next_id += 1
                 ids.append(request_id)
                 msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
-                if not conn.sock.poll(_ms_left(deadline), zmq.POLLOUT):
-                    raise TierError(f"cache server {self.url} not reachable")
-                conn.sock.send_multipart([pack(msg), *payloads], copy=False)
+                parts = [pack(msg), *payloads]
+                try:  # the common case: the pipe has room, no poll round trip needed
+                    conn.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    if not conn.sock.poll(_ms_left(deadline), zmq.POLLOUT):
+                        raise TierError(f"cache server {self.url} not reachable") from None
+                    conn.sock.send_multipart(parts, copy=False)
             replies: dict[int, tuple[dict[str, Any], list[zmq.Frame]]] = {}
             while len(replies) < len(ids):
                 if not conn.sock.poll(_ms_left(deadline), zmq.POLLIN):

@@ -1,0 +1,148 @@
+"""The daemon's inline read path (host-tier gets/lookups on the loop thread): same answers as
+the worker pool, same refusals (tokens, key prefixes, malformed frames), and a block whose
+stored header is damaged is never served inline (the pool's checksummed read makes it a miss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from cachestore.server import CacheServer, ServerConfig
+from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, TokenTable
+from cachestore.store import HierarchicalStore, StoreConfig
+from tests.cachestore.store_helpers import sized_block
+from tiers.base import TierError
+from tiers.host import HostTier
+from tiers.lmdb import LmdbTier
+from tiers.remote import RemoteTier
+
+TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\ntok-carol-0003 carol aaaa\n"
+ALICE, BOB, CAROL = "tok-alice-0001", "tok-bob-000002", "tok-carol-0003"
+
+
+def _daemon(tmp_path: Path, inline: bool) -> tuple[CacheServer, HierarchicalStore, HostTier]:
+    host = HostTier(4 << 20, 128 << 10, pin_memory=False)
+    store = HierarchicalStore([host, LmdbTier(tmp_path / "lmdb", 64 << 20)],
+                              StoreConfig(write_through_to=1))
+    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", inline_reads=inline), store,
+                      TokenTable.parse(TOKENS)).start()
+    return srv, store, host
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[CacheServer, HierarchicalStore, HostTier]]:
+    srv, store, host = _daemon(tmp_path, inline=True)
+    yield srv, store, host
+    srv.stop()
+    store.close()
+
+
+def _ask(url: str, token: str, **header: Any) -> dict[str, Any]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    try:
+        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "id": 9, "token": token, **header}))
+        assert sock.poll(5000), "no reply"
+        return msgpack.unpackb(sock.recv_multipart()[0])
+    finally:
+        sock.close()
+
+
+KEYS = [f"aaaa/{i:032x}" for i in range(6)]
+BLOCKS = [sized_block(k, 3000 + 100 * i) for i, k in enumerate(KEYS)]
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+def test_gets_and_lookups_of_host_blocks_are_served_inline(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier], use_shm: bool) -> None:
+    srv, _, _ = daemon
+    alice = RemoteTier(srv.bound_url, token=ALICE, use_shm=use_shm)
+    alice.put_many(list(zip(KEYS[:1], BLOCKS[:1], strict=True)))
+    before = srv.handler.num_inline
+    got = alice.get_many(KEYS[:1])
+    assert [bytes(v) for v in got if v is not None] == BLOCKS[:1]
+    assert alice.lookup(KEYS[:1]) == 1
+    assert srv.handler.num_inline == before + 2
+    # A key the host tier lacks goes to the pool and is a miss there: nothing inline.
+    assert alice.get_many([KEYS[0], KEYS[5]])[1] is None
+    assert alice.lookup([KEYS[0], KEYS[5]]) == 1
+    assert srv.handler.num_inline == before + 2
+    alice.close()
+
+
+def test_inline_path_keeps_tenants_and_refusals(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+    srv, _, _ = daemon
+    alice = RemoteTier(srv.bound_url, token=ALICE)
+    alice.put_many([(KEYS[0], BLOCKS[0])])
+    alice.get_many([KEYS[0]])  # the header is known: the next host hit is inline
+    before = srv.handler.num_inline
+    bob = RemoteTier(srv.bound_url, token=BOB)
+    assert bob.get_many([KEYS[0]]) == [None] and bob.lookup([KEYS[0]]) == 0  # alice's block
+    carol = _ask(srv.bound_url, CAROL, op="get", keys=["bbbb/01"])
+    assert carol["code"] == ErrorCode.FORBIDDEN_KEY
+    assert _ask(srv.bound_url, "tok-mallory-9", op="get", keys=[KEYS[0]])["code"] == (
+        ErrorCode.UNAUTHORIZED)
+    assert _ask(srv.bound_url, ALICE, op="get", keys=KEYS[0])["code"] == ErrorCode.BAD_HEADER
+    assert srv.handler.num_inline == before
+    assert [bytes(v) for v in alice.get_many([KEYS[0]]) if v] == [BLOCKS[0]]  # still serving
+    assert srv.handler.num_inline == before + 1
+    for tier in (alice, bob):
+        tier.close()
+
+
+def test_damaged_header_is_not_served_inline_and_is_a_miss(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+    srv, store, host = daemon
+    alice = RemoteTier(srv.bound_url, token=ALICE)
+    alice.put_many([(KEYS[1], BLOCKS[1])])
+    (view,) = host.get_many([f"alice/{KEYS[1]}"])
+    assert view is not None
+    view[12] ^= 0xFF  # the payload length field: the block no longer matches its header
+    before = srv.handler.num_inline
+    # The pool's checksummed read finds the host copy corrupt; LMDB (write-through) serves it.
+    assert [bytes(v) for v in alice.get_many([KEYS[1]]) if v] == [BLOCKS[1]]
+    assert srv.handler.num_inline == before
+    store.flush()  # the corrupt host copy was deleted, LMDB's promoted in its place
+    assert [bytes(v) for v in host.get_many([f"alice/{KEYS[1]}"]) if v] == [BLOCKS[1]]
+    assert [bytes(v) for v in alice.get_many([KEYS[1]]) if v] == [BLOCKS[1]]
+    assert srv.handler.num_inline == before + 1
+    alice.close()
+
+
+def test_blocks_promoted_from_lmdb_are_learned_then_inline(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+    srv, store, host = daemon
+    ikey = f"alice/{KEYS[2]}"
+    store.tiers[1].put_many([(ikey, BLOCKS[2])])  # as a previous run left it on disk
+    alice = RemoteTier(srv.bound_url, token=ALICE)
+    before = srv.handler.num_inline
+    assert [bytes(v) for v in alice.get_many([KEYS[2]]) if v] == [BLOCKS[2]]  # pool, promoted
+    store.flush()
+    assert host.lookup([ikey]) == 1
+    assert [bytes(v) for v in alice.get_many([KEYS[2]]) if v] == [BLOCKS[2]]
+    assert srv.handler.num_inline == before + 1
+    alice.close()
+
+
+def test_inline_reads_off_gives_the_same_answers(tmp_path: Path) -> None:
+    srv, store, _ = _daemon(tmp_path, inline=False)
+    try:
+        alice = RemoteTier(srv.bound_url, token=ALICE)
+        alice.put_many(list(zip(KEYS, BLOCKS, strict=True)))
+        got = alice.get_many(KEYS + ["aaaa/ff"])
+        assert [bytes(v) if v is not None else None for v in got] == [*BLOCKS, None]
+        assert alice.lookup(KEYS) == len(KEYS) and srv.handler.num_inline == 0
+        with pytest.raises(TierError, match="FORBIDDEN_KEY"):
+            RemoteTier(srv.bound_url, token=CAROL).get_many(["bbbb/01"])
+        alice.close()
+    finally:
+        srv.stop()
+        store.close()
