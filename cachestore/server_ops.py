@@ -1,14 +1,18 @@
 """Request handling of the cache daemon: one request (frames) in, one ``Reply`` out.
 
-``OpHandler.handle`` authenticates, checks keys and limits, maps client keys into the
-tenant's space (``prefix/hex`` is stored as ``tenant/prefix/hex``) and runs the op against the
-daemon's ``HierarchicalStore``. It never raises: anything malformed is an error reply, a store
-failure an ``INTERNAL`` reply (a miss to the client).
+``OpHandler.parse`` authenticates, checks keys and limits and maps client keys into the
+tenant's space (``prefix/hex`` is stored as ``tenant/prefix/hex``); ``run`` executes the op
+against the daemon's ``HierarchicalStore`` (worker pool); ``serve_inline`` answers a get or
+lookup that the host tier can serve whole on the loop thread (``cachestore.server_reads``).
+None of them raises: anything malformed is an error reply, a store failure an ``INTERNAL``
+reply (a miss to the client).
 
-- get: the keys are pinned in the store (``prepare_load``) while their blocks are copied into
-  the reply (frames, or the client's shared-memory segment), so a concurrent put can never
-  overwrite a host-tier slot being read. Blocks come from ``get_many_encoded``: checksum
-  verified, a corrupt one is a miss.
+- get: the keys are pinned in the store while their blocks are copied into the reply (frames,
+  or the client's shared-memory segment), so a concurrent put can never overwrite a host-tier
+  slot being read. Pool path: ``prepare_load`` + ``get_many_encoded`` (checksum verified, a
+  corrupt block is a miss). Inline path: ``locate_host`` (stored header and size checked, no
+  second checksum of blocks this daemon verified on the way in); a key the host tier lacks,
+  or whose header does not match, sends the whole request to the pool path.
 - put: every payload must match its size and checksum and be an encoded block
   (``cachestore.codec``) of its key's namespace, or nothing is stored. It is acknowledged only
   after ``put_many`` returned having written it, i.e. after the store's write-through tier
@@ -52,7 +56,7 @@ _LOGGED_OPS = frozenset({"lookup", "get", "put", "delete"})
 class OpHandler:
     """Turns one request (frames after the identity) into one ``Reply``; never raises.
 
-    Thread-safe: called from the worker pool. ``authenticate`` maps a token to a ``Tenant`` or
+    Thread-safe: ``parse``/``serve_inline`` run on the loop thread, ``run`` on the pool. ``authenticate`` maps a token to a ``Tenant`` or
     raises ``ProtocolError``. ``segments`` is None when the shared-memory path is off. The
     handler does not own ``store`` (the daemon's owner closes it).
     """
