@@ -140,8 +140,9 @@ class OpHandler:
             if self._fast.lookup(req.ikeys) < len(req.ikeys):
                 return False
             req.rec["num_hits"] = len(req.ikeys)
-            send(self._done(req, ErrorCode.OK, self._ok(req, {"count": len(req.ikeys)}, [])))
+            # Counted before the reply leaves: a client that saw the reply sees the count.
             self.num_inline += 1
+            send(self._done(req, ErrorCode.OK, self._ok(req, {"count": len(req.ikeys)}, [])))
             return True
         try:
             segment, offset, end = self._shm_region(req.header, req.tenant)
@@ -156,11 +157,11 @@ class OpHandler:
             self.store.unpin_host(req.ikeys)
             req.rec.update(num_hits=0, bytes_out=0, path="tcp")
             return False
+        self.num_inline += 1  # before the reply leaves (see the lookup case)
         try:
             send(self._done(req, ErrorCode.OK, self._ok(req, body, payloads)))
         finally:
             self.store.unpin_host(req.ikeys)
-        self.num_inline += 1
         return True
 
     def _ok(self, req: Request, body: dict[str, Any], payloads: list[Value]) -> Reply:

@@ -5,7 +5,7 @@ stored header is damaged is never served inline (the pool's checksummed read mak
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,21 @@ def daemon(tmp_path: Path) -> Iterator[tuple[CacheServer, HierarchicalStore, Hos
     store.close()
 
 
+@pytest.fixture
+def remote() -> Iterator[Callable[..., RemoteTier]]:
+    """Makes RemoteTiers and closes them all at teardown, also when a test fails midway (a
+    leaked client's ZMQ context would otherwise be torn down by the garbage collector)."""
+    made: list[RemoteTier] = []
+
+    def make(*args: Any, **kwargs: Any) -> RemoteTier:
+        made.append(RemoteTier(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
 def _ask(url: str, token: str, **header: Any) -> dict[str, Any]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -61,9 +76,10 @@ BLOCKS = [sized_block(k, 3000 + 100 * i) for i, k in enumerate(KEYS)]
 
 @pytest.mark.parametrize("use_shm", [False, True])
 def test_gets_and_lookups_of_host_blocks_are_served_inline(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier], use_shm: bool) -> None:
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier], use_shm: bool,
+        remote: Callable[..., RemoteTier]) -> None:
     srv, _, _ = daemon
-    alice = RemoteTier(srv.bound_url, token=ALICE, use_shm=use_shm)
+    alice = remote(srv.bound_url, token=ALICE, use_shm=use_shm)
     alice.put_many(list(zip(KEYS[:1], BLOCKS[:1], strict=True)))
     before = srv.handler.num_inline
     got = alice.get_many(KEYS[:1])
@@ -78,13 +94,14 @@ def test_gets_and_lookups_of_host_blocks_are_served_inline(
 
 
 def test_inline_path_keeps_tenants_and_refusals(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+        remote: Callable[..., RemoteTier]) -> None:
     srv, _, _ = daemon
-    alice = RemoteTier(srv.bound_url, token=ALICE)
+    alice = remote(srv.bound_url, token=ALICE)
     alice.put_many([(KEYS[0], BLOCKS[0])])
     alice.get_many([KEYS[0]])  # the header is known: the next host hit is inline
     before = srv.handler.num_inline
-    bob = RemoteTier(srv.bound_url, token=BOB)
+    bob = remote(srv.bound_url, token=BOB)
     assert bob.get_many([KEYS[0]]) == [None] and bob.lookup([KEYS[0]]) == 0  # alice's block
     carol = _ask(srv.bound_url, CAROL, op="get", keys=["bbbb/01"])
     assert carol["code"] == ErrorCode.FORBIDDEN_KEY
@@ -99,9 +116,10 @@ def test_inline_path_keeps_tenants_and_refusals(
 
 
 def test_damaged_header_is_not_served_inline_and_is_a_miss(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+        remote: Callable[..., RemoteTier]) -> None:
     srv, store, host = daemon
-    alice = RemoteTier(srv.bound_url, token=ALICE)
+    alice = remote(srv.bound_url, token=ALICE)
     alice.put_many([(KEYS[1], BLOCKS[1])])
     (view,) = host.get_many([f"alice/{KEYS[1]}"])
     assert view is not None
@@ -118,11 +136,12 @@ def test_damaged_header_is_not_served_inline_and_is_a_miss(
 
 
 def test_blocks_promoted_from_lmdb_are_learned_then_inline(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier]) -> None:
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+        remote: Callable[..., RemoteTier]) -> None:
     srv, store, host = daemon
     ikey = f"alice/{KEYS[2]}"
     store.tiers[1].put_many([(ikey, BLOCKS[2])])  # as a previous run left it on disk
-    alice = RemoteTier(srv.bound_url, token=ALICE)
+    alice = remote(srv.bound_url, token=ALICE)
     before = srv.handler.num_inline
     assert [bytes(v) for v in alice.get_many([KEYS[2]]) if v] == [BLOCKS[2]]  # pool, promoted
     store.flush()
@@ -132,16 +151,17 @@ def test_blocks_promoted_from_lmdb_are_learned_then_inline(
     alice.close()
 
 
-def test_inline_reads_off_gives_the_same_answers(tmp_path: Path) -> None:
+def test_inline_reads_off_gives_the_same_answers(
+        tmp_path: Path, remote: Callable[..., RemoteTier]) -> None:
     srv, store, _ = _daemon(tmp_path, inline=False)
     try:
-        alice = RemoteTier(srv.bound_url, token=ALICE)
+        alice = remote(srv.bound_url, token=ALICE)
         alice.put_many(list(zip(KEYS, BLOCKS, strict=True)))
         got = alice.get_many(KEYS + ["aaaa/ff"])
         assert [bytes(v) if v is not None else None for v in got] == [*BLOCKS, None]
         assert alice.lookup(KEYS) == len(KEYS) and srv.handler.num_inline == 0
         with pytest.raises(TierError, match="FORBIDDEN_KEY"):
-            RemoteTier(srv.bound_url, token=CAROL).get_many(["bbbb/01"])
+            remote(srv.bound_url, token=CAROL).get_many(["bbbb/01"])
         alice.close()
     finally:
         srv.stop()
