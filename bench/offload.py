@@ -192,6 +192,17 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
             "tiers": [{"kind": "host", "capacity": host_cap}]}
 
 
+def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setup) -> list[int]:
+    """A random ``length``-token prefix, prefilled once, written to the tiers (``flush_kv``) and
+    dropped from the GPU prefix cache, so the next request can only load or recompute it."""
+    prefix = random_tokens(rng, length)
+    run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1, setup.request_timeout_s)
+    llm.engine.flush_kv()
+    if not llm.engine.pool.reset_prefix_cache():
+        raise RuntimeError("GPU blocks still in use after generate")
+    return prefix
+
+
 def bench_ttft(setup: Setup) -> dict[str, Any]:
     """For each mode, one engine; for each length: prefill prefix+q1, flush to the tiers, drop
     the GPU prefix cache, then time prefix+q2 (TTFT, median of 3 prefixes)."""
@@ -211,12 +222,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                     continue  # a 16K prefix is 2 GiB of LMDB writes per repetition
                 ttfts, cached = [], []
                 for _ in range(setup.reps):
-                    prefix = random_tokens(rng, length)
-                    run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1,
-                                 setup.request_timeout_s)
-                    llm.engine.flush_kv()
-                    if not llm.engine.pool.reset_prefix_cache():
-                        raise RuntimeError("GPU blocks still in use after generate")
+                    prefix = _prefix_in_tiers_only(llm, rng, length, setup)
                     t, c = _ttft_once(llm, prefix + random_tokens(rng, 16),
                                       setup.request_timeout_s)
                     ttfts.append(t)
@@ -263,12 +269,7 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
             for length in setup.lengths:
                 samples = []
                 for _ in range(setup.reps):
-                    prefix = random_tokens(rng, length)
-                    run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1,
-                                 setup.request_timeout_s)
-                    llm.engine.flush_kv()
-                    if not llm.engine.pool.reset_prefix_cache():
-                        raise RuntimeError("GPU blocks still in use after generate")
+                    prefix = _prefix_in_tiers_only(llm, rng, length, setup)
                     samples.append(first_token_steps(llm, prefix + random_tokens(rng, 16),
                                                      setup.request_timeout_s))
                 samples.sort(key=lambda f: f.ttft_s)

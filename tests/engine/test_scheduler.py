@@ -296,8 +296,11 @@ class FakeConnector:
         return None
 
 
-def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
-    conn = FakeConnector()
+def _cache_a_then_admit_b_and_c(
+    conn: FakeConnector,
+) -> tuple[Scheduler, FakeRunner, SchedulerOutput]:
+    """Runs "a" (60 tokens) to completion, then adds "b" (a's first 32 tokens + 30 new) and
+    "c" (10 unrelated tokens) and schedules once: ``conn`` offers b's tokens [32, 48)."""
     sched, runner = make(connector=conn)
     conn.runner = runner
     base = prompt(60)
@@ -305,7 +308,12 @@ def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
     run_all(sched, runner)
     sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
     sched.add_request(req("c", prompt(10, base=4), max_tokens=2))
-    so = sched.schedule()
+    return sched, runner, sched.schedule()
+
+
+def test_connector_hook_waiting_for_kv_does_not_block_others() -> None:
+    conn = FakeConnector()
+    sched, runner, so = _cache_a_then_admit_b_and_c(conn)
     assert slices(so) == [("c", 0, 10, True)]  # b is loading; c runs meanwhile
     assert so.kv_connector_metadata == {"n": 1}
     assert sched.requests["b"].status is RequestStatus.WAITING_FOR_KV
@@ -338,14 +346,7 @@ class InStepConnector(FakeConnector):
 
 def test_an_in_step_load_runs_the_request_in_its_admitting_step() -> None:
     conn = InStepConnector()
-    sched, runner = make(connector=conn)
-    conn.runner = runner
-    base = prompt(60)
-    sched.add_request(req("a", base, max_tokens=2))
-    run_all(sched, runner)
-    sched.add_request(req("b", base[:32] + prompt(30, base=9), max_tokens=2))
-    sched.add_request(req("c", prompt(10, base=4), max_tokens=2))
-    so = sched.schedule()
+    sched, runner, so = _cache_a_then_admit_b_and_c(conn)
     # b: 32 GPU-hit tokens + 16 loaded in-step, its last 14 computed in this very step.
     assert slices(so) == [("b", 48, 14, True), ("c", 0, 10, True)]
     assert sched.requests["b"].status is RequestStatus.RUNNING
