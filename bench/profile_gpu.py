@@ -1,0 +1,288 @@
+"""Where a decode step and a host-tier reload spend their time, on a CUDA host (diagnostics).
+
+    python -m bench.profile_gpu [--sections decode,reload] [--out FILE] [--length 16384]
+
+- ``decode`` (Llama-3-8B shape, random bf16 weights, batch 1 after a 512-token prompt):
+  the engine step (``ModelRunner.execute_model``), the decode graph's replay alone (GPU time
+  of back-to-back replays), the host time before the replay is launched, a per-kernel table of
+  one replay (torch.profiler), and the bandwidth of each weight's matrix-vector product (M=1)
+  against the bytes it reads.
+- ``reload``: an in-step host reload of a ``--length`` prefix (+16 tokens), through the engine
+  (``LLM``): wall time per step, a cProfile of the reload step (top cumulative Python
+  functions) and torch.profiler's CPU-side view of it (synchronizations and copies).
+
+Prints JSON and a one-line summary. A measurement tool, not a target: bench/engine.py and
+bench/offload.py hold the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from bench.common import machine_info
+
+
+def _kernel_table(prof: Any, reps: int, top: int = 18) -> list[dict[str, Any]]:
+    rows = []
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if dev_us <= 0 or ev.key.startswith("cuda"):
+            continue
+        rows.append({"kernel": ev.key[:90], "calls_per_rep": ev.count / reps,
+                     "us_per_rep": round(dev_us / reps, 1)})
+    rows.sort(key=lambda r: -r["us_per_rep"])
+    return rows[:top]
+
+
+def _cpu_table(prof: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    out = {}
+    for ev in prof.key_averages():
+        if any(n in ev.key for n in names):
+            out[ev.key[:60]] = {"count": ev.count, "cpu_ms": round(ev.cpu_time_total / 1e3, 2)}
+    return out
+
+
+def profile_decode(quick: bool) -> dict[str, Any]:
+    from bench.engine import EngineDriver, build_models, random_prompts
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.model_runner import ModelRunner
+
+    device = torch.device("cuda")
+    loaded, hf = build_models("llama3-8b", device)
+    del hf
+    cfg = EngineConfig(
+        dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+        cache=CacheConfig(num_gpu_blocks=2048),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8, max_model_len=8192),
+    )
+    runner = ModelRunner.from_loaded(cfg, loaded, "profile-llama3-8b")
+    drv = EngineDriver(runner)
+    res: dict[str, Any] = {"fused_kernels": runner.fused_kernels}
+    prompt = random_prompts(1, 512, runner.vocab_size, 5)
+    tables = drv.tables(1, 512 + 512)
+    first = drv.prefill(prompt, tables, "pd")
+    seqs = {rid: prompt[0] + [tok] for rid, tok in first.items()}
+    drv.decode(seqs, tables, 8)
+    steps = 32 if quick else 64
+
+    # 1. the engine step
+    runs = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        drv.decode(seqs, tables, steps)
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) / steps * 1e3)
+    res["step_ms"] = round(statistics.median(runs), 3)
+
+    # 2. host time before the replay is launched, and the replay call itself
+    graphs = runner.cuda_graphs
+    g = graphs._graphs[1]
+    marks: list[float] = []
+    real_replay = g.graph.replay
+
+    def replay() -> None:
+        marks.append(time.perf_counter())
+        real_replay()
+        marks.append(time.perf_counter())
+
+    g.graph.replay = replay
+    real_exec = runner.execute_model
+    starts: list[float] = []
+    ends: list[float] = []
+
+    def execute(*a: Any, **kw: Any) -> Any:
+        starts.append(time.perf_counter())
+        try:
+            return real_exec(*a, **kw)
+        finally:
+            ends.append(time.perf_counter())
+
+    runner.execute_model = execute
+    try:
+        drv.decode(seqs, tables, steps)
+    finally:
+        g.graph.replay = real_replay
+        del runner.execute_model
+    pre = [marks[2 * i] - starts[i] for i in range(len(starts))]
+    post = [ends[i] - marks[2 * i + 1] for i in range(len(starts))]
+    gaps = [starts[i + 1] - ends[i] for i in range(len(starts) - 1)]
+    res["host_before_replay_ms"] = round(statistics.median(pre) * 1e3, 3)
+    res["replay_call_ms"] = round(statistics.median(
+        [marks[2 * i + 1] - marks[2 * i] for i in range(len(starts))]) * 1e3, 3)
+    res["after_replay_to_return_ms"] = round(statistics.median(post) * 1e3, 3)
+    res["between_steps_ms"] = round(statistics.median(gaps) * 1e3, 3)
+
+    # 3. replay alone on the GPU (back to back, no host work in between)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        g.graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(steps):
+        g.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    res["replay_gpu_ms"] = round(start.elapsed_time(end) / steps, 3)
+    hidden = g.hidden[:1]
+    start.record()
+    for _ in range(steps):
+        runner.model.compute_logits(hidden).argmax(-1)
+    end.record()
+    torch.cuda.synchronize()
+    res["logits_argmax_gpu_ms"] = round(start.elapsed_time(end) / steps, 3)
+
+    # 4. kernels of one replay
+    from torch.profiler import ProfilerActivity, profile
+
+    reps = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    table = _kernel_table(prof, reps, top=25)
+    res["replay_kernels"] = table
+    res["replay_kernel_sum_us"] = round(sum(r["us_per_rep"] for r in _kernel_table(prof, reps, 10**6)), 1)
+
+    # 5. matrix-vector bandwidth per weight (M=1), against bytes read
+    layer = runner.model.model.layers[0]
+    weights = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
+               "gate_up": layer.mlp.gate_up_proj.weight if hasattr(layer.mlp, "gate_up_proj") else None,
+               "down": layer.mlp.down_proj.weight if hasattr(layer.mlp, "down_proj") else None,
+               "lm_head": runner.model.lm_head.weight}
+    gemv = {}
+    for name, w in weights.items():
+        if w is None:
+            continue
+        x = torch.randn(1, w.shape[1], dtype=w.dtype, device=device)
+        for _ in range(5):
+            torch.nn.functional.linear(x, w)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            torch.nn.functional.linear(x, w)
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) / 50 * 1e3
+        gemv[name] = {"shape": list(w.shape), "us": round(us, 1),
+                      "GB_s": round(w.numel() * w.element_size() / us / 1e3, 0)}
+    res["gemv_m1"] = gemv
+    n_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                  if "embed_tokens" not in n)
+    res["weight_bytes_read_per_step_gb"] = round(n_bytes / 1e9, 2)
+    res["hbm_floor_ms_at_4_8_tb_s"] = round(n_bytes / 4.8e12 * 1e3, 3)
+    del runner, loaded
+    torch.cuda.empty_cache()
+    return res
+
+
+def profile_reload(length: int) -> dict[str, Any]:
+    from bench.offload import GREEDY1, _prefix_in_tiers_only
+    from bench.offload_parts import (
+        build_setup,
+        close_llm,
+        first_token_steps,
+        make_llm,
+        random_tokens,
+        run_requests,
+    )
+
+    workdir = tempfile.mkdtemp(prefix="kvtier-prof-")
+    setup = build_setup("full", workdir)
+    offload = {"decision": "load", "calibrate": False, "in_step_host_loads": True,
+               "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
+    rng = random.Random(9)
+    llm = make_llm(setup, (length + 64) // 16 + 4, offload)
+    res: dict[str, Any] = {"length": length}
+    try:
+        run_requests(llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s)
+        plain = []
+        for _ in range(2):
+            prefix = _prefix_in_tiers_only(llm, rng, length, setup)
+            f = first_token_steps(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
+            plain.append({"ttft_ms": round(f.ttft_s * 1e3, 2), "steps": f.steps,
+                          "step_ms": [round(x, 2) for x in f.step_ms],
+                          "schedule_ms": round(f.schedule_ms, 2), "load_ms": round(f.load_ms, 2),
+                          "execute_ms": round(f.execute_ms, 2), "cached": f.cached_tokens})
+        res["plain"] = plain
+        # A full-context prefill of 16 new tokens with the prefix already in the GPU cache:
+        # the forward pass the reload step cannot avoid.
+        prefix = random_tokens(rng, length)
+        run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1, setup.request_timeout_s)
+        f = first_token_steps(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
+        res["gpu_hit_same_shape"] = {"ttft_ms": round(f.ttft_s * 1e3, 2), "steps": f.steps,
+                                     "execute_ms": round(f.execute_ms, 2), "cached": f.cached_tokens}
+        # cProfile of one reload
+        prefix = _prefix_in_tiers_only(llm, rng, length, setup)
+        prompt = prefix + random_tokens(rng, 16)
+        pr = cProfile.Profile()
+        pr.enable()
+        f = first_token_steps(llm, prompt, setup.request_timeout_s)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
+        res["cprofile_ttft_ms"] = round(f.ttft_s * 1e3, 2)
+        res["cprofile"] = "\n".join(line[:150] for line in s.getvalue().splitlines()[:80])
+        # torch.profiler: syncs and copies on the host side of one reload
+        from torch.profiler import ProfilerActivity, profile
+
+        prefix = _prefix_in_tiers_only(llm, rng, length, setup)
+        prompt = prefix + random_tokens(rng, 16)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            f = first_token_steps(llm, prompt, setup.request_timeout_s)
+            torch.cuda.synchronize()
+        res["torchprof_ttft_ms"] = round(f.ttft_s * 1e3, 2)
+        res["cpu_calls"] = _cpu_table(prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel",
+                                             "cudaGraphLaunch", "aten::copy_", "pin_memory",
+                                             "cudaHostAlloc", "cudaEventQuery", "cudaStreamWait"))
+        res["kernels"] = _kernel_table(prof, 1, top=15)
+    finally:
+        close_llm(llm)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="decode,reload")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.profile_gpu needs CUDA")
+    res: dict[str, Any] = {"machine": machine_info(), "argv": sys.argv[1:]}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            res[name] = profile_decode(args.quick) if name == "decode" else profile_reload(args.length)
+        except Exception as exc:  # report and go on
+            import traceback
+
+            res[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        res[name + "_s"] = round(time.perf_counter() - t0, 1)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+    d = res.get("decode", {})
+    r = res.get("reload", {})
+    print(json.dumps(res, indent=1))
+    print(f"decode b1: step {d.get('step_ms')} ms, replay {d.get('replay_gpu_ms')} ms, host before "
+          f"replay {d.get('host_before_replay_ms')} ms | reload {r.get('length')}: "
+          f"{[p['ttft_ms'] for p in r.get('plain', [])]} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
