@@ -7,7 +7,9 @@ a refusal is answered at once). A get or lookup the host tier can serve whole is
 the loop thread too (``OpHandler.serve_inline``: tens of microseconds, cheaper than the
 hand-off); everything else goes to a worker pool running ``OpHandler.run``, whose replies the
 loop sends (a pipe wakes it). Workers never touch a socket. Replies may leave out of order;
-clients match them by request id.
+clients match them by request id. Same-host clients that attached a shared-memory segment may
+move to the doorbell (``cachestore.doorbell``): a Unix socket with one thread per connection
+that parses and serves its requests itself, bound to the tenant that said hello.
 
 Contracts:
 - Every request gets exactly one reply, an error reply for anything malformed; nothing a
@@ -38,6 +40,7 @@ from typing import Any
 import zmq
 
 from cachestore import shm
+from cachestore.doorbell import Doorbell
 from cachestore.server_ops import OpHandler, Reply, RequestRecord
 from cachestore.server_protocol import (
     OPEN_TENANT,
@@ -66,8 +69,16 @@ class ServerConfig:
     max_shm_segment_bytes: int = 4 << 30
     drain_timeout_s: float = 10.0
     access_log_path: str | None = None
-    # Serve host-tier gets/lookups on the loop thread (False: every request via the pool).
+    # Serve host-tier gets/lookups (and small memory-only puts) on the loop thread
+    # (False: every request via the pool; the doorbell runs them on its connection threads).
     inline_reads: bool = True
+    # Same-host doorbell (a Unix socket next to the shm path); its socket lives in a fresh
+    # 0700 directory under ``doorbell_dir`` (None: the system temp dir).
+    doorbell: bool = True
+    doorbell_dir: str | None = None
+    max_doorbell_conns: int = 256
+    # How long a doorbell thread polls for a connection's next request before it blocks.
+    doorbell_spin_us: float = 100.0
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
@@ -107,14 +118,19 @@ class CacheServer:
         self.config = config
         self.store = store
         self._segments = shm.AttachedSegments(config.max_shm_attached, config.max_shm_segment_bytes)
+        shm_on = config.shm_enabled and shm.available()
+        self._bell = (Doorbell(config.limits, config.max_doorbell_conns, config.doorbell_dir,
+                               config.inline_reads, config.doorbell_spin_us * 1e-6)
+                      if shm_on and config.doorbell else None)
         self._handler = OpHandler(
             store=store,
             usage=usage if usage is not None else NamespaceUsage(),
             limits=config.limits,
             authenticate=tokens.authenticate if tokens else (lambda _t: OPEN_TENANT),
-            segments=self._segments if config.shm_enabled and shm.available() else None,
+            segments=self._segments if shm_on else None,
             on_request=on_request,
             access_log_path=config.access_log_path,
+            offer_doorbell=self._bell.offer if self._bell is not None else None,
         )
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -126,6 +142,11 @@ class CacheServer:
     @property
     def handler(self) -> OpHandler:
         return self._handler
+
+    @property
+    def doorbell(self) -> Doorbell | None:
+        """The same-host doorbell (None when off); ``path`` is set while it runs."""
+        return self._bell
 
     def start(self, timeout_s: float = 10.0) -> CacheServer:
         """Run ``serve_forever`` on a daemon thread; returns once bound. Raises RuntimeError."""
@@ -172,9 +193,16 @@ class CacheServer:
         try:
             router.bind(self.config.url)
             self.bound_url = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self._bell is not None:
+                try:
+                    self._bell.start(self._handler)
+                except OSError:
+                    pass  # no doorbell offered: same-host clients stay on ZMQ
             self._ready.set()
             self._loop(router, pool, replies, wake_r, wake_w)
         finally:
+            if self._bell is not None:  # its threads finish their request before segments close
+                self._bell.stop(self.config.drain_timeout_s)
             pool.shutdown(wait=True)
             self._flush(router, replies)
             router.close(linger=1000)

@@ -14,9 +14,11 @@ reply (a miss to the client).
   second checksum of blocks this daemon verified on the way in); a key the host tier lacks,
   or whose header does not match, sends the whole request to the pool path.
 - put: every payload must match its size and checksum and be an encoded block
-  (``cachestore.codec``) of its key's namespace, or nothing is stored. It is acknowledged only
-  after ``put_many`` returned having written it, i.e. after the store's write-through tier
-  (LMDB under ``--data-dir``) committed it: an acknowledged put survives SIGKILL.
+  (``cachestore.codec``) of its key's namespace, or nothing is stored (one pass over each
+  payload: ``cachestore.server_puts``). It is acknowledged only after ``put_many`` returned
+  having written it, i.e. after the store's write-through tier (LMDB under ``--data-dir``)
+  committed it: an acknowledged put survives SIGKILL. Without a write-through tier, a put of
+  at most ``INLINE_PUT_BYTES`` whose namespaces the daemon knows runs on the loop thread too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import zmq
 
 from cachestore import shm
-from cachestore.codec import CodecError, decode_block, header_bytes
+from cachestore.codec import header_bytes
 from cachestore.server_protocol import (
     ErrorCode,
     ProtocolError,
@@ -39,10 +41,10 @@ from cachestore.server_protocol import (
     RequestRecord,
     ServerLimits,
     Tenant,
-    checksum,
     error_header,
     unpack_request,
 )
+from cachestore.server_puts import check_payload
 from cachestore.server_reads import HostReads, copy_out
 from cachestore.server_usage import NamespaceUsage
 from cachestore.store import HierarchicalStore
@@ -51,6 +53,9 @@ from tiers.base import Tier, Value
 _Body = tuple[dict[str, Any], list[Value]]
 _Op = Callable[[dict[str, Any], str, list[str], Sequence[Any], dict[str, Any]], _Body]
 _LOGGED_OPS = frozenset({"lookup", "get", "put", "delete"})
+# A put this small runs on the loop thread (one checksum pass and one copy, ~70 us per 2 MiB)
+# rather than paying the pool hand-off; larger ones would hold up other clients' requests.
+INLINE_PUT_BYTES = 8 << 20
 
 
 class OpHandler:
@@ -58,7 +63,8 @@ class OpHandler:
 
     Thread-safe: ``parse``/``serve_inline`` run on the loop thread, ``run`` on the pool. ``authenticate`` maps a token to a ``Tenant`` or
     raises ``ProtocolError``. ``segments`` is None when the shared-memory path is off. The
-    handler does not own ``store`` (the daemon's owner closes it).
+    handler does not own ``store`` (the daemon's owner closes it). ``offer_doorbell(tenant)``
+    gives the hello-reply fields of the same-host doorbell (``cachestore.doorbell``), if any.
     """
 
     def __init__(self, store: HierarchicalStore, limits: ServerLimits,
@@ -66,7 +72,8 @@ class OpHandler:
                  segments: shm.AttachedSegments | None,
                  usage: NamespaceUsage,
                  on_request: Callable[[RequestRecord], None] | None = None,
-                 access_log_path: str | None = None) -> None:
+                 access_log_path: str | None = None,
+                 offer_doorbell: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.store = store
         self.limits = limits
         self.usage = usage
@@ -74,6 +81,7 @@ class OpHandler:
         self._authenticate = authenticate
         self._segments = segments
         self._on_request = on_request
+        self._offer_doorbell = offer_doorbell
         self._log_lock = threading.Lock()
         self._log = open(access_log_path, "a", buffering=1) if access_log_path else None
         self._ops: dict[str, _Op] = {
@@ -83,7 +91,9 @@ class OpHandler:
         }
         slab = store.host_slab()
         self._fast = HostReads(store, slab) if isinstance(slab, Tier) else None
-        self.num_inline = 0  # gets/lookups served by serve_inline (written by the loop thread only)
+        # Inline puts only where put_many touches memory alone (no durable write on the loop).
+        self._inline_puts = self._fast is not None and store.config.write_through_to is None
+        self.num_inline = 0  # requests served by serve_inline (a count, for tests and metrics)
 
     def close(self) -> None:
         if self._log is not None:
@@ -128,13 +138,28 @@ class OpHandler:
             return self._fail(req, exc)
         return self._done(req, ErrorCode.OK, self._ok(req, body, payloads))
 
+    def refuse(self, req: Request, code: ErrorCode, message: str) -> Reply:
+        """The recorded error reply to a parsed request (e.g. a doorbell tenant mismatch)."""
+        return self._fail(req, ProtocolError(code, message))
+
     def serve_inline(self, req: Request, send: Callable[[Reply], None]) -> bool:
-        """Serve a get or lookup whose keys the host tier holds, on the calling (loop) thread,
-        and ``send`` its reply while the blocks are still pinned (``send`` must copy payload
-        frames); False (nothing sent, nothing pinned) when the request needs the worker pool.
+        """Serve a get or lookup whose keys the host tier holds, or a small put of known
+        namespaces into a memory-only store, on the calling (loop) thread, and ``send`` its
+        reply while the blocks are still pinned (``send`` must copy payload frames); False
+        (nothing sent, nothing pinned) when the request needs the worker pool.
         Host blocks skip the checksum (this daemon checked it on the way in: a put payload,
         or a lower-tier read before promotion) but not ``locate_host``'s header and size check."""
-        if self._fast is None or req.op not in ("get", "lookup") or not req.ikeys:
+        if self._fast is None or not req.ikeys:
+            return False
+        if req.op == "put":
+            if not self._inline_puts or sum(req.header["sizes"]) > INLINE_PUT_BYTES or any(
+                    self._fast.hint(req.tenant, k.split("/", 1)[0]) is None
+                    for k in req.header["keys"]):
+                return False
+            self.num_inline += 1
+            send(self.run(req))
+            return True
+        if req.op not in ("get", "lookup"):
             return False
         if req.op == "lookup":
             if self._fast.lookup(req.ikeys) < len(req.ikeys):
@@ -210,9 +235,12 @@ class OpHandler:
             except (OSError, ValueError):
                 shm_ok = False  # another /dev/shm (container) or a bad name: frames it is
         lim = self.limits
-        return {"shm": shm_ok, "namespace": tenant, "max_keys_per_request":
-                lim.max_keys_per_request, "max_frame_bytes": lim.max_frame_bytes,
-                "max_request_bytes": lim.max_request_bytes}, []
+        body: dict[str, Any] = {
+            "shm": shm_ok, "namespace": tenant, "max_keys_per_request": lim.max_keys_per_request,
+            "max_frame_bytes": lim.max_frame_bytes, "max_request_bytes": lim.max_request_bytes}
+        if shm_ok and header.get("doorbell") is True and self._offer_doorbell is not None:
+            body.update(self._offer_doorbell(tenant))  # same host proven by the mapping
+        return body, []
 
     def _op_bye(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                 frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
@@ -246,18 +274,15 @@ class OpHandler:
                 frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
         sizes: list[int] = header["sizes"]
         views = self._put_views(header, tenant, sizes, frames, rec)
-        for i, (view, size, digest) in enumerate(zip(views, sizes, header["checksums"],
-                                                     strict=True)):
-            if len(view) != size or checksum(view) != digest:
-                raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
-                                    f"payload {i} does not match its size/checksum; nothing stored")
+        fast = self._fast
         metas = []
-        for i, (view, key) in enumerate(zip(views, header["keys"], strict=True)):
-            try:
-                metas.append(decode_block(view, key.split("/", 1)[0]).meta)
-            except CodecError as exc:
-                raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {i} is not an encoded block "
-                                    f"of its key's namespace ({exc}); nothing stored") from None
+        for i, (view, size, digest, key) in enumerate(zip(views, sizes, header["checksums"],
+                                                          header["keys"], strict=True)):
+            prefix = key.split("/", 1)[0]
+            meta = check_payload(i, view, size, digest, prefix,
+                                 fast.hint(tenant, prefix) if fast is not None else None)
+            if meta is not None:
+                metas.append((meta, size))
         accounted = list(zip(ikeys, sizes, strict=True))
         quota = self.limits.max_namespace_bytes
         if quota is not None and (self.usage.used(tenant) + self.usage.delta(tenant, accounted)
@@ -269,8 +294,9 @@ class OpHandler:
             # (Also when every key was being written by a concurrent put: rare, and a miss.)
             raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
         self.usage.add(tenant, accounted)
-        if self._fast is not None and metas:  # blocks of one put share a namespace, mostly
-            self._fast.remember(tenant, metas[-1].namespace, header_bytes(metas[-1]), sizes[-1])
+        if fast is not None:  # blocks whose header no hint vouched for (once per namespace)
+            for meta, size in metas:
+                fast.remember(tenant, meta.namespace, header_bytes(meta), size)
         rec["bytes_in"] = sum(sizes)
         return {"stored": len(ikeys), "evicted": 0}, []
 

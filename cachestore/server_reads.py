@@ -42,6 +42,10 @@ class HostReads:
             self._hints.clear()  # a flood of namespaces: start over rather than grow
         self._hints[(tenant, prefix)] = (header, nbytes)
 
+    def hint(self, tenant: str, prefix: str) -> tuple[bytes, int] | None:
+        """The (codec header, encoded size) last seen for the namespace, or None."""
+        return self._hints.get((tenant, prefix))
+
     def learn(self, tenant: str, keys: Sequence[str], values: Sequence[Value | None]) -> None:
         """Remember the header of verified blocks (``get_many_encoded`` results) whose
         namespace has none yet, or another one."""

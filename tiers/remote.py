@@ -14,6 +14,10 @@ timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``
 - Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
   segment (``cachestore.shm``); if the daemon maps it, payloads move through it and only
   headers cross the socket. Otherwise, or whenever the daemon forgets the segment, frames.
+  With ``use_doorbell`` (default) those headers go over the daemon's same-host Unix socket
+  (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
+  A reply is polled for ``doorbell_spin_us`` before the thread blocks (a wake-up costs more
+  than a short single-key request on a small VM); 0 turns the spin off.
 - ``get_many`` values are memoryviews (of a received frame or of this thread's segment) valid
   until the next call on the same thread, as tiers/base.py allows.
 
@@ -40,7 +44,8 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0,
                  batch_keys: int = 64, use_shm: bool = True, shm_bytes: int = 64 << 20,
-                 max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5) -> None:
+                 max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5,
+                 use_doorbell: bool = True, doorbell_spin_us: float = 250.0) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"remote tier url must be tcp://HOST:PORT or ipc://PATH, got {url!r}")
         self.url = url
@@ -51,8 +56,10 @@ class RemoteTier(Tier):
         self.shm_bytes = shm_bytes
         self.max_shm_bytes = max_shm_bytes
         self.retry_interval_s = retry_interval_s
+        self.use_doorbell = use_doorbell
         self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
-                                max_shm_bytes, retry_interval_s)
+                                max_shm_bytes, retry_interval_s, use_doorbell,
+                                doorbell_spin_us * 1e-6)
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
@@ -115,7 +122,7 @@ class RemoteTier(Tier):
                 elif offsets is not None and offsets[j] >= 0 and conn.segment is not None:
                     out.append(conn.segment.buf[offsets[j] : offsets[j] + size])
                 else:
-                    out.append(next(frame_iter).buffer)
+                    out.append(next(frame_iter))
                 needed += max(size, 0)
         if conn.segment is not None and needed > conn.segment.size:
             self._net.grow(conn, needed)  # the next batch of this size fits in shared memory
@@ -157,6 +164,10 @@ class RemoteTier(Tier):
         ((header, _),) = self._net.call(conn, [({"op": "stats"}, [])])
         stats = header["stats"]
         return TierUsage(used_bytes=stats["bytes"], capacity_bytes=None, num_entries=stats["keys"])
+
+    def transport(self) -> str:
+        """This thread's transport: "doorbell", "zmq" or "none" (not connected yet)."""
+        return self._net.transport()
 
     def close(self) -> None:
         """Close every thread's connection. Idempotent; later calls raise TierError."""

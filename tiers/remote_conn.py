@@ -9,12 +9,18 @@
 - Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
   segment (``cachestore.shm``); if the daemon maps it, payloads can move through it. ``grow``
   replaces it with a larger one (a new hello).
+- Doorbell (``cachestore.doorbell``): when the hello reply offers one, the thread connects to
+  the daemon's Unix socket with the one-time secret and sends its requests there (same
+  headers, payloads still in the segment). A refused or broken doorbell is dropped and the
+  call goes over ZMQ instead, transparently; only a timeout is an error (as on ZMQ).
 
 Thread-safe (per-thread connections); ``close`` must not race with calls in flight.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -23,6 +29,7 @@ import msgpack
 import zmq
 
 from cachestore import shm
+from cachestore.doorbell import BellClosed, MessageReader, send_message
 from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, pack
 from tiers.base import TierError, Value
 
@@ -31,14 +38,59 @@ class ShmLost(TierError):
     """The daemon no longer maps this thread's segment (it restarted): hello, then retry."""
 
 
+_Replies = list[tuple[dict[str, Any], list[memoryview]]]
+# Requests of one call are all sent before the first reply is read when they add up to no
+# more than this (a socket buffer holds them, so neither side can block the other's send).
+_PIPELINE_BYTES = 64 << 10
+
+
+class Bell:
+    """One thread's doorbell connection, attached with the hello's one-time secret.
+    Raises OSError from the constructor when the daemon refuses or cannot be reached."""
+
+    def __init__(self, path: str, secret: str, timeout_s: float, spin_s: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Kernel timeouts keep the socket in blocking mode: one syscall per send/recv.
+            tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self.sock.connect(path)
+            self.reader = MessageReader(self.sock, spin_s=spin_s)
+            send_message(self.sock, pack({"v": PROTOCOL_VERSION, "id": 0, "op": "attach",
+                                          "secret": secret}))
+            reply = msgpack.unpackb(self.reader.read()[0], raw=False)
+            if reply.get("code") != ErrorCode.OK:
+                raise BellClosed(f"doorbell refused: {reply.get('error')}")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def call(self, messages: list[tuple[bytes, list[Value]]]) -> list[list[Any]]:
+        """Send each message and read one reply per message, in order. Raises OSError."""
+        out: list[list[Any]] = []
+        if sum(len(h) + sum(len(p) for p in ps) for h, ps in messages) <= _PIPELINE_BYTES:
+            for header, payloads in messages:
+                send_message(self.sock, header, payloads)
+            return [self.reader.read() for _ in messages]
+        for header, payloads in messages:  # lockstep: large frames in one direction or other
+            send_message(self.sock, header, payloads)
+            out.append(self.reader.read())
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class Conn:
-    """One thread's socket, segment and negotiated limits."""
+    """One thread's socket, segment, doorbell and negotiated limits."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.next_id = 1
         self.hello_done = False
         self.segment: shm.ShmSegment | None = None
+        self.bell: Bell | None = None
         self.max_keys = 1024
         self.max_request_bytes = 1 << 30
 
@@ -47,8 +99,11 @@ class Connections:
     """Per-thread connections to one daemon, with the hello/shm handshake."""
 
     def __init__(self, url: str, token: str, timeout_s: float, use_shm: bool, shm_bytes: int,
-                 max_shm_bytes: int, retry_interval_s: float) -> None:
+                 max_shm_bytes: int, retry_interval_s: float, use_doorbell: bool = True,
+                 spin_s: float = 0.0) -> None:
         self.url = url
+        self.use_doorbell = use_doorbell
+        self.spin_s = spin_s
         self._token = token
         self.timeout_s = timeout_s
         self.use_shm = use_shm
@@ -94,6 +149,7 @@ class Connections:
         header: dict[str, Any] = {"op": "hello", "host_id": self._host_id}
         if segment is not None:
             header["shm"] = segment.name
+            header["doorbell"] = self.use_doorbell and conn.bell is None
         if conn.segment is not None:
             header["replaces"] = conn.segment.name  # the daemon unmaps the old one now
         conn.hello_done = True  # _call below must not recurse into another hello
@@ -115,16 +171,58 @@ class Connections:
                 conn.segment = segment
             else:
                 segment.close()
+        offered = reply.get("doorbell")
+        if conn.segment is not None and conn.bell is None and isinstance(offered, str):
+            try:
+                conn.bell = Bell(offered, str(reply.get("doorbell_secret")), self.timeout_s,
+                                 self.spin_s)
+            except OSError:
+                conn.bell = None  # another mount namespace, refused, ...: ZMQ it is
 
     def grow(self, conn: Conn, needed: int) -> None:
         size = min(max(needed, 2 * (conn.segment.size if conn.segment else 0)), self.max_shm_bytes)
         if conn.segment is not None and size > conn.segment.size:
             self._hello(conn, size)
 
+    def transport(self) -> str:
+        """What this thread's next call goes over: "doorbell", "zmq" or "none" (no connection
+        yet). For tests and diagnostics."""
+        conn: Conn | None = getattr(self._local, "conn", None)
+        return "none" if conn is None else "doorbell" if conn.bell is not None else "zmq"
+
     def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
-              ) -> list[tuple[dict[str, Any], list[zmq.Frame]]]:
-        """Send every request, then collect every reply (pipelined), in request order.
-        Raises TierError (ShmLost when the daemon forgot this thread's segment)."""
+             ) -> _Replies:
+        """Send every request, then collect every reply (pipelined), in request order; reply
+        payloads are memoryviews valid until this thread's next call. Over the doorbell when
+        the thread has one (a broken doorbell: over ZMQ). Raises TierError (ShmLost when the
+        daemon forgot this thread's segment)."""
+        if conn.bell is not None:
+            try:
+                return _check(conn, self._call_bell(conn, conn.bell, requests))
+            except (BlockingIOError, TimeoutError):
+                self._reset(conn)
+                raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s"
+                                ) from None
+            except OSError:  # EOF, reset, refused: the daemon went away or restarted
+                conn.bell.close()
+                conn.bell = None
+        return _check(conn, self._call_zmq(conn, requests))
+
+    def _call_bell(self, conn: Conn, bell: Bell,
+                   requests: list[tuple[dict[str, Any], list[Value]]]) -> _Replies:
+        messages = []
+        for header, payloads in requests:
+            msg = {"v": PROTOCOL_VERSION, "id": conn.next_id, "token": self._token, **header}
+            conn.next_id += 1
+            messages.append((pack(msg), payloads))
+        out: _Replies = []
+        for frames in bell.call(messages):
+            out.append((msgpack.unpackb(frames[0], raw=False),
+                        [memoryview(f) for f in frames[1:]]))
+        return out
+
+    def _call_zmq(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
+                  ) -> _Replies:
         deadline = time.monotonic() + self.timeout_s
         ids: list[int] = []
         try:
@@ -140,14 +238,14 @@ class Connections:
                     if not conn.sock.poll(_ms_left(deadline), zmq.POLLOUT):
                         raise TierError(f"cache server {self.url} not reachable") from None
                     conn.sock.send_multipart(parts, copy=False)
-            replies: dict[int, tuple[dict[str, Any], list[zmq.Frame]]] = {}
+            replies: dict[int, tuple[dict[str, Any], list[memoryview]]] = {}
             while len(replies) < len(ids):
                 if not conn.sock.poll(_ms_left(deadline), zmq.POLLIN):
                     raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s")
                 frames = conn.sock.recv_multipart(copy=False)
                 reply = msgpack.unpackb(frames[0].buffer, raw=False)
                 if reply.get("id") in ids:
-                    replies[reply["id"]] = (reply, frames[1:])
+                    replies[reply["id"]] = (reply, [f.buffer for f in frames[1:]])
                 elif reply.get("id") == -1:  # an error the daemon could not tie to an id
                     raise TierError(f"cache server refused a request: {reply.get('error')}")
         except TierError:
@@ -156,15 +254,7 @@ class Connections:
         except zmq.ZMQError as exc:
             self._reset(conn)
             raise TierError(f"cache server {self.url}: {exc}") from exc
-        out = [replies[i] for i in ids]
-        for reply, _ in out:
-            code = reply.get("code", ErrorCode.INTERNAL)
-            if code == ErrorCode.SHM_UNAVAILABLE:
-                conn.hello_done = False  # the daemon restarted or forgot us: hello again next call
-                raise ShmLost("cache server lost the shared-memory segment")
-            if code != ErrorCode.OK:
-                raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
-        return out
+        return [replies[i] for i in ids]
 
     def _reset(self, conn: Conn) -> None:
         """Drop a socket that timed out; fail fast for ``retry_interval_s``."""
@@ -173,6 +263,8 @@ class Connections:
                 self._conns.remove(conn)
         if conn.segment is not None:
             conn.segment.close()
+        if conn.bell is not None:
+            conn.bell.close()
         conn.sock.close(linger=0)
         self._local.conn = None
         self._local.down_until = time.monotonic() + self.retry_interval_s
@@ -194,8 +286,22 @@ class Connections:
                 except zmq.ZMQError:
                     pass
                 conn.segment.close()
+            if conn.bell is not None:
+                conn.bell.close()
             conn.sock.close(linger=100)
         self._ctx.term()
+
+
+def _check(conn: Conn, out: _Replies) -> _Replies:
+    """Raise for the first error reply (ShmLost: hello again, then retry)."""
+    for reply, _ in out:
+        code = reply.get("code", ErrorCode.INTERNAL)
+        if code == ErrorCode.SHM_UNAVAILABLE:
+            conn.hello_done = False  # the daemon restarted or forgot us: hello again next call
+            raise ShmLost("cache server lost the shared-memory segment")
+        if code != ErrorCode.OK:
+            raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
+    return out
 
 
 def _ms_left(deadline: float) -> int:

@@ -1,0 +1,53 @@
+"""The cache daemon's put checks: size, transport checksum and block format in one pass.
+
+A put payload must match its declared size and transport checksum (xxh3-64 of the whole
+payload) and be an encoded block (``cachestore.codec``) of its key's namespace whose own
+checksum holds: the inline read path serves host blocks without re-checking them, so nothing
+unchecked may get in. Both checksums are xxh3-64 and the codec's covers everything but the
+block's last 8 bytes, so one streaming pass yields both (the codec's digest midway). The block
+header is checked against the one the daemon last saw for the (tenant, namespace) (the
+``HostReads`` hint); only a block without a matching hint goes through ``decode_block``,
+whose second pass also names the exact reason of a refusal.
+
+Pure functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block
+from cachestore.server_protocol import ErrorCode, ProtocolError, checksum
+
+Hint = tuple[bytes, int]  # (codec header bytes, encoded size) of a namespace's blocks
+
+
+def check_payload(index: int, view: memoryview, size: int, digest: int, namespace: str,
+                  hint: Hint | None) -> BlockMeta | None:
+    """Check one put payload. Returns None when the hint vouched for its header (the block is
+    fine), the decoded meta when it had to decode it. Raises ``ProtocolError``
+    (``CHECKSUM_MISMATCH``: size or transport checksum; ``BAD_BLOCK``: not a block of
+    ``namespace``, or its own checksum fails)."""
+    if len(view) != size:
+        raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
+                            f"payload {index} does not match its size/checksum; nothing stored")
+    body: int | None = None
+    if len(view) > CHECKSUM_BYTES:
+        h = xxhash.xxh3_64(view[:-CHECKSUM_BYTES])
+        body = h.intdigest()
+        h.update(view[-CHECKSUM_BYTES:])
+        whole = h.intdigest()
+    else:
+        whole = checksum(view)
+    if whole != digest:
+        raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
+                            f"payload {index} does not match its size/checksum; nothing stored")
+    if (hint is not None and body is not None and len(view) == hint[1]
+            and view[: len(hint[0])] == hint[0]
+            and body == int.from_bytes(view[-CHECKSUM_BYTES:], "little")):
+        return None
+    try:
+        return decode_block(view, namespace).meta
+    except CodecError as exc:
+        raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {index} is not an encoded block "
+                            f"of its key's namespace ({exc}); nothing stored") from None
