@@ -56,7 +56,7 @@ class Setup:
     workdir: str
     lengths: tuple[int, ...]  # TTFT / sweep prefix lengths (multiples of 16)
     transfer_blocks: int
-    qa: dict[str, int]
+    qa: dict[str, int]  # users, rounds, concurrency, system, context, question, answer (tokens)
     sweep_factors: tuple[tuple[float, float], ...]  # (x break-even bandwidth, x prefill latency)
     max_batched_tokens: int
     request_timeout_s: float  # a generate call taking longer means the engine is stuck
@@ -133,14 +133,14 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
         torch.set_num_threads(1)  # tiny models on a shared CPU: threads only add contention
     if mode == "quick":
         setup = Setup(None, device, workdir, (256, 1024), 32,
-                      {"users": 4, "rounds": 3, "system": 64, "context": 192, "question": 16,
-                       "answer": 8, "pool_users": 2},
+                      {"users": 6, "rounds": 3, "concurrency": 2, "system": 64, "context": 320,
+                       "question": 16, "answer": 8},
                       ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
     elif mode == "tiny":
         _install_random_loader()
         setup = Setup(_random_model_dir(workdir, TINY), device, workdir, (256, 1024), 16,
-                      {"users": 4, "rounds": 2, "system": 64, "context": 128, "question": 16,
-                       "answer": 4, "pool_users": 2},
+                      {"users": 6, "rounds": 3, "concurrency": 2, "system": 64, "context": 320,
+                       "question": 16, "answer": 4},
                       ((0.25, 0.0), (16.0, 0.5)), 2048, 60.0,
                       dtype="bfloat16" if cuda else "float32", reps=1, lmdb_max_len=256,
                       sweep_lengths=(256,))
@@ -151,8 +151,8 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
         _install_random_loader()
         setup = Setup(_random_model_dir(workdir, LLAMA3_8B), device, workdir, (1024, 4096, 16384),
                       256,
-                      {"users": 12, "rounds": 4, "system": 1024, "context": 2048, "question": 64,
-                       "answer": 32, "pool_users": 3},
+                      {"users": 12, "rounds": 4, "concurrency": 4, "system": 1024,
+                       "context": 6144, "question": 64, "answer": 32},
                       ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
                       120.0, dtype="bfloat16", reps=3, lmdb_max_len=4096,
                       sweep_lengths=(1024, 4096), host_capacity=HOST_CAPACITY)
@@ -166,20 +166,28 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
             over["reps"] = args.reps
         if args.lmdb_max_len:
             over["lmdb_max_len"] = args.lmdb_max_len
+        qa = {**setup.qa}
         if args.qa_users:
-            over["qa"] = {**setup.qa, "users": args.qa_users}
+            qa["users"] = args.qa_users
+        if args.qa_concurrency:
+            qa["concurrency"] = args.qa_concurrency
+        if min(qa["users"], qa["concurrency"]) < 1:
+            raise SystemExit("--qa-users and --qa-concurrency must be at least 1")
+        over["qa"] = qa
         setup = dataclasses.replace(setup, **over)
     if any(n % 16 for n in setup.lengths + setup.sweep_lengths):
         raise SystemExit("prefix lengths must be multiples of 16")
     return setup
 
 
-def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None) -> Any:
+def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None,
+             **extra: Any) -> Any:
+    """An ``LLM`` of the setup's model; ``extra`` goes to ``LLM`` as is (e.g. request_log)."""
     from engine.llm import LLM
 
     kwargs: dict[str, Any] = {
         "num_gpu_blocks": num_gpu_blocks, "max_num_batched_tokens": setup.max_batched_tokens,
-        "max_num_seqs": 64, "seed": 0,
+        "max_num_seqs": 64, "seed": 0, **extra,
     }
     if setup.model_dir is not None:
         kwargs["dtype"] = setup.dtype
@@ -327,6 +335,110 @@ def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, in
     wall = time.perf_counter() - t0
     ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else wall
     return ttft, out.num_cached_tokens
+
+
+# -- multi-round QA driver ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QaTurn:
+    """One finished QA request (a user's question of one round)."""
+
+    user: int
+    round: int
+    prompt_tokens: int
+    ttft_s: float  # from RequestMetrics: add_request to the first token
+    cached_tokens: int  # GPU prefix hit plus tokens loaded from the tiers
+    loaded_tokens: int  # of those, served by a tier below the GPU (the request log's hit_tiers)
+    decision: str  # the request log's reload decision ("recompute" without offload)
+
+
+@dataclass(frozen=True, slots=True)
+class QaRun:
+    """A whole QA session on one engine."""
+
+    turns: tuple[QaTurn, ...]  # in the order they finished
+    wall_s: float  # first admission to last finish
+    generated_tokens: int
+    max_in_flight: int
+    preemptions: int  # scheduler preemptions during the run (0: in-flight work never starved)
+
+
+def qa_order(users: int, rounds: int) -> list[tuple[int, int]]:
+    """The fixed admission order: (user, round), user 0..users-1 of round 0, then round 1..."""
+    return [(u, r) for r in range(rounds) for u in range(users)]
+
+
+def run_qa(llm: Any, histories: Sequence[Sequence[int]],
+           questions: Sequence[Sequence[Sequence[int]]], params: SamplingParams,
+           concurrency: int, log_path: str, stall_s: float) -> QaRun:
+    """Drive a multi-round QA session through ``llm.engine`` (add_request / step).
+
+    User ``u`` asks ``questions[r][u]`` in round ``r`` after its round ``r - 1`` answer came
+    back; its prompt is its history (``histories[u]`` then every earlier question and answer)
+    plus the question. At most ``concurrency`` requests are in flight; whenever there is room,
+    the first (user, round) of ``qa_order`` whose user has nothing in flight is admitted, so
+    two engines see the same order whatever their speed. ``llm`` must write its request log to
+    ``log_path`` (the per-request cache hits come from there). Does not mutate the inputs.
+    Raises RuntimeError when no request finishes for ``stall_s`` seconds."""
+    eng = llm.engine
+    history = [list(h) for h in histories]
+    pending = qa_order(len(histories), len(questions))
+    inflight: dict[str, tuple[int, int, list[int]]] = {}
+    busy: set[int] = set()
+    done: list[tuple[str, int, int, Any]] = []
+    preempt0 = eng.stats()["num_preemptions_total"]
+    generated = max_in_flight = 0
+    t0 = last_progress = time.perf_counter()
+    while pending or inflight:
+        while len(inflight) < concurrency:
+            nxt = next((i for i, (u, _) in enumerate(pending) if u not in busy), None)
+            if nxt is None:
+                break
+            u, r = pending.pop(nxt)
+            prompt = history[u] + list(questions[r][u])
+            rid = f"qa-{u}-{r}-{next(_REQ_IDS)}"
+            eng.add_request(rid, prompt, params)
+            inflight[rid] = (u, r, prompt)
+            busy.add(u)
+        max_in_flight = max(max_in_flight, len(inflight))
+        for out in eng.step():
+            if not out.finished or out.req_id not in inflight:
+                continue
+            u, r, prompt = inflight.pop(out.req_id)
+            busy.discard(u)
+            history[u] = prompt + list(out.token_ids)
+            generated += len(out.token_ids)
+            done.append((out.req_id, u, r, out))
+            last_progress = time.perf_counter()
+        if time.perf_counter() - last_progress > stall_s:
+            stats = eng.stats()
+            for rid in inflight:
+                eng.abort_request(rid)
+            raise RuntimeError(f"QA stalled: {len(done)} requests done, {len(inflight)} in "
+                               f"flight, none finished for {stall_s:.0f} s; stats {stats}")
+    wall = time.perf_counter() - t0
+    logged = _read_request_log(log_path)
+    bs = llm.config.cache.block_size
+    turns = []
+    for rid, u, r, out in done:
+        entry = logged.get(rid, {})
+        tiers = entry.get("hit_tiers", [])
+        ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else 0.0
+        turns.append(QaTurn(u, r, len(out.prompt_token_ids), ttft, out.num_cached_tokens,
+                            bs * sum(t != "gpu" for t in tiers),
+                            str(entry.get("decision", "unknown"))))
+    return QaRun(tuple(turns), wall, generated, max_in_flight,
+                 eng.stats()["num_preemptions_total"] - preempt0)
+
+
+def _read_request_log(path: str) -> dict[str, dict[str, Any]]:
+    """req_id -> entry of an engine request log (engine/request_log.py); {} if absent."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    return {e["req_id"]: e for e in entries}
 
 
 # -- cost-model sweep parts -------------------------------------------------------------
