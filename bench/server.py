@@ -4,7 +4,9 @@ Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
   write-through, like the memory-only redis) through tiers.remote, payload frames
-- ``daemon-shm``: the same daemon and client, same-host shared-memory path
+- ``daemon-shm``: the same daemon and client, same-host path: payloads through the shared-memory
+  segment, requests and replies over the doorbell (a Unix socket, ``cachestore.doorbell``)
+- ``daemon-shm-zmq``: the same, but requests and replies over ZMQ (the path before the doorbell)
 For each: block size x {single key, batched} x {1, N concurrent client processes}, for
 ``--seconds`` each, split into ``--rounds`` rounds that alternate the backends (best round kept). Gets return bytes (redis) or memoryviews (daemon); ``--touch`` copies every
 value once on the client too, for an apples-to-apples "bytes in my hands" figure.
@@ -54,7 +56,8 @@ def _client(kind: str, url: str) -> Any:
         return redis.Redis.from_url(url)
     from tiers.remote import RemoteTier
 
-    return RemoteTier(url, use_shm=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
+    return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
+                      use_doorbell=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
 
 
 def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
@@ -149,8 +152,9 @@ def main() -> int:
              "--admin-port", "-1", "--config", cfg, "--max-keys", "4096"],
             cwd=ROOT, stdout=subprocess.PIPE, text=True))
         assert procs[0].stdout is not None and "listening" in procs[0].stdout.readline()
-        urls = {"redis": redis_server.url, "daemon-tcp": f"tcp://127.0.0.1:{dport}",
-                "daemon-shm": f"tcp://127.0.0.1:{dport}"}
+        daemon = f"tcp://127.0.0.1:{dport}"
+        urls = {"redis": redis_server.url, "daemon-tcp": daemon, "daemon-shm": daemon,
+                "daemon-shm-zmq": daemon}
         cases: list[dict[str, Any]] = []
         for size_name in SIZES:
             for kind in urls:
@@ -171,6 +175,7 @@ def main() -> int:
                         row.update({kind: round(v, 3) for kind, v in best.items()})
                         row["tcp_vs_redis"] = round(row["daemon-tcp"] / row["redis"], 2)
                         row["shm_vs_redis"] = round(row["daemon-shm"] / row["redis"], 2)
+                        row["shm_zmq_vs_redis"] = round(row["daemon-shm-zmq"] / row["redis"], 2)
                         cases.append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -185,7 +190,7 @@ def main() -> int:
     big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
     summary = ", ".join(
         f"{c['op']}{'-batch' if c['batched'] else ''} tcp {c['tcp_vs_redis']}x shm "
-        f"{c['shm_vs_redis']}x" for c in big)
+        f"{c['shm_vs_redis']}x (shm-zmq {c['shm_zmq_vs_redis']}x)" for c in big)
     print(f"server bench (2 MiB, 1 client, vs redis GB/s): {summary}")
     return 0
 

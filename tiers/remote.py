@@ -16,8 +16,8 @@ timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``
   headers cross the socket. Otherwise, or whenever the daemon forgets the segment, frames.
   With ``use_doorbell`` (default) those headers go over the daemon's same-host Unix socket
   (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
-  A reply is polled for ``doorbell_spin_us`` before the thread blocks (a wake-up costs more
-  than a short single-key request on a small VM); 0 turns the spin off.
+- Waiting for a reply (doorbell or ZMQ), the thread polls for ``spin_us`` before it blocks
+  (a wake-up costs more than a short single-key request on a small VM); 0: block at once.
 - ``get_many`` values are memoryviews (of a received frame or of this thread's segment) valid
   until the next call on the same thread, as tiers/base.py allows.
 
@@ -45,7 +45,7 @@ class RemoteTier(Tier):
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0,
                  batch_keys: int = 64, use_shm: bool = True, shm_bytes: int = 64 << 20,
                  max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5,
-                 use_doorbell: bool = True, doorbell_spin_us: float = 250.0) -> None:
+                 use_doorbell: bool = True, spin_us: float = 250.0) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"remote tier url must be tcp://HOST:PORT or ipc://PATH, got {url!r}")
         self.url = url
@@ -59,7 +59,7 @@ class RemoteTier(Tier):
         self.use_doorbell = use_doorbell
         self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
                                 max_shm_bytes, retry_interval_s, use_doorbell,
-                                doorbell_spin_us * 1e-6)
+                                spin_us * 1e-6)
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
