@@ -8,7 +8,8 @@ cost model's choice against the measured best, each beside its baseline in the s
 
 Runtime on one H200 is bounded by ``--lengths``, ``--lmdb-max-len`` (the LMDB TTFT mode only
 for prefixes up to this length: a 16K prefix is 2 GiB of LMDB writes per repetition),
-``--reps``, ``--sweep-lengths`` and ``--qa-users``; the defaults aim at about 4 minutes.
+``--reps``, ``--sweep-lengths``, ``--qa-users`` and ``--qa-concurrency``; the defaults aim at
+about 4 minutes.
 
 Sections (JSON keys):
 - ``transfer``: ``KVCache.gather_blocks`` + one (pinned) host copy, and ``scatter_blocks`` back,
@@ -25,8 +26,17 @@ Sections (JSON keys):
   loads (copied before the forward of the admitting step). Reports engine steps from
   ``add_request`` to the first token, TTFT, each step's wall time and the time in the scheduler,
   the worker's pre-forward hook and the runner; ratios in-step vs async and vs recompute.
-- ``qa``: LMCache-style multi-round QA (users x rounds, shared system prompt, growing per-user
-  history, a GPU pool too small for all histories): TTFT p50/p99 and throughput, offload on/off.
+- ``qa``: LMCache-style multi-round QA, offload off vs on (``decision: cost``, a host tier that
+  keeps every history), the same event-driven driver for both (``run_qa``): ``users`` users
+  (shared system prompt + a long own context) each ask ``rounds`` questions one after another
+  (the next goes out when the previous answer is back), at most ``concurrency`` requests in
+  flight, admitted in a fixed round-robin order (user 0..U-1 of round r, then round r + 1),
+  greedy answers of ``answer`` tokens. The GPU pool holds ``concurrency + 1`` longest
+  histories: requests in flight never wait for blocks, but a user's history is evicted before
+  its next round. So TTFT measures what offload changes (reload of an evicted history vs its
+  recompute), not queueing behind a barrier of simultaneous requests. Reports TTFT p50/p99 (all
+  requests; rounds >= 1 alone), output tokens/s over the wall time, per-request cached and
+  loaded tokens (from the engine's request log) and the decisions.
 - ``sweep``: prefix length x tier speed. A real LMDB tier behind a throttle (latency plus a
   bandwidth cap), calibrated with cachestore.calibration; each point times recompute, load-all
   (tier read + host->device copy + prefill of the rest) and the model's choice from measured
@@ -307,10 +317,12 @@ def qa_sizes(setup: Setup) -> dict[str, int]:
     user_blocks = -(-(max_prompt + q["answer"]) // 16) + 1
     own_blocks = -(-(q["context"] + q["rounds"] * turn) // 16) + 2  # past the system prompt
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    host = (q["system"] // 16 + q["users"] * own_blocks) * slot * 5 // 4
-    return {"max_prompt_tokens": max_prompt, "num_gpu_blocks": (q["concurrency"] + 1)
-            * user_blocks + 4, "all_history_blocks": q["system"] // 16 + q["users"] * own_blocks,
-            "host_capacity": max(setup.host_capacity, host)}
+    all_blocks = q["system"] // 16 + q["users"] * own_blocks
+    pool = (q["concurrency"] + 1) * user_blocks + 4
+    return {"max_prompt_tokens": max_prompt, "num_gpu_blocks": pool,
+            "all_history_blocks": all_blocks,
+            "pool_holds_all_histories": pool >= all_blocks,  # then the run shows no reloads
+            "host_capacity": max(setup.host_capacity, all_blocks * slot * 5 // 4)}
 
 
 def bench_qa(setup: Setup) -> dict[str, Any]:
