@@ -498,7 +498,8 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
         parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {lm_txt}, "
                      f"cost {s[f'cost_{top}']:.1f}x;")
     if "ttft_p50_ratio" in qa:
-        parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower, throughput "
+        parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "
+                     f"{qa['ttft_p50_later_rounds_ratio']:.1f}x), throughput "
                      f"{qa['throughput_ratio']:.2f}x with offload;")
     if "points" in sw:
         parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
