@@ -137,10 +137,11 @@ def profile_decode(quick: bool) -> dict[str, Any]:
     torch.cuda.synchronize()
     res["replay_gpu_ms"] = round(start.elapsed_time(end) / steps, 3)
     hidden = g.hidden[:1]
-    start.record()
-    for _ in range(steps):
-        runner.model.compute_logits(hidden).argmax(-1)
-    end.record()
+    with torch.inference_mode():
+        start.record()
+        for _ in range(steps):
+            runner.model.compute_logits(hidden).argmax(-1)
+        end.record()
     torch.cuda.synchronize()
     res["logits_argmax_gpu_ms"] = round(start.elapsed_time(end) / steps, 3)
 
@@ -167,13 +168,14 @@ def profile_decode(quick: bool) -> dict[str, Any]:
         if w is None:
             continue
         x = torch.randn(1, w.shape[1], dtype=w.dtype, device=device)
-        for _ in range(5):
-            torch.nn.functional.linear(x, w)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(50):
-            torch.nn.functional.linear(x, w)
-        end.record()
+        with torch.inference_mode():
+            for _ in range(5):
+                torch.nn.functional.linear(x, w)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(50):
+                torch.nn.functional.linear(x, w)
+            end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) / 50 * 1e3
         gemv[name] = {"shape": list(w.shape), "us": round(us, 1),

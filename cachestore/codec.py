@@ -29,6 +29,7 @@ MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHIQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 20
+PAYLOAD_ALIGN = 16  # the header (fixed part + meta) is zero-padded to a multiple of this
 CHECKSUM_BYTES = 8
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
@@ -90,6 +91,9 @@ def _meta_bytes(meta: BlockMeta) -> bytes:
     out.append(len(meta.shape))
     for dim in meta.shape:
         out += _U64.pack(dim)
+    # Zero padding up to a multiple of PAYLOAD_ALIGN: the payload then starts 16-byte aligned
+    # wherever the block does (a GPU kernel reads it from host memory in 16-byte words).
+    out += bytes(-(FIXED_HEADER_BYTES + len(out)) % PAYLOAD_ALIGN)
     return bytes(out)
 
 
@@ -140,7 +144,8 @@ def _parse_meta(raw: memoryview) -> BlockMeta:
         pos += 2 + n
     ndim = raw[pos]
     shape = tuple(_U64.unpack_from(raw, pos + 1 + 8 * i)[0] for i in range(ndim))
-    if pos + 1 + 8 * ndim != raw.nbytes:
+    pad = raw[pos + 1 + 8 * ndim:]
+    if pad.nbytes >= PAYLOAD_ALIGN or any(pad):
         raise ValueError("trailing bytes after shape")
     return BlockMeta(dtype=texts[0], layout=texts[1], namespace=texts[2], shape=shape)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachestore.calibration import calibrate
-from cachestore.codec import encoded_size
+from cachestore.codec import PAYLOAD_ALIGN, encoded_size
 from cachestore.cost_online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
@@ -106,7 +106,10 @@ class OffloadConnector:
         else:
             config = load_offload_config(source)
         meta = block_meta(kv_cache, prefix)
-        tiers = build_tiers(config.tiers, host_slot_bytes=encoded_size(meta))
+        # Slots of a multiple of PAYLOAD_ALIGN bytes: every payload in the slab starts 16-byte
+        # aligned (the layer-wise load kernel reads it in 16-byte words).
+        slot = -(-encoded_size(meta) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        tiers = build_tiers(config.tiers, host_slot_bytes=slot)
         store = HierarchicalStore(tiers, StoreConfig(namespace=prefix))
         kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
         base = default_priors(kind)

@@ -93,6 +93,13 @@ class AttentionBackend(ABC):
     def plan(self, metadata: AttentionMetadata) -> None:
         """Prepare for one step's batch; called once per step before any ``forward``."""
 
+    @property
+    def slot_mapping(self) -> torch.Tensor | None:
+        """The planned step's ``slot_mapping`` (None before the first ``plan``): a model that
+        writes the new K/V itself (a fused kernel) writes them there and passes
+        ``kv_written=True`` to ``forward``."""
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -101,10 +108,12 @@ class AttentionBackend(ABC):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_layer: torch.Tensor,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq * D]``.
 
-        Mutates ``kv_layer``: stores k/v at the planned ``slot_mapping``."""
+        Mutates ``kv_layer``: stores k/v at the planned ``slot_mapping``, unless
+        ``kv_written`` (the caller already stored them there)."""
 
 
 def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

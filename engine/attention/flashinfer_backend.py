@@ -94,6 +94,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.decode_kernel:
             self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
 
+    @property
+    def slot_mapping(self) -> torch.Tensor | None:
+        return self._slot_mapping
+
     def plan(self, metadata: AttentionMetadata) -> None:
         """Eager step: decode wrapper for decode-only batches (if the kernel fits), else the
         causal prefill wrapper. Copies the page table host->device without blocking."""
@@ -172,18 +176,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_layer: torch.Tensor,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         wrapper, slots = self._active, self._slot_mapping
         if wrapper is None or slots is None:
             raise RuntimeError("FlashInferAttentionBackend.forward called before plan()")
-        if layer_idx == 0 or self._slot_blocks is None:
-            # Once per forward pass (layer 0 comes first), inside a captured graph too, so a
-            # replay recomputes them from the static slot buffer.
-            block_size = kv_layer.shape[2]
-            self._slot_blocks = torch.div(slots, block_size, rounding_mode="floor")
-            self._slot_offsets = slots - self._slot_blocks * block_size
-        kv_layer[self._slot_blocks, 0, self._slot_offsets] = k
-        kv_layer[self._slot_blocks, 1, self._slot_offsets] = v
+        if not kv_written:  # else the model's fused kernel stored them (rotary_and_cache)
+            if layer_idx == 0 or self._slot_blocks is None:
+                # Once per forward pass (layer 0 comes first), inside a captured graph too, so
+                # a replay recomputes them from the static slot buffer.
+                block_size = kv_layer.shape[2]
+                self._slot_blocks = torch.div(slots, block_size, rounding_mode="floor")
+                self._slot_offsets = slots - self._slot_blocks * block_size
+            kv_layer[self._slot_blocks, 0, self._slot_offsets] = k
+            kv_layer[self._slot_blocks, 1, self._slot_offsets] = v
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if wrapper is self._prefill:

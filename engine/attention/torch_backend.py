@@ -22,6 +22,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._masks: list[torch.Tensor | None] = []
 
+    @property
+    def slot_mapping(self) -> torch.Tensor | None:
+        return None if self._meta is None else self._meta.slot_mapping
+
     def plan(self, metadata: AttentionMetadata) -> None:
         """Precompute each request's causal mask once for all layers."""
         self._meta = metadata
@@ -43,11 +47,13 @@ class TorchAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_layer: torch.Tensor,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta = self._meta
         if meta is None:
             raise RuntimeError("TorchAttentionBackend.forward called before plan()")
-        write_kv(kv_layer, meta.slot_mapping, k, v)
+        if not kv_written:
+            write_kv(kv_layer, meta.slot_mapping, k, v)
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         group = self.num_heads // self.num_kv_heads

@@ -64,6 +64,38 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return _rotary(x, cos, sin_signed)
 
 
+def rotary_and_cache(
+    qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
+    num_kv_heads: int, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary on q and k of a fused ``qkv [T, (Hq + 2 Hkv) * D]`` row and the new K/V stored
+    in the cache, in one kernel: returns the rotated ``[T, Hq + Hkv, D]`` (q heads, then k
+    heads) and writes rotated k and v at ``slot_mapping[t]`` of ``kv_layer`` (a
+    ``[blocks, 2, block_size, Hkv, D]`` layer view, mutated in place). What the torch path
+    does with ``rotary`` plus ``attention.base.write_kv``. Raises ImportError without Triton."""
+    from engine.kernels.triton_ops import rotary_and_cache as _rotary_and_cache
+
+    return _rotary_and_cache(qkv, cos, sin_signed, num_heads, num_kv_heads, kv_layer, slot_mapping)
+
+
+def copy_layer_from_host(
+    src: torch.Tensor, src_word_offsets: torch.Tensor, dst_words: torch.Tensor,
+    dst_rows: torch.Tensor, chunk_start: int, chunk_words: int,
+) -> None:
+    """Copy one layer's chunk of many blocks from host memory into the cache, as one kernel
+    that reads the (pinned, device-mapped) host bytes directly: for each i, words
+    ``[chunk_start, chunk_start + chunk_words)`` of the block whose payload starts at 4-byte
+    word ``src_word_offsets[i]`` of ``src`` go to the same words of row ``dst_rows[i]`` of
+    ``dst_words`` (the cache as ``[rows, words_per_block]`` int32). What lets a reload land
+    layer by layer (a DMA copy per block and layer would be thousands of calls). Asynchronous
+    on the current stream: ``src`` must stay untouched until it ran. Payloads must be 16-byte
+    aligned (their offsets multiples of 4 words). Raises ValueError on a bad argument and
+    ImportError without Triton."""
+    from engine.kernels.triton_ops import copy_layer_from_host as _copy
+
+    _copy(src, src_word_offsets, dst_words, dst_rows, chunk_start, chunk_words)
+
+
 def _self_check(device: torch.device) -> None:
     """Run both kernels once on small bf16 inputs and compare to torch; raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -85,6 +117,17 @@ def _self_check(device: torch.device) -> None:
     sin = torch.rand(3, 1, 64, device=device, generator=gen).to(torch.bfloat16)
     ref_rot = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
     torch.testing.assert_close(rotary(qk, cos, sin).float(), ref_rot, rtol=2e-2, atol=2e-2)
+    from engine.attention.base import write_kv
+
+    qkv = torch.randn(3, 8 * 64, device=device, generator=gen).to(torch.bfloat16)  # 4 q, 2 kv
+    cache = torch.zeros(3, 2, 4, 2, 64, dtype=torch.bfloat16, device=device)
+    ref_cache = cache.clone()
+    slots = torch.tensor([1, 6, 11], device=device)
+    out = rotary_and_cache(qkv, cos, sin, 4, 2, cache, slots)
+    ref_qk = RotaryEmbedding.apply(qkv[:, :6 * 64].view(3, 6, 64).float(), cos.float(), sin.float())
+    write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
+    torch.testing.assert_close(out.float(), ref_qk, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
 
 
 def fused_kernels_available(device: torch.device) -> bool:
@@ -108,9 +151,11 @@ def fused_kernels_available(device: torch.device) -> bool:
 
 
 __all__ = [
+    "copy_layer_from_host",
     "fused_add_rms_norm",
     "fused_kernels_available",
     "rotary",
+    "rotary_and_cache",
     "silu_and_mul",
     "triton_importable",
 ]

@@ -138,3 +138,115 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
         BLOCK=triton.next_power_of_2(dim), num_warps=1 if dim <= 128 else 2,
     )
     return out
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr,
+    x_tok_stride, cs_stride, num_heads, num_kv_heads, head_dim, block_size,
+    c_block_stride, c_kv_stride, c_off_stride, c_head_stride,
+    BLOCK: tl.constexpr,
+):
+    # One program per (token, head) over [q heads | k heads | v heads] of the fused qkv row.
+    pid = tl.program_id(0)
+    heads = num_heads + 2 * num_kv_heads
+    tok = (pid // heads).to(tl.int64)
+    head = (pid % heads).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    base = x_ptr + tok * x_tok_stride + head * head_dim
+    slot = tl.load(slot_ptr + tok)
+    cache_row = cache_ptr + (slot // block_size) * c_block_stride + (slot % block_size) * c_off_stride
+    if head < num_heads + num_kv_heads:
+        half = head_dim // 2
+        partner = tl.where(offs < half, offs + half, offs - half)
+        x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (x * c + xp * s).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (tok * (num_heads + num_kv_heads) + head) * head_dim + offs, y, mask=mask)
+        if head >= num_heads:  # a k head: into the cache's K half at its slot
+            kv_head = head - num_heads
+            tl.store(cache_row + kv_head * c_head_stride + offs, y.to(cache_ptr.dtype.element_ty),
+                     mask=mask)
+    else:  # a v head: copied into the cache's V half
+        kv_head = head - num_heads - num_kv_heads
+        v = tl.load(base + offs, mask=mask, other=0.0)
+        tl.store(cache_row + c_kv_stride + kv_head * c_head_stride + offs,
+                 v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_and_cache(
+    qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
+    num_kv_heads: int, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """See ``engine.kernels.rotary_and_cache``. Raises ValueError on mismatched shapes."""
+    _check_rows(qkv, "qkv")
+    tokens = qkv.shape[0]
+    if kv_layer.dim() != 5 or kv_layer.shape[1] != 2 or kv_layer.shape[3] != num_kv_heads:
+        raise ValueError(f"kv_layer must be [blocks, 2, block_size, {num_kv_heads}, D], got "
+                         f"{tuple(kv_layer.shape)}")
+    dim = kv_layer.shape[4]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * dim or kv_layer.stride(4) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} q and "
+                         f"{num_kv_heads} k/v heads of {dim}")
+    if slot_mapping.shape[0] < tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {tokens} tokens")
+    cos2, sin2 = cos.reshape(tokens, -1), sin_signed.reshape(tokens, -1)
+    if dim % 2 or cos2.shape != (tokens, dim) or sin2.shape != (tokens, dim):
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not match {dim}-wide heads")
+    if cos2.stride() != (dim, 1) or sin2.stride() != (dim, 1):
+        cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    out = torch.empty(tokens, num_heads + num_kv_heads, dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return out
+    s = kv_layer.stride()
+    _rotary_cache_kernel[(tokens * (num_heads + 2 * num_kv_heads),)](
+        qkv, cos2, sin2, out, kv_layer, slot_mapping, qkv.stride(0), dim, num_heads,
+        num_kv_heads, dim, kv_layer.shape[2], s[0], s[1], s[2], s[3],
+        BLOCK=triton.next_power_of_2(dim), num_warps=1 if dim <= 128 else 2,
+    )
+    return out
+
+
+@triton.jit
+def _copy_layer_kernel(
+    src_base, src_offsets_ptr, dst_ptr, dst_rows_ptr, chunk_start, chunk_words, row_words,
+    BLOCK: tl.constexpr,
+):
+    # Program (i, j): words [j * BLOCK, (j + 1) * BLOCK) of block i's layer chunk, read from
+    # host memory through its device-mapped (UVA) address and written into cache row i.
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    src_word = tl.load(src_offsets_ptr + i)  # int64: the block's payload, in 4-byte words
+    row = tl.load(dst_rows_ptr + i)
+    offs = j * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < chunk_words
+    src = (src_base + (src_word + chunk_start) * 4).to(tl.pointer_type(tl.int32))
+    src = tl.multiple_of(src, 16)
+    vals = tl.load(src + offs, mask=mask)
+    tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
+
+
+def copy_layer_from_host(
+    src: torch.Tensor, src_word_offsets: torch.Tensor, dst_words: torch.Tensor,
+    dst_rows: torch.Tensor, chunk_start: int, chunk_words: int,
+) -> None:
+    """See ``engine.kernels.copy_layer_from_host``."""
+    if src.device.type != "cpu" or (dst_words.is_cuda and not src.is_pinned()):
+        raise ValueError("src must be host memory (pinned when the destination is on CUDA)")
+    if dst_words.dtype != torch.int32 or dst_words.dim() != 2 or not dst_words.is_contiguous():
+        raise ValueError("dst_words must be a contiguous 2-D int32 view of the cache rows")
+    if src.data_ptr() % 16 or dst_words.data_ptr() % 16:
+        raise ValueError("src and dst must be 16-byte aligned")
+    n = dst_rows.shape[0]
+    if n == 0 or chunk_words == 0:
+        return
+    if src_word_offsets.shape[0] != n:
+        raise ValueError(f"{src_word_offsets.shape[0]} source offsets for {n} rows")
+    block = 2048
+    _copy_layer_kernel[(n, triton.cdiv(chunk_words, block))](
+        src.data_ptr(), src_word_offsets, dst_words, dst_rows, chunk_start, chunk_words,
+        dst_words.shape[1], BLOCK=block, num_warps=4,
+    )

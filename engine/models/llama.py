@@ -68,6 +68,16 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        elif fused and attn.slot_mapping is not None and x.is_cuda:
+            # One kernel: rotary on q and k, and the new K/V stored at the step's slots.
+            from engine.kernels import rotary_and_cache
+
+            kv_layer = kv_cache.attention_view(self.layer_idx)
+            qk = rotary_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads, kv_layer,
+                                  attn.slot_mapping)
+            out = attn.forward(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :],
+                               v, kv_layer, kv_written=True)
+            return self.o_proj(out)
         else:
             # q and k are adjacent in the fused output: rotate both with one set of kernels.
             qk = qkv[:, : self.q_size + self.kv_size].view(

@@ -11,6 +11,7 @@ from cachestore.codec import (
     CHECKSUM_BYTES,
     FIXED_HEADER_BYTES,
     FORMAT_VERSION,
+    PAYLOAD_ALIGN,
     BlockMeta,
     CodecError,
     decode_block,
@@ -129,11 +130,39 @@ def test_old_format_version_is_refused_even_with_a_valid_checksum() -> None:
     assert "format version 0" in str(info.value)
 
 
+def header_bytes_unpadded(meta: BlockMeta) -> bytes:
+    """The header as the format lays it out before the zero padding: fixed part, three
+    length-prefixed strings, ndim, the dims."""
+    out = bytearray(FIXED_HEADER_BYTES)
+    for text in (meta.dtype, meta.layout, meta.namespace):
+        out += struct.pack("<H", len(text.encode())) + text.encode()
+    out.append(len(meta.shape))
+    for dim in meta.shape:
+        out += struct.pack("<Q", dim)
+    return bytes(out)
+
+
+def test_padding_after_the_shape_must_be_short_and_zero() -> None:
+    meta = next(m for m in (BlockMeta(META.dtype, META.shape, META.layout, "n" * i)
+                            for i in range(1, 17)) if len(header_bytes_unpadded(m)) % 16)
+    buf = bytearray(encode_block(bytes(meta.payload_bytes), meta))
+    meta_len = struct.unpack_from("<I", buf, 8)[0]
+    end = FIXED_HEADER_BYTES + meta_len
+    assert end > len(header_bytes_unpadded(meta)) and end % PAYLOAD_ALIGN == 0
+    assert decode_block(bytes(buf)).meta == meta
+    buf[end - 1] = 1  # a non-zero padding byte behind a valid checksum
+    struct.pack_into("<Q", buf, len(buf) - 8, xxhash.xxh3_64_intdigest(bytes(buf[:-8])))
+    with pytest.raises(CodecError) as info:
+        decode_block(bytes(buf))
+    assert info.value.reason == "bad_meta"
+
+
 def test_bad_meta_behind_a_valid_checksum() -> None:
     # A writer bug (payload length disagreeing with the shape) is caught after the checksum.
     buf = bytearray(_block())
     meta_len = struct.unpack_from("<I", buf, 8)[0]
-    shape_last = FIXED_HEADER_BYTES + meta_len - 8
+    pad = (FIXED_HEADER_BYTES + meta_len) - len(header_bytes_unpadded(META))
+    shape_last = FIXED_HEADER_BYTES + meta_len - pad - 8
     struct.pack_into("<Q", buf, shape_last, 4)  # shape (2,2,4,4): 4 more fp16 values needed
     struct.pack_into("<Q", buf, len(buf) - 8, xxhash.xxh3_64_intdigest(bytes(buf[:-8])))
     with pytest.raises(CodecError) as info:
@@ -148,8 +177,11 @@ def test_header_bytes_prefix_and_seal_block_match_encode_block() -> None:
     header = header_bytes(META)
     assert full.startswith(header)
     assert len(header) + META.payload_bytes + CHECKSUM_BYTES == len(full)
-    other = header_bytes(BlockMeta(META.dtype, META.shape, META.layout, "other-ns"))
-    assert other != header and len(other) != len(header)
+    other = header_bytes(BlockMeta(META.dtype, META.shape, META.layout, "other-namespace"))
+    assert other != header
+    # Zero-padded: every payload starts 16-byte aligned after its header.
+    assert len(header) % PAYLOAD_ALIGN == 0 and len(other) % PAYLOAD_ALIGN == 0
+    assert header.endswith(bytes(len(header) - len(header_bytes_unpadded(META))))
     # Header + payload written in place, checksum last: byte-identical to encode_block.
     buf = bytearray(len(full))
     buf[:len(header)] = header

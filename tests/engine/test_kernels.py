@@ -147,3 +147,62 @@ def test_rotary_matches_torch_on_a_strided_qkv_view(dtype: torch.dtype, heads: i
     assert out.shape == (tokens, heads, dim) and out.is_contiguous() and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
     torch.testing.assert_close(out[0].float(), qk[0].float(), **TOL[dtype])  # position 0: identity
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 32), (6, 2, 48)])
+def test_rotary_and_cache_matches_rotary_plus_write_kv(dtype: torch.dtype, heads: int,
+                                                       kv_heads: int, dim: int) -> None:
+    """One kernel = rotary on q and k + the torch path's write_kv into a block-major layer
+    view; slots outside the written ones stay untouched."""
+    from engine.attention.base import write_kv
+    from engine.kernels import rotary_and_cache
+    from engine.kv_cache import KVCache, KVCacheSpec
+    from engine.models.base import RopeConfig
+    from engine.models.layers import RotaryEmbedding
+
+    tokens = 5
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=heads * dim + kv_heads)
+    rope = RotaryEmbedding(dim, 64, RopeConfig(theta=10000.0))
+    cos, sin = rope.cos_sin(torch.tensor([0, 3, 17, 40, 63], device=DEVICE), dtype)
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, block_size=4)
+    ours, ref = KVCache(spec, 6, DEVICE), KVCache(spec, 6, DEVICE)
+    for cache in (ours, ref):
+        cache.tensor.copy_(rand(*cache.tensor.shape, dtype=dtype, seed=7))
+    slots = torch.tensor([9, 2, 23, 10, 24], device=DEVICE)  # 24 = the scratch block's slot 0
+    out = rotary_and_cache(qkv, cos, sin, heads, kv_heads, ours.attention_view(1), slots)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    ref_qk = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    write_kv(ref.attention_view(1), slots, ref_qk[:, heads:].to(dtype), v)
+    assert out.shape == (tokens, heads + kv_heads, dim) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_qk, **TOL[dtype])
+    torch.testing.assert_close(ours._storage.float(), ref._storage.float(), **TOL[dtype])
+    assert torch.equal(ours._storage[:, [0, 2]], ref._storage[:, [0, 2]])  # other layers untouched
+    with pytest.raises(ValueError):
+        rotary_and_cache(qkv[:, :-dim], cos, sin, heads, kv_heads, ours.attention_view(1), slots)
+
+
+def test_copy_layer_from_host_moves_exactly_one_layer_chunk_per_block() -> None:
+    """Blocks of a block-major cache filled layer by layer from a host slab at arbitrary
+    (aligned) offsets: each call writes only its chunk of the listed rows."""
+    from engine.kernels import copy_layer_from_host
+
+    rows, words, layers = 5, 48, 3  # a block = 3 layers x 16 words
+    chunk = words // layers
+    slab = torch.arange(1000, dtype=torch.int32)
+    if DEVICE.type == "cuda":
+        slab = slab.pin_memory()
+    cache = torch.zeros(rows, words, dtype=torch.int32, device=DEVICE)
+    src_offsets = torch.tensor([100, 4, 520], device=DEVICE)  # words, multiples of 4
+    dst_rows = torch.tensor([3, 0, 4], device=DEVICE)
+    for layer in (2, 0):
+        copy_layer_from_host(slab, src_offsets, cache, dst_rows, layer * chunk, chunk)
+    expected = torch.zeros(rows, words, dtype=torch.int32)
+    for src, row in ((100, 3), (4, 0), (520, 4)):
+        for layer in (2, 0):
+            lo = layer * chunk
+            expected[row, lo:lo + chunk] = torch.arange(src + lo, src + lo + chunk)
+    assert torch.equal(cache.cpu(), expected)
+    with pytest.raises(ValueError):
+        copy_layer_from_host(slab, src_offsets[:2], cache, dst_rows, 0, chunk)
