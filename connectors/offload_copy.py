@@ -30,6 +30,42 @@ class SlabCopier:
         self._rows = kv_cache.tensor.reshape(kv_cache.num_blocks, -1).view(torch.uint8)
         self._host = host
         self._non_blocking = kv_cache.device.type == "cuda"
+        spec = kv_cache.spec
+        self._num_layers = spec.num_layers
+        self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
+        if self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
+                and host.is_pinned() and host.data_ptr() % 16 == 0:
+            from engine.kernels import fused_kernels_available
+
+            if fused_kernels_available(kv_cache.device):
+                self._words = kv_cache.tensor.reshape(kv_cache.num_blocks, -1).view(torch.int32)
+
+    @property
+    def layered(self) -> bool:
+        """Whether ``to_device_layers`` can run (CUDA, Triton, a pinned 16-byte aligned slab)."""
+        return self._words is not None
+
+    def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
+        """Like ``to_device``, as one kernel per layer on the current stream (see
+        ``engine.kernels.copy_layer_from_host``); returns one CUDA event per layer, recorded
+        after that layer's copy. Offsets must be multiples of 16. Raises ValueError otherwise
+        or when not ``layered``."""
+        from engine.kernels import copy_layer_from_host
+
+        if self._words is None:
+            raise ValueError("layer-wise copies need CUDA, Triton and a pinned aligned slab")
+        if any(o % 16 for o in offsets):
+            raise ValueError("layer-wise copies need 16-byte aligned payload offsets")
+        index = torch.tensor([list(block_ids), [o // 4 for o in offsets]], dtype=torch.int64)
+        index = index.pin_memory().to(self._words.device, non_blocking=True)
+        chunk = self._words.shape[1] // self._num_layers
+        events: list[object] = []
+        for layer in range(self._num_layers):
+            copy_layer_from_host(self._host, index[1], self._words, index[0], layer * chunk, chunk)
+            event = torch.cuda.Event()
+            event.record()
+            events.append(event)
+        return events
 
     def to_device(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copy the payload at host byte ``offsets[i]`` into cache block ``block_ids[i]``."""

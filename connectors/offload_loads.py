@@ -95,11 +95,16 @@ class HostLoader:
                 if pending.event is not None:  # its blocks may be rewritten by this forward
                     torch.cuda.current_stream(self.kv_cache.device).wait_event(pending.event)
                 self._draining.append(pending)
+        in_step: list[_Load] = []
         for load in loads:
             if load.req_id in cancelled:  # its blocks may be reused at once
                 self._release_unsent(load)
                 continue
-            self._loads[load.req_id] = self._begin(load)
+            pending = self._begin(load)
+            self._loads[load.req_id] = pending
+            if load.in_step:
+                in_step.append(pending)
+        self._copy_in_step(in_step)
         if idle and self._loads:
             first = min(self._loads.values(), key=lambda p: p.deadline)
             if first.staging is not None:
@@ -135,10 +140,9 @@ class HostLoader:
     def _begin(self, load: BlockLoad) -> _Load:
         now = time.monotonic()
         pending = _Load(load, now + self.load_timeout_s, time.perf_counter())
-        if load.in_step:
+        if load.in_step:  # copied by _copy_in_step, with the step's other in-step loads
             pending.located.extend(load.keys)  # pinned by the scheduler side: unpin when done
             pending.issuing = False
-            self._copy(pending, list(load.slab_offsets), forward_reads=True)
             return pending
         lead = self._locate_and_copy(pending, load.keys)
         if lead < len(load.keys):
@@ -201,6 +205,34 @@ class HostLoader:
         pending.located.extend(keys[:lead])
         self._copy(pending, offsets[:lead])  # type: ignore[arg-type]
         return lead
+
+    def _copy_in_step(self, loads: list[_Load]) -> None:
+        """This step's forward reads these blocks. CUDA with the layer kernel: one copy per
+        layer for all of them on the side stream, each layer's attention waiting only for its
+        own layer (KVCache.set_layer_ready), so the forward runs while later layers land.
+        Otherwise per-block copies the whole forward waits for."""
+        if not loads or self._copier is None:
+            return
+        layered = self._side is not None and self._copier.layered
+        if not layered:
+            for pending in loads:
+                self._copy(pending, list(pending.load.slab_offsets), forward_reads=True)
+            return
+        ids = [b for p in loads for b in p.load.block_ids[:len(p.load.slab_offsets)]]
+        payload = [o + len(self._header) for p in loads for o in p.load.slab_offsets]
+        begin = torch.cuda.Event(enable_timing=True)
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
+            self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            begin.record(self._side)  # type: ignore[arg-type]
+            events = self._copier.to_device_layers(ids, payload)
+        self.kv_cache.set_layer_ready(events)
+        end = events[-1]
+        for pending in loads:
+            pending.copied += len(pending.load.slab_offsets)
+            pending.event = end
+        # One transfer: observed once (by the first load), with all its bytes.
+        loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
     def _copy(self, pending: _Load, offsets: list[int], forward_reads: bool = False) -> None:
         """Issue the slab -> cache copies of the next ``len(offsets)`` blocks of ``pending``.
@@ -305,9 +337,11 @@ class HostLoader:
             return
         if pending.timings:
             seconds = sum(b.elapsed_time(e) for b, e, _ in pending.timings) / 1e3  # type: ignore[attr-defined]
+            nbytes = sum(n for _, _, n in pending.timings)
+        elif pending.copy_seconds:
+            seconds, nbytes = pending.copy_seconds, pending.copied * self.kv_cache.bytes_per_block
         else:
-            seconds = pending.copy_seconds
-        nbytes = pending.copied * self.kv_cache.bytes_per_block
+            return  # its blocks moved in another load's transfer, observed there
         self.cost_model.observe_transfer("host", nbytes, max(seconds, 1e-9))
 
 

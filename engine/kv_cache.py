@@ -14,6 +14,7 @@ touches a real block. ``attention_view(i)`` is the layer view including it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class KVCache:
         )
         # The blocks the scheduler manages: a contiguous prefix view of the storage.
         self.tensor = self._storage[:num_blocks]
+        self._layer_ready: list[Any] | None = None  # see set_layer_ready
 
     @property
     def scratch_block_id(self) -> int:
@@ -81,8 +83,32 @@ class KVCache:
 
     def attention_view(self, layer_idx: int) -> torch.Tensor:
         """Like ``layer_view`` but ``num_blocks + 1`` blocks long: the scratch block included,
-        so attention may address ``scratch_block_id``. What the models hand to attention."""
+        so attention may address ``scratch_block_id``. What the models hand to attention.
+        With layer events set (``set_layer_ready``), the current stream first waits for this
+        layer's event."""
+        if self._layer_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer_idx])
         return self._storage[:, layer_idx]
+
+    def set_layer_ready(self, events: list[Any] | None) -> None:
+        """CUDA events, one per layer, that reads of each layer wait for until
+        ``clear_layer_ready``: blocks landing layer by layer from a side stream while the
+        forward that reads them runs (the KV connector's in-step loads). Raises ValueError
+        unless one event per layer."""
+        if events is not None and len(events) != self.spec.num_layers:
+            raise ValueError(f"{len(events)} layer events for {self.spec.num_layers} layers")
+        self._layer_ready = events
+
+    def wait_all_layers(self) -> None:
+        """The current stream waits for every pending layer (a forward that cannot wait layer
+        by layer, e.g. a CUDA-graph replay); then clears them."""
+        if self._layer_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[-1])
+        self._layer_ready = None
+
+    def clear_layer_ready(self) -> None:
+        """After the forward that read the loaded blocks was enqueued."""
+        self._layer_ready = None
 
     def gather_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Copy whole blocks out: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``, a new

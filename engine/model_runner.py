@@ -311,13 +311,17 @@ class ModelRunner:
                 [host.input_ids + [0] * pad, host.positions + [0] * pad, host.slots + [scratch_slot] * pad],
                 dtype=torch.int64,
             ).pin_memory()
+            self.kv_cache.wait_all_layers()  # a replay cannot wait layer by layer
             hidden = graphs.run(io, host.seq_lens, host.block_tables)
             if host.logits_rows == list(range(n)):
                 return hidden, None
             return hidden, self._to_device(host.logits_rows, torch.int64)
         batch = self._device_batch(host)
         self.attn_backend.plan(batch.metadata)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
+        finally:
+            self.kv_cache.clear_layer_ready()  # each layer's reads were enqueued behind its wait
         return hidden, batch.logits_indices
 
     def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:

@@ -102,3 +102,31 @@ def test_scheduler_keys_equal_block_key(model_dir: str) -> None:
         ns = llm.engine.namespace
         for h in hash_request_tokens(ns, prompts()[0]):
             assert sched._key(h) == block_key(ns, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_in_step_reload_lands_layer_by_layer_with_outputs_unchanged(
+    model_dir: str, dtype: str
+) -> None:
+    """On CUDA the in-step copies are one kernel per layer reading the pinned slab, each layer's
+    attention waiting for its own layer: same tokens as without offload, and the cache blocks
+    hold exactly the bytes the first run computed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p, _ = prompts()
+    kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
+    reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
+    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=offload(True),
+             **kw) as llm:
+        loader = llm.engine.offload.worker._loader  # type: ignore[union-attr]
+        assert loader._copier is not None and loader._copier.layered
+        assert evict_p_to_host(llm) == reference
+        assert steps_to_first_token(llm, p) == (1, reference)
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0
+        assert llm.engine.runner.kv_cache._layer_ready is None
+    assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
+    assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3
