@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shm", action="store_true", help="disable the shared-memory path")
     parser.add_argument("--no-inline-reads", action="store_true",
                         help="send every request to the worker pool (no loop-thread host reads)")
+    parser.add_argument("--no-doorbell", action="store_true",
+                        help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
+    parser.add_argument("--spin-us", type=float, default=100.0,
+                        help="microseconds the loop polls for a next request before blocking")
 
 
 def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
@@ -101,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
         config = ServerConfig(url=f"tcp://{host}:{args.port}", limits=limits,
                               num_workers=args.workers, shm_enabled=not args.no_shm,
                               access_log_path=args.access_log,
-                              inline_reads=not args.no_inline_reads)
+                              inline_reads=not args.no_inline_reads,
+                              doorbell=not args.no_doorbell, spin_us=args.spin_us)
         usage = NamespaceUsage()
         store = build_store(build_tiers_for(args), usage)
     except (OSError, ValueError) as exc:
