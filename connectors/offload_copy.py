@@ -48,7 +48,7 @@ class SlabCopier:
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, as one kernel per layer on the current stream (see
         ``engine.kernels.copy_layer_from_host``); returns one CUDA event per layer, recorded
-        after that layer's copy. Offsets must be multiples of 16. Raises ValueError otherwise
+        after that layer's copy (the last one with timing). Offsets must be multiples of 16. Raises ValueError otherwise
         or when not ``layered``."""
         from engine.kernels import copy_layer_from_host
 
@@ -60,9 +60,10 @@ class SlabCopier:
         index = index.pin_memory().to(self._words.device, non_blocking=True)
         chunk = self._words.shape[1] // self._num_layers
         events: list[object] = []
+        last = self._num_layers - 1
         for layer in range(self._num_layers):
             copy_layer_from_host(self._host, index[1], self._words, index[0], layer * chunk, chunk)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=layer == last)  # the last one times the load
             event.record()
             events.append(event)
         return events
