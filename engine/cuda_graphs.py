@@ -46,6 +46,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     io: torch.Tensor  # int64 [3, P]: ids, positions, slots
+    io_host: torch.Tensor  # pinned twin of ``io``, refilled each step (see ``host_io``)
     hidden: torch.Tensor  # [P, hidden], the graph's output
     placeholders: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # metadata fields unused here
 
@@ -106,7 +107,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self.model(io[0], io[1], self.attn, self.kv_cache)
-            self._graphs[size] = _Graph(graph, io, hidden, placeholders)
+            io_host = torch.empty(3, size, dtype=torch.int64, pin_memory=True)
+            self._graphs[size] = _Graph(graph, io, io_host, hidden, placeholders)
         torch.cuda.synchronize(device)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         logger.info(
@@ -138,12 +140,20 @@ class DecodeGraphs:
             block_tables_cpu=list(block_tables) + [[scratch]] * pad,
         )
 
+    def host_io(self, size: int) -> torch.Tensor:
+        """The pinned int64 ``[3, size]`` input buffer of the graph of ``size``: fill it (ids,
+        positions, slots, padded as the module docstring says), then ``run``. One buffer per
+        size, reused every step: safe because a step synchronizes (its sampled ids) after
+        the copy ``run`` enqueues, before the next step refills the buffer."""
+        return self._graphs[size].io_host
+
     def run(
         self, io_host: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
     ) -> torch.Tensor:
         """Replay for ``len(seq_lens)`` decode rows. ``io_host`` is pinned int64 ``[3, P]``
-        (padded as the module docstring says) with ``P = padded_size(len(seq_lens))``.
-        Returns hidden states ``[n, hidden]`` (a view into the graph's output)."""
+        (``host_io(P)``, or any pinned buffer of that shape) with
+        ``P = padded_size(len(seq_lens))``. Returns hidden states ``[n, hidden]`` (a view into
+        the graph's output)."""
         n = len(seq_lens)
         size = io_host.shape[1]
         g = self._graphs[size]

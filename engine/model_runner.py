@@ -305,12 +305,11 @@ class ModelRunner:
         size = graphs.padded_size(len(host.query_lens)) if graphs is not None else None
         if graphs is not None and size is not None and host.is_decode_only:
             n = len(host.input_ids)
-            pad = size - n
             scratch_slot = self.kv_cache.scratch_block_id * self.kv_cache.block_size
-            io = torch.tensor(
-                [host.input_ids + [0] * pad, host.positions + [0] * pad, host.slots + [scratch_slot] * pad],
-                dtype=torch.int64,
-            ).pin_memory()
+            io = graphs.host_io(size)  # pinned, reused: no allocation per step
+            rows = io.numpy()
+            rows[0, :n], rows[1, :n], rows[2, :n] = host.input_ids, host.positions, host.slots
+            rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, scratch_slot
             self.kv_cache.wait_all_layers()  # a replay cannot wait layer by layer
             hidden = graphs.run(io, host.seq_lens, host.block_tables)
             if host.logits_rows == list(range(n)):

@@ -71,6 +71,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None
         self._graph_decode: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._graph_host: dict[int, torch.Tensor] = {}  # pinned int32 plan inputs per size
         self._active: BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None = None
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None
@@ -146,23 +147,40 @@ class FlashInferAttentionBackend(AttentionBackend):
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
         if len(indices) > max_pages:
             raise ValueError(f"{len(indices)} pages exceed the graph buffer of {max_pages}")
-        indices_gpu = _pinned(indices).to(self._device, non_blocking=True)
-        self._plan_decode(wrapper, indptr, indices_gpu, last_page_len, metadata.block_size)
+        # Pinned buffers of this size, refilled in place (no pinned allocation per step): safe
+        # since every step synchronizes after the copies enqueued here.
+        host = self._graph_host.get(batch_size)
+        if host is None or host.shape[0] < len(indices) + 2 * batch_size + 1:
+            host = torch.empty(max(max_pages, len(indices)) + 2 * batch_size + 1,
+                               dtype=torch.int32, pin_memory=True)
+            self._graph_host[batch_size] = host
+        n = len(indices)
+        buf = host.numpy()
+        buf[:batch_size + 1] = indptr
+        buf[batch_size + 1:2 * batch_size + 1] = last_page_len
+        buf[2 * batch_size + 1:2 * batch_size + 1 + n] = indices
+        indices_gpu = host[2 * batch_size + 1:2 * batch_size + 1 + n].to(self._device, non_blocking=True)
+        self._plan_decode(wrapper, host[:batch_size + 1], indices_gpu,
+                          host[batch_size + 1:2 * batch_size + 1], metadata.block_size)
         self._slot_mapping = metadata.slot_mapping
         self.last_wrapper = "graph_decode"
 
     def _plan_decode(
         self,
         wrapper: BatchDecodeWithPagedKVCacheWrapper,
-        indptr: list[int],
+        indptr: list[int] | torch.Tensor,
         indices_gpu: torch.Tensor,
-        last_page_len: list[int],
+        last_page_len: list[int] | torch.Tensor,
         page_size: int,
     ) -> None:
         # indptr/last_page_len stay on the (pinned) host: plan reads them there without a
         # device sync and copies them into the wrapper's buffers asynchronously.
+        if isinstance(indptr, list):
+            indptr = _pinned(indptr)
+        if isinstance(last_page_len, list):
+            last_page_len = _pinned(last_page_len)
         wrapper.plan(
-            _pinned(indptr), indices_gpu, _pinned(last_page_len),
+            indptr, indices_gpu, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, page_size,
             sm_scale=self.scale, q_data_type=self._dtype, kv_data_type=self._dtype,
             non_blocking=True,
