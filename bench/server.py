@@ -13,6 +13,7 @@ value once on the client too, for an apples-to-apples "bytes in my hands" figure
 
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
 Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch]
+       [--sizes 2MiB,64KiB]
 """
 
 from __future__ import annotations
@@ -135,9 +136,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--touch", action="store_true", help="copy each got value on the client")
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"block sizes, of {list(SIZES)}")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds per case (each --seconds/rounds long; best kept)")
     args = ap.parse_args()
+    sizes = [s for s in args.sizes.split(",") if s]
+    if not sizes or any(s not in SIZES for s in sizes):
+        ap.error(f"--sizes takes a comma-separated subset of {list(SIZES)}")
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-")
     redis_server = RedisServer(maxmemory_bytes=2 << 30)  # no persistence, like the daemon here
     procs: list[subprocess.Popen[str]] = []
@@ -156,7 +161,7 @@ def main() -> int:
         urls = {"redis": redis_server.url, "daemon-tcp": daemon, "daemon-shm": daemon,
                 "daemon-shm-zmq": daemon}
         cases: list[dict[str, Any]] = []
-        for size_name in SIZES:
+        for size_name in sizes:
             for kind in urls:
                 _prefill(kind, urls[kind], size_name)
             for op in ("get", "put"):
