@@ -156,6 +156,23 @@ def test_tenants_are_bound_to_their_connection(daemon: CacheServer,
         segment.close()
 
 
+@pytest.mark.parametrize("garbage", [
+    b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a header length over the limit
+    b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1",  # not msgpack
+    b"\x01\x00\x00\x00\x00\x00\x00\x00\x07",  # msgpack, not a map
+])
+def test_garbage_on_the_doorbell_drops_the_connection_only(
+        daemon: CacheServer, remote: Callable[..., RemoteTier], garbage: bytes) -> None:
+    bell = daemon.doorbell
+    assert bell is not None and bell.path is not None
+    raw = RawBell(bell.path)
+    raw.sock.sendall(garbage)
+    assert raw.closed_by_peer()
+    tier = remote(daemon.bound_url, token=ALICE)
+    tier.put_many([(KEYS[3], BLOCKS[3])])
+    assert bytes(tier.get_many(KEYS[3:4])[0]) == BLOCKS[3] and tier.transport() == "doorbell"
+
+
 def test_falls_back_to_zmq_without_a_doorbell(remote: Callable[..., RemoteTier]) -> None:
     srv, store = _daemon(doorbell=False)
     try:
