@@ -228,6 +228,8 @@ def choose_split(
     prompt_tokens: int,
     prefill: PrefillCost,
     computed_tokens: int = 0,
+    pipelined_blocks: int = 0,
+    num_layers: int = 1,
 ) -> Decision:
     """Price every load/compute split of a prompt and return the cheapest.
 
@@ -236,6 +238,11 @@ def choose_split(
     ``[0, k)`` then compute the rest, for every ``k`` in ``0..K``; and, for ``0 < m < K``,
     compute ``[0, m)`` while ``[m, K)`` loads, then compute the rest. Ties go to the option
     that moves fewer blocks. Pure; O(K). Raises ValueError on inconsistent sizes.
+
+    ``pipelined_blocks``: loads of up to that many leading blocks land layer by layer while
+    the rest is computed (the engine's in-step host loads over ``num_layers`` layers), so
+    ``load [0, k)`` costs ``max(load, rest) + min(load, rest) / num_layers`` instead of
+    ``load + rest`` for ``k <= pipelined_blocks``.
     """
     num_cached = len(hops_per_block)
     if block_tokens <= 0 or computed_tokens < 0:
@@ -253,9 +260,17 @@ def choose_split(
 
     head_load = _run_load_times(hops_per_block, block_bytes, reverse=False)
     tail_load = _run_load_times(hops_per_block, block_bytes, reverse=True)
+    if num_layers < 1 or pipelined_blocks < 0:
+        raise ValueError(f"bad num_layers={num_layers} or pipelined_blocks={pipelined_blocks}")
+
+    def load_then_rest(k: int) -> float:
+        load, compute = head_load[k], rest(k)
+        if 0 < k <= pipelined_blocks:
+            return max(load, compute) + min(load, compute) / num_layers
+        return load + compute
+
     prefix = [
-        Option(STRATEGY_RECOMPUTE if k == 0 else STRATEGY_LOAD_PREFIX, 0, k,
-               head_load[k] + rest(k))
+        Option(STRATEGY_RECOMPUTE if k == 0 else STRATEGY_LOAD_PREFIX, 0, k, load_then_rest(k))
         for k in range(num_cached + 1)
     ]
     tail_rest = rest(num_cached)

@@ -119,6 +119,9 @@ class OnlineCostModel:
         # Keyed by the dict key, which is the name the connector reports (``TierCost.name``
         # is only a label).
         self._tiers = {name: _TierState(cost, cost) for name, cost in tier_costs.items()}
+        # > 0: host-tier loads land layer by layer over this many layers while the rest of
+        # the prompt is computed (set by the KV connector when its loads do that).
+        self.pipelined_layers = 0
         self._prefill_base = prefill
         self._prefill_scale = 1.0
         self._counts = _Counts()
@@ -155,9 +158,13 @@ class OnlineCostModel:
             costs = {name: s.cost for name, s in self._tiers.items()}
             prefill = _scaled(self._prefill_base, self._prefill_scale)
         hops = {name: hops_to_gpu(name, costs) for name in set(source_tiers)}
+        lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"),
+                         len(source_tiers))
         decision = choose_split([hops[t] for t in source_tiers], self.block_tokens,
                                 self.block_bytes, num_prompt_tokens, prefill,
-                                computed_tokens=num_gpu_hit_blocks * self.block_tokens)
+                                computed_tokens=num_gpu_hit_blocks * self.block_tokens,
+                                pipelined_blocks=lead_host if self.pipelined_layers else 0,
+                                num_layers=max(self.pipelined_layers, 1))
         recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
                          if o.strategy == STRATEGY_RECOMPUTE)  # always priced by choose_split
         with self._lock:

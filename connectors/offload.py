@@ -82,6 +82,9 @@ class OffloadConnector:
             stats=self.counters,
             cost_model=cost_model,
         )
+        if config.in_step_host_loads and self.worker.layered_loads:
+            # In-step host loads land layer by layer under the forward: price them so.
+            cost_model.pipelined_layers = kv_cache.spec.num_layers
         self._closed = False
 
     @classmethod

@@ -84,6 +84,11 @@ class HostLoader:
         self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
 
+    @property
+    def layered(self) -> bool:
+        """In-step loads land layer by layer (see ``_copy_in_step``)."""
+        return self._side is not None and self._copier is not None and self._copier.layered
+
     def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
@@ -213,8 +218,7 @@ class HostLoader:
         Otherwise per-block copies the whole forward waits for."""
         if not loads or self._copier is None:
             return
-        layered = self._side is not None and self._copier.layered
-        if not layered:
+        if not self.layered:
             for pending in loads:
                 self._copy(pending, list(pending.load.slab_offsets), forward_reads=True)
             return

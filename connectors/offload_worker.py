@@ -66,6 +66,11 @@ class OffloadWorker:
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model)
 
+    @property
+    def layered_loads(self) -> bool:
+        """Whether in-step host loads land layer by layer (CUDA, Triton, aligned slab)."""
+        return self._loader.layered
+
     # -- runner hooks --------------------------------------------------------------------
 
     def start_load_kv(self, metadata: object | None) -> None:

@@ -135,3 +135,30 @@ def test_choose_split_counts_gpu_computed_tokens_as_context() -> None:
     # 10 new tokens over 20 cached: 1e-3 * 10 * (20 + 5) = 0.25 s.
     assert d.best == Option(STRATEGY_RECOMPUTE, 0, 0, pytest.approx(0.25))
     assert d.alternatives == ()
+
+
+def test_pipelined_host_loads_cost_the_longer_of_load_and_rest() -> None:
+    """Loads landing layer by layer under the forward: load [0, k) costs
+    max(load, rest) + min(load, rest) / layers, only for the leading pipelined blocks."""
+    from cachestore.cost_model import (
+        STRATEGY_LOAD_PREFIX,
+        STRATEGY_OVERLAP,
+        PrefillCost,
+        TierCost,
+        choose_split,
+    )
+
+    prefill = PrefillCost(0.0, 1e-3, 0.0)  # 1 ms per new token, no context term
+    host = (TierCost("host", 0.0, 2e6),)  # 2 MB/s: a 4096-byte block takes 2.048 ms
+    plain = choose_split([host] * 4, 4, 4096, 20, prefill)
+    piped = choose_split([host] * 4, 4, 4096, 20, prefill, pipelined_blocks=4, num_layers=8)
+    load_all = next(o for o in (plain.best, *plain.alternatives)
+                    if o.strategy == STRATEGY_LOAD_PREFIX and o.load_end == 4)
+    assert abs(load_all.predicted_s - (4 * 2.048e-3 + 4e-3)) < 1e-9  # load, then the rest
+    assert plain.best.strategy == STRATEGY_OVERLAP  # compute a block while three load: 10.1 ms
+    assert piped.best.strategy == STRATEGY_LOAD_PREFIX and piped.best.load_end == 4
+    assert abs(piped.best.predicted_s - (4 * 2.048e-3 + 4e-3 / 8)) < 1e-9
+    only_two = choose_split([host] * 4, 4, 4096, 20, prefill, pipelined_blocks=2, num_layers=8)
+    assert only_two.best.predicted_s >= piped.best.predicted_s
+    with pytest.raises(ValueError):
+        choose_split([host] * 4, 4, 4096, 20, prefill, pipelined_blocks=2, num_layers=0)
