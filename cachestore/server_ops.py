@@ -44,7 +44,7 @@ from cachestore.server_protocol import (
     error_header,
     unpack_request,
 )
-from cachestore.server_puts import check_payload
+from cachestore.server_puts import check_payload, put_views
 from cachestore.server_reads import HostReads, copy_out
 from cachestore.server_usage import NamespaceUsage
 from cachestore.store import HierarchicalStore
@@ -303,28 +303,8 @@ class OpHandler:
     def _put_views(self, header: dict[str, Any], tenant: str, sizes: list[int],
                    frames: Sequence[Any], rec: dict[str, Any]) -> list[memoryview]:
         """The put's payloads, from frames or the client's segment. Raises ProtocolError."""
-        lim = self.limits
-        if any(s > lim.max_frame_bytes for s in sizes) or sum(sizes) > lim.max_request_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"payload over the limit ({lim.max_frame_bytes} bytes per block, "
-                                f"{lim.max_request_bytes} per request)")
-        if "shm_offsets" not in header:
-            if len(frames) != len(sizes):
-                raise ProtocolError(ErrorCode.BAD_FRAME,
-                                    f"{len(frames)} payload frames for {len(sizes)} keys")
-            return [_buffer(f) for f in frames]
-        segment, _, _ = self._shm_region(header, tenant)
-        offsets = header["shm_offsets"]
-        if segment is None:
-            raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
-        if (not isinstance(offsets, list) or len(offsets) != len(sizes) or not all(
-                isinstance(o, int) and 0 <= o and o + s <= segment.size
-                for o, s in zip(offsets, sizes, strict=True))):
-            raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
-        # No copy here: put_many copies into the store before we acknowledge, and the client
-        # does not touch its segment until the acknowledgement.
-        rec["path"] = "shm"
-        return [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
+        return put_views(header, sizes, [_buffer(f) for f in frames], self.limits,
+                         lambda: self._shm_region(header, tenant)[0], rec)
 
     def _op_delete(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                    frames: Sequence[Any], rec: dict[str, Any]) -> _Body:

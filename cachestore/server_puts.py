@@ -9,15 +9,19 @@ header is checked against the one the daemon last saw for the (tenant, namespace
 ``HostReads`` hint); only a block without a matching hint goes through ``decode_block``,
 whose second pass also names the exact reason of a refusal.
 
-Pure functions; thread-safe.
+``put_views`` finds the payloads (frames or the client's segment). Pure functions; thread-safe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import xxhash
 
+from cachestore import shm
 from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block
-from cachestore.server_protocol import ErrorCode, ProtocolError, checksum
+from cachestore.server_protocol import ErrorCode, ProtocolError, ServerLimits, checksum
 
 Hint = tuple[bytes, int]  # (codec header bytes, encoded size) of a namespace's blocks
 
@@ -51,3 +55,31 @@ def check_payload(index: int, view: memoryview, size: int, digest: int, namespac
     except CodecError as exc:
         raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {index} is not an encoded block "
                             f"of its key's namespace ({exc}); nothing stored") from None
+
+
+def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview],
+              limits: ServerLimits, segment_of: Callable[[], shm.ShmSegment | None],
+              rec: dict[str, Any]) -> list[memoryview]:
+    """A put's payloads: ``frames``, or views of the client's segment (``segment_of``, which
+    raises ``ProtocolError`` for an unknown one) at ``shm_offsets``. Checks sizes against
+    ``limits`` and offsets against the segment; raises ``ProtocolError``. No copy: the store
+    copies before the put is acknowledged, and the client leaves its segment alone until then."""
+    if any(s > limits.max_frame_bytes for s in sizes) or sum(sizes) > limits.max_request_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"payload over the limit ({limits.max_frame_bytes} bytes per block, "
+                            f"{limits.max_request_bytes} per request)")
+    if "shm_offsets" not in header:
+        if len(frames) != len(sizes):
+            raise ProtocolError(ErrorCode.BAD_FRAME,
+                                f"{len(frames)} payload frames for {len(sizes)} keys")
+        return frames
+    segment = segment_of()
+    offsets = header["shm_offsets"]
+    if segment is None:
+        raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
+    if (not isinstance(offsets, list) or len(offsets) != len(sizes) or not all(
+            isinstance(o, int) and 0 <= o and o + s <= segment.size
+            for o, s in zip(offsets, sizes, strict=True))):
+        raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
+    rec["path"] = "shm"
+    return [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
