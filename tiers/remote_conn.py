@@ -105,6 +105,8 @@ class Connections:
         self.url = url
         self.use_doorbell = use_doorbell
         self.spin_s = spin_s
+        # Over a real network a reply takes longer than any useful spin: poll only locally.
+        self._zmq_spin_s = spin_s if _is_local(url) else 0.0
         self._token = token
         self.timeout_s = timeout_s
         self.use_shm = use_shm
@@ -261,8 +263,8 @@ class Connections:
         """Whether a reply arrived before ``deadline``: polled without blocking for up to
         ``spin_s`` (yielding between polls; a blocked thread's wake-up costs tens of us
         here), then a blocking poll."""
-        if self.spin_s > 0:
-            end = time.perf_counter() + self.spin_s
+        if self._zmq_spin_s > 0:
+            end = time.perf_counter() + self._zmq_spin_s
             while time.perf_counter() < end:
                 if sock.poll(0, zmq.POLLIN):
                     return True
@@ -315,6 +317,13 @@ def _check(conn: Conn, out: _Replies) -> _Replies:
         if code != ErrorCode.OK:
             raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
     return out
+
+
+def _is_local(url: str) -> bool:
+    if url.startswith("ipc://"):
+        return True
+    host = url[len("tcp://"):].rsplit(":", 1)[0]
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def _ms_left(deadline: float) -> int:
