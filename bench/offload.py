@@ -265,13 +265,16 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
 def bench_reload_steps(setup: Setup) -> dict[str, Any]:
     """Steps to the first token and TTFT: recompute vs host reload async (before) vs in-step
     (after). Each mode sees the same prompts; median of ``reps`` by TTFT."""
-    modes: dict[str, bool | None] = {"recompute": None, "host_async": False,
-                                     "host_in_step": True}
+    modes: dict[str, dict[str, bool] | None] = {
+        "recompute": None, "host_async": {"in_step_host_loads": False},
+        "host_in_step": {"in_step_host_loads": True}}
+    if setup.device.type == "cuda":  # in-step loads landing layer by layer (a copy kernel)
+        modes["host_layered"] = {"in_step_host_loads": True, "layered_loads": True}
     num_blocks = (max(setup.lengths) + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
-    for mode, in_step in modes.items():
-        offload = None if in_step is None else {
-            "decision": "load", "calibrate": False, "in_step_host_loads": in_step,
+    for mode, flags in modes.items():
+        offload = None if flags is None else {
+            "decision": "load", "calibrate": False, **flags,
             "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
         rng = random.Random(4)
         llm = make_llm(setup, num_blocks, offload)
@@ -301,6 +304,10 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
         ratios[length] = {"async_over_in_step": ttft["host_async"] / ttft["host_in_step"],
                           "recompute_over_async": ttft["recompute"] / ttft["host_async"],
                           "recompute_over_in_step": ttft["recompute"] / ttft["host_in_step"]}
+        if "host_layered" in ttft:
+            ratios[length].update(
+                in_step_over_layered=ttft["host_in_step"] / ttft["host_layered"],
+                recompute_over_layered=ttft["recompute"] / ttft["host_layered"])
     return {"modes": rows, "ratios": ratios}
 
 

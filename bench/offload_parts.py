@@ -151,7 +151,7 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
         _install_random_loader()
         setup = Setup(_random_model_dir(workdir, LLAMA3_8B), device, workdir, (1024, 4096, 16384),
                       256,
-                      {"users": 12, "rounds": 4, "concurrency": 4, "system": 1024,
+                      {"users": 12, "rounds": 6, "concurrency": 4, "system": 1024,
                        "context": 6144, "question": 64, "answer": 32},
                       ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
                       120.0, dtype="bfloat16", reps=3, lmdb_max_len=4096,

@@ -81,6 +81,7 @@ class OffloadConnector:
             load_timeout_s=config.load_timeout_s,
             stats=self.counters,
             cost_model=cost_model,
+            layered_loads=config.layered_loads,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.

@@ -6,6 +6,7 @@ One YAML file (or the same dict) holds both::
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
+    layered_loads: false    # CUDA: in-step loads land layer by layer under the forward
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
@@ -47,6 +48,11 @@ class OffloadConfig:
     # request runs at once); false: they wait in WAITING_FOR_KV like lower-tier loads (the
     # old behaviour, one more engine step; kept as the benchmark's baseline).
     in_step_host_loads: bool = True
+    # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
+    # layer's attention waiting only for its layer. Off by default: on the H200 the kernel
+    # moves 2 GiB at 49.6 GB/s but the step came out slower than per-block copies (docs/
+    # offload.md, run 3), not yet explained.
+    layered_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
@@ -57,11 +63,12 @@ class OffloadConfig:
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
-    "in_step_host_loads": ...}`` -> OffloadConfig.
+    "in_step_host_loads": ..., "layered_loads": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
-    known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads"}
+    known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
+             "layered_loads"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -71,17 +78,19 @@ def parse_offload_config(data: object) -> OffloadConfig:
     calibrate = data.get("calibrate", True)
     if not isinstance(calibrate, bool):
         raise ConfigError(f"kv offload config: calibrate must be true or false, got {calibrate!r}")
-    in_step = data.get("in_step_host_loads", True)
-    if not isinstance(in_step, bool):
-        raise ConfigError(
-            f"kv offload config: in_step_host_loads must be true or false, got {in_step!r}"
-        )
+    flags = {}
+    for name, default in (("in_step_host_loads", True), ("layered_loads", False)):
+        flags[name] = data.get(name, default)
+        if not isinstance(flags[name], bool):
+            raise ConfigError(
+                f"kv offload config: {name} must be true or false, got {flags[name]!r}")
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),
         load_timeout_s=float(timeout),
         calibrate=calibrate,
-        in_step_host_loads=in_step,
+        in_step_host_loads=flags["in_step_host_loads"],
+        layered_loads=flags["layered_loads"],
     )
 
 

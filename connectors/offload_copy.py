@@ -21,8 +21,9 @@ from engine.kv_cache import KVCache
 
 
 class SlabCopier:
-    def __init__(self, kv_cache: KVCache, host: torch.Tensor) -> None:
-        """``host``: a 1-D uint8 tensor (the slab). Raises ValueError for anything else."""
+    def __init__(self, kv_cache: KVCache, host: torch.Tensor, *, layered: bool = False) -> None:
+        """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
+        where it can run. Raises ValueError for anything else."""
         if host.dtype != torch.uint8 or host.dim() != 1:
             raise ValueError("host buffer must be a 1-D uint8 tensor")
         self.nbytes = kv_cache.bytes_per_block
@@ -33,7 +34,7 @@ class SlabCopier:
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
-        if self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
+        if layered and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
                 and host.is_pinned() and host.data_ptr() % 16 == 0:
             from engine.kernels import fused_kernels_available
 

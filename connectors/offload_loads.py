@@ -66,7 +66,8 @@ class _Load:
 class HostLoader:
     def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
-                 cost_model: OnlineCostModel | None) -> None:
+                 cost_model: OnlineCostModel | None, layered: bool = False) -> None:
+        """``layered``: in-step loads land layer by layer when the copier can (CUDA)."""
         self.kv_cache = kv_cache
         self.store = store
         self.meta = meta
@@ -78,7 +79,7 @@ class HostLoader:
         self._total = encoded_size(meta)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
-        self._copier = SlabCopier(kv_cache, host) if host is not None else None
+        self._copier = SlabCopier(kv_cache, host, layered=layered) if host is not None else None
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._loads: dict[str, _Load] = {}
         self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle

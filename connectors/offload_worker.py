@@ -54,6 +54,7 @@ class OffloadWorker:
         load_timeout_s: float,
         stats: OffloadStats,
         cost_model: OnlineCostModel | None = None,
+        layered_loads: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.store = store
@@ -64,7 +65,8 @@ class OffloadWorker:
         self._side_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
         self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream)
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
-                                  load_timeout_s=load_timeout_s, cost_model=cost_model)
+                                  load_timeout_s=load_timeout_s, cost_model=cost_model,
+                                  layered=layered_loads)
 
     @property
     def layered_loads(self) -> bool:

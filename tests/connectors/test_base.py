@@ -168,6 +168,10 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
     with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
         load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
+    assert cfg.layered_loads is False
+    assert load_offload_config({"tiers": host, "layered_loads": True}).layered_loads
+    with pytest.raises(ConfigError, match="layered_loads must be true or false"):
+        load_offload_config({"tiers": host, "layered_loads": 1})
     assert cfg.tiers.tiers == (HostTierConfig(capacity=1 << 20),)
     yaml_path = tmp_path / "offload.yaml"
     yaml_path.write_text("tiers:\n  - {kind: lmdb, path: /x, capacity: 1GiB}\n")

@@ -119,7 +119,8 @@ def test_cuda_in_step_reload_lands_layer_by_layer_with_outputs_unchanged(
     p, _ = prompts()
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
-    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=offload(True),
+    config = {**offload(True), "layered_loads": True}
+    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config,
              **kw) as llm:
         loader = llm.engine.offload.worker._loader  # type: ignore[union-attr]
         assert loader._copier is not None and loader._copier.layered
