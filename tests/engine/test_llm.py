@@ -349,3 +349,16 @@ def test_enforce_eager_skips_cuda_graphs(models: dict) -> None:
     kw: dict[str, Any] = dict(num_gpu_blocks=8, dtype="bfloat16", device="cuda")
     assert LLM(models["llama"][0], **kw).engine.runner.cuda_graphs is not None
     assert LLM(models["llama"][0], enforce_eager=True, **kw).engine.runner.cuda_graphs is None
+
+
+def test_engine_start_up_objects_leave_the_collector_until_close(models: dict) -> None:
+    """After start-up the engine freezes what exists (a full collection then skips it); a
+    closed engine unfreezes, so its reference cycles can be collected."""
+    import gc
+
+    model_dir, _ = models["llama"]
+    gc.unfreeze()
+    with LLM(model_dir, device="cpu", num_gpu_blocks=16) as llm:
+        assert gc.get_freeze_count() > 1000  # torch, the model, the engine
+        assert llm.generate([[1, 5, 9]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert gc.get_freeze_count() == 0
