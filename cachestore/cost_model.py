@@ -230,6 +230,7 @@ def choose_split(
     computed_tokens: int = 0,
     pipelined_blocks: int = 0,
     num_layers: int = 1,
+    overlap_margin: float = 0.0,
 ) -> Decision:
     """Price every load/compute split of a prompt and return the cheapest.
 
@@ -243,6 +244,12 @@ def choose_split(
     the rest is computed (the engine's in-step host loads over ``num_layers`` layers), so
     ``load [0, k)`` costs ``max(load, rest) + min(load, rest) / num_layers`` instead of
     ``load + rest`` for ``k <= pipelined_blocks``.
+
+    ``overlap_margin``: an overlap option is chosen only when it beats the best other option
+    by at least this fraction. An overlap plan runs in more engine steps than the others and
+    leans on two predictions at once (the head's compute and the tail's load); on the H200
+    its measured time came out well above the prediction while the prediction's gain over
+    loading everything was a few percent (docs/offload.md).
     """
     num_cached = len(hops_per_block)
     if block_tokens <= 0 or computed_tokens < 0:
@@ -283,7 +290,15 @@ def choose_split(
     def rank(o: Option) -> tuple[float, int]:
         return (o.predicted_s, o.num_load_blocks)
 
-    best = min(prefix + overlap, key=rank)
+    if not 0.0 <= overlap_margin < 1.0:
+        raise ValueError(f"overlap_margin must be in [0, 1), got {overlap_margin}")
+    best = min(prefix, key=rank)
+    if overlap:
+        best_overlap = min(overlap, key=rank)
+        if overlap_margin == 0.0:
+            best = min((best, best_overlap), key=rank)
+        elif best_overlap.predicted_s <= (1.0 - overlap_margin) * best.predicted_s:
+            best = best_overlap
     families = [prefix[0], prefix[-1], min(prefix, key=rank)]
     if overlap:
         families.append(min(overlap, key=rank))

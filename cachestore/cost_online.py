@@ -39,6 +39,8 @@ from cachestore.cost_model import (
 )
 
 log = logging.getLogger(__name__)
+# An overlap split must predict at least this much less than the best other option (cost_model).
+OVERLAP_MARGIN = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,9 @@ class OnlineCostModel:
         # > 0: host-tier loads land layer by layer over this many layers while the rest of
         # the prompt is computed (set by the KV connector when its loads do that).
         self.pipelined_layers = 0
+        # An overlap (Cake) split must beat the best other option by this fraction (see
+        # cost_model.choose_split): its extra engine step is not priced.
+        self.overlap_margin = OVERLAP_MARGIN
         self._prefill_base = prefill
         self._prefill_scale = 1.0
         self._counts = _Counts()
@@ -164,7 +169,8 @@ class OnlineCostModel:
                                 self.block_bytes, num_prompt_tokens, prefill,
                                 computed_tokens=num_gpu_hit_blocks * self.block_tokens,
                                 pipelined_blocks=lead_host if self.pipelined_layers else 0,
-                                num_layers=max(self.pipelined_layers, 1))
+                                num_layers=max(self.pipelined_layers, 1),
+                                overlap_margin=self.overlap_margin)
         recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
                          if o.strategy == STRATEGY_RECOMPUTE)  # always priced by choose_split
         with self._lock:

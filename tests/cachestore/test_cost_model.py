@@ -162,3 +162,15 @@ def test_pipelined_host_loads_cost_the_longer_of_load_and_rest() -> None:
     assert only_two.best.predicted_s >= piped.best.predicted_s
     with pytest.raises(ValueError):
         choose_split([host] * 4, 4, 4096, 20, prefill, pipelined_blocks=2, num_layers=0)
+
+
+def test_overlap_must_win_by_the_margin() -> None:
+    """Same prompt as the overlap test: overlap (32 ms) beats loading all (33 ms) by 3%, so a
+    10% margin keeps load_prefix; a 100 ms recompute vs a 32 ms overlap passes any margin."""
+    d = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=0.1)
+    assert (d.best.strategy, d.best.load_end) == (STRATEGY_LOAD_PREFIX, 8)
+    assert any(o.strategy == STRATEGY_OVERLAP for o in d.alternatives)
+    assert choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=0.02).best.strategy \
+        == STRATEGY_OVERLAP
+    with pytest.raises(ValueError):
+        choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=1.0)
