@@ -38,9 +38,14 @@ Sections (JSON keys):
   requests; rounds >= 1 alone), output tokens/s over the wall time, per-request cached and
   loaded tokens (from the engine's request log) and the decisions.
 - ``sweep``: prefix length x tier speed. A real LMDB tier behind a throttle (latency plus a
-  bandwidth cap), calibrated with cachestore.calibration; each point times recompute, load-all
-  (tier read + host->device copy + prefill of the rest) and the model's choice from measured
-  parts (an ``overlap`` choice combines its measured parts with max(), as it would run).
+  bandwidth cap) under a host tier, read through the engine's lower-tier load path (the
+  connector's ``OffloadWorker``: staging into the host slab, then slab -> cache copies), cold
+  (the blocks dropped from the host tier first). The model is calibrated through that same
+  path at the prefix's own batch sizes (``calibrate_transfer``), so the tier's effective
+  bandwidth (reported beside the throttle's nominal one) includes its per-block costs; each
+  point times recompute, load-all (load + prefill of the rest) and the model's choice from
+  measured parts (an ``overlap`` choice combines its measured parts with max(), as it would
+  run).
 
 The 8B shape is built directly on the device with random weights: ``engine.model_runner``'s
 ``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
@@ -69,15 +74,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine_info, percentile  # noqa: E402
 from bench.offload_parts import (  # noqa: E402
     GREEDY1,
-    SWEEP_CALIBRATION_BLOCKS,
     QaRun,
     Setup,
-    ThrottledTier,
     _Parts,
     _ttft_once,
     best_time,
     build_setup,
     bytes_per_block,
+    calibration_sizes,
     close_llm,
     first_token_steps,
     make_llm,
@@ -85,8 +89,9 @@ from bench.offload_parts import (  # noqa: E402
     run_qa,
     run_requests,
 )
-from cachestore.calibration import calibrate  # noqa: E402
+from cachestore.calibration import calibrate_prefill, calibrate_transfer  # noqa: E402
 from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE  # noqa: E402
+from cachestore.cost_online import OnlineCostModel  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -388,39 +393,50 @@ def _qa_figures(run: QaRun, before: dict[str, Any], after: dict[str, Any]) -> di
 # -- cost-model sweep ----------------------------------------------------------------------
 
 
-def bench_sweep(setup: Setup) -> dict[str, Any]:
-    from tiers.lmdb import LmdbTier
+def _sweep_prefill_sizes(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(new, context) shapes the sweep fits its prefill model to: for each prefix ``L``, the
+    shapes its options price: recompute ``(L+16 | 0)``, the rest after load-all ``(16 | L)``,
+    overlap heads ``(L/4 | 0)`` and ``(L/2 | 0)``, the rest of a half load ``(L/2+16 | L/2)``.
+    (The fit is relative: short shapes count as much as long ones.)"""
+    return list(dict.fromkeys(s for n in lengths for s in (
+        (n // 4, 0), (n // 2, 0), (n + 16, 0), (16, n), (n // 2 + 16, n // 2))))
 
+
+def bench_sweep(setup: Setup) -> dict[str, Any]:
+    """Prefix length x tier speed: for each point the cost model is calibrated on the tier as
+    the sweep reads it (``calibrate_transfer`` of ``SweepLoads``' cold engine load path at an
+    eighth, half and all of the prefix's blocks) and its choice is timed from measured parts
+    against recompute and load-all. The axis is the throttle's nominal bandwidth (a multiple of
+    the break-even) and the effective bandwidth the path reaches (the fit): per-block costs
+    cap it. ``path_ceiling``: the unthrottled path's fit."""
     lengths = setup.sweep_lengths or setup.lengths
     max_blocks = max(lengths) // 16
     # Room for a context and its new tokens at every length and calibration size (<= 4K).
     llm = make_llm(setup, max(3 * max(lengths), 4096) // 16 + 16, None)
-    lmdb = LmdbTier(os.path.join(setup.workdir, "sweep-lmdb"), (max_blocks + 64) * (
-        llm.engine.runner.kv_cache.bytes_per_block + 4096) * 2)
     points: list[dict[str, Any]] = []
+    parts: _Parts | None = None
     try:
-        bpb = llm.engine.runner.kv_cache.bytes_per_block
-        keys = [f"sweep/{i:08x}" for i in range(max_blocks)]
-        for i in range(0, max_blocks, 64):
-            lmdb.put_many([(k, os.urandom(bpb)) for k in keys[i:i + 64]])
-        parts = _Parts(setup, llm, lmdb, keys)
+        parts = _Parts(setup, llm, os.path.join(setup.workdir, "sweep-lmdb"), max_blocks)
+        bpb = parts.bpb
         run_requests(llm, [random_tokens(parts.rng, 64)], GREEDY1,
                      setup.request_timeout_s)  # warm-up
-        sizes = [(256, 0), (1024, 0), (min(max(lengths), 4096), 0), (256, 1024),
-                 (1024, 1024)]
+        prefill = calibrate_prefill(parts.prefill, _sweep_prefill_sizes(lengths), progress=False,
+                                    relative=True)
+        ceiling = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
+                                     sizes=calibration_sizes(max_blocks))
         for length in lengths:
             k_all = length // 16
             recompute = parts.prefill(length + 16, 0)
             breakeven_bw = k_all * bpb / recompute
             for bw_factor, lat_factor in setup.sweep_factors:
-                tier = ThrottledTier(lmdb, lat_factor * recompute, bw_factor * breakeven_bw)
-                parts.tier = tier
-                model = calibrate([tier], bpb, 16, parts.prefill, prefill_sizes=sizes,
-                                  host_to_gpu=parts.host_to_device,
-                                  num_blocks=SWEEP_CALIBRATION_BLOCKS,
-                                  progress=False)
+                parts.loads.throttle(lat_factor * recompute, bw_factor * breakeven_bw)
+                fit = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
+                                         sizes=calibration_sizes(k_all))
+                # No "host" hop: the fit is the whole load (staging, then slab -> cache copies).
+                model = OnlineCostModel({"lmdb": fit.cost}, prefill, bpb, 16)
                 d = model.decide(0, ["lmdb"] * k_all, length + 16)
-                load_all = parts.load(0, k_all) + parts.prefill(16, length)
+                read_all = parts.load(0, k_all)
+                load_all = read_all + parts.prefill(16, length)
                 b = d.best
                 if b.strategy == STRATEGY_RECOMPUTE:
                     chosen = recompute
@@ -432,20 +448,35 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
                     chosen = parts.load(0, b.load_end) + parts.prefill(length + 16 - done, done)
                 best = min(recompute, load_all, chosen)
                 points.append({
-                    "prefix_tokens": length, "bandwidth_gbps": bw_factor * breakeven_bw / 1e9,
-                    "latency_s": lat_factor * recompute, "choice": b.strategy,
-                    "load_blocks": [b.load_begin, b.load_end], "predicted_s": d.predicted_s,
+                    "prefix_tokens": length,
+                    "bandwidth_gbps": fit.cost.bandwidth_bytes_per_s / 1e9,  # effective
+                    "latency_s": fit.cost.latency_s,  # effective
+                    "nominal_gbps": bw_factor * breakeven_bw / 1e9,
+                    "nominal_latency_s": lat_factor * recompute,
+                    "calibration": [[s.num_blocks, s.seconds] for s in fit.samples],
+                    "choice": b.strategy, "load_blocks": [b.load_begin, b.load_end],
+                    "predicted_s": d.predicted_s,
+                    "predicted_recompute_s": prefill.time(length + 16, 0),
+                    "predicted_load_all_s": fit.predict(k_all, bpb) + prefill.time(16, length),
+                    "read_all_s": read_all, "predicted_read_all_s": fit.predict(k_all, bpb),
                     "recompute_s": recompute, "load_all_s": load_all, "chosen_s": chosen,
                     "ratio_to_best": chosen / best,
                     "not_slower_than_both": chosen <= max(recompute, load_all) * 1.02,
                 })
     finally:
-        lmdb.close()
+        if parts is not None:
+            parts.close()
         close_llm(llm)
     ratios = [p["ratio_to_best"] for p in points]
     return {"points": points, "worst_ratio_to_best": max(ratios),
             "within_5pct": sum(r <= 1.05 for r in ratios), "num_points": len(points),
-            "never_slower_than_both": all(p["not_slower_than_both"] for p in points)}
+            "never_slower_than_both": all(p["not_slower_than_both"] for p in points),
+            "num_not_slower_than_both": sum(p["not_slower_than_both"] for p in points),
+            "path_ceiling": {"gbps": ceiling.cost.bandwidth_bytes_per_s / 1e9,
+                             "latency_s": ceiling.cost.latency_s, "block_bytes": bpb,
+                             "calibration": [[s.num_blocks, s.seconds] for s in ceiling.samples]},
+            "prefill_fit": {"fixed_s": prefill.fixed_s, "per_token_s": prefill.per_token_s,
+                            "attention_s": prefill.attention_s}}
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -510,7 +541,9 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
                      f"{qa['throughput_ratio']:.2f}x with offload;")
     if "points" in sw:
         parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
-                     f"points (worst {sw['worst_ratio_to_best']:.2f}x)")
+                     f"points (worst {sw['worst_ratio_to_best']:.2f}x), never slower than both "
+                     f"pure options at {sw.get('num_not_slower_than_both', '?')}/"
+                     f"{sw['num_points']}")
     failed = [k for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep")
               if "error" in res.get(k, {})]
     if failed:

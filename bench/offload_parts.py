@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -41,7 +40,6 @@ TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size":
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "max_position_embeddings": 32768}  # room for 16K prefixes on CPU
 TOKEN_RANGE = (10, 500)
-SWEEP_CALIBRATION_BLOCKS = 16  # inside the demo tokenizer's vocabulary (the 8B shape borrows it)
 
 
 # -- set-up --------------------------------------------------------------------------------
@@ -446,7 +444,9 @@ def _read_request_log(path: str) -> dict[str, dict[str, Any]]:
 
 class ThrottledTier(Tier):
     """A tier whose reads take at least ``latency_s + nbytes / bandwidth`` (it sleeps the rest).
-    Writes, lookups and deletes pass through. Thread-safe as the inner tier."""
+    A read already slower than that is not sped up, so per-block costs of the inner tier cap
+    the rate it reaches (the sweep reports the fitted, effective rate). Writes, lookups,
+    deletes and pins pass through. Thread-safe as the inner tier."""
 
     def __init__(self, inner: Tier, latency_s: float, bandwidth_bytes_per_s: float) -> None:
         self.inner, self.latency_s, self.bandwidth = inner, latency_s, bandwidth_bytes_per_s
@@ -470,25 +470,103 @@ class ThrottledTier(Tier):
     def delete_many(self, keys: Sequence[str]) -> int:
         return self.inner.delete_many(keys)
 
+    def pin_each(self, keys: Sequence[str]) -> list[bool]:  # the store pins loads in LMDB
+        return self.inner.pin_each(keys)  # type: ignore[attr-defined, no-any-return]
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        self.inner.unpin(keys)  # type: ignore[attr-defined]
+
     def usage(self) -> TierUsage:
         return self.inner.usage()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class SweepLoads:
+    """The sweep's loads, through the engine's own lower-tier load path: a HierarchicalStore
+    of a host tier (the slab; pinned on CUDA) over a throttled LMDB tier holding ``num_blocks``
+    encoded blocks, and the connector's ``OffloadWorker`` loading into a KV cache of its own
+    (the engine's cache keeps the measured prefill contexts). A load is what an async load of
+    blocks demoted to LMDB does: ``prepare_load``, ``start_load_kv`` on an idle step (the
+    staging thread reads them from LMDB with checksums into slab slots, then one slab -> cache
+    copy per block), ``take_report``. Every load is cold: its blocks are first dropped from the
+    host tier (LMDB keeps them), so calibration and the timed loads read the same way.
+    Not thread-safe; owns its tiers (``close``)."""
+
+    def __init__(self, kv: KVCache, lmdb_path: str, num_blocks: int) -> None:
+        from cachestore.codec import encode_block, encoded_size
+        from cachestore.store import HierarchicalStore, StoreConfig
+        from connectors.offload_stats import OffloadStats
+        from connectors.offload_worker import OffloadWorker, block_meta
+        from tiers.host import HostTier
+        from tiers.lmdb import LmdbTier
+
+        self.kv, self.device = kv, kv.device
+        meta = block_meta(kv, "bench-sweep")
+        slot = encoded_size(meta)
+        self.keys = [f"{meta.namespace}/{i:064x}" for i in range(num_blocks)]
+        self.lmdb = LmdbTier(lmdb_path, (num_blocks + 16) * (slot + 4096) * 2)
+        gen = torch.Generator().manual_seed(5)
+        for i in range(0, num_blocks, 32):
+            self.lmdb.put_many([(k, encode_block(torch.randint(
+                0, 256, (kv.bytes_per_block,), dtype=torch.uint8, generator=gen).numpy()
+                .tobytes(), meta)) for k in self.keys[i:i + 32]])
+        self.tier = ThrottledTier(self.lmdb, 0.0, float("inf"))
+        self.host = HostTier((num_blocks + 4) * slot, slot)
+        self.store = HierarchicalStore([self.host, self.tier], StoreConfig(
+            namespace=meta.namespace, promote_on_get=False))
+        self.worker = OffloadWorker(kv, self.store, meta, load_timeout_s=600.0,
+                                    stats=OffloadStats())
+
+    def throttle(self, latency_s: float, bandwidth_bytes_per_s: float) -> None:
+        self.tier.latency_s, self.tier.bandwidth = latency_s, bandwidth_bytes_per_s
+
+    def load(self, begin: int, end: int) -> float:
+        """Seconds to load blocks ``[begin, end)`` from LMDB into cache blocks ``[0, n)``.
+        Raises RuntimeError when fewer blocks arrive."""
+        from connectors.base import BlockLoad, KVConnectorMetadata
+
+        keys = tuple(self.keys[begin:end])
+        n = len(keys)
+        self.host.delete_many(keys)  # cold: LMDB serves them (untimed)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.store.prepare_load(keys)
+        self.worker.start_load_kv(KVConnectorMetadata(loads=(BlockLoad(
+            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n),), num_scheduled_requests=0))
+        finished = self.worker.take_report().finished_loads
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        if [f.num_loaded_blocks for f in finished] != [n]:
+            raise RuntimeError(f"sweep load of {n} blocks: {finished}")
+        return seconds
+
+    def timer(self) -> Callable[[int], float]:
+        """``load_blocks(n)`` for ``calibrate_transfer``: the leading ``n`` blocks, cold."""
+        return lambda n: self.load(0, n)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.store.close()
+
+
+def calibration_sizes(num_blocks: int) -> tuple[int, ...]:
+    """Batch sizes the sweep calibrates a tier at for a prefix of ``num_blocks`` blocks: an
+    eighth, a half and all of it (what the timed loads move), at least 1 block each."""
+    return tuple(sorted({max(num_blocks // 8, 1), max(num_blocks // 2, 1), num_blocks}))
 
 
 class _Parts:
     """Measured building blocks of the sweep: prefill(n | c) on the engine (offload off, the
-    context held in the GPU prefix cache) and loads of k blocks (tier read + host->device)."""
+    context held in the GPU prefix cache) and cold loads of blocks ``[begin, end)`` through
+    ``SweepLoads`` (the engine's lower-tier load path)."""
 
-    def __init__(self, setup: Setup, llm: Any, tier: Tier, keys: list[str]) -> None:
-        self.setup, self.llm, self.tier, self.keys = setup, llm, tier, keys
+    def __init__(self, setup: Setup, llm: Any, lmdb_path: str, num_blocks: int) -> None:
+        self.setup, self.llm = setup, llm
         spec = llm.engine.runner.kv_cache.spec
-        # Loads land in a cache of their own: the engine's blocks keep the measured contexts.
-        capacity = max(len(keys), SWEEP_CALIBRATION_BLOCKS)
-        self.kv = KVCache(spec, capacity, setup.device)
         self.bpb = spec.bytes_per_block
-        # Staging allocated once: pinning per load would cost more than the copy.
-        self.staged = torch.empty(capacity * self.bpb, dtype=torch.uint8,
-                                  pin_memory=setup.device.type == "cuda")
-        self.staged_np = self.staged.numpy()
+        self.loads = SweepLoads(KVCache(spec, num_blocks, setup.device), lmdb_path, num_blocks)
         self.rng = random.Random(3)
         self._prefill: dict[tuple[int, int], float] = {}
         self._contexts: dict[int, list[int]] = {}
@@ -510,22 +588,9 @@ class _Parts:
             self._prefill[(n, c)] = min(times)
         return self._prefill[(n, c)]
 
-    def host_to_device(self, k: int, values: Sequence[Value] | None = None) -> float:
-        """Stage ``k`` blocks into (pinned) host memory and scatter them; returns seconds."""
-        bpb = self.bpb
-        payload = values or [bytes(bpb)] * k
-        t0 = time.perf_counter()
-        for i, v in enumerate(payload):
-            self.staged_np[i * bpb:(i + 1) * bpb] = np.frombuffer(v, dtype=np.uint8)
-        data = self.staged[:k * bpb].view(self.kv.spec.dtype).view(k, *self.kv.spec.block_shape)
-        self.kv.scatter_blocks(list(range(k)), data)
-        sync(self.kv.device)
-        return time.perf_counter() - t0
-
     def load(self, begin: int, end: int) -> float:
-        t0 = time.perf_counter()
-        values = self.tier.get_many(self.keys[begin:end])
-        read = time.perf_counter() - t0
-        if any(v is None for v in values):
-            raise RuntimeError("sweep tier lost blocks")
-        return read + self.host_to_device(end - begin, values)  # type: ignore[arg-type]
+        """Seconds of one cold load of blocks ``[begin, end)`` (0 for none)."""
+        return self.loads.load(begin, end) if end > begin else 0.0
+
+    def close(self) -> None:
+        self.loads.close()

@@ -10,6 +10,11 @@ Torch-free: the engine passes callbacks that do the device work.
   latency from the bandwidth. The host -> GPU hop is measured this way with a torch callback.
 - ``calibrate_tier(tier, block_bytes)`` does the same through a real tier's ``get_many`` on
   blocks it first writes with ``put_many`` under a private key prefix, and deletes them after.
+- ``calibrate_transfer(load_blocks, block_bytes, name, sizes)`` times a whole caller-supplied
+  transfer path (e.g. a lower tier -> host slab -> device load) at realistic batch sizes and
+  fits latency + bandwidth by least squares over them (``fit_transfer``), so per-block costs
+  (Python, page faults, checksums) show up in the bandwidth rather than vanishing in a small
+  batch.
 - ``calibrate(...)`` runs all of them and returns a ready ``OnlineCostModel``.
 
 Progress goes to stderr through tqdm. Safe to run while others use the tiers: it only adds and
@@ -22,7 +27,8 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
 
 from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
@@ -43,10 +49,12 @@ def _progress(total: int, desc: str, enabled: bool):  # -> tqdm
 
 def calibrate_prefill(run_prefill: Callable[[int, int], float],
                       sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
-                      repeats: int = 2, progress: bool = True) -> PrefillCost:
+                      repeats: int = 2, progress: bool = True,
+                      relative: bool = False) -> PrefillCost:
     """Fit ``PrefillCost`` to timed prefills. ``run_prefill(n, c)`` prefills ``n`` new tokens
-    after ``c`` cached ones and returns the seconds it took. Raises ValueError when ``sizes``
-    do not determine a fit (fewer than 3 distinct shapes) or a run reports no time."""
+    after ``c`` cached ones and returns the seconds it took. ``relative``: see
+    ``fit_prefill_nonnegative``. Raises ValueError when ``sizes`` do not determine a fit (fewer
+    than 3 distinct shapes) or a run reports no time."""
     if repeats < 1 or len(set(sizes)) < 3:
         raise ValueError(f"need repeats >= 1 and >= 3 distinct sizes, got {repeats}, {sizes}")
     samples: list[PrefillSample] = []
@@ -61,18 +69,27 @@ def calibrate_prefill(run_prefill: Callable[[int, int], float],
             if not best > 0:
                 raise ValueError(f"run_prefill({n}, {c}) reported {best} s")
             samples.append(PrefillSample(n, c, best))
-    return fit_prefill_nonnegative(samples)
+    return fit_prefill_nonnegative(samples, relative=relative)
 
 
-def fit_prefill_nonnegative(samples: Sequence[PrefillSample]) -> PrefillCost:
+def fit_prefill_nonnegative(samples: Sequence[PrefillSample], *,
+                            relative: bool = False) -> PrefillCost:
     """Least squares of ``t = a + b*n + c2*n*(c + n/2)`` with ``a, b, c2 >= 0``: the best of
     every subset of free coefficients whose solution is non-negative (3 unknowns: 7 subsets).
-    Noise must not make a long prompt look free. Raises ValueError with fewer than 3 samples."""
+    Noise must not make a long prompt look free. ``relative``: minimise the relative errors
+    ``(fit - t) / t`` instead of the absolute ones, so that short prefills, seconds apart from
+    long ones, are fitted as well as they (when a decision compares both). Raises ValueError
+    with fewer than 3 samples or, when ``relative``, a time <= 0."""
     if len(samples) < 3:
         raise ValueError("need at least 3 prefill samples")
+    if relative and any(not s.seconds > 0 for s in samples):
+        raise ValueError("a relative fit needs every prefill time > 0")
     rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
             for s in samples]
     ys = [s.seconds for s in samples]
+    if relative:  # each equation divided by its own time: residuals become relative errors
+        rows = [(r[0] / y, r[1] / y, r[2] / y) for r, y in zip(rows, ys, strict=True)]
+        ys = [1.0] * len(ys)
     best: tuple[float, list[float]] | None = None
     for k in (3, 2, 1):
         for active in combinations(range(3), k):
@@ -158,13 +175,77 @@ def calibrate_tier(tier: Tier, block_bytes: int, num_blocks: int = 32, *,
         tier.delete_many(keys)
 
 
+@dataclass(frozen=True, slots=True)
+class TransferSample:
+    """``num_blocks`` blocks moved in ``seconds`` (the fastest of a size's repeats)."""
+
+    num_blocks: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFit:
+    """A fitted transfer path and the samples it was fitted to."""
+
+    cost: TierCost
+    samples: tuple[TransferSample, ...]
+
+    def predict(self, num_blocks: int, block_bytes: int) -> float:
+        """Seconds the fit gives for ``num_blocks`` blocks of ``block_bytes``."""
+        return self.cost.latency_s + num_blocks * block_bytes / self.cost.bandwidth_bytes_per_s
+
+
+def fit_transfer(samples: Sequence[TransferSample], block_bytes: int, name: str) -> TierCost:
+    """Least squares of ``t = L + n * block_bytes / B`` with ``L >= 0``, ``B > 0``: a free fit;
+    a negative intercept refits through the origin; a slope <= 0 (noise, or a fixed cost that
+    dwarfs the bytes) takes ``B`` from the largest size alone and ``L`` from the smallest, as
+    ``calibrate_copy`` does. Pure. Raises ValueError with fewer than 2 distinct sizes, a size
+    < 1, a time <= 0 or ``block_bytes <= 0``."""
+    if block_bytes <= 0 or len({s.num_blocks for s in samples}) < 2:
+        raise ValueError(f"need block_bytes > 0 and >= 2 distinct sizes, got {block_bytes}, "
+                         f"{[s.num_blocks for s in samples]}")
+    if any(s.num_blocks < 1 or not s.seconds > 0 for s in samples):
+        raise ValueError(f"{name}: sizes must be >= 1 and times > 0, got {list(samples)}")
+    ns = [float(s.num_blocks) for s in samples]
+    ts = [s.seconds for s in samples]
+    n_mean, t_mean = sum(ns) / len(ns), sum(ts) / len(ts)
+    slope = (sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts, strict=True))
+             / sum((n - n_mean) ** 2 for n in ns))  # seconds per block
+    latency = t_mean - slope * n_mean
+    if slope > 0 and latency < 0:
+        slope, latency = sum(n * t for n, t in zip(ns, ts, strict=True)) / sum(n * n for n in ns), 0.0
+    if not slope > 0:
+        big = max(samples, key=lambda s: s.num_blocks)
+        small = min(samples, key=lambda s: s.num_blocks)
+        slope = big.seconds / big.num_blocks
+        latency = max(small.seconds - small.num_blocks * slope, 0.0)
+    return TierCost(name, latency, block_bytes / slope)
+
+
+def calibrate_transfer(load_blocks: Callable[[int], float], block_bytes: int, name: str, *,
+                       sizes: Sequence[int] = (16, 128), repeats: int = 2) -> TransferFit:
+    """Fit one whole transfer path from ``load_blocks(n)`` (moves ``n`` blocks the way the
+    caller's real loads do and returns the seconds; each call must start from the same state,
+    e.g. cold: that reset is the callback's job and is not timed). One warm-up call at the
+    smallest size, then the fastest of ``repeats`` per size; ``fit_transfer`` over them.
+    Raises ValueError for ``repeats < 1`` or what ``fit_transfer`` refuses."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    load_blocks(min(sizes))  # warm-up: first-call allocations, imports, page mappings
+    samples = tuple(TransferSample(n, min(float(load_blocks(n)) for _ in range(repeats)))
+                    for n in sorted(set(sizes)))
+    return TransferFit(fit_transfer(samples, block_bytes, name), samples)
+
+
 def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
               run_prefill: Callable[[int, int], float] | None = None, *,
               host_to_gpu: Callable[[int], float] | None = None,
               priors: CostPriors | None = None,
               prefill_sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
               num_blocks: int = 32, alpha: float = 0.2, progress: bool = True,
-              tier_block_bytes: int | None = None) -> OnlineCostModel:
+              tier_block_bytes: int | None = None,
+              transfer_timers: Mapping[str, Callable[[int], float]] | None = None,
+              transfer_sizes: Sequence[int] = (16, 128)) -> OnlineCostModel:
     """Measure what can be measured and start an ``OnlineCostModel`` from it.
 
     The ``host`` entry is the host -> GPU hop that every load ends with: timed with
@@ -172,7 +253,10 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
     the host tier if there is one (on a CPU engine that copy is the hop). Every other tier is
     timed with ``calibrate_tier`` on blocks of ``tier_block_bytes`` (default ``block_bytes``;
     pass the encoded size, codec header included, to move what a real load moves).
-    ``run_prefill`` (optional) fits the prefill model.
+    ``transfer_timers[name](n)``, when given, times tier ``name`` through a whole load path
+    instead (``calibrate_transfer`` at ``transfer_sizes``; the fit then prices that path as
+    one hop when no ``host`` entry is measured or given). ``run_prefill`` (optional) fits the
+    prefill model.
     Whatever is not measured keeps its value from ``priors`` (required then). A tier that fails
     keeps its prior too. Raises ValueError when neither a measurement nor a prior exists."""
     costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
@@ -189,6 +273,14 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
                     raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "
                                      f"no prior is given") from exc
             bar.update(1)
+    for name, timer in (transfer_timers or {}).items():
+        try:
+            costs[name] = calibrate_transfer(timer, tier_block_bytes or block_bytes, name,
+                                             sizes=transfer_sizes).cost
+        except Exception as exc:  # as for a tier: a prior, if any, stands in
+            if name not in costs:
+                raise ValueError(f"transfer {name!r}: calibration failed ({exc}) and no prior "
+                                 f"is given") from exc
     if run_prefill is not None:
         prefill = calibrate_prefill(run_prefill, prefill_sizes, progress=progress)
     elif priors is not None:
