@@ -472,6 +472,11 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
             "within_5pct": sum(r <= 1.05 for r in ratios), "num_points": len(points),
             "never_slower_than_both": all(p["not_slower_than_both"] for p in points),
             "num_not_slower_than_both": sum(p["not_slower_than_both"] for p in points),
+            # Which side of the model misses: the calibrated load, or the prefill fit.
+            "worst_read_prediction_error": max(
+                abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points),
+            "worst_recompute_prediction_error": max(
+                abs(p["predicted_recompute_s"] / p["recompute_s"] - 1) for p in points),
             "path_ceiling": {"gbps": ceiling.cost.bandwidth_bytes_per_s / 1e9,
                              "latency_s": ceiling.cost.latency_s, "block_bytes": bpb,
                              "calibration": [[s.num_blocks, s.seconds] for s in ceiling.samples]},
