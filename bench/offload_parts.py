@@ -507,11 +507,10 @@ class SweepLoads:
         slot = encoded_size(meta)
         self.keys = [f"{meta.namespace}/{i:064x}" for i in range(num_blocks)]
         self.lmdb = LmdbTier(lmdb_path, (num_blocks + 16) * (slot + 4096) * 2)
-        gen = torch.Generator().manual_seed(5)
+        rng = random.Random(5)  # seeded payloads; nothing computes on them
         for i in range(0, num_blocks, 32):
-            self.lmdb.put_many([(k, encode_block(torch.randint(
-                0, 256, (kv.bytes_per_block,), dtype=torch.uint8, generator=gen).numpy()
-                .tobytes(), meta)) for k in self.keys[i:i + 32]])
+            self.lmdb.put_many([(k, encode_block(rng.randbytes(kv.bytes_per_block), meta))
+                                for k in self.keys[i:i + 32]])
         self.tier = ThrottledTier(self.lmdb, 0.0, float("inf"))
         self.host = HostTier((num_blocks + 4) * slot, slot)
         self.store = HierarchicalStore([self.host, self.tier], StoreConfig(
