@@ -13,7 +13,8 @@ value once on the client too, for an apples-to-apples "bytes in my hands" figure
 
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
 Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch]
-       [--sizes 2MiB,64KiB]
+       [--sizes 2MiB,64KiB] [--ops get,put] [--modes single,batch]
+       [--backends daemon-tcp,daemon-shm,daemon-shm-zmq]   (redis always runs: the baseline)
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ from tests.servers import RedisServer, free_port  # noqa: E402
 SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
+DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-shm": "shm_vs_redis",
+                "daemon-shm-zmq": "shm_zmq_vs_redis"}  # backend -> its ratio's field
+
+
+def _subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
+    """The comma-separated ``value`` as a list, in ``allowed``'s order; exits on a bad name."""
+    picked = [s for s in value.split(",") if s]
+    if not picked or any(s not in allowed for s in picked):
+        ap.error(f"{flag} takes a comma-separated subset of {allowed}")
+    return [s for s in allowed if s in picked]
 
 
 def _block(key: str, size: int) -> bytes:
@@ -139,10 +150,15 @@ def main() -> int:
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"block sizes, of {list(SIZES)}")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds per case (each --seconds/rounds long; best kept)")
+    ap.add_argument("--ops", default="get,put", help="of get, put")
+    ap.add_argument("--modes", default="single,batch", help="of single, batch")
+    ap.add_argument("--backends", default=",".join(DAEMON_KINDS),
+                    help=f"daemon backends, of {list(DAEMON_KINDS)} (redis always runs)")
     args = ap.parse_args()
-    sizes = [s for s in args.sizes.split(",") if s]
-    if not sizes or any(s not in SIZES for s in sizes):
-        ap.error(f"--sizes takes a comma-separated subset of {list(SIZES)}")
+    sizes = _subset(ap, "--sizes", args.sizes, list(SIZES))
+    ops = _subset(ap, "--ops", args.ops, ["get", "put"])
+    modes = _subset(ap, "--modes", args.modes, ["single", "batch"])
+    backends = _subset(ap, "--backends", args.backends, list(DAEMON_KINDS))
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-")
     redis_server = RedisServer(maxmemory_bytes=2 << 30)  # no persistence, like the daemon here
     procs: list[subprocess.Popen[str]] = []
@@ -158,14 +174,13 @@ def main() -> int:
             cwd=ROOT, stdout=subprocess.PIPE, text=True))
         assert procs[0].stdout is not None and "listening" in procs[0].stdout.readline()
         daemon = f"tcp://127.0.0.1:{dport}"
-        urls = {"redis": redis_server.url, "daemon-tcp": daemon, "daemon-shm": daemon,
-                "daemon-shm-zmq": daemon}
+        urls = {"redis": redis_server.url, **dict.fromkeys(backends, daemon)}
         cases: list[dict[str, Any]] = []
         for size_name in sizes:
             for kind in urls:
                 _prefill(kind, urls[kind], size_name)
-            for op in ("get", "put"):
-                for batched in (False, True):
+            for op in ops:
+                for batched in [m == "batch" for m in modes]:
                     for clients in sorted({1, args.clients}):
                         row: dict[str, Any] = {"size": size_name, "op": op, "batched": batched,
                                                "clients": clients}
@@ -178,9 +193,9 @@ def main() -> int:
                                     kind, url, op, size_name, batched, clients,
                                     args.seconds / args.rounds, args.touch))
                         row.update({kind: round(v, 3) for kind, v in best.items()})
-                        row["tcp_vs_redis"] = round(row["daemon-tcp"] / row["redis"], 2)
-                        row["shm_vs_redis"] = round(row["daemon-shm"] / row["redis"], 2)
-                        row["shm_zmq_vs_redis"] = round(row["daemon-shm-zmq"] / row["redis"], 2)
+                        for kind, ratio in DAEMON_KINDS.items():
+                            if kind in row:
+                                row[ratio] = round(row[kind] / row["redis"], 2)
                         cases.append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -194,8 +209,9 @@ def main() -> int:
                       "cases": cases}, indent=1))
     big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
     summary = ", ".join(
-        f"{c['op']}{'-batch' if c['batched'] else ''} tcp {c['tcp_vs_redis']}x shm "
-        f"{c['shm_vs_redis']}x (shm-zmq {c['shm_zmq_vs_redis']}x)" for c in big)
+        f"{c['op']}{'-batch' if c['batched'] else ''} " + " ".join(
+            f"{kind[len('daemon-'):]} {c[ratio]}x" for kind, ratio in DAEMON_KINDS.items()
+            if ratio in c) for c in big)
     print(f"server bench (2 MiB, 1 client, vs redis GB/s): {summary}")
     return 0
 

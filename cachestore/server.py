@@ -55,6 +55,9 @@ from cachestore.store import HierarchicalStore
 
 __all__ = ["CacheServer", "RequestRecord", "ServerConfig", "is_loopback"]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+# The loop spins (``spin_us``) for the next request only after passes that moved at most this
+# many payload bytes (see ``_loop``).
+SPIN_MAX_BYTES = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,14 +245,13 @@ class CacheServer:
                     continue
             else:
                 events = dict(poller.poll(50))
-            if events:
-                busy_until = time.perf_counter() + spin_s
+            moved = 0  # payload bytes received and sent in this pass
             if wake_r in events:
                 try:
                     os.read(wake_r, 4096)
                 except BlockingIOError:
                     pass
-                self._flush(router, replies)
+                moved += self._flush(router, replies)
             if router in events:
                 for _ in range(64):  # bounded batch so replies keep flowing under load
                     try:
@@ -257,6 +259,7 @@ class CacheServer:
                     except zmq.Again:
                         break
                     identity = frames[0].bytes
+                    moved += sum(len(f) for f in frames[2:])
                     if drain_deadline is not None:
                         router.send_multipart(
                             [identity, pack(error_header(-1, ErrorCode.SHUTTING_DOWN,
@@ -266,28 +269,43 @@ class CacheServer:
                     if isinstance(parsed, Reply):  # refused: no store work to hand off
                         _send(router, identity, parsed, copy=False)
                         continue
+
+                    def send(reply: Reply, ident: bytes = identity) -> None:
+                        nonlocal moved
+                        moved += _send(router, ident, reply, copy=False)
+
+                    # Host blocks leave zero copy, lent (pinned) until ZMQ has sent them.
                     if self.config.inline_reads and self._handler.serve_inline(
-                            parsed, lambda r, ident=identity: _send(router, ident, r, copy=True)):
+                            parsed, send, lend=True):
                         continue
                     self.inflight += 1
                     fut = pool.submit(self._handler.run, parsed)
                     fut.add_done_callback(lambda f, ident=identity: finish(ident, f))
+            if events:
+                # Spin for the next request only after small messages: one that follows a
+                # large transfer is at least that transfer away, and the spin would take the
+                # CPU from the ZMQ I/O thread still moving the bytes (2 shared cores).
+                busy_until = time.perf_counter() + spin_s if moved <= SPIN_MAX_BYTES else 0.0
 
-    def _flush(self, router: zmq.Socket, replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> None:
+    def _flush(self, router: zmq.Socket, replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> int:
+        """Send the pool's finished replies; returns their payload bytes."""
+        moved = 0
         while True:
             try:
                 identity, reply = replies.get_nowait()
             except queue.Empty:
-                return
+                return moved
             self.inflight -= 1
-            _send(router, identity, reply, copy=False)
+            moved += _send(router, identity, reply, copy=False)
 
 
-def _send(router: zmq.Socket, identity: bytes, reply: Reply, copy: bool) -> None:
-    """Send one reply. ``copy``: ZMQ copies the payloads before returning (payloads that are
-    pinned host-tier views, unpinned right after); else it sends owned bytes zero copy."""
+def _send(router: zmq.Socket, identity: bytes, reply: Reply, copy: bool) -> int:
+    """Send one reply. ``copy``: ZMQ copies the payloads before returning; else it sends them
+    zero copy, holding a reference to each payload until its bytes are on the wire (owned
+    bytes, or host-tier views lent by ``HostReads.lend``, unpinned when released)."""
     try:
         router.send_multipart([identity, pack(reply.header), *reply.payloads], copy=copy)
     except zmq.ZMQError:
         pass  # the peer is gone (ROUTER drops silently; this is belt and braces)
+    return sum(len(p) for p in reply.payloads)
 

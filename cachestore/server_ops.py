@@ -142,11 +142,15 @@ class OpHandler:
         """The recorded error reply to a parsed request (e.g. a doorbell tenant mismatch)."""
         return self._fail(req, ProtocolError(code, message))
 
-    def serve_inline(self, req: Request, send: Callable[[Reply], None]) -> bool:
+    def serve_inline(self, req: Request, send: Callable[[Reply], None], lend: bool = False
+                     ) -> bool:
         """Serve a get or lookup whose keys the host tier holds, or a small put of known
         namespaces into a memory-only store, on the calling (loop) thread, and ``send`` its
-        reply while the blocks are still pinned (``send`` must copy payload frames); False
-        (nothing sent, nothing pinned) when the request needs the worker pool.
+        reply while the blocks are still pinned; False (nothing sent, nothing pinned) when the
+        request needs the worker pool. ``lend`` False: ``send`` must copy payload frames (the
+        blocks are unpinned when it returns). ``lend`` True: ``send`` may keep them (ZMQ zero
+        copy); each payload view's block stays pinned until the last reference to the view
+        is gone (``HostReads.lend``), so ``send`` must not keep views beyond the transfer.
         Host blocks skip the checksum (this daemon checked it on the way in: a put payload,
         or a lower-tier read before promotion) but not ``locate_host``'s header and size check."""
         if self._fast is None or not req.ikeys:
@@ -183,10 +187,15 @@ class OpHandler:
             req.rec.update(num_hits=0, bytes_out=0, path="tcp")
             return False
         self.num_inline += 1  # before the reply leaves (see the lookup case)
+        lent = self._fast.lend(req.ikeys, views, payloads) if lend else [False] * len(views)
+        reply = self._ok(req, body, payloads)
+        del views, payloads  # a lent block's pin goes with the last reference to its view
         try:
-            send(self._done(req, ErrorCode.OK, self._ok(req, body, payloads)))
+            send(self._done(req, ErrorCode.OK, reply))
+            del reply
         finally:
-            self.store.unpin_host(req.ikeys)
+            self.store.unpin_host([k for k, was_lent in zip(req.ikeys, lent, strict=True)
+                                   if not was_lent])
         return True
 
     def _ok(self, req: Request, body: dict[str, Any], payloads: list[Value]) -> Reply:

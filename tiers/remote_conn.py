@@ -43,6 +43,9 @@ _Replies = list[tuple[dict[str, Any], list[memoryview]]]
 # Requests of one call are all sent before the first reply is read when they add up to no
 # more than this (a socket buffer holds them, so neither side can block the other's send).
 _PIPELINE_BYTES = 64 << 10
+# A ZMQ call spins for its replies only when neither its request frames nor the last reply of
+# the same op carried more payload bytes than this (``Connections._call_zmq``).
+SPIN_MAX_BYTES = 256 << 10
 
 
 class Bell:
@@ -94,6 +97,7 @@ class Conn:
         self.bell: Bell | None = None
         self.max_keys = 1024
         self.max_request_bytes = 1 << 30
+        self.reply_bytes: dict[str, int] = {}  # op -> payload bytes of its last ZMQ reply
 
 
 class Connections:
@@ -228,11 +232,19 @@ class Connections:
                   ) -> _Replies:
         deadline = time.monotonic() + self.timeout_s
         ids: list[int] = []
+        ops: dict[int, str] = {}
+        # Spin for the replies only when no large message crosses either way: a reply behind
+        # megabytes of frames is that transfer away, and spinning would take the CPU from
+        # this process's ZMQ I/O thread that moves them (2 shared cores).
+        spin = (sum(len(p) for _, ps in requests for p in ps) <= SPIN_MAX_BYTES
+                and all(conn.reply_bytes.get(h.get("op", ""), 0) <= SPIN_MAX_BYTES
+                        for h, _ in requests))
         try:
             for header, payloads in requests:
                 request_id = conn.next_id
                 conn.next_id += 1
                 ids.append(request_id)
+                ops[request_id] = str(header.get("op"))
                 msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
                 parts = [pack(msg), *payloads]
                 try:  # the common case: the pipe has room, no poll round trip needed
@@ -243,12 +255,13 @@ class Connections:
                     conn.sock.send_multipart(parts, copy=False)
             replies: dict[int, tuple[dict[str, Any], list[memoryview]]] = {}
             while len(replies) < len(ids):
-                if not self._wait_in(conn.sock, deadline):
+                if not self._wait_in(conn.sock, deadline, spin):
                     raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s")
                 frames = conn.sock.recv_multipart(copy=False)
                 reply = msgpack.unpackb(frames[0].buffer, raw=False)
                 if reply.get("id") in ids:
                     replies[reply["id"]] = (reply, [f.buffer for f in frames[1:]])
+                    conn.reply_bytes[ops[reply["id"]]] = sum(len(f) for f in frames[1:])
                 elif reply.get("id") == -1:  # an error the daemon could not tie to an id
                     raise TierError(f"cache server refused a request: {reply.get('error')}")
         except TierError:
@@ -259,11 +272,11 @@ class Connections:
             raise TierError(f"cache server {self.url}: {exc}") from exc
         return [replies[i] for i in ids]
 
-    def _wait_in(self, sock: zmq.Socket, deadline: float) -> bool:
+    def _wait_in(self, sock: zmq.Socket, deadline: float, spin: bool) -> bool:
         """Whether a reply arrived before ``deadline``: polled without blocking for up to
-        ``spin_s`` (yielding between polls; a blocked thread's wake-up costs tens of us
-        here), then a blocking poll."""
-        if self._zmq_spin_s > 0:
+        ``spin_s`` if ``spin`` (yielding between polls; a blocked thread's wake-up costs tens
+        of us here), then a blocking poll."""
+        if spin and self._zmq_spin_s > 0:
             end = time.perf_counter() + self._zmq_spin_s
             while time.perf_counter() < end:
                 if sock.poll(0, zmq.POLLIN):

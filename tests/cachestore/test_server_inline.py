@@ -5,6 +5,7 @@ stored header is damaged is never served inline (the pool's checksummed read mak
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,68 @@ def test_inline_reads_off_gives_the_same_answers(
     finally:
         srv.stop()
         store.close()
+
+
+BIG_KEYS = [f"aaaa/{i:032x}" for i in range(100, 103)]
+BIG = [sized_block(k, 96 << 10) for k in BIG_KEYS]  # lent once MIN_LENT_BYTES is lowered
+
+
+def _pins(host: HostTier, ikeys: list[str]) -> list[int]:
+    return [host._entries[k].pins for k in ikeys]  # white-box: pins are not public
+
+
+def test_tcp_inline_gets_lend_host_blocks_and_unpin_after_the_send(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+        remote: Callable[..., RemoteTier]) -> None:
+    """Over ZMQ frames, inline host hits leave zero copy: lent (pinned) while ZMQ holds them,
+    unpinned once sent; the client gets the exact bytes, also for a key asked twice."""
+    srv, _, host = daemon
+    alice = remote(srv.bound_url, token=ALICE, use_shm=False)
+    alice.put_many(list(zip(BIG_KEYS, BIG, strict=True)))
+    alice.get_many(BIG_KEYS[:1])  # learns the namespace's header: the next hits are inline
+    reads = srv.handler._fast  # white-box: the lent-bytes gauge and count
+    assert reads is not None
+    reads.MIN_LENT_BYTES = 64 << 10  # instance attribute: lend this test's 96 KiB blocks
+    before, lent = srv.handler.num_inline, reads.num_lent
+    keys = [BIG_KEYS[0], BIG_KEYS[2], BIG_KEYS[0]]
+    got = alice.get_many(keys)
+    assert [bytes(v) for v in got if v is not None] == [BIG[0], BIG[2], BIG[0]]
+    assert srv.handler.num_inline == before + 1 and reads.num_lent == lent + 3
+    deadline = time.monotonic() + 5
+    while reads.lent_bytes and time.monotonic() < deadline:  # pyzmq releases on its own thread
+        time.sleep(0.01)
+    assert reads.lent_bytes == 0
+    assert _pins(host, [f"alice/{k}" for k in BIG_KEYS]) == [0, 0, 0]
+    alice.close()
+
+
+def test_lend_pins_until_the_view_goes_and_respects_its_budget(
+        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+        remote: Callable[..., RemoteTier]) -> None:
+    srv, store, host = daemon
+    alice = remote(srv.bound_url, token=ALICE, use_shm=False)
+    alice.put_many(list(zip(BIG_KEYS, BIG, strict=True)))
+    alice.get_many(BIG_KEYS[:1])
+    reads = srv.handler._fast
+    assert reads is not None
+    ikeys = [f"alice/{k}" for k in BIG_KEYS[:2]]
+    views = reads.pinned_views("alice", BIG_KEYS[:2], ikeys)
+    assert views is not None and _pins(host, ikeys[:2]) == [1, 1]
+    # Instance attributes: first too small to lend, then 96 KiB blocks lent, one at a time.
+    reads.MIN_LENT_BYTES = len(BIG[0]) + 1
+    assert reads.lend(ikeys, views, views) == [False, False] and reads.lent_bytes == 0
+    reads.MIN_LENT_BYTES = 64 << 10
+    reads.MAX_LENT_BYTES = len(BIG[0]) + 1
+    assert reads.lend(ikeys[1:], views[1:], []) == [False]  # not a frame: never lent
+    # Both views are frames here, but the budget takes one.
+    assert reads.lend(ikeys, views, [views[1], views[0]]) == [True, False]
+    assert reads.lent_bytes == len(BIG[0])
+    store.unpin_host(ikeys[1:2])  # the caller's share: what was not lent
+    assert _pins(host, ikeys[:2]) == [1, 0]
+    # A lent block survives a flood of puts that evicts everything else.
+    flood = [(f"aaaa/{i:032x}", sized_block(f"aaaa/{i:032x}", 96 << 10)) for i in range(200, 260)]
+    alice.put_many(flood)
+    assert host.lookup(ikeys[:1]) == 1 and host.lookup(ikeys[1:2]) == 0
+    del views
+    assert reads.lent_bytes == 0 and _pins(host, ikeys[:1]) == [0]
+    alice.close()

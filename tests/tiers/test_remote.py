@@ -165,3 +165,36 @@ def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
     finally:
         server.stop()
         store.close()
+
+
+def test_zmq_replies_are_spun_for_only_after_small_messages(
+        served: tuple[CacheServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loopback ZMQ call polls before it blocks, but not while a large message crosses:
+    not after sending large put frames, and not for a get whose last reply was large."""
+    from tiers import remote_conn
+
+    _, port = served
+    tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=False)
+    spins: list[bool] = []
+    wait_in = remote_conn.Connections._wait_in
+
+    def spy(self: remote_conn.Connections, sock: object, deadline: float, spin: bool) -> bool:
+        spins.append(spin)
+        return wait_in(self, sock, deadline, spin)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(remote_conn.Connections, "_wait_in", spy)
+    small, big = "abcd/" + "1" * 40, "abcd/" + "2" * 40
+    limit = remote_conn.SPIN_MAX_BYTES
+    try:
+        tier.put_many([(small, sized_block(small, 1000))])  # (a hello first: small too)
+        tier.put_many([(big, sized_block(big, limit + 1))])
+        assert spins == [True, True, False]
+        spins.clear()
+        tier.get_many([small])  # no get reply seen yet: spins
+        tier.get_many([big])  # the last get reply was small: spins
+        tier.get_many([small])  # the last get reply was large: blocks
+        tier.get_many([small])
+        tier.lookup([big])  # another op: its own history
+        assert spins == [True, True, False, True, True]
+    finally:
+        tier.close()
