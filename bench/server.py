@@ -7,6 +7,8 @@ Backends, each a separate server process on loopback:
 - ``daemon-shm``: the same daemon and client, same-host path: payloads through the shared-memory
   segment, requests and replies over the doorbell (a Unix socket, ``cachestore.doorbell``)
 - ``daemon-shm-zmq``: the same, but requests and replies over ZMQ (the path before the doorbell)
+- ``daemon-tcp-cpu``: ``daemon-tcp`` against a second daemon started with ``--loop-cpu``
+  (its loop and ZMQ I/O threads on one CPU; ``--loop-cpu N`` picks it, default 0)
 For each: block size x {single key, batched} x {1, N concurrent client processes}, for
 ``--seconds`` each, split into ``--rounds`` rounds that alternate the backends (best round kept). Gets return bytes (redis) or memoryviews (daemon); ``--touch`` copies every
 value once on the client too, for an apples-to-apples "bytes in my hands" figure.
@@ -14,7 +16,8 @@ value once on the client too, for an apples-to-apples "bytes in my hands" figure
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
 Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch]
        [--sizes 2MiB,64KiB] [--ops get,put] [--modes single,batch]
-       [--backends daemon-tcp,daemon-shm,daemon-shm-zmq]   (redis always runs: the baseline)
+       [--backends daemon-tcp,daemon-shm,daemon-shm-zmq,daemon-tcp-cpu] [--loop-cpu 0]
+       (redis always runs: the baseline; default backends: all but daemon-tcp-cpu)
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
 DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-shm": "shm_vs_redis",
-                "daemon-shm-zmq": "shm_zmq_vs_redis"}  # backend -> its ratio's field
+                "daemon-shm-zmq": "shm_zmq_vs_redis",
+                "daemon-tcp-cpu": "tcp_cpu_vs_redis"}  # backend -> its ratio's field
 
 
 def _subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
@@ -142,6 +146,17 @@ def _prefill(kind: str, url: str, size_name: str) -> None:
         client.close()
 
 
+def _start_daemon(procs: list[subprocess.Popen[str]], cfg: str, extra: list[str]) -> str:
+    """Start a memory-only ``kvtier cache-server`` (appended to ``procs``); its url."""
+    port = free_port()
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
+         "--admin-port", "-1", "--config", cfg, "--max-keys", "4096", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True))
+    assert procs[-1].stdout is not None and "listening" in procs[-1].stdout.readline()
+    return f"tcp://127.0.0.1:{port}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -152,8 +167,9 @@ def main() -> int:
                     help="interleaved rounds per case (each --seconds/rounds long; best kept)")
     ap.add_argument("--ops", default="get,put", help="of get, put")
     ap.add_argument("--modes", default="single,batch", help="of single, batch")
-    ap.add_argument("--backends", default=",".join(DAEMON_KINDS),
+    ap.add_argument("--backends", default="daemon-tcp,daemon-shm,daemon-shm-zmq",
                     help=f"daemon backends, of {list(DAEMON_KINDS)} (redis always runs)")
+    ap.add_argument("--loop-cpu", type=int, default=0, help="daemon-tcp-cpu's --loop-cpu")
     args = ap.parse_args()
     sizes = _subset(ap, "--sizes", args.sizes, list(SIZES))
     ops = _subset(ap, "--ops", args.ops, ["get", "put"])
@@ -164,17 +180,14 @@ def main() -> int:
     procs: list[subprocess.Popen[str]] = []
     try:
         redis_server.start()
-        dport = free_port()
         cfg = os.path.join(tmp, "tiers.yaml")
         with open(cfg, "w") as f:
             f.write("tiers:\n  - {kind: host, capacity: 1GiB, slot_bytes: 2MiB, pin_memory: false}\n")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(dport),
-             "--admin-port", "-1", "--config", cfg, "--max-keys", "4096"],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True))
-        assert procs[0].stdout is not None and "listening" in procs[0].stdout.readline()
-        daemon = f"tcp://127.0.0.1:{dport}"
-        urls = {"redis": redis_server.url, **dict.fromkeys(backends, daemon)}
+        urls = {"redis": redis_server.url}
+        daemon = _start_daemon(procs, cfg, [])
+        for kind in backends:
+            urls[kind] = (_start_daemon(procs, cfg, ["--loop-cpu", str(args.loop_cpu)])
+                          if kind == "daemon-tcp-cpu" else daemon)
         cases: list[dict[str, Any]] = []
         for size_name in sizes:
             for kind in urls:

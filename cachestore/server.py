@@ -83,10 +83,17 @@ class ServerConfig:
     # How long the loop (and a doorbell thread) polls for the next request before it blocks:
     # on a small VM a blocked thread's wake-up is most of a short request's round trip.
     spin_us: float = 100.0
+    # Pin the loop thread and ZMQ's I/O thread to this CPU (None: unpinned). Their hand-offs
+    # then never wake another CPU, which on a small VM costs more than the work itself
+    # (docs/cache_server.md, "TCP"). Worker-pool and doorbell threads stay unpinned.
+    loop_cpu: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
             raise ValueError("num_workers must be positive")
+        if self.loop_cpu is not None and self.loop_cpu not in os.sched_getaffinity(0):
+            raise ValueError(f"loop_cpu {self.loop_cpu} is not one of this process's CPUs "
+                             f"{sorted(os.sched_getaffinity(0))}")
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
 
@@ -184,6 +191,9 @@ class CacheServer:
 
     def serve_forever(self) -> None:
         ctx = zmq.Context()
+        cpus = os.sched_getaffinity(0)  # this thread's, restored on pool threads (they inherit)
+        if self.config.loop_cpu is not None:  # before the first socket starts the I/O thread
+            ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, self.config.loop_cpu)
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
@@ -193,7 +203,8 @@ class CacheServer:
         replies: queue.SimpleQueue[tuple[bytes, Reply]] = queue.SimpleQueue()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
-        pool = ThreadPoolExecutor(self.config.num_workers, thread_name_prefix="kvtier-worker")
+        pool = ThreadPoolExecutor(self.config.num_workers, thread_name_prefix="kvtier-worker",
+                                  initializer=os.sched_setaffinity, initargs=(0, cpus))
         try:
             router.bind(self.config.url)
             self.bound_url = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -203,6 +214,8 @@ class CacheServer:
                 except OSError:
                     pass  # no doorbell offered: same-host clients stay on ZMQ
             self._ready.set()
+            if self.config.loop_cpu is not None:  # this thread only (Linux: pid 0 = caller)
+                os.sched_setaffinity(0, {self.config.loop_cpu})
             self._loop(router, pool, replies, wake_r, wake_w)
         finally:
             if self._bell is not None:  # its threads finish their request before segments close

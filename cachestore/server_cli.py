@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
     parser.add_argument("--spin-us", type=float, default=100.0,
                         help="microseconds the loop polls for a next request before blocking")
+    parser.add_argument("--loop-cpu", type=int, default=None,
+                        help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
+                             "(faster TCP on small VMs; default: unpinned)")
 
 
 def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
@@ -106,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
                               num_workers=args.workers, shm_enabled=not args.no_shm,
                               access_log_path=args.access_log,
                               inline_reads=not args.no_inline_reads,
-                              doorbell=not args.no_doorbell, spin_us=args.spin_us)
+                              doorbell=not args.no_doorbell, spin_us=args.spin_us,
+                              loop_cpu=args.loop_cpu)
         usage = NamespaceUsage()
         store = build_store(build_tiers_for(args), usage)
     except (OSError, ValueError) as exc:

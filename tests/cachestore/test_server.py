@@ -171,3 +171,31 @@ def test_cli_sigterm_drains_and_cleans_up(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "stopped" in out
     tier.close()
     assert _shm_names() == before
+
+
+def test_loop_cpu_pins_the_loop_thread_only(tmp_path: Path) -> None:
+    """``loop_cpu``: the loop thread runs on that CPU alone; pool threads it spawns do not
+    inherit the pin; a CPU outside the process's set is refused up front."""
+    import threading
+
+    cpus = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match="loop_cpu"):
+        ServerConfig(url="tcp://127.0.0.1:0", loop_cpu=max(cpus) + 1000)
+    cpu = min(cpus)
+    store = HierarchicalStore([LmdbTier(tmp_path / "lmdb", 64 << 20)], StoreConfig())
+    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", loop_cpu=cpu), store).start()
+    tier = RemoteTier(srv.bound_url, use_shm=False)
+    try:
+        key = "abcd/" + "5" * 40
+        tier.put_many([(key, sized_block(key, 5000))])  # the pool runs it: a worker exists
+        assert bytes(tier.get_many([key])[0]) == sized_block(key, 5000)
+        threads = {t.name: t.native_id for t in threading.enumerate()}
+        loop = threads["kvtier-cache-server"]
+        workers = [tid for name, tid in threads.items() if name.startswith("kvtier-worker")]
+        assert loop is not None and workers
+        assert os.sched_getaffinity(loop) == {cpu}
+        assert all(os.sched_getaffinity(tid) == cpus for tid in workers if tid is not None)
+    finally:
+        tier.close()
+        srv.stop()
+        store.close()
