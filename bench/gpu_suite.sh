@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite in one go on a CUDA host without internet: warm-up, GPU tests, GPU benchmarks.
 # Usage: bench/gpu_suite.sh [OUT_DIR]   (default: $OUT, else ./gpu-suite-out)
-# - installs the wheels carried in .whl/ (flashinfer and deps) into /tmp/site if present
+# - installs the wheels carried in .whl/ (flashinfer and deps) into /tmp/site if present;
+#   ../shared/gpu/fetch-wheels.sh fetches them; tests/engine/test_gpu_server.py also needs
+#   the openai client there: `pip download --no-deps --only-binary=:all: --python-version 3.12
+#   --platform manylinux2014_x86_64 --platform any -d .whl openai==1.109.1 distro jiter sniffio`
+#   (openai 2+ wants httpx2, which the image lacks)
 #   (SUITE_INSTALL=0 skips that when the caller already did);
 # - keeps FlashInfer's JIT cache inside the repo (.flashinfer-cache/, git-excluded) so a
 #   second run on the same host skips the ~90 s compile;
