@@ -5,7 +5,7 @@
 #   ../shared/gpu/fetch-wheels.sh fetches them; tests/engine/test_gpu_server.py also needs
 #   the openai client there: `pip download --no-deps --only-binary=:all: --python-version 3.12
 #   --platform manylinux2014_x86_64 --platform any -d .whl openai==1.109.1 distro jiter sniffio`
-#   (openai 2+ wants httpx2, which the image lacks)
+#   (openai 3.57 imports httpx2, which the image lacks)
 #   (SUITE_INSTALL=0 skips that when the caller already did);
 # - keeps FlashInfer's JIT cache inside the repo (.flashinfer-cache/, git-excluded) so a
 #   second run on the same host skips the ~90 s compile;
