@@ -160,6 +160,14 @@ def measure_decode(drv: EngineDriver, vocab: int, batch: int, steps: int) -> flo
     first = drv.prefill(prompts, tables, f"d{batch}-")
     seqs = {rid: prompts[i] + [first[rid]] for i, rid in enumerate(first)}
     drv.decode(seqs, tables, 4)  # warm-up
+    ms = decode_ms_per_step(drv, seqs, tables, steps)
+    drv.runner.execute_model(SchedulerOutput([], 0, frozenset(seqs)))
+    return ms
+
+
+def decode_ms_per_step(drv: EngineDriver, seqs: dict[str, list[int]], tables: list[list[int]],
+                       steps: int) -> float:
+    """Median ms per step of 3 runs of ``steps`` decode steps (device synchronized)."""
     runs = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -167,7 +175,6 @@ def measure_decode(drv: EngineDriver, vocab: int, batch: int, steps: int) -> flo
         drv.decode(seqs, tables, steps)
         torch.cuda.synchronize()
         runs.append((time.perf_counter() - t0) / steps * 1e3)
-    drv.runner.execute_model(SchedulerOutput([], 0, frozenset(seqs)))
     return statistics.median(runs)
 
 

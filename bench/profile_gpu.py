@@ -55,7 +55,7 @@ def _cpu_table(prof: Any, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def profile_decode(quick: bool) -> dict[str, Any]:
-    from bench.engine import EngineDriver, build_models, random_prompts
+    from bench.engine import EngineDriver, build_models, decode_ms_per_step, random_prompts
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.model_runner import ModelRunner
 
@@ -78,14 +78,7 @@ def profile_decode(quick: bool) -> dict[str, Any]:
     steps = 32 if quick else 64
 
     # 1. the engine step
-    runs = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        drv.decode(seqs, tables, steps)
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / steps * 1e3)
-    res["step_ms"] = round(statistics.median(runs), 3)
+    res["step_ms"] = round(decode_ms_per_step(drv, seqs, tables, steps), 3)
 
     # 2. host time before the replay is launched, and the replay call itself
     graphs = runner.cuda_graphs
