@@ -51,7 +51,8 @@ The 8B shape is built directly on the device with random weights: ``engine.model
 ``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
 checkpoint is ever written. Prints one JSON document and a one-line summary; ``--out DIR`` also
 writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``; the rest run.
-Set-up, engine helpers and the sweep's parts live in bench/offload_parts.py.
+Set-up and engine helpers live in bench/offload_parts.py, the QA section in
+bench/offload_qa.py, the sweep in bench/offload_sweep.py.
 """
 
 from __future__ import annotations
@@ -71,29 +72,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine_info, percentile  # noqa: E402
+from bench.common import machine_info  # noqa: E402
 from bench.offload_parts import (  # noqa: E402
     GREEDY1,
-    QaRun,
     Setup,
-    _Parts,
     _ttft_once,
     best_time,
     build_setup,
     bytes_per_block,
-    calibration_sizes,
     close_llm,
     first_token_steps,
     make_llm,
     random_tokens,
-    run_qa,
     run_requests,
 )
-from cachestore.calibration import calibrate_prefill, calibrate_transfer  # noqa: E402
-from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE  # noqa: E402
-from cachestore.cost_online import OnlineCostModel  # noqa: E402
+from bench.offload_qa import bench_qa  # noqa: E402
+from bench.offload_sweep import bench_sweep  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 
 # -- transfer -------------------------------------------------------------------------------
 
@@ -314,174 +309,6 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
                 in_step_over_layered=ttft["host_in_step"] / ttft["host_layered"],
                 recompute_over_layered=ttft["recompute"] / ttft["host_layered"])
     return {"modes": rows, "ratios": ratios}
-
-
-# -- multi-round QA ------------------------------------------------------------------------
-
-
-def qa_sizes(setup: Setup) -> dict[str, int]:
-    """The QA run's derived sizes: the longest prompt, the GPU pool (``concurrency + 1``
-    users' longest histories: too small for all users, but requests in flight never wait for
-    blocks) and a host tier that keeps every user's history."""
-    q = setup.qa
-    turn = q["question"] + q["answer"]
-    max_prompt = q["system"] + q["context"] + (q["rounds"] - 1) * turn + q["question"]
-    user_blocks = -(-(max_prompt + q["answer"]) // 16) + 1
-    own_blocks = -(-(q["context"] + q["rounds"] * turn) // 16) + 2  # past the system prompt
-    slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    all_blocks = q["system"] // 16 + q["users"] * own_blocks
-    pool = (q["concurrency"] + 1) * user_blocks + 4
-    return {"max_prompt_tokens": max_prompt, "num_gpu_blocks": pool,
-            "all_history_blocks": all_blocks,
-            "pool_holds_all_histories": pool >= all_blocks,  # then the run shows no reloads
-            "host_capacity": max(setup.host_capacity, all_blocks * slot * 5 // 4)}
-
-
-def bench_qa(setup: Setup) -> dict[str, Any]:
-    """LMCache's multi-round QA shape, offload off vs on (decision: cost, host tier), each mode
-    on a fresh engine driven by ``run_qa`` with the same users, questions and admission order.
-    Reports TTFT p50/p99 (all requests, and rounds >= 1 alone: the reuse of an evicted history),
-    output tokens/s over the run's wall time, cache hits per request and the decisions."""
-    q, sizes = setup.qa, qa_sizes(setup)
-    out: dict[str, Any] = {"params": {**q, **sizes}}
-    params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
-    for name, offload in (("off", None), ("on", {"decision": "cost", "tiers": [
-            {"kind": "host", "capacity": sizes["host_capacity"]}]})):
-        rng = random.Random(2)
-        system = random_tokens(rng, q["system"])
-        histories = [system + random_tokens(rng, q["context"]) for _ in range(q["users"])]
-        questions = [[random_tokens(rng, q["question"]) for _ in range(q["users"])]
-                     for _ in range(q["rounds"])]
-        log_path = os.path.join(setup.workdir, f"qa-{name}.jsonl")
-        llm = make_llm(setup, sizes["num_gpu_blocks"], offload, request_log=log_path)
-        try:
-            run_requests(llm, [random_tokens(rng, 32)], GREEDY1, setup.request_timeout_s)  # warm-up
-            before = llm.kv_stats()
-            run = run_qa(llm, histories, questions, params, q["concurrency"], log_path,
-                         setup.request_timeout_s)
-            after = llm.kv_stats()
-        finally:
-            close_llm(llm)
-        out[name] = _qa_figures(run, before, after)
-    out["ttft_p50_ratio"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
-    out["ttft_p50_later_rounds_ratio"] = (out["off"]["ttft_p50_later_rounds_s"]
-                                          / out["on"]["ttft_p50_later_rounds_s"])
-    out["throughput_ratio"] = out["on"]["output_tokens_per_s"] / out["off"]["output_tokens_per_s"]
-    return out
-
-
-def _qa_figures(run: QaRun, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    ttfts = sorted(t.ttft_s for t in run.turns)
-    later = sorted(t.ttft_s for t in run.turns if t.round > 0)
-    decisions = {k: v - before.get("decisions", {}).get(k, 0)
-                 for k, v in after.get("decisions", {}).items()}
-    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "ttft_p50_later_rounds_s": percentile(later, 50),
-            "output_tokens_per_s": run.generated_tokens / run.wall_s, "wall_s": run.wall_s,
-            "requests": len(run.turns), "generated_tokens": run.generated_tokens,
-            "decisions": {k: v for k, v in decisions.items() if v},
-            "cached_tokens": sum(t.cached_tokens for t in run.turns),
-            "loaded_tokens": sum(t.loaded_tokens for t in run.turns),
-            "kv_loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"],
-            "max_in_flight": run.max_in_flight, "preemptions": run.preemptions,
-            "per_request": [[t.user, t.round, t.prompt_tokens, round(t.ttft_s * 1e3, 3),
-                             t.cached_tokens, t.loaded_tokens, t.decision] for t in run.turns],
-            "per_request_fields": ["user", "round", "prompt_tokens", "ttft_ms", "cached_tokens",
-                                   "loaded_tokens", "decision"]}
-
-
-# -- cost-model sweep ----------------------------------------------------------------------
-
-
-def _sweep_prefill_sizes(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(new, context) shapes the sweep fits its prefill model to: for each prefix ``L``, the
-    shapes its options price: recompute ``(L+16 | 0)``, the rest after load-all ``(16 | L)``,
-    overlap heads ``(L/4 | 0)`` and ``(L/2 | 0)``, the rest of a half load ``(L/2+16 | L/2)``.
-    (The fit is relative: short shapes count as much as long ones.)"""
-    return list(dict.fromkeys(s for n in lengths for s in (
-        (n // 4, 0), (n // 2, 0), (n + 16, 0), (16, n), (n // 2 + 16, n // 2))))
-
-
-def bench_sweep(setup: Setup) -> dict[str, Any]:
-    """Prefix length x tier speed: for each point the cost model is calibrated on the tier as
-    the sweep reads it (``calibrate_transfer`` of ``SweepLoads``' cold engine load path at an
-    eighth, half and all of the prefix's blocks) and its choice is timed from measured parts
-    against recompute and load-all. The axis is the throttle's nominal bandwidth (a multiple of
-    the break-even) and the effective bandwidth the path reaches (the fit): per-block costs
-    cap it. ``path_ceiling``: the unthrottled path's fit."""
-    lengths = setup.sweep_lengths or setup.lengths
-    max_blocks = max(lengths) // 16
-    # Room for a context and its new tokens at every length and calibration size (<= 4K).
-    llm = make_llm(setup, max(3 * max(lengths), 4096) // 16 + 16, None)
-    points: list[dict[str, Any]] = []
-    parts: _Parts | None = None
-    try:
-        parts = _Parts(setup, llm, os.path.join(setup.workdir, "sweep-lmdb"), max_blocks)
-        bpb = parts.bpb
-        run_requests(llm, [random_tokens(parts.rng, 64)], GREEDY1,
-                     setup.request_timeout_s)  # warm-up
-        prefill = calibrate_prefill(parts.prefill, _sweep_prefill_sizes(lengths), progress=False,
-                                    relative=True)
-        ceiling = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
-                                     sizes=calibration_sizes(max_blocks))
-        for length in lengths:
-            k_all = length // 16
-            recompute = parts.prefill(length + 16, 0)
-            breakeven_bw = k_all * bpb / recompute
-            for bw_factor, lat_factor in setup.sweep_factors:
-                parts.loads.throttle(lat_factor * recompute, bw_factor * breakeven_bw)
-                fit = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
-                                         sizes=calibration_sizes(k_all))
-                # No "host" hop: the fit is the whole load (staging, then slab -> cache copies).
-                model = OnlineCostModel({"lmdb": fit.cost}, prefill, bpb, 16)
-                d = model.decide(0, ["lmdb"] * k_all, length + 16)
-                read_all = parts.load(0, k_all)
-                load_all = read_all + parts.prefill(16, length)
-                b = d.best
-                if b.strategy == STRATEGY_RECOMPUTE:
-                    chosen = recompute
-                elif b.strategy == STRATEGY_OVERLAP:
-                    chosen = max(parts.prefill(16 * b.load_begin, 0),
-                                 parts.load(b.load_begin, b.load_end)) + parts.prefill(16, length)
-                else:
-                    done = 16 * b.load_end
-                    chosen = parts.load(0, b.load_end) + parts.prefill(length + 16 - done, done)
-                best = min(recompute, load_all, chosen)
-                points.append({
-                    "prefix_tokens": length,
-                    "bandwidth_gbps": fit.cost.bandwidth_bytes_per_s / 1e9,  # effective
-                    "latency_s": fit.cost.latency_s,  # effective
-                    "nominal_gbps": bw_factor * breakeven_bw / 1e9,
-                    "nominal_latency_s": lat_factor * recompute,
-                    "calibration": [[s.num_blocks, s.seconds] for s in fit.samples],
-                    "choice": b.strategy, "load_blocks": [b.load_begin, b.load_end],
-                    "predicted_s": d.predicted_s,
-                    "predicted_recompute_s": prefill.time(length + 16, 0),
-                    "predicted_load_all_s": fit.predict(k_all, bpb) + prefill.time(16, length),
-                    "read_all_s": read_all, "predicted_read_all_s": fit.predict(k_all, bpb),
-                    "recompute_s": recompute, "load_all_s": load_all, "chosen_s": chosen,
-                    "ratio_to_best": chosen / best,
-                    "not_slower_than_both": chosen <= max(recompute, load_all) * 1.02,
-                })
-    finally:
-        if parts is not None:
-            parts.close()
-        close_llm(llm)
-    ratios = [p["ratio_to_best"] for p in points]
-    return {"points": points, "worst_ratio_to_best": max(ratios),
-            "within_5pct": sum(r <= 1.05 for r in ratios), "num_points": len(points),
-            "never_slower_than_both": all(p["not_slower_than_both"] for p in points),
-            "num_not_slower_than_both": sum(p["not_slower_than_both"] for p in points),
-            # Which side of the model misses: the calibrated load, or the prefill fit.
-            "worst_read_prediction_error": max(
-                abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points),
-            "worst_recompute_prediction_error": max(
-                abs(p["predicted_recompute_s"] / p["recompute_s"] - 1) for p in points),
-            "path_ceiling": {"gbps": ceiling.cost.bandwidth_bytes_per_s / 1e9,
-                             "latency_s": ceiling.cost.latency_s, "block_bytes": bpb,
-                             "calibration": [[s.num_blocks, s.seconds] for s in ceiling.samples]},
-            "prefill_fit": {"fixed_s": prefill.fixed_s, "per_token_s": prefill.per_token_s,
-                            "attention_s": prefill.attention_s}}
 
 
 # -- main ----------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench.offload import bench_qa, qa_sizes
-from bench.offload_parts import Setup, make_llm, qa_order, run_qa
+from bench.offload_parts import Setup, make_llm
+from bench.offload_qa import bench_qa, qa_order, qa_sizes, run_qa
 from engine.sampling_params import SamplingParams
 
 QA = {"users": 6, "rounds": 3, "concurrency": 2, "system": 32, "context": 160, "question": 16,

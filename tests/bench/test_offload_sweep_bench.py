@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.offload import bench_sweep
-from bench.offload_parts import Setup, SweepLoads, calibration_sizes
+from bench.offload_parts import Setup
+from bench.offload_sweep import SweepLoads, bench_sweep, calibration_sizes
 from cachestore.codec import decode_block, encoded_size
 from connectors.offload_worker import block_meta
 from engine.kv_cache import KVCache, KVCacheSpec
