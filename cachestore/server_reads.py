@@ -44,8 +44,8 @@ class HostReads:
     MAX_LENT_BYTES = 256 << 20
     # Smaller blocks are copied: pyzmq releases a zero-copy frame through its garbage thread
     # (one more message and wake-up per frame), which costs more than copying less than about
-    # 1 MiB (measured on 2 cores: 64 KiB and 512 KiB gets 5-10% slower lent, 1 MiB even,
-    # 2 MiB faster; docs/cache_server.md).
+    # 1 MiB (measured on 2 cores: 64 KiB and 512 KiB gets 2-4% slower lent, 1 MiB within the
+    # noise, 2 MiB 15-20% faster; docs/cache_server.md).
     MIN_LENT_BYTES = 1 << 20
 
     def __init__(self, store: HierarchicalStore, slab: Tier) -> None:
