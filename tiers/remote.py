@@ -18,7 +18,8 @@ timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``
   (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
 - Waiting for a reply (doorbell, or ZMQ to a loopback/ipc url), the thread polls for
   ``spin_us`` before it blocks (a wake-up costs more than a short single-key request on a
-  small VM); 0: block at once. Replies from another machine are waited for blocking.
+  small VM); 0: block at once. Replies from another machine are waited for blocking, and so
+  are ZMQ replies behind a large message (``tiers.remote_conn.SPIN_MAX_BYTES``).
 - ``get_many`` values are memoryviews (of a received frame or of this thread's segment) valid
   until the next call on the same thread, as tiers/base.py allows.
 
