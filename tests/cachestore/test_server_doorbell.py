@@ -48,19 +48,6 @@ def daemon() -> Iterator[CacheServer]:
     store.close()
 
 
-@pytest.fixture
-def remote() -> Iterator[Callable[..., RemoteTier]]:
-    made: list[RemoteTier] = []
-
-    def make(*args: Any, **kwargs: Any) -> RemoteTier:
-        made.append(RemoteTier(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
 def _offer(url: str, token: str, segment: shm.ShmSegment,
            host_id: str | None = None) -> dict[str, Any]:
     """A raw ZMQ hello that attaches ``segment`` and asks for the doorbell."""

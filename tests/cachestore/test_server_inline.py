@@ -44,21 +44,6 @@ def daemon(tmp_path: Path) -> Iterator[tuple[CacheServer, HierarchicalStore, Hos
     store.close()
 
 
-@pytest.fixture
-def remote() -> Iterator[Callable[..., RemoteTier]]:
-    """Makes RemoteTiers and closes them all at teardown, also when a test fails midway (a
-    leaked client's ZMQ context would otherwise be torn down by the garbage collector)."""
-    made: list[RemoteTier] = []
-
-    def make(*args: Any, **kwargs: Any) -> RemoteTier:
-        made.append(RemoteTier(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for tier in made:
-        tier.close()
-
-
 def _ask(url: str, token: str, **header: Any) -> dict[str, Any]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
