@@ -90,6 +90,10 @@ class _LiveCollector:
         inflight = GaugeMetricFamily("kvtier_server_inflight_requests", "Requests in flight")
         inflight.add_metric([], server.inflight)
         yield inflight
+        lent = GaugeMetricFamily("kvtier_server_lent_bytes",
+                                 "Host-tier bytes pinned under zero-copy replies in flight")
+        lent.add_metric([], server.handler.lent_bytes)
+        yield lent
         ns_bytes = GaugeMetricFamily("kvtier_server_namespace_bytes", "Bytes per namespace",
                                      labels=["namespace"])
         ns_keys = GaugeMetricFamily("kvtier_server_namespace_keys", "Keys per namespace",

@@ -95,6 +95,11 @@ class OpHandler:
         self._inline_puts = self._fast is not None and store.config.write_through_to is None
         self.num_inline = 0  # requests served by serve_inline (a count, for tests and metrics)
 
+    @property
+    def lent_bytes(self) -> int:
+        """Host-tier bytes lent to replies in flight (zero-copy sends, ``HostReads.lend``)."""
+        return self._fast.lent_bytes if self._fast is not None else 0
+
     def close(self) -> None:
         if self._log is not None:
             with self._log_lock:
