@@ -4,6 +4,7 @@ FastAPI app. The engine core runs in its own process unless ``--engine-in-proces
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -118,11 +119,14 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     name = args.served_model_name or engine.model_name
+    app = build_app(engine, name)
+    # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
+    # whole life: keep them out of the collector's full passes, as the engine does.
+    gc.collect()
+    gc.freeze()
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     try:
-        uvicorn.run(
-            build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level
-        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
     return 0
