@@ -295,9 +295,8 @@ def choose_split(
     best = min(prefix, key=rank)
     if overlap:
         best_overlap = min(overlap, key=rank)
-        if overlap_margin == 0.0:
-            best = min((best, best_overlap), key=rank)
-        elif best_overlap.predicted_s <= (1.0 - overlap_margin) * best.predicted_s:
+        if (rank(best_overlap) < rank(best)
+                and best_overlap.predicted_s <= (1.0 - overlap_margin) * best.predicted_s):
             best = best_overlap
     families = [prefix[0], prefix[-1], min(prefix, key=rank)]
     if overlap:
