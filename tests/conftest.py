@@ -47,6 +47,18 @@ def server_soak_s(pytestconfig: pytest.Config) -> float:
     return float(pytestconfig.getoption("--server-soak-s"))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch intra-op thread for a test module: tiny matmuls on a shared 2-core machine only
+    contend with more, and timings stay steadier. Restores the previous count afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return

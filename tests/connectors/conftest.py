@@ -4,18 +4,12 @@ built once per session (same seed, same weights for every test that uses it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every connector test module runs with one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
