@@ -49,8 +49,8 @@ class SlabCopier:
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, as one kernel per layer on the current stream (see
         ``engine.kernels.copy_layer_from_host``); returns one CUDA event per layer, recorded
-        after that layer's copy (the last one with timing). Offsets must be multiples of 16. Raises ValueError otherwise
-        or when not ``layered``."""
+        after that layer's copy (the last one with timing). Offsets must be multiples of 16.
+        Raises ValueError otherwise or when not ``layered``."""
         from engine.kernels import copy_layer_from_host
 
         if self._words is None:

@@ -90,12 +90,12 @@ class KVCache:
             torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer_idx])
         return self._storage[:, layer_idx]
 
-    def set_layer_ready(self, events: list[Any] | None) -> None:
+    def set_layer_ready(self, events: list[Any]) -> None:
         """CUDA events, one per layer, that reads of each layer wait for until
         ``clear_layer_ready``: blocks landing layer by layer from a side stream while the
         forward that reads them runs (the KV connector's in-step loads). Raises ValueError
         unless one event per layer."""
-        if events is not None and len(events) != self.spec.num_layers:
+        if len(events) != self.spec.num_layers:
             raise ValueError(f"{len(events)} layer events for {self.spec.num_layers} layers")
         self._layer_ready = events
 

@@ -71,7 +71,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None
         self._graph_decode: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
-        self._graph_host: dict[int, torch.Tensor] = {}  # pinned int32 plan inputs per size
+        # Per captured size: pinned int32 (indptr, last_page_len, indices) plan inputs.
+        self._graph_host: dict[int, tuple[torch.Tensor, ...]] = {}
         self._active: BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None = None
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None
@@ -150,18 +151,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Pinned buffers of this size, refilled in place (no pinned allocation per step): safe
         # since every step synchronizes after the copies enqueued here.
         host = self._graph_host.get(batch_size)
-        if host is None or host.shape[0] < len(indices) + 2 * batch_size + 1:
-            host = torch.empty(max(max_pages, len(indices)) + 2 * batch_size + 1,
-                               dtype=torch.int32, pin_memory=True)
+        if host is None:
+            host = tuple(torch.empty(n, dtype=torch.int32, pin_memory=True)
+                         for n in (batch_size + 1, batch_size, max_pages))
             self._graph_host[batch_size] = host
-        n = len(indices)
-        buf = host.numpy()
-        buf[:batch_size + 1] = indptr
-        buf[batch_size + 1:2 * batch_size + 1] = last_page_len
-        buf[2 * batch_size + 1:2 * batch_size + 1 + n] = indices
-        indices_gpu = host[2 * batch_size + 1:2 * batch_size + 1 + n].to(self._device, non_blocking=True)
-        self._plan_decode(wrapper, host[:batch_size + 1], indices_gpu,
-                          host[batch_size + 1:2 * batch_size + 1], metadata.block_size)
+        indptr_host, last_host, indices_host = host
+        indptr_host.numpy()[:] = indptr
+        last_host.numpy()[:] = last_page_len
+        indices_host.numpy()[:len(indices)] = indices
+        indices_gpu = indices_host[:len(indices)].to(self._device, non_blocking=True)
+        self._plan_decode(wrapper, indptr_host, indices_gpu, last_host, metadata.block_size)
         self._slot_mapping = metadata.slot_mapping
         self.last_wrapper = "graph_decode"
 

@@ -58,39 +58,40 @@ class Attention(nn.Module):
         kv_cache: KVCache, fused: bool = False,
     ) -> torch.Tensor:
         """``rope`` = this step's ``(cos, signed sin)`` rows (RotaryEmbedding.cos_sin);
-        ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary)."""
+        ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary; on CUDA, once
+        the backend is planned, ``rotary_and_cache``, which also stores the new K/V)."""
         cos, sin = rope
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        kv_layer = kv_cache.attention_view(self.layer_idx)  # waits for a layer still loading
+        kv_written = False
         if self.q_norm is not None and self.k_norm is not None:
             q, k, _ = qkv.split(self.shard_sizes(), dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        elif fused and attn.slot_mapping is not None and x.is_cuda:
-            # One kernel: rotary on q and k, and the new K/V stored at the step's slots.
-            from engine.kernels import rotary_and_cache
-
-            kv_layer = kv_cache.attention_view(self.layer_idx)
-            qk = rotary_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads, kv_layer,
-                                  attn.slot_mapping)
-            out = attn.forward(self.layer_idx, qk[:, : self.num_heads], qk[:, self.num_heads :],
-                               v, kv_layer, kv_written=True)
-            return self.o_proj(out)
         else:
-            # q and k are adjacent in the fused output: rotate both with one set of kernels.
-            qk = qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-            )
-            if fused:
-                from engine.kernels import rotary
+            if fused and attn.slot_mapping is not None and x.is_cuda:
+                # One kernel: rotary on q and k, and the new K/V stored at the step's slots.
+                from engine.kernels import rotary_and_cache
 
-                qk = rotary(qk, cos, sin)
+                qk = rotary_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                      kv_layer, attn.slot_mapping)
+                kv_written = True
             else:
-                qk = RotaryEmbedding.apply(qk, cos, sin)
+                # q and k are adjacent in the fused output: rotate both with one set of kernels.
+                qk = qkv[:, : self.q_size + self.kv_size].view(
+                    num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+                )
+                if fused:
+                    from engine.kernels import rotary
+
+                    qk = rotary(qk, cos, sin)
+                else:
+                    qk = RotaryEmbedding.apply(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = attn.forward(self.layer_idx, q, k, v, kv_cache.attention_view(self.layer_idx))
+        out = attn.forward(self.layer_idx, q, k, v, kv_layer, kv_written=kv_written)
         return self.o_proj(out)
 
 
