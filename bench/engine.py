@@ -14,17 +14,20 @@ Measured, each with HF's figure and the ratio:
 
 Prints JSON (also written to ``--out``) and a one-line summary. GPU only.
 Each engine variant runs in turn on the same weights: ``fused`` (Triton fused residual-add +
-RMSNorm and SiLU*mul, engine/kernels) and ``torch`` (the plain path); the decode figures of the
-two side by side give ``decode_fused_vs_torch`` (ratio = torch ms / fused ms).
+RMSNorm and SiLU*mul, engine/kernels, and the Triton split-KV decode attention in the decode
+graphs), ``fused-fi`` (the same with FlashInfer's graph decode wrapper) and ``torch`` (the
+plain path); the decode figures side by side give ``decode_fused_vs_torch`` and
+``decode_fused_vs_fused_fi`` (ratio = the other's ms / fused ms).
 
 Usage: python -m bench.engine [--models llama3-8b,qwen2.5-7b] [--sections check,prefill,decode,generate]
-       [--variants fused,torch] [--no-hf] [--num-gpu-blocks N] [--out FILE] [--quick]
+       [--variants fused,fused-fi,torch] [--no-hf] [--num-gpu-blocks N] [--out FILE] [--quick]
        python -m bench.engine --warm [--warm-parts prefill,decode,sampling]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -150,7 +153,11 @@ class EngineDriver:
 
 
 SECTIONS = ("check", "prefill", "decode", "generate")
-VARIANTS = ("fused", "torch")  # fused: Triton norm/activation kernels; torch: the plain path
+# fused: Triton norm/activation kernels, graph decode attention by the backend's default
+# (the Triton split-KV kernel); fused-fi: the same with FlashInfer's graph decode wrapper;
+# torch: the plain path (FlashInfer graph decode).
+VARIANTS = ("fused", "fused-fi", "torch")
+_GRAPH_DECODE = {"fused": "auto", "fused-fi": "flashinfer", "torch": "flashinfer"}
 
 
 def measure_decode(drv: EngineDriver, vocab: int, batch: int, steps: int) -> float:
@@ -268,9 +275,12 @@ def bench_model(name: str, sections: set[str], variants: list[str], with_hf: boo
     for i, variant in enumerate(variants):
         t0 = time.perf_counter()
         try:
-            runner = ModelRunner.from_loaded(cfg, loaded, f"bench-{name}", fused_kernels=variant == "fused")
+            runner = ModelRunner.from_loaded(
+                dataclasses.replace(cfg, graph_decode=_GRAPH_DECODE[variant]), loaded,
+                f"bench-{name}", fused_kernels=variant != "torch")
             row: dict[str, Any] = {
                 "runner_init_s": round(time.perf_counter() - t0, 1),
+                "graph_decode": getattr(runner.attn_backend, "graph_decode", None),
                 "kv_budget": runner.kv_budget.summary() if runner.kv_budget else None,
                 "num_gpu_blocks": runner.num_gpu_blocks,
                 "cuda_graph_sizes": runner.cuda_graphs.sizes if runner.cuda_graphs else None,
@@ -285,12 +295,14 @@ def bench_model(name: str, sections: set[str], variants: list[str], with_hf: boo
         gc.collect()
         torch.cuda.empty_cache()
     dec = {v: r["decode"] for v, r in res["variants"].items() if "decode" in r}
-    if "fused" in dec and "torch" in dec:
-        res["decode_fused_vs_torch"] = [
-            {"batch": f["batch"], "fused_ms": f["engine_ms_per_step"], "torch_ms": t["engine_ms_per_step"],
-             "speedup": round(t["engine_ms_per_step"] / f["engine_ms_per_step"], 3)}
-            for f, t in zip(dec["fused"], dec["torch"], strict=True)
-        ]
+    for other, key in (("torch", "decode_fused_vs_torch"), ("fused-fi", "decode_fused_vs_fused_fi")):
+        if "fused" in dec and other in dec:
+            res[key] = [
+                {"batch": f["batch"], "fused_ms": f["engine_ms_per_step"],
+                 f"{other}_ms": t["engine_ms_per_step"],
+                 "speedup": round(t["engine_ms_per_step"] / f["engine_ms_per_step"], 3)}
+                for f, t in zip(dec["fused"], dec[other], strict=True)
+            ]
     del hf, loaded
     torch.cuda.empty_cache()
     return res
@@ -350,8 +362,9 @@ def summary(results: list[dict[str, Any]]) -> str:
                 bits.append(f"{variant} prefill {p16['tokens']} {p16['engine_ms']} ms")
             if "generate_batch32" in v:
                 bits.append(f"{variant} b32 gen {v['generate_batch32']['engine_tok_s']} tok/s")
-        for d in r.get("decode_fused_vs_torch", []):
-            bits.append(f"b{d['batch']} fused/torch {d['fused_ms']}/{d['torch_ms']} ms ({d['speedup']}x)")
+        for key, other in (("decode_fused_vs_torch", "torch"), ("decode_fused_vs_fused_fi", "fused-fi")):
+            for d in r.get(key, []):
+                bits.append(f"b{d['batch']} fused/{other} {d['fused_ms']}/{d[f'{other}_ms']} ms ({d['speedup']}x)")
         parts.append(", ".join(bits))
     return " | ".join(parts)
 

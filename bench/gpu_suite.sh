@@ -9,17 +9,18 @@
 #   (SUITE_INSTALL=0 skips that when the caller already did);
 # - keeps FlashInfer's JIT cache inside the repo (.flashinfer-cache/, git-excluded) so a
 #   second run on the same host skips the ~90 s compile;
-# - writes into OUT_DIR (at most 7 files): warmup.json, gpu_tests.txt, and per benchmark
+# - writes into OUT_DIR (at most 8 files): warmup.json, gpu_tests.txt, and per benchmark
 #   NAME.json + NAME.log.
 # Selection and budgets, all by environment (defaults in brackets):
 #   SUITE_STAGES      stages to run, comma-separated          [warm,tests,benches]
 #   WARM_PARTS        FlashInfer modules to build              [prefill,decode,sampling]
 #   GPU_TESTS_K       pytest -k expression for the GPU tests   [all]
-#   GPU_TESTS_FILES   test files the GPU tests come from      [tests/engine/test_gpu.py tests/engine/test_kernels.py]
-#   SUITE_BENCHES     benchmarks to run, in order              [engine,offload]
-#   ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each benchmark
-#   T_WARM T_TESTS T_ENGINE T_OFFLOAD  seconds per stage (timeout), so one hang leaves time
-#                                      for the rest              [300 600 900 600]
+#   GPU_TESTS_FILES   test files the GPU tests come from      [tests/engine/test_gpu.py tests/engine/test_kernels.py
+#                                                              tests/engine/test_decode_attention.py]
+#   SUITE_BENCHES     benchmarks to run, in order              [attention,engine,offload]
+#   ATTENTION_BENCH_ARGS / ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each
+#   T_WARM T_TESTS T_ATTENTION T_ENGINE T_OFFLOAD  seconds per stage (timeout), so one hang
+#                                      leaves time for the rest  [300 600 180 900 600]
 #   SUITE_DEADLINE_S  whole-suite budget from its start: no stage runs past it (each stage's
 #                     limit is cut to what is left, less 5 s)     [none]
 # Add a benchmark: a "name|command|timeout-variable" entry in BENCHES; the command gets
@@ -73,11 +74,12 @@ if [[ "$STAGES" == *,tests,* ]]; then
   [ -n "${GPU_TESTS_K:-}" ] && kargs=(-k "$GPU_TESTS_K")
   # shellcheck disable=SC2086
   timeout -k 5 "$(limit "${T_TESTS:-600}")" "$PY" -m pytest -q -s -rs \
-    ${GPU_TESTS_FILES:-tests/engine/test_gpu.py tests/engine/test_kernels.py} \
+    ${GPU_TESTS_FILES:-tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_decode_attention.py} \
     -p no:cacheprovider "${kargs[@]}" 2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
 fi
 
 BENCHES=(
+  "attention|-m bench.attention ${ATTENTION_BENCH_ARGS:-} --out \$BENCH_OUT/attention.json|T_ATTENTION"
   "engine|-m bench.engine ${ENGINE_BENCH_ARGS:-} --out \$BENCH_OUT/engine.json|T_ENGINE"
   "offload|bench/offload.py ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
 )
@@ -85,8 +87,8 @@ if [[ "$STAGES" == *,benches,* ]]; then
   export BENCH_OUT="$OUT_DIR"
   for entry in "${BENCHES[@]}"; do
     IFS='|' read -r name cmd tvar <<< "$entry"
-    [[ ",${SUITE_BENCHES:-engine,offload}," == *",$name,"* ]] || continue
-    declare -A defaults=([T_ENGINE]=900 [T_OFFLOAD]=600)
+    [[ ",${SUITE_BENCHES:-attention,engine,offload}," == *",$name,"* ]] || continue
+    declare -A defaults=([T_ATTENTION]=180 [T_ENGINE]=900 [T_OFFLOAD]=600)
     lim="$(limit "${!tvar:-${defaults[$tvar]}}")"
     stamp "bench $name (limit ${lim} s)"
     # shellcheck disable=SC2086

@@ -48,6 +48,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    # CUDA-graph decode kernel of the flashinfer backend: auto | triton | flashinfer
+    # (engine/attention/flashinfer_backend.py says which "auto" takes).
+    graph_decode: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -56,3 +59,7 @@ class EngineConfig:
     request_log: str | None = None
     # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.graph_decode not in ("auto", "triton", "flashinfer"):
+            raise ValueError(f"graph_decode must be auto, triton or flashinfer, got {self.graph_decode!r}")

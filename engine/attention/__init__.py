@@ -33,11 +33,15 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+    graph_decode: str = "auto",
 ) -> AttentionBackend:
-    """Instantiate a resolved backend name (see ``resolve_backend_name``)."""
+    """Instantiate a resolved backend name (see ``resolve_backend_name``); ``graph_decode``
+    goes to the flashinfer backend (its CUDA-graph decode kernel), others ignore it."""
     module_name, cls_name = _BACKENDS[name]
     cls = getattr(importlib.import_module(module_name), cls_name)
+    if name == "flashinfer":
+        return cls(num_heads, num_kv_heads, head_dim, scale, graph_decode=graph_decode)
     return cls(num_heads, num_kv_heads, head_dim, scale)
 
 

@@ -14,10 +14,19 @@ Per step, ``plan`` turns the batch geometry into FlashInfer's page table (``indp
 ``[num_blocks + 1, 2, 16, kv_heads, head_dim]`` (NHD; FlashInfer reads pages through their
 stride, see DESIGN.md "Physics") and runs the planned wrapper.
 
-CUDA graphs: ``plan_cuda_graph(metadata, batch_size)`` plans a per-batch-size decode wrapper
-built in ``use_cuda_graph`` mode over fixed-size index buffers, so a graph captured once keeps
-reading the same buffers and ``plan`` only refills them. The caller pads the batch to
-``batch_size`` rows whose page is the cache's scratch block.
+CUDA graphs: ``plan_cuda_graph(metadata, batch_size)`` refills per-batch-size page-table
+buffers (``indptr``, ``indices``, ``last_page_len``) that a graph captured once keeps reading.
+The caller pads the batch to ``batch_size`` rows whose page is the cache's scratch block. The
+kernel a graph runs is ``graph_decode``:
+
+- ``"triton"``: ``engine.kernels.decode_attention`` (split-KV over those buffers, no plan: the
+  graph's host work is the three copies), any GQA group up to 16;
+- ``"flashinfer"``: a decode wrapper built in ``use_cuda_graph`` mode over those buffers and
+  planned each step (group sizes 1, 2, 3, 4, 8).
+
+``"auto"`` (the default) takes triton when the fused kernels passed their self-check on the
+device (``engine.kernels.fused_kernels_available``), else flashinfer. bench/engine.py measures
+both (``--graph-decode``).
 
 Not thread-safe: ``plan`` stores per-step state used by the following ``forward`` calls.
 """
@@ -32,6 +41,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 
 _WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
 _DECODE_KERNEL_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE of the CUDA-core decode
+GRAPH_DECODE_IMPLS = ("auto", "triton", "flashinfer")
 
 
 def page_table(
@@ -63,16 +73,27 @@ def _pinned(values: list[int]) -> torch.Tensor:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 graph_decode: str = "auto") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if graph_decode not in GRAPH_DECODE_IMPLS:
+            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_IMPLS}, got {graph_decode!r}")
+        self._graph_decode_wanted = graph_decode
+        self.graph_decode = "flashinfer"  # resolved in bind()
+        # Triton graph decode: (indptr, indices, last_page_len) device buffers of the planned
+        # size and its split count; None when the planned step runs a FlashInfer wrapper.
+        self._graph_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._graph_dev: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._num_sms = 0
+        self._triton_decode = None  # engine.kernels.decode_attention once chosen
         self._dtype: torch.dtype | None = None
         self._device: torch.device | None = None
         self._workspace: torch.Tensor | None = None
         self._prefill: BatchPrefillWithPagedKVCacheWrapper | None = None
         self._decode: BatchDecodeWithPagedKVCacheWrapper | None = None
         self._graph_decode: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
-        # Per captured size: pinned int32 (indptr, last_page_len, indices) plan inputs.
-        self._graph_host: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Per captured size: pinned int32 [indptr | last_page_len | indices] (plan_cuda_graph).
+        self._graph_host: dict[int, torch.Tensor] = {}
         self._active: BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None = None
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None
@@ -82,8 +103,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     @property
     def graph_capable(self) -> bool:
-        """CUDA-graph decode needs the decode kernel (see the module docstring)."""
-        return self.decode_kernel
+        """CUDA-graph decode needs a graph decode kernel (see the module docstring)."""
+        return self.graph_decode == "triton" or self.decode_kernel
 
     def bind(self, kv_dtype: torch.dtype, device: torch.device) -> None:
         if device.type != "cuda":
@@ -95,6 +116,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         if self.decode_kernel:
             self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self.graph_decode = self._resolve_graph_decode(device)
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def _resolve_graph_decode(self, device: torch.device) -> str:
+        from engine.kernels import fused_kernels_available
+
+        wanted = self._graph_decode_wanted
+        if wanted == "flashinfer" or (wanted == "auto" and not fused_kernels_available(device)):
+            return "flashinfer"
+        if wanted == "triton" and not fused_kernels_available(device):
+            raise ValueError("graph_decode='triton' needs triton and a passing kernel self-check")
+        from engine.kernels import decode_attention  # imports triton: only when it is there
+
+        if self.num_heads // self.num_kv_heads > decode_attention.MAX_GROUP \
+                or self.head_dim & (self.head_dim - 1):
+            if wanted == "triton":
+                raise ValueError("the triton decode kernel needs a GQA group <= 16 and a power-of-two head_dim")
+            return "flashinfer"
+        self._triton_decode = decode_attention
+        return "triton"
 
     @property
     def slot_mapping(self) -> torch.Tensor | None:
@@ -104,6 +145,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Eager step: decode wrapper for decode-only batches (if the kernel fits), else the
         causal prefill wrapper. Copies the page table host->device without blocking."""
         self._check_bound()
+        self._graph_tables = None
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
         indices_gpu = _pinned(indices).to(self._device, non_blocking=True)
         if self._decode is not None and metadata.max_query_len == 1:
@@ -126,15 +168,45 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._slot_mapping = metadata.slot_mapping
 
     def plan_cuda_graph(self, metadata: AttentionMetadata, batch_size: int, max_pages: int) -> None:
-        """Plan the graph-mode decode wrapper of ``batch_size`` (created on first use with an
-        index buffer of ``max_pages``). ``metadata`` must be decode-only with exactly
-        ``batch_size`` rows and its ``slot_mapping`` the graph's static buffer. Raises
-        ValueError otherwise or when the group size has no decode kernel."""
+        """Refill the page-table buffers of ``batch_size`` (created on first use with room for
+        ``max_pages``) for the graph's kernel, and plan FlashInfer's graph-mode wrapper when
+        that is the kernel. ``metadata`` must be decode-only with exactly ``batch_size`` rows
+        and its ``slot_mapping`` the graph's static buffer. Raises ValueError otherwise or
+        when no graph decode kernel fits the group size."""
         self._check_bound()
-        if not self.decode_kernel:
+        if not self.graph_capable:
             raise ValueError("CUDA-graph decode needs a GQA group size in (1, 2, 3, 4, 8)")
         if metadata.num_reqs != batch_size or metadata.max_query_len != 1:
             raise ValueError(f"graph decode plan needs {batch_size} one-token rows")
+        indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
+        if len(indices) > max_pages:
+            raise ValueError(f"{len(indices)} pages exceed the graph buffer of {max_pages}")
+        # One pinned int32 buffer per size, [indptr (P+1) | last_page_len (P) | indices],
+        # refilled in place (no pinned allocation per step): safe since every step
+        # synchronizes after the copies enqueued here.
+        host = self._graph_host.get(batch_size)
+        if host is None:
+            host = torch.empty(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
+            self._graph_host[batch_size] = host
+        head = 2 * batch_size + 1
+        rows = host.numpy()
+        rows[:batch_size + 1] = indptr
+        rows[batch_size + 1:head] = last_page_len
+        rows[head:head + len(indices)] = indices
+        self._slot_mapping = metadata.slot_mapping
+        self.last_wrapper = "graph_decode"
+        if self.graph_decode == "triton":
+            dev = self._graph_dev.get(batch_size)
+            if dev is None:
+                dev = (torch.zeros_like(host, device=self._device),)
+                self._graph_dev[batch_size] = dev
+            table = dev[0]
+            table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
+            self._graph_tables = (table[:batch_size + 1], table[head:], table[batch_size + 1:head],
+                                  self._triton_decode.num_splits_for(batch_size, self.num_kv_heads, self._num_sms))
+            self._active = None
+            return
+        self._graph_tables = None
         wrapper = self._graph_decode.get(batch_size)
         if wrapper is None:
             assert self._workspace is not None and self._device is not None
@@ -145,24 +217,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=self._device),
             )
             self._graph_decode[batch_size] = wrapper
-        indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
-        if len(indices) > max_pages:
-            raise ValueError(f"{len(indices)} pages exceed the graph buffer of {max_pages}")
-        # Pinned buffers of this size, refilled in place (no pinned allocation per step): safe
-        # since every step synchronizes after the copies enqueued here.
-        host = self._graph_host.get(batch_size)
-        if host is None:
-            host = tuple(torch.empty(n, dtype=torch.int32, pin_memory=True)
-                         for n in (batch_size + 1, batch_size, max_pages))
-            self._graph_host[batch_size] = host
-        indptr_host, last_host, indices_host = host
-        indptr_host.numpy()[:] = indptr
-        last_host.numpy()[:] = last_page_len
-        indices_host.numpy()[:len(indices)] = indices
-        indices_gpu = indices_host[:len(indices)].to(self._device, non_blocking=True)
-        self._plan_decode(wrapper, indptr_host, indices_gpu, last_host, metadata.block_size)
-        self._slot_mapping = metadata.slot_mapping
-        self.last_wrapper = "graph_decode"
+        indices_gpu = host[head:head + len(indices)].to(self._device, non_blocking=True)
+        self._plan_decode(wrapper, host[:batch_size + 1], indices_gpu, host[batch_size + 1:head],
+                          metadata.block_size)
 
     def _plan_decode(
         self,
@@ -195,8 +252,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_layer: torch.Tensor,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        wrapper, slots = self._active, self._slot_mapping
-        if wrapper is None or slots is None:
+        wrapper, slots, tables = self._active, self._slot_mapping, self._graph_tables
+        if (wrapper is None and tables is None) or slots is None:
             raise RuntimeError("FlashInferAttentionBackend.forward called before plan()")
         if not kv_written:  # else the model's fused kernel stored them (rotary_and_cache)
             if layer_idx == 0 or self._slot_blocks is None:
@@ -208,6 +265,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_layer[self._slot_blocks, 0, self._slot_offsets] = k
             kv_layer[self._slot_blocks, 1, self._slot_offsets] = v
         num_tokens = q.shape[0]
+        if tables is not None:
+            indptr, indices, last_page_len, splits = tables
+            out = self._triton_decode.paged_decode_attention(
+                q, kv_layer, indptr, indices, last_page_len, self.scale, splits)
+            return out.view(num_tokens, self.num_heads * self.head_dim)
+        assert wrapper is not None
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if wrapper is self._prefill:
             q = q.contiguous()  # the sm90 prefill kernel loads q tiles by TMA

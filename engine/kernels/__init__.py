@@ -128,6 +128,18 @@ def _self_check(device: torch.device) -> None:
     write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
     torch.testing.assert_close(out.float(), ref_qk, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
+    from engine.kernels.decode_attention import paged_decode_attention
+
+    # Decode attention, 2 requests (7 and 3 tokens) over pages [2, 0] and [1] of ``cache``.
+    q = torch.randn(2, 4, 64, device=device, generator=gen).to(torch.bfloat16)
+    table = torch.tensor([0, 2, 3, 3, 3, 2, 0, 1], dtype=torch.int32, device=device)
+    got = paged_decode_attention(q, cache, table[:3], table[5:], table[3:5], 0.125, 2)
+    for b, (pages, n) in enumerate((([2, 0], 7), ([1], 3))):
+        kv = cache[pages].float()  # [pages, 2, 4, 2, 64]: page size 4, 2 kv heads
+        k = kv[:, 0].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
+        v = kv[:, 1].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * 0.125, dim=-1)
+        torch.testing.assert_close(got[b].float(), torch.einsum("hn,nhd->hd", w, v), rtol=3e-2, atol=3e-2)
 
 
 def fused_kernels_available(device: torch.device) -> bool:

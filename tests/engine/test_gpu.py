@@ -54,6 +54,7 @@ def hf_logits(model_dir: str, seqs: dict[str, list[int]], dtype: torch.dtype) ->
 def make_runner(model_dir: str, dtype: str = "bfloat16", device: str = "cuda", **kw) -> ModelRunner:
     cfg = EngineConfig(
         dtype=dtype, device=device, attention_backend=kw.pop("backend", "auto"),
+        graph_decode=kw.pop("graph_decode", "auto"),
         cache=CacheConfig(num_gpu_blocks=kw.pop("num_blocks", 96)),
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
     )
@@ -104,14 +105,16 @@ def rel_err(rows: dict[str, dict[int, torch.Tensor]], ref: dict[str, torch.Tenso
     return (num / den) ** 0.5
 
 
-def test_flashinfer_logits_match_hf_in_bf16(gpu_model) -> None:
+@pytest.mark.parametrize("graph_decode", ["triton", "flashinfer"])
+def test_flashinfer_logits_match_hf_in_bf16(gpu_model, graph_decode: str) -> None:
     name, model_dir = gpu_model
-    runner = make_runner(model_dir, backend="flashinfer")
+    runner = make_runner(model_dir, backend="flashinfer", graph_decode=graph_decode)
     assert runner.attention_backend_name == "flashinfer"
+    assert runner.attn_backend.graph_decode == graph_decode
     seqs, got, wrappers = run_script(runner)
-    decode_path = "graph_decode" if name == "llama-g4" else "prefill"
-    assert wrappers == ["prefill", "prefill"] + [decode_path] * 6
-    assert (runner.cuda_graphs is not None) == (name == "llama-g4")
+    graphs = graph_decode == "triton" or name == "llama-g4"  # FlashInfer's: no group 7 kernel
+    assert wrappers == ["prefill", "prefill"] + ["graph_decode" if graphs else "prefill"] * 6
+    assert (runner.cuda_graphs is not None) == graphs
     ref32 = hf_logits(model_dir, seqs, torch.float32)
     ref16 = hf_logits(model_dir, seqs, torch.bfloat16)
     hf_rows = {rid: {pos: ref16[rid][pos] for pos in r} for rid, r in got.items()}
@@ -127,17 +130,19 @@ def test_flashinfer_logits_match_hf_in_bf16(gpu_model) -> None:
             assert err <= max(6 * hf_err, 2e-2), (rid, pos, err)
 
 
-def test_cuda_graph_decode_equals_eager_decode(gpu_model) -> None:
+@pytest.mark.parametrize("graph_decode", ["triton", "flashinfer"])
+def test_cuda_graph_decode_equals_eager_decode(gpu_model, graph_decode: str) -> None:
     name, model_dir = gpu_model
-    if name != "llama-g4":
-        pytest.skip("CUDA graphs need the decode kernel's group sizes")
-    graphs = make_runner(model_dir, backend="flashinfer")
+    if name != "llama-g4" and graph_decode == "flashinfer":
+        pytest.skip("FlashInfer's graph decode needs the decode kernel's group sizes")
+    graphs = make_runner(model_dir, backend="flashinfer", graph_decode=graph_decode)
     eager = make_runner(model_dir, backend="flashinfer", cuda_graphs=False)
     assert graphs.cuda_graphs is not None and graphs.cuda_graphs.sizes == [1, 2, 4, 8]
     assert eager.cuda_graphs is None
     seqs_g, got_g, wrappers_g = run_script(graphs)
     seqs_e, got_e, wrappers_e = run_script(eager)
-    assert wrappers_g[2:] == ["graph_decode"] * 6 and wrappers_e[2:] == ["decode"] * 6
+    eager_decode = "decode" if name == "llama-g4" else "prefill"
+    assert wrappers_g[2:] == ["graph_decode"] * 6 and wrappers_e[2:] == [eager_decode] * 6
     assert seqs_g == seqs_e
     for rid in got_g:
         for pos in got_g[rid]:

@@ -1,0 +1,134 @@
+"""Decode attention in CUDA graphs: the Triton split-KV kernel vs FlashInfer's graph-mode decode
+wrapper, side by side in one run (Llama-3-8B attention shape: 32 q heads, 8 kv heads, 128 dims,
+bf16, page 16, the engine's block-major cache of 32 layers).
+
+For each batch size and context length: one CUDA graph of 32 attention calls (one per layer,
+as a decode step runs them), replayed back to back; GPU time per layer, and the host time of
+``plan_cuda_graph`` (what each step spends before its replay). The two kernels' outputs are
+compared on the same step (max abs difference, bf16).
+
+    python -m bench.attention [--batches 1,8,32] [--contexts 512,4096,16384] [--out FILE]
+
+Prints JSON and a one-line summary; needs CUDA and FlashInfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.common import machine_info
+
+LAYERS, HEADS, KV_HEADS, DIM, PAGE = 32, 32, 8, 128, 16
+MAX_CACHE_BYTES = 24 << 30  # skip (batch, context) points whose cache would be larger
+
+
+def _graph_of_layers(backend: Any, kv: Any, q: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    outs: list[torch.Tensor] = []
+
+    def step() -> None:
+        outs.clear()
+        for layer in range(LAYERS):
+            outs.append(backend.forward(layer, q, q, q, kv.layer_view(layer), kv_written=True))
+
+    step()  # warm-up (compile, allocate) outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph, outs
+
+
+def measure(batch: int, context: int, reps: int) -> dict[str, Any]:
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    dev = torch.device("cuda")
+    pages = -(-context // PAGE)
+    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
+    kv = KVCache(spec, batch * pages + 1, dev)
+    kv.tensor.normal_()
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    perm = torch.randperm(batch * pages, generator=gen).tolist()  # scattered pages
+    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
+    slots = torch.tensor([t[-1] * PAGE + (context - 1) % PAGE for t in tables], device=dev)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+        block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=dev), slot_mapping=slots,
+        query_lens_cpu=[1] * batch, seq_lens_cpu=[context] * batch, block_size=PAGE,
+        block_tables_cpu=tables,
+    )
+    q = torch.randn(batch, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    row: dict[str, Any] = {"batch": batch, "context": context}
+    outputs = {}
+    for impl in ("triton", "flashinfer"):
+        backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, graph_decode=impl)
+        backend.bind(torch.bfloat16, dev)
+        backend.plan_cuda_graph(meta, batch, batch * pages)
+        graph, outs = _graph_of_layers(backend, kv, q)
+        host = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            backend.plan_cuda_graph(meta, batch, batch * pages)
+            host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        row[f"{impl}_us_per_layer"] = round(start.elapsed_time(end) * 1e3 / reps / LAYERS, 2)
+        row[f"{impl}_plan_host_us"] = round(sorted(host)[len(host) // 2] * 1e6, 1)
+        outputs[impl] = outs[0].clone()
+        del graph, outs, backend
+    row["speedup"] = round(row["flashinfer_us_per_layer"] / row["triton_us_per_layer"], 2)
+    row["max_abs_diff"] = float((outputs["triton"].float() - outputs["flashinfer"].float()).abs().max())
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="512,4096,16384")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "needs CUDA", "machine": machine_info()}))
+        return 0
+    rows = []
+    bytes_per_page = LAYERS * 2 * PAGE * KV_HEADS * DIM * 2
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            if batch * -(-context // PAGE) * bytes_per_page > MAX_CACHE_BYTES:
+                continue
+            rows.append(measure(batch, context, args.reps))
+            print(json.dumps(rows[-1]), flush=True)
+    summary = "decode attention triton vs flashinfer (us/layer): " + ", ".join(
+        f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "
+        f"({r['speedup']}x)" for r in rows)
+    report = {"benchmark": "attention", "machine": machine_info(), "argv": sys.argv[1:],
+              "rows": rows, "summary": summary}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
