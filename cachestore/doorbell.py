@@ -18,14 +18,18 @@ Handshake and binding (the security model of the doorbell):
   token: a second tenant cannot ride on a connection it did not attach.
 - Payloads still travel through the segment; frames over the socket are allowed (a batch
   larger than the segment), bounded by the daemon's limits.
+- In-place reads (``cachestore.leases``): an attach that asks for them (``lease: true``) when
+  the daemon offers them (one namespace in its slab) is answered with ``slab: true`` and the
+  host slab's sealed memfd attached (SCM_RIGHTS); host-hit gets on that connection that ask
+  (``lease: true``) then answer slab offsets under leases, released on ``release: true`` and
+  when the connection closes.
 
 Waiting: a reader polls its socket for up to ``spin_s`` (yielding the CPU between polls)
 before it blocks. On this 2-core VM a blocked reader's wake-up is most of a small round trip
 (a Unix-socket ping-pong between two processes: 46 us p50 blocking, 5-11 us with a 20-200 us
 spin); the spin is bounded, so an idle connection costs nothing after it.
 
-Framing (both directions): ``<II`` header length and payload count, one ``<Q`` size per
-payload, the msgpack header, the payloads. Requests on a connection are served in order.
+Framing: ``cachestore.bell_framing``. Requests on a connection are served in order.
 Thread-safe: ``offer`` from any thread; ``start``/``stop`` once each, from the daemon's thread.
 """
 
@@ -36,122 +40,24 @@ import os
 import secrets
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from cachestore.bell_framing import BellClosed, MessageReader, send_message
+from cachestore.leases import ConnLeases, LeaseOffer
 from cachestore.server_protocol import ErrorCode, Reply, ServerLimits, error_header, pack
-from tiers.base import Value
 
 if TYPE_CHECKING:
     from cachestore.server_ops import OpHandler
 
-_PREFIX = struct.Struct("<II")
+__all__ = ["BellClosed", "Doorbell", "MessageReader", "send_message"]
 SECRET_TTL_S = 30.0
 MAX_PENDING_SECRETS = 1024
-
-
-class BellClosed(ConnectionError):
-    """The peer closed the connection (or sent something that is not a message)."""
-
-
-def send_message(sock: socket.socket, header: bytes, payloads: Sequence[Value] = ()) -> None:
-    """Send one framed message (one ``sendmsg`` in the common case). Raises OSError."""
-    parts: list[Value] = [struct.pack(f"<II{len(payloads)}Q", len(header), len(payloads),
-                                      *(len(p) for p in payloads)), header, *payloads]
-    total = sum(len(p) for p in parts)
-    sent = sock.sendmsg(parts)
-    if sent < total:  # a large payload the socket buffer did not take whole
-        rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
-        sock.sendall(rest)
-
-
-class MessageReader:
-    """Reads framed messages from one socket into a reused buffer. Not thread-safe.
-
-    ``read`` returns ``[header, payload...]`` (the header as bytes, payloads as bytearrays);
-    raises BellClosed at EOF or for a message over ``limits``, OSError on socket errors.
-    """
-
-    def __init__(self, sock: socket.socket, limits: ServerLimits | None = None,
-                 spin_s: float = 0.0) -> None:
-        self._sock = sock
-        self._limits = limits
-        self._spin_s = spin_s
-        self._buf = bytearray(1 << 16)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-
-    def read(self) -> list[Any]:
-        self._fill(_PREFIX.size)
-        header_len, count = _PREFIX.unpack_from(self._buf, self._start)
-        lim = self._limits
-        if lim is not None and (header_len > lim.max_header_bytes
-                                or count > lim.max_keys_per_request):
-            raise BellClosed("message over the limits")
-        head = _PREFIX.size + 8 * count + header_len
-        self._fill(head)
-        sizes = struct.unpack_from(f"<{count}Q", self._buf, self._start + _PREFIX.size)
-        if lim is not None and any(s > lim.max_frame_bytes for s in sizes):
-            raise BellClosed("payload over the limits")
-        pos = self._start + head
-        out: list[Any] = [bytes(self._view[pos - header_len : pos])]
-        self._start = pos
-        for size in sizes:
-            out.append(self._take(size))
-        return out
-
-    def _fill(self, n: int) -> None:
-        """Make ``n`` bytes available at ``_start`` (compacting or growing the buffer)."""
-        if self._end - self._start >= n:
-            return
-        if self._start + n > len(self._buf):
-            have = self._end - self._start
-            if n > len(self._buf):
-                new = bytearray(max(n, 2 * len(self._buf)))
-                new[:have] = self._view[self._start : self._end]
-                self._buf, self._view = new, memoryview(new)
-            else:
-                self._view[:have] = self._view[self._start : self._end]
-            self._start, self._end = 0, have
-        while self._end - self._start < n:
-            got = self._recv(self._view[self._end :])
-            if got == 0:
-                raise BellClosed("connection closed")
-            self._end += got
-
-    def _recv(self, into: memoryview) -> int:
-        """One read: polled for up to ``spin_s`` (yielding between polls), then blocking."""
-        if self._spin_s > 0:
-            end = time.perf_counter() + self._spin_s
-            while True:
-                try:
-                    return self._sock.recv_into(into, 0, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    if time.perf_counter() > end:
-                        break
-                    os.sched_yield()
-        return self._sock.recv_into(into)
-
-    def _take(self, size: int) -> bytearray:
-        out = bytearray(size)
-        have = min(size, self._end - self._start)
-        out[:have] = self._view[self._start : self._start + have]
-        self._start += have
-        view, pos = memoryview(out), have
-        while pos < size:  # straight into the payload, not through the buffer
-            got = self._sock.recv_into(view[pos:])
-            if got == 0:
-                raise BellClosed("connection closed")
-            pos += got
-        return out
 
 
 class Doorbell:
@@ -161,8 +67,10 @@ class Doorbell:
 
     def __init__(self, limits: ServerLimits, max_conns: int = 256,
                  directory: str | None = None, inline_reads: bool = True,
-                 spin_s: float = 100e-6) -> None:
+                 spin_s: float = 100e-6, leases: LeaseOffer | None = None) -> None:
+        """``leases``: offer in-place reads to connections that ask (None: never)."""
         self._limits = limits
+        self._leases = leases
         self._spin_s = spin_s
         self._max_conns = max_conns
         self._directory = directory
@@ -265,24 +173,32 @@ class Doorbell:
     def _serve(self, sock: socket.socket) -> None:
         handler = self._handler
         assert handler is not None
+        leases: ConnLeases | None = None
         try:
             reader = MessageReader(sock, self._limits, self._spin_s)
             first = _unpack(reader.read()[0])
             tenant = self._claim(first.get("secret")) if first.get("op") == "attach" else None
             code = ErrorCode.OK if tenant is not None else ErrorCode.UNAUTHORIZED
-            send_message(sock, pack(error_header(first.get("id", 0), code,
-                                                 "" if tenant else "bad or used secret")))
+            reply = error_header(first.get("id", 0), code, "" if tenant else "bad or used secret")
+            fds: list[int] = []
+            if tenant is not None and first.get("lease") is True and self._leases is not None:
+                leases = self._leases.open()
+                reply["slab"] = True
+                fds.append(self._leases.fd)
+            send_message(sock, pack(reply), fds=fds)
             while tenant is not None:
-                self._serve_one(sock, handler, tenant, reader.read())
+                self._serve_one(sock, handler, tenant, reader.read(), leases)
         except Exception:  # a peer that vanished or sent garbage is dropped, never a traceback
             pass  # (BellClosed is an OSError; msgpack raises a zoo of types)
         finally:
+            if leases is not None:  # closed, crashed or killed: its pins go back now
+                leases.release()
             with self._lock:
                 self._conns.pop(sock, None)
             sock.close()
 
     def _serve_one(self, sock: socket.socket, handler: OpHandler, tenant: str,
-                   frames: list[Any]) -> None:
+                   frames: list[Any], leases: ConnLeases | None) -> None:
         self.num_requests += 1
 
         def send(reply: Reply) -> None:
@@ -291,10 +207,18 @@ class Doorbell:
         parsed = handler.parse(frames)
         if isinstance(parsed, Reply):
             send(parsed)
-        elif parsed.tenant != tenant:
+            return
+        if parsed.tenant != tenant:
             send(handler.refuse(parsed, ErrorCode.UNAUTHORIZED,
                                 "this connection is bound to another namespace"))
-        elif not (self._inline and handler.serve_inline(parsed, send)):
+            return
+        if leases is not None:
+            if parsed.header.get("release") is True:  # the client's previous call is over
+                leases.release()
+            if parsed.header.get("lease") is True and handler.serve_leased(parsed, send,
+                                                                            leases):
+                return
+        if not (self._inline and handler.serve_inline(parsed, send)):
             send(handler.run(parsed))
 
 

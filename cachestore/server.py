@@ -41,6 +41,7 @@ import zmq
 
 from cachestore import shm
 from cachestore.doorbell import Doorbell
+from cachestore.leases import LeaseOffer
 from cachestore.server_ops import OpHandler, Reply, RequestRecord
 from cachestore.server_protocol import (
     OPEN_TENANT,
@@ -87,6 +88,12 @@ class ServerConfig:
     # then never wake another CPU, which on a small VM costs more than the work itself
     # (docs/cache_server.md, "TCP"). Worker-pool and doorbell threads stay unpinned.
     loop_cpu: int | None = None
+    # Zero-copy same-host gets (``cachestore.leases``): doorbell clients read a shared host
+    # slab in place when it holds one namespace; leased bytes capped overall (and at most a
+    # quarter of the slab) and per connection. Past a cap, gets copy.
+    leases: bool = True
+    max_leased_bytes: int = 1 << 30
+    max_leased_conn_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:
@@ -130,9 +137,14 @@ class CacheServer:
         self.store = store
         self._segments = shm.AttachedSegments(config.max_shm_attached, config.max_shm_segment_bytes)
         shm_on = config.shm_enabled and shm.available()
+        bell_on = shm_on and config.doorbell
+        one_namespace = tokens is None or tokens.one_open_namespace()
+        self._leases = (LeaseOffer.build(store, one_namespace, config.max_leased_bytes,
+                                         config.max_leased_conn_bytes)
+                        if bell_on and config.leases and config.inline_reads else None)
         self._bell = (Doorbell(config.limits, config.max_doorbell_conns, config.doorbell_dir,
-                               config.inline_reads, config.spin_us * 1e-6)
-                      if shm_on and config.doorbell else None)
+                               config.inline_reads, config.spin_us * 1e-6, self._leases)
+                      if bell_on else None)
         self._handler = OpHandler(
             store=store,
             usage=usage if usage is not None else NamespaceUsage(),
@@ -153,6 +165,11 @@ class CacheServer:
     @property
     def handler(self) -> OpHandler:
         return self._handler
+
+    @property
+    def leases(self) -> LeaseOffer | None:
+        """In-place reads offered to doorbell clients (None: never; ``budget`` has the gauge)."""
+        return self._leases
 
     @property
     def doorbell(self) -> Doorbell | None:
@@ -220,6 +237,8 @@ class CacheServer:
         finally:
             if self._bell is not None:  # its threads finish their request before segments close
                 self._bell.stop(self.config.drain_timeout_s)
+            if self._leases is not None:  # every lease went with its connection
+                self._leases.close()
             pool.shutdown(wait=True)
             self._flush(router, replies)
             router.close(linger=1000)

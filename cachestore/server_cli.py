@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send every request to the worker pool (no loop-thread host reads)")
     parser.add_argument("--no-doorbell", action="store_true",
                         help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
+    parser.add_argument("--no-leases", action="store_true",
+                        help="no zero-copy same-host gets (doorbell clients mapping the host "
+                             "slab; only ever offered when it holds one namespace)")
     parser.add_argument("--spin-us", type=float, default=100.0,
                         help="microseconds the loop polls for a next request before blocking")
     parser.add_argument("--loop-cpu", type=int, default=None,
@@ -57,8 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(faster TCP on small VMs; default: unpinned)")
 
 
-def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
-    """The daemon's tier stack, top first. Raises ConfigError/ValueError with a clear message."""
+def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
+    """The daemon's tier stack, top first. ``shared_host``: the host tier's slab in a sealed
+    memfd that clients can map read-only (``cachestore.leases``; private memory where that is
+    not supported). Raises ConfigError/ValueError with a clear message."""
     from cachestore.tier_config import (
         HostTierConfig,
         LmdbTierConfig,
@@ -80,7 +85,21 @@ def build_tiers_for(args: argparse.Namespace) -> list[Tier]:
         raise ValueError("give --data-dir (LMDB) and/or --config (tiers YAML)")
     from cachestore.tier_config import TierStackConfig
 
-    return build_tiers(TierStackConfig(tiers=tuple(configs)))
+    host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
+    if host is None or host.slot_bytes is None or host.pin_memory:
+        return build_tiers(TierStackConfig(tiers=tuple(configs)))
+    from tiers.host import HostTier
+
+    try:
+        top = HostTier(host.capacity, host.slot_bytes, shared=True)
+    except OSError:  # no memfd/seals here: a private slab, gets copy as before
+        top = HostTier(host.capacity, host.slot_bytes, pin_memory=False)
+    try:
+        return [top, *(build_tiers(TierStackConfig(tiers=tuple(configs[1:])))
+                       if len(configs) > 1 else [])]
+    except BaseException:
+        top.close()
+        raise
 
 
 def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
@@ -110,9 +129,12 @@ def main(args: argparse.Namespace) -> int:
                               access_log_path=args.access_log,
                               inline_reads=not args.no_inline_reads,
                               doorbell=not args.no_doorbell, spin_us=args.spin_us,
-                              loop_cpu=args.loop_cpu)
+                              loop_cpu=args.loop_cpu, leases=not args.no_leases)
         usage = NamespaceUsage()
-        store = build_store(build_tiers_for(args), usage)
+        # A mappable slab only where leases may be offered (one namespace in it).
+        shared = (config.leases and config.doorbell and config.shm_enabled
+                  and (tokens is None or tokens.one_open_namespace()))
+        store = build_store(build_tiers_for(args, shared_host=shared), usage)
     except (OSError, ValueError) as exc:
         print(f"kvtier cache-server: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ import zmq
 
 from cachestore import shm
 from cachestore.codec import header_bytes
+from cachestore.leases import ConnLeases
 from cachestore.server_protocol import (
     ErrorCode,
     ProtocolError,
@@ -201,6 +202,19 @@ class OpHandler:
         finally:
             self.store.unpin_host([k for k, was_lent in zip(req.ikeys, lent, strict=True)
                                    if not was_lent])
+        return True
+
+    def serve_leased(self, req: Request, send: Callable[[Reply], None], leases: ConnLeases
+                     ) -> bool:
+        """Answer get ``req`` with where its host blocks lie in the slab, each pinned under
+        ``leases`` until that is released (``cachestore.leases``); False (nothing sent or
+        pinned) when it must take the copy path (a miss, a foreign header, a cap reached)."""
+        body = leases.grant(self._fast, req) if (
+            self._fast is not None and req.op == "get" and req.ikeys) else None
+        if body is None:
+            return False
+        self.num_inline += 1
+        send(self._done(req, ErrorCode.OK, self._ok(req, body, [])))
         return True
 
     def _ok(self, req: Request, body: dict[str, Any], payloads: list[Value]) -> Reply:

@@ -85,10 +85,11 @@ class HostReads:
         except Exception:
             return 0
 
-    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]
-                     ) -> list[Value] | None:
-        """Views of every key's host block, each pinned (balance with ``store.unpin_host``),
-        or None (nothing pinned) unless all of them are there with the expected header."""
+    def locate(self, tenant: str, keys: list[str], ikeys: list[str]
+               ) -> tuple[list[int], int] | None:
+        """Slab offsets of every key's host block, each pinned (balance with
+        ``store.unpin_host``), and the blocks' size; or None (nothing pinned) unless all of
+        them are there with the expected header."""
         prefix = keys[0].split("/", 1)[0]
         hint = self._hints.get((tenant, prefix))
         if hint is None or not all(k.startswith(prefix) and k[len(prefix)] == "/" for k in keys):
@@ -102,6 +103,16 @@ class HostReads:
         if len(hits) < len(ikeys):
             self._store.unpin_host(hits)
             return None
+        return offsets, nbytes  # type: ignore[return-value]
+
+    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]
+                     ) -> list[Value] | None:
+        """Views of every key's host block, each pinned (balance with ``store.unpin_host``),
+        or None (nothing pinned) unless all of them are there with the expected header."""
+        located = self.locate(tenant, keys, ikeys)
+        if located is None:
+            return None
+        nbytes = located[1]
         try:
             views = self._slab.get_many(ikeys)
         except Exception:
@@ -110,7 +121,6 @@ class HostReads:
             self._store.unpin_host(ikeys)  # cannot happen to pinned entries; belt and braces
             return None
         return views  # type: ignore[return-value]
-
 
     def lend(self, ikeys: Sequence[str], views: Sequence[Value], payloads: Sequence[Value]
              ) -> list[bool]:

@@ -20,6 +20,9 @@ happens afterwards, so a full tier never fragments and never grows.
 - Direct writes: ``reserve(key, nbytes)`` hands out a slot's memory (and its offset in
   ``slab_tensor()``) so a GPU->host copy lands in place; ``commit(key)`` makes it visible,
   ``abort(key)`` frees it. Reserved entries are invisible and unevictable until then.
+- Shared slab (``shared=True``, Linux, the cache daemon): the slab is a sealed memfd
+  (``tiers.host_memfd``) that other processes can map read-only through ``shared_fd()``; a
+  reader relies on pins (above) for the bytes of a slot to stay put. No torch tensor then.
 
 Thread-safe: one lock guards the index; copies into the slab happen under it.
 """
@@ -33,6 +36,7 @@ from threading import Lock
 from typing import Any
 
 from tiers.base import Evicted, Tier, TierUsage, Value
+from tiers.host_memfd import SharedSlab
 
 
 @dataclass(slots=True)
@@ -56,14 +60,22 @@ class HostTier(Tier):
     name = "host"
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *,
-                 pin_memory: bool | None = None) -> None:
-        """Allocate the slab. Raises ValueError when not even one slot fits."""
+                 pin_memory: bool | None = None, shared: bool = False) -> None:
+        """Allocate the slab. Raises ValueError when not even one slot fits, OSError when
+        ``shared`` memory cannot be had here (no memfd or seals: use private memory)."""
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
             raise ValueError(f"host tier needs capacity >= slot_bytes > 0, got "
                              f"capacity={capacity_bytes} slot_bytes={slot_bytes}")
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
-        self._tensor, self._slab = _allocate(self.num_slots * slot_bytes, pin_memory)
+        self._shared: SharedSlab | None = None
+        if shared:
+            if pin_memory:
+                raise ValueError("a shared host slab cannot be pinned (no CUDA in the daemon)")
+            self._shared = SharedSlab.create(self.num_slots * slot_bytes)
+            self._tensor, self._slab = None, self._shared.view
+        else:
+            self._tensor, self._slab = _allocate(self.num_slots * slot_bytes, pin_memory)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))  # pop() -> slot 0 first
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._used_bytes = 0
@@ -85,6 +97,11 @@ class HostTier(Tier):
     def slab_tensor(self) -> Any:
         """The whole slab as a uint8 torch tensor (None without torch). Offsets match reserve."""
         return self._tensor
+
+    def shared_fd(self) -> int | None:
+        """The shared slab's sealed memfd (others can only map it read-only; offsets match
+        ``locate``), or None for a private slab. Owned by the tier: dup it to keep it."""
+        return self._shared.fd if self._shared is not None and self._shared.fd >= 0 else None
 
     # -- Tier protocol -------------------------------------------------------------------
 
@@ -158,6 +175,8 @@ class HostTier(Tier):
             self.num_slots = 0  # nothing fits any more; the slab goes with the last view
             self._slab = memoryview(b"")
             self._tensor = None
+            if self._shared is not None:
+                self._shared.close()
 
     # -- pins and direct writes ----------------------------------------------------------
 
@@ -242,6 +261,11 @@ class HostTier(Tier):
             entry = self._entries.get(key)
             if entry is not None and not entry.committed:
                 self._drop(key, entry)
+
+    def num_pins(self) -> int:
+        """Pins held over all entries (tests and diagnostics: 0 when no reader holds one)."""
+        with self._lock:
+            return sum(e.pins for e in self._entries.values())
 
     def available_slots(self) -> int:
         """Slots a write could take now: free ones plus committed, unpinned entries."""

@@ -20,8 +20,12 @@ timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``
   ``spin_us`` before it blocks (a wake-up costs more than a short single-key request on a
   small VM); 0: block at once. Replies from another machine are waited for blocking, and so
   are ZMQ replies behind a large message (``tiers.remote_conn.SPIN_MAX_BYTES``).
-- ``get_many`` values are memoryviews (of a received frame or of this thread's segment) valid
-  until the next call on the same thread, as tiers/base.py allows.
+- Zero-copy same host (``use_leases``, ``cachestore.leases``): when the daemon's host slab
+  holds one namespace, the doorbell hands it over (read-only) and a get of host hits returns
+  views of it, the blocks leased (pinned) until this thread's next call or ``close``.
+- ``get_many`` values are memoryviews (of a received frame, of this thread's segment or,
+  read-only, of the daemon's slab) valid until the next call on the same thread, as
+  tiers/base.py allows.
 
 Thread-safe (per-thread connections). ``close`` must not race with calls in flight.
 """
@@ -47,7 +51,8 @@ class RemoteTier(Tier):
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0,
                  batch_keys: int = 64, use_shm: bool = True, shm_bytes: int = 64 << 20,
                  max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5,
-                 use_doorbell: bool = True, spin_us: float = 250.0) -> None:
+                 use_doorbell: bool = True, spin_us: float = 250.0,
+                 use_leases: bool = True) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"remote tier url must be tcp://HOST:PORT or ipc://PATH, got {url!r}")
         self.url = url
@@ -61,7 +66,7 @@ class RemoteTier(Tier):
         self.use_doorbell = use_doorbell
         self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
                                 max_shm_bytes, retry_interval_s, use_doorbell,
-                                spin_us * 1e-6)
+                                spin_us * 1e-6, use_leases)
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
@@ -116,6 +121,15 @@ class RemoteTier(Tier):
             requests.append((header, []))
         needed = 0
         for header, payloads in self._net.call(conn, requests):
+            in_slab = header.get("slab_offsets")
+            if in_slab is not None:  # leased: the daemon's slab, read in place
+                slab = conn.bell.slab if conn.bell is not None else None
+                if slab is None or any(o < 0 or o + n > len(slab)
+                                       for o, n in zip(in_slab, header["sizes"], strict=True)):
+                    raise TierError("cache server answered slab offsets outside its slab")
+                out.extend(slab[o : o + n] for o, n in zip(in_slab, header["sizes"],
+                                                           strict=True))
+                continue
             offsets = header.get("shm_offsets")
             frame_iter = iter(payloads)
             for j, size in enumerate(header["sizes"]):

@@ -13,6 +13,12 @@
   the daemon's Unix socket with the one-time secret and sends its requests there (same
   headers, payloads still in the segment). A refused or broken doorbell is dropped and the
   call goes over ZMQ instead, transparently; only a timeout is an error (as on ZMQ).
+- Leases (``cachestore.leases``): with ``use_leases`` the attach asks for the daemon's host
+  slab; if it comes (a sealed memfd over SCM_RIGHTS), ``Bell.slab`` is a read-only mapping
+  of it, and gets ask for leases (``lease: true``): a reply may then carry ``slab_offsets``
+  instead of copies (a miss or a cap reached: copies, as before). The first request of the
+  thread's next call on the doorbell carries ``release: true``; closing the doorbell (or the
+  process dying) releases the rest on the daemon's side.
 
 Thread-safe (per-thread connections); ``close`` must not race with calls in flight.
 """
@@ -20,8 +26,6 @@ Thread-safe (per-thread connections); ``close`` must not race with calls in flig
 from __future__ import annotations
 
 import os
-import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -30,9 +34,9 @@ import msgpack
 import zmq
 
 from cachestore import shm
-from cachestore.doorbell import BellClosed, MessageReader, send_message
 from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, pack
 from tiers.base import TierError, Value
+from tiers.remote_bell import Bell
 
 
 class ShmLost(TierError):
@@ -40,50 +44,9 @@ class ShmLost(TierError):
 
 
 _Replies = list[tuple[dict[str, Any], list[memoryview]]]
-# Requests of one call are all sent before the first reply is read when they add up to no
-# more than this (a socket buffer holds them, so neither side can block the other's send).
-_PIPELINE_BYTES = 64 << 10
 # A ZMQ call spins for its replies only when neither its request frames nor the last reply of
 # the same op carried more payload bytes than this (``Connections._call_zmq``).
 SPIN_MAX_BYTES = 256 << 10
-
-
-class Bell:
-    """One thread's doorbell connection, attached with the hello's one-time secret.
-    Raises OSError from the constructor when the daemon refuses or cannot be reached."""
-
-    def __init__(self, path: str, secret: str, timeout_s: float, spin_s: float) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # Kernel timeouts keep the socket in blocking mode: one syscall per send/recv.
-            tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-            self.sock.connect(path)
-            self.reader = MessageReader(self.sock, spin_s=spin_s)
-            send_message(self.sock, pack({"v": PROTOCOL_VERSION, "id": 0, "op": "attach",
-                                          "secret": secret}))
-            reply = msgpack.unpackb(self.reader.read()[0], raw=False)
-            if reply.get("code") != ErrorCode.OK:
-                raise BellClosed(f"doorbell refused: {reply.get('error')}")
-        except BaseException:
-            self.sock.close()
-            raise
-
-    def call(self, messages: list[tuple[bytes, list[Value]]]) -> list[list[Any]]:
-        """Send each message and read one reply per message, in order. Raises OSError."""
-        out: list[list[Any]] = []
-        if sum(len(h) + sum(len(p) for p in ps) for h, ps in messages) <= _PIPELINE_BYTES:
-            for header, payloads in messages:
-                send_message(self.sock, header, payloads)
-            return [self.reader.read() for _ in messages]
-        for header, payloads in messages:  # lockstep: large frames in one direction or other
-            send_message(self.sock, header, payloads)
-            out.append(self.reader.read())
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Conn:
@@ -105,9 +68,10 @@ class Connections:
 
     def __init__(self, url: str, token: str, timeout_s: float, use_shm: bool, shm_bytes: int,
                  max_shm_bytes: int, retry_interval_s: float, use_doorbell: bool = True,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, use_leases: bool = True) -> None:
         self.url = url
         self.use_doorbell = use_doorbell
+        self.use_leases = use_leases
         self.spin_s = spin_s
         # Over a real network a reply takes longer than any useful spin: poll only locally.
         self._zmq_spin_s = spin_s if _is_local(url) else 0.0
@@ -182,7 +146,7 @@ class Connections:
         if conn.segment is not None and conn.bell is None and isinstance(offered, str):
             try:
                 conn.bell = Bell(offered, str(reply.get("doorbell_secret")), self.timeout_s,
-                                 self.spin_s)
+                                 self.spin_s, want_slab=self.use_leases)
             except OSError:
                 conn.bell = None  # another mount namespace, refused, ...: ZMQ it is
 
@@ -220,12 +184,18 @@ class Connections:
         messages = []
         for header, payloads in requests:
             msg = {"v": PROTOCOL_VERSION, "id": conn.next_id, "token": self._token, **header}
+            if bell.leased:  # the previous call's values are done with (the Tier contract)
+                msg["release"] = True
+                bell.leased = False
+            if bell.slab is not None and header.get("op") == "get":
+                msg["lease"] = True
             conn.next_id += 1
             messages.append((pack(msg), payloads))
         out: _Replies = []
         for frames in bell.call(messages):
-            out.append((msgpack.unpackb(frames[0], raw=False),
-                        [memoryview(f) for f in frames[1:]]))
+            reply = msgpack.unpackb(frames[0], raw=False)
+            bell.leased = bell.leased or "slab_offsets" in reply
+            out.append((reply, [memoryview(f) for f in frames[1:]]))
         return out
 
     def _call_zmq(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]

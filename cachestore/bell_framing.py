@@ -1,0 +1,136 @@
+"""Framing of the same-host doorbell (``cachestore.doorbell``): one message on a Unix stream
+socket is ``<II`` (header length, payload count), one ``<Q`` size per payload, the msgpack
+header, the payloads. Both directions, daemon and client (``tiers.remote_conn``) alike.
+
+A message may carry file descriptors (SCM_RIGHTS): the daemon's attach reply hands the client
+its sealed host slab that way (``send_message(..., fds=...)``; the client reads that one reply
+with ``socket.recv_fds`` and ``MessageReader.feed``s the bytes).
+
+Not thread-safe: one reader and one sender per socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachestore.server_protocol import ServerLimits
+from tiers.base import Value
+
+_PREFIX = struct.Struct("<II")
+
+
+class BellClosed(ConnectionError):
+    """The peer closed the connection (or sent something that is not a message)."""
+
+
+def send_message(sock: socket.socket, header: bytes, payloads: Sequence[Value] = (),
+                 fds: Sequence[int] = ()) -> None:
+    """Send one framed message (one ``sendmsg`` in the common case), with ``fds`` attached
+    to its first byte when given. Raises OSError."""
+    parts: list[Value] = [struct.pack(f"<II{len(payloads)}Q", len(header), len(payloads),
+                                      *(len(p) for p in payloads)), header, *payloads]
+    total = sum(len(p) for p in parts)
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+    sent = sock.sendmsg(parts, ancillary if fds else [])
+    if sent < total:  # a large payload the socket buffer did not take whole
+        rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
+        sock.sendall(rest)
+
+
+class MessageReader:
+    """Reads framed messages from one socket into a reused buffer. Not thread-safe.
+
+    ``read`` returns ``[header, payload...]`` (the header as bytes, payloads as bytearrays);
+    raises BellClosed at EOF or for a message over ``limits``, OSError on socket errors.
+    """
+
+    def __init__(self, sock: socket.socket, limits: ServerLimits | None = None,
+                 spin_s: float = 0.0) -> None:
+        self._sock = sock
+        self._limits = limits
+        self._spin_s = spin_s
+        self._buf = bytearray(1 << 16)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def read(self) -> list[Any]:
+        self._fill(_PREFIX.size)
+        header_len, count = _PREFIX.unpack_from(self._buf, self._start)
+        lim = self._limits
+        if lim is not None and (header_len > lim.max_header_bytes
+                                or count > lim.max_keys_per_request):
+            raise BellClosed("message over the limits")
+        head = _PREFIX.size + 8 * count + header_len
+        self._fill(head)
+        sizes = struct.unpack_from(f"<{count}Q", self._buf, self._start + _PREFIX.size)
+        if lim is not None and any(s > lim.max_frame_bytes for s in sizes):
+            raise BellClosed("payload over the limits")
+        pos = self._start + head
+        out: list[Any] = [bytes(self._view[pos - header_len : pos])]
+        self._start = pos
+        for size in sizes:
+            out.append(self._take(size))
+        return out
+
+    def feed(self, data: bytes) -> None:
+        """Take bytes already received from the socket (e.g. by ``socket.recv_fds``) as the
+        next ones to read."""
+        have = self._end - self._start
+        new = bytearray(max(len(self._buf), have + len(data)))
+        new[:have] = self._view[self._start : self._end]
+        new[have : have + len(data)] = data
+        self._buf, self._view = new, memoryview(new)
+        self._start, self._end = 0, have + len(data)
+
+    def _fill(self, n: int) -> None:
+        """Make ``n`` bytes available at ``_start`` (compacting or growing the buffer)."""
+        if self._end - self._start >= n:
+            return
+        if self._start + n > len(self._buf):
+            have = self._end - self._start
+            if n > len(self._buf):
+                new = bytearray(max(n, 2 * len(self._buf)))
+                new[:have] = self._view[self._start : self._end]
+                self._buf, self._view = new, memoryview(new)
+            else:
+                self._view[:have] = self._view[self._start : self._end]
+            self._start, self._end = 0, have
+        while self._end - self._start < n:
+            got = self._recv(self._view[self._end :])
+            if got == 0:
+                raise BellClosed("connection closed")
+            self._end += got
+
+    def _recv(self, into: memoryview) -> int:
+        """One read: polled for up to ``spin_s`` (yielding between polls), then blocking."""
+        if self._spin_s > 0:
+            end = time.perf_counter() + self._spin_s
+            while True:
+                try:
+                    return self._sock.recv_into(into, 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() > end:
+                        break
+                    os.sched_yield()
+        return self._sock.recv_into(into)
+
+    def _take(self, size: int) -> bytearray:
+        out = bytearray(size)
+        have = min(size, self._end - self._start)
+        out[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        view, pos = memoryview(out), have
+        while pos < size:  # straight into the payload, not through the buffer
+            got = self._sock.recv_into(view[pos:])
+            if got == 0:
+                raise BellClosed("connection closed")
+            pos += got
+        return out
+
+
