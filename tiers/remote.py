@@ -64,6 +64,9 @@ class RemoteTier(Tier):
         self.max_shm_bytes = max_shm_bytes
         self.retry_interval_s = retry_interval_s
         self.use_doorbell = use_doorbell
+        # Values handed out as views of the daemon's slab (leased), all threads; unlocked
+        # (may undercount under concurrent calls): tests and diagnostics.
+        self.num_in_place = 0
         self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
                                 max_shm_bytes, retry_interval_s, use_doorbell,
                                 spin_us * 1e-6, use_leases)
@@ -129,6 +132,7 @@ class RemoteTier(Tier):
                     raise TierError("cache server answered slab offsets outside its slab")
                 out.extend(slab[o : o + n] for o, n in zip(in_slab, header["sizes"],
                                                            strict=True))
+                self.num_in_place += len(in_slab)
                 continue
             offsets = header.get("shm_offsets")
             frame_iter = iter(payloads)
@@ -182,7 +186,8 @@ class RemoteTier(Tier):
         return TierUsage(used_bytes=stats["bytes"], capacity_bytes=None, num_entries=stats["keys"])
 
     def transport(self) -> str:
-        """This thread's transport: "doorbell", "zmq" or "none" (not connected yet)."""
+        """This thread's transport: "doorbell", "zmq" or "none" (not connected yet); with
+        "+slab" when its doorbell maps the daemon's host slab (gets may be read in place)."""
         return self._net.transport()
 
     def close(self) -> None:

@@ -156,10 +156,14 @@ class Connections:
             self._hello(conn, size)
 
     def transport(self) -> str:
-        """What this thread's next call goes over: "doorbell", "zmq" or "none" (no connection
-        yet). For tests and diagnostics."""
+        """What this thread's next call goes over: "doorbell" ("doorbell+slab" when it maps the
+        daemon's host slab), "zmq" or "none" (no connection yet). For tests and diagnostics."""
         conn: Conn | None = getattr(self._local, "conn", None)
-        return "none" if conn is None else "doorbell" if conn.bell is not None else "zmq"
+        if conn is None:
+            return "none"
+        if conn.bell is None:
+            return "zmq"
+        return "doorbell+slab" if conn.bell.slab is not None else "doorbell"
 
     def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
              ) -> _Replies:
