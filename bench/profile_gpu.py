@@ -118,6 +118,17 @@ def profile_decode(quick: bool) -> dict[str, Any]:
     res["after_replay_to_return_ms"] = round(statistics.median(post) * 1e3, 3)
     res["between_steps_ms"] = round(statistics.median(gaps) * 1e3, 3)
 
+    # 2b. where the host time of a step goes: cProfile of the same steps (inflated by the
+    # profiler's own overhead; read it for proportions), top functions by own time
+    pr = cProfile.Profile()
+    pr.enable()
+    drv.decode(seqs, tables, steps)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    res["host_cprofile_steps"] = steps
+    res["host_cprofile"] = "\n".join(line[:150] for line in s.getvalue().splitlines()[:45])
+
     # 3. replay alone on the GPU (back to back, no host work in between)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
