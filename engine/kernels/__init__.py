@@ -64,6 +64,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return _rotary(x, cos, sin_signed)
 
 
+def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer(x)``; a single CUDA row (batch-1 decode) goes through the Triton ``gemv``
+    (engine/kernels/gemv.py: the small projections at HBM speed where cuBLAS's M=1 kernels
+    are not), anything else through ``F.linear``. For the fused path (CUDA + Triton)."""
+    w = layer.weight
+    if x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.stride(1) == 1 and w.stride(1) == 1:
+        from engine.kernels.gemv import gemv
+
+        y = gemv(x, w)
+        return y if layer.bias is None else y + layer.bias
+    return torch.nn.functional.linear(x, w, layer.bias)
+
+
 def rotary_and_cache(
     qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
     num_kv_heads: int, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
@@ -128,6 +141,11 @@ def _self_check(device: torch.device) -> None:
     write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
     torch.testing.assert_close(out.float(), ref_qk, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
+    from engine.kernels.gemv import gemv
+
+    xs = torch.randn(1, 300, device=device, generator=gen).to(torch.bfloat16)
+    ws = torch.randn(37, 300, device=device, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(gemv(xs, ws).float(), xs.float() @ ws.float().T, rtol=2e-2, atol=5e-2)
     from engine.kernels.decode_attention import paged_decode_attention
 
     # Decode attention, 2 requests (7 and 3 tokens) over pages [2, 0] and [1] of ``cache``.
@@ -166,6 +184,7 @@ __all__ = [
     "copy_layer_from_host",
     "fused_add_rms_norm",
     "fused_kernels_available",
+    "linear",
     "rotary",
     "rotary_and_cache",
     "silu_and_mul",

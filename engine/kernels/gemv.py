@@ -41,14 +41,29 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 8, block_k: int = 512,
+def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """``(block_n, block_k, num_warps, num_stages)`` for ``weight [n, k]``: the fastest of
+    bench/gemv.py's configurations on an H200 for the Llama-3-8B shapes (docs/gpu.md, run 12),
+    by shape class: long rows (down), many rows (gate/up, lm_head), the rest (qkv, o)."""
+    if k >= 8192:
+        return 4, 512, 4, 3
+    if n >= 16384:
+        return 16, 256, 4, 3
+    return 8, 512, 4, 3
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int = 512,
          num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """``x [1, K] @ weight[N, K].T`` -> ``[1, N]``. Raises ValueError on other shapes."""
+    """``x [1, K] @ weight[N, K].T`` -> ``[1, N]``; the tiles from ``tile_config`` unless
+    ``block_n`` is given (then the other three arguments too). Raises ValueError on other
+    shapes."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [1, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs unit last strides")
     n, k = weight.shape
+    if block_n is None:
+        block_n, block_k, num_warps, num_stages = tile_config(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,

@@ -61,7 +61,9 @@ class Attention(nn.Module):
         ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary; on CUDA, once
         the backend is planned, ``rotary_and_cache``, which also stores the new K/V)."""
         cos, sin = rope
-        qkv = self.qkv_proj(x)
+        if fused:
+            from engine.kernels import linear
+        qkv = linear(x, self.qkv_proj) if fused else self.qkv_proj(x)
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         kv_layer = kv_cache.attention_view(self.layer_idx)  # waits for a layer still loading
@@ -92,7 +94,7 @@ class Attention(nn.Module):
                     qk = RotaryEmbedding.apply(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.forward(self.layer_idx, q, k, v, kv_layer, kv_written=kv_written)
-        return self.o_proj(out)
+        return linear(out, self.o_proj) if fused else self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +118,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path: ``(h, residual)`` in, ``(mlp output, residual stream)`` out; the
         residual stream before this layer is ``h + residual`` (``h`` alone at layer 0)."""
-        from engine.kernels import fused_add_rms_norm, silu_and_mul
+        from engine.kernels import fused_add_rms_norm, linear, silu_and_mul
 
         if residual is None:
             residual, h = h, self.input_layernorm(h)
@@ -126,7 +128,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(rope, h, attn, kv_cache, fused=True)
         ln = self.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
-        return self.mlp.down_proj(silu_and_mul(self.mlp.gate_up_proj(h))), residual
+        return linear(silu_and_mul(linear(h, self.mlp.gate_up_proj)), self.mlp.down_proj), residual
 
 
 class DecoderStack(nn.Module):
@@ -182,6 +184,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused_kernels and hidden.shape[0] == 1 and hidden.is_cuda and hidden.stride(1) == 1:
+            from engine.kernels.gemv import gemv
+
+            return gemv(hidden, weight).float()
         return torch.matmul(hidden, weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
