@@ -4,8 +4,12 @@ Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
   write-through, like the memory-only redis) through tiers.remote, payload frames
-- ``daemon-shm``: the same daemon and client, same-host path: payloads through the shared-memory
-  segment, requests and replies over the doorbell (a Unix socket, ``cachestore.doorbell``)
+- ``daemon-shm``: the same daemon and client, same-host path: requests and replies over the
+  doorbell (a Unix socket, ``cachestore.doorbell``); gets of host blocks read in place from the
+  daemon's slab under leases (``cachestore.leases``: no copy at all), puts through the client's
+  shared-memory segment
+- ``daemon-shm-copy``: ``daemon-shm`` with leases off (``use_leases=False``): gets copied into
+  the client's segment (the path before leases)
 - ``daemon-shm-zmq``: the same, but requests and replies over ZMQ (the path before the doorbell)
 - ``daemon-tcp-cpu``: ``daemon-tcp`` against a second daemon started with ``--loop-cpu``
   (its loop and ZMQ I/O threads on one CPU; ``--loop-cpu N`` picks it, default 0)
@@ -16,7 +20,8 @@ value once on the client too, for an apples-to-apples "bytes in my hands" figure
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
 Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch]
        [--sizes 2MiB,64KiB] [--ops get,put] [--modes single,batch]
-       [--backends daemon-tcp,daemon-shm,daemon-shm-zmq,daemon-tcp-cpu] [--loop-cpu 0]
+       [--backends daemon-tcp,daemon-shm,daemon-shm-copy,daemon-shm-zmq,daemon-tcp-cpu]
+       [--loop-cpu 0]
        (redis always runs: the baseline; default backends: all but daemon-tcp-cpu)
 """
 
@@ -43,7 +48,7 @@ SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
 DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-shm": "shm_vs_redis",
-                "daemon-shm-zmq": "shm_zmq_vs_redis",
+                "daemon-shm-copy": "shm_copy_vs_redis", "daemon-shm-zmq": "shm_zmq_vs_redis",
                 "daemon-tcp-cpu": "tcp_cpu_vs_redis"}  # backend -> its ratio's field
 
 
@@ -73,7 +78,8 @@ def _client(kind: str, url: str) -> Any:
     from tiers.remote import RemoteTier
 
     return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
-                      use_doorbell=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
+                      use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),
+                      use_leases=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
 
 
 def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
@@ -85,13 +91,16 @@ def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str]
     _one(client, kind, op, keys[:batch], payload, touch)
     start.wait()
     moved, calls, i = 0, 0, 0
+    in_place0 = getattr(client, "num_in_place", 0)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         chunk = [keys[(i + j) % len(keys)] for j in range(batch)]
         i += batch
         moved += _one(client, kind, op, chunk, payload, touch)
         calls += 1
-    out.put((moved, time.perf_counter() - t0, calls))
+    # Values read in place (leased views of the daemon's slab) during the timed part.
+    out.put((moved, time.perf_counter() - t0, calls,
+             getattr(client, "num_in_place", 0) - in_place0))
     if kind != "redis":
         client.close()
 
@@ -117,7 +126,8 @@ def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch
 
 
 def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, clients: int,
-             seconds: float, touch: bool) -> float:
+             seconds: float, touch: bool) -> tuple[float, int, int]:
+    """GB/s over all clients, values got in place and values moved (blocks)."""
     size = SIZES[size_name]
     batch = BATCH[size_name] if batched else 1
     ctx = mp.get_context("fork")
@@ -135,7 +145,8 @@ def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, client
     results = [out.get(timeout=seconds + 60) for _ in procs]
     for p in procs:
         p.join()
-    return sum(m for m, _, _ in results) / max(t for _, t, _ in results) / 1e9
+    gbps = sum(r[0] for r in results) / max(r[1] for r in results) / 1e9
+    return gbps, sum(r[3] for r in results), sum(r[0] for r in results) // size
 
 
 def _prefill(kind: str, url: str, size_name: str) -> None:
@@ -200,12 +211,18 @@ def main() -> int:
                         # Backends alternate, --rounds times, each case keeping its best
                         # round: load from other processes on a shared machine hits all alike.
                         best = dict.fromkeys(urls, 0.0)
+                        in_place = [0, 0]  # daemon-shm's values read in place, of all
                         for _ in range(args.rounds):
                             for kind, url in urls.items():
-                                best[kind] = max(best[kind], run_case(
+                                gbps, leased, blocks = run_case(
                                     kind, url, op, size_name, batched, clients,
-                                    args.seconds / args.rounds, args.touch))
+                                    args.seconds / args.rounds, args.touch)
+                                best[kind] = max(best[kind], gbps)
+                                if kind == "daemon-shm" and op == "get":
+                                    in_place = [in_place[0] + leased, in_place[1] + blocks]
                         row.update({kind: round(v, 3) for kind, v in best.items()})
+                        if in_place[1]:
+                            row["shm_in_place"] = round(in_place[0] / in_place[1], 3)
                         for kind, ratio in DAEMON_KINDS.items():
                             if kind in row:
                                 row[ratio] = round(row[kind] / row["redis"], 2)
