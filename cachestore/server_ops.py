@@ -32,7 +32,6 @@ from typing import Any
 import zmq
 
 from cachestore import shm
-from cachestore.codec import header_bytes
 from cachestore.leases import ConnLeases
 from cachestore.server_protocol import (
     ErrorCode,
@@ -45,8 +44,8 @@ from cachestore.server_protocol import (
     error_header,
     unpack_request,
 )
-from cachestore.server_puts import check_payload, put_views
-from cachestore.server_reads import HostReads, copy_out
+from cachestore.server_puts import put_views, store_put
+from cachestore.server_reads import HostReads, copy_out, shm_region
 from cachestore.server_usage import NamespaceUsage
 from cachestore.store import HierarchicalStore
 from tiers.base import Tier, Value
@@ -301,38 +300,12 @@ class OpHandler:
     def _op_put(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                 frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
         sizes: list[int] = header["sizes"]
-        views = self._put_views(header, tenant, sizes, frames, rec)
-        fast = self._fast
-        metas = []
-        for i, (view, size, digest, key) in enumerate(zip(views, sizes, header["checksums"],
-                                                          header["keys"], strict=True)):
-            prefix = key.split("/", 1)[0]
-            meta = check_payload(i, view, size, digest, prefix,
-                                 fast.hint(tenant, prefix) if fast is not None else None)
-            if meta is not None:
-                metas.append((meta, size))
-        accounted = list(zip(ikeys, sizes, strict=True))
-        quota = self.limits.max_namespace_bytes
-        if quota is not None and (self.usage.used(tenant) + self.usage.delta(tenant, accounted)
-                                  > quota):
-            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
-                                f"namespace {tenant!r} would exceed its quota of {quota} bytes")
-        if ikeys and self.store.put_many(list(zip(ikeys, views, strict=True))) == 0:
-            # The store counts the failure; the client must not believe the blocks are kept.
-            # (Also when every key was being written by a concurrent put: rare, and a miss.)
-            raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
-        self.usage.add(tenant, accounted)
-        if fast is not None:  # blocks whose header no hint vouched for (once per namespace)
-            for meta, size in metas:
-                fast.remember(tenant, meta.namespace, header_bytes(meta), size)
+        views = put_views(header, sizes, [_buffer(f) for f in frames], self.limits,
+                          lambda: self._shm_region(header, tenant)[0], rec)
+        store_put(self.store, self.usage, self.limits.max_namespace_bytes, self._fast, header,
+                  tenant, ikeys, views)
         rec["bytes_in"] = sum(sizes)
         return {"stored": len(ikeys), "evicted": 0}, []
-
-    def _put_views(self, header: dict[str, Any], tenant: str, sizes: list[int],
-                   frames: Sequence[Any], rec: dict[str, Any]) -> list[memoryview]:
-        """The put's payloads, from frames or the client's segment. Raises ProtocolError."""
-        return put_views(header, sizes, [_buffer(f) for f in frames], self.limits,
-                         lambda: self._shm_region(header, tenant)[0], rec)
 
     def _op_delete(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                    frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
@@ -347,17 +320,7 @@ class OpHandler:
 
     def _shm_region(self, header: dict[str, Any], tenant: str
                     ) -> tuple[shm.ShmSegment | None, int, int]:
-        name = header.get("shm")
-        if not isinstance(name, str) or self._segments is None:
-            return None, 0, 0
-        segment = self._segments.get(name, tenant)
-        if segment is None:
-            raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
-        start, length = header.get("shm_start", 0), header.get("shm_length", segment.size)
-        if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
-                and 0 <= length and start + length <= segment.size):
-            raise ProtocolError(ErrorCode.BAD_HEADER, "shm region out of the segment")
-        return segment, start, start + length
+        return shm_region(self._segments, header, tenant)
 
 
 def _buffer(frame: zmq.Frame | bytes) -> memoryview:

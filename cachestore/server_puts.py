@@ -9,19 +9,25 @@ header is checked against the one the daemon last saw for the (tenant, namespace
 ``HostReads`` hint); only a block without a matching hint goes through ``decode_block``,
 whose second pass also names the exact reason of a refusal.
 
-``put_views`` finds the payloads (frames or the client's segment). Pure functions; thread-safe.
+``put_views`` finds the payloads (frames or the client's segment); ``store_put`` checks them,
+the tenant's quota, and writes them. Thread-safe (the store and usage lock themselves).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from cachestore import shm
-from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block
+from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block, header_bytes
 from cachestore.server_protocol import ErrorCode, ProtocolError, ServerLimits, checksum
+
+if TYPE_CHECKING:
+    from cachestore.server_reads import HostReads
+    from cachestore.server_usage import NamespaceUsage
+    from cachestore.store import HierarchicalStore
 
 Hint = tuple[bytes, int]  # (codec header bytes, encoded size) of a namespace's blocks
 
@@ -83,3 +89,33 @@ def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview]
         raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
     rec["path"] = "shm"
     return [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
+
+
+def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None,
+              reads: HostReads | None, header: dict[str, Any], tenant: str, ikeys: list[str],
+              views: list[memoryview]) -> None:
+    """Check every payload (``check_payload``) and the tenant's ``quota``, then write them
+    all (``put_many``) and account them; the header of blocks no hint vouched for is
+    remembered (once per namespace). Raises ``ProtocolError`` (nothing stored), ``INTERNAL``
+    when the store wrote nothing: the client must not believe the blocks are kept."""
+    sizes: list[int] = header["sizes"]
+    metas = []
+    for i, (view, size, digest, key) in enumerate(zip(views, sizes, header["checksums"],
+                                                      header["keys"], strict=True)):
+        prefix = key.split("/", 1)[0]
+        meta = check_payload(i, view, size, digest, prefix,
+                             reads.hint(tenant, prefix) if reads is not None else None)
+        if meta is not None:
+            metas.append((meta, size))
+    accounted = list(zip(ikeys, sizes, strict=True))
+    if quota is not None and usage.used(tenant) + usage.delta(tenant, accounted) > quota:
+        raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
+                            f"namespace {tenant!r} would exceed its quota of {quota} bytes")
+    if ikeys and store.put_many(list(zip(ikeys, views, strict=True))) == 0:
+        # The store counts the failure. (Also when every key was being written by a
+        # concurrent put: rare, and a miss.)
+        raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
+    usage.add(tenant, accounted)
+    if reads is not None:
+        for meta, size in metas:
+            reads.remember(tenant, meta.namespace, header_bytes(meta), size)

@@ -22,6 +22,7 @@ from typing import Any
 
 from cachestore import shm
 from cachestore.codec import decode_block, header_bytes
+from cachestore.server_protocol import ErrorCode, ProtocolError
 from cachestore.store import HierarchicalStore
 from tiers.base import Tier, Value
 
@@ -181,3 +182,21 @@ def copy_out(values: Sequence[Value | None], segment: shm.ShmSegment | None, off
     if segment is not None:
         body["shm_offsets"] = shm_offsets
     return body, payloads
+
+
+def shm_region(segments: shm.AttachedSegments | None, header: dict[str, Any], tenant: str
+               ) -> tuple[shm.ShmSegment | None, int, int]:
+    """The client segment region a request names (``shm``, ``shm_start``, ``shm_length``):
+    (segment, start, end), or (None, 0, 0) when it names none or shm is off. Raises
+    ``ProtocolError`` (``SHM_UNAVAILABLE``: not attached by ``tenant``; ``BAD_HEADER``)."""
+    name = header.get("shm")
+    if not isinstance(name, str) or segments is None:
+        return None, 0, 0
+    segment = segments.get(name, tenant)
+    if segment is None:
+        raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
+    start, length = header.get("shm_start", 0), header.get("shm_length", segment.size)
+    if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
+            and 0 <= length and start + length <= segment.size):
+        raise ProtocolError(ErrorCode.BAD_HEADER, "shm region out of the segment")
+    return segment, start, start + length

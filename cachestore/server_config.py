@@ -1,0 +1,64 @@
+"""``ServerConfig``: the cache daemon core's one frozen config (``cachestore.server``), mapped
+one-to-one from ``kvtier cache-server`` flags (``cachestore.server_cli``), and the loopback
+rule an open (token-less) daemon binds by. Pure data; thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from cachestore.server_protocol import ServerLimits
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the daemon core needs; mapped one-to-one from ``kvtier cache-server`` flags."""
+
+    url: str = "tcp://127.0.0.1:5555"
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    num_workers: int = 4
+    shm_enabled: bool = True
+    max_shm_attached: int = 256
+    max_shm_segment_bytes: int = 4 << 30
+    drain_timeout_s: float = 10.0
+    access_log_path: str | None = None
+    # Serve host-tier gets/lookups (and small memory-only puts) on the loop thread
+    # (False: every request via the pool; the doorbell runs them on its connection threads).
+    inline_reads: bool = True
+    # Same-host doorbell (a Unix socket next to the shm path); its socket lives in a fresh
+    # 0700 directory under ``doorbell_dir`` (None: the system temp dir).
+    doorbell: bool = True
+    doorbell_dir: str | None = None
+    max_doorbell_conns: int = 256
+    # How long the loop (and a doorbell thread) polls for the next request before it blocks:
+    # on a small VM a blocked thread's wake-up is most of a short request's round trip.
+    spin_us: float = 100.0
+    # Pin the loop thread and ZMQ's I/O thread to this CPU (None: unpinned). Their hand-offs
+    # then never wake another CPU, which on a small VM costs more than the work itself
+    # (docs/cache_server.md, "TCP"). Worker-pool and doorbell threads stay unpinned.
+    loop_cpu: int | None = None
+    # Zero-copy same-host gets (``cachestore.leases``): doorbell clients read a shared host
+    # slab in place when it holds one namespace; leased bytes capped overall (and at most a
+    # quarter of the slab) and per connection. Past a cap, gets copy.
+    leases: bool = True
+    max_leased_bytes: int = 1 << 30
+    max_leased_conn_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.num_workers <= 0:
+            raise ValueError("num_workers must be positive")
+        if self.loop_cpu is not None and self.loop_cpu not in os.sched_getaffinity(0):
+            raise ValueError(f"loop_cpu {self.loop_cpu} is not one of this process's CPUs "
+                             f"{sorted(os.sched_getaffinity(0))}")
+        if not self.url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+
+
+def is_loopback(url: str) -> bool:
+    if url.startswith("ipc://"):
+        return True
+    host = url[len("tcp://") :].rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
