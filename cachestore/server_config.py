@@ -45,7 +45,7 @@ class ServerConfig:
     # quarter of the slab) and per connection. Past a cap, gets copy.
     leases: bool = True
     max_leased_bytes: int = 1 << 30
-    max_leased_conn_bytes: int = 64 << 20
+    max_leased_conn_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.num_workers <= 0:

@@ -41,10 +41,11 @@ TWO_TENANTS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"
 class Daemon:
     """A daemon thread over a shared-slab host tier of ``slots`` slots."""
 
-    def __init__(self, slots: int = 32, tokens: str | None = None, **config: Any) -> None:
+    def __init__(self, slots: int = 32, tokens: str | None = None, url: str = "tcp://127.0.0.1:0",
+                 **config: Any) -> None:
         self.host = HostTier(slots * SLOT, SLOT, shared=True)
         self.store = HierarchicalStore([self.host], StoreConfig())
-        self.srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", **config), self.store,
+        self.srv = CacheServer(ServerConfig(url=url, **config), self.store,
                                TokenTable.parse(tokens) if tokens else None).start()
         self.url = self.srv.bound_url
 
@@ -314,3 +315,23 @@ def test_cli_daemon(tmp_path: Path, remote: Callable[..., RemoteTier],
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_daemon_restart_is_misses_then_hits_in_place(remote: Callable[..., RemoteTier]) -> None:
+    from tests.servers import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(url=url)
+    tier = remote(url, timeout_s=5)
+    _fill(tier)
+    views = tier.get_many(KEYS[:2])
+    d.close()
+    d = Daemon(url=url)  # memory only: the blocks are gone, a new slab
+    try:
+        assert tier.get_many(KEYS[:1]) == [None]  # a miss, not an error
+        assert [bytes(v) for v in views] == BLOCKS[:2]  # the old mapping lives while viewed
+        _fill(tier)
+        assert [bytes(v) for v in tier.get_many(KEYS)] == BLOCKS
+        assert tier.num_in_place == 8 and tier.transport() == "doorbell+slab"
+    finally:
+        d.close()
