@@ -15,10 +15,12 @@ Backends, each a separate server process on loopback:
   (its loop and ZMQ I/O threads on one CPU; ``--loop-cpu N`` picks it, default 0)
 For each: block size x {single key, batched} x {1, N concurrent client processes}, for
 ``--seconds`` each, split into ``--rounds`` rounds that alternate the backends (best round kept). Gets return bytes (redis) or memoryviews (daemon); ``--touch`` copies every
-value once on the client too, for an apples-to-apples "bytes in my hands" figure.
+value once on the client too (``bytes(view)``, daemon only: redis's values are bytes already),
+for an apples-to-apples "bytes in my hands" figure; ``--sink`` copies every value, of every
+backend, into one reused buffer instead, as an engine copies blocks into its own memory.
 
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
-Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch]
+Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch | --sink]
        [--sizes 2MiB,64KiB] [--ops get,put] [--modes single,batch]
        [--backends daemon-tcp,daemon-shm,daemon-shm-copy,daemon-shm-zmq,daemon-tcp-cpu]
        [--loop-cpu 0]
@@ -83,12 +85,13 @@ def _client(kind: str, url: str) -> Any:
 
 
 def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
-            seconds: float, touch: bool, start: Any, out: Any) -> None:
+            seconds: float, touch: str, start: Any, out: Any) -> None:
     client = _client(kind, url)
     payload = _block(keys[0], size)
+    sink = memoryview(bytearray(size * batch)) if touch == "sink" else None
     # Warm up: connections, the shm segment at full size, page faults.
-    _one(client, kind, op, keys[:batch], payload, touch)
-    _one(client, kind, op, keys[:batch], payload, touch)
+    _one(client, kind, op, keys[:batch], payload, touch, sink)
+    _one(client, kind, op, keys[:batch], payload, touch, sink)
     start.wait()
     moved, calls, i = 0, 0, 0
     in_place0 = getattr(client, "num_in_place", 0)
@@ -96,7 +99,7 @@ def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str]
     while time.perf_counter() - t0 < seconds:
         chunk = [keys[(i + j) % len(keys)] for j in range(batch)]
         i += batch
-        moved += _one(client, kind, op, chunk, payload, touch)
+        moved += _one(client, kind, op, chunk, payload, touch, sink)
         calls += 1
     # Values read in place (leased views of the daemon's slab) during the timed part.
     out.put((moved, time.perf_counter() - t0, calls,
@@ -105,7 +108,8 @@ def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str]
         client.close()
 
 
-def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch: bool) -> int:
+def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch: str,
+         sink: memoryview | None = None) -> int:
     if kind == "redis":
         if op == "put":
             if len(keys) == 1:
@@ -119,14 +123,17 @@ def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch
             client.put_many([(k, payload) for k in keys])
             return len(payload) * len(keys)
         values = client.get_many(keys)
-        if touch:
+        if touch == "bytes":
             values = [bytes(v) for v in values]
     assert all(v is not None and len(v) == len(payload) for v in values), "bench miss"
+    if sink is not None:
+        for j, v in enumerate(values):
+            sink[j * len(v) : (j + 1) * len(v)] = v
     return sum(len(v) for v in values)
 
 
 def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, clients: int,
-             seconds: float, touch: bool) -> tuple[float, int, int]:
+             seconds: float, touch: str) -> tuple[float, int, int]:
     """GB/s over all clients, values got in place and values moved (blocks)."""
     size = SIZES[size_name]
     batch = BATCH[size_name] if batched else 1
@@ -152,7 +159,7 @@ def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, client
 def _prefill(kind: str, url: str, size_name: str) -> None:
     client = _client(kind, url)
     keys = [f"bench0/{i:08x}" for i in range(WORKING_SET[size_name])]
-    _one(client, kind, "put", keys, _block(keys[0], SIZES[size_name]), False)
+    _one(client, kind, "put", keys, _block(keys[0], SIZES[size_name]), "")
     if kind != "redis":
         client.close()
 
@@ -172,7 +179,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--touch", action="store_true", help="copy each got value on the client")
+    copy = ap.add_mutually_exclusive_group()
+    copy.add_argument("--touch", action="store_true",
+                      help="bytes() of each got daemon value on the client")
+    copy.add_argument("--sink", action="store_true",
+                      help="copy each got value (all backends) into one reused client buffer")
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"block sizes, of {list(SIZES)}")
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved rounds per case (each --seconds/rounds long; best kept)")
@@ -182,6 +193,7 @@ def main() -> int:
                     help=f"daemon backends, of {list(DAEMON_KINDS)} (redis always runs)")
     ap.add_argument("--loop-cpu", type=int, default=0, help="daemon-tcp-cpu's --loop-cpu")
     args = ap.parse_args()
+    touch = "bytes" if args.touch else "sink" if args.sink else ""
     sizes = _subset(ap, "--sizes", args.sizes, list(SIZES))
     ops = _subset(ap, "--ops", args.ops, ["get", "put"])
     modes = _subset(ap, "--modes", args.modes, ["single", "batch"])
@@ -216,7 +228,7 @@ def main() -> int:
                             for kind, url in urls.items():
                                 gbps, leased, blocks = run_case(
                                     kind, url, op, size_name, batched, clients,
-                                    args.seconds / args.rounds, args.touch)
+                                    args.seconds / args.rounds, touch)
                                 best[kind] = max(best[kind], gbps)
                                 if kind == "daemon-shm" and op == "get":
                                     in_place = [in_place[0] + leased, in_place[1] + blocks]
@@ -235,7 +247,7 @@ def main() -> int:
         redis_server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"bench": "server", "unit": "GB/s", "machine": machine_info(),
-                      "seconds": args.seconds, "rounds": args.rounds, "touch": args.touch,
+                      "seconds": args.seconds, "rounds": args.rounds, "touch": touch,
                       "cases": cases}, indent=1))
     big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
     summary = ", ".join(
