@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
         usage = NamespaceUsage()
         # A mappable slab only where leases may be offered (one namespace in it).
         shared = (config.leases and config.doorbell and config.shm_enabled
-                  and (tokens is None or tokens.one_open_namespace()))
+                  and config.inline_reads and (tokens is None or tokens.one_open_namespace()))
         store = build_store(build_tiers_for(args, shared_host=shared), usage)
     except (OSError, ValueError) as exc:
         print(f"kvtier cache-server: {exc}", file=sys.stderr)
