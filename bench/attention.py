@@ -44,7 +44,58 @@ def _graph_of_layers(backend: Any, kv: Any, q: torch.Tensor) -> tuple[torch.cuda
     return graph, outs
 
 
-def measure(batch: int, context: int, reps: int) -> dict[str, Any]:
+# (block_n, num_warps, num_stages, programs_per_sm) tried by --sweep; the first is the default
+SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (128, 4, 2, 2), (128, 8, 3, 2), (64, 4, 2, 8),
+         (64, 4, 3, 8), (128, 4, 2, 8), (32, 4, 3, 8), (64, 4, 3, 4), (128, 8, 3, 8)]
+
+
+def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, reps: int,
+                  ref: torch.Tensor) -> list[dict[str, Any]]:
+    """The Triton kernel alone under each SWEEP configuration (us per layer in a graph of 32
+    layers, and the largest difference from the default's output)."""
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from engine.kernels import decode_attention as da
+
+    backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, graph_decode="triton")
+    backend.bind(torch.bfloat16, torch.device("cuda"))
+    backend.plan_cuda_graph(meta, batch, batch * pages)
+    indptr, indices, last, _ = backend._graph_tables
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for block_n, warps, stages, per_sm in SWEEP:
+        splits = da.num_splits_for(batch, KV_HEADS, sms, per_sm)
+
+        def step(outs: list[torch.Tensor], cfg: tuple[int, ...] = (splits, block_n, warps, stages)) -> None:
+            outs.clear()
+            for layer in range(LAYERS):
+                outs.append(da.paged_decode_attention(q, kv.layer_view(layer), indptr, indices, last,
+                                                      DIM**-0.5, *cfg))
+
+        outs: list[torch.Tensor] = []
+        try:
+            step(outs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step(outs)
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            us = start.elapsed_time(end) * 1e3 / reps / LAYERS
+            diff = float((outs[0].float() - ref.view_as(outs[0]).float()).abs().max())
+            rows.append({"config": [block_n, warps, stages, per_sm], "splits": splits,
+                         "us_per_layer": round(us, 2), "max_abs_diff": diff})
+        except Exception as exc:  # a configuration that does not compile is reported
+            rows.append({"config": [block_n, warps, stages, per_sm], "error": str(exc)[:200]})
+    return rows
+
+
+def measure(batch: int, context: int, reps: int, sweep: bool = False) -> dict[str, Any]:
     from engine.attention.base import AttentionMetadata
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from engine.kv_cache import KVCache, KVCacheSpec
@@ -92,6 +143,8 @@ def measure(batch: int, context: int, reps: int) -> dict[str, Any]:
         outputs[impl] = outs[0].clone()
         del graph, outs, backend
     row["speedup"] = round(row["flashinfer_us_per_layer"] / row["triton_us_per_layer"], 2)
+    if sweep:
+        row["sweep"] = sweep_configs(meta, kv, q, batch, pages, reps, outputs["triton"])
     row["max_abs_diff"] = float((outputs["triton"].float() - outputs["flashinfer"].float()).abs().max())
     del kv
     torch.cuda.empty_cache()
@@ -103,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,4096,16384")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tile configurations")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for context in (int(c) for c in args.contexts.split(",")):
             if batch * -(-context // PAGE) * bytes_per_page > MAX_CACHE_BYTES:
                 continue
-            rows.append(measure(batch, context, args.reps))
+            rows.append(measure(batch, context, args.reps, args.sweep))
             print(json.dumps(rows[-1]), flush=True)
     summary = "decode attention triton vs flashinfer (us/layer): " + ", ".join(
         f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "

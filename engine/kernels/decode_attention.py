@@ -109,11 +109,11 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b.to(tl.int64) * out_stride_t + qh * out_stride_h + dims, o.to(out_ptr.dtype.element_ty))
 
 
-def num_splits_for(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per (request, kv head): the power of two that brings the grid nearest to two
-    programs per SM without passing it (at least 1, at most 32)."""
+def num_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, programs_per_sm: int = 2) -> int:
+    """Splits per (request, kv head): the power of two that brings the grid nearest to
+    ``programs_per_sm`` programs per SM without passing it (at least 1, at most 32)."""
     splits = 1
-    while splits < 32 and batch_size * num_kv_heads * splits * 2 <= 2 * num_sms:
+    while splits < 32 and batch_size * num_kv_heads * splits * 2 <= programs_per_sm * num_sms:
         splits *= 2
     return splits
 
@@ -121,6 +121,7 @@ def num_splits_for(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
     last_page_len: torch.Tensor, scale: float, num_splits: int, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """``q [B, Hq, D]`` (unit last stride) over ``kv_layer [blocks, 2, page, Hkv, D]`` with
     request ``b`` owning pages ``indices[indptr[b]:indptr[b+1]]``, the last one holding
@@ -147,7 +148,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
         kv_layer.stride(3), out.stride(0), out.stride(1), scale * _LOG2E,
         NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim, PAGE=kv_layer.shape[2],
-        BLOCK_N=block_n, DOT_F32=_INTERPRETED, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, DOT_F32=_INTERPRETED, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
