@@ -44,7 +44,8 @@ def _graph_of_layers(backend: Any, kv: Any, q: torch.Tensor) -> tuple[torch.cuda
     return graph, outs
 
 
-# (block_n, num_warps, num_stages, programs_per_sm) tried by --sweep; the first is the default
+# (block_n, num_warps, num_stages, programs_per_sm) tried by --sweep (the engine's choice per
+# batch size: engine.kernels.decode_attention.decode_config)
 SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (128, 4, 2, 2), (128, 8, 3, 2), (64, 4, 2, 8),
          (64, 4, 3, 8), (128, 4, 2, 8), (32, 4, 3, 8), (64, 4, 3, 4), (128, 8, 3, 8)]
 

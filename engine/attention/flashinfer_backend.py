@@ -82,7 +82,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_decode = "flashinfer"  # resolved in bind()
         # Triton graph decode: (indptr, indices, last_page_len) device buffers of the planned
         # size and its split count; None when the planned step runs a FlashInfer wrapper.
-        self._graph_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._graph_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
         self._graph_dev: dict[int, tuple[torch.Tensor, ...]] = {}
         self._num_sms = 0
         self._triton_decode = None  # engine.kernels.decode_attention once chosen
@@ -203,7 +203,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             table = dev[0]
             table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
             self._graph_tables = (table[:batch_size + 1], table[head:], table[batch_size + 1:head],
-                                  self._triton_decode.num_splits_for(batch_size, self.num_kv_heads, self._num_sms))
+                                  self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms))
             self._active = None
             return
         self._graph_tables = None
@@ -266,9 +266,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_layer[self._slot_blocks, 1, self._slot_offsets] = v
         num_tokens = q.shape[0]
         if tables is not None:
-            indptr, indices, last_page_len, splits = tables
+            indptr, indices, last_page_len, cfg = tables
             out = self._triton_decode.paged_decode_attention(
-                q, kv_layer, indptr, indices, last_page_len, self.scale, splits)
+                q, kv_layer, indptr, indices, last_page_len, self.scale, *cfg)
             return out.view(num_tokens, self.num_heads * self.head_dim)
         assert wrapper is not None
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

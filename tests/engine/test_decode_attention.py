@@ -18,7 +18,11 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 
-from engine.kernels.decode_attention import num_splits_for, paged_decode_attention  # noqa: E402
+from engine.kernels.decode_attention import (  # noqa: E402
+    decode_config,
+    num_splits_for,
+    paged_decode_attention,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 16
@@ -60,8 +64,8 @@ def reference(q, kv_layer, indices, indptr, seq_lens, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (7, 1, 32), (2, 2, 32)])
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
-def test_matches_torch_on_scattered_pages(dtype, heads, kv_heads, dim, num_splits) -> None:
+@pytest.mark.parametrize("num_splits,block_n", [(1, 32), (4, 32), (16, 32), (2, 128)])
+def test_matches_torch_on_scattered_pages(dtype, heads, kv_heads, dim, num_splits, block_n) -> None:
     seq_lens = [1, 17, 64, 65, 200]
     cache, q, indptr, indices, last, idx_list, indptr_list = make_case(
         seq_lens, heads, kv_heads, dim, dtype, seed=heads * dim + num_splits)
@@ -69,7 +73,7 @@ def test_matches_torch_on_scattered_pages(dtype, heads, kv_heads, dim, num_split
     kv_layer = cache[:, layer]  # strided view, as the engine passes it
     scale = dim ** -0.5
     before = cache.clone()
-    out = paged_decode_attention(q, kv_layer, indptr, indices, last, scale, num_splits, block_n=32)
+    out = paged_decode_attention(q, kv_layer, indptr, indices, last, scale, num_splits, block_n=block_n)
     ref = reference(q, kv_layer, idx_list, indptr_list, seq_lens, scale)
     assert out.shape == (len(seq_lens), heads, dim) and out.dtype == dtype
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
@@ -109,3 +113,9 @@ def test_num_splits_fill_about_two_programs_per_sm() -> None:
         s = num_splits_for(b, 8, 132)
         assert s & (s - 1) == 0 and 1 <= s <= 32
         assert b * 8 * s <= 264 or s == 1
+
+
+def test_decode_config_per_graph_size() -> None:
+    assert decode_config(1, 8, 132) == (32, 64, 4, 2)
+    assert decode_config(8, 8, 132) == (4, 128, 4, 2)
+    assert decode_config(32, 8, 132) == (1, 128, 4, 2)
