@@ -48,7 +48,7 @@ class Bell:
             attach = {"v": PROTOCOL_VERSION, "id": 0, "op": "attach", "secret": secret}
             send_message(self.sock, pack({**attach, "lease": True} if want_slab else attach))
             # The reply may carry the slab's fd: read its first bytes with their ancillary data.
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
             if not data:
                 raise BellClosed("connection closed")
             self.reader.feed(data)
