@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from cachestore.server import CacheServer, RequestRecord
@@ -35,7 +35,8 @@ METRIC_NAMES = (
     "kvtier_server_requests_total", "kvtier_server_request_seconds", "kvtier_server_keys_total",
     "kvtier_server_bytes_total", "kvtier_server_inflight_requests",
     "kvtier_server_namespace_bytes", "kvtier_server_namespace_keys", "kvtier_tier_used_bytes",
-    "kvtier_tier_capacity_bytes", "kvtier_tier_entries",
+    "kvtier_tier_capacity_bytes", "kvtier_tier_entries", "kvtier_server_lent_bytes",
+    "kvtier_server_leased_bytes", "kvtier_server_leased_blocks_total",
 )
 
 
@@ -83,7 +84,7 @@ class _LiveCollector:
     def describe(self) -> list[Any]:
         return []  # unchecked collector: its series depend on live state
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         server = self._get_server()
         if server is None:
             return
@@ -94,6 +95,15 @@ class _LiveCollector:
                                  "Host-tier bytes pinned under zero-copy replies in flight")
         lent.add_metric([], server.handler.lent_bytes)
         yield lent
+        leases = server.leases
+        leased = GaugeMetricFamily("kvtier_server_leased_bytes",
+                                   "Host-tier bytes pinned under same-host in-place reads (leases)")
+        leased.add_metric([], leases.budget.held_bytes if leases is not None else 0)
+        yield leased
+        granted = CounterMetricFamily("kvtier_server_leased_blocks",
+                                      "Blocks read in place under a lease since start")
+        granted.add_metric([], leases.budget.num_granted if leases is not None else 0)
+        yield granted
         ns_bytes = GaugeMetricFamily("kvtier_server_namespace_bytes", "Bytes per namespace",
                                      labels=["namespace"])
         ns_keys = GaugeMetricFamily("kvtier_server_namespace_keys", "Keys per namespace",

@@ -121,6 +121,7 @@ def test_admin_endpoints(server: CacheServer) -> None:
         assert 'kvtier_server_namespace_bytes{namespace="default"} 350.0' in metrics
         assert 'kvtier_tier_entries{tier="host"} 2.0' in metrics
         assert "kvtier_server_lent_bytes 0.0" in metrics  # every lent block came back
+        assert "kvtier_server_leased_bytes 0.0" in metrics  # and every lease
         for name in METRIC_NAMES:
             assert name in metrics
     finally:

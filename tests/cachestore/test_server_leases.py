@@ -97,6 +97,11 @@ def test_in_place_gets_return_the_right_bytes(daemon: Daemon,
     assert all(v.readonly for v in got)  # views of the read-only mapping, no copy
     assert tier.num_in_place == 6 and daemon.granted() == 6
     assert daemon.held_bytes() == 6 * SIZE and daemon.host.num_pins() == 6
+    from cachestore.server_admin import _LiveCollector
+
+    gauges = {m.samples[0].name: m.samples[0].value for m in _LiveCollector(lambda: daemon.srv).collect()
+              if m.name.startswith("kvtier_server_leased")}
+    assert gauges == {"kvtier_server_leased_bytes": 6 * SIZE, "kvtier_server_leased_blocks_total": 6}
     # A request with a miss takes the copy path (whole request), the others stay leased.
     missing = "aaaa/" + "f" * 32
     got = tier.get_many([KEYS[0], KEYS[1], KEYS[2], missing])
