@@ -22,26 +22,17 @@ from typing import Any
 
 import torch
 
-from bench.common import machine_info
+from bench.common import cuda_graph_us, emit_report, machine_info
 
 LAYERS, HEADS, KV_HEADS, DIM, PAGE = 32, 32, 8, 128, 16
 MAX_CACHE_BYTES = 24 << 30  # skip (batch, context) points whose cache would be larger
 
 
-def _graph_of_layers(backend: Any, kv: Any, q: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-    outs: list[torch.Tensor] = []
-
-    def step() -> None:
-        outs.clear()
-        for layer in range(LAYERS):
-            outs.append(backend.forward(layer, q, q, q, kv.layer_view(layer), kv_written=True))
-
-    step()  # warm-up (compile, allocate) outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph, outs
+def _layers(backend: Any, kv: Any, q: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """One attention call per layer, as a decode step runs them; outputs into ``outs``."""
+    outs.clear()
+    for layer in range(LAYERS):
+        outs.append(backend.forward(layer, q, q, q, kv.layer_view(layer), kv_written=True))
 
 
 # (block_n, num_warps, num_stages, programs_per_sm) tried by --sweep (the engine's choice per
@@ -74,20 +65,7 @@ def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, r
 
         outs: list[torch.Tensor] = []
         try:
-            step(outs)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(outs)
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            us = start.elapsed_time(end) * 1e3 / reps / LAYERS
+            us = cuda_graph_us(lambda o=outs, f=step: f(o), reps) / LAYERS
             diff = float((outs[0].float() - ref.view_as(outs[0]).float()).abs().max())
             rows.append({"config": [block_n, warps, stages, per_sm], "splits": splits,
                          "us_per_layer": round(us, 2), "max_abs_diff": diff})
@@ -124,25 +102,18 @@ def measure(batch: int, context: int, reps: int, sweep: bool = False) -> dict[st
         backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, graph_decode=impl)
         backend.bind(torch.bfloat16, dev)
         backend.plan_cuda_graph(meta, batch, batch * pages)
-        graph, outs = _graph_of_layers(backend, kv, q)
         host = []
         for _ in range(20):
             t0 = time.perf_counter()
             backend.plan_cuda_graph(meta, batch, batch * pages)
             host.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        row[f"{impl}_us_per_layer"] = round(start.elapsed_time(end) * 1e3 / reps / LAYERS, 2)
+        outs: list[torch.Tensor] = []
+        us = cuda_graph_us(lambda o=outs, b=backend, c=kv: _layers(b, c, q, o), reps)
+        row[f"{impl}_us_per_layer"] = round(us / LAYERS, 2)
         row[f"{impl}_plan_host_us"] = round(sorted(host)[len(host) // 2] * 1e6, 1)
         outputs[impl] = outs[0].clone()
-        del graph, outs, backend
+        del outs, backend
     row["speedup"] = round(row["flashinfer_us_per_layer"] / row["triton_us_per_layer"], 2)
     if sweep:
         row["sweep"] = sweep_configs(meta, kv, q, batch, pages, reps, outputs["triton"])
@@ -174,14 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = "decode attention triton vs flashinfer (us/layer): " + ", ".join(
         f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "
         f"({r['speedup']}x)" for r in rows)
-    report = {"benchmark": "attention", "machine": machine_info(), "argv": sys.argv[1:],
-              "rows": rows, "summary": summary}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(summary)
+    emit_report({"benchmark": "attention", "machine": machine_info(), "argv": sys.argv[1:],
+                 "rows": rows, "summary": summary}, args.out)
     return 0
 
 

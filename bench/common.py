@@ -50,3 +50,37 @@ def percentile(sorted_values: list[float], q: float) -> float:
         return 0.0
     rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values)) - 1))
     return sorted_values[rank]
+
+
+def cuda_graph_us(fn: Any, reps: int) -> float:
+    """Microseconds of GPU time per replay of ``fn`` captured as one CUDA graph (after one eager
+    warm-up call and one warm replay), over ``reps`` back-to-back replays. CUDA only."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def emit_report(report: dict[str, Any], out: str | None) -> None:
+    """Print a benchmark's JSON report, write it to ``out`` if given, then its one-line
+    ``report["summary"]``."""
+    import json
+
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(report["summary"])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine_info
+from bench.common import cuda_graph_us, emit_report, machine_info
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -27,24 +27,6 @@ CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
     (4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 1024, 8, 2),
     (16, 512, 8, 3), (4, 1024, 4, 2), (2, 1024, 4, 3),
 ]
-
-
-def _graph_time(fn: Any, reps: int) -> float:
-    """Microseconds per call of ``fn`` (which runs every layer once), captured in a graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def measure(name: str, layers: int, reps: int) -> dict[str, Any]:
@@ -55,7 +37,7 @@ def measure(name: str, layers: int, reps: int) -> dict[str, Any]:
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     nbytes = n * k * 2
-    t_ref = _graph_time(lambda: [F.linear(x, w) for w in ws], reps) / count
+    t_ref = cuda_graph_us(lambda: [F.linear(x, w) for w in ws], reps) / count
     ref = F.linear(x, ws[0]).float()
     row: dict[str, Any] = {"shape": [n, k], "cublas_us": round(t_ref, 2),
                            "cublas_tb_s": round(nbytes / t_ref / 1e6, 2), "configs": []}
@@ -65,7 +47,7 @@ def measure(name: str, layers: int, reps: int) -> dict[str, Any]:
         try:
             out = gemv(x, ws[0], bn, bk, nw, ns).float()
             err = float((out - ref).abs().max() / ref.abs().max())
-            t = _graph_time(lambda c=cfg: [gemv(x, w, *c) for w in ws], reps) / count
+            t = cuda_graph_us(lambda c=cfg: [gemv(x, w, *c) for w in ws], reps) / count
         except Exception as exc:  # a config that does not compile is reported, not fatal
             row["configs"].append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
@@ -96,13 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({name: rows[name]}), flush=True)
     summary = "gemv M=1 triton best vs cublas: " + ", ".join(
         f"{k} {r.get('best_us')}/{r['cublas_us']} us ({r.get('speedup')}x)" for k, r in rows.items())
-    report = {"benchmark": "gemv", "machine": machine_info(), "rows": rows, "summary": summary}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    print(summary)
+    emit_report({"benchmark": "gemv", "machine": machine_info(), "rows": rows, "summary": summary},
+                args.out)
     return 0
 
 
