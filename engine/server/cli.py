@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
     )
     parser.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+        help="auto: flashinfer on CUDA when installed (bf16/fp16), else torch",
+    )
+    parser.add_argument(
+        "--graph-decode", default="auto", choices=("auto", "triton", "flashinfer"),
+        help="decode attention kernel inside CUDA graphs (flashinfer backend; docs/gpu.md)",
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine core on a thread of the HTTP process instead of its own process",
@@ -75,6 +83,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        graph_decode=args.graph_decode,
     )
 
 

@@ -334,7 +334,16 @@ def test_enforce_eager_maps_from_llm_kwargs_and_the_serve_flag(models: dict) -> 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager
-    assert not engine_config_from_args(parser.parse_args([])).enforce_eager
+    default = engine_config_from_args(parser.parse_args([]))
+    assert not default.enforce_eager
+    assert (default.attention_backend, default.graph_decode) == ("auto", "auto")
+    picked = engine_config_from_args(parser.parse_args(
+        ["--attention-backend", "flashinfer", "--graph-decode", "flashinfer"]))
+    assert (picked.attention_backend, picked.graph_decode) == ("flashinfer", "flashinfer")
+    with pytest.raises(SystemExit):  # argparse refuses an unknown kernel
+        parser.parse_args(["--graph-decode", "cuda"])
+    with pytest.raises(ValueError, match="graph_decode"):
+        LLM(models["llama"][0], num_gpu_blocks=8, device="cpu", graph_decode="cuda")
 
 
 @pytest.mark.gpu
