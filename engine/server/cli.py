@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16")
     )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None,
+                        help="fixed KV cache size in blocks (default: from the memory profile)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU the engine may use, KV cache included")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -72,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         cache=CacheConfig(
             num_gpu_blocks=args.num_gpu_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(

@@ -337,6 +337,11 @@ def test_enforce_eager_maps_from_llm_kwargs_and_the_serve_flag(models: dict) -> 
     default = engine_config_from_args(parser.parse_args([]))
     assert not default.enforce_eager
     assert (default.attention_backend, default.graph_decode) == ("auto", "auto")
+    assert default.cache.gpu_memory_utilization == 0.9
+    assert engine_config_from_args(parser.parse_args(
+        ["--gpu-memory-utilization", "0.5"])).cache.gpu_memory_utilization == 0.5
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_config_from_args(parser.parse_args(["--gpu-memory-utilization", "1.5"]))
     picked = engine_config_from_args(parser.parse_args(
         ["--attention-backend", "flashinfer", "--graph-decode", "flashinfer"]))
     assert (picked.attention_backend, picked.graph_decode) == ("flashinfer", "flashinfer")
