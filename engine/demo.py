@@ -8,7 +8,9 @@ or ``--offload-dir``; the cost model decides per request whether reloading beats
 The summary reports the prefix-cache hit rate (GPU hits plus loaded tokens over prompt tokens)
 and TTFT for first against later turns of the offload run, then per-tier hits, loaded versus
 recomputed tokens, the cost model's decisions, and TTFT with and without offload side by side.
-Greedy sampling and short replies keep it to seconds on a laptop CPU.
+Each user pastes ~870 tokens of notes in the first turn (``--notes-words``), so a history
+costs a real prefill to recompute, and the pool holds one history but not all of them.
+Greedy sampling and short replies keep it to about a second of work on a laptop CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -70,12 +73,27 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered), rank) - 1]
 
 
-def user_message(user: int, turn: int) -> str:
+def user_notes(user: int, words: int) -> str:
+    """A user's own long context (pasted notes, as in document QA): ``words`` words drawn,
+    deterministically per user, from the demo model's corpus. Empty for ``words`` 0."""
+    from engine.demo_model import _CORPUS
+
+    vocab = _CORPUS.split()
+    rng = random.Random(1000 + user)
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def user_message(user: int, turn: int, notes_words: int = 0) -> str:
+    """The user's turn: a question on their topic; the first turn also pastes their notes."""
     topic = _TOPICS[user % len(_TOPICS)]
-    return _QUESTIONS[turn % len(_QUESTIONS)].format(topic)
+    question = _QUESTIONS[turn % len(_QUESTIONS)].format(topic)
+    if turn == 0 and notes_words:
+        return f"Here are my notes: {user_notes(user, notes_words)}\n{question}"
+    return question
 
 
-def run_workload(engine: object, users: int, turns: int, max_tokens: int) -> list[TurnRecord]:
+def run_workload(engine: object, users: int, turns: int, max_tokens: int,
+                 notes_words: int = 0) -> list[TurnRecord]:
     """Runs ``turns`` rounds; in each, every user's next turn is submitted at once and the
     engine stepped until all finish. Mutates the engine's cache (that is the point)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -84,7 +102,7 @@ def run_workload(engine: object, users: int, turns: int, max_tokens: int) -> lis
     for turn in range(turns):
         prompt_lens: dict[str, int] = {}
         for user, history in enumerate(histories):
-            history.append({"role": "user", "content": user_message(user, turn)})
+            history.append({"role": "user", "content": user_message(user, turn, notes_words)})
             req_id = f"u{user}-t{turn}"
             token_ids = encode_chat(engine.tokenizer, history)  # type: ignore[attr-defined]
             prompt_lens[req_id] = len(token_ids)
@@ -192,14 +210,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users", type=int, default=4, help="concurrent conversations")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--max-tokens", type=int, default=12, help="reply length cap")
+    parser.add_argument("--notes-words", type=int, default=300,
+                        help="words of notes each user pastes in the first turn (~870 tokens at "
+                             "300): long histories, so a recompute costs what a reload saves")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=24,
-        help="GPU KV pool size in 16-token blocks (small: histories must not fit)",
+        default=80,
+        help="GPU KV pool size in 16-token blocks (small: the users' histories must not all "
+             "fit; one history must)",
     )
-    parser.add_argument("--host-capacity", default="256KiB", help="host tier size")
+    parser.add_argument("--host-capacity", default="12MiB",
+                        help="host tier size (default: about half the demo's KV, so both tiers hit)")
     parser.add_argument(
         "--decision",
         default="cost",
@@ -219,8 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine
 
-    if args.users < 1 or args.turns < 1 or args.num_gpu_blocks < 1:
-        print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1")
+    if args.users < 1 or args.turns < 1 or args.num_gpu_blocks < 1 or args.notes_words < 0:
+        print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1, --notes-words >= 0")
         return 2
     config = EngineConfig(
         model=None, device=args.device, cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks)
@@ -228,14 +251,14 @@ def main(args: argparse.Namespace) -> int:
     baseline = None
     if not args.no_baseline:
         engine = LLMEngine(config)
-        baseline = run_workload(engine, args.users, args.turns, args.max_tokens)
+        baseline = run_workload(engine, args.users, args.turns, args.max_tokens, args.notes_words)
         engine.close()
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         offload = demo_offload_config(args.offload_dir or tmp, args.host_capacity, args.decision)
         engine = LLMEngine(dataclasses.replace(config, kv_offload=True, kv_offload_config=offload))
         try:
             start = time.perf_counter()
-            records = run_workload(engine, args.users, args.turns, args.max_tokens)
+            records = run_workload(engine, args.users, args.turns, args.max_tokens, args.notes_words)
             wall_s = time.perf_counter() - start
             kv = engine.kv_stats()
         finally:

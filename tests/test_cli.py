@@ -92,6 +92,14 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     assert later_rate > first_rate, out
     ttft = re.search(r"^TTFT p50 ms\s+(\S+)\s+(\S+)$", out, re.M)
     assert ttft is not None and all(float(v) > 0 for v in ttft.groups()), out
+    # The histories (2 x ~900 tokens with the default notes) do not all fit the pool: without
+    # offload later turns recompute most of them, with it they are loaded from the tiers.
+    base_rate, offload_rate = map(
+        float, re.search(r"^cache hit %\s+(\S+)\s+(\S+)$", out, re.M).groups()
+    )
+    assert offload_rate > base_rate + 30.0, out
+    loaded = int(re.search(r"loaded (\d+), recomputed", out).group(1))
+    assert loaded > 0, out
 
 
 def test_percentile_nearest_rank() -> None:
