@@ -20,13 +20,13 @@ The caller pads the batch to ``batch_size`` rows whose page is the cache's scrat
 kernel a graph runs is ``graph_decode``:
 
 - ``"triton"``: ``engine.kernels.decode_attention`` (split-KV over those buffers, no plan: the
-  graph's host work is the three copies), any GQA group up to 16;
+  graph's host work is one copy of them), any GQA group up to 16;
 - ``"flashinfer"``: a decode wrapper built in ``use_cuda_graph`` mode over those buffers and
   planned each step (group sizes 1, 2, 3, 4, 8).
 
 ``"auto"`` (the default) takes triton when the fused kernels passed their self-check on the
 device (``engine.kernels.fused_kernels_available``), else flashinfer. bench/engine.py measures
-both (``--graph-decode``).
+both (variants ``fused`` and ``fused-fi``), bench/attention.py the kernels alone.
 
 Not thread-safe: ``plan`` stores per-step state used by the following ``forward`` calls.
 """
@@ -80,10 +80,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_IMPLS}, got {graph_decode!r}")
         self._graph_decode_wanted = graph_decode
         self.graph_decode = "flashinfer"  # resolved in bind()
-        # Triton graph decode: (indptr, indices, last_page_len) device buffers of the planned
-        # size and its split count; None when the planned step runs a FlashInfer wrapper.
+        # Triton graph decode: (indptr, indices, last_page_len) device views of the planned
+        # size's table and its launch configuration (decode_config); None when the planned
+        # step runs a FlashInfer wrapper.
         self._graph_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
-        self._graph_dev: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._graph_dev: dict[int, torch.Tensor] = {}  # per size: the device twin of _graph_host
         self._num_sms = 0
         self._triton_decode = None  # engine.kernels.decode_attention once chosen
         self._dtype: torch.dtype | None = None
@@ -175,7 +176,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         when no graph decode kernel fits the group size."""
         self._check_bound()
         if not self.graph_capable:
-            raise ValueError("CUDA-graph decode needs a GQA group size in (1, 2, 3, 4, 8)")
+            raise ValueError("CUDA-graph decode needs the triton kernel (GQA group <= 16) or "
+                             "a FlashInfer decode kernel's group size (1, 2, 3, 4, 8)")
         if metadata.num_reqs != batch_size or metadata.max_query_len != 1:
             raise ValueError(f"graph decode plan needs {batch_size} one-token rows")
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
@@ -196,11 +198,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._slot_mapping = metadata.slot_mapping
         self.last_wrapper = "graph_decode"
         if self.graph_decode == "triton":
-            dev = self._graph_dev.get(batch_size)
-            if dev is None:
-                dev = (torch.zeros_like(host, device=self._device),)
-                self._graph_dev[batch_size] = dev
-            table = dev[0]
+            table = self._graph_dev.get(batch_size)
+            if table is None:
+                table = torch.zeros_like(host, device=self._device)
+                self._graph_dev[batch_size] = table
             table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
             self._graph_tables = (table[:batch_size + 1], table[head:], table[batch_size + 1:head],
                                   self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms))
