@@ -15,7 +15,9 @@ Sections (JSON keys):
 - ``transfer``: ``KVCache.gather_blocks`` + one (pinned) host copy, and ``scatter_blocks`` back,
   of 256 random blocks of the Llama-3-8B shape (2 MiB each), vs a raw ``copy_`` of the bytes.
 - ``load_path``: N host-tier blocks (2 MiB each) loaded into the cache through the worker's
-  real load path (host fast path), vs a raw ``copy_`` of the same bytes and vs the decode path.
+  real load path (host fast path), one copy per block and ``coalesced_loads`` (one copy per
+  run of consecutive slots, here one run), vs a raw ``copy_`` of the same bytes and vs the
+  decode path.
 - ``ttft``: a prefix of 1K/4K/16K tokens is prefilled, written to the tiers (``flush_kv``) and
   dropped from the GPU prefix cache; then the same prefix with a new question: recompute
   (offload off), reload from host, reload from LMDB (a 4-slot host tier demotes everything to
@@ -142,7 +144,8 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     slot = encoded_size(meta)
     store = HierarchicalStore([HostTier(n * slot, slot)],
                               StoreConfig(namespace=meta.namespace, promote_on_get=False))
-    worker = OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats())
+    workers = {c: OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(),
+                                coalesced_loads=c) for c in (False, True)}
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(-(2**15), 2**15 - 1, (n, spec.bytes_per_block // 2),
                          generator=gen, dtype=torch.int16).view(torch.uint8)
@@ -153,12 +156,17 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     raw_dev = torch.empty((n, spec.bytes_per_block), dtype=torch.uint8, device=dev)
     nbytes = n * spec.bytes_per_block
 
-    def load() -> None:
+    def load(coalesced: bool = False) -> None:
+        worker = workers[coalesced]
         store.prepare_load(keys)
         worker.start_load_kv(KVConnectorMetadata(
             loads=(BlockLoad("bench", ids, keys, 0, ("host",) * n),), num_scheduled_requests=0))
         [done] = worker.take_report().finished_loads
         assert done.num_loaded_blocks == n, done
+
+    def loaded_bytes_ok() -> bool:
+        got = kv.tensor[list(ids)].reshape(n, -1).view(torch.uint8).cpu()
+        return bool(torch.equal(got, host.cpu()))
 
     def decode_path() -> None:
         staging = torch.empty((n, *spec.block_shape), dtype=spec.dtype,
@@ -174,16 +182,22 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     try:
         t_raw = best(lambda: raw_dev.copy_(host, non_blocking=dev.type == "cuda"))
         t_load = best(load)
-        ok = bool(torch.equal(kv.tensor[list(ids)].reshape(n, -1).view(torch.uint8).cpu(),
-                              host.cpu()))
+        ok = loaded_bytes_ok()
+        kv.tensor.zero_()
+        t_coalesced = best(lambda: load(True))  # one run: the keys sit in slots 0..n-1
+        ok_coalesced = loaded_bytes_ok()
         t_decode = best(decode_path)
     finally:
-        worker.close()
+        for worker in workers.values():
+            worker.close()
         store.close()
     return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "device": str(dev),
             "pinned": dev.type == "cuda",
-            "bytes_correct": ok,
+            "bytes_correct": ok, "coalesced_bytes_correct": ok_coalesced,
             "raw_gbps": nbytes / t_raw / 1e9, "load_path_gbps": nbytes / t_load / 1e9,
+            "coalesced_load_path_gbps": nbytes / t_coalesced / 1e9,
+            "coalesced_ratio_to_raw": t_raw / t_coalesced,
+            "coalesced_vs_per_block": t_load / t_coalesced,
             "decode_path_gbps": nbytes / t_decode / 1e9,
             "load_path_ms": t_load * 1e3, "raw_ms": t_raw * 1e3, "decode_path_ms": t_decode * 1e3,
             "ratio_to_raw": t_raw / t_load, "decode_ratio_to_raw": t_raw / t_decode}
@@ -354,7 +368,8 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
                      f"{r['recompute_over_async']:.1f}x -> {r['recompute_over_in_step']:.1f}x);")
     if "ratio_to_raw" in lp:
         parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
-                     f"({lp['ratio_to_raw']:.2f}x raw; decode path {lp['decode_ratio_to_raw']:.2f}x);")
+                     f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
+                     f"decode path {lp['decode_ratio_to_raw']:.2f}x);")
     if "device_to_host" in tr:
         parts.append(f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
                      f"({tr['device_to_host']['ratio']:.2f}x raw), h2d "

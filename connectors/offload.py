@@ -82,6 +82,7 @@ class OffloadConnector:
             stats=self.counters,
             cost_model=cost_model,
             layered_loads=config.layered_loads,
+            coalesced_loads=config.coalesced_loads,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.

@@ -7,6 +7,7 @@ One YAML file (or the same dict) holds both::
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     layered_loads: false    # CUDA: in-step loads land layer by layer under the forward
+    coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
@@ -52,6 +53,10 @@ class OffloadConfig:
     # layer's attention waiting only for its layer. Off by default: the H200 runs do not yet
     # separate it from an unexplained between-engine effect of the benchmark (docs/offload.md).
     layered_loads: bool = False
+    # Host-tier loads move each run of consecutive slab slots as one copy plus a device
+    # scatter instead of one copy per block (connectors/offload_copy.py). Off by default
+    # until bench/offload.py "load_path" has measured it on a GPU.
+    coalesced_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
@@ -62,12 +67,12 @@ class OffloadConfig:
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
-    "in_step_host_loads": ..., "layered_loads": ...}`` -> OffloadConfig.
+    "in_step_host_loads": ..., "layered_loads": ..., "coalesced_loads": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
-             "layered_loads"}
+             "layered_loads", "coalesced_loads"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -76,7 +81,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         raise ConfigError(f"kv offload config: load_timeout_s must be a number, got {timeout!r}")
     flags = {}
     for name, default in (("calibrate", True), ("in_step_host_loads", True),
-                          ("layered_loads", False)):
+                          ("layered_loads", False), ("coalesced_loads", False)):
         flags[name] = data.get(name, default)
         if not isinstance(flags[name], bool):
             raise ConfigError(
@@ -88,6 +93,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=flags["layered_loads"],
+        coalesced_loads=flags["coalesced_loads"],
     )
 
 

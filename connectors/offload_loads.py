@@ -66,8 +66,10 @@ class _Load:
 class HostLoader:
     def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
-                 cost_model: OnlineCostModel | None, layered: bool = False) -> None:
-        """``layered``: in-step loads land layer by layer when the copier can (CUDA)."""
+                 cost_model: OnlineCostModel | None, layered: bool = False,
+                 coalesced: bool = False) -> None:
+        """``layered``: in-step loads land layer by layer when the copier can (CUDA);
+        ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``)."""
         self.kv_cache = kv_cache
         self.store = store
         self.meta = meta
@@ -79,7 +81,8 @@ class HostLoader:
         self._total = encoded_size(meta)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
-        self._copier = SlabCopier(kv_cache, host, layered=layered) if host is not None else None
+        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced)
+                        if host is not None else None)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._loads: dict[str, _Load] = {}
         self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle

@@ -55,6 +55,7 @@ class OffloadWorker:
         stats: OffloadStats,
         cost_model: OnlineCostModel | None = None,
         layered_loads: bool = False,
+        coalesced_loads: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
         self.store = store
@@ -66,7 +67,7 @@ class OffloadWorker:
         self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream)
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model,
-                                  layered=layered_loads)
+                                  layered=layered_loads, coalesced=coalesced_loads)
 
     @property
     def layered_loads(self) -> bool:

@@ -172,6 +172,10 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert load_offload_config({"tiers": host, "layered_loads": True}).layered_loads
     with pytest.raises(ConfigError, match="layered_loads must be true or false"):
         load_offload_config({"tiers": host, "layered_loads": 1})
+    assert cfg.coalesced_loads is False
+    assert load_offload_config({"tiers": host, "coalesced_loads": True}).coalesced_loads
+    with pytest.raises(ConfigError, match="coalesced_loads must be true or false"):
+        load_offload_config({"tiers": host, "coalesced_loads": "on"})
     assert cfg.tiers.tiers == (HostTierConfig(capacity=1 << 20),)
     yaml_path = tmp_path / "offload.yaml"
     yaml_path.write_text("tiers:\n  - {kind: lmdb, path: /x, capacity: 1GiB}\n")

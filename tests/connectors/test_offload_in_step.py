@@ -73,6 +73,27 @@ def test_a_host_reload_yields_its_first_token_in_the_admitting_step(
     assert kv["tiers"]["host"]["hit_blocks"] == 3
 
 
+def test_a_coalesced_host_reload_gives_the_same_tokens_and_stats(model_dir: str) -> None:
+    """``coalesced_loads``: P's three host blocks sit in consecutive slots (saved in order), so
+    they move as one run through the staging buffer; the first token and the accounting are
+    those of the per-block copies (the test above)."""
+    p, _ = prompts()
+    reference = make_llm(model_dir, 10).generate([p], ONE)[0].token_ids
+    with make_llm(model_dir, 10, {**offload(True), "coalesced_loads": True}) as llm:
+        copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
+        assert copier is not None and copier._staging is None
+        assert copier.coalesce == (copier._non_blocking)  # on by the config where it is used
+        copier.coalesce = True  # (CUDA only) the same run code, here on the CPU
+        assert evict_p_to_host(llm) == reference
+        assert steps_to_first_token(llm, p) == (1, reference)
+        assert copier._staging is not None  # the run path copied them
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0
+    assert kv["gpu_hit_tokens"] == 32 and kv["loaded_tokens"] == 48
+    assert kv["recomputed_tokens"] == 0 and kv["failed_loads"] == 0
+    assert kv["tiers"]["host"]["hit_blocks"] == 3
+
+
 def test_a_slot_failing_its_header_check_is_recomputed_in_the_same_step(
     model_dir: str,
 ) -> None:
@@ -129,5 +150,31 @@ def test_cuda_in_step_reload_lands_layer_by_layer_with_outputs_unchanged(
         kv = llm.kv_stats()
         assert host_pins(llm) == 0
         assert llm.engine.runner.kv_cache._layer_ready is None
+    assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
+    assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_coalesced_reload_gives_the_same_tokens(model_dir: str, dtype: str) -> None:
+    """``coalesced_loads`` on CUDA: the host blocks move as runs (one pinned copy per run into
+    the device staging, one word scatter); same tokens as without offload."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p, _ = prompts()
+    kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
+    reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
+    config = {**offload(True), "coalesced_loads": True}
+    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config,
+             **kw) as llm:
+        copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
+        assert copier is not None and copier.coalesce
+        assert evict_p_to_host(llm) == reference
+        assert steps_to_first_token(llm, p) == (1, reference)
+        assert copier._staging is not None
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0
     assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
     assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3
