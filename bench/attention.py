@@ -8,6 +8,10 @@ as a decode step runs them), replayed back to back; GPU time per layer, and the 
 compared on the same step (max abs difference, bf16).
 
     python -m bench.attention [--batches 1,8,32] [--contexts 512,4096,16384] [--out FILE]
+        [--sweep] [--appends 16@4096,16@16384]
+
+``--appends Q@CTX``: one request's Q newest tokens over CTX tokens of KV in an eager step (a
+reload's first forward): FlashInfer's prefill wrapper vs the Triton kernel with causal rows.
 
 Prints JSON and a one-line summary; needs CUDA and FlashInfer.
 """
@@ -123,12 +127,62 @@ def measure(batch: int, context: int, reps: int, sweep: bool = False) -> dict[st
     return row
 
 
+def measure_append(context: int, q_len: int, reps: int) -> dict[str, Any]:
+    """One request's ``q_len`` newest tokens over ``context`` tokens of KV, an eager step (as
+    a reload's first forward runs): FlashInfer's prefill wrapper against the Triton kernel
+    (``small_query="triton"``), 32 layers' calls timed back to back with CUDA events."""
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    dev = torch.device("cuda")
+    pages = -(-context // PAGE)
+    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
+    kv = KVCache(spec, pages + 1, dev)
+    kv.tensor.normal_()
+    table = torch.randperm(pages, generator=torch.Generator().manual_seed(context)).tolist()
+    slots = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(context - q_len, context)],
+                         device=dev)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([context], dtype=torch.int32, device=dev),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev), slot_mapping=slots,
+        query_lens_cpu=[q_len], seq_lens_cpu=[context], block_size=PAGE, block_tables_cpu=[table],
+    )
+    q = torch.randn(q_len, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    row: dict[str, Any] = {"context": context, "query_tokens": q_len}
+    outs = {}
+    for impl in ("triton", "flashinfer"):
+        backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, small_query=impl)
+        backend.bind(torch.bfloat16, dev)
+        backend.plan(meta)
+        got: list[torch.Tensor] = []
+        _layers(backend, kv, q, got)  # warm-up (compile)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            _layers(backend, kv, q, got)
+        end.record()
+        torch.cuda.synchronize()
+        row[f"{impl}_us_per_layer"] = round(start.elapsed_time(end) * 1e3 / reps / LAYERS, 2)
+        row[f"{impl}_wrapper"] = backend.last_wrapper
+        outs[impl] = got[0].clone()
+    row["speedup"] = round(row["flashinfer_us_per_layer"] / row["triton_us_per_layer"], 2)
+    row["max_abs_diff"] = float((outs["triton"].float() - outs["flashinfer"].float()).abs().max())
+    del kv
+    torch.cuda.empty_cache()
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,4096,16384")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tile configurations")
+    ap.add_argument("--appends", default="", metavar="Q@CTX,...",
+                    help="also time eager short appends, e.g. 16@4096,16@16384 (Triton vs FlashInfer prefill)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -142,11 +196,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(measure(batch, context, args.reps, args.sweep))
             print(json.dumps(rows[-1]), flush=True)
+    appends = []
+    for item in filter(None, args.appends.split(",")):
+        q_len, context = (int(x) for x in item.split("@"))
+        appends.append(measure_append(context, q_len, args.reps))
+        print(json.dumps(appends[-1]), flush=True)
     summary = "decode attention triton vs flashinfer (us/layer): " + ", ".join(
         f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "
-        f"({r['speedup']}x)" for r in rows)
+        f"({r['speedup']}x)" for r in rows) + "".join(
+        f", append {r['query_tokens']}@{r['context']} {r['triton_us_per_layer']}/"
+        f"{r['flashinfer_us_per_layer']} ({r['speedup']}x)" for r in appends)
     emit_report({"benchmark": "attention", "machine": machine_info(), "argv": sys.argv[1:],
-                 "rows": rows, "summary": summary}, args.out)
+                 "rows": rows, "appends": appends, "summary": summary}, args.out)
     return 0
 
 

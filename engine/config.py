@@ -51,6 +51,11 @@ class EngineConfig:
     # CUDA-graph decode kernel of the flashinfer backend: auto | triton | flashinfer
     # (engine/attention/flashinfer_backend.py says which "auto" takes).
     graph_decode: str = "auto"
+    # Eager steps whose requests all have at most 64 / GQA-group new tokens (short appends over
+    # cached context, decode steps outside the graphs): flashinfer (its prefill/decode
+    # wrappers) | triton (engine/kernels/decode_attention.py, split-KV; not yet measured on a
+    # GPU, hence not the default).
+    small_query_attention: str = "flashinfer"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -63,3 +68,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.graph_decode not in ("auto", "triton", "flashinfer"):
             raise ValueError(f"graph_decode must be auto, triton or flashinfer, got {self.graph_decode!r}")
+        if self.small_query_attention not in ("triton", "flashinfer"):
+            raise ValueError("small_query_attention must be triton or flashinfer, "
+                             f"got {self.small_query_attention!r}")

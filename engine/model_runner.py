@@ -167,7 +167,7 @@ class ModelRunner:
         arch = loaded.arch
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            arch.head_dim**-0.5, config.graph_decode,
+            arch.head_dim**-0.5, config.graph_decode, config.small_query_attention,
         )
         self.attn_backend.bind(self.dtype, device)
         self.sampler = Sampler(config.seed, device)

@@ -34,14 +34,16 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 def create_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-    graph_decode: str = "auto",
+    graph_decode: str = "auto", small_query: str = "flashinfer",
 ) -> AttentionBackend:
     """Instantiate a resolved backend name (see ``resolve_backend_name``); ``graph_decode``
-    goes to the flashinfer backend (its CUDA-graph decode kernel), others ignore it."""
+    and ``small_query`` go to the flashinfer backend (its kernels for CUDA-graph decode steps
+    and for eager steps of few new tokens), others ignore them."""
     module_name, cls_name = _BACKENDS[name]
     cls = getattr(importlib.import_module(module_name), cls_name)
     if name == "flashinfer":
-        return cls(num_heads, num_kv_heads, head_dim, scale, graph_decode=graph_decode)
+        return cls(num_heads, num_kv_heads, head_dim, scale, graph_decode=graph_decode,
+                   small_query=small_query)
     return cls(num_heads, num_kv_heads, head_dim, scale)
 
 

@@ -28,6 +28,12 @@ kernel a graph runs is ``graph_decode``:
 device (``engine.kernels.fused_kernels_available``), else flashinfer. bench/engine.py measures
 both (variants ``fused`` and ``fused-fi``), bench/attention.py the kernels alone.
 
+Eager steps of few new tokens: with ``small_query="triton"`` (opt-in, not yet measured on a
+GPU) an eager step whose every request brings at most ``max_query_len(group)`` tokens (short
+appends over cached context; decode steps outside the graphs) runs the same Triton kernel
+with causal rows per query token, instead of a FlashInfer wrapper whose prefill kernel does
+not split the KV (16 tokens over 16K: ~7 ms on the H200, docs/offload.md).
+
 Not thread-safe: ``plan`` stores per-step state used by the following ``forward`` calls.
 """
 
@@ -74,10 +80,17 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 graph_decode: str = "auto") -> None:
+                 graph_decode: str = "auto", small_query: str = "flashinfer") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if graph_decode not in GRAPH_DECODE_IMPLS:
             raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_IMPLS}, got {graph_decode!r}")
+        if small_query not in ("flashinfer", "triton"):
+            raise ValueError(f"small_query must be flashinfer or triton, got {small_query!r}")
+        self._small_query_wanted = small_query
+        self.small_query = "flashinfer"  # resolved in bind()
+        # Eager Triton step: (indptr, indices, last_page_len, qo_indptr, config, requests,
+        # longest query); None when the planned eager step runs a FlashInfer wrapper.
+        self._eager_tables: tuple | None = None
         self._graph_decode_wanted = graph_decode
         self.graph_decode = "flashinfer"  # resolved in bind()
         # Triton graph decode: (indptr, indices, last_page_len) device views of the planned
@@ -119,6 +132,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self.graph_decode = self._resolve_graph_decode(device)
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if self._small_query_wanted == "triton":
+            from engine.kernels import decode_attention, fused_kernels_available
+
+            if not fused_kernels_available(device) or self.num_heads // self.num_kv_heads > \
+                    decode_attention.MAX_GROUP or self.head_dim & (self.head_dim - 1):
+                raise ValueError("small_query='triton' needs triton, a passing kernel self-check, "
+                                 "a GQA group <= 16 and a power-of-two head_dim")
+            self._triton_decode = decode_attention
+            self.small_query = "triton"
 
     def _resolve_graph_decode(self, device: torch.device) -> str:
         from engine.kernels import fused_kernels_available
@@ -147,7 +169,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         causal prefill wrapper. Copies the page table host->device without blocking."""
         self._check_bound()
         self._graph_tables = None
+        self._eager_tables = None
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
+        if self.small_query == "triton" and metadata.max_query_len <= \
+                self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads):
+            self._plan_small_query(metadata, indptr, indices, last_page_len)
+            return
         indices_gpu = _pinned(indices).to(self._device, non_blocking=True)
         if self._decode is not None and metadata.max_query_len == 1:
             self._plan_decode(self._decode, indptr, indices_gpu, last_page_len, metadata.block_size)
@@ -167,6 +194,23 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._active = self._prefill
             self.last_wrapper = "prefill"
         self._slot_mapping = metadata.slot_mapping
+
+    def _plan_small_query(self, metadata: AttentionMetadata, indptr: list[int], indices: list[int],
+                          last_page_len: list[int]) -> None:
+        """An eager step for the Triton kernel: one pinned copy of [indptr | last_page_len |
+        qo_indptr | indices]."""
+        n = metadata.num_reqs
+        qo = [0]
+        for q_len in metadata.query_lens_cpu:
+            qo.append(qo[-1] + q_len)
+        table = _pinned(indptr + last_page_len + qo + indices).to(self._device, non_blocking=True)
+        self._eager_tables = (table[:n + 1], table[3 * n + 2:], table[n + 1:2 * n + 1],
+                              table[2 * n + 1:3 * n + 2],
+                              self._triton_decode.decode_config(n, self.num_kv_heads, self._num_sms),
+                              n, metadata.max_query_len)
+        self._active = None
+        self._slot_mapping = metadata.slot_mapping
+        self.last_wrapper = "triton"
 
     def plan_cuda_graph(self, metadata: AttentionMetadata, batch_size: int, max_pages: int) -> None:
         """Refill the page-table buffers of ``batch_size`` (created on first use with room for
@@ -196,6 +240,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         rows[batch_size + 1:head] = last_page_len
         rows[head:head + len(indices)] = indices
         self._slot_mapping = metadata.slot_mapping
+        self._eager_tables = None
         self.last_wrapper = "graph_decode"
         if self.graph_decode == "triton":
             table = self._graph_dev.get(batch_size)
@@ -254,7 +299,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_written: bool = False,
     ) -> torch.Tensor:
         wrapper, slots, tables = self._active, self._slot_mapping, self._graph_tables
-        if (wrapper is None and tables is None) or slots is None:
+        eager = self._eager_tables
+        if (wrapper is None and tables is None and eager is None) or slots is None:
             raise RuntimeError("FlashInferAttentionBackend.forward called before plan()")
         if not kv_written:  # else the model's fused kernel stored them (rotary_and_cache)
             if layer_idx == 0 or self._slot_blocks is None:
@@ -270,6 +316,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             indptr, indices, last_page_len, cfg = tables
             out = self._triton_decode.paged_decode_attention(
                 q, kv_layer, indptr, indices, last_page_len, self.scale, *cfg)
+            return out.view(num_tokens, self.num_heads * self.head_dim)
+        if eager is not None:
+            indptr, indices, last_page_len, qo, cfg, num_reqs, max_q = eager
+            out = self._triton_decode.paged_decode_attention(
+                q, kv_layer, indptr, indices, last_page_len, self.scale, *cfg, qo_indptr=qo,
+                num_reqs=num_reqs, max_q_len=max_q)
             return out.view(num_tokens, self.num_heads * self.head_dim)
         assert wrapper is not None
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 from engine.kernels.decode_attention import (  # noqa: E402
     decode_config,
+    max_query_len,
     num_splits_for,
     paged_decode_attention,
 )
@@ -119,3 +120,57 @@ def test_decode_config_per_graph_size() -> None:
     assert decode_config(1, 8, 132) == (32, 64, 4, 2)
     assert decode_config(8, 8, 132) == (4, 128, 4, 2)
     assert decode_config(32, 8, 132) == (1, 128, 4, 2)
+
+
+def reference_multi(q, kv_layer, indices, indptr, seq_lens, q_lens, scale):
+    """Each request's newest ``q_lens[b]`` tokens, causal: token i sees keys up to its own."""
+    heads, kv_heads = q.shape[1], kv_layer.shape[3]
+    outs, row = [], 0
+    for b, (n, lq) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        kv = kv_layer[pages].float()
+        k = kv[:, 0].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
+        v = kv[:, 1].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
+        for i in range(lq):
+            visible = n - lq + i + 1
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[row].float(), k[:visible]) * scale, dim=-1)
+            outs.append(torch.einsum("hn,nhd->hd", w, v[:visible]))
+            row += 1
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,q_lens", [(8, 2, [16, 1, 5, 3]), (7, 1, [9, 1, 4, 3])])
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_short_queries_over_long_contexts_are_causal(dtype, heads, kv_heads, q_lens, num_splits) -> None:
+    """Several query tokens per request (a short append over cached context, or a whole short
+    prompt: q_len == seq_len): each token attends up to its own position."""
+    seq_lens = [200, 1, 70, 3]
+    cache, _, indptr, indices, last, idx_list, indptr_list = make_case(
+        seq_lens, heads, kv_heads, 32, dtype, seed=sum(q_lens) + num_splits)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(q_lens), heads, 32, generator=g).to(dtype=dtype, device=DEVICE)
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kv_layer = cache[:, 2]
+    out = paged_decode_attention(q, kv_layer, indptr, indices, last, 0.17, num_splits, block_n=32,
+                                 qo_indptr=qo, num_reqs=len(q_lens), max_q_len=max(q_lens))
+    ref = reference_multi(q, kv_layer, idx_list, indptr_list, seq_lens, q_lens, 0.17)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    if dtype == torch.float32 and DEVICE.type == "cuda":
+        tol = dict(rtol=5e-3, atol=5e-3)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_one_query_token_per_request_is_the_decode_case() -> None:
+    seq_lens = [33, 90]
+    cache, q, indptr, indices, last, *_ = make_case(seq_lens, 8, 2, 32, torch.float32, seed=3)
+    qo = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    decode = paged_decode_attention(q, cache[:, 0], indptr, indices, last, 0.2, 4, block_n=32)
+    multi = paged_decode_attention(q.contiguous(), cache[:, 0], indptr, indices, last, 0.2, 4,
+                                   block_n=32, qo_indptr=qo, num_reqs=2, max_q_len=1)
+    torch.testing.assert_close(multi, decode, rtol=1e-5, atol=1e-5)
+    assert max_query_len(4) == 16 and max_query_len(7) == 9 and max_query_len(16) == 4
+    with pytest.raises(ValueError, match="exceed 64 rows"):
+        paged_decode_attention(q, cache[:, 0], indptr, indices, last, 0.2, 1, qo_indptr=qo,
+                               num_reqs=2, max_q_len=17)

@@ -55,6 +55,7 @@ def make_runner(model_dir: str, dtype: str = "bfloat16", device: str = "cuda", *
     cfg = EngineConfig(
         dtype=dtype, device=device, attention_backend=kw.pop("backend", "auto"),
         graph_decode=kw.pop("graph_decode", "auto"),
+        small_query_attention=kw.pop("small_query", "flashinfer"),
         cache=CacheConfig(num_gpu_blocks=kw.pop("num_blocks", 96)),
         scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
     )
@@ -161,6 +162,34 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_model, graph_decode: str) -> 
     err = (sum(float((g - e).norm() ** 2) for g, e in rows) / sum(float(e.norm() ** 2) for _, e in rows)) ** 0.5
     print(f"\n{name}: triton graph vs eager decode logits rel err {err:.2e} over {len(rows)} rows")
     assert err < 2e-2
+
+
+def test_triton_small_query_steps_match_hf_and_flashinfer(gpu_model) -> None:
+    """``small_query_attention="triton"`` (eager): decode-only steps and a short append over
+    cached context run the Triton kernel; logits within bf16 noise of fp32 HF and of the
+    FlashInfer wrappers, same tokens."""
+    name, model_dir = gpu_model
+    triton = make_runner(model_dir, backend="flashinfer", cuda_graphs=False, small_query="triton")
+    plain = make_runner(model_dir, backend="flashinfer", cuda_graphs=False)
+    seqs_t, got_t, wrappers_t = run_script(triton)
+    seqs_p, got_p, _ = run_script(plain)
+    assert wrappers_t == ["prefill", "prefill"] + ["triton"] * 6  # the mixed step has 50 tokens
+    assert seqs_t == seqs_p
+    ref32 = hf_logits(model_dir, seqs_t, torch.float32)
+    ref16 = hf_logits(model_dir, seqs_t, torch.bfloat16)
+    hf_rows = {rid: {pos: ref16[rid][pos] for pos in r} for rid, r in got_t.items()}
+    err, hf_err = rel_err(got_t, ref32), rel_err(hf_rows, ref32)
+    print(f"\n{name}: triton small-query steps rel err {err:.2e}, HF bf16 {hf_err:.2e}")
+    assert err <= max(3 * hf_err, 1e-2), (err, hf_err)
+    # A 5-token append after a's cached context: same logits as the FlashInfer prefill path.
+    a = seqs_t["a"]
+    extra = prompt(9, 5)
+    append = SchedulerOutput([req("a", a[-1:] + extra, len(a) - 1, [9, 2, 40, 17, 5, 60], n_out=9)], 6)
+    out_t, out_p = triton.execute_model(append, True), plain.execute_model(append, True)
+    assert triton.attn_backend.last_wrapper == "triton"
+    assert plain.attn_backend.last_wrapper == "prefill"
+    diff = float((out_t.logits["a"] - out_p.logits["a"]).norm() / out_p.logits["a"].norm())
+    assert diff < 2e-2, diff
 
 
 def test_greedy_on_gpu_matches_the_cpu_engine(tmp_path) -> None:
