@@ -32,6 +32,45 @@ LAYERS, HEADS, KV_HEADS, DIM, PAGE = 32, 32, 8, 128, 16
 MAX_CACHE_BYTES = 24 << 30  # skip (batch, context) points whose cache would be larger
 
 
+def _case(context: int, query_lens: list[int], seed: int) -> tuple[Any, Any, int]:
+    """A 32-layer block-major cache of random bf16, one page table of ``context`` tokens per
+    request with the pages scattered over the cache, and the step's metadata: request ``i``
+    brings its ``query_lens[i]`` newest tokens. Returns (cache, metadata, pages a request)."""
+    from engine.attention.base import AttentionMetadata
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    dev = torch.device("cuda")
+    batch, pages = len(query_lens), -(-context // PAGE)
+    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
+    kv = KVCache(spec, batch * pages + 1, dev)
+    kv.tensor.normal_()
+    perm = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
+    slots = [t[p // PAGE] * PAGE + p % PAGE for t, n in zip(tables, query_lens, strict=True)
+             for p in range(context - n, context)]
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
+        block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=dev),
+        slot_mapping=torch.tensor(slots, device=dev), query_lens_cpu=list(query_lens),
+        seq_lens_cpu=[context] * batch, block_size=PAGE, block_tables_cpu=tables,
+    )
+    return kv, meta, pages
+
+
+def _bound(**kw: str) -> Any:
+    """A FlashInfer backend of the bench's shape (``graph_decode``/``small_query`` from
+    ``kw``), bound to bf16 on the GPU."""
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, **kw)
+    backend.bind(torch.bfloat16, torch.device("cuda"))
+    return backend
+
+
 def _layers(backend: Any, kv: Any, q: torch.Tensor, outs: list[torch.Tensor]) -> None:
     """One attention call per layer, as a decode step runs them; outputs into ``outs``."""
     outs.clear()
@@ -49,11 +88,9 @@ def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, r
                   ref: torch.Tensor) -> list[dict[str, Any]]:
     """The Triton kernel alone under each SWEEP configuration (us per layer in a graph of 32
     layers, and the largest difference from the default's output)."""
-    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from engine.kernels import decode_attention as da
 
-    backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, graph_decode="triton")
-    backend.bind(torch.bfloat16, torch.device("cuda"))
+    backend = _bound(graph_decode="triton")
     backend.plan_cuda_graph(meta, batch, batch * pages)
     indptr, indices, last, _ = backend._graph_tables
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -79,32 +116,12 @@ def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, r
 
 
 def measure(batch: int, context: int, reps: int, sweep: bool = False) -> dict[str, Any]:
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
-    from engine.kv_cache import KVCache, KVCacheSpec
-
-    dev = torch.device("cuda")
-    pages = -(-context // PAGE)
-    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
-    kv = KVCache(spec, batch * pages + 1, dev)
-    kv.tensor.normal_()
-    gen = torch.Generator().manual_seed(batch * 7 + context)
-    perm = torch.randperm(batch * pages, generator=gen).tolist()  # scattered pages
-    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
-    slots = torch.tensor([t[-1] * PAGE + (context - 1) % PAGE for t in tables], device=dev)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
-        block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=dev), slot_mapping=slots,
-        query_lens_cpu=[1] * batch, seq_lens_cpu=[context] * batch, block_size=PAGE,
-        block_tables_cpu=tables,
-    )
-    q = torch.randn(batch, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    kv, meta, pages = _case(context, [1] * batch, batch * 7 + context)
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     row: dict[str, Any] = {"batch": batch, "context": context}
     outputs = {}
     for impl in ("triton", "flashinfer"):
-        backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, graph_decode=impl)
-        backend.bind(torch.bfloat16, dev)
+        backend = _bound(graph_decode=impl)
         backend.plan_cuda_graph(meta, batch, batch * pages)
         host = []
         for _ in range(20):
@@ -131,30 +148,12 @@ def measure_append(context: int, q_len: int, reps: int) -> dict[str, Any]:
     """One request's ``q_len`` newest tokens over ``context`` tokens of KV, an eager step (as
     a reload's first forward runs): FlashInfer's prefill wrapper against the Triton kernel
     (``small_query="triton"``), 32 layers' calls timed back to back with CUDA events."""
-    from engine.attention.base import AttentionMetadata
-    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
-    from engine.kv_cache import KVCache, KVCacheSpec
-
-    dev = torch.device("cuda")
-    pages = -(-context // PAGE)
-    spec = KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=DIM, dtype=torch.bfloat16)
-    kv = KVCache(spec, pages + 1, dev)
-    kv.tensor.normal_()
-    table = torch.randperm(pages, generator=torch.Generator().manual_seed(context)).tolist()
-    slots = torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(context - q_len, context)],
-                         device=dev)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([context], dtype=torch.int32, device=dev),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=dev), slot_mapping=slots,
-        query_lens_cpu=[q_len], seq_lens_cpu=[context], block_size=PAGE, block_tables_cpu=[table],
-    )
-    q = torch.randn(q_len, HEADS, DIM, device=dev, dtype=torch.bfloat16)
+    kv, meta, _ = _case(context, [q_len], context)
+    q = torch.randn(q_len, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     row: dict[str, Any] = {"context": context, "query_tokens": q_len}
     outs = {}
     for impl in ("triton", "flashinfer"):
-        backend = FlashInferAttentionBackend(HEADS, KV_HEADS, DIM, DIM**-0.5, small_query=impl)
-        backend.bind(torch.bfloat16, dev)
+        backend = _bound(small_query=impl)
         backend.plan(meta)
         got: list[torch.Tensor] = []
         _layers(backend, kv, q, got)  # warm-up (compile)

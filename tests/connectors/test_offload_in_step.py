@@ -127,12 +127,12 @@ def test_scheduler_keys_equal_block_key(model_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_in_step_reload_lands_layer_by_layer_with_outputs_unchanged(
-    model_dir: str, dtype: str
-) -> None:
-    """On CUDA the in-step copies are one kernel per layer reading the pinned slab, each layer's
-    attention waiting for its own layer: same tokens as without offload, and the cache blocks
-    hold exactly the bytes the first run computed."""
+@pytest.mark.parametrize("flag", ["layered_loads", "coalesced_loads"])
+def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, flag: str) -> None:
+    """On CUDA, ``layered_loads``: the in-step copies are one kernel per layer reading the
+    pinned slab, each layer's attention waiting for its own layer; ``coalesced_loads``: the
+    host blocks move as runs (one pinned copy per run into the device staging, one word
+    scatter). Either way: same tokens as without offload, all three blocks loaded."""
     import torch
 
     if not torch.cuda.is_available():
@@ -140,41 +140,17 @@ def test_cuda_in_step_reload_lands_layer_by_layer_with_outputs_unchanged(
     p, _ = prompts()
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
-    config = {**offload(True), "layered_loads": True}
-    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config,
-             **kw) as llm:
-        loader = llm.engine.offload.worker._loader  # type: ignore[union-attr]
-        assert loader._copier is not None and loader._copier.layered
-        assert evict_p_to_host(llm) == reference
-        assert steps_to_first_token(llm, p) == (1, reference)
-        kv = llm.kv_stats()
-        assert host_pins(llm) == 0
-        assert llm.engine.runner.kv_cache._layer_ready is None
-    assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
-    assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_coalesced_reload_gives_the_same_tokens(model_dir: str, dtype: str) -> None:
-    """``coalesced_loads`` on CUDA: the host blocks move as runs (one pinned copy per run into
-    the device staging, one word scatter); same tokens as without offload."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    p, _ = prompts()
-    kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
-    reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
-    config = {**offload(True), "coalesced_loads": True}
+    config = {**offload(True), flag: True}
     with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config,
              **kw) as llm:
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
-        assert copier is not None and copier.coalesce
+        assert copier is not None
+        assert copier.layered if flag == "layered_loads" else copier.coalesce
         assert evict_p_to_host(llm) == reference
         assert steps_to_first_token(llm, p) == (1, reference)
-        assert copier._staging is not None
+        assert flag == "layered_loads" or copier._staging is not None  # the run path ran
         kv = llm.kv_stats()
         assert host_pins(llm) == 0
+        assert llm.engine.runner.kv_cache._layer_ready is None
     assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
     assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3

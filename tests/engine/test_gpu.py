@@ -100,6 +100,16 @@ def run_script(runner: ModelRunner) -> tuple[dict[str, list[int]], dict[str, dic
     return seqs, got, wrappers
 
 
+def errors_vs_hf(model_dir: str, seqs: dict[str, list[int]], got: dict[str, dict[int, torch.Tensor]]
+                 ) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """(engine rows' rel. error vs fp32 HF, HF bf16's own rel. error on the same rows, the fp32
+    reference logits)."""
+    ref32 = hf_logits(model_dir, seqs, torch.float32)
+    ref16 = hf_logits(model_dir, seqs, torch.bfloat16)
+    hf_rows = {rid: {pos: ref16[rid][pos] for pos in r} for rid, r in got.items()}
+    return rel_err(got, ref32), rel_err(hf_rows, ref32), ref32
+
+
 def rel_err(rows: dict[str, dict[int, torch.Tensor]], ref: dict[str, torch.Tensor]) -> float:
     num = sum(float((row - ref[rid][pos]).norm() ** 2) for rid, r in rows.items() for pos, row in r.items())
     den = sum(float(ref[rid][pos].norm() ** 2) for rid, r in rows.items() for pos in r)
@@ -116,10 +126,7 @@ def test_flashinfer_logits_match_hf_in_bf16(gpu_model, graph_decode: str) -> Non
     graphs = graph_decode == "triton" or name == "llama-g4"  # FlashInfer's: no group 7 kernel
     assert wrappers == ["prefill", "prefill"] + ["graph_decode" if graphs else "prefill"] * 6
     assert (runner.cuda_graphs is not None) == graphs
-    ref32 = hf_logits(model_dir, seqs, torch.float32)
-    ref16 = hf_logits(model_dir, seqs, torch.bfloat16)
-    hf_rows = {rid: {pos: ref16[rid][pos] for pos in r} for rid, r in got.items()}
-    engine_err, hf_err = rel_err(got, ref32), rel_err(hf_rows, ref32)
+    engine_err, hf_err, ref32 = errors_vs_hf(model_dir, seqs, got)
     print(f"{name}: engine bf16 rel err {engine_err:.2e}, HF bf16 rel err {hf_err:.2e}")
     assert engine_err <= max(3 * hf_err, 1e-2), (engine_err, hf_err)
     assert {k: sorted(v) for k, v in got.items()} == {
@@ -175,10 +182,7 @@ def test_triton_small_query_steps_match_hf_and_flashinfer(gpu_model) -> None:
     seqs_p, got_p, _ = run_script(plain)
     assert wrappers_t == ["prefill", "prefill"] + ["triton"] * 6  # the mixed step has 50 tokens
     assert seqs_t == seqs_p
-    ref32 = hf_logits(model_dir, seqs_t, torch.float32)
-    ref16 = hf_logits(model_dir, seqs_t, torch.bfloat16)
-    hf_rows = {rid: {pos: ref16[rid][pos] for pos in r} for rid, r in got_t.items()}
-    err, hf_err = rel_err(got_t, ref32), rel_err(hf_rows, ref32)
+    err, hf_err, _ = errors_vs_hf(model_dir, seqs_t, got_t)
     print(f"\n{name}: triton small-query steps rel err {err:.2e}, HF bf16 {hf_err:.2e}")
     assert err <= max(3 * hf_err, 1e-2), (err, hf_err)
     # A 5-token append after a's cached context: same logits as the FlashInfer prefill path.
