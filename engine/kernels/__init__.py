@@ -64,17 +64,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return _rotary(x, cos, sin_signed)
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """``layer(x)``; a single CUDA row (batch-1 decode) goes through the Triton ``gemv``
-    (engine/kernels/gemv.py: the small projections at HBM speed where cuBLAS's M=1 kernels
-    are not), anything else through ``F.linear``. For the fused path (CUDA + Triton)."""
-    w = layer.weight
+def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """``x @ layer.weight.T (+ layer.bias)`` for a linear layer, or for an embedding used as a
+    tied output head (no bias); a single CUDA row (batch-1 decode) goes through the Triton
+    ``gemv`` (engine/kernels/gemv.py: the small projections at HBM speed where cuBLAS's M=1
+    kernels are not), anything else through ``F.linear``. For the fused path (CUDA + Triton)."""
+    w, bias = layer.weight, getattr(layer, "bias", None)
     if x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.stride(1) == 1 and w.stride(1) == 1:
         from engine.kernels.gemv import gemv
 
         y = gemv(x, w)
-        return y if layer.bias is None else y + layer.bias
-    return torch.nn.functional.linear(x, w, layer.bias)
+        return y if bias is None else y + bias
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def rotary_and_cache(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.kernels import linear
 from engine.models.base import ModelArchConfig
 from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
@@ -61,8 +62,6 @@ class Attention(nn.Module):
         ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary; on CUDA, once
         the backend is planned, ``rotary_and_cache``, which also stores the new K/V)."""
         cos, sin = rope
-        if fused:
-            from engine.kernels import linear
         qkv = linear(x, self.qkv_proj) if fused else self.qkv_proj(x)
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -118,7 +117,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path: ``(h, residual)`` in, ``(mlp output, residual stream)`` out; the
         residual stream before this layer is ``h + residual`` (``h`` alone at layer 0)."""
-        from engine.kernels import fused_add_rms_norm, linear, silu_and_mul
+        from engine.kernels import fused_add_rms_norm, silu_and_mul
 
         if residual is None:
             residual, h = h, self.input_layernorm(h)
@@ -183,12 +182,10 @@ class LlamaForCausalLM(nn.Module):
         return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.fused_kernels and hidden.shape[0] == 1 and hidden.is_cuda and hidden.stride(1) == 1:
-            from engine.kernels.gemv import gemv
-
-            return gemv(hidden, weight).float()
-        return torch.matmul(hidden, weight.t()).float()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if self.fused_kernels:  # a batch-1 row through the gemv
+            return linear(hidden, head).float()
+        return torch.matmul(hidden, head.weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in (casting dtype/device). Raises ValueError on an unknown

@@ -56,6 +56,8 @@ def test_tile_config_by_shape_class() -> None:
 def test_linear_equals_the_layer() -> None:
     """One row on CUDA goes through gemv, anything else through F.linear: same values."""
     layer = torch.nn.Linear(48, 20, bias=True).to(DEVICE)
+    tied_head = torch.nn.Embedding(20, 48).to(DEVICE)  # no bias: a tied output head
     for rows in (1, 3):
         x = torch.randn(rows, 48, device=DEVICE)
         torch.testing.assert_close(linear(x, layer), layer(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(linear(x, tied_head), x @ tied_head.weight.T, rtol=1e-4, atol=1e-4)
