@@ -92,7 +92,7 @@ def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, r
 
     backend = _bound(graph_decode="triton")
     backend.plan_cuda_graph(meta, batch, batch * pages)
-    indptr, indices, last, _ = backend._graph_tables
+    (indptr, indices, last), _, _ = backend._triton_call
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for block_n, warps, stages, per_sm in SWEEP:

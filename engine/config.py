@@ -42,6 +42,11 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
+# Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).
+GRAPH_DECODE_CHOICES = ("auto", "triton", "flashinfer")
+SMALL_QUERY_CHOICES = ("flashinfer", "triton")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory; None = the embedded demo model
@@ -66,8 +71,8 @@ class EngineConfig:
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.graph_decode not in ("auto", "triton", "flashinfer"):
-            raise ValueError(f"graph_decode must be auto, triton or flashinfer, got {self.graph_decode!r}")
-        if self.small_query_attention not in ("triton", "flashinfer"):
-            raise ValueError("small_query_attention must be triton or flashinfer, "
+        if self.graph_decode not in GRAPH_DECODE_CHOICES:
+            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {self.graph_decode!r}")
+        if self.small_query_attention not in SMALL_QUERY_CHOICES:
+            raise ValueError(f"small_query_attention must be one of {SMALL_QUERY_CHOICES}, "
                              f"got {self.small_query_attention!r}")

@@ -44,10 +44,10 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import GRAPH_DECODE_CHOICES, SMALL_QUERY_CHOICES
 
 _WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
 _DECODE_KERNEL_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE of the CUDA-core decode
-GRAPH_DECODE_IMPLS = ("auto", "triton", "flashinfer")
 
 
 def page_table(
@@ -72,6 +72,14 @@ def page_table(
     return indptr, indices, last_page_len
 
 
+def _offsets(lengths: list[int]) -> list[int]:
+    """``[0, l0, l0 + l1, ...]``: CSR offsets of consecutive lengths."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
 def _pinned(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).pin_memory()
 
@@ -82,21 +90,16 @@ class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  graph_decode: str = "auto", small_query: str = "flashinfer") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        if graph_decode not in GRAPH_DECODE_IMPLS:
-            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_IMPLS}, got {graph_decode!r}")
-        if small_query not in ("flashinfer", "triton"):
-            raise ValueError(f"small_query must be flashinfer or triton, got {small_query!r}")
-        self._small_query_wanted = small_query
-        self.small_query = "flashinfer"  # resolved in bind()
-        # Eager Triton step: (indptr, indices, last_page_len, qo_indptr, config, requests,
-        # longest query); None when the planned eager step runs a FlashInfer wrapper.
-        self._eager_tables: tuple | None = None
-        self._graph_decode_wanted = graph_decode
-        self.graph_decode = "flashinfer"  # resolved in bind()
-        # Triton graph decode: (indptr, indices, last_page_len) device views of the planned
-        # size's table and its launch configuration (decode_config); None when the planned
-        # step runs a FlashInfer wrapper.
-        self._graph_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
+        if graph_decode not in GRAPH_DECODE_CHOICES:
+            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {graph_decode!r}")
+        if small_query not in SMALL_QUERY_CHOICES:
+            raise ValueError(f"small_query must be one of {SMALL_QUERY_CHOICES}, got {small_query!r}")
+        self._wanted = {"graph_decode": graph_decode, "small_query": small_query}
+        self.graph_decode = self.small_query = "flashinfer"  # resolved in bind()
+        # The planned step's Triton call, graph or eager: ((indptr, indices, last_page_len)
+        # device views, decode_config, keyword arguments); None when it runs a FlashInfer
+        # wrapper.
+        self._triton_call: tuple[tuple[torch.Tensor, ...], tuple[int, ...], dict] | None = None
         self._graph_dev: dict[int, torch.Tensor] = {}  # per size: the device twin of _graph_host
         self._num_sms = 0
         self._triton_decode = None  # engine.kernels.decode_attention once chosen
@@ -130,35 +133,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         if self.decode_kernel:
             self._decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self.graph_decode = self._resolve_graph_decode(device)
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if self._small_query_wanted == "triton":
-            from engine.kernels import decode_attention, fused_kernels_available
+        for option, wanted in self._wanted.items():
+            if wanted != "flashinfer" and self._triton_fits(device, option, wanted):
+                setattr(self, option, "triton")
 
-            if not fused_kernels_available(device) or self.num_heads // self.num_kv_heads > \
-                    decode_attention.MAX_GROUP or self.head_dim & (self.head_dim - 1):
-                raise ValueError("small_query='triton' needs triton, a passing kernel self-check, "
-                                 "a GQA group <= 16 and a power-of-two head_dim")
-            self._triton_decode = decode_attention
-            self.small_query = "triton"
-
-    def _resolve_graph_decode(self, device: torch.device) -> str:
+    def _triton_fits(self, device: torch.device, option: str, wanted: str) -> bool:
+        """Whether the Triton kernel can serve ``option`` here (and load it); False when not
+        and ``wanted`` is "auto". Raises ValueError when not and ``wanted`` is "triton"."""
         from engine.kernels import fused_kernels_available
 
-        wanted = self._graph_decode_wanted
-        if wanted == "flashinfer" or (wanted == "auto" and not fused_kernels_available(device)):
-            return "flashinfer"
-        if wanted == "triton" and not fused_kernels_available(device):
-            raise ValueError("graph_decode='triton' needs triton and a passing kernel self-check")
-        from engine.kernels import decode_attention  # imports triton: only when it is there
+        fits = fused_kernels_available(device)
+        if fits:
+            from engine.kernels import decode_attention  # imports triton: only when it is there
 
-        if self.num_heads // self.num_kv_heads > decode_attention.MAX_GROUP \
-                or self.head_dim & (self.head_dim - 1):
-            if wanted == "triton":
-                raise ValueError("the triton decode kernel needs a GQA group <= 16 and a power-of-two head_dim")
-            return "flashinfer"
-        self._triton_decode = decode_attention
-        return "triton"
+            fits = (self.num_heads // self.num_kv_heads <= decode_attention.MAX_GROUP
+                    and not self.head_dim & (self.head_dim - 1))
+            if fits:
+                self._triton_decode = decode_attention
+        if not fits and wanted == "triton":
+            raise ValueError(f"{option}='triton' needs triton, a passing kernel self-check, "
+                             "a GQA group <= 16 and a power-of-two head_dim")
+        return fits
 
     @property
     def slot_mapping(self) -> torch.Tensor | None:
@@ -168,8 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Eager step: decode wrapper for decode-only batches (if the kernel fits), else the
         causal prefill wrapper. Copies the page table host->device without blocking."""
         self._check_bound()
-        self._graph_tables = None
-        self._eager_tables = None
+        self._triton_call = None
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
         if self.small_query == "triton" and metadata.max_query_len <= \
                 self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads):
@@ -181,12 +176,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.last_wrapper = "decode"
         else:
             assert self._prefill is not None
-            cu = metadata.query_lens_cpu
-            qo_indptr = [0]
-            for n in cu:
-                qo_indptr.append(qo_indptr[-1] + n)
             self._prefill.plan(
-                _pinned(qo_indptr), _pinned(indptr), indices_gpu, _pinned(last_page_len),
+                _pinned(_offsets(metadata.query_lens_cpu)), _pinned(indptr), indices_gpu, _pinned(last_page_len),
                 self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size,
                 causal=True, sm_scale=self.scale, q_data_type=self._dtype,
                 kv_data_type=self._dtype, non_blocking=True,
@@ -200,14 +191,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         """An eager step for the Triton kernel: one pinned copy of [indptr | last_page_len |
         qo_indptr | indices]."""
         n = metadata.num_reqs
-        qo = [0]
-        for q_len in metadata.query_lens_cpu:
-            qo.append(qo[-1] + q_len)
-        table = _pinned(indptr + last_page_len + qo + indices).to(self._device, non_blocking=True)
-        self._eager_tables = (table[:n + 1], table[3 * n + 2:], table[n + 1:2 * n + 1],
-                              table[2 * n + 1:3 * n + 2],
-                              self._triton_decode.decode_config(n, self.num_kv_heads, self._num_sms),
-                              n, metadata.max_query_len)
+        qo_indptr = _offsets(metadata.query_lens_cpu)
+        table = _pinned(indptr + last_page_len + qo_indptr + indices).to(self._device, non_blocking=True)
+        self._triton_call = (
+            (table[:n + 1], table[3 * n + 2:], table[n + 1:2 * n + 1]),
+            self._triton_decode.decode_config(n, self.num_kv_heads, self._num_sms),
+            {"qo_indptr": table[2 * n + 1:3 * n + 2], "num_reqs": n,
+             "max_q_len": metadata.max_query_len},
+        )
         self._active = None
         self._slot_mapping = metadata.slot_mapping
         self.last_wrapper = "triton"
@@ -240,7 +231,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         rows[batch_size + 1:head] = last_page_len
         rows[head:head + len(indices)] = indices
         self._slot_mapping = metadata.slot_mapping
-        self._eager_tables = None
+        self._triton_call = None
         self.last_wrapper = "graph_decode"
         if self.graph_decode == "triton":
             table = self._graph_dev.get(batch_size)
@@ -248,11 +239,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                 table = torch.zeros_like(host, device=self._device)
                 self._graph_dev[batch_size] = table
             table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
-            self._graph_tables = (table[:batch_size + 1], table[head:], table[batch_size + 1:head],
-                                  self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms))
+            self._triton_call = (
+                (table[:batch_size + 1], table[head:], table[batch_size + 1:head]),
+                self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms), {})
             self._active = None
             return
-        self._graph_tables = None
         wrapper = self._graph_decode.get(batch_size)
         if wrapper is None:
             assert self._workspace is not None and self._device is not None
@@ -298,9 +289,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_layer: torch.Tensor,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        wrapper, slots, tables = self._active, self._slot_mapping, self._graph_tables
-        eager = self._eager_tables
-        if (wrapper is None and tables is None and eager is None) or slots is None:
+        wrapper, slots, triton = self._active, self._slot_mapping, self._triton_call
+        if (wrapper is None and triton is None) or slots is None:
             raise RuntimeError("FlashInferAttentionBackend.forward called before plan()")
         if not kv_written:  # else the model's fused kernel stored them (rotary_and_cache)
             if layer_idx == 0 or self._slot_blocks is None:
@@ -312,16 +302,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_layer[self._slot_blocks, 0, self._slot_offsets] = k
             kv_layer[self._slot_blocks, 1, self._slot_offsets] = v
         num_tokens = q.shape[0]
-        if tables is not None:
-            indptr, indices, last_page_len, cfg = tables
+        if triton is not None:
+            tables, cfg, extra = triton
             out = self._triton_decode.paged_decode_attention(
-                q, kv_layer, indptr, indices, last_page_len, self.scale, *cfg)
-            return out.view(num_tokens, self.num_heads * self.head_dim)
-        if eager is not None:
-            indptr, indices, last_page_len, qo, cfg, num_reqs, max_q = eager
-            out = self._triton_decode.paged_decode_attention(
-                q, kv_layer, indptr, indices, last_page_len, self.scale, *cfg, qo_indptr=qo,
-                num_reqs=num_reqs, max_q_len=max_q)
+                q, kv_layer, *tables, self.scale, *cfg, **extra)
             return out.view(num_tokens, self.num_heads * self.head_dim)
         assert wrapper is not None
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

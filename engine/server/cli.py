@@ -7,7 +7,7 @@ import argparse
 import gc
 import logging
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import GRAPH_DECODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.base import EngineClient
 from engine.core.client import CoreProcConfig
 
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: flashinfer on CUDA when installed (bf16/fp16), else torch",
     )
     parser.add_argument(
-        "--graph-decode", default="auto", choices=("auto", "triton", "flashinfer"),
+        "--graph-decode", default="auto", choices=GRAPH_DECODE_CHOICES,
         help="decode attention kernel inside CUDA graphs (flashinfer backend; docs/gpu.md)",
     )
     parser.add_argument(
