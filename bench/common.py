@@ -84,3 +84,25 @@ def emit_report(report: dict[str, Any], out: str | None) -> None:
         with open(out, "w", encoding="utf-8") as f:
             f.write(text + "\n")
     print(report["summary"])
+
+
+def random_weight_model(arch: Any, dtype: Any, device: Any, max_positions: int | None) -> Any:
+    """kvtier's model for ``arch`` (``engine.models.ModelArchConfig``), built on the meta
+    device and materialized on ``device`` in ``dtype`` with deterministic random weights
+    (norm weights 1, the rest N(0, 0.02), one generator seeded 0), in eval mode: the
+    benchmarks' stand-in for a checkpoint in the real shapes."""
+    import torch
+
+    from engine.models import get_model_class
+
+    with torch.device("meta"):
+        model = get_model_class(arch.architecture)(arch, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()

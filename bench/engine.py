@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
-from bench.common import machine_info
+from bench.common import machine_info, random_weight_model
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
 from engine.model_loader import LoadedModel
 from engine.model_runner import ModelRunner
-from engine.models import ModelArchConfig, get_model_class
+from engine.models import ModelArchConfig
 from engine.models.llama import _FUSED
 from engine.sampling_params import SamplingParams
 
@@ -72,17 +72,7 @@ def build_models(name: str, device: torch.device) -> tuple[LoadedModel, torch.nn
 
     cfg = SHAPES[name]
     arch = ModelArchConfig.from_hf(cfg)
-    with torch.device("meta"):
-        ours = get_model_class(arch.architecture)(arch, MAX_LEN)
-    ours = ours.to(dtype=torch.bfloat16).to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for pname, p in ours.named_parameters():
-            if "norm" in pname:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    ours.eval()
+    ours = random_weight_model(arch, torch.bfloat16, device, MAX_LEN)
     hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.common import random_weight_model
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 
@@ -99,23 +100,13 @@ def _install_random_loader() -> None:
             return real(model_dir, dtype, device, max_positions)
         key = (model_dir, dtype, str(device), max_positions)
         if key not in cache:
-            from engine.models import ModelArchConfig, get_model_class
+            from engine.models import ModelArchConfig
 
             hf = ml.read_hf_config(model_dir)
             arch = ModelArchConfig.from_hf(hf)
             torch_dtype = ml.resolve_dtype(dtype, hf)
-            with torch.device("meta"):
-                model = get_model_class(arch.architecture)(arch, max_positions)
-            model = model.to(dtype=torch_dtype).to_empty(device=device)
-            gen = torch.Generator(device=device).manual_seed(0)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if "norm" in name:
-                        p.fill_(1.0)
-                    else:
-                        p.normal_(0.0, 0.02, generator=gen)
-            cache[key] = ml.LoadedModel(model=model.eval(), arch=arch, dtype=torch_dtype,
-                                        hf_config=hf)
+            model = random_weight_model(arch, torch_dtype, device, max_positions)
+            cache[key] = ml.LoadedModel(model=model, arch=arch, dtype=torch_dtype, hf_config=hf)
         return cache[key]
 
     ml.load_model = load
