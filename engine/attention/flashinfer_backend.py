@@ -147,8 +147,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if fits:
             from engine.kernels import decode_attention  # imports triton: only when it is there
 
-            fits = (self.num_heads // self.num_kv_heads <= decode_attention.MAX_GROUP
-                    and not self.head_dim & (self.head_dim - 1))
+            fits = decode_attention.supports(self.num_heads, self.num_kv_heads, self.head_dim)
             if fits:
                 self._triton_decode = decode_attention
         if not fits and wanted == "triton":

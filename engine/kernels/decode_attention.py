@@ -179,9 +179,9 @@ def paged_decode_attention(
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[3]
     group = num_heads // num_kv_heads
-    if num_heads % num_kv_heads or group > MAX_GROUP:
+    if not supports(num_heads, num_kv_heads, 16):
         raise ValueError(f"GQA group {num_heads}/{num_kv_heads} not supported (at most {MAX_GROUP})")
-    if q.stride(2) != 1 or kv_layer.stride(4) != 1 or head_dim & (head_dim - 1) or head_dim < 16:
+    if q.stride(2) != 1 or kv_layer.stride(4) != 1 or not supports(num_heads, num_kv_heads, head_dim):
         raise ValueError("decode attention needs unit last strides and a power-of-two head_dim >= 16")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -215,6 +215,13 @@ def paged_decode_attention(
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=4,
         )
     return out
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``paged_decode_attention`` takes this attention shape: a GQA group of at most
+    ``MAX_GROUP`` query heads per kv head and a power-of-two head_dim of at least 16."""
+    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim >= 16 and not head_dim & (head_dim - 1))
 
 
 def max_query_len(group: int) -> int:
