@@ -22,12 +22,14 @@ Sections (JSON keys):
   dropped from the GPU prefix cache; then the same prefix with a new question: recompute
   (offload off), reload from host, reload from LMDB (a 4-slot host tier demotes everything to
   LMDB), and ``decision: cost`` (the engine's own cost model).
-- ``reload_steps``: the fixed cost of a reload. For each prefix length, one engine per mode:
-  recompute (offload off), host reload with ``in_step_host_loads: false`` (the load waits in
-  WAITING_FOR_KV and the request runs one step later: the behaviour before) and with in-step
-  loads (copied before the forward of the admitting step). Reports engine steps from
-  ``add_request`` to the first token, TTFT, each step's wall time and the time in the scheduler,
-  the worker's pre-forward hook and the runner; ratios in-step vs async and vs recompute.
+- ``reload_steps``: the fixed cost of a reload. For each prefix length, one engine per mode of
+  ``--reload-modes`` (``RELOAD_MODES``): recompute (offload off), host reload with
+  ``in_step_host_loads: false`` (the load waits in WAITING_FOR_KV and the request runs one
+  step later), in-step loads (copied before the forward of the admitting step) and the CUDA
+  variants (layer-wise loads, coalesced copies, Triton small-query attention for the new
+  tokens). Reports engine steps from ``add_request`` to the first token, TTFT, each step's
+  wall time and the time in the scheduler, the worker's pre-forward hook and the runner;
+  recompute over each mode.
 - ``qa``: LMCache-style multi-round QA, offload off vs on (``decision: cost``, a host tier that
   keeps every history), the same event-driven driver for both (``run_qa``): ``users`` users
   (shared system prompt + a long own context) each ask ``rounds`` questions one after another
@@ -60,6 +62,7 @@ bench/offload_qa.py, the sweep in bench/offload_sweep.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -276,22 +279,42 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
 # -- reload steps: the fixed cost of a reload ----------------------------------------------
 
 
+# name -> (offload flags or None for recompute, extra LLM keywords). Every host mode uses
+# ``decision: load`` without calibration; ``_sq`` modes run eager few-token steps (the reload's
+# forward of the new tokens) through the Triton split-KV kernel instead of FlashInfer's prefill.
+RELOAD_MODES: dict[str, tuple[dict[str, bool] | None, dict[str, Any]]] = {
+    "recompute": (None, {}),
+    "host_async": ({"in_step_host_loads": False}, {}),
+    "host_in_step": ({"in_step_host_loads": True}, {}),
+    "host_layered": ({"in_step_host_loads": True, "layered_loads": True}, {}),
+    "host_coalesced": ({"in_step_host_loads": True, "coalesced_loads": True}, {}),
+    "host_sq": ({"in_step_host_loads": True}, {"small_query_attention": "triton"}),
+    "host_coalesced_sq": ({"in_step_host_loads": True, "coalesced_loads": True},
+                          {"small_query_attention": "triton"}),
+    "host_layered_sq": ({"in_step_host_loads": True, "layered_loads": True},
+                        {"small_query_attention": "triton"}),
+}
+CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
+                   "host_layered_sq"}
+DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered")
+
+
 def bench_reload_steps(setup: Setup) -> dict[str, Any]:
-    """Steps to the first token and TTFT: recompute vs host reload async (before) vs in-step
-    (after). Each mode sees the same prompts; median of ``reps`` by TTFT."""
-    modes: dict[str, dict[str, bool] | None] = {
-        "recompute": None, "host_async": {"in_step_host_loads": False},
-        "host_in_step": {"in_step_host_loads": True}}
-    if setup.device.type == "cuda":  # in-step loads landing layer by layer (a copy kernel)
-        modes["host_layered"] = {"in_step_host_loads": True, "layered_loads": True}
+    """Steps to the first token and TTFT for each of ``setup.reload_modes`` (RELOAD_MODES):
+    recompute, host reload async (+1 step), in-step, and the CUDA variants (layer-wise,
+    coalesced copies, Triton small-query attention). Each mode is its own engine and sees the
+    same prompts; median of ``reps`` by TTFT. Ratios are recompute over each mode."""
+    names = [m for m in setup.reload_modes
+             if setup.device.type == "cuda" or m not in CUDA_ONLY_MODES]
     num_blocks = (max(setup.lengths) + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
-    for mode, flags in modes.items():
+    for mode in names:
+        flags, extra = RELOAD_MODES[mode]
         offload = None if flags is None else {
             "decision": "load", "calibrate": False, **flags,
             "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
         rng = random.Random(4)
-        llm = make_llm(setup, num_blocks, offload)
+        llm = make_llm(setup, num_blocks, offload, **extra)
         try:
             run_requests(llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s)
             per_len: dict[str, Any] = {}
@@ -312,16 +335,15 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
             rows[mode] = per_len
         finally:
             close_llm(llm)
-    ratios = {}
+    ratios: dict[str, dict[str, float]] = {}
     for length in map(str, setup.lengths):
-        ttft = {m: rows[m][length]["ttft_s"] for m in modes}
-        ratios[length] = {"async_over_in_step": ttft["host_async"] / ttft["host_in_step"],
-                          "recompute_over_async": ttft["recompute"] / ttft["host_async"],
-                          "recompute_over_in_step": ttft["recompute"] / ttft["host_in_step"]}
-        if "host_layered" in ttft:
-            ratios[length].update(
-                in_step_over_layered=ttft["host_in_step"] / ttft["host_layered"],
-                recompute_over_layered=ttft["recompute"] / ttft["host_layered"])
+        ttft = {m: rows[m][length]["ttft_s"] for m in rows}
+        r = ratios[length] = {}
+        if "recompute" in ttft:
+            r.update({f"recompute_over_{m.removeprefix('host_')}": ttft["recompute"] / t
+                      for m, t in ttft.items() if m != "recompute"})
+        if "host_async" in ttft and "host_in_step" in ttft:
+            r["async_over_in_step"] = ttft["host_async"] / ttft["host_in_step"]
     return {"modes": rows, "ratios": ratios}
 
 
@@ -360,12 +382,13 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "ratios" in rs:
         top = str(max(setup.lengths))
         m, r = rs["modes"], rs["ratios"][top]
-        parts.append(f"reload {top} tok: {m['host_async'][top]['steps_to_first_token']} -> "
-                     f"{m['host_in_step'][top]['steps_to_first_token']} steps, TTFT "
-                     f"{m['host_async'][top]['ttft_s'] * 1e3:.1f} -> "
-                     f"{m['host_in_step'][top]['ttft_s'] * 1e3:.1f} ms "
-                     f"({r['async_over_in_step']:.2f}x; vs recompute "
-                     f"{r['recompute_over_async']:.1f}x -> {r['recompute_over_in_step']:.1f}x);")
+        best = min((k for k in m if k != "recompute"), key=lambda k: m[k][top]["ttft_s"],
+                   default=None)
+        if best is not None:
+            vs = r.get(f"recompute_over_{best.removeprefix('host_')}")
+            parts.append(f"reload {top} tok: best {best} TTFT {m[best][top]['ttft_s'] * 1e3:.1f} ms"
+                         f" in {m[best][top]['steps_to_first_token']} steps"
+                         + (f" ({vs:.1f}x vs recompute);" if vs else ";"))
     if "ratio_to_raw" in lp:
         parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
                      f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
@@ -423,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qa-concurrency", type=int,
                     help="multi-round QA requests in flight at most")
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
+    ap.add_argument("--reload-modes", default=",".join(DEFAULT_RELOAD_MODES),
+                    help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}")
     args = ap.parse_args(argv)
     sections = {"transfer": bench_transfer, "load_path": bench_load_path,
                 "reload_steps": bench_reload_steps, "ttft": bench_ttft, "qa": bench_qa,
@@ -431,9 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - set(sections))
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {sorted(sections)}")
+    modes = tuple(m.strip() for m in args.reload_modes.split(",") if m.strip())
+    if not modes or set(modes) - set(RELOAD_MODES):
+        ap.error(f"unknown reload modes {sorted(set(modes) - set(RELOAD_MODES))}; choose "
+                 f"from {sorted(RELOAD_MODES)}")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
         mode = "quick" if args.quick else "tiny" if args.tiny else "full"
-        setup = build_setup(mode, workdir, args)
+        setup = dataclasses.replace(build_setup(mode, workdir, args), reload_modes=modes)
         res: dict[str, Any] = {"bench": "offload", "machine": machine_info(),
                                "quick": args.quick, "mode": mode, "lengths": list(setup.lengths),
                                "argv": sys.argv[1:] if argv is None else argv}

@@ -64,6 +64,7 @@ class Setup:
     lmdb_max_len: int = 1 << 30  # the LMDB TTFT mode skips longer prefixes
     sweep_lengths: tuple[int, ...] = ()  # () = lengths
     host_capacity: int = 512 << 20
+    reload_modes: tuple[str, ...] = ()  # bench/offload.py's reload_steps modes (RELOAD_MODES)
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
