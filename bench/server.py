@@ -3,7 +3,9 @@
 Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
-  write-through, like the memory-only redis) through tiers.remote, payload frames
+  write-through, like the memory-only redis) through tiers.remote, payload frames over the
+  daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain socket, one daemon thread)
+- ``daemon-tcp-zmq``: the same over ZMQ (``use_stream=False``: the path before the stream)
 - ``daemon-shm``: the same daemon and client, same-host path: requests and replies over the
   doorbell (a Unix socket, ``cachestore.doorbell``); gets of host blocks read in place from the
   daemon's slab under leases (``cachestore.leases``: no copy at all), puts through the client's
@@ -22,7 +24,8 @@ backend, into one reused buffer instead, as an engine copies blocks into its own
 Prints one JSON document (machine, per-case GB/s, ratios against redis) and a one-line summary.
 Usage: .venv/bin/python bench/server.py [--seconds 2] [--clients 4] [--rounds 3] [--touch | --sink]
        [--sizes 2MiB,64KiB] [--ops get,put] [--modes single,batch]
-       [--backends daemon-tcp,daemon-shm,daemon-shm-copy,daemon-shm-zmq,daemon-tcp-cpu]
+       [--backends daemon-tcp,daemon-tcp-zmq,daemon-shm,daemon-shm-copy,daemon-shm-zmq,
+                   daemon-tcp-cpu]
        [--loop-cpu 0]
        (redis always runs: the baseline; default backends: all but daemon-tcp-cpu)
 """
@@ -49,7 +52,8 @@ from tests.servers import RedisServer, free_port  # noqa: E402
 SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
-DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-shm": "shm_vs_redis",
+DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-tcp-zmq": "tcp_zmq_vs_redis",
+                "daemon-shm": "shm_vs_redis",
                 "daemon-shm-copy": "shm_copy_vs_redis", "daemon-shm-zmq": "shm_zmq_vs_redis",
                 "daemon-tcp-cpu": "tcp_cpu_vs_redis"}  # backend -> its ratio's field
 
@@ -81,7 +85,8 @@ def _client(kind: str, url: str) -> Any:
 
     return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
                       use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),
-                      use_leases=(kind == "daemon-shm"), timeout_s=30.0, batch_keys=64)
+                      use_leases=(kind == "daemon-shm"), use_stream=(kind != "daemon-tcp-zmq"),
+                      timeout_s=30.0, batch_keys=64)
 
 
 def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],

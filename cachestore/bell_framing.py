@@ -37,20 +37,30 @@ def send_message(sock: socket.socket, header: bytes, payloads: Sequence[Value] =
     total = sum(len(p) for p in parts)
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     sent = sock.sendmsg(parts, ancillary if fds else [])
-    if sent < total:  # a large payload the socket buffer did not take whole
-        rest = memoryview(b"".join(bytes(p) for p in parts))[sent:]
-        sock.sendall(rest)
+    if sent < total:  # the socket buffer did not take it whole: the rest, part by part
+        for part in parts:
+            size = len(part)
+            if sent >= size:
+                sent -= size
+                continue
+            view = memoryview(part)
+            sock.sendall((view if view.format == "B" else view.cast("B"))[sent:])
+            sent = 0
 
 
 class MessageReader:
     """Reads framed messages from one socket into a reused buffer. Not thread-safe.
 
-    ``read`` returns ``[header, payload...]`` (the header as bytes, payloads as bytearrays);
+    ``read`` returns ``[header, payload...]`` (the header as bytes, payloads as bytearrays,
+    or memoryviews of the arena);
     raises BellClosed at EOF or for a message over ``limits``, OSError on socket errors.
     """
 
     def __init__(self, sock: socket.socket, limits: ServerLimits | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, arena: bool = False) -> None:
+        """``arena``: payloads are views of one buffer reused from ``rewind`` to ``rewind``
+        (no allocation, no page faults per payload: a client's replies, valid until its
+        next call); otherwise each payload is a bytearray of its own."""
         self._sock = sock
         self._limits = limits
         self._spin_s = spin_s
@@ -58,6 +68,12 @@ class MessageReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._arena: memoryview | None = memoryview(bytearray(0)) if arena else None
+        self._arena_pos = 0
+
+    def rewind(self) -> None:
+        """Reuse the arena from its start: payloads read before are overwritten from now on."""
+        self._arena_pos = 0
 
     def read(self) -> list[Any]:
         self._fill(_PREFIX.size)
@@ -120,12 +136,20 @@ class MessageReader:
                     os.sched_yield()
         return self._sock.recv_into(into)
 
-    def _take(self, size: int) -> bytearray:
-        out = bytearray(size)
+    def _take(self, size: int) -> bytearray | memoryview:
+        if self._arena is None:
+            out: bytearray | memoryview = bytearray(size)
+            view = memoryview(out)
+        else:
+            if self._arena_pos + size > len(self._arena):  # a new, larger arena; views of
+                grown = max(2 * len(self._arena), self._arena_pos + size, 1 << 20)
+                self._arena = memoryview(bytearray(grown))  # the old one keep it alive
+            out = view = self._arena[self._arena_pos : self._arena_pos + size]
+            self._arena_pos += size
         have = min(size, self._end - self._start)
-        out[:have] = self._view[self._start : self._start + have]
+        view[:have] = self._view[self._start : self._start + have]
         self._start += have
-        view, pos = memoryview(out), have
+        pos = have
         while pos < size:  # straight into the payload, not through the buffer
             got = self._sock.recv_into(view[pos:])
             if got == 0:

@@ -1,4 +1,16 @@
-"""Same-host doorbell: the cache daemon's requests and replies over a Unix socket, not ZMQ.
+"""Doorbell: the cache daemon's requests and replies over a plain stream socket, not ZMQ.
+
+Two kinds, one class: the same-host doorbell (a Unix socket; payloads in the client's
+shared-memory segment) and the TCP stream (``tcp=(host, port)``: a TCP listener on the
+daemon's own address, payload frames on the socket, for clients on another host or without
+shared memory). The stream exists for the same reason as the doorbell: ZMQ's I/O threads
+add a hand-off per side and message, which on a 2-core VM cost 2 MiB single gets/puts 12-17%
+against redis-server (docs/cache_server.md, "TCP stream"); a blocking socket served by one
+thread per connection is one ``sendmsg`` and ``recv_into`` calls per side. A stream is
+offered in the hello reply (``stream_port``, ``stream_secret``) to a client that asks for it
+(``stream: true``) and attached no segment; the attach, token and namespace checks are the
+doorbell's (below), leases never (no shared slab across hosts). It binds the ZMQ url's host,
+so an open daemon's stream is loopback-only like its ZMQ socket.
 
 Why: on one host the payloads already move through the client's shared-memory segment
 (``cachestore.shm``); what is left of a single-key request is the transport, and ZMQ adds two
@@ -61,16 +73,20 @@ MAX_PENDING_SECRETS = 1024
 
 
 class Doorbell:
-    """The daemon side: a Unix socket, one thread per connection, requests run in that thread
-    (``OpHandler.parse``, then ``serve_inline`` or ``run``). ``max_conns`` bounds the threads:
-    a connection past it is closed at once (the client stays on ZMQ)."""
+    """The daemon side: a Unix socket (or, with ``tcp``, a TCP listener), one thread per
+    connection, requests run in that thread (``OpHandler.parse``, then ``serve_inline`` or
+    ``run``). ``max_conns`` bounds the threads: a connection past it is closed at once (the
+    client stays on ZMQ)."""
 
     def __init__(self, limits: ServerLimits, max_conns: int = 256,
                  directory: str | None = None, inline_reads: bool = True,
-                 spin_s: float = 100e-6, leases: LeaseOffer | None = None) -> None:
-        """``leases``: offer in-place reads to connections that ask (None: never)."""
+                 spin_s: float = 100e-6, leases: LeaseOffer | None = None,
+                 tcp: tuple[str, int] | None = None) -> None:
+        """``leases``: offer in-place reads to connections that ask (None: never; never over
+        TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port)."""
         self._limits = limits
-        self._leases = leases
+        self._tcp = tcp
+        self._leases = leases if tcp is None else None
         self._spin_s = spin_s
         self._max_conns = max_conns
         self._directory = directory
@@ -81,15 +97,24 @@ class Doorbell:
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._handler: OpHandler | None = None
-        self.path: str | None = None
+        self.path: str | None = None  # the Unix socket's path while it runs
+        self.port: int | None = None  # the TCP stream's port while it runs
         # Requests served through the doorbell (tests, diagnostics; unlocked: may undercount
         # under concurrent connections).
         self.num_requests = 0
 
     def start(self, handler: OpHandler) -> str:
-        """Bind the socket (mode 0600 in a fresh 0700 directory) and accept on a thread.
-        Returns the path. Raises OSError."""
+        """Bind the socket (mode 0600 in a fresh 0700 directory; or the TCP address) and
+        accept on a thread. Returns the path (``host:port`` for TCP). Raises OSError."""
         self._handler = handler
+        if self._tcp is not None:
+            host, port = self._tcp
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, port), family=family, backlog=64)
+            self._listener, self.port = listener, listener.getsockname()[1]
+            threading.Thread(target=self._accept, name="kvtier-stream-accept",
+                             daemon=True).start()
+            return f"{host}:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="kvtier-bell-", dir=self._directory)
         path = os.path.join(self._dir, "bell.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -105,9 +130,9 @@ class Doorbell:
         return path
 
     def offer(self, tenant: str) -> dict[str, Any]:
-        """Hello-reply fields that let ``tenant`` attach one connection: path and a one-time
-        secret. Empty when the doorbell is not running."""
-        if self.path is None:
+        """Hello-reply fields that let ``tenant`` attach one connection: path (or TCP port) and
+        a one-time secret. Empty when the doorbell is not running."""
+        if self.path is None and self.port is None:
             return {}
         secret = secrets.token_bytes(16)
         now = time.monotonic()
@@ -116,6 +141,8 @@ class Doorbell:
                                      or next(iter(self._pending.values()))[1] < now):
                 self._pending.popitem(last=False)
             self._pending[_digest(secret)] = (tenant, now + SECRET_TTL_S)
+        if self.port is not None:
+            return {"stream_port": self.port, "stream_secret": secret.hex()}
         return {"doorbell": self.path, "doorbell_secret": secret.hex()}
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -123,6 +150,10 @@ class Doorbell:
         Idempotent."""
         listener, self._listener = self._listener, None
         if listener is not None:
+            try:  # wakes the accept thread (Linux): a bare close leaves the port listening
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             listener.close()
         with self._lock:
             conns = list(self._conns.items())
@@ -137,7 +168,7 @@ class Doorbell:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-        self.path = None
+        self.path = self.port = None
 
     def _accept(self) -> None:
         while True:
@@ -148,6 +179,8 @@ class Doorbell:
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed by stop
+            if self._tcp is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if len(self._conns) >= self._max_conns or self._listener is None:
                     sock.close()

@@ -92,6 +92,11 @@ class CacheServer:
         self._bell = (Doorbell(config.limits, config.max_doorbell_conns, config.doorbell_dir,
                                config.inline_reads, config.spin_us * 1e-6, self._leases)
                       if bell_on else None)
+        stream_host = config.stream_host() if config.stream else None
+        self._stream = (Doorbell(config.limits, config.max_doorbell_conns, None,
+                                 config.inline_reads, config.spin_us * 1e-6,
+                                 tcp=(stream_host, config.stream_port))
+                        if stream_host is not None else None)
         self._handler = OpHandler(
             store=store,
             usage=usage if usage is not None else NamespaceUsage(),
@@ -101,6 +106,7 @@ class CacheServer:
             on_request=on_request,
             access_log_path=config.access_log_path,
             offer_doorbell=self._bell.offer if self._bell is not None else None,
+            offer_stream=self._stream.offer if self._stream is not None else None,
         )
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -117,6 +123,11 @@ class CacheServer:
     def leases(self) -> LeaseOffer | None:
         """In-place reads offered to doorbell clients (None: never; ``budget`` has the gauge)."""
         return self._leases
+
+    @property
+    def stream(self) -> Doorbell | None:
+        """The TCP stream listener (None when off); ``port`` is set while it runs."""
+        return self._stream
 
     @property
     def doorbell(self) -> Doorbell | None:
@@ -172,18 +183,20 @@ class CacheServer:
         try:
             router.bind(self.config.url)
             self.bound_url = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            if self._bell is not None:
-                try:
-                    self._bell.start(self._handler)
-                except OSError:
-                    pass  # no doorbell offered: same-host clients stay on ZMQ
+            for listener in (self._bell, self._stream):
+                if listener is not None:
+                    try:
+                        listener.start(self._handler)
+                    except OSError:
+                        pass  # not offered: its clients stay on ZMQ
             self._ready.set()
             if self.config.loop_cpu is not None:  # this thread only (Linux: pid 0 = caller)
                 os.sched_setaffinity(0, {self.config.loop_cpu})
             self._loop(router, pool, replies, wake_r, wake_w)
         finally:
-            if self._bell is not None:  # its threads finish their request before segments close
-                self._bell.stop(self.config.drain_timeout_s)
+            for listener in (self._bell, self._stream):  # each thread finishes its request
+                if listener is not None:  # before the segments close
+                    listener.stop(self.config.drain_timeout_s)
             if self._leases is not None:  # every lease went with its connection
                 self._leases.close()
             pool.shutdown(wait=True)

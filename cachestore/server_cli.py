@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send every request to the worker pool (no loop-thread host reads)")
     parser.add_argument("--no-doorbell", action="store_true",
                         help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="no TCP stream (clients without shared memory stay on ZMQ)")
+    parser.add_argument("--stream-port", type=int, default=0,
+                        help="TCP stream port on --host (default 0: a free port, announced "
+                             "to clients in the hello reply)")
     parser.add_argument("--no-leases", action="store_true",
                         help="no zero-copy same-host gets (doorbell clients mapping the host "
                              "slab; only ever offered when it holds one namespace)")
@@ -129,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
                               access_log_path=args.access_log,
                               inline_reads=not args.no_inline_reads,
                               doorbell=not args.no_doorbell, spin_us=args.spin_us,
+                              stream=not args.no_stream, stream_port=args.stream_port,
                               loop_cpu=args.loop_cpu, leases=not args.no_leases)
         usage = NamespaceUsage()
         # A mappable slab only where leases may be offered (one namespace in it).

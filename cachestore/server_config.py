@@ -32,7 +32,13 @@ class ServerConfig:
     # 0700 directory under ``doorbell_dir`` (None: the system temp dir).
     doorbell: bool = True
     doorbell_dir: str | None = None
-    max_doorbell_conns: int = 256
+    max_doorbell_conns: int = 256  # per listener (the doorbell, the TCP stream)
+    # TCP stream (``cachestore.doorbell``, ``tcp``): clients without a shared segment (another
+    # host, or shm off) move requests and payload frames over a plain TCP connection served
+    # by one thread each, instead of ZMQ. It binds the url's host at ``stream_port`` (0: a
+    # free port, announced in the hello reply).
+    stream: bool = True
+    stream_port: int = 0
     # How long the loop (and a doorbell thread) polls for the next request before it blocks:
     # on a small VM a blocked thread's wake-up is most of a short request's round trip.
     spin_us: float = 100.0
@@ -55,6 +61,16 @@ class ServerConfig:
                              f"{sorted(os.sched_getaffinity(0))}")
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+        if not 0 <= self.stream_port <= 65535:
+            raise ValueError(f"stream_port must be 0..65535, got {self.stream_port}")
+
+    def stream_host(self) -> str | None:
+        """The host the TCP stream binds: the url's (``*`` = every IPv4 interface), or None
+        for an ipc:// url (no TCP to share)."""
+        if not self.url.startswith("tcp://"):
+            return None
+        host = self.url[len("tcp://"):].rsplit(":", 1)[0]
+        return "0.0.0.0" if host == "*" else host.strip("[]")
 
 
 def is_loopback(url: str) -> bool:

@@ -64,7 +64,8 @@ class OpHandler:
     Thread-safe: ``parse``/``serve_inline`` run on the loop thread, ``run`` on the pool. ``authenticate`` maps a token to a ``Tenant`` or
     raises ``ProtocolError``. ``segments`` is None when the shared-memory path is off. The
     handler does not own ``store`` (the daemon's owner closes it). ``offer_doorbell(tenant)``
-    gives the hello-reply fields of the same-host doorbell (``cachestore.doorbell``), if any.
+    gives the hello-reply fields of the same-host doorbell (``cachestore.doorbell``), if any;
+    ``offer_stream(tenant)`` those of the TCP stream, offered to clients without a segment.
     """
 
     def __init__(self, store: HierarchicalStore, limits: ServerLimits,
@@ -73,7 +74,8 @@ class OpHandler:
                  usage: NamespaceUsage,
                  on_request: Callable[[RequestRecord], None] | None = None,
                  access_log_path: str | None = None,
-                 offer_doorbell: Callable[[str], dict[str, Any]] | None = None) -> None:
+                 offer_doorbell: Callable[[str], dict[str, Any]] | None = None,
+                 offer_stream: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.store = store
         self.limits = limits
         self.usage = usage
@@ -82,6 +84,7 @@ class OpHandler:
         self._segments = segments
         self._on_request = on_request
         self._offer_doorbell = offer_doorbell
+        self._offer_stream = offer_stream
         self._log_lock = threading.Lock()
         self._log = open(access_log_path, "a", buffering=1) if access_log_path else None
         self._ops: dict[str, _Op] = {
@@ -267,6 +270,8 @@ class OpHandler:
             "max_frame_bytes": lim.max_frame_bytes, "max_request_bytes": lim.max_request_bytes}
         if shm_ok and header.get("doorbell") is True and self._offer_doorbell is not None:
             body.update(self._offer_doorbell(tenant))  # same host proven by the mapping
+        elif not shm_ok and header.get("stream") is True and self._offer_stream is not None:
+            body.update(self._offer_stream(tenant))  # payload frames over a TCP connection
         return body, []
 
     def _op_bye(self, header: dict[str, Any], tenant: str, ikeys: list[str],

@@ -16,7 +16,10 @@ timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``
   headers cross the socket. Otherwise, or whenever the daemon forgets the segment, frames.
   With ``use_doorbell`` (default) those headers go over the daemon's same-host Unix socket
   (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
-- Waiting for a reply (doorbell, or ZMQ to a loopback/ipc url), the thread polls for
+- Without a segment (another host, or shm off) and with ``use_stream`` (default), requests and
+  payload frames go over the daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain
+  socket served by one daemon thread) when the hello offers one; ZMQ stays the fallback.
+- Waiting for a reply (doorbell or stream, or ZMQ to a loopback/ipc url), the thread polls for
   ``spin_us`` before it blocks (a wake-up costs more than a short single-key request on a
   small VM); 0: block at once. Replies from another machine are waited for blocking, and so
   are ZMQ replies behind a large message (``tiers.remote_conn.SPIN_MAX_BYTES``).
@@ -52,7 +55,7 @@ class RemoteTier(Tier):
                  batch_keys: int = 64, use_shm: bool = True, shm_bytes: int = 64 << 20,
                  max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5,
                  use_doorbell: bool = True, spin_us: float = 250.0,
-                 use_leases: bool = True) -> None:
+                 use_leases: bool = True, use_stream: bool = True) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"remote tier url must be tcp://HOST:PORT or ipc://PATH, got {url!r}")
         self.url = url
@@ -69,7 +72,7 @@ class RemoteTier(Tier):
         self.num_in_place = 0
         self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
                                 max_shm_bytes, retry_interval_s, use_doorbell,
-                                spin_us * 1e-6, use_leases)
+                                spin_us * 1e-6, use_leases, use_stream)
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
@@ -186,7 +189,7 @@ class RemoteTier(Tier):
         return TierUsage(used_bytes=stats["bytes"], capacity_bytes=None, num_entries=stats["keys"])
 
     def transport(self) -> str:
-        """This thread's transport: "doorbell", "zmq" or "none" (not connected yet); with
+        """This thread's transport: "doorbell", "stream", "zmq" or "none" (not connected yet); with
         "+slab" when its doorbell maps the daemon's host slab (gets may be read in place)."""
         return self._net.transport()
 

@@ -1,6 +1,7 @@
 """One client thread's doorbell connection to ``kvtier cache-server`` (``cachestore.doorbell``):
-a Unix socket attached with the hello's one-time secret, over which the thread's requests go
-(``tiers.remote_conn.Connections`` decides when). With ``want_slab`` it asks for the daemon's
+a Unix socket (or the daemon's TCP stream, ``address`` a (host, port) pair) attached with the
+hello's one-time secret, over which the thread's requests go (``tiers.remote_conn.Connections``
+decides when). With ``want_slab`` it asks for the daemon's
 host slab: a sealed memfd that arrives with the attach reply (SCM_RIGHTS) and is mapped
 read-only here (``tiers.host_memfd.map_readonly``), so that leased gets (``cachestore.leases``)
 are read in place. Not thread-safe: one per client thread.
@@ -32,9 +33,14 @@ class Bell:
     ``slab``: a read-only view of the daemon's host slab when ``want_slab`` and it was given
     (leases), else None; ``leased``: the last call's replies hold leases not yet released."""
 
-    def __init__(self, path: str, secret: str, timeout_s: float, spin_s: float,
-                 want_slab: bool = False) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address: str | tuple[str, int], secret: str, timeout_s: float,
+                 spin_s: float, want_slab: bool = False) -> None:
+        """``address``: the doorbell's socket path, or the TCP stream's (host, port)."""
+        tcp = not isinstance(address, str)
+        self.tcp = tcp
+        self.sock = (socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET,
+                                   socket.SOCK_STREAM)
+                     if tcp else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         self.slab: memoryview | None = None
         self._mapping: mmap.mmap | None = None
         self.leased = False
@@ -43,10 +49,18 @@ class Bell:
             tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-            self.sock.connect(path)
-            self.reader = MessageReader(self.sock, spin_s=spin_s)
+            if tcp:
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.connect(address)
+            self.reader = MessageReader(self.sock, spin_s=spin_s, arena=True)
             attach = {"v": PROTOCOL_VERSION, "id": 0, "op": "attach", "secret": secret}
+            want_slab = want_slab and not tcp
             send_message(self.sock, pack({**attach, "lease": True} if want_slab else attach))
+            if tcp:
+                reply = msgpack.unpackb(self.reader.read()[0], raw=False)
+                if reply.get("code") != ErrorCode.OK:
+                    raise BellClosed(f"stream refused: {reply.get('error')}")
+                return
             # The reply may carry the slab's fd: read its first bytes with their ancillary data.
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
             if not data:
@@ -71,8 +85,10 @@ class Bell:
             raise
 
     def call(self, messages: list[tuple[bytes, list[Value]]]) -> list[list[Any]]:
-        """Send each message and read one reply per message, in order. Raises OSError."""
+        """Send each message and read one reply per message, in order; reply payloads are
+        views valid until the next call. Raises OSError."""
         out: list[list[Any]] = []
+        self.reader.rewind()
         if sum(len(h) + sum(len(p) for p in ps) for h, ps in messages) <= _PIPELINE_BYTES:
             for header, payloads in messages:
                 send_message(self.sock, header, payloads)

@@ -13,6 +13,12 @@
   the daemon's Unix socket with the one-time secret and sends its requests there (same
   headers, payloads still in the segment). A refused or broken doorbell is dropped and the
   call goes over ZMQ instead, transparently; only a timeout is an error (as on ZMQ).
+- TCP stream (``cachestore.doorbell``, ``tcp``): a thread without a segment (another host,
+  shm off) asks for the daemon's TCP stream in its hello (``use_stream``); when offered, it
+  connects to that port on the url's host with the one-time secret and sends its requests
+  and payload frames there (one blocking socket, no ZMQ I/O threads). A broken stream is
+  dropped and the call goes over ZMQ; the next call says hello again (a restarted daemon
+  offers a new stream).
 - Leases (``cachestore.leases``): with ``use_leases`` the attach asks for the daemon's host
   slab; if it comes (a sealed memfd over SCM_RIGHTS), ``Bell.slab`` is a read-only mapping
   of it, and gets ask for leases (``lease: true``): a reply may then carry ``slab_offsets``
@@ -68,9 +74,10 @@ class Connections:
 
     def __init__(self, url: str, token: str, timeout_s: float, use_shm: bool, shm_bytes: int,
                  max_shm_bytes: int, retry_interval_s: float, use_doorbell: bool = True,
-                 spin_s: float = 0.0, use_leases: bool = True) -> None:
+                 spin_s: float = 0.0, use_leases: bool = True, use_stream: bool = True) -> None:
         self.url = url
         self.use_doorbell = use_doorbell
+        self.use_stream = use_stream and url.startswith("tcp://")
         self.use_leases = use_leases
         self.spin_s = spin_s
         # Over a real network a reply takes longer than any useful spin: poll only locally.
@@ -121,6 +128,8 @@ class Connections:
         if segment is not None:
             header["shm"] = segment.name
             header["doorbell"] = self.use_doorbell and conn.bell is None
+        else:
+            header["stream"] = self.use_stream and conn.bell is None
         if conn.segment is not None:
             header["replaces"] = conn.segment.name  # the daemon unmaps the old one now
         conn.hello_done = True  # _call below must not recurse into another hello
@@ -143,12 +152,20 @@ class Connections:
             else:
                 segment.close()
         offered = reply.get("doorbell")
-        if conn.segment is not None and conn.bell is None and isinstance(offered, str):
+        port = reply.get("stream_port")
+        address: str | tuple[str, int] | None = None
+        if conn.bell is not None:
+            pass
+        elif conn.segment is not None and isinstance(offered, str):
+            address, secret = offered, reply.get("doorbell_secret")
+        elif conn.segment is None and isinstance(port, int) and self.use_stream:
+            address, secret = (_url_host(self.url), port), reply.get("stream_secret")
+        if address is not None:
             try:
-                conn.bell = Bell(offered, str(reply.get("doorbell_secret")), self.timeout_s,
-                                 self.spin_s, want_slab=self.use_leases)
+                conn.bell = Bell(address, str(secret), self.timeout_s, self.spin_s,
+                                 want_slab=self.use_leases)
             except OSError:
-                conn.bell = None  # another mount namespace, refused, ...: ZMQ it is
+                conn.bell = None  # another mount namespace, a firewall, refused: ZMQ it is
 
     def grow(self, conn: Conn, needed: int) -> None:
         size = min(max(needed, 2 * (conn.segment.size if conn.segment else 0)), self.max_shm_bytes)
@@ -163,6 +180,8 @@ class Connections:
             return "none"
         if conn.bell is None:
             return "zmq"
+        if conn.bell.tcp:
+            return "stream"
         return "doorbell+slab" if conn.bell.slab is not None else "doorbell"
 
     def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
@@ -179,6 +198,8 @@ class Connections:
                 raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s"
                                 ) from None
             except OSError:  # EOF, reset, refused: the daemon went away or restarted
+                if conn.bell.tcp and conn.segment is None:
+                    conn.hello_done = False  # a stream costs one hello: ask again next call
                 conn.bell.close()
                 conn.bell = None
         return _check(conn, self._call_zmq(conn, requests))
@@ -306,11 +327,16 @@ def _check(conn: Conn, out: _Replies) -> _Replies:
     return out
 
 
+def _url_host(url: str) -> str:
+    """The host of a tcp:// url, without IPv6 brackets."""
+    return url[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
 def _is_local(url: str) -> bool:
     if url.startswith("ipc://"):
         return True
-    host = url[len("tcp://"):].rsplit(":", 1)[0]
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+    host = _url_host(url)
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _ms_left(deadline: float) -> int:

@@ -168,7 +168,7 @@ def test_tcp_inline_gets_lend_host_blocks_and_unpin_after_the_send(
     """Over ZMQ frames, inline host hits leave zero copy: lent (pinned) while ZMQ holds them,
     unpinned once sent; the client gets the exact bytes, also for a key asked twice."""
     srv, _, host = daemon
-    alice = remote(srv.bound_url, token=ALICE, use_shm=False)
+    alice = remote(srv.bound_url, token=ALICE, use_shm=False, use_stream=False)
     alice.put_many(list(zip(BIG_KEYS, BIG, strict=True)))
     alice.get_many(BIG_KEYS[:1])  # learns the namespace's header: the next hits are inline
     reads = srv.handler._fast  # white-box: the lent-bytes gauge and count

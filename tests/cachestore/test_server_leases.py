@@ -284,7 +284,7 @@ def test_over_tcp_nothing_changes(daemon: Daemon, remote: Callable[..., RemoteTi
     tier = remote(daemon.url, use_shm=False)
     _fill(tier)
     got = tier.get_many(KEYS)
-    assert [bytes(v) for v in got] == BLOCKS and tier.transport() == "zmq"
+    assert [bytes(v) for v in got] == BLOCKS and tier.transport() == "stream"
     assert tier.num_in_place == 0 and daemon.granted() == 0 and daemon.pins_settle() == 0
     no_lease = remote(daemon.url, use_leases=False)  # a doorbell client that does not ask
     assert [bytes(v) for v in no_lease.get_many(KEYS)] == BLOCKS

@@ -174,7 +174,7 @@ def test_zmq_replies_are_spun_for_only_after_small_messages(
     from tiers import remote_conn
 
     _, port = served
-    tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=False)
+    tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=False, use_stream=False)
     spins: list[bool] = []
     wait_in = remote_conn.Connections._wait_in
 
