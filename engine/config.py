@@ -44,7 +44,7 @@ class SchedulerConfig:
 
 # Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).
 GRAPH_DECODE_CHOICES = ("auto", "triton", "flashinfer")
-SMALL_QUERY_CHOICES = ("flashinfer", "triton")
+SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +58,10 @@ class EngineConfig:
     graph_decode: str = "auto"
     # Eager steps whose requests all have at most 64 / GQA-group new tokens (short appends over
     # cached context, decode steps outside the graphs): flashinfer (its prefill/decode
-    # wrappers) | triton (engine/kernels/decode_attention.py, split-KV; not yet measured on a
-    # GPU, hence not the default).
-    small_query_attention: str = "flashinfer"
+    # wrappers) | triton (engine/kernels/decode_attention.py, split-KV) | auto: triton when
+    # the step's longest context reaches 8192 tokens (H200: 3.76x FlashInfer's prefill wrapper
+    # for 16 tokens over 16K, parity at 4K; bench/attention.py --appends), else flashinfer.
+    small_query_attention: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -28,11 +28,13 @@ kernel a graph runs is ``graph_decode``:
 device (``engine.kernels.fused_kernels_available``), else flashinfer. bench/engine.py measures
 both (variants ``fused`` and ``fused-fi``), bench/attention.py the kernels alone.
 
-Eager steps of few new tokens: with ``small_query="triton"`` (opt-in, not yet measured on a
-GPU) an eager step whose every request brings at most ``max_query_len(group)`` tokens (short
-appends over cached context; decode steps outside the graphs) runs the same Triton kernel
-with causal rows per query token, instead of a FlashInfer wrapper whose prefill kernel does
-not split the KV (16 tokens over 16K: ~7 ms on the H200, docs/offload.md).
+Eager steps of few new tokens: with ``small_query="triton"`` an eager step whose every
+request brings at most ``max_query_len(group)`` tokens (short appends over cached context;
+decode steps outside the graphs) runs the same Triton kernel with causal rows per query token,
+instead of a FlashInfer wrapper whose prefill kernel does not split the KV. ``"auto"`` (the
+default) does so only when the step's longest context is at least
+``SMALL_QUERY_AUTO_MIN_CONTEXT`` tokens: on the H200 16 tokens over 16K took 59.5 us a layer
+against FlashInfer's 223.9 (3.76x), over 4K 63.2 against 61.2 (bench/attention.py --appends).
 
 Not thread-safe: ``plan`` stores per-step state used by the following ``forward`` calls.
 """
@@ -48,6 +50,7 @@ from engine.config import GRAPH_DECODE_CHOICES, SMALL_QUERY_CHOICES
 
 _WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
 _DECODE_KERNEL_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE of the CUDA-core decode
+SMALL_QUERY_AUTO_MIN_CONTEXT = 8192  # small_query="auto": the Triton kernel from this context on
 
 
 def page_table(
@@ -88,7 +91,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 graph_decode: str = "auto", small_query: str = "flashinfer") -> None:
+                 graph_decode: str = "auto", small_query: str = "auto") -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if graph_decode not in GRAPH_DECODE_CHOICES:
             raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {graph_decode!r}")
@@ -136,7 +139,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         for option, wanted in self._wanted.items():
             if wanted != "flashinfer" and self._triton_fits(device, option, wanted):
-                setattr(self, option, "triton")
+                # graph_decode "auto" is triton from here on; small_query "auto" stays a rule
+                setattr(self, option, "triton" if option == "graph_decode" else wanted)
 
     def _triton_fits(self, device: torch.device, option: str, wanted: str) -> bool:
         """Whether the Triton kernel can serve ``option`` here (and load it); False when not
@@ -165,8 +169,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._check_bound()
         self._triton_call = None
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
-        if self.small_query == "triton" and metadata.max_query_len <= \
-                self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads):
+        if self.small_query != "flashinfer" and metadata.max_query_len <= \
+                self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads) and (
+                self.small_query == "triton"
+                or max(metadata.seq_lens_cpu) >= SMALL_QUERY_AUTO_MIN_CONTEXT):
             self._plan_small_query(metadata, indptr, indices, last_page_len)
             return
         indices_gpu = _pinned(indices).to(self._device, non_blocking=True)

@@ -196,6 +196,22 @@ def test_triton_small_query_steps_match_hf_and_flashinfer(gpu_model) -> None:
     assert diff < 2e-2, diff
 
 
+def test_small_query_auto_takes_triton_from_the_context_threshold_on(gpu_model,
+                                                                      monkeypatch) -> None:
+    """``small_query_attention="auto"`` (the default): the script's short contexts stay on the
+    FlashInfer wrappers; with the threshold under them, its decode-only steps run Triton."""
+    from engine.attention import flashinfer_backend
+
+    _, model_dir = gpu_model
+    short = make_runner(model_dir, backend="flashinfer", cuda_graphs=False, small_query="auto")
+    _, _, wrappers = run_script(short)
+    assert "triton" not in wrappers and short.attn_backend.small_query == "auto"
+    monkeypatch.setattr(flashinfer_backend, "SMALL_QUERY_AUTO_MIN_CONTEXT", 100)
+    long = make_runner(model_dir, backend="flashinfer", cuda_graphs=False, small_query="auto")
+    _, _, wrappers = run_script(long)
+    assert wrappers == ["prefill", "prefill"] + ["triton"] * 6  # c's context is >= 100
+
+
 def test_greedy_on_gpu_matches_the_cpu_engine(tmp_path) -> None:
     model_dir = make_tiny_model(tmp_path, "llama", seed=7)
     outs = []
