@@ -57,10 +57,11 @@ class MessageReader:
     """
 
     def __init__(self, sock: socket.socket, limits: ServerLimits | None = None,
-                 spin_s: float = 0.0, arena: bool = False) -> None:
-        """``arena``: payloads are views of one buffer reused from ``rewind`` to ``rewind``
-        (no allocation, no page faults per payload: a client's replies, valid until its
-        next call); otherwise each payload is a bytearray of its own."""
+                 spin_s: float = 0.0, arena: int = 0) -> None:
+        """``arena``: up to this many bytes of payloads between two ``rewind`` calls are views
+        of one buffer reused from rewind to rewind (no allocation, no page faults per
+        payload; a client's replies are valid until its next call, a daemon's request
+        payloads until its reply); payloads past it, and all with 0, are bytearrays."""
         self._sock = sock
         self._limits = limits
         self._spin_s = spin_s
@@ -68,7 +69,8 @@ class MessageReader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        self._arena: memoryview | None = memoryview(bytearray(0)) if arena else None
+        self._arena_max = arena
+        self._arena = memoryview(bytearray(0))
         self._arena_pos = 0
 
     def rewind(self) -> None:
@@ -137,21 +139,23 @@ class MessageReader:
         return self._sock.recv_into(into)
 
     def _take(self, size: int) -> bytearray | memoryview:
-        if self._arena is None:
+        end = self._arena_pos + size
+        if end > self._arena_max:
             out: bytearray | memoryview = bytearray(size)
             view = memoryview(out)
         else:
-            if self._arena_pos + size > len(self._arena):  # a new, larger arena; views of
-                grown = max(2 * len(self._arena), self._arena_pos + size, 1 << 20)
-                self._arena = memoryview(bytearray(grown))  # the old one keep it alive
-            out = view = self._arena[self._arena_pos : self._arena_pos + size]
-            self._arena_pos += size
+            if end > len(self._arena):  # a new, larger arena; views of the old one keep it
+                grown = min(max(2 * len(self._arena), end, 1 << 20), self._arena_max)
+                self._arena = memoryview(bytearray(grown))  # alive
+                self._arena_pos, end = 0, size
+            out = view = self._arena[self._arena_pos : end]
+            self._arena_pos = end
         have = min(size, self._end - self._start)
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
         pos = have
         while pos < size:  # straight into the payload, not through the buffer
-            got = self._sock.recv_into(view[pos:])
+            got = self._recv(view[pos:])  # polled too: a large payload comes in many pieces
             if got == 0:
                 raise BellClosed("connection closed")
             pos += got

@@ -69,6 +69,10 @@ if TYPE_CHECKING:
 
 __all__ = ["BellClosed", "Doorbell", "MessageReader", "send_message"]
 SECRET_TTL_S = 30.0
+# A connection's request payloads up to this much land in a buffer reused from request to
+# request (the store copies a put's payloads before the reply, as for the client's segment);
+# bigger requests get buffers of their own. Bounds a connection's idle memory.
+REQUEST_ARENA_BYTES = 8 << 20
 MAX_PENDING_SECRETS = 1024
 
 
@@ -208,7 +212,7 @@ class Doorbell:
         assert handler is not None
         leases: ConnLeases | None = None
         try:
-            reader = MessageReader(sock, self._limits, self._spin_s)
+            reader = MessageReader(sock, self._limits, self._spin_s, REQUEST_ARENA_BYTES)
             first = _unpack(reader.read()[0])
             tenant = self._claim(first.get("secret")) if first.get("op") == "attach" else None
             code = ErrorCode.OK if tenant is not None else ErrorCode.UNAUTHORIZED
@@ -220,6 +224,7 @@ class Doorbell:
                 fds.append(self._leases.fd)
             send_message(sock, pack(reply), fds=fds)
             while tenant is not None:
+                reader.rewind()  # the previous request is answered: its payloads are stored
                 self._serve_one(sock, handler, tenant, reader.read(), leases)
         except Exception:  # a peer that vanished or sent garbage is dropped, never a traceback
             pass  # (BellClosed is an OSError; msgpack raises a zoo of types)

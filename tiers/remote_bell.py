@@ -25,6 +25,8 @@ from tiers.base import Value
 # Requests of one call are all sent before the first reply is read when they add up to no
 # more than this (a socket buffer holds them, so neither side can block the other's send).
 _PIPELINE_BYTES = 64 << 10
+# Reply payloads of one call up to this much land in a reused buffer (``MessageReader``).
+REPLY_ARENA_BYTES = 256 << 20
 
 
 class Bell:
@@ -52,7 +54,7 @@ class Bell:
             if tcp:
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.sock.connect(address)
-            self.reader = MessageReader(self.sock, spin_s=spin_s, arena=True)
+            self.reader = MessageReader(self.sock, spin_s=spin_s, arena=REPLY_ARENA_BYTES)
             attach = {"v": PROTOCOL_VERSION, "id": 0, "op": "attach", "secret": secret}
             want_slab = want_slab and not tcp
             send_message(self.sock, pack({**attach, "lease": True} if want_slab else attach))

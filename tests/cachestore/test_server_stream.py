@@ -240,3 +240,32 @@ def test_cli_stream_flags(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_reader_arena_reuses_its_buffer_and_caps_it() -> None:
+    """Payloads up to the arena size land in one reused buffer (overwritten after ``rewind``);
+    a payload past the cap gets a buffer of its own; growing keeps earlier views intact."""
+    import threading
+
+    a, b = socket.socketpair()
+    one, two, big, w = (b"x" * (1 << 20), b"y" * (1 << 20), b"z" * (4 << 20),
+                        b"w" * (2 << 20))
+    messages = [(b"h1", [one, two]), (b"h2", [w]), (b"h3", [two]), (b"h4", [big])]
+    sender = threading.Thread(target=lambda: [send_message(a, h, p) for h, p in messages])
+    sender.start()
+    try:
+        reader = MessageReader(b, arena=3 << 20)
+        _, p1, p2 = reader.read()
+        assert bytes(p1) == one and bytes(p2) == two and isinstance(p1, memoryview)
+        (_, p3) = reader.read()  # grows the arena: p1 and p2 stay as they were
+        assert bytes(p1) == one and bytes(p2) == two and bytes(p3) == w
+        reader.rewind()
+        (_, p4) = reader.read()  # reuses the arena from its start: p3 is overwritten
+        assert bytes(p4) == two and bytes(p3[: 1 << 20]) == two
+        reader.rewind()
+        (_, p5) = reader.read()  # over the cap: a buffer of its own
+        assert isinstance(p5, bytearray) and bytes(p5) == big and bytes(p4) == two
+    finally:
+        sender.join(10)
+        a.close()
+        b.close()
