@@ -5,25 +5,27 @@ refused or broken; a daemon restart is misses, then hits, never an error."""
 from __future__ import annotations
 
 import os
-import socket
 import stat
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
-import zmq
 
 from cachestore import shm
-from cachestore.doorbell import MessageReader, send_message
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server import CacheServer
+from cachestore.server_protocol import ErrorCode
+from cachestore.store import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
+from tests.cachestore.wire_helpers import (
+    RawFramed,
+    attach_checked,
+    check_restart,
+    served,
+    tenant_daemon,
+    zmq_ask,
+)
 from tests.servers import free_port
-from tiers.host import HostTier
 from tiers.remote import RemoteTier
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
@@ -35,50 +37,22 @@ BLOCKS = [sized_block(k, 5000 + 300 * i) for i, k in enumerate(KEYS)]
 
 def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer,
                                                                       HierarchicalStore]:
-    store = HierarchicalStore([HostTier(8 << 20, 64 << 10, pin_memory=False)], StoreConfig())
-    srv = CacheServer(ServerConfig(url=url, **config), store, TokenTable.parse(TOKENS)).start()
-    return srv, store
+    return tenant_daemon(TOKENS, 8 << 20, 64 << 10, url, **config)
 
 
 @pytest.fixture
 def daemon() -> Iterator[CacheServer]:
-    srv, store = _daemon()
-    yield srv
-    srv.stop()
-    store.close()
+    yield from served(_daemon())
 
 
 def _offer(url: str, token: str, segment: shm.ShmSegment,
            host_id: str | None = None) -> dict[str, Any]:
     """A raw ZMQ hello that attaches ``segment`` and asks for the doorbell."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(url)
-    try:
-        sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "hello", "token": token,
-                        "host_id": host_id or shm.host_id(), "shm": segment.name,
-                        "doorbell": True}))
-        assert sock.poll(5000), "no reply"
-        return msgpack.unpackb(sock.recv_multipart()[0])
-    finally:
-        sock.close()
+    return zmq_ask(url, token, op="hello", host_id=host_id or shm.host_id(), shm=segment.name,
+                   doorbell=True)
 
 
-class RawBell:
-    """A bare doorbell connection that sends whatever headers a test wants."""
-
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(5)
-        self.sock.connect(path)
-        self.reader = MessageReader(self.sock)
-
-    def ask(self, **header: Any) -> dict[str, Any]:
-        send_message(self.sock, pack({"v": PROTOCOL_VERSION, "id": 3, **header}))
-        return msgpack.unpackb(self.reader.read()[0])
-
-    def closed_by_peer(self) -> bool:
-        return self.sock.recv(1) == b""
+RawBell = RawFramed  # a bare doorbell connection (its socket path)
 
 
 def test_round_trip_goes_through_the_doorbell(daemon: CacheServer,
@@ -116,15 +90,7 @@ def test_tenants_are_bound_to_their_connection(daemon: CacheServer,
         offer = _offer(daemon.bound_url, ALICE, segment)
         path, secret = offer["doorbell"], offer["doorbell_secret"]
         assert offer["shm"] is True and len(secret) == 32
-        # Without the secret: the first message must attach, anything else closes the socket.
-        raw = RawBell(path)
-        assert raw.ask(op="get", token=ALICE, keys=KEYS[:1])["code"] == ErrorCode.UNAUTHORIZED
-        assert raw.closed_by_peer()
-        raw = RawBell(path)
-        assert raw.ask(op="attach", secret="0" * 32)["code"] == ErrorCode.UNAUTHORIZED
-        assert raw.closed_by_peer()
-        raw = RawBell(path)
-        assert raw.ask(op="attach", secret=secret)["code"] == ErrorCode.OK
+        raw = attach_checked(path, secret, ALICE, KEYS[:1])
         got = raw.ask(op="get", token=ALICE, keys=KEYS[:1], shm=segment.name)
         assert got["code"] == ErrorCode.OK and got["sizes"] == [len(BLOCKS[0])]
         assert bytes(segment.buf[: len(BLOCKS[0])]) == BLOCKS[0]
@@ -187,24 +153,9 @@ def test_broken_doorbell_falls_back_to_zmq_transparently(
 
 def test_daemon_restart_is_misses_then_hits(remote: Callable[..., RemoteTier]) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    srv, store = _daemon(url)
     tier = remote(url, token=ALICE, timeout_s=5)
-    tier.put_many([(KEYS[2], BLOCKS[2])])
-    assert bytes(tier.get_many(KEYS[2:3])[0]) == BLOCKS[2] and tier.transport() == "doorbell"
-    srv.stop()
-    store.close()
-    srv, store = _daemon(url)  # memory only: the block is gone
-    try:
-        t0 = time.monotonic()
-        assert tier.get_many(KEYS[2:3]) == [None]  # a miss, not an error
-        assert time.monotonic() - t0 < 4
-        tier.put_many([(KEYS[2], BLOCKS[2])])
-        assert bytes(tier.get_many(KEYS[2:3])[0]) == BLOCKS[2]
-        bell = srv.doorbell
-        assert tier.transport() == "doorbell" and bell is not None and bell.num_requests >= 2
-    finally:
-        srv.stop()
-        store.close()
+    bell = check_restart(url, _daemon, tier, KEYS[2], BLOCKS[2], "doorbell")
+    assert bell is not None and bell.num_requests >= 2
 
 
 def test_doorbell_socket_is_removed_on_stop(tmp_path: Path) -> None:

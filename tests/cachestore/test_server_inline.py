@@ -8,16 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import msgpack
 import pytest
-import zmq
 
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, TokenTable
+from cachestore.server_protocol import ErrorCode, TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
+from tests.cachestore.wire_helpers import zmq_ask
 from tiers.base import TierError
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
@@ -44,16 +42,7 @@ def daemon(tmp_path: Path) -> Iterator[tuple[CacheServer, HierarchicalStore, Hos
     store.close()
 
 
-def _ask(url: str, token: str, **header: Any) -> dict[str, Any]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(url)
-    try:
-        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "id": 9, "token": token, **header}))
-        assert sock.poll(5000), "no reply"
-        return msgpack.unpackb(sock.recv_multipart()[0])
-    finally:
-        sock.close()
+_ask = zmq_ask
 
 
 KEYS = [f"aaaa/{i:032x}" for i in range(6)]

@@ -7,28 +7,25 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import pytest
-import zmq
 
-from cachestore.doorbell import MessageReader, send_message
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import (
-    PROTOCOL_VERSION,
-    ErrorCode,
-    ServerLimits,
-    TokenTable,
-    checksum,
-    pack,
-)
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.bell_framing import MessageReader, send_message
+from cachestore.server import CacheServer
+from cachestore.server_protocol import ErrorCode, ServerLimits, checksum
+from cachestore.store import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
+from tests.cachestore.wire_helpers import (
+    RawFramed,
+    attach_checked,
+    check_restart,
+    served,
+    tenant_daemon,
+    zmq_ask,
+)
 from tests.servers import free_port
-from tiers.host import HostTier
 from tiers.remote import RemoteTier
 
 TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"
@@ -40,51 +37,22 @@ BLOCKS = [sized_block(k, (3 << 20) + 4099 * i) for i, k in enumerate(KEYS)]
 
 def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer,
                                                                       HierarchicalStore]:
-    store = HierarchicalStore([HostTier(64 << 20, 4 << 20, pin_memory=False)], StoreConfig())
-    limits = ServerLimits(max_frame_bytes=8 << 20)
-    srv = CacheServer(ServerConfig(url=url, limits=limits, **config), store,
-                      TokenTable.parse(TOKENS)).start()
-    return srv, store
+    return tenant_daemon(TOKENS, 64 << 20, 4 << 20, url,
+                         limits=ServerLimits(max_frame_bytes=8 << 20), **config)
 
 
 @pytest.fixture
 def daemon() -> Iterator[CacheServer]:
-    srv, store = _daemon()
-    yield srv
-    srv.stop()
-    store.close()
+    yield from served(_daemon())
 
 
 def _hello(url: str, token: str, **extra: Any) -> dict[str, Any]:
     """A raw ZMQ hello without a segment, asking for the stream."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(url)
-    try:
-        sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "hello", "token": token,
-                        "host_id": "elsewhere", "stream": True, **extra}))
-        assert sock.poll(5000), "no reply"
-        return msgpack.unpackb(sock.recv_multipart()[0])
-    finally:
-        sock.close()
+    return zmq_ask(url, token, op="hello", host_id="elsewhere", **{"stream": True, **extra})
 
 
-class RawStream:
-    """A bare stream connection that sends whatever a test wants."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        self.reader = MessageReader(self.sock)
-
-    def ask(self, payloads: tuple[bytes, ...] = (), **header: Any) -> dict[str, Any]:
-        send_message(self.sock, pack({"v": PROTOCOL_VERSION, "id": 3, **header}), payloads)
-        return msgpack.unpackb(self.reader.read()[0])
-
-    def closed_by_peer(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
+def RawStream(port: int) -> RawFramed:  # noqa: N802 (reads as the class it returns)
+    return RawFramed(("127.0.0.1", port))
 
 
 def test_round_trip_goes_through_the_stream(daemon: CacheServer,
@@ -133,15 +101,7 @@ def test_stream_secrets_bind_a_connection_to_one_tenant(
     offer = _hello(daemon.bound_url, ALICE)
     port, secret = offer["stream_port"], offer["stream_secret"]
     assert offer["shm"] is False and len(secret) == 32 and "doorbell" not in offer
-    # Without the secret: the first message must attach, anything else closes the socket.
-    raw = RawStream(port)
-    assert raw.ask(op="get", token=ALICE, keys=KEYS[:1])["code"] == ErrorCode.UNAUTHORIZED
-    assert raw.closed_by_peer()
-    raw = RawStream(port)
-    assert raw.ask(op="attach", secret="0" * 32)["code"] == ErrorCode.UNAUTHORIZED
-    assert raw.closed_by_peer()
-    raw = RawStream(port)
-    assert raw.ask(op="attach", secret=secret)["code"] == ErrorCode.OK
+    raw = attach_checked(("127.0.0.1", port), secret, ALICE, KEYS[:1])
     assert raw.ask(op="lookup", token=ALICE, keys=KEYS[:1])["count"] == 1
     for token in (BOB, ""):  # Bob's token on Alice's connection, or none: refused
         assert raw.ask(op="get", token=token, keys=KEYS[:1])["code"] == ErrorCode.UNAUTHORIZED
@@ -202,24 +162,9 @@ def test_zmq_without_a_stream_and_after_it_breaks(
 def test_daemon_restart_is_misses_then_hits_on_a_new_stream(
         remote: Callable[..., RemoteTier]) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    srv, store = _daemon(url)
     tier = remote(url, token=ALICE, use_shm=False, timeout_s=5)
-    tier.put_many([(KEYS[2], BLOCKS[2])])
-    assert tier.transport() == "stream"
-    srv.stop()
-    store.close()
-    srv, store = _daemon(url)  # memory only: the block is gone; a new stream port
-    try:
-        t0 = time.monotonic()
-        assert tier.get_many(KEYS[2:3]) == [None]  # a miss, not an error
-        assert time.monotonic() - t0 < 4
-        tier.put_many([(KEYS[2], BLOCKS[2])])
-        assert bytes(tier.get_many(KEYS[2:3])[0]) == BLOCKS[2]
-        assert tier.transport() == "stream"
-        assert srv.stream is not None and srv.stream.num_requests >= 1
-    finally:
-        srv.stop()
-        store.close()
+    stream = check_restart(url, _daemon, tier, KEYS[2], BLOCKS[2], "stream")
+    assert stream is not None and stream.num_requests >= 2
 
 
 def test_cli_stream_flags(tmp_path: Any) -> None:
