@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cachestore.server_protocol import ServerLimits
+from cachestore.server_protocol import ServerLimits, is_loopback, url_host
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+__all__ = ["ServerConfig", "is_loopback"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +69,5 @@ class ServerConfig:
         for an ipc:// url (no TCP to share)."""
         if not self.url.startswith("tcp://"):
             return None
-        host = self.url[len("tcp://"):].rsplit(":", 1)[0]
-        return "0.0.0.0" if host == "*" else host.strip("[]")
-
-
-def is_loopback(url: str) -> bool:
-    if url.startswith("ipc://"):
-        return True
-    host = url[len("tcp://") :].rsplit(":", 1)[0]
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+        host = url_host(self.url)
+        return "0.0.0.0" if host == "*" else host

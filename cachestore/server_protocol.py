@@ -130,6 +130,25 @@ def checksum(data: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def url_host(url: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` url, without IPv6 brackets ("" for ipc://)."""
+    if not url.startswith("tcp://"):
+        return ""
+    return url[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` stays on this machine: ipc://, or a tcp:// loopback host. The daemon
+    binds an open (token-less) namespace only there; a client polls only for such replies."""
+    if url.startswith("ipc://"):
+        return True
+    host = url_host(url)
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 def pack(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 

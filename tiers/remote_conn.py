@@ -40,7 +40,7 @@ import msgpack
 import zmq
 
 from cachestore import shm
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, pack
+from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, is_loopback, pack, url_host
 from tiers.base import TierError, Value
 from tiers.remote_bell import Bell
 
@@ -81,7 +81,7 @@ class Connections:
         self.use_leases = use_leases
         self.spin_s = spin_s
         # Over a real network a reply takes longer than any useful spin: poll only locally.
-        self._zmq_spin_s = spin_s if _is_local(url) else 0.0
+        self._zmq_spin_s = spin_s if is_loopback(url) else 0.0
         self._token = token
         self.timeout_s = timeout_s
         self.use_shm = use_shm
@@ -154,12 +154,10 @@ class Connections:
         offered = reply.get("doorbell")
         port = reply.get("stream_port")
         address: str | tuple[str, int] | None = None
-        if conn.bell is not None:
-            pass
-        elif conn.segment is not None and isinstance(offered, str):
+        if conn.bell is None and conn.segment is not None and isinstance(offered, str):
             address, secret = offered, reply.get("doorbell_secret")
-        elif conn.segment is None and isinstance(port, int) and self.use_stream:
-            address, secret = (_url_host(self.url), port), reply.get("stream_secret")
+        elif conn.bell is None and conn.segment is None and isinstance(port, int) and self.use_stream:
+            address, secret = (url_host(self.url), port), reply.get("stream_secret")
         if address is not None:
             try:
                 conn.bell = Bell(address, str(secret), self.timeout_s, self.spin_s,
@@ -198,7 +196,7 @@ class Connections:
                 raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s"
                                 ) from None
             except OSError:  # EOF, reset, refused: the daemon went away or restarted
-                if conn.bell.tcp and conn.segment is None:
+                if conn.bell.tcp:  # (a stream is only ever made without a segment)
                     conn.hello_done = False  # a stream costs one hello: ask again next call
                 conn.bell.close()
                 conn.bell = None
@@ -325,18 +323,6 @@ def _check(conn: Conn, out: _Replies) -> _Replies:
         if code != ErrorCode.OK:
             raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
     return out
-
-
-def _url_host(url: str) -> str:
-    """The host of a tcp:// url, without IPv6 brackets."""
-    return url[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-
-
-def _is_local(url: str) -> bool:
-    if url.startswith("ipc://"):
-        return True
-    host = _url_host(url)
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _ms_left(deadline: float) -> int:
