@@ -138,6 +138,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     from cachestore.codec import encode_block, encoded_size
     from cachestore.store import HierarchicalStore, StoreConfig
     from connectors.base import BlockLoad, KVConnectorMetadata
+    from connectors.kv_compress import Hi4Codec
     from connectors.offload_stats import OffloadStats
     from connectors.offload_worker import OffloadWorker, block_meta
     from tiers.host import HostTier
@@ -150,7 +151,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     slot = encoded_size(meta)
     store = HierarchicalStore([HostTier(n * slot, slot)],
                               StoreConfig(namespace=meta.namespace, promote_on_get=False))
-    workers = {c: OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(),
+    workers: dict[object, OffloadWorker] = {c: OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(),
                                 coalesced_loads=c) for c in (False, True)}
     gen = torch.Generator().manual_seed(2)
     host = torch.randint(-(2**15), 2**15 - 1, (n, spec.bytes_per_block // 2),
@@ -185,6 +186,29 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     def best(fn: Callable[[], object]) -> float:
         return best_time(fn, dev, repeats)
 
+    # ``compression: lossless``: the same blocks, KV-like values (Gaussian bf16; random bytes
+    # do not compress), stored encoded in a store of their own; the load decodes them.
+    codec = Hi4Codec.for_cache(kv)
+    lmeta = block_meta(kv, "bench-load-path-lossless", codec)
+    lslot = -(-encoded_size(lmeta) // 16) * 16
+    lstore = HierarchicalStore([HostTier(n * lslot, lslot)],
+                               StoreConfig(namespace=lmeta.namespace, promote_on_get=False))
+    lkeys = tuple(f"{lmeta.namespace}/{i:064x}" for i in range(n))
+    kvlike = (torch.randn(n, spec.bytes_per_block // 2, generator=gen) * 1.3).bfloat16()
+    kvlike = kvlike.view(torch.uint8).view(n, -1)
+    lstore.put_many([(k, encode_block(memoryview(codec.encode(kvlike[i:i + 1])[0].numpy()), lmeta))
+                     for i, k in enumerate(lkeys)])
+    lworker = OffloadWorker(kv, lstore, lmeta, load_timeout_s=120.0, stats=OffloadStats(),
+                            codec=codec)
+    workers["lossless"] = lworker
+
+    def load_lossless() -> None:
+        lstore.prepare_load(lkeys)
+        lworker.start_load_kv(KVConnectorMetadata(
+            loads=(BlockLoad("bench", ids, lkeys, 0, ("host",) * n),), num_scheduled_requests=0))
+        [done] = lworker.take_report().finished_loads
+        assert done.num_loaded_blocks == n, done
+
     try:
         t_raw = best(lambda: raw_dev.copy_(host, non_blocking=dev.type == "cuda"))
         t_load = best(load)
@@ -193,10 +217,15 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
         t_coalesced = best(lambda: load(True))  # one run: the keys sit in slots 0..n-1
         ok_coalesced = loaded_bytes_ok()
         t_decode = best(decode_path)
+        kv.tensor.zero_()
+        t_lossless = best(load_lossless)
+        got = kv.tensor[list(ids)].reshape(n, -1).view(torch.uint8).cpu()
+        ok_lossless = bool(torch.equal(got, kvlike))
     finally:
         for worker in workers.values():
             worker.close()
         store.close()
+        lstore.close()
     return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "device": str(dev),
             "pinned": dev.type == "cuda",
             "bytes_correct": ok, "coalesced_bytes_correct": ok_coalesced,
@@ -206,7 +235,11 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
             "coalesced_vs_per_block": t_load / t_coalesced,
             "decode_path_gbps": nbytes / t_decode / 1e9,
             "load_path_ms": t_load * 1e3, "raw_ms": t_raw * 1e3, "decode_path_ms": t_decode * 1e3,
-            "ratio_to_raw": t_raw / t_load, "decode_ratio_to_raw": t_raw / t_decode}
+            "ratio_to_raw": t_raw / t_load, "decode_ratio_to_raw": t_raw / t_decode,
+            # Effective (raw KV bytes per second): above 1x, compression beats the raw copy.
+            "lossless_bytes_correct": ok_lossless, "lossless_payload_bytes": codec.payload_bytes,
+            "lossless_load_path_gbps": nbytes / t_lossless / 1e9,
+            "lossless_ratio_to_raw": t_raw / t_lossless}
 
 
 # -- TTFT: recompute vs reload ---------------------------------------------------------------
@@ -220,6 +253,9 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
         return None
     if mode == "lmdb":
         return {"decision": "load", "tiers": [{"kind": "host", "capacity": 4 * slot_bytes}, lmdb]}
+    if mode == "host_lossless":  # the same reload of blocks stored compressed (kv_compress)
+        return {"decision": "load", "compression": "lossless",
+                "tiers": [{"kind": "host", "capacity": host_cap}]}
     return {"decision": "load" if mode == "host" else "cost",
             "tiers": [{"kind": "host", "capacity": host_cap}]}
 
@@ -235,6 +271,16 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
     return prefix
 
 
+TTFT_MODES = ("recompute", "host", "host_lossless", "lmdb", "cost")
+
+
+def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
+    """``modes`` without the ``_lossless`` ones where the KV is not 2-byte (the CPU quick run's
+    float32 demo model): ``compression: lossless`` refuses other dtypes."""
+    two_byte = setup.model_dir is not None and setup.dtype in ("auto", "bfloat16", "float16")
+    return [m for m in modes if two_byte or not m.endswith("_lossless")]
+
+
 def bench_ttft(setup: Setup) -> dict[str, Any]:
     """For each mode, one engine; for each length: prefill prefix+q1, flush to the tiers, drop
     the GPU prefix cache, then time prefix+q2 (TTFT, median of 3 prefixes)."""
@@ -243,7 +289,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     num_blocks = (max_len + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    for mode in ("recompute", "host", "lmdb", "cost"):
+    for mode in _modes(TTFT_MODES, setup):
         llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode))
         try:
             run_requests(llm, [random_tokens(rng, 64)], GREEDY1,
@@ -276,7 +322,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     speedups = {
         f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"] / rows[mode][str(length)][
             "ttft_s"]
-        for mode in ("host", "lmdb", "cost") for length in setup.lengths
+        for mode in list(rows)[1:] for length in setup.lengths
         if str(length) in rows[mode]
     }
     return {"modes": rows, "speedup_vs_recompute": speedups}
@@ -288,7 +334,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
 # name -> (offload flags or None for recompute, extra LLM keywords). Every host mode uses
 # ``decision: load`` without calibration; ``_sq`` modes run eager few-token steps (the reload's
 # forward of the new tokens) through the Triton split-KV kernel instead of FlashInfer's prefill.
-RELOAD_MODES: dict[str, tuple[dict[str, bool] | None, dict[str, Any]]] = {
+RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "recompute": (None, {}),
     "host_async": ({"in_step_host_loads": False}, {}),
     "host_in_step": ({"in_step_host_loads": True}, {}),
@@ -299,6 +345,7 @@ RELOAD_MODES: dict[str, tuple[dict[str, bool] | None, dict[str, Any]]] = {
                           {"small_query_attention": "triton"}),
     "host_layered_sq": ({"in_step_host_loads": True, "layered_loads": True},
                         {"small_query_attention": "triton"}),
+    "host_lossless": ({"in_step_host_loads": True, "compression": "lossless"}, {}),
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
                    "host_layered_sq"}
@@ -310,7 +357,7 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
     recompute, host reload async (+1 step), in-step, and the CUDA variants (layer-wise,
     coalesced copies, Triton small-query attention). Each mode is its own engine and sees the
     same prompts; median of ``reps`` by TTFT. Ratios are recompute over each mode."""
-    names = [m for m in setup.reload_modes
+    names = [m for m in _modes(setup.reload_modes, setup)
              if setup.device.type == "cuda" or m not in CUDA_ONLY_MODES]
     num_blocks = (max(setup.lengths) + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
@@ -375,6 +422,8 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
     top = str(max(setup.lengths))
     check(f"ttft_{top}_host_speedup", "ttft", lambda s: s["speedup_vs_recompute"][f"host_{top}"],
           12.0)
+    check(f"ttft_{top}_host_lossless_speedup", "ttft",
+          lambda s: s["speedup_vs_recompute"][f"host_lossless_{top}"], 12.0)
     check("qa_ttft_p50_ratio", "qa", lambda s: s["ttft_p50_ratio"], 5.0)
     check("qa_throughput_ratio", "qa", lambda s: s["throughput_ratio"], 2.0)
     check("sweep_within_5pct", "sweep", lambda s: s["within_5pct"] / s["num_points"], 1.0)
@@ -400,7 +449,8 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "ratio_to_raw" in lp:
         parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
                      f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
-                     f"decode path {lp['decode_ratio_to_raw']:.2f}x);")
+                     f"decode path {lp['decode_ratio_to_raw']:.2f}x; lossless "
+                     f"{lp['lossless_ratio_to_raw']:.2f}x effective);")
     if "device_to_host" in tr:
         parts.append(f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
                      f"({tr['device_to_host']['ratio']:.2f}x raw), h2d "
@@ -411,7 +461,9 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
         s = tt["speedup_vs_recompute"]
         lm = max((k for k in s if k.startswith("lmdb_")), key=lambda k: int(k[5:]), default=None)
         lm_txt = f"lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else "lmdb -"
-        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {lm_txt}, "
+        hl = s.get(f"host_lossless_{top}")
+        hl_txt = f"host lossless {hl:.1f}x, " if hl else ""
+        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {hl_txt}{lm_txt}, "
                      f"cost {s[f'cost_{top}']:.1f}x;")
     if "ttft_p50_ratio" in qa:
         parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "

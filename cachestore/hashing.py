@@ -72,6 +72,8 @@ class Namespace:
 
     ``model_fingerprint`` names the architecture, the weights' identity and the dtype
     (see ``engine.model_loader.model_fingerprint``). ``cache_salt`` isolates tenants.
+    ``kv_format`` names a stored block format other than the raw one (the offload
+    connector's ``compression``), so blocks of two formats never share a key.
     """
 
     model_fingerprint: str
@@ -81,6 +83,7 @@ class Namespace:
     tp_size: int = 1
     cache_salt: str = ""
     hash_name: str = "sha256"
+    kv_format: str = ""
     # Derived once (a hash of describe()); every block key and chain seed reuses it.
     _seed: bytes = field(init=False, repr=False, compare=False, default=b"")
 
@@ -96,6 +99,7 @@ class Namespace:
         return (
             f"kvtier/v{self.kv_layout_version}|model={self.model_fingerprint}|bs={self.block_size}"
             f"|tp={self.tp_rank}/{self.tp_size}|salt={self.cache_salt}|h={self.hash_name}"
+            + (f"|fmt={self.kv_format}" if self.kv_format else "")
         )
 
     @property

@@ -20,6 +20,7 @@ engine thread drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -35,6 +36,7 @@ from cachestore.store import HierarchicalStore, StoreConfig
 from cachestore.tier_config import build_tiers
 from connectors import offload_calibration as cal
 from connectors.base import WorkerReport
+from connectors.kv_compress import Hi4Codec
 from connectors.offload_config import OffloadConfig, default_offload_config, load_offload_config
 from connectors.offload_scheduler import OffloadScheduler
 from connectors.offload_stats import OffloadStats
@@ -64,12 +66,15 @@ class OffloadConnector:
         namespace: Namespace,
         cost_model: OnlineCostModel,
     ) -> None:
-        """Takes ownership of ``store`` (``close`` closes it)."""
+        """Takes ownership of ``store`` (``close`` closes it). Raises ValueError when the
+        config's compression cannot apply to this cache."""
         self.config = config
         self.store = store
         self.cost_model = cost_model
         self.counters = OffloadStats()
-        meta = block_meta(kv_cache, namespace.key_prefix())
+        codec = _codec(config, kv_cache)
+        namespace = _stored_namespace(namespace, codec)
+        meta = block_meta(kv_cache, namespace.key_prefix(), codec)
         self.scheduler = OffloadScheduler(
             store, namespace, decision=config.decision, cost_model=cost_model,
             stats=self.counters, block_meta=meta if config.in_step_host_loads else None,
@@ -83,6 +88,7 @@ class OffloadConnector:
             cost_model=cost_model,
             layered_loads=config.layered_loads,
             coalesced_loads=config.coalesced_loads,
+            codec=codec,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.
@@ -103,14 +109,15 @@ class OffloadConnector:
         is given; the tiers and the host hop always). Call before the worker is attached to the
         runner and before any request: calibration uses the cache's blocks as scratch.
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
-        prefix = namespace.key_prefix()
         if source is None:
-            config = default_offload_config(prefix)
+            config = default_offload_config(namespace.key_prefix())
         elif isinstance(source, OffloadConfig):
             config = source
         else:
             config = load_offload_config(source)
-        meta = block_meta(kv_cache, prefix)
+        codec = _codec(config, kv_cache)
+        prefix = _stored_namespace(namespace, codec).key_prefix()
+        meta = block_meta(kv_cache, prefix, codec)
         # Slots of a multiple of PAYLOAD_ALIGN bytes: every payload in the slab starts 16-byte
         # aligned (the layer-wise load kernel reads it in 16-byte words).
         slot = -(-encoded_size(meta) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
@@ -123,7 +130,8 @@ class OffloadConnector:
         )
         try:
             if config.calibrate:
-                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta), calibration)
+                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta), calibration,
+                                        codec)
             else:
                 cost_model = OnlineCostModel.from_priors(priors)
         except BaseException:
@@ -166,18 +174,30 @@ class OffloadConnector:
             self.store.close()
 
 
+def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:
+    """The stored block format the config asks for (None: raw blocks)."""
+    return Hi4Codec.for_cache(kv_cache) if config.compression == "lossless" else None
+
+
+def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace:
+    """Keys of compressed blocks get their own prefix: an engine storing raw blocks and one
+    storing compressed ones may share tiers without reading each other's format."""
+    return namespace if codec is None else dataclasses.replace(namespace, kv_format=codec.name)
+
+
 def _calibrate(
     store: HierarchicalStore,
     kv_cache: KVCache,
     priors: CostPriors,
     encoded_block_bytes: int,
     target: CalibrationTarget | None,
+    codec: Hi4Codec | None = None,
 ) -> OnlineCostModel:
     """Measure prefill (when ``target`` is given), every tier but host, and the host hop;
     log the result. Leaves the scratch blocks zeroed and the runner without state."""
     t0 = time.perf_counter()
     num_blocks = min(16 if kv_cache.device.type == "cuda" else 8, kv_cache.num_blocks)
-    host_to_gpu = cal.host_to_gpu_timer(kv_cache, num_blocks) if num_blocks >= 2 else None
+    host_to_gpu = cal.host_to_gpu_timer(kv_cache, num_blocks, codec) if num_blocks >= 2 else None
     run_prefill, sizes, scratch = None, cal.DEFAULT_PREFILL_SIZES, num_blocks
     if target is not None:
         cap = cal.max_prefill_tokens(kv_cache, target.max_model_len, target.token_budget)

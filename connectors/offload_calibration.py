@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from cachestore.calibration import DEFAULT_PREFILL_SIZES
+from connectors.kv_compress import Hi4Codec
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache import KVCache
 from engine.sampling_params import SamplingParams
@@ -82,21 +83,27 @@ def finish(execute: Execute, kv_cache: KVCache, num_scratch_blocks: int) -> None
         kv_cache.tensor[:num_scratch_blocks].zero_()
 
 
-def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int) -> Callable[[int], float]:
+def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
+                      codec: Hi4Codec | None = None) -> Callable[[int], float]:
     """``copy(n)``: copy ``n <= max_blocks`` blocks from host memory (pinned on CUDA) laid out
     like host-tier slots (a header before each payload) into scratch blocks ``[0, n)`` exactly
-    as a load's host fast path does (``SlabCopier.to_device``: one copy per block),
-    synchronized; returns seconds. The one host buffer is allocated here, once."""
+    as a load's host fast path does (``SlabCopier.to_device``), synchronized; returns seconds.
+    With ``codec``, the slots hold encoded blocks and the copy decodes them. The one host
+    buffer is allocated here, once."""
     from connectors.offload_copy import SlabCopier
 
-    nbytes = kv_cache.bytes_per_block
+    nbytes = kv_cache.bytes_per_block if codec is None else codec.payload_bytes
     stride = nbytes + _SLOT_HEADER_BYTES
     pinned = kv_cache.device.type == "cuda"
     host = torch.empty(max_blocks * stride, dtype=torch.uint8, pin_memory=pinned)
     host.fill_(0x3C)  # finite in every float dtype
-    copier = SlabCopier(kv_cache, host)
+    copier = SlabCopier(kv_cache, host, codec=codec)
     ids = list(range(max_blocks))
     offsets = [i * stride + _SLOT_HEADER_BYTES for i in ids]
+    if codec is not None:  # a valid payload in every slot
+        payload = codec.encode(torch.full((1, codec.raw_bytes), 0x3C, dtype=torch.uint8))[0]
+        for offset in offsets:
+            host[offset:offset + nbytes] = payload
 
     def copy(num_blocks: int) -> float:
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ One YAML file (or the same dict) holds both::
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     layered_loads: false    # CUDA: in-step loads land layer by layer under the forward
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
+    compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
@@ -34,6 +35,7 @@ from cachestore.tier_config import (
 )
 
 DECISIONS = ("cost", "load", "recompute", "overlap")
+COMPRESSIONS = ("none", "lossless")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
 _FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)
@@ -57,8 +59,14 @@ class OffloadConfig:
     # scatter instead of one copy per block (connectors/offload_copy.py). Off by default
     # until bench/offload.py "load_path" has measured it on a GPU.
     coalesced_loads: bool = False
+    # "lossless": blocks are stored (every tier) in connectors.kv_compress's 12-bit format,
+    # 0.76x of the bytes with the same values back; their keys live in their own namespace.
+    compression: str = "none"
 
     def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"kv offload: compression {self.compression!r}; choose one of "
+                              f"{COMPRESSIONS}")
         if self.decision not in DECISIONS:
             raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
         if not self.load_timeout_s > 0:
@@ -67,12 +75,13 @@ class OffloadConfig:
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
-    "in_step_host_loads": ..., "layered_loads": ..., "coalesced_loads": ...}`` -> OffloadConfig.
+    "in_step_host_loads": ..., "layered_loads": ..., "coalesced_loads": ...,
+    "compression": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
-             "layered_loads", "coalesced_loads"}
+             "layered_loads", "coalesced_loads", "compression"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -94,6 +103,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=flags["layered_loads"],
         coalesced_loads=flags["coalesced_loads"],
+        compression=str(data.get("compression", "none")),
     )
 
 

@@ -18,6 +18,12 @@ into the cache blocks. A per-block copy of 2 MiB reached 0.81x of the raw link o
 where one large copy plus a device scatter reached 0.96x (``KVCache.scatter_blocks``, docs/
 offload.md "Session 3"); whether the runs get the same is for bench/offload.py "load_path"
 (``coalesced`` row) to show, so it is off by default.
+
+``codec`` (``compression: lossless``, ``connectors.kv_compress``): the slab holds encoded
+payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
+themselves encode with ``encode``); ``to_device`` copies the payloads into the device staging
+buffer (runs whole, as ``coalesce`` does) and decodes them from there into the cache blocks,
+one chunk of staging at a time. No layer-wise copies then.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from connectors.kv_compress import Hi4Codec
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
@@ -34,13 +41,15 @@ MAX_SLOT_GAP = 64 << 10  # slot bytes besides the payload a run may carry along 
 
 class SlabCopier:
     def __init__(self, kv_cache: KVCache, host: torch.Tensor, *, layered: bool = False,
-                 coalesce: bool = False) -> None:
+                 coalesce: bool = False, codec: Hi4Codec | None = None) -> None:
         """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
         where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
-        copy each (module docstring). Raises ValueError for anything else."""
+        copy each. ``codec``: the slab holds its payloads (module docstring). Raises
+        ValueError for anything else."""
         if host.dtype != torch.uint8 or host.dim() != 1:
             raise ValueError("host buffer must be a 1-D uint8 tensor")
-        self.nbytes = kv_cache.bytes_per_block
+        self.codec = codec
+        self.nbytes = codec.payload_bytes if codec is not None else kv_cache.bytes_per_block
         # [num_blocks, bytes_per_block] uint8 view of the cache: row b IS block b (no copy).
         self._rows = kv_cache.tensor.reshape(kv_cache.num_blocks, -1).view(torch.uint8)
         self._host = host
@@ -54,7 +63,7 @@ class SlabCopier:
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
-        if layered and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
+        if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
                 and host.is_pinned() and host.data_ptr() % 16 == 0:
             from engine.kernels import fused_kernels_available
 
@@ -93,6 +102,9 @@ class SlabCopier:
         """Copy the payload at host byte ``offsets[i]`` into cache block ``block_ids[i]``."""
         if len(block_ids) != len(offsets):
             raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
+        if self.codec is not None:
+            self._decode(block_ids, offsets)
+            return
         if not self.coalesce:
             self._per_block(block_ids, offsets)
             return
@@ -129,10 +141,61 @@ class SlabCopier:
                 index = index.pin_memory().to(words.device, non_blocking=True)
             words.index_copy_(0, index, src)
 
+    def _decode(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Encoded payloads: CPU, decoded from the slab itself; CUDA, staged (runs copied
+        whole) and decoded from the staging buffer, one full buffer at a time."""
+        codec, n = self.codec, self.nbytes
+        assert codec is not None
+        if not self._non_blocking:
+            codec.decode_into(self._host, offsets, self._rows, block_ids)
+            return
+        cap = max(STAGING_BYTES, _pad(n))
+        if self._staging is None or self._staging.numel() * 8 < cap:
+            self._staging = torch.empty(cap // 8, dtype=torch.int64, device=self._rows.device)
+        staged = self._staging.view(torch.uint8)
+        used = 0
+        at: list[int] = []  # staging offset of each block's payload, in ``block_ids`` order
+        ids: list[int] = []
+
+        def flush() -> None:
+            nonlocal used
+            if ids:
+                codec.decode_into(staged, at, self._rows, ids)
+            used = 0
+            at.clear()
+            ids.clear()
+
+        for start, end, stride in slot_runs(offsets, n):
+            step = abs(stride) or n
+            i = start
+            while i < end:
+                if used + n > cap:
+                    flush()
+                fit = min(end - i, (cap - used - n) // step + 1)
+                if stride >= 0:
+                    first, order = offsets[i], range(i, i + fit)
+                else:  # descending slots: the span starts at the last block's payload
+                    first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
+                span = (fit - 1) * step + n
+                staged[used:used + span].copy_(self._host[first:first + span], non_blocking=True)
+                for k, j in enumerate(order):
+                    at.append(used + k * step)
+                    ids.append(block_ids[j])
+                used += _pad(span)
+                i += fit
+        flush()
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole-block uint8 rows -> what the slab holds for them (encoded with a codec)."""
+        return rows if self.codec is None else self.codec.encode(rows)
+
     def to_host(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copy cache block ``block_ids[i]`` to host byte ``offsets[i]`` (reads the cache
         itself: on CUDA, call ``gather`` first when the blocks may be rewritten meanwhile)."""
-        self.rows_to_host(self._rows, block_ids, offsets)
+        if self.codec is None:
+            self.rows_to_host(self._rows, block_ids, offsets)
+            return
+        self.rows_to_host(self.encode(self.gather(block_ids)), range(len(block_ids)), offsets)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A ``[n, bytes_per_block]`` uint8 copy of the blocks on the cache's device (one
@@ -145,6 +208,11 @@ class SlabCopier:
         host, n, nb = self._host, self.nbytes, self._non_blocking
         for row, offset in zip(rows, offsets, strict=True):
             host[offset:offset + n].copy_(src[row], non_blocking=nb)
+
+
+def _pad(n: int) -> int:
+    """Staging offsets stay 16-byte aligned."""
+    return -(-n // 16) * 16
 
 
 def slot_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:

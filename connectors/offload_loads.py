@@ -34,6 +34,7 @@ from cachestore.codec import BlockMeta, encoded_size, header_bytes
 from cachestore.cost_online import OnlineCostModel
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockLoad, LoadResult
+from connectors.kv_compress import Hi4Codec
 from connectors.offload_copy import SlabCopier
 from connectors.offload_stats import OffloadStats
 from engine.kv_cache import KVCache
@@ -67,10 +68,12 @@ class HostLoader:
     def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
                  cost_model: OnlineCostModel | None, layered: bool = False,
-                 coalesced: bool = False) -> None:
+                 coalesced: bool = False, codec: Hi4Codec | None = None) -> None:
         """``layered``: in-step loads land layer by layer when the copier can (CUDA);
-        ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``)."""
+        ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
+        ``codec``: stored payloads are encoded (decoded into the blocks on arrival)."""
         self.kv_cache = kv_cache
+        self.codec = codec
         self.store = store
         self.meta = meta
         self.stats = stats
@@ -81,7 +84,7 @@ class HostLoader:
         self._total = encoded_size(meta)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
-        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced)
+        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec)
                         if host is not None else None)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._loads: dict[str, _Load] = {}
@@ -194,10 +197,8 @@ class HostLoader:
             size = self.meta.payload_bytes
             n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
                      len(values))
-            spec = self.kv_cache.spec
-            data = torch.empty((n, *spec.block_shape), dtype=spec.dtype,
-                               pin_memory=self._side is not None)
-            rows = data.view(torch.uint8).view(n, -1).numpy()
+            data = torch.empty((n, size), dtype=torch.uint8, pin_memory=self._side is not None)
+            rows = data.numpy()
             for i in range(n):
                 rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
         finally:
@@ -293,7 +294,7 @@ class HostLoader:
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
             t0 = time.perf_counter()
             start = pending.copied
-            self.kv_cache.scatter_blocks(pending.load.block_ids[start:start + len(data)], data)
+            self._scatter(pending.load.block_ids[start:start + len(data)], data)
             pending.copy_seconds += time.perf_counter() - t0
             pending.copied += len(data)
             keys = pending.load.keys[first:pending.copied]
@@ -302,6 +303,16 @@ class HostLoader:
         if keys and tier and tier != "host" and self.cost_model is not None:
             nbytes = len(keys) * self.kv_cache.bytes_per_block
             self.cost_model.observe_transfer(tier, nbytes, staged.seconds)
+
+    def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Payload rows read through the store (``_read_through``) into their blocks."""
+        if self.codec is None:
+            spec = self.kv_cache.spec
+            self.kv_cache.scatter_blocks(block_ids, data.view(spec.dtype).view(-1, *spec.block_shape))
+            return
+        rows = self.kv_cache.tensor.reshape(self.kv_cache.num_blocks, -1).view(torch.uint8)
+        src = data.reshape(-1).to(rows.device)
+        self.codec.decode_into(src, [i * data.shape[1] for i in range(len(data))], rows, block_ids)
 
     # -- completion ----------------------------------------------------------------------
 

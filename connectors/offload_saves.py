@@ -30,6 +30,7 @@ import torch
 from cachestore.codec import BlockMeta, encode_block, encoded_size, header_bytes, seal_block
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockSave
+from connectors.kv_compress import Hi4Codec
 from connectors.offload_copy import SlabCopier
 from connectors.offload_stats import OffloadStats
 from engine.kv_cache import KVCache
@@ -47,8 +48,11 @@ class _Batch:
 
 class HostSaver:
     def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
-                 stats: OffloadStats, side_stream: object | None) -> None:
+                 stats: OffloadStats, side_stream: object | None,
+                 codec: Hi4Codec | None = None) -> None:
+        """``codec``: blocks are stored encoded (``meta`` describes the encoded payload)."""
         self.kv_cache = kv_cache
+        self.codec = codec
         self.store = store
         self.meta = meta
         self.stats = stats
@@ -59,7 +63,7 @@ class HostSaver:
         host = slab.slab_tensor() if slab is not None else None
         if store.config.write_through_to is not None:
             host = None  # ``put_many`` writes through to the durable tier: keep that path
-        self._copier = SlabCopier(kv_cache, host) if host is not None else None
+        self._copier = SlabCopier(kv_cache, host, codec=codec) if host is not None else None
         self._pending: _Batch | None = None
         self._sealing: list[cf.Future[None]] = []
         self._pool = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-seal")
@@ -100,7 +104,8 @@ class HostSaver:
         if self._side is None:
             if self._copier is not None:
                 self._copier.to_host([ids[r] for r in rows], offsets)
-            spilled = [(k, self.kv_cache.gather_blocks([ids[r]])[0].clone()) for r, k in spill]
+            spilled = [(k, self._encode(self.kv_cache.gather_blocks([ids[r]]))[0].clone())
+                       for r, k in spill]
         else:
             compute = torch.cuda.current_stream(self.kv_cache.device)
             event = torch.cuda.Event()
@@ -112,12 +117,27 @@ class HostSaver:
                     gather_done = torch.cuda.Event()
                     gather_done.record(self._side)
                     compute.wait_event(gather_done)
+                payloads = self._encode(gathered)
                 if self._copier is not None:
-                    self._copier.rows_to_host(gathered, rows, offsets)
-                spilled = [(k, gathered[r].to("cpu", non_blocking=True)) for r, k in spill]
+                    self._copier.rows_to_host(payloads, rows, offsets)
+                spilled = [(k, payloads[r].to("cpu", non_blocking=True)) for r, k in spill]
                 event.record(self._side)  # type: ignore[arg-type]
             gathered.record_stream(self._side)  # type: ignore[arg-type]
+            payloads.record_stream(self._side)  # type: ignore[arg-type]
         self._pending = _Batch(slotted, spilled, event, t0)
+
+    def _encode(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks (any shape with a leading block dim) -> the stored payload rows."""
+        rows = blocks.reshape(len(blocks), -1).view(torch.uint8)
+        return rows if self.codec is None else self.codec.encode(rows)
+
+    def _storable(self, payload: memoryview | torch.Tensor) -> bool:
+        """False for an encoded block that lost escapes (``Hi4Codec.overflowed``)."""
+        if self.codec is None:
+            return True
+        if isinstance(payload, torch.Tensor):
+            payload = memoryview(payload.contiguous().view(torch.uint8).numpy())
+        return not self.codec.overflowed(payload)
 
     def end_step(self) -> None:
         """After the forward: seal this step's batch (in the background with CUDA)."""
@@ -147,16 +167,23 @@ class HostSaver:
         """Wait for the copies, checksum and commit each slot, write spilled blocks through the
         store. Never raises: a failure aborts the slots (a later save may store them again)."""
         keys = [k for k, _ in batch.slotted] + [k for k, _ in batch.spilled]
-        written = 0
+        written = dropped = 0
         try:
             if batch.event is not None:
                 batch.event.synchronize()  # type: ignore[attr-defined]
+            hsize = len(self._header)
             for key, view in batch.slotted:
+                if not self._storable(view[hsize:]):
+                    self.store.abort_host(key)
+                    dropped += 1
+                    continue
                 seal_block(view, self._total)
                 written += self.store.commit_host(key, self._total)
-            if batch.spilled:
+            spilled = [(k, t) for k, t in batch.spilled if self._storable(t)]
+            dropped += len(batch.spilled) - len(spilled)
+            if spilled:
                 items = [(k, encode_block(memoryview(t.contiguous().view(torch.uint8).numpy()),
-                                          self.meta)) for k, t in batch.spilled]
+                                          self.meta)) for k, t in spilled]
                 written += self.store.put_many(items)
         except Exception:
             log.exception("kv save of %d blocks failed", len(keys))
@@ -165,4 +192,5 @@ class HostSaver:
         finally:
             self.store.complete_store(keys, True)
         self.stats.add(saved_blocks=written, saved_bytes=written * self.meta.payload_bytes,
-                       save_seconds=time.perf_counter() - batch.started)
+                       save_seconds=time.perf_counter() - batch.started,
+                       save_incompressible_blocks=dropped)

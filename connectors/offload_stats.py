@@ -27,6 +27,7 @@ class OffloadStats:
     saved_blocks: int = 0
     saved_bytes: int = 0
     save_skipped_blocks: int = 0  # already held by the store (dedup)
+    save_incompressible_blocks: int = 0  # compression lost escapes: not stored (kv_compress)
     loaded_blocks: int = 0
     loaded_bytes: int = 0
     load_seconds: float = 0.0

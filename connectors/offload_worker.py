@@ -26,6 +26,7 @@ from cachestore.codec import BlockMeta
 from cachestore.cost_online import OnlineCostModel
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.kv_compress import Hi4Codec
 from connectors.offload_loads import HostLoader
 from connectors.offload_saves import HostSaver
 from connectors.offload_stats import OffloadStats
@@ -34,8 +35,12 @@ from engine.kv_cache import KVCache
 KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] per block
 
 
-def block_meta(kv_cache: KVCache, namespace_prefix: str) -> BlockMeta:
-    """The codec metadata of one block of ``kv_cache`` (its encoded size sizes host slots)."""
+def block_meta(kv_cache: KVCache, namespace_prefix: str, codec: Hi4Codec | None = None) -> BlockMeta:
+    """The codec metadata of one block of ``kv_cache`` (its encoded size sizes host slots);
+    with ``codec``, of its compressed payload (bytes, in a layout naming the format)."""
+    if codec is not None:
+        return BlockMeta(dtype="uint8", shape=(codec.payload_bytes,),
+                         layout=f"{KV_LAYOUT}+{codec.name}", namespace=namespace_prefix)
     return BlockMeta(
         dtype=str(kv_cache.spec.dtype),
         shape=kv_cache.spec.block_shape,
@@ -56,6 +61,7 @@ class OffloadWorker:
         cost_model: OnlineCostModel | None = None,
         layered_loads: bool = False,
         coalesced_loads: bool = False,
+        codec: Hi4Codec | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.store = store
@@ -64,10 +70,10 @@ class OffloadWorker:
         self.cost_model = cost_model
         cuda = kv_cache.device.type == "cuda"
         self._side_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
-        self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream)
+        self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream, codec)
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model,
-                                  layered=layered_loads, coalesced=coalesced_loads)
+                                  layered=layered_loads, coalesced=coalesced_loads, codec=codec)
 
     @property
     def layered_loads(self) -> bool:

@@ -1,0 +1,209 @@
+"""Lossless compression of 2-byte KV blocks for the tiers (``compression: lossless``).
+
+A bf16 (or fp16) value is a low byte (exponent LSB + mantissa: close to random) and a high
+byte (sign + the exponent's upper bits). KV values of one layer's K or V in one block span a
+few octaves, so a handful of high bytes cover almost all of them. Each block is cut into
+``S = num_layers * 2`` segments (one layer's K or V: ``M = block_size * kv_heads * head_dim``
+contiguous values of the block-major layout) and each segment stores:
+
+- a 15-entry codebook of its most frequent high bytes; every value's high byte as a 4-bit code
+  (two per byte; code 15 = escape);
+- the escapes: up to ``E = M / 128`` (position u16, high byte u8) pairs and their count;
+- the low bytes as they are.
+
+That is 12 bits a value plus ~1.6% (Llama-3-8B shape: 2 MiB -> 1.52 MiB, 0.762x), the same
+bytes back on decode (``test_kv_compress.py`` round-trips them), so outputs do not change. A
+segment with more than ``E`` escapes (values spread over more than ~15 octave pairs, which
+Gaussian-like KV never is) cannot be stored: ``overflowed`` says so after the fact and the
+saver drops that block (counted as ``save_incompressible_blocks``; it is recomputed if needed).
+
+Payload layout (one block, all offsets multiples of 16)::
+
+    count  u16[S] (padded to 16 B) | idx u16[S, E] | esc u8[S, E] | book u8[S, 16]
+    codes  u8[S, M / 2] (value 2j in the low nibble, 2j + 1 in the high one) | low u8[S, M]
+
+Encoding (save path, off the forward's critical path) is torch on any device; decoding on
+CUDA is two Triton kernels reading straight from the staging buffer into the cache rows
+(``engine.kernels.kv_unpack``), on the CPU the same arithmetic in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+
+ESCAPE = 15  # the code that says "high byte in the escape list"
+_ENCODE_ROWS = 8  # blocks encoded at a time (bounds the int64 temporaries: ~8 MiB a block)
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass(frozen=True, slots=True)
+class Hi4Codec:
+    """The lossless format for blocks of ``num_segments`` segments of ``segment_values``
+    2-byte values. ``for_cache`` builds it for a KV cache."""
+
+    num_segments: int
+    segment_values: int
+
+    name = "hi4"  # in the block layout string and the key namespace: formats never mix
+
+    def __post_init__(self) -> None:
+        m = self.segment_values
+        if self.num_segments < 1 or m < 2 or m % 2 or m > 1 << 16:
+            raise ValueError(f"hi4 needs an even segment of 2..65536 values, got {m}")
+
+    @classmethod
+    def for_cache(cls, kv_cache: KVCache) -> Hi4Codec:
+        """Raises ValueError unless the cache holds 2-byte values (bf16, fp16)."""
+        spec = kv_cache.spec
+        if torch.empty((), dtype=spec.dtype).element_size() != 2:
+            raise ValueError(f"lossless KV compression needs a 2-byte dtype, not {spec.dtype}")
+        return cls(spec.num_layers * 2, spec.block_size * spec.num_kv_heads * spec.head_dim)
+
+    # -- layout ----------------------------------------------------------------------------
+
+    @property
+    def escapes_per_segment(self) -> int:
+        return max(8, -(-(self.segment_values // 128) // 8) * 8)
+
+    @property
+    def raw_bytes(self) -> int:
+        return 2 * self.num_segments * self.segment_values
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        s, m, e = self.num_segments, self.segment_values, self.escapes_per_segment
+        out: dict[str, int] = {"count": 0}
+        out["idx"] = _pad16(2 * s)
+        out["esc"] = out["idx"] + 2 * s * e
+        out["book"] = _pad16(out["esc"] + s * e)
+        out["codes"] = out["book"] + 16 * s
+        out["low"] = _pad16(out["codes"] + s * m // 2)
+        out["end"] = _pad16(out["low"] + s * m)
+        return out
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.offsets["end"]
+
+    # -- encode ----------------------------------------------------------------------------
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows``: ``[n, raw_bytes]`` uint8 (whole blocks) -> ``[n, payload_bytes]`` uint8 on
+        the same device (asynchronous on CUDA: the current stream)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.raw_bytes:
+            raise ValueError(f"encode wants [n, {self.raw_bytes}] uint8, got "
+                             f"{tuple(rows.shape)} {rows.dtype}")
+        out = torch.zeros((rows.shape[0], self.payload_bytes), dtype=torch.uint8, device=rows.device)
+        for start in range(0, rows.shape[0], _ENCODE_ROWS):
+            self._encode_rows(rows[start:start + _ENCODE_ROWS], out[start:start + _ENCODE_ROWS])
+        return out
+
+    def _encode_rows(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        s, m, e, off = self.num_segments, self.segment_values, self.escapes_per_segment, self.offsets
+        n, dev = rows.shape[0], rows.device
+        pairs = rows.view(n * s, m, 2)  # little-endian: [..., 0] low byte, [..., 1] high byte
+        high = pairs[..., 1].long()
+        segs = n * s
+        counts = torch.bincount((high + torch.arange(segs, device=dev)[:, None] * 256).view(-1),
+                                minlength=segs * 256).view(segs, 256)
+        book = counts.topk(ESCAPE, dim=1).indices  # the 15 most frequent high bytes
+        lut = torch.full((segs, 256), ESCAPE, dtype=torch.uint8, device=dev)
+        lut.scatter_(1, book, torch.arange(ESCAPE, dtype=torch.uint8, device=dev).expand(segs, -1))
+        codes = torch.gather(lut, 1, high)
+        escaped = codes == ESCAPE
+        count = escaped.sum(1)
+        rank = escaped.cumsum(1) - 1
+        col = torch.where(escaped & (rank < e), rank, e)  # column e: a bin for the rest
+        idx = torch.zeros((segs, e + 1), dtype=torch.int32, device=dev)
+        idx.scatter_(1, col, torch.arange(m, dtype=torch.int32, device=dev).expand(segs, -1))
+        esc = torch.zeros((segs, e + 1), dtype=torch.uint8, device=dev)
+        esc.scatter_(1, col, pairs[..., 1])
+
+        def field(name: str, nbytes: int) -> torch.Tensor:
+            return out[:, off[name]:off[name] + nbytes].view(n, s, -1)
+
+        field("count", 2 * s).copy_(count.to(torch.int32).view(n, s, 1).view(torch.uint8)[..., :2])
+        field("idx", 2 * s * e).copy_(idx[:, :e].reshape(n, s, e, 1).view(torch.uint8)[..., :2]
+                                      .reshape(n, s, 2 * e))
+        field("esc", s * e).copy_(esc[:, :e].view(n, s, e))
+        book_bytes = torch.zeros((segs, 16), dtype=torch.uint8, device=dev)
+        book_bytes[:, :ESCAPE] = book.to(torch.uint8)
+        field("book", 16 * s).copy_(book_bytes.view(n, s, 16))
+        field("codes", s * m // 2).copy_((codes[:, 0::2] | (codes[:, 1::2] << 4)).view(n, s, -1))
+        field("low", s * m).copy_(pairs[..., 0].reshape(n, s, m))
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode_into(self, src: torch.Tensor, src_offsets: Sequence[int], cache_rows: torch.Tensor,
+                    block_ids: Sequence[int]) -> None:
+        """Decode the payloads at byte ``src_offsets[i]`` of the 1-D uint8 ``src`` into row
+        ``block_ids[i]`` of ``cache_rows`` (the cache as ``[num_blocks, raw_bytes]`` uint8).
+        ``src`` must be on the cache's device. CUDA: two Triton kernels on the current stream
+        when Triton runs here, else torch."""
+        if len(src_offsets) != len(block_ids):
+            raise ValueError(f"{len(src_offsets)} payloads for {len(block_ids)} blocks")
+        if src.dtype != torch.uint8 or src.dim() != 1 or src.device != cache_rows.device:
+            raise ValueError("src must be a 1-D uint8 tensor on the cache's device")
+        if cache_rows.shape[1:] != (self.raw_bytes,) or cache_rows.dtype != torch.uint8:
+            raise ValueError(f"cache_rows must be [blocks, {self.raw_bytes}] uint8")
+        if not block_ids:
+            return
+        if min(block_ids) < 0 or max(block_ids) >= cache_rows.shape[0]:
+            raise ValueError(f"block id out of range [0, {cache_rows.shape[0]})")
+        if any(o < 0 or o + self.payload_bytes > src.numel() for o in src_offsets):
+            raise ValueError("a payload runs past the end of src")
+        if cache_rows.is_cuda and _triton_decode() is not None:
+            _triton_decode()(self, src, src_offsets, cache_rows, block_ids)  # type: ignore[misc]
+            return
+        self._decode_torch(src, src_offsets, cache_rows, block_ids)
+
+    def _decode_torch(self, src: torch.Tensor, src_offsets: Sequence[int],
+                      cache_rows: torch.Tensor, block_ids: Sequence[int]) -> None:
+        s, m, e, off = self.num_segments, self.segment_values, self.escapes_per_segment, self.offsets
+        dev = src.device
+        for offset, block in zip(src_offsets, block_ids, strict=True):
+            p = src[offset:offset + self.payload_bytes]
+            book = p[off["book"]:off["codes"]].view(s, 16)
+            packed = p[off["codes"]:off["codes"] + s * m // 2].view(s, m // 2)
+            codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(s, m).long()
+            high = torch.gather(book, 1, codes)
+            count = p[:2 * s].view(s, 2).to(torch.int32)
+            count = (count[:, 0] | (count[:, 1] << 8)).clamp(max=e)
+            idx = p[off["idx"]:off["esc"]].view(s, e, 2).to(torch.int64)
+            idx = idx[..., 0] | (idx[..., 1] << 8)
+            valid = (torch.arange(e, device=dev)[None, :] < count[:, None]) & (idx < m)
+            idx = torch.where(valid, idx, m)  # column m: a bin for unused entries
+            wide = torch.cat((high, high.new_zeros((s, 1))), dim=1)
+            wide.scatter_(1, idx, p[off["esc"]:off["esc"] + s * e].view(s, e))
+            row = cache_rows[block].view(s, m, 2)
+            row[..., 0] = p[off["low"]:off["low"] + s * m].view(s, m)
+            row[..., 1] = wide[:, :m]
+
+    def overflowed(self, payload: memoryview | bytes) -> bool:
+        """Whether an encoded payload lost escapes (a segment had more than ``E``): such a
+        block must not be stored. Reads only the ``2 * S`` count bytes."""
+        counts = memoryview(payload)[:2 * self.num_segments].cast("B").cast("H")
+        return max(counts) > self.escapes_per_segment
+
+
+_TRITON_DECODE: object = None  # resolved once: the kernel wrapper, or False
+
+
+def _triton_decode() -> object | None:
+    global _TRITON_DECODE
+    if _TRITON_DECODE is None:
+        try:
+            from engine.kernels.kv_unpack import decode_hi4
+
+            _TRITON_DECODE = decode_hi4
+        except ImportError:
+            _TRITON_DECODE = False
+    return _TRITON_DECODE or None
