@@ -143,11 +143,12 @@ class Hi4Codec:
     # -- decode ----------------------------------------------------------------------------
 
     def decode_into(self, src: torch.Tensor, src_offsets: Sequence[int], cache_rows: torch.Tensor,
-                    block_ids: Sequence[int]) -> None:
+                    block_ids: Sequence[int], *, index: torch.Tensor | None = None) -> None:
         """Decode the payloads at byte ``src_offsets[i]`` of the 1-D uint8 ``src`` into row
         ``block_ids[i]`` of ``cache_rows`` (the cache as ``[num_blocks, raw_bytes]`` uint8).
         ``src`` must be on the cache's device. CUDA: two Triton kernels on the current stream
-        when Triton runs here, else torch."""
+        when Triton runs here, else torch. ``index``: the same offsets and ids as a ``[2, n]``
+        int64 tensor already on the device (saves the kernels a host->device copy)."""
         if len(src_offsets) != len(block_ids):
             raise ValueError(f"{len(src_offsets)} payloads for {len(block_ids)} blocks")
         if src.dtype != torch.uint8 or src.dim() != 1 or src.device != cache_rows.device:
@@ -161,7 +162,7 @@ class Hi4Codec:
         if any(o < 0 or o + self.payload_bytes > src.numel() for o in src_offsets):
             raise ValueError("a payload runs past the end of src")
         if cache_rows.is_cuda and _triton_decode() is not None:
-            _triton_decode()(self, src, src_offsets, cache_rows, block_ids)  # type: ignore[misc]
+            _triton_decode()(self, src, src_offsets, cache_rows, block_ids, index)  # type: ignore[misc]
             return
         self._decode_torch(src, src_offsets, cache_rows, block_ids)
 

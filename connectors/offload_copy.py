@@ -60,6 +60,7 @@ class SlabCopier:
         self.coalesce = (coalesce and self._non_blocking and self.nbytes % 8 == 0
                          and self.nbytes <= STAGING_BYTES)
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
+        self._decode_stream: object | None = None  # codec: decodes beside the next chunk's copy
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
@@ -142,48 +143,50 @@ class SlabCopier:
             words.index_copy_(0, index, src)
 
     def _decode(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
-        """Encoded payloads: CPU, decoded from the slab itself; CUDA, staged (runs copied
-        whole) and decoded from the staging buffer, one full buffer at a time."""
+        """Encoded payloads. CPU: decoded from the slab itself. CUDA: staged in chunks (runs
+        copied whole) into two staging buffers in turn; each chunk's decode runs on a second
+        stream while the next chunk copies, and the current stream waits for the last."""
         codec, n = self.codec, self.nbytes
         assert codec is not None
         if not self._non_blocking:
             codec.decode_into(self._host, offsets, self._rows, block_ids)
             return
-        cap = max(STAGING_BYTES, _pad(n))
-        if self._staging is None or self._staging.numel() * 8 < cap:
-            self._staging = torch.empty(cap // 8, dtype=torch.int64, device=self._rows.device)
-        staged = self._staging.view(torch.uint8)
-        used = 0
-        at: list[int] = []  # staging offset of each block's payload, in ``block_ids`` order
-        ids: list[int] = []
-
-        def flush() -> None:
-            nonlocal used
-            if ids:
-                codec.decode_into(staged, at, self._rows, ids)
-            used = 0
-            at.clear()
-            ids.clear()
-
-        for start, end, stride in slot_runs(offsets, n):
-            step = abs(stride) or n
-            i = start
-            while i < end:
-                if used + n > cap:
-                    flush()
-                fit = min(end - i, (cap - used - n) // step + 1)
-                if stride >= 0:
-                    first, order = offsets[i], range(i, i + fit)
-                else:  # descending slots: the span starts at the last block's payload
-                    first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
-                span = (fit - 1) * step + n
-                staged[used:used + span].copy_(self._host[first:first + span], non_blocking=True)
-                for k, j in enumerate(order):
-                    at.append(used + k * step)
-                    ids.append(block_ids[j])
-                used += _pad(span)
-                i += fit
-        flush()
+        if not block_ids:
+            return
+        cap = max(STAGING_BYTES // 2, _pad(n))
+        if self._staging is None or self._staging.numel() * 8 < 2 * cap:
+            self._staging = torch.empty(2 * cap // 8, dtype=torch.int64, device=self._rows.device)
+        buffers = self._staging.view(torch.uint8).split(cap)
+        chunks = _staging_plan(offsets, n, cap)
+        at = [a for _, entries in chunks for a, _ in entries]
+        ids = [block_ids[j] for _, entries in chunks for _, j in entries]
+        index = torch.tensor([at, ids], dtype=torch.int64).pin_memory()
+        index = index.to(self._rows.device, non_blocking=True)
+        current = torch.cuda.current_stream(self._rows.device)
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(self._rows.device)
+        decoder = self._decode_stream
+        decoder.wait_stream(current)
+        index.record_stream(decoder)
+        free: list[object | None] = [None, None]  # a buffer's last decode, done
+        k0 = 0
+        for c, (copies, entries) in enumerate(chunks):
+            buf = buffers[c % 2]
+            if free[c % 2] is not None:
+                current.wait_event(free[c % 2])
+            for dst, src, span in copies:
+                buf[dst:dst + span].copy_(self._host[src:src + span], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(current)
+            decoder.wait_event(copied)
+            k1 = k0 + len(entries)
+            with torch.cuda.stream(decoder):
+                codec.decode_into(buf, at[k0:k1], self._rows, ids[k0:k1], index=index[:, k0:k1])
+            done = torch.cuda.Event()
+            done.record(decoder)
+            free[c % 2] = done
+            k0 = k1
+        current.wait_stream(decoder)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole-block uint8 rows -> what the slab holds for them (encoded with a codec)."""
@@ -213,6 +216,35 @@ class SlabCopier:
 def _pad(n: int) -> int:
     """Staging offsets stay 16-byte aligned."""
     return -(-n // 16) * 16
+
+
+def _staging_plan(offsets: Sequence[int], nbytes: int, cap: int
+                  ) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
+    """Cut the payloads at ``offsets`` into chunks that fit a ``cap``-byte staging buffer:
+    per chunk, the copies ``(staging offset, host offset, bytes)`` (a run of slots at a
+    constant stride is one copy, ``slot_runs``) and the payloads ``(staging offset, index
+    into offsets)``."""
+    chunks: list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = [([], [])]
+    used = 0
+    for start, end, stride in slot_runs(offsets, nbytes):
+        step = abs(stride) or nbytes
+        i = start
+        while i < end:
+            if used + nbytes > cap:
+                chunks.append(([], []))
+                used = 0
+            fit = min(end - i, (cap - used - nbytes) // step + 1)
+            if stride >= 0:
+                first, order = offsets[i], range(i, i + fit)
+            else:  # descending slots: the span starts at the last block's payload
+                first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
+            span = (fit - 1) * step + nbytes
+            copies, entries = chunks[-1]
+            copies.append((used, first, span))
+            entries.extend((used + k * step, j) for k, j in enumerate(order))
+            used += _pad(span)
+            i += fit
+    return chunks
 
 
 def slot_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:

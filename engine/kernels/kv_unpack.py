@@ -59,12 +59,14 @@ def _escapes_kernel(src_ptr, src_off_ptr, dst_ptr, dst_row_ptr, row_values, M: t
 
 
 def decode_hi4(codec: Any, src: torch.Tensor, src_offsets: Sequence[int],
-               cache_rows: torch.Tensor, block_ids: Sequence[int]) -> None:
+               cache_rows: torch.Tensor, block_ids: Sequence[int],
+               index: torch.Tensor | None = None) -> None:
     """See ``Hi4Codec.decode_into`` (which validates the arguments)."""
     n = len(block_ids)
-    index = torch.tensor([list(src_offsets), list(block_ids)], dtype=torch.int64)
-    if cache_rows.is_cuda:
-        index = index.pin_memory().to(cache_rows.device, non_blocking=True)
+    if index is None:
+        index = torch.tensor([list(src_offsets), list(block_ids)], dtype=torch.int64)
+        if cache_rows.is_cuda:
+            index = index.pin_memory().to(cache_rows.device, non_blocking=True)
     dst = cache_rows.view(torch.int16)
     s, m, e, off = codec.num_segments, codec.segment_values, codec.escapes_per_segment, codec.offsets
     row_values = dst.shape[1]

@@ -252,3 +252,53 @@ def test_cuda_compressed_offload_keeps_outputs(model_dir: str, in_step: bool) ->
         kv = llm.kv_stats()
     assert kv["tiers"]["host"]["hit_blocks"] > 0 and kv["failed_loads"] == 0
     assert kv["recomputed_tokens"] == 0 and kv["save_incompressible_blocks"] == 0
+
+
+def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
+    from connectors.offload_copy import _staging_plan
+
+    n, stride, cap = 100, 112, 1000
+    slots = [9, 8, 7, 6, 5, 4, 3, 20, 0, 1, 2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 12]
+    offsets = [s * stride + 16 for s in slots]
+    host = torch.randint(0, 255, (40 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    seen: list[int] = []
+    chunks = _staging_plan(offsets, n, cap)
+    assert len(chunks) > 2
+    for copies, entries in chunks:
+        staging = torch.zeros(cap, dtype=torch.uint8)
+        for dst, src, span in copies:
+            assert dst % 16 == 0 and dst + span <= cap
+            staging[dst:dst + span] = host[src:src + span]
+        for at, j in entries:
+            assert torch.equal(staging[at:at + n], host[offsets[j]:offsets[j] + n])
+            seen.append(j)
+    assert sorted(seen) == list(range(len(offsets)))
+    assert sum(len(c) for c, _ in chunks) < len(offsets)  # runs moved as one copy
+
+
+@pytest.mark.gpu
+def test_cuda_slab_copier_decodes_across_staging_chunks() -> None:
+    """40 Llama-sized blocks (~61 MiB encoded: several chunks in both staging buffers), a
+    descending run and scattered slots, into scattered cache blocks: byte for byte."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    cache = KVCache(spec, 48, "cuda")
+    codec = Hi4Codec.for_cache(cache)
+    rows = kv_like(40, codec, seed=11)
+    enc = codec.encode(rows)
+    stride = -(-(codec.payload_bytes + 160) // 16) * 16
+    host = torch.zeros(48 * stride, dtype=torch.uint8).pin_memory()
+    slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
+    assert len(set(slots)) == 40
+    offsets = [s * stride + 160 for s in slots]
+    for i, o in enumerate(offsets):
+        host[o:o + codec.payload_bytes] = enc[i]
+    ids = torch.randperm(48, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    copier = SlabCopier(cache, host, codec=codec)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copier.to_device(ids, offsets)
+    torch.cuda.synchronize()
+    got = cache.tensor.reshape(48, -1).view(torch.uint8)[ids].cpu()
+    assert torch.equal(got, rows)
