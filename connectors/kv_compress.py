@@ -159,8 +159,8 @@ class Hi4Codec:
             return
         if min(block_ids) < 0 or max(block_ids) >= cache_rows.shape[0]:
             raise ValueError(f"block id out of range [0, {cache_rows.shape[0]})")
-        if any(o < 0 or o + self.payload_bytes > src.numel() for o in src_offsets):
-            raise ValueError("a payload runs past the end of src")
+        if any(o < 0 or o + self.payload_bytes > src.numel() or o % 16 for o in src_offsets):
+            raise ValueError("a payload runs past the end of src or is not 16-byte aligned")
         if cache_rows.is_cuda and _triton_decode() is not None:
             _triton_decode()(self, src, src_offsets, cache_rows, block_ids, index)  # type: ignore[misc]
             return

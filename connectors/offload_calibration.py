@@ -93,13 +93,15 @@ def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
     from connectors.offload_copy import SlabCopier
 
     nbytes = kv_cache.bytes_per_block if codec is None else codec.payload_bytes
-    stride = nbytes + _SLOT_HEADER_BYTES
+    # Encoded payloads sit 16-byte aligned in the slab (the decoder needs it), raw ones anywhere.
+    header = _SLOT_HEADER_BYTES if codec is None else -(-_SLOT_HEADER_BYTES // 16) * 16
+    stride = nbytes + header
     pinned = kv_cache.device.type == "cuda"
     host = torch.empty(max_blocks * stride, dtype=torch.uint8, pin_memory=pinned)
     host.fill_(0x3C)  # finite in every float dtype
     copier = SlabCopier(kv_cache, host, codec=codec)
     ids = list(range(max_blocks))
-    offsets = [i * stride + _SLOT_HEADER_BYTES for i in ids]
+    offsets = [i * stride + header for i in ids]
     if codec is not None:  # a valid payload in every slot
         payload = codec.encode(torch.full((1, codec.raw_bytes), 0x3C, dtype=torch.uint8))[0]
         for offset in offsets:

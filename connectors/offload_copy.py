@@ -36,6 +36,7 @@ from connectors.kv_compress import Hi4Codec
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
+DECODE_STAGING_BYTES = 64 << 20  # codec: each of two staging buffers (a chunk copies ~1.2 ms)
 MAX_SLOT_GAP = 64 << 10  # slot bytes besides the payload a run may carry along (headers, pad)
 
 
@@ -153,7 +154,7 @@ class SlabCopier:
             return
         if not block_ids:
             return
-        cap = max(STAGING_BYTES // 2, _pad(n))
+        cap = max(DECODE_STAGING_BYTES, _pad(n))
         if self._staging is None or self._staging.numel() * 8 < 2 * cap:
             self._staging = torch.empty(2 * cap // 8, dtype=torch.int64, device=self._rows.device)
         buffers = self._staging.view(torch.uint8).split(cap)
