@@ -40,6 +40,16 @@ ESCAPE = 15  # the code that says "high byte in the escape list"
 _ENCODE_ROWS = 8  # blocks encoded at a time (bounds the int64 temporaries: ~8 MiB a block)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeBases:
+    """Where each block's parts sit in a decode source (byte offsets): ``meta`` (counts,
+    escapes, codebook), ``codes`` and ``low`` of the segments being decoded."""
+
+    meta: list[int]
+    codes: list[int]
+    low: list[int]
+
+
 def _pad16(n: int) -> int:
     return -(-n // 16) * 16
 
@@ -147,46 +157,90 @@ class Hi4Codec:
         """Decode the payloads at byte ``src_offsets[i]`` of the 1-D uint8 ``src`` into row
         ``block_ids[i]`` of ``cache_rows`` (the cache as ``[num_blocks, raw_bytes]`` uint8).
         ``src`` must be on the cache's device. CUDA: two Triton kernels on the current stream
-        when Triton runs here, else torch. ``index``: the same offsets and ids as a ``[2, n]``
-        int64 tensor already on the device (saves the kernels a host->device copy)."""
-        if len(src_offsets) != len(block_ids):
-            raise ValueError(f"{len(src_offsets)} payloads for {len(block_ids)} blocks")
+        when Triton runs here, else torch. ``index``: ``decode_index``'s tensor for the same
+        payloads, already on the device (saves the kernels a host->device copy)."""
+        off = self.offsets
+        bases = DecodeBases(list(src_offsets), [o + off["codes"] for o in src_offsets],
+                            [o + off["low"] for o in src_offsets])
+        self.decode_segments(src, bases, cache_rows, block_ids, 0, self.num_segments, index=index)
+
+    def decode_segments(self, src: torch.Tensor, bases: DecodeBases, cache_rows: torch.Tensor,
+                        block_ids: Sequence[int], first: int, count: int, *,
+                        index: torch.Tensor | None = None) -> None:
+        """Decode segments ``[first, first + count)`` of each block from parts that need not
+        sit together in ``src``: block ``i``'s metadata (counts, escapes, codebook: the
+        payload's first ``offsets["codes"]`` bytes) at ``bases.meta[i]``, the codes of those
+        segments at ``bases.codes[i]`` (``M / 2`` bytes a segment) and their low bytes at
+        ``bases.low[i]`` (``M`` a segment). What a layer-wise load decodes from its staging.
+        Raises ValueError on a part outside ``src``, a misaligned one or a bad block id."""
         if src.dtype != torch.uint8 or src.dim() != 1 or src.device != cache_rows.device:
             raise ValueError("src must be a 1-D uint8 tensor on the cache's device")
         if cache_rows.shape[1:] != (self.raw_bytes,) or cache_rows.dtype != torch.uint8:
             raise ValueError(f"cache_rows must be [blocks, {self.raw_bytes}] uint8")
+        self.check(src.numel(), bases, block_ids, cache_rows.shape[0], first, count)
         if not block_ids:
             return
-        if min(block_ids) < 0 or max(block_ids) >= cache_rows.shape[0]:
-            raise ValueError(f"block id out of range [0, {cache_rows.shape[0]})")
-        if any(o < 0 or o + self.payload_bytes > src.numel() or o % 16 for o in src_offsets):
-            raise ValueError("a payload runs past the end of src or is not 16-byte aligned")
-        if cache_rows.is_cuda and _triton_decode() is not None:
-            _triton_decode()(self, src, src_offsets, cache_rows, block_ids, index)  # type: ignore[misc]
-            return
-        self._decode_torch(src, src_offsets, cache_rows, block_ids)
+        if index is None:
+            index = self.decode_index(bases, block_ids, cache_rows.device)
+        self.decode_indexed(src, index, cache_rows, first, count)
 
-    def _decode_torch(self, src: torch.Tensor, src_offsets: Sequence[int],
-                      cache_rows: torch.Tensor, block_ids: Sequence[int]) -> None:
+    def check(self, src_bytes: int, bases: DecodeBases, block_ids: Sequence[int], num_rows: int,
+              first: int, count: int) -> None:
+        """Raise ValueError unless every part lies 16-byte aligned inside ``src_bytes`` and
+        every block id below ``num_rows`` (what keeps the kernels in bounds)."""
+        n, m, off = len(block_ids), self.segment_values, self.offsets
+        if not (len(bases.meta) == len(bases.codes) == len(bases.low) == n):
+            raise ValueError(f"bases for {len(bases.meta)} blocks, {n} block ids")
+        if not 0 <= first < first + count <= self.num_segments:
+            raise ValueError(f"segments [{first}, {first + count}) of {self.num_segments}")
+        if n and (min(block_ids) < 0 or max(block_ids) >= num_rows):
+            raise ValueError(f"block id out of range [0, {num_rows})")
+        for starts, nbytes in ((bases.meta, off["codes"]), (bases.codes, count * m // 2),
+                               (bases.low, count * m)):
+            if any(b < 0 or b + nbytes > src_bytes or b % 16 for b in starts):
+                raise ValueError("a payload part runs past the end of src or is not 16-byte aligned")
+
+    def decode_indexed(self, src: torch.Tensor, index: torch.Tensor, cache_rows: torch.Tensor,
+                       first: int, count: int) -> None:
+        """``decode_segments`` after ``check``, from its ``decode_index`` (on the cache's
+        device; a column slice is fine). CUDA: Triton when it runs here, else torch."""
+        if cache_rows.is_cuda and _triton_decode() is not None:
+            _triton_decode()(self, src, index, cache_rows, first, count)  # type: ignore[misc]
+            return
+        meta, codes, low, ids = index.cpu().tolist()
+        for i, block in enumerate(ids):
+            self._decode_torch(src, meta[i], codes[i], low[i], cache_rows[block], first, count)
+
+    @staticmethod
+    def decode_index(bases: DecodeBases, block_ids: Sequence[int],
+                     device: torch.device | str) -> torch.Tensor:
+        """The decode kernels' ``[4, n]`` int64 index (meta, codes and low bases, block id) on
+        ``device`` (pinned and copied asynchronously to CUDA)."""
+        index = torch.tensor([bases.meta, bases.codes, bases.low, list(block_ids)], dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            return index.pin_memory().to(device, non_blocking=True)
+        return index
+
+    def _decode_torch(self, src: torch.Tensor, meta: int, codes_at: int, low_at: int,
+                      row: torch.Tensor, first: int, count: int) -> None:
         s, m, e, off = self.num_segments, self.segment_values, self.escapes_per_segment, self.offsets
-        dev = src.device
-        for offset, block in zip(src_offsets, block_ids, strict=True):
-            p = src[offset:offset + self.payload_bytes]
-            book = p[off["book"]:off["codes"]].view(s, 16)
-            packed = p[off["codes"]:off["codes"] + s * m // 2].view(s, m // 2)
-            codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(s, m).long()
-            high = torch.gather(book, 1, codes)
-            count = p[:2 * s].view(s, 2).to(torch.int32)
-            count = (count[:, 0] | (count[:, 1] << 8)).clamp(max=e)
-            idx = p[off["idx"]:off["esc"]].view(s, e, 2).to(torch.int64)
-            idx = idx[..., 0] | (idx[..., 1] << 8)
-            valid = (torch.arange(e, device=dev)[None, :] < count[:, None]) & (idx < m)
-            idx = torch.where(valid, idx, m)  # column m: a bin for unused entries
-            wide = torch.cat((high, high.new_zeros((s, 1))), dim=1)
-            wide.scatter_(1, idx, p[off["esc"]:off["esc"] + s * e].view(s, e))
-            row = cache_rows[block].view(s, m, 2)
-            row[..., 0] = p[off["low"]:off["low"] + s * m].view(s, m)
-            row[..., 1] = wide[:, :m]
+        segs = slice(first, first + count)
+        p = src[meta:meta + off["codes"]]
+        book = p[off["book"]:off["codes"]].view(s, 16)[segs]
+        packed = src[codes_at:codes_at + count * m // 2].view(count, m // 2)
+        codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(count, m).long()
+        high = torch.gather(book, 1, codes)
+        num = p[:2 * s].view(s, 2).to(torch.int32)[segs]
+        num = (num[:, 0] | (num[:, 1] << 8)).clamp(max=e)
+        idx = p[off["idx"]:off["esc"]].view(s, e, 2).to(torch.int64)[segs]
+        idx = idx[..., 0] | (idx[..., 1] << 8)
+        valid = (torch.arange(e, device=src.device)[None, :] < num[:, None]) & (idx < m)
+        idx = torch.where(valid, idx, m)  # column m: a bin for unused entries
+        wide = torch.cat((high, high.new_zeros((count, 1))), dim=1)
+        wide.scatter_(1, idx, p[off["esc"]:off["esc"] + s * e].view(s, e)[segs])
+        out = row.view(s, m, 2)[segs]
+        out[..., 0] = src[low_at:low_at + count * m].view(count, m)
+        out[..., 1] = wide[:, :m]
 
     def overflowed(self, payload: memoryview | bytes) -> bool:
         """Whether an encoded payload lost escapes (a segment had more than ``E``): such a
@@ -196,6 +250,11 @@ class Hi4Codec:
 
 
 _TRITON_DECODE: object = None  # resolved once: the kernel wrapper, or False
+
+
+def triton_decode_available() -> bool:
+    """Whether the Triton decoder can be imported here."""
+    return _triton_decode() is not None
 
 
 def _triton_decode() -> object | None:

@@ -33,11 +33,11 @@ from collections.abc import Sequence
 import torch
 
 from connectors.kv_compress import Hi4Codec
+from connectors.offload_decode import StagedDecoder
+from connectors.slab_runs import slot_runs
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
-DECODE_STAGING_BYTES = 64 << 20  # codec: each of two staging buffers (a chunk copies ~1.2 ms)
-MAX_SLOT_GAP = 64 << 10  # slot bytes besides the payload a run may carry along (headers, pad)
 
 
 class SlabCopier:
@@ -61,9 +61,10 @@ class SlabCopier:
         self.coalesce = (coalesce and self._non_blocking and self.nbytes % 8 == 0
                          and self.nbytes <= STAGING_BYTES)
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
-        self._decode_stream: object | None = None  # codec: decodes beside the next chunk's copy
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
+        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers)
+                         if codec is not None else None)
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
         if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
                 and host.is_pinned() and host.data_ptr() % 16 == 0:
@@ -74,7 +75,10 @@ class SlabCopier:
 
     @property
     def layered(self) -> bool:
-        """Whether ``to_device_layers`` can run (CUDA, Triton, a pinned 16-byte aligned slab)."""
+        """Whether ``to_device_layers`` can run (CUDA, Triton, a pinned 16-byte aligned slab;
+        with a codec, also the driver's 2-D copies)."""
+        if self._decoder is not None:
+            return self._decoder.layered
         return self._words is not None
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
@@ -84,6 +88,8 @@ class SlabCopier:
         Raises ValueError otherwise or when not ``layered``."""
         from engine.kernels import copy_layer_from_host
 
+        if self._decoder is not None:
+            return self._decoder.to_device_layers(block_ids, offsets)
         if self._words is None:
             raise ValueError("layer-wise copies need CUDA, Triton and a pinned aligned slab")
         if any(o % 16 for o in offsets):
@@ -104,8 +110,8 @@ class SlabCopier:
         """Copy the payload at host byte ``offsets[i]`` into cache block ``block_ids[i]``."""
         if len(block_ids) != len(offsets):
             raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
-        if self.codec is not None:
-            self._decode(block_ids, offsets)
+        if self._decoder is not None:
+            self._decoder.to_device(block_ids, offsets)
             return
         if not self.coalesce:
             self._per_block(block_ids, offsets)
@@ -143,52 +149,6 @@ class SlabCopier:
                 index = index.pin_memory().to(words.device, non_blocking=True)
             words.index_copy_(0, index, src)
 
-    def _decode(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
-        """Encoded payloads. CPU: decoded from the slab itself. CUDA: staged in chunks (runs
-        copied whole) into two staging buffers in turn; each chunk's decode runs on a second
-        stream while the next chunk copies, and the current stream waits for the last."""
-        codec, n = self.codec, self.nbytes
-        assert codec is not None
-        if not self._non_blocking:
-            codec.decode_into(self._host, offsets, self._rows, block_ids)
-            return
-        if not block_ids:
-            return
-        cap = max(DECODE_STAGING_BYTES, _pad(n))
-        if self._staging is None or self._staging.numel() * 8 < 2 * cap:
-            self._staging = torch.empty(2 * cap // 8, dtype=torch.int64, device=self._rows.device)
-        buffers = self._staging.view(torch.uint8).split(cap)
-        chunks = _staging_plan(offsets, n, cap)
-        at = [a for _, entries in chunks for a, _ in entries]
-        ids = [block_ids[j] for _, entries in chunks for _, j in entries]
-        index = torch.tensor([at, ids], dtype=torch.int64).pin_memory()
-        index = index.to(self._rows.device, non_blocking=True)
-        current = torch.cuda.current_stream(self._rows.device)
-        if self._decode_stream is None:
-            self._decode_stream = torch.cuda.Stream(self._rows.device)
-        decoder = self._decode_stream
-        decoder.wait_stream(current)
-        index.record_stream(decoder)
-        free: list[object | None] = [None, None]  # a buffer's last decode, done
-        k0 = 0
-        for c, (copies, entries) in enumerate(chunks):
-            buf = buffers[c % 2]
-            if free[c % 2] is not None:
-                current.wait_event(free[c % 2])
-            for dst, src, span in copies:
-                buf[dst:dst + span].copy_(self._host[src:src + span], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(current)
-            decoder.wait_event(copied)
-            k1 = k0 + len(entries)
-            with torch.cuda.stream(decoder):
-                codec.decode_into(buf, at[k0:k1], self._rows, ids[k0:k1], index=index[:, k0:k1])
-            done = torch.cuda.Event()
-            done.record(decoder)
-            free[c % 2] = done
-            k0 = k1
-        current.wait_stream(decoder)
-
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole-block uint8 rows -> what the slab holds for them (encoded with a codec)."""
         return rows if self.codec is None else self.codec.encode(rows)
@@ -212,59 +172,3 @@ class SlabCopier:
         host, n, nb = self._host, self.nbytes, self._non_blocking
         for row, offset in zip(rows, offsets, strict=True):
             host[offset:offset + n].copy_(src[row], non_blocking=nb)
-
-
-def _pad(n: int) -> int:
-    """Staging offsets stay 16-byte aligned."""
-    return -(-n // 16) * 16
-
-
-def _staging_plan(offsets: Sequence[int], nbytes: int, cap: int
-                  ) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
-    """Cut the payloads at ``offsets`` into chunks that fit a ``cap``-byte staging buffer:
-    per chunk, the copies ``(staging offset, host offset, bytes)`` (a run of slots at a
-    constant stride is one copy, ``slot_runs``) and the payloads ``(staging offset, index
-    into offsets)``."""
-    chunks: list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = [([], [])]
-    used = 0
-    for start, end, stride in slot_runs(offsets, nbytes):
-        step = abs(stride) or nbytes
-        i = start
-        while i < end:
-            if used + nbytes > cap:
-                chunks.append(([], []))
-                used = 0
-            fit = min(end - i, (cap - used - nbytes) // step + 1)
-            if stride >= 0:
-                first, order = offsets[i], range(i, i + fit)
-            else:  # descending slots: the span starts at the last block's payload
-                first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
-            span = (fit - 1) * step + nbytes
-            copies, entries = chunks[-1]
-            copies.append((used, first, span))
-            entries.extend((used + k * step, j) for k, j in enumerate(order))
-            used += _pad(span)
-            i += fit
-    return chunks
-
-
-def slot_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:
-    """Maximal runs ``[start, end)`` of ``offsets`` at one constant ``stride`` (returned as
-    ``(start, end, stride)``; a single offset is a run of one with stride 0) where a run of
-    two or more has ``nbytes <= |stride| <= nbytes + MAX_SLOT_GAP`` and 8-byte aligned offsets
-    and stride, so its span can be copied whole and its payloads taken as 8-byte words. A
-    negative stride is a run in descending slot order: the saver writes a freed prefix tail
-    first (the block pool frees a request's blocks last to first), so that is the usual one."""
-    runs: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(offsets):
-        j = i + 1
-        stride = offsets[j] - offsets[i] if j < len(offsets) else 0
-        if nbytes <= abs(stride) <= nbytes + MAX_SLOT_GAP and stride % 8 == 0 and offsets[i] % 8 == 0:
-            while j < len(offsets) and offsets[j] - offsets[j - 1] == stride:
-                j += 1
-        else:
-            stride = 0
-        runs.append((i, j, stride))
-        i = j
-    return runs

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (CPU kernels)
 
 from cachestore.tier_config import ConfigError  # noqa: E402
-from connectors.kv_compress import Hi4Codec  # noqa: E402
+from connectors.kv_compress import DecodeBases, Hi4Codec  # noqa: E402
 from connectors.offload_config import parse_offload_config  # noqa: E402
 from connectors.offload_copy import SlabCopier  # noqa: E402
 from engine import LLM  # noqa: E402
@@ -69,8 +69,11 @@ def test_triton_decoder_matches_torch() -> None:
     offs = [i * codec.payload_bytes for i in range(3)]
     a = torch.zeros(4, codec.raw_bytes, dtype=torch.uint8)
     b = torch.zeros(4, codec.raw_bytes, dtype=torch.uint8, device=DEVICE)
-    codec._decode_torch(src, offs, a, [3, 1, 0])
-    decode_hi4(codec, src.to(DEVICE), offs, b, [3, 1, 0])
+    codec.decode_into(src, offs, a, [3, 1, 0])  # CPU: the torch path
+    off = codec.offsets
+    bases = DecodeBases(offs, [o + off["codes"] for o in offs], [o + off["low"] for o in offs])
+    index = codec.decode_index(bases, [3, 1, 0], DEVICE)
+    decode_hi4(codec, src.to(DEVICE), index, b, 0, codec.num_segments)
     assert torch.equal(a, b.cpu())
     assert torch.equal(a[3], rows[0]) and torch.equal(a[1], rows[1]) and torch.equal(a[0], rows[2])
 
@@ -248,6 +251,8 @@ def test_cuda_compressed_offload_keeps_outputs(model_dir: str, in_step: bool) ->
     config = {"decision": "load", "compression": "lossless", "in_step_host_loads": in_step,
               "tiers": [{"kind": "host", "capacity": "64MiB"}]}
     with LLM(model_dir, kv_offload=True, kv_offload_config=config, **kw) as llm:
+        # In-step loads go layer by layer (driver 2-D copies + Triton decode) on CUDA.
+        assert llm.engine.offload.worker.layered_loads  # type: ignore[union-attr]
         assert run_conversations(llm) == reference
         kv = llm.kv_stats()
     assert kv["tiers"]["host"]["hit_blocks"] > 0 and kv["failed_loads"] == 0
@@ -255,14 +260,14 @@ def test_cuda_compressed_offload_keeps_outputs(model_dir: str, in_step: bool) ->
 
 
 def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
-    from connectors.offload_copy import _staging_plan
+    from connectors.offload_decode import staging_plan
 
     n, stride, cap = 100, 112, 1000
     slots = [9, 8, 7, 6, 5, 4, 3, 20, 0, 1, 2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 12]
     offsets = [s * stride + 16 for s in slots]
     host = torch.randint(0, 255, (40 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     seen: list[int] = []
-    chunks = _staging_plan(offsets, n, cap)
+    chunks = staging_plan(offsets, n, cap)
     assert len(chunks) > 2
     for copies, entries in chunks:
         staging = torch.zeros(cap, dtype=torch.uint8)
@@ -302,3 +307,77 @@ def test_cuda_slab_copier_decodes_across_staging_chunks() -> None:
     torch.cuda.synchronize()
     got = cache.tensor.reshape(48, -1).view(torch.uint8)[ids].cpu()
     assert torch.equal(got, rows)
+
+
+def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
+    from connectors.copy2d import copy2d
+
+    src = torch.arange(200, dtype=torch.int32).to(torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    copy2d(dst, 4, 10, src, 3, 50, 6, 3)  # rows at 3, 53, 103 -> 4, 14, 24
+    for r in range(3):
+        assert dst[4 + 10 * r:10 + 10 * r].tolist() == list(range(3 + 50 * r, 9 + 50 * r))
+    assert dst[:4].eq(0).all() and dst[10:14].eq(0).all()
+    with pytest.raises(ValueError, match="past the end of src"):
+        copy2d(dst, 0, 10, src, 150, 50, 6, 2)
+    with pytest.raises(ValueError, match="past the end of dst"):
+        copy2d(dst, 60, 10, src, 0, 50, 6, 1)
+
+
+@pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one group; groups of 3 rows
+def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch,
+                                             layer_bytes: int) -> None:
+    """``to_device_layers``' staging (metadata first, then each layer's codes and low bytes by
+    2-D copies per run, two layer buffers in turn) run on the CPU: every block comes back."""
+    import connectors.offload_decode as od
+
+    monkeypatch.setattr(od, "LAYER_BYTES", layer_bytes)
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    cache = KVCache(spec, 10, "cpu")
+    codec = Hi4Codec.for_cache(cache)
+    blocks = kv_like(8, codec, seed=9)
+    stride = codec.payload_bytes + 32
+    host = torch.zeros(12 * stride, dtype=torch.uint8)
+    slots = [7, 6, 5, 4, 0, 9, 10, 2]  # a descending run, one alone, an ascending pair, one
+    enc = codec.encode(blocks)
+    for i, slot in enumerate(slots):
+        host[slot * stride + 16:slot * stride + 16 + codec.payload_bytes] = enc[i]
+    rows = cache.tensor.reshape(10, -1).view(torch.uint8)
+    decoder = od.StagedDecoder(codec, rows, host, spec.num_layers, force_layers=True)
+    ids = [3, 9, 0, 5, 1, 8, 2, 6]
+    assert decoder.to_device_layers(ids, [s * stride + 16 for s in slots]) == []
+    for i, b in enumerate(ids):
+        assert torch.equal(rows[b], blocks[i])
+    assert rows[[4, 7]].eq(0).all()
+
+
+@pytest.mark.gpu
+def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (driver 2-D copies, decode stream, one event per layer), Llama-sized blocks in
+    two row groups per layer: byte for byte, and every layer event completes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import connectors.offload_decode as od
+
+    monkeypatch.setattr(od, "LAYER_BYTES", 1 << 20)  # 21 rows a group: 2 groups of 40
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    cache = KVCache(spec, 48, "cuda")
+    codec = Hi4Codec.for_cache(cache)
+    rows_in = kv_like(40, codec, seed=13)
+    enc = codec.encode(rows_in)
+    stride = -(-(codec.payload_bytes + 160) // 16) * 16
+    host = torch.zeros(48 * stride, dtype=torch.uint8).pin_memory()
+    slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
+    offsets = [s * stride + 160 for s in slots]
+    for i, o in enumerate(offsets):
+        host[o:o + codec.payload_bytes] = enc[i]
+    ids = torch.randperm(48, generator=torch.Generator().manual_seed(5))[:40].tolist()
+    copier = SlabCopier(cache, host, codec=codec)
+    assert copier.layered
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        events = copier.to_device_layers(ids, offsets)
+    assert len(events) == 32
+    events[-1].synchronize()
+    got = cache.tensor.reshape(48, -1).view(torch.uint8)[ids].cpu()
+    assert torch.equal(got, rows_in)

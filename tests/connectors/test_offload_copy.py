@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from connectors import offload_copy
-from connectors.offload_copy import MAX_SLOT_GAP, SlabCopier, slot_runs
+from connectors.offload_copy import SlabCopier
+from connectors.slab_runs import MAX_SLOT_GAP, slot_runs
 from engine.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)  # 2 KiB blocks

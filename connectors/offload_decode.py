@@ -1,0 +1,251 @@
+"""Loads of compressed blocks (``compression: lossless``): host slab -> device staging -> the
+Triton decoder -> the cache blocks (``SlabCopier`` delegates here when it has a codec).
+
+Two ways, both CUDA-asynchronous on the current stream (the loader's side stream), with the
+decode kernels on a second stream so that a decode runs beside the next copy:
+
+- ``to_device`` (async loads, lower-tier stagings): whole payloads in chunks of two 64 MiB
+  staging buffers in turn; each run of consecutive slots is one copy.
+- ``to_device_layers`` (in-step loads): layer by layer. The payloads' metadata (counts,
+  escapes, codebooks) comes over first, one 2-D copy per run; then for each layer, its codes
+  and low bytes from every block (two 2-D copies per run: a layer's parts sit at a fixed offset
+  in each payload) into one of two layer buffers, decoded into that layer of the cache blocks.
+  One CUDA event per layer, after its decode: the forward's attention of layer ``l`` waits
+  only for event ``l`` (``KVCache.set_layer_ready``), so the forward runs while later layers
+  are still on the link. The copies are DMA (``connectors.copy2d``), the SMs stay free.
+
+On the CPU both decode straight from the slab (tests run the layer-wise one with
+``force_layers``). Not thread-safe: one caller (the engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from connectors.copy2d import copy2d, copy2d_available
+from connectors.kv_compress import DecodeBases, Hi4Codec, triton_decode_available
+from connectors.slab_runs import ascending_runs, pad16, slot_runs
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 << 20  # each of the two staging buffers of ``to_device``
+LAYER_BYTES = 64 << 20  # each of the two layer buffers of ``to_device_layers``
+
+
+class StagedDecoder:
+    def __init__(self, codec: Hi4Codec, rows: torch.Tensor, host: torch.Tensor, num_layers: int,
+                 *, force_layers: bool = False) -> None:
+        """``rows``: the cache as ``[num_blocks, raw_bytes]`` uint8; ``host``: the slab (1-D
+        uint8). ``force_layers``: run ``to_device_layers`` on the CPU too (tests)."""
+        if codec.num_segments != 2 * num_layers:
+            raise ValueError(f"codec of {codec.num_segments} segments for {num_layers} layers")
+        self.codec = codec
+        self.num_layers = num_layers
+        self._rows = rows
+        self._host = host
+        self._cuda = rows.is_cuda
+        self._layers_ok = force_layers or (
+            self._cuda and host.is_pinned() and copy2d_available() and triton_decode_available())
+        self._staging: torch.Tensor | None = None
+        self._stream: object | None = None  # CUDA: the decode stream
+
+    @property
+    def layered(self) -> bool:
+        """Whether ``to_device_layers`` runs (CUDA with Triton and the driver's 2-D copies,
+        a pinned slab; or ``force_layers``)."""
+        return self._layers_ok
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # drop the old one first
+            self._staging = torch.empty(pad16(nbytes), dtype=torch.uint8, device=self._rows.device)
+        return self._staging
+
+    def _decoder_stream(self) -> object:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._rows.device)
+        return self._stream
+
+    # -- whole payloads --------------------------------------------------------------------
+
+    def to_device(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Decode the payloads at slab ``offsets`` into cache blocks ``block_ids``."""
+        codec = self.codec
+        codec_bytes = codec.payload_bytes
+        if not self._cuda:
+            codec.decode_into(self._host, offsets, self._rows, block_ids)
+            return
+        if not block_ids:
+            return
+        cap = max(CHUNK_BYTES, pad16(codec_bytes))
+        buffers = self._buffer(2 * cap).split(cap)
+        chunks = staging_plan(offsets, codec_bytes, cap)
+        at = [a for _, entries in chunks for a, _ in entries]
+        ids = [block_ids[j] for _, entries in chunks for _, j in entries]
+        off = codec.offsets
+        bases = DecodeBases(at, [a + off["codes"] for a in at], [a + off["low"] for a in at])
+        codec.check(cap, bases, ids, self._rows.shape[0], 0, codec.num_segments)
+        index = codec.decode_index(bases, ids, self._rows.device)
+        current = torch.cuda.current_stream(self._rows.device)
+        decoder = self._decoder_stream()
+        decoder.wait_stream(current)  # type: ignore[attr-defined]
+        index.record_stream(decoder)  # type: ignore[arg-type]
+        free: list[object | None] = [None, None]  # a buffer's last decode, done
+        k0 = 0
+        for c, (copies, entries) in enumerate(chunks):
+            buf = buffers[c % 2]
+            if free[c % 2] is not None:
+                current.wait_event(free[c % 2])
+            for dst, src, span in copies:
+                buf[dst:dst + span].copy_(self._host[src:src + span], non_blocking=True)
+            k1 = k0 + len(entries)
+            free[c % 2] = self._decode_after_copy(current, decoder, buf, index[:, k0:k1],
+                                                  0, codec.num_segments)
+            k0 = k1
+        current.wait_stream(decoder)
+
+    def _decode_after_copy(self, current: object, decoder: object, src: torch.Tensor,
+                           index: torch.Tensor, first: int, count: int) -> object:
+        """The decoder stream waits for the copies enqueued so far, decodes, records an event."""
+        copied = torch.cuda.Event()
+        copied.record(current)  # type: ignore[arg-type]
+        decoder.wait_event(copied)  # type: ignore[attr-defined]
+        with torch.cuda.stream(decoder):  # type: ignore[arg-type]
+            self.codec.decode_indexed(src, index, self._rows, first, count)
+        done = torch.cuda.Event()
+        done.record(decoder)  # type: ignore[arg-type]
+        return done
+
+    # -- layer by layer --------------------------------------------------------------------
+
+    def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
+        """Like ``to_device``, layer by layer; returns one CUDA event per layer (the last one
+        with timing), recorded after that layer's decode (CPU: ``[]``, done on return)."""
+        if not self._layers_ok:
+            raise ValueError("layer-wise loads of compressed blocks need CUDA, Triton, the "
+                             "driver's 2-D copies and a pinned slab")
+        codec = self.codec
+        n, m, meta = len(block_ids), codec.segment_values, codec.offsets["codes"]
+        if n == 0:
+            return []
+        runs = ascending_runs(offsets, codec.payload_bytes)
+        order = [j for _, _, js in runs for j in js]  # staging row -> index into block_ids
+        ids = [block_ids[j] for j in order]
+        group = max(1, min(n, LAYER_BYTES // (3 * m)))  # rows per layer buffer
+        meta_size = pad16(n * meta)
+        buf_size = pad16(group * 3 * m)
+        staging = self._buffer(meta_size + 2 * buf_size)
+        index: list[torch.Tensor] = []
+        for p in range(2):  # the decode index of rows staged in layer buffer p
+            base = meta_size + p * buf_size
+            bases = DecodeBases([r * meta for r in range(n)],
+                                [base + (r % group) * m for r in range(n)],
+                                [base + group * m + (r % group) * 2 * m for r in range(n)])
+            codec.check(staging.numel(), bases, ids, self._rows.shape[0], 0, 2)
+            index.append(codec.decode_index(bases, ids, self._rows.device))
+        if not self._cuda:
+            return self._layers_cpu(runs, staging, index, n, group, meta_size, buf_size)
+        current = torch.cuda.current_stream(self._rows.device)
+        try:
+            self._copy_meta(runs, staging)
+        except RuntimeError:  # the driver refused a 2-D copy: whole payloads from now on
+            log.exception("layer-wise loads of compressed blocks are off for this engine")
+            self._layers_ok = False
+            self.to_device(block_ids, offsets)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(current)
+            return [event] * self.num_layers
+        decoder = self._decoder_stream()
+        decoder.wait_stream(current)  # type: ignore[attr-defined]
+        for ix in index:
+            ix.record_stream(decoder)  # type: ignore[arg-type]
+        events: list[object] = []
+        free: list[object | None] = [None, None]
+        c = 0
+        for layer in range(self.num_layers):
+            for g0 in range(0, n, group):
+                p = c % 2
+                if free[p] is not None:
+                    current.wait_event(free[p])
+                g1 = min(n, g0 + group)
+                self._copy_layer(runs, staging, meta_size + p * buf_size, group, layer, g0, g1)
+                free[p] = self._decode_after_copy(current, decoder, staging,
+                                                  index[p][:, g0:g1], 2 * layer, 2)
+                c += 1
+            event = torch.cuda.Event(enable_timing=layer == self.num_layers - 1)
+            event.record(decoder)  # type: ignore[arg-type]
+            events.append(event)
+        current.wait_stream(decoder)  # the next load's copies reuse the staging
+        return events
+
+    def _layers_cpu(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
+                    index: list[torch.Tensor], n: int, group: int, meta_size: int,
+                    buf_size: int) -> list[object]:
+        """The same staging and decode steps, synchronously (tests of the layout on a CPU)."""
+        self._copy_meta(runs, staging)
+        c = 0
+        for layer in range(self.num_layers):
+            for g0 in range(0, n, group):
+                p = c % 2
+                g1 = min(n, g0 + group)
+                self._copy_layer(runs, staging, meta_size + p * buf_size, group, layer, g0, g1)
+                self.codec.decode_indexed(staging, index[p][:, g0:g1], self._rows, 2 * layer, 2)
+                c += 1
+        return []
+
+    def _copy_meta(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor) -> None:
+        meta = self.codec.offsets["codes"]
+        row = 0
+        for first, pitch, js in runs:
+            copy2d(staging, row * meta, meta, self._host, first, pitch, meta, len(js))
+            row += len(js)
+
+    def _copy_layer(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
+                    base: int, group: int, layer: int, g0: int, g1: int) -> None:
+        """Layer ``layer``'s codes and low bytes of staging rows ``[g0, g1)`` into the layer
+        buffer at ``base``: codes rows of ``M`` bytes, then low rows of ``2M``."""
+        off, m = self.codec.offsets, self.codec.segment_values
+        r0 = 0
+        for first, pitch, js in runs:
+            a, b = max(g0, r0), min(g1, r0 + len(js))
+            if a < b:
+                src = first + (a - r0) * pitch
+                copy2d(staging, base + (a - g0) * m, m, self._host,
+                       src + off["codes"] + layer * m, pitch, m, b - a)
+                copy2d(staging, base + group * m + (a - g0) * 2 * m, 2 * m, self._host,
+                       src + off["low"] + layer * 2 * m, pitch, 2 * m, b - a)
+            r0 += len(js)
+
+
+def staging_plan(offsets: Sequence[int], nbytes: int, cap: int
+                 ) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
+    """Cut the payloads at ``offsets`` into chunks that fit a ``cap``-byte staging buffer:
+    per chunk, the copies ``(staging offset, host offset, bytes)`` (a run of slots at a
+    constant stride is one copy, ``slot_runs``) and the payloads ``(staging offset, index
+    into offsets)``."""
+    chunks: list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = [([], [])]
+    used = 0
+    for start, end, stride in slot_runs(offsets, nbytes):
+        step = abs(stride) or nbytes
+        i = start
+        while i < end:
+            if used + nbytes > cap:
+                chunks.append(([], []))
+                used = 0
+            fit = min(end - i, (cap - used - nbytes) // step + 1)
+            if stride >= 0:
+                first, order = offsets[i], range(i, i + fit)
+            else:  # descending slots: the span starts at the last block's payload
+                first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
+            span = (fit - 1) * step + nbytes
+            copies, entries = chunks[-1]
+            copies.append((used, first, span))
+            entries.extend((used + k * step, j) for k, j in enumerate(order))
+            used += pad16(span)
+            i += fit
+    return chunks
