@@ -278,7 +278,7 @@ def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
     """``modes`` without the ``_lossless`` ones where the KV is not 2-byte (the CPU quick run's
     float32 demo model): ``compression: lossless`` refuses other dtypes."""
     two_byte = setup.model_dir is not None and setup.dtype in ("auto", "bfloat16", "float16")
-    return [m for m in modes if two_byte or not m.endswith("_lossless")]
+    return [m for m in modes if two_byte or "_lossless" not in m]
 
 
 def bench_ttft(setup: Setup) -> dict[str, Any]:
@@ -346,9 +346,11 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "host_layered_sq": ({"in_step_host_loads": True, "layered_loads": True},
                         {"small_query_attention": "triton"}),
     "host_lossless": ({"in_step_host_loads": True, "compression": "lossless"}, {}),
+    "host_lossless_layered": ({"in_step_host_loads": True, "compression": "lossless",
+                               "layered_loads": True}, {}),
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
-                   "host_layered_sq"}
+                   "host_layered_sq", "host_lossless_layered"}
 DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered")
 
 

@@ -52,7 +52,8 @@ class OffloadConfig:
     # old behaviour, one more engine step; kept as the benchmark's baseline).
     in_step_host_loads: bool = True
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
-    # layer's attention waiting only for its layer. Off by default: the H200 runs do not yet
+    # layer's attention waiting only for its layer (with compression: each layer's parts of
+    # every block by driver 2-D copies, then decoded; connectors/offload_decode.py). Off by default: the H200 runs do not yet
     # separate it from an unexplained between-engine effect of the benchmark (docs/offload.md).
     layered_loads: bool = False
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device

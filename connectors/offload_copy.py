@@ -63,7 +63,7 @@ class SlabCopier:
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
-        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers)
+        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers, layers=layered)
                          if codec is not None else None)
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
         if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \

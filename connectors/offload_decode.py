@@ -6,13 +6,15 @@ decode kernels on a second stream so that a decode runs beside the next copy:
 
 - ``to_device`` (async loads, lower-tier stagings): whole payloads in chunks of two 64 MiB
   staging buffers in turn; each run of consecutive slots is one copy.
-- ``to_device_layers`` (in-step loads): layer by layer. The payloads' metadata (counts,
+- ``to_device_layers`` (in-step loads with ``layered_loads: true``): layer by layer. The payloads' metadata (counts,
   escapes, codebooks) comes over first, one 2-D copy per run; then for each layer, its codes
   and low bytes from every block (two 2-D copies per run: a layer's parts sit at a fixed offset
   in each payload) into one of two layer buffers, decoded into that layer of the cache blocks.
   One CUDA event per layer, after its decode: the forward's attention of layer ``l`` waits
   only for event ``l`` (``KVCache.set_layer_ready``), so the forward runs while later layers
   are still on the link. The copies are DMA (``connectors.copy2d``), the SMs stay free.
+  Measured on the H200 (docs/offload.md, run 26) it is slower than whole payloads (16K
+  prefix: 51-54 against 43-45 ms), so it stays opt-in.
 
 On the CPU both decode straight from the slab (tests run the layer-wise one with
 ``force_layers``). Not thread-safe: one caller (the engine thread).
@@ -37,9 +39,10 @@ LAYER_BYTES = 64 << 20  # each of the two layer buffers of ``to_device_layers``
 
 class StagedDecoder:
     def __init__(self, codec: Hi4Codec, rows: torch.Tensor, host: torch.Tensor, num_layers: int,
-                 *, force_layers: bool = False) -> None:
+                 *, layers: bool = False, force_layers: bool = False) -> None:
         """``rows``: the cache as ``[num_blocks, raw_bytes]`` uint8; ``host``: the slab (1-D
-        uint8). ``force_layers``: run ``to_device_layers`` on the CPU too (tests)."""
+        uint8). ``layers``: enable ``to_device_layers`` where it can run (``layered_loads``);
+        ``force_layers``: run it on the CPU too (tests)."""
         if codec.num_segments != 2 * num_layers:
             raise ValueError(f"codec of {codec.num_segments} segments for {num_layers} layers")
         self.codec = codec
@@ -47,8 +50,8 @@ class StagedDecoder:
         self._rows = rows
         self._host = host
         self._cuda = rows.is_cuda
-        self._layers_ok = force_layers or (
-            self._cuda and host.is_pinned() and copy2d_available() and triton_decode_available())
+        self._layers_ok = force_layers or (layers and self._cuda and host.is_pinned()
+                                           and copy2d_available() and triton_decode_available())
         self._staging: torch.Tensor | None = None
         self._stream: object | None = None  # CUDA: the decode stream
 

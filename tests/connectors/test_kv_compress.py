@@ -239,20 +239,22 @@ def test_cuda_encode_and_decode_a_llama_sized_block_exactly() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_step", [True, False])
-def test_cuda_compressed_offload_keeps_outputs(model_dir: str, in_step: bool) -> None:
-    """On CUDA (side-stream encode on save, staged copies and Triton decode on load): the
-    same tokens as the engine without offload, blocks loaded from the host tier."""
+@pytest.mark.parametrize("mode", ["async", "in_step", "in_step_layered"])
+def test_cuda_compressed_offload_keeps_outputs(model_dir: str, mode: str) -> None:
+    """On CUDA (side-stream encode on save, staged copies and Triton decode on load; with
+    ``layered_loads``, in-step loads layer by layer through driver 2-D copies): the same
+    tokens as the engine without offload, blocks loaded from the host tier."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw: dict[str, Any] = dict(num_gpu_blocks=24, dtype="bfloat16", device="cuda",
                               attention_backend="torch")
     reference = run_conversations(LLM(model_dir, **kw))
-    config = {"decision": "load", "compression": "lossless", "in_step_host_loads": in_step,
+    config = {"decision": "load", "compression": "lossless", "in_step_host_loads": mode != "async",
+              "layered_loads": mode == "in_step_layered",
               "tiers": [{"kind": "host", "capacity": "64MiB"}]}
     with LLM(model_dir, kv_offload=True, kv_offload_config=config, **kw) as llm:
-        # In-step loads go layer by layer (driver 2-D copies + Triton decode) on CUDA.
-        assert llm.engine.offload.worker.layered_loads  # type: ignore[union-attr]
+        layered = llm.engine.offload.worker.layered_loads  # type: ignore[union-attr]
+        assert layered == (mode == "in_step_layered")
         assert run_conversations(llm) == reference
         kv = llm.kv_stats()
     assert kv["tiers"]["host"]["hit_blocks"] > 0 and kv["failed_loads"] == 0
@@ -372,7 +374,7 @@ def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch) -
     for i, o in enumerate(offsets):
         host[o:o + codec.payload_bytes] = enc[i]
     ids = torch.randperm(48, generator=torch.Generator().manual_seed(5))[:40].tolist()
-    copier = SlabCopier(cache, host, codec=codec)
+    copier = SlabCopier(cache, host, codec=codec, layered=True)
     assert copier.layered
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
