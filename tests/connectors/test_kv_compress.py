@@ -283,25 +283,35 @@ def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
     assert sum(len(c) for c, _ in chunks) < len(offsets)  # runs moved as one copy
 
 
+def llama_slab(device: str, seed: int) -> tuple[KVCache, Hi4Codec, torch.Tensor, torch.Tensor,
+                                                list[int], list[int]]:
+    """48 Llama-3-8B-shaped cache blocks on ``device``, 40 KV-like blocks encoded in a slab
+    (pinned on CUDA) in a descending run of slots and scattered ones, and 40 scattered block
+    ids: (cache, codec, the blocks' bytes, slab, payload offsets, ids)."""
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    cache = KVCache(spec, 48, device)
+    codec = Hi4Codec.for_cache(cache)
+    rows = kv_like(40, codec, seed=seed)
+    enc = codec.encode(rows)
+    stride = -(-(codec.payload_bytes + 160) // 16) * 16
+    host = torch.zeros(48 * stride, dtype=torch.uint8)
+    host = host.pin_memory() if device == "cuda" else host
+    slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
+    assert len(set(slots)) == 40
+    offsets = [s * stride + 160 for s in slots]
+    for i, o in enumerate(offsets):
+        host[o:o + codec.payload_bytes] = enc[i]
+    ids = torch.randperm(48, generator=torch.Generator().manual_seed(seed))[:40].tolist()
+    return cache, codec, rows, host, offsets, ids
+
+
 @pytest.mark.gpu
 def test_cuda_slab_copier_decodes_across_staging_chunks() -> None:
     """40 Llama-sized blocks (~61 MiB encoded: several chunks in both staging buffers), a
     descending run and scattered slots, into scattered cache blocks: byte for byte."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    cache = KVCache(spec, 48, "cuda")
-    codec = Hi4Codec.for_cache(cache)
-    rows = kv_like(40, codec, seed=11)
-    enc = codec.encode(rows)
-    stride = -(-(codec.payload_bytes + 160) // 16) * 16
-    host = torch.zeros(48 * stride, dtype=torch.uint8).pin_memory()
-    slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
-    assert len(set(slots)) == 40
-    offsets = [s * stride + 160 for s in slots]
-    for i, o in enumerate(offsets):
-        host[o:o + codec.payload_bytes] = enc[i]
-    ids = torch.randperm(48, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    cache, codec, rows, host, offsets, ids = llama_slab("cuda", 11)
     copier = SlabCopier(cache, host, codec=codec)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -362,18 +372,7 @@ def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch) -
     import connectors.offload_decode as od
 
     monkeypatch.setattr(od, "LAYER_BYTES", 1 << 20)  # 21 rows a group: 2 groups of 40
-    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    cache = KVCache(spec, 48, "cuda")
-    codec = Hi4Codec.for_cache(cache)
-    rows_in = kv_like(40, codec, seed=13)
-    enc = codec.encode(rows_in)
-    stride = -(-(codec.payload_bytes + 160) // 16) * 16
-    host = torch.zeros(48 * stride, dtype=torch.uint8).pin_memory()
-    slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
-    offsets = [s * stride + 160 for s in slots]
-    for i, o in enumerate(offsets):
-        host[o:o + codec.payload_bytes] = enc[i]
-    ids = torch.randperm(48, generator=torch.Generator().manual_seed(5))[:40].tolist()
+    cache, codec, rows, host, offsets, ids = llama_slab("cuda", 13)
     copier = SlabCopier(cache, host, codec=codec, layered=True)
     assert copier.layered
     side = torch.cuda.Stream()
@@ -382,4 +381,4 @@ def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch) -
     assert len(events) == 32
     events[-1].synchronize()
     got = cache.tensor.reshape(48, -1).view(torch.uint8)[ids].cpu()
-    assert torch.equal(got, rows_in)
+    assert torch.equal(got, rows)
