@@ -21,9 +21,8 @@ offload.md "Session 3"); whether the runs get the same is for bench/offload.py "
 
 ``codec`` (``compression: lossless``, ``connectors.kv_compress``): the slab holds encoded
 payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
-themselves encode with ``encode``); ``to_device`` copies the payloads into the device staging
-buffer (runs whole, as ``coalesce`` does) and decodes them from there into the cache blocks,
-one chunk of staging at a time. No layer-wise copies then.
+themselves encode with ``encode``); ``to_device`` and ``to_device_layers`` hand the payloads to
+``connectors.offload_decode.StagedDecoder`` (device staging, then the Triton decoder).
 """
 
 from __future__ import annotations
