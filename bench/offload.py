@@ -351,7 +351,7 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
                    "host_layered_sq", "host_lossless_layered"}
-DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered")
+DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered", "host_lossless")
 
 
 def bench_reload_steps(setup: Setup) -> dict[str, Any]:
