@@ -141,6 +141,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     from connectors.kv_compress import Hi4Codec
     from connectors.offload_stats import OffloadStats
     from connectors.offload_worker import OffloadWorker, block_meta
+    from connectors.slab_runs import pad16
     from tiers.host import HostTier
 
     dev, n = setup.device, max(setup.transfer_blocks, 64)
@@ -190,7 +191,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     # do not compress), stored encoded in a store of their own; the load decodes them.
     codec = Hi4Codec.for_cache(kv)
     lmeta = block_meta(kv, "bench-load-path-lossless", codec)
-    lslot = -(-encoded_size(lmeta) // 16) * 16
+    lslot = pad16(encoded_size(lmeta))
     lstore = HierarchicalStore([HostTier(n * lslot, lslot)],
                                StoreConfig(namespace=lmeta.namespace, promote_on_get=False))
     lkeys = tuple(f"{lmeta.namespace}/{i:064x}" for i in range(n))

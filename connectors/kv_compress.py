@@ -30,10 +30,11 @@ CUDA is two Triton kernels reading straight from the staging buffer into the cac
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from connectors.slab_runs import pad16
 from engine.kv_cache import KVCache
 
 ESCAPE = 15  # the code that says "high byte in the escape list"
@@ -50,10 +51,6 @@ class DecodeBases:
     low: list[int]
 
 
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 @dataclass(frozen=True, slots=True)
 class Hi4Codec:
     """The lossless format for blocks of ``num_segments`` segments of ``segment_values``
@@ -61,6 +58,7 @@ class Hi4Codec:
 
     num_segments: int
     segment_values: int
+    _offsets: dict[str, int] = field(init=False, repr=False, compare=False)
 
     name = "hi4"  # in the block layout string and the key namespace: formats never mix
 
@@ -68,6 +66,7 @@ class Hi4Codec:
         m = self.segment_values
         if self.num_segments < 1 or m < 2 or m % 2 or m > 1 << 16:
             raise ValueError(f"hi4 needs an even segment of 2..65536 values, got {m}")
+        object.__setattr__(self, "_offsets", self._layout())
 
     @classmethod
     def for_cache(cls, kv_cache: KVCache) -> Hi4Codec:
@@ -89,14 +88,18 @@ class Hi4Codec:
 
     @property
     def offsets(self) -> dict[str, int]:
+        """Byte offset of each part in a payload (``end``: the payload's size). Do not mutate."""
+        return self._offsets
+
+    def _layout(self) -> dict[str, int]:
         s, m, e = self.num_segments, self.segment_values, self.escapes_per_segment
         out: dict[str, int] = {"count": 0}
-        out["idx"] = _pad16(2 * s)
+        out["idx"] = pad16(2 * s)
         out["esc"] = out["idx"] + 2 * s * e
-        out["book"] = _pad16(out["esc"] + s * e)
+        out["book"] = pad16(out["esc"] + s * e)
         out["codes"] = out["book"] + 16 * s
-        out["low"] = _pad16(out["codes"] + s * m // 2)
-        out["end"] = _pad16(out["low"] + s * m)
+        out["low"] = pad16(out["codes"] + s * m // 2)
+        out["end"] = pad16(out["low"] + s * m)
         return out
 
     @property
@@ -159,10 +162,14 @@ class Hi4Codec:
         ``src`` must be on the cache's device. CUDA: two Triton kernels on the current stream
         when Triton runs here, else torch. ``index``: ``decode_index``'s tensor for the same
         payloads, already on the device (saves the kernels a host->device copy)."""
+        self.decode_segments(src, self.payload_bases(src_offsets), cache_rows, block_ids, 0,
+                             self.num_segments, index=index)
+
+    def payload_bases(self, offsets: Sequence[int]) -> DecodeBases:
+        """The parts of whole payloads that start at ``offsets``."""
         off = self.offsets
-        bases = DecodeBases(list(src_offsets), [o + off["codes"] for o in src_offsets],
-                            [o + off["low"] for o in src_offsets])
-        self.decode_segments(src, bases, cache_rows, block_ids, 0, self.num_segments, index=index)
+        return DecodeBases(list(offsets), [o + off["codes"] for o in offsets],
+                           [o + off["low"] for o in offsets])
 
     def decode_segments(self, src: torch.Tensor, bases: DecodeBases, cache_rows: torch.Tensor,
                         block_ids: Sequence[int], first: int, count: int, *,

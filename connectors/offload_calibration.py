@@ -25,6 +25,7 @@ import torch
 
 from cachestore.calibration import DEFAULT_PREFILL_SIZES
 from connectors.kv_compress import Hi4Codec
+from connectors.slab_runs import pad16
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache import KVCache
 from engine.sampling_params import SamplingParams
@@ -94,7 +95,7 @@ def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
 
     nbytes = kv_cache.bytes_per_block if codec is None else codec.payload_bytes
     # Encoded payloads sit 16-byte aligned in the slab (the decoder needs it), raw ones anywhere.
-    header = _SLOT_HEADER_BYTES if codec is None else -(-_SLOT_HEADER_BYTES // 16) * 16
+    header = _SLOT_HEADER_BYTES if codec is None else pad16(_SLOT_HEADER_BYTES)
     stride = nbytes + header
     pinned = kv_cache.device.type == "cuda"
     host = torch.empty(max_blocks * stride, dtype=torch.uint8, pin_memory=pinned)

@@ -21,7 +21,7 @@ offload.md "Session 3"); whether the runs get the same is for bench/offload.py "
 
 ``codec`` (``compression: lossless``, ``connectors.kv_compress``): the slab holds encoded
 payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
-themselves encode with ``encode``); ``to_device`` and ``to_device_layers`` hand the payloads to
+themselves encode with the codec); ``to_device`` and ``to_device_layers`` hand the payloads to
 ``connectors.offload_decode.StagedDecoder`` (device staging, then the Triton decoder).
 """
 
@@ -33,7 +33,7 @@ import torch
 
 from connectors.kv_compress import Hi4Codec
 from connectors.offload_decode import StagedDecoder
-from connectors.slab_runs import slot_runs
+from connectors.slab_runs import ascending_runs
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
@@ -50,8 +50,7 @@ class SlabCopier:
             raise ValueError("host buffer must be a 1-D uint8 tensor")
         self.codec = codec
         self.nbytes = codec.payload_bytes if codec is not None else kv_cache.bytes_per_block
-        # [num_blocks, bytes_per_block] uint8 view of the cache: row b IS block b (no copy).
-        self._rows = kv_cache.tensor.reshape(kv_cache.num_blocks, -1).view(torch.uint8)
+        self._rows = kv_cache.byte_rows()
         self._host = host
         self._non_blocking = kv_cache.device.type == "cuda"
         # CUDA only: on a CPU cache a per-block copy is already one memcpy straight into the
@@ -115,13 +114,12 @@ class SlabCopier:
         if not self.coalesce:
             self._per_block(block_ids, offsets)
             return
-        for start, end, stride in slot_runs(offsets, self.nbytes):
-            if end - start == 1:
-                self._per_block(block_ids[start:end], offsets[start:end])
-            elif stride > 0:
-                self._run(block_ids[start:end], offsets[start], stride)
-            else:  # descending slots (a prefix saved tail first): the same run, reversed
-                self._run(list(reversed(block_ids[start:end])), offsets[end - 1], -stride)
+        for first, stride, js in ascending_runs(offsets, self.nbytes):
+            ids = [block_ids[j] for j in js]  # descending slots (a prefix saved tail first) too
+            if len(js) == 1:
+                self._per_block(ids, [first])
+            else:
+                self._run(ids, first, stride)
 
     def _per_block(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         rows, host, n, nb = self._rows, self._host, self.nbytes, self._non_blocking
@@ -148,17 +146,13 @@ class SlabCopier:
                 index = index.pin_memory().to(words.device, non_blocking=True)
             words.index_copy_(0, index, src)
 
-    def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        """Whole-block uint8 rows -> what the slab holds for them (encoded with a codec)."""
-        return rows if self.codec is None else self.codec.encode(rows)
-
     def to_host(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copy cache block ``block_ids[i]`` to host byte ``offsets[i]`` (reads the cache
         itself: on CUDA, call ``gather`` first when the blocks may be rewritten meanwhile)."""
         if self.codec is None:
             self.rows_to_host(self._rows, block_ids, offsets)
             return
-        self.rows_to_host(self.encode(self.gather(block_ids)), range(len(block_ids)), offsets)
+        self.rows_to_host(self.codec.encode(self.gather(block_ids)), range(len(block_ids)), offsets)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A ``[n, bytes_per_block]`` uint8 copy of the blocks on the cache's device (one

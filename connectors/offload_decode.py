@@ -16,8 +16,8 @@ decode kernels on a second stream so that a decode runs beside the next copy:
   Measured on the H200 (docs/offload.md, run 26) it is slower than whole payloads (16K
   prefix: 51-54 against 43-45 ms), so it stays opt-in.
 
-On the CPU both decode straight from the slab (tests run the layer-wise one with
-``force_layers``). Not thread-safe: one caller (the engine thread).
+On the CPU ``to_device`` decodes straight from the slab; ``to_device_layers`` (tests, with
+``force_layers``) runs the same staging steps synchronously. Not thread-safe: one caller (the engine thread).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from connectors.copy2d import copy2d, copy2d_available
 from connectors.kv_compress import DecodeBases, Hi4Codec, triton_decode_available
-from connectors.slab_runs import ascending_runs, pad16, slot_runs
+from connectors.slab_runs import ascending_runs, pad16
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class StagedDecoder:
         chunks = staging_plan(offsets, codec_bytes, cap)
         at = [a for _, entries in chunks for a, _ in entries]
         ids = [block_ids[j] for _, entries in chunks for _, j in entries]
-        off = codec.offsets
-        bases = DecodeBases(at, [a + off["codes"] for a in at], [a + off["low"] for a in at])
+        bases = codec.payload_bases(at)
         codec.check(cap, bases, ids, self._rows.shape[0], 0, codec.num_segments)
         index = codec.decode_index(bases, ids, self._rows.device)
         current = torch.cuda.current_stream(self._rows.device)
@@ -112,12 +111,17 @@ class StagedDecoder:
             k0 = k1
         current.wait_stream(decoder)
 
-    def _decode_after_copy(self, current: object, decoder: object, src: torch.Tensor,
-                           index: torch.Tensor, first: int, count: int) -> object:
-        """The decoder stream waits for the copies enqueued so far, decodes, records an event."""
+    def _decode_after_copy(self, current: object | None, decoder: object | None,
+                           src: torch.Tensor, index: torch.Tensor, first: int,
+                           count: int) -> object | None:
+        """CUDA: the decoder stream waits for the copies enqueued so far, decodes, records an
+        event (returned). CPU (``current`` None): decodes at once, returns None."""
+        if current is None:
+            self.codec.decode_indexed(src, index, self._rows, first, count)
+            return None
         copied = torch.cuda.Event()
         copied.record(current)  # type: ignore[arg-type]
-        decoder.wait_event(copied)  # type: ignore[attr-defined]
+        decoder.wait_event(copied)  # type: ignore[union-attr]
         with torch.cuda.stream(decoder):  # type: ignore[arg-type]
             self.codec.decode_indexed(src, index, self._rows, first, count)
         done = torch.cuda.Event()
@@ -151,22 +155,24 @@ class StagedDecoder:
                                 [base + group * m + (r % group) * 2 * m for r in range(n)])
             codec.check(staging.numel(), bases, ids, self._rows.shape[0], 0, 2)
             index.append(codec.decode_index(bases, ids, self._rows.device))
-        if not self._cuda:
-            return self._layers_cpu(runs, staging, index, n, group, meta_size, buf_size)
-        current = torch.cuda.current_stream(self._rows.device)
+        current = torch.cuda.current_stream(self._rows.device) if self._cuda else None
         try:
             self._copy_meta(runs, staging)
         except RuntimeError:  # the driver refused a 2-D copy: whole payloads from now on
+            if current is None:
+                raise
             log.exception("layer-wise loads of compressed blocks are off for this engine")
             self._layers_ok = False
             self.to_device(block_ids, offsets)
             event = torch.cuda.Event(enable_timing=True)
             event.record(current)
             return [event] * self.num_layers
-        decoder = self._decoder_stream()
-        decoder.wait_stream(current)  # type: ignore[attr-defined]
-        for ix in index:
-            ix.record_stream(decoder)  # type: ignore[arg-type]
+        decoder = None
+        if current is not None:
+            decoder = self._decoder_stream()
+            decoder.wait_stream(current)  # type: ignore[attr-defined]
+            for ix in index:
+                ix.record_stream(decoder)  # type: ignore[arg-type]
         events: list[object] = []
         free: list[object | None] = [None, None]
         c = 0
@@ -174,32 +180,19 @@ class StagedDecoder:
             for g0 in range(0, n, group):
                 p = c % 2
                 if free[p] is not None:
-                    current.wait_event(free[p])
+                    current.wait_event(free[p])  # type: ignore[union-attr]
                 g1 = min(n, g0 + group)
                 self._copy_layer(runs, staging, meta_size + p * buf_size, group, layer, g0, g1)
                 free[p] = self._decode_after_copy(current, decoder, staging,
                                                   index[p][:, g0:g1], 2 * layer, 2)
                 c += 1
-            event = torch.cuda.Event(enable_timing=layer == self.num_layers - 1)
-            event.record(decoder)  # type: ignore[arg-type]
-            events.append(event)
-        current.wait_stream(decoder)  # the next load's copies reuse the staging
+            if decoder is not None:
+                event = torch.cuda.Event(enable_timing=layer == self.num_layers - 1)
+                event.record(decoder)  # type: ignore[arg-type]
+                events.append(event)
+        if decoder is not None:
+            current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events
-
-    def _layers_cpu(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
-                    index: list[torch.Tensor], n: int, group: int, meta_size: int,
-                    buf_size: int) -> list[object]:
-        """The same staging and decode steps, synchronously (tests of the layout on a CPU)."""
-        self._copy_meta(runs, staging)
-        c = 0
-        for layer in range(self.num_layers):
-            for g0 in range(0, n, group):
-                p = c % 2
-                g1 = min(n, g0 + group)
-                self._copy_layer(runs, staging, meta_size + p * buf_size, group, layer, g0, g1)
-                self.codec.decode_indexed(staging, index[p][:, g0:g1], self._rows, 2 * layer, 2)
-                c += 1
-        return []
 
     def _copy_meta(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor) -> None:
         meta = self.codec.offsets["codes"]
@@ -229,26 +222,21 @@ def staging_plan(offsets: Sequence[int], nbytes: int, cap: int
                  ) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
     """Cut the payloads at ``offsets`` into chunks that fit a ``cap``-byte staging buffer:
     per chunk, the copies ``(staging offset, host offset, bytes)`` (a run of slots at a
-    constant stride is one copy, ``slot_runs``) and the payloads ``(staging offset, index
-    into offsets)``."""
+    constant stride is one copy, ``ascending_runs``) and the payloads ``(staging offset,
+    index into offsets)``."""
     chunks: list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]] = [([], [])]
     used = 0
-    for start, end, stride in slot_runs(offsets, nbytes):
-        step = abs(stride) or nbytes
-        i = start
-        while i < end:
+    for first, step, js in ascending_runs(offsets, nbytes):
+        i = 0
+        while i < len(js):
             if used + nbytes > cap:
                 chunks.append(([], []))
                 used = 0
-            fit = min(end - i, (cap - used - nbytes) // step + 1)
-            if stride >= 0:
-                first, order = offsets[i], range(i, i + fit)
-            else:  # descending slots: the span starts at the last block's payload
-                first, order = offsets[i + fit - 1], range(i + fit - 1, i - 1, -1)
+            fit = min(len(js) - i, (cap - used - nbytes) // step + 1)
             span = (fit - 1) * step + nbytes
             copies, entries = chunks[-1]
-            copies.append((used, first, span))
-            entries.extend((used + k * step, j) for k, j in enumerate(order))
+            copies.append((used, first + i * step, span))
+            entries.extend((used + k * step, js[i + k]) for k in range(fit))
             used += pad16(span)
             i += fit
     return chunks

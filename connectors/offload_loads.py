@@ -310,7 +310,7 @@ class HostLoader:
             spec = self.kv_cache.spec
             self.kv_cache.scatter_blocks(block_ids, data.view(spec.dtype).view(-1, *spec.block_shape))
             return
-        rows = self.kv_cache.tensor.reshape(self.kv_cache.num_blocks, -1).view(torch.uint8)
+        rows = self.kv_cache.byte_rows()
         src = data.reshape(-1).to(rows.device)
         self.codec.decode_into(src, [i * data.shape[1] for i in range(len(data))], rows, block_ids)
 

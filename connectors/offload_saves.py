@@ -111,8 +111,8 @@ class HostSaver:
             event = torch.cuda.Event()
             with torch.cuda.stream(self._side):  # type: ignore[arg-type]
                 self._side.wait_stream(compute)  # type: ignore[attr-defined]
-                gathered = self.kv_cache.tensor.reshape(len(self.kv_cache.tensor), -1).view(
-                    torch.uint8).index_select(0, torch.as_tensor(ids, device=self.kv_cache.device))
+                gathered = self.kv_cache.byte_rows().index_select(
+                    0, torch.as_tensor(ids, device=self.kv_cache.device))
                 if reuse:  # a block has a new owner: the forward waits for the gather only
                     gather_done = torch.cuda.Event()
                     gather_done.record(self._side)

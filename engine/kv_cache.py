@@ -76,6 +76,10 @@ class KVCache:
     def device(self) -> torch.device:
         return self.tensor.device
 
+    def byte_rows(self) -> torch.Tensor:
+        """``[num_blocks, bytes_per_block]`` uint8 view: row ``b`` IS block ``b`` (no copy)."""
+        return self.tensor.reshape(self.num_blocks, -1).view(torch.uint8)
+
     def layer_view(self, layer_idx: int) -> torch.Tensor:
         """Strided view ``[num_blocks, 2, block_size, kv_heads, head_dim]`` of one layer
         (no copy; writes go to the cache)."""

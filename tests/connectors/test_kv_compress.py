@@ -16,9 +16,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (CPU kernels)
 
 from cachestore.tier_config import ConfigError  # noqa: E402
-from connectors.kv_compress import DecodeBases, Hi4Codec  # noqa: E402
+from connectors.kv_compress import Hi4Codec  # noqa: E402
 from connectors.offload_config import parse_offload_config  # noqa: E402
 from connectors.offload_copy import SlabCopier  # noqa: E402
+from connectors.slab_runs import pad16  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from tests.connectors.test_offload import run_conversations  # noqa: E402
@@ -70,9 +71,7 @@ def test_triton_decoder_matches_torch() -> None:
     a = torch.zeros(4, codec.raw_bytes, dtype=torch.uint8)
     b = torch.zeros(4, codec.raw_bytes, dtype=torch.uint8, device=DEVICE)
     codec.decode_into(src, offs, a, [3, 1, 0])  # CPU: the torch path
-    off = codec.offsets
-    bases = DecodeBases(offs, [o + off["codes"] for o in offs], [o + off["low"] for o in offs])
-    index = codec.decode_index(bases, [3, 1, 0], DEVICE)
+    index = codec.decode_index(codec.payload_bases(offs), [3, 1, 0], DEVICE)
     decode_hi4(codec, src.to(DEVICE), index, b, 0, codec.num_segments)
     assert torch.equal(a, b.cpu())
     assert torch.equal(a[3], rows[0]) and torch.equal(a[1], rows[1]) and torch.equal(a[0], rows[2])
@@ -190,7 +189,7 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
     cache.tensor[:2].view(2, -1).view(torch.uint8).copy_(blocks)
 
     def stack(tiers: list[dict]) -> HierarchicalStore:
-        slot = -(-encoded_size(meta) // 16) * 16
+        slot = pad16(encoded_size(meta))
         return HierarchicalStore(build_tiers(parse_tier_config({"tiers": tiers}), host_slot_bytes=slot),
                                  StoreConfig(namespace="ns"))
 
@@ -293,7 +292,7 @@ def llama_slab(device: str, seed: int) -> tuple[KVCache, Hi4Codec, torch.Tensor,
     codec = Hi4Codec.for_cache(cache)
     rows = kv_like(40, codec, seed=seed)
     enc = codec.encode(rows)
-    stride = -(-(codec.payload_bytes + 160) // 16) * 16
+    stride = pad16(codec.payload_bytes + 160)
     host = torch.zeros(48 * stride, dtype=torch.uint8)
     host = host.pin_memory() if device == "cuda" else host
     slots = list(range(30, 5, -1)) + [40, 2, 44, 0, 1, 3, 4, 41, 42, 43, 45, 46, 47, 5, 31]
