@@ -129,6 +129,31 @@ def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "pinned": pinned, **rows}
 
 
+def bench_copy2d(setup: Setup, repeats: int = 5) -> dict[str, Any]:
+    """Host -> device 2-D copies (``connectors.copy2d``: the layer-wise loads' DMA) at several
+    row widths, rows a compressed Llama-3-8B payload apart, against one plain copy of as many
+    bytes in the same run. CUDA only (elsewhere it is a strided torch copy)."""
+    from connectors.copy2d import copy2d, copy2d_available
+    from connectors.kv_compress import Hi4Codec
+
+    if setup.device.type != "cuda" or not copy2d_available():
+        return {"skipped": "needs CUDA and the driver's 2-D copies"}
+    rows = max(setup.transfer_blocks, 256)
+    pitch = Hi4Codec(64, 16384).payload_bytes
+    host = torch.empty(rows * pitch, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(rows * pitch, dtype=torch.uint8, device=setup.device)
+    out: dict[str, Any] = {"rows": rows, "src_pitch": pitch, "widths": {}}
+    for width in (16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10):
+        nbytes = rows * width
+        t2d = best_time(lambda w=width: copy2d(dev, 0, w, host, 0, pitch, w, rows),
+                        setup.device, repeats)
+        t1d = best_time(lambda n=nbytes: dev[:n].copy_(host[:n], non_blocking=True),
+                        setup.device, repeats)
+        out["widths"][str(width)] = {"copy2d_gbps": nbytes / t2d / 1e9,
+                                     "plain_gbps": nbytes / t1d / 1e9, "ratio": t1d / t2d}
+    return out
+
+
 def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     """The worker's real load path for N blocks of the Llama-3-8B shape held by the host tier
     (``prepare_load`` -> ``start_load_kv`` -> ``take_report``: locate in the slab, one copy per
@@ -254,8 +279,9 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
         return None
     if mode == "lmdb":
         return {"decision": "load", "tiers": [{"kind": "host", "capacity": 4 * slot_bytes}, lmdb]}
-    if mode == "host_lossless":  # the same reload of blocks stored compressed (kv_compress)
+    if mode.startswith("host_lossless"):  # the same reload of blocks stored compressed
         return {"decision": "load", "compression": "lossless",
+                "layered_loads": mode == "host_lossless_layered",
                 "tiers": [{"kind": "host", "capacity": host_cap}]}
     return {"decision": "load" if mode == "host" else "cost",
             "tiers": [{"kind": "host", "capacity": host_cap}]}
@@ -272,7 +298,7 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
     return prefix
 
 
-TTFT_MODES = ("recompute", "host", "host_lossless", "lmdb", "cost")
+TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_layered", "lmdb", "cost")
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
@@ -348,10 +374,14 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                         {"small_query_attention": "triton"}),
     "host_lossless": ({"in_step_host_loads": True, "compression": "lossless"}, {}),
     "host_lossless_layered": ({"in_step_host_loads": True, "compression": "lossless",
-                               "layered_loads": True}, {}),
+                               "layered_loads": True}, {}),  # automatic layers_per_copy
+    **{f"host_lossless_layers{k}": ({"in_step_host_loads": True, "compression": "lossless",
+                                     "layered_loads": True, "layers_per_copy": k}, {})
+       for k in (1, 2, 4, 16)},
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
-                   "host_layered_sq", "host_lossless_layered"}
+                   "host_layered_sq", "host_lossless_layered",
+                   *(m for m in RELOAD_MODES if m.startswith("host_lossless_layers"))}
 DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered", "host_lossless")
 
 
@@ -427,6 +457,8 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
           12.0)
     check(f"ttft_{top}_host_lossless_speedup", "ttft",
           lambda s: s["speedup_vs_recompute"][f"host_lossless_{top}"], 12.0)
+    check(f"ttft_{top}_host_lossless_layered_speedup", "ttft",
+          lambda s: s["speedup_vs_recompute"][f"host_lossless_layered_{top}"], 12.0)
     check("qa_ttft_p50_ratio", "qa", lambda s: s["ttft_p50_ratio"], 5.0)
     check("qa_throughput_ratio", "qa", lambda s: s["throughput_ratio"], 2.0)
     check("sweep_within_5pct", "sweep", lambda s: s["within_5pct"] / s["num_points"], 1.0)
@@ -449,6 +481,10 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
             parts.append(f"reload {top} tok: best {best} TTFT {m[best][top]['ttft_s'] * 1e3:.1f} ms"
                          f" in {m[best][top]['steps_to_first_token']} steps"
                          + (f" ({vs:.1f}x vs recompute);" if vs else ";"))
+    c2 = res.get("copy2d", {}).get("widths", {})
+    if c2:
+        parts.append("copy2d vs plain: " + ", ".join(
+            f"{int(w) >> 10}K {v['ratio']:.2f}x" for w, v in c2.items()) + ";")
     if "ratio_to_raw" in lp:
         parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
                      f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
@@ -515,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reload-modes", default=",".join(DEFAULT_RELOAD_MODES),
                     help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}")
     args = ap.parse_args(argv)
-    sections = {"transfer": bench_transfer, "load_path": bench_load_path,
+    sections = {"transfer": bench_transfer, "copy2d": bench_copy2d, "load_path": bench_load_path,
                 "reload_steps": bench_reload_steps, "ttft": bench_ttft, "qa": bench_qa,
                 "sweep": bench_sweep}
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]

@@ -87,12 +87,13 @@ class OffloadConnector:
             stats=self.counters,
             cost_model=cost_model,
             layered_loads=config.layered_loads,
+            layers_per_copy=config.layers_per_copy,
             coalesced_loads=config.coalesced_loads,
             codec=codec,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.
-            cost_model.pipelined_layers = kv_cache.spec.num_layers
+            cost_model.pipelined_layers = self.worker.load_stages
         self._closed = False
 
     @classmethod

@@ -7,6 +7,7 @@ One YAML file (or the same dict) holds both::
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     layered_loads: false    # CUDA: in-step loads land layer by layer under the forward
+    layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
     tiers:
@@ -56,6 +57,10 @@ class OffloadConfig:
     # every block by driver 2-D copies, then decoded; connectors/offload_decode.py). Off by default: the H200 runs do not yet
     # separate it from an unexplained between-engine effect of the benchmark (docs/offload.md).
     layered_loads: bool = False
+    # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at
+    # least 128 KiB; connectors/offload_decode.py). Fewer layers a copy overlap more of the
+    # forward but narrow the DMA rows.
+    layers_per_copy: int = 0
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device
     # scatter instead of one copy per block (connectors/offload_copy.py). Off by default
     # until bench/offload.py "load_path" has measured it on a GPU.
@@ -70,19 +75,23 @@ class OffloadConfig:
                               f"{COMPRESSIONS}")
         if self.decision not in DECISIONS:
             raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
+        if isinstance(self.layers_per_copy, bool) or not isinstance(self.layers_per_copy, int) \
+                or self.layers_per_copy < 0:
+            raise ConfigError(f"kv offload: layers_per_copy must be an integer >= 0, got "
+                              f"{self.layers_per_copy!r}")
         if not self.load_timeout_s > 0:
             raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
-    "in_step_host_loads": ..., "layered_loads": ..., "coalesced_loads": ...,
-    "compression": ...}`` -> OffloadConfig.
+    "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
+    "coalesced_loads": ..., "compression": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
-             "layered_loads", "coalesced_loads", "compression"}
+             "layered_loads", "layers_per_copy", "coalesced_loads", "compression"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -103,6 +112,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=flags["layered_loads"],
+        layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],
         compression=str(data.get("compression", "none")),
     )

@@ -41,7 +41,8 @@ STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks 
 
 class SlabCopier:
     def __init__(self, kv_cache: KVCache, host: torch.Tensor, *, layered: bool = False,
-                 coalesce: bool = False, codec: Hi4Codec | None = None) -> None:
+                 coalesce: bool = False, codec: Hi4Codec | None = None,
+                 layers_per_copy: int = 0) -> None:
         """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
         where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
         copy each. ``codec``: the slab holds its payloads (module docstring). Raises
@@ -61,7 +62,8 @@ class SlabCopier:
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
-        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers, layers=layered)
+        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers, layers=layered,
+                                       layers_per_copy=layers_per_copy)
                          if codec is not None else None)
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
         if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
@@ -78,6 +80,14 @@ class SlabCopier:
         if self._decoder is not None:
             return self._decoder.layered
         return self._words is not None
+
+    @property
+    def load_stages(self) -> int:
+        """How many events ``to_device_layers``' layers become ready in (one per layer, or
+        per group of layers with a codec)."""
+        if self._decoder is not None:
+            return len(self._decoder.layer_groups())
+        return self._num_layers
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, as one kernel per layer on the current stream (see

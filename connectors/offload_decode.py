@@ -6,15 +6,17 @@ decode kernels on a second stream so that a decode runs beside the next copy:
 
 - ``to_device`` (async loads, lower-tier stagings): whole payloads in chunks of two 64 MiB
   staging buffers in turn; each run of consecutive slots is one copy.
-- ``to_device_layers`` (in-step loads with ``layered_loads: true``): layer by layer. The payloads' metadata (counts,
-  escapes, codebooks) comes over first, one 2-D copy per run; then for each layer, its codes
-  and low bytes from every block (two 2-D copies per run: a layer's parts sit at a fixed offset
-  in each payload) into one of two layer buffers, decoded into that layer of the cache blocks.
-  One CUDA event per layer, after its decode: the forward's attention of layer ``l`` waits
-  only for event ``l`` (``KVCache.set_layer_ready``), so the forward runs while later layers
-  are still on the link. The copies are DMA (``connectors.copy2d``), the SMs stay free.
-  Measured on the H200 (docs/offload.md, run 26) it is slower than whole payloads (16K
-  prefix: 51-54 against 43-45 ms), so it stays opt-in.
+- ``to_device_layers`` (in-step loads with ``layered_loads: true``): a group of layers at a
+  time (``layers_per_copy``; automatic: codes rows of at least 128 KiB, 8 layers of the
+  Llama-3-8B shape). The payloads' metadata (counts, escapes, codebooks) comes over first,
+  one 2-D copy per run; then for each group, its codes and low bytes from every block (two
+  2-D copies per run: a group's parts sit at a fixed offset in each payload) into one of two
+  layer buffers, decoded into those layers of the cache blocks. One CUDA event per group,
+  after its decode: the forward's attention of layer ``l`` waits only for its group's event
+  (``KVCache.set_layer_ready``), so the forward runs while later groups are still on the
+  link. The copies are DMA (``connectors.copy2d``), the SMs stay free. One layer a copy
+  (16-32 KiB rows) measured slower than whole payloads on the H200 (docs/offload.md, run
+  26: 51-54 against 43-45 ms for a 16K prefix), so it stays opt-in.
 
 On the CPU ``to_device`` decodes straight from the slab; ``to_device_layers`` (tests, with
 ``force_layers``) runs the same staging steps synchronously. Not thread-safe: one caller (the engine thread).
@@ -35,16 +37,22 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # each of the two staging buffers of ``to_device``
 LAYER_BYTES = 64 << 20  # each of the two layer buffers of ``to_device_layers``
+MIN_ROW_BYTES = 128 << 10  # auto ``layers_per_copy``: codes rows at least this wide
 
 
 class StagedDecoder:
     def __init__(self, codec: Hi4Codec, rows: torch.Tensor, host: torch.Tensor, num_layers: int,
-                 *, layers: bool = False, force_layers: bool = False) -> None:
+                 *, layers: bool = False, force_layers: bool = False,
+                 layers_per_copy: int = 0) -> None:
         """``rows``: the cache as ``[num_blocks, raw_bytes]`` uint8; ``host``: the slab (1-D
         uint8). ``layers``: enable ``to_device_layers`` where it can run (``layered_loads``);
-        ``force_layers``: run it on the CPU too (tests)."""
+        ``force_layers``: run it on the CPU too (tests); ``layers_per_copy``: see
+        ``layer_groups`` (0: automatic)."""
         if codec.num_segments != 2 * num_layers:
             raise ValueError(f"codec of {codec.num_segments} segments for {num_layers} layers")
+        if layers_per_copy < 0:
+            raise ValueError(f"layers_per_copy must be >= 0, got {layers_per_copy}")
+        self.layers_per_copy = layers_per_copy
         self.codec = codec
         self.num_layers = num_layers
         self._rows = rows
@@ -130,9 +138,18 @@ class StagedDecoder:
 
     # -- layer by layer --------------------------------------------------------------------
 
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """The ``[first, end)`` layers each layer-wise copy moves: ``layers_per_copy`` of
+        them, or (0) the fewest that make a codes row of ``MIN_ROW_BYTES`` (2-D DMA over
+        narrow rows runs below the link's speed: run 26)."""
+        per = self.layers_per_copy or -(-MIN_ROW_BYTES // self.codec.segment_values)
+        per = max(1, min(self.num_layers, per))
+        return [(a, min(self.num_layers, a + per)) for a in range(0, self.num_layers, per)]
+
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
-        """Like ``to_device``, layer by layer; returns one CUDA event per layer (the last one
-        with timing), recorded after that layer's decode (CPU: ``[]``, done on return)."""
+        """Like ``to_device``, a group of layers at a time (``layer_groups``); returns one CUDA
+        event per layer, recorded after its group's decode (the last one with timing; CPU:
+        ``[]``, done on return)."""
         if not self._layers_ok:
             raise ValueError("layer-wise loads of compressed blocks need CUDA, Triton, the "
                              "driver's 2-D copies and a pinned slab")
@@ -140,20 +157,23 @@ class StagedDecoder:
         n, m, meta = len(block_ids), codec.segment_values, codec.offsets["codes"]
         if n == 0:
             return []
+        groups = self.layer_groups()
+        width = max(b - a for a, b in groups)  # layers a staging row has room for
         runs = ascending_runs(offsets, codec.payload_bytes)
         order = [j for _, _, js in runs for j in js]  # staging row -> index into block_ids
         ids = [block_ids[j] for j in order]
-        group = max(1, min(n, LAYER_BYTES // (3 * m)))  # rows per layer buffer
+        rows = max(1, min(n, LAYER_BYTES // (3 * m * width)))  # rows per layer buffer
         meta_size = pad16(n * meta)
-        buf_size = pad16(group * 3 * m)
+        buf_size = pad16(rows * 3 * m * width)
         staging = self._buffer(meta_size + 2 * buf_size)
         index: list[torch.Tensor] = []
         for p in range(2):  # the decode index of rows staged in layer buffer p
             base = meta_size + p * buf_size
+            codes_end = base + rows * width * m
             bases = DecodeBases([r * meta for r in range(n)],
-                                [base + (r % group) * m for r in range(n)],
-                                [base + group * m + (r % group) * 2 * m for r in range(n)])
-            codec.check(staging.numel(), bases, ids, self._rows.shape[0], 0, 2)
+                                [base + (r % rows) * width * m for r in range(n)],
+                                [codes_end + (r % rows) * 2 * width * m for r in range(n)])
+            codec.check(staging.numel(), bases, ids, self._rows.shape[0], 0, 2 * width)
             index.append(codec.decode_index(bases, ids, self._rows.device))
         current = torch.cuda.current_stream(self._rows.device) if self._cuda else None
         try:
@@ -176,20 +196,21 @@ class StagedDecoder:
         events: list[object] = []
         free: list[object | None] = [None, None]
         c = 0
-        for layer in range(self.num_layers):
-            for g0 in range(0, n, group):
+        for a, b in groups:
+            for r0 in range(0, n, rows):
                 p = c % 2
                 if free[p] is not None:
                     current.wait_event(free[p])  # type: ignore[union-attr]
-                g1 = min(n, g0 + group)
-                self._copy_layer(runs, staging, meta_size + p * buf_size, group, layer, g0, g1)
+                r1 = min(n, r0 + rows)
+                self._copy_layers(runs, staging, meta_size + p * buf_size, rows * width * m,
+                                  width * m, (a, b), (r0, r1))
                 free[p] = self._decode_after_copy(current, decoder, staging,
-                                                  index[p][:, g0:g1], 2 * layer, 2)
+                                                  index[p][:, r0:r1], 2 * a, 2 * (b - a))
                 c += 1
             if decoder is not None:
-                event = torch.cuda.Event(enable_timing=layer == self.num_layers - 1)
+                event = torch.cuda.Event(enable_timing=b == self.num_layers)
                 event.record(decoder)  # type: ignore[arg-type]
-                events.append(event)
+                events.extend([event] * (b - a))
         if decoder is not None:
             current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events
@@ -201,20 +222,24 @@ class StagedDecoder:
             copy2d(staging, row * meta, meta, self._host, first, pitch, meta, len(js))
             row += len(js)
 
-    def _copy_layer(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
-                    base: int, group: int, layer: int, g0: int, g1: int) -> None:
-        """Layer ``layer``'s codes and low bytes of staging rows ``[g0, g1)`` into the layer
-        buffer at ``base``: codes rows of ``M`` bytes, then low rows of ``2M``."""
+    def _copy_layers(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
+                     base: int, low_at: int, row_m: int, layers: tuple[int, int],
+                     rows: tuple[int, int]) -> None:
+        """The codes and low bytes of ``layers`` ``[a, b)`` of staging rows ``[r0, r1)`` into
+        the layer buffer at ``base``: codes rows ``row_m`` bytes apart, then from
+        ``base + low_at`` low rows ``2 * row_m`` apart (a row holds ``(b - a) * M`` code
+        bytes and twice that of low bytes)."""
         off, m = self.codec.offsets, self.codec.segment_values
+        (a, b), (g0, g1) = layers, rows
         r0 = 0
         for first, pitch, js in runs:
-            a, b = max(g0, r0), min(g1, r0 + len(js))
-            if a < b:
-                src = first + (a - r0) * pitch
-                copy2d(staging, base + (a - g0) * m, m, self._host,
-                       src + off["codes"] + layer * m, pitch, m, b - a)
-                copy2d(staging, base + group * m + (a - g0) * 2 * m, 2 * m, self._host,
-                       src + off["low"] + layer * 2 * m, pitch, 2 * m, b - a)
+            lo, hi = max(g0, r0), min(g1, r0 + len(js))
+            if lo < hi:
+                src = first + (lo - r0) * pitch
+                copy2d(staging, base + (lo - g0) * row_m, row_m, self._host,
+                       src + off["codes"] + a * m, pitch, (b - a) * m, hi - lo)
+                copy2d(staging, base + low_at + (lo - g0) * 2 * row_m, 2 * row_m, self._host,
+                       src + off["low"] + 2 * a * m, pitch, 2 * (b - a) * m, hi - lo)
             r0 += len(js)
 
 

@@ -68,8 +68,10 @@ class HostLoader:
     def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
                  cost_model: OnlineCostModel | None, layered: bool = False,
-                 coalesced: bool = False, codec: Hi4Codec | None = None) -> None:
-        """``layered``: in-step loads land layer by layer when the copier can (CUDA);
+                 coalesced: bool = False, codec: Hi4Codec | None = None,
+                 layers_per_copy: int = 0) -> None:
+        """``layered``: in-step loads land layer by layer when the copier can (CUDA;
+        ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
         ``codec``: stored payloads are encoded (decoded into the blocks on arrival)."""
         self.kv_cache = kv_cache
@@ -84,7 +86,8 @@ class HostLoader:
         self._total = encoded_size(meta)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
-        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec)
+        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
+                                   layers_per_copy=layers_per_copy)
                         if host is not None else None)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._loads: dict[str, _Load] = {}
@@ -95,6 +98,11 @@ class HostLoader:
     def layered(self) -> bool:
         """In-step loads land layer by layer (see ``_copy_in_step``)."""
         return self._side is not None and self._copier is not None and self._copier.layered
+
+    @property
+    def load_stages(self) -> int:
+        """Layer-wise loads: how many events the layers' reads wait for in turn (else 1)."""
+        return self._copier.load_stages if self.layered else 1  # type: ignore[union-attr]
 
     def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and

@@ -60,6 +60,7 @@ class OffloadWorker:
         stats: OffloadStats,
         cost_model: OnlineCostModel | None = None,
         layered_loads: bool = False,
+        layers_per_copy: int = 0,
         coalesced_loads: bool = False,
         codec: Hi4Codec | None = None,
     ) -> None:
@@ -73,12 +74,18 @@ class OffloadWorker:
         self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream, codec)
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model,
-                                  layered=layered_loads, coalesced=coalesced_loads, codec=codec)
+                                  layered=layered_loads, coalesced=coalesced_loads, codec=codec,
+                                  layers_per_copy=layers_per_copy)
 
     @property
     def layered_loads(self) -> bool:
         """Whether in-step host loads land layer by layer (CUDA, Triton, aligned slab)."""
         return self._loader.layered
+
+    @property
+    def load_stages(self) -> int:
+        """How many steps a layer-wise load lands in (the forward waits for each in turn)."""
+        return self._loader.load_stages
 
     # -- runner hooks --------------------------------------------------------------------
 

@@ -172,6 +172,11 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert load_offload_config({"tiers": host, "layered_loads": True}).layered_loads
     with pytest.raises(ConfigError, match="layered_loads must be true or false"):
         load_offload_config({"tiers": host, "layered_loads": 1})
+    assert cfg.layers_per_copy == 0
+    assert load_offload_config({"tiers": host, "layers_per_copy": 4}).layers_per_copy == 4
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ConfigError, match="layers_per_copy must be an integer >= 0"):
+            load_offload_config({"tiers": host, "layers_per_copy": bad})
     assert cfg.coalesced_loads is False
     assert load_offload_config({"tiers": host, "coalesced_loads": True}).coalesced_loads
     with pytest.raises(ConfigError, match="coalesced_loads must be true or false"):

@@ -335,11 +335,14 @@ def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
         copy2d(dst, 60, 10, src, 0, 50, 6, 1)
 
 
-@pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one group; groups of 3 rows
-def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch,
-                                             layer_bytes: int) -> None:
-    """``to_device_layers``' staging (metadata first, then each layer's codes and low bytes by
-    2-D copies per run, two layer buffers in turn) run on the CPU: every block comes back."""
+@pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one row group; 3 rows or 1
+@pytest.mark.parametrize("per_copy, groups", [(0, [(0, 3)]), (1, [(0, 1), (1, 2), (2, 3)]),
+                                              (2, [(0, 2), (2, 3)])])
+def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, layer_bytes: int,
+                                             per_copy: int, groups: list[tuple[int, int]]) -> None:
+    """``to_device_layers``' staging (metadata first, then each group of layers' codes and low
+    bytes by 2-D copies per run, two layer buffers in turn) run on the CPU: every block comes
+    back, whatever the groups (automatic: all 3 small layers at once; one a copy; 2 + 1)."""
     import connectors.offload_decode as od
 
     monkeypatch.setattr(od, "LAYER_BYTES", layer_bytes)
@@ -354,7 +357,9 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch,
     for i, slot in enumerate(slots):
         host[slot * stride + 16:slot * stride + 16 + codec.payload_bytes] = enc[i]
     rows = cache.tensor.reshape(10, -1).view(torch.uint8)
-    decoder = od.StagedDecoder(codec, rows, host, spec.num_layers, force_layers=True)
+    decoder = od.StagedDecoder(codec, rows, host, spec.num_layers, force_layers=True,
+                               layers_per_copy=per_copy)
+    assert decoder.layer_groups() == groups
     ids = [3, 9, 0, 5, 1, 8, 2, 6]
     assert decoder.to_device_layers(ids, [s * stride + 16 for s in slots]) == []
     for i, b in enumerate(ids):
@@ -363,21 +368,25 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.gpu
-def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA (driver 2-D copies, decode stream, one event per layer), Llama-sized blocks in
-    two row groups per layer: byte for byte, and every layer event completes."""
+@pytest.mark.parametrize("per_copy, stages", [(1, 32), (0, 4), (5, 7)])
+def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch, per_copy: int,
+                                              stages: int) -> None:
+    """On CUDA (driver 2-D copies, decode stream, one event per group of layers), Llama-sized
+    blocks in several row groups (1 MiB layer buffers: 21, 2 and 4 rows a buffer for 1, 8
+    (automatic) and 5 layers a copy): byte for byte, and every layer event completes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import connectors.offload_decode as od
 
-    monkeypatch.setattr(od, "LAYER_BYTES", 1 << 20)  # 21 rows a group: 2 groups of 40
+    monkeypatch.setattr(od, "LAYER_BYTES", 1 << 20)
     cache, codec, rows, host, offsets, ids = llama_slab("cuda", 13)
-    copier = SlabCopier(cache, host, codec=codec, layered=True)
-    assert copier.layered
+    copier = SlabCopier(cache, host, codec=codec, layered=True, layers_per_copy=per_copy)
+    assert copier.layered and copier.load_stages == stages
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         events = copier.to_device_layers(ids, offsets)
-    assert len(events) == 32
+    assert len(events) == 32 and len({id(e) for e in events}) == stages
     events[-1].synchronize()
+    assert all(e.query() for e in events)
     got = cache.tensor.reshape(48, -1).view(torch.uint8)[ids].cpu()
     assert torch.equal(got, rows)
