@@ -93,6 +93,7 @@ from bench.offload_parts import (  # noqa: E402
     make_llm,
     random_tokens,
     run_requests,
+    two_byte_kv,
 )
 from bench.offload_qa import bench_qa  # noqa: E402
 from bench.offload_sweep import bench_sweep  # noqa: E402
@@ -279,9 +280,10 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
         return None
     if mode == "lmdb":
         return {"decision": "load", "tiers": [{"kind": "host", "capacity": 4 * slot_bytes}, lmdb]}
-    if mode.startswith("host_lossless"):  # the same reload of blocks stored compressed
-        return {"decision": "load", "compression": "lossless",
-                "layered_loads": mode == "host_lossless_layered",
+    if "_lossless" in mode:  # the same reload of blocks stored compressed (layer-wise loads)
+        return {"decision": "cost" if mode.startswith("cost") else "load",
+                "compression": "lossless",
+                **({"layered_loads": False} if mode == "host_lossless_whole" else {}),
                 "tiers": [{"kind": "host", "capacity": host_cap}]}
     return {"decision": "load" if mode == "host" else "cost",
             "tiers": [{"kind": "host", "capacity": host_cap}]}
@@ -298,14 +300,14 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
     return prefix
 
 
-TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_layered", "lmdb", "cost")
+TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_whole", "lmdb", "cost",
+              "cost_lossless")
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
     """``modes`` without the ``_lossless`` ones where the KV is not 2-byte (the CPU quick run's
     float32 demo model): ``compression: lossless`` refuses other dtypes."""
-    two_byte = setup.model_dir is not None and setup.dtype in ("auto", "bfloat16", "float16")
-    return [m for m in modes if two_byte or "_lossless" not in m]
+    return [m for m in modes if two_byte_kv(setup) or "_lossless" not in m]
 
 
 def bench_ttft(setup: Setup) -> dict[str, Any]:
@@ -372,15 +374,16 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                           {"small_query_attention": "triton"}),
     "host_layered_sq": ({"in_step_host_loads": True, "layered_loads": True},
                         {"small_query_attention": "triton"}),
+    # Compressed: layer-wise in-step loads by default (automatic layers_per_copy), or whole.
     "host_lossless": ({"in_step_host_loads": True, "compression": "lossless"}, {}),
-    "host_lossless_layered": ({"in_step_host_loads": True, "compression": "lossless",
-                               "layered_loads": True}, {}),  # automatic layers_per_copy
+    "host_lossless_whole": ({"in_step_host_loads": True, "compression": "lossless",
+                             "layered_loads": False}, {}),
     **{f"host_lossless_layers{k}": ({"in_step_host_loads": True, "compression": "lossless",
                                      "layered_loads": True, "layers_per_copy": k}, {})
        for k in (1, 2, 4, 16)},
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
-                   "host_layered_sq", "host_lossless_layered",
+                   "host_layered_sq",
                    *(m for m in RELOAD_MODES if m.startswith("host_lossless_layers"))}
 DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered", "host_lossless")
 
@@ -457,10 +460,10 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
           12.0)
     check(f"ttft_{top}_host_lossless_speedup", "ttft",
           lambda s: s["speedup_vs_recompute"][f"host_lossless_{top}"], 12.0)
-    check(f"ttft_{top}_host_lossless_layered_speedup", "ttft",
-          lambda s: s["speedup_vs_recompute"][f"host_lossless_layered_{top}"], 12.0)
     check("qa_ttft_p50_ratio", "qa", lambda s: s["ttft_p50_ratio"], 5.0)
     check("qa_throughput_ratio", "qa", lambda s: s["throughput_ratio"], 2.0)
+    check("qa_lossless_ttft_p50_ratio", "qa", lambda s: s["lossless_ttft_p50_ratio"], 5.0)
+    check("qa_lossless_throughput_ratio", "qa", lambda s: s["lossless_throughput_ratio"], 2.0)
     check("sweep_within_5pct", "sweep", lambda s: s["within_5pct"] / s["num_points"], 1.0)
     return t
 
@@ -507,7 +510,10 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "ttft_p50_ratio" in qa:
         parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "
                      f"{qa['ttft_p50_later_rounds_ratio']:.1f}x), throughput "
-                     f"{qa['throughput_ratio']:.2f}x with offload;")
+                     f"{qa['throughput_ratio']:.2f}x with offload"
+                     + (f" (lossless: {qa['lossless_ttft_p50_ratio']:.1f}x, "
+                        f"{qa['lossless_throughput_ratio']:.2f}x)" if "lossless_ttft_p50_ratio" in qa
+                        else "") + ";")
     if "points" in sw:
         parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
                      f"points (worst {sw['worst_ratio_to_best']:.2f}x), never slower than both "
@@ -547,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qa-users", type=int, help="multi-round QA users")
     ap.add_argument("--qa-concurrency", type=int,
                     help="multi-round QA requests in flight at most")
+    ap.add_argument("--qa-lossless", action="store_true",
+                    help="multi-round QA: also offload with compression: lossless (2-byte KV)")
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
     ap.add_argument("--reload-modes", default=",".join(DEFAULT_RELOAD_MODES),
                     help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}")
@@ -564,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"from {sorted(RELOAD_MODES)}")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
         mode = "quick" if args.quick else "tiny" if args.tiny else "full"
-        setup = dataclasses.replace(build_setup(mode, workdir, args), reload_modes=modes)
+        setup = dataclasses.replace(build_setup(mode, workdir, args), reload_modes=modes,
+                                    qa_lossless=args.qa_lossless)
         res: dict[str, Any] = {"bench": "offload", "machine": machine_info(),
                                "quick": args.quick, "mode": mode, "lengths": list(setup.lengths),
                                "argv": sys.argv[1:] if argv is None else argv}

@@ -68,6 +68,7 @@ class Setup:
     sweep_lengths: tuple[int, ...] = ()  # () = lengths
     host_capacity: int = 512 << 20
     reload_modes: tuple[str, ...] = ()  # bench/offload.py's reload_steps modes (RELOAD_MODES)
+    qa_lossless: bool = False  # the QA section also runs offload with compression: lossless
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
@@ -189,6 +190,12 @@ def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None,
     if offload is not None:
         kwargs.update(kv_offload=True, kv_offload_config=offload)
     return LLM(setup.model_dir, **kwargs)
+
+
+def two_byte_kv(setup: Setup) -> bool:
+    """Whether the setup's KV is 2-byte (what ``compression: lossless`` needs): not the CPU
+    quick run's float32 demo model."""
+    return setup.model_dir is not None and setup.dtype in ("auto", "bfloat16", "float16")
 
 
 def close_llm(llm: Any) -> None:

@@ -23,6 +23,7 @@ from bench.offload_parts import (
     make_llm,
     random_tokens,
     run_requests,
+    two_byte_kv,
 )
 from engine.sampling_params import SamplingParams
 
@@ -155,12 +156,18 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     """LMCache's multi-round QA shape, offload off vs on (decision: cost, host tier), each mode
     on a fresh engine driven by ``run_qa`` with the same users, questions and admission order.
     Reports TTFT p50/p99 (all requests, and rounds >= 1 alone: the reuse of an evicted history),
-    output tokens/s over the run's wall time, cache hits per request and the decisions."""
+    output tokens/s over the run's wall time, cache hits per request and the decisions.
+    ``setup.qa_lossless``: a third engine, offload on with ``compression: lossless``."""
     q, sizes = setup.qa, qa_sizes(setup)
     out: dict[str, Any] = {"params": {**q, **sizes}}
     params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
-    for name, offload in (("off", None), ("on", {"decision": "cost", "tiers": [
-            {"kind": "host", "capacity": sizes["host_capacity"]}]})):
+    host = {"kind": "host", "capacity": sizes["host_capacity"]}
+    modes: list[tuple[str, dict[str, Any] | None]] = [
+        ("off", None), ("on", {"decision": "cost", "tiers": [host]})]
+    if setup.qa_lossless and two_byte_kv(setup):
+        modes.append(("on_lossless", {"decision": "cost", "compression": "lossless",
+                                      "tiers": [host]}))
+    for name, offload in modes:
         rng = random.Random(2)
         system = random_tokens(rng, q["system"])
         histories = [system + random_tokens(rng, q["context"]) for _ in range(q["users"])]
@@ -181,6 +188,11 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     out["ttft_p50_later_rounds_ratio"] = (out["off"]["ttft_p50_later_rounds_s"]
                                           / out["on"]["ttft_p50_later_rounds_s"])
     out["throughput_ratio"] = out["on"]["output_tokens_per_s"] / out["off"]["output_tokens_per_s"]
+    if "on_lossless" in out:
+        on = out["on_lossless"]
+        out["lossless_ttft_p50_ratio"] = out["off"]["ttft_p50_s"] / on["ttft_p50_s"]
+        out["lossless_throughput_ratio"] = (on["output_tokens_per_s"]
+                                            / out["off"]["output_tokens_per_s"])
     return out
 
 

@@ -86,7 +86,7 @@ class OffloadConnector:
             load_timeout_s=config.load_timeout_s,
             stats=self.counters,
             cost_model=cost_model,
-            layered_loads=config.layered_loads,
+            layered_loads=config.layer_wise,
             layers_per_copy=config.layers_per_copy,
             coalesced_loads=config.coalesced_loads,
             codec=codec,

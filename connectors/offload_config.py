@@ -6,7 +6,8 @@ One YAML file (or the same dict) holds both::
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
-    layered_loads: false    # CUDA: in-step loads land layer by layer under the forward
+    layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
+                            # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
@@ -53,10 +54,12 @@ class OffloadConfig:
     # old behaviour, one more engine step; kept as the benchmark's baseline).
     in_step_host_loads: bool = True
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
-    # layer's attention waiting only for its layer (with compression: each layer's parts of
-    # every block by driver 2-D copies, then decoded; connectors/offload_decode.py). Off by default: the H200 runs do not yet
-    # separate it from an unexplained between-engine effect of the benchmark (docs/offload.md).
-    layered_loads: bool = False
+    # layer's attention waiting only for its layer (with compression: groups of layers' parts
+    # of every block by driver 2-D copies, then decoded; connectors/offload_decode.py).
+    # "auto" (the default): on with compression, where the H200 measured it faster (a 16K
+    # prefix in 38-39 ms against 42-46 whole, docs/offload.md run 27), off for raw blocks,
+    # where it did not beat whole-block copies.
+    layered_loads: bool | str = "auto"
     # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at
     # least 128 KiB; connectors/offload_decode.py). Fewer layers a copy overlap more of the
     # forward but narrow the DMA rows.
@@ -69,12 +72,22 @@ class OffloadConfig:
     # 0.76x of the bytes with the same values back; their keys live in their own namespace.
     compression: str = "none"
 
+    @property
+    def layer_wise(self) -> bool:
+        """Whether in-step loads should land layer by layer (``layered_loads`` resolved)."""
+        if self.layered_loads == "auto":
+            return self.compression != "none"
+        return bool(self.layered_loads)
+
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"kv offload: compression {self.compression!r}; choose one of "
                               f"{COMPRESSIONS}")
         if self.decision not in DECISIONS:
             raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
+        if not (isinstance(self.layered_loads, bool) or self.layered_loads == "auto"):
+            raise ConfigError(f"kv offload: layered_loads must be true, false or auto, got "
+                              f"{self.layered_loads!r}")
         if isinstance(self.layers_per_copy, bool) or not isinstance(self.layers_per_copy, int) \
                 or self.layers_per_copy < 0:
             raise ConfigError(f"kv offload: layers_per_copy must be an integer >= 0, got "
@@ -100,7 +113,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         raise ConfigError(f"kv offload config: load_timeout_s must be a number, got {timeout!r}")
     flags = {}
     for name, default in (("calibrate", True), ("in_step_host_loads", True),
-                          ("layered_loads", False), ("coalesced_loads", False)):
+                          ("coalesced_loads", False)):
         flags[name] = data.get(name, default)
         if not isinstance(flags[name], bool):
             raise ConfigError(
@@ -111,7 +124,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         load_timeout_s=float(timeout),
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
-        layered_loads=flags["layered_loads"],
+        layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
         layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],
         compression=str(data.get("compression", "none")),

@@ -168,10 +168,14 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
     with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
         load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
-    assert cfg.layered_loads is False
-    assert load_offload_config({"tiers": host, "layered_loads": True}).layered_loads
-    with pytest.raises(ConfigError, match="layered_loads must be true or false"):
-        load_offload_config({"tiers": host, "layered_loads": 1})
+    assert cfg.layered_loads == "auto" and not cfg.layer_wise  # auto: with compression only
+    assert load_offload_config({"tiers": host, "compression": "lossless"}).layer_wise
+    assert load_offload_config({"tiers": host, "layered_loads": True}).layer_wise
+    assert not load_offload_config({"tiers": host, "compression": "lossless",
+                                    "layered_loads": False}).layer_wise
+    for bad in (1, "yes"):
+        with pytest.raises(ConfigError, match="layered_loads must be true, false or auto"):
+            load_offload_config({"tiers": host, "layered_loads": bad})
     assert cfg.layers_per_copy == 0
     assert load_offload_config({"tiers": host, "layers_per_copy": 4}).layers_per_copy == 4
     for bad in (-1, 2.5, True, "8"):

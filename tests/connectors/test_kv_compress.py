@@ -240,16 +240,17 @@ def test_cuda_encode_and_decode_a_llama_sized_block_exactly() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["async", "in_step", "in_step_layered"])
 def test_cuda_compressed_offload_keeps_outputs(model_dir: str, mode: str) -> None:
-    """On CUDA (side-stream encode on save, staged copies and Triton decode on load; with
-    ``layered_loads``, in-step loads layer by layer through driver 2-D copies): the same
-    tokens as the engine without offload, blocks loaded from the host tier."""
+    """On CUDA (side-stream encode on save, staged copies and Triton decode on load; in-step
+    loads layer by layer through driver 2-D copies by default, whole with ``layered_loads:
+    false``): the same tokens as the engine without offload, blocks loaded from the host
+    tier."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw: dict[str, Any] = dict(num_gpu_blocks=24, dtype="bfloat16", device="cuda",
                               attention_backend="torch")
     reference = run_conversations(LLM(model_dir, **kw))
     config = {"decision": "load", "compression": "lossless", "in_step_host_loads": mode != "async",
-              "layered_loads": mode == "in_step_layered",
+              **({} if mode == "in_step_layered" else {"layered_loads": False}),
               "tiers": [{"kind": "host", "capacity": "64MiB"}]}
     with LLM(model_dir, kv_offload=True, kv_offload_config=config, **kw) as llm:
         layered = llm.engine.offload.worker.layered_loads  # type: ignore[union-attr]
