@@ -380,7 +380,7 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
                              "layered_loads": False}, {}),
     **{f"host_lossless_layers{k}": ({"in_step_host_loads": True, "compression": "lossless",
                                      "layered_loads": True, "layers_per_copy": k}, {})
-       for k in (1, 2, 4, 16)},
+       for k in (1, 2, 4, 8, 16)},
 }
 CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
                    "host_layered_sq",

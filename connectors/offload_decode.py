@@ -36,8 +36,9 @@ from connectors.slab_runs import ascending_runs, pad16
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20  # each of the two staging buffers of ``to_device``
-LAYER_BYTES = 64 << 20  # each of the two layer buffers of ``to_device_layers``
+LAYER_BYTES = 128 << 20  # each of the two layer buffers of ``to_device_layers``
 MIN_ROW_BYTES = 128 << 10  # auto ``layers_per_copy``: codes rows at least this wide
+MIN_TAIL_ROW_BYTES = 32 << 10  # ... and the last group tapered down to rows this wide
 
 
 class StagedDecoder:
@@ -139,12 +140,26 @@ class StagedDecoder:
     # -- layer by layer --------------------------------------------------------------------
 
     def layer_groups(self) -> list[tuple[int, int]]:
-        """The ``[first, end)`` layers each layer-wise copy moves: ``layers_per_copy`` of
-        them, or (0) the fewest that make a codes row of ``MIN_ROW_BYTES`` (2-D DMA over
-        narrow rows runs below the link's speed: run 26)."""
-        per = self.layers_per_copy or -(-MIN_ROW_BYTES // self.codec.segment_values)
-        per = max(1, min(self.num_layers, per))
-        return [(a, min(self.num_layers, a + per)) for a in range(0, self.num_layers, per)]
+        """The ``[first, end)`` layers each layer-wise copy moves. ``layers_per_copy`` of them;
+        or (0, automatic) the fewest that make a codes row of ``MIN_ROW_BYTES`` (2-D DMA over
+        narrow rows runs below the link's speed: run 26), the last such group halved down to
+        rows of ``MIN_TAIL_ROW_BYTES`` (what lands last is what the forward waits for at the
+        end: its own layers only)."""
+        n, m = self.num_layers, self.codec.segment_values
+        per = max(1, min(n, self.layers_per_copy or -(-MIN_ROW_BYTES // m)))
+        tail = per if self.layers_per_copy else max(1, min(per, -(-MIN_TAIL_ROW_BYTES // m)))
+        sizes: list[int] = []
+        left = min(per, n)  # the last group, halved: 8 -> 4, 2, 2
+        while left > tail:
+            sizes.append(left - left // 2)
+            left //= 2
+        sizes.append(left)
+        front = n - min(per, n)
+        sizes = [front % per] * bool(front % per) + [per] * (front // per) + sizes
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return list(zip(bounds, bounds[1:], strict=False))
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, a group of layers at a time (``layer_groups``); returns one CUDA
@@ -158,23 +173,29 @@ class StagedDecoder:
         if n == 0:
             return []
         groups = self.layer_groups()
-        width = max(b - a for a, b in groups)  # layers a staging row has room for
+        widths = sorted({b - a for a, b in groups})  # layers a staging row holds
         runs = ascending_runs(offsets, codec.payload_bytes)
         order = [j for _, _, js in runs for j in js]  # staging row -> index into block_ids
         ids = [block_ids[j] for j in order]
-        rows = max(1, min(n, LAYER_BYTES // (3 * m * width)))  # rows per layer buffer
         meta_size = pad16(n * meta)
-        buf_size = pad16(rows * 3 * m * width)
+        buf_size = pad16(max(LAYER_BYTES, 3 * m * widths[-1]))
         staging = self._buffer(meta_size + 2 * buf_size)
-        index: list[torch.Tensor] = []
-        for p in range(2):  # the decode index of rows staged in layer buffer p
+        # One decode index for every (layer buffer, group width): rows per buffer, bases.
+        rows: dict[int, int] = {w: max(1, min(n, buf_size // (3 * m * w))) for w in widths}
+        cols: dict[tuple[int, int], int] = {}
+        bases = DecodeBases([], [], [])
+        for p in range(2):
             base = meta_size + p * buf_size
-            codes_end = base + rows * width * m
-            bases = DecodeBases([r * meta for r in range(n)],
-                                [base + (r % rows) * width * m for r in range(n)],
-                                [codes_end + (r % rows) * 2 * width * m for r in range(n)])
-            codec.check(staging.numel(), bases, ids, self._rows.shape[0], 0, 2 * width)
-            index.append(codec.decode_index(bases, ids, self._rows.device))
+            for w in widths:
+                cols[p, w] = len(bases.meta)
+                r = [j % rows[w] for j in range(n)]
+                part = DecodeBases([j * meta for j in range(n)], [base + k * w * m for k in r],
+                                   [base + rows[w] * w * m + k * 2 * w * m for k in r])
+                codec.check(staging.numel(), part, ids, self._rows.shape[0], 0, 2 * w)
+                bases.meta.extend(part.meta)
+                bases.codes.extend(part.codes)
+                bases.low.extend(part.low)
+        index = codec.decode_index(bases, ids * (2 * len(widths)), self._rows.device)
         current = torch.cuda.current_stream(self._rows.device) if self._cuda else None
         try:
             self._copy_meta(runs, staging)
@@ -191,26 +212,27 @@ class StagedDecoder:
         if current is not None:
             decoder = self._decoder_stream()
             decoder.wait_stream(current)  # type: ignore[attr-defined]
-            for ix in index:
-                ix.record_stream(decoder)  # type: ignore[arg-type]
+            index.record_stream(decoder)  # type: ignore[arg-type]
         events: list[object] = []
         free: list[object | None] = [None, None]
         c = 0
         for a, b in groups:
-            for r0 in range(0, n, rows):
+            w = b - a
+            for r0 in range(0, n, rows[w]):
                 p = c % 2
                 if free[p] is not None:
                     current.wait_event(free[p])  # type: ignore[union-attr]
-                r1 = min(n, r0 + rows)
-                self._copy_layers(runs, staging, meta_size + p * buf_size, rows * width * m,
-                                  width * m, (a, b), (r0, r1))
+                r1 = min(n, r0 + rows[w])
+                self._copy_layers(runs, staging, meta_size + p * buf_size, rows[w] * w * m,
+                                  w * m, (a, b), (r0, r1))
+                k = cols[p, w]
                 free[p] = self._decode_after_copy(current, decoder, staging,
-                                                  index[p][:, r0:r1], 2 * a, 2 * (b - a))
+                                                  index[:, k + r0:k + r1], 2 * a, 2 * w)
                 c += 1
             if decoder is not None:
                 event = torch.cuda.Event(enable_timing=b == self.num_layers)
                 event.record(decoder)  # type: ignore[arg-type]
-                events.extend([event] * (b - a))
+                events.extend([event] * w)
         if decoder is not None:
             current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events

@@ -336,18 +336,25 @@ def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
         copy2d(dst, 60, 10, src, 0, 50, 6, 1)
 
 
-@pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one row group; 3 rows or 1
-@pytest.mark.parametrize("per_copy, groups", [(0, [(0, 3)]), (1, [(0, 1), (1, 2), (2, 3)]),
-                                              (2, [(0, 2), (2, 3)])])
+@pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one row group; 1-3 rows
+@pytest.mark.parametrize("per_copy, groups", [
+    (0, [(0, 5)]),  # automatic: all 5 small layers at once
+    (1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+    (2, [(0, 1), (1, 3), (3, 5)]),  # the remainder first
+    (-1, [(0, 1), (1, 3), (3, 4), (4, 5)]),  # automatic, rows of 4 layers tapered to 1
+])
 def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, layer_bytes: int,
                                              per_copy: int, groups: list[tuple[int, int]]) -> None:
     """``to_device_layers``' staging (metadata first, then each group of layers' codes and low
-    bytes by 2-D copies per run, two layer buffers in turn) run on the CPU: every block comes
-    back, whatever the groups (automatic: all 3 small layers at once; one a copy; 2 + 1)."""
+    bytes by 2-D copies per run, two layer buffers in turn, rows per buffer by group width)
+    run on the CPU: every block comes back, whatever the groups."""
     import connectors.offload_decode as od
 
     monkeypatch.setattr(od, "LAYER_BYTES", layer_bytes)
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    if per_copy < 0:  # what Llama-sized segments get: 8 layers a copy, the last 8 as 4, 2, 2
+        monkeypatch.setattr(od, "MIN_ROW_BYTES", 4 * 512)
+        monkeypatch.setattr(od, "MIN_TAIL_ROW_BYTES", 512)
+    spec = KVCacheSpec(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     cache = KVCache(spec, 10, "cpu")
     codec = Hi4Codec.for_cache(cache)
     blocks = kv_like(8, codec, seed=9)
@@ -359,7 +366,7 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
         host[slot * stride + 16:slot * stride + 16 + codec.payload_bytes] = enc[i]
     rows = cache.tensor.reshape(10, -1).view(torch.uint8)
     decoder = od.StagedDecoder(codec, rows, host, spec.num_layers, force_layers=True,
-                               layers_per_copy=per_copy)
+                               layers_per_copy=max(per_copy, 0))
     assert decoder.layer_groups() == groups
     ids = [3, 9, 0, 5, 1, 8, 2, 6]
     assert decoder.to_device_layers(ids, [s * stride + 16 for s in slots]) == []
@@ -369,12 +376,13 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_copy, stages", [(1, 32), (0, 4), (5, 7)])
+@pytest.mark.parametrize("per_copy, stages", [(1, 32), (0, 6), (5, 7)])
 def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch, per_copy: int,
                                               stages: int) -> None:
     """On CUDA (driver 2-D copies, decode stream, one event per group of layers), Llama-sized
-    blocks in several row groups (1 MiB layer buffers: 21, 2 and 4 rows a buffer for 1, 8
-    (automatic) and 5 layers a copy): byte for byte, and every layer event completes."""
+    blocks in several row groups (1 MiB layer buffers: 21 rows a buffer for 1 layer a copy,
+    2, 5 and 10 for the automatic groups of 8, 4 and 2, 4 for 5): byte for byte, and every
+    layer event completes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import connectors.offload_decode as od
