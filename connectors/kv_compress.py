@@ -224,9 +224,7 @@ class Hi4Codec:
         """The decode kernels' ``[4, n]`` int64 index (meta, codes and low bases, block id) on
         ``device`` (pinned and copied asynchronously to CUDA)."""
         index = torch.tensor([bases.meta, bases.codes, bases.low, list(block_ids)], dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            return index.pin_memory().to(device, non_blocking=True)
-        return index
+        return index_to_device(index, device)
 
     def _decode_torch(self, src: torch.Tensor, meta: int, codes_at: int, low_at: int,
                       row: torch.Tensor, first: int, count: int) -> None:
@@ -254,6 +252,13 @@ class Hi4Codec:
         block must not be stored. Reads only the ``2 * S`` count bytes."""
         counts = memoryview(payload)[:2 * self.num_segments].cast("B").cast("H")
         return max(counts) > self.escapes_per_segment
+
+
+def index_to_device(index: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host decode index onto ``device`` (CUDA: pinned, copied asynchronously)."""
+    if torch.device(device).type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index
 
 
 _TRITON_DECODE: object = None  # resolved once: the kernel wrapper, or False

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from connectors.copy2d import copy2d, copy2d_available
-from connectors.kv_compress import DecodeBases, Hi4Codec, triton_decode_available
+from connectors.kv_compress import Hi4Codec, index_to_device, triton_decode_available
 from connectors.slab_runs import ascending_runs, pad16
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class StagedDecoder:
             raise ValueError(f"codec of {codec.num_segments} segments for {num_layers} layers")
         if layers_per_copy < 0:
             raise ValueError(f"layers_per_copy must be >= 0, got {layers_per_copy}")
+        if codec.segment_values % 16:  # the layer buffers' parts must stay 16-byte aligned
+            force_layers = layers = False
         self.layers_per_copy = layers_per_copy
         self.codec = codec
         self.num_layers = num_layers
@@ -177,27 +179,13 @@ class StagedDecoder:
         runs = ascending_runs(offsets, codec.payload_bytes)
         order = [j for _, _, js in runs for j in js]  # staging row -> index into block_ids
         ids = [block_ids[j] for j in order]
+        if min(ids) < 0 or max(ids) >= self._rows.shape[0]:
+            raise ValueError(f"block id out of range [0, {self._rows.shape[0]})")
         meta_size = pad16(n * meta)
         buf_size = pad16(max(LAYER_BYTES, 3 * m * widths[-1]))
         staging = self._buffer(meta_size + 2 * buf_size)
-        # One decode index for every (layer buffer, group width): rows per buffer, bases.
-        rows: dict[int, int] = {w: max(1, min(n, buf_size // (3 * m * w))) for w in widths}
-        cols: dict[tuple[int, int], int] = {}
-        bases = DecodeBases([], [], [])
-        for p in range(2):
-            base = meta_size + p * buf_size
-            for w in widths:
-                cols[p, w] = len(bases.meta)
-                r = [j % rows[w] for j in range(n)]
-                part = DecodeBases([j * meta for j in range(n)], [base + k * w * m for k in r],
-                                   [base + rows[w] * w * m + k * 2 * w * m for k in r])
-                codec.check(staging.numel(), part, ids, self._rows.shape[0], 0, 2 * w)
-                bases.meta.extend(part.meta)
-                bases.codes.extend(part.codes)
-                bases.low.extend(part.low)
-        index = codec.decode_index(bases, ids * (2 * len(widths)), self._rows.device)
         current = torch.cuda.current_stream(self._rows.device) if self._cuda else None
-        try:
+        try:  # first, so that the link is busy while the rest is set up
             self._copy_meta(runs, staging)
         except RuntimeError:  # the driver refused a 2-D copy: whole payloads from now on
             if current is None:
@@ -208,6 +196,24 @@ class StagedDecoder:
             event = torch.cuda.Event(enable_timing=True)
             event.record(current)
             return [event] * self.num_layers
+        # One decode index for every (layer buffer, group width). Staging row r of a group of
+        # w layers sits at r % rows[w] of its buffer: codes (w * M bytes) from ``base``, low
+        # bytes (2 * w * M) after all the codes rows; rows[w] * 3 * w * M fits the buffer and
+        # M, the metadata size and the bases are multiples of 16 (``__init__``), which is all
+        # ``Hi4Codec.check`` would verify.
+        rows: dict[int, int] = {w: max(1, min(n, buf_size // (3 * m * w))) for w in widths}
+        cols: dict[tuple[int, int], int] = {}
+        r = torch.arange(n, dtype=torch.int64)
+        block = torch.tensor(ids, dtype=torch.int64)
+        parts = []
+        for p in range(2):
+            base = meta_size + p * buf_size
+            for w in widths:
+                cols[p, w] = len(parts) * n
+                k = r % rows[w]
+                parts.append(torch.stack((r * meta, base + k * (w * m),
+                                          base + rows[w] * w * m + k * (2 * w * m), block)))
+        index = index_to_device(torch.cat(parts, 1), self._rows.device)
         decoder = None
         if current is not None:
             decoder = self._decoder_stream()

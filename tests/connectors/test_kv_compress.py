@@ -375,6 +375,23 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
     assert rows[[4, 7]].eq(0).all()
 
 
+def test_layer_wise_decode_refuses_what_would_leave_its_bounds() -> None:
+    """Segments whose parts would not stay 16-byte aligned get no layer-wise path; a block id
+    outside the cache is an error before anything is copied."""
+    import connectors.offload_decode as od
+
+    host = torch.zeros(1 << 16, dtype=torch.uint8)
+    odd = Hi4Codec(4, 24)
+    rows = torch.zeros((4, odd.raw_bytes), dtype=torch.uint8)
+    assert not od.StagedDecoder(odd, rows, host, 2, force_layers=True).layered
+    codec = Hi4Codec(4, 512)
+    rows = torch.zeros((4, codec.raw_bytes), dtype=torch.uint8)
+    decoder = od.StagedDecoder(codec, rows, host, 2, force_layers=True)
+    with pytest.raises(ValueError, match="block id out of range"):
+        decoder.to_device_layers([1, 4], [0, codec.payload_bytes])
+    assert rows.eq(0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_copy, stages", [(1, 32), (0, 6), (5, 7)])
 def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch, per_copy: int,
