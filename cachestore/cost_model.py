@@ -96,10 +96,12 @@ class PrefillCost:
 
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
-    """KV bytes one token occupies across all layers (K and V)."""
+    """KV bytes one token occupies across all layers (K and V), and how many layers they span
+    (what the lossless format's size depends on; 0: unknown)."""
 
     name: str
     kv_bytes_per_token: int
+    num_layers: int = 0
 
     def block_bytes(self, block_tokens: int) -> int:
         return self.kv_bytes_per_token * block_tokens
@@ -110,9 +112,9 @@ class ModelProfile:
 MODEL_PROFILES: dict[str, ModelProfile] = {
     p.name: p
     for p in (
-        ModelProfile("llama-3-8b", 131072),
-        ModelProfile("qwen2.5-7b", 57344),
-        ModelProfile("llama-3-70b", 327680),
+        ModelProfile("llama-3-8b", 131072, 32),
+        ModelProfile("qwen2.5-7b", 57344, 28),
+        ModelProfile("llama-3-70b", 327680, 80),
     )
 }
 

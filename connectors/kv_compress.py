@@ -17,7 +17,7 @@ segment with more than ``E`` escapes (values spread over more than ~15 octave pa
 Gaussian-like KV never is) cannot be stored: ``overflowed`` says so after the fact and the
 saver drops that block (counted as ``save_incompressible_blocks``; it is recomputed if needed).
 
-Payload layout (one block, all offsets multiples of 16)::
+Payload layout (one block, all offsets multiples of 16; ``cachestore.kv_format`` computes it)::
 
     count  u16[S] (padded to 16 B) | idx u16[S, E] | esc u8[S, E] | book u8[S, 16]
     codes  u8[S, M / 2] (value 2j in the low nibble, 2j + 1 in the high one) | low u8[S, M]
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connectors.slab_runs import pad16
+from cachestore.kv_format import hi4_escapes, hi4_layout
 from engine.kv_cache import KVCache
 
 ESCAPE = 15  # the code that says "high byte in the escape list"
@@ -63,10 +63,7 @@ class Hi4Codec:
     name = "hi4"  # in the block layout string and the key namespace: formats never mix
 
     def __post_init__(self) -> None:
-        m = self.segment_values
-        if self.num_segments < 1 or m < 2 or m % 2 or m > 1 << 16:
-            raise ValueError(f"hi4 needs an even segment of 2..65536 values, got {m}")
-        object.__setattr__(self, "_offsets", self._layout())
+        object.__setattr__(self, "_offsets", hi4_layout(self.num_segments, self.segment_values))
 
     @classmethod
     def for_cache(cls, kv_cache: KVCache) -> Hi4Codec:
@@ -80,7 +77,7 @@ class Hi4Codec:
 
     @property
     def escapes_per_segment(self) -> int:
-        return max(8, -(-(self.segment_values // 128) // 8) * 8)
+        return hi4_escapes(self.segment_values)
 
     @property
     def raw_bytes(self) -> int:
@@ -90,17 +87,6 @@ class Hi4Codec:
     def offsets(self) -> dict[str, int]:
         """Byte offset of each part in a payload (``end``: the payload's size). Do not mutate."""
         return self._offsets
-
-    def _layout(self) -> dict[str, int]:
-        s, m, e = self.num_segments, self.segment_values, self.escapes_per_segment
-        out: dict[str, int] = {"count": 0}
-        out["idx"] = pad16(2 * s)
-        out["esc"] = out["idx"] + 2 * s * e
-        out["book"] = pad16(out["esc"] + s * e)
-        out["codes"] = out["book"] + 16 * s
-        out["low"] = pad16(out["codes"] + s * m // 2)
-        out["end"] = pad16(out["low"] + s * m)
-        return out
 
     @property
     def payload_bytes(self) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachestore.kv_format import COMPRESSIONS
 from cachestore.tier_config import (
     ConfigError,
     HostTierConfig,
@@ -37,7 +38,6 @@ from cachestore.tier_config import (
 )
 
 DECISIONS = ("cost", "load", "recompute", "overlap")
-COMPRESSIONS = ("none", "lossless")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
 _FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)

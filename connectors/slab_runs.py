@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cachestore.kv_format import pad16
+
+__all__ = ["MAX_SLOT_GAP", "ascending_runs", "pad16", "slot_runs"]
+
 MAX_SLOT_GAP = 64 << 10  # slot bytes besides the payload a run may carry along (headers, pad)
-
-
-def pad16(n: int) -> int:
-    """``n`` rounded up to a multiple of 16 (staging offsets stay 16-byte aligned)."""
-    return -(-n // 16) * 16
 
 
 def slot_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:

@@ -14,7 +14,14 @@ import sys
 from cachestore.analyze.policies import POLICIES
 from cachestore.analyze.simulate import TierSpec
 from cachestore.analyze.traces import FORMATS, Trace, read_trace
-from cachestore.cost_model import DEFAULT_TIER_COSTS, MODEL_PROFILES, TierCost, get_model_profile
+from cachestore.cost_model import (
+    DEFAULT_TIER_COSTS,
+    MODEL_PROFILES,
+    ModelProfile,
+    TierCost,
+    get_model_profile,
+)
+from cachestore.kv_format import COMPRESSIONS, stored_bytes_per_token
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -89,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-profile", choices=sorted(MODEL_PROFILES),
                         help=f"KV size per token (default {DEFAULT_PROFILE} for pricing)")
     parser.add_argument("--kv-bytes-per-token", type=int, help="KV size per token, in bytes")
+    parser.add_argument("--kv-compression", default="none", choices=COMPRESSIONS,
+                        help="the format the tiers store (the engine's compression setting): "
+                        "lossless is 12-bit blocks, ~0.76x the bytes; needs a model profile")
     parser.add_argument("--tier-cost", action="append", default=[],
                         metavar="NAME=LATENCY_S,BYTES_PER_S", help="override a tier's cost")
     parser.add_argument("--sweep", metavar="TIER=CAP1,CAP2,...",
@@ -106,8 +116,13 @@ def build_config(args: argparse.Namespace, trace: Trace):  # -> AnalyzeConfig
 
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
         raise ValueError("--kv-bytes-per-token must be positive")
+    compression = getattr(args, "kv_compression", "none")
+    if compression != "none" and args.kv_bytes_per_token:
+        raise ValueError(f"--kv-compression {compression} needs --model-profile, not "
+                         "--kv-bytes-per-token: the format's size depends on the layer count")
     explicit_kv = args.kv_bytes_per_token or (
-        get_model_profile(args.model_profile).kv_bytes_per_token if args.model_profile else None)
+        _stored(get_model_profile(args.model_profile), compression) if args.model_profile
+        else None)
     bt = trace.block_tokens
     tiers = tuple(parse_tier(t, args.policy, bt, explicit_kv) for t in args.tier or ["host=inf"])
     if len({t.name for t in tiers}) != len(tiers):
@@ -123,10 +138,16 @@ def build_config(args: argparse.Namespace, trace: Trace):  # -> AnalyzeConfig
             raise ValueError(f"bad --sweep {args.sweep!r}: use TIER=CAP1,CAP2,...")
         sweep_caps = tuple(parse_capacity(c, bt, explicit_kv) for c in caps.split(","))
     profile = args.model_profile or (None if args.kv_bytes_per_token else DEFAULT_PROFILE)
-    kv = explicit_kv or get_model_profile(DEFAULT_PROFILE).kv_bytes_per_token
+    kv = explicit_kv or _stored(get_model_profile(DEFAULT_PROFILE), compression)
     return AnalyzeConfig(tiers=tiers, kv_bytes_per_token=kv, model_profile=profile,
+                         kv_compression=compression,
                          tier_costs=costs, sweep_tier=sweep_tier, sweep_capacities=sweep_caps,
                          force_replay=args.replay)
+
+
+def _stored(profile: ModelProfile, compression: str) -> int:
+    """Bytes a token of ``profile`` takes in the tiers when stored as ``compression``."""
+    return stored_bytes_per_token(profile.kv_bytes_per_token, profile.num_layers, compression)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -52,7 +52,9 @@ def format_table(doc: dict) -> str:
         f"prefill without cache {doc['baseline_prefill_seconds']:.1f} s; saved "
         f"{doc['saved_prefill_seconds']:.1f} s, restore {doc['restore_seconds']:.1f} s, "
         f"net saved {doc['net_saved_seconds']:.1f} s "
-        f"({doc['model_profile'] or str(doc['kv_bytes_per_token']) + ' B/token'})",
+        f"({doc['model_profile'] or str(doc['kv_bytes_per_token']) + ' B/token'}"
+        + (f", {doc['kv_compression']} blocks" if doc.get("kv_compression", "none") != "none"
+           else "") + ")",
     ]
     if "sweep" in doc:
         sw = doc["sweep"]

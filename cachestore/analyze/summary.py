@@ -39,6 +39,7 @@ class AnalyzeConfig:
     sweep_tier: str | None = None
     sweep_capacities: tuple[int | None, ...] = ()
     force_replay: bool = False  # replay even an all-LRU hierarchy (slower, same numbers)
+    kv_compression: str = "none"  # the stored format kv_bytes_per_token already accounts for
 
 
 def _nearest_rank(sorted_values: np.ndarray, pct: int) -> int | None:
@@ -147,6 +148,7 @@ def analyze(trace: Trace, cfg: AnalyzeConfig, progress: ProgressFn | None = None
         "method": method,
         "model_profile": cfg.model_profile,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        "kv_compression": cfg.kv_compression,
         "block_bytes": block_bytes,
         "tiers": [
             {"name": t.name, "policy": t.policy, "capacity_blocks": t.capacity_blocks,

@@ -148,3 +148,48 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
     assert "--kv-bytes-per-token" in capsys.readouterr().err
     assert kvtier(["analyze", str(head), "--tier", "tape=10", "--quiet"]) == 2
     assert "no cost for tier 'tape'" in capsys.readouterr().err
+
+
+def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--kv-compression lossless``: blocks take the hi4 format's bytes (the codec's own
+    payload size for the profile's geometry), so a byte capacity holds more blocks, reads move
+    fewer bytes and restores cost less; it needs the layer count of a model profile."""
+    if not SYNTHETIC.exists():
+        pytest.skip(f"{SYNTHETIC} absent")
+    from connectors.kv_compress import Hi4Codec
+
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
+    docs = []
+    for compression in ("none", "lossless"):
+        assert kvtier(["analyze", str(head), "--tier", "host=20GiB", "--tier", "lmdb=inf",
+                       "--model-profile", "llama-3-8b", "--kv-compression", compression,
+                       "--json", "-", "--quiet"]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    raw, packed = docs
+    stored = Hi4Codec(2 * 32, 16 * 8 * 128).payload_bytes // 16  # a 16-token block, per token
+    assert (raw["kv_bytes_per_token"], packed["kv_bytes_per_token"]) == (131072, stored)
+    assert packed["kv_compression"] == "lossless" and raw["kv_compression"] == "none"
+    assert raw["tiers"][0]["capacity_blocks"] == 20 * 2**30 // (131072 * 512)
+    assert packed["tiers"][0]["capacity_blocks"] == 20 * 2**30 // (stored * 512)
+    assert packed["hit_blocks"] == raw["hit_blocks"]  # lmdb=inf: every reuse hits somewhere
+    assert packed["tiers"][0]["hit_blocks"] >= raw["tiers"][0]["hit_blocks"]
+    assert packed["restore_seconds"] < raw["restore_seconds"]
+    assert kvtier(["analyze", str(head), "--kv-bytes-per-token", "1000", "--kv-compression",
+                   "lossless", "--quiet"]) == 2
+    assert "needs --model-profile" in capsys.readouterr().err
+
+
+def test_stored_bytes_per_token_matches_the_codec_and_refuses_bad_geometry() -> None:
+    from cachestore.kv_format import stored_bytes_per_token
+    from connectors.kv_compress import Hi4Codec
+
+    for layers, heads in ((32, 8), (28, 4), (80, 8)):
+        kv = layers * heads * 128 * 2 * 2
+        codec = Hi4Codec(2 * layers, 16 * heads * 128)
+        assert stored_bytes_per_token(kv, layers, "lossless") == -(-codec.payload_bytes // 16)
+        assert stored_bytes_per_token(kv, layers, "none") == kv
+    with pytest.raises(ValueError, match="does not split"):
+        stored_bytes_per_token(1000, 3, "lossless")
+    with pytest.raises(ValueError, match="unknown KV compression"):
+        stored_bytes_per_token(1000, 3, "zstd")
