@@ -6,17 +6,16 @@ decode kernels on a second stream so that a decode runs beside the next copy:
 
 - ``to_device`` (async loads, lower-tier stagings): whole payloads in chunks of two 64 MiB
   staging buffers in turn; each run of consecutive slots is one copy.
-- ``to_device_layers`` (in-step loads with ``layered_loads: true``): a group of layers at a
-  time (``layers_per_copy``; automatic: codes rows of at least 128 KiB, 8 layers of the
-  Llama-3-8B shape). The payloads' metadata (counts, escapes, codebooks) comes over first,
-  one 2-D copy per run; then for each group, its codes and low bytes from every block (two
-  2-D copies per run: a group's parts sit at a fixed offset in each payload) into one of two
-  layer buffers, decoded into those layers of the cache blocks. One CUDA event per group,
-  after its decode: the forward's attention of layer ``l`` waits only for its group's event
-  (``KVCache.set_layer_ready``), so the forward runs while later groups are still on the
-  link. The copies are DMA (``connectors.copy2d``), the SMs stay free. One layer a copy
-  (16-32 KiB rows) measured slower than whole payloads on the H200 (docs/offload.md, run
-  26: 51-54 against 43-45 ms for a 16K prefix), so it stays opt-in.
+- ``to_device_layers`` (in-step loads; ``layered_loads``, on by default with compression): a
+  group of layers at a time (``layer_groups``). The payloads' metadata (counts, escapes,
+  codebooks) comes over first, one 2-D copy per run; then for each group, its codes and low
+  bytes from every block (two 2-D copies per run: a group's parts sit at a fixed offset in
+  each payload) into one of two layer buffers, decoded into those layers of the cache blocks.
+  One CUDA event per group, after its decode: the forward's attention of layer ``l`` waits
+  only for its group's event (``KVCache.set_layer_ready``), so the forward runs while later
+  groups are still on the link. The copies are DMA (``connectors.copy2d``), the SMs stay
+  free. On the H200 a 16K prefix loads so in 38-42 ms against 42-47 whole (docs/offload.md,
+  session 6); one layer a copy (16-32 KiB rows, run 26) had been slower than whole payloads.
 
 On the CPU ``to_device`` decodes straight from the slab; ``to_device_layers`` (tests, with
 ``force_layers``) runs the same staging steps synchronously. Not thread-safe: one caller (the engine thread).
@@ -24,6 +23,7 @@ On the CPU ``to_device`` decodes straight from the slab; ``to_device_layers`` (t
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -158,10 +158,7 @@ class StagedDecoder:
         sizes.append(left)
         front = n - min(per, n)
         sizes = [front % per] * bool(front % per) + [per] * (front // per) + sizes
-        bounds = [0]
-        for size in sizes:
-            bounds.append(bounds[-1] + size)
-        return list(zip(bounds, bounds[1:], strict=False))
+        return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, a group of layers at a time (``layer_groups``); returns one CUDA
@@ -230,7 +227,7 @@ class StagedDecoder:
                     current.wait_event(free[p])  # type: ignore[union-attr]
                 r1 = min(n, r0 + rows[w])
                 self._copy_layers(runs, staging, meta_size + p * buf_size, rows[w] * w * m,
-                                  w * m, (a, b), (r0, r1))
+                                  (a, b), (r0, r1))
                 k = cols[p, w]
                 free[p] = self._decode_after_copy(current, decoder, staging,
                                                   index[:, k + r0:k + r1], 2 * a, 2 * w)
@@ -251,14 +248,14 @@ class StagedDecoder:
             row += len(js)
 
     def _copy_layers(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
-                     base: int, low_at: int, row_m: int, layers: tuple[int, int],
+                     base: int, low_at: int, layers: tuple[int, int],
                      rows: tuple[int, int]) -> None:
-        """The codes and low bytes of ``layers`` ``[a, b)`` of staging rows ``[r0, r1)`` into
-        the layer buffer at ``base``: codes rows ``row_m`` bytes apart, then from
-        ``base + low_at`` low rows ``2 * row_m`` apart (a row holds ``(b - a) * M`` code
-        bytes and twice that of low bytes)."""
+        """The codes and low bytes of ``layers`` ``[a, b)`` of staging rows ``[g0, g1)`` into
+        the layer buffer at ``base``: codes rows of ``(b - a) * M`` bytes, then from
+        ``base + low_at`` low rows of twice that."""
         off, m = self.codec.offsets, self.codec.segment_values
         (a, b), (g0, g1) = layers, rows
+        row_m = (b - a) * m
         r0 = 0
         for first, pitch, js in runs:
             lo, hi = max(g0, r0), min(g1, r0 + len(js))
