@@ -69,6 +69,7 @@ class Setup:
     host_capacity: int = 512 << 20
     reload_modes: tuple[str, ...] = ()  # bench/offload.py's reload_steps modes (RELOAD_MODES)
     qa_lossless: bool = False  # the QA section also runs offload with compression: lossless
+    qa_decision: str = "cost"  # the QA section's offload decision (tests: "load", timing-free)
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:

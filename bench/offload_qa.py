@@ -153,8 +153,9 @@ def qa_sizes(setup: Setup) -> dict[str, int]:
 
 
 def bench_qa(setup: Setup) -> dict[str, Any]:
-    """LMCache's multi-round QA shape, offload off vs on (decision: cost, host tier), each mode
-    on a fresh engine driven by ``run_qa`` with the same users, questions and admission order.
+    """LMCache's multi-round QA shape, offload off vs on (``setup.qa_decision``, by default
+    the cost model; host tier), each mode on a fresh engine driven by ``run_qa`` with the same
+    users, questions and admission order.
     Reports TTFT p50/p99 (all requests, and rounds >= 1 alone: the reuse of an evicted history),
     output tokens/s over the run's wall time, cache hits per request and the decisions.
     ``setup.qa_lossless``: a third engine, offload on with ``compression: lossless``."""
@@ -163,9 +164,9 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
     host = {"kind": "host", "capacity": sizes["host_capacity"]}
     modes: list[tuple[str, dict[str, Any] | None]] = [
-        ("off", None), ("on", {"decision": "cost", "tiers": [host]})]
+        ("off", None), ("on", {"decision": setup.qa_decision, "tiers": [host]})]
     if setup.qa_lossless and two_byte_kv(setup):
-        modes.append(("on_lossless", {"decision": "cost", "compression": "lossless",
+        modes.append(("on_lossless", {"decision": setup.qa_decision, "compression": "lossless",
                                       "tiers": [host]}))
     for name, offload in modes:
         rng = random.Random(2)
