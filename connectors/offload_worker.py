@@ -84,7 +84,9 @@ class OffloadWorker:
 
     @property
     def load_stages(self) -> int:
-        """How many steps a layer-wise load lands in (the forward waits for each in turn)."""
+        """How many stages (CUDA events) an in-step layer-wise load lands in, the forward
+        waiting for each in turn: one per layer for raw blocks, one per group of layers for
+        compressed ones (1 without layer-wise loads). Not engine steps."""
         return self._loader.load_stages
 
     # -- runner hooks --------------------------------------------------------------------
