@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.staging import StagingFence
 from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class _Graph:
     io_host: torch.Tensor  # pinned twin of ``io``, refilled each step (see ``host_io``)
     hidden: torch.Tensor  # [P, hidden], the graph's output
     placeholders: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # metadata fields unused here
+    fence: StagingFence  # io_host's last copy into io (engine/attention/staging.py)
 
 
 class DecodeGraphs:
@@ -108,7 +110,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     hidden = self.model(io[0], io[1], self.attn, self.kv_cache)
             io_host = torch.empty(3, size, dtype=torch.int64, pin_memory=True)
-            self._graphs[size] = _Graph(graph, io, io_host, hidden, placeholders)
+            self._graphs[size] = _Graph(graph, io, io_host, hidden, placeholders, StagingFence())
         torch.cuda.synchronize(device)
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         logger.info(
@@ -143,9 +145,11 @@ class DecodeGraphs:
     def host_io(self, size: int) -> torch.Tensor:
         """The pinned int64 ``[3, size]`` input buffer of the graph of ``size``: fill it (ids,
         positions, slots, padded as the module docstring says), then ``run``. One buffer per
-        size, reused every step: safe because a step synchronizes (its sampled ids) after
-        the copy ``run`` enqueues, before the next step refills the buffer."""
-        return self._graphs[size].io_host
+        size, reused every step: this waits until the copy the last ``run`` of this size
+        enqueued has read it (a step need not synchronize before the next one)."""
+        g = self._graphs[size]
+        g.fence.wait()
+        return g.io_host
 
     def run(
         self, io_host: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
@@ -158,6 +162,8 @@ class DecodeGraphs:
         size = io_host.shape[1]
         g = self._graphs[size]
         g.io.copy_(io_host, non_blocking=True)
+        if io_host is g.io_host:
+            g.fence.record()
         meta = self.padded_metadata(g.io, g.placeholders, seq_lens, block_tables, size)
         self.attn.plan_cuda_graph(meta, size, self.max_pages(size))
         g.graph.replay()

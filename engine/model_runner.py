@@ -10,12 +10,14 @@ On CUDA: the KV cache size comes from a start-up memory profile (engine/memory_p
 unless ``num_gpu_blocks`` is set; decode-only steps replay CUDA graphs (engine/cuda_graphs.py)
 when the attention backend supports them; per-step inputs go through ONE pinned host buffer
 and one non-blocking copy; the only device synchronization of a step is the copy of the
-sampled token ids back to the host.
+sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
+(engine/attention/staging.py), so a step that samples nothing may run ahead safely.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Protocol
 
@@ -37,6 +39,8 @@ from engine.runner_inputs import (  # noqa: F401  (HostBatch/BatchInputs re-expo
 )
 from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class KVConnectorWorker(Protocol):
@@ -97,6 +101,27 @@ def _resolve_fused(wanted: bool | None, model: torch.nn.Module, device: torch.de
     return enabled
 
 
+def resolve_max_model_len(requested: int | None, loaded: LoadedModel) -> int:
+    """``requested`` (``--max-model-len``) or the model config's context length
+    (``ModelArchConfig.max_context_len``); the tokenizer's ``model_max_length`` plays no part.
+    Raises ValueError when the model's rotary table does not cover it (every position a step
+    may hold is checked against ``max_model_len``, so the table bounds every gather)."""
+    derived = loaded.arch.max_context_len
+    max_len = requested or derived
+    if max_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_len}")
+    if requested and requested > derived:
+        logger.warning(
+            "max_model_len %d exceeds the model's context length %d (config.json); positions past "
+            "it were never trained", requested, derived,
+        )
+    table = getattr(getattr(loaded.model, "_rotary", None), "max_positions", None)
+    if table is not None and table < max_len:
+        raise ValueError(f"the model's rotary table holds {table} positions, fewer than "
+                         f"max_model_len {max_len}")
+    return max_len
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the attention backend and the sampler. Not thread-safe:
     one engine loop calls ``execute_model`` at a time.
@@ -153,7 +178,7 @@ class ModelRunner:
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype
-        self._max_model_len = config.scheduler.max_model_len or loaded.arch.max_position_embeddings
+        self._max_model_len = resolve_max_model_len(config.scheduler.max_model_len, loaded)
         self._fingerprint = fingerprint
         self._eos_token_ids = eos_token_ids
         # req_id -> tokens whose KV this runner has written; dropped on finished_req_ids.

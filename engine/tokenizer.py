@@ -18,14 +18,23 @@ _PREFIX_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+NO_TOKENIZER_LIMIT = 1 << 62  # "no limit": the engine enforces max_model_len itself
+
+
 def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenizerBase
-    """AutoTokenizer from a local directory. Raises ValueError if it has no tokenizer files."""
+    """AutoTokenizer from a local directory, with no length limit of its own. Raises
+    ValueError if it has no tokenizer files."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load a tokenizer from {model_dir!r}: {exc}") from exc
+    # The engine bounds lengths by its own max_model_len (model config or --max-model-len);
+    # the tokenizer's model_max_length (often a stale 2K/4K) would only log a warning per
+    # long prompt and play no part.
+    tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+    return tokenizer
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:

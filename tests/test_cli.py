@@ -122,7 +122,8 @@ def _engine_core_children(pid: int) -> list[int]:
     return found
 
 
-def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None:
+def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``kvtier serve`` on a tiny CPU model, returned once ``/health`` answers 200."""
     from tests.engine.hf_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, "llama", seed=1)
@@ -136,17 +137,42 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 45
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 45
         while True:
             assert proc.poll() is None, "kvtier serve exited early"
             assert time.monotonic() < deadline, "kvtier serve did not come up"
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                    return proc, base
             except httpx.TransportError:
                 time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def test_kvtier_serve_exits_non_zero_soon_after_its_engine_core_dies(tmp_path: Path) -> None:
+    """A supervisor restarts a server that exits; one that stays up answering 503 forever it
+    never restarts."""
+    proc, base = _start_serve(tmp_path)
+    try:
+        (core_pid,) = _engine_core_children(proc.pid)
+        os.kill(core_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert proc.wait(timeout=15) == 1
+        assert time.monotonic() - killed < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None:
+    proc, base = _start_serve(tmp_path)
+    try:
         models = httpx.get(f"{base}/v1/models").json()
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 64)]
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}

@@ -46,6 +46,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.staging import StagingFence
 from engine.config import GRAPH_DECODE_CHOICES, SMALL_QUERY_CHOICES
 
 _WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
@@ -114,6 +115,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_decode: dict[int, BatchDecodeWithPagedKVCacheWrapper] = {}
         # Per captured size: pinned int32 [indptr | last_page_len | indices] (plan_cuda_graph).
         self._graph_host: dict[int, torch.Tensor] = {}
+        # Per wrapper (by id) and per graph size: the pinned plan buffers' fences (see
+        # engine/attention/staging.py: plan() reuses page-locked memory the GPU reads later).
+        self._fences: dict[object, StagingFence] = {}
         self._active: BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None = None
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None
@@ -181,12 +185,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.last_wrapper = "decode"
         else:
             assert self._prefill is not None
+            fence = self._fence(self._prefill)
+            fence.wait()
             self._prefill.plan(
                 _pinned(_offsets(metadata.query_lens_cpu)), _pinned(indptr), indices_gpu, _pinned(last_page_len),
                 self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size,
                 causal=True, sm_scale=self.scale, q_data_type=self._dtype,
                 kv_data_type=self._dtype, non_blocking=True,
             )
+            fence.record()
             self._active = self._prefill
             self.last_wrapper = "prefill"
         self._slot_mapping = metadata.slot_mapping
@@ -226,6 +233,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         # One pinned int32 buffer per size, [indptr (P+1) | last_page_len (P) | indices],
         # refilled in place (no pinned allocation per step): safe since every step
         # synchronizes after the copies enqueued here.
+        host_fence = self._fence(("graph", batch_size))
+        host_fence.wait()  # the last replay's copies of this buffer have run
         host = self._graph_host.get(batch_size)
         if host is None:
             host = torch.empty(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
@@ -244,6 +253,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 table = torch.zeros_like(host, device=self._device)
                 self._graph_dev[batch_size] = table
             table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
+            host_fence.record()
             self._triton_call = (
                 (table[:batch_size + 1], table[head:], table[batch_size + 1:head]),
                 self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms), {})
@@ -262,6 +272,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices_gpu = host[head:head + len(indices)].to(self._device, non_blocking=True)
         self._plan_decode(wrapper, host[:batch_size + 1], indices_gpu, host[batch_size + 1:head],
                           metadata.block_size)
+        host_fence.record()
 
     def _plan_decode(
         self,
@@ -277,13 +288,25 @@ class FlashInferAttentionBackend(AttentionBackend):
             indptr = _pinned(indptr)
         if isinstance(last_page_len, list):
             last_page_len = _pinned(last_page_len)
+        fence = self._fence(wrapper)
+        fence.wait()
         wrapper.plan(
             indptr, indices_gpu, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, page_size,
             sm_scale=self.scale, q_data_type=self._dtype, kv_data_type=self._dtype,
             non_blocking=True,
         )
+        fence.record()
         self._active = wrapper
+
+    def _fence(self, owner: object) -> StagingFence:
+        """The fence of a pinned buffer ``owner`` refills each plan (a wrapper: its
+        page-locked plan buffer; ``("graph", size)``: that size's page-table buffer)."""
+        key = owner if isinstance(owner, tuple) else id(owner)
+        fence = self._fences.get(key)
+        if fence is None:
+            fence = self._fences[key] = StagingFence()
+        return fence
 
     def forward(
         self,

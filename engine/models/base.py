@@ -51,6 +51,15 @@ class ModelArchConfig:
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before rotary (Qwen3)
 
+    @property
+    def max_context_len(self) -> int:
+        """The longest context the model's config supports: ``max_position_embeddings``,
+        times the factor for ``linear`` rope scaling (HF configs keep the original length
+        there); ``llama3`` configs already state the extended length."""
+        if self.rope.rope_type == "linear" and self.rope.factor > 1.0:
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
+
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         """Parse a HF config dict. Raises ValueError on an unsupported feature."""

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
-        n_pos = max(max_positions or 0, arch.max_position_embeddings)
+        n_pos = max(max_positions or 0, arch.max_context_len)
         # Built outside the module tree so a meta-device build still gets a real table.
         self._rotary = RotaryEmbedding(arch.head_dim, n_pos, arch.rope)
         self.model = DecoderStack(arch, self._rotary)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import threading
+from typing import Any
 
 from engine.config import GRAPH_DECODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.base import EngineClient
@@ -139,8 +141,47 @@ def main(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    watchdog = EngineWatchdog(engine, server)
+    watchdog.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the SIGINT it handled after a graceful shutdown
     finally:
+        watchdog.stop()
         engine.shutdown()
+    if watchdog.engine_error is not None:
+        logger.error("exiting: the engine died (%s)", watchdog.engine_error)
+        return 1
     return 0
+
+
+class EngineWatchdog:
+    """Stops the HTTP server once the engine can no longer run (its core process or thread
+    died), so that ``kvtier serve`` exits non-zero within ``interval_s`` and a supervisor
+    restarts it, as vLLM's API server does. Requests in flight have already been failed by the
+    engine client (503). ``engine_error`` is the engine's error once that happened."""
+
+    def __init__(self, engine: Any, server: Any, interval_s: float = 0.5) -> None:
+        self._engine = engine
+        self._server = server
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvtier-engine-watchdog", daemon=True)
+        self.engine_error: BaseException | str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            if not self._engine.is_running:
+                self.engine_error = self._engine.dead_error or "the engine stopped"
+                logger.error("engine is not running (%s): stopping the HTTP server", self.engine_error)
+                self._server.should_exit = True
+                return
