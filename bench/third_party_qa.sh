@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The vLLM production-stack multi-round QA client against `kvtier serve`, as a user runs it.
+# The client is NOT part of this repository: fetch benchmarks/multi-round-qa/{multi-round-qa.py,utils.py}
+# from github.com/vllm-project/production-stack into CLIENT_DIR (it needs openai and pandas).
+# Usage: bench/third_party_qa.sh CLIENT_DIR MODEL_DIR OUT_PREFIX [kvtier serve flags...]
+# Env: QA_ARGS (client flags; default the long-context issue's shape), PORT (default: free).
+# Writes OUT_PREFIX.server.log, OUT_PREFIX.client.log, OUT_PREFIX.csv; prints the client's summary
+# and a last line "third_party_qa: N responses by status {...}, health H" from the server's access log.
+set -uo pipefail
+client=$1 model=$2 out=$3; shift 3
+PY="${PYTHON:-python3}"
+case "$PY" in */*) [[ "$PY" = /* ]] || PY="$PWD/$PY" ;; esac  # the client runs from its own folder
+port=${PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
+qa_args=${QA_ARGS:---num-users 10 --shared-system-prompt 1000 --user-history-prompt 2000 --answer-len 100 --num-rounds 5 --qps 1 --time 90}
+"$PY" -m engine.cli serve --model "$model" --port "$port" --served-model-name qa --log-level info "$@" \
+  >"$out.server.log" 2>&1 &
+server=$!
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  kill -0 $server 2>/dev/null || { echo "third_party_qa: server exited during start-up"; tail -20 "$out.server.log"; exit 1; }
+  sleep 1
+done
+# shellcheck disable=SC2086
+(cd "$client" && "$PY" multi-round-qa.py $qa_args --model qa --base-url "http://127.0.0.1:$port/v1" \
+  --output "$out.csv") >"$out.client.log" 2>&1
+client_rc=$?
+health=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")
+kill -INT $server; wait $server; server_rc=$?
+sed -n '/Performance summary/,/=====$/p' "$out.client.log" | sed 's/\x1b\[[0-9;]*m//g' | grep -v '^$'
+statuses=$(grep -o '"POST /v1/chat/completions HTTP/1.1" [0-9]*' "$out.server.log" | awk '{print $NF}' | sort | uniq -c | awk '{printf "%s%s:%s", (NR>1?", ":""), $2, $1}')
+echo "third_party_qa: responses by status {$statuses}, health $health, client rc $client_rc, server rc $server_rc"
