@@ -16,11 +16,15 @@
 #   WARM_PARTS        FlashInfer modules to build              [prefill,decode,sampling]
 #   GPU_TESTS_K       pytest -k expression for the GPU tests   [all]
 #   GPU_TESTS_FILES   test files the GPU tests come from      [tests/engine/test_gpu.py tests/engine/test_kernels.py
-#                                                              tests/engine/test_decode_attention.py]
-#   SUITE_BENCHES     benchmarks to run, in order              [attention,engine,offload]
+#                                                              tests/engine/test_decode_attention.py
+#                                                              tests/engine/test_gpu_long_context.py]
+#   SUITE_BENCHES     benchmarks to run, in order              [attention,engine,offload,long_context,soak]
+#   MODEL_DIR         HF model directory for long_context and soak; written once with random
+#                     Llama-3-8B-shaped weights (bench/random_model.py) when unset [/tmp/kvtier-llama-3-8b]
 #   ATTENTION_BENCH_ARGS / ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each
-#   T_WARM T_TESTS T_ATTENTION T_ENGINE T_OFFLOAD  seconds per stage (timeout), so one hang
-#                                      leaves time for the rest  [300 600 180 900 600]
+#   T_WARM T_TESTS T_ATTENTION T_ENGINE T_OFFLOAD T_LONG_CONTEXT T_SOAK  seconds per stage
+#                     (timeout), so one hang leaves time for the rest [300 600 180 900 600 300 900]
+#   SOAK_ARGS         extra arguments of bench/soak.py (default: 300 s per mode, side by side)
 #   SUITE_DEADLINE_S  whole-suite budget from its start: no stage runs past it (each stage's
 #                     limit is cut to what is left, less 5 s)     [none]
 # Add a benchmark: a "name|command|timeout-variable" entry in BENCHES; the command gets
@@ -74,7 +78,7 @@ if [[ "$STAGES" == *,tests,* ]]; then
   [ -n "${GPU_TESTS_K:-}" ] && kargs=(-k "$GPU_TESTS_K")
   # shellcheck disable=SC2086
   timeout -k 5 "$(limit "${T_TESTS:-600}")" "$PY" -m pytest -q -s -rs \
-    ${GPU_TESTS_FILES:-tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_decode_attention.py} \
+    ${GPU_TESTS_FILES:-tests/engine/test_gpu.py tests/engine/test_kernels.py tests/engine/test_decode_attention.py tests/engine/test_gpu_long_context.py} \
     -p no:cacheprovider "${kargs[@]}" 2>&1 | tee "$OUT_DIR/gpu_tests.txt" || status=1
 fi
 
@@ -82,13 +86,21 @@ BENCHES=(
   "attention|-m bench.attention ${ATTENTION_BENCH_ARGS:-} --out \$BENCH_OUT/attention.json|T_ATTENTION"
   "engine|-m bench.engine ${ENGINE_BENCH_ARGS:-} --out \$BENCH_OUT/engine.json|T_ENGINE"
   "offload|bench/offload.py ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
+  "long_context|-m bench.long_context --model \$MODEL_DIR --out \$BENCH_OUT/long_context.json|T_LONG_CONTEXT"
+  "soak|-m bench.soak --model \$MODEL_DIR ${SOAK_ARGS:-} --log-dir \$BENCH_OUT --out \$BENCH_OUT/soak.json|T_SOAK"
 )
 if [[ "$STAGES" == *,benches,* ]]; then
   export BENCH_OUT="$OUT_DIR"
+  export MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-llama-3-8b}"
+  if [[ ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *,long_context,* || \
+        ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *,soak,* ]]; then
+    stamp "model directory $MODEL_DIR"
+    "$PY" -m bench.random_model "$MODEL_DIR" || status=1
+  fi
   for entry in "${BENCHES[@]}"; do
     IFS='|' read -r name cmd tvar <<< "$entry"
-    [[ ",${SUITE_BENCHES:-attention,engine,offload}," == *",$name,"* ]] || continue
-    declare -A defaults=([T_ATTENTION]=180 [T_ENGINE]=900 [T_OFFLOAD]=600)
+    [[ ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *",$name,"* ]] || continue
+    declare -A defaults=([T_ATTENTION]=180 [T_ENGINE]=900 [T_OFFLOAD]=600 [T_LONG_CONTEXT]=300 [T_SOAK]=900)
     lim="$(limit "${!tvar:-${defaults[$tvar]}}")"
     stamp "bench $name (limit ${lim} s)"
     # shellcheck disable=SC2086
