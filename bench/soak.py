@@ -37,21 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, mode_flags: list[str], extra: list[str], log_path: str,
-                 timeout_s: float = 600) -> tuple[subprocess.Popen[bytes], str]:
+def spawn_server(model: str, mode_flags: list[str], extra: list[str], log_path: str
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
            "--served-model-name", "soak", "--log-level", "warning", *mode_flags, *extra]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, log_path: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited during start-up ({proc.returncode}); see {log_path}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -102,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups = [[m] for m in modes] if args.sequential else [modes]
         for group in groups:
+            logs = {m: os.path.join(args.log_dir, f"soak_{m}.log") for m in group}
+            for m in group:  # start side by side, then wait for each
+                servers[m] = spawn_server(args.model, MODES[m], extra, logs[m])
             for m in group:
-                servers[m] = start_server(args.model, MODES[m], extra, os.path.join(args.log_dir, f"soak_{m}.log"))
+                wait_healthy(*servers[m], logs[m])
+            print(f"soak: {', '.join(group)} up; driving for {args.duration_s:.0f} s", flush=True)
 
             async def drive(group: list[str] = group) -> list[dict[str, Any]]:
                 return await asyncio.gather(*(run_load(load_for(servers[m][1])) for m in group))
