@@ -52,30 +52,43 @@ def generate(engine: LLM, prompts: list[list[int]], max_tokens: int) -> list[lis
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
-def test_plan_buffers_survive_a_host_that_runs_ahead(model_dir: str) -> None:
-    """Two prefill chunks planned back to back while the device is still busy: without the
-    fences the first chunk's plan copy would run after the second plan overwrote FlashInfer's
-    page-locked buffer (the first chunk then attends with the second chunk's geometry)."""
-    cfg = EngineConfig(dtype="bfloat16", device="cuda",
-                       cache=CacheConfig(num_gpu_blocks=1024),
-                       scheduler=SchedulerConfig(max_model_len=8192, max_num_batched_tokens=4096))
-    tokens = ids(1, 5000)
-    table = list(range(400, 400 + 313))
+def test_plan_buffers_survive_a_host_that_runs_ahead() -> None:
+    """FlashInfer's ``plan`` writes its plan into page-locked memory and enqueues a copy of it
+    to the device. Two chunks planned back to back while the device is still busy (a step that
+    samples nothing never synchronizes): the first chunk's copy must still carry the first
+    chunk's plan, not the second's (without the fence it read the second's: a chunk of 2048
+    queries over 2K keys then ran with the geometry of 904 queries over 5000 keys)."""
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    def run(stall: bool) -> int:
-        runner = ModelRunner(cfg, model_dir, cuda_graphs=False)
-        steps = [(0, 2048, False), (2048, 4096, False), (4096, 5000, True)]
-        out = None
-        for start, end, sample in steps:
-            if stall:  # the device is far behind the host when the next chunk is planned
-                torch.cuda._sleep(200_000_000)
-            out = runner.execute_model(SchedulerOutput(
-                [ScheduledRequest("r", tokens[start:end], start, table, sample, GREEDY, 0)], end - start))
+    backend = FlashInferAttentionBackend(32, 8, 128, 128 ** -0.5, small_query="flashinfer")
+    backend.bind(torch.bfloat16, torch.device("cuda"))
+
+    def meta(q_len: int, kv_len: int) -> AttentionMetadata:
+        pages = -(-kv_len // 16)
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+        return AttentionMetadata(i32([0, q_len]), i32([kv_len]), i32([list(range(pages))]),
+                                 torch.zeros(q_len, dtype=torch.int64, device="cuda"), [q_len],
+                                 [kv_len], 16, [list(range(pages))])
+
+    first, second = meta(2048, 2048), meta(904, 5000)
+    assert backend._prefill is not None
+    workspace = backend._prefill._int_workspace_buffer  # where each plan's copy lands
+    refs = []
+    for m in (second, first, second):  # each plan alone, from the same previous state
+        backend.plan(m)
         torch.cuda.synchronize()
-        assert out is not None
-        return out.sampled_token_ids["r"]
-
-    assert run(stall=True) == run(stall=False)
+        refs.append(workspace.clone())
+    ref_first, ref_second = refs[1], refs[2]
+    differ = (ref_first != ref_second).nonzero()
+    assert differ.numel() > 0  # the two plans are told apart by these bytes
+    at = differ[:64, 0]
+    torch.cuda._sleep(500_000_000)  # the device is busy: the host runs ahead
+    backend.plan(first)
+    snapshot = workspace.clone()  # enqueued right after the first plan's copy
+    backend.plan(second)
+    torch.cuda.synchronize()
+    assert torch.equal(snapshot[at], ref_first[at])
 
 
 @pytest.mark.parametrize("context", [4096, 8192, 32768, MAX_LEN - 24])
@@ -153,14 +166,14 @@ def test_long_prefix_reloaded_from_host_decodes_as_computed(model_dir: str) -> N
     extends it, then decoded: same tokens as an engine without offload."""
     prefix = ids(7, 16384)
     follow = prefix + ids(8, 100)
-    other = ids(9, 12000)  # pushes the prefix out of the 1800-block pool
+    other = ids(9, 18000)  # pushes all but ~75 blocks of the prefix out of the 1200-block pool
     offload = {"tiers": [{"kind": "host", "capacity": "6GiB"}], "decision": "load"}
-    with llm(model_dir, num_gpu_blocks=1800, kv_offload=True, kv_offload_config=offload) as engine:
+    with llm(model_dir, num_gpu_blocks=1200, kv_offload=True, kv_offload_config=offload) as engine:
         generate(engine, [prefix], 1)
         generate(engine, [other], 1)
         got = generate(engine, [follow], 32)
         stats = engine.kv_stats()
-    assert stats["loaded_tokens"] >= 16000, stats
+    assert stats["loaded_tokens"] >= 14000, stats
     with llm(model_dir) as plain:
         want = generate(plain, [follow], 32)
     assert got == want
