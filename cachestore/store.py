@@ -7,6 +7,9 @@
   hits from lower tiers for promotion into the top tier (asynchronous).
 - ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
   what a cache server hands on to its clients.
+- ``get_many_pinned``: the read for callers that use the values while other threads write:
+  a host-tier block is read only once pinned for this caller (others come from the lower
+  tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
   to tier i+1 in the background, never blocking the caller (``cachestore.demotion``).
@@ -102,8 +105,11 @@ class HierarchicalStore:
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
 
-        A payload from the host tier is a view into its slab: stable while the key is pinned
-        (``prepare_load``), otherwise until the host tier evicts it. Others are owned bytes.
+        A payload from the host tier is a view into its slab: stable only while its entry is
+        pinned *for this caller*; a concurrent put may evict it and reuse the slot for another
+        key at any time otherwise (even right after a ``prepare_load`` that found the key
+        absent). Callers sharing the store with writers use ``get_many_pinned``. Others are
+        owned bytes.
         """
         return self._read(keys, decoded=True)
 
@@ -112,6 +118,36 @@ class HierarchicalStore:
         the whole encoded block, checksum and namespace already verified; a block that fails
         them is a miss and is deleted, exactly as in ``get_many``."""
         return self._read(keys, decoded=False)
+
+    def get_many_pinned(self, keys: Sequence[str], decoded: bool = False
+                        ) -> tuple[list[Value | None], list[str]]:
+        """``get_many_encoded`` (``decoded``: ``get_many``) whose values stay valid while
+        other threads write: returns (values, pinned) where ``pinned`` are the keys this call
+        pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values.
+
+        A key is read from the host tier only when this call pinned it there first (one
+        ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
+        (owned bytes, promoted as usual) even if a concurrent put has placed it in the host
+        tier since -- a host view of an entry nobody pinned for us may be evicted and its slot
+        reused by another key while the caller still copies it (issue 16, F1). Without a
+        slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
+        failures."""
+        if self._host.slab is None or not keys:
+            return self._read(keys, decoded=decoded), []
+        flags = self._host.pin(keys)
+        mine = [j for j, f in enumerate(flags) if f]
+        rest = [j for j, f in enumerate(flags) if not f]
+        out: list[Value | None] = [None] * len(keys)
+        if mine:
+            for j, v in zip(mine, self._read([keys[j] for j in mine], decoded=decoded),
+                            strict=True):
+                out[j] = v
+        if rest:
+            self._stats[0].add("misses", len(rest))
+            for j, v in zip(rest, self._read([keys[j] for j in rest], decoded=decoded,
+                                             first_tier=1), strict=True):
+                out[j] = v
+        return out, [keys[j] for j in mine]
 
     def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
               first_tier: int = 0) -> list[Value | None]:

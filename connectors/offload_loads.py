@@ -197,11 +197,10 @@ class HostLoader:
         """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
         every slot pinned): the leading ones, read through the store into one host tensor
         (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
-        # Host hits are views into the slab: pinned while copied, or a concurrent write (this
-        # very read's promotions) may reuse their slots.
-        pinned = [k for k, f in zip(keys, self.store.pin_host(keys), strict=True) if f]
+        # Host hits are views into the slab: read only once pinned for this call, or a
+        # concurrent write (this very read's promotions) may reuse their slots.
+        values, pinned = self.store.get_many_pinned(keys, decoded=True)
         try:
-            values = self.store.get_many(keys)
             size = self.meta.payload_bytes
             n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
                      len(values))
