@@ -10,9 +10,12 @@ ZMQ), both tenants on every transport. Ops: 35% puts of 1-8 keys (a new version 
 60% gets of 1-8 keys, 5% deletes of 1-8 keys, over ``--keys`` key names that every tenant uses.
 
 Every payload is derived from (tenant, key, version) and starts with them, so each hit is
-checked whole: the codec checksum and namespace, then tenant and key, then every byte against
-the payload that (tenant, key, version) gives. A hit failing any of it is a wrong read. Misses
-(evicted, deleted, a put that lost a race) are fine; client errors (``TierError``) are counted.
+checked whole: the codec checksum, namespace and key, then tenant and key, then every byte
+against the payload that (tenant, key, version) gives. A hit failing any of it is a wrong
+read. Misses (evicted, deleted, a put that lost a race) are fine; client errors
+(``TierError``) are counted. Blocks carry their key (codec version 2), so the daemon itself
+turns a block it finds under another key into a miss: its ``wrong_key`` and ``corrupt``
+counters (admin ``/stats``, summed over tiers) are reported too, and must stay 0 as well.
 
 Reports JSON (config, machine, ops, hits, misses, wrong reads with the first examples, errors
 by kind, per-transport counts, the daemon's RSS over time) and a one-line summary; with
@@ -30,6 +33,7 @@ import concurrent.futures
 import multiprocessing as mp
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,15 +93,16 @@ def payload_for(tenant: str, key: str, version: str, nbytes: int) -> bytes:
 
 
 def block_for(tenant: str, key: str, version: str, nbytes: int) -> bytes:
+    """The encoded block, carrying ``key`` (codec version 2) as the engine's blocks do."""
     return encode_block(payload_for(tenant, key, version, nbytes),
-                        BlockMeta("uint8", (nbytes,), "stress", PREFIX))
+                        BlockMeta("uint8", (nbytes,), "stress", PREFIX), key=key)
 
 
 def check_read(tenant: str, key: str, value: Any, nbytes: int) -> str | None:
     """None when ``value`` is a block of ``key`` put by ``tenant`` (some version), whole;
     else what is wrong with it (a short description)."""
     try:
-        payload = decode_block(value, PREFIX).payload
+        payload = decode_block(value, PREFIX, expected_key=key).payload
     except CodecError as exc:
         return f"codec: {exc.reason}"
     head = bytes(payload[:TAG_BYTES]).rstrip(b"\0").decode(errors="replace").split("|")
@@ -202,15 +207,16 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_daemon(cfg: StressConfig, workdir: str) -> tuple[subprocess.Popen[str], str]:
+def start_daemon(cfg: StressConfig, workdir: str) -> tuple[subprocess.Popen[str], str, int]:
     """A ``kvtier cache-server`` child for ``cfg`` (tokens of ``cfg.tenants`` tenants);
-    returns it and its ZMQ url once it listens. Raises RuntimeError if it does not start."""
+    returns it, its ZMQ url and its admin port once it listens. Raises RuntimeError if it
+    does not start."""
     tokens = os.path.join(workdir, "tokens")
     with open(tokens, "w") as f:
         f.writelines(f"{tok} {name}\n" for tok, name in TENANTS[: cfg.tenants])
-    port = free_port()
+    port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-           "--admin-port", "-1", "--tokens", tokens,
+           "--admin-host", "127.0.0.1", "--admin-port", str(admin), "--tokens", tokens,
            "--host-capacity", str(cfg.host_capacity),
            "--host-slot-bytes", str(cfg.host_slot_bytes)]
     if not cfg.inline_reads:
@@ -224,7 +230,21 @@ def start_daemon(cfg: StressConfig, workdir: str) -> tuple[subprocess.Popen[str]
         proc.kill()
         proc.wait(10)
         raise RuntimeError(f"cache-server did not start: {line!r}")
-    return proc, f"tcp://127.0.0.1:{port}"
+    return proc, f"tcp://127.0.0.1:{port}", admin
+
+
+def daemon_counters(admin_port: int) -> dict[str, int] | None:
+    """The daemon's ``wrong_key`` and ``corrupt`` reads summed over its tiers (admin
+    ``/stats``), or None when the admin port does not answer."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/stats", timeout=10) as r:
+            rows = json.load(r)["store"]["tiers"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return {k: sum(int(row.get(k, 0)) for row in rows) for k in ("wrong_key", "corrupt")}
 
 
 def run_stress(cfg: StressConfig) -> dict[str, Any]:
@@ -232,7 +252,7 @@ def run_stress(cfg: StressConfig) -> dict[str, Any]:
     if cfg.tenants not in (1, 2) or cfg.block_bytes <= TAG_BYTES:
         raise ValueError("tenants must be 1 or 2 and block_bytes larger than the tag")
     with tempfile.TemporaryDirectory(prefix="kvtier-stress-") as workdir:
-        proc, url = start_daemon(cfg, workdir)
+        proc, url, admin = start_daemon(cfg, workdir)
         rss: list[tuple[float, float | None]] = []
         try:
             t0 = time.monotonic()
@@ -247,6 +267,7 @@ def run_stress(cfg: StressConfig) -> dict[str, Any]:
                 threads = [c for f in futures for c in f.result()]
             alive = proc.poll() is None
             rss.append((round(time.monotonic() - t0, 1), _rss_mb(proc.pid)))
+            counters = daemon_counters(admin) if alive else None
         finally:
             proc.terminate()
             try:
@@ -254,11 +275,12 @@ def run_stress(cfg: StressConfig) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-    return summarize(cfg, threads, rss, alive)
+    return summarize(cfg, threads, rss, alive, counters)
 
 
 def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
-              rss: list[tuple[float, float | None]], alive: bool) -> dict[str, Any]:
+              rss: list[tuple[float, float | None]], alive: bool,
+              counters: dict[str, int] | None) -> dict[str, Any]:
     ops: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     per_transport: dict[str, dict[str, int]] = {}
@@ -279,6 +301,8 @@ def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
         "ops": dict(ops), "ops_total": sum(ops.values()),
         "ops_per_s": round(sum(ops.values()) / cfg.seconds, 1), **totals,
         "wrong_reads": totals["wrong"], "wrong_examples": examples[:MAX_EXAMPLES],
+        "daemon_wrong_key": None if counters is None else counters["wrong_key"],
+        "daemon_corrupt": None if counters is None else counters["corrupt"],
         "errors": sum(errors.values()), "errors_by_kind": dict(errors),
         "per_transport": {k: dict(v) for k, v in per_transport.items()},
         "rss_mb": rss, "rss_peak_mb": max(samples, default=None),
@@ -288,7 +312,8 @@ def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
         f"server stress {cfg.seconds:g}s, {cfg.processes}x{cfg.threads} clients, "
         f"{cfg.tenants} tenant(s), host {cfg.host_capacity >> 20} MiB, "
         f"{cfg.block_bytes >> 10} KiB blocks: {report['ops_total']} ops, "
-        f"{totals['hits']} verified hits, {totals['wrong']} wrong reads, "
+        f"{totals['hits']} verified hits, {totals['wrong']} wrong reads "
+        f"(daemon wrong_key {report['daemon_wrong_key']}, corrupt {report['daemon_corrupt']}), "
         f"{report['errors']} errors, daemon RSS peak {report['rss_peak_mb']} MB"
         f"{'' if alive else ', DAEMON DIED'}")
     return report
@@ -312,6 +337,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args()
+    # SIGTERM: unwind (the daemon child is stopped in run_stress's finally), not just vanish.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs = []
     for i in range(args.repeat):
         cfg = StressConfig(

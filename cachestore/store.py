@@ -20,7 +20,9 @@
   writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
   ``errors`` count, never an exception to the caller (``cachestore.guarded_tiers``); a
-  CodecError is a miss plus ``corrupt``, and the bad value is deleted. A failing tier is skipped
+  CodecError is a miss plus ``corrupt``, and the bad value is deleted; a keyed block read
+  under another key (``codec``, version 2; ``StoreConfig.block_key_skip``) is such a miss,
+  counted ``wrong_key`` too. A failing tier is skipped
   with exponential backoff (``TierHealth``), then probed again. ``on_drop`` hears of keys
   dropped at the bottom.
 
@@ -29,12 +31,13 @@ Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachestore.codec import CodecError, decode_block
+from cachestore.codec import CodecError, block_key_of, decode_block
 from cachestore.demotion import TierMovers
 from cachestore.guarded_tiers import GuardedTiers
 from cachestore.pins import StorePins
@@ -165,24 +168,29 @@ class HierarchicalStore:
             if values is _SKIP:
                 continue
             seconds = time.perf_counter() - t0
-            still, corrupt, nbytes = [], [], 0
+            still, corrupt, nbytes, wrong_key = [], [], 0, 0
+            skip = self.config.block_key_skip
             for j, value in zip(remaining, values, strict=False):  # a tier's answer
                 if value is None:
                     still.append(j)
                     continue
                 nbytes += len(value)
                 try:
-                    block = decode_block(value, self.config.namespace)
+                    block = decode_block(value, self.config.namespace,
+                                         expected_key=block_key_of(keys[j], skip))
                     out[j] = block.payload if decoded else value
                 except CodecError as exc:
                     log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
                     corrupt.append(keys[j])
+                    wrong_key += exc.reason == "wrong_key"
                     still.append(j)
                     continue
                 if i > 0 and promote_hits and self.config.promote_on_get:
                     promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
             stats = self._stats[i]
             stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
+            if wrong_key:
+                stats.add("wrong_key", wrong_key)
             if corrupt:
                 stats.add("corrupt", len(corrupt))
                 self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
@@ -191,13 +199,22 @@ class HierarchicalStore:
             self._movers.promote(promote)
         return out
 
+    def scope_block_keys(self, skip: int) -> None:
+        """From now on, check keyed blocks against their store key less its ``skip`` leading
+        ``/`` components (``StoreConfig.block_key_skip``): the cache daemon's store keys are
+        ``tenant/`` + the client's key, the key its clients' blocks carry. Thread-safe (one
+        reference swap); for the store's owner, before it serves."""
+        if self.config.block_key_skip != skip:
+            self.config = dataclasses.replace(self.config, block_key_skip=skip)
+
     # -- host fast path (cachestore.store_host) --------------------------------------------
 
     def host_slab(self) -> SlabTier | None:
         """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
         return self._host.slab
 
-    def locate_host(self, keys: Sequence[str], header: bytes, nbytes: int) -> list[int | None]:
+    def locate_host(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+                    ) -> list[int | None]:
         """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
         return self._host.locate(keys, header, nbytes)
 

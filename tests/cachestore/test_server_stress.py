@@ -26,6 +26,8 @@ SEEN = {"shm": "doorbell", "shm-zmq": "zmq", "stream": "stream", "zmq": "zmq"}
 def _check(report: dict[str, Any], seen: dict[str, str]) -> None:
     assert report["daemon_alive"]
     assert report["wrong_reads"] == 0, report["wrong_examples"]
+    # Nor did the daemon find a block under another key (its defence: a counted miss).
+    assert report["daemon_wrong_key"] == 0 and report["daemon_corrupt"] == 0
     ops = report["ops"]
     assert all(ops.get(op, 0) > 0 for op in ("put", "get", "delete")), ops
     assert report["misses"] > 0  # the host tier is smaller than the working set: evictions

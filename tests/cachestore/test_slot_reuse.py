@@ -16,7 +16,7 @@ from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_protocol import TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
-from tiers.base import Value
+from tiers.base import TierError, Value
 from tiers.host import HostTier
 from tiers.remote import RemoteTier
 
@@ -131,3 +131,64 @@ def test_pool_get_never_serves_a_reused_slot(daemon: tuple[CacheServer, Interlea
     host.after_get_many = lambda: host.put_many([(ibobs, _block(bobs))])
     assert bytes(tier.get_many([key])[0]) == _block(key)  # type: ignore[arg-type]
     assert host.num_pins() == 0
+
+
+def _keyed(key: str, n: int = 5000) -> bytes:
+    from cachestore.codec import BlockMeta, encode_block
+
+    return encode_block(bytes(n), BlockMeta("uint8", (n,), "test", key.split("/", 1)[0]), key=key)
+
+
+def _wrong_key(store: HierarchicalStore) -> int:
+    return sum(row["wrong_key"] for row in store.stats()["tiers"])
+
+
+def test_store_read_of_a_block_under_another_key_is_a_counted_miss() -> None:
+    """Defence in depth: whatever put a keyed block under the wrong key (a slot-reuse race,
+    a backend bug), a read is a miss counted ``wrong_key`` (and ``corrupt``), the entry is
+    dropped, and a keyless (codec version 1) block still reads."""
+    host = HostTier(4 * SLOT, SLOT, pin_memory=False)
+    store = HierarchicalStore([host], StoreConfig())
+    try:
+        store.put_many([("ns/a", _keyed("ns/b")), ("ns/c", _keyed("ns/c")),
+                        ("ns/d", _block("ns/d"))])
+        got = store.get_many_encoded(["ns/a", "ns/c", "ns/d"])
+        assert got[0] is None and bytes(got[1]) == _keyed("ns/c")  # type: ignore[arg-type]
+        assert bytes(got[2]) == _block("ns/d")  # type: ignore[arg-type]
+        row = store.stats()["tiers"][0]
+        assert row["wrong_key"] == 1 and row["corrupt"] == 1
+        assert "ns/a" not in host.lru_keys()
+        values, pinned = store.get_many_pinned(["ns/c"])
+        assert bytes(values[0]) == _keyed("ns/c") and pinned == ["ns/c"]  # type: ignore[arg-type]
+        store.unpin_host(pinned)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("inline,transport", [(True, "zmq"), (False, "zmq"),
+                                              (True, "doorbell")])
+def test_daemon_never_serves_a_block_under_another_key(
+        inline: bool, transport: str, remote: Callable[..., RemoteTier]) -> None:
+    """The daemon's reads of a host slot holding another key's block (bob's block for
+    alice's key, as the F1 race served): a miss on every path (the inline header check names
+    the key; the pool path's decode counts it ``wrong_key``). Its puts of a block under
+    another key are refused."""
+    from tests.cachestore.wire_helpers import tenant_daemon
+
+    srv, store = tenant_daemon(TOKENS, 8 * SLOT, SLOT, inline_reads=inline)
+    try:
+        key, bobs = "aaaa/" + "0" * 31 + "1", "aaaa/" + "0" * 31 + "2"
+        tier = remote(srv.bound_url, token=ALICE, use_shm=transport == "doorbell",
+                      use_stream=False)
+        tier.put_many([(bobs, _keyed(bobs))])  # learns the namespace's header (hint)
+        assert bytes(tier.get_many([bobs])[0]) == _keyed(bobs)  # type: ignore[arg-type]
+        assert tier.transport().startswith(transport)
+        store.tiers[0].put_many([(f"alice/{key}", _keyed(f"{bobs}"))])  # the wrong block
+        assert tier.get_many([key]) == [None]
+        assert _wrong_key(store) == 1
+        with pytest.raises(TierError, match="BAD_BLOCK"):
+            tier.put_many([(key, _keyed(bobs))])  # a client putting another key's block
+        assert tier.get_many([key]) == [None]
+    finally:
+        srv.stop()
+        store.close()
