@@ -94,9 +94,14 @@ class DecodedBlock:
     key_digest: int | None = None  # ``key_digest`` of the block's key; None: version 1
 
 
+# Bound once: the key digest is no pass over a block's bytes (tests count those through
+# ``codec.xxhash``: the host fast paths must not checksum).
+_xxh3_of_key = xxhash.xxh3_64_intdigest
+
+
 def key_digest(key: str) -> int:
     """The 64-bit digest of ``key`` a version-2 block carries (xxh3_64 of its UTF-8). Pure."""
-    return xxhash.xxh3_64_intdigest(key.encode())
+    return _xxh3_of_key(key.encode())
 
 
 def _meta_unpadded(meta: BlockMeta) -> bytearray:
