@@ -175,7 +175,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     kv = KVCache(spec, 2 * n, dev)
     ids = tuple(torch.randperm(2 * n, generator=torch.Generator().manual_seed(1))[:n].tolist())
     meta = block_meta(kv, "bench-load-path")
-    slot = encoded_size(meta)
+    slot = encoded_size(meta, keyed=True)  # blocks carry their key, as the engine's do
     store = HierarchicalStore([HostTier(n * slot, slot)],
                               StoreConfig(namespace=meta.namespace, promote_on_get=False))
     workers: dict[object, OffloadWorker] = {c: OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(),
@@ -185,7 +185,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
                          generator=gen, dtype=torch.int16).view(torch.uint8)
     host = host.pin_memory() if dev.type == "cuda" else host
     keys = tuple(f"{meta.namespace}/{i:064x}" for i in range(n))
-    store.put_many([(k, encode_block(memoryview(host[i].numpy()), meta))
+    store.put_many([(k, encode_block(memoryview(host[i].numpy()), meta, key=k))
                     for i, k in enumerate(keys)])
     raw_dev = torch.empty((n, spec.bytes_per_block), dtype=torch.uint8, device=dev)
     nbytes = n * spec.bytes_per_block
@@ -217,13 +217,14 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     # do not compress), stored encoded in a store of their own; the load decodes them.
     codec = Hi4Codec.for_cache(kv)
     lmeta = block_meta(kv, "bench-load-path-lossless", codec)
-    lslot = pad16(encoded_size(lmeta))
+    lslot = pad16(encoded_size(lmeta, keyed=True))
     lstore = HierarchicalStore([HostTier(n * lslot, lslot)],
                                StoreConfig(namespace=lmeta.namespace, promote_on_get=False))
     lkeys = tuple(f"{lmeta.namespace}/{i:064x}" for i in range(n))
     kvlike = (torch.randn(n, spec.bytes_per_block // 2, generator=gen) * 1.3).bfloat16()
     kvlike = kvlike.view(torch.uint8).view(n, -1)
-    lstore.put_many([(k, encode_block(memoryview(codec.encode(kvlike[i:i + 1])[0].numpy()), lmeta))
+    lstore.put_many([(k, encode_block(memoryview(codec.encode(kvlike[i:i + 1])[0].numpy()), lmeta,
+                                      key=k))
                      for i, k in enumerate(lkeys)])
     lworker = OffloadWorker(kv, lstore, lmeta, load_timeout_s=120.0, stats=OffloadStats(),
                             codec=codec)

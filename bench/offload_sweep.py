@@ -93,12 +93,12 @@ class SweepLoads:
 
         self.kv, self.device = kv, kv.device
         meta = block_meta(kv, "bench-sweep")
-        slot = encoded_size(meta)
+        slot = encoded_size(meta, keyed=True)  # blocks carry their key, as the engine's do
         self.keys = [f"{meta.namespace}/{i:064x}" for i in range(num_blocks)]
         self.lmdb = LmdbTier(lmdb_path, (num_blocks + 16) * (slot + 4096) * 2)
         rng = random.Random(5)  # seeded payloads; nothing computes on them
         for i in range(0, num_blocks, 32):
-            self.lmdb.put_many([(k, encode_block(rng.randbytes(kv.bytes_per_block), meta))
+            self.lmdb.put_many([(k, encode_block(rng.randbytes(kv.bytes_per_block), meta, key=k))
                                 for k in self.keys[i:i + 32]])
         self.tier = ThrottledTier(self.lmdb, 0.0, float("inf"))
         self.host = HostTier((num_blocks + 4) * slot, slot)

@@ -6,8 +6,14 @@
   being stored or written by someone else) until ``complete_store``. A concurrent read of a key
   being stored misses; nothing here ever waits for a store.
 - Loads: ``prepare_load`` pins keys in every tier that supports pins (``PinningTier``: host,
-  lmdb), one ``pin_each`` call per tier for the batch, and counts each pin per (tier, key) so
-  that ``complete_load`` undoes exactly the pins it took (one ``unpin`` call per tier).
+  lmdb), one ``pin_each`` call per tier for the batch; ``complete_load`` undoes them (one
+  ``unpin`` call per tier). Callers are not told apart (no handle), so the accounting is per
+  key: every ``prepare_load`` of a key is a *claim*, whether or not it pinned anything, and
+  load pins on a (tier, key) never outnumber the key's open claims. ``complete_load`` drops
+  one claim and unpins only what exceeds the claims left. Why not "unpin what is recorded":
+  a caller whose ``prepare_load`` found the key absent (no pin) would then take the pin of a
+  later caller that found it present, whose host-slab view could be evicted and its slot
+  reused for another key while it was still copying it out (issue 16, F1).
 
 Thread-safe: one lock guards the sets and counts; tier calls are made outside it, through
 ``GuardedTiers.call`` (a tier failure pins or finds nothing, never raises). Torch-free.
@@ -37,7 +43,8 @@ class StorePins:
         self._lock = threading.Lock()
         self._storing: set[str] = set()  # handed out by prepare_store
         self._writing: set[str] = set()  # inside a put_many
-        self._load_pins: Counter[tuple[int, str]] = Counter()
+        self._load_pins: Counter[tuple[int, str]] = Counter()  # pins held, per tier and key
+        self._load_claims: Counter[str] = Counter()  # prepare_loads not yet completed, per key
 
     def claim_writes(self, items: Sequence[tuple[str, Value]]) -> list[tuple[str, Value]]:
         """The items whose keys nobody is writing (the first of repeats), now claimed by the
@@ -75,8 +82,10 @@ class StorePins:
 
     def prepare_load(self, keys: Sequence[str]) -> int:
         """Pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier);
-        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``.
-        A failed tier pins nothing."""
+        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``
+        (the same keys, repeats included). A failed tier pins nothing."""
+        with self._lock:  # claims first: a pin is never recorded without its claim
+            self._load_claims.update(keys)
         pinned_somewhere = [False] * len(keys)
         for i, tier in enumerate(self._tiers.tiers):
             if not keys or not isinstance(tier, PinningTier):
@@ -92,18 +101,25 @@ class StorePins:
         return next((j for j, p in enumerate(pinned_somewhere) if not p), len(keys))
 
     def complete_load(self, keys: Sequence[str]) -> None:
-        """Undo ``prepare_load``'s pins for ``keys`` (one ``unpin`` call per tier); keys
-        without a pin of ``prepare_load`` are ignored."""
+        """Close one ``prepare_load`` claim per key and unpin, per tier, the load pins beyond
+        the key's remaining claims (one ``unpin`` call per tier). So the pins of a caller
+        still loading a key stay, whichever caller completes first. Keys without an open
+        claim are ignored."""
         unpin: list[list[str]] = [[] for _ in self._tiers.tiers]
         with self._lock:
             for key in keys:
+                if self._load_claims[key] == 0:  # a Counter reads 0 without inserting
+                    continue
+                self._load_claims[key] -= 1
+                left = self._load_claims[key]
+                if left == 0:
+                    del self._load_claims[key]
                 for i in range(len(self._tiers)):
-                    if self._load_pins[(i, key)] == 0:  # a Counter reads 0 without inserting
-                        continue
-                    self._load_pins[(i, key)] -= 1
+                    while self._load_pins[(i, key)] > left:
+                        self._load_pins[(i, key)] -= 1
+                        unpin[i].append(key)
                     if self._load_pins[(i, key)] == 0:
                         del self._load_pins[(i, key)]
-                    unpin[i].append(key)
         for i, mine in enumerate(unpin):
             if mine:
                 self._tiers.call(i, lambda t, m=mine: t.unpin(m), None)  # type: ignore[attr-defined]

@@ -82,6 +82,8 @@ class CacheServer:
             )
         self.config = config
         self.store = store
+        # Stored as ``tenant/`` + the client's key; a keyed block carries the client's key.
+        store.scope_block_keys(1)
         self._segments = shm.AttachedSegments(config.max_shm_attached, config.max_shm_segment_bytes)
         shm_on = config.shm_enabled and shm.available()
         bell_on = shm_on and config.doorbell

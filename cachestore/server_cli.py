@@ -111,7 +111,8 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
     """The daemon's store over ``tiers`` (owned from here on), writing through to the first
     LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
     durable = next((i for i, t in enumerate(tiers) if t.name == "lmdb"), None)
-    config = StoreConfig(write_through_to=durable if durable else None)
+    # Keys are ``tenant/`` + the client's key: blocks carry the client's (codec version 2).
+    config = StoreConfig(write_through_to=durable if durable else None, block_key_skip=1)
     return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 

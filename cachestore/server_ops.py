@@ -9,8 +9,8 @@ reply (a miss to the client).
 
 - get: the keys are pinned in the store while their blocks are copied into the reply (frames,
   or the client's shared-memory segment), so a concurrent put can never overwrite a host-tier
-  slot being read. Pool path: ``prepare_load`` + ``get_many_encoded`` (checksum verified, a
-  corrupt block is a miss). Inline path: ``locate_host`` (stored header and size checked, no
+  slot being read. Pool path: ``get_many_pinned`` (a host block is read only under this
+  request's own pin; checksum verified, a corrupt block is a miss). Inline path: ``locate_host`` (stored header and size checked, no
   second checksum of blocks this daemon verified on the way in); a key the host tier lacks,
   or whose header does not match, sends the whole request to the pool path.
 - put: every payload must match its size and checksum and be an encoded block
@@ -292,15 +292,16 @@ class OpHandler:
         segment, offset, end = self._shm_region(header, tenant)
         if not ikeys:
             return {"sizes": [], **({"shm_offsets": []} if segment is not None else {})}, []
-        self.store.prepare_load(ikeys)  # host-tier views stay put until copied out below
+        # Host-tier views are read only under this request's own pins (never a block a
+        # concurrent put may evict, or whose pin another request may drop): issue 16, F1.
+        values, pinned = self.store.get_many_pinned(ikeys)
         try:
-            values = self.store.get_many_encoded(ikeys)
             if self._fast is not None:
                 self._fast.learn(tenant, header["keys"], values)
             # The reply leaves from the loop thread after the unpin: frames own their bytes.
             return copy_out(values, segment, offset, end, rec, owned=True)
         finally:
-            self.store.complete_load(ikeys)
+            self.store.unpin_host(pinned)
 
     def _op_put(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                 frames: Sequence[Any], rec: dict[str, Any]) -> _Body:

@@ -6,8 +6,10 @@ checksum holds: the inline read path serves host blocks without re-checking them
 unchecked may get in. Both checksums are xxh3-64 and the codec's covers everything but the
 block's last 8 bytes, so one streaming pass yields both (the codec's digest midway). The block
 header is checked against the one the daemon last saw for the (tenant, namespace) (the
-``HostReads`` hint); only a block without a matching hint goes through ``decode_block``,
-whose second pass also names the exact reason of a refusal.
+``HostReads`` hint, for the put's key: a keyed block, codec version 2, names its key); only a
+block without a matching hint goes through ``decode_block``, whose second pass also names the
+exact reason of a refusal. A keyed block of another key than the one it is put under is
+refused (``BAD_BLOCK``): it would be served as that key's block (issue 16, F1).
 
 ``put_views`` finds the payloads (frames or the client's segment); ``store_put`` checks them,
 the tenant's quota, and writes them. Thread-safe (the store and usage lock themselves).
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from cachestore import shm
-from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block, header_bytes
+from cachestore.codec import CHECKSUM_BYTES, CodecError, DecodedBlock, HeaderTemplate, decode_block
 from cachestore.server_protocol import ErrorCode, ProtocolError, ServerLimits, checksum
 
 if TYPE_CHECKING:
@@ -29,15 +31,15 @@ if TYPE_CHECKING:
     from cachestore.server_usage import NamespaceUsage
     from cachestore.store import HierarchicalStore
 
-Hint = tuple[bytes, int]  # (codec header bytes, encoded size) of a namespace's blocks
+Hint = tuple[HeaderTemplate, int]  # (codec header template, encoded size) of a namespace
 
 
 def check_payload(index: int, view: memoryview, size: int, digest: int, namespace: str,
-                  hint: Hint | None) -> BlockMeta | None:
-    """Check one put payload. Returns None when the hint vouched for its header (the block is
-    fine), the decoded meta when it had to decode it. Raises ``ProtocolError``
-    (``CHECKSUM_MISMATCH``: size or transport checksum; ``BAD_BLOCK``: not a block of
-    ``namespace``, or its own checksum fails)."""
+                  hint: Hint | None, key: str) -> DecodedBlock | None:
+    """Check one put payload for client key ``key``. Returns None when the hint vouched for
+    its header (the block is fine), the decoded block when it had to decode it. Raises
+    ``ProtocolError`` (``CHECKSUM_MISMATCH``: size or transport checksum; ``BAD_BLOCK``: not a
+    block of ``namespace``, a keyed block of another key, or its own checksum fails)."""
     if len(view) != size:
         raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
                             f"payload {index} does not match its size/checksum; nothing stored")
@@ -53,14 +55,16 @@ def check_payload(index: int, view: memoryview, size: int, digest: int, namespac
         raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
                             f"payload {index} does not match its size/checksum; nothing stored")
     if (hint is not None and body is not None and len(view) == hint[1]
-            and view[: len(hint[0])] == hint[0]
+            and view[: hint[0].size] == hint[0].for_key(key)
             and body == int.from_bytes(view[-CHECKSUM_BYTES:], "little")):
         return None
     try:
-        return decode_block(view, namespace).meta
+        return decode_block(view, namespace, expected_key=key)
     except CodecError as exc:
-        raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {index} is not an encoded block "
-                            f"of its key's namespace ({exc}); nothing stored") from None
+        what = ("its key's block" if exc.reason == "wrong_key"
+                else "an encoded block of its key's namespace")
+        raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {index} is not {what} ({exc}); "
+                            "nothing stored") from None
 
 
 def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview],
@@ -103,10 +107,10 @@ def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None
     for i, (view, size, digest, key) in enumerate(zip(views, sizes, header["checksums"],
                                                       header["keys"], strict=True)):
         prefix = key.split("/", 1)[0]
-        meta = check_payload(i, view, size, digest, prefix,
-                             reads.hint(tenant, prefix) if reads is not None else None)
-        if meta is not None:
-            metas.append((meta, size))
+        block = check_payload(i, view, size, digest, prefix,
+                              reads.hint(tenant, prefix) if reads is not None else None, key)
+        if block is not None:
+            metas.append((HeaderTemplate.of_block(block.meta, block.key_digest), size))
     accounted = list(zip(ikeys, sizes, strict=True))
     if quota is not None and usage.used(tenant) + usage.delta(tenant, accounted) > quota:
         raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
@@ -117,5 +121,5 @@ def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None
         raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")
     usage.add(tenant, accounted)
     if reads is not None:
-        for meta, size in metas:
-            reads.remember(tenant, meta.namespace, header_bytes(meta), size)
+        for template, size in metas:
+            reads.remember(tenant, template.meta.namespace, template, size)

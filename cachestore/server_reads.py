@@ -5,7 +5,8 @@ holds on the daemon's loop thread, with no worker-pool hand-off and no second xx
 blocks this daemon already verified (put payloads are checksummed and decoded before they are
 stored; lower-tier blocks are checksummed before they are promoted). What is still checked per
 block is its stored codec header and size (``HierarchicalStore.locate_host``), as the engine's
-host fast path does (docs/offload_design.md).
+host fast path does (docs/offload_design.md); the header of a keyed block (codec version 2)
+names its key, so a block lying under another key is a miss there (issue 16, F1).
 
 Over ZMQ frames the blocks are lent rather than copied (``HostReads.lend``): the reply frames
 are the pinned slab views themselves, sent zero copy, and each block's pin is released when
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachestore import shm
-from cachestore.codec import decode_block, header_bytes
+from cachestore.codec import HeaderTemplate, decode_block
 from cachestore.server_protocol import ErrorCode, ProtocolError
 from cachestore.store import HierarchicalStore
 from tiers.base import Tier, Value
@@ -30,9 +31,9 @@ from tiers.base import Tier, Value
 class HostReads:
     """Reads of the store's host tier without the store's checksum pass (``serve_inline``).
 
-    Remembers, per (tenant, key prefix), the codec header and size of the blocks last seen
-    (puts, pool-path gets): one namespace is one model, layout and block size, so its blocks
-    share them. ``pinned_views`` checks each block's stored header and size against that
+    Remembers, per (tenant, key prefix), the codec header template (``HeaderTemplate``: the
+    header for each key) and size of the blocks last seen (puts, pool-path gets): one
+    namespace is one model, layout and block size, so its blocks share them. ``pinned_views`` checks each block's stored header and size against that
     (``HierarchicalStore.locate_host``, which also pins the hits and counts them as host
     reads) -- never the xxh3 checksum, which this daemon verified when the block came in.
     Thread-safe (dict operations are atomic; the tier locks itself); never raises.
@@ -52,18 +53,18 @@ class HostReads:
     def __init__(self, store: HierarchicalStore, slab: Tier) -> None:
         self._store = store
         self._slab = slab
-        self._hints: dict[tuple[str, str], tuple[bytes, int]] = {}
+        self._hints: dict[tuple[str, str], tuple[HeaderTemplate, int]] = {}
         self._lent_lock = threading.Lock()
         self.lent_bytes = 0  # currently lent (a gauge, for tests and metrics)
         self.num_lent = 0  # blocks lent so far (a count)
 
-    def remember(self, tenant: str, prefix: str, header: bytes, nbytes: int) -> None:
+    def remember(self, tenant: str, prefix: str, header: HeaderTemplate, nbytes: int) -> None:
         if len(self._hints) >= self.MAX_HINTS and (tenant, prefix) not in self._hints:
             self._hints.clear()  # a flood of namespaces: start over rather than grow
         self._hints[(tenant, prefix)] = (header, nbytes)
 
-    def hint(self, tenant: str, prefix: str) -> tuple[bytes, int] | None:
-        """The (codec header, encoded size) last seen for the namespace, or None."""
+    def hint(self, tenant: str, prefix: str) -> tuple[HeaderTemplate, int] | None:
+        """The (codec header template, encoded size) last seen for the namespace, or None."""
         return self._hints.get((tenant, prefix))
 
     def learn(self, tenant: str, keys: Sequence[str], values: Sequence[Value | None]) -> None:
@@ -74,10 +75,12 @@ class HostReads:
                 continue
             prefix = key.split("/", 1)[0]
             hint = self._hints.get((tenant, prefix))
-            if hint is not None and len(value) == hint[1] and value[:len(hint[0])] == hint[0]:
+            if (hint is not None and len(value) == hint[1]
+                    and value[:hint[0].size] == hint[0].for_key(key)):
                 continue
-            meta = decode_block(value).meta  # verified already; this runs once per namespace
-            self.remember(tenant, prefix, header_bytes(meta), len(value))
+            block = decode_block(value)  # verified already; this runs once per namespace
+            self.remember(tenant, prefix, HeaderTemplate.of_block(block.meta, block.key_digest),
+                          len(value))
 
     def lookup(self, ikeys: list[str]) -> int:
         """Leading keys the host tier holds (0 if it fails)."""
@@ -90,7 +93,7 @@ class HostReads:
                ) -> tuple[list[int], int] | None:
         """Slab offsets of every key's host block, each pinned (balance with
         ``store.unpin_host``), and the blocks' size; or None (nothing pinned) unless all of
-        them are there with the expected header."""
+        them are there with the expected header (for a keyed block: naming that very key)."""
         prefix = keys[0].split("/", 1)[0]
         hint = self._hints.get((tenant, prefix))
         if hint is None or not all(k.startswith(prefix) and k[len(prefix)] == "/" for k in keys):
@@ -98,8 +101,8 @@ class HostReads:
         # Membership first: a request that falls back is then not counted as a host read twice.
         if self.lookup(ikeys) < len(ikeys):
             return None
-        header, nbytes = hint
-        offsets = self._store.locate_host(ikeys, header, nbytes)
+        template, nbytes = hint
+        offsets = self._store.locate_host(ikeys, [template.for_key(k) for k in keys], nbytes)
         hits = [k for k, o in zip(ikeys, offsets, strict=True) if o is not None]
         if len(hits) < len(ikeys):
             self._store.unpin_host(hits)

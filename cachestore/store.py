@@ -7,6 +7,9 @@
   hits from lower tiers for promotion into the top tier (asynchronous).
 - ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
   what a cache server hands on to its clients.
+- ``get_many_pinned``: the read for callers that use the values while other threads write:
+  a host-tier block is read only once pinned for this caller (others come from the lower
+  tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
   to tier i+1 in the background, never blocking the caller (``cachestore.demotion``).
@@ -17,7 +20,9 @@
   writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
   ``errors`` count, never an exception to the caller (``cachestore.guarded_tiers``); a
-  CodecError is a miss plus ``corrupt``, and the bad value is deleted. A failing tier is skipped
+  CodecError is a miss plus ``corrupt``, and the bad value is deleted; a keyed block read
+  under another key (``codec``, version 2; ``StoreConfig.block_key_skip``) is such a miss,
+  counted ``wrong_key`` too. A failing tier is skipped
   with exponential backoff (``TierHealth``), then probed again. ``on_drop`` hears of keys
   dropped at the bottom.
 
@@ -26,12 +31,13 @@ Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachestore.codec import CodecError, decode_block
+from cachestore.codec import CodecError, block_key_of, decode_block
 from cachestore.demotion import TierMovers
 from cachestore.guarded_tiers import GuardedTiers
 from cachestore.pins import StorePins
@@ -102,8 +108,11 @@ class HierarchicalStore:
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
 
-        A payload from the host tier is a view into its slab: stable while the key is pinned
-        (``prepare_load``), otherwise until the host tier evicts it. Others are owned bytes.
+        A payload from the host tier is a view into its slab: stable only while its entry is
+        pinned *for this caller*; a concurrent put may evict it and reuse the slot for another
+        key at any time otherwise (even right after a ``prepare_load`` that found the key
+        absent). Callers sharing the store with writers use ``get_many_pinned``. Others are
+        owned bytes.
         """
         return self._read(keys, decoded=True)
 
@@ -112,6 +121,36 @@ class HierarchicalStore:
         the whole encoded block, checksum and namespace already verified; a block that fails
         them is a miss and is deleted, exactly as in ``get_many``."""
         return self._read(keys, decoded=False)
+
+    def get_many_pinned(self, keys: Sequence[str], decoded: bool = False
+                        ) -> tuple[list[Value | None], list[str]]:
+        """``get_many_encoded`` (``decoded``: ``get_many``) whose values stay valid while
+        other threads write: returns (values, pinned) where ``pinned`` are the keys this call
+        pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values.
+
+        A key is read from the host tier only when this call pinned it there first (one
+        ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
+        (owned bytes, promoted as usual) even if a concurrent put has placed it in the host
+        tier since -- a host view of an entry nobody pinned for us may be evicted and its slot
+        reused by another key while the caller still copies it (issue 16, F1). Without a
+        slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
+        failures."""
+        if self._host.slab is None or not keys:
+            return self._read(keys, decoded=decoded), []
+        flags = self._host.pin(keys)
+        mine = [j for j, f in enumerate(flags) if f]
+        rest = [j for j, f in enumerate(flags) if not f]
+        out: list[Value | None] = [None] * len(keys)
+        if mine:
+            for j, v in zip(mine, self._read([keys[j] for j in mine], decoded=decoded),
+                            strict=True):
+                out[j] = v
+        if rest:
+            self._stats[0].add("misses", len(rest))
+            for j, v in zip(rest, self._read([keys[j] for j in rest], decoded=decoded,
+                                             first_tier=1), strict=True):
+                out[j] = v
+        return out, [keys[j] for j in mine]
 
     def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
               first_tier: int = 0) -> list[Value | None]:
@@ -129,24 +168,29 @@ class HierarchicalStore:
             if values is _SKIP:
                 continue
             seconds = time.perf_counter() - t0
-            still, corrupt, nbytes = [], [], 0
+            still, corrupt, nbytes, wrong_key = [], [], 0, 0
+            skip = self.config.block_key_skip
             for j, value in zip(remaining, values, strict=False):  # a tier's answer
                 if value is None:
                     still.append(j)
                     continue
                 nbytes += len(value)
                 try:
-                    block = decode_block(value, self.config.namespace)
+                    block = decode_block(value, self.config.namespace,
+                                         expected_key=block_key_of(keys[j], skip))
                     out[j] = block.payload if decoded else value
                 except CodecError as exc:
                     log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
                     corrupt.append(keys[j])
+                    wrong_key += exc.reason == "wrong_key"
                     still.append(j)
                     continue
                 if i > 0 and promote_hits and self.config.promote_on_get:
                     promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
             stats = self._stats[i]
             stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
+            if wrong_key:
+                stats.add("wrong_key", wrong_key)
             if corrupt:
                 stats.add("corrupt", len(corrupt))
                 self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
@@ -155,13 +199,22 @@ class HierarchicalStore:
             self._movers.promote(promote)
         return out
 
+    def scope_block_keys(self, skip: int) -> None:
+        """From now on, check keyed blocks against their store key less its ``skip`` leading
+        ``/`` components (``StoreConfig.block_key_skip``): the cache daemon's store keys are
+        ``tenant/`` + the client's key, the key its clients' blocks carry. Thread-safe (one
+        reference swap); for the store's owner, before it serves."""
+        if self.config.block_key_skip != skip:
+            self.config = dataclasses.replace(self.config, block_key_skip=skip)
+
     # -- host fast path (cachestore.store_host) --------------------------------------------
 
     def host_slab(self) -> SlabTier | None:
         """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
         return self._host.slab
 
-    def locate_host(self, keys: Sequence[str], header: bytes, nbytes: int) -> list[int | None]:
+    def locate_host(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+                    ) -> list[int | None]:
         """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
         return self._host.locate(keys, header, nbytes)
 

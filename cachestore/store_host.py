@@ -41,7 +41,8 @@ class HostFastPath:
         top = tiers.tiers[0]
         self.slab: SlabTier | None = top if isinstance(top, SlabTier) else None
 
-    def locate(self, keys: Sequence[str], header: bytes, nbytes: int) -> list[int | None]:
+    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+               ) -> list[int | None]:
         """Slab offsets of ``keys`` in the host tier (``SlabTier.locate``), each hit pinned
         there (balance with ``unpin`` of the hits); all None without a slab tier or when it
         fails. Counts hits like a read."""

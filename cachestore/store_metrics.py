@@ -32,6 +32,7 @@ class _Counters:
     bytes_written: int = 0
     errors: int = 0  # TierError (or any backend exception) raised by the tier
     corrupt: int = 0  # values that failed to decode (CodecError): counted as misses too
+    wrong_key: int = 0  # of those, blocks that carry another key than the one read (misses)
     skipped: int = 0  # calls not made because the tier was backing off
     evictions: int = 0
     demotions_dropped: int = 0  # evictions not demoted (queue full, or no bytes handed over)
@@ -147,6 +148,7 @@ _EXPORTED = [
     _Metric("bytes_written", "encoded bytes written", True),
     _Metric("errors", "backend failures (degraded to misses or skipped writes)", True),
     _Metric("corrupt", "values that failed to decode", True),
+    _Metric("wrong_key", "blocks read under a key other than the one they carry", True),
     _Metric("skipped", "calls skipped while the tier backed off", True),
     _Metric("evictions", "entries evicted", True),
     _Metric("demotions_dropped", "evictions not demoted to the next tier", True),

@@ -24,6 +24,10 @@ class StoreConfig:
     # Index of a tier ``put_many`` also writes synchronously (a durable one, e.g. LMDB), so an
     # acknowledged put survives a crash of the process. None: the top tier only.
     write_through_to: int | None = None
+    # Leading ``/`` components of a store key that are not part of the key its blocks carry
+    # (``codec.block_key_of``): 0 for the engine (store key == block key), 1 for the cache
+    # daemon (``tenant/`` + the client's key). Every read checks a keyed block against it.
+    block_key_skip: int = 0
 
     def __post_init__(self) -> None:
         if self.write_through_to is not None and self.write_through_to < 0:
@@ -32,6 +36,8 @@ class StoreConfig:
             raise ValueError("queue_batches must be positive and ewma_alpha in (0, 1]")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        if self.block_key_skip < 0:
+            raise ValueError("block_key_skip must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +86,7 @@ class SlabTier(Protocol):
     """A tier over one fixed memory slab (the host tier): in-place reads and writes for the
     store's host fast path (``HierarchicalStore.locate_host``/``reserve_host``)."""
 
-    def locate(self, keys: Sequence[str], header: bytes, nbytes: int, *,
+    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int, *,
                pin: bool = False) -> list[int | None]:
         """Slab offset of each committed entry of size ``nbytes`` starting with ``header``;
         ``pin``: pin each hit too."""

@@ -121,7 +121,7 @@ class OffloadConnector:
         meta = block_meta(kv_cache, prefix, codec)
         # Slots of a multiple of PAYLOAD_ALIGN bytes: every payload in the slab starts 16-byte
         # aligned (the layer-wise load kernel reads it in 16-byte words).
-        slot = -(-encoded_size(meta) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         tiers = build_tiers(config.tiers, host_slot_bytes=slot)
         store = HierarchicalStore(tiers, StoreConfig(namespace=prefix))
         kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
@@ -131,8 +131,8 @@ class OffloadConnector:
         )
         try:
             if config.calibrate:
-                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta), calibration,
-                                        codec)
+                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta, keyed=True),
+                                        calibration, codec)
             else:
                 cost_model = OnlineCostModel.from_priors(priors)
         except BaseException:

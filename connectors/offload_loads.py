@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachestore.codec import BlockMeta, encoded_size, header_bytes
+from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
 from cachestore.cost_online import OnlineCostModel
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockLoad, LoadResult
@@ -82,8 +82,8 @@ class HostLoader:
         self.cost_model = cost_model
         self.load_timeout_s = load_timeout_s
         self._side = side_stream
-        self._header = header_bytes(meta)
-        self._total = encoded_size(meta)
+        self._headers = HeaderTemplate(meta, keyed=True)  # a block's header names its key
+        self._total = encoded_size(meta, keyed=True)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
         self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
@@ -197,11 +197,10 @@ class HostLoader:
         """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
         every slot pinned): the leading ones, read through the store into one host tensor
         (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
-        # Host hits are views into the slab: pinned while copied, or a concurrent write (this
-        # very read's promotions) may reuse their slots.
-        pinned = [k for k, f in zip(keys, self.store.pin_host(keys), strict=True) if f]
+        # Host hits are views into the slab: read only once pinned for this call, or a
+        # concurrent write (this very read's promotions) may reuse their slots.
+        values, pinned = self.store.get_many_pinned(keys, decoded=True)
         try:
-            values = self.store.get_many(keys)
             size = self.meta.payload_bytes
             n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
                      len(values))
@@ -216,7 +215,8 @@ class HostLoader:
     def _locate_and_copy(self, pending: _Load, keys: tuple[str, ...]) -> int:
         """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
         next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
-        offsets = self.store.locate_host(keys, self._header, self._total)
+        offsets = self.store.locate_host(keys, [self._headers.for_key(k) for k in keys],
+                                         self._total)
         lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
         self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
                                if o is not None])
@@ -236,7 +236,7 @@ class HostLoader:
                 self._copy(pending, list(pending.load.slab_offsets), forward_reads=True)
             return
         ids = [b for p in loads for b in p.load.block_ids[:len(p.load.slab_offsets)]]
-        payload = [o + len(self._header) for p in loads for o in p.load.slab_offsets]
+        payload = [o + self._headers.size for p in loads for o in p.load.slab_offsets]
         begin = torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.kv_cache.device)
         with torch.cuda.stream(self._side):  # type: ignore[arg-type]
@@ -258,7 +258,7 @@ class HostLoader:
             return
         start = pending.copied
         ids = pending.load.block_ids[start:start + len(offsets)]
-        payload = [o + len(self._header) for o in offsets]
+        payload = [o + self._headers.size for o in offsets]
         pending.copied += len(offsets)
         if self._side is None:
             t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cachestore.codec import BlockMeta, encode_block, encoded_size, header_bytes, seal_block
+from cachestore.codec import BlockMeta, HeaderTemplate, encode_block, encoded_size, seal_block
 from cachestore.store import HierarchicalStore
 from connectors.base import BlockSave
 from connectors.kv_compress import Hi4Codec
@@ -57,8 +57,9 @@ class HostSaver:
         self.meta = meta
         self.stats = stats
         self._side = side_stream
-        self._header = header_bytes(meta)
-        self._total = encoded_size(meta)
+        # Blocks carry their key (codec version 2): a read under another key is a miss.
+        self._headers = HeaderTemplate(meta, keyed=True)
+        self._total = encoded_size(meta, keyed=True)
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
         if store.config.write_through_to is not None:
@@ -88,13 +89,13 @@ class HostSaver:
         offsets: list[int] = []
         rows: list[int] = []
         spill: list[tuple[int, str]] = []
-        hsize = len(self._header)
+        hsize = self._headers.size
         for row, key in enumerate(todo):
             res = self.store.reserve_host(key, self._total) if self._copier is not None else None
             if res is None:
                 spill.append((row, key))
                 continue
-            res.view[:hsize] = self._header
+            res.view[:hsize] = self._headers.for_key(key)
             slotted.append((key, res.view))
             offsets.append(res.offset + hsize)
             rows.append(row)
@@ -171,7 +172,7 @@ class HostSaver:
         try:
             if batch.event is not None:
                 batch.event.synchronize()  # type: ignore[attr-defined]
-            hsize = len(self._header)
+            hsize = self._headers.size
             for key, view in batch.slotted:
                 if not self._storable(view[hsize:]):
                     self.store.abort_host(key)
@@ -183,7 +184,7 @@ class HostSaver:
             dropped += len(batch.spilled) - len(spilled)
             if spilled:
                 items = [(k, encode_block(memoryview(t.contiguous().view(torch.uint8).numpy()),
-                                          self.meta)) for k, t in spilled]
+                                          self.meta, key=k)) for k, t in spilled]
                 written += self.store.put_many(items)
         except Exception:
             log.exception("kv save of %d blocks failed", len(keys))

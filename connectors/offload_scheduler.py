@@ -32,7 +32,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cachestore.codec import BlockMeta, encoded_size, header_bytes
+from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
 from cachestore.cost_model import (
     STRATEGY_LOAD_PREFIX,
     STRATEGY_OVERLAP,
@@ -97,8 +97,10 @@ class OffloadScheduler:
         self.namespace = namespace
         self._key_prefix = namespace.key_prefix()
         self._in_step = block_meta is not None and store.host_slab() is not None
-        self._header = header_bytes(block_meta) if block_meta is not None else b""
-        self._slot_bytes = encoded_size(block_meta) if block_meta is not None else 0
+        # Blocks carry their key (codec version 2): the header check names it.
+        self._headers = (HeaderTemplate(block_meta, keyed=True) if block_meta is not None
+                         else None)
+        self._slot_bytes = encoded_size(block_meta, keyed=True) if block_meta is not None else 0
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -159,7 +161,9 @@ class OffloadScheduler:
     def _locate(self, keys: list[str]) -> tuple[int, ...]:
         """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
         pinned; pins past that run are undone at once."""
-        offsets = self.store.locate_host(keys, self._header, self._slot_bytes)
+        headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
+                   else [b""] * len(keys))
+        offsets = self.store.locate_host(keys, headers, self._slot_bytes)
         lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
         self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
                                if o is not None])

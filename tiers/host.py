@@ -15,7 +15,8 @@ happens afterwards, so a full tier never fragments and never grows.
   later ``put_many``/``reserve`` can do). Pin before handing a view to a copy engine.
 - Direct reads: ``locate(keys, header, nbytes)`` gives the slab offset of each committed entry
   whose stored bytes start with ``header`` (the codec's ``header_bytes``: magic, version,
-  lengths, namespace, shape) and whose size is ``nbytes``, so a device copy can read the payload
+  lengths, namespace, shape and, for a keyed block, its key: one header per key then) and
+  whose size is ``nbytes``, so a device copy can read the payload
   in place. No checksum: this process wrote those bytes; lower tiers keep it.
 - Direct writes: ``reserve(key, nbytes)`` hands out a slot's memory (and its offset in
   ``slab_tensor()``) so a GPU->host copy lands in place; ``commit(key)`` makes it visible,
@@ -210,22 +211,26 @@ class HostTier(Tier):
                 if entry is not None and entry.pins:
                     entry.pins -= 1
 
-    def locate(self, keys: Sequence[str], header: bytes, nbytes: int, *,
+    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int, *,
                pin: bool = False) -> list[int | None]:
         """Slab offset of each key's entry (None: absent, reserved, another size, or a stored
-        header other than ``header``); refreshes recency of hits. The offset is that of the
-        whole encoded block: the payload starts ``len(header)`` bytes later. ``pin``: pin each
-        hit in the same lock hold (balance with ``unpin``), so the offset stays valid."""
+        header other than ``header``: one for all keys, or one per key -- a keyed block's
+        header names its key, ``codec.HeaderTemplate``); refreshes recency of hits. The offset
+        is that of the whole encoded block: the payload starts ``len(header)`` bytes later.
+        ``pin``: pin each hit in the same lock hold (balance with ``unpin``), so the offset
+        stays valid."""
         out: list[int | None] = []
-        size = len(header)
+        headers = [header] * len(keys) if isinstance(header, bytes | bytearray) else header
+        if len(headers) != len(keys):
+            raise ValueError(f"{len(headers)} headers for {len(keys)} keys")
         with self._lock:
-            for key in keys:
+            for key, want in zip(keys, headers, strict=True):
                 entry = self._entries.get(key)
                 if entry is None or not entry.committed or entry.nbytes != nbytes:
                     out.append(None)
                     continue
                 start = entry.slot * self.slot_bytes
-                if self._slab[start:start + size] != header:
+                if self._slab[start:start + len(want)] != want:
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)

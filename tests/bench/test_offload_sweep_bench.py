@@ -42,7 +42,7 @@ def test_sweep_load_lands_the_lmdb_bytes_in_the_cache(loads: SweepLoads) -> None
 
 
 def test_every_sweep_load_is_cold_and_pays_the_throttle(loads: SweepLoads) -> None:
-    slot = encoded_size(block_meta(loads.kv, "bench-sweep"))
+    slot = encoded_size(block_meta(loads.kv, "bench-sweep"), keyed=True)
     loads.throttle(0.03, 4 * slot / 0.02)  # 4 blocks: at least 30 + 20 ms
     first = loads.load(0, 4)
     again = loads.load(0, 4)  # the host tier holds them now: dropped first, LMDB serves again
@@ -68,7 +68,7 @@ def test_bench_sweep_on_a_tiny_llama(tmp_path: Path) -> None:
     assert fast["nominal_latency_s"] == pytest.approx(0.5 * fast["recompute_s"])
     # The tiny Llama: 2 layers, 2 KV heads of 16, float32: 8 KiB per block.
     slot = encoded_size(block_meta(KVCache(KVCacheSpec(2, 2, 16, torch.float32), 1,
-                                           torch.device("cpu")), "bench-sweep"))
+                                           torch.device("cpu")), "bench-sweep"), keyed=True)
     for p in points:
         assert p["prefix_tokens"] == 256
         assert [n for n, _ in p["calibration"]] == [2, 8, 16]

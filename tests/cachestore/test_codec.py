@@ -11,6 +11,7 @@ from cachestore.codec import (
     CHECKSUM_BYTES,
     FIXED_HEADER_BYTES,
     FORMAT_VERSION,
+    KEYLESS_VERSION,
     PAYLOAD_ALIGN,
     BlockMeta,
     CodecError,
@@ -37,7 +38,7 @@ def test_round_trip_and_meta() -> None:
     assert out.meta == META
     assert out.meta.dtype == "float16"  # "torch." prefix dropped
     assert out.meta.shape == (2, 2, 4, 3)
-    assert out.version == FORMAT_VERSION
+    assert out.version == KEYLESS_VERSION and out.key_digest is None  # no key given
     assert bytes(out.payload) == PAYLOAD
     assert buf.endswith(struct.pack("<Q", xxhash.xxh3_64_intdigest(buf[:-CHECKSUM_BYTES])))
 
@@ -120,7 +121,7 @@ def test_wrong_namespace() -> None:
 
 def test_old_format_version_is_refused_even_with_a_valid_checksum() -> None:
     old = bytearray(encoded_size(META))
-    encode_block_into(old, PAYLOAD, META, version=FORMAT_VERSION - 1)
+    encode_block_into(old, PAYLOAD, META, version=0)
     assert struct.unpack_from("<H", old, 4)[0] == 0
     body = bytes(old[:-CHECKSUM_BYTES])
     assert old[-CHECKSUM_BYTES:] == struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
@@ -189,3 +190,63 @@ def test_header_bytes_prefix_and_seal_block_match_encode_block() -> None:
     seal_block(buf, len(full))
     assert bytes(buf) == full
     assert bytes(decode_block(buf, expected_namespace=NS).payload) == PAYLOAD
+
+
+def test_keyed_block_carries_its_key_and_refuses_another() -> None:
+    """Version 2: the key is in the checksummed header; read under another key it is a
+    "wrong_key" CodecError (issue 16, F1: a block served under the wrong key is a miss)."""
+    from cachestore.codec import header_bytes, key_digest, seal_block
+
+    key, other = f"{NS}/{1:032x}", f"{NS}/{2:032x}"
+    buf = encode_block(PAYLOAD, META, key=key)
+    assert len(buf) == encoded_size(META, keyed=True) >= encoded_size(META)
+    out = decode_block(buf, expected_namespace=NS, expected_key=key)
+    assert out.version == FORMAT_VERSION and out.key_digest == key_digest(key)
+    assert out.meta == META and bytes(out.payload) == PAYLOAD
+    assert decode_block(buf).key_digest == key_digest(key)  # no expectation: accepted
+    with pytest.raises(CodecError) as info:
+        decode_block(buf, expected_namespace=NS, expected_key=other)
+    assert info.value.reason == "wrong_key"
+    # The key is checksummed: rewriting its digest in place breaks the checksum.
+    forged = bytearray(buf)
+    header = header_bytes(META, key)
+    at = bytes(header).index(struct.pack("<Q", key_digest(key)))
+    struct.pack_into("<Q", forged, at, key_digest(other))
+    with pytest.raises(CodecError) as info:
+        decode_block(bytes(forged), expected_key=other)
+    assert info.value.reason == "checksum"
+    # A keyless (version 1) block still decodes, under any key: there is nothing to check.
+    assert bytes(decode_block(_block(), NS, expected_key=other).payload) == PAYLOAD
+    # header_bytes(meta, key) + payload + seal_block == encode_block(..., key): the in-place
+    # writers' way; one length for every key of a meta, another header per key.
+    assert buf.startswith(header) and len(header) % PAYLOAD_ALIGN == 0
+    assert len(header_bytes(META, other)) == len(header) and header_bytes(META, other) != header
+    place = bytearray(len(buf))
+    place[:len(header)] = header
+    place[len(header):len(header) + len(PAYLOAD)] = PAYLOAD
+    seal_block(place, len(buf))
+    assert bytes(place) == buf
+
+
+def test_every_bit_flip_of_a_keyed_block_is_detected() -> None:
+    key = f"{NS}/{7:032x}"
+    buf = encode_block(PAYLOAD, META, key=key)
+    for byte in range(len(buf)):
+        flipped = bytearray(buf)
+        flipped[byte] ^= 1 << (byte % 8)
+        with pytest.raises(CodecError):
+            decode_block(bytes(flipped), expected_namespace=NS, expected_key=key)
+
+
+def test_header_template_matches_header_bytes() -> None:
+    from cachestore.codec import HeaderTemplate, header_bytes
+
+    metas = [META, *(BlockMeta("uint8", (n,), "test", "n" * i) for n, i in ((0, 1), (256, 7),
+                                                                           (1 << 20, 13)))]
+    for meta in metas:
+        keyed, keyless = HeaderTemplate(meta, keyed=True), HeaderTemplate(meta, keyed=False)
+        for key in ("", "a/b", f"{NS}/{3:032x}", "tenant/ns/ü"):
+            assert keyed.for_key(key) == header_bytes(meta, key)
+            assert keyless.for_key(key) == header_bytes(meta)
+            assert len(keyed.for_key(key)) == keyed.size
+        assert keyed != keyless and keyed == HeaderTemplate(meta, keyed=True)

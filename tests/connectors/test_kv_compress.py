@@ -189,12 +189,12 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
     cache.tensor[:2].view(2, -1).view(torch.uint8).copy_(blocks)
 
     def stack(tiers: list[dict]) -> HierarchicalStore:
-        slot = pad16(encoded_size(meta))
+        slot = pad16(encoded_size(meta, keyed=True))
         return HierarchicalStore(build_tiers(parse_tier_config({"tiers": tiers}), host_slot_bytes=slot),
                                  StoreConfig(namespace="ns"))
 
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}
-    store = stack([{"kind": "host", "capacity": 4 * encoded_size(meta)}, lmdb])
+    store = stack([{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)}, lmdb])
     stats = OffloadStats()
     worker = OffloadWorker(cache, store, meta, load_timeout_s=5.0, stats=stats, codec=codec)
     worker.save_now((BlockSave(0, "ns/00"), BlockSave(1, "ns/01")))

@@ -171,7 +171,7 @@ def test_default_config_uses_host_and_lmdb_in_the_cache_dir(
         host = store.tiers[0]
         meta = llm.engine.offload.worker.meta  # type: ignore[union-attr]
         assert meta.payload_bytes == llm.engine.runner.kv_cache.bytes_per_block == 8192
-        assert host.slot_bytes == -(-encoded_size(meta) // 16) * 16 > 8192  # 16-byte aligned slots
+        assert host.slot_bytes == -(-encoded_size(meta, keyed=True) // 16) * 16 > 8192  # 16-byte aligned slots
         assert 1 << 20 <= host.num_slots * host.slot_bytes <= 8 << 30
 
 

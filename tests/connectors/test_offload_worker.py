@@ -40,11 +40,11 @@ def parts(tmp_path: Path) -> Iterator[tuple[OffloadWorker, HierarchicalStore, KV
     cache = KVCache(spec, 8, "cpu")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta)},
+        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)},
                    {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}]}
     )
     store = HierarchicalStore(
-        build_tiers(config, host_slot_bytes=encoded_size(meta)),
+        build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
         StoreConfig(namespace=PREFIX, promote_on_get=False),
     )
     model = RecordingCostModel()
@@ -66,7 +66,8 @@ def test_a_load_from_two_tiers_reports_each_hop(
     size = cache.bytes_per_block
     keys = [f"{PREFIX}/{i:02x}" for i in range(3)]
     blobs = [block(float(i + 1), cache) for i in range(3)]
-    encoded = [(k, encode_block(b.numpy().tobytes(), worker.meta)) for k, b in zip(keys, blobs, strict=True)]
+    encoded = [(k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
+               for k, b in zip(keys, blobs, strict=True)]
     store.tiers[1].put_many(encoded[2:])  # the third block lives only in LMDB
     store.put_many(encoded[:2])
     assert store.lookup(keys).served_by == (0, 0, 1)
@@ -91,7 +92,8 @@ def test_a_short_read_stops_at_the_first_missing_block(
     worker, store, cache, model = parts
     keys = [f"{PREFIX}/{i:02x}" for i in range(3)]
     blob = block(7.0, cache)
-    store.tiers[1].put_many([(keys[0], encode_block(blob.numpy().tobytes(), worker.meta))])
+    store.tiers[1].put_many([(keys[0], encode_block(blob.numpy().tobytes(), worker.meta,
+                                                      key=keys[0]))])
     load = BlockLoad("r", (1, 2, 4), tuple(keys), 0, ("lmdb", "lmdb", "lmdb"))
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
     [result] = worker.take_report().finished_loads
@@ -104,7 +106,7 @@ def _host_blocks(worker: OffloadWorker, store: HierarchicalStore, cache: KVCache
                  n: int) -> tuple[list[str], list[torch.Tensor]]:
     keys = [f"{PREFIX}/{i:02x}" for i in range(n)]
     blobs = [block(float(i + 2), cache) for i in range(n)]
-    store.put_many([(k, encode_block(b.numpy().tobytes(), worker.meta))
+    store.put_many([(k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
                     for k, b in zip(keys, blobs, strict=True)])
     return keys, blobs
 
@@ -154,9 +156,9 @@ def test_a_wrong_namespace_slot_is_not_loaded(
     keys, blobs = _host_blocks(worker, store, cache, 1)
     # Same encoded size (namespaces of equal length) so only the header tells them apart.
     alien = block_meta(cache, "ns-tesX")
-    other = encode_block(block(9.0, cache).numpy().tobytes(), alien)
-    assert len(other) == encoded_size(worker.meta)
     bad_key = f"{PREFIX}/bad"
+    other = encode_block(block(9.0, cache).numpy().tobytes(), alien, key=bad_key)
+    assert len(other) == encoded_size(worker.meta, keyed=True)
     store.tiers[0].put_many([(bad_key, other)])
     load = BlockLoad("r", (2, 4), (keys[0], bad_key), 0, ("host", "host"))
     store.prepare_load(load.keys)
@@ -183,7 +185,8 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     assert worker.take_report().finished_loads == ()
     # The host tier (4 slots) fills up: the two entries being copied must survive.
     filler = [(f"{PREFIX}/f{i}", encode_block(block(50.0 + i, cache).numpy().tobytes(),
-                                              worker.meta)) for i in range(4)]
+                                              worker.meta, key=f"{PREFIX}/f{i}"))
+              for i in range(4)]
     store.put_many(filler)
     assert store.tiers[0].lookup(keys) == 2
     in_flight[0] = False
@@ -241,9 +244,9 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
     cache = KVCache(spec, 16, "cuda")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta)},
+        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)},
                    {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]})
-    store = HierarchicalStore(build_tiers(config, host_slot_bytes=encoded_size(meta)),
+    store = HierarchicalStore(build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
                               StoreConfig(namespace=PREFIX, promote_on_get=False))
     assert store.tiers[0].pinned_memory
     worker = OffloadWorker(cache, store, meta, load_timeout_s=30.0, stats=OffloadStats())
