@@ -24,8 +24,9 @@ Handshake and binding (the security model of the doorbell):
   secret with the tenant it was issued to; it expires after ``SECRET_TTL_S`` and works once.
 - The socket is a file of mode 0600 in a fresh 0700 directory the daemon made (only its user
   can connect; the client's segment needs the same user anyway). The first message on a
-  connection must be ``{"op": "attach", "secret": ...}``: the connection is then bound to that
-  tenant, or refused and closed. Every later request is parsed and authenticated exactly as on
+  connection must be ``{"op": "attach", "secret": ...}``, small and without payloads, within
+  ``attach_timeout_s`` (``bell_framing.read_attach``: nothing else is read before it is
+  checked): the connection is then bound to that tenant, or refused and closed. Every later request is parsed and authenticated exactly as on
   ZMQ (``OpHandler.parse``: token, key prefixes, limits) and must also name the bound tenant's
   token: a second tenant cannot ride on a connection it did not attach.
 - Payloads still travel through the segment; frames over the socket are allowed (a batch
@@ -60,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from cachestore.bell_framing import BellClosed, MessageReader, send_message
+from cachestore.bell_framing import BellClosed, MessageReader, read_attach, send_message
 from cachestore.leases import ConnLeases, LeaseOffer
 from cachestore.server_protocol import ErrorCode, Reply, ServerLimits, error_header, pack
 
@@ -85,10 +86,12 @@ class Doorbell:
     def __init__(self, limits: ServerLimits, max_conns: int = 256,
                  directory: str | None = None, inline_reads: bool = True,
                  spin_s: float = 100e-6, leases: LeaseOffer | None = None,
-                 tcp: tuple[str, int] | None = None) -> None:
+                 tcp: tuple[str, int] | None = None, attach_timeout_s: float = 3.0) -> None:
         """``leases``: offer in-place reads to connections that ask (None: never; never over
-        TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port)."""
+        TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port).
+        ``attach_timeout_s``: a connection that has not attached by then is closed."""
         self._limits = limits
+        self._attach_timeout_s = attach_timeout_s
         self._tcp = tcp
         self._leases = leases if tcp is None else None
         self._spin_s = spin_s
@@ -212,8 +215,7 @@ class Doorbell:
         assert handler is not None
         leases: ConnLeases | None = None
         try:
-            reader = MessageReader(sock, self._limits, self._spin_s, REQUEST_ARENA_BYTES)
-            first = _unpack(reader.read()[0])
+            first = _unpack(read_attach(sock, self._attach_timeout_s))
             tenant = self._claim(first.get("secret")) if first.get("op") == "attach" else None
             code = ErrorCode.OK if tenant is not None else ErrorCode.UNAUTHORIZED
             reply = error_header(first.get("id", 0), code, "" if tenant else "bad or used secret")
@@ -223,6 +225,8 @@ class Doorbell:
                 reply["slab"] = True
                 fds.append(self._leases.fd)
             send_message(sock, pack(reply), fds=fds)
+            if tenant is not None:  # a buffer only for an attached connection
+                reader = MessageReader(sock, self._limits, self._spin_s, REQUEST_ARENA_BYTES)
             while tenant is not None:
                 reader.rewind()  # the previous request is answered: its payloads are stored
                 self._serve_one(sock, handler, tenant, reader.read(), leases)

@@ -43,6 +43,7 @@ from cachestore.server_protocol import (
     Tenant,
     error_header,
     unpack_request,
+    zmq_max_frames,
 )
 from cachestore.server_puts import put_views, store_put
 from cachestore.server_reads import HostReads, copy_out, shm_region
@@ -121,7 +122,7 @@ class OpHandler:
                                                  "bytes_out": 0, "path": "tcp", "keys": []},
                       time.perf_counter())
         try:
-            if len(frames) - 1 > self.limits.max_keys_per_request:
+            if len(frames) > zmq_max_frames(self.limits):
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames is too many")
             req.header = unpack_request(_buffer(frames[0]), self.limits)
             req.op = req.header["op"]

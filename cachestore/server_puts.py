@@ -22,7 +22,13 @@ import xxhash
 
 from cachestore import shm
 from cachestore.codec import CHECKSUM_BYTES, BlockMeta, CodecError, decode_block, header_bytes
-from cachestore.server_protocol import ErrorCode, ProtocolError, ServerLimits, checksum
+from cachestore.server_protocol import (
+    ErrorCode,
+    ProtocolError,
+    ServerLimits,
+    checksum,
+    join_frames,
+)
 
 if TYPE_CHECKING:
     from cachestore.server_reads import HostReads
@@ -66,7 +72,7 @@ def check_payload(index: int, view: memoryview, size: int, digest: int, namespac
 def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview],
               limits: ServerLimits, segment_of: Callable[[], shm.ShmSegment | None],
               rec: dict[str, Any]) -> list[memoryview]:
-    """A put's payloads: ``frames``, or views of the client's segment (``segment_of``, which
+    """A put's payloads: ``frames`` (joined where a payload was split), or views of the client's segment (``segment_of``, which
     raises ``ProtocolError`` for an unknown one) at ``shm_offsets``. Checks sizes against
     ``limits`` and offsets against the segment; raises ``ProtocolError``. No copy: the store
     copies before the put is acknowledged, and the client leaves its segment alone until then."""
@@ -74,11 +80,8 @@ def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview]
         raise ProtocolError(ErrorCode.TOO_LARGE,
                             f"payload over the limit ({limits.max_frame_bytes} bytes per block, "
                             f"{limits.max_request_bytes} per request)")
-    if "shm_offsets" not in header:
-        if len(frames) != len(sizes):
-            raise ProtocolError(ErrorCode.BAD_FRAME,
-                                f"{len(frames)} payload frames for {len(sizes)} keys")
-        return frames
+    if "shm_offsets" not in header:  # a payload over ZMQ_FRAME_BYTES came as several frames
+        return join_frames(frames, sizes)
     segment = segment_of()
     offsets = header["shm_offsets"]
     if segment is None:

@@ -19,6 +19,7 @@ import zmq
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
 from cachestore.server_protocol import PROTOCOL_VERSION, checksum
+from cachestore.server_zap import secure_client
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
@@ -131,6 +132,7 @@ def test_admin_endpoints(server: CacheServer) -> None:
 def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    secure_client(sock, None)
     sock.connect(server.bound_url)
     blk = sized_block("p/01", 100)
     header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
