@@ -17,10 +17,16 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
 
 ``AdminMetrics.record`` is thread-safe (prometheus-client locks internally). FastAPI, uvicorn and
 prometheus-client are imported here only, so the daemon core does not need them.
+
+Access: ``/stats``, ``/namespaces`` and ``/metrics`` name every tenant and its usage. The CLI
+binds the port to loopback by default and refuses another address without an admin token;
+with a token (``create_app(..., token=...)``) those endpoints need ``Authorization: Bearer
+TOKEN`` (401 otherwise). ``/health`` stays open (probes), and says nothing about tenants.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -127,11 +133,24 @@ class _LiveCollector:
         yield entries
 
 
-def create_app(server: CacheServer, metrics: AdminMetrics) -> Any:
-    """The FastAPI app. Read-only: no endpoint mutates the store."""
-    from fastapi import FastAPI, Response
+def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = None) -> Any:
+    """The FastAPI app. Read-only: no endpoint mutates the store. With ``token``, every
+    endpoint but ``/health`` answers 401 unless the request carries it as a bearer token."""
+    from fastapi import FastAPI, Request, Response
+    from fastapi.responses import JSONResponse
 
-    app = FastAPI(title="kvtier cache-server admin")
+    app = FastAPI(title="kvtier cache-server admin", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if token is not None:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def bearer(request: Request, call_next: Callable[[Request], Any]) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                return JSONResponse({"error": "admin token required"}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/health")
     def health() -> dict[str, Any]:

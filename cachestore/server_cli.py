@@ -30,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=5555, help="ZMQ port (0: any free port)")
     parser.add_argument("--admin-port", type=int, default=5556,
                         help="HTTP admin port: /health /metrics /stats (-1: off)")
-    parser.add_argument("--admin-host", default=None, help="admin bind address (default --host)")
+    parser.add_argument("--admin-host", default="127.0.0.1",
+                        help="admin bind address (default loopback; anything else needs "
+                             "--admin-token-file: the admin port lists every tenant's usage)")
+    parser.add_argument("--admin-token-file", default=None,
+                        help="file holding the admin port's bearer token (needed by /stats, "
+                             "/namespaces, /metrics; /health stays open)")
     parser.add_argument("--data-dir", default=None, help="LMDB directory (persistence)")
     parser.add_argument("--lmdb-capacity", default="10GiB", help="LMDB capacity under --data-dir")
     parser.add_argument("--host-capacity", default=None,
@@ -63,6 +68,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop-cpu", type=int, default=None,
                         help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
                              "(faster TCP on small VMs; default: unpinned)")
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin port's bearer token (None: none). Raises ValueError for an admin port on a
+    non-loopback address without one, or an empty or unreadable token file."""
+    from cachestore.server_protocol import is_loopback
+
+    token = None
+    if args.admin_token_file:
+        try:
+            token = Path(args.admin_token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--admin-token-file: cannot read {args.admin_token_file}: "
+                             f"{exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"--admin-token-file {args.admin_token_file}: the token must be "
+                             "at least 16 characters")
+    host = f"[{args.admin_host}]" if ":" in args.admin_host else args.admin_host
+    if args.admin_port >= 0 and token is None and not is_loopback(f"tcp://{host}:0"):
+        raise ValueError(f"--admin-host {args.admin_host} exposes every tenant's name and usage: "
+                         "give --admin-token-file, or keep the admin port on loopback")
+    return token
 
 
 def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
@@ -121,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
     from cachestore.server_protocol import ServerLimits, TokenTable
 
     try:
+        admin_token = _admin_token(args)
         tokens = None
         if args.tokens:
             tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
@@ -154,13 +182,13 @@ def main(args: argparse.Namespace) -> int:
     metrics.bind(server)
     admin = None
     if args.admin_port >= 0:
-        admin = AdminServer(create_app(server, metrics), args.admin_host or args.host,
+        admin = AdminServer(create_app(server, metrics, admin_token), args.admin_host,
                             args.admin_port).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     server.start()
     print(f"kvtier cache-server listening on {server.bound_url}"
-          + (f", admin http://{args.admin_host or args.host}:{args.admin_port}" if admin else ""),
+          + (f", admin http://{args.admin_host}:{args.admin_port}" if admin else ""),
           flush=True)
     try:
         while not server.wait(0.2):

@@ -203,3 +203,47 @@ def test_loop_cpu_pins_the_loop_thread_only(tmp_path: Path) -> None:
         tier.close()
         srv.stop()
         store.close()
+
+
+def test_admin_port_loopback_by_default_and_token_when_exposed(server: CacheServer,
+                                                                tmp_path: Path) -> None:
+    """Issue 16 F6: the admin port binds loopback unless told otherwise, refuses another
+    address without a token, and with one answers tenant data only to its bearer."""
+    cli = [sys.executable, "-m", "engine.cli", "cache-server", "--port", "0",
+           "--host-capacity", "4MiB", "--no-stream", "--no-doorbell"]
+    exposed = subprocess.run([*cli, "--admin-host", "0.0.0.0", "--admin-port", str(free_port())],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert exposed.returncode == 2 and "--admin-token-file" in exposed.stderr
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    refused = subprocess.run([*cli, "--admin-token-file", str(short)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "at least 16" in refused.stderr
+    port = free_port()
+    proc = subprocess.Popen([*cli, "--admin-port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert f"admin http://127.0.0.1:{port}" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    port = free_port()
+    token = "t0k-admin-0123456789"
+    admin = AdminServer(create_app(server, server.metrics, token),  # type: ignore[attr-defined]
+                        "127.0.0.1", port).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not admin.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no token
+        for path in ("/stats", "/namespaces", "/metrics", "/docs", "/openapi.json"):
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+            wrong = {"Authorization": "Bearer nope"}
+            assert httpx.get(f"{base}{path}", headers=wrong).status_code == 401, path
+        good = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{base}/namespaces", headers=good).status_code == 200
+        assert "kvtier_server_requests_total" in httpx.get(f"{base}/metrics", headers=good).text
+    finally:
+        admin.stop()
