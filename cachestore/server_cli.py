@@ -100,6 +100,7 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         HostTierConfig,
         LmdbTierConfig,
         build_tiers,
+        check_resources,
         load_tier_config,
     )
 
@@ -122,6 +123,7 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         return build_tiers(TierStackConfig(tiers=tuple(configs)))
     from tiers.host import HostTier
 
+    check_resources(TierStackConfig(tiers=tuple(configs)))  # before the slab is allocated
     try:
         top = HostTier(host.capacity, host.slot_bytes, shared=True)
     except OSError:  # no memfd/seals here: a private slab, gets copy as before
