@@ -8,6 +8,8 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
     kvtier_server_request_seconds{op}            histogram
     kvtier_server_keys_total{op,result}          counter   result = hit | miss
     kvtier_server_bytes_total{op,path}           counter   path = tcp | shm
+    kvtier_server_put_races_total                counter   put keys left to a concurrent put
+                                                           of the same key (not stored by it)
     kvtier_server_inflight_requests              gauge
     kvtier_server_namespace_bytes{namespace}     gauge
     kvtier_server_namespace_keys{namespace}      gauge
@@ -43,6 +45,7 @@ METRIC_NAMES = (
     "kvtier_server_namespace_bytes", "kvtier_server_namespace_keys", "kvtier_tier_used_bytes",
     "kvtier_tier_capacity_bytes", "kvtier_tier_entries", "kvtier_server_lent_bytes",
     "kvtier_server_leased_bytes", "kvtier_server_leased_blocks_total",
+    "kvtier_server_put_races_total",
 )
 
 
@@ -60,6 +63,8 @@ class AdminMetrics:
         self.keys = Counter("kvtier_server_keys", "Keys asked for", ["op", "result"], registry=r)
         self.bytes = Counter("kvtier_server_bytes", "Payload bytes moved", ["op", "path"],
                              registry=r)
+        self.put_races = Counter("kvtier_server_put_races",
+                                 "Put keys left to a concurrent put of the same key", registry=r)
         self._server: CacheServer | None = None
 
     def bind(self, server: CacheServer) -> None:
@@ -73,6 +78,8 @@ class AdminMetrics:
         if rec.op in ("get", "lookup") and rec.num_keys:
             self.keys.labels(rec.op, "hit").inc(rec.num_hits)
             self.keys.labels(rec.op, "miss").inc(rec.num_keys - rec.num_hits)
+        if rec.num_raced:
+            self.put_races.inc(rec.num_raced)
         moved = rec.bytes_in + rec.bytes_out
         if moved:
             self.bytes.labels(rec.op, rec.path).inc(moved)

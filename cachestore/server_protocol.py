@@ -68,6 +68,9 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 12
     INTERNAL = 13  # a store failure; the client treats it as a miss
     BAD_BLOCK = 14  # a put payload is not an encoded block (cachestore.codec) of its key's namespace
+    # Every key of a put was being written by a concurrent put of the same key: nothing of
+    # this request was stored (the other writer's block is). Not a failure: the client goes on.
+    PUT_RACED = 15
 
 
 class ProtocolError(Exception):
@@ -166,6 +169,7 @@ class RequestRecord:
     bytes_out: int
     path: str  # "tcp" (payload frames) or "shm"
     seconds: float
+    num_raced: int = 0  # put keys not stored because a concurrent put was writing them
 
 
 @dataclass(slots=True)

@@ -323,12 +323,15 @@ class Connections:
 
 
 def _check(conn: Conn, out: _Replies) -> _Replies:
-    """Raise for the first error reply (ShmLost: hello again, then retry)."""
+    """Raise for the first error reply (ShmLost: hello again, then retry). ``PUT_RACED`` is
+    not an error: another client's put of the same keys is writing them."""
     for reply, _ in out:
         code = reply.get("code", ErrorCode.INTERNAL)
         if code == ErrorCode.SHM_UNAVAILABLE:
             conn.hello_done = False  # the daemon restarted or forgot us: hello again next call
             raise ShmLost("cache server lost the shared-memory segment")
+        if code == ErrorCode.PUT_RACED:  # a concurrent put of the same keys is storing them
+            continue
         if code != ErrorCode.OK:
             raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
     return out

@@ -140,7 +140,7 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     sock.send_multipart([msgpack.packb(header), blk])
     assert sock.poll(5000)
     reply = msgpack.unpackb(sock.recv_multipart()[0])
-    assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "evicted": 0}
+    assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "raced": 0, "evicted": 0}
     sock.send_multipart([msgpack.packb({**header, "id": 42, "op": "get", "sizes": None})])
     assert sock.poll(5000)
     frames = sock.recv_multipart()
@@ -247,3 +247,38 @@ def test_admin_port_loopback_by_default_and_token_when_exposed(server: CacheServ
         assert "kvtier_server_requests_total" in httpx.get(f"{base}/metrics", headers=good).text
     finally:
         admin.stop()
+
+
+def test_put_race_is_counted_not_internal(server: CacheServer) -> None:
+    """Issue 16 F7: a put key another request is writing is left to that request and counted
+    (kvtier_server_put_races_total); a put whose every key raced is PUT_RACED, which the
+    client takes as done, not INTERNAL."""
+    from cachestore.server_protocol import ErrorCode
+
+    keys = ["ns9/aa", "ns9/bb"]
+    blocks = [sized_block(k, 300) for k in keys]
+    claims = server.handler.put_claims
+    held = claims.claim(["default/ns9/aa"])  # a concurrent put of ns9/aa is in flight
+    tier = RemoteTier(server.bound_url, use_shm=False)
+    try:
+        assert tier.put_many(list(zip(keys, blocks, strict=True))) == []
+        assert tier.lookup(["ns9/bb"]) == 1 and tier.lookup(["ns9/aa"]) == 0
+        assert tier.put_many([("ns9/aa", blocks[0])]) == []  # every key raced: no error
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        secure_client(sock, None)
+        sock.connect(server.bound_url)
+        header = {"v": PROTOCOL_VERSION, "id": 5, "op": "put", "token": "", "keys": ["ns9/aa"],
+                  "sizes": [300], "checksums": [checksum(blocks[0])]}
+        sock.send_multipart([msgpack.packb(header), blocks[0]])
+        assert sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv_multipart()[0])
+        sock.close(0)
+        assert reply["code"] == ErrorCode.PUT_RACED and "concurrent" in reply["error"]
+        claims.release(["default/ns9/aa"], held)
+        assert tier.put_many([("ns9/aa", blocks[0])]) == [] and tier.lookup(["ns9/aa"]) == 1
+    finally:
+        tier.close()
+    text = server.metrics.exposition().decode()  # type: ignore[attr-defined]
+    assert "kvtier_server_put_races_total 3.0" in text
+    assert 'kvtier_server_requests_total{code="PUT_RACED",op="put"} 2.0' in text
+    assert 'code="INTERNAL"' not in text
