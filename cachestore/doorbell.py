@@ -74,6 +74,10 @@ SECRET_TTL_S = 30.0
 # request (the store copies a put's payloads before the reply, as for the client's segment);
 # bigger requests get buffers of their own. Bounds a connection's idle memory.
 REQUEST_ARENA_BYTES = 8 << 20
+# Arenas of all of a listener's connections together (16 connections' worth): past it, a
+# new connection reads its payloads into buffers freed after each request, so 256 idle
+# connections cannot hold 2 GiB between them (issue 16, F7).
+MAX_ARENA_BYTES = 128 << 20
 MAX_PENDING_SECRETS = 1024
 
 
@@ -101,6 +105,7 @@ class Doorbell:
         self._lock = threading.Lock()
         self._pending: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self.arena_bytes = 0  # reserved by attached connections (under _lock)
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._handler: OpHandler | None = None
@@ -214,6 +219,7 @@ class Doorbell:
         handler = self._handler
         assert handler is not None
         leases: ConnLeases | None = None
+        arena = 0
         try:
             first = _unpack(read_attach(sock, self._attach_timeout_s))
             tenant = self._claim(first.get("secret")) if first.get("op") == "attach" else None
@@ -226,7 +232,11 @@ class Doorbell:
                 fds.append(self._leases.fd)
             send_message(sock, pack(reply), fds=fds)
             if tenant is not None:  # a buffer only for an attached connection
-                reader = MessageReader(sock, self._limits, self._spin_s, REQUEST_ARENA_BYTES)
+                with self._lock:
+                    if self.arena_bytes + REQUEST_ARENA_BYTES <= MAX_ARENA_BYTES:
+                        arena = REQUEST_ARENA_BYTES
+                        self.arena_bytes += arena
+                reader = MessageReader(sock, self._limits, self._spin_s, arena)
             while tenant is not None:
                 reader.rewind()  # the previous request is answered: its payloads are stored
                 self._serve_one(sock, handler, tenant, reader.read(), leases)
@@ -237,6 +247,7 @@ class Doorbell:
                 leases.release()
             with self._lock:
                 self._conns.pop(sock, None)
+                self.arena_bytes -= arena
             sock.close()
 
     def _serve_one(self, sock: socket.socket, handler: OpHandler, tenant: str,

@@ -271,3 +271,28 @@ def test_large_blocks_cross_zmq_in_small_frames(big_slot_daemon: CacheServer) ->
     finally:
         tier.close()
         bad.close()
+
+
+def test_stream_request_arenas_are_bounded(quick_daemon: CacheServer) -> None:
+    """Issue 16 F7: attached connections share MAX_ARENA_BYTES of reused request buffers;
+    past it a connection still works (buffers freed after each request), and a closed
+    connection gives its arena back."""
+    from cachestore.doorbell import MAX_ARENA_BYTES, REQUEST_ARENA_BYTES
+
+    stream = quick_daemon.stream
+    assert stream is not None and stream.port is not None
+    conns = []
+    for _ in range(MAX_ARENA_BYTES // REQUEST_ARENA_BYTES + 2):
+        hello = zmq_ask(quick_daemon.bound_url, TOKEN, op="hello", host_id="elsewhere",
+                        stream=True)
+        raw = RawFramed(("127.0.0.1", stream.port))
+        assert raw.ask(op="attach", secret=hello["stream_secret"])["code"] == ErrorCode.OK
+        assert raw.ask(op="stats", token=TOKEN)["code"] == ErrorCode.OK
+        conns.append(raw)
+    assert stream.arena_bytes == MAX_ARENA_BYTES
+    for raw in conns:
+        raw.sock.close()
+    deadline = time.monotonic() + 5
+    while stream.arena_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stream.arena_bytes == 0
