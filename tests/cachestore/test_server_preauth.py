@@ -241,6 +241,21 @@ def test_stream_deadline_and_request_cap(quick_daemon: CacheServer) -> None:
     assert raw.closed_by_peer()
 
 
+def test_zmq_handshake_deadline(quick_daemon: CacheServer) -> None:
+    """A ZMQ peer that starts the handshake and stalls is dropped at the deadline."""
+    port = int(str(quick_daemon.bound_url).rsplit(":", 1)[1])
+    with _connect(port) as sock:
+        sock.sendall(_zmtp_greeting(b"PLAIN"))
+        t0 = time.monotonic()
+        got = b""
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        assert len(got) == 64 and time.monotonic() - t0 < 2.5  # its greeting, then closed
+
+
 @pytest.fixture
 def big_slot_daemon() -> Iterator[CacheServer]:
     yield from served(tenant_daemon(TOKENS, 64 << 20, 16 << 20))
