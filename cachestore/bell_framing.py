@@ -6,6 +6,11 @@ A message may carry file descriptors (SCM_RIGHTS): the daemon's attach reply han
 its sealed host slab that way (``send_message(..., fds=...)``; the client reads that one reply
 with ``socket.recv_fds`` and ``MessageReader.feed``s the bytes).
 
+The daemon reads a connection's first message with ``read_attach``: only a small header with
+no payloads, within a deadline, so a peer that never attaches costs a few hundred bytes and
+a few seconds, never a buffer. Later messages are checked against ``ServerLimits`` before a
+payload byte is read: header size, payload count, each payload's size and their sum.
+
 Not thread-safe: one reader and one sender per socket.
 """
 
@@ -22,6 +27,8 @@ from cachestore.server_protocol import ServerLimits
 from tiers.base import Value
 
 _PREFIX = struct.Struct("<II")
+# The largest first message (the attach: op, secret, id, lease; ~80 bytes packed).
+ATTACH_MAX_HEADER_BYTES = 512
 
 
 class BellClosed(ConnectionError):
@@ -46,6 +53,35 @@ def send_message(sock: socket.socket, header: bytes, payloads: Sequence[Value] =
             view = memoryview(part)
             sock.sendall((view if view.format == "B" else view.cast("B"))[sent:])
             sent = 0
+
+
+def read_attach(sock: socket.socket, timeout_s: float) -> bytes:
+    """The header of a connection's first message, which must carry no payloads and at most
+    ``ATTACH_MAX_HEADER_BYTES``, all of it within ``timeout_s`` (a total, not per read).
+    Reads exactly that message (nothing after it). Raises BellClosed (too large, payloads,
+    EOF) or TimeoutError; leaves the socket in blocking mode only on success."""
+    deadline = time.monotonic() + timeout_s
+    prefix = _recv_exactly(sock, _PREFIX.size, deadline)
+    header_len, count = _PREFIX.unpack(prefix)
+    if count != 0 or header_len > ATTACH_MAX_HEADER_BYTES:
+        raise BellClosed("the first message must be a small attach without payloads")
+    header = _recv_exactly(sock, header_len, deadline)
+    sock.settimeout(None)
+    return header
+
+
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no attach within the deadline")
+        sock.settimeout(left)
+        got = sock.recv(n - len(out))
+        if not got:
+            raise BellClosed("connection closed")
+        out += got
+    return bytes(out)
 
 
 class MessageReader:
@@ -87,7 +123,8 @@ class MessageReader:
         head = _PREFIX.size + 8 * count + header_len
         self._fill(head)
         sizes = struct.unpack_from(f"<{count}Q", self._buf, self._start + _PREFIX.size)
-        if lim is not None and any(s > lim.max_frame_bytes for s in sizes):
+        if lim is not None and (any(s > lim.max_frame_bytes for s in sizes)
+                                or sum(sizes) > lim.max_request_bytes):
             raise BellClosed("payload over the limits")
         pos = self._start + head
         out: list[Any] = [bytes(self._view[pos - header_len : pos])]

@@ -24,8 +24,9 @@ Handshake and binding (the security model of the doorbell):
   secret with the tenant it was issued to; it expires after ``SECRET_TTL_S`` and works once.
 - The socket is a file of mode 0600 in a fresh 0700 directory the daemon made (only its user
   can connect; the client's segment needs the same user anyway). The first message on a
-  connection must be ``{"op": "attach", "secret": ...}``: the connection is then bound to that
-  tenant, or refused and closed. Every later request is parsed and authenticated exactly as on
+  connection must be ``{"op": "attach", "secret": ...}``, small and without payloads, within
+  ``attach_timeout_s`` (``bell_framing.read_attach``: nothing else is read before it is
+  checked): the connection is then bound to that tenant, or refused and closed. Every later request is parsed and authenticated exactly as on
   ZMQ (``OpHandler.parse``: token, key prefixes, limits) and must also name the bound tenant's
   token: a second tenant cannot ride on a connection it did not attach.
 - Payloads still travel through the segment; frames over the socket are allowed (a batch
@@ -60,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from cachestore.bell_framing import BellClosed, MessageReader, send_message
+from cachestore.bell_framing import BellClosed, MessageReader, read_attach, send_message
 from cachestore.leases import ConnLeases, LeaseOffer
 from cachestore.server_protocol import ErrorCode, Reply, ServerLimits, error_header, pack
 
@@ -73,6 +74,10 @@ SECRET_TTL_S = 30.0
 # request (the store copies a put's payloads before the reply, as for the client's segment);
 # bigger requests get buffers of their own. Bounds a connection's idle memory.
 REQUEST_ARENA_BYTES = 8 << 20
+# Arenas of all of a listener's connections together (16 connections' worth): past it, a
+# new connection reads its payloads into buffers freed after each request, so 256 idle
+# connections cannot hold 2 GiB between them (issue 16, F7).
+MAX_ARENA_BYTES = 128 << 20
 MAX_PENDING_SECRETS = 1024
 
 
@@ -85,10 +90,12 @@ class Doorbell:
     def __init__(self, limits: ServerLimits, max_conns: int = 256,
                  directory: str | None = None, inline_reads: bool = True,
                  spin_s: float = 100e-6, leases: LeaseOffer | None = None,
-                 tcp: tuple[str, int] | None = None) -> None:
+                 tcp: tuple[str, int] | None = None, attach_timeout_s: float = 3.0) -> None:
         """``leases``: offer in-place reads to connections that ask (None: never; never over
-        TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port)."""
+        TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port).
+        ``attach_timeout_s``: a connection that has not attached by then is closed."""
         self._limits = limits
+        self._attach_timeout_s = attach_timeout_s
         self._tcp = tcp
         self._leases = leases if tcp is None else None
         self._spin_s = spin_s
@@ -98,6 +105,7 @@ class Doorbell:
         self._lock = threading.Lock()
         self._pending: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self.arena_bytes = 0  # reserved by attached connections (under _lock)
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._handler: OpHandler | None = None
@@ -211,9 +219,9 @@ class Doorbell:
         handler = self._handler
         assert handler is not None
         leases: ConnLeases | None = None
+        arena = 0
         try:
-            reader = MessageReader(sock, self._limits, self._spin_s, REQUEST_ARENA_BYTES)
-            first = _unpack(reader.read()[0])
+            first = _unpack(read_attach(sock, self._attach_timeout_s))
             tenant = self._claim(first.get("secret")) if first.get("op") == "attach" else None
             code = ErrorCode.OK if tenant is not None else ErrorCode.UNAUTHORIZED
             reply = error_header(first.get("id", 0), code, "" if tenant else "bad or used secret")
@@ -223,6 +231,12 @@ class Doorbell:
                 reply["slab"] = True
                 fds.append(self._leases.fd)
             send_message(sock, pack(reply), fds=fds)
+            if tenant is not None:  # a buffer only for an attached connection
+                with self._lock:
+                    if self.arena_bytes + REQUEST_ARENA_BYTES <= MAX_ARENA_BYTES:
+                        arena = REQUEST_ARENA_BYTES
+                        self.arena_bytes += arena
+                reader = MessageReader(sock, self._limits, self._spin_s, arena)
             while tenant is not None:
                 reader.rewind()  # the previous request is answered: its payloads are stored
                 self._serve_one(sock, handler, tenant, reader.read(), leases)
@@ -233,6 +247,7 @@ class Doorbell:
                 leases.release()
             with self._lock:
                 self._conns.pop(sock, None)
+                self.arena_bytes -= arena
             sock.close()
 
     def _serve_one(self, sock: socket.socket, handler: OpHandler, tenant: str,

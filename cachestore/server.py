@@ -46,11 +46,14 @@ from cachestore.server_ops import OpHandler, Reply, RequestRecord
 from cachestore.server_protocol import (
     OPEN_TENANT,
     ErrorCode,
+    ProtocolError,
     TokenTable,
     error_header,
     pack,
+    zmq_max_msg_bytes,
 )
 from cachestore.server_usage import NamespaceUsage
+from cachestore.server_zap import ZapHandler, secure_server
 from cachestore.store import HierarchicalStore
 
 __all__ = ["CacheServer", "RequestRecord", "ServerConfig", "is_loopback"]
@@ -91,14 +94,18 @@ class CacheServer:
         self._leases = (LeaseOffer.build(store, one_namespace, config.max_leased_bytes,
                                          config.max_leased_conn_bytes)
                         if bell_on and config.leases and config.inline_reads else None)
+        self._tokens = tokens
         self._bell = (Doorbell(config.limits, config.max_doorbell_conns, config.doorbell_dir,
-                               config.inline_reads, config.spin_us * 1e-6, self._leases)
+                               config.inline_reads, config.spin_us * 1e-6, self._leases,
+                               attach_timeout_s=config.attach_timeout_s)
                       if bell_on else None)
         stream_host = config.stream_host() if config.stream else None
         self._stream = (Doorbell(config.limits, config.max_doorbell_conns, None,
                                  config.inline_reads, config.spin_us * 1e-6,
-                                 tcp=(stream_host, config.stream_port))
+                                 tcp=(stream_host, config.stream_port),
+                                 attach_timeout_s=config.attach_timeout_s)
                         if stream_host is not None else None)
+        self.zap: ZapHandler | None = None  # while serving: the ZMQ handshake's token check
         self._handler = OpHandler(
             store=store,
             usage=usage if usage is not None else NamespaceUsage(),
@@ -171,12 +178,16 @@ class CacheServer:
         cpus = os.sched_getaffinity(0)  # this thread's, restored on pool threads (they inherit)
         if self.config.loop_cpu is not None:  # before the first socket starts the I/O thread
             ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, self.config.loop_cpu)
+        # Tokens are checked in the ZMTP handshake, before a peer may send a message (libzmq
+        # buffers a multipart message whole before the loop could look at its header).
+        zap = self.zap = ZapHandler(ctx, self._zap_accept).start()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
-        # ZMQ drops a peer whose frame exceeds this before it is buffered (protects memory);
-        # frames up to the limit get a clear TOO_LARGE reply from the handler instead.
-        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.limits.max_frame_bytes + 4096)
+        secure_server(router, self.config.attach_timeout_s)
+        # ZMQ drops a peer whose frame (or handshake command) exceeds this before it is
+        # buffered; frames up to it get a clear TOO_LARGE reply from the handler instead.
+        router.setsockopt(zmq.MAXMSGSIZE, zmq_max_msg_bytes(self.config.limits))
         replies: queue.SimpleQueue[tuple[bytes, Reply]] = queue.SimpleQueue()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
@@ -204,12 +215,23 @@ class CacheServer:
             pool.shutdown(wait=True)
             self._flush(router, replies)
             router.close(linger=1000)
+            zap.stop()
             ctx.term()
             os.close(wake_r)
             os.close(wake_w)
             self._segments.close()
             self._handler.close()
             self._done.set()
+
+    def _zap_accept(self, password: bytes) -> str | None:
+        """The tenant of a ZMQ handshake's PLAIN password (None: refused); any for an open
+        daemon."""
+        if self._tokens is None:
+            return OPEN_TENANT.name
+        try:
+            return self._tokens.authenticate(password.decode()).name
+        except (ProtocolError, UnicodeDecodeError):
+            return None
 
     def _loop(self, router: zmq.Socket, pool: ThreadPoolExecutor,
               replies: queue.SimpleQueue[tuple[bytes, Reply]], wake_r: int, wake_w: int) -> None:

@@ -8,6 +8,8 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
     kvtier_server_request_seconds{op}            histogram
     kvtier_server_keys_total{op,result}          counter   result = hit | miss
     kvtier_server_bytes_total{op,path}           counter   path = tcp | shm
+    kvtier_server_put_races_total                counter   put keys left to a concurrent put
+                                                           of the same key (not stored by it)
     kvtier_server_inflight_requests              gauge
     kvtier_server_namespace_bytes{namespace}     gauge
     kvtier_server_namespace_keys{namespace}      gauge
@@ -17,10 +19,16 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
 
 ``AdminMetrics.record`` is thread-safe (prometheus-client locks internally). FastAPI, uvicorn and
 prometheus-client are imported here only, so the daemon core does not need them.
+
+Access: ``/stats``, ``/namespaces`` and ``/metrics`` name every tenant and its usage. The CLI
+binds the port to loopback by default and refuses another address without an admin token;
+with a token (``create_app(..., token=...)``) those endpoints need ``Authorization: Bearer
+TOKEN`` (401 otherwise). ``/health`` stays open (probes), and says nothing about tenants.
 """
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +45,7 @@ METRIC_NAMES = (
     "kvtier_server_namespace_bytes", "kvtier_server_namespace_keys", "kvtier_tier_used_bytes",
     "kvtier_tier_capacity_bytes", "kvtier_tier_entries", "kvtier_server_lent_bytes",
     "kvtier_server_leased_bytes", "kvtier_server_leased_blocks_total",
+    "kvtier_server_put_races_total",
 )
 
 
@@ -54,6 +63,8 @@ class AdminMetrics:
         self.keys = Counter("kvtier_server_keys", "Keys asked for", ["op", "result"], registry=r)
         self.bytes = Counter("kvtier_server_bytes", "Payload bytes moved", ["op", "path"],
                              registry=r)
+        self.put_races = Counter("kvtier_server_put_races",
+                                 "Put keys left to a concurrent put of the same key", registry=r)
         self._server: CacheServer | None = None
 
     def bind(self, server: CacheServer) -> None:
@@ -67,6 +78,8 @@ class AdminMetrics:
         if rec.op in ("get", "lookup") and rec.num_keys:
             self.keys.labels(rec.op, "hit").inc(rec.num_hits)
             self.keys.labels(rec.op, "miss").inc(rec.num_keys - rec.num_hits)
+        if rec.num_raced:
+            self.put_races.inc(rec.num_raced)
         moved = rec.bytes_in + rec.bytes_out
         if moved:
             self.bytes.labels(rec.op, rec.path).inc(moved)
@@ -127,11 +140,24 @@ class _LiveCollector:
         yield entries
 
 
-def create_app(server: CacheServer, metrics: AdminMetrics) -> Any:
-    """The FastAPI app. Read-only: no endpoint mutates the store."""
-    from fastapi import FastAPI, Response
+def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = None) -> Any:
+    """The FastAPI app. Read-only: no endpoint mutates the store. With ``token``, every
+    endpoint but ``/health`` answers 401 unless the request carries it as a bearer token."""
+    from fastapi import FastAPI, Request, Response
+    from fastapi.responses import JSONResponse
 
-    app = FastAPI(title="kvtier cache-server admin")
+    app = FastAPI(title="kvtier cache-server admin", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if token is not None:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def bearer(request: Request, call_next: Callable[[Request], Any]) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                return JSONResponse({"error": "admin token required"}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/health")
     def health() -> dict[str, Any]:

@@ -9,19 +9,58 @@ again. Host-tier evictions demote to LMDB, LMDB's to Redis/S3 below, in the back
 
 SIGTERM/SIGINT drain: requests already received are answered, then everything closes.
 The only module of the daemon that reads files named on the command line (tokens, YAML).
+
+Memory (issue 16, F7; docs/cache_server.md "Memory"): the daemon's anonymous memory beyond its
+host tier is bounded by its queues and buffers. Two settings here bound what the defaults
+left loose: the store's background queues hold at most ``DAEMON_QUEUE_BATCHES`` batches per
+tier (each a put's worth of evicted block copies; with write-through they are already on
+disk), and freed payload buffers go back to the OS every ``TRIM_INTERVAL_S``
+(``start_trimming``: glibc's ``malloc_trim``) instead of staying in glibc's arenas (300 MB
+kept after a load, before).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from cachestore.server_usage import NamespaceUsage
 from cachestore.sizes import parse_size
 from cachestore.store import HierarchicalStore, StoreConfig
 from tiers.base import Tier
+
+# The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
+# 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
+DAEMON_QUEUE_BATCHES = 8
+# glibc raises its mmap threshold after the first free of a large block, so freed 2 MiB
+# payload buffers (ZMQ messages, copies) then stay in its per-thread arenas: anonymous RSS
+# stayed ~300 MB after a load. A fixed threshold (mmap per buffer) cost page faults on every
+# request; a periodic malloc_trim returns the free pages at no cost to the hot path.
+TRIM_INTERVAL_S = 2.0
+
+
+def start_trimming(stop: threading.Event, interval_s: float = TRIM_INTERVAL_S) -> bool:
+    """Call glibc's ``malloc_trim(0)`` every ``interval_s`` on a daemon thread until ``stop``
+    is set. False (nothing started) where the C library has no malloc_trim."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            trim(0)
+
+    threading.Thread(target=run, name="kvtier-trim", daemon=True).start()
+    return True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=5555, help="ZMQ port (0: any free port)")
     parser.add_argument("--admin-port", type=int, default=5556,
                         help="HTTP admin port: /health /metrics /stats (-1: off)")
-    parser.add_argument("--admin-host", default=None, help="admin bind address (default --host)")
+    parser.add_argument("--admin-host", default="127.0.0.1",
+                        help="admin bind address (default loopback; anything else needs "
+                             "--admin-token-file: the admin port lists every tenant's usage)")
+    parser.add_argument("--admin-token-file", default=None,
+                        help="file holding the admin port's bearer token (needed by /stats, "
+                             "/namespaces, /metrics; /health stays open)")
     parser.add_argument("--data-dir", default=None, help="LMDB directory (persistence)")
     parser.add_argument("--lmdb-capacity", default="10GiB", help="LMDB capacity under --data-dir")
     parser.add_argument("--host-capacity", default=None,
@@ -65,6 +109,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(faster TCP on small VMs; default: unpinned)")
 
 
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin port's bearer token (None: none). Raises ValueError for an admin port on a
+    non-loopback address without one, or an empty or unreadable token file."""
+    from cachestore.server_protocol import is_loopback
+
+    token = None
+    if args.admin_token_file:
+        try:
+            token = Path(args.admin_token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--admin-token-file: cannot read {args.admin_token_file}: "
+                             f"{exc.strerror}") from None
+        if len(token) < 16:
+            raise ValueError(f"--admin-token-file {args.admin_token_file}: the token must be "
+                             "at least 16 characters")
+    host = f"[{args.admin_host}]" if ":" in args.admin_host else args.admin_host
+    if args.admin_port >= 0 and token is None and not is_loopback(f"tcp://{host}:0"):
+        raise ValueError(f"--admin-host {args.admin_host} exposes every tenant's name and usage: "
+                         "give --admin-token-file, or keep the admin port on loopback")
+    return token
+
+
 def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
     """The daemon's tier stack, top first. ``shared_host``: the host tier's slab in a sealed
     memfd that clients can map read-only (``cachestore.leases``; private memory where that is
@@ -73,6 +139,7 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         HostTierConfig,
         LmdbTierConfig,
         build_tiers,
+        check_resources,
         load_tier_config,
     )
 
@@ -95,6 +162,7 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         return build_tiers(TierStackConfig(tiers=tuple(configs)))
     from tiers.host import HostTier
 
+    check_resources(TierStackConfig(tiers=tuple(configs)))  # before the slab is allocated
     try:
         top = HostTier(host.capacity, host.slot_bytes, shared=True)
     except OSError:  # no memfd/seals here: a private slab, gets copy as before
@@ -112,7 +180,8 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
     LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
     durable = next((i for i, t in enumerate(tiers) if t.name == "lmdb"), None)
     # Keys are ``tenant/`` + the client's key: blocks carry the client's (codec version 2).
-    config = StoreConfig(write_through_to=durable if durable else None, block_key_skip=1)
+    config = StoreConfig(write_through_to=durable if durable else None, block_key_skip=1,
+                         queue_batches=DAEMON_QUEUE_BATCHES)
     return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 
@@ -122,6 +191,7 @@ def main(args: argparse.Namespace) -> int:
     from cachestore.server_protocol import ServerLimits, TokenTable
 
     try:
+        admin_token = _admin_token(args)
         tokens = None
         if args.tokens:
             tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
@@ -155,18 +225,21 @@ def main(args: argparse.Namespace) -> int:
     metrics.bind(server)
     admin = None
     if args.admin_port >= 0:
-        admin = AdminServer(create_app(server, metrics), args.admin_host or args.host,
+        admin = AdminServer(create_app(server, metrics, admin_token), args.admin_host,
                             args.admin_port).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
+    trimming = threading.Event()
+    start_trimming(trimming)
     server.start()
     print(f"kvtier cache-server listening on {server.bound_url}"
-          + (f", admin http://{args.admin_host or args.host}:{args.admin_port}" if admin else ""),
+          + (f", admin http://{args.admin_host}:{args.admin_port}" if admin else ""),
           flush=True)
     try:
         while not server.wait(0.2):
             pass
     finally:
+        trimming.set()
         if admin is not None:
             admin.stop()
         store.close()

@@ -33,6 +33,9 @@ class ServerConfig:
     doorbell: bool = True
     doorbell_dir: str | None = None
     max_doorbell_conns: int = 256  # per listener (the doorbell, the TCP stream)
+    # A doorbell or stream connection that has not attached, or a ZMQ peer that has not
+    # finished its (token-checked) handshake, within this many seconds is dropped.
+    attach_timeout_s: float = 3.0
     # TCP stream (``cachestore.doorbell``, ``tcp``): clients without a shared segment (another
     # host, or shm off) move requests and payload frames over a plain TCP connection served
     # by one thread each, instead of ZMQ. It binds the url's host at ``stream_port`` (0: a
@@ -61,6 +64,8 @@ class ServerConfig:
                              f"{sorted(os.sched_getaffinity(0))}")
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+        if self.attach_timeout_s <= 0:
+            raise ValueError(f"attach_timeout_s must be positive, got {self.attach_timeout_s}")
         if not 0 <= self.stream_port <= 65535:
             raise ValueError(f"stream_port must be 0..65535, got {self.stream_port}")
 

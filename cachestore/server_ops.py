@@ -43,8 +43,9 @@ from cachestore.server_protocol import (
     Tenant,
     error_header,
     unpack_request,
+    zmq_max_frames,
 )
-from cachestore.server_puts import put_views, store_put
+from cachestore.server_puts import PutClaims, put_views, store_put
 from cachestore.server_reads import HostReads, copy_out, shm_region
 from cachestore.server_usage import NamespaceUsage
 from cachestore.store import HierarchicalStore
@@ -97,6 +98,7 @@ class OpHandler:
         # Inline puts only where put_many touches memory alone (no durable write on the loop).
         self._inline_puts = self._fast is not None and store.config.write_through_to is None
         self.num_inline = 0  # requests served by serve_inline (a count, for tests and metrics)
+        self.put_claims = PutClaims()  # keys being put now (races are left out, counted)
 
     @property
     def lent_bytes(self) -> int:
@@ -121,7 +123,7 @@ class OpHandler:
                                                  "bytes_out": 0, "path": "tcp", "keys": []},
                       time.perf_counter())
         try:
-            if len(frames) - 1 > self.limits.max_keys_per_request:
+            if len(frames) > zmq_max_frames(self.limits):
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames is too many")
             req.header = unpack_request(_buffer(frames[0]), self.limits)
             req.op = req.header["op"]
@@ -238,7 +240,9 @@ class OpHandler:
         if self._on_request is not None:
             self._on_request(RequestRecord(req.op, req.tenant, code, rec["num_keys"],
                                            rec["num_hits"], rec["bytes_in"], rec["bytes_out"],
-                                           rec["path"], time.perf_counter() - req.start))
+                                           rec["path"], time.perf_counter() - req.start,
+                                           rec.get("num_raced", 0) if code in (
+                                               ErrorCode.OK, ErrorCode.PUT_RACED) else 0))
         if self._log is not None and code == ErrorCode.OK and req.op in _LOGGED_OPS:
             line = json.dumps({"ts": round(time.time(), 6), "op": req.op,
                                "namespace": req.tenant, "keys": rec["keys"],
@@ -308,10 +312,12 @@ class OpHandler:
         sizes: list[int] = header["sizes"]
         views = put_views(header, sizes, [_buffer(f) for f in frames], self.limits,
                           lambda: self._shm_region(header, tenant)[0], rec)
-        store_put(self.store, self.usage, self.limits.max_namespace_bytes, self._fast, header,
-                  tenant, ikeys, views)
+        rec["num_raced"] = len(set(ikeys))  # until store_put says otherwise (PUT_RACED: all)
+        stored, rec["num_raced"] = store_put(self.store, self.usage,
+                                             self.limits.max_namespace_bytes, self._fast, header,
+                                             tenant, ikeys, views, self.put_claims)
         rec["bytes_in"] = sum(sizes)
-        return {"stored": len(ikeys), "evicted": 0}, []
+        return {"stored": stored, "raced": rec["num_raced"], "evicted": 0}, []
 
     def _op_delete(self, header: dict[str, Any], tenant: str, ikeys: list[str],
                    frames: Sequence[Any], rec: dict[str, Any]) -> _Body:

@@ -45,6 +45,11 @@ OPS = frozenset({"hello", "lookup", "get", "put", "delete", "stats", "bye"})
 # else is refused before it reaches the store, so no key can smuggle a tenant separator.
 KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,64}/[0-9A-Za-z._-]{1,256}")
 TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# The largest frame a client sends the daemon over ZMQ: a larger put payload goes as several
+# consecutive frames (``split_frames``), which the daemon joins. Why: libzmq's MAXMSGSIZE is
+# per frame and also bounds what a peer can make the daemon buffer during the handshake,
+# before it is authenticated (``cachestore.server_zap``), so it must stay small.
+ZMQ_FRAME_BYTES = 4 << 20
 
 
 class ErrorCode(enum.IntEnum):
@@ -63,6 +68,9 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 12
     INTERNAL = 13  # a store failure; the client treats it as a miss
     BAD_BLOCK = 14  # a put payload is not an encoded block (cachestore.codec) of its key's namespace
+    # Every key of a put was being written by a concurrent put of the same key: nothing of
+    # this request was stored (the other writer's block is). Not a failure: the client goes on.
+    PUT_RACED = 15
 
 
 class ProtocolError(Exception):
@@ -90,6 +98,58 @@ class ServerLimits:
                 raise ValueError(f"{name} must be positive")
 
 
+def zmq_max_msg_bytes(limits: ServerLimits) -> int:
+    """The daemon socket's MAXMSGSIZE: a header, or a payload frame (at most
+    ``ZMQ_FRAME_BYTES``; up to twice ``max_frame_bytes`` when that is smaller, so a block a
+    little over the limit gets a TOO_LARGE reply rather than a dropped connection)."""
+    return max(limits.max_header_bytes, min(ZMQ_FRAME_BYTES, 2 * limits.max_frame_bytes)) + 4096
+
+
+def zmq_max_frames(limits: ServerLimits) -> int:
+    """The most frames a request may have: a header and the frames of its payloads."""
+    return 1 + limits.max_keys_per_request + limits.max_request_bytes // ZMQ_FRAME_BYTES
+
+
+def split_frames(payloads: Sequence[Value]) -> list[Value]:
+    """``payloads`` as ZMQ frames of at most ``ZMQ_FRAME_BYTES`` (views, no copy)."""
+    out: list[Value] = []
+    for p in payloads:
+        if len(p) <= ZMQ_FRAME_BYTES:
+            out.append(p)
+            continue
+        view = memoryview(p)
+        view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        out.extend(view[i : i + ZMQ_FRAME_BYTES] for i in range(0, len(view), ZMQ_FRAME_BYTES))
+    return out
+
+
+def join_frames(frames: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview]:
+    """Inverse of ``split_frames`` given each payload's size: frames as they are where they
+    already match one payload each, else consecutive frames joined (a copy) to the sizes.
+    Raises ``ProtocolError(BAD_FRAME)`` when they do not add up."""
+    if len(frames) == len(sizes):
+        return list(frames)
+    out: list[memoryview] = []
+    it = iter(frames)
+    for size in sizes:
+        parts: list[memoryview] = []
+        have = 0
+        while have < size or not parts:
+            part = next(it, None)
+            if part is None:
+                raise ProtocolError(ErrorCode.BAD_FRAME,
+                                    f"{len(frames)} payload frames for {len(sizes)} keys")
+            parts.append(part)
+            have += len(part)
+        if have != size:
+            raise ProtocolError(ErrorCode.BAD_FRAME, "payload frames do not add up to the sizes")
+        out.append(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
+    if next(it, None) is not None:
+        raise ProtocolError(ErrorCode.BAD_FRAME,
+                            f"{len(frames)} payload frames for {len(sizes)} keys")
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     header: dict[str, Any]
@@ -109,6 +169,7 @@ class RequestRecord:
     bytes_out: int
     path: str  # "tcp" (payload frames) or "shm"
     seconds: float
+    num_raced: int = 0  # put keys not stored because a concurrent put was writing them
 
 
 @dataclass(slots=True)
@@ -247,6 +308,8 @@ class TokenTable:
             token, name, prefixes = fields[0], fields[1], fields[2:]
             if len(token) < 8:
                 raise ValueError(f"{source}:{lineno}: token shorter than 8 characters")
+            if len(token.encode()) > 255:  # the ZMTP PLAIN password carries it
+                raise ValueError(f"{source}:{lineno}: token longer than 255 bytes")
             if not TENANT_RE.fullmatch(name):
                 raise ValueError(f"{source}:{lineno}: namespace {name!r} must match [A-Za-z0-9._-]+")
             if token in entries:

@@ -12,12 +12,16 @@ Example::
 Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
 sizes accept ``parse_size`` strings. Errors raise ConfigError naming the tier and the field.
 Building tiers goes through the registry in ``tiers`` so optional backends load only when chosen.
-Pure parsing; the only I/O is reading the file in ``load_tier_config``.
+Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)
+and ``check_resources`` at start (``build_tiers`` calls it first): a host tier larger than the
+memory available (/proc/meminfo MemAvailable), or an LMDB path that cannot be a directory this
+process writes, is a ConfigError naming the tier and the field, before anything is allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,25 +235,74 @@ def parse_tier_config(data: object) -> TierStackConfig:
 
 
 def load_tier_config(path: str | Path) -> TierStackConfig:
-    """Read and parse a YAML file. Raises ConfigError (also for unreadable or invalid YAML)."""
+    """Read and parse a YAML file. Raises ConfigError naming the file (also for unreadable
+    or invalid YAML)."""
     import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read tier config {path}: {exc}") from None
-    return parse_tier_config(data)
+    try:
+        return parse_tier_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+_FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable from /proc/meminfo (4 GiB if unreadable). The one place it is read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _FALLBACK_MEM_AVAILABLE
+
+
+def check_resources(config: TierStackConfig, *, mem_available: int | None = None) -> None:
+    """Start-time checks of what the stack needs from this machine; raises ConfigError naming
+    the tier and the field. Host tier: ``capacity`` at most ``mem_available`` (default: read
+    MemAvailable now; a larger one would fail deep in the allocator, or start and swap).
+    LMDB: ``path`` is made (as the tier would) and must take a file. Mutates: may create the
+    LMDB directories."""
+    for i, cfg in enumerate(config.tiers):
+        where = f"tiers[{i}] ({cfg.kind})"
+        if isinstance(cfg, HostTierConfig):
+            mem = mem_available_bytes() if mem_available is None else mem_available
+            if cfg.capacity > mem:
+                raise ConfigError(
+                    f"{where}: field 'capacity': {_gib(cfg.capacity)} is more than the memory "
+                    f"available on this machine ({_gib(mem)}, /proc/meminfo MemAvailable)")
+        elif isinstance(cfg, LmdbTierConfig):
+            try:
+                Path(cfg.path).mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=cfg.path):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"{where}: field 'path': cannot use {cfg.path!r} as the LMDB "
+                                  f"directory: {exc.strerror or exc}") from None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) -> list[Tier]:
     """Construct every tier through the ``tiers`` registry, top first.
 
     ``host_slot_bytes`` fills in a host tier's ``slot_bytes`` when the YAML leaves it out (the
-    engine knows its block size). On any failure the tiers built so far are closed and the error
-    propagates (ConfigError for a missing slot size, TierError or ImportError from a backend).
+    engine knows its block size). ``check_resources`` first. On any failure the tiers built so
+    far are closed and the error propagates (ConfigError for a missing slot size or a resource
+    check, TierError or ImportError from a backend).
     """
     from tiers import create_tier
 
+    check_resources(config)
     built: list[Tier] = []
     try:
         for cfg in config.tiers:

@@ -18,7 +18,8 @@ One YAML file (or the same dict) holds both::
 ``tiers`` is exactly ``cachestore.tier_config``'s format. Without a config, ``kv_offload=True``
 uses ``default_offload_config``: a host tier of min(25% of MemAvailable, 8 GiB) and an LMDB tier
 under the user's cache directory. This module is the only place the connector reads the
-environment (``KVTIER_CACHE_DIR``, ``HOME``) or /proc/meminfo; constructors get the result.
+environment (``KVTIER_CACHE_DIR``, ``HOME``); /proc/meminfo is read by
+``cachestore.tier_config.mem_available_bytes`` (re-exported here); constructors get the result.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from cachestore.tier_config import (
     HostTierConfig,
     LmdbTierConfig,
     TierStackConfig,
+    mem_available_bytes,
     parse_tier_config,
 )
 
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
-_FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,19 +142,10 @@ def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -
         data = yaml.safe_load(Path(source).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read kv offload config {source}: {exc}") from None
-    return parse_offload_config(data)
-
-
-def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
-    """MemAvailable from /proc/meminfo (4 GiB if unreadable). The one place it is read."""
     try:
-        with open(meminfo, encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return _FALLBACK_MEM_AVAILABLE
+        return parse_offload_config(data)
+    except ConfigError as exc:  # name the file: the message names only the tier and field
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:

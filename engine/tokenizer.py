@@ -37,23 +37,65 @@ def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenize
     return tokenizer
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+# Length bound before a full tokenization (``encode_within``): a text longer than
+# BOUND_CHARS_PER_TOKEN characters per allowed token is first counted in pieces of
+# BOUND_PIECE_CHARS, each cut allowed BOUND_CUT_SLACK extra tokens (a word cut in two).
+BOUND_CHARS_PER_TOKEN = 4
+BOUND_PIECE_CHARS = 4096
+BOUND_CUT_SLACK = 4
+
+
+class TooManyTokens(ValueError):
+    """A text that surely has more tokens than allowed; ``at_least`` is a lower bound."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"more than {limit} tokens (at least {at_least})")
+        self.at_least = at_least
+
+
+def encode_within(tokenizer: Any, text: str, max_tokens: int, add_special_tokens: bool = True
+                  ) -> list[int]:
+    """``tokenizer.encode(text)``, unless ``text`` surely has more than ``max_tokens`` tokens:
+    then raises TooManyTokens having tokenized only about ``max_tokens`` tokens' worth of it
+    (a 50 MB body took 38 s to tokenize whole before its length was refused). A text of at
+    most ``BOUND_CHARS_PER_TOKEN * max_tokens`` characters is encoded directly (that cost is
+    the one of a legitimate prompt); a longer one is counted piece by piece first, stopping
+    as soon as the count passes the limit, and encoded whole only if it never does."""
+    if len(text) > max(BOUND_CHARS_PER_TOKEN * max_tokens, BOUND_PIECE_CHARS):
+        count = 0
+        for cuts, start in enumerate(range(0, len(text), BOUND_PIECE_CHARS), 1):
+            piece = text[start : start + BOUND_PIECE_CHARS]
+            count += len(tokenizer.encode(piece, add_special_tokens=False))
+            if count > max_tokens + BOUND_CUT_SLACK * cuts:
+                raise TooManyTokens(count - BOUND_CUT_SLACK * cuts, max_tokens)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int],
+                  max_tokens: int | None = None) -> list[int]:
     """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS); ids pass
-    through as ints."""
+    through as ints. With ``max_tokens``: raises TooManyTokens for a text that surely has
+    more (``encode_within``)."""
     if isinstance(prompt, str):
+        if max_tokens is not None:
+            return encode_within(tokenizer, prompt, max_tokens)
         return list(tokenizer.encode(prompt))
     return [int(t) for t in prompt]
 
 
-def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]]) -> list[int]:
+def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
+                max_tokens: int | None = None) -> list[int]:
     """Token ids of ``conversation`` rendered by the chat template with the assistant
     generation prompt. The template writes BOS itself, so no special tokens are added again.
-    Raises ValueError when the tokenizer has no chat template."""
+    Raises ValueError when the tokenizer has no chat template; TooManyTokens as
+    ``encode_prompt`` does."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
     text = tokenizer.apply_chat_template(
         list(conversation), add_generation_prompt=True, tokenize=False
     )
+    if max_tokens is not None:
+        return encode_within(tokenizer, text, max_tokens, add_special_tokens=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -40,7 +40,15 @@ import msgpack
 import zmq
 
 from cachestore import shm
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, is_loopback, pack, url_host
+from cachestore.server_protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    is_loopback,
+    pack,
+    split_frames,
+    url_host,
+)
+from cachestore.server_zap import secure_client
 from tiers.base import TierError, Value
 from tiers.remote_bell import Bell
 
@@ -108,6 +116,7 @@ class Connections:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server not there
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            secure_client(sock, self._token)  # the daemon's ZAP checks it before any message
             sock.connect(self.url)
             conn = Conn(sock)
             self._local.conn = conn
@@ -239,7 +248,7 @@ class Connections:
                 ids.append(request_id)
                 ops[request_id] = str(header.get("op"))
                 msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
-                parts = [pack(msg), *payloads]
+                parts = [pack(msg), *split_frames(payloads)]
                 try:  # the common case: the pipe has room, no poll round trip needed
                     conn.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -314,12 +323,15 @@ class Connections:
 
 
 def _check(conn: Conn, out: _Replies) -> _Replies:
-    """Raise for the first error reply (ShmLost: hello again, then retry)."""
+    """Raise for the first error reply (ShmLost: hello again, then retry). ``PUT_RACED`` is
+    not an error: another client's put of the same keys is writing them."""
     for reply, _ in out:
         code = reply.get("code", ErrorCode.INTERNAL)
         if code == ErrorCode.SHM_UNAVAILABLE:
             conn.hello_done = False  # the daemon restarted or forgot us: hello again next call
             raise ShmLost("cache server lost the shared-memory segment")
+        if code == ErrorCode.PUT_RACED:  # a concurrent put of the same keys is storing them
+            continue
         if code != ErrorCode.OK:
             raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
     return out

@@ -4,6 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health`` (200 while the engine runs, 503 once its thread or process died), ``GET /metrics``
 (Prometheus text format). The app does not own the engine: whoever built the engine shuts
 it down (``kvtier serve`` does, after uvicorn returns).
+
+A request body over ``max_body_bytes`` is refused with 413 before it is parsed: at once when
+its Content-Length says so, else as soon as the bytes received pass it (chunked bodies).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.base import EngineClient
@@ -29,6 +33,40 @@ from engine.server.serving import ServingContext
 _ENDPOINTS = frozenset(
     ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 )
+
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+class _BodyLimit:
+    """ASGI middleware refusing request bodies over ``max_bytes`` with 413. Pure ASGI: the
+    body is counted as it is received, never buffered here."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"request body over the limit of {self.max_bytes} bytes"
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(413, message)(scope, receive, send)
+                return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_bytes:  # the app's handler turns it into the 413
+                    raise HTTPException(413, message)
+            return msg
+
+        await self.app(scope, counted, send)
 
 
 class _RequestCounter:
@@ -65,14 +103,17 @@ class _RequestCounter:
             self.metrics.record_request(endpoint, status[0] if status else 500)
 
 
-def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
-    """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``."""
+def build_app(engine: EngineClient, served_model_name: str,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
+    request bodies over ``max_body_bytes`` get 413."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.stats, served_model_name)
     ctx = ServingContext(engine, served_model_name, metrics)
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)  # inside the counter: counted
     app.add_middleware(_RequestCounter, metrics=metrics)
 
     @app.post("/v1/completions")

@@ -66,6 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=_size,
+        default="16MiB",
+        help="largest HTTP request body; a larger one gets 413 (default 16MiB)",
+    )
+
+
+def _size(text: str) -> int:
+    from cachestore.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -135,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     name = args.served_model_name or engine.model_name
-    app = build_app(engine, name)
+    app = build_app(engine, name, args.max_body_bytes)
     # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
     # whole life: keep them out of the collector's full passes, as the engine does.
     gc.collect()

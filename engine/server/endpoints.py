@@ -38,17 +38,26 @@ from engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
-from engine.tokenizer import encode_chat, encode_prompt
+from engine.tokenizer import TooManyTokens, encode_chat, encode_prompt
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _encode_chat(tokenizer: object, conversation: list[dict[str, str]]) -> list[int]:
+def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> list[int]:
     try:
-        return encode_chat(tokenizer, conversation)
+        return encode_chat(ctx.engine.tokenizer, conversation, ctx.engine.max_model_len)
+    except TooManyTokens as exc:
+        raise ctx.too_long(exc.at_least, "messages") from None
     except ValueError as exc:  # no chat template, or the template rejected the messages
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
+
+
+def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+    try:
+        return encode_prompt(ctx.engine.tokenizer, prompt, ctx.engine.max_model_len)
+    except TooManyTokens as exc:
+        raise ctx.too_long(exc.at_least, "prompt") from None
 
 
 async def _error_tail(exc: BaseException) -> AsyncIterator[str]:
@@ -59,10 +68,10 @@ async def _error_tail(exc: BaseException) -> AsyncIterator[str]:
 async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
+    request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    tokenizer = ctx.engine.tokenizer
-    prompts = [ctx.prepare(request, encode_prompt(tokenizer, p)) for p in request.prompts()]
+    prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in request.prompts()]
     request_id = new_request_id("cmpl")
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
     if request.stream:
@@ -121,9 +130,10 @@ async def _completion_stream(
 async def create_chat_completion(
     ctx: ServingContext, request: ChatCompletionRequest, raw: Request
 ) -> Response:
+    request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    token_ids = _encode_chat(ctx.engine.tokenizer, request.conversation())
+    token_ids = _encode_chat(ctx, request.conversation())
     prompts = [ctx.prepare(request, token_ids)]
     request_id = new_request_id("chatcmpl")
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))

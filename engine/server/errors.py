@@ -22,6 +22,7 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable",
 }
 

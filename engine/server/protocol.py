@@ -6,7 +6,8 @@ send fields this server does not implement."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from collections.abc import Iterator
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,8 +22,43 @@ class ProtocolError(ValueError):
         self.param = param
 
 
+# Integers a request may carry: what the engine's wire (msgpack) and sampler take; a larger
+# value is a 400 naming the field, not a 500 when it is packed (``seed: 2**200``).
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TOKEN_ID_LIMIT = 2**31  # block hashes pack token ids as int32
+
+
+def invalid_unicode(text: str) -> int | None:
+    """Where ``text`` stops being valid Unicode (a lone surrogate, which JSON allows as an
+    escape and no tokenizer takes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    def texts(self) -> Iterator[tuple[str, str]]:
+        """Every free-text field value with its name (``check_text``)."""
+        for name in ("model", "user", "suffix"):
+            value = getattr(self, name, None)
+            if isinstance(value, str):
+                yield name, value
+        stop = getattr(self, "stop", None)
+        for i, s in enumerate([stop] if isinstance(stop, str) else stop or []):
+            yield ("stop" if isinstance(stop, str) else f"stop.{i}"), s
+
+    def check_text(self) -> None:
+        """Raises ProtocolError naming the field for a string that is not valid Unicode.
+        First of all checks: an error message may quote a field (the model name)."""
+        for name, value in self.texts():
+            at = invalid_unicode(value)
+            if at is not None:
+                raise ProtocolError(f"{name}: invalid Unicode (a lone surrogate at character "
+                                    f"{at})", name)
 
 
 class StreamOptions(_Request):
@@ -35,15 +71,15 @@ class SamplingRequest(_Request):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Int64 | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]] | None = None
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
@@ -94,7 +130,7 @@ class SamplingRequest(_Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
     suffix: str | None = None
 
@@ -108,9 +144,21 @@ class CompletionRequest(SamplingRequest):
             return [p]
         if not p:
             raise ProtocolError("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        prompts: list[str | list[int]] = (
+            [list(p)] if all(isinstance(x, int) for x in p) else list(p)  # type: ignore[arg-type]
+        )
+        for ids in prompts:
+            if not isinstance(ids, str) and not all(0 <= t < TOKEN_ID_LIMIT for t in ids):
+                raise ProtocolError(f"prompt: token ids must be in [0, {TOKEN_ID_LIMIT})",
+                                    "prompt")
+        return prompts
+
+    def texts(self) -> Iterator[tuple[str, str]]:
+        yield from super().texts()
+        p = self.prompt
+        for i, s in enumerate([p] if isinstance(p, str) else p):
+            if isinstance(s, str):
+                yield ("prompt" if isinstance(p, str) else f"prompt.{i}"), s
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -139,8 +187,14 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+
+    def texts(self) -> Iterator[tuple[str, str]]:
+        yield from super().texts()
+        for i, m in enumerate(self.messages):
+            yield f"messages.{i}.role", m.role
+            yield f"messages.{i}.content", m.text()
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens supersedes the deprecated max_tokens in OpenAI's API.

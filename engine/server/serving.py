@@ -83,6 +83,13 @@ class ServingContext:
                 code="model_not_found",
             )
 
+    def too_long(self, at_least: int, param: str) -> ProtocolError:
+        """The 400 for a prompt found too long before it was tokenized whole."""
+        return ProtocolError(
+            f"prompt is at least {at_least} tokens long but this model's maximum context "
+            f"length is {self.engine.max_model_len} tokens (prompt plus at least one "
+            "generated token)", param)
+
     def prepare(self, request: SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
         """Resolves ``max_tokens`` and enforces ``prompt + max_tokens <= max_model_len``.
         Raises ProtocolError (400)."""

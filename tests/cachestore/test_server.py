@@ -19,6 +19,7 @@ import zmq
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
 from cachestore.server_protocol import PROTOCOL_VERSION, checksum
+from cachestore.server_zap import secure_client
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
@@ -131,6 +132,7 @@ def test_admin_endpoints(server: CacheServer) -> None:
 def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    secure_client(sock, None)
     sock.connect(server.bound_url)
     blk = sized_block("p/01", 100)
     header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
@@ -138,7 +140,7 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     sock.send_multipart([msgpack.packb(header), blk])
     assert sock.poll(5000)
     reply = msgpack.unpackb(sock.recv_multipart()[0])
-    assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "evicted": 0}
+    assert reply == {"id": 41, "code": 0, "error": "", "stored": 1, "raced": 0, "evicted": 0}
     sock.send_multipart([msgpack.packb({**header, "id": 42, "op": "get", "sizes": None})])
     assert sock.poll(5000)
     frames = sock.recv_multipart()
@@ -201,3 +203,82 @@ def test_loop_cpu_pins_the_loop_thread_only(tmp_path: Path) -> None:
         tier.close()
         srv.stop()
         store.close()
+
+
+def test_admin_port_loopback_by_default_and_token_when_exposed(server: CacheServer,
+                                                                tmp_path: Path) -> None:
+    """Issue 16 F6: the admin port binds loopback unless told otherwise, refuses another
+    address without a token, and with one answers tenant data only to its bearer."""
+    cli = [sys.executable, "-m", "engine.cli", "cache-server", "--port", "0",
+           "--host-capacity", "4MiB", "--no-stream", "--no-doorbell"]
+    exposed = subprocess.run([*cli, "--admin-host", "0.0.0.0", "--admin-port", str(free_port())],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert exposed.returncode == 2 and "--admin-token-file" in exposed.stderr
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    refused = subprocess.run([*cli, "--admin-token-file", str(short)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "at least 16" in refused.stderr
+    port = free_port()
+    proc = subprocess.Popen([*cli, "--admin-port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert f"admin http://127.0.0.1:{port}" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    port = free_port()
+    token = "t0k-admin-0123456789"
+    admin = AdminServer(create_app(server, server.metrics, token),  # type: ignore[attr-defined]
+                        "127.0.0.1", port).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not admin.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no token
+        for path in ("/stats", "/namespaces", "/metrics", "/docs", "/openapi.json"):
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+            wrong = {"Authorization": "Bearer nope"}
+            assert httpx.get(f"{base}{path}", headers=wrong).status_code == 401, path
+        good = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{base}/namespaces", headers=good).status_code == 200
+        assert "kvtier_server_requests_total" in httpx.get(f"{base}/metrics", headers=good).text
+    finally:
+        admin.stop()
+
+
+def test_put_race_is_counted_not_internal(server: CacheServer) -> None:
+    """Issue 16 F7: a put key another request is writing is left to that request and counted
+    (kvtier_server_put_races_total); a put whose every key raced is PUT_RACED, which the
+    client takes as done, not INTERNAL."""
+    from cachestore.server_protocol import ErrorCode
+
+    keys = ["ns9/aa", "ns9/bb"]
+    blocks = [sized_block(k, 300) for k in keys]
+    claims = server.handler.put_claims
+    held = claims.claim(["default/ns9/aa"])  # a concurrent put of ns9/aa is in flight
+    tier = RemoteTier(server.bound_url, use_shm=False)
+    try:
+        assert tier.put_many(list(zip(keys, blocks, strict=True))) == []
+        assert tier.lookup(["ns9/bb"]) == 1 and tier.lookup(["ns9/aa"]) == 0
+        assert tier.put_many([("ns9/aa", blocks[0])]) == []  # every key raced: no error
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        secure_client(sock, None)
+        sock.connect(server.bound_url)
+        header = {"v": PROTOCOL_VERSION, "id": 5, "op": "put", "token": "", "keys": ["ns9/aa"],
+                  "sizes": [300], "checksums": [checksum(blocks[0])]}
+        sock.send_multipart([msgpack.packb(header), blocks[0]])
+        assert sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv_multipart()[0])
+        sock.close(0)
+        assert reply["code"] == ErrorCode.PUT_RACED and "concurrent" in reply["error"]
+        claims.release(["default/ns9/aa"], held)
+        assert tier.put_many([("ns9/aa", blocks[0])]) == [] and tier.lookup(["ns9/aa"]) == 1
+    finally:
+        tier.close()
+    text = server.metrics.exposition().decode()  # type: ignore[attr-defined]
+    assert "kvtier_server_put_races_total 3.0" in text
+    assert 'kvtier_server_requests_total{code="PUT_RACED",op="put"} 2.0' in text
+    assert 'code="INTERNAL"' not in text

@@ -80,7 +80,7 @@ def test_inline_path_keeps_tenants_and_refusals(
     assert bob.get_many([KEYS[0]]) == [None] and bob.lookup([KEYS[0]]) == 0  # alice's block
     carol = _ask(srv.bound_url, CAROL, op="get", keys=["bbbb/01"])
     assert carol["code"] == ErrorCode.FORBIDDEN_KEY
-    assert _ask(srv.bound_url, "tok-mallory-9", op="get", keys=[KEYS[0]])["code"] == (
+    assert _ask(srv.bound_url, "tok-mallory-9", ALICE, op="get", keys=[KEYS[0]])["code"] == (
         ErrorCode.UNAUTHORIZED)
     assert _ask(srv.bound_url, ALICE, op="get", keys=KEYS[0])["code"] == ErrorCode.BAD_HEADER
     assert srv.handler.num_inline == before

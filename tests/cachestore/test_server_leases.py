@@ -217,10 +217,12 @@ def _attach_reply(url: str, token: str) -> tuple[dict[str, Any], list[int]]:
     import zmq
 
     from cachestore.server_protocol import PROTOCOL_VERSION, pack
+    from cachestore.server_zap import secure_client
 
     segment = shm.ShmSegment.create(1 << 16)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, token)
     sock.connect(url)
     try:
         sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "hello", "token": token,

@@ -29,6 +29,7 @@ from cachestore.server_protocol import (
     TokenTable,
     checksum,
 )
+from cachestore.server_zap import secure_client
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.servers import free_port
 from tiers.base import TierError
@@ -58,9 +59,10 @@ def server(tmp_path: Path) -> Iterator[CacheServer]:
 class Raw:
     """A bare DEALER socket that sends whatever frames a test wants."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str = "tok-alice-0001") -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, token)  # the connection's token; each request has its own
         self.sock.connect(url)
 
     def ask(self, frames: list[bytes], timeout_ms: int = 5000) -> tuple[dict[str, Any], list[bytes]]:
@@ -99,7 +101,7 @@ def _put(raw: Raw, token: str, keys: list[str], values: list[bytes]) -> dict[str
     ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "put", "token": "tok-alice-0001",
                      "keys": ["ns/01"], "sizes": [1], "checksums": [0]}), b"a", b"b"],
      ErrorCode.BAD_FRAME, "2 payload frames for 1 keys"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})] + [b"x"] * 40,
+    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})] + [b"x"] * 300,
      ErrorCode.BAD_FRAME, "too many"),
     ([b""], ErrorCode.BAD_HEADER, "not msgpack"),
 ])

@@ -113,7 +113,10 @@ def test_stream_secrets_bind_a_connection_to_one_tenant(
     assert RawStream(port).ask(op="attach", secret=secret)["code"] == ErrorCode.UNAUTHORIZED
     # No stream for a client that does not ask for one, nor with a bad token.
     assert "stream_port" not in _hello(daemon.bound_url, ALICE, stream=False)
-    assert _hello(daemon.bound_url, "nope")["code"] == ErrorCode.UNAUTHORIZED
+    assert zmq_ask(daemon.bound_url, "nope", handshake_token=ALICE, op="hello",
+                   host_id="elsewhere", stream=True)["code"] == ErrorCode.UNAUTHORIZED
+    with pytest.raises(AssertionError, match="no reply"):  # refused in the ZMTP handshake
+        zmq_ask(daemon.bound_url, "nope", timeout_ms=500, op="hello")
 
 
 def test_oversize_and_garbage_drop_the_connection_only(

@@ -253,3 +253,58 @@ def test_remote_field_errors(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_tier_config({"tiers": [{"kind": "remote", "url": "tcp://cache:7000", **entry}]})
     assert str(info.value).startswith("tiers[0] (remote): ") and message in str(info.value)
+
+
+def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
+    """Issue 16 F5: a host tier larger than the memory available and an unusable LMDB path
+    are ConfigErrors naming the tier and the field, before anything is allocated."""
+    from cachestore.tier_config import check_resources
+
+    host = parse_tier_config({"tiers": [{"kind": "host", "capacity": "4TiB"}]})
+    with pytest.raises(ConfigError, match=r"tiers\[0\] \(host\): field 'capacity': 4096.0 GiB "
+                                          r"is more than .*24.0 GiB.*MemAvailable"):
+        check_resources(host, mem_available=24 << 30)
+    check_resources(host, mem_available=5 << 40)  # fits
+    with pytest.raises(ConfigError, match="MemAvailable"):  # build_tiers checks first
+        build_tiers(parse_tier_config({"tiers": [{"kind": "host", "capacity": "1024TiB",
+                                                  "slot_bytes": 4096}]}))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in (blocker / "lmdb", Path("/proc/kvtier-no/lmdb")):
+        lmdb = parse_tier_config({"tiers": [{"kind": "host", "capacity": "1MiB"},
+                                            {"kind": "lmdb", "path": str(bad), "capacity": "1MiB"}]})
+        with pytest.raises(ConfigError, match=r"tiers\[1\] \(lmdb\): field 'path': cannot use "):
+            check_resources(lmdb)
+    good = parse_tier_config({"tiers": [{"kind": "lmdb", "path": str(tmp_path / "a" / "b"),
+                                         "capacity": "1MiB"}]})
+    check_resources(good)
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    from connectors.offload_config import load_offload_config
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tiers: [{kind: host, capacity: 4GiB\n")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("tiers:\n  - {kind: host, capacity: lots}\n")
+    for path in (broken, wrong):
+        for load in (load_tier_config, load_offload_config):
+            with pytest.raises(ConfigError, match=str(path)):
+                load(path)
+    with pytest.raises(ConfigError, match=r"wrong.yaml: tiers\[0\] \(host\): field 'capacity'"):
+        load_tier_config(wrong)
+
+
+def test_cache_server_refuses_a_host_tier_larger_than_the_machine(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "engine.cli", "cache-server", "--port", "0",
+                          "--admin-port", "-1", "--host-capacity", "1024TiB"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "(host): field 'capacity'" in run.stderr and "MemAvailable" in run.stderr
+    lines = [x for x in run.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, run.stderr  # one clear line, no traceback

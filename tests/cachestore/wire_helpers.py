@@ -15,18 +15,22 @@ from cachestore.bell_framing import MessageReader, send_message
 from cachestore.doorbell import Doorbell
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack
+from cachestore.server_zap import secure_client
 from cachestore.store import HierarchicalStore, StoreConfig
 from tiers.host import HostTier
 
 
-def zmq_ask(url: str, token: str, **header: Any) -> dict[str, Any]:
-    """One request over a fresh DEALER socket; the reply's header."""
+def zmq_ask(url: str, token: str, handshake_token: str | None = None, timeout_ms: int = 5000,
+            **header: Any) -> dict[str, Any]:
+    """One request over a fresh DEALER socket (its ZMTP handshake with ``handshake_token``,
+    default ``token``); the reply's header."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, token if handshake_token is None else handshake_token)
     sock.connect(url)
     try:
         sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "token": token, **header}))
-        assert sock.poll(5000), "no reply"
+        assert sock.poll(timeout_ms), "no reply"
         return msgpack.unpackb(sock.recv_multipart()[0])
     finally:
         sock.close()

@@ -394,3 +394,68 @@ def test_metrics_export_new_engine_stats_keys_generically(server: Server) -> Non
     assert "# TYPE kvtier_decisions_total counter" in exposition
     assert "# TYPE kvtier_load_time_s gauge" in exposition
     assert "# TYPE kvtier_kv_tier_hit_blocks gauge" in exposition
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "ab\ud800cd"}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["ok", "x\udfff"]}, "prompt.1"),
+        ("/v1/completions", {"model": "m\ud800", "prompt": "x"}, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["\ud800"]}, "stop.0"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [
+            MESSAGES[0], {"role": "user", "content": "hi \udc00"}]}, "messages.1.content"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**200}, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**64)}, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**64}, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2**40]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]},
+         "stop_token_ids.0"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "seed": 2**63},
+         "seed"),
+    ],
+)  # fmt: skip
+def test_invalid_unicode_and_huge_integers_are_400(
+    server: Server, path: str, body: dict[str, object], param: str
+) -> None:
+    """Issue 16 F4: a lone surrogate (valid JSON, invalid Unicode) or an integer past 64 bits
+    is a 400 naming the field, not a 500."""
+    import json
+
+    content = json.dumps(body)  # ensure_ascii: the surrogate goes as a \\u escape
+    resp = httpx.post(f"{server.base_url}{path}", content=content,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    # Still serving.
+    assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_body_cap_and_length_bound_before_tokenization(server: Server) -> None:
+    """Issue 16 F3: a body over the cap is 413 (declared or chunked) before it is parsed; a
+    long prompt within the cap is refused after tokenizing a small part of it."""
+    url = f"{server.base_url}/v1/completions"
+    big = b'{"model": "tiny-llama", "prompt": "' + b"w" * (17 << 20) + b'"}'
+    resp = httpx.post(url, content=big, headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(17):
+            yield b"w" * (1 << 20)
+        yield b'"}'
+
+    resp = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
+    assert resp.status_code == 413, resp.text
+    t0 = time.monotonic()
+    resp = httpx.post(url, json={"model": MODEL, "prompt": "word " * (2 << 20)}, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    assert "maximum context length" in resp.json()["error"]["message"]
+    # 10 MB of text: tokenizing it whole takes seconds here; the bound reads one 4 KiB piece.
+    assert elapsed < 2.0, elapsed
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (2 << 20)}]}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages", resp.text

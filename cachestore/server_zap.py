@@ -1,0 +1,98 @@
+"""Connection-level authentication of the daemon's ZMQ socket (ZAP, ZeroMQ RFC 27).
+
+Why: libzmq hands a multipart message to the application only once all of its frames have
+arrived, so a check of the request header's token comes after the whole message is in
+memory; a peer without a token could make the daemon buffer gigabytes (one 3 GiB multipart
+put was buffered whole before its UNAUTHORIZED reply). With the PLAIN mechanism on the
+ROUTER socket, libzmq asks this handler during the ZMTP handshake, before the peer may send
+any message: a password that is not a known token ends the connection there. What an
+unauthenticated peer can make the daemon hold is then one handshake command, which libzmq
+caps at the socket's ``MAXMSGSIZE`` (``zmq_max_msg_bytes``), for at most the handshake
+interval.
+
+PLAIN carries the token as the password (username ``kvtier``), in the clear like the
+request headers do; an open (token-less) daemon accepts any password. Every request is
+still authenticated by its own header token (``OpHandler.parse``).
+
+Thread-safe: the handler runs on its own thread with its own REP socket; ``start`` before the
+ROUTER binds, ``stop`` before the context terminates.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import zmq
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
+ZAP_DOMAIN = b"kvtier"
+PLAIN_USERNAME = b"kvtier"
+
+
+def plain_password(token: str | None) -> bytes:
+    """The PLAIN password a client presents: its token, or a placeholder for an open daemon
+    (PLAIN refuses an empty one). Raises ValueError for a token PLAIN cannot carry."""
+    raw = (token or "open").encode()
+    if len(raw) > 255:
+        raise ValueError("a token must be at most 255 bytes")
+    return raw
+
+
+def secure_client(sock: zmq.Socket, token: str | None) -> None:
+    """Set the PLAIN credentials ``kvtier cache-server`` expects on a client socket (before
+    connect)."""
+    sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USERNAME)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, plain_password(token))
+
+
+class ZapHandler:
+    """Answers libzmq's ZAP requests for one context: 200 for a password ``accept`` takes
+    (its tenant name becomes the connection's User-Id), 400 for anything else.
+    ``accept(password) -> tenant name | None`` must not raise and must be fast."""
+
+    def __init__(self, ctx: zmq.Context, accept: Callable[[bytes], str | None]) -> None:
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)
+        self._accept = accept
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-zap", daemon=True)
+        self.num_denied = 0  # handshakes refused (tests, diagnostics)
+
+    def start(self) -> ZapHandler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            # version, request id, domain, address, routing id, mechanism, credentials...
+            version, request_id = frames[0], frames[1] if len(frames) > 1 else b""
+            tenant = None
+            if (len(frames) == 8 and frames[2] == ZAP_DOMAIN and frames[5] == b"PLAIN"
+                    and frames[6] == PLAIN_USERNAME):
+                tenant = self._accept(frames[7])
+            if tenant is None:
+                self.num_denied += 1
+                self._sock.send_multipart([version, request_id, b"400", b"unknown token",
+                                           b"", b""])
+            else:
+                self._sock.send_multipart([version, request_id, b"200", b"OK",
+                                           tenant.encode(), b""])
+
+
+def secure_server(sock: zmq.Socket, handshake_s: float) -> None:
+    """Make ``sock`` (the daemon's ROUTER, before bind) a PLAIN server checked by the
+    context's ``ZapHandler``; a peer that has not finished the handshake within
+    ``handshake_s`` is dropped."""
+    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
