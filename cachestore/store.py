@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cachestore.codec import CodecError, decode_block
@@ -45,35 +44,13 @@ from cachestore.pins import StorePins
 from cachestore.store_host import HostFastPath
 from cachestore.store_metrics import register_prometheus
 from cachestore.store_types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
-from cachestore.write_through import BATCH_BLOCKS, WriteThrough
+from cachestore.write_through import DrainReport, WriteThrough
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
 
 log = logging.getLogger(__name__)
 _SKIP: Any = object()  # a tier call that did not happen or failed
-
-
-@dataclass(frozen=True, slots=True)
-class DrainReport:
-    """What ``shutdown_writes`` did: blocks the write-through queues wrote while draining and
-    dropped when the time ran out; host-only blocks flushed to ``flush_tier`` (``None``: no
-    host tier or no tier below it), found there already, and left unwritten at the deadline."""
-
-    drained: int
-    dropped: int
-    flush_tier: str | None
-    flushed: int
-    flush_present: int
-    flush_left: int
-    seconds: float
-
-    def describe(self) -> str:
-        where = f" to {self.flush_tier}" if self.flush_tier else ""
-        return (f"write-through queues: {self.drained} blocks written, {self.dropped} dropped; "
-                f"host-only blocks flushed{where}: {self.flushed} written, "
-                f"{self.flush_present} already there, {self.flush_left} left "
-                f"({self.seconds:.2f}s)")
 
 
 class HierarchicalStore:
@@ -343,22 +320,16 @@ class HierarchicalStore:
         raises for tier failures."""
         t0 = time.monotonic()
         drained, dropped = self._through.drain(drain_timeout_s)
-        flush_tier, flushed, present, left = None, 0, 0, 0
         top = self.tiers[0]
-        lru_keys = getattr(top, "lru_keys", None)
+        lru_keys = getattr(top, "lru_keys", None)  # the host tier's committed keys
         target = next((i for i in range(1, len(self.tiers)) if self._tiers.health[i].available()),
                       None)
+        flush_tier, flushed, present, left = None, 0, 0, 0
         if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
             flush_tier = self._stats[target].name
-            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))
-            deadline = time.monotonic() + drain_timeout_s
-            for start in range(0, len(keys), BATCH_BLOCKS):
-                if time.monotonic() >= deadline:
-                    left = len(keys) - start
-                    break
-                r = self._through.copy_down(target, keys[start:start + BATCH_BLOCKS],
-                                            "written_back")
-                flushed, present, left = flushed + r.written, present + r.present, left + r.failed
+            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
+            flushed, present, left = self._through.flush_down(
+                target, keys, time.monotonic() + drain_timeout_s)
         self._movers.flush()
         report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
                              time.monotonic() - t0)

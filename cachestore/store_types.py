@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-
 WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
 WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
 WRITE_BACK = "write_back"  # copied down only when the tier above evicts it

@@ -69,6 +69,28 @@ class CopyResult:
     failed: int  # blocks lost to a failed or backing-off tier
 
 
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    """What ``shutdown_writes`` did: blocks the write-through queues wrote while draining and
+    dropped when the time ran out; host-only blocks flushed to ``flush_tier`` (``None``: no
+    host tier or no tier below it), found there already, and left unwritten at the deadline."""
+
+    drained: int
+    dropped: int
+    flush_tier: str | None
+    flushed: int
+    flush_present: int
+    flush_left: int
+    seconds: float
+
+    def describe(self) -> str:
+        where = f" to {self.flush_tier}" if self.flush_tier else ""
+        return (f"write-through queues: {self.drained} blocks written, {self.dropped} dropped; "
+                f"host-only blocks flushed{where}: {self.flushed} written, "
+                f"{self.flush_present} already there, {self.flush_left} left "
+                f"({self.seconds:.2f}s)")
+
+
 class WriteThrough:
     def __init__(self, tiers: GuardedTiers, policies: Sequence[WritePolicy],
                  write: WriteFn, read_lower: ReadFn) -> None:
@@ -210,6 +232,18 @@ class WriteThrough:
         finally:
             if pinned:
                 self._tiers.call(0, lambda t: top.unpin(pinned), None)  # type: ignore[attr-defined]
+
+    def flush_down(self, i: int, keys: Sequence[str], deadline: float) -> tuple[int, int, int]:
+        """``copy_down`` of ``keys`` to tier i in batches, counted ``written_back``, until
+        ``time.monotonic()`` passes ``deadline``; returns (written, already there, left
+        unwritten: past the deadline or lost to a failing tier)."""
+        written = present = left = 0
+        for start in range(0, len(keys), BATCH_BLOCKS):
+            if time.monotonic() >= deadline:
+                return written, present, left + len(keys) - start
+            r = self.copy_down(i, keys[start:start + BATCH_BLOCKS], "written_back")
+            written, present, left = written + r.written, present + r.present, left + r.failed
+        return written, present, left
 
     # -- internals -----------------------------------------------------------------------
 

@@ -10,13 +10,13 @@ import pytest
 
 from cachestore.sizes import format_size, parse_size
 from cachestore.tier_config import (
+    STORE_FIELDS,
     ConfigError,
     HostTierConfig,
     LmdbTierConfig,
     RedisTierConfig,
     RemoteTierConfig,
     S3TierConfig,
-    STORE_FIELDS,
     build_tiers,
     load_tier_config,
     parse_tier_config,
