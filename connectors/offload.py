@@ -147,9 +147,15 @@ class OffloadConnector:
         """Hand the worker's report of this step to the scheduler side."""
         self.scheduler.update_from_worker(report or self.worker.take_report())
 
-    def flush(self) -> None:
-        """Write out every block freed since the last step, then wait for demotions. Call only
+    def save_pending(self) -> None:
+        """Write every block freed since the last step to the host tier now, without waiting
+        for the copies down (an engine going idle: no next step would save them). Call only
         between steps."""
+        self.worker.save_now(self.scheduler.take_pending_saves())
+
+    def flush(self) -> None:
+        """Write out every block freed since the last step, then wait for demotions and
+        write-through copies. Call only between steps."""
         meta = self.scheduler.take_pending_saves()
         self.worker.save_now(meta)
         self.store.flush()

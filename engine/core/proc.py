@@ -193,6 +193,8 @@ class EngineCoreLoop:
             idle = not self.engine.has_unfinished_requests()
             stats = self.sampler.sample(self.engine, refresh_kv=idle)
             self._send(StepOutputs([to_core_output(o) for o in outputs], stats))
+            if idle:  # after the outputs left: no next step would save the last blocks
+                self.engine.save_kv()
 
     def _drain_requests(self) -> bool:
         """Applies every queued request; False once Shutdown arrived."""
