@@ -1,6 +1,8 @@
 """Issue 17, crash and shutdown: what an engine acknowledged to LMDB survives a SIGKILL (and no
 torn block is visible), and a SIGTERM of ``kvtier serve`` drains: the blocks its host tier held
 are in LMDB afterwards, although LMDB is write-back there (only the shutdown flush moves them).
+Before that, the same ``kvtier serve`` is the prefill engine of a disaggregated pair: an idle
+engine saves its last blocks at once and copies them to the cache server.
 
 Every engine has a 256 MiB host tier in front (it never evicts here); the restarted engine runs
 in this process over the same LMDB files (``decision: load``) and must load every full block of
@@ -21,14 +23,17 @@ from typing import Any
 import httpx
 
 from cachestore.codec import CodecError, decode_block
+from cachestore.hashing import block_key, hash_request_tokens
 from engine import LLM, SamplingParams
 from tests.connectors.test_write_policy import (
+    DISAGG,
     MAX_TOKENS,
     PROMPTS,
     ROOT,
+    cache_server,  # noqa: F401 - fixtures, shared
     offload,
     phases,
-    reference,  # noqa: F401 - the module fixture, shared
+    reference,  # noqa: F401
     spawn,
 )
 from tests.servers import free_port
@@ -94,11 +99,16 @@ def test_sigkill_keeps_every_acknowledged_block_and_shows_no_torn_one(
     assert kv["recomputed_tokens"] == 0 and kv["failed_loads"] == 0
 
 
-def test_sigterm_of_kvtier_serve_flushes_host_blocks_to_lmdb(
-    model_dir: str, reference: list[list[int]], tmp_path: Path  # noqa: F811
+def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
+    model_dir: str, reference: list[list[int]], tmp_path: Path,  # noqa: F811
+    cache_server: dict[str, Any],  # noqa: F811
 ) -> None:
+    """``kvtier serve`` A (host 256 MiB, LMDB write-back, the cache server write-through) serves
+    the prompts, the disaggregated ones with ``max_tokens=1``; an engine B (host tier + the cache
+    server, this process) decodes those from A's KV while A still runs; then SIGTERM: A's host
+    blocks are in LMDB (only the drain writes there) and a restart loads them."""
     lmdb = lmdb_config(tmp_path / "lmdb", write_policy="write_back")
-    (tmp_path / "offload.json").write_text(json.dumps(offload(lmdb)))  # YAML is a JSON superset
+    (tmp_path / "offload.json").write_text(json.dumps(offload(lmdb, cache_server)))
     port = free_port()
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--port", str(port),
            "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "16",
@@ -116,11 +126,14 @@ def test_sigterm_of_kvtier_serve_flushes_host_blocks_to_lmdb(
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        for prompt in PROMPTS:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+        for prompt, max_tokens in phases(max_disagg=1):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0.0, "ignore_eos": True}
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
+        decoded, loaded = decode_elsewhere(model_dir, cache_server)
+        assert decoded == reference[4:]
+        assert loaded == sum(len(p) // 16 * 16 for p in DISAGG)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -129,8 +142,27 @@ def test_sigterm_of_kvtier_serve_flushes_host_blocks_to_lmdb(
             proc.wait()
     # Write-back LMDB under a host tier that never evicted: only the drain put blocks there.
     good, bad = lmdb_blocks(tmp_path / "lmdb")
-    assert bad == 0 and good >= sum(len(p) // 16 for p in PROMPTS)
+    assert bad == 0 and good >= sum(len(p) // 16 for p in PROMPTS + DISAGG)
     ids, kv = restart_loads(model_dir, lmdb, PROMPTS)
     assert ids == reference[:4]
     assert kv["loaded_tokens"] == sum(len(p) // 16 * 16 for p in PROMPTS)
     assert kv["recomputed_tokens"] == 0 and kv["failed_loads"] == 0
+
+
+def decode_elsewhere(model_dir: str, remote: dict[str, Any]) -> tuple[list[list[int]], int]:
+    """Engine B: waits (up to 20 s) until the cache server holds every full block of the
+    DISAGG prompts (A copies them after its replies), then decodes them; (tokens, loaded)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
+             kv_offload_config=offload(remote)) as llm:
+        ns = llm.engine.namespace
+        keys = [[block_key(ns, h) for h in hash_request_tokens(ns, p)] for p in DISAGG]
+        store = llm.engine.offload.store  # type: ignore[union-attr]
+        deadline = time.monotonic() + 20
+        while any(store.lookup(k).num_blocks < len(k) for k in keys):
+            assert time.monotonic() < deadline, "the prefill engine's blocks never arrived"
+            time.sleep(0.05)
+        ids = [list(llm.generate([p], params)[0].token_ids) for p in DISAGG]
+        kv = llm.kv_stats()
+        assert kv["recomputed_tokens"] == 0 and kv["tiers"]["remote"]["hit_blocks"] > 0
+        return ids, kv["loaded_tokens"]
