@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import signal
-from types import FrameType
 
 from engine.config import GRAPH_DECODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.base import EngineClient
@@ -114,7 +112,15 @@ def start_engine(
     return EngineCoreClient.start(config, proc_config)
 
 
+def _exit_after_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM outside uvicorn's own handling: leave ``main`` through its ``finally`` (the
+    engine's graceful shutdown) with exit code 0."""
+    raise SystemExit(0)
+
+
 def main(args: argparse.Namespace) -> int:
+    import signal
+
     import uvicorn
 
     from engine.core.client import EngineStartupError
@@ -135,30 +141,18 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     name = args.served_model_name or engine.model_name
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
+    # was in place before it: with the default one this process would die there, before the
+    # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
+    signal.signal(signal.SIGTERM, _exit_after_sigterm)
     app = build_app(engine, name)
     # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
     # whole life: keep them out of the collector's full passes, as the engine does.
     gc.collect()
     gc.freeze()
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
-    # was in place before it: with the default one this process would die there, before the
-    # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
-    previous = signal.signal(signal.SIGTERM, _exit_after_sigterm)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        engine.shutdown(_SHUTDOWN_TIMEOUT_S)
-        signal.signal(signal.SIGTERM, previous)
+        engine.shutdown()
     return 0
-
-
-# How long the engine core may take to stop: its KV offload drains the write-through queues and
-# then flushes host-only blocks for up to ``drain_timeout_s`` each (5 s by default).
-_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def _exit_after_sigterm(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM outside uvicorn's own handling: leave ``main`` through its ``finally`` (the
-    engine's graceful shutdown) with exit code 0."""
-    raise SystemExit(0)
