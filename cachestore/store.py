@@ -333,7 +333,10 @@ class HierarchicalStore:
         self._movers.flush()
         report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
                              time.monotonic() - t0)
-        log.info("kv store shutdown: %s", report.describe())
+        # Losing blocks is worth a warning (visible without logging set up, as in the engine
+        # core process); a complete drain is routine.
+        level = logging.WARNING if report.dropped or report.flush_left else logging.INFO
+        log.log(level, "kv store shutdown: %s", report.describe())
         return report
 
     def _tier_rows(self) -> list[dict[str, Any]]:

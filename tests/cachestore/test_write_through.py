@@ -139,6 +139,7 @@ def test_a_full_queue_drops_copies_and_never_stalls_a_put(redis_url: str, redis_
             elapsed = max(elapsed, time.perf_counter() - t1)
             assert counters(store, "write_queue_dropped") == [0, 8]
             assert counters(store, "write_queue_blocks") == [0, 4]
+            assert not store.wait_writes(0.2)  # bounded: the lane cannot finish meanwhile
         finally:
             os.kill(pid, signal.SIGCONT)
         assert elapsed < 1.0
