@@ -299,12 +299,13 @@ class HierarchicalStore:
 
     # -- lifecycle and stats -------------------------------------------------------------
 
-    def flush(self) -> None:
+    def flush(self, write_timeout_s: float | None = None) -> None:
         """Wait until promotions, demotions and write-through copies queued so far are written
-        (the connector's idle flush, tests)."""
+        (the connector's flush, tests); for the copies, at most ``write_timeout_s`` (None: no
+        bound; the copies still queued go on in the background)."""
         self._movers.flush()
         if self._through.active:
-            self._through.wait_idle()
+            self._through.wait_idle(write_timeout_s)
             self._movers.flush()  # what the write-through tiers evicted meanwhile
 
     def wait_writes(self, timeout_s: float) -> bool:

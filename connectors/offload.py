@@ -154,11 +154,12 @@ class OffloadConnector:
         self.worker.save_now(self.scheduler.take_pending_saves())
 
     def flush(self) -> None:
-        """Write out every block freed since the last step, then wait for demotions and
-        write-through copies. Call only between steps."""
+        """Write out every block freed since the last step, then wait for demotions and for
+        the write-through copies (those for up to ``drain_timeout_s``). Call only between
+        steps."""
         meta = self.scheduler.take_pending_saves()
         self.worker.save_now(meta)
-        self.store.flush()
+        self.store.flush(self.config.drain_timeout_s)
 
     def stats(self) -> dict[str, Any]:
         """Connector counters (``OffloadStats``), the store's per-tier stats and the cost
