@@ -344,7 +344,7 @@ class HierarchicalStore:
         rows = [s.snapshot() for s in self._stats]
         for i, (row, health) in enumerate(zip(rows, self._tiers.health, strict=True)):
             row["queue_batches"] = self._movers.queued_batches(i)
-            row["write_queue_blocks"] = self._through.queued_blocks(i)
+            row["write_queue_depth"] = self._through.queued_blocks(i)
             row["consecutive_failures"] = health.consecutive_failures
         return rows
 

@@ -161,7 +161,7 @@ _EXPORTED = [
     _Metric("written_back", "blocks written to this tier on eviction above or at shutdown", True),
     _Metric("write_queue_dropped", "blocks dropped from a full write-through queue", True),
     _Metric("write_present", "blocks not rewritten because this tier held them", True),
-    _Metric("write_queue_blocks", "blocks waiting in this tier's write-through queue", False),
+    _Metric("write_queue_depth", "blocks waiting in this tier's write-through queue", False),
     _Metric("read_latency_s", "EWMA latency of one batched read, seconds", False),
     _Metric("read_bandwidth_bps", "EWMA read bandwidth, bytes per second", False),
     _Metric("write_bandwidth_bps", "EWMA write bandwidth, bytes per second", False),

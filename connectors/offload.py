@@ -192,7 +192,7 @@ class OffloadConnector:
 
 
 # Per-tier write-policy counters also shown beside each tier's hit_blocks in ``stats()``.
-_WRITE_COUNTERS = ("written_through", "written_back", "write_queue_dropped", "write_queue_blocks")
+_WRITE_COUNTERS = ("written_through", "written_back", "write_queue_dropped", "write_queue_depth")
 
 
 def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:

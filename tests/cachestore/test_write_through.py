@@ -45,7 +45,7 @@ def test_write_through_copies_every_saved_block_without_an_eviction(tmp_path: Pa
         assert store.tiers[0].lookup(KEYS[:5]) == 5  # still in host: nothing was evicted
         assert counters(store, "written_through") == [0, 5]
         assert counters(store, "evictions") == [0, 0]
-        assert counters(store, "write_queue_blocks") == [0, 0]
+        assert counters(store, "write_queue_depth") == [0, 0]
         # What LMDB holds is the whole encoded block: it decodes, checksum and all.
         values = store.tiers[1].get_many(KEYS[:5])
         assert [decode_block(v, PREFIX).payload for v in values] == \
@@ -131,14 +131,14 @@ def test_a_full_queue_drops_copies_and_never_stalls_a_put(redis_url: str, redis_
             # One enqueue of 10 keys: 4 fit, 6 dropped at once, whatever the lane is doing.
             assert counters(store, "write_queue_dropped") == [0, 6]
             deadline = time.monotonic() + 5
-            while counters(store, "write_queue_blocks")[1] and time.monotonic() < deadline:
+            while counters(store, "write_queue_depth")[1] and time.monotonic() < deadline:
                 time.sleep(0.01)  # the lane takes the 4 and hangs on the frozen server
-            assert counters(store, "write_queue_blocks") == [0, 0]
+            assert counters(store, "write_queue_depth") == [0, 0]
             t1 = time.perf_counter()
             assert store.put_many([(k, block(i)) for i, k in enumerate(KEYS[10:16])]) == 6
             elapsed = max(elapsed, time.perf_counter() - t1)
             assert counters(store, "write_queue_dropped") == [0, 8]
-            assert counters(store, "write_queue_blocks") == [0, 4]
+            assert counters(store, "write_queue_depth") == [0, 4]
             assert not store.wait_writes(0.2)  # bounded: the lane cannot finish meanwhile
         finally:
             os.kill(pid, signal.SIGCONT)
