@@ -13,6 +13,8 @@ redis-server, moto's S3, a ``kvtier cache-server`` subprocess), ``decision: load
 - B, a fresh process, runs the same prompts over host+LMDB, host+Redis, host+S3 and
   host+cache server: every full prompt block is loaded, from the one shared tier each has, and
   B decodes the prefilled prompts from A's KV, token for token as a single engine would.
+
+And in this process: ``write_through_selective`` copies only the blocks an engine reloads.
 """
 
 from __future__ import annotations
@@ -161,3 +163,22 @@ def test_a_second_process_loads_what_the_first_computed_behind_a_256mib_host_tie
     assert after["loaded_tokens"] - before["loaded_tokens"] == sum(len(p) // 16 * 16
                                                                    for p in DISAGG)
     assert after["recomputed_tokens"] == 0 and after["gpu_hit_tokens"] == 0
+
+
+def test_selective_write_through_copies_only_blocks_reloaded_from_host(
+    model_dir: str, reference: list[list[int]], tmp_path: Path,
+) -> None:
+    """``write_through_selective`` with one hit: a block goes to LMDB once an engine reloads it
+    from the host tier, not when it is saved (in this process; the host tier never evicts)."""
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB",
+            "write_policy": "write_through_selective", "write_through_hits": 1}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
+             kv_offload_config=offload(lmdb)) as llm:
+        # PROMPTS[1:] push PROMPTS[0]'s blocks out of the 16 GPU blocks; the rerun reloads them.
+        ids = [list(llm.generate([p], params)[0].token_ids) for p in PROMPTS + PROMPTS[:1]]
+        kv = llm.kv_stats()
+    assert ids == reference[:4] + reference[:1]
+    assert kv["tiers"]["host"]["hit_blocks"] == len(PROMPTS[0]) // 16 == 5
+    assert kv["tiers"]["lmdb"]["written_through"] == 5
+    assert kv["loaded_tokens"] == 80 and kv["recomputed_tokens"] == 0
