@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,10 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
         decoded, loaded = decode_elsewhere(model_dir, cache_server)
         assert decoded == reference[4:]
         assert loaded == sum(len(p) // 16 * 16 for p in DISAGG)
+        # A's /metrics count its copies although it went idle before they ran (the core sends
+        # its stats once more a second after going idle).
+        blocks = sum(len(p) // 16 for p in PROMPTS + DISAGG)
+        assert written_through(base, "remote", blocks) >= blocks
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -147,6 +152,20 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
     assert ids == reference[:4]
     assert kv["loaded_tokens"] == sum(len(p) // 16 * 16 for p in PROMPTS)
     assert kv["recomputed_tokens"] == 0 and kv["failed_loads"] == 0
+
+
+def written_through(base: str, tier: str, at_least: int, timeout_s: float = 10.0) -> float:
+    """``kvtier_kv_tier_written_through{tier=...}`` from ``base``'s /metrics, polled until it
+    reaches ``at_least`` or ``timeout_s`` passed (then its last value)."""
+    pattern = re.compile(r'^kvtier_kv_tier_written_through\{[^}]*tier="' + re.escape(tier)
+                         + r'"[^}]*\} (\S+)$', re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = pattern.search(httpx.get(f"{base}/metrics", timeout=5).text)
+        value = float(found.group(1)) if found else 0.0
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
 
 
 def decode_elsewhere(model_dir: str, remote: dict[str, Any]) -> tuple[list[list[int]], int]:
