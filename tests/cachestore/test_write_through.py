@@ -176,3 +176,37 @@ def test_write_policy_fields_parse_with_write_through_defaults(tmp_path: Path) -
     with pytest.raises(ConfigError, match="unknown field"):
         parse_tier_config({"tiers": [{"kind": "host", "capacity": "1MiB",
                                       "write_policy": "write_back"}]})
+
+
+def test_shutdown_is_bounded_when_the_tier_below_hangs(redis_url: str, redis_server) -> None:
+    if not redis_server.managed:
+        pytest.skip("needs a redis-server this test can freeze")
+    from tiers.redis import RedisTier, RedisTierConfig
+
+    redis = RedisTier(RedisTierConfig(url=redis_url, socket_timeout_s=1.0, retries=0))
+    store = HierarchicalStore(
+        [HostTier(32 * SIZE, SIZE), redis],
+        StoreConfig(namespace=PREFIX, write_policies=(WritePolicy(), WritePolicy(WRITE_THROUGH))))
+    pid = redis_server._proc.pid  # noqa: SLF001 - the test freezes its own child server
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            store.put_many([(k, block(i)) for i, k in enumerate(KEYS[:10])])
+            deadline = time.monotonic() + 5
+            while counters(store, "write_queue_depth")[1] and time.monotonic() < deadline:
+                time.sleep(0.01)  # the lane takes the 10 and hangs on the frozen server
+            store.put_many([(k, block(i)) for i, k in enumerate(KEYS[10:15])])
+            t0 = time.monotonic()
+            report = store.shutdown_writes(0.3)
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # The 5 still queued after the drain's 0.3 s are dropped; the lane's batch fails on the
+        # socket timeout (1 s), so redis backs off and nothing is flushed to it.
+        assert (report.drained, report.dropped) == (0, 5)
+        assert (report.flush_tier, report.flushed) == (None, 0)
+        assert counters(store, "write_queue_dropped") == [0, 5]
+        assert counters(store, "written_through") == [0, 0]
+        assert elapsed < 4.0
+    finally:
+        store.close()
