@@ -5,7 +5,8 @@
 - ``write_through_selective``: only at the N-th hit;
 - ``write_back``: only on eviction, or at ``shutdown_writes``' flush of host-only blocks;
 - a block a lower tier holds is not rewritten (write-through, demotion and flush alike);
-- a full queue drops the copy (counted, put_many never waits), also with Redis frozen (SIGSTOP).
+- a full queue drops the copy (counted, put_many never waits), also with Redis frozen (SIGSTOP);
+- ``shutdown_writes`` stays bounded when the tier below hangs.
 """
 
 from __future__ import annotations
