@@ -12,7 +12,13 @@
   tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
-  to tier i+1 in the background, never blocking the caller (``cachestore.demotion``).
+  to tier i+1 in the background, never blocking the caller (``cachestore.demotion``); a key the
+  tier below already holds is not rewritten (one ``contains_many`` per batch).
+- Write policies (``StoreConfig.write_policies``, ``cachestore.write_through``): blocks saved to
+  the top tier (``put_many``, ``commit_host``) are copied asynchronously to each write-through
+  tier below, or at their N-th hit for a selective one; write-back tiers get them on eviction.
+  ``shutdown_writes`` drains those queues (bounded) and flushes host-only blocks down to the
+  first tier below the top: a graceful shutdown keeps what the host tier held.
 - Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
   of the host slab for the offload connector (``cachestore.store_host``).
 - Pins and in-flight stores (``prepare_load``/``complete_load``, ``prepare_store``/
@@ -43,7 +49,8 @@ from cachestore.guarded_tiers import GuardedTiers
 from cachestore.pins import StorePins
 from cachestore.store_host import HostFastPath
 from cachestore.store_metrics import register_prometheus
-from cachestore.store_types import LookupResult, SlabTier, StoreConfig, TierLookup
+from cachestore.store_types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
+from cachestore.write_through import DrainReport, WriteThrough
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
@@ -69,7 +76,13 @@ class HierarchicalStore:
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
         self._movers = TierMovers(self._stats, self._tiers.health, config.queue_batches,
-                                  self._write, on_drop)
+                                  self._write_back, on_drop)
+        policies = list(config.write_policies[:len(tiers)])
+        policies += [WritePolicy()] * (len(tiers) - len(policies))
+        self._through = WriteThrough(
+            self._tiers, policies, self._write,
+            read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
+                                               first_tier=1, count_hits=False))
         self._host = HostFastPath(
             self._tiers,
             read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
@@ -153,7 +166,7 @@ class HierarchicalStore:
         return out, [keys[j] for j in mine]
 
     def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
-              first_tier: int = 0) -> list[Value | None]:
+              first_tier: int = 0, count_hits: bool = True) -> list[Value | None]:
         out: list[Value | None] = [None] * len(keys)
         remaining = list(range(len(keys)))
         promote: list[tuple[str, bytes]] = []
@@ -197,6 +210,8 @@ class HierarchicalStore:
             remaining = still
         if promote:
             self._movers.promote(promote)
+        if count_hits:
+            self._through.hit([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
 
     def scope_block_keys(self, skip: int) -> None:
@@ -216,7 +231,9 @@ class HierarchicalStore:
     def locate_host(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
                     ) -> list[int | None]:
         """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
-        return self._host.locate(keys, header, nbytes)
+        out = self._host.locate(keys, header, nbytes)
+        self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
+        return out
 
     def stage_host(self, keys: Sequence[str]) -> int:
         """Pin ``keys`` in the host tier, placing lower-tier blocks there when all fit; the
@@ -236,8 +253,12 @@ class HierarchicalStore:
         return self._host.reserve(key, nbytes)
 
     def commit_host(self, key: str, nbytes: int) -> bool:
-        """Make a reserved slot visible (its bytes must be a whole encoded block)."""
-        return self._host.commit(key, nbytes)
+        """Make a reserved slot visible (its bytes must be a whole encoded block); queued for
+        the write-through tiers."""
+        ok = self._host.commit(key, nbytes)
+        if ok:
+            self._through.saved([key])
+        return ok
 
     def abort_host(self, key: str) -> None:
         """Free a reserved slot (the copy into it failed)."""
@@ -256,6 +277,8 @@ class HierarchicalStore:
                 return 0
             through = self.config.write_through_to
             written = self._write(0, mine)
+            if written > 0:
+                self._through.saved([k for k, _ in mine])
             if through is not None and through > 0:
                 # The durable tier decides the answer: the top is a cache in front of it.
                 written = self._write(through, mine)
@@ -285,6 +308,26 @@ class HierarchicalStore:
             self._movers.demote(i, evicted)
         return len(items)
 
+    def _write_back(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
+        """A demotion worker's write (promotions for tier 0): keys tier i already holds are not
+        rewritten (``write_present``); the rest are counted ``written_back``. -1 when the tier
+        failed or backs off (the movers pass the batch further down)."""
+        if i == 0:
+            return self._write(0, items)
+        keys = [k for k, _ in items]
+        flags = self._call(i, lambda t: t.contains_many(keys), None)
+        if flags is None:
+            return -1
+        todo = [item for item, present in zip(items, flags, strict=True) if not present]
+        if len(todo) < len(items):
+            self._stats[i].add("write_present", len(items) - len(todo))
+        if not todo:
+            return 0
+        written = self._write(i, todo)
+        if written > 0:
+            self._stats[i].add("written_back", written)
+        return written
+
     # -- pins (cachestore.pins) ----------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[str]) -> list[str]:
@@ -309,14 +352,52 @@ class HierarchicalStore:
 
     # -- lifecycle and stats -------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Wait until promotions and demotions queued so far are written (tests use it)."""
+    def flush(self, write_timeout_s: float | None = None) -> None:
+        """Wait until promotions, demotions and write-through copies queued so far are written
+        (the connector's flush, tests); for the copies, at most ``write_timeout_s`` (None: no
+        bound; the copies still queued go on in the background)."""
         self._movers.flush()
+        if self._through.active:
+            self._through.wait_idle(write_timeout_s)
+            self._movers.flush()  # what the write-through tiers evicted meanwhile
+
+    def wait_writes(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the write-through queues to empty; False on timeout."""
+        return self._through.wait_idle(timeout_s)
+
+    def shutdown_writes(self, drain_timeout_s: float) -> DrainReport:
+        """Graceful shutdown: drain the write-through queues for up to ``drain_timeout_s``, then
+        stop them; then copy the host tier's blocks (most recent first) that the first healthy
+        tier below it lacks, until another ``drain_timeout_s`` ran out; then wait for the
+        demotions that caused. Logs and returns what it did. Call once, before ``close``; the
+        store still serves reads and writes, but nothing is written through any more. Never
+        raises for tier failures."""
+        t0 = time.monotonic()
+        drained, dropped = self._through.drain(drain_timeout_s)
+        top = self.tiers[0]
+        lru_keys = getattr(top, "lru_keys", None)  # the host tier's committed keys
+        target = next((i for i in range(1, len(self.tiers)) if self._tiers.health[i].available()),
+                      None)
+        flush_tier, flushed, present, left = None, 0, 0, 0
+        if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
+            flush_tier = self._stats[target].name
+            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
+            flushed, present, left = self._through.flush_down(
+                target, keys, time.monotonic() + drain_timeout_s)
+        self._movers.flush()
+        report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
+                             time.monotonic() - t0)
+        # Losing blocks is worth a warning (visible without logging set up, as in the engine
+        # core process); a complete drain is routine.
+        level = logging.WARNING if report.dropped or report.flush_left else logging.INFO
+        log.log(level, "kv store shutdown: %s", report.describe())
+        return report
 
     def _tier_rows(self) -> list[dict[str, Any]]:
         rows = [s.snapshot() for s in self._stats]
         for i, (row, health) in enumerate(zip(rows, self._tiers.health, strict=True)):
             row["queue_batches"] = self._movers.queued_batches(i)
+            row["write_queue_depth"] = self._through.queued_blocks(i)
             row["consecutive_failures"] = health.consecutive_failures
         return rows
 
@@ -340,6 +421,7 @@ class HierarchicalStore:
         if self._closed:
             return
         self._closed = True
+        self._through.stop()
         self._movers.stop()
         if self._collector is not None:
             self._registry.unregister(self._collector)

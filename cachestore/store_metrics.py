@@ -21,6 +21,7 @@ X = TypeVar("X")
 COUNTERS = (
     "hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "skipped",
     "evictions", "demotions_dropped", "dropped_at_bottom", "promotions", "promotions_dropped",
+    "written_through", "written_back", "write_queue_dropped", "write_present",
 )
 
 
@@ -39,6 +40,11 @@ class _Counters:
     dropped_at_bottom: int = 0  # evictions of the last tier: gone for good
     promotions: int = 0  # blocks queued for promotion into the top tier from this tier
     promotions_dropped: int = 0
+    # Write policies (cachestore.write_through), counted on the tier written to:
+    written_through: int = 0  # blocks copied here by a write-through lane
+    written_back: int = 0  # blocks demoted here (evicted above) or flushed here at shutdown
+    write_queue_dropped: int = 0  # blocks not copied: write-through queue full, or shutdown
+    write_present: int = 0  # blocks not rewritten: this tier already held them
     read_latency_s: float = 0.0  # EWMA of one get_many call
     read_bandwidth_bps: float = 0.0  # EWMA of bytes / second of get_many calls that moved bytes
     write_bandwidth_bps: float = 0.0
@@ -153,6 +159,11 @@ _EXPORTED = [
     _Metric("evictions", "entries evicted", True),
     _Metric("demotions_dropped", "evictions not demoted to the next tier", True),
     _Metric("promotions", "blocks promoted from this tier to the top", True),
+    _Metric("written_through", "blocks copied to this tier by its write-through queue", True),
+    _Metric("written_back", "blocks written to this tier on eviction above or at shutdown", True),
+    _Metric("write_queue_dropped", "blocks dropped from a full write-through queue", True),
+    _Metric("write_present", "blocks not rewritten because this tier held them", True),
+    _Metric("write_queue_depth", "blocks waiting in this tier's write-through queue", False),
     _Metric("read_latency_s", "EWMA latency of one batched read, seconds", False),
     _Metric("read_bandwidth_bps", "EWMA read bandwidth, bytes per second", False),
     _Metric("write_bandwidth_bps", "EWMA write bandwidth, bytes per second", False),

@@ -1,6 +1,7 @@
 """The hierarchical store's config and result types, and what it needs of a pin-capable tier.
 
-``StoreConfig`` is the store's one frozen config; ``LookupResult`` (with a ``TierLookup`` per
+``StoreConfig`` is the store's one frozen config (with a ``WritePolicy`` per tier);
+``LookupResult`` (with a ``TierLookup`` per
 tier) is what ``HierarchicalStore.lookup`` answers. ``PinningTier`` is the structural protocol
 the store checks to pin keys between ``prepare_load`` and ``complete_load`` (host, lmdb).
 Immutable values, safe to share between threads. Torch-free.
@@ -11,6 +12,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
+WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
+WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
+WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
+
+
+@dataclass(frozen=True, slots=True)
+class WritePolicy:
+    """When a block saved to the top tier reaches one lower tier (``cachestore.write_through``).
+
+    ``hits``: for ``write_through_selective``, the hit (a read of the block from the store) at
+    which it is queued. ``queue_blocks``: bound of the tier's write-through queue, in blocks;
+    a block that does not fit is not copied (counted ``write_queue_dropped``)."""
+
+    policy: str = WRITE_BACK
+    hits: int = 2
+    queue_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy {self.policy!r}; choose one of {WRITE_POLICIES}")
+        if self.hits <= 0 or self.queue_blocks <= 0:
+            raise ValueError("write policy: hits and queue_blocks must be positive")
+
+    @property
+    def copies_down(self) -> bool:
+        """True for the write-through policies (queued copies), False for write-back."""
+        return self.policy != WRITE_BACK
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +58,9 @@ class StoreConfig:
     # (``codec.block_key_of``): 0 for the engine (store key == block key), 1 for the cache
     # daemon (``tenant/`` + the client's key). Every read checks a keyed block against it.
     block_key_skip: int = 0
+    # Asynchronous write policy of each tier, top first (the top's own is ignored: saves land
+    # there). Shorter than the tier list: the rest are write-back (the store's old behaviour).
+    write_policies: tuple[WritePolicy, ...] = ()
 
     def __post_init__(self) -> None:
         if self.write_through_to is not None and self.write_through_to < 0:

@@ -10,7 +10,14 @@ Example::
       - {kind: remote, url: "tcp://cache-server:7000", token: secret}
 
 Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
-sizes accept ``parse_size`` strings. Errors raise ConfigError naming the tier and the field.
+sizes accept ``parse_size`` strings.
+
+Every tier below the top has a write policy (``cachestore.write_through``): ``write_policy``
+``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
+copied there asynchronously), ``write_through_selective`` (copied at its ``write_through_hits``-th
+hit) or ``write_back`` (only what the tier above evicts); ``write_queue_blocks`` bounds the copy
+queue (a full queue drops the copy, never stalls). ``write_policies`` maps a stack to the
+store's ``WritePolicy`` tuple. Errors raise ConfigError naming the tier and the field.
 Building tiers goes through the registry in ``tiers`` so optional backends load only when chosen.
 Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)
 and ``check_resources`` at start (``build_tiers`` calls it first): a host tier larger than the
@@ -28,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cachestore.sizes import parse_size
+from cachestore.store_types import WRITE_POLICIES, WRITE_THROUGH, WritePolicy
 
 if TYPE_CHECKING:  # importing tiers at runtime here would be circular
     from tiers.base import Tier
@@ -74,6 +82,16 @@ def _bool(value: object) -> bool:
     return value
 
 
+# Fields of the lower tiers read by the store (its write policy), not by the tier's backend.
+STORE_FIELDS = ("write_policy", "write_through_hits", "write_queue_blocks")
+
+
+def _policy(value: object) -> str:
+    if value not in WRITE_POLICIES:
+        raise ValueError(f"expected one of {list(WRITE_POLICIES)}, got {value!r}")
+    return str(value)
+
+
 def _f(parse: Callable[[object], Any], default: Any = dataclasses.MISSING, *,
        secret: bool = False) -> Any:
     """A config field: ``parse`` checks and converts the YAML value; no default = required."""
@@ -98,6 +116,9 @@ class LmdbTierConfig:
     map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 64MiB
     writer_queue_size: int = _f(_pos_int, 256)
     sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +136,9 @@ class RedisTierConfig:
     max_connections: int = _f(_pos_int, 64)
     retries: int = _f(_nonneg_int, 1)
     capacity: int | None = _f(_size, None)  # bytes; None: the server's maxmemory bounds it
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
     def __post_init__(self) -> None:
         clustered = self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
@@ -140,6 +164,9 @@ class S3TierConfig:
     connect_timeout_s: float = _f(_pos_float, 2.0)
     max_attempts: int = _f(_pos_int, 2)
     max_pool_connections: int = _f(_pos_int, 32)
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +183,9 @@ class RemoteTierConfig:
     token_file: str | None = _f(_str, None)
     timeout_s: float | None = _f(_pos_float, None)
     timeout_ms: int | None = _f(_pos_int, None)
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("tcp://", "ipc://")):
@@ -183,6 +213,15 @@ CONFIG_CLASSES: dict[str, type[Any]] = {
 @dataclass(frozen=True, slots=True)
 class TierStackConfig:
     tiers: tuple[TierConfig, ...]
+
+
+def write_policies(config: TierStackConfig) -> tuple[WritePolicy, ...]:
+    """Each tier's ``WritePolicy``, top first (a host tier's is write-back: saves land there)."""
+    return tuple(
+        WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
+        if hasattr(c, "write_policy") else WritePolicy()
+        for c in config.tiers
+    )
 
 
 def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:

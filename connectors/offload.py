@@ -13,9 +13,11 @@ tier's batched read of real-sized encoded blocks (written under a private prefix
 and the host -> device scatter. A tqdm bar shows progress on stderr; the result is logged.
 
 Lifecycle: ``flush`` writes every block freed since the last step and waits for the store's
-demotions (an idle engine calls it so that a restarted engine finds everything); ``close``
-flushes, stops the load thread and closes the store (and its tiers). Not thread-safe: the
-engine thread drives it.
+demotions and write-through copies (``LLM.generate`` calls it when done, so that a restarted or
+another engine finds everything); ``close`` flushes, drains the write-through queues and
+flushes host-only blocks down to the first tier below the host (``drain_timeout_s`` bounds each
+of the two; ``HierarchicalStore.shutdown_writes`` logs what it wrote and dropped), stops the
+load thread and closes the store (and its tiers). Not thread-safe: the engine thread drives it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from cachestore.codec import PAYLOAD_ALIGN, encoded_size
 from cachestore.cost_online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import build_tiers
+from cachestore.tier_config import build_tiers, write_policies
 from connectors import offload_calibration as cal
 from connectors.base import WorkerReport
 from connectors.kv_compress import Hi4Codec
@@ -123,7 +125,8 @@ class OffloadConnector:
         # aligned (the layer-wise load kernel reads it in 16-byte words).
         slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         tiers = build_tiers(config.tiers, host_slot_bytes=slot)
-        store = HierarchicalStore(tiers, StoreConfig(namespace=prefix))
+        store = HierarchicalStore(
+            tiers, StoreConfig(namespace=prefix, write_policies=write_policies(config.tiers)))
         kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
         base = default_priors(kind)
         priors = CostPriors(
@@ -144,12 +147,19 @@ class OffloadConnector:
         """Hand the worker's report of this step to the scheduler side."""
         self.scheduler.update_from_worker(report or self.worker.take_report())
 
-    def flush(self) -> None:
-        """Write out every block freed since the last step, then wait for demotions. Call only
+    def save_pending(self) -> None:
+        """Write every block freed since the last step to the host tier now, without waiting
+        for the copies down (an engine going idle: no next step would save them). Call only
         between steps."""
+        self.worker.save_now(self.scheduler.take_pending_saves())
+
+    def flush(self) -> None:
+        """Write out every block freed since the last step, then wait for demotions and for
+        the write-through copies (those for up to ``drain_timeout_s``). Call only between
+        steps."""
         meta = self.scheduler.take_pending_saves()
         self.worker.save_now(meta)
-        self.store.flush()
+        self.store.flush(self.config.drain_timeout_s)
 
     def stats(self) -> dict[str, Any]:
         """Connector counters (``OffloadStats``), the store's per-tier stats and the cost
@@ -157,22 +167,32 @@ class OffloadConnector:
         out = self.counters.snapshot()
         store = self.store.stats()
         for row in store["tiers"]:
-            out["tiers"].setdefault(row["name"], {"hit_blocks": 0})
+            tier = out["tiers"].setdefault(row["name"], {"hit_blocks": 0})
+            for name in _WRITE_COUNTERS:
+                tier[name] = row[name]
         out["store"] = store
         out["cost_model"] = self.cost_model.snapshot()
         out["decision_policy"] = self.config.decision
         return out
 
     def close(self) -> None:
-        """Flush, stop the worker, close the store and its tiers. Idempotent."""
+        """Flush, drain the write policy's queues and flush host-only blocks down
+        (``HierarchicalStore.shutdown_writes``), stop the worker, close the store and its tiers.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.flush()
+            meta = self.scheduler.take_pending_saves()
+            self.worker.save_now(meta)
+            self.store.shutdown_writes(self.config.drain_timeout_s)
         finally:
             self.worker.close()
             self.store.close()
+
+
+# Per-tier write-policy counters also shown beside each tier's hit_blocks in ``stats()``.
+_WRITE_COUNTERS = ("written_through", "written_back", "write_queue_dropped", "write_queue_depth")
 
 
 def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:

@@ -11,9 +11,11 @@ One YAML file (or the same dict) holds both::
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
+    drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
+                            # flush host-only blocks down to the tier below the host
     tiers:
       - {kind: host, capacity: 4GiB}
-      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
+      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
 
 ``tiers`` is exactly ``cachestore.tier_config``'s format. Without a config, ``kv_offload=True``
 uses ``default_offload_config``: a host tier of min(25% of MemAvailable, 8 GiB) and an LMDB tier
@@ -72,6 +74,9 @@ class OffloadConfig:
     # "lossless": blocks are stored (every tier) in connectors.kv_compress's 12-bit format,
     # 0.76x of the bytes with the same values back; their keys live in their own namespace.
     compression: str = "none"
+    # Graceful shutdown (close): at most this long draining the write-through queues, and as
+    # long again flushing host-only blocks down (HierarchicalStore.shutdown_writes).
+    drain_timeout_s: float = 5.0
 
     @property
     def layer_wise(self) -> bool:
@@ -95,23 +100,30 @@ class OffloadConfig:
                               f"{self.layers_per_copy!r}")
         if not self.load_timeout_s > 0:
             raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(
+                f"kv offload: drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
-    "coalesced_loads": ..., "compression": ...}`` -> OffloadConfig.
+    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ...}`` -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
-             "layered_loads", "layers_per_copy", "coalesced_loads", "compression"}
+             "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
+             "drain_timeout_s"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
-    timeout = data.get("load_timeout_s", 5.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ConfigError(f"kv offload config: load_timeout_s must be a number, got {timeout!r}")
+    numbers = {}
+    for name in ("load_timeout_s", "drain_timeout_s"):
+        numbers[name] = data.get(name, 5.0)
+        if isinstance(numbers[name], bool) or not isinstance(numbers[name], (int, float)):
+            raise ConfigError(
+                f"kv offload config: {name} must be a number, got {numbers[name]!r}")
     flags = {}
     for name, default in (("calibrate", True), ("in_step_host_loads", True),
                           ("coalesced_loads", False)):
@@ -122,7 +134,8 @@ def parse_offload_config(data: object) -> OffloadConfig:
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),
-        load_timeout_s=float(timeout),
+        load_timeout_s=float(numbers["load_timeout_s"]),
+        drain_timeout_s=float(numbers["drain_timeout_s"]),
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]

@@ -285,6 +285,13 @@ class LLMEngine:
             "failed_loads": 0,
         }
 
+    def save_kv(self) -> None:
+        """Save every freed block to the host tier now; the copies to the tiers below go on in
+        the background (an engine going idle calls it, so that another engine or a restart
+        finds the last requests' KV). Between steps; no-op without offload."""
+        if self.offload is not None:
+            self.offload.save_pending()
+
     def flush_kv(self) -> None:
         """Write every freed block to the tiers now (between steps; no-op without offload)."""
         if self.offload is not None:

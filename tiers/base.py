@@ -7,6 +7,7 @@ Contracts shared by every tier (tests/tiers/ checks them against real servers):
 
 - All operations are batched and ordered like their ``keys`` argument.
 - ``lookup`` does not mutate contents; it may refresh recency (LRU) where the tier keeps it.
+  ``contains_many`` answers per key (not only the leading ones).
 - ``get_many`` returns ``None`` for a key that is absent. It may return ``bytes`` or a
   ``memoryview``; a memoryview stays valid until the next call on the same thread.
 - ``put_many`` stores every pair or skips ones it cannot hold (too large, tier full of pinned
@@ -71,6 +72,13 @@ class Tier(ABC):
 
     def contains(self, key: str) -> bool:
         return self.lookup([key]) == 1
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is present, past an absent one too: the store's batched
+        exists check before a write-through or a demotion (a key a tier holds is not written
+        again). This default asks ``lookup`` once per key; backends answer in one round trip.
+        Raises TierError on a backend failure."""
+        return [self.lookup([key]) == 1 for key in keys]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections, files and memory. Idempotent."""

@@ -127,6 +127,11 @@ class LmdbTier(Tier):
                 self._touch(key)
             return len(keys)
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """From the in-memory index (committed entries only); recency is not refreshed."""
+        with self._lock:
+            return [key in self._index for key in keys]
+
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         out: list[Value | None] = []
         with _guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:

@@ -193,6 +193,10 @@ class RedisTier(Tier):
                 found += 1
         return found
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One pipelined EXISTS per key, one round trip; recency is not refreshed."""
+        return [bool(n) for n in self._pipelined("lookup", keys, lambda p, k: p.exists(k))]
+
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """One pipelined GET per key, a single round trip (per node on a cluster). With
         ``capacity`` the same round trip runs a script that refreshes the hits' recency."""

@@ -102,6 +102,17 @@ class RemoteTier(Tier):
                 break  # leading keys only: later chunks do not count past a gap
         return count
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One single-key lookup request per key, pipelined in one call per chunk."""
+        if not keys:
+            return []
+        conn = self._net.get()
+        out: list[bool] = []
+        for chunk in _chunks(list(keys), min(self.batch_keys, conn.max_keys)):
+            replies = self._net.call(conn, [({"op": "lookup", "keys": [k]}, []) for k in chunk])
+            out.extend(bool(header["count"]) for header, _ in replies)
+        return out
+
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         try:
             return self._get_many(keys)

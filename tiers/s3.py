@@ -177,6 +177,10 @@ class S3Tier(Tier):
         """Leading keys present (pointer GETs only; about len/blocks_per_object of them)."""
         return len(self._resolve(keys, stop_at_miss=True))
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Pointer GETs only (parallel), past a missing key too."""
+        return [loc is not None for loc in self._resolve(keys, stop_at_miss=False)]
+
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Resolve, then one range GET per group touched (parallel). Missing group -> None."""
         locs = self._resolve(keys, stop_at_miss=False)

@@ -162,9 +162,10 @@ class EngineCoreClient:
     async def abort(self, req_id: str) -> None:
         self._abort_nowait(req_id)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stops the core after its current step (killing it after ``timeout_s``); waiting
-        requests get EngineDeadError. Idempotent."""
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the core after its current step (killing it after ``timeout_s``: long enough
+        for its KV offload to drain the write-through queues and flush host-only blocks, up to
+        ``drain_timeout_s`` each); waiting requests get EngineDeadError. Idempotent."""
         with self._lock:
             already, self._stopping = self._stopping, True
         if already:

@@ -5,7 +5,9 @@ that holds torch or threads). The core connects a PULL socket for ``CoreRequest`
 socket for ``CoreEvent``s to addresses the API process has bound, loads the model, reports
 ``Ready`` (or ``StartupFailed`` with the error's message), then loops: drain every pending
 request, run one ``step()`` if any request is unfinished, push that step's outputs and stats
-as one ``StepOutputs``. With no work it blocks in ``poll`` (no busy wait). It exits on
+as one ``StepOutputs``. Going idle, it saves the last requests' KV blocks (``save_kv``) and,
+a second later, sends its stats once more (the KV copies to the lower tiers ran meanwhile).
+With no work it blocks in ``poll`` (no busy wait). It exits on
 ``Shutdown``, when its parent process is gone, or (code 1, after ``CoreFailed``) when a step
 raises.
 """
@@ -19,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _LAST_EVENTS_LINGER_MS = 5000  # time to deliver the final events (CoreFailed) before exiting
+_IDLE_STATS_DELAY_S = 1.0  # after going idle, stats are sent once more this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,13 @@ def run_engine_core(
         outbox.close(linger=_LAST_EVENTS_LINGER_MS)
         ctx.term()
         _exit(code)
+
+
+def _idle_timeout_ms(refresh_at: float | None) -> int | None:
+    """How long an idle loop may block in ``poll``: forever, or until ``refresh_at``."""
+    if refresh_at is None:
+        return None
+    return max(0, round((refresh_at - time.monotonic()) * 1000))
 
 
 def _exit(code: int) -> None:
@@ -173,9 +184,17 @@ class EngineCoreLoop:
         poller.register(self._inbox, zmq.POLLIN)
         if self._parent_sentinel is not None:
             poller.register(self._parent_sentinel, zmq.POLLIN)
+        refresh_at: float | None = None  # idle: when to resend stats once (see below)
         while True:
             busy = self.engine.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else None))
+            timeout_ms = 0 if busy else _idle_timeout_ms(refresh_at)
+            events = dict(poller.poll(timeout_ms))
+            if not busy and not events and refresh_at is not None:
+                # The KV copies an idle save started (write-through) ran meanwhile: one more
+                # snapshot, so an idle engine's metrics do not stop before them.
+                refresh_at = None
+                self._send(StepOutputs([], self.sampler.sample(self.engine, refresh_kv=True)))
+                continue
             if self._parent_sentinel is not None and self._parent_sentinel in events:
                 logger.warning("API process is gone; engine core exits")
                 return 0
@@ -193,6 +212,9 @@ class EngineCoreLoop:
             idle = not self.engine.has_unfinished_requests()
             stats = self.sampler.sample(self.engine, refresh_kv=idle)
             self._send(StepOutputs([to_core_output(o) for o in outputs], stats))
+            if idle:  # after the outputs left: no next step would save the last blocks
+                self.engine.save_kv()
+                refresh_at = time.monotonic() + _IDLE_STATS_DELAY_S
 
     def _drain_requests(self) -> bool:
         """Applies every queued request; False once Shutdown arrived."""

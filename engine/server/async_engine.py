@@ -171,6 +171,8 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished_requests()  # no later step refreshes
                 self._stats = self._sampler.sample(self.engine, refresh_kv=idle)
                 self._dispatch(outputs)
+                if idle and outputs:  # no next step would save the last requests' blocks
+                    self.engine.save_kv()
         except BaseException as exc:  # noqa: BLE001 - any failure kills the engine for all
             logger.exception("engine thread failed")
             self._dead = exc

@@ -129,7 +129,15 @@ def start_engine(
     return EngineCoreClient.start(config, proc_config)
 
 
+def _exit_after_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM outside uvicorn's own handling: leave ``main`` through its ``finally`` (the
+    engine's graceful shutdown) with exit code 0."""
+    raise SystemExit(0)
+
+
 def main(args: argparse.Namespace) -> int:
+    import signal
+
     import uvicorn
 
     from engine.core.client import EngineStartupError
@@ -150,6 +158,10 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     name = args.served_model_name or engine.model_name
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
+    # was in place before it: with the default one this process would die there, before the
+    # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
+    signal.signal(signal.SIGTERM, _exit_after_sigterm)
     app = build_app(engine, name, args.max_body_bytes)
     # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
     # whole life: keep them out of the collector's full passes, as the engine does.

@@ -56,6 +56,14 @@ def test_lookup_counts_the_leading_run_only(tier: Tier) -> None:
     assert not tier.contains(keys[3])
 
 
+def test_contains_many_answers_each_key_past_a_gap(tier: Tier) -> None:
+    keys = chain_keys(6)
+    tier.put_many([(keys[i], value(i, 1000)) for i in (0, 1, 4)])
+    assert tier.contains_many(keys) == [True, True, False, False, True, False]
+    assert tier.contains_many([keys[4], keys[3], keys[0]]) == [True, False, True]
+    assert tier.contains_many([]) == []
+
+
 def test_get_many_keeps_order_and_returns_none_for_misses(tier: Tier) -> None:
     keys = chain_keys(4)
     tier.put_many([(keys[0], value(0, 3000)), (keys[2], value(2, 5000))])

@@ -57,6 +57,9 @@ def test_contract_round_trip(served: tuple[CacheServer, int], use_shm: bool) -> 
     assert bytes(tier.get_many([keys[0]])[0]) == sized_block(keys[0], 99)
     assert tier.delete_many(keys[:10] + keys[:2]) == 10
     assert tier.lookup(keys) == 0 and tier.lookup(keys[10:]) == 40
+    # Per key, past gaps: one single-key lookup request a key, batch_keys of them a call.
+    flags = tier.contains_many(keys[5:45] + keys[:3])
+    assert flags == [False] * 5 + [True] * 35 + [False] * 3
     assert tier.usage().num_entries == 40
     tier.close()
     tier.close()  # idempotent
