@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import free_port
+from tests.servers import cache_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_TOKENS = 72  # 4 full 16-token blocks + an 8-token tail
@@ -65,20 +65,8 @@ def _delta(after: dict[str, Any], before: dict[str, Any], key: str) -> int:
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Any:
-    port = free_port()
-    (tmp_path / "tokens").write_text("tok-engines-01 engines\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(tmp_path / "data"), "--lmdb-capacity",
-         "64MiB", "--host-capacity", "4MiB", "--host-slot-bytes", "64KiB",
-         "--tokens", str(tmp_path / "tokens")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    with cache_server_process(tmp_path, "tok-engines-01", "engines") as port:
         yield f"tcp://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_two_engines_share_kv_through_the_daemon(tmp_path: Path, daemon: str) -> None:

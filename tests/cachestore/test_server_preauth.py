@@ -137,23 +137,29 @@ def _zmtp_greeting(mechanism: bytes) -> bytes:
             + b"\0" * 32)
 
 
+def _flood_frames(sock: socket.socket, frames: int) -> int:
+    """ZMTP long frames of 64 MiB (``frames`` of them declared), each streamed as it is
+    read; returns the bytes the daemon took before it closed the connection."""
+    sent = 0
+    for _ in range(frames):
+        try:
+            sock.sendall(b"\x03" + struct.pack(">Q", MIB64))
+        except OSError:
+            break
+        got = _flood(sock, MIB64)
+        sent += got
+        if got < MIB64:
+            break
+    return sent
+
+
 def _zmq_null_multipart(port: int) -> int:
     """No token (ZMTP NULL mechanism), then a multipart message of 64 MiB frames."""
     with _connect(port) as sock:
         sock.sendall(_zmtp_greeting(b"NULL"))
         ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
         sock.sendall(bytes([0x04, len(ready)]) + ready)
-        sent = 0
-        for _ in range(16):  # 1 GiB declared
-            try:
-                sock.sendall(b"\x03" + struct.pack(">Q", MIB64))
-            except OSError:
-                break
-            got = _flood(sock, MIB64)
-            sent += got
-            if got < MIB64:
-                break
-        return sent
+        return _flood_frames(sock, 16)
 
 
 def _zmq_plain_huge_hello(port: int) -> int:
@@ -172,17 +178,7 @@ def _zmq_plain_wrong_token(port: int) -> int:
         hello = (b"\x05HELLO" + bytes([len(PLAIN_USERNAME)]) + PLAIN_USERNAME
                  + bytes([len(password)]) + password)
         sock.sendall(bytes([0x04, len(hello)]) + hello)
-        sent = 0
-        for _ in range(16):
-            try:
-                sock.sendall(b"\x03" + struct.pack(">Q", MIB64))
-            except OSError:
-                break
-            got = _flood(sock, MIB64)
-            sent += got
-            if got < MIB64:
-                break
-        return sent
+        return _flood_frames(sock, 16)
 
 
 @pytest.mark.parametrize("attack", [_stream_huge_first_message, _stream_refused_then_flood])

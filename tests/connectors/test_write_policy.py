@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.servers import free_port
+from tests.servers import cache_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = {"kind": "host", "capacity": "256MiB"}
@@ -94,21 +94,9 @@ def reference(model_dir: str) -> list[list[int]]:
 @pytest.fixture
 def cache_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A ``kvtier cache-server`` process; yields its remote tier config."""
-    port = free_port()
-    (tmp_path / "tokens").write_text("tok-wp-17 wp\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(tmp_path / "server"), "--lmdb-capacity",
-         "64MiB", "--host-capacity", "4MiB", "--host-slot-bytes", "64KiB",
-         "--tokens", str(tmp_path / "tokens")],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    with cache_server_process(tmp_path, "tok-wp-17", "wp", data_subdir="server") as port:
         yield {"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "tok-wp-17",
                "timeout_s": 10}
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_a_second_process_loads_what_the_first_computed_behind_a_256mib_host_tier(
