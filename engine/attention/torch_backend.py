@@ -2,14 +2,19 @@
 
 For each request it gathers the request's blocks from the layer view, so it reads the KV back
 through the same paging path a real kernel would, and computes softmax attention in float32
-with a causal mask aligned to the end of the context. GQA: query head ``h`` reads KV head
-``h // (num_heads // num_kv_heads)``, as the checkpoints expect. Meant for correctness and
-CPU serving, not speed (one small matmul per request per layer).
+with a causal mask aligned to the end of the context, through
+``torch.nn.functional.scaled_dot_product_attention`` on 4-D ``[1, H, T, D]`` tensors with
+``enable_gqa`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``, as the
+checkpoints expect): ``is_causal`` when the query spans the whole sequence, no mask for one
+query token, a boolean mask for a chunk after cached context. The 4-D call takes PyTorch's
+fused CPU kernel (one 1500-token layer of a 135M model: 28.5 against 201.6 ms for matmul +
+softmax + mask, issue 21); 3-D inputs miss it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
@@ -32,8 +37,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._masks = []
         device = metadata.slot_mapping.device
         for q_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True):
-            if q_len == 1:
-                self._masks.append(None)  # a decode token sees the whole context
+            if q_len == 1 or q_len == seq_len:
+                self._masks.append(None)  # a decode token sees all; a whole prompt is is_causal
                 continue
             # Query row r sits at position seq_len - q_len + r and sees keys 0..that position.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
@@ -65,17 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
             kv = kv_layer[blocks]  # [nb, 2, bs, Hkv, D] gathered copy
             keys = kv[:, 0].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
             vals = kv[:, 1].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
-            # [Hkv, group, q_len, D] x [Hkv, 1, D, seq_len] -> [Hkv, group, q_len, seq_len]
-            qi = q[start : start + q_len].float().reshape(q_len, self.num_kv_heads, group, self.head_dim)
-            qi = qi.permute(1, 2, 0, 3)
-            kt = keys.float().permute(1, 2, 0).unsqueeze(1)
-            scores = torch.matmul(qi, kt) * self.scale
+            qi = q[start : start + q_len].float().transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            ki = keys.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, seq, D]
+            vi = vals.float().transpose(0, 1).unsqueeze(0)
             mask = self._masks[i]
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            vi = vals.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, seq_len, D]
-            oi = torch.matmul(probs, vi)  # [Hkv, group, q_len, D]
-            out[start : start + q_len] = oi.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, self.head_dim).to(q.dtype)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask if mask is not None and q_len != seq_len else None,
+                is_causal=q_len == seq_len and q_len > 1, scale=self.scale, enable_gqa=group > 1,
+            )  # [1, H, q_len, D]
+            out[start : start + q_len] = oi[0].transpose(0, 1).to(q.dtype)
             start += q_len
         return out.view(num_tokens, self.num_heads * self.head_dim)
