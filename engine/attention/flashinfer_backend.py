@@ -231,8 +231,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if len(indices) > max_pages:
             raise ValueError(f"{len(indices)} pages exceed the graph buffer of {max_pages}")
         # One pinned int32 buffer per size, [indptr (P+1) | last_page_len (P) | indices],
-        # refilled in place (no pinned allocation per step): safe since every step
-        # synchronizes after the copies enqueued here.
+        # refilled in place (no pinned allocation per step) once its fence says the copies
+        # of the last refill have run.
         host_fence = self._fence(("graph", batch_size))
         host_fence.wait()  # the last replay's copies of this buffer have run
         host = self._graph_host.get(batch_size)
