@@ -33,6 +33,8 @@ REQUIRED: dict[str, list[str]] = {  # kind -> dotted paths that must exist
                    "spec.template.spec.containers"],
     "ConfigMap": ["metadata.name", "data"],
     "Secret": ["metadata.name"],
+    "PersistentVolumeClaim": ["metadata.name", "spec.accessModes", "spec.resources.requests.storage"],
+    "Job": ["metadata.name", "spec.template.spec.containers", "spec.template.spec.restartPolicy"],
 }
 
 
@@ -61,15 +63,20 @@ def test_every_yaml_parses() -> None:
 def test_kubernetes_manifests_have_required_fields() -> None:
     docs = _manifests()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "Secret", "Service", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Job", "PersistentVolumeClaim", "Secret",
+                     "Secret", "Secret", "Service", "Service", "Service", "Service", "StatefulSet",
+                     "StatefulSet"]
     for doc in docs:
-        assert doc["apiVersion"] in ("v1", "apps/v1"), doc["kind"]
+        assert doc["apiVersion"] in ("v1", "apps/v1", "batch/v1"), doc["kind"]
         for path in REQUIRED[doc["kind"]]:
             _get(doc, path)
         if doc["kind"] in ("StatefulSet", "Deployment"):
             spec = doc["spec"]
             labels = spec["template"]["metadata"]["labels"]
             assert spec["selector"]["matchLabels"].items() <= labels.items()
+            for c in spec["template"]["spec"]["containers"]:
+                image = c["image"]
+                assert ":" in image and not image.endswith(":latest"), image  # pinned
             for c in spec["template"]["spec"]["containers"]:
                 assert c["name"] and c["image"]
                 mounts = {m["name"] for m in c.get("volumeMounts", [])}
@@ -86,6 +93,89 @@ def test_kubernetes_manifests_have_required_fields() -> None:
                   if d["kind"] in ("StatefulSet", "Deployment")]
     for svc in (d for d in docs if d["kind"] == "Service"):
         assert any(svc["spec"]["selector"].items() <= lab.items() for lab in pod_labels)
+
+
+def _refs(node: Any, found: dict[str, set[str]]) -> None:
+    """Names of the Secrets, ConfigMaps and claims a manifest refers to (anywhere in it)."""
+    if isinstance(node, dict):
+        if "claimName" in node:
+            found["PersistentVolumeClaim"].add(node["claimName"])
+        if "secretName" in node:
+            found["Secret"].add(node["secretName"])
+        for key, kind in (("secretRef", "Secret"), ("secretKeyRef", "Secret"),
+                          ("configMapRef", "ConfigMap"), ("configMap", "ConfigMap")):
+            if isinstance(node.get(key), dict) and "name" in node[key]:
+                found[kind].add(node[key]["name"])
+        for value in node.values():
+            _refs(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _refs(value, found)
+
+
+def test_kubernetes_manifests_define_what_they_reference() -> None:
+    """Every claim, Secret, ConfigMap and Service host a manifest names is defined; tokens live
+    in Secrets, never in the ConfigMap."""
+    docs = _manifests()
+    defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    found: dict[str, set[str]] = {"PersistentVolumeClaim": set(), "Secret": set(), "ConfigMap": set()}
+    for doc in docs:
+        _refs(doc, found)
+    assert found["PersistentVolumeClaim"] and found["Secret"]
+    for kind, names in found.items():
+        for name in names:
+            assert (kind, name) in defined, (kind, name)
+    configmap = next(d for d in docs if d["kind"] == "ConfigMap")
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    for text in configmap["data"].values():
+        for tier in parse_tier_config(yaml.safe_load(text)).tiers:
+            assert getattr(tier, "token", None) is None, tier  # a token_file from a Secret
+            url = getattr(tier, "url", None) or getattr(tier, "endpoint_url", None)
+            if url:
+                host = re.sub(r"^[a-z]+://", "", url).split(":")[0].split("/")[0]
+                assert host in services, url
+
+
+def _cli_flags_ok(argv: list[str]) -> None:
+    """``kvtier ARGV`` parses with the real CLI parser (every flag exists, values well-formed)."""
+    from engine.cli import build_parser
+
+    build_parser(argv).parse_args(argv)
+
+
+def test_every_flag_deploy_passes_exists_in_the_cli() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    commands = [compose["services"][s]["command"] for s in ("cache-server", "engine")]
+    for doc in _manifests():
+        if doc["kind"] in ("StatefulSet", "Deployment"):
+            commands += [c["args"] for c in doc["spec"]["template"]["spec"]["containers"]
+                         if c["image"].startswith("kvtier:")]
+    for path in sorted((DEPLOY / "systemd").glob("*.service")):
+        unit = configparser.ConfigParser(interpolation=None)
+        unit.read_string(path.read_text())
+        commands.append(unit["Service"]["ExecStart"].split()[1:])
+    assert len(commands) == 6
+    for argv in commands:
+        _cli_flags_ok([str(a) for a in argv])
+
+
+def test_compose_pins_images_and_orders_start_by_health() -> None:
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name, svc in services.items():
+        image = svc["image"]
+        assert ":" in image and not image.endswith(":latest"), (name, image)
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert cond["condition"] in ("service_healthy", "service_completed_successfully"), name
+            wanted = "service_completed_successfully" if dep == "minio-init" else "service_healthy"
+            assert cond["condition"] == wanted and ("healthcheck" in services[dep]) == (dep != "minio-init")
+    for name in ("redis", "minio", "cache-server", "engine"):
+        assert "healthcheck" in services[name], name
+    assert "mc mb" in " ".join(services["minio-init"]["command"])  # the tiers' bucket exists
+    # The engine reserves a GPU, so its image is the CUDA build; the daemon's is the CPU one.
+    engine = services["engine"]
+    assert engine["image"] == "kvtier:cuda" and "/cu" in engine["build"]["args"]["TORCH_INDEX"]
+    assert services["cache-server"]["image"] == "kvtier:cpu"
 
 
 def test_tier_yamls_parse_with_the_real_parser() -> None:
