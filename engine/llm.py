@@ -35,6 +35,8 @@ def build_engine_config(model: str | None, **kwargs: Any) -> EngineConfig:
     cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_FIELDS})
     scheduler = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _SCHEDULER_FIELDS})
     engine_kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_FIELDS}
+    if engine_kwargs.get("kv_offload_config") is not None and "kv_offload" not in engine_kwargs:
+        engine_kwargs["kv_offload"] = True  # a tier config asks for offload (as in `kvtier serve`)
     return EngineConfig(model=model, cache=cache, scheduler=scheduler, **engine_kwargs)
 
 

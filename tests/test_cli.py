@@ -34,6 +34,16 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     assert args.engine_in_process is False  # the core runs in its own process by default
 
 
+def test_kv_offload_config_implies_kv_offload() -> None:
+    from engine.llm import build_engine_config
+
+    config = engine_config_from_args(_serve_args(["--kv-offload-config", "tiers.yaml"]))
+    assert config.kv_offload is True and config.kv_offload_config == "tiers.yaml"
+    assert engine_config_from_args(_serve_args([])).kv_offload is False
+    assert build_engine_config(None, kv_offload_config={"tiers": []}).kv_offload is True
+    assert build_engine_config(None, kv_offload_config={"tiers": []}, kv_offload=False).kv_offload is False
+
+
 def test_serve_flags_map_one_to_one() -> None:
     args = _serve_args(
         [

@@ -100,7 +100,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
         ),
-        kv_offload=args.kv_offload,
+        # A tier file is a request for offload: vLLM's --kv-transfer-config needs no second flag.
+        kv_offload=args.kv_offload or args.kv_offload_config is not None,
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
         enforce_eager=args.enforce_eager,
