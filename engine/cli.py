@@ -19,8 +19,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (the source tree's when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvtier {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():

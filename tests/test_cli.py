@@ -34,6 +34,34 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     assert args.engine_in_process is False  # the core runs in its own process by default
 
 
+def test_vllm_habits_positional_model_prefix_caching_flags_config_file(tmp_path: Path) -> None:
+    assert engine_config_from_args(_serve_args(["/models/m"])).model == "/models/m"
+    assert engine_config_from_args(_serve_args(["/models/m", "--model", "/models/m"])).model == "/models/m"
+    with pytest.raises(ValueError, match="two models"):
+        engine_config_from_args(_serve_args(["/models/a", "--model", "/models/b"]))
+    off = engine_config_from_args(_serve_args(["--no-enable-prefix-caching"]))
+    assert off.cache.enable_prefix_caching is False
+    assert engine_config_from_args(_serve_args(["--enable-prefix-caching"])).cache.enable_prefix_caching
+    assert engine_config_from_args(_serve_args(["--no-prefix-caching"])).cache.enable_prefix_caching is False
+    assert _serve_args(["--disable-log-requests"]).disable_log_requests is True
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: /models/y\nport: 9100\nmax-model-len: 2048\nkv_offload: true\n")
+    args = _serve_args(["--config", str(cfg), "--port", "9200"])
+    config = engine_config_from_args(args)
+    assert (args.port, config.model, config.scheduler.max_model_len, config.kv_offload) == (
+        9200, "/models/y", 2048, True)  # the later flag wins over the file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit):
+        _serve_args(["--config", str(bad)])
+
+
+def test_kvtier_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True,
+                            text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("kvtier ")
+
+
 def test_kv_offload_config_implies_kv_offload() -> None:
     from engine.llm import build_engine_config
 

@@ -18,7 +18,12 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier serve`` flag."""
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="HF model directory, as `vllm serve MODEL` (same as --model)")
     parser.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+    parser.add_argument("--config", action=_ConfigFile, metavar="FILE",
+                        help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
+                             "given on the command line after it win")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -37,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="vLLM's spelling of prefix caching on/off (default on)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM compatibility: kvtier logs no request by default")
     parser.add_argument("--kv-offload", action="store_true", help="offload KV to lower tiers")
     parser.add_argument("--kv-offload-config", default=None, metavar="FILE", help="tiers YAML")
     parser.add_argument("--request-log", default=None, metavar="FILE")
@@ -83,17 +92,60 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _ConfigFile(argparse.Action):
+    """``--config FILE``: sets every flag the YAML mapping names (``max-model-len`` or
+    ``max_model_len``) that the command line has not set before it; later flags override.
+    Unknown keys and unreadable files are argparse errors naming the file."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        import yaml
+
+        try:
+            with open(values, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            parser.error(f"--config {values}: {exc}")
+        if not isinstance(data, dict):
+            parser.error(f"--config {values}: expected a mapping of flag names to values")
+        actions = {a.dest: a for a in parser._actions if a.option_strings}
+        for key, value in data.items():
+            dest = str(key).lstrip("-").replace("-", "_")
+            action = actions.get(dest)
+            if action is None or dest == "config":
+                parser.error(f"--config {values}: unknown serve flag {key!r}")
+            if getattr(namespace, dest, None) == action.default:  # not given before --config
+                if action.type is not None and value is not None and not isinstance(value, bool):
+                    value = action.type(value)
+                setattr(namespace, dest, value)
+        setattr(namespace, self.dest, values)
+
+
+def resolve_model(args: argparse.Namespace) -> str | None:
+    """The model of ``kvtier serve MODEL`` or ``--model MODEL``. Raises ValueError when both
+    are given and differ."""
+    positional = getattr(args, "model_positional", None)
+    if positional and args.model and positional != args.model:
+        raise ValueError(f"two models given: {positional!r} and --model {args.model!r}")
+    return positional or args.model
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Pure mapping of parsed flags to EngineConfig; raises ValueError on bad values."""
+    prefix_caching = not args.no_prefix_caching
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        if args.no_prefix_caching and args.enable_prefix_caching:
+            raise ValueError("--no-prefix-caching and --enable-prefix-caching contradict")
+        prefix_caching = args.enable_prefix_caching
     return EngineConfig(
-        model=args.model,
+        model=resolve_model(args),
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
         cache=CacheConfig(
             num_gpu_blocks=args.num_gpu_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=not args.no_prefix_caching,
+            enable_prefix_caching=prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
