@@ -1,13 +1,15 @@
 """OpenAI-compatible request and response models (pydantic), and the request -> SamplingParams
 mapping. Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos`` and
 ``stop_token_ids`` are vLLM-style extensions. Unknown fields are ignored, as OpenAI clients
-send fields this server does not implement."""
+send fields this server does not implement, except the fields that change what a response
+means (``response_format``, ``tools``, ``logit_bias``, ...): those are declared and refused with
+a 400 naming the field rather than silently dropped."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,6 +86,10 @@ class SamplingRequest(_Request):
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
     user: str | None = None
+    # Declared to be refused (check_supported): ignoring them would answer another question.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: Int64 | None = None
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -99,6 +105,14 @@ class SamplingRequest(_Request):
             raise ProtocolError("logprobs are not supported", "logprobs")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options requires stream=true", "stream_options")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ProtocolError(f"response_format {self.response_format.get('type')!r} is not "
+                                "supported (no constrained decoding); only 'text'",
+                                "response_format")
+        if self.logit_bias:
+            raise ProtocolError("logit_bias is not supported", "logit_bias")
+        if self.best_of not in (None, 1):
+            raise ProtocolError(f"only best_of=1 is supported, got {self.best_of}", "best_of")
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """``max_tokens`` is the resolved budget (the server fills a default). Raises
@@ -168,27 +182,53 @@ class CompletionRequest(SamplingRequest):
             raise ProtocolError("suffix is not supported", "suffix")
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Request):
+    """One part of a message's content. Only ``text`` parts are served; any other type
+    (``image_url``, ``input_audio``, ...) is parsed so that it can be refused by name."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Request):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise ProtocolError(f"{name} (tool calling) is not supported", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise ProtocolError(f"{name} is not supported (no tool calling)", name)
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
+                        raise ProtocolError(f"messages.{i}.content.{j}: content parts of type "
+                                            f"{part.type!r} are not supported (text only)",
+                                            f"messages.{i}.content.{j}")
+                    if part.text is None:
+                        raise ProtocolError(f"messages.{i}.content.{j}: a text part needs "
+                                            "'text'", f"messages.{i}.content.{j}")
 
     def texts(self) -> Iterator[tuple[str, str]]:
         yield from super().texts()

@@ -326,6 +326,13 @@ def test_client_disconnect_aborts_streaming_request(server: Server) -> None:
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True, "temperature": -1}, 400, "temperature"),
+        # Fields that change what the answer means are refused by name, never dropped.
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.1"),
     ],
 )  # fmt: skip
 def test_errors_are_openai_shaped(
@@ -338,6 +345,19 @@ def test_errors_are_openai_shaped(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["message"]
+
+
+def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None:
+    """``response_format: text``, ``tool_choice: none`` and text-only content parts change
+    nothing, so they are served (and answer as the plain request does)."""
+    plain = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    want = httpx.post(f"{server.base_url}/v1/chat/completions", json=plain, timeout=60).json()
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none", "tools": []},
+                  {"messages": parts}):
+        got = httpx.post(f"{server.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60)
+        assert got.status_code == 200, (extra, got.text)
+        assert got.json()["choices"][0]["message"] == want["choices"][0]["message"], extra
 
 
 def test_openai_client_raises_typed_errors(server: Server) -> None:
