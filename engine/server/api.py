@@ -1,8 +1,10 @@
 """``build_app``: the FastAPI app serving OpenAI-compatible endpoints over an ``EngineClient``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 while the engine runs, 503 once its thread or process died), ``GET /metrics``
-(Prometheus text format). The app does not own the engine: whoever built the engine shuts
+``GET /v1/models/{id}``, ``GET /version``, ``GET /health`` (200 while the engine runs, 503 once
+its thread or process died), ``GET /metrics`` (Prometheus text format). With ``api_key``, every
+``/v1/*`` route needs ``Authorization: Bearer <key>`` (401 otherwise; ``/health``,
+``/metrics`` and ``/version`` stay open for probes); ``allowed_origins`` turns CORS on. The app does not own the engine: whoever built the engine shuts
 it down (``kvtier serve`` does, after uvicorn returns).
 
 A request body over ``max_body_bytes`` is refused with 413 before it is parsed: at once when
@@ -12,6 +14,7 @@ its Content-Length says so, else as soon as the bytes received pass it (chunked 
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,7 +34,7 @@ from engine.server.protocol import (
 from engine.server.serving import ServingContext
 
 _ENDPOINTS = frozenset(
-    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
 )
 
 
@@ -69,6 +72,26 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
 
+class _ApiKey:
+    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <key>`` (compared in
+    constant time); others pass. CORS preflights (OPTIONS) pass, so that the CORS layer
+    outside answers them."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope.get("path", "").startswith("/v1/")
+                and scope.get("method") != "OPTIONS"):
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                await error_response(401, "a valid API key is required (Authorization: Bearer "
+                                          "<key>)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _RequestCounter:
     """ASGI middleware counting HTTP requests by endpoint and response status. Pure ASGI
     (not BaseHTTPMiddleware) so streamed responses pass through untouched."""
@@ -104,9 +127,11 @@ class _RequestCounter:
 
 
 def build_app(engine: EngineClient, served_model_name: str,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, api_key: str | None = None,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
-    request bodies over ``max_body_bytes`` get 413."""
+    request bodies over ``max_body_bytes`` get 413; ``api_key`` and ``allowed_origins`` as the
+    module docstring says."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.stats, served_model_name)
     ctx = ServingContext(engine, served_model_name, metrics)
@@ -114,7 +139,15 @@ def build_app(engine: EngineClient, served_model_name: str,
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)  # inside the counter: counted
+    if api_key:
+        app.add_middleware(_ApiKey, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=metrics)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["authorization", "content-type"])
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
@@ -128,6 +161,20 @@ def build_app(engine: EngineClient, served_model_name: str,
     async def models() -> JSONResponse:
         card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != served_model_name:
+            return error_response(404, f"The model `{model_id}` does not exist.", param="model",
+                                  code="model_not_found")
+        card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+        return JSONResponse(card.model_dump())
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from engine.cli import package_version
+
+        return JSONResponse({"version": package_version()})
 
     @app.get("/health")
     async def health() -> Response:

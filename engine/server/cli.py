@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1/* (default: "
+                             "$KVTIER_API_KEY; unset: no key)")
+    parser.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                        help="comma-separated CORS origins (e.g. https://app.example,*); "
+                             "default: no CORS")
     parser.add_argument(
         "--max-body-bytes",
         type=_size,
@@ -119,6 +125,19 @@ class _ConfigFile(argparse.Action):
                     value = action.type(value)
                 setattr(namespace, dest, value)
         setattr(namespace, self.dest, values)
+
+
+def api_key_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
+    """``--api-key``, else ``$KVTIER_API_KEY`` (the one place serve reads the environment)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    return getattr(args, "api_key", None) or env.get("KVTIER_API_KEY") or None
+
+
+def origins_from(args: argparse.Namespace) -> tuple[str, ...]:
+    raw = getattr(args, "allowed_origins", None) or ""
+    return tuple(o.strip() for o in raw.split(",") if o.strip())
 
 
 def resolve_model(args: argparse.Namespace) -> str | None:
@@ -215,7 +234,8 @@ def main(args: argparse.Namespace) -> int:
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
     signal.signal(signal.SIGTERM, _exit_after_sigterm)
-    app = build_app(engine, name, args.max_body_bytes)
+    app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
+                    allowed_origins=origins_from(args))
     # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
     # whole life: keep them out of the collector's full passes, as the engine does.
     gc.collect()

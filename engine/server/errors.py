@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

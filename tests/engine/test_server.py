@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -48,15 +49,15 @@ class Server:
 
 
 @contextmanager
-def run_server(engine: EngineClient, served_model_name: str) -> Iterator[str]:
+def run_server(engine: EngineClient, served_model_name: str, **app_options: Any) -> Iterator[str]:
     """uvicorn serving ``engine`` on a free loopback port from a thread; yields the base URL.
-    Leaves the engine running (its owner shuts it down)."""
+    Leaves the engine running (its owner shuts it down). ``app_options`` go to build_app."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
     port = sock.getsockname()[1]
-    app = build_app(engine, served_model_name)
+    app = build_app(engine, served_model_name, **app_options)
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -358,6 +359,35 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
         got = httpx.post(f"{server.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60)
         assert got.status_code == 200, (extra, got.text)
         assert got.json()["choices"][0]["message"] == want["choices"][0]["message"], extra
+
+
+def test_api_key_cors_version_and_model_card(server: Server) -> None:
+    """``--api-key``: /v1/* needs the bearer key (401 otherwise, OpenAI-shaped), probes stay
+    open; ``--allowed-origins``: CORS answers for that origin only."""
+    with run_server(server.engine, MODEL, api_key="sk-test-123",
+             allowed_origins=("https://app.example",)) as base:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        no_key = httpx.post(f"{base}/v1/completions", json=body)
+        assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer sk-nope"})
+        assert wrong.status_code == 401
+        ok = httpx.post(f"{base}/v1/completions", json=body,
+                        headers={"authorization": "Bearer sk-test-123"}, timeout=60)
+        assert ok.status_code == 200
+        assert openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-123").models.list().data
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+        assert httpx.get(f"{base}/version").json()["version"]
+        pre = httpx.options(f"{base}/v1/completions", headers={
+            "origin": "https://app.example", "access-control-request-method": "POST"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(f"{base}/v1/completions", headers={
+            "origin": "https://evil.example", "access-control-request-method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+    card = httpx.get(f"{server.base_url}/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN
+    missing = httpx.get(f"{server.base_url}/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
 def test_openai_client_raises_typed_errors(server: Server) -> None:
