@@ -56,6 +56,17 @@ def test_vllm_habits_positional_model_prefix_caching_flags_config_file(tmp_path:
         _serve_args(["--config", str(bad)])
 
 
+def test_api_key_from_flag_or_environment_and_origins() -> None:
+    from engine.server.cli import api_key_from, origins_from
+
+    assert api_key_from(_serve_args([]), {}) is None
+    assert api_key_from(_serve_args([]), {"KVTIER_API_KEY": "sk-env"}) == "sk-env"
+    assert api_key_from(_serve_args(["--api-key", "sk-flag"]), {"KVTIER_API_KEY": "sk-env"}) == "sk-flag"
+    assert origins_from(_serve_args(["--allowed-origins", "https://a.example, *"])) == (
+        "https://a.example", "*")
+    assert origins_from(_serve_args([])) == ()
+
+
 def test_kvtier_version() -> None:
     result = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True,
                             text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
