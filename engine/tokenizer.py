@@ -8,6 +8,7 @@ of a stop string until it is known not to be one. Not thread-safe (one per reque
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,10 @@ def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenize
     ValueError if it has no tokenizer files."""
     from transformers import AutoTokenizer
 
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if os.path.isdir(model_dir) and not any(os.path.exists(os.path.join(model_dir, n)) for n in names):
+        # transformers would guess a slow tokenizer and ask for sentencepiece instead
+        raise ValueError(f"no tokenizer in {model_dir!r}: none of {', '.join(names)} is there")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -67,6 +67,28 @@ def test_api_key_from_flag_or_environment_and_origins() -> None:
     assert origins_from(_serve_args([])) == ()
 
 
+def test_serve_refuses_a_busy_port_before_loading_the_model(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "absent"),
+               "--port", str(port), "--device", "cpu"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                                cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2
+    assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
+    assert "absent" not in result.stderr  # refused before the model directory was looked at
+
+
+def test_a_directory_without_tokenizer_files_says_so(tmp_path: Path) -> None:
+    from engine.tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer in .*tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_kvtier_version() -> None:
     result = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True,
                             text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)

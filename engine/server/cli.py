@@ -127,6 +127,21 @@ class _ConfigFile(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (e.g. "address already in use"), or None. The
+    socket is closed again at once; uvicorn binds it for real after the model loaded."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def api_key_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
     """``--api-key``, else ``$KVTIER_API_KEY`` (the one place serve reads the environment)."""
     import os
@@ -223,6 +238,10 @@ def main(args: argparse.Namespace) -> int:
         proc_config = core_proc_config_from_args(args)
     except ValueError as exc:
         logger.error("bad arguments: %s", exc)
+        return 2
+    busy = port_in_use(args.host, args.port)
+    if busy is not None:  # before minutes of model loading and calibration
+        logger.error("cannot serve on %s:%d: %s", args.host, args.port, busy)
         return 2
     try:
         engine = start_engine(config, proc_config, in_process=args.engine_in_process)
