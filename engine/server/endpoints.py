@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.chat_tokens import EncodedChat
 from engine.core.base import EngineDeadError
 from engine.server.errors import error_body
 from engine.server.protocol import (
@@ -38,15 +39,15 @@ from engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
-from engine.tokenizer import TooManyTokens, encode_chat, encode_prompt
+from engine.tokenizer import TooManyTokens, encode_prompt
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> list[int]:
+def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> EncodedChat:
     try:
-        return encode_chat(ctx.engine.tokenizer, conversation, ctx.engine.max_model_len)
+        return ctx.chat_tokens.encode(conversation, ctx.engine.max_model_len)
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, "messages") from None
     except ValueError as exc:  # no chat template, or the template rejected the messages
@@ -133,8 +134,8 @@ async def create_chat_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    token_ids = _encode_chat(ctx, request.conversation())
-    prompts = [ctx.prepare(request, token_ids)]
+    encoded = _encode_chat(ctx, request.conversation())
+    prompts = [ctx.prepare(request, encoded.token_ids)]
     request_id = new_request_id("chatcmpl")
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
     if request.stream:

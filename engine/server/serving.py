@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from engine.chat_tokens import ChatTokenCache
 from engine.core.base import EngineClient
 from engine.outputs import RequestOutput
 from engine.server.errors import APIError
@@ -67,12 +68,14 @@ class StartedRequest:
 
 
 class ServingContext:
-    """Holds the engine, the served name and metrics for the endpoint handlers."""
+    """Holds the engine, the served name, metrics and the chat token cache for the endpoint
+    handlers (all used from the event-loop thread)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.chat_tokens = ChatTokenCache(engine.tokenizer)
 
     def check_model(self, request: SamplingRequest) -> None:
         if request.model is not None and request.model != self.served_model_name:
