@@ -11,6 +11,7 @@ of the waiting queue to re-prefill prompt + outputs (usually hitting its own cac
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -234,12 +235,20 @@ class Scheduler:
                 if num_new > budget and not chunked:
                     break
             else:
+                times = request.times
+                t0 = time.monotonic()
+                if self.kv.enable_caching:  # here, so that hashing is timed apart
+                    self.kv.update_block_hashes(request)
+                t1 = time.monotonic()
                 hit = self.kv.get_computed_blocks(request)
                 num_computed = hit.num_tokens
                 external = ExternalHit()
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
                 if self.connector is not None:
                     external = self.connector.get_num_new_matched_tokens(request, num_computed)
+                t2 = time.monotonic()
+                times.hash_s += t1 - t0
+                times.lookup_s += t2 - t1
                 head = external.num_head_tokens if external.load_async else 0
                 # Always leave the last token to compute: it yields the logit to sample.
                 num_external = min(
@@ -250,8 +259,10 @@ class Scheduler:
                     # request must be able to run without more blocks, or requests holding
                     # loaded KV could fill the pool and wait on each other forever.
                     if head > budget and not chunked:
+                        times.decide_s += time.monotonic() - t2
                         break
                     if not self.kv.allocate_slots(request, request.num_tokens, hit):
+                        times.decide_s += time.monotonic() - t2
                         break
                     loaded_now = num_external if head == 0 else 0
                     self._count_prefix(request, num_computed, num_computed + loaded_now)
@@ -262,6 +273,8 @@ class Scheduler:
                         request.num_computed_tokens = num_computed + num_external
                         request.status = RequestStatus.WAITING_FOR_KV
                         skipped.append(self.waiting.popleft())
+                        times.admitted = time.monotonic()
+                        times.decide_s += times.admitted - t2
                         continue
                     # Overlap (Cake): compute the head now while the tail loads.
                     self._overlap[request.req_id] = num_computed + head
@@ -273,10 +286,12 @@ class Scheduler:
                     num_computed += num_external
                     num_new = request.num_tokens - num_computed
                     if num_new > budget and not chunked:
+                        times.decide_s += time.monotonic() - t2
                         break
                     if not self.kv.allocate_slots(
                         request, num_computed + min(num_new, budget), hit
                     ):
+                        times.decide_s += time.monotonic() - t2
                         break
                     self._count_prefix(request, hit.num_tokens, num_computed)
                     if self.connector is not None:
@@ -284,7 +299,10 @@ class Scheduler:
                             request, self.kv.get_block_ids(request.req_id), hit.num_tokens,
                             num_external,
                         )
+                times.admitted = time.monotonic()
+                times.decide_s += times.admitted - t2
             num_new = min(num_new, budget)  # blocks: allocated above, or when its load began
+            request.times.ready = time.monotonic()
             self.waiting.popleft()
             self._loaded.pop(request.req_id, None)
             request.num_computed_tokens = num_computed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -40,6 +41,7 @@ from engine.server.serving import (
     usage_of,
 )
 from engine.tokenizer import TooManyTokens, encode_prompt
+from engine.ttft import api_times
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -72,9 +74,11 @@ async def create_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
+    t0 = time.perf_counter()
     prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in request.prompts()]
+    times = api_times(0.0, time.perf_counter() - t0)
     request_id = new_request_id("cmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
+    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _completion_stream(ctx, request_id, request, started),
@@ -136,8 +140,9 @@ async def create_chat_completion(
     request.check_supported()
     encoded = _encode_chat(ctx, request.conversation())
     prompts = [ctx.prepare(request, encoded.token_ids)]
+    times = api_times(encoded.template_s, encoded.tokenize_s)
     request_id = new_request_id("chatcmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
+    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _chat_stream(ctx, request_id, request, started[0]),

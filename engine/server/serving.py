@@ -58,6 +58,7 @@ class StartedRequest:
         output: RequestOutput | None = self.first
         while output is not None:
             now = time.monotonic()
+            self.timer.on_output(output, now)
             self.timer.on_tokens(len(output.new_token_ids), now)
             if output.finished:
                 self.timer.on_finished(now)
@@ -127,16 +128,18 @@ class ServingContext:
         return PreparedPrompt(token_ids, max_tokens)
 
     async def start(
-        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest
+        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest,
+        api_times: dict[str, float] | None = None,
     ) -> list[StartedRequest]:
         """Submits every prompt and waits for each one's first output, so that a rejected
         request raises here (ValueError -> 400) before a response starts. On any failure the
-        already started requests are aborted."""
+        already started requests are aborted. ``api_times``: this process's TTFT phases
+        (``ttft.API_PHASES``), sent along for the request log."""
         arrival = time.monotonic()
         params = [request.to_sampling_params(p.max_tokens) for p in prompts]
         iters = [
             self.engine.generate(
-                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival
+                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival, api_times=api_times
             ).__aiter__()
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
