@@ -85,9 +85,10 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
         assert sum(b[p] for p in _ADDITIVE) == pytest.approx(row["ttft_s"], abs=1e-5)
         assert b["schedule"] == pytest.approx(sum(b[p] for p in SCHEDULE_PARTS), abs=1e-6)
         assert b["prefill_compute"] > 0 and b["hash"] > 0
-    # A 32-token budget: the 100-token prompt takes 4 steps; the 20-token one fits in one.
+    # A 32-token budget: the 100-token prompt takes 4 steps; the 20-token one, waiting behind
+    # it, gets the reserve (8 tokens) in step 2 and the rest in step 3.
     assert rows[100]["num_prefill_steps"] == math.ceil(100 / 32)
-    assert rows[20]["num_prefill_steps"] == 1
+    assert rows[20]["num_prefill_steps"] == 2
     assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
 
 
