@@ -18,13 +18,18 @@
 #   GPU_TESTS_FILES   test files the GPU tests come from      [tests/engine/test_gpu.py tests/engine/test_kernels.py
 #                                                              tests/engine/test_decode_attention.py
 #                                                              tests/engine/test_gpu_long_context.py]
-#   SUITE_BENCHES     benchmarks to run, in order              [attention,engine,offload,long_context,soak]
-#   MODEL_DIR         HF model directory for long_context and soak; written once with random
+#   SUITE_BENCHES     benchmarks to run, in order              [attention,engine,offload,long_context,soak,serving]
+#   MODEL_DIR         HF model directory for long_context, soak and serving; written once with random
 #                     Llama-3-8B-shaped weights (bench/random_model.py) when unset [/tmp/kvtier-llama-3-8b]
 #   ATTENTION_BENCH_ARGS / ENGINE_BENCH_ARGS / OFFLOAD_BENCH_ARGS  extra arguments of each
-#   T_WARM T_TESTS T_ATTENTION T_ENGINE T_OFFLOAD T_LONG_CONTEXT T_SOAK  seconds per stage
-#                     (timeout), so one hang leaves time for the rest [300 600 180 900 600 300 900]
+#   T_WARM T_TESTS T_ATTENTION T_ENGINE T_OFFLOAD T_LONG_CONTEXT T_SOAK T_SERVING  seconds per
+#                     stage (timeout), so one hang leaves time for the rest [300 600 180 900 600 300 900 580]
 #   SOAK_ARGS         extra arguments of bench/soak.py (default: 300 s per mode, side by side)
+#   SERVING_ARGS      arguments of bench/serving.py past its defaults (issue 18's shape: 10 users,
+#                     5 rounds, 800 + 900 words, 100-token answers, 1200 GPU blocks, off/offload/
+#                     lossless)                                 [--qps 0.5,1,2 --duration-s 40]
+#                     (16K-token histories: --history-words 6500 --max-model-len 20480); its
+#                     server logs and request logs go to /tmp/kvtier-serving, the report to OUT_DIR
 #   SUITE_DEADLINE_S  whole-suite budget from its start: no stage runs past it (each stage's
 #                     limit is cut to what is left, less 5 s)     [none]
 # Add a benchmark: a "name|command|timeout-variable" entry in BENCHES; the command gets
@@ -88,19 +93,22 @@ BENCHES=(
   "offload|bench/offload.py ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
   "long_context|-m bench.long_context --model \$MODEL_DIR --out \$BENCH_OUT/long_context.json|T_LONG_CONTEXT"
   "soak|-m bench.soak --model \$MODEL_DIR ${SOAK_ARGS:-} --log-dir \$BENCH_OUT --out \$BENCH_OUT/soak.json|T_SOAK"
+  "serving|-m bench.serving --model \$MODEL_DIR ${SERVING_ARGS:---qps 0.5,1,2 --duration-s 40} --log-dir /tmp/kvtier-serving --out \$BENCH_OUT/serving.json|T_SERVING"
 )
 if [[ "$STAGES" == *,benches,* ]]; then
   export BENCH_OUT="$OUT_DIR"
   export MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-llama-3-8b}"
-  if [[ ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *,long_context,* || \
-        ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *,soak,* ]]; then
+  ALL_BENCHES="attention,engine,offload,long_context,soak,serving"
+  if [[ ",${SUITE_BENCHES:-$ALL_BENCHES}," == *,long_context,* || \
+        ",${SUITE_BENCHES:-$ALL_BENCHES}," == *,soak,* || \
+        ",${SUITE_BENCHES:-$ALL_BENCHES}," == *,serving,* ]]; then
     stamp "model directory $MODEL_DIR"
     "$PY" -m bench.random_model "$MODEL_DIR" || status=1
   fi
   for entry in "${BENCHES[@]}"; do
     IFS='|' read -r name cmd tvar <<< "$entry"
-    [[ ",${SUITE_BENCHES:-attention,engine,offload,long_context,soak}," == *",$name,"* ]] || continue
-    declare -A defaults=([T_ATTENTION]=180 [T_ENGINE]=900 [T_OFFLOAD]=600 [T_LONG_CONTEXT]=300 [T_SOAK]=900)
+    [[ ",${SUITE_BENCHES:-$ALL_BENCHES}," == *",$name,"* ]] || continue
+    declare -A defaults=([T_ATTENTION]=180 [T_ENGINE]=900 [T_OFFLOAD]=600 [T_LONG_CONTEXT]=300 [T_SOAK]=900 [T_SERVING]=580)
     lim="$(limit "${!tvar:-${defaults[$tvar]}}")"
     stamp "bench $name (limit ${lim} s)"
     # shellcheck disable=SC2086

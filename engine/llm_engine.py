@@ -26,6 +26,7 @@ from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+from engine.ttft import clean_api_times
 
 if TYPE_CHECKING:
     from connectors.offload import OffloadConnector
@@ -130,9 +131,11 @@ class LLMEngine:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        api_times: dict[str, float] | None = None,
     ) -> None:
         """Queue a request. Raises ValueError for a duplicate id, an empty prompt, token ids
-        outside the vocabulary, or a prompt of max_model_len tokens or more."""
+        outside the vocabulary, or a prompt of max_model_len tokens or more. ``api_times``:
+        the caller's own TTFT phases (``ttft.API_PHASES``), kept for the request log."""
         if req_id in self._states:
             raise ValueError(f"duplicate request id {req_id!r}")
         prompt_ids = encode_prompt(self.tokenizer, prompt)
@@ -151,6 +154,8 @@ class LLMEngine:
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
         request = Request(req_id, prompt_ids, params, self.eos_token_ids, arrival_time=arrival)
+        request.times.added = now
+        request.times.api = clean_api_times(api_times)
         detok = None
         if self.detokenize:
             detok = IncrementalDetokenizer(
@@ -180,7 +185,9 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         sched_out = self.scheduler.schedule()
         t0 = time.perf_counter()
+        step_start = time.monotonic()
         runner_out = self.runner.execute_model(sched_out)
+        self._stamp_prefill(sched_out, step_start, time.monotonic())
         if self.offload is not None:
             self.offload.after_step()
             self._observe_prefill(sched_out, time.perf_counter() - t0)
@@ -189,11 +196,20 @@ class LLMEngine:
             outputs.append(self._process_token(request, now))
         return outputs
 
+    def _stamp_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
+        """Every request that computed a prompt chunk in this step, before its first token."""
+        requests = self.scheduler.requests
+        for sliced in out.requests:
+            request = requests.get(sliced.req_id)
+            if request is not None and not request.output_token_ids:
+                request.times.on_step(start, end)
+
     def _process_token(self, request: Request, now: float) -> RequestOutput:
         state = self._states[request.req_id]
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            metrics.ttft_breakdown = request.times.breakdown(metrics.arrival_time, now)
             self._prompt_tokens_total += request.num_prompt_tokens
         metrics.last_token_time = now
         self._generation_tokens_total += 1
@@ -267,6 +283,8 @@ class LLMEngine:
                 hit_tiers=tuple(hit_tiers),
                 decision=request.kv_decision,
                 ttft_s=ttft,
+                ttft_breakdown_s=m.ttft_breakdown,
+                num_prefill_steps=request.times.num_prefill_steps,
             )
         )
 

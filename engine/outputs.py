@@ -11,6 +11,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Phase -> seconds (engine/ttft.py), set with the first token.
+    ttft_breakdown: dict[str, float] | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from cachestore.hashing import BlockHash
 from engine.sampling_params import SamplingParams
+from engine.ttft import RequestTimes
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +77,8 @@ class Request:
     # each leading cached block ("gpu", "host", "lmdb", ...) and the reload decision.
     kv_hit_tiers: list[str] = field(default_factory=list)
     kv_decision: str = "recompute"
+    # Stamps for the TTFT breakdown (engine/ttft.py), until the first token.
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

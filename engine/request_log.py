@@ -4,12 +4,16 @@ One JSON object per finished request, one per line::
 
     {"ts": 1764403200.12, "req_id": "llm-0", "prompt_tokens": 85,
      "block_hashes": ["9f2c...", ...], "hit_tiers": ["gpu", "host", "lmdb"],
-     "decision": "load_prefix", "ttft_s": 0.0123}
+     "decision": "load_prefix", "ttft_s": 0.0123,
+     "ttft_breakdown_s": {"api_template": 0.0001, "to_core": 0.0003, "queue": 0.0, ...},
+     "num_prefill_steps": 1}
 
 ``ts`` is the Unix time the request arrived; ``block_hashes`` the hex chained hashes of every
 full block of the prompt; ``hit_tiers`` the tier that served each leading cached block;
-``decision`` the reload decision (``cost_model.STRATEGY_*``). ``kvtier analyze`` reads it
-(format ``request-log``). Each line is written and flushed at once, so a crash loses at most
+``decision`` the reload decision (``cost_model.STRATEGY_*``); ``ttft_breakdown_s`` the phases
+of ``ttft_s`` (engine/ttft.py; null for a request ended before its first token) and
+``num_prefill_steps`` the steps that computed its prompt. ``kvtier analyze`` reads it
+(format ``request-log``; it needs only ``ts``, ``prompt_tokens`` and ``block_hashes``). Each line is written and flushed at once, so a crash loses at most
 the line being written. Not thread-safe: the engine thread writes it.
 """
 
@@ -30,6 +34,8 @@ class RequestLogEntry:
     hit_tiers: tuple[str, ...]
     decision: str
     ttft_s: float | None
+    ttft_breakdown_s: dict[str, float] | None = None
+    num_prefill_steps: int = 0
 
     def to_json(self) -> str:
         return json.dumps(
@@ -41,6 +47,9 @@ class RequestLogEntry:
                 "hit_tiers": list(self.hit_tiers),
                 "decision": self.decision,
                 "ttft_s": self.ttft_s,
+                "ttft_breakdown_s": None if self.ttft_breakdown_s is None
+                else {k: round(v, 7) for k, v in self.ttft_breakdown_s.items()},
+                "num_prefill_steps": self.num_prefill_steps,
             },
             separators=(",", ":"),
         )

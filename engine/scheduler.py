@@ -1,9 +1,11 @@
 """Continuous-batching scheduler: one token budget per step, chunked prefill, prefix reuse,
 preemption by recompute. Torch-free; never touches a device. Not thread-safe.
 
-Each ``schedule()`` first serves running requests (decodes and unfinished prefill chunks) in
-admission order, then admits waiting ones in FIFO order while the token budget and
-``max_num_seqs`` allow. When the pool runs out of blocks the most recently admitted running
+Each ``schedule()`` first serves running requests, decodes first (admission order), then
+unfinished prefill chunks by remaining work (shortest first), which leave a reserve of the
+budget (``PREFILL_RESERVE_FRACTION``) to waiting requests while any wait; then admits waiting
+ones in FIFO order while the token budget and ``max_num_seqs`` allow; then gives what is left
+back to the prefill chunks the reserve cut. When the pool runs out of blocks the most recently admitted running
 request is preempted: its blocks are freed, its outputs kept, and it goes back to the *front*
 of the waiting queue to re-prefill prompt + outputs (usually hitting its own cached blocks).
 """
@@ -11,6 +13,7 @@ of the waiting queue to re-prefill prompt + outputs (usually hitting its own cac
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,6 +22,10 @@ from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+# Share of the token budget that running prefill chunks leave to waiting requests (when there
+# are any): 512 of the default 2048, room for a later chat round's new tokens.
+PREFILL_RESERVE_FRACTION = 0.25
 
 
 @dataclass(slots=True)
@@ -131,32 +138,49 @@ class Scheduler:
         if self.connector is not None:
             self._loaded.update(self.connector.get_finished_loading())
 
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        # Decodes first (admission order), then prefill chunks by remaining work: a short
+        # prefill never waits behind a long one. While requests wait, running prefills leave
+        # a reserve of the budget to them, so that a later round's short prefill gets its
+        # chunk in the next step instead of after a new user's whole long prompt; what the
+        # waiting requests do not use goes back to the capped prefills (``_top_up``).
+        reserve = self._prefill_reserve() if self.waiting else 0
+        capped: dict[str, int] = {}  # req_id -> index in scheduled, for the top-up
+        done: set[str] = set()
+        for request in self._running_order():
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            remaining = request.num_tokens - request.num_computed_tokens
+            limit = budget if remaining <= 1 else max(budget - reserve, 0)
+            if limit == 0:
+                continue
             if request.req_id in self._overlap:
-                num_new = self._overlap_slice(request, budget)
+                num_new = self._overlap_slice(request, limit)
                 if num_new == 0:  # its head is computed, its tail still loading
-                    idx += 1
                     continue
+            else:
+                num_new = min(remaining, limit)
             total = request.num_computed_tokens + num_new
             while not self.kv.allocate_slots(request, total):
                 preempted = True
                 if self._release_a_load():
                     continue  # a loading request gave its blocks back; try again
-                victim = self.running.pop()
+                victim = self._pick_victim(done)
                 self._preempt(victim)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break  # it preempted itself; nothing after it is left in running
+                continue  # it preempted itself; the others may still fit
+            if num_new < remaining and request.req_id not in self._overlap:
+                capped[request.req_id] = len(scheduled)
             scheduled.append(self._slice(request, num_new))
+            done.add(request.req_id)
             budget -= num_new
-            idx += 1
 
         if not preempted:  # blocks are short: admitting now would only thrash
             budget = self._admit_waiting(budget, scheduled)
+        budget = self._top_up(budget, scheduled, capped)
 
         if self.debug and not self.requests:
             self.kv.pool.check_integrity()
@@ -170,6 +194,45 @@ class Scheduler:
             meta = self.connector.build_connector_meta(output)
             output = dataclasses.replace(output, kv_connector_metadata=meta)
         return output
+
+    def _prefill_reserve(self) -> int:
+        """Budget that running prefills leave to waiting requests in a step."""
+        return int(self.config.max_num_batched_tokens * PREFILL_RESERVE_FRACTION)
+
+    def _running_order(self) -> list[Request]:
+        """Decodes (one token left) in admission order, then prefills by remaining tokens
+        (ties in admission order). A new list: ``self.running`` keeps admission order, which
+        preemption relies on."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefills.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
+        return decodes + prefills
+
+    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+        """The most recently admitted running request not yet scheduled in this step (the
+        one being scheduled is always a candidate). Removes it from ``self.running``."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].req_id not in scheduled_ids:
+                return self.running.pop(i)
+        raise AssertionError("no preemption candidate: the request being scheduled is one")
+
+    def _top_up(self, budget: int, scheduled: list[ScheduledRequest],
+                capped: dict[str, int]) -> int:
+        """Gives the budget left after admission back to prefills capped by the reserve,
+        shortest first; a chunk whose blocks cannot be had stays as it was. Returns the
+        budget left."""
+        for req_id, index in sorted(capped.items(), key=lambda kv: kv[1]):
+            if budget <= 0:
+                break
+            request = self.requests[req_id]
+            old = scheduled[index]
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, len(old.token_ids) + budget)
+            if not self.kv.allocate_slots(request, request.num_computed_tokens + num_new):
+                continue
+            budget -= num_new - len(old.token_ids)
+            scheduled[index] = self._slice(request, num_new)
+        return budget
 
     def _overlap_slice(self, request: Request, budget: int) -> int:
         """Tokens an overlapping request computes this step: its head up to the barrier while
@@ -234,12 +297,20 @@ class Scheduler:
                 if num_new > budget and not chunked:
                     break
             else:
+                times = request.times
+                t0 = time.monotonic()
+                if self.kv.enable_caching:  # here, so that hashing is timed apart
+                    self.kv.update_block_hashes(request)
+                t1 = time.monotonic()
                 hit = self.kv.get_computed_blocks(request)
                 num_computed = hit.num_tokens
                 external = ExternalHit()
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
                 if self.connector is not None:
                     external = self.connector.get_num_new_matched_tokens(request, num_computed)
+                t2 = time.monotonic()
+                times.hash_s += t1 - t0
+                times.lookup_s += t2 - t1
                 head = external.num_head_tokens if external.load_async else 0
                 # Always leave the last token to compute: it yields the logit to sample.
                 num_external = min(
@@ -250,8 +321,10 @@ class Scheduler:
                     # request must be able to run without more blocks, or requests holding
                     # loaded KV could fill the pool and wait on each other forever.
                     if head > budget and not chunked:
+                        times.decide_s += time.monotonic() - t2
                         break
                     if not self.kv.allocate_slots(request, request.num_tokens, hit):
+                        times.decide_s += time.monotonic() - t2
                         break
                     loaded_now = num_external if head == 0 else 0
                     self._count_prefix(request, num_computed, num_computed + loaded_now)
@@ -262,6 +335,8 @@ class Scheduler:
                         request.num_computed_tokens = num_computed + num_external
                         request.status = RequestStatus.WAITING_FOR_KV
                         skipped.append(self.waiting.popleft())
+                        times.admitted = time.monotonic()
+                        times.decide_s += times.admitted - t2
                         continue
                     # Overlap (Cake): compute the head now while the tail loads.
                     self._overlap[request.req_id] = num_computed + head
@@ -273,10 +348,12 @@ class Scheduler:
                     num_computed += num_external
                     num_new = request.num_tokens - num_computed
                     if num_new > budget and not chunked:
+                        times.decide_s += time.monotonic() - t2
                         break
                     if not self.kv.allocate_slots(
                         request, num_computed + min(num_new, budget), hit
                     ):
+                        times.decide_s += time.monotonic() - t2
                         break
                     self._count_prefix(request, hit.num_tokens, num_computed)
                     if self.connector is not None:
@@ -284,7 +361,10 @@ class Scheduler:
                             request, self.kv.get_block_ids(request.req_id), hit.num_tokens,
                             num_external,
                         )
+                times.admitted = time.monotonic()
+                times.decide_s += times.admitted - t2
             num_new = min(num_new, budget)  # blocks: allocated above, or when its load began
+            request.times.ready = time.monotonic()
             self.waiting.popleft()
             self._loaded.pop(request.req_id, None)
             request.num_computed_tokens = num_computed

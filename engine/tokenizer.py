@@ -58,6 +58,19 @@ class TooManyTokens(ValueError):
         self.at_least = at_least
 
 
+def check_token_bound(tokenizer: Any, text: str, max_tokens: int) -> None:
+    """Raises TooManyTokens when ``text`` surely has more than ``max_tokens`` tokens, having
+    tokenized only about ``max_tokens`` tokens' worth of it; returns at once for a text of at
+    most ``BOUND_CHARS_PER_TOKEN * max_tokens`` characters (see ``encode_within``)."""
+    if len(text) > max(BOUND_CHARS_PER_TOKEN * max_tokens, BOUND_PIECE_CHARS):
+        count = 0
+        for cuts, start in enumerate(range(0, len(text), BOUND_PIECE_CHARS), 1):
+            piece = text[start : start + BOUND_PIECE_CHARS]
+            count += len(tokenizer.encode(piece, add_special_tokens=False))
+            if count > max_tokens + BOUND_CUT_SLACK * cuts:
+                raise TooManyTokens(count - BOUND_CUT_SLACK * cuts, max_tokens)
+
+
 def encode_within(tokenizer: Any, text: str, max_tokens: int, add_special_tokens: bool = True
                   ) -> list[int]:
     """``tokenizer.encode(text)``, unless ``text`` surely has more than ``max_tokens`` tokens:
@@ -66,13 +79,7 @@ def encode_within(tokenizer: Any, text: str, max_tokens: int, add_special_tokens
     most ``BOUND_CHARS_PER_TOKEN * max_tokens`` characters is encoded directly (that cost is
     the one of a legitimate prompt); a longer one is counted piece by piece first, stopping
     as soon as the count passes the limit, and encoded whole only if it never does."""
-    if len(text) > max(BOUND_CHARS_PER_TOKEN * max_tokens, BOUND_PIECE_CHARS):
-        count = 0
-        for cuts, start in enumerate(range(0, len(text), BOUND_PIECE_CHARS), 1):
-            piece = text[start : start + BOUND_PIECE_CHARS]
-            count += len(tokenizer.encode(piece, add_special_tokens=False))
-            if count > max_tokens + BOUND_CUT_SLACK * cuts:
-                raise TooManyTokens(count - BOUND_CUT_SLACK * cuts, max_tokens)
+    check_token_bound(tokenizer, text, max_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -88,17 +95,23 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int],
     return [int(t) for t in prompt]
 
 
-def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
-                max_tokens: int | None = None) -> list[int]:
-    """Token ids of ``conversation`` rendered by the chat template with the assistant
-    generation prompt. The template writes BOS itself, so no special tokens are added again.
-    Raises ValueError when the tokenizer has no chat template; TooManyTokens as
-    ``encode_prompt`` does."""
+def render_chat(tokenizer: Any, conversation: Sequence[dict[str, str]]) -> str:
+    """``conversation`` rendered by the chat template with the assistant generation prompt.
+    Raises ValueError when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         list(conversation), add_generation_prompt=True, tokenize=False
     )
+
+
+def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
+                max_tokens: int | None = None) -> list[int]:
+    """Token ids of ``conversation`` rendered by ``render_chat``. The template writes BOS
+    itself, so no special tokens are added again. Raises ValueError when the tokenizer has no
+    chat template; TooManyTokens as ``encode_prompt`` does. ``chat_tokens.ChatTokenCache``
+    gives the same ids without re-tokenizing a conversation's earlier rounds."""
+    text = render_chat(tokenizer, conversation)
     if max_tokens is not None:
         return encode_within(tokenizer, text, max_tokens, add_special_tokens=False)
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -132,6 +132,7 @@ class EngineCoreClient:
         req_id: str,
         *,
         arrival_time: float | None = None,
+        api_times: dict[str, float] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Same contract as ``AsyncEngine.generate``: one output per core step that touched the
         request, the last ``finished``; ValueError for a rejected request, EngineDeadError if
@@ -139,7 +140,9 @@ class EngineCoreClient:
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         try:
-            data = encode_request(AddRequest(req_id, prompt_ids, core_params(params), arrival))
+            data = encode_request(
+                AddRequest(req_id, prompt_ids, core_params(params), arrival, dict(api_times or {}))
+            )
         except TypeError as exc:
             raise ValueError(f"sampling params cannot be sent to the engine core: {exc}") from exc
         state = RequestState.new(self.tokenizer, req_id, prompt_ids, params, arrival)

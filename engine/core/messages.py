@@ -29,6 +29,8 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic(): one clock for every process of the host
+    # The API's own TTFT phases (engine/ttft.py API_PHASES), for the request log.
+    api_times: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,8 @@ class CoreOutput:
     first_token_time: float | None
     last_token_time: float | None
     finished_time: float | None
+    # Phase -> seconds (engine/ttft.py), on the output carrying the first token only.
+    ttft_breakdown: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +136,8 @@ def encode_request(msg: CoreRequest) -> bytes:
     """Raises TypeError if ``params.extra`` holds something msgpack cannot carry."""
     if isinstance(msg, AddRequest):
         params = {name: getattr(msg.params, name) for name in _SAMPLING_FIELDS}
-        fields: list[Any] = [msg.req_id, msg.prompt_token_ids, params, msg.arrival_time]
+        fields: list[Any] = [msg.req_id, msg.prompt_token_ids, params, msg.arrival_time,
+                             msg.api_times]
     else:
         fields = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
     return msgpack.packb([_REQUEST_TAGS[type(msg)], *fields], use_bin_type=True)
@@ -145,8 +150,11 @@ def decode_request(data: bytes) -> CoreRequest:
         raise ValueError(f"unknown core request tag {tag!r}")
     try:
         if cls is AddRequest:
-            req_id, prompt_ids, params, arrival = fields
-            return AddRequest(req_id, list(prompt_ids), SamplingParams(**params), float(arrival))
+            req_id, prompt_ids, params, arrival, api_times = fields
+            if not isinstance(api_times, dict):
+                raise TypeError("api_times is not a map")
+            return AddRequest(req_id, list(prompt_ids), SamplingParams(**params), float(arrival),
+                              api_times)
         return cls(*fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed {cls.__name__}: {exc}") from exc

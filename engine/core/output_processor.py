@@ -95,6 +95,8 @@ class RequestState:
         m = self.metrics
         if m.first_token_time is None:
             m.first_token_time = core.first_token_time
+        if core.ttft_breakdown is not None:
+            m.ttft_breakdown = core.ttft_breakdown
         m.last_token_time = core.last_token_time or m.last_token_time
         if finished:
             m.finished_time = core.finished_time or core.last_token_time

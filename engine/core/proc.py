@@ -149,6 +149,10 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
         first_token_time=None if m is None else m.first_token_time,
         last_token_time=None if m is None else m.last_token_time,
         finished_time=None if m is None else m.finished_time,
+        # Only with the first token: later outputs need not carry it again.
+        ttft_breakdown=m.ttft_breakdown
+        if m is not None and len(output.token_ids) == len(output.new_token_ids) > 0
+        else None,
     )
 
 
@@ -236,7 +240,8 @@ class EngineCoreLoop:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(
-                    msg.req_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time
+                    msg.req_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time,
+                    api_times=msg.api_times,
                 )
             except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
                 self._send(RequestRejected(msg.req_id, str(exc)))

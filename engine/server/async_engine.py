@@ -41,6 +41,7 @@ class EngineCore(Protocol):
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        api_times: dict[str, float] | None = None,
     ) -> None: ...
     def abort_request(self, req_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
@@ -56,6 +57,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float | None
+    api_times: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,7 @@ class AsyncEngine:
         req_id: str,
         *,
         arrival_time: float | None = None,
+        api_times: dict[str, float] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per engine step that touched the request, the last one
         with ``finished=True``. Raises ValueError for a rejected request, EngineDeadError if
@@ -128,7 +131,7 @@ class AsyncEngine:
             if req_id in self._streams:
                 raise ValueError(f"duplicate request id {req_id!r}")
             self._streams[req_id] = stream
-            self._commands.append(_Add(req_id, prompt, params, arrival_time))
+            self._commands.append(_Add(req_id, prompt, params, arrival_time, api_times))
             self._cond.notify()
         async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
             yield output
@@ -200,7 +203,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                command.req_id, command.prompt, command.params, arrival_time=command.arrival_time
+                command.req_id, command.prompt, command.params,
+                arrival_time=command.arrival_time, api_times=command.api_times,
             )
         except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
             with self._cond:

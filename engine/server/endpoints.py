@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.chat_tokens import EncodedChat
 from engine.core.base import EngineDeadError
 from engine.server.errors import error_body
 from engine.server.protocol import (
@@ -38,15 +40,16 @@ from engine.server.serving import (
     unless_disconnected,
     usage_of,
 )
-from engine.tokenizer import TooManyTokens, encode_chat, encode_prompt
+from engine.tokenizer import TooManyTokens, encode_prompt
+from engine.ttft import api_times
 
 logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> list[int]:
+def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> EncodedChat:
     try:
-        return encode_chat(ctx.engine.tokenizer, conversation, ctx.engine.max_model_len)
+        return ctx.chat_tokens.encode(conversation, ctx.engine.max_model_len)
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, "messages") from None
     except ValueError as exc:  # no chat template, or the template rejected the messages
@@ -71,9 +74,11 @@ async def create_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
+    t0 = time.perf_counter()
     prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in request.prompts()]
+    times = api_times(0.0, time.perf_counter() - t0)
     request_id = new_request_id("cmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
+    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _completion_stream(ctx, request_id, request, started),
@@ -133,10 +138,11 @@ async def create_chat_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    token_ids = _encode_chat(ctx, request.conversation())
-    prompts = [ctx.prepare(request, token_ids)]
+    encoded = _encode_chat(ctx, request.conversation())
+    prompts = [ctx.prepare(request, encoded.token_ids)]
+    times = api_times(encoded.template_s, encoded.tokenize_s)
     request_id = new_request_id("chatcmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request))
+    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _chat_stream(ctx, request_id, request, started[0]),

@@ -19,7 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.outputs import RequestOutput
 from engine.server.stats_export import stats_families
+from engine.ttft import ALL_PHASES, RETURN_PHASE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -52,6 +54,18 @@ _LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
+# TTFT phases run from ~10 us (hashing a short prompt) to seconds (a queue under load).
+_PHASE_BUCKETS_S = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02,
+    0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+def phase_metric_name(phase: str) -> str:
+    """The histogram of one TTFT phase (engine/ttft.py): ``kvtier_request_ttft_<phase>_seconds``."""
+    return f"kvtier_request_ttft_{phase}_seconds"
+
+
 _KNOWN_KEYS = frozenset(key for key, _, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES))
 # Names (without _total) the server registers itself; generic stats must not shadow them.
 _SERVER_NAMES = frozenset(
@@ -60,6 +74,7 @@ _SERVER_NAMES = frozenset(
         "kvtier_time_to_first_token_seconds",
         "kvtier_inter_token_latency_seconds",
         "kvtier_e2e_request_latency_seconds",
+        *(phase_metric_name(p) for p in ALL_PHASES),
         *(name.removesuffix("_total") for _, name, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES)),
     )
 )
@@ -116,6 +131,16 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.ttft_phases = {
+            phase: Histogram(
+                phase_metric_name(phase),
+                f"Per-request TTFT phase {phase!r} (engine/ttft.py)",
+                buckets=_PHASE_BUCKETS_S,
+                registry=self.registry,
+            )
+            for phase in ALL_PHASES
+        }
+
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
@@ -128,12 +153,27 @@ class RequestTimer:
     """Per-request latency bookkeeping; feed it each output's arrival. Not thread-safe (one
     request is consumed by one coroutine)."""
 
-    __slots__ = ("_metrics", "_arrival_s", "_last_token_s")
+    __slots__ = ("_metrics", "_arrival_s", "_last_token_s", "_breakdown_done")
 
     def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._last_token_s: float | None = None
+        self._breakdown_done = False
+
+    def on_output(self, output: RequestOutput, now_s: float) -> None:
+        """Records the TTFT phases once, from the output that carries the first token; the
+        return phase (the core's first-token time to ``now_s``) is measured here."""
+        m = output.metrics
+        if self._breakdown_done or m is None or m.first_token_time is None:
+            return
+        self._breakdown_done = True
+        phases = self._metrics.ttft_phases
+        for phase, seconds in (m.ttft_breakdown or {}).items():
+            histogram = phases.get(phase)
+            if histogram is not None:
+                histogram.observe(seconds)
+        phases[RETURN_PHASE].observe(max(0.0, now_s - m.first_token_time))
 
     def on_tokens(self, num_new_tokens: int, now_s: float) -> None:
         if num_new_tokens <= 0:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
+from engine.chat_tokens import ChatTokenCache
 from engine.core.base import EngineClient
 from engine.outputs import RequestOutput
 from engine.server.errors import APIError
@@ -57,6 +58,7 @@ class StartedRequest:
         output: RequestOutput | None = self.first
         while output is not None:
             now = time.monotonic()
+            self.timer.on_output(output, now)
             self.timer.on_tokens(len(output.new_token_ids), now)
             if output.finished:
                 self.timer.on_finished(now)
@@ -67,12 +69,14 @@ class StartedRequest:
 
 
 class ServingContext:
-    """Holds the engine, the served name and metrics for the endpoint handlers."""
+    """Holds the engine, the served name, metrics and the chat token cache for the endpoint
+    handlers (all used from the event-loop thread)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
+        self.chat_tokens = ChatTokenCache(engine.tokenizer)
 
     def check_model(self, request: SamplingRequest) -> None:
         if request.model is not None and request.model != self.served_model_name:
@@ -124,16 +128,18 @@ class ServingContext:
         return PreparedPrompt(token_ids, max_tokens)
 
     async def start(
-        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest
+        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest,
+        api_times: dict[str, float] | None = None,
     ) -> list[StartedRequest]:
         """Submits every prompt and waits for each one's first output, so that a rejected
         request raises here (ValueError -> 400) before a response starts. On any failure the
-        already started requests are aborted."""
+        already started requests are aborted. ``api_times``: this process's TTFT phases
+        (``ttft.API_PHASES``), sent along for the request log."""
         arrival = time.monotonic()
         params = [request.to_sampling_params(p.max_tokens) for p in prompts]
         iters = [
             self.engine.generate(
-                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival
+                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival, api_times=api_times
             ).__aiter__()
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]

@@ -156,6 +156,8 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
         "hit_tiers",
         "decision",
         "ttft_s",
+        "ttft_breakdown_s",
+        "num_prefill_steps",
     }
 
 

@@ -98,16 +98,73 @@ def test_chunked_prefill_splits_under_the_token_budget() -> None:
     sched.add_request(req("a", prompt(100), max_tokens=3))
     sched.add_request(req("b", prompt(20, base=1), max_tokens=2))
     _, steps = run_all(sched, runner)
+    # While b waits, a's chunk leaves it the reserve (8 of 32); then the shorter remaining
+    # prefill (b's 12) goes first, and the decode first of all.
     assert [slices(s) for s in steps] == [
         [("a", 0, 32, False)],
-        [("a", 32, 32, False)],
-        [("a", 64, 32, False)],
-        [("a", 96, 4, True), ("b", 0, 20, True)],
-        [("a", 100, 1, True), ("b", 20, 1, True)],
+        [("a", 32, 24, False), ("b", 0, 8, False)],
+        [("b", 8, 12, True), ("a", 56, 20, False)],
+        [("b", 20, 1, True), ("a", 76, 24, True)],
+        [("a", 100, 1, True)],
         [("a", 101, 1, True)],
     ]
     assert all(s.num_batched_tokens <= 32 for s in steps)
-    assert [s.num_batched_tokens for s in steps] == [32, 32, 32, 24, 2, 1]
+    assert [s.num_batched_tokens for s in steps] == [32, 32, 32, 25, 1, 1]
+
+
+def _first_token_steps(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, Request],
+                       max_steps: int = 100) -> tuple[dict[str, int], list[SchedulerOutput]]:
+    """Steps (1-based) until every request is done, adding ``arrivals[k]`` before step k;
+    returns the step of each request's first token, and the steps."""
+    first: dict[str, int] = {}
+    steps: list[SchedulerOutput] = []
+    for k in range(1, max_steps + 1):
+        if k in arrivals:
+            sched.add_request(arrivals[k])
+        if not sched.has_unfinished_requests() and k > max(arrivals):
+            break
+        so = sched.schedule()
+        steps.append(so)
+        for r in sched.update_from_output(so, runner.execute_model(so)):
+            first.setdefault(r.req_id, k)
+        sched.kv.pool.check_integrity()
+    return first, steps
+
+
+def test_a_later_rounds_short_prefill_is_not_queued_behind_a_long_one() -> None:
+    # A new user's 600-token prompt runs in 64-token chunks; a 12-token prompt arrives before
+    # step 2. First-come-first-served by whole request, it would wait until step 10 (the long
+    # prompt's last chunk); it gets its chunk, and its first token, in step 2.
+    sched, runner = make(num_blocks=64, budget=64)
+    first, steps = _first_token_steps(
+        sched, runner, {1: req("long", prompt(600), max_tokens=2),
+                        2: req("short", prompt(12, base=7), max_tokens=2)})
+    assert first["short"] == 2
+    assert slices(steps[1]) == [("long", 64, 52, False), ("short", 0, 12, True)]
+    # The long prompt loses only the short one's 12 tokens: the reserve's rest came back.
+    assert first["long"] == 10
+    assert all(s.num_batched_tokens == 64 for s in steps[:9])
+
+
+def test_decodes_are_not_starved_by_a_running_long_prefill() -> None:
+    sched, runner = make(num_blocks=64, budget=32)
+    first, steps = _first_token_steps(
+        sched, runner, {1: req("long", prompt(200), max_tokens=1),
+                        2: req("chat", prompt(4, base=3), max_tokens=4)})
+    assert first["chat"] == 2
+    # Admitted behind the long prefill, the decode still gets its token every step.
+    assert [any(r == "chat" for r, *_ in slices(s)) for s in steps[1:5]] == [True] * 4
+    assert [slices(s)[0][0] for s in steps[2:5]] == ["chat"] * 3  # decodes go first
+
+
+def test_an_unused_reserve_goes_back_to_the_running_prefill() -> None:
+    # max_num_seqs 1: the waiting request cannot be admitted, so the reserve returns.
+    sched, runner = make(budget=32, max_seqs=1)
+    sched.add_request(req("a", prompt(96), max_tokens=1))
+    sched.add_request(req("b", prompt(8, base=2), max_tokens=1))
+    _, steps = run_all(sched, runner)
+    assert [slices(s) for s in steps[:3]] == [
+        [("a", 0, 32, False)], [("a", 32, 32, False)], [("a", 64, 32, True)]]
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:

@@ -104,6 +104,7 @@ _BUILTIN_FAMILIES = (
     "kvtier_requests", "kvtier_time_to_first_token", "kvtier_inter_token_latency",
     "kvtier_e2e_request_latency", "kvtier_prompt_tokens", "kvtier_generation_tokens",
     "kvtier_prefix_cache", "kvtier_num_preemptions", "kvtier_num_requests", "kvtier_gpu_blocks",
+    "kvtier_request_ttft_",
 )  # fmt: skip
 
 

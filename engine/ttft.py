@@ -1,0 +1,113 @@
+"""Per-request TTFT breakdown: where the time from arrival to the first token went.
+
+The scheduler and the engine stamp a request's ``RequestTimes`` as it moves (added to the
+core, admitted, its KV load seen done, each step that computed a prefill chunk); at its first
+token ``breakdown`` turns the stamps into phases. All stamps are ``time.monotonic()``, one
+clock for every process of the host, so the API's arrival time and the core's stamps compare.
+
+Phases (seconds), which add up to the engine-side TTFT (first token - arrival):
+
+- ``to_core``: arrival in the API (after tokenizing) -> the core's ``add_request`` (request
+  message, ZMQ, and the wait for the core's current step to end)
+- ``queue``: waiting to be admitted, less ``schedule``
+- ``schedule``: the scheduler's own work on it, ``hash`` + ``lookup`` (GPU prefix and the
+  connector's tiers, the cost model's decision included) + ``decide`` (block allocation and the
+  connector's load set-up); summed over every pass that considered it
+- ``load``: admitted with an asynchronous KV load -> the step that saw the load done (its
+  granularity is the step: a load that ends mid-step is seen at the next boundary). Loads run
+  inside a step (in-step loads) count in ``prefill_compute``; an overlapped tail load in
+  ``prefill_wait``
+- ``prefill_wait``: ready to compute -> the end of its last prefill step, less compute: the
+  rest of the step it was admitted in, and the gaps between its chunks
+- ``prefill_compute``: the model runner's time for every step that computed one of its chunks
+  (the whole batch's time: steps are shared); it includes the first token's sampling, whose
+  GPU time cannot be split off without an extra device sync
+- ``first_sample``: the end of that step's forward and sampling -> its output (connector
+  ``after_step``, scheduler update)
+
+and, from the API process (sent with the request): ``api_template``, ``api_tokenize``; and,
+measured only there once the token arrives: ``return`` (core's first-token time -> the API
+hands the first chunk to the HTTP response). Not thread-safe: the engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Phases in timeline order: the names of the request-log keys and of the Prometheus
+# histograms ``kvtier_request_ttft_<phase>_seconds``. Keep them stable.
+API_PHASES = ("api_template", "api_tokenize")
+ENGINE_PHASES = ("to_core", "queue", "schedule", "hash", "lookup", "decide", "load",
+                 "prefill_wait", "prefill_compute", "first_sample")
+RETURN_PHASE = "return"
+ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE)
+# Sub-phases of ``schedule``: never added to the others.
+SCHEDULE_PARTS = ("hash", "lookup", "decide")
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Stamps of one request until its first token (monotonic seconds; None: not yet)."""
+
+    added: float | None = None
+    admitted: float | None = None  # last admission decision (RUNNING or WAITING_FOR_KV)
+    ready: float | None = None  # admitted RUNNING: may compute from now on
+    last_prefill_end: float | None = None
+    hash_s: float = 0.0
+    lookup_s: float = 0.0
+    decide_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    num_prefill_steps: int = 0
+    api: dict[str, float] = field(default_factory=dict)
+
+    def on_step(self, start: float, end: float) -> None:
+        """A step from ``start`` to ``end`` computed one of this request's prefill chunks."""
+        self.prefill_compute_s += end - start
+        self.num_prefill_steps += 1
+        self.last_prefill_end = end
+
+    def breakdown(self, arrival: float, first_token: float) -> dict[str, float]:
+        """The phases of a request whose first token came at ``first_token``. Pure. Missing
+        stamps (a request admitted before this bookkeeping, a test's bare scheduler) make
+        their phases 0 rather than failing."""
+        added = _or(self.added, arrival)
+        admitted = _or(self.admitted, added)
+        ready = _or(self.ready, admitted)
+        prefill_end = _or(self.last_prefill_end, first_token)
+        schedule = self.hash_s + self.lookup_s + self.decide_s
+        out = {name: max(0.0, self.api.get(name, 0.0)) for name in API_PHASES}
+        out.update(
+            to_core=max(0.0, added - arrival),
+            queue=max(0.0, admitted - added - schedule),
+            schedule=schedule,
+            hash=self.hash_s,
+            lookup=self.lookup_s,
+            decide=self.decide_s,
+            load=max(0.0, ready - admitted),
+            prefill_wait=max(0.0, prefill_end - ready - self.prefill_compute_s),
+            prefill_compute=self.prefill_compute_s,
+            first_sample=max(0.0, first_token - prefill_end),
+        )
+        return out
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def api_times(template_s: float, tokenize_s: float) -> dict[str, float]:
+    return {"api_template": template_s, "api_tokenize": tokenize_s}
+
+
+def clean_api_times(raw: Mapping[str, object] | None) -> dict[str, float]:
+    """The API phases of ``raw`` (from the wire) as floats; unknown keys and bad values are
+    dropped, never raised on: timings must not fail a request."""
+    if not raw:
+        return {}
+    out: dict[str, float] = {}
+    for name in API_PHASES:
+        value = raw.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out

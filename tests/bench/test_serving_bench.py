@@ -1,0 +1,55 @@
+"""bench/serving.py end to end on CPU: three ``kvtier serve`` processes (offload off, on, and
+lossless) on a tiny bf16 random Llama, a short two-level qps sweep of streaming multi-round
+chat users; the report has every figure, with the engine-side breakdown matched from each
+server's request log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import serving
+from bench.random_model import write_model
+from engine.ttft import API_PHASES, ENGINE_PHASES
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
+    model = write_model(str(tmp_path / "model"), "tiny", "cpu", None)
+    out = tmp_path / "report.json"
+    code = serving.main([
+        "--model", str(model), "--qps", "2,4", "--duration-s", "2", "--users", "2",
+        "--rounds", "2", "--system-words", "40", "--history-words", "40",
+        "--question-words", "5", "--answer-len", "4", "--num-gpu-blocks", "64",
+        "--host-capacity", "16MiB", "--max-model-len", "1024",
+        "--server-arg=--device=cpu", "--server-arg=--max-num-seqs=4",
+        "--concurrent", "--log-dir", str(tmp_path), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0
+    assert set(report["modes"]) == {"off", "offload", "lossless"}
+    assert report["machine"]["cpu_count"] >= 1 and report["summary"].startswith("serving: ")
+    for mode, res in report["modes"].items():
+        assert res["server_exit"] == 0, mode
+        assert [lv["qps"] for lv in res["levels"]] == [2.0, 4.0]
+        for lv in res["levels"]:
+            assert lv["requests"] >= 2 and lv["failed"] == 0, (mode, lv["errors"])
+            assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0
+            assert lv["output_tokens_per_s"] > 0
+            eng = lv["engine"]
+            assert eng["matched"] == lv["requests"]  # every request found in its log
+            assert set(eng["phases_ms"]) == {*API_PHASES, *ENGINE_PHASES}
+            assert eng["phases_ms"]["prefill_compute"]["p50"] > 0
+            assert eng["phases_ms"]["api_tokenize"]["p50"] > 0
+            assert eng["hit_blocks_p50"] > 0  # the shared system prompt at least
+        assert any(lv["ttft_later_rounds_ms"]["p50"] for lv in res["levels"]), mode
+
+
+def test_bad_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, msg in ((["--modes", "fast"], "--modes: unknown"), (["--qps", "1,x"], "--qps"),
+                      (["--qps", "0"], "must be > 0")):
+        with pytest.raises(SystemExit):
+            serving.main(["--model", "x", *argv])
+        assert msg in capsys.readouterr().err

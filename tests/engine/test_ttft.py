@@ -1,0 +1,120 @@
+"""The per-request TTFT breakdown: its phases add up to the TTFT, chunked prefills count their
+steps, the breakdown crosses the core process, lands in the request log (still readable by
+``kvtier analyze``) and in the ``kvtier_request_ttft_*_seconds`` histograms."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cachestore.analyze.traces import read_request_log
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.client import CoreProcConfig, EngineCoreClient
+from engine.core.messages import (
+    AddRequest,
+    CoreOutput,
+    StepOutputs,
+    decode_event,
+    decode_request,
+    encode_event,
+    encode_request,
+)
+from engine.sampling_params import SamplingParams
+from engine.ttft import ALL_PHASES, API_PHASES, ENGINE_PHASES, SCHEDULE_PARTS, RequestTimes
+from tests.engine.hf_models import make_tiny_model
+from tests.engine.test_server import _metric, run_server
+
+pytestmark = pytest.mark.timeout(120)
+_ADDITIVE = [p for p in ENGINE_PHASES if p not in SCHEDULE_PARTS]
+
+
+def test_breakdown_of_a_timeline_adds_up() -> None:
+    t = RequestTimes(added=10.002, admitted=10.010, ready=10.030, hash_s=0.001,
+                     lookup_s=0.002, decide_s=0.0005, api={"api_template": 0.0001})
+    t.on_step(10.031, 10.041)  # two chunks, a gap between them
+    t.on_step(10.045, 10.055)
+    b = t.breakdown(arrival=10.0, first_token=10.056)
+    assert b["to_core"] == pytest.approx(0.002)
+    assert b["schedule"] == pytest.approx(0.0035)
+    assert b["queue"] == pytest.approx(0.008 - 0.0035)
+    assert b["load"] == pytest.approx(0.020)
+    assert b["prefill_compute"] == pytest.approx(0.020)
+    assert b["prefill_wait"] == pytest.approx(0.025 - 0.020)
+    assert b["first_sample"] == pytest.approx(0.001)
+    assert b["api_template"] == 0.0001 and b["api_tokenize"] == 0.0
+    assert sum(b[p] for p in _ADDITIVE) == pytest.approx(0.056)
+    assert t.num_prefill_steps == 2
+    # No stamps at all (a bare scheduler): all of it is waiting to compute.
+    bare = RequestTimes().breakdown(arrival=1.0, first_token=1.5)
+    assert bare["prefill_wait"] == 0.5 and sum(bare.values()) == 0.5
+
+
+def test_api_times_and_breakdown_cross_the_wire() -> None:
+    add = AddRequest("r", [1, 2], SamplingParams(), 3.5, {"api_template": 0.25})
+    assert decode_request(encode_request(add)) == add
+    out = CoreOutput("r", [7], False, None, None, 0, 1.0, 1.0, None, {"queue": 0.5})
+    assert decode_event(encode_event(StepOutputs([out], {}))).outputs == [out]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("ttft"), "llama", seed=3)
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: Path) -> None:
+    from engine.llm import LLM
+
+    log = tmp_path / "requests.jsonl"
+    llm = LLM(model_dir, device="cpu", num_gpu_blocks=64, max_model_len=256,
+              max_num_batched_tokens=32, request_log=str(log))
+    prompts = [list(range(3, 3 + 100)), list(range(5, 5 + 20))]
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    llm.engine.close()
+    rows = {r["prompt_tokens"]: r for r in _log(log)}
+    for row in rows.values():
+        b = row["ttft_breakdown_s"]
+        assert set(b) == set(API_PHASES) | set(ENGINE_PHASES)
+        assert sum(b[p] for p in _ADDITIVE) == pytest.approx(row["ttft_s"], abs=1e-5)
+        assert b["schedule"] == pytest.approx(sum(b[p] for p in SCHEDULE_PARTS), abs=1e-6)
+        assert b["prefill_compute"] > 0 and b["hash"] > 0
+    # A 32-token budget: the 100-token prompt takes 4 steps; the 20-token one, waiting behind
+    # it, gets the reserve (8 tokens) in step 2 and the rest in step 3.
+    assert rows[100]["num_prefill_steps"] == math.ceil(100 / 32)
+    assert rows[20]["num_prefill_steps"] == 2
+    assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
+
+
+def test_breakdown_reaches_the_log_and_metrics_through_the_core(model_dir: str,
+                                                                 tmp_path: Path) -> None:
+    log = tmp_path / "core.jsonl"
+    config = EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(num_gpu_blocks=64),
+                          scheduler=SchedulerConfig(max_model_len=256), request_log=str(log))
+    engine = EngineCoreClient.start(config, CoreProcConfig(num_threads=1))
+    try:
+        with run_server(engine, "m") as base:
+            before = httpx.get(f"{base}/metrics").text
+            body = {"model": "m", "max_tokens": 4, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": "where does a block go"}]}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                assert any(line == "data: [DONE]" for line in resp.iter_lines())
+            after = httpx.get(f"{base}/metrics").text
+    finally:
+        engine.shutdown()
+    for phase in ALL_PHASES:
+        name = f"kvtier_request_ttft_{phase}_seconds_count"
+        assert _metric(after, name) == _metric(before, name) + 1, phase
+    assert "# TYPE kvtier_request_ttft_prefill_compute_seconds histogram" in after
+    (row,) = _log(log)
+    b = row["ttft_breakdown_s"]
+    assert b["api_template"] > 0 and b["api_tokenize"] > 0  # measured in the API process
+    assert b["to_core"] > 0  # the request crossed a process
+    assert sum(b[p] for p in _ADDITIVE) == pytest.approx(row["ttft_s"], abs=1e-5)
