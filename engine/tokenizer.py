@@ -30,7 +30,8 @@ def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenize
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if os.path.isdir(model_dir) and not any(os.path.exists(os.path.join(model_dir, n)) for n in names):
         # transformers would guess a slow tokenizer and ask for sentencepiece instead
-        raise ValueError(f"no tokenizer in {model_dir!r}: none of {', '.join(names)} is there")
+        raise ValueError(f"cannot load a tokenizer from {model_dir!r}: no tokenizer files "
+                         f"there (none of {', '.join(names)})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -85,7 +85,7 @@ def test_a_directory_without_tokenizer_files_says_so(tmp_path: Path) -> None:
     from engine.tokenizer import load_tokenizer
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="no tokenizer in .*tokenizer.json"):
+    with pytest.raises(ValueError, match="no tokenizer files there .*tokenizer.json"):
         load_tokenizer(str(tmp_path))
 
 
