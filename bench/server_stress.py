@@ -49,8 +49,8 @@ sys.path.insert(0, ROOT)
 import xxhash  # noqa: E402
 
 from cachestore.codec import BlockMeta, CodecError, decode_block, encode_block  # noqa: E402
-from cachestore.sizes import parse_size  # noqa: E402
 from tests.servers import free_port  # noqa: E402
+from tiers.config import parse_size  # noqa: E402
 
 # (name, RemoteTier options): what ``RemoteTier.transport()`` must then say, in RUN_TRANSPORT.
 TRANSPORTS: dict[str, dict[str, bool]] = {

@@ -1,7 +1,7 @@
 """``kvtier cache-server``: flags -> ``ServerConfig``, the store, the admin port, signal handling.
 
 The store is a ``HierarchicalStore`` over: a host-memory tier (``--host-capacity``, on top),
-the tiers of ``--config`` (YAML, ``cachestore.tier_config``) and, with ``--data-dir``, an LMDB
+the tiers of ``--config`` (YAML, ``tiers.config``) and, with ``--data-dir``, an LMDB
 tier there (unless the YAML already has one). Puts write through to the first LMDB tier
 (``StoreConfig.write_through_to``): LMDB commits before ``put_many`` returns, so a put the daemon
 acknowledged survives SIGKILL of the daemon and a restart on the same ``--data-dir`` serves it
@@ -30,9 +30,9 @@ import threading
 from pathlib import Path
 
 from cachestore.server_usage import NamespaceUsage
-from cachestore.sizes import parse_size
 from cachestore.store import HierarchicalStore, StoreConfig
 from tiers.base import Tier
+from tiers.config import parse_size
 
 # The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
 # 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host-memory tier on top of the others (default: none)")
     parser.add_argument("--host-slot-bytes", default="4MiB",
                         help="host tier slot: the largest block it holds (larger: LMDB only)")
-    parser.add_argument("--config", default=None, help="tiers YAML (cachestore.tier_config)")
+    parser.add_argument("--config", default=None, help="tiers YAML (tiers.config)")
     parser.add_argument("--tokens", default=None,
                         help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines")
     parser.add_argument("--access-log", default=None, help="JSONL access log (ts, op, namespace, keys)")
@@ -135,10 +135,10 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
     """The daemon's tier stack, top first. ``shared_host``: the host tier's slab in a sealed
     memfd that clients can map read-only (``cachestore.leases``; private memory where that is
     not supported). Raises ConfigError/ValueError with a clear message."""
-    from cachestore.tier_config import (
+    from tiers import build_tiers
+    from tiers.config import (
         HostTierConfig,
         LmdbTierConfig,
-        build_tiers,
         check_resources,
         load_tier_config,
     )
@@ -155,7 +155,7 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         configs.insert(at, lmdb)
     if not configs:
         raise ValueError("give --data-dir (LMDB) and/or --config (tiers YAML)")
-    from cachestore.tier_config import TierStackConfig
+    from tiers.config import TierStackConfig
 
     host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
     if host is None or host.slot_bytes is None or host.pin_memory:

@@ -1,6 +1,7 @@
 """The hierarchical store's config and result types, and what it needs of a pin-capable tier.
 
-``StoreConfig`` is the store's one frozen config (with a ``WritePolicy`` per tier);
+``StoreConfig`` is the store's one frozen config (with a ``WritePolicy`` per tier, read from the
+tier stack's config by ``write_policies``; the policy names are ``tiers.config``'s);
 ``LookupResult`` (with a ``TierLookup`` per
 tier) is what ``HierarchicalStore.lookup`` answers. ``PinningTier`` is the structural protocol
 the store checks to pin keys between ``prepare_load`` and ``complete_load`` (host, lmdb).
@@ -13,10 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
-WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
-WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
-WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
+from tiers.config import WRITE_BACK, WRITE_POLICIES, TierStackConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +39,15 @@ class WritePolicy:
     def copies_down(self) -> bool:
         """True for the write-through policies (queued copies), False for write-back."""
         return self.policy != WRITE_BACK
+
+
+def write_policies(config: TierStackConfig) -> tuple[WritePolicy, ...]:
+    """Each tier's ``WritePolicy``, top first (a host tier's is write-back: saves land there)."""
+    return tuple(
+        WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
+        if hasattr(c, "write_policy") else WritePolicy()
+        for c in config.tiers
+    )
 
 
 @dataclass(frozen=True, slots=True)

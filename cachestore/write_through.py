@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cachestore.guarded_tiers import GuardedTiers
-from cachestore.store_types import WRITE_THROUGH, PinningTier, WritePolicy
+from cachestore.store_types import PinningTier, WritePolicy
 from tiers.base import Value
+from tiers.config import WRITE_THROUGH
 
 log = logging.getLogger("cachestore.store")
 

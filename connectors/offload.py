@@ -35,7 +35,7 @@ from cachestore.codec import PAYLOAD_ALIGN, encoded_size
 from cachestore.cost_online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import build_tiers, write_policies
+from cachestore.store_types import write_policies
 from connectors import offload_calibration as cal
 from connectors.base import WorkerReport
 from connectors.kv_compress import Hi4Codec
@@ -44,6 +44,7 @@ from connectors.offload_scheduler import OffloadScheduler
 from connectors.offload_stats import OffloadStats
 from connectors.offload_worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache
+from tiers import build_tiers
 
 log = logging.getLogger(__name__)
 

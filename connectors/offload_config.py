@@ -17,11 +17,11 @@ One YAML file (or the same dict) holds both::
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
 
-``tiers`` is exactly ``cachestore.tier_config``'s format. Without a config, ``kv_offload=True``
+``tiers`` is exactly ``tiers.config``'s format. Without a config, ``kv_offload=True``
 uses ``default_offload_config``: a host tier of min(25% of MemAvailable, 8 GiB) and an LMDB tier
 under the user's cache directory. This module is the only place the connector reads the
 environment (``KVTIER_CACHE_DIR``, ``HOME``); /proc/meminfo is read by
-``cachestore.tier_config.mem_available_bytes`` (re-exported here); constructors get the result.
+``tiers.config.mem_available_bytes`` (re-exported here); constructors get the result.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachestore.kv_format import COMPRESSIONS
-from cachestore.tier_config import (
+from tiers.config import (
     ConfigError,
     HostTierConfig,
     LmdbTierConfig,

@@ -1,7 +1,7 @@
 """The ``remote`` tier: a client of ``kvtier cache-server`` (wire format: cachestore.server_protocol).
 
 Config: ``{kind: remote, url: "tcp://host:port", token: ... | token_file: PATH,
-timeout_s: ... | timeout_ms: ...}`` (``cachestore.tier_config.RemoteTierConfig``).
+timeout_s: ... | timeout_ms: ...}`` (``tiers.config.RemoteTierConfig``).
 
 - Connections (``tiers.remote_conn``): one DEALER socket per calling thread (ZMQ sockets are
   not thread-safe), created lazily, reused across calls, replaced after any timeout.
@@ -45,7 +45,7 @@ from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.remote_conn import Connections, ShmLost
 
 if TYPE_CHECKING:
-    from cachestore.tier_config import RemoteTierConfig
+    from tiers.config import RemoteTierConfig
 
 
 class RemoteTier(Tier):
@@ -76,7 +76,7 @@ class RemoteTier(Tier):
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
-        """From ``cachestore.tier_config.RemoteTierConfig``: ``token_file`` is read here (its
+        """From ``tiers.config.RemoteTierConfig``: ``token_file`` is read here (its
         contents, surrounding whitespace stripped). Raises TierError if it cannot be read or
         is empty."""
         token = config.token

@@ -10,7 +10,6 @@ import pytest
 
 from cachestore.codec import BlockMeta, encode_block
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import build_tiers, parse_tier_config
 from tests.cachestore.store_helpers import (
     KEYS,
     PREFIX,
@@ -24,7 +23,9 @@ from tests.cachestore.store_helpers import (
     make_store,
     payload,
 )
+from tiers import build_tiers
 from tiers.base import TierUsage
+from tiers.config import parse_tier_config
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 

@@ -20,9 +20,15 @@ import pytest
 
 from cachestore.codec import decode_block
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.store_types import WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WritePolicy
-from cachestore.tier_config import ConfigError, parse_tier_config, write_policies
+from cachestore.store_types import WritePolicy, write_policies
 from tests.cachestore.store_helpers import KEYS, PREFIX, SIZE, block, counters
+from tiers.config import (
+    WRITE_BACK,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    ConfigError,
+    parse_tier_config,
+)
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
 

@@ -13,7 +13,6 @@ from cachestore.codec import BlockMeta, encode_block
 from cachestore.cost_online import OnlineCostModel, default_priors
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import ConfigError, HostTierConfig, LmdbTierConfig
 from connectors.base import (
     BlockLoad,
     BlockSave,
@@ -34,6 +33,7 @@ from engine.block_pool import BlockPool
 from engine.core_types import SchedulerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from tiers.config import ConfigError, HostTierConfig, LmdbTierConfig
 from tiers.host import HostTier
 
 NS = Namespace(model_fingerprint="test-base")

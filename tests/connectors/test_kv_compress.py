@@ -15,7 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (CPU kernels)
 
-from cachestore.tier_config import ConfigError  # noqa: E402
 from connectors.kv_compress import Hi4Codec  # noqa: E402
 from connectors.offload_config import parse_offload_config  # noqa: E402
 from connectors.offload_copy import SlabCopier  # noqa: E402
@@ -23,6 +22,7 @@ from connectors.slab_runs import pad16  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from tests.connectors.test_offload import run_conversations  # noqa: E402
+from tiers.config import ConfigError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton decoder runs
 
@@ -173,10 +173,11 @@ def test_compressed_blocks_keep_outputs_across_tiers_and_a_restart(
 def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_path: Path) -> None:
     from cachestore.codec import encoded_size
     from cachestore.store import HierarchicalStore, StoreConfig
-    from cachestore.tier_config import build_tiers, parse_tier_config
     from connectors.base import BlockLoad, BlockSave, KVConnectorMetadata
     from connectors.offload_stats import OffloadStats
     from connectors.offload_worker import OffloadWorker, block_meta
+    from tiers import build_tiers
+    from tiers.config import parse_tier_config
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     cache = KVCache(spec, 6, "cpu")

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from cachestore.cost_online import default_priors
-from cachestore.tier_config import ConfigError
 from connectors.offload_calibration import prefill_sizes
 from connectors.offload_config import parse_offload_config
 from tests.connectors.test_offload import GREEDY, VOCAB, make_llm
+from tiers.config import ConfigError
 
 
 def tiers(tmp_path: Path) -> list[dict]:

@@ -13,11 +13,12 @@ import torch
 from cachestore.codec import encode_block, encoded_size
 from cachestore.cost_online import OnlineCostModel, default_priors
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import build_tiers, parse_tier_config
 from connectors.base import BlockLoad, KVConnectorMetadata
 from connectors.offload_stats import OffloadStats
 from connectors.offload_worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache, KVCacheSpec
+from tiers import build_tiers
+from tiers.config import parse_tier_config
 
 PREFIX = "ns-test"
 

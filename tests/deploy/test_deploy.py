@@ -20,7 +20,7 @@ from cachestore.server import CacheServer, RequestRecord, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics
 from cachestore.server_protocol import ErrorCode
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import parse_tier_config
+from tiers.config import parse_tier_config
 from tiers.lmdb import LmdbTier
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -210,7 +210,8 @@ def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
 ) -> None:
     if not (redis_server.managed and s3_server.managed):
         pytest.skip("external servers: cannot kill them")
-    from cachestore.tier_config import build_tiers, parse_tier_config
+    from tiers import build_tiers
+    from tiers.config import parse_tier_config
 
     clock = FakeClock(1000.0)
     backoff_s = 0.5

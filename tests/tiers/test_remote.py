@@ -13,11 +13,11 @@ import pytest
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_protocol import ServerLimits, TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import parse_tier_entry
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers import create_tier
 from tiers.base import TierError
+from tiers.config import parse_tier_entry
 from tiers.lmdb import LmdbTier
 from tiers.remote import RemoteTier
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.sizes import format_size, parse_size
-from cachestore.tier_config import (
+from tiers import build_tiers
+from tiers.config import (
     STORE_FIELDS,
     ConfigError,
     HostTierConfig,
@@ -17,8 +17,9 @@ from cachestore.tier_config import (
     RedisTierConfig,
     RemoteTierConfig,
     S3TierConfig,
-    build_tiers,
+    format_size,
     load_tier_config,
+    parse_size,
     parse_tier_config,
     parse_tier_entry,
 )
@@ -263,7 +264,7 @@ def test_remote_field_errors(entry: dict, message: str) -> None:
 def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
     """Issue 16 F5: a host tier larger than the memory available and an unusable LMDB path
     are ConfigErrors naming the tier and the field, before anything is allocated."""
-    from cachestore.tier_config import check_resources
+    from tiers.config import check_resources
 
     host = parse_tier_config({"tiers": [{"kind": "host", "capacity": "4TiB"}]})
     with pytest.raises(ConfigError, match=r"tiers\[0\] \(host\): field 'capacity': 4096.0 GiB "

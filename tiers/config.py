@@ -10,17 +10,19 @@ Example::
       - {kind: remote, url: "tcp://cache-server:7000", token: secret}
 
 Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
-sizes accept ``parse_size`` strings.
+sizes accept ``parse_size`` strings (the one size parser: ``parse_size`` / ``format_size`` below,
+used by every config and flag that takes bytes).
 
 Every tier below the top has a write policy (``cachestore.write_through``): ``write_policy``
 ``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
 copied there asynchronously), ``write_through_selective`` (copied at its ``write_through_hits``-th
 hit) or ``write_back`` (only what the tier above evicts); ``write_queue_blocks`` bounds the copy
-queue (a full queue drops the copy, never stalls). ``write_policies`` maps a stack to the
-store's ``WritePolicy`` tuple. Errors raise ConfigError naming the tier and the field.
-Building tiers goes through the registry in ``tiers`` so optional backends load only when chosen.
+queue (a full queue drops the copy, never stalls); the store reads these fields
+(``cachestore.store_types.write_policies``). Errors raise ConfigError naming the tier and the
+field. Building tiers is ``tiers.build_tiers`` (the registry, so optional backends load only
+when chosen); this module imports nothing of tiers/ (the registry imports it).
 Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)
-and ``check_resources`` at start (``build_tiers`` calls it first): a host tier larger than the
+and ``check_resources`` at start (``tiers.build_tiers`` calls it first): a host tier larger than the
 memory available (/proc/meminfo MemAvailable), or an LMDB path that cannot be a directory this
 process writes, is a ConfigError naming the tier and the field, before anything is allocated.
 """
@@ -28,17 +30,70 @@ process writes, is a ConfigError naming the tier and the field, before anything 
 from __future__ import annotations
 
 import dataclasses
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from cachestore.sizes import parse_size
-from cachestore.store_types import WRITE_POLICIES, WRITE_THROUGH, WritePolicy
+# When a block saved to the top tier reaches a lower tier (the store's ``WritePolicy``).
+WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
+WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
+WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
+WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
 
-if TYPE_CHECKING:  # importing tiers at runtime here would be circular
-    from tiers.base import Tier
+
+# Byte sizes as people write them in configs and flags: ``4GiB``, ``100GB``, ``512MiB``, ``1024``.
+# Decimal units (kB/KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of
+# 1024; units are case-insensitive, a bare number is bytes. Bare ``K``/``M``/``G`` are refused as
+# ambiguous. Pure functions.
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes in ``value``. Raises ValueError naming the value on anything unparseable.
+
+    Fractions are allowed where the result is a whole number of bytes (``1.5GiB``); negative
+    sizes and booleans are refused.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size must be a number of bytes or a string like '4GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be non-negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"size must be an int or a string like '4GiB', got {type(value).__name__}")
+    match = _PATTERN.match(value)
+    if match is None:
+        raise ValueError(f"cannot parse size {value!r}; write e.g. 4GiB, 100GB, 512MiB or 1024")
+    number, unit = match.groups()
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r}; use one of "
+                         "B, KB, MB, GB, TB (x1000) or KiB, MiB, GiB, TiB (x1024)")
+    try:
+        total = Decimal(number) * scale
+    except InvalidOperation:
+        raise ValueError(f"cannot parse size {value!r}") from None
+    if total != total.to_integral_value():
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return int(total)
+
+
+def format_size(num_bytes: int) -> str:
+    """Shortest exact binary rendering: 4294967296 -> '4GiB', 1000 -> '1000B'."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return f"{num_bytes}B"
 
 
 class ConfigError(ValueError):
@@ -215,15 +270,6 @@ class TierStackConfig:
     tiers: tuple[TierConfig, ...]
 
 
-def write_policies(config: TierStackConfig) -> tuple[WritePolicy, ...]:
-    """Each tier's ``WritePolicy``, top first (a host tier's is write-back: saves land there)."""
-    return tuple(
-        WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
-        if hasattr(c, "write_policy") else WritePolicy()
-        for c in config.tiers
-    )
-
-
 def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:
     """One ``{kind: ..., ...}`` mapping -> its frozen config. Raises ConfigError."""
     if not isinstance(entry, Mapping):
@@ -329,29 +375,3 @@ def check_resources(config: TierStackConfig, *, mem_available: int | None = None
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
-
-
-def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) -> list[Tier]:
-    """Construct every tier through the ``tiers`` registry, top first.
-
-    ``host_slot_bytes`` fills in a host tier's ``slot_bytes`` when the YAML leaves it out (the
-    engine knows its block size). ``check_resources`` first. On any failure the tiers built so
-    far are closed and the error propagates (ConfigError for a missing slot size or a resource
-    check, TierError or ImportError from a backend).
-    """
-    from tiers import create_tier
-
-    check_resources(config)
-    built: list[Tier] = []
-    try:
-        for cfg in config.tiers:
-            if isinstance(cfg, HostTierConfig) and cfg.slot_bytes is None:
-                if host_slot_bytes is None:
-                    raise ConfigError("host tier: 'slot_bytes' is not set and the engine gave none")
-                cfg = dataclasses.replace(cfg, slot_bytes=host_slot_bytes)
-            built.append(create_tier(cfg))
-    except BaseException:
-        for tier in built:
-            tier.close()
-        raise
-    return built
