@@ -3,7 +3,7 @@
 Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
-  write-through, like the memory-only redis) through tiers.remote, payload frames over the
+  write-through, like the memory-only redis) through tiers.remote.tier, payload frames over the
   daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain socket, one daemon thread)
 - ``daemon-tcp-zmq``: the same over ZMQ (``use_stream=False``: the path before the stream)
 - ``daemon-shm``: the same daemon and client, same-host path: requests and replies over the
@@ -81,7 +81,7 @@ def _client(kind: str, url: str) -> Any:
         import redis
 
         return redis.Redis.from_url(url)
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
                       use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),

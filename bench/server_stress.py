@@ -132,7 +132,7 @@ class ThreadCounts:
 def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
                    counts: ThreadCounts) -> None:
     from tiers.base import TierError
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     transport = list(TRANSPORTS)[index % len(TRANSPORTS)]
     token, tenant = TENANTS[(index // len(TRANSPORTS)) % cfg.tenants]

@@ -13,7 +13,7 @@ doorbell's (below), leases never (no shared slab across hosts). It binds the ZMQ
 so an open daemon's stream is loopback-only like its ZMQ socket.
 
 Why: on one host the payloads already move through the client's shared-memory segment
-(``cachestore.shm``); what is left of a single-key request is the transport, and ZMQ adds two
+(``tiers.remote.shm``); what is left of a single-key request is the transport, and ZMQ adds two
 I/O-thread hops per side (~90 us a round trip on 2 cores). A blocking Unix socket served by
 one daemon thread per connection is one ``sendmsg`` and one ``recv_into`` per side.
 
@@ -42,7 +42,7 @@ before it blocks. On this 2-core VM a blocked reader's wake-up is most of a smal
 (a Unix-socket ping-pong between two processes: 46 us p50 blocking, 5-11 us with a 20-200 us
 spin); the spin is bounded, so an idle connection costs nothing after it.
 
-Framing: ``cachestore.bell_framing``. Requests on a connection are served in order.
+Framing: ``tiers.remote.bell_framing``. Requests on a connection are served in order.
 Thread-safe: ``offer`` from any thread; ``start``/``stop`` once each, from the daemon's thread.
 """
 
@@ -61,9 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from cachestore.bell_framing import BellClosed, MessageReader, read_attach, send_message
 from cachestore.leases import ConnLeases, LeaseOffer
-from cachestore.server_protocol import ErrorCode, Reply, ServerLimits, error_header, pack
+from tiers.remote.bell_framing import BellClosed, MessageReader, read_attach, send_message
+from tiers.remote.protocol import ErrorCode, Reply, ServerLimits, error_header, pack
 
 if TYPE_CHECKING:
     from cachestore.server_ops import OpHandler

@@ -27,10 +27,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.server_protocol import Request
 from cachestore.server_reads import HostReads
 from cachestore.store import HierarchicalStore
 from tiers.host import HostTier
+from tiers.remote.protocol import Request
 
 
 class LeaseBudget:

@@ -38,12 +38,14 @@ from typing import Any
 
 import zmq
 
-from cachestore import shm
 from cachestore.doorbell import Doorbell
 from cachestore.leases import LeaseOffer
 from cachestore.server_config import ServerConfig, is_loopback
 from cachestore.server_ops import OpHandler, Reply, RequestRecord
-from cachestore.server_protocol import (
+from cachestore.server_usage import NamespaceUsage
+from cachestore.store import HierarchicalStore
+from tiers.remote import shm
+from tiers.remote.protocol import (
     OPEN_TENANT,
     ErrorCode,
     ProtocolError,
@@ -52,9 +54,7 @@ from cachestore.server_protocol import (
     pack,
     zmq_max_msg_bytes,
 )
-from cachestore.server_usage import NamespaceUsage
-from cachestore.server_zap import ZapHandler, secure_server
-from cachestore.store import HierarchicalStore
+from tiers.remote.zap import ZapHandler, secure_server
 
 __all__ = ["CacheServer", "RequestRecord", "ServerConfig", "is_loopback"]
 # The loop spins (``spin_us``) for the next request only after passes that moved at most this

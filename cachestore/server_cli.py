@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _admin_token(args: argparse.Namespace) -> str | None:
     """The admin port's bearer token (None: none). Raises ValueError for an admin port on a
     non-loopback address without one, or an empty or unreadable token file."""
-    from cachestore.server_protocol import is_loopback
+    from tiers.remote.protocol import is_loopback
 
     token = None
     if args.admin_token_file:
@@ -188,7 +188,7 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
 def main(args: argparse.Namespace) -> int:
     from cachestore.server import CacheServer, ServerConfig
     from cachestore.server_admin import AdminMetrics, AdminServer, create_app
-    from cachestore.server_protocol import ServerLimits, TokenTable
+    from tiers.remote.protocol import ServerLimits, TokenTable
 
     try:
         admin_token = _admin_token(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from cachestore.server_protocol import ServerLimits, is_loopback, url_host
+from tiers.remote.protocol import ServerLimits, is_loopback, url_host
 
 __all__ = ["ServerConfig", "is_loopback"]
 

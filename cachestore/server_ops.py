@@ -31,9 +31,14 @@ from typing import Any
 
 import zmq
 
-from cachestore import shm
 from cachestore.leases import ConnLeases
-from cachestore.server_protocol import (
+from cachestore.server_puts import PutClaims, put_views, store_put
+from cachestore.server_reads import HostReads, copy_out, shm_region
+from cachestore.server_usage import NamespaceUsage
+from cachestore.store import HierarchicalStore
+from tiers.base import Tier, Value
+from tiers.remote import shm
+from tiers.remote.protocol import (
     ErrorCode,
     ProtocolError,
     Reply,
@@ -45,11 +50,6 @@ from cachestore.server_protocol import (
     unpack_request,
     zmq_max_frames,
 )
-from cachestore.server_puts import PutClaims, put_views, store_put
-from cachestore.server_reads import HostReads, copy_out, shm_region
-from cachestore.server_usage import NamespaceUsage
-from cachestore.store import HierarchicalStore
-from tiers.base import Tier, Value
 
 _Body = tuple[dict[str, Any], list[Value]]
 _Op = Callable[[dict[str, Any], str, list[str], Sequence[Any], dict[str, Any]], _Body]

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from cachestore import shm
 from cachestore.codec import CHECKSUM_BYTES, CodecError, DecodedBlock, HeaderTemplate, decode_block
-from cachestore.server_protocol import (
+from tiers.remote import shm
+from tiers.remote.protocol import (
     ErrorCode,
     ProtocolError,
     ServerLimits,

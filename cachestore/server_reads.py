@@ -21,11 +21,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from cachestore import shm
 from cachestore.codec import HeaderTemplate, decode_block
-from cachestore.server_protocol import ErrorCode, ProtocolError
 from cachestore.store import HierarchicalStore
 from tiers.base import Tier, Value
+from tiers.remote import shm
+from tiers.remote.protocol import ErrorCode, ProtocolError
 
 
 class HostReads:

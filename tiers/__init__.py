@@ -10,7 +10,7 @@ it field by field (same names), so their ``__post_init__`` checks still run:
     lmdb    tiers.lmdb:LmdbTier.from_config(LmdbTierConfig)
     redis   tiers.redis:RedisTier.from_config(tiers.redis.RedisTierConfig)
     s3      tiers.s3:S3Tier.from_config(tiers.s3.S3TierConfig)
-    remote  tiers.remote:RemoteTier.from_config(RemoteTierConfig)
+    remote  tiers.remote.tier:RemoteTier.from_config(RemoteTierConfig)
 
 ``build_tiers`` builds a whole configured stack (``tiers.config``) through it.
 ``register_tier`` adds or replaces a kind (tests, out-of-tree tiers). The registry is mutated
@@ -54,7 +54,7 @@ def _s3(config: Any) -> Tier:
 
 
 def _remote(config: Any) -> Tier:
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     return RemoteTier.from_config(config)
 

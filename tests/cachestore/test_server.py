@@ -18,14 +18,14 @@ import zmq
 
 from cachestore.server import CacheServer, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
-from cachestore.server_protocol import PROTOCOL_VERSION, checksum
-from cachestore.server_zap import secure_client
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
-from tiers.remote import RemoteTier
+from tiers.remote.protocol import PROTOCOL_VERSION, checksum
+from tiers.remote.tier import RemoteTier
+from tiers.remote.zap import secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -253,7 +253,7 @@ def test_put_race_is_counted_not_internal(server: CacheServer) -> None:
     """Issue 16 F7: a put key another request is writing is left to that request and counted
     (kvtier_server_put_races_total); a put whose every key raced is PUT_RACED, which the
     client takes as done, not INTERNAL."""
-    from cachestore.server_protocol import ErrorCode
+    from tiers.remote.protocol import ErrorCode
 
     keys = ["ns9/aa", "ns9/bb"]
     blocks = [sized_block(k, 300) for k in keys]

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from cachestore import shm
 from cachestore.server import CacheServer
-from cachestore.server_protocol import ErrorCode
 from cachestore.store import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import (
@@ -26,7 +24,9 @@ from tests.cachestore.wire_helpers import (
     zmq_ask,
 )
 from tests.servers import free_port
-from tiers.remote import RemoteTier
+from tiers.remote import shm
+from tiers.remote.protocol import ErrorCode
+from tiers.remote.tier import RemoteTier
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
 TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.base import TierError
-from tiers.remote import RemoteTier
+from tiers.remote.tier import RemoteTier
 
 ROOT = Path(__file__).resolve().parents[2]
 

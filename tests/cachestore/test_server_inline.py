@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import ErrorCode, TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import zmq_ask
 from tiers.base import TierError
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
-from tiers.remote import RemoteTier
+from tiers.remote.protocol import ErrorCode, TokenTable
+from tiers.remote.tier import RemoteTier
 
 TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\ntok-carol-0003 carol aaaa\n"
 ALICE, BOB, CAROL = "tok-alice-0001", "tok-bob-000002", "tok-carol-0003"

@@ -19,14 +19,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from cachestore import shm
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tiers import host_memfd
 from tiers.host import HostTier
-from tiers.remote import RemoteTier
+from tiers.remote import shm
+from tiers.remote.protocol import TokenTable
+from tiers.remote.tier import RemoteTier
 
 pytestmark = pytest.mark.skipif(not (shm.available() and host_memfd.available()),
                                 reason="no /dev/shm or memfd seals")
@@ -191,7 +191,7 @@ def test_a_killed_client_gives_its_leases_back(daemon: Daemon,
     _fill(remote(daemon.url))
     script = textwrap.dedent(f"""
         import sys, time
-        from tiers.remote import RemoteTier
+        from tiers.remote.tier import RemoteTier
         tier = RemoteTier({daemon.url!r})
         views = tier.get_many({KEYS!r})
         print(tier.num_in_place, sum(len(v) for v in views), flush=True)
@@ -216,8 +216,8 @@ def _attach_reply(url: str, token: str) -> tuple[dict[str, Any], list[int]]:
     """A raw hello + doorbell attach asking for the slab: the reply and the fds it carried."""
     import zmq
 
-    from cachestore.server_protocol import PROTOCOL_VERSION, pack
-    from cachestore.server_zap import secure_client
+    from tiers.remote.protocol import PROTOCOL_VERSION, pack
+    from tiers.remote.zap import secure_client
 
     segment = shm.ShmSegment.create(1 << 16)
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -232,7 +232,7 @@ def _attach_reply(url: str, token: str) -> tuple[dict[str, Any], list[int]]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bell:
             bell.settimeout(5)
             bell.connect(hello["doorbell"])
-            from cachestore.bell_framing import send_message
+            from tiers.remote.bell_framing import send_message
 
             send_message(bell, pack({"v": PROTOCOL_VERSION, "id": 2, "op": "attach",
                                      "secret": hello["doorbell_secret"], "lease": True}))

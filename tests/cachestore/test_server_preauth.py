@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from cachestore.server import CacheServer
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, ServerLimits, pack
-from cachestore.server_zap import PLAIN_USERNAME
 from tests.cachestore.wire_helpers import RawFramed, served, tenant_daemon, zmq_ask
 from tests.servers import free_port
 from tiers.base import TierError
+from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, ServerLimits, pack
+from tiers.remote.zap import PLAIN_USERNAME
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "tok-alice-0001"
@@ -265,7 +265,7 @@ def test_large_blocks_cross_zmq_in_small_frames(big_slot_daemon: CacheServer) ->
     """A block over ZMQ_FRAME_BYTES goes as several frames and comes back whole; a client with
     an unknown token is refused in the handshake (counted), with nothing stored."""
     from tests.cachestore.store_helpers import sized_block
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     quick_daemon = big_slot_daemon
     tier = RemoteTier(quick_daemon.bound_url, token=TOKEN, use_shm=False, use_stream=False)

@@ -19,22 +19,22 @@ import msgpack
 import pytest
 import zmq
 
-from cachestore import shm
 from cachestore.codec import BlockMeta, encode_block
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import (
+from cachestore.store import HierarchicalStore, StoreConfig
+from tests.servers import free_port
+from tiers.base import TierError
+from tiers.lmdb import LmdbTier
+from tiers.remote import shm
+from tiers.remote.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     ServerLimits,
     TokenTable,
     checksum,
 )
-from cachestore.server_zap import secure_client
-from cachestore.store import HierarchicalStore, StoreConfig
-from tests.servers import free_port
-from tiers.base import TierError
-from tiers.lmdb import LmdbTier
-from tiers.remote import RemoteTier
+from tiers.remote.tier import RemoteTier
+from tiers.remote.zap import secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = """# token namespace [key prefixes]

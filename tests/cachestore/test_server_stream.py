@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from cachestore.bell_framing import MessageReader, send_message
 from cachestore.server import CacheServer
-from cachestore.server_protocol import ErrorCode, ServerLimits, checksum
 from cachestore.store import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import (
@@ -26,7 +24,9 @@ from tests.cachestore.wire_helpers import (
     zmq_ask,
 )
 from tests.servers import free_port
-from tiers.remote import RemoteTier
+from tiers.remote.bell_framing import MessageReader, send_message
+from tiers.remote.protocol import ErrorCode, ServerLimits, checksum
+from tiers.remote.tier import RemoteTier
 
 TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"
 ALICE, BOB = "tok-alice-0001", "tok-bob-000002"

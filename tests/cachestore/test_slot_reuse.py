@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tiers.base import TierError, Value
 from tiers.host import HostTier
-from tiers.remote import RemoteTier
+from tiers.remote.protocol import TokenTable
+from tiers.remote.tier import RemoteTier
 
 SLOT = 8 << 10
 TOKENS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"

@@ -18,10 +18,10 @@ import yaml
 
 from cachestore.server import CacheServer, RequestRecord, ServerConfig
 from cachestore.server_admin import METRIC_NAMES, AdminMetrics
-from cachestore.server_protocol import ErrorCode
 from cachestore.store import HierarchicalStore, StoreConfig
 from tiers.config import parse_tier_config
 from tiers.lmdb import LmdbTier
+from tiers.remote.protocol import ErrorCode
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 REQUIRED: dict[str, list[str]] = {  # kind -> dotted paths that must exist

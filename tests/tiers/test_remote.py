@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import ServerLimits, TokenTable
 from cachestore.store import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
@@ -19,7 +18,8 @@ from tiers import create_tier
 from tiers.base import TierError
 from tiers.config import parse_tier_entry
 from tiers.lmdb import LmdbTier
-from tiers.remote import RemoteTier
+from tiers.remote.protocol import ServerLimits, TokenTable
+from tiers.remote.tier import RemoteTier
 
 
 def _serve(path: Path, port: int) -> tuple[CacheServer, HierarchicalStore]:
@@ -174,7 +174,7 @@ def test_zmq_replies_are_spun_for_only_after_small_messages(
         served: tuple[CacheServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """A loopback ZMQ call polls before it blocks, but not while a large message crosses:
     not after sending large put frames, and not for a get whose last reply was large."""
-    from tiers import remote_conn
+    from tiers.remote import conn as remote_conn
 
     _, port = served
     tier = RemoteTier(f"tcp://127.0.0.1:{port}", use_shm=False, use_stream=False)

@@ -1,4 +1,4 @@
-"""Wire format of the cache daemon (``kvtier cache-server``) and its client (``tiers.remote``).
+"""Wire format of the cache daemon (``kvtier cache-server``) and its client (``tiers.remote.tier``).
 
 Transport: ZMQ. The client holds a DEALER socket, the daemon a ROUTER socket. One message is a
 multipart ZMQ message:
@@ -13,7 +13,7 @@ not at all, so a half-sent put can never reach the store.
 Request header fields (``REQUEST_FIELDS``): ``v`` protocol version, ``id`` request id (the client
 matches replies by it; pipelined requests may complete out of order), ``op``, ``token``, and per
 op: ``keys`` (lookup/get/delete/put), ``sizes`` + ``checksums`` (put: one xxh3-64 per payload,
-verified before anything is stored), ``shm`` (same-host fast path, see ``cachestore.shm``).
+verified before anything is stored), ``shm`` (same-host fast path, see ``tiers.remote.shm``).
 
 Response header: ``id``, ``code`` (``ErrorCode``), ``error`` (message, empty when ok), and per op
 ``count`` (lookup), ``sizes`` (get: ``-1`` for a miss; the payload frames carry the hits in key
@@ -48,7 +48,7 @@ TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # The largest frame a client sends the daemon over ZMQ: a larger put payload goes as several
 # consecutive frames (``split_frames``), which the daemon joins. Why: libzmq's MAXMSGSIZE is
 # per frame and also bounds what a peer can make the daemon buffer during the handshake,
-# before it is authenticated (``cachestore.server_zap``), so it must stay small.
+# before it is authenticated (``tiers.remote.zap``), so it must stay small.
 ZMQ_FRAME_BYTES = 4 << 20
 
 

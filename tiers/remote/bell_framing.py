@@ -1,6 +1,6 @@
 """Framing of the same-host doorbell (``cachestore.doorbell``): one message on a Unix stream
 socket is ``<II`` (header length, payload count), one ``<Q`` size per payload, the msgpack
-header, the payloads. Both directions, daemon and client (``tiers.remote_conn``) alike.
+header, the payloads. Both directions, daemon and client (``tiers.remote.conn``) alike.
 
 A message may carry file descriptors (SCM_RIGHTS): the daemon's attach reply hands the client
 its sealed host slab that way (``send_message(..., fds=...)``; the client reads that one reply
@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cachestore.server_protocol import ServerLimits
 from tiers.base import Value
+from tiers.remote.protocol import ServerLimits
 
 _PREFIX = struct.Struct("<II")
 # The largest first message (the attach: op, secret, id, lease; ~80 bytes packed).

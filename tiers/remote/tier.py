@@ -1,9 +1,9 @@
-"""The ``remote`` tier: a client of ``kvtier cache-server`` (wire format: cachestore.server_protocol).
+"""The ``remote`` tier: a client of ``kvtier cache-server`` (wire format: tiers.remote.protocol).
 
 Config: ``{kind: remote, url: "tcp://host:port", token: ... | token_file: PATH,
 timeout_s: ... | timeout_ms: ...}`` (``tiers.config.RemoteTierConfig``).
 
-- Connections (``tiers.remote_conn``): one DEALER socket per calling thread (ZMQ sockets are
+- Connections (``tiers.remote.conn``): one DEALER socket per calling thread (ZMQ sockets are
   not thread-safe), created lazily, reused across calls, replaced after any timeout.
 - Pipelining: a batch is cut into requests of at most ``batch_keys`` keys that are all sent
   before the first reply is read; replies are matched by request id and may come back in any
@@ -12,7 +12,7 @@ timeout_s: ... | timeout_ms: ...}`` (``tiers.config.RemoteTierConfig``).
   ``timeout_s`` (never a hang); for ``retry_interval_s`` afterwards the thread fails fast
   without waiting, then tries again (ZMQ reconnects underneath). The store makes it a miss.
 - Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
-  segment (``cachestore.shm``); if the daemon maps it, payloads move through it and only
+  segment (``tiers.remote.shm``); if the daemon maps it, payloads move through it and only
   headers cross the socket. Otherwise, or whenever the daemon forgets the segment, frames.
   With ``use_doorbell`` (default) those headers go over the daemon's same-host Unix socket
   (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
@@ -22,7 +22,7 @@ timeout_s: ... | timeout_ms: ...}`` (``tiers.config.RemoteTierConfig``).
 - Waiting for a reply (doorbell or stream, or ZMQ to a loopback/ipc url), the thread polls for
   ``spin_us`` before it blocks (a wake-up costs more than a short single-key request on a
   small VM); 0: block at once. Replies from another machine are waited for blocking, and so
-  are ZMQ replies behind a large message (``tiers.remote_conn.SPIN_MAX_BYTES``).
+  are ZMQ replies behind a large message (``tiers.remote.conn.SPIN_MAX_BYTES``).
 - Zero-copy same host (``use_leases``, ``cachestore.leases``): when the daemon's host slab
   holds one namespace, the doorbell hands it over (read-only) and a get of host hits returns
   views of it, the blocks leased (pinned) until this thread's next call or ``close``.
@@ -39,10 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cachestore import shm
-from cachestore.server_protocol import checksum
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
-from tiers.remote_conn import Connections, ShmLost
+from tiers.remote import shm
+from tiers.remote.conn import Connections, ShmLost
+from tiers.remote.protocol import checksum
 
 if TYPE_CHECKING:
     from tiers.config import RemoteTierConfig

@@ -1,6 +1,6 @@
 """One client thread's doorbell connection to ``kvtier cache-server`` (``cachestore.doorbell``):
 a Unix socket (or the daemon's TCP stream, ``address`` a (host, port) pair) attached with the
-hello's one-time secret, over which the thread's requests go (``tiers.remote_conn.Connections``
+hello's one-time secret, over which the thread's requests go (``tiers.remote.conn.Connections``
 decides when). With ``want_slab`` it asks for the daemon's
 host slab: a sealed memfd that arrives with the attach reply (SCM_RIGHTS) and is mapped
 read-only here (``tiers.host_memfd.map_readonly``), so that leased gets (``cachestore.leases``)
@@ -17,10 +17,10 @@ from typing import Any
 
 import msgpack
 
-from cachestore.bell_framing import BellClosed, MessageReader, send_message
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, pack
 from tiers import host_memfd
 from tiers.base import Value
+from tiers.remote.bell_framing import BellClosed, MessageReader, send_message
+from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, pack
 
 # Requests of one call are all sent before the first reply is read when they add up to no
 # more than this (a socket buffer holds them, so neither side can block the other's send).

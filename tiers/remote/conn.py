@@ -7,7 +7,7 @@
   by request id and may come back in any order. A reply with an unknown id (a request that
   already timed out) is dropped.
 - Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
-  segment (``cachestore.shm``); if the daemon maps it, payloads can move through it. ``grow``
+  segment (``tiers.remote.shm``); if the daemon maps it, payloads can move through it. ``grow``
   replaces it with a larger one (a new hello).
 - Doorbell (``cachestore.doorbell``): when the hello reply offers one, the thread connects to
   the daemon's Unix socket with the one-time secret and sends its requests there (same
@@ -39,8 +39,10 @@ from typing import Any
 import msgpack
 import zmq
 
-from cachestore import shm
-from cachestore.server_protocol import (
+from tiers.base import TierError, Value
+from tiers.remote import shm
+from tiers.remote.bell import Bell
+from tiers.remote.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     is_loopback,
@@ -48,9 +50,7 @@ from cachestore.server_protocol import (
     split_frames,
     url_host,
 )
-from cachestore.server_zap import secure_client
-from tiers.base import TierError, Value
-from tiers.remote_bell import Bell
+from tiers.remote.zap import secure_client
 
 
 class ShmLost(TierError):
