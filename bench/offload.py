@@ -162,7 +162,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     checksum + copy into a staging tensor + one scatter: what loads did before the fast path).
     Best of ``repeats``; the cache's device is the setup's (CPU for --quick/--tiny)."""
     from cachestore.codec import encode_block, encoded_size
-    from cachestore.store import HierarchicalStore, StoreConfig
+    from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
     from connectors.base import BlockLoad, KVConnectorMetadata
     from connectors.kv_compress import Hi4Codec
     from connectors.offload_stats import OffloadStats

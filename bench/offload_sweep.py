@@ -22,9 +22,9 @@ from bench.offload_parts import (
     run_requests,
     sync,
 )
-from cachestore.calibration import calibrate_prefill, calibrate_transfer
-from cachestore.cost_model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
-from cachestore.cost_online import OnlineCostModel
+from cachestore.cost.calibration import calibrate_prefill, calibrate_transfer
+from cachestore.cost.model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from cachestore.cost.online import OnlineCostModel
 from engine.kv_cache import KVCache
 from tiers.base import Evicted, Tier, TierUsage, Value
 
@@ -85,7 +85,7 @@ class SweepLoads:
 
     def __init__(self, kv: KVCache, lmdb_path: str, num_blocks: int) -> None:
         from cachestore.codec import encode_block, encoded_size
-        from cachestore.store import HierarchicalStore, StoreConfig
+        from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
         from connectors.offload_stats import OffloadStats
         from connectors.offload_worker import OffloadWorker, block_meta
         from tiers.host import HostTier

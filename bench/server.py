@@ -4,11 +4,11 @@ Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
   write-through, like the memory-only redis) through tiers.remote.tier, payload frames over the
-  daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain socket, one daemon thread)
+  daemon's TCP stream (``cachestore.server.doorbell``, ``tcp``: a plain socket, one daemon thread)
 - ``daemon-tcp-zmq``: the same over ZMQ (``use_stream=False``: the path before the stream)
 - ``daemon-shm``: the same daemon and client, same-host path: requests and replies over the
-  doorbell (a Unix socket, ``cachestore.doorbell``); gets of host blocks read in place from the
-  daemon's slab under leases (``cachestore.leases``: no copy at all), puts through the client's
+  doorbell (a Unix socket, ``cachestore.server.doorbell``); gets of host blocks read in place from the
+  daemon's slab under leases (``cachestore.server.leases``: no copy at all), puts through the client's
   shared-memory segment
 - ``daemon-shm-copy``: ``daemon-shm`` with leases off (``use_leases=False``): gets copied into
   the client's segment (the path before leases)

@@ -7,7 +7,7 @@ scheduler's connector) and ``worker`` (``OffloadWorker``: the model runner's con
 engine hands the worker's report to the scheduler side after each step (``after_step``).
 
 Start-up calibration (``calibrate: true`` in the config, the default): before the connector is
-attached, the cost model's priors are replaced by measurements (``cachestore.calibration``):
+attached, the cost model's priors are replaced by measurements (``cachestore.cost.calibration``):
 a few prefill sizes through the real runner on scratch blocks (``CalibrationTarget``), each
 tier's batched read of real-sized encoded blocks (written under a private prefix and deleted),
 and the host -> device scatter. A tqdm bar shows progress on stderr; the result is logged.
@@ -30,12 +30,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.calibration import calibrate
 from cachestore.codec import PAYLOAD_ALIGN, encoded_size
-from cachestore.cost_online import CostPriors, OnlineCostModel, default_priors
+from cachestore.cost.calibration import calibrate
+from cachestore.cost.online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
-from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.store_types import write_policies
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from cachestore.store.types import write_policies
 from connectors import offload_calibration as cal
 from connectors.base import WorkerReport
 from connectors.kv_compress import Hi4Codec

@@ -1,6 +1,6 @@
 """Start-up calibration of the offload connector's cost model, on the real engine.
 
-``cachestore.calibration.calibrate`` is torch-free and takes callbacks; this module builds them
+``cachestore.cost.calibration.calibrate`` is torch-free and takes callbacks; this module builds them
 from the engine's own parts:
 
 - ``prefill_timer(execute, ...)``: a throwaway prefill through the model runner on scratch
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from cachestore.calibration import DEFAULT_PREFILL_SIZES
+from cachestore.cost.calibration import DEFAULT_PREFILL_SIZES
 from connectors.kv_compress import Hi4Codec
 from connectors.slab_runs import pad16
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
-from cachestore.cost_online import OnlineCostModel
-from cachestore.store import HierarchicalStore
+from cachestore.cost.online import OnlineCostModel
+from cachestore.store.hierarchical import HierarchicalStore
 from connectors.base import BlockLoad, LoadResult
 from connectors.kv_compress import Hi4Codec
 from connectors.offload_copy import SlabCopier

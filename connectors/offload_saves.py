@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encode_block, encoded_size, seal_block
-from cachestore.store import HierarchicalStore
+from cachestore.store.hierarchical import HierarchicalStore
 from connectors.base import BlockSave
 from connectors.kv_compress import Hi4Codec
 from connectors.offload_copy import SlabCopier

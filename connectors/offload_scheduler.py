@@ -33,16 +33,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     STRATEGY_LOAD_PREFIX,
     STRATEGY_OVERLAP,
     STRATEGY_RECOMPUTE,
     Decision,
     Option,
 )
-from cachestore.cost_online import OnlineCostModel
+from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, Namespace
-from cachestore.store import HierarchicalStore
+from cachestore.store.hierarchical import HierarchicalStore
 from connectors.base import (
     BlockLoad,
     BlockSave,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from cachestore.codec import BlockMeta
-from cachestore.cost_online import OnlineCostModel
-from cachestore.store import HierarchicalStore
+from cachestore.cost.online import OnlineCostModel
+from cachestore.store.hierarchical import HierarchicalStore
 from connectors.base import BlockSave, KVConnectorMetadata, WorkerReport
 from connectors.kv_compress import Hi4Codec
 from connectors.offload_loads import HostLoader

@@ -13,12 +13,12 @@ Order is the hierarchy: the first tier is the top (fastest). Every field name is
 sizes accept ``parse_size`` strings (the one size parser: ``parse_size`` / ``format_size`` below,
 used by every config and flag that takes bytes).
 
-Every tier below the top has a write policy (``cachestore.write_through``): ``write_policy``
+Every tier below the top has a write policy (``cachestore.store.write_through``): ``write_policy``
 ``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
 copied there asynchronously), ``write_through_selective`` (copied at its ``write_through_hits``-th
 hit) or ``write_back`` (only what the tier above evicts); ``write_queue_blocks`` bounds the copy
 queue (a full queue drops the copy, never stalls); the store reads these fields
-(``cachestore.store_types.write_policies``). Errors raise ConfigError naming the tier and the
+(``cachestore.store.types.write_policies``). Errors raise ConfigError naming the tier and the
 field. Building tiers is ``tiers.build_tiers`` (the registry, so optional backends load only
 when chosen); this module imports nothing of tiers/ (the registry imports it).
 Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)

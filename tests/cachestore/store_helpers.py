@@ -15,7 +15,7 @@ from typing import Any
 
 from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cachestore.calibration import (
+from cachestore.cost.calibration import (
     calibrate,
     calibrate_copy,
     calibrate_prefill,
     calibrate_tier,
     fit_prefill_nonnegative,
 )
-from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
-from cachestore.cost_online import CostPriors
+from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
+from cachestore.cost.online import CostPriors
 from tests.cachestore.store_helpers import DownTier
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier

@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from cachestore.calibration import (
+from cachestore.cost.calibration import (
     TransferSample,
     calibrate,
     calibrate_transfer,
     fit_prefill_nonnegative,
     fit_transfer,
 )
-from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
-from cachestore.cost_online import CostPriors
+from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
+from cachestore.cost.online import CostPriors
 from tiers.lmdb import LmdbTier
 
 TRUTH = PrefillCost(fixed_s=0.002, per_token_s=1e-5, attention_s=3e-9)

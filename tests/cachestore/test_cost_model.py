@@ -1,10 +1,10 @@
-"""Exact pricing of cachestore/cost_model.py: reload, recompute, and the split decision."""
+"""Exact pricing of cachestore/cost/model.py: reload, recompute, and the split decision."""
 
 from __future__ import annotations
 
 import pytest
 
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     DEFAULT_TIER_COSTS,
     LLAMA3_8B_H200_PREFILL,
     MODEL_PROFILES,
@@ -140,7 +140,7 @@ def test_choose_split_counts_gpu_computed_tokens_as_context() -> None:
 def test_pipelined_host_loads_cost_the_longer_of_load_and_rest() -> None:
     """Loads landing layer by layer under the forward: load [0, k) costs
     max(load, rest) + min(load, rest) / layers, only for the leading pipelined blocks."""
-    from cachestore.cost_model import (
+    from cachestore.cost.model import (
         STRATEGY_LOAD_PREFIX,
         STRATEGY_OVERLAP,
         PrefillCost,

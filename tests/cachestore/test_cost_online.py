@@ -6,14 +6,14 @@ import threading
 
 import pytest
 
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     STRATEGY_LOAD_PREFIX,
     STRATEGY_OVERLAP,
     STRATEGY_RECOMPUTE,
     PrefillCost,
     TierCost,
 )
-from cachestore.cost_online import OnlineCostModel, default_priors, update_tier_cost
+from cachestore.cost.online import OnlineCostModel, default_priors, update_tier_cost
 
 # 1 ms per token and nothing else; a 1000-byte block of 16 tokens. Every number below is
 # checkable by hand.

@@ -16,9 +16,9 @@ import msgpack
 import pytest
 import zmq
 
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.host import HostTier

@@ -1,4 +1,4 @@
-"""The same-host doorbell (cachestore.doorbell): requests over the daemon's Unix socket, bound
+"""The same-host doorbell (cachestore.server.doorbell): requests over the daemon's Unix socket, bound
 to the tenant whose hello issued the one-time secret; ZMQ whenever the doorbell is missing,
 refused or broken; a daemon restart is misses, then hits, never an error."""
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cachestore.server import CacheServer
-from cachestore.store import HierarchicalStore
+from cachestore.server.daemon import CacheServer
+from cachestore.store.hierarchical import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import (
     RawFramed,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import zmq_ask
 from tiers.base import TierError

@@ -1,4 +1,4 @@
-"""Zero-copy same-host gets (cachestore.leases): a doorbell client reads the daemon's host slab
+"""Zero-copy same-host gets (cachestore.server.leases): a doorbell client reads the daemon's host slab
 in place; leases pin the blocks until the client's next call, its close or its death; only one
 namespace's slab is ever mapped; over TCP nothing changes."""
 
@@ -19,8 +19,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tiers import host_memfd
 from tiers.host import HostTier
@@ -97,7 +97,7 @@ def test_in_place_gets_return_the_right_bytes(daemon: Daemon,
     assert all(v.readonly for v in got)  # views of the read-only mapping, no copy
     assert tier.num_in_place == 6 and daemon.granted() == 6
     assert daemon.held_bytes() == 6 * SIZE and daemon.host.num_pins() == 6
-    from cachestore.server_admin import _LiveCollector
+    from cachestore.server.admin import _LiveCollector
 
     gauges = {m.samples[0].name: m.samples[0].value for m in _LiveCollector(lambda: daemon.srv).collect()
               if m.name.startswith("kvtier_server_leased")}

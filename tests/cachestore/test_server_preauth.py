@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.server import CacheServer
+from cachestore.server.daemon import CacheServer
 from tests.cachestore.wire_helpers import RawFramed, served, tenant_daemon, zmq_ask
 from tests.servers import free_port
 from tiers.base import TierError
@@ -292,7 +292,7 @@ def test_stream_request_arenas_are_bounded(quick_daemon: CacheServer) -> None:
     """Issue 16 F7: attached connections share MAX_ARENA_BYTES of reused request buffers;
     past it a connection still works (buffers freed after each request), and a closed
     connection gives its arena back."""
-    from cachestore.doorbell import MAX_ARENA_BYTES, REQUEST_ARENA_BYTES
+    from cachestore.server.doorbell import MAX_ARENA_BYTES, REQUEST_ARENA_BYTES
 
     stream = quick_daemon.stream
     assert stream is not None and stream.port is not None

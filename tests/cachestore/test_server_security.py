@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from cachestore.codec import BlockMeta, encode_block
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.lmdb import LmdbTier

@@ -1,4 +1,4 @@
-"""The TCP stream (cachestore.doorbell with ``tcp``): clients without a shared segment send
+"""The TCP stream (cachestore.server.doorbell with ``tcp``): clients without a shared segment send
 requests and payload frames over a plain TCP connection bound to the tenant whose hello issued
 the one-time secret; ZMQ whenever the stream is off, refused or broken; a daemon restart is
 misses, then hits, never an error."""
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cachestore.server import CacheServer
-from cachestore.store import HierarchicalStore
+from cachestore.server.daemon import CacheServer
+from cachestore.store.hierarchical import HierarchicalStore
 from tests.cachestore.store_helpers import sized_block
 from tests.cachestore.wire_helpers import (
     RawFramed,

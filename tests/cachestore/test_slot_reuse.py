@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tiers.base import TierError, Value
 from tiers.host import HostTier

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cachestore.codec import BlockMeta, encode_block
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import (
     KEYS,
     PREFIX,
@@ -292,7 +292,7 @@ def test_encoded_reads_delete_usage_and_drops(tmp_path: Path) -> None:
 
 def test_stage_host_places_and_pins_only_what_fits(tmp_path) -> None:
     from cachestore.codec import BlockMeta, encode_block, encoded_size
-    from cachestore.store import HierarchicalStore, StoreConfig
+    from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
     from tiers.host import HostTier
     from tiers.lmdb import LmdbTier
 

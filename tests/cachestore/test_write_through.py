@@ -1,4 +1,4 @@
-"""The store's write policies (``cachestore.write_through``) on real tiers: a host tier over LMDB
+"""The store's write policies (``cachestore.store.write_through``) on real tiers: a host tier over LMDB
 (files in tmp_path) and over a real redis-server.
 
 - ``write_through``: every saved block reaches the lower tier without an eviction, counted;
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import decode_block
-from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.store_types import WritePolicy, write_policies
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from cachestore.store.types import WritePolicy, write_policies
 from tests.cachestore.store_helpers import KEYS, PREFIX, SIZE, block, counters
 from tiers.config import (
     WRITE_BACK,

@@ -11,9 +11,9 @@ from typing import Any
 import msgpack
 import zmq
 
-from cachestore.doorbell import Doorbell
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.server.doorbell import Doorbell
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.host import HostTier
 from tiers.remote.bell_framing import MessageReader, send_message
 from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import BlockMeta, encode_block
-from cachestore.cost_online import OnlineCostModel, default_priors
+from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.base import (
     BlockLoad,
     BlockSave,

@@ -172,7 +172,7 @@ def test_compressed_blocks_keep_outputs_across_tiers_and_a_restart(
 
 def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_path: Path) -> None:
     from cachestore.codec import encoded_size
-    from cachestore.store import HierarchicalStore, StoreConfig
+    from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
     from connectors.base import BlockLoad, BlockSave, KVConnectorMetadata
     from connectors.offload_stats import OffloadStats
     from connectors.offload_worker import OffloadWorker, block_meta

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.cost_online import default_priors
+from cachestore.cost.online import default_priors
 from connectors.offload_calibration import prefill_sizes
 from connectors.offload_config import parse_offload_config
 from tests.connectors.test_offload import GREEDY, VOCAB, make_llm

@@ -7,8 +7,8 @@ import json
 import random
 from pathlib import Path
 
-from cachestore.cost_model import PrefillCost, TierCost
-from cachestore.cost_online import OnlineCostModel
+from cachestore.cost.model import PrefillCost, TierCost
+from cachestore.cost.online import OnlineCostModel
 from engine import SamplingParams
 from tests.connectors.test_offload import SLOT, VOCAB, host_lmdb, make_llm, run_conversations
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cachestore.codec import encode_block, encoded_size
-from cachestore.cost_online import OnlineCostModel, default_priors
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.cost.online import OnlineCostModel, default_priors
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.base import BlockLoad, KVConnectorMetadata
 from connectors.offload_stats import OffloadStats
 from connectors.offload_worker import OffloadWorker, block_meta

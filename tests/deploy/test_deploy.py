@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from cachestore.server import CacheServer, RequestRecord, ServerConfig
-from cachestore.server_admin import METRIC_NAMES, AdminMetrics
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.admin import METRIC_NAMES, AdminMetrics
+from cachestore.server.daemon import CacheServer, RequestRecord, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.config import parse_tier_config
 from tiers.lmdb import LmdbTier
 from tiers.remote.protocol import ErrorCode

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers import create_tier

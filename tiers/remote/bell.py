@@ -1,9 +1,9 @@
-"""One client thread's doorbell connection to ``kvtier cache-server`` (``cachestore.doorbell``):
+"""One client thread's doorbell connection to ``kvtier cache-server`` (``cachestore.server.doorbell``):
 a Unix socket (or the daemon's TCP stream, ``address`` a (host, port) pair) attached with the
 hello's one-time secret, over which the thread's requests go (``tiers.remote.conn.Connections``
 decides when). With ``want_slab`` it asks for the daemon's
 host slab: a sealed memfd that arrives with the attach reply (SCM_RIGHTS) and is mapped
-read-only here (``tiers.host_memfd.map_readonly``), so that leased gets (``cachestore.leases``)
+read-only here (``tiers.host_memfd.map_readonly``), so that leased gets (``cachestore.server.leases``)
 are read in place. Not thread-safe: one per client thread.
 """
 

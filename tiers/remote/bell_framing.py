@@ -1,4 +1,4 @@
-"""Framing of the same-host doorbell (``cachestore.doorbell``): one message on a Unix stream
+"""Framing of the same-host doorbell (``cachestore.server.doorbell``): one message on a Unix stream
 socket is ``<II`` (header length, payload count), one ``<Q`` size per payload, the msgpack
 header, the payloads. Both directions, daemon and client (``tiers.remote.conn``) alike.
 

@@ -9,17 +9,17 @@
 - Same host: the first request of a thread sends a ``hello`` naming a fresh shared-memory
   segment (``tiers.remote.shm``); if the daemon maps it, payloads can move through it. ``grow``
   replaces it with a larger one (a new hello).
-- Doorbell (``cachestore.doorbell``): when the hello reply offers one, the thread connects to
+- Doorbell (``cachestore.server.doorbell``): when the hello reply offers one, the thread connects to
   the daemon's Unix socket with the one-time secret and sends its requests there (same
   headers, payloads still in the segment). A refused or broken doorbell is dropped and the
   call goes over ZMQ instead, transparently; only a timeout is an error (as on ZMQ).
-- TCP stream (``cachestore.doorbell``, ``tcp``): a thread without a segment (another host,
+- TCP stream (``cachestore.server.doorbell``, ``tcp``): a thread without a segment (another host,
   shm off) asks for the daemon's TCP stream in its hello (``use_stream``); when offered, it
   connects to that port on the url's host with the one-time secret and sends its requests
   and payload frames there (one blocking socket, no ZMQ I/O threads). A broken stream is
   dropped and the call goes over ZMQ; the next call says hello again (a restarted daemon
   offers a new stream).
-- Leases (``cachestore.leases``): with ``use_leases`` the attach asks for the daemon's host
+- Leases (``cachestore.server.leases``): with ``use_leases`` the attach asks for the daemon's host
   slab; if it comes (a sealed memfd over SCM_RIGHTS), ``Bell.slab`` is a read-only mapping
   of it, and gets ask for leases (``lease: true``): a reply may then carry ``slab_offsets``
   instead of copies (a miss or a cap reached: copies, as before). The first request of the

@@ -18,7 +18,7 @@ verified before anything is stored), ``shm`` (same-host fast path, see ``tiers.r
 Response header: ``id``, ``code`` (``ErrorCode``), ``error`` (message, empty when ok), and per op
 ``count`` (lookup), ``sizes`` (get: ``-1`` for a miss; the payload frames carry the hits in key
 order, or ``shm_offsets`` says where they were written), ``stored``/``evicted`` (put),
-``deleted`` (delete), ``stats``. A get served in place over the doorbell (``cachestore.leases``)
+``deleted`` (delete), ``stats``. A get served in place over the doorbell (``cachestore.server.leases``)
 answers ``slab_offsets`` (where each block lies in the daemon's host slab) instead; a request
 carrying ``release: true`` first gives back the leases its connection held.
 
@@ -335,7 +335,7 @@ class TokenTable:
     def one_open_namespace(self) -> bool:
         """True when every token speaks for the same tenant with no key-prefix restriction:
         any token may then read every block the daemon holds, which is what a mapping of the
-        host slab exposes (``cachestore.leases``)."""
+        host slab exposes (``cachestore.server.leases``)."""
         tenants = set(self._by_digest.values())
         return len(tenants) == 1 and not next(iter(tenants)).key_prefixes
 

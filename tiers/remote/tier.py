@@ -15,15 +15,15 @@ timeout_s: ... | timeout_ms: ...}`` (``tiers.config.RemoteTierConfig``).
   segment (``tiers.remote.shm``); if the daemon maps it, payloads move through it and only
   headers cross the socket. Otherwise, or whenever the daemon forgets the segment, frames.
   With ``use_doorbell`` (default) those headers go over the daemon's same-host Unix socket
-  (``cachestore.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
+  (``cachestore.server.doorbell``) instead of ZMQ when the hello offers one; ZMQ stays the fallback.
 - Without a segment (another host, or shm off) and with ``use_stream`` (default), requests and
-  payload frames go over the daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain
+  payload frames go over the daemon's TCP stream (``cachestore.server.doorbell``, ``tcp``: a plain
   socket served by one daemon thread) when the hello offers one; ZMQ stays the fallback.
 - Waiting for a reply (doorbell or stream, or ZMQ to a loopback/ipc url), the thread polls for
   ``spin_us`` before it blocks (a wake-up costs more than a short single-key request on a
   small VM); 0: block at once. Replies from another machine are waited for blocking, and so
   are ZMQ replies behind a large message (``tiers.remote.conn.SPIN_MAX_BYTES``).
-- Zero-copy same host (``use_leases``, ``cachestore.leases``): when the daemon's host slab
+- Zero-copy same host (``use_leases``, ``cachestore.server.leases``): when the daemon's host slab
   holds one namespace, the doorbell hands it over (read-only) and a get of host hits returns
   views of it, the blocks leased (pinned) until this thread's next call or ``close``.
 - ``get_many`` values are memoryviews (of a received frame, of this thread's segment or,

@@ -37,8 +37,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cachestore.guarded_tiers import GuardedTiers
-from cachestore.store_types import PinningTier, WritePolicy
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.types import PinningTier, WritePolicy
 from tiers.base import Value
 from tiers.config import WRITE_THROUGH
 

@@ -2,7 +2,7 @@
 
 Feeds the namespace quota (``ServerLimits.max_namespace_bytes``), ``/stats`` and the
 ``kvtier_server_namespace_*`` gauges. Internal keys are ``tenant/prefix/hex`` (see
-``cachestore.server_ops``), so a key names its tenant.
+``cachestore.server.ops``), so a key names its tenant.
 """
 
 from __future__ import annotations

@@ -12,20 +12,20 @@
   tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
-  to tier i+1 in the background, never blocking the caller (``cachestore.demotion``); a key the
+  to tier i+1 in the background, never blocking the caller (``cachestore.store.demotion``); a key the
   tier below already holds is not rewritten (one ``contains_many`` per batch).
-- Write policies (``StoreConfig.write_policies``, ``cachestore.write_through``): blocks saved to
+- Write policies (``StoreConfig.write_policies``, ``cachestore.store.write_through``): blocks saved to
   the top tier (``put_many``, ``commit_host``) are copied asynchronously to each write-through
   tier below, or at their N-th hit for a selective one; write-back tiers get them on eviction.
   ``shutdown_writes`` drains those queues (bounded) and flushes host-only blocks down to the
   first tier below the top: a graceful shutdown keeps what the host tier held.
 - Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
-  of the host slab for the offload connector (``cachestore.store_host``).
+  of the host slab for the offload connector (``cachestore.store.host``).
 - Pins and in-flight stores (``prepare_load``/``complete_load``, ``prepare_store``/
-  ``complete_store``): ``cachestore.pins``. ``put_many`` skips a key another ``put_many`` is
+  ``complete_store``): ``cachestore.store.pins``. ``put_many`` skips a key another ``put_many`` is
   writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
-  ``errors`` count, never an exception to the caller (``cachestore.guarded_tiers``); a
+  ``errors`` count, never an exception to the caller (``cachestore.store.guarded_tiers``); a
   CodecError is a miss plus ``corrupt``, and the bad value is deleted; a keyed block read
   under another key (``codec``, version 2; ``StoreConfig.block_key_skip``) is such a miss,
   counted ``wrong_key`` too. A failing tier is skipped
@@ -44,13 +44,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachestore.codec import CodecError, block_key_of, decode_block
-from cachestore.demotion import TierMovers
-from cachestore.guarded_tiers import GuardedTiers
-from cachestore.pins import StorePins
-from cachestore.store_host import HostFastPath
-from cachestore.store_metrics import register_prometheus
-from cachestore.store_types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
-from cachestore.write_through import DrainReport, WriteThrough
+from cachestore.store.demotion import TierMovers
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.host import HostFastPath
+from cachestore.store.metrics import register_prometheus
+from cachestore.store.pins import StorePins
+from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
+from cachestore.store.write_through import DrainReport, WriteThrough
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
@@ -222,7 +222,7 @@ class HierarchicalStore:
         if self.config.block_key_skip != skip:
             self.config = dataclasses.replace(self.config, block_key_skip=skip)
 
-    # -- host fast path (cachestore.store_host) --------------------------------------------
+    # -- host fast path (cachestore.store.host) --------------------------------------------
 
     def host_slab(self) -> SlabTier | None:
         """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
@@ -328,7 +328,7 @@ class HierarchicalStore:
             self._stats[i].add("written_back", written)
         return written
 
-    # -- pins (cachestore.pins) ----------------------------------------------------------
+    # -- pins (cachestore.store.pins) ----------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[str]) -> list[str]:
         """The keys this caller should store: not at the top tier and not being stored by

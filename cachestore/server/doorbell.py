@@ -31,7 +31,7 @@ Handshake and binding (the security model of the doorbell):
   token: a second tenant cannot ride on a connection it did not attach.
 - Payloads still travel through the segment; frames over the socket are allowed (a batch
   larger than the segment), bounded by the daemon's limits.
-- In-place reads (``cachestore.leases``): an attach that asks for them (``lease: true``) when
+- In-place reads (``cachestore.server.leases``): an attach that asks for them (``lease: true``) when
   the daemon offers them (one namespace in its slab) is answered with ``slab: true`` and the
   host slab's sealed memfd attached (SCM_RIGHTS); host-hit gets on that connection that ask
   (``lease: true``) then answer slab offsets under leases, released on ``release: true`` and
@@ -61,12 +61,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from cachestore.leases import ConnLeases, LeaseOffer
+from cachestore.server.leases import ConnLeases, LeaseOffer
 from tiers.remote.bell_framing import BellClosed, MessageReader, read_attach, send_message
 from tiers.remote.protocol import ErrorCode, Reply, ServerLimits, error_header, pack
 
 if TYPE_CHECKING:
-    from cachestore.server_ops import OpHandler
+    from cachestore.server.ops import OpHandler
 
 __all__ = ["BellClosed", "Doorbell", "MessageReader", "send_message"]
 SECRET_TTL_S = 30.0

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from cachestore.server import CacheServer, RequestRecord
+    from cachestore.server.daemon import CacheServer, RequestRecord
 
 METRIC_NAMES = (
     "kvtier_server_requests_total", "kvtier_server_request_seconds", "kvtier_server_keys_total",

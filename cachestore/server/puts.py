@@ -40,9 +40,9 @@ from tiers.remote.protocol import (
 )
 
 if TYPE_CHECKING:
-    from cachestore.server_reads import HostReads
-    from cachestore.server_usage import NamespaceUsage
-    from cachestore.store import HierarchicalStore
+    from cachestore.server.reads import HostReads
+    from cachestore.server.usage import NamespaceUsage
+    from cachestore.store.hierarchical import HierarchicalStore
 
 Hint = tuple[HeaderTemplate, int]  # (codec header template, encoded size) of a namespace
 

@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from cachestore.cost_model import PrefillCost, PrefillSample, TierCost
-from cachestore.cost_online import CostPriors, OnlineCostModel
+from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
+from cachestore.cost.online import CostPriors, OnlineCostModel
 from tiers.base import Tier
 
 # (new tokens, context tokens): lengths and context both vary so all three terms are determined.

@@ -27,8 +27,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.server_reads import HostReads
-from cachestore.store import HierarchicalStore
+from cachestore.server.reads import HostReads
+from cachestore.store.hierarchical import HierarchicalStore
 from tiers.host import HostTier
 from tiers.remote.protocol import Request
 

@@ -29,8 +29,8 @@ import sys
 import threading
 from pathlib import Path
 
-from cachestore.server_usage import NamespaceUsage
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.usage import NamespaceUsage
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Tier
 from tiers.config import parse_size
 
@@ -133,7 +133,7 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
     """The daemon's tier stack, top first. ``shared_host``: the host tier's slab in a sealed
-    memfd that clients can map read-only (``cachestore.leases``; private memory where that is
+    memfd that clients can map read-only (``cachestore.server.leases``; private memory where that is
     not supported). Raises ConfigError/ValueError with a clear message."""
     from tiers import build_tiers
     from tiers.config import (
@@ -186,8 +186,8 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cachestore.server import CacheServer, ServerConfig
-    from cachestore.server_admin import AdminMetrics, AdminServer, create_app
+    from cachestore.server.admin import AdminMetrics, AdminServer, create_app
+    from cachestore.server.daemon import CacheServer, ServerConfig
     from tiers.remote.protocol import ServerLimits, TokenTable
 
     try:

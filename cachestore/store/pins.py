@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cachestore.guarded_tiers import GuardedTiers
-from cachestore.store_types import PinningTier
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.types import PinningTier
 from tiers.base import Value
 
 

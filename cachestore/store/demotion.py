@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachestore.store_metrics import TierHealth, TierStats
+from cachestore.store.metrics import TierHealth, TierStats
 from tiers.base import Evicted, Value
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ the loop thread too (``OpHandler.serve_inline``: tens of microseconds, cheaper t
 hand-off); everything else goes to a worker pool running ``OpHandler.run``, whose replies the
 loop sends (a pipe wakes it). Workers never touch a socket. Replies may leave out of order;
 clients match them by request id. Same-host clients that attached a shared-memory segment may
-move to the doorbell (``cachestore.doorbell``): a Unix socket with one thread per connection
+move to the doorbell (``cachestore.server.doorbell``): a Unix socket with one thread per connection
 that parses and serves its requests itself, bound to the tenant that said hello.
 
 Contracts:
@@ -38,12 +38,12 @@ from typing import Any
 
 import zmq
 
-from cachestore.doorbell import Doorbell
-from cachestore.leases import LeaseOffer
-from cachestore.server_config import ServerConfig, is_loopback
-from cachestore.server_ops import OpHandler, Reply, RequestRecord
-from cachestore.server_usage import NamespaceUsage
-from cachestore.store import HierarchicalStore
+from cachestore.server.config import ServerConfig, is_loopback
+from cachestore.server.doorbell import Doorbell
+from cachestore.server.leases import LeaseOffer
+from cachestore.server.ops import OpHandler, Reply, RequestRecord
+from cachestore.server.usage import NamespaceUsage
+from cachestore.store.hierarchical import HierarchicalStore
 from tiers.remote import shm
 from tiers.remote.protocol import (
     OPEN_TENANT,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachestore.codec import HeaderTemplate, decode_block
-from cachestore.store import HierarchicalStore
+from cachestore.store.hierarchical import HierarchicalStore
 from tiers.base import Tier, Value
 from tiers.remote import shm
 from tiers.remote.protocol import ErrorCode, ProtocolError

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachestore.guarded_tiers import GuardedTiers
-from cachestore.store_types import SlabTier
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.types import SlabTier
 from tiers.base import Evicted, Value
 
 ReadFn = Callable[[Sequence[str]], list[Value | None]]  # encoded blocks or None, in key order

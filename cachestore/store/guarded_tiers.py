@@ -2,7 +2,7 @@
 
 ``GuardedTiers`` pairs tier i with its ``TierStats`` (named after the tier, with the index
 appended when two tiers share a name) and its ``TierHealth``. ``call(i, fn, default)`` is how the
-store and its parts (``cachestore.pins``, ``cachestore.store_host``) reach a tier: skipped while
+store and its parts (``cachestore.store.pins``, ``cachestore.store.host``) reach a tier: skipped while
 the tier backs off, any exception logged, counted and answered with ``default``
 (``store_metrics.call_with_backoff``), so a tier failure is a miss, never an exception.
 
@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from cachestore.store_metrics import TierHealth, TierStats, call_with_backoff
-from cachestore.store_types import StoreConfig
+from cachestore.store.metrics import TierHealth, TierStats, call_with_backoff
+from cachestore.store.types import StoreConfig
 from tiers.base import Tier
 
 T = TypeVar("T")

@@ -19,7 +19,7 @@ from tiers.config import WRITE_BACK, WRITE_POLICIES, TierStackConfig
 
 @dataclass(frozen=True, slots=True)
 class WritePolicy:
-    """When a block saved to the top tier reaches one lower tier (``cachestore.write_through``).
+    """When a block saved to the top tier reaches one lower tier (``cachestore.store.write_through``).
 
     ``hits``: for ``write_through_selective``, the hit (a read of the block from the store) at
     which it is queued. ``queue_blocks``: bound of the tier's write-through queue, in blocks;

@@ -3,7 +3,7 @@
 ``OpHandler.parse`` authenticates, checks keys and limits and maps client keys into the
 tenant's space (``prefix/hex`` is stored as ``tenant/prefix/hex``); ``run`` executes the op
 against the daemon's ``HierarchicalStore`` (worker pool); ``serve_inline`` answers a get or
-lookup that the host tier can serve whole on the loop thread (``cachestore.server_reads``).
+lookup that the host tier can serve whole on the loop thread (``cachestore.server.reads``).
 None of them raises: anything malformed is an error reply, a store failure an ``INTERNAL``
 reply (a miss to the client).
 
@@ -15,7 +15,7 @@ reply (a miss to the client).
   or whose header does not match, sends the whole request to the pool path.
 - put: every payload must match its size and checksum and be an encoded block
   (``cachestore.codec``) of its key's namespace, or nothing is stored (one pass over each
-  payload: ``cachestore.server_puts``). It is acknowledged only after ``put_many`` returned
+  payload: ``cachestore.server.puts``). It is acknowledged only after ``put_many`` returned
   having written it, i.e. after the store's write-through tier (LMDB under ``--data-dir``)
   committed it: an acknowledged put survives SIGKILL. Without a write-through tier, a put of
   at most ``INLINE_PUT_BYTES`` whose namespaces the daemon knows runs on the loop thread too.
@@ -31,11 +31,11 @@ from typing import Any
 
 import zmq
 
-from cachestore.leases import ConnLeases
-from cachestore.server_puts import PutClaims, put_views, store_put
-from cachestore.server_reads import HostReads, copy_out, shm_region
-from cachestore.server_usage import NamespaceUsage
-from cachestore.store import HierarchicalStore
+from cachestore.server.leases import ConnLeases
+from cachestore.server.puts import PutClaims, put_views, store_put
+from cachestore.server.reads import HostReads, copy_out, shm_region
+from cachestore.server.usage import NamespaceUsage
+from cachestore.store.hierarchical import HierarchicalStore
 from tiers.base import Tier, Value
 from tiers.remote import shm
 from tiers.remote.protocol import (
@@ -65,7 +65,7 @@ class OpHandler:
     Thread-safe: ``parse``/``serve_inline`` run on the loop thread, ``run`` on the pool. ``authenticate`` maps a token to a ``Tenant`` or
     raises ``ProtocolError``. ``segments`` is None when the shared-memory path is off. The
     handler does not own ``store`` (the daemon's owner closes it). ``offer_doorbell(tenant)``
-    gives the hello-reply fields of the same-host doorbell (``cachestore.doorbell``), if any;
+    gives the hello-reply fields of the same-host doorbell (``cachestore.server.doorbell``), if any;
     ``offer_stream(tenant)`` those of the TCP stream, offered to clients without a segment.
     """
 
@@ -211,7 +211,7 @@ class OpHandler:
     def serve_leased(self, req: Request, send: Callable[[Reply], None], leases: ConnLeases
                      ) -> bool:
         """Answer get ``req`` with where its host blocks lie in the slab, each pinned under
-        ``leases`` until that is released (``cachestore.leases``); False (nothing sent or
+        ``leases`` until that is released (``cachestore.server.leases``); False (nothing sent or
         pinned) when it must take the copy path (a miss, a foreign header, a cap reached)."""
         body = leases.grant(self._fast, req) if (
             self._fast is not None and req.op == "get" and req.ikeys) else None

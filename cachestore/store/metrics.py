@@ -40,7 +40,7 @@ class _Counters:
     dropped_at_bottom: int = 0  # evictions of the last tier: gone for good
     promotions: int = 0  # blocks queued for promotion into the top tier from this tier
     promotions_dropped: int = 0
-    # Write policies (cachestore.write_through), counted on the tier written to:
+    # Write policies (cachestore.store.write_through), counted on the tier written to:
     written_through: int = 0  # blocks copied here by a write-through lane
     written_back: int = 0  # blocks demoted here (evicted above) or flushed here at shutdown
     write_queue_dropped: int = 0  # blocks not copied: write-through queue full, or shutdown

@@ -1,4 +1,4 @@
-"""The learning cost model: ``cachestore.cost_model`` prices, fed by live measurements.
+"""The learning cost model: ``cachestore.cost.model`` prices, fed by live measurements.
 
 ``OnlineCostModel`` holds one ``TierCost`` per tier (the hop from that tier into pinned host
 memory; for ``host`` the hop host -> GPU) and one ``PrefillCost`` times a learned scale factor.
@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     DEFAULT_TIER_COSTS,
     LLAMA3_8B_H200_PREFILL,
     STRATEGY_RECOMPUTE,

@@ -1,5 +1,5 @@
-"""``ServerConfig``: the cache daemon core's one frozen config (``cachestore.server``), mapped
-one-to-one from ``kvtier cache-server`` flags (``cachestore.server_cli``), and the loopback
+"""``ServerConfig``: the cache daemon core's one frozen config (``cachestore.server.daemon``), mapped
+one-to-one from ``kvtier cache-server`` flags (``cachestore.server.cli``), and the loopback
 rule an open (token-less) daemon binds by. Pure data; thread-safe.
 """
 
@@ -36,7 +36,7 @@ class ServerConfig:
     # A doorbell or stream connection that has not attached, or a ZMQ peer that has not
     # finished its (token-checked) handshake, within this many seconds is dropped.
     attach_timeout_s: float = 3.0
-    # TCP stream (``cachestore.doorbell``, ``tcp``): clients without a shared segment (another
+    # TCP stream (``cachestore.server.doorbell``, ``tcp``): clients without a shared segment (another
     # host, or shm off) move requests and payload frames over a plain TCP connection served
     # by one thread each, instead of ZMQ. It binds the url's host at ``stream_port`` (0: a
     # free port, announced in the hello reply).
@@ -49,7 +49,7 @@ class ServerConfig:
     # then never wake another CPU, which on a small VM costs more than the work itself
     # (docs/cache_server.md, "TCP"). Worker-pool and doorbell threads stay unpinned.
     loop_cpu: int | None = None
-    # Zero-copy same-host gets (``cachestore.leases``): doorbell clients read a shared host
+    # Zero-copy same-host gets (``cachestore.server.leases``): doorbell clients read a shared host
     # slab in place when it holds one namespace; leased bytes capped overall (and at most a
     # quarter of the slab) and per connection. Past a cap, gets copy.
     leases: bool = True
