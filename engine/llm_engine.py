@@ -28,7 +28,7 @@ from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 
 if TYPE_CHECKING:
-    from connectors.offload import OffloadConnector
+    from engine.kv_connector import KVConnector
 
 
 @dataclass(slots=True)
@@ -82,9 +82,9 @@ class LLMEngine:
         )
         self.namespace = namespace
         kv_manager = KVCacheManager(self.pool, namespace, cache_cfg.enable_prefix_caching)
-        self.offload: OffloadConnector | None = None
+        self.offload: KVConnector | None = None
         if config.kv_offload:
-            from connectors.offload import CalibrationTarget, OffloadConnector
+            from engine.kv_connector import CalibrationTarget, create_kv_connector
 
             target = CalibrationTarget(
                 self.runner.execute_model,
@@ -92,8 +92,9 @@ class LLMEngine:
                 sched_cfg.max_num_batched_tokens,
                 self.runner.vocab_size,
             )
-            self.offload = OffloadConnector.create(
-                config.kv_offload_config, self.runner.kv_cache, namespace, calibration=target
+            self.offload = create_kv_connector(
+                "offload", config.kv_offload_config, self.runner.kv_cache, namespace,
+                calibration=target,
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)

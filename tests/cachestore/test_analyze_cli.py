@@ -156,7 +156,7 @@ def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.C
     fewer bytes and restores cost less; it needs the layer count of a model profile."""
     if not SYNTHETIC.exists():
         pytest.skip(f"{SYNTHETIC} absent")
-    from connectors.kv_compress import Hi4Codec
+    from connectors.device.kv_compress import Hi4Codec
 
     head = tmp_path / "head.jsonl"
     head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
@@ -182,7 +182,7 @@ def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.C
 
 def test_stored_bytes_per_token_matches_the_codec_and_refuses_bad_geometry() -> None:
     from cachestore.kv_format import stored_bytes_per_token
-    from connectors.kv_compress import Hi4Codec
+    from connectors.device.kv_compress import Hi4Codec
 
     for layers, heads in ((32, 8), (28, 4), (80, 8)):
         kv = layers * heads * 128 * 2 * 2

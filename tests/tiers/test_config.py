@@ -288,7 +288,7 @@ def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
 
 
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
-    from connectors.offload_config import load_offload_config
+    from connectors.offload.config import load_offload_config
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("tiers: [{kind: host, capacity: 4GiB\n")

@@ -12,9 +12,9 @@ import random
 import pytest
 
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
-from connectors.offload_scheduler import OffloadScheduler
+from connectors.offload.scheduler import OffloadScheduler
 from engine import LLM, SamplingParams
-from tests.connectors.test_offload import SLOT, VOCAB, make_llm
+from tests.connectors.offload.test_connector import SLOT, VOCAB, make_llm
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""``compression: lossless`` (connectors/kv_compress.py): the 12-bit block format gives back
+"""``compression: lossless`` (connectors/device/kv_compress.py): the 12-bit block format gives back
 every byte (torch and Triton decoders alike), says when a block cannot be stored, and an
 engine storing compressed blocks produces the same greedy outputs as one without offload,
 across the host tier, LMDB and a restart, without ever reading another format's blocks."""
@@ -15,13 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (CPU kernels)
 
-from connectors.kv_compress import Hi4Codec  # noqa: E402
-from connectors.offload_config import parse_offload_config  # noqa: E402
-from connectors.offload_copy import SlabCopier  # noqa: E402
-from connectors.slab_runs import pad16  # noqa: E402
+from connectors.device.copy import SlabCopier  # noqa: E402
+from connectors.device.kv_compress import Hi4Codec  # noqa: E402
+from connectors.device.slab_runs import pad16  # noqa: E402
+from connectors.offload.config import parse_offload_config  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from tests.connectors.test_offload import run_conversations  # noqa: E402
+from tests.connectors.offload.test_connector import run_conversations  # noqa: E402
 from tiers.config import ConfigError  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton decoder runs
@@ -173,9 +173,9 @@ def test_compressed_blocks_keep_outputs_across_tiers_and_a_restart(
 def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_path: Path) -> None:
     from cachestore.codec import encoded_size
     from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
-    from connectors.base import BlockLoad, BlockSave, KVConnectorMetadata
-    from connectors.offload_stats import OffloadStats
-    from connectors.offload_worker import OffloadWorker, block_meta
+    from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata
+    from connectors.offload.stats import OffloadStats
+    from connectors.offload.worker import OffloadWorker, block_meta
     from tiers import build_tiers
     from tiers.config import parse_tier_config
 
@@ -263,7 +263,7 @@ def test_cuda_compressed_offload_keeps_outputs(model_dir: str, mode: str) -> Non
 
 
 def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
-    from connectors.offload_decode import staging_plan
+    from connectors.device.decode import staging_plan
 
     n, stride, cap = 100, 112, 1000
     slots = [9, 8, 7, 6, 5, 4, 3, 20, 0, 1, 2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 12]
@@ -323,7 +323,7 @@ def test_cuda_slab_copier_decodes_across_staging_chunks() -> None:
 
 
 def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
-    from connectors.copy2d import copy2d
+    from connectors.device.copy2d import copy2d
 
     src = torch.arange(200, dtype=torch.int32).to(torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)
@@ -349,7 +349,7 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
     """``to_device_layers``' staging (metadata first, then each group of layers' codes and low
     bytes by 2-D copies per run, two layer buffers in turn, rows per buffer by group width)
     run on the CPU: every block comes back, whatever the groups."""
-    import connectors.offload_decode as od
+    import connectors.device.decode as od
 
     monkeypatch.setattr(od, "LAYER_BYTES", layer_bytes)
     if per_copy < 0:  # what Llama-sized segments get: 8 layers a copy, the last 8 as 4, 2, 2
@@ -379,7 +379,7 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
 def test_layer_wise_decode_refuses_what_would_leave_its_bounds() -> None:
     """Segments whose parts would not stay 16-byte aligned get no layer-wise path; a block id
     outside the cache is an error before anything is copied."""
-    import connectors.offload_decode as od
+    import connectors.device.decode as od
 
     host = torch.zeros(1 << 16, dtype=torch.uint8)
     odd = Hi4Codec(4, 24)
@@ -403,7 +403,7 @@ def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch, p
     layer event completes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import connectors.offload_decode as od
+    import connectors.device.decode as od
 
     monkeypatch.setattr(od, "LAYER_BYTES", 1 << 20)
     cache, codec, rows, host, offsets, ids = llama_slab("cuda", 13)

@@ -13,24 +13,24 @@ from cachestore.codec import BlockMeta, encode_block
 from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
-from connectors.base import (
-    BlockLoad,
-    BlockSave,
-    ExternalHit,
-    KVConnectorMetadata,
-    LoadResult,
-    WorkerReport,
-)
-from connectors.offload_config import (
+from connectors.offload.config import (
     default_cache_dir,
     default_offload_config,
     load_offload_config,
     mem_available_bytes,
 )
-from connectors.offload_scheduler import OffloadScheduler
-from connectors.offload_stats import OffloadStats
+from connectors.offload.metadata import (
+    BlockLoad,
+    BlockSave,
+    KVConnectorMetadata,
+    LoadResult,
+    WorkerReport,
+)
+from connectors.offload.scheduler import OffloadScheduler
+from connectors.offload.stats import OffloadStats
 from engine.block_pool import BlockPool
 from engine.core_types import SchedulerOutput
+from engine.kv_connector import ExternalHit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from tiers.config import ConfigError, HostTierConfig, LmdbTierConfig

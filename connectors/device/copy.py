@@ -16,13 +16,13 @@ saved in order gets them) and moves each run as ONE copy of the whole span (head
 padding included) into a device staging buffer, then one ``index_copy_`` of 8-byte words
 into the cache blocks. A per-block copy of 2 MiB reached 0.81x of the raw link on the H200
 where one large copy plus a device scatter reached 0.96x (``KVCache.scatter_blocks``, docs/
-offload.md "Session 3"); whether the runs get the same is for bench/offload.py "load_path"
+offload.md "Session 3"); whether the runs get the same is for bench/offload/main.py "load_path"
 (``coalesced`` row) to show, so it is off by default.
 
-``codec`` (``compression: lossless``, ``connectors.kv_compress``): the slab holds encoded
+``codec`` (``compression: lossless``, ``connectors.device.kv_compress``): the slab holds encoded
 payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
 themselves encode with the codec); ``to_device`` and ``to_device_layers`` hand the payloads to
-``connectors.offload_decode.StagedDecoder`` (device staging, then the Triton decoder).
+``connectors.device.decode.StagedDecoder`` (device staging, then the Triton decoder).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
-from connectors.kv_compress import Hi4Codec
-from connectors.offload_decode import StagedDecoder
-from connectors.slab_runs import ascending_runs
+from connectors.device.decode import StagedDecoder
+from connectors.device.kv_compress import Hi4Codec
+from connectors.device.slab_runs import ascending_runs
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
@@ -56,7 +56,7 @@ class SlabCopier:
         self._non_blocking = kv_cache.device.type == "cuda"
         # CUDA only: on a CPU cache a per-block copy is already one memcpy straight into the
         # block, and the staging would add a second pass (0.41x against 0.90x of a raw copy,
-        # bench/offload.py --quick). Tests set ``coalesce`` to run the same code on the CPU.
+        # bench/offload/main.py --quick). Tests set ``coalesce`` to run the same code on the CPU.
         self.coalesce = (coalesce and self._non_blocking and self.nbytes % 8 == 0
                          and self.nbytes <= STAGING_BYTES)
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use

@@ -13,9 +13,9 @@ import torch
 from cachestore.codec import encode_block, encoded_size
 from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
-from connectors.base import BlockLoad, KVConnectorMetadata
-from connectors.offload_stats import OffloadStats
-from connectors.offload_worker import OffloadWorker, block_meta
+from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
+from connectors.offload.stats import OffloadStats
+from connectors.offload.worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache, KVCacheSpec
 from tiers import build_tiers
 from tiers.config import parse_tier_config
@@ -174,7 +174,7 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import connectors.offload_loads as ow
+    import connectors.offload.loads as ow
 
     worker, store, cache, _ = parts
     keys, blobs = _host_blocks(worker, store, cache, 2)
@@ -203,7 +203,7 @@ def test_saves_land_in_host_slots_and_demote_with_valid_checksums(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from cachestore.codec import decode_block
-    from connectors.base import BlockSave
+    from connectors.offload.metadata import BlockSave
 
     worker, store, cache, _ = parts
     for b in range(6):
@@ -239,7 +239,7 @@ def test_saves_land_in_host_slots_and_demote_with_valid_checksums(
 def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
     """On CUDA: saves land in the pinned slab via the side stream and the seal thread; host
     loads are non_blocking slab -> cache copies on the side stream, reported once landed."""
-    from connectors.base import BlockSave
+    from connectors.offload.metadata import BlockSave
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     cache = KVCache(spec, 16, "cuda")

@@ -27,7 +27,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from cachestore.codec import PAYLOAD_ALIGN, encoded_size
@@ -36,28 +35,18 @@ from cachestore.cost.online import CostPriors, OnlineCostModel, default_priors
 from cachestore.hashing import Namespace
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from cachestore.store.types import write_policies
-from connectors import offload_calibration as cal
-from connectors.base import WorkerReport
-from connectors.kv_compress import Hi4Codec
-from connectors.offload_config import OffloadConfig, default_offload_config, load_offload_config
-from connectors.offload_scheduler import OffloadScheduler
-from connectors.offload_stats import OffloadStats
-from connectors.offload_worker import OffloadWorker, block_meta
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload import calibration as cal
+from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
+from connectors.offload.metadata import WorkerReport
+from connectors.offload.scheduler import OffloadScheduler
+from connectors.offload.stats import OffloadStats
+from connectors.offload.worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache
+from engine.kv_connector import CalibrationTarget
 from tiers import build_tiers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class CalibrationTarget:
-    """What start-up calibration needs from the engine to time prefills: the runner's
-    ``execute_model``, and the limits a throwaway prefill must respect."""
-
-    execute: cal.Execute
-    max_model_len: int
-    token_budget: int
-    vocab_size: int
 
 
 class OffloadConnector:

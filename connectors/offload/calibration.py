@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from cachestore.cost.calibration import DEFAULT_PREFILL_SIZES
-from connectors.kv_compress import Hi4Codec
-from connectors.slab_runs import pad16
+from connectors.device.kv_compress import Hi4Codec
+from connectors.device.slab_runs import pad16
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache import KVCache
 from engine.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
     as a load's host fast path does (``SlabCopier.to_device``), synchronized; returns seconds.
     With ``codec``, the slots hold encoded blocks and the copy decodes them. The one host
     buffer is allocated here, once."""
-    from connectors.offload_copy import SlabCopier
+    from connectors.device.copy import SlabCopier
 
     nbytes = kv_cache.bytes_per_block if codec is None else codec.payload_bytes
     # Encoded payloads sit 16-byte aligned in the slab (the decoder needs it), raw ones anywhere.

@@ -58,20 +58,20 @@ class OffloadConfig:
     in_step_host_loads: bool = True
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
     # layer's attention waiting only for its layer (with compression: groups of layers' parts
-    # of every block by driver 2-D copies, then decoded; connectors/offload_decode.py).
+    # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
     # "auto" (the default): on with compression, where the H200 measured it faster (a 16K
     # prefix in 38-39 ms against 42-46 whole, docs/offload.md run 27), off for raw blocks,
     # where it did not beat whole-block copies.
     layered_loads: bool | str = "auto"
     # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at
-    # least 128 KiB; connectors/offload_decode.py). Fewer layers a copy overlap more of the
+    # least 128 KiB; connectors/device/decode.py). Fewer layers a copy overlap more of the
     # forward but narrow the DMA rows.
     layers_per_copy: int = 0
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device
-    # scatter instead of one copy per block (connectors/offload_copy.py). Off by default
-    # until bench/offload.py "load_path" has measured it on a GPU.
+    # scatter instead of one copy per block (connectors/device/copy.py). Off by default
+    # until bench/offload/main.py "load_path" has measured it on a GPU.
     coalesced_loads: bool = False
-    # "lossless": blocks are stored (every tier) in connectors.kv_compress's 12-bit format,
+    # "lossless": blocks are stored (every tier) in connectors.device.kv_compress's 12-bit format,
     # 0.76x of the bytes with the same values back; their keys live in their own namespace.
     compression: str = "none"
     # Graceful shutdown (close): at most this long draining the write-through queues, and as

@@ -3,7 +3,7 @@ Redis, S3 and a ``kvtier cache-server`` although a 256 MiB host tier sits in fro
 never evicts here), and a second engine process loads it, with outputs identical to an engine
 without offload.
 
-Two engine processes (``tests/connectors/engine_child.py``), real servers (LMDB files,
+Two engine processes (``tests/connectors/offload/engine_child.py``), real servers (LMDB files,
 redis-server, moto's S3, a ``kvtier cache-server`` subprocess), ``decision: load``:
 
 - A runs four prompts of 85-150 tokens on three engines: host+LMDB (closed: a restart),
@@ -32,7 +32,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HOST = {"kind": "host", "capacity": "256MiB"}
 MAX_TOKENS = 8
 rng = random.Random(17)
@@ -47,7 +47,7 @@ def offload(*tiers: dict[str, Any]) -> dict[str, Any]:
 
 def spawn(model: str, engines: list[dict[str, Any]]) -> subprocess.Popen[str]:
     spec = json.dumps({"model": model, "engines": engines})
-    return subprocess.Popen([sys.executable, "-m", "tests.connectors.engine_child", spec],
+    return subprocess.Popen([sys.executable, "-m", "tests.connectors.offload.engine_child", spec],
                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 

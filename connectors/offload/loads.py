@@ -33,10 +33,10 @@ import torch
 from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
 from cachestore.cost.online import OnlineCostModel
 from cachestore.store.hierarchical import HierarchicalStore
-from connectors.base import BlockLoad, LoadResult
-from connectors.kv_compress import Hi4Codec
-from connectors.offload_copy import SlabCopier
-from connectors.offload_stats import OffloadStats
+from connectors.device.copy import SlabCopier
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.metadata import BlockLoad, LoadResult
+from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)

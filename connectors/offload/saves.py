@@ -29,10 +29,10 @@ import torch
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encode_block, encoded_size, seal_block
 from cachestore.store.hierarchical import HierarchicalStore
-from connectors.base import BlockSave
-from connectors.kv_compress import Hi4Codec
-from connectors.offload_copy import SlabCopier
-from connectors.offload_stats import OffloadStats
+from connectors.device.copy import SlabCopier
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.metadata import BlockSave
+from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import httpx
 from cachestore.codec import CodecError, decode_block
 from cachestore.hashing import block_key, hash_request_tokens
 from engine import LLM, SamplingParams
-from tests.connectors.test_write_policy import (
+from tests.connectors.offload.test_write_policy import (
     DISAGG,
     MAX_TOKENS,
     PROMPTS,

@@ -1,10 +1,10 @@
 """The offload connector's worker side: moves KV bytes between the GPU cache and the store.
 
-``OffloadWorker`` is the model runner's connector (``WorkerConnector``); it owns one side
-stream (CUDA) shared by its two halves:
-- ``HostSaver`` (connectors/offload_saves.py): blocks freed since the last step, copied from the
+``OffloadWorker`` is the model runner's connector (``engine.kv_connector.KVConnectorWorker``);
+it owns one side stream (CUDA) shared by its two halves:
+- ``HostSaver`` (connectors/offload/saves.py): blocks freed since the last step, copied from the
   GPU straight into reserved host-tier slots, sealed after the forward.
-- ``HostLoader`` (connectors/offload_loads.py): in-step loads (copied before this step's
+- ``HostLoader`` (connectors/offload/loads.py): in-step loads (copied before this step's
   forward), async loads (host fast path now, lower tiers through a staging thread), completion.
 
 Per step (``ModelRunner`` calls, engine thread):
@@ -25,11 +25,11 @@ import torch
 from cachestore.codec import BlockMeta
 from cachestore.cost.online import OnlineCostModel
 from cachestore.store.hierarchical import HierarchicalStore
-from connectors.base import BlockSave, KVConnectorMetadata, WorkerReport
-from connectors.kv_compress import Hi4Codec
-from connectors.offload_loads import HostLoader
-from connectors.offload_saves import HostSaver
-from connectors.offload_stats import OffloadStats
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.loads import HostLoader
+from connectors.offload.metadata import BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.saves import HostSaver
+from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
 KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] per block

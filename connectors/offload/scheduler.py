@@ -43,15 +43,10 @@ from cachestore.cost.model import (
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, Namespace
 from cachestore.store.hierarchical import HierarchicalStore
-from connectors.base import (
-    BlockLoad,
-    BlockSave,
-    ExternalHit,
-    KVConnectorMetadata,
-    WorkerReport,
-)
-from connectors.offload_stats import OffloadStats
+from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.stats import OffloadStats
 from engine.core_types import SchedulerOutput
+from engine.kv_connector import ExternalHit
 from engine.request import Request
 
 log = logging.getLogger(__name__)

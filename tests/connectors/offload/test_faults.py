@@ -14,7 +14,7 @@ import pytest
 
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
 from engine import LLM
-from tests.connectors.test_offload import GREEDY, VOCAB, make_llm
+from tests.connectors.offload.test_connector import GREEDY, VOCAB, make_llm
 
 USERS = 6
 

@@ -1,4 +1,4 @@
-"""SlabCopier's coalesced host -> cache copies (connectors/offload_copy.py) against its
+"""SlabCopier's coalesced host -> cache copies (connectors/device/copy.py) against its
 per-block copies, on the CPU (the same code path as CUDA, synchronous)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors import offload_copy
-from connectors.offload_copy import SlabCopier
-from connectors.slab_runs import MAX_SLOT_GAP, slot_runs
+from connectors.device import copy as offload_copy
+from connectors.device.copy import SlabCopier
+from connectors.device.slab_runs import MAX_SLOT_GAP, slot_runs
 from engine.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)  # 2 KiB blocks

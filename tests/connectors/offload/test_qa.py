@@ -1,4 +1,4 @@
-"""Regression: the multi-round QA workload (bench/offload.py, qa section) once stalled with
+"""Regression: the multi-round QA workload (bench/offload/main.py, qa section) once stalled with
 requests waiting, none running and most blocks held by loading requests. Several users x
 rounds over a shared system prompt, a pool too small for all of them, offload on: every round
 completes within a bounded number of steps with outputs identical to the no-offload engine."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.connectors.test_offload import VOCAB, make_llm
+from tests.connectors.offload.test_connector import VOCAB, make_llm
 
 USERS, ROUNDS, MAX_STEPS = 5, 3, 600
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

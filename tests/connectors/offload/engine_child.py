@@ -1,4 +1,4 @@
-"""An engine process for the write-policy tests: ``python -m tests.connectors.engine_child SPEC``.
+"""An engine process for the write-policy tests: ``python -m tests.connectors.offload.engine_child SPEC``.
 
 SPEC (JSON): ``{"model": DIR, "engines": [{"offload": {...} | null, "phases": [[prompt_ids,
 max_tokens], ...], "hold": bool}, ...]}``. Engines are built in order (CPU, float32, 16 GPU

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from cachestore.cost.online import default_priors
-from connectors.offload_calibration import prefill_sizes
-from connectors.offload_config import parse_offload_config
-from tests.connectors.test_offload import GREEDY, VOCAB, make_llm
+from connectors.offload.calibration import prefill_sizes
+from connectors.offload.config import parse_offload_config
+from tests.connectors.offload.test_connector import GREEDY, VOCAB, make_llm
 from tiers.config import ConfigError
 
 

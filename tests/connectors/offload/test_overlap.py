@@ -10,7 +10,13 @@ from pathlib import Path
 from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel
 from engine import SamplingParams
-from tests.connectors.test_offload import SLOT, VOCAB, host_lmdb, make_llm, run_conversations
+from tests.connectors.offload.test_connector import (
+    SLOT,
+    VOCAB,
+    host_lmdb,
+    make_llm,
+    run_conversations,
+)
 
 
 def test_forced_overlap_keeps_outputs_identical(model_dir: str, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ decode kernels on a second stream so that a decode runs beside the next copy:
   each payload) into one of two layer buffers, decoded into those layers of the cache blocks.
   One CUDA event per group, after its decode: the forward's attention of layer ``l`` waits
   only for its group's event (``KVCache.set_layer_ready``), so the forward runs while later
-  groups are still on the link. The copies are DMA (``connectors.copy2d``), the SMs stay
+  groups are still on the link. The copies are DMA (``connectors.device.copy2d``), the SMs stay
   free. On the H200 a 16K prefix loads so in 38-42 ms against 42-47 whole (docs/offload.md,
   session 6); one layer a copy (16-32 KiB rows, run 26) had been slower than whole payloads.
 
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import torch
 
-from connectors.copy2d import copy2d, copy2d_available
-from connectors.kv_compress import Hi4Codec, index_to_device, triton_decode_available
-from connectors.slab_runs import ascending_runs, pad16
+from connectors.device.copy2d import copy2d, copy2d_available
+from connectors.device.kv_compress import Hi4Codec, index_to_device, triton_decode_available
+from connectors.device.slab_runs import ascending_runs, pad16
 
 log = logging.getLogger(__name__)
 
