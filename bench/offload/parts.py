@@ -1,9 +1,9 @@
-"""Building blocks of bench/offload.py: the run's sizes (``Setup``), the random-weight model
+"""Building blocks of bench/offload/main.py: the run's sizes (``Setup``), the random-weight model
 (the Llama-3-8B shape built on the device, or a tiny config for CPU runs of the full path),
-and engine helpers with a stall guard (bench/offload_qa.py and bench/offload_sweep.py hold
+and engine helpers with a stall guard (bench/offload/qa.py and bench/offload/sweep.py hold
 the QA driver and the sweep's parts).
 
-Nothing here measures a section by itself; bench/offload.py composes these into sections.
+Nothing here measures a section by itself; bench/offload/main.py composes these into sections.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Setup:
     lmdb_max_len: int = 1 << 30  # the LMDB TTFT mode skips longer prefixes
     sweep_lengths: tuple[int, ...] = ()  # () = lengths
     host_capacity: int = 512 << 20
-    reload_modes: tuple[str, ...] = ()  # bench/offload.py's reload_steps modes (RELOAD_MODES)
+    reload_modes: tuple[str, ...] = ()  # bench/offload/main.py's reload_steps modes (RELOAD_MODES)
     qa_lossless: bool = False  # the QA section also runs offload with compression: lossless
     qa_decision: str = "cost"  # the QA section's offload decision (tests: "load", timing-free)
 

@@ -1,4 +1,4 @@
-"""bench/offload.py's multi-round QA section on a tiny random Llama (CPU): the event-driven
+"""bench/offload/main.py's multi-round QA section on a tiny random Llama (CPU): the event-driven
 driver (admission order, sequential rounds per user, bounded concurrency, prompt composition)
 and the section's figures (offload off never reuses an evicted history; offload on reloads it
 whole, and the per-request loaded tokens add up to the connector's counter)."""
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench.offload_parts import Setup, make_llm
-from bench.offload_qa import bench_qa, qa_order, qa_sizes, run_qa
+from bench.offload.parts import Setup, make_llm
+from bench.offload.qa import bench_qa, qa_order, qa_sizes, run_qa
 from engine.sampling_params import SamplingParams
 
 QA = {"users": 6, "rounds": 3, "concurrency": 2, "system": 32, "context": 160, "question": 16,

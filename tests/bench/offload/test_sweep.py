@@ -1,4 +1,4 @@
-"""bench/offload.py's cost-model sweep on CPU: its loads go through the engine's lower-tier load
+"""bench/offload/main.py's cost-model sweep on CPU: its loads go through the engine's lower-tier load
 path (cold, exact bytes, the throttle's floor), its calibration sizes, and the section's figures
 on a tiny random Llama (real LMDB in tmp dirs, no mocks)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.offload_parts import Setup
-from bench.offload_sweep import SweepLoads, bench_sweep, calibration_sizes
+from bench.offload.parts import Setup
+from bench.offload.sweep import SweepLoads, bench_sweep, calibration_sizes
 from cachestore.codec import decode_block, encoded_size
-from connectors.offload_worker import block_meta
+from connectors.offload.worker import block_meta
 from engine.kv_cache import KVCache, KVCacheSpec
 
 

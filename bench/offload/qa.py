@@ -1,4 +1,4 @@
-"""bench/offload.py's multi-round QA section in LMCache's shape: the event-driven driver
+"""bench/offload/main.py's multi-round QA section in LMCache's shape: the event-driven driver
 (users ask their rounds one after another, at most ``concurrency`` requests in flight, a fixed
 round-robin admission order, the same in both modes) and the section itself (offload on vs off).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.common import percentile
-from bench.offload_parts import (
+from bench.offload.parts import (
     _REQ_IDS,
     GREEDY1,
     Setup,

@@ -1,4 +1,4 @@
-"""bench/offload.py's cost-model sweep: a throttled LMDB tier behind the engine's own load path
+"""bench/offload/main.py's cost-model sweep: a throttled LMDB tier behind the engine's own load path
 (store -> staging thread -> host slab -> one copy per block), its calibration through that same
 path, the measured parts of each option, and the section itself (the model's choice against the
 measured best at each prefix length x tier speed).
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.offload_parts import (
+from bench.offload.parts import (
     GREEDY1,
     Setup,
     _ttft_once,
@@ -86,8 +86,8 @@ class SweepLoads:
     def __init__(self, kv: KVCache, lmdb_path: str, num_blocks: int) -> None:
         from cachestore.codec import encode_block, encoded_size
         from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
-        from connectors.offload_stats import OffloadStats
-        from connectors.offload_worker import OffloadWorker, block_meta
+        from connectors.offload.stats import OffloadStats
+        from connectors.offload.worker import OffloadWorker, block_meta
         from tiers.host import HostTier
         from tiers.lmdb import LmdbTier
 
@@ -113,7 +113,7 @@ class SweepLoads:
     def load(self, begin: int, end: int) -> float:
         """Seconds to load blocks ``[begin, end)`` from LMDB into cache blocks ``[0, n)``.
         Raises RuntimeError when fewer blocks arrive."""
-        from connectors.base import BlockLoad, KVConnectorMetadata
+        from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
 
         keys = tuple(self.keys[begin:end])
         n = len(keys)

@@ -1,9 +1,9 @@
 """KV offload benchmark: block transfers, TTFT with reload vs recompute, multi-round QA, and the
 cost model's choice against the measured best, each beside its baseline in the same run.
 
-    python bench/offload.py --out DIR            # CUDA: Llama-3-8B shape, random bf16 weights
-    python bench/offload.py --out DIR --quick    # CPU (or CUDA): the embedded demo model
-    python bench/offload.py --out DIR --tiny     # the full code path (random-weight loader,
+    python -m bench.offload --out DIR            # CUDA: Llama-3-8B shape, random bf16 weights
+    python -m bench.offload --out DIR --quick    # CPU (or CUDA): the embedded demo model
+    python -m bench.offload --out DIR --tiny     # the full code path (random-weight loader,
                                                  # bf16 on CUDA) with a tiny Llama config
 
 Runtime on one H200 is bounded by ``--lengths``, ``--lmdb-max-len`` (the LMDB TTFT mode only
@@ -58,8 +58,8 @@ The 8B shape is built directly on the device with random weights: ``engine.model
 ``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
 checkpoint is ever written. Prints one JSON document and a one-line summary; ``--out DIR`` also
 writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``; the rest run.
-Set-up and engine helpers live in bench/offload_parts.py, the QA section in
-bench/offload_qa.py, the sweep in bench/offload_sweep.py.
+Set-up and engine helpers live in bench/offload/parts.py, the QA section in
+bench/offload/qa.py, the sweep in bench/offload/sweep.py.
 """
 
 from __future__ import annotations
@@ -78,10 +78,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.common import machine_info  # noqa: E402
-from bench.offload_parts import (  # noqa: E402
+from bench.offload.parts import (  # noqa: E402
     GREEDY1,
     Setup,
     _ttft_once,
@@ -95,8 +95,8 @@ from bench.offload_parts import (  # noqa: E402
     run_requests,
     two_byte_kv,
 )
-from bench.offload_qa import bench_qa  # noqa: E402
-from bench.offload_sweep import bench_sweep  # noqa: E402
+from bench.offload.qa import bench_qa  # noqa: E402
+from bench.offload.sweep import bench_sweep  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
 # -- transfer -------------------------------------------------------------------------------
@@ -131,11 +131,11 @@ def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
 
 
 def bench_copy2d(setup: Setup, repeats: int = 5) -> dict[str, Any]:
-    """Host -> device 2-D copies (``connectors.copy2d``: the layer-wise loads' DMA) at several
+    """Host -> device 2-D copies (``connectors.device.copy2d``: the layer-wise loads' DMA) at several
     row widths, rows a compressed Llama-3-8B payload apart, against one plain copy of as many
     bytes in the same run. CUDA only (elsewhere it is a strided torch copy)."""
-    from connectors.copy2d import copy2d, copy2d_available
-    from connectors.kv_compress import Hi4Codec
+    from connectors.device.copy2d import copy2d, copy2d_available
+    from connectors.device.kv_compress import Hi4Codec
 
     if setup.device.type != "cuda" or not copy2d_available():
         return {"skipped": "needs CUDA and the driver's 2-D copies"}
@@ -163,11 +163,11 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     Best of ``repeats``; the cache's device is the setup's (CPU for --quick/--tiny)."""
     from cachestore.codec import encode_block, encoded_size
     from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
-    from connectors.base import BlockLoad, KVConnectorMetadata
-    from connectors.kv_compress import Hi4Codec
-    from connectors.offload_stats import OffloadStats
-    from connectors.offload_worker import OffloadWorker, block_meta
-    from connectors.slab_runs import pad16
+    from connectors.device.kv_compress import Hi4Codec
+    from connectors.device.slab_runs import pad16
+    from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
+    from connectors.offload.stats import OffloadStats
+    from connectors.offload.worker import OffloadWorker, block_meta
     from tiers.host import HostTier
 
     dev, n = setup.device, max(setup.transfer_blocks, 64)
@@ -539,7 +539,7 @@ def _write(out_dir: str | None, res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for offload.json")
     ap.add_argument("--quick", action="store_true", help="demo model, small sizes (CPU-friendly)")
     ap.add_argument("--tiny", action="store_true",
