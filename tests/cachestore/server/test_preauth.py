@@ -29,7 +29,7 @@ from tiers.base import TierError
 from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, ServerLimits, pack
 from tiers.remote.zap import PLAIN_USERNAME
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "tok-alice-0001"
 TOKENS = f"{TOKEN} alice\n"
 TOTAL_BYTES = 3 << 30  # unauthenticated traffic per transport

@@ -15,7 +15,7 @@ from tests.servers import free_port
 from tiers.base import TierError
 from tiers.remote.tier import RemoteTier
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _start(port: int, data_dir: Path) -> subprocess.Popen[str]:

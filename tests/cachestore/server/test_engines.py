@@ -24,7 +24,7 @@ import pytest
 
 from tests.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPT_TOKENS = 72  # 4 full 16-token blocks + an 8-token tail
 MAX_TOKENS = 8
 

@@ -14,7 +14,7 @@ from cachestore.analyze.traces import detect_format, read_trace
 from cachestore.hashing import Namespace, hash_request_tokens
 from engine.cli import main as kvtier
 
-TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 SYNTHETIC = TRACES / "synthetic_trace.jsonl.gz"
 
 
@@ -108,7 +108,7 @@ def test_cli_outputs_on_the_synthetic_trace(tmp_path: Path, capsys: pytest.Captu
     assert (doc["requests"], doc["block_refs"], doc["unique_blocks"]) == (3993, 121877, 43924)
     assert [t["capacity_blocks"] for t in doc["tiers"]] == [2000, 6_000_000 // 512]
     total = 2000 + 6_000_000 // 512
-    from tests.cachestore.test_analyze_simulate import reference_lru
+    from tests.cachestore.analyze.test_simulate import reference_lru
 
     ref_blocks, ref_tokens = reference_lru(trace, total)
     assert doc["hit_blocks"] == ref_blocks == sum(t["hit_blocks"] for t in doc["tiers"])

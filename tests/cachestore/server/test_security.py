@@ -36,7 +36,7 @@ from tiers.remote.protocol import (
 from tiers.remote.tier import RemoteTier
 from tiers.remote.zap import secure_client
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOKENS = """# token namespace [key prefixes]
 tok-alice-0001 alice
 tok-bob-000002 bob

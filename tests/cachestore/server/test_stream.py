@@ -174,7 +174,7 @@ def test_cli_stream_flags(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     port, stream_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),

@@ -16,7 +16,7 @@ from cachestore.analyze.simulate import TierSpec, lru_hierarchy, replay
 from cachestore.analyze.stack_distance import COLD, lru_hit_curve, stack_distances
 from cachestore.analyze.traces import Trace, read_trace, trace_from_requests
 
-TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 def _trace(name: str) -> Trace:

@@ -30,7 +30,7 @@ from tiers.remote.tier import RemoteTier
 
 pytestmark = pytest.mark.skipif(not (shm.available() and host_memfd.available()),
                                 reason="no /dev/shm or memfd seals")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SLOT = 64 << 10
 SIZE = 60_000  # every block of these tests: one namespace, one size
 KEYS = [f"aaaa/{i:032x}" for i in range(6)]

@@ -27,7 +27,7 @@ from tiers.remote.protocol import PROTOCOL_VERSION, checksum
 from tiers.remote.tier import RemoteTier
 from tiers.remote.zap import secure_client
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
