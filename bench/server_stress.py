@@ -23,7 +23,7 @@ by kind, per-transport counts, the daemon's RSS over time) and a one-line summar
 Usage: .venv/bin/python bench/server_stress.py [--seconds 30] [--processes 4] [--threads 4]
        [--block-bytes 2MiB] [--host-capacity 256MiB] [--keys 96] [--tenants 2]
        [--no-inline-reads] [--data-dir DIR] [--repeat 1] [--out FILE]
-``run_stress`` is what tests/cachestore/test_server_stress.py calls (shorter, smaller).
+``run_stress`` is what tests/cachestore/server/test_stress.py calls (shorter, smaller).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 appended when two tiers share a name) and its ``TierHealth``. ``call(i, fn, default)`` is how the
 store and its parts (``cachestore.store.pins``, ``cachestore.store.host``) reach a tier: skipped while
 the tier backs off, any exception logged, counted and answered with ``default``
-(``store_metrics.call_with_backoff``), so a tier failure is a miss, never an exception.
+(``cachestore.store.metrics.call_with_backoff``), so a tier failure is a miss, never an exception.
 
 Thread-safe: the lists are fixed at construction and stats and health lock themselves.
 Torch-free.
