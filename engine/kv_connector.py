@@ -30,8 +30,6 @@ from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
 
 if TYPE_CHECKING:
-    import os
-
     from cachestore.hashing import Namespace
     from engine.kv_cache import KVCache
 
@@ -168,19 +166,26 @@ def kv_connector_names() -> list[str]:
     return sorted(_CONNECTORS)
 
 
+def kv_connector_class(name: str) -> Any:
+    """The class registered as ``name``, its module imported now. Raises ValueError for an
+    unknown name (ImportError if its module cannot be imported)."""
+    if name not in _CONNECTORS:
+        raise ValueError(f"unknown KV connector {name!r}; choose from {kv_connector_names()}")
+    module_name, class_name = _CONNECTORS[name]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 def create_kv_connector(
     name: str,
-    config: str | os.PathLike[str] | Mapping[str, Any] | object | None,
+    config: object,
     kv_cache: KVCache,
     namespace: Namespace,
     *,
     calibration: CalibrationTarget | None = None,
 ) -> KVConnector:
-    """Import connector ``name``'s module and build it with its ``create``. Raises ValueError
-    for an unknown name; the connector's own errors (a bad config, a tier that cannot be
-    built) propagate."""
-    if name not in _CONNECTORS:
-        raise ValueError(f"unknown KV connector {name!r}; choose from {kv_connector_names()}")
-    module_name, class_name = _CONNECTORS[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
+    """Build connector ``name`` with its class's ``create(config, kv_cache, namespace,
+    calibration=...)``; ``config`` is the connector's own (for ``offload``: a YAML path, a
+    mapping, an ``OffloadConfig`` or None for the defaults). Raises ValueError for an unknown
+    name; the connector's own errors (a bad config, a tier that cannot be built) propagate."""
+    cls = kv_connector_class(name)
     return cls.create(config, kv_cache, namespace, calibration=calibration)  # type: ignore[no-any-return]
