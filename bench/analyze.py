@@ -36,7 +36,7 @@ from cachestore.analyze.simulate import TierSpec  # noqa: E402
 from cachestore.analyze.stack_distance import lru_hit_curve  # noqa: E402
 from cachestore.analyze.summary import AnalyzeConfig, analyze  # noqa: E402
 from cachestore.analyze.traces import open_text, read_trace  # noqa: E402
-from cachestore.cost_model import get_model_profile  # noqa: E402
+from cachestore.cost.model import get_model_profile  # noqa: E402
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                              "traces", "conversation_trace.jsonl.gz")

@@ -90,7 +90,7 @@ fi
 BENCHES=(
   "attention|-m bench.attention ${ATTENTION_BENCH_ARGS:-} --out \$BENCH_OUT/attention.json|T_ATTENTION"
   "engine|-m bench.engine ${ENGINE_BENCH_ARGS:-} --out \$BENCH_OUT/engine.json|T_ENGINE"
-  "offload|bench/offload.py ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
+  "offload|-m bench.offload ${OFFLOAD_BENCH_ARGS:-} --out \$BENCH_OUT|T_OFFLOAD"
   "long_context|-m bench.long_context --model \$MODEL_DIR --out \$BENCH_OUT/long_context.json|T_LONG_CONTEXT"
   "soak|-m bench.soak --model \$MODEL_DIR ${SOAK_ARGS:-} --log-dir \$BENCH_OUT --out \$BENCH_OUT/soak.json|T_SOAK"
   "serving|-m bench.serving --model \$MODEL_DIR ${SERVING_ARGS:---qps 0.5,1,2 --duration-s 40} --log-dir /tmp/kvtier-serving --out \$BENCH_OUT/serving.json|T_SERVING"

@@ -12,7 +12,7 @@
   functions) and torch.profiler's CPU-side view of it (synchronizations and copies).
 
 Prints JSON and a one-line summary. A measurement tool, not a target: bench/engine.py and
-bench/offload.py hold the targets.
+bench/offload/main.py hold the targets.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ def profile_decode(quick: bool) -> dict[str, Any]:
 
 
 def profile_reload(length: int) -> dict[str, Any]:
-    from bench.offload import GREEDY1, _prefix_in_tiers_only
-    from bench.offload_parts import (
+    from bench.offload.main import GREEDY1, _prefix_in_tiers_only
+    from bench.offload.parts import (
         build_setup,
         close_llm,
         first_token_steps,

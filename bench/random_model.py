@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.offload_parts import LLAMA3_8B, TINY
+from bench.offload.parts import LLAMA3_8B, TINY
 
 SHAPES = {"llama-3-8b": {**LLAMA3_8B, "vocab_size": 512}, "tiny": TINY}
 SHARD_BYTES = 4 << 30

@@ -3,12 +3,12 @@
 Backends, each a separate server process on loopback:
 - ``redis``: redis-server (no persistence) through redis-py + hiredis (GET/SET, MGET/MSET batched)
 - ``daemon-tcp``: ``kvtier cache-server`` (a HierarchicalStore of one host-memory tier, no LMDB
-  write-through, like the memory-only redis) through tiers.remote, payload frames over the
-  daemon's TCP stream (``cachestore.doorbell``, ``tcp``: a plain socket, one daemon thread)
+  write-through, like the memory-only redis) through tiers.remote.tier, payload frames over the
+  daemon's TCP stream (``cachestore.server.doorbell``, ``tcp``: a plain socket, one daemon thread)
 - ``daemon-tcp-zmq``: the same over ZMQ (``use_stream=False``: the path before the stream)
 - ``daemon-shm``: the same daemon and client, same-host path: requests and replies over the
-  doorbell (a Unix socket, ``cachestore.doorbell``); gets of host blocks read in place from the
-  daemon's slab under leases (``cachestore.leases``: no copy at all), puts through the client's
+  doorbell (a Unix socket, ``cachestore.server.doorbell``); gets of host blocks read in place from the
+  daemon's slab under leases (``cachestore.server.leases``: no copy at all), puts through the client's
   shared-memory segment
 - ``daemon-shm-copy``: ``daemon-shm`` with leases off (``use_leases=False``): gets copied into
   the client's segment (the path before leases)
@@ -81,7 +81,7 @@ def _client(kind: str, url: str) -> Any:
         import redis
 
         return redis.Redis.from_url(url)
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
                       use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),

@@ -47,7 +47,7 @@ def _status_mib(pid: int) -> dict[str, int]:
 def client(url: str, seconds: float, seed: int, threads: int) -> None:
     """One client process: ``threads`` RemoteTier threads (doorbell, stream, ZMQ in turn)."""
     from tests.cachestore.store_helpers import sized_block
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     blocks = {f"app/{k:08x}": sized_block(f"app/{k:08x}", 2 << 20) for k in range(96)}
     stop = time.monotonic() + seconds

@@ -23,7 +23,7 @@ by kind, per-transport counts, the daemon's RSS over time) and a one-line summar
 Usage: .venv/bin/python bench/server_stress.py [--seconds 30] [--processes 4] [--threads 4]
        [--block-bytes 2MiB] [--host-capacity 256MiB] [--keys 96] [--tenants 2]
        [--no-inline-reads] [--data-dir DIR] [--repeat 1] [--out FILE]
-``run_stress`` is what tests/cachestore/test_server_stress.py calls (shorter, smaller).
+``run_stress`` is what tests/cachestore/server/test_stress.py calls (shorter, smaller).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ sys.path.insert(0, ROOT)
 import xxhash  # noqa: E402
 
 from cachestore.codec import BlockMeta, CodecError, decode_block, encode_block  # noqa: E402
-from cachestore.sizes import parse_size  # noqa: E402
 from tests.servers import free_port  # noqa: E402
+from tiers.config import parse_size  # noqa: E402
 
 # (name, RemoteTier options): what ``RemoteTier.transport()`` must then say, in RUN_TRANSPORT.
 TRANSPORTS: dict[str, dict[str, bool]] = {
@@ -132,7 +132,7 @@ class ThreadCounts:
 def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
                    counts: ThreadCounts) -> None:
     from tiers.base import TierError
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     transport = list(TRANSPORTS)[index % len(TRANSPORTS)]
     token, tenant = TENANTS[(index // len(TRANSPORTS)) % cfg.tenants]

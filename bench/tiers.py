@@ -36,8 +36,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info, percentile  # noqa: E402
-from cachestore.sizes import parse_size  # noqa: E402
 from tiers.base import Tier  # noqa: E402
+from tiers.config import parse_size  # noqa: E402
 
 Items = list[tuple[str, bytes]]
 

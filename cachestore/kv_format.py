@@ -1,4 +1,4 @@
-"""Sizes of the stored KV block formats, torch-free: ``connectors.kv_compress`` encodes the
+"""Sizes of the stored KV block formats, torch-free: ``connectors.device.kv_compress`` encodes the
 lossless ``hi4`` format with this layout, and ``kvtier analyze`` prices tiers holding it.
 
 ``hi4`` (``compression: lossless``) cuts a block into ``S = 2 * num_layers`` segments of ``M``

@@ -135,7 +135,7 @@ class KVCache:
     @staticmethod
     def _words(blocks: torch.Tensor) -> torch.Tensor:
         """``[n, words]`` 8-byte view of contiguous whole blocks: index kernels move a block
-        as 8-byte words instead of 2-byte elements (4x fewer, measured in bench/offload.py
+        as 8-byte words instead of 2-byte elements (4x fewer, measured in bench/offload/main.py
         "transfer"). Block bytes are a multiple of 8 (2 x block_size x ... elements)."""
         return blocks.view(blocks.shape[0], -1).view(torch.int64)
 

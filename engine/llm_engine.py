@@ -29,7 +29,7 @@ from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokeniz
 from engine.ttft import clean_api_times
 
 if TYPE_CHECKING:
-    from connectors.offload import OffloadConnector
+    from engine.kv_connector import KVConnector
 
 
 @dataclass(slots=True)
@@ -83,9 +83,9 @@ class LLMEngine:
         )
         self.namespace = namespace
         kv_manager = KVCacheManager(self.pool, namespace, cache_cfg.enable_prefix_caching)
-        self.offload: OffloadConnector | None = None
+        self.offload: KVConnector | None = None
         if config.kv_offload:
-            from connectors.offload import CalibrationTarget, OffloadConnector
+            from engine.kv_connector import CalibrationTarget, create_kv_connector
 
             target = CalibrationTarget(
                 self.runner.execute_model,
@@ -93,8 +93,9 @@ class LLMEngine:
                 sched_cfg.max_num_batched_tokens,
                 self.runner.vocab_size,
             )
-            self.offload = OffloadConnector.create(
-                config.kv_offload_config, self.runner.kv_cache, namespace, calibration=target
+            self.offload = create_kv_connector(
+                "offload", config.kv_offload_config, self.runner.kv_cache, namespace,
+                calibration=target,
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Protocol
 
 import torch
 
@@ -28,6 +27,7 @@ from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_connector import KVConnectorWorker
 from engine.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
 from engine.model_loader import LoadedModel, load_model, model_fingerprint
 from engine.runner_inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
@@ -42,18 +42,6 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class KVConnectorWorker(Protocol):
-    """The worker side of a KV connector as the runner calls it (implemented in connectors/).
-
-    Called from the engine thread only, once per step, in this order: ``start_load_kv``
-    before the forward pass, ``wait_for_save`` and ``after_step`` after it."""
-
-    def start_load_kv(self, metadata: object | None) -> None: ...
-
-    def wait_for_save(self) -> None: ...
-
-    def after_step(self, metadata: object | None) -> None: ...
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> cuda if available else cpu. Raises ValueError for cuda without CUDA."""

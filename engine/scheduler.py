@@ -17,10 +17,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from connectors.base import ExternalHit, SchedulerConnector
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import ExternalHit, SchedulerConnector
 from engine.request import Request, RequestStatus
 
 # Share of the token budget that running prefill chunks leave to waiting requests (when there

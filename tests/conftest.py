@@ -131,7 +131,7 @@ def s3_bucket(s3_server: S3Server) -> Iterator[str]:
 def s3_config(s3_server: S3Server, s3_bucket: str) -> dict[str, object]:
     """A tier-config dict (``{"kind": "s3", ...}``) for a fresh bucket on the session server.
 
-    Field names are those of ``tiers.s3.S3TierConfig`` / the ``s3`` kind in tier_config.
+    Field names are those of ``tiers.s3.S3TierConfig`` / the ``s3`` kind in ``tiers.config``.
     """
     creds = s3_server.credentials()
     config: dict[str, object] = {

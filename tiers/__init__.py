@@ -1,6 +1,6 @@
 """Tier registry: ``kind`` -> factory, each factory importing its backend module lazily.
 
-A factory takes the kind's frozen config (``cachestore.tier_config``) and returns a ready Tier.
+A factory takes the kind's frozen config (``tiers.config``) and returns a ready Tier.
 The built-in kinds resolve to these classmethods, so a backend module only needs to exist and
 expose its factory under this name (nothing imports it until that kind is configured).
 redis and s3 define their own frozen config dataclass; the parsed YAML config is converted to
@@ -10,18 +10,21 @@ it field by field (same names), so their ``__post_init__`` checks still run:
     lmdb    tiers.lmdb:LmdbTier.from_config(LmdbTierConfig)
     redis   tiers.redis:RedisTier.from_config(tiers.redis.RedisTierConfig)
     s3      tiers.s3:S3Tier.from_config(tiers.s3.S3TierConfig)
-    remote  tiers.remote:RemoteTier.from_config(RemoteTierConfig)
+    remote  tiers.remote.tier:RemoteTier.from_config(RemoteTierConfig)
 
+``build_tiers`` builds a whole configured stack (``tiers.config``) through it.
 ``register_tier`` adds or replaces a kind (tests, out-of-tree tiers). The registry is mutated
 only by ``register_tier``; it is safe to read from several threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.config import ConfigError, HostTierConfig, TierStackConfig, check_resources
 
 TierFactory = Callable[[Any], Tier]
 
@@ -51,7 +54,7 @@ def _s3(config: Any) -> Tier:
 
 
 def _remote(config: Any) -> Tier:
-    from tiers.remote import RemoteTier
+    from tiers.remote.tier import RemoteTier
 
     return RemoteTier.from_config(config)
 
@@ -81,6 +84,29 @@ def create_tier(config: Any) -> Tier:
         raise ValueError(f"no tier registered for kind {kind!r}; known: {tier_kinds()}")
     return factory(config)
 
+def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) -> list[Tier]:
+    """Construct every tier of ``config`` through this registry, top first.
 
-__all__ = ["Evicted", "Tier", "TierError", "TierUsage", "Value", "create_tier", "register_tier",
-           "tier_kinds"]
+    ``host_slot_bytes`` fills in a host tier's ``slot_bytes`` when the YAML leaves it out (the
+    engine knows its block size). ``check_resources`` first. On any failure the tiers built so
+    far are closed and the error propagates (ConfigError for a missing slot size or a resource
+    check, TierError or ImportError from a backend).
+    """
+    check_resources(config)
+    built: list[Tier] = []
+    try:
+        for cfg in config.tiers:
+            if isinstance(cfg, HostTierConfig) and cfg.slot_bytes is None:
+                if host_slot_bytes is None:
+                    raise ConfigError("host tier: 'slot_bytes' is not set and the engine gave none")
+                cfg = dataclasses.replace(cfg, slot_bytes=host_slot_bytes)
+            built.append(create_tier(cfg))
+    except BaseException:
+        for tier in built:
+            tier.close()
+        raise
+    return built
+
+
+__all__ = ["Evicted", "Tier", "TierError", "TierUsage", "Value", "build_tiers", "create_tier",
+           "register_tier", "tier_kinds"]

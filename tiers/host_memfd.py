@@ -1,6 +1,6 @@
 """Host-tier slab memory that other processes may map read-only: a sealed Linux memfd.
 
-Why: the cache daemon's same-host clients read host blocks in place (``cachestore.leases``)
+Why: the cache daemon's same-host clients read host blocks in place (``cachestore.server.leases``)
 instead of having them copied into their segment. The daemon's ``HostTier(shared=True)``
 allocates its slab here; the doorbell passes the fd to a client over its Unix socket
 (SCM_RIGHTS), and the client maps it with ``map_readonly``.

@@ -155,7 +155,7 @@ class RedisTier(Tier):
     @classmethod
     def from_config(cls, config: Any) -> RedisTier:
         """Registry factory (``tiers.redis:RedisTier.from_config``): accepts this module's config
-        or any config object (``cachestore.tier_config.RedisTierConfig``) with a subset of its
+        or any config object (``tiers.config.RedisTierConfig``) with a subset of its
         fields; absent fields take this module's defaults."""
         return cls(config_as(config, RedisTierConfig))
 

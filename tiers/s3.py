@@ -119,7 +119,7 @@ class S3Tier(Tier):
     @classmethod
     def from_config(cls, config: Any) -> S3Tier:
         """Registry factory (``tiers.s3:S3Tier.from_config``): accepts this module's config or
-        any config object (``cachestore.tier_config.S3TierConfig``) with a subset of its fields."""
+        any config object (``tiers.config.S3TierConfig``) with a subset of its fields."""
         return cls(config_as(config, S3TierConfig))
 
     def __repr__(self) -> str:

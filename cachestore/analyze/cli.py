@@ -14,7 +14,7 @@ import sys
 from cachestore.analyze.policies import POLICIES
 from cachestore.analyze.simulate import TierSpec
 from cachestore.analyze.traces import FORMATS, Trace, read_trace
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     DEFAULT_TIER_COSTS,
     MODEL_PROFILES,
     ModelProfile,

@@ -15,7 +15,7 @@ import numpy as np
 from cachestore.analyze.simulate import ProgressFn, ReplayResult, TierSpec, lru_hierarchy, replay
 from cachestore.analyze.stack_distance import COLD, StackDistances, lru_hit_curve, stack_distances
 from cachestore.analyze.traces import Trace
-from cachestore.cost_model import (
+from cachestore.cost.model import (
     DEFAULT_TIER_COSTS,
     LLAMA3_8B_H200_PREFILL,
     PrefillCost,

@@ -1,4 +1,4 @@
-"""Triton decode of ``connectors.kv_compress.Hi4Codec`` payloads into KV cache rows.
+"""Triton decode of ``connectors.device.kv_compress.Hi4Codec`` payloads into KV cache rows.
 
 Two kernels on the current stream: ``_values`` writes every 2-byte value of the segments
 asked for (codebook[code] << 8 | low, two values to a 32-bit word), then ``_escapes``

@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    from cachestore.sizes import parse_size
+    from tiers.config import parse_size
 
     try:
         return parse_size(text)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tiers.remote import RemoteTier
+from tiers.remote.tier import RemoteTier
 
 
 @pytest.fixture

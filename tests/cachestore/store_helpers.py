@@ -15,11 +15,11 @@ from typing import Any
 
 from cachestore.codec import BlockMeta, encode_block, encoded_size
 from cachestore.hashing import Namespace, block_key, hash_request_tokens
-from cachestore.server_protocol import checksum
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.host import HostTier
 from tiers.lmdb import LmdbTier
+from tiers.remote.protocol import checksum
 
 NS = Namespace("store-test")
 PREFIX = NS.key_prefix()

@@ -11,13 +11,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from cachestore.bell_framing import MessageReader, send_message
-from cachestore.doorbell import Doorbell
-from cachestore.server import CacheServer, ServerConfig
-from cachestore.server_protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack
-from cachestore.server_zap import secure_client
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.server.daemon import CacheServer, ServerConfig
+from cachestore.server.doorbell import Doorbell
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.host import HostTier
+from tiers.remote.bell_framing import MessageReader, send_message
+from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack
+from tiers.remote.zap import secure_client
 
 
 def zmq_ask(url: str, token: str, handshake_token: str | None = None, timeout_ms: int = 5000,

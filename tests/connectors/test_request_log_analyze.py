@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from cachestore.analyze.cli import add_arguments, main
-from tests.connectors.test_offload import host_lmdb, make_llm, run_conversations
+from tests.connectors.offload.test_connector import host_lmdb, make_llm, run_conversations
 
 
 def test_request_log_is_analyzed_and_agrees_with_the_engine(

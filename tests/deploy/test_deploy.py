@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cachestore.server import CacheServer, RequestRecord, ServerConfig
-from cachestore.server_admin import METRIC_NAMES, AdminMetrics
-from cachestore.server_protocol import ErrorCode
-from cachestore.store import HierarchicalStore, StoreConfig
-from cachestore.tier_config import parse_tier_config
+from cachestore.server.admin import METRIC_NAMES, AdminMetrics
+from cachestore.server.daemon import CacheServer, RequestRecord, ServerConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from tiers.config import parse_tier_config
 from tiers.lmdb import LmdbTier
+from tiers.remote.protocol import ErrorCode
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 REQUIRED: dict[str, list[str]] = {  # kind -> dotted paths that must exist

@@ -1,7 +1,7 @@
 """Tier fixtures for the contract suite: one ``make_tier`` per kind, built through the registry.
 
 ``make_tier(**overrides)`` parses ``{"kind": ..., **defaults, **overrides}`` with
-``cachestore.tier_config.parse_tier_entry`` and builds it with ``tiers.create_tier``, exactly as
+``tiers.config.parse_tier_entry`` and builds it with ``tiers.create_tier``, exactly as
 a YAML tier stack would be built. Calling it twice gives two client objects on the same backend
 (same LMDB path, Redis database or S3 bucket) — the restart-persistence tests rely on that.
 Every tier made is closed at teardown. A kind whose module does not exist yet is skipped with
@@ -59,8 +59,8 @@ def tier_kind(request: pytest.FixtureRequest) -> str:
 def make_tier(
     tier_kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[MakeTier]:
-    from cachestore.tier_config import parse_tier_entry
     from tiers import create_tier
+    from tiers.config import parse_tier_entry
 
     base = _base_config(tier_kind, request, tmp_path)
     made: list[Tier] = []

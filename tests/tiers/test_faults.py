@@ -4,7 +4,7 @@ Corrupt values are written behind the tier's back — with the ``lmdb`` module, 
 and boto3 ``put_object`` — then read through the tier and the codec: every one must be a miss
 (``None`` from the tier) or a ``CodecError`` with the expected reason, never a decoded block.
 
-The same plants read through ``cachestore.store.HierarchicalStore`` are misses with the
+The same plants read through ``cachestore.store.hierarchical.HierarchicalStore`` are misses with the
 store's ``corrupt`` counter raised and the bad values deleted. With redis-server SIGKILLed and
 the S3 server stopped mid-test, store reads miss and demotions are skipped, counted as errors,
 never raised; after both restart, the tiers are probed again once the backoff is over (a fake
@@ -20,7 +20,7 @@ import pytest
 
 from cachestore.codec import BlockMeta, CodecError, decode_block, encode_block, encode_block_into
 from cachestore.hashing import Namespace
-from cachestore.store import HierarchicalStore, StoreConfig
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.store_helpers import FakeClock, counters
 from tests.servers import RedisServer, S3Server
 from tests.tiers.conftest import MakeTier
@@ -210,7 +210,8 @@ def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
 ) -> None:
     if not (redis_server.managed and s3_server.managed):
         pytest.skip("external servers: cannot kill them")
-    from cachestore.tier_config import build_tiers, parse_tier_config
+    from tiers import build_tiers
+    from tiers.config import parse_tier_config
 
     clock = FakeClock(1000.0)
     backoff_s = 0.5

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from cachestore.tier_config import HostTierConfig
 from tiers import create_tier
 from tiers.base import Evicted
+from tiers.config import HostTierConfig
 from tiers.host import HostTier
 
 SLOT = 64

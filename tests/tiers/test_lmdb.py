@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cachestore.tier_config import LmdbTierConfig
 from tiers import create_tier
 from tiers.base import Evicted, TierError
+from tiers.config import LmdbTierConfig
 from tiers.lmdb import LmdbTier
 
 VAL = 100  # bytes per value; capacity 400 holds exactly four

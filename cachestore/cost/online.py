@@ -1,0 +1,262 @@
+"""The learning cost model: ``cachestore.cost.model`` prices, fed by live measurements.
+
+``OnlineCostModel`` holds one ``TierCost`` per tier (the hop from that tier into pinned host
+memory; for ``host`` the hop host -> GPU) and one ``PrefillCost`` times a learned scale factor.
+``decide`` prices a request with ``choose_split``; ``observe_transfer`` / ``observe_prefill``
+move the estimates by an exponentially weighted moving average (EWMA) with weight ``alpha``:
+
+- transfer of ``n`` bytes in ``t`` s on a tier with estimates ``(L, B)``: a sample whose
+  predicted copy time ``n/B`` is below ``L`` (or ``n == 0``) is latency-dominated and moves
+  the latency only: ``L += alpha * (max(t - n/B, 0) - L)``. Otherwise it moves the bandwidth
+  only: ``B += alpha * (n / (t - L) - B)``, with ``t`` in place of ``t - L`` when ``t <= L``
+  (the latency estimate alone cannot explain the sample). Each sample informs the term that
+  dominates it, holding the other fixed.
+- prefill of ``n`` tokens after ``c`` in ``t`` s: ``scale += alpha * (t / base(n, c) - scale)``
+  where ``base`` is the calibrated ``PrefillCost``; predictions use ``scale * base``.
+
+Samples with ``seconds <= 0`` (clock resolution) carry no information and are counted as
+ignored. Thread-safe: one lock guards the estimates; ``decide`` prices outside it on a
+consistent copy. Torch-free, no I/O. See docs/cost_model.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from cachestore.cost.model import (
+    DEFAULT_TIER_COSTS,
+    LLAMA3_8B_H200_PREFILL,
+    STRATEGY_RECOMPUTE,
+    Decision,
+    PrefillCost,
+    TierCost,
+    choose_split,
+    get_model_profile,
+    hops_to_gpu,
+)
+
+log = logging.getLogger(__name__)
+# An overlap split must predict at least this much less than the best other option (cost_model).
+OVERLAP_MARGIN = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class CostPriors:
+    """Start-up estimates for one machine and model, before calibration or live samples."""
+
+    name: str
+    tier_costs: dict[str, TierCost]
+    prefill: PrefillCost
+    block_bytes: int  # KV bytes of one full block across all layers
+    block_tokens: int = 16
+
+
+# A remote cache server is reached over loopback shared memory or TCP; a typical figure until
+# calibration measures it.
+_REMOTE_PRIOR = TierCost("remote", 200e-6, 5.0e9)
+
+# A tiny model on a few CPU cores (the embedded demo model, fp32): the "GPU" is host memory, so
+# the host hop is a memcpy. Rough figures from this project's 2-core CI machine; calibrate.
+_CPU_TIER_COSTS = {
+    t.name: t
+    for t in (
+        TierCost("host", 5e-6, 5.0e9),
+        TierCost("lmdb", 50e-6, 1.0e9),
+        TierCost("redis", 300e-6, 0.5e9),
+        TierCost("s3", 10e-3, 0.1e9),
+        TierCost("remote", 200e-6, 1.0e9),
+    )
+}
+_CPU_DEMO_PREFILL = PrefillCost(fixed_s=5e-3, per_token_s=60e-6, attention_s=5e-9)
+_DEMO_KV_BYTES_PER_TOKEN = 4 * 4 * 32 * 2 * 4  # 4 layers x 4 KV heads x 32 x (K, V) x fp32
+
+
+def default_priors(kind: str) -> CostPriors:
+    """Priors by name: ``h200-llama-3-8b`` (DESIGN.md "Physics": host 55.4 GB/s, prefill 1K
+    31 ms / 4K 120 ms / 16K 577 ms) or ``cpu`` (the demo model on a small CPU).
+    Raises ValueError for another name."""
+    if kind == "h200-llama-3-8b":
+        costs = {**DEFAULT_TIER_COSTS, "remote": _REMOTE_PRIOR}
+        block_bytes = get_model_profile("llama-3-8b").block_bytes(16)
+        return CostPriors(kind, costs, LLAMA3_8B_H200_PREFILL, block_bytes)
+    if kind == "cpu":
+        return CostPriors(kind, dict(_CPU_TIER_COSTS), _CPU_DEMO_PREFILL,
+                          _DEMO_KV_BYTES_PER_TOKEN * 16)
+    raise ValueError(f"unknown cost prior {kind!r}; choose 'h200-llama-3-8b' or 'cpu'")
+
+
+@dataclass(slots=True)
+class _TierState:
+    cost: TierCost
+    prior: TierCost
+    num_samples: int = 0
+
+
+@dataclass(slots=True)
+class _Counts:
+    transfers_ignored: int = 0
+    prefills_ignored: int = 0
+    prefill_samples: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)
+    predicted_saved_s: float = 0.0  # sum over decisions of (recompute - best) predicted
+
+
+class OnlineCostModel:
+    """Reload-versus-recompute decisions on EWMA-updated estimates. Thread-safe."""
+
+    def __init__(self, tier_costs: dict[str, TierCost], prefill: PrefillCost, block_bytes: int,
+                 block_tokens: int, *, alpha: float = 0.2) -> None:
+        """Raises ValueError for ``alpha`` outside (0, 1] or non-positive block sizes."""
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if block_bytes <= 0 or block_tokens <= 0:
+            raise ValueError(f"need block_bytes > 0 and block_tokens > 0, got "
+                             f"{block_bytes}, {block_tokens}")
+        self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
+        self.alpha = alpha
+        # Keyed by the dict key, which is the name the connector reports (``TierCost.name``
+        # is only a label).
+        self._tiers = {name: _TierState(cost, cost) for name, cost in tier_costs.items()}
+        # > 0: host-tier loads land layer by layer over this many layers while the rest of
+        # the prompt is computed (set by the KV connector when its loads do that).
+        self.pipelined_layers = 0
+        # An overlap (Cake) split must beat the best other option by this fraction (see
+        # cost_model.choose_split): its extra engine step is not priced.
+        self.overlap_margin = OVERLAP_MARGIN
+        self._prefill_base = prefill
+        self._prefill_scale = 1.0
+        self._counts = _Counts()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_priors(cls, priors: CostPriors, *, alpha: float = 0.2) -> OnlineCostModel:
+        return cls(dict(priors.tier_costs), priors.prefill, priors.block_bytes,
+                   priors.block_tokens, alpha=alpha)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def tier_costs(self) -> dict[str, TierCost]:
+        """The current estimate of every tier (frozen values; a copy)."""
+        with self._lock:
+            return {name: s.cost for name, s in self._tiers.items()}
+
+    def prefill_cost(self) -> PrefillCost:
+        """The current prefill model: the calibrated fit times the learned scale."""
+        with self._lock:
+            return _scaled(self._prefill_base, self._prefill_scale)
+
+    def decide(self, num_gpu_hit_blocks: int, source_tiers: list[str],
+               num_prompt_tokens: int) -> Decision:
+        """Price a prompt of ``num_prompt_tokens`` whose first ``num_gpu_hit_blocks`` blocks
+        are on the GPU and whose next ``len(source_tiers)`` blocks are served by the named
+        tiers (``source_tiers[i]`` for the i-th block after the GPU hit). A ``host`` block
+        costs the host -> GPU hop; any other tier's block costs that tier -> host and
+        host -> GPU, pipelined. Records the decision in the counters. Raises ValueError for
+        an unknown tier or block counts that exceed the prompt."""
+        if num_gpu_hit_blocks < 0:
+            raise ValueError(f"num_gpu_hit_blocks must be >= 0, got {num_gpu_hit_blocks}")
+        with self._lock:
+            costs = {name: s.cost for name, s in self._tiers.items()}
+            prefill = _scaled(self._prefill_base, self._prefill_scale)
+        hops = {name: hops_to_gpu(name, costs) for name in set(source_tiers)}
+        lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"),
+                         len(source_tiers))
+        decision = choose_split([hops[t] for t in source_tiers], self.block_tokens,
+                                self.block_bytes, num_prompt_tokens, prefill,
+                                computed_tokens=num_gpu_hit_blocks * self.block_tokens,
+                                pipelined_blocks=lead_host if self.pipelined_layers else 0,
+                                num_layers=max(self.pipelined_layers, 1),
+                                overlap_margin=self.overlap_margin)
+        recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
+                         if o.strategy == STRATEGY_RECOMPUTE)  # always priced by choose_split
+        with self._lock:
+            d = self._counts.decisions
+            d[decision.best.strategy] = d.get(decision.best.strategy, 0) + 1
+            self._counts.predicted_saved_s += recompute - decision.predicted_s
+        log.debug("cost decision: gpu_hit=%d cached=%d prompt=%d -> %s [%d, %d) %.6fs "
+                  "(recompute %.6fs)", num_gpu_hit_blocks, len(source_tiers), num_prompt_tokens,
+                  decision.best.strategy, decision.best.load_begin, decision.best.load_end,
+                  decision.predicted_s, recompute)
+        return decision
+
+    # -- learning ------------------------------------------------------------------------
+
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
+        """One measured transfer of ``nbytes`` from ``tier`` into host memory (``host``:
+        host -> GPU). A tier seen for the first time starts from this sample (latency 0).
+        Raises ValueError for negative ``nbytes``."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            if not seconds > 0:
+                self._counts.transfers_ignored += 1
+                return
+            state = self._tiers.get(tier)
+            if state is None:
+                if nbytes == 0:
+                    self._counts.transfers_ignored += 1
+                    return
+                first = TierCost(tier, 0.0, nbytes / seconds)
+                self._tiers[tier] = _TierState(first, first, 1)
+                return
+            state.cost = update_tier_cost(state.cost, nbytes, seconds, self.alpha)
+            state.num_samples += 1
+
+    def observe_prefill(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
+        """One measured prefill of ``num_tokens`` new tokens after ``context_tokens`` cached
+        ones, alone in its step. Raises ValueError for negative counts."""
+        if num_tokens < 0 or context_tokens < 0:
+            raise ValueError(f"token counts must be >= 0, got {num_tokens}, {context_tokens}")
+        base = self._prefill_base.time(num_tokens, context_tokens)
+        with self._lock:
+            if not seconds > 0 or not base > 0:
+                self._counts.prefills_ignored += 1
+                return
+            self._prefill_scale += self.alpha * (seconds / base - self._prefill_scale)
+            self._counts.prefill_samples += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data view for logs and /metrics: current and prior estimates, sample counts,
+        decision counts per strategy, predicted seconds saved against recomputing."""
+        with self._lock:
+            tiers = {name: {"latency_s": s.cost.latency_s,
+                            "bandwidth_bytes_per_s": s.cost.bandwidth_bytes_per_s,
+                            "prior_latency_s": s.prior.latency_s,
+                            "prior_bandwidth_bytes_per_s": s.prior.bandwidth_bytes_per_s,
+                            "num_samples": s.num_samples}
+                     for name, s in self._tiers.items()}
+            p, c = self._prefill_base, self._counts
+            return {
+                "alpha": self.alpha,
+                "block_bytes": self.block_bytes,
+                "block_tokens": self.block_tokens,
+                "tiers": tiers,
+                "prefill": {"fixed_s": p.fixed_s, "per_token_s": p.per_token_s,
+                            "attention_s": p.attention_s, "scale": self._prefill_scale,
+                            "num_samples": c.prefill_samples},
+                "decisions": dict(c.decisions),
+                "predicted_saved_s": c.predicted_saved_s,
+                "ignored": {"transfers": c.transfers_ignored, "prefills": c.prefills_ignored},
+            }
+
+
+def update_tier_cost(cost: TierCost, nbytes: int, seconds: float, alpha: float) -> TierCost:
+    """One EWMA step of the module docstring's transfer rule; returns a new TierCost.
+    Pure. ``seconds`` must be > 0."""
+    copy_s = nbytes / cost.bandwidth_bytes_per_s
+    if nbytes == 0 or copy_s < cost.latency_s:
+        sample = max(seconds - copy_s, 0.0)
+        return replace(cost, latency_s=cost.latency_s + alpha * (sample - cost.latency_s))
+    transfer_s = seconds - cost.latency_s if seconds > cost.latency_s else seconds
+    bandwidth = cost.bandwidth_bytes_per_s
+    return replace(cost, bandwidth_bytes_per_s=bandwidth + alpha * (nbytes / transfer_s - bandwidth))
+
+
+def _scaled(p: PrefillCost, scale: float) -> PrefillCost:
+    if scale == 1.0:
+        return p
+    return PrefillCost(p.fixed_s * scale, p.per_token_s * scale, p.attention_s * scale)

@@ -1,0 +1,13 @@
+"""The hierarchical store: one ordered stack of tiers behind one get / put / lookup.
+
+- ``hierarchical``: ``HierarchicalStore``; ``types``: its config and result types
+  (``StoreConfig``, ``WritePolicy``, ``LookupResult``, ``PinningTier``).
+- Its satellites: ``guarded_tiers`` (tier calls behind the failure backoff), ``pins`` (keys
+  pinned between ``prepare_load`` and ``complete_load``), ``demotion`` (the background movers:
+  promotions up, evictions one tier down), ``write_through`` (per-tier write policies), ``host``
+  (the fast path into the host tier's slab), ``metrics`` (per-tier counters, rate estimates and
+  backoff).
+
+Torch-free; imports tiers/, never engine/ or connectors/ (tests/test_layers.py). Importing the
+package itself imports nothing.
+"""

@@ -1,0 +1,429 @@
+"""The hierarchical store: one ordered list of tiers (top = fastest) behind one API.
+
+- ``lookup`` says, per tier, how many leading keys it holds, and for the chain which tier serves
+  each leading block (the first tier holding it); the chain is the longest prefix available
+  across all tiers.
+- ``get_many`` reads top-down, decodes through the codec (checksum, namespace), and queues
+  hits from lower tiers for promotion into the top tier (asynchronous).
+- ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
+  what a cache server hands on to its clients.
+- ``get_many_pinned``: the read for callers that use the values while other threads write:
+  a host-tier block is read only once pinned for this caller (others come from the lower
+  tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
+- ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
+  synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
+  to tier i+1 in the background, never blocking the caller (``cachestore.store.demotion``); a key the
+  tier below already holds is not rewritten (one ``contains_many`` per batch).
+- Write policies (``StoreConfig.write_policies``, ``cachestore.store.write_through``): blocks saved to
+  the top tier (``put_many``, ``commit_host``) are copied asynchronously to each write-through
+  tier below, or at their N-th hit for a selective one; write-back tiers get them on eviction.
+  ``shutdown_writes`` drains those queues (bounded) and flushes host-only blocks down to the
+  first tier below the top: a graceful shutdown keeps what the host tier held.
+- Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
+  of the host slab for the offload connector (``cachestore.store.host``).
+- Pins and in-flight stores (``prepare_load``/``complete_load``, ``prepare_store``/
+  ``complete_store``): ``cachestore.store.pins``. ``put_many`` skips a key another ``put_many`` is
+  writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
+- Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
+  ``errors`` count, never an exception to the caller (``cachestore.store.guarded_tiers``); a
+  CodecError is a miss plus ``corrupt``, and the bad value is deleted; a keyed block read
+  under another key (``codec``, version 2; ``StoreConfig.block_key_skip``) is such a miss,
+  counted ``wrong_key`` too. A failing tier is skipped
+  with exponential backoff (``TierHealth``), then probed again. ``on_drop`` hears of keys
+  dropped at the bottom.
+
+Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cachestore.codec import CodecError, block_key_of, decode_block
+from cachestore.store.demotion import TierMovers
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.host import HostFastPath
+from cachestore.store.metrics import register_prometheus
+from cachestore.store.pins import StorePins
+from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
+from cachestore.store.write_through import DrainReport, WriteThrough
+from tiers.base import Tier, TierUsage, Value
+
+__all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
+
+log = logging.getLogger(__name__)
+_SKIP: Any = object()  # a tier call that did not happen or failed
+
+
+class HierarchicalStore:
+    def __init__(self, tiers: Sequence[Tier], config: StoreConfig, *, registry: Any = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[list[str]], None] | None = None) -> None:
+        """Start one worker per tier. ``registry``: a prometheus_client CollectorRegistry.
+        ``on_drop(keys)`` is called (from the writing thread) with keys the last tier evicted.
+        Raises ValueError for no tiers or a ``write_through_to`` past the last tier."""
+        self._tiers = GuardedTiers(tiers, config, clock)
+        if config.write_through_to is not None and config.write_through_to >= len(tiers):
+            raise ValueError(f"write_through_to={config.write_through_to} but only "
+                             f"{len(tiers)} tier(s)")
+        self.tiers = self._tiers.tiers
+        self.config = config
+        self._stats = self._tiers.stats
+        self._call = self._tiers.call
+        self._pins = StorePins(self._tiers)
+        self._movers = TierMovers(self._stats, self._tiers.health, config.queue_batches,
+                                  self._write_back, on_drop)
+        policies = list(config.write_policies[:len(tiers)])
+        policies += [WritePolicy()] * (len(tiers) - len(policies))
+        self._through = WriteThrough(
+            self._tiers, policies, self._write,
+            read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
+                                               first_tier=1, count_hits=False))
+        self._host = HostFastPath(
+            self._tiers,
+            read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
+                                               first_tier=1),
+            write_top=lambda items: self._write(0, items),
+            demote=lambda evicted: self._movers.demote(0, evicted),
+        )
+        self._collector = None
+        if registry is not None:
+            self._collector = register_prometheus(registry, self._tier_rows)
+        self._registry = registry
+        self._closed = False
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> LookupResult:
+        """Side-effect free but for LRU refreshes inside tiers. Never raises for tier failures."""
+        per_tier = [self._call(i, lambda t: t.lookup(keys), 0) for i in range(len(self.tiers))]
+        # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
+        known = [(0, n) for n in per_tier]
+        served: list[int] = []
+        for p in range(len(keys)):
+            for i in range(len(self.tiers)):
+                start, n = known[i]
+                if p > start + n:  # past what we know: ask again from p
+                    start, n = p, self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    known[i] = (start, n)
+                if p < start + n:
+                    served.append(i)
+                    break
+            else:
+                break
+        per = tuple(TierLookup(s.name, n) for s, n in zip(self._stats, per_tier, strict=True))
+        return LookupResult(per_tier=per, served_by=tuple(served))
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
+
+        A payload from the host tier is a view into its slab: stable only while its entry is
+        pinned *for this caller*; a concurrent put may evict it and reuse the slot for another
+        key at any time otherwise (even right after a ``prepare_load`` that found the key
+        absent). Callers sharing the store with writers use ``get_many_pinned``. Others are
+        owned bytes.
+        """
+        return self._read(keys, decoded=True)
+
+    def get_many_encoded(self, keys: Sequence[str]) -> list[Value | None]:
+        """Like ``get_many`` (same checks, promotion, counters, view lifetime) but each hit is
+        the whole encoded block, checksum and namespace already verified; a block that fails
+        them is a miss and is deleted, exactly as in ``get_many``."""
+        return self._read(keys, decoded=False)
+
+    def get_many_pinned(self, keys: Sequence[str], decoded: bool = False
+                        ) -> tuple[list[Value | None], list[str]]:
+        """``get_many_encoded`` (``decoded``: ``get_many``) whose values stay valid while
+        other threads write: returns (values, pinned) where ``pinned`` are the keys this call
+        pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values.
+
+        A key is read from the host tier only when this call pinned it there first (one
+        ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
+        (owned bytes, promoted as usual) even if a concurrent put has placed it in the host
+        tier since -- a host view of an entry nobody pinned for us may be evicted and its slot
+        reused by another key while the caller still copies it (issue 16, F1). Without a
+        slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
+        failures."""
+        if self._host.slab is None or not keys:
+            return self._read(keys, decoded=decoded), []
+        flags = self._host.pin(keys)
+        mine = [j for j, f in enumerate(flags) if f]
+        rest = [j for j, f in enumerate(flags) if not f]
+        out: list[Value | None] = [None] * len(keys)
+        if mine:
+            for j, v in zip(mine, self._read([keys[j] for j in mine], decoded=decoded),
+                            strict=True):
+                out[j] = v
+        if rest:
+            self._stats[0].add("misses", len(rest))
+            for j, v in zip(rest, self._read([keys[j] for j in rest], decoded=decoded,
+                                             first_tier=1), strict=True):
+                out[j] = v
+        return out, [keys[j] for j in mine]
+
+    def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
+              first_tier: int = 0, count_hits: bool = True) -> list[Value | None]:
+        out: list[Value | None] = [None] * len(keys)
+        remaining = list(range(len(keys)))
+        promote: list[tuple[str, bytes]] = []
+        for i, tier in enumerate(self.tiers):
+            if not remaining:
+                break
+            if i < first_tier:
+                continue
+            wanted = [keys[j] for j in remaining]
+            t0 = time.perf_counter()
+            values = self._call(i, lambda t, w=wanted: t.get_many(w), _SKIP)
+            if values is _SKIP:
+                continue
+            seconds = time.perf_counter() - t0
+            still, corrupt, nbytes, wrong_key = [], [], 0, 0
+            skip = self.config.block_key_skip
+            for j, value in zip(remaining, values, strict=False):  # a tier's answer
+                if value is None:
+                    still.append(j)
+                    continue
+                nbytes += len(value)
+                try:
+                    block = decode_block(value, self.config.namespace,
+                                         expected_key=block_key_of(keys[j], skip))
+                    out[j] = block.payload if decoded else value
+                except CodecError as exc:
+                    log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
+                    corrupt.append(keys[j])
+                    wrong_key += exc.reason == "wrong_key"
+                    still.append(j)
+                    continue
+                if i > 0 and promote_hits and self.config.promote_on_get:
+                    promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
+            stats = self._stats[i]
+            stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
+            if wrong_key:
+                stats.add("wrong_key", wrong_key)
+            if corrupt:
+                stats.add("corrupt", len(corrupt))
+                self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
+            remaining = still
+        if promote:
+            self._movers.promote(promote)
+        if count_hits:
+            self._through.hit([k for k, v in zip(keys, out, strict=True) if v is not None])
+        return out
+
+    def scope_block_keys(self, skip: int) -> None:
+        """From now on, check keyed blocks against their store key less its ``skip`` leading
+        ``/`` components (``StoreConfig.block_key_skip``): the cache daemon's store keys are
+        ``tenant/`` + the client's key, the key its clients' blocks carry. Thread-safe (one
+        reference swap); for the store's owner, before it serves."""
+        if self.config.block_key_skip != skip:
+            self.config = dataclasses.replace(self.config, block_key_skip=skip)
+
+    # -- host fast path (cachestore.store.host) --------------------------------------------
+
+    def host_slab(self) -> SlabTier | None:
+        """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
+        return self._host.slab
+
+    def locate_host(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+                    ) -> list[int | None]:
+        """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
+        out = self._host.locate(keys, header, nbytes)
+        self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
+        return out
+
+    def stage_host(self, keys: Sequence[str]) -> int:
+        """Pin ``keys`` in the host tier, placing lower-tier blocks there when all fit; the
+        number of leading keys pinned: ``HostFastPath.stage``. For a background thread."""
+        return self._host.stage(keys)
+
+    def pin_host(self, keys: Sequence[str]) -> list[bool]:
+        """Pin each of ``keys`` the host tier holds: ``HostFastPath.pin``."""
+        return self._host.pin(keys)
+
+    def unpin_host(self, keys: Sequence[str]) -> None:
+        """Undo ``stage_host``'s, ``locate_host``'s and ``pin_host``'s pins."""
+        self._host.unpin(keys)
+
+    def reserve_host(self, key: str, nbytes: int) -> Any:
+        """A host slot to write ``key`` in place, or None: ``HostFastPath.reserve``."""
+        return self._host.reserve(key, nbytes)
+
+    def commit_host(self, key: str, nbytes: int) -> bool:
+        """Make a reserved slot visible (its bytes must be a whole encoded block); queued for
+        the write-through tiers."""
+        ok = self._host.commit(key, nbytes)
+        if ok:
+            self._through.saved([key])
+        return ok
+
+    def abort_host(self, key: str) -> None:
+        """Free a reserved slot (the copy into it failed)."""
+        self._host.abort(key)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, Value]]) -> int:
+        """Write encoded blocks (``codec.encode_block``) to the top tier; return how many were
+        written. Keys another ``put_many`` is writing, and repeats, are skipped. Never raises
+        for tier failures (a failed write is counted and returns 0). With ``write_through_to``
+        the count is what that tier accepted: 0 means the blocks are not durable."""
+        mine = self._pins.claim_writes(items)
+        try:
+            if not mine:
+                return 0
+            through = self.config.write_through_to
+            written = self._write(0, mine)
+            if written > 0:
+                self._through.saved([k for k, _ in mine])
+            if through is not None and through > 0:
+                # The durable tier decides the answer: the top is a cache in front of it.
+                written = self._write(through, mine)
+            return max(written, 0)
+        finally:
+            self._pins.release_writes(mine)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` from every tier (pinned entries stay where a tier keeps pins).
+        Returns the largest count any one tier reported. Never raises for tier failures."""
+        if not keys:
+            return 0
+        return max(self._call(i, lambda t: t.delete_many(keys), 0)
+                   for i in range(len(self.tiers)))
+
+    def _write(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
+        """Write to tier i (in the caller's thread); demote what it evicted. Returns count, or
+        -1 when the tier failed or was backing off (nothing written, nothing demoted)."""
+        t0 = time.perf_counter()
+        evicted = self._call(i, lambda t: t.put_many(items), _SKIP)
+        if evicted is _SKIP:
+            return -1
+        stats = self._stats[i]
+        stats.record_write(sum(len(v) for _, v in items), time.perf_counter() - t0)
+        if evicted:
+            stats.add("evictions", len(evicted))
+            self._movers.demote(i, evicted)
+        return len(items)
+
+    def _write_back(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
+        """A demotion worker's write (promotions for tier 0): keys tier i already holds are not
+        rewritten (``write_present``); the rest are counted ``written_back``. -1 when the tier
+        failed or backs off (the movers pass the batch further down)."""
+        if i == 0:
+            return self._write(0, items)
+        keys = [k for k, _ in items]
+        flags = self._call(i, lambda t: t.contains_many(keys), None)
+        if flags is None:
+            return -1
+        todo = [item for item, present in zip(items, flags, strict=True) if not present]
+        if len(todo) < len(items):
+            self._stats[i].add("write_present", len(items) - len(todo))
+        if not todo:
+            return 0
+        written = self._write(i, todo)
+        if written > 0:
+            self._stats[i].add("written_back", written)
+        return written
+
+    # -- pins (cachestore.store.pins) ----------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[str]) -> list[str]:
+        """The keys this caller should store: not at the top tier and not being stored by
+        someone else. They stay reserved until ``complete_store``."""
+        return self._pins.prepare_store(keys)
+
+    def complete_store(self, keys: Sequence[str], success: bool) -> None:
+        """Release keys from ``prepare_store``; ``success`` is for the caller's bookkeeping:
+        the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
+        self._pins.complete_store(keys)
+
+    def prepare_load(self, keys: Sequence[str]) -> int:
+        """Pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier);
+        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``.
+        Never raises for tier failures (a failed tier pins nothing)."""
+        return self._pins.prepare_load(keys)
+
+    def complete_load(self, keys: Sequence[str]) -> None:
+        """Undo ``prepare_load``'s pins for ``keys`` (one ``unpin`` call per tier)."""
+        self._pins.complete_load(keys)
+
+    # -- lifecycle and stats -------------------------------------------------------------
+
+    def flush(self, write_timeout_s: float | None = None) -> None:
+        """Wait until promotions, demotions and write-through copies queued so far are written
+        (the connector's flush, tests); for the copies, at most ``write_timeout_s`` (None: no
+        bound; the copies still queued go on in the background)."""
+        self._movers.flush()
+        if self._through.active:
+            self._through.wait_idle(write_timeout_s)
+            self._movers.flush()  # what the write-through tiers evicted meanwhile
+
+    def wait_writes(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the write-through queues to empty; False on timeout."""
+        return self._through.wait_idle(timeout_s)
+
+    def shutdown_writes(self, drain_timeout_s: float) -> DrainReport:
+        """Graceful shutdown: drain the write-through queues for up to ``drain_timeout_s``, then
+        stop them; then copy the host tier's blocks (most recent first) that the first healthy
+        tier below it lacks, until another ``drain_timeout_s`` ran out; then wait for the
+        demotions that caused. Logs and returns what it did. Call once, before ``close``; the
+        store still serves reads and writes, but nothing is written through any more. Never
+        raises for tier failures."""
+        t0 = time.monotonic()
+        drained, dropped = self._through.drain(drain_timeout_s)
+        top = self.tiers[0]
+        lru_keys = getattr(top, "lru_keys", None)  # the host tier's committed keys
+        target = next((i for i in range(1, len(self.tiers)) if self._tiers.health[i].available()),
+                      None)
+        flush_tier, flushed, present, left = None, 0, 0, 0
+        if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
+            flush_tier = self._stats[target].name
+            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
+            flushed, present, left = self._through.flush_down(
+                target, keys, time.monotonic() + drain_timeout_s)
+        self._movers.flush()
+        report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
+                             time.monotonic() - t0)
+        # Losing blocks is worth a warning (visible without logging set up, as in the engine
+        # core process); a complete drain is routine.
+        level = logging.WARNING if report.dropped or report.flush_left else logging.INFO
+        log.log(level, "kv store shutdown: %s", report.describe())
+        return report
+
+    def _tier_rows(self) -> list[dict[str, Any]]:
+        rows = [s.snapshot() for s in self._stats]
+        for i, (row, health) in enumerate(zip(rows, self._tiers.health, strict=True)):
+            row["queue_batches"] = self._movers.queued_batches(i)
+            row["write_queue_depth"] = self._through.queued_blocks(i)
+            row["consecutive_failures"] = health.consecutive_failures
+        return rows
+
+    def tier_usage(self) -> dict[str, TierUsage]:
+        """Each tier's ``usage()`` by its stats name; a tier that fails or backs off is left
+        out. Asks the tiers (Redis/S3: a server round trip), so not for hot paths."""
+        out: dict[str, TierUsage] = {}
+        for i, s in enumerate(self._stats):
+            usage = self._call(i, lambda t: t.usage(), None)
+            if usage is not None:
+                out[s.name] = usage
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        counts = self._pins.counts()
+        return {"tiers": self._tier_rows(), "in_flight_stores": counts.in_flight_stores,
+                "load_pins": counts.load_pins}
+
+    def close(self) -> None:
+        """Drain the queues, stop the workers, unregister metrics, close the tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._through.stop()
+        self._movers.stop()
+        if self._collector is not None:
+            self._registry.unregister(self._collector)
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,123 @@
+"""The hierarchical store's host fast path: in-place reads and writes of the host tier's slab.
+
+Active when the store's top tier is a ``SlabTier`` (the pinned host tier); otherwise every call
+answers "nothing" (None, False, 0). What the offload connector uses:
+- ``locate``: slab offsets of host blocks whose codec header matches (no checksum: this process
+  wrote them), each hit pinned, so the caller copies payloads straight out of the slab.
+- ``stage``: reads the blocks the host tier lacks from the lower tiers (checksummed, no
+  promotion) into the slab and pins them there, but only when they all fit.
+- ``pin`` / ``unpin``: pins on the host tier alone (not counted as ``prepare_load`` pins).
+- ``reserve`` / ``commit`` / ``abort``: a device copy lands in a host slot in place; the slot's
+  evictions go to the demotion queue, as for ``put_many``.
+
+Thread-safe as far as the slab tier is (it locks itself); ``stage`` does tier reads, so it is
+for a background thread. Never raises for tier failures. Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.types import SlabTier
+from tiers.base import Evicted, Value
+
+ReadFn = Callable[[Sequence[str]], list[Value | None]]  # encoded blocks or None, in key order
+WriteFn = Callable[[Sequence[tuple[str, Value]]], int]  # count written, -1 on failure
+
+
+class HostFastPath:
+    def __init__(self, tiers: GuardedTiers, read_lower: ReadFn, write_top: WriteFn,
+                 demote: Callable[[list[Evicted]], None]) -> None:
+        """``read_lower(keys)``: checksummed, encoded reads from the tiers below the top, no
+        promotion; ``write_top(items)``: a store write to the top tier (evictions demoted);
+        ``demote(evicted)``: queue what the top tier evicted for the tier below."""
+        self._tiers = tiers
+        self._read_lower = read_lower
+        self._write_top = write_top
+        self._demote = demote
+        top = tiers.tiers[0]
+        self.slab: SlabTier | None = top if isinstance(top, SlabTier) else None
+
+    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+               ) -> list[int | None]:
+        """Slab offsets of ``keys`` in the host tier (``SlabTier.locate``), each hit pinned
+        there (balance with ``unpin`` of the hits); all None without a slab tier or when it
+        fails. Counts hits like a read."""
+        slab = self.slab
+        if slab is None or not keys:
+            return [None] * len(keys)
+        t0 = time.perf_counter()
+        out = self._tiers.call(0, lambda t: slab.locate(keys, header, nbytes, pin=True), None)
+        if out is None:
+            return [None] * len(keys)
+        hits = sum(o is not None for o in out)
+        self._tiers.stats[0].record_read(hits, len(keys) - hits, hits * nbytes,
+                                         time.perf_counter() - t0)
+        return out
+
+    def stage(self, keys: Sequence[str]) -> int:
+        """Pin ``keys`` in the host tier, reading the ones it lacks from the lower tiers and
+        writing them there first when they all fit beside the pinned and reserved entries;
+        return how many leading keys are now pinned in the host tier (pins past those are
+        undone). Balance with ``unpin(keys[:n])``. Never reads host bytes unpinned: a slot may
+        be reused by a concurrent write."""
+        if not keys or self.slab is None:
+            return 0
+        flags = self.pin(keys)
+        missing = [j for j, f in enumerate(flags) if not f]
+        room = self._tiers.call(0, lambda t: t.available_slots(), 0) if missing else 0  # type: ignore[attr-defined]
+        if missing and len(missing) <= room:  # else they would evict each other: caller reads
+            values = self._read_lower([keys[j] for j in missing])
+            got = [(keys[j], v) for j, v in zip(missing, values, strict=True) if v is not None]
+            if got:
+                self._write_top([(k, v if isinstance(v, bytes) else bytes(v)) for k, v in got])
+                again = self.pin([k for k, _ in got])
+                pinned = {k for (k, _), f in zip(got, again, strict=True) if f}
+                flags = [f or keys[j] in pinned for j, f in enumerate(flags)]
+        n = next((j for j, f in enumerate(flags) if not f), len(keys))
+        self.unpin([k for k, f in zip(keys[n:], flags[n:], strict=True) if f])
+        return n
+
+    def pin(self, keys: Sequence[str]) -> list[bool]:
+        """Pin each of ``keys`` the host tier holds (``pin_each``); True where pinned. All False
+        without a slab tier or on a failure. Balance with ``unpin`` of the pinned ones."""
+        if not keys or self.slab is None:
+            return [False] * len(keys)
+        flags = self._tiers.call(0, lambda t: t.pin_each(keys), None)  # type: ignore[attr-defined]
+        return list(flags) if flags is not None else [False] * len(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Undo ``stage``'s, ``locate``'s and ``pin``'s pins."""
+        if keys:
+            self._tiers.call(0, lambda t: t.unpin(keys), None)  # type: ignore[attr-defined]
+
+    def reserve(self, key: str, nbytes: int) -> Any:
+        """A host slot to write ``key`` in place (``tiers.host.Reservation``), or None (no slab
+        tier, present, too big, no room, tier failure). Evictions are demoted at once."""
+        slab = self.slab
+        if slab is None:
+            return None
+        res = self._tiers.call(0, lambda t: slab.reserve(key, nbytes), None)
+        if res is not None and res.evicted:
+            self._tiers.stats[0].add("evictions", len(res.evicted))
+            self._demote(res.evicted)
+        return res
+
+    def commit(self, key: str, nbytes: int) -> bool:
+        """Make a reserved slot visible (its bytes must be a whole encoded block); counted as a
+        write of ``nbytes``. False when it failed."""
+        slab = self.slab
+        t0 = time.perf_counter()
+        ok = bool(slab is not None and self._tiers.call(0, lambda t: slab.commit(key), False))
+        if ok:
+            self._tiers.stats[0].record_write(nbytes, time.perf_counter() - t0)
+        return ok
+
+    def abort(self, key: str) -> None:
+        """Free a reserved slot (the copy into it failed)."""
+        slab = self.slab
+        if slab is not None:
+            self._tiers.call(0, lambda t: slab.abort(key), None)

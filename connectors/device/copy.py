@@ -1,0 +1,177 @@
+"""Whole-block copies between the KV cache and a flat uint8 host buffer (the host tier's slab).
+
+A block of the block-major cache is one contiguous run of ``bytes_per_block`` bytes, and a host
+slot holds one encoded block whose payload is one contiguous run too, so every transfer is one
+``copy_`` of ``bytes_per_block`` bytes (2 MiB for Llama-3-8B: link speed, DESIGN.md "Physics").
+No staging tensor and no allocation per call: the copies read and write the slab in place.
+
+With a CUDA cache the copies are ``non_blocking`` and go to the current stream (the caller puts
+them on its side stream and records an event); the host buffer must stay untouched (pinned
+entries) until that event completed. With a CPU cache they are plain synchronous memcpys.
+Not thread-safe: one caller (the engine thread) at a time.
+
+``coalesce`` (opt-in, ``coalesced_loads`` in the offload config; CUDA only): ``to_device`` finds runs of
+blocks whose payloads sit at a constant stride in the slab (consecutive slots, as a prefix
+saved in order gets them) and moves each run as ONE copy of the whole span (headers and
+padding included) into a device staging buffer, then one ``index_copy_`` of 8-byte words
+into the cache blocks. A per-block copy of 2 MiB reached 0.81x of the raw link on the H200
+where one large copy plus a device scatter reached 0.96x (``KVCache.scatter_blocks``, docs/
+offload.md "Session 3"); whether the runs get the same is for bench/offload/main.py "load_path"
+(``coalesced`` row) to show, so it is off by default.
+
+``codec`` (``compression: lossless``, ``connectors.device.kv_compress``): the slab holds encoded
+payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
+themselves encode with the codec); ``to_device`` and ``to_device_layers`` hand the payloads to
+``connectors.device.decode.StagedDecoder`` (device staging, then the Triton decoder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from connectors.device.decode import StagedDecoder
+from connectors.device.kv_compress import Hi4Codec
+from connectors.device.slab_runs import ascending_runs
+from engine.kv_cache import KVCache
+
+STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
+
+
+class SlabCopier:
+    def __init__(self, kv_cache: KVCache, host: torch.Tensor, *, layered: bool = False,
+                 coalesce: bool = False, codec: Hi4Codec | None = None,
+                 layers_per_copy: int = 0) -> None:
+        """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
+        where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
+        copy each. ``codec``: the slab holds its payloads (module docstring). Raises
+        ValueError for anything else."""
+        if host.dtype != torch.uint8 or host.dim() != 1:
+            raise ValueError("host buffer must be a 1-D uint8 tensor")
+        self.codec = codec
+        self.nbytes = codec.payload_bytes if codec is not None else kv_cache.bytes_per_block
+        self._rows = kv_cache.byte_rows()
+        self._host = host
+        self._non_blocking = kv_cache.device.type == "cuda"
+        # CUDA only: on a CPU cache a per-block copy is already one memcpy straight into the
+        # block, and the staging would add a second pass (0.41x against 0.90x of a raw copy,
+        # bench/offload/main.py --quick). Tests set ``coalesce`` to run the same code on the CPU.
+        self.coalesce = (coalesce and self._non_blocking and self.nbytes % 8 == 0
+                         and self.nbytes <= STAGING_BYTES)
+        self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
+        spec = kv_cache.spec
+        self._num_layers = spec.num_layers
+        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers, layers=layered,
+                                       layers_per_copy=layers_per_copy)
+                         if codec is not None else None)
+        self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
+        if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
+                and host.is_pinned() and host.data_ptr() % 16 == 0:
+            from engine.kernels import fused_kernels_available
+
+            if fused_kernels_available(kv_cache.device):
+                self._words = kv_cache.tensor.reshape(kv_cache.num_blocks, -1).view(torch.int32)
+
+    @property
+    def layered(self) -> bool:
+        """Whether ``to_device_layers`` can run (CUDA, Triton, a pinned 16-byte aligned slab;
+        with a codec, also the driver's 2-D copies)."""
+        if self._decoder is not None:
+            return self._decoder.layered
+        return self._words is not None
+
+    @property
+    def load_stages(self) -> int:
+        """How many events ``to_device_layers``' layers become ready in (one per layer, or
+        per group of layers with a codec)."""
+        if self._decoder is not None:
+            return len(self._decoder.layer_groups())
+        return self._num_layers
+
+    def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
+        """Like ``to_device``, as one kernel per layer on the current stream (see
+        ``engine.kernels.copy_layer_from_host``); returns one CUDA event per layer, recorded
+        after that layer's copy (the last one with timing). Offsets must be multiples of 16.
+        Raises ValueError otherwise or when not ``layered``."""
+        from engine.kernels import copy_layer_from_host
+
+        if self._decoder is not None:
+            return self._decoder.to_device_layers(block_ids, offsets)
+        if self._words is None:
+            raise ValueError("layer-wise copies need CUDA, Triton and a pinned aligned slab")
+        if any(o % 16 for o in offsets):
+            raise ValueError("layer-wise copies need 16-byte aligned payload offsets")
+        index = torch.tensor([list(block_ids), [o // 4 for o in offsets]], dtype=torch.int64)
+        index = index.pin_memory().to(self._words.device, non_blocking=True)
+        chunk = self._words.shape[1] // self._num_layers
+        events: list[object] = []
+        last = self._num_layers - 1
+        for layer in range(self._num_layers):
+            copy_layer_from_host(self._host, index[1], self._words, index[0], layer * chunk, chunk)
+            event = torch.cuda.Event(enable_timing=layer == last)  # the last one times the load
+            event.record()
+            events.append(event)
+        return events
+
+    def to_device(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Copy the payload at host byte ``offsets[i]`` into cache block ``block_ids[i]``."""
+        if len(block_ids) != len(offsets):
+            raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
+        if self._decoder is not None:
+            self._decoder.to_device(block_ids, offsets)
+            return
+        if not self.coalesce:
+            self._per_block(block_ids, offsets)
+            return
+        for first, stride, js in ascending_runs(offsets, self.nbytes):
+            ids = [block_ids[j] for j in js]  # descending slots (a prefix saved tail first) too
+            if len(js) == 1:
+                self._per_block(ids, [first])
+            else:
+                self._run(ids, first, stride)
+
+    def _per_block(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        rows, host, n, nb = self._rows, self._host, self.nbytes, self._non_blocking
+        for block_id, offset in zip(block_ids, offsets, strict=True):
+            rows[block_id].copy_(host[offset:offset + n], non_blocking=nb)
+
+    def _run(self, block_ids: Sequence[int], first: int, stride: int) -> None:
+        """Blocks whose payloads start at ``first + i * stride``: one host copy of each chunk's
+        span into the staging buffer, then one word scatter into the cache rows."""
+        n, nb = self.nbytes, self._non_blocking
+        if self._staging is None:
+            self._staging = torch.empty(STAGING_BYTES // 8, dtype=torch.int64, device=self._rows.device)
+        staged_bytes = self._staging.view(torch.uint8)
+        words = self._rows.view(torch.int64)
+        per_chunk = max(1, (STAGING_BYTES - n) // stride + 1)
+        for c in range(0, len(block_ids), per_chunk):
+            ids = block_ids[c:c + per_chunk]
+            span = (len(ids) - 1) * stride + n
+            begin = first + c * stride
+            staged_bytes[:span].copy_(self._host[begin:begin + span], non_blocking=nb)
+            src = self._staging.as_strided((len(ids), n // 8), (stride // 8, 1))
+            index = torch.tensor(list(ids), dtype=torch.long)
+            if nb:
+                index = index.pin_memory().to(words.device, non_blocking=True)
+            words.index_copy_(0, index, src)
+
+    def to_host(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Copy cache block ``block_ids[i]`` to host byte ``offsets[i]`` (reads the cache
+        itself: on CUDA, call ``gather`` first when the blocks may be rewritten meanwhile)."""
+        if self.codec is None:
+            self.rows_to_host(self._rows, block_ids, offsets)
+            return
+        self.rows_to_host(self.codec.encode(self.gather(block_ids)), range(len(block_ids)), offsets)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A ``[n, bytes_per_block]`` uint8 copy of the blocks on the cache's device (one
+        ``index_select``: device-speed, so the blocks may be reused once it ran)."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self._rows.device)
+        return self._rows.index_select(0, ids)
+
+    def rows_to_host(self, src: torch.Tensor, rows: Sequence[int], offsets: Sequence[int]) -> None:
+        """Copy ``src[rows[i]]`` (uint8 rows of ``bytes_per_block``) to host byte ``offsets[i]``."""
+        host, n, nb = self._host, self.nbytes, self._non_blocking
+        for row, offset in zip(rows, offsets, strict=True):
+            host[offset:offset + n].copy_(src[row], non_blocking=nb)

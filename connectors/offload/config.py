@@ -1,0 +1,183 @@
+"""Configuration of the KV offload connector: the tier stack plus the connector's own knobs.
+
+One YAML file (or the same dict) holds both::
+
+    decision: cost          # cost | load | recompute | overlap (forced Cake split)
+    load_timeout_s: 5.0     # a load still running after this falls back to recompute
+    calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
+    in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
+    layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
+                            # (auto: with compression only; true | false)
+    layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
+    coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
+    compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
+    drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
+                            # flush host-only blocks down to the tier below the host
+    tiers:
+      - {kind: host, capacity: 4GiB}
+      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
+
+``tiers`` is exactly ``tiers.config``'s format. Without a config, ``kv_offload=True``
+uses ``default_offload_config``: a host tier of min(25% of MemAvailable, 8 GiB) and an LMDB tier
+under the user's cache directory. This module is the only place the connector reads the
+environment (``KVTIER_CACHE_DIR``, ``HOME``); /proc/meminfo is read by
+``tiers.config.mem_available_bytes`` (re-exported here); constructors get the result.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachestore.kv_format import COMPRESSIONS
+from tiers.config import (
+    ConfigError,
+    HostTierConfig,
+    LmdbTierConfig,
+    TierStackConfig,
+    mem_available_bytes,
+    parse_tier_config,
+)
+
+DECISIONS = ("cost", "load", "recompute", "overlap")
+DEFAULT_HOST_CAP_BYTES = 8 << 30
+DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    tiers: TierStackConfig
+    decision: str = "cost"
+    load_timeout_s: float = 5.0
+    calibrate: bool = True
+    # Host-tier loads copied before the forward of the step that admits the request (the
+    # request runs at once); false: they wait in WAITING_FOR_KV like lower-tier loads (the
+    # old behaviour, one more engine step; kept as the benchmark's baseline).
+    in_step_host_loads: bool = True
+    # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
+    # layer's attention waiting only for its layer (with compression: groups of layers' parts
+    # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
+    # "auto" (the default): on with compression, where the H200 measured it faster (a 16K
+    # prefix in 38-39 ms against 42-46 whole, docs/offload.md run 27), off for raw blocks,
+    # where it did not beat whole-block copies.
+    layered_loads: bool | str = "auto"
+    # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at
+    # least 128 KiB; connectors/device/decode.py). Fewer layers a copy overlap more of the
+    # forward but narrow the DMA rows.
+    layers_per_copy: int = 0
+    # Host-tier loads move each run of consecutive slab slots as one copy plus a device
+    # scatter instead of one copy per block (connectors/device/copy.py). Off by default
+    # until bench/offload/main.py "load_path" has measured it on a GPU.
+    coalesced_loads: bool = False
+    # "lossless": blocks are stored (every tier) in connectors.device.kv_compress's 12-bit format,
+    # 0.76x of the bytes with the same values back; their keys live in their own namespace.
+    compression: str = "none"
+    # Graceful shutdown (close): at most this long draining the write-through queues, and as
+    # long again flushing host-only blocks down (HierarchicalStore.shutdown_writes).
+    drain_timeout_s: float = 5.0
+
+    @property
+    def layer_wise(self) -> bool:
+        """Whether in-step loads should land layer by layer (``layered_loads`` resolved)."""
+        if self.layered_loads == "auto":
+            return self.compression != "none"
+        return bool(self.layered_loads)
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"kv offload: compression {self.compression!r}; choose one of "
+                              f"{COMPRESSIONS}")
+        if self.decision not in DECISIONS:
+            raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
+        if not (isinstance(self.layered_loads, bool) or self.layered_loads == "auto"):
+            raise ConfigError(f"kv offload: layered_loads must be true, false or auto, got "
+                              f"{self.layered_loads!r}")
+        if isinstance(self.layers_per_copy, bool) or not isinstance(self.layers_per_copy, int) \
+                or self.layers_per_copy < 0:
+            raise ConfigError(f"kv offload: layers_per_copy must be an integer >= 0, got "
+                              f"{self.layers_per_copy!r}")
+        if not self.load_timeout_s > 0:
+            raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(
+                f"kv offload: drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+def parse_offload_config(data: object) -> OffloadConfig:
+    """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
+    "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
+    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ...}`` -> OffloadConfig.
+    Raises ConfigError naming the bad field."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
+    known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
+             "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
+             "drain_timeout_s"}
+    extra = sorted(str(k) for k in data if k not in known)
+    if extra:
+        raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
+    numbers = {}
+    for name in ("load_timeout_s", "drain_timeout_s"):
+        numbers[name] = data.get(name, 5.0)
+        if isinstance(numbers[name], bool) or not isinstance(numbers[name], (int, float)):
+            raise ConfigError(
+                f"kv offload config: {name} must be a number, got {numbers[name]!r}")
+    flags = {}
+    for name, default in (("calibrate", True), ("in_step_host_loads", True),
+                          ("coalesced_loads", False)):
+        flags[name] = data.get(name, default)
+        if not isinstance(flags[name], bool):
+            raise ConfigError(
+                f"kv offload config: {name} must be true or false, got {flags[name]!r}")
+    return OffloadConfig(
+        tiers=parse_tier_config({"tiers": data.get("tiers")}),
+        decision=str(data.get("decision", "cost")),
+        load_timeout_s=float(numbers["load_timeout_s"]),
+        drain_timeout_s=float(numbers["drain_timeout_s"]),
+        calibrate=flags["calibrate"],
+        in_step_host_loads=flags["in_step_host_loads"],
+        layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
+        layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
+        coalesced_loads=flags["coalesced_loads"],
+        compression=str(data.get("compression", "none")),
+    )
+
+
+def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -> OffloadConfig:
+    """A YAML path or an already-parsed dict -> OffloadConfig. Raises ConfigError."""
+    if isinstance(source, Mapping):
+        return parse_offload_config(source)
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(source).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read kv offload config {source}: {exc}") from None
+    try:
+        return parse_offload_config(data)
+    except ConfigError as exc:  # name the file: the message names only the tier and field
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$KVTIER_CACHE_DIR``, else ``~/.cache/kvtier``."""
+    env = os.environ if env is None else env
+    explicit = env.get("KVTIER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(env.get("HOME") or Path.home()) / ".cache" / "kvtier"
+
+
+def default_offload_config(
+    namespace_prefix: str, *, mem_available: int | None = None, cache_dir: Path | None = None
+) -> OffloadConfig:
+    """Host tier (min(25% of MemAvailable, 8 GiB)) over LMDB at ``<cache>/lmdb/<prefix>``."""
+    mem = mem_available_bytes() if mem_available is None else mem_available
+    root = default_cache_dir() if cache_dir is None else cache_dir
+    host = HostTierConfig(capacity=max(min(mem // 4, DEFAULT_HOST_CAP_BYTES), 1 << 20))
+    lmdb = LmdbTierConfig(
+        path=str(root / "lmdb" / namespace_prefix), capacity=DEFAULT_LMDB_CAPACITY_BYTES
+    )
+    return OffloadConfig(tiers=TierStackConfig(tiers=(host, lmdb)))

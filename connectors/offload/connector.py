@@ -1,0 +1,250 @@
+"""``--kv-offload``: the KV connector from the engine's GPU block pool to the tier stack.
+
+``OffloadConnector.create`` builds the hierarchical store from the offload config (or the
+defaults), sizes the host tier's slots to the encoded block (codec header + ``bytes_per_block``),
+and wires the two sides: ``scheduler`` (``OffloadScheduler``: the block pool's listener and the
+scheduler's connector) and ``worker`` (``OffloadWorker``: the model runner's connector). The
+engine hands the worker's report to the scheduler side after each step (``after_step``).
+
+Start-up calibration (``calibrate: true`` in the config, the default): before the connector is
+attached, the cost model's priors are replaced by measurements (``cachestore.cost.calibration``):
+a few prefill sizes through the real runner on scratch blocks (``CalibrationTarget``), each
+tier's batched read of real-sized encoded blocks (written under a private prefix and deleted),
+and the host -> device scatter. A tqdm bar shows progress on stderr; the result is logged.
+
+Lifecycle: ``flush`` writes every block freed since the last step and waits for the store's
+demotions and write-through copies (``LLM.generate`` calls it when done, so that a restarted or
+another engine finds everything); ``close`` flushes, drains the write-through queues and
+flushes host-only blocks down to the first tier below the host (``drain_timeout_s`` bounds each
+of the two; ``HierarchicalStore.shutdown_writes`` logs what it wrote and dropped), stops the
+load thread and closes the store (and its tiers). Not thread-safe: the engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cachestore.codec import PAYLOAD_ALIGN, encoded_size
+from cachestore.cost.calibration import calibrate
+from cachestore.cost.online import CostPriors, OnlineCostModel, default_priors
+from cachestore.hashing import Namespace
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from cachestore.store.types import write_policies
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload import calibration as cal
+from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
+from connectors.offload.metadata import WorkerReport
+from connectors.offload.scheduler import OffloadScheduler
+from connectors.offload.stats import OffloadStats
+from connectors.offload.worker import OffloadWorker, block_meta
+from engine.kv_cache import KVCache
+from engine.kv_connector import CalibrationTarget
+from tiers import build_tiers
+
+log = logging.getLogger(__name__)
+
+
+class OffloadConnector:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        store: HierarchicalStore,
+        kv_cache: KVCache,
+        namespace: Namespace,
+        cost_model: OnlineCostModel,
+    ) -> None:
+        """Takes ownership of ``store`` (``close`` closes it). Raises ValueError when the
+        config's compression cannot apply to this cache."""
+        self.config = config
+        self.store = store
+        self.cost_model = cost_model
+        self.counters = OffloadStats()
+        codec = _codec(config, kv_cache)
+        namespace = _stored_namespace(namespace, codec)
+        meta = block_meta(kv_cache, namespace.key_prefix(), codec)
+        self.scheduler = OffloadScheduler(
+            store, namespace, decision=config.decision, cost_model=cost_model,
+            stats=self.counters, block_meta=meta if config.in_step_host_loads else None,
+        )
+        self.worker = OffloadWorker(
+            kv_cache,
+            store,
+            meta,
+            load_timeout_s=config.load_timeout_s,
+            stats=self.counters,
+            cost_model=cost_model,
+            layered_loads=config.layer_wise,
+            layers_per_copy=config.layers_per_copy,
+            coalesced_loads=config.coalesced_loads,
+            codec=codec,
+        )
+        if config.in_step_host_loads and self.worker.layered_loads:
+            # In-step host loads land layer by layer under the forward: price them so.
+            cost_model.pipelined_layers = self.worker.load_stages
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
+        kv_cache: KVCache,
+        namespace: Namespace,
+        *,
+        calibration: CalibrationTarget | None = None,
+    ) -> OffloadConnector:
+        """Build from a YAML path, a dict, an ``OffloadConfig`` or None (the defaults).
+        With ``config.calibrate``, measure the priors first (prefill only when ``calibration``
+        is given; the tiers and the host hop always). Call before the worker is attached to the
+        runner and before any request: calibration uses the cache's blocks as scratch.
+        Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
+        if source is None:
+            config = default_offload_config(namespace.key_prefix())
+        elif isinstance(source, OffloadConfig):
+            config = source
+        else:
+            config = load_offload_config(source)
+        codec = _codec(config, kv_cache)
+        prefix = _stored_namespace(namespace, codec).key_prefix()
+        meta = block_meta(kv_cache, prefix, codec)
+        # Slots of a multiple of PAYLOAD_ALIGN bytes: every payload in the slab starts 16-byte
+        # aligned (the layer-wise load kernel reads it in 16-byte words).
+        slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
+        tiers = build_tiers(config.tiers, host_slot_bytes=slot)
+        store = HierarchicalStore(
+            tiers, StoreConfig(namespace=prefix, write_policies=write_policies(config.tiers)))
+        kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
+        base = default_priors(kind)
+        priors = CostPriors(
+            kind, dict(base.tier_costs), base.prefill, kv_cache.bytes_per_block, kv_cache.block_size
+        )
+        try:
+            if config.calibrate:
+                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta, keyed=True),
+                                        calibration, codec)
+            else:
+                cost_model = OnlineCostModel.from_priors(priors)
+        except BaseException:
+            store.close()
+            raise
+        return cls(config, store, kv_cache, namespace, cost_model)
+
+    def after_step(self, report: WorkerReport | None = None) -> None:
+        """Hand the worker's report of this step to the scheduler side."""
+        self.scheduler.update_from_worker(report or self.worker.take_report())
+
+    def save_pending(self) -> None:
+        """Write every block freed since the last step to the host tier now, without waiting
+        for the copies down (an engine going idle: no next step would save them). Call only
+        between steps."""
+        self.worker.save_now(self.scheduler.take_pending_saves())
+
+    def flush(self) -> None:
+        """Write out every block freed since the last step, then wait for demotions and for
+        the write-through copies (those for up to ``drain_timeout_s``). Call only between
+        steps."""
+        meta = self.scheduler.take_pending_saves()
+        self.worker.save_now(meta)
+        self.store.flush(self.config.drain_timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Connector counters (``OffloadStats``), the store's per-tier stats and the cost
+        model's snapshot. No side effect."""
+        out = self.counters.snapshot()
+        store = self.store.stats()
+        for row in store["tiers"]:
+            tier = out["tiers"].setdefault(row["name"], {"hit_blocks": 0})
+            for name in _WRITE_COUNTERS:
+                tier[name] = row[name]
+        out["store"] = store
+        out["cost_model"] = self.cost_model.snapshot()
+        out["decision_policy"] = self.config.decision
+        return out
+
+    def close(self) -> None:
+        """Flush, drain the write policy's queues and flush host-only blocks down
+        (``HierarchicalStore.shutdown_writes``), stop the worker, close the store and its tiers.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            meta = self.scheduler.take_pending_saves()
+            self.worker.save_now(meta)
+            self.store.shutdown_writes(self.config.drain_timeout_s)
+        finally:
+            self.worker.close()
+            self.store.close()
+
+
+# Per-tier write-policy counters also shown beside each tier's hit_blocks in ``stats()``.
+_WRITE_COUNTERS = ("written_through", "written_back", "write_queue_dropped", "write_queue_depth")
+
+
+def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:
+    """The stored block format the config asks for (None: raw blocks)."""
+    return Hi4Codec.for_cache(kv_cache) if config.compression == "lossless" else None
+
+
+def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace:
+    """Keys of compressed blocks get their own prefix: an engine storing raw blocks and one
+    storing compressed ones may share tiers without reading each other's format."""
+    return namespace if codec is None else dataclasses.replace(namespace, kv_format=codec.name)
+
+
+def _calibrate(
+    store: HierarchicalStore,
+    kv_cache: KVCache,
+    priors: CostPriors,
+    encoded_block_bytes: int,
+    target: CalibrationTarget | None,
+    codec: Hi4Codec | None = None,
+) -> OnlineCostModel:
+    """Measure prefill (when ``target`` is given), every tier but host, and the host hop;
+    log the result. Leaves the scratch blocks zeroed and the runner without state."""
+    t0 = time.perf_counter()
+    num_blocks = min(16 if kv_cache.device.type == "cuda" else 8, kv_cache.num_blocks)
+    host_to_gpu = cal.host_to_gpu_timer(kv_cache, num_blocks, codec) if num_blocks >= 2 else None
+    run_prefill, sizes, scratch = None, cal.DEFAULT_PREFILL_SIZES, num_blocks
+    if target is not None:
+        cap = cal.max_prefill_tokens(kv_cache, target.max_model_len, target.token_budget)
+        if cap >= 32:
+            sizes = cal.prefill_sizes(cap)
+            run_prefill = cal.prefill_timer(target.execute, kv_cache.block_size, target.vocab_size)
+            scratch = max(scratch, -(-max(n + c for n, c in sizes) // kv_cache.block_size))
+    try:
+        model = calibrate(
+            store.tiers,
+            kv_cache.bytes_per_block,
+            kv_cache.block_size,
+            run_prefill,
+            host_to_gpu=host_to_gpu,
+            priors=priors,
+            prefill_sizes=sizes,
+            num_blocks=max(num_blocks, 2),
+            tier_block_bytes=encoded_block_bytes,
+        )
+    finally:
+        if target is not None:
+            cal.finish(target.execute, kv_cache, min(scratch, kv_cache.num_blocks))
+        elif host_to_gpu is not None:
+            kv_cache.tensor[:num_blocks].zero_()
+    log.info("kv offload calibrated in %.2fs: %s", time.perf_counter() - t0, describe(model))
+    return model
+
+
+def describe(model: OnlineCostModel) -> str:
+    """One line: every tier's latency and bandwidth, and the prefill fit."""
+    p = model.prefill_cost()
+    tiers = ", ".join(
+        f"{name} {c.latency_s * 1e6:.0f}us {c.bandwidth_bytes_per_s / 1e9:.2f}GB/s"
+        for name, c in model.tier_costs().items()
+    )
+    return (
+        f"{tiers}; prefill {p.fixed_s * 1e3:.2f}ms + {p.per_token_s * 1e6:.2f}us/token "
+        f"+ {p.attention_s * 1e9:.3f}ns*n*(c+n/2)"
+    )

@@ -1,0 +1,376 @@
+"""The offload worker's load path: store -> GPU cache blocks (``HostLoader``).
+
+``start`` (engine thread, before the forward):
+- in-step loads (``BlockLoad.in_step``): the scheduler side located and pinned each slot (codec
+  header checked) while planning, so each block is ONE slab -> cache copy issued now
+  (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
+  compute stream waits on, since this step's forward reads them).
+- async loads: ``store.locate_host`` finds the leading host-tier blocks (header checked, not the
+  checksum: this process wrote them), copied the same way; the rest (lower tiers) is staged by
+  one background thread (``store.stage_host``: checksummed reads into pinned host slots), then
+  copied at a later step start; blocks the slab cannot take are read into one tensor and
+  scattered. A load whose staging runs past ``load_timeout_s`` ends with what was copied.
+- cancelled loads: the compute stream waits for their copies (the blocks may be reused at
+  once); their pins are released once the copies and the staging ended. An idle step (nothing
+  scheduled) waits for the first staging and for the copies, so the load is reported now.
+``poll``: a load whose copies completed becomes a ``LoadResult`` (reported in the step it
+landed in) and its pins are released. Cost model: lower-tier staging is observed under its
+tier, each load's copies under ``host``.
+
+Not thread-safe: the engine thread drives it; the load thread only runs ``_stage`` and touches
+nothing but the store and its own result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
+from cachestore.cost.online import OnlineCostModel
+from cachestore.store.hierarchical import HierarchicalStore
+from connectors.device.copy import SlabCopier
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.metadata import BlockLoad, LoadResult
+from connectors.offload.stats import OffloadStats
+from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    num_blocks: int  # leading keys now pinned in the host tier
+    seconds: float
+    data: torch.Tensor | None = None  # the blocks after those, read through the store
+
+
+@dataclass(slots=True)
+class _Load:
+    load: BlockLoad
+    deadline: float
+    started: float
+    copied: int = 0  # leading blocks whose copies were issued
+    staging: cf.Future[_Staged] | None = None
+    staged_keys: tuple[str, ...] = ()  # pinned by ``stage_host``: unpin when done
+    located: list[str] = field(default_factory=list)  # pinned by ``locate_host``: likewise
+    event: object | None = None  # CUDA: recorded after the last issued copy
+    timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
+    copy_seconds: float = 0.0  # CPU
+    issuing: bool = True  # more copies may follow (staging pending)
+
+
+class HostLoader:
+    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
+                 stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
+                 cost_model: OnlineCostModel | None, layered: bool = False,
+                 coalesced: bool = False, codec: Hi4Codec | None = None,
+                 layers_per_copy: int = 0) -> None:
+        """``layered``: in-step loads land layer by layer when the copier can (CUDA;
+        ``layers_per_copy``: see ``StagedDecoder``);
+        ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
+        ``codec``: stored payloads are encoded (decoded into the blocks on arrival)."""
+        self.kv_cache = kv_cache
+        self.codec = codec
+        self.store = store
+        self.meta = meta
+        self.stats = stats
+        self.cost_model = cost_model
+        self.load_timeout_s = load_timeout_s
+        self._side = side_stream
+        self._headers = HeaderTemplate(meta, keyed=True)  # a block's header names its key
+        self._total = encoded_size(meta, keyed=True)
+        slab = store.host_slab()
+        host = slab.slab_tensor() if slab is not None else None
+        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
+                                   layers_per_copy=layers_per_copy)
+                        if host is not None else None)
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._loads: dict[str, _Load] = {}
+        self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
+        self._finished: list[LoadResult] = []
+
+    @property
+    def layered(self) -> bool:
+        """In-step loads land layer by layer (see ``_copy_in_step``)."""
+        return self._side is not None and self._copier is not None and self._copier.layered
+
+    @property
+    def load_stages(self) -> int:
+        """Layer-wise loads: how many events the layers' reads wait for in turn (else 1)."""
+        return self._copier.load_stages if self.layered else 1  # type: ignore[union-attr]
+
+    def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
+        """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
+        of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
+        request scheduled): wait for the first staging and for the copies."""
+        for req_id in cancelled:
+            pending = self._loads.pop(req_id, None)
+            if pending is not None:
+                log.debug("load for %s cancelled", req_id)
+                if pending.event is not None:  # its blocks may be rewritten by this forward
+                    torch.cuda.current_stream(self.kv_cache.device).wait_event(pending.event)
+                self._draining.append(pending)
+        in_step: list[_Load] = []
+        for load in loads:
+            if load.req_id in cancelled:  # its blocks may be reused at once
+                self._release_unsent(load)
+                continue
+            pending = self._begin(load)
+            self._loads[load.req_id] = pending
+            if load.in_step:
+                in_step.append(pending)
+        self._copy_in_step(in_step)
+        if idle and self._loads:
+            first = min(self._loads.values(), key=lambda p: p.deadline)
+            if first.staging is not None:
+                cf.wait([first.staging], timeout=max(first.deadline - time.monotonic(), 0.0))
+        self._advance()
+        if idle and self._loads:
+            for pending in self._loads.values():
+                if not pending.issuing and pending.event is not None:
+                    pending.event.synchronize()  # type: ignore[attr-defined]
+        self.poll()
+
+    def take_finished(self) -> list[LoadResult]:
+        """Loads that completed since the last call (polled first); each reported once."""
+        self.poll()
+        done, self._finished = self._finished, []
+        return done
+
+    def close(self) -> None:
+        """Drop pending loads (releasing their pins once their copies ended), stop the load
+        thread. Idempotent."""
+        self._draining.extend(self._loads.values())
+        self._loads.clear()
+        for pending in self._draining:
+            if pending.staging is not None:
+                cf.wait([pending.staging])
+            if pending.event is not None:
+                pending.event.synchronize()  # type: ignore[attr-defined]
+        self.poll()
+        self._pool.shutdown(wait=True)
+
+    # -- issuing -------------------------------------------------------------------------
+
+    def _begin(self, load: BlockLoad) -> _Load:
+        now = time.monotonic()
+        pending = _Load(load, now + self.load_timeout_s, time.perf_counter())
+        if load.in_step:  # copied by _copy_in_step, with the step's other in-step loads
+            pending.located.extend(load.keys)  # pinned by the scheduler side: unpin when done
+            pending.issuing = False
+            return pending
+        lead = self._locate_and_copy(pending, load.keys)
+        if lead < len(load.keys):
+            pending.staging = self._pool.submit(self._stage, load.keys[lead:])
+        else:
+            pending.issuing = False
+        return pending
+
+    def _release_unsent(self, load: BlockLoad) -> None:
+        """Undo the pins of a load that is dropped before any copy was issued."""
+        if load.in_step:
+            self.store.unpin_host(load.keys)
+        else:
+            self.store.complete_load(load.keys)
+
+    def _stage(self, keys: tuple[str, ...]) -> _Staged:
+        """Load thread: lower-tier blocks into pinned host slots. Never raises."""
+        t0 = time.perf_counter()
+        try:
+            n = self.store.stage_host(keys) if self._copier is not None else 0
+        except Exception:  # a read that fails is a miss; the request recomputes
+            log.exception("kv staging of %d blocks failed", len(keys))
+            return _Staged(0, time.perf_counter() - t0)
+        try:
+            data = self._read_through(keys[n:]) if n < len(keys) else None
+        except Exception:
+            log.exception("kv read of %d blocks failed", len(keys) - n)
+            data = None
+        return _Staged(n, time.perf_counter() - t0, data)
+
+    def _read_through(self, keys: tuple[str, ...]) -> torch.Tensor:
+        """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
+        every slot pinned): the leading ones, read through the store into one host tensor
+        (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
+        # Host hits are views into the slab: read only once pinned for this call, or a
+        # concurrent write (this very read's promotions) may reuse their slots.
+        values, pinned = self.store.get_many_pinned(keys, decoded=True)
+        try:
+            size = self.meta.payload_bytes
+            n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
+                     len(values))
+            data = torch.empty((n, size), dtype=torch.uint8, pin_memory=self._side is not None)
+            rows = data.numpy()
+            for i in range(n):
+                rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
+        finally:
+            self.store.unpin_host(pinned)
+        return data
+
+    def _locate_and_copy(self, pending: _Load, keys: tuple[str, ...]) -> int:
+        """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
+        next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
+        offsets = self.store.locate_host(keys, [self._headers.for_key(k) for k in keys],
+                                         self._total)
+        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
+        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
+                               if o is not None])
+        pending.located.extend(keys[:lead])
+        self._copy(pending, offsets[:lead])  # type: ignore[arg-type]
+        return lead
+
+    def _copy_in_step(self, loads: list[_Load]) -> None:
+        """This step's forward reads these blocks. CUDA with the layer kernel: one copy per
+        layer for all of them on the side stream, each layer's attention waiting only for its
+        own layer (KVCache.set_layer_ready), so the forward runs while later layers land.
+        Otherwise per-block copies the whole forward waits for."""
+        if not loads or self._copier is None:
+            return
+        if not self.layered:
+            for pending in loads:
+                self._copy(pending, list(pending.load.slab_offsets), forward_reads=True)
+            return
+        ids = [b for p in loads for b in p.load.block_ids[:len(p.load.slab_offsets)]]
+        payload = [o + self._headers.size for p in loads for o in p.load.slab_offsets]
+        begin = torch.cuda.Event(enable_timing=True)
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
+            self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            begin.record(self._side)  # type: ignore[arg-type]
+            events = self._copier.to_device_layers(ids, payload)
+        self.kv_cache.set_layer_ready(events)
+        end = events[-1]
+        for pending in loads:
+            pending.copied += len(pending.load.slab_offsets)
+            pending.event = end
+        # One transfer: observed once (by the first load), with all its bytes.
+        loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
+
+    def _copy(self, pending: _Load, offsets: list[int], forward_reads: bool = False) -> None:
+        """Issue the slab -> cache copies of the next ``len(offsets)`` blocks of ``pending``.
+        ``forward_reads``: this step's forward reads them (CUDA: the compute stream waits)."""
+        if not offsets or self._copier is None:
+            return
+        start = pending.copied
+        ids = pending.load.block_ids[start:start + len(offsets)]
+        payload = [o + self._headers.size for o in offsets]
+        pending.copied += len(offsets)
+        if self._side is None:
+            t0 = time.perf_counter()
+            self._copier.to_device(ids, payload)
+            pending.copy_seconds += time.perf_counter() - t0
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        compute = torch.cuda.current_stream(self.kv_cache.device)
+        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
+            # The blocks' previous owner may still have forwards queued that write them.
+            self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            begin.record(self._side)  # type: ignore[arg-type]
+            self._copier.to_device(ids, payload)
+            end.record(self._side)  # type: ignore[arg-type]
+        if forward_reads:
+            compute.wait_event(end)
+        pending.event = end
+        pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
+
+    def _advance(self) -> None:
+        """Copy in the blocks of every finished staging; end staging that ran out of time."""
+        now = time.monotonic()
+        for pending in self._loads.values():
+            future = pending.staging
+            if not pending.issuing or future is None:
+                continue
+            if future.done():
+                self._copy_staged(pending, future.result())
+            elif now >= pending.deadline:
+                self.stats.add(timed_out_loads=1)
+                pending.issuing = False  # the staging's pins are released once it ends
+
+    def _copy_staged(self, pending: _Load, staged: _Staged) -> None:
+        first = pending.copied
+        keys = pending.load.keys[first:first + staged.num_blocks]
+        pending.staging = None
+        pending.issuing = False
+        pending.staged_keys = keys
+        lead = self._locate_and_copy(pending, keys)
+        data = staged.data
+        if lead == len(keys) and data is not None and len(data):  # one sync scatter
+            t0 = time.perf_counter()
+            start = pending.copied
+            self._scatter(pending.load.block_ids[start:start + len(data)], data)
+            pending.copy_seconds += time.perf_counter() - t0
+            pending.copied += len(data)
+            keys = pending.load.keys[first:pending.copied]
+        tiers = pending.load.source_tiers
+        tier = tiers[first] if first < len(tiers) else ""
+        if keys and tier and tier != "host" and self.cost_model is not None:
+            nbytes = len(keys) * self.kv_cache.bytes_per_block
+            self.cost_model.observe_transfer(tier, nbytes, staged.seconds)
+
+    def _scatter(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Payload rows read through the store (``_read_through``) into their blocks."""
+        if self.codec is None:
+            spec = self.kv_cache.spec
+            self.kv_cache.scatter_blocks(block_ids, data.view(spec.dtype).view(-1, *spec.block_shape))
+            return
+        rows = self.kv_cache.byte_rows()
+        src = data.reshape(-1).to(rows.device)
+        self.codec.decode_into(src, [i * data.shape[1] for i in range(len(data))], rows, block_ids)
+
+    # -- completion ----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Report loads whose copies completed; release pins of drained ones."""
+        for req_id, pending in list(self._loads.items()):
+            if pending.issuing or not _done(pending.event):
+                continue
+            del self._loads[req_id]
+            self._release(pending)
+            n, load = pending.copied, pending.load
+            seconds = time.perf_counter() - pending.started
+            self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
+                           loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
+            self._observe_host(pending)
+            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds))
+        still: list[_Load] = []
+        for pending in self._draining:
+            if (pending.staging is None or pending.staging.done()) and _done(pending.event):
+                self._release(pending)
+            else:
+                still.append(pending)
+        self._draining = still
+
+    def _release(self, pending: _Load) -> None:
+        future, pending.staging = pending.staging, None
+        if future is not None:  # ended without its copies (cancelled or timed out)
+            if not future.done():
+                pending.staging = future
+                self._draining.append(pending)
+                return
+            n = future.result().num_blocks
+            pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
+        self.store.unpin_host([*pending.staged_keys, *pending.located])
+        pending.staged_keys, pending.located = (), []
+        if not pending.load.in_step:  # in-step loads hold slot pins only
+            self.store.complete_load(pending.load.keys)
+
+    def _observe_host(self, pending: _Load) -> None:
+        if self.cost_model is None or not pending.copied:
+            return
+        if pending.timings:
+            seconds = sum(b.elapsed_time(e) for b, e, _ in pending.timings) / 1e3  # type: ignore[attr-defined]
+            nbytes = sum(n for _, _, n in pending.timings)
+        elif pending.copy_seconds:
+            seconds, nbytes = pending.copy_seconds, pending.copied * self.kv_cache.bytes_per_block
+        else:
+            return  # its blocks moved in another load's transfer, observed there
+        self.cost_model.observe_transfer("host", nbytes, max(seconds, 1e-9))
+
+
+def _done(event: object | None) -> bool:
+    return event is None or bool(event.query())  # type: ignore[attr-defined]

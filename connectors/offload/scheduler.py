@@ -1,0 +1,318 @@
+"""The offload connector's scheduler side: decides what to save and what to load. Torch-free.
+
+- Saves: as the block pool's listener it collects every full block entering the free queue
+  (``on_block_freed``) and lists them all in the next step's metadata, so the worker copies them
+  out at that step's start, before any forward pass could overwrite them. A pending block that
+  the pool evicts meanwhile (``on_block_evicted``) sets ``saves_reuse_blocks``.
+- Loads: for a new request, past the GPU prefix hit, ``store.lookup`` says how many further
+  leading blocks the tiers hold and which tier serves each; the decision policy (``cost``: the
+  online cost model; ``load``; ``recompute``; ``overlap``: the cost model's cheapest overlap
+  split, forced) picks what to load. A ``load_prefix`` loads blocks ``[0, k)`` while the request
+  waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
+  head ``[0, m)`` (``ExternalHit.num_head_tokens``).
+- In-step loads (``block_meta`` given): a ``load_prefix`` whose blocks all sit in the host
+  tier is located in the slab now (``store.locate_host``: the codec header checked, the slots
+  pinned) and offered as ``ExternalHit(load_async=False)``: the scheduler counts those tokens as
+  computed at admission, and the worker copies the slots in before that same step's forward.
+  A slot that fails its header check (or is gone) ends the load there: the rest is recomputed,
+  decided before anything was promised. The pins are released by the worker after the copy, or
+  here when the plan is dropped (asked again, not used, request finished).
+- Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
+  by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
+  only: an in-step load was counted at admission).
+- Keys: ``namespace_prefix/hex(hash)`` (``cachestore.hashing.block_key``), with the prefix
+  computed once here rather than once per block (it is a sha256 of the namespace).
+
+Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
+from cachestore.cost.model import (
+    STRATEGY_LOAD_PREFIX,
+    STRATEGY_OVERLAP,
+    STRATEGY_RECOMPUTE,
+    Decision,
+    Option,
+)
+from cachestore.cost.online import OnlineCostModel
+from cachestore.hashing import BlockHash, Namespace
+from cachestore.store.hierarchical import HierarchicalStore
+from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.stats import OffloadStats
+from engine.core_types import SchedulerOutput
+from engine.kv_connector import ExternalHit
+from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The answer of ``get_num_new_matched_tokens`` for one request, kept for the allocation."""
+
+    num_computed_tokens: int
+    keys: tuple[str, ...]  # every available block's key past the GPU hit
+    tiers: tuple[str, ...]  # the tier serving each of them
+    num_head_blocks: int  # computed while the load runs (overlap), else 0
+    num_load_blocks: int  # loaded after the head
+    decision: str
+    # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys.
+    slab_offsets: tuple[int, ...] = ()
+    num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
+
+
+@dataclass(slots=True)
+class _Inflight:
+    request: Request
+    load: BlockLoad
+    tiers: tuple[str, ...]
+    # Extend the request log's leading hit: first admission, and not an overlap's tail.
+    record: bool = True
+
+
+class OffloadScheduler:
+    def __init__(
+        self,
+        store: HierarchicalStore,
+        namespace: Namespace,
+        *,
+        decision: str,
+        cost_model: OnlineCostModel,
+        stats: OffloadStats,
+        block_meta: BlockMeta | None = None,
+    ) -> None:
+        """``block_meta``: the codec metadata of a block; given, host-tier hits load in-step."""
+        self.store = store
+        self.namespace = namespace
+        self._key_prefix = namespace.key_prefix()
+        self._in_step = block_meta is not None and store.host_slab() is not None
+        # Blocks carry their key (codec version 2): the header check names it.
+        self._headers = (HeaderTemplate(block_meta, keyed=True) if block_meta is not None
+                         else None)
+        self._slot_bytes = encoded_size(block_meta, keyed=True) if block_meta is not None else 0
+        self.block_size = namespace.block_size
+        self.decision = decision
+        self.cost_model = cost_model
+        self.stats = stats
+        self._pending_saves: dict[int, str] = {}  # block id -> key, freed since the last step
+        self._reused = False
+        self._plans: dict[str, _Plan] = {}
+        self._new_loads: list[BlockLoad] = []
+        self._inflight: dict[str, _Inflight] = {}
+        self._cancelled: set[str] = set()
+        self._finished: dict[str, int] = {}
+
+    # -- BlockPoolListener ---------------------------------------------------------------
+
+    def _key(self, block_hash: BlockHash) -> str:
+        """``block_key(namespace, block_hash)`` without re-hashing the namespace per block."""
+        return f"{self._key_prefix}/{block_hash.hex()}"
+
+    def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None:
+        self._pending_saves[block_id] = self._key(block_hash)
+
+    def on_block_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+        if block_id in self._pending_saves:
+            self._reused = True  # its new owner may write it in this very step
+
+    # -- SchedulerConnector --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan. An
+        in-step plan pins its host slots until it is used or dropped (asked again, finished)."""
+        bs = self.block_size
+        start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        self._drop_plan(request.req_id)
+        if end <= start or len(request.block_hashes) < end:
+            return ExternalHit()
+        keys = [self._key(h) for h in request.block_hashes[start:end]]
+        found = self.store.lookup(keys)
+        if found.num_blocks == 0:
+            return ExternalHit()
+        tiers = tuple(self.store.tiers[i].name for i in found.served_by)
+        option = self._decide(start, tiers, request.num_tokens)
+        head, num_load = option.load_begin, option.num_load_blocks
+        offsets: tuple[int, ...] = ()
+        unlocated = 0
+        if self._in_step and head == 0 and num_load and all(t == "host" for t in tiers[:num_load]):
+            offsets = self._locate(keys[:num_load])
+            unlocated, num_load = num_load - len(offsets), len(offsets)
+        self._plans[request.req_id] = _Plan(
+            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
+            option.strategy, offsets, unlocated,
+        )
+        in_step = bool(offsets) or unlocated > 0
+        return ExternalHit(
+            num_tokens=num_load * bs, load_async=num_load > 0 and not in_step,
+            num_head_tokens=head * bs,
+        )
+
+    def _locate(self, keys: list[str]) -> tuple[int, ...]:
+        """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
+        pinned; pins past that run are undone at once."""
+        headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
+                   else [b""] * len(keys))
+        offsets = self.store.locate_host(keys, headers, self._slot_bytes)
+        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
+        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
+                               if o is not None])
+        return tuple(offsets[:lead])  # type: ignore[arg-type]
+
+    def _drop_plan(self, req_id: str) -> None:
+        plan = self._plans.pop(req_id, None)
+        if plan is not None and plan.slab_offsets:
+            self.store.unpin_host(plan.keys[: len(plan.slab_offsets)])
+
+    def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
+        if self.decision == "load":
+            return Option(STRATEGY_LOAD_PREFIX, 0, len(tiers), 0.0)
+        if self.decision == "recompute":
+            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+        try:
+            decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
+        except ValueError as exc:  # a tier the model has no price for: do the safe thing
+            log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
+            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+        if self.decision == "overlap":
+            return _cheapest_overlap(decision, len(tiers))
+        return decision.best
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        bs = self.block_size
+        self.stats.add(gpu_hit_tokens=num_gpu_hit_tokens)
+        plan = self._plans.pop(request.req_id, None)
+        # The request log describes the prompt's first admission; a preempted request hitting
+        # its own blocks again must not rewrite it.
+        record = request.num_preemptions == 0
+        if record:  # leading blocks only (an overlap's head is computed; its tail is not)
+            request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
+            request.kv_decision = STRATEGY_RECOMPUTE
+        if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
+            if plan is not None:  # planned for another GPU hit: unused
+                self._plans[request.req_id] = plan
+                self._drop_plan(request.req_id)
+            return
+        num_load = num_external_tokens // bs
+        head = plan.num_head_blocks if num_load else 0
+        self.stats.count_decision(plan.decision)
+        self.stats.add(recomputed_tokens=(len(plan.keys) - num_load) * bs)
+        if plan.num_unlocated:  # an in-step load cut short at planning time
+            self.stats.add(failed_loads=1)
+        offsets = plan.slab_offsets[:num_load]
+        if len(offsets) < len(plan.slab_offsets):  # located but not loaded: unpin
+            self.store.unpin_host(plan.keys[len(offsets) : len(plan.slab_offsets)])
+        if record and num_load:
+            request.kv_decision = plan.decision
+        if num_load == 0:
+            return
+        if head:
+            self.stats.add(overlap_head_tokens=head * bs, num_overlaps=1)
+        first = num_gpu_hit_tokens // bs + head
+        loaded = slice(head, head + num_load)
+        if not offsets:
+            # Pin now, in the same schedule() as the lookup, so that saves written before the
+            # load thread reads cannot evict these blocks from the host tier meanwhile. The
+            # worker's load thread unpins them (complete_load) when its read ends. (An in-step
+            # load's slots were pinned by ``locate_host``; the worker unpins them.)
+            self.store.prepare_load(list(plan.keys[loaded]))
+        load = BlockLoad(
+            request.req_id,
+            tuple(block_ids[first : first + num_load]),
+            plan.keys[loaded],
+            first * bs,
+            plan.tiers[loaded],
+            offsets,
+        )
+        self._new_loads.append(load)
+        self._inflight[request.req_id] = _Inflight(
+            request, load, plan.tiers[loaded], record=record and head == 0
+        )
+
+    def update_from_worker(self, report: WorkerReport) -> None:
+        """Take the worker's finished loads (the engine calls this after every step)."""
+        bs = self.block_size
+        for result in report.finished_loads:
+            inflight = self._inflight.pop(result.req_id, None)
+            if inflight is None:
+                continue  # cancelled: the request is gone
+            n = result.num_loaded_blocks
+            self.stats.add(
+                loaded_tokens=n * bs, recomputed_tokens=(result.num_requested_blocks - n) * bs
+            )
+            self.stats.count_tier_hits(list(inflight.tiers[:n]))
+            request = inflight.request
+            if inflight.record:
+                request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
+                if n == 0:
+                    request.kv_decision = STRATEGY_RECOMPUTE
+            if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
+                if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
+                    log.error("in-step load of %s came back short (%d/%d blocks)",
+                              result.req_id, n, result.num_requested_blocks)
+                continue
+            self._finished[result.req_id] = inflight.load.first_token + n * bs
+
+    def get_finished_loading(self) -> Mapping[str, int]:
+        done, self._finished = self._finished, {}
+        return done
+
+    def build_connector_meta(self, output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(
+            saves=tuple(BlockSave(b, k) for b, k in self._pending_saves.items()),
+            loads=tuple(self._new_loads),
+            cancelled_loads=frozenset(self._cancelled),
+            saves_reuse_blocks=self._reused,
+            num_scheduled_requests=len(output.requests),
+        )
+        self._pending_saves = {}
+        self._new_loads = []
+        self._cancelled = set()
+        self._reused = False
+        return meta
+
+    def take_pending_saves(self) -> tuple[BlockSave, ...]:
+        """The saves not yet handed to the worker (for a flush between steps); clears them."""
+        saves = tuple(BlockSave(b, k) for b, k in self._pending_saves.items())
+        self._pending_saves = {}
+        self._reused = False
+        return saves
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        req_id = request.req_id
+        self._drop_plan(req_id)
+        self._finished.pop(req_id, None)
+        inflight = self._inflight.pop(req_id, None)
+        if inflight is not None and not inflight.load.in_step:  # in-step: copied in its step
+            self.stats.add(cancelled_loads=1)
+            unsent = [ld for ld in self._new_loads if ld.req_id != req_id]
+            if len(unsent) == len(self._new_loads):
+                self._cancelled.add(req_id)  # the worker has it: drop it there
+            else:  # never sent: undo its pins here
+                mine = next(ld for ld in self._new_loads if ld.req_id == req_id)
+                self.store.complete_load(list(mine.keys))
+            self._new_loads = unsent
+
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._inflight)
+
+
+def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
+    """The forced ``overlap`` policy: the cheapest overlap split the model priced; with fewer
+    than two cached blocks there is none, and everything is loaded."""
+    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == STRATEGY_OVERLAP]
+    if not splits:
+        return Option(STRATEGY_LOAD_PREFIX, 0, num_cached, 0.0)
+    return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))

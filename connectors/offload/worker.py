@@ -1,0 +1,119 @@
+"""The offload connector's worker side: moves KV bytes between the GPU cache and the store.
+
+``OffloadWorker`` is the model runner's connector (``engine.kv_connector.KVConnectorWorker``);
+it owns one side stream (CUDA) shared by its two halves:
+- ``HostSaver`` (connectors/offload/saves.py): blocks freed since the last step, copied from the
+  GPU straight into reserved host-tier slots, sealed after the forward.
+- ``HostLoader`` (connectors/offload/loads.py): in-step loads (copied before this step's
+  forward), async loads (host fast path now, lower tiers through a staging thread), completion.
+
+Per step (``ModelRunner`` calls, engine thread):
+1. ``start_load_kv(meta)``, before the forward pass: saves first (their blocks may be rewritten
+   by this forward), then loads.
+2. ``wait_for_save()``, after the forward: the save batch is sealed (checksum, commit) by the
+   saver's thread (CUDA) or at once (CPU).
+3. ``take_report()``: every load whose copies completed, reported in the step they landed in:
+   an in-step load in its own step, an async one so that its request runs in the next step.
+
+Not thread-safe: the engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachestore.codec import BlockMeta
+from cachestore.cost.online import OnlineCostModel
+from cachestore.store.hierarchical import HierarchicalStore
+from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.loads import HostLoader
+from connectors.offload.metadata import BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.saves import HostSaver
+from connectors.offload.stats import OffloadStats
+from engine.kv_cache import KVCache
+
+KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] per block
+
+
+def block_meta(kv_cache: KVCache, namespace_prefix: str, codec: Hi4Codec | None = None) -> BlockMeta:
+    """The codec metadata of one block of ``kv_cache`` (its encoded size sizes host slots);
+    with ``codec``, of its compressed payload (bytes, in a layout naming the format)."""
+    if codec is not None:
+        return BlockMeta(dtype="uint8", shape=(codec.payload_bytes,),
+                         layout=f"{KV_LAYOUT}+{codec.name}", namespace=namespace_prefix)
+    return BlockMeta(
+        dtype=str(kv_cache.spec.dtype),
+        shape=kv_cache.spec.block_shape,
+        layout=KV_LAYOUT,
+        namespace=namespace_prefix,
+    )
+
+
+class OffloadWorker:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        store: HierarchicalStore,
+        meta: BlockMeta,
+        *,
+        load_timeout_s: float,
+        stats: OffloadStats,
+        cost_model: OnlineCostModel | None = None,
+        layered_loads: bool = False,
+        layers_per_copy: int = 0,
+        coalesced_loads: bool = False,
+        codec: Hi4Codec | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.store = store
+        self.meta = meta
+        self.stats = stats
+        self.cost_model = cost_model
+        cuda = kv_cache.device.type == "cuda"
+        self._side_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
+        self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream, codec)
+        self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
+                                  load_timeout_s=load_timeout_s, cost_model=cost_model,
+                                  layered=layered_loads, coalesced=coalesced_loads, codec=codec,
+                                  layers_per_copy=layers_per_copy)
+
+    @property
+    def layered_loads(self) -> bool:
+        """Whether in-step host loads land layer by layer (CUDA, Triton, aligned slab)."""
+        return self._loader.layered
+
+    @property
+    def load_stages(self) -> int:
+        """How many stages (CUDA events) an in-step layer-wise load lands in, the forward
+        waiting for each in turn: one per layer for raw blocks, one per group of layers for
+        compressed ones (1 without layer-wise loads). Not engine steps."""
+        return self._loader.load_stages
+
+    # -- runner hooks --------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: object | None) -> None:
+        if not isinstance(metadata, KVConnectorMetadata):
+            return
+        self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
+        self._loader.start(metadata.loads, metadata.cancelled_loads,
+                           idle=metadata.num_scheduled_requests == 0)
+
+    def wait_for_save(self) -> None:
+        self._saver.end_step()
+
+    def after_step(self, metadata: object | None) -> None:
+        return None
+
+    def take_report(self) -> WorkerReport:
+        return WorkerReport(finished_loads=tuple(self._loader.take_finished()))
+
+    def save_now(self, saves: tuple[BlockSave, ...]) -> None:
+        """Copy ``saves`` out and make them visible at once (engine idle: shutdown, flush)."""
+        self._saver.start(saves, reuse=False)
+        self._saver.drain()
+
+    def close(self) -> None:
+        """Finish pending saves, drop pending loads (releasing their pins), stop the threads.
+        Idempotent."""
+        self._saver.close()
+        self._loader.close()

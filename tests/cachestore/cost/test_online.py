@@ -1,0 +1,185 @@
+"""OnlineCostModel: exact decisions on hand-computed prices, exact EWMA steps, thread safety."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cachestore.cost.model import (
+    STRATEGY_LOAD_PREFIX,
+    STRATEGY_OVERLAP,
+    STRATEGY_RECOMPUTE,
+    PrefillCost,
+    TierCost,
+)
+from cachestore.cost.online import OnlineCostModel, default_priors, update_tier_cost
+
+# 1 ms per token and nothing else; a 1000-byte block of 16 tokens. Every number below is
+# checkable by hand.
+LINEAR = PrefillCost(fixed_s=0.0, per_token_s=1e-3, attention_s=0.0)
+HOST = TierCost("host", latency_s=1e-3, bandwidth_bytes_per_s=1e6)  # 1 ms per block
+LMDB = TierCost("lmdb", latency_s=2e-3, bandwidth_bytes_per_s=5e5)  # 2 ms per block
+S3 = TierCost("s3", latency_s=0.05, bandwidth_bytes_per_s=1e5)  # 10 ms per block
+
+
+def model(alpha: float = 0.5) -> OnlineCostModel:
+    return OnlineCostModel({"host": HOST, "lmdb": LMDB, "s3": S3}, LINEAR, block_bytes=1000,
+                           block_tokens=16, alpha=alpha)
+
+
+def test_long_prefix_on_fast_tier_loads_with_exact_prediction() -> None:
+    d = model().decide(0, ["host"] * 4, 80)
+    assert d.best.strategy == STRATEGY_LOAD_PREFIX
+    assert (d.best.load_begin, d.best.load_end) == (0, 4)
+    # 1 ms latency + 4 blocks x 1 ms, then 16 tokens x 1 ms.
+    assert d.predicted_s == pytest.approx(0.001 + 0.004 + 0.016, rel=1e-12)
+    by_strategy = {o.strategy: o.predicted_s for o in d.alternatives}
+    assert by_strategy[STRATEGY_RECOMPUTE] == pytest.approx(0.080, rel=1e-12)
+    # Best overlap: compute block 0 (16 ms) while blocks 1..3 load (1 + 3 ms), then 16 ms.
+    assert by_strategy[STRATEGY_OVERLAP] == pytest.approx(0.032, rel=1e-12)
+
+
+def test_lmdb_block_pays_both_hops_pipelined() -> None:
+    d = model().decide(0, ["lmdb"] * 4, 80)
+    assert d.best.strategy == STRATEGY_LOAD_PREFIX and d.best.load_end == 4
+    # Latencies add (2 + 1 ms); the slower link (5e5 B/s) sets the rate: 4000 B -> 8 ms.
+    assert d.predicted_s == pytest.approx(0.003 + 0.008 + 0.016, rel=1e-12)
+
+
+def test_short_prefix_on_slow_tier_recomputes() -> None:
+    d = model().decide(0, ["s3"], 32)
+    assert d.best.strategy == STRATEGY_RECOMPUTE
+    assert d.predicted_s == pytest.approx(0.032, rel=1e-12)
+    (load,) = [o for o in d.alternatives if o.strategy == STRATEGY_LOAD_PREFIX]
+    # 50 + 1 ms latency, 1000 B at 1e5 B/s = 10 ms, then 16 tokens.
+    assert load.predicted_s == pytest.approx(0.051 + 0.010 + 0.016, rel=1e-12)
+
+
+def test_gpu_hit_counts_as_context_and_mixed_sources() -> None:
+    d = model().decide(2, ["host", "lmdb"], 64)
+    # 32 tokens on the GPU; recompute the other 32 = 32 ms. Load both: host run (1 + 1 ms),
+    # then lmdb run (3 + 2 ms), nothing left to compute.
+    assert d.best.strategy == STRATEGY_LOAD_PREFIX and d.best.load_end == 2
+    assert d.predicted_s == pytest.approx(0.002 + 0.005, rel=1e-12)
+    recompute = [o for o in d.alternatives if o.strategy == STRATEGY_RECOMPUTE][0]
+    assert recompute.predicted_s == pytest.approx(0.032, rel=1e-12)
+
+
+def test_decide_rejects_unknown_tier_and_oversized_chain() -> None:
+    m = model()
+    with pytest.raises(ValueError, match="redis"):
+        m.decide(0, ["redis"], 32)
+    with pytest.raises(ValueError, match="exceed"):
+        m.decide(1, ["host", "host"], 40)
+    with pytest.raises(ValueError):
+        OnlineCostModel({}, LINEAR, 1000, 16, alpha=0.0)
+
+
+def test_bandwidth_ewma_step_is_exact() -> None:
+    m = model(alpha=0.5)
+    # 10000 B predicted at 10 ms > 1 ms latency: bandwidth-dominated. Sample 10000 / (6 - 1 ms)
+    # = 2e6 B/s; B = 1e6 + 0.5 * (2e6 - 1e6).
+    m.observe_transfer("host", 10_000, 0.006)
+    host = m.tier_costs()["host"]
+    assert host.bandwidth_bytes_per_s == pytest.approx(1.5e6, rel=1e-12)
+    assert host.latency_s == 1e-3
+    # Faster than the latency alone: the whole time counts as copy: 10000 / 0.5 ms = 2e7.
+    m.observe_transfer("host", 10_000, 0.0005)
+    assert m.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
+        1.5e6 + 0.5 * (2e7 - 1.5e6), rel=1e-12)
+    snap = m.snapshot()["tiers"]["host"]
+    assert snap["num_samples"] == 2 and snap["prior_bandwidth_bytes_per_s"] == 1e6
+
+
+def test_latency_ewma_step_is_exact() -> None:
+    m = model(alpha=0.25)
+    # 100 B predicted at 0.1 ms < 1 ms latency: latency-dominated; sample 3 ms - 0.1 ms.
+    m.observe_transfer("host", 100, 0.003)
+    host = m.tier_costs()["host"]
+    assert host.latency_s == pytest.approx(1e-3 + 0.25 * (0.0029 - 1e-3), rel=1e-12)
+    assert host.bandwidth_bytes_per_s == 1e6
+    assert update_tier_cost(HOST, 0, 0.004, 0.5).latency_s == pytest.approx(0.0025, rel=1e-12)
+
+
+def test_learned_bandwidth_changes_the_decision() -> None:
+    m = model(alpha=1.0)
+    assert m.decide(0, ["lmdb"] * 4, 80).best.strategy == STRATEGY_LOAD_PREFIX
+    # The lmdb hop turns out to run at 1e4 B/s: 4 blocks now take 400 ms to load.
+    m.observe_transfer("lmdb", 4000, 0.002 + 0.4)
+    assert m.tier_costs()["lmdb"].bandwidth_bytes_per_s == pytest.approx(1e4, rel=1e-12)
+    d = m.decide(0, ["lmdb"] * 4, 80)
+    assert d.best.strategy == STRATEGY_RECOMPUTE
+    assert m.snapshot()["decisions"] == {STRATEGY_LOAD_PREFIX: 1, STRATEGY_RECOMPUTE: 1}
+
+
+def test_unknown_tier_starts_from_first_sample_and_bad_samples() -> None:
+    m = model()
+    m.observe_transfer("redis", 5000, 0.01)
+    assert m.tier_costs()["redis"] == TierCost("redis", 0.0, 5e5)
+    m.observe_transfer("host", 1000, 0.0)  # clock resolution: no information
+    m.observe_prefill(16, 0, -1.0)
+    assert m.snapshot()["ignored"] == {"transfers": 1, "prefills": 1}
+    assert m.tier_costs()["host"] == HOST
+    with pytest.raises(ValueError):
+        m.observe_transfer("host", -1, 0.1)
+    with pytest.raises(ValueError):
+        m.observe_prefill(-1, 0, 0.1)
+
+
+def test_prefill_scale_ewma_and_its_effect_on_decisions() -> None:
+    m = model(alpha=0.5)
+    m.observe_prefill(100, 0, 0.2)  # twice the 100 ms prior: scale 1 + 0.5 * (2 - 1)
+    assert m.snapshot()["prefill"]["scale"] == pytest.approx(1.5, rel=1e-12)
+    assert m.prefill_cost().per_token_s == pytest.approx(1.5e-3, rel=1e-12)
+    d = m.decide(0, ["s3"], 32)
+    assert d.best.strategy == STRATEGY_RECOMPUTE
+    assert d.predicted_s == pytest.approx(0.048, rel=1e-12)
+    snap = m.snapshot()
+    assert snap["predicted_saved_s"] == 0.0 and snap["prefill"]["num_samples"] == 1
+
+
+def test_h200_prior_matches_design_figures() -> None:
+    p = default_priors("h200-llama-3-8b")
+    assert p.block_bytes == 2 << 20 and p.block_tokens == 16
+    assert p.tier_costs["host"].bandwidth_bytes_per_s == 55.4e9
+    assert p.prefill.time(16384) == pytest.approx(0.577, rel=1e-9)
+    m = OnlineCostModel.from_priors(p)
+    # DESIGN.md: a 16K reload from host (~40 ms) beats the 577 ms recompute by far.
+    d = m.decide(0, ["host"] * 1024, 16384 + 16)
+    assert d.best.strategy != STRATEGY_RECOMPUTE and d.predicted_s < 0.6 / 12
+    assert default_priors("cpu").tier_costs["host"].bandwidth_bytes_per_s > 0
+    with pytest.raises(ValueError, match="unknown cost prior"):
+        default_priors("tpu")
+
+
+def test_concurrent_observe_and_decide_lose_no_update() -> None:
+    m = model(alpha=0.1)
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait()
+            for _ in range(300):
+                m.observe_transfer("host", 10_000, 0.006)
+                m.observe_prefill(16, 0, 0.016)
+                m.decide(0, ["host"] * 4, 80)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    snap = m.snapshot()
+    assert snap["tiers"]["host"]["num_samples"] == 2400
+    assert snap["prefill"]["num_samples"] == 2400 and snap["prefill"]["scale"] == 1.0
+    assert sum(snap["decisions"].values()) == 2400
+    # Identical samples: any interleaving gives the same value, the sequential one.
+    expected = HOST
+    for _ in range(2400):
+        expected = update_tier_cost(expected, 10_000, 0.006, 0.1)
+    assert m.tier_costs()["host"] == expected

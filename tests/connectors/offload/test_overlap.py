@@ -1,0 +1,69 @@
+"""Cake-style overlap end to end: compute the head while the tail loads, then skip the tail.
+Outputs stay token-identical to the no-offload engine; kv_stats() counts both parts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from cachestore.cost.model import PrefillCost, TierCost
+from cachestore.cost.online import OnlineCostModel
+from engine import SamplingParams
+from tests.connectors.offload.test_connector import (
+    SLOT,
+    VOCAB,
+    host_lmdb,
+    make_llm,
+    run_conversations,
+)
+
+
+def test_forced_overlap_keeps_outputs_identical(model_dir: str, tmp_path: Path) -> None:
+    reference = run_conversations(make_llm(model_dir, 24), turns=3)
+    config = {**host_lmdb(tmp_path), "decision": "overlap", "calibrate": False}
+    with make_llm(model_dir, 24, config) as llm:
+        assert run_conversations(llm, turns=3) == reference
+        kv = llm.kv_stats()
+    assert kv["decisions"]["overlap"] > 0 and kv["num_overlaps"] > 0
+    assert kv["overlap_head_tokens"] > 0 and kv["loaded_tokens"] > 0
+    assert kv["failed_loads"] == 0
+    assert kv["recomputed_tokens"] >= kv["overlap_head_tokens"]
+
+
+def test_cost_model_picks_overlap_and_the_engine_executes_it(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """P (85 tokens) is evicted to the host tier by Q as in test_offload's exact scenario: P
+    again has 2 GPU blocks and 3 host blocks. Prices: 1 ms per block to load or to compute,
+    frozen (alpha ~ 0). load all: 3 + 0.3 ms; recompute: 3.3 ms; overlap m=2: max(2, 1) + 0.3
+    ms: the head (2 blocks) is computed while the tail (1 block) loads."""
+    rng = random.Random(2)
+    p = [rng.randrange(3, VOCAB) for _ in range(85)]
+    q = [rng.randrange(3, VOCAB) for _ in range(120)]
+    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
+    log_path = tmp_path / "requests.jsonl"
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": 64 * SLOT}]}
+    with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
+        offload = llm.engine.offload
+        assert offload is not None
+        model = OnlineCostModel(
+            {"host": TierCost("host", 0.0, 8192 / 1e-3)},
+            PrefillCost(0.0, 1e-3 / 16, 0.0),
+            block_bytes=8192,
+            block_tokens=16,
+            alpha=1e-12,
+        )
+        offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
+        assert llm.generate([p], one)[0].token_ids == reference
+        llm.generate([q], one)
+        assert llm.generate([p], one)[0].token_ids == reference
+        kv = llm.kv_stats()
+    assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
+    assert kv["gpu_hit_tokens"] == 32
+    assert kv["overlap_head_tokens"] == 32 and kv["loaded_tokens"] == 16
+    assert kv["recomputed_tokens"] == 32 and kv["loaded_blocks"] == 1
+    assert kv["tiers"]["host"]["hit_blocks"] == 1 and kv["failed_loads"] == 0
+    last = json.loads(log_path.read_text().splitlines()[-1])
+    assert last["decision"] == "overlap" and last["hit_tiers"] == ["gpu", "gpu"]

@@ -1,0 +1,209 @@
+"""The connector contract and the offload connector's scheduler side, without a model: a real
+block pool, a real host-tier store, exact metadata, pins and counters."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachestore.codec import BlockMeta, encode_block
+from cachestore.cost.online import OnlineCostModel, default_priors
+from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from connectors.offload.config import (
+    default_cache_dir,
+    default_offload_config,
+    load_offload_config,
+    mem_available_bytes,
+)
+from connectors.offload.metadata import (
+    BlockLoad,
+    BlockSave,
+    KVConnectorMetadata,
+    LoadResult,
+    WorkerReport,
+)
+from connectors.offload.scheduler import OffloadScheduler
+from connectors.offload.stats import OffloadStats
+from engine.block_pool import BlockPool
+from engine.core_types import SchedulerOutput
+from engine.kv_connector import ExternalHit
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from tiers.config import ConfigError, HostTierConfig, LmdbTierConfig
+from tiers.host import HostTier
+
+NS = Namespace(model_fingerprint="test-base")
+META = BlockMeta(
+    dtype="float32", shape=(2, 2, 16, 2, 16), layout="block_major_v1", namespace=NS.key_prefix()
+)
+PAYLOAD = bytes(META.payload_bytes)
+
+
+@pytest.fixture
+def store() -> Iterator[HierarchicalStore]:
+    s = HierarchicalStore(
+        [HostTier(64 * 9000, 9000, pin_memory=False)], StoreConfig(namespace=NS.key_prefix())
+    )
+    yield s
+    s.close()
+
+
+def make_side(store: HierarchicalStore, decision: str = "load") -> OffloadScheduler:
+    priors = default_priors("cpu")
+    model = OnlineCostModel(dict(priors.tier_costs), priors.prefill, META.payload_bytes, 16)
+    return OffloadScheduler(store, NS, decision=decision, cost_model=model, stats=OffloadStats())
+
+
+def request(n: int, req_id: str = "r") -> Request:
+    r = Request(req_id, [3 + i % 400 for i in range(n)], SamplingParams(max_tokens=1))
+    r.block_hashes = hash_request_tokens(NS, r.all_token_ids)
+    return r
+
+
+def store_blocks(store: HierarchicalStore, r: Request, num: int) -> list[str]:
+    keys = [block_key(NS, h) for h in r.block_hashes[:num]]
+    assert store.put_many([(k, encode_block(PAYLOAD, META)) for k in keys]) == num
+    return keys
+
+
+def test_metadata_is_frozen_and_loads_are_checked() -> None:
+    meta = KVConnectorMetadata(saves=(BlockSave(3, "k"),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.saves = ()  # type: ignore[misc]
+    with pytest.raises(ValueError, match="2 blocks for 1 keys"):
+        BlockLoad("r", (1, 2), ("a",), 0)
+    with pytest.raises(ValueError, match="0 blocks for 0 keys"):
+        BlockLoad("r", (), (), 0)
+
+
+def test_freed_blocks_become_saves_in_free_order_and_eviction_marks_reuse(
+    store: HierarchicalStore,
+) -> None:
+    side = make_side(store)
+    pool = BlockPool(4, 16, listener=side)
+    blocks = pool.get_new_blocks(3)
+    r = request(48)
+    for b, h, i in zip(blocks, r.block_hashes, range(3), strict=True):
+        pool.cache_full_block(b, h, r.all_token_ids[i * 16 : (i + 1) * 16])
+    pool.free_blocks(reversed(blocks))
+    empty = SchedulerOutput([], 0)
+    meta = side.build_connector_meta(empty)
+    assert meta.saves == tuple(BlockSave(b, block_key(NS, r.block_hashes[b])) for b in (2, 1, 0))
+    assert not meta.saves_reuse_blocks and meta.num_scheduled_requests == 0
+    assert side.build_connector_meta(empty) == KVConnectorMetadata()
+    # Freed and evicted before the next step: still saved, and the forward must wait for it.
+    pool.free_blocks([pool.get_new_blocks(1)[0]])  # block 3: no hash, not a save
+    pool.touch([pool.blocks[2]])
+    pool.free_blocks([pool.blocks[2]])
+    pool.get_new_blocks(4)  # queue order 1, 0, 3, 2: block 2 is evicted last
+    meta = side.build_connector_meta(empty)
+    assert [s.block_id for s in meta.saves] == [2] and meta.saves_reuse_blocks
+
+
+def test_matching_is_side_effect_free_and_follows_the_policy(store: HierarchicalStore) -> None:
+    r = request(70)  # 4 full blocks; at most (70-1)//16 = 4 may load
+    store_blocks(store, r, 3)
+    load = make_side(store, "load")
+    before = store.stats()
+    assert load.get_num_new_matched_tokens(r, 16) == ExternalHit(32, load_async=True)
+    assert load.get_num_new_matched_tokens(r, 16) == ExternalHit(32, load_async=True)
+    after = store.stats()
+    assert after["load_pins"] == 0 and after["in_flight_stores"] == 0
+    assert after["tiers"][0]["bytes_written"] == before["tiers"][0]["bytes_written"]
+    assert make_side(store, "recompute").get_num_new_matched_tokens(r, 0) == ExternalHit()
+    # On the CPU priors a host block (8 KiB at 5 GB/s) is far cheaper than 16 tokens of prefill.
+    assert make_side(store, "cost").get_num_new_matched_tokens(r, 0) == ExternalHit(48, True)
+    assert load.get_num_new_matched_tokens(r, 48) == ExternalHit()  # block 3 is not stored
+
+
+def test_load_lifecycle_pins_reports_and_cancels(store: HierarchicalStore) -> None:
+    side = make_side(store)
+    r = request(70)
+    keys = store_blocks(store, r, 3)
+    assert side.get_num_new_matched_tokens(r, 0) == ExternalHit(48, True)
+    side.update_state_after_alloc(r, [7, 8, 9, 10, 11], 0, 48)
+    assert store.stats()["load_pins"] == 3  # pinned until the worker's read completes
+    meta = side.build_connector_meta(SchedulerOutput([], 0))
+    assert meta.loads == (BlockLoad("r", (7, 8, 9), tuple(keys), 0, ("host",) * 3),)
+    side.update_from_worker(WorkerReport((LoadResult("r", 2, 3, 0.01),)))
+    assert side.get_finished_loading() == {"r": 32}
+    assert side.get_finished_loading() == {}
+    snap = side.stats.snapshot()
+    assert snap["loaded_tokens"] == 32 and snap["recomputed_tokens"] == 16
+    assert snap["decisions"] == {"load_prefix": 1} and snap["tiers"] == {"host": {"hit_blocks": 2}}
+    assert r.kv_hit_tiers == ["host", "host"] and r.kv_decision == "load_prefix"
+    # Aborted before its metadata went out: nothing reaches the worker, pins are undone here.
+    r2 = request(70, "r2")
+    side.get_num_new_matched_tokens(r2, 0)
+    side.update_state_after_alloc(r2, [1, 2, 3, 4, 5], 0, 48)
+    side.request_finished(r2, [1, 2, 3, 4, 5])
+    assert side.build_connector_meta(SchedulerOutput([], 0)) == KVConnectorMetadata()
+    # Aborted after: the worker is told to drop it.
+    r3 = request(70, "r3")
+    side.get_num_new_matched_tokens(r3, 0)
+    side.update_state_after_alloc(r3, [1, 2, 3, 4, 5], 0, 48)
+    side.build_connector_meta(SchedulerOutput([], 0))
+    side.request_finished(r3, [1, 2, 3, 4, 5])
+    assert side.build_connector_meta(SchedulerOutput([], 0)).cancelled_loads == {"r3"}
+    side.update_from_worker(WorkerReport((LoadResult("r3", 3, 3, 0.01),)))
+    assert side.get_finished_loading() == {}
+    assert side.stats.snapshot()["cancelled_loads"] == 2
+
+
+def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
+    cfg = load_offload_config(
+        {
+            "decision": "recompute",
+            "load_timeout_s": 2,
+            "tiers": [{"kind": "host", "capacity": "1MiB"}],
+        }
+    )
+    assert cfg.decision == "recompute" and cfg.load_timeout_s == 2.0
+    assert cfg.in_step_host_loads is True
+    host = [{"kind": "host", "capacity": 1}]
+    assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
+    with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
+        load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
+    assert cfg.layered_loads == "auto" and not cfg.layer_wise  # auto: with compression only
+    assert load_offload_config({"tiers": host, "compression": "lossless"}).layer_wise
+    assert load_offload_config({"tiers": host, "layered_loads": True}).layer_wise
+    assert not load_offload_config({"tiers": host, "compression": "lossless",
+                                    "layered_loads": False}).layer_wise
+    for bad in (1, "yes"):
+        with pytest.raises(ConfigError, match="layered_loads must be true, false or auto"):
+            load_offload_config({"tiers": host, "layered_loads": bad})
+    assert cfg.layers_per_copy == 0
+    assert load_offload_config({"tiers": host, "layers_per_copy": 4}).layers_per_copy == 4
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ConfigError, match="layers_per_copy must be an integer >= 0"):
+            load_offload_config({"tiers": host, "layers_per_copy": bad})
+    assert cfg.coalesced_loads is False
+    assert load_offload_config({"tiers": host, "coalesced_loads": True}).coalesced_loads
+    with pytest.raises(ConfigError, match="coalesced_loads must be true or false"):
+        load_offload_config({"tiers": host, "coalesced_loads": "on"})
+    assert cfg.tiers.tiers == (HostTierConfig(capacity=1 << 20),)
+    yaml_path = tmp_path / "offload.yaml"
+    yaml_path.write_text("tiers:\n  - {kind: lmdb, path: /x, capacity: 1GiB}\n")
+    assert load_offload_config(yaml_path).decision == "cost"
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_offload_config({"tiers": [{"kind": "host", "capacity": 1}], "policy": "x"})
+    with pytest.raises(ConfigError, match="decision 'maybe'"):
+        load_offload_config({"tiers": [{"kind": "host", "capacity": 1}], "decision": "maybe"})
+    with pytest.raises(ConfigError, match="'tiers' is empty"):
+        load_offload_config({"tiers": []})
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
+    assert mem_available_bytes(str(meminfo)) == 2048 * 1024
+    assert default_cache_dir({"KVTIER_CACHE_DIR": "/c"}) == Path("/c")
+    assert default_cache_dir({"HOME": "/h"}) == Path("/h/.cache/kvtier")
+    small = default_offload_config("abc", mem_available=8 << 20, cache_dir=Path("/c"))
+    assert small.tiers.tiers == (
+        HostTierConfig(capacity=2 << 20),
+        LmdbTierConfig(path="/c/lmdb/abc", capacity=32 << 30),
+    )
+    big = default_offload_config("abc", mem_available=64 << 30, cache_dir=Path("/c"))
+    assert big.tiers.tiers[0] == HostTierConfig(capacity=8 << 30)

@@ -1,0 +1,316 @@
+"""Tier configuration: the documented YAML parses; every backend field reaches the backend's own
+config and the built tier; every error names its tier and field."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tiers import build_tiers
+from tiers.config import (
+    STORE_FIELDS,
+    ConfigError,
+    HostTierConfig,
+    LmdbTierConfig,
+    RedisTierConfig,
+    RemoteTierConfig,
+    S3TierConfig,
+    format_size,
+    load_tier_config,
+    parse_size,
+    parse_tier_config,
+    parse_tier_entry,
+)
+
+EXAMPLE = """
+tiers:
+  - {kind: host, capacity: 4GiB}
+  - {kind: lmdb, path: /tmp/kvtier-lmdb, capacity: 100GiB}
+  - {kind: redis, url: "redis://127.0.0.1:6379/0", ttl_s: 3600}
+  - {kind: s3, bucket: kv, endpoint_url: "http://127.0.0.1:9000", prefix: kv/, blocks_per_object: 16}
+  - {kind: remote, url: "tcp://cache:7000", token: s3cret}
+"""
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4GiB", 4 * 2**30), ("100GB", 100 * 10**9), ("512MiB", 512 * 2**20), ("1024", 1024),
+    (4096, 4096), ("1.5 KiB", 1536), ("2tb", 2 * 10**12), ("7B", 7), ("0.5MiB", 2**19),
+])
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("4G", "unknown size unit 'G'"), ("GiB", "cannot parse size"), ("-1GiB", "cannot parse"),
+    (-5, "non-negative"), (True, "size must be"), ("0.3B", "whole number"), (1.5, "int or a string"),
+])
+def test_parse_size_errors(text: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_size(text)  # type: ignore[arg-type]
+
+
+def test_format_size() -> None:
+    assert [format_size(n) for n in (4 * 2**30, 1536, 1000, 2**20)] == [
+        "4GiB", "1536B", "1000B", "1MiB"]
+    assert parse_size(format_size(3 * 2**40)) == 3 * 2**40
+
+
+def test_example_yaml_parses(tmp_path: Path) -> None:
+    path = tmp_path / "tiers.yaml"
+    path.write_text(EXAMPLE)
+    cfg = load_tier_config(path)
+    assert cfg.tiers == (
+        HostTierConfig(capacity=4 * 2**30),
+        LmdbTierConfig(path="/tmp/kvtier-lmdb", capacity=100 * 2**30),
+        RedisTierConfig(url="redis://127.0.0.1:6379/0", ttl_s=3600.0),
+        S3TierConfig(bucket="kv", endpoint_url="http://127.0.0.1:9000", prefix="kv/",
+                     blocks_per_object=16),
+        RemoteTierConfig(url="tcp://cache:7000", token="s3cret"),
+    )
+    assert cfg.tiers[1].map_headroom == 0.25 and cfg.tiers[2].key_prefix == "kvtier:"
+    assert "s3cret" not in repr(cfg) and "6379" not in repr(cfg)  # secrets stay out of logs
+    with pytest.raises(AttributeError):
+        cfg.tiers[0].capacity = 1  # type: ignore[misc]  # frozen
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"tiers": []}, "field 'tiers' is empty"),
+    ({}, "field 'tiers' must be a list"),
+    ([1], "must be a mapping"),
+    ({"tiers": [], "extra": 1}, "unknown top-level field(s) ['extra']"),
+    ({"tiers": [{"kind": "floppy"}]}, "tiers[0]: unknown kind 'floppy'"),
+    ({"tiers": [{"capacity": "1GiB"}]}, "tiers[0]: missing field 'kind'"),
+    ({"tiers": ["host"]}, "tiers[0]: expected a mapping"),
+    ({"tiers": [{"kind": "host"}]}, "tiers[0] (host): missing required field 'capacity'"),
+    ({"tiers": [{"kind": "host", "capacity": "4 parsecs"}]},
+     "tiers[0] (host): field 'capacity': unknown size unit 'parsecs'"),
+    ({"tiers": [{"kind": "host", "capacity": 0}]}, "field 'capacity': expected a positive size"),
+    ({"tiers": [{"kind": "host", "capacity": "1GiB", "colour": "red"}]},
+     "tiers[0] (host): unknown field(s) ['colour']"),
+    ({"tiers": [{"kind": "host", "capacity": "1GiB"}, {"kind": "lmdb", "capacity": "1GiB"}]},
+     "tiers[1] (lmdb): missing required field 'path'"),
+    ({"tiers": [{"kind": "s3", "bucket": "b", "blocks_per_object": 0}]},
+     "tiers[0] (s3): field 'blocks_per_object': expected a positive integer, got 0"),
+    ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": "soon"}]},
+     "tiers[0] (redis): field 'ttl_s': expected a positive number"),
+    ({"tiers": [{"kind": "lmdb", "path": "/x", "capacity": 1},
+                {"kind": "host", "capacity": 1}]}, "a 'host' tier may only be the first"),
+])
+def test_errors_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config(data)
+    assert message in str(info.value)
+
+
+def test_bad_yaml_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers: [ {kind: host")
+    with pytest.raises(ConfigError, match="cannot read tier config"):
+        load_tier_config(path)
+    with pytest.raises(ConfigError, match="cannot read tier config"):
+        load_tier_config(tmp_path / "missing.yaml")
+
+
+def test_build_tiers_through_registry(tmp_path: Path) -> None:
+    cfg = parse_tier_config({"tiers": [
+        {"kind": "host", "capacity": "64KiB"},
+        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": "1MiB"},
+    ]})
+    with pytest.raises(ConfigError, match="'slot_bytes' is not set"):
+        build_tiers(cfg)
+    tiers = build_tiers(cfg, host_slot_bytes=4096)
+    try:
+        assert [type(t).__name__ for t in tiers] == ["HostTier", "LmdbTier"]
+        assert tiers[0].usage().capacity_bytes == 64 * 1024
+        assert tiers[1].usage().capacity_bytes == 2**20
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
+REDIS_FULL = {"kind": "redis", "url": "redis://127.0.0.1:6379/2", "cluster": False,
+              "key_prefix": "kv:", "ttl_s": 60, "max_value_bytes": "8MiB",
+              "socket_timeout_s": 0.5, "connect_timeout_s": 0.25, "max_connections": 8,
+              "retries": 0, "capacity": "1GiB"}
+S3_FULL = {"kind": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000", "prefix": "p/",
+           "blocks_per_object": 4, "region": "eu-west-1", "access_key_id": "AK",
+           "secret_access_key": "SK", "timeout_s": 3, "connect_timeout_s": 0.5,
+           "max_attempts": 1, "max_pool_connections": 4}
+
+
+def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
+    from tiers.redis import RedisTierConfig as RedisBackend
+    from tiers.s3 import S3TierConfig as S3Backend
+    from tiers.shared import config_as
+
+    redis_cfg, s3_cfg = parse_tier_config({"tiers": [REDIS_FULL, S3_FULL]}).tiers
+    assert redis_cfg == RedisTierConfig(
+        url="redis://127.0.0.1:6379/2", cluster=False, key_prefix="kv:", ttl_s=60.0,
+        max_value_bytes=8 * 2**20, socket_timeout_s=0.5, connect_timeout_s=0.25,
+        max_connections=8, retries=0, capacity=2**30)
+    assert s3_cfg == S3TierConfig(
+        bucket="kv", endpoint_url="http://127.0.0.1:9000", prefix="p/", blocks_per_object=4,
+        region="eu-west-1", access_key_id="AK", secret_access_key="SK", timeout_s=3.0,
+        connect_timeout_s=0.5, max_attempts=1, max_pool_connections=4)
+    # Every YAML field exists, with the same value, on the backend's own config (the registry
+    # converts by name, so a field missing there would be silently dropped), but the store's.
+    for parsed, backend_cls in ((redis_cfg, RedisBackend), (s3_cfg, S3Backend)):
+        backend = config_as(parsed, backend_cls)
+        for f in dataclasses.fields(parsed):
+            if f.name in STORE_FIELDS:
+                continue
+            assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
+    assert "SK" not in repr(s3_cfg) and "6379" not in repr(redis_cfg)
+
+
+def test_backend_defaults_match_the_backends() -> None:
+    from tiers.redis import RedisTierConfig as RedisBackend
+    from tiers.s3 import S3TierConfig as S3Backend
+
+    redis_cfg = RedisTierConfig(url="redis://h:6379/0")
+    s3_cfg = S3TierConfig(bucket="b")
+    for parsed, backend in ((redis_cfg, RedisBackend(url="redis://h:6379/0")),
+                            (s3_cfg, S3Backend(bucket="b"))):
+        for f in dataclasses.fields(parsed):
+            if f.name in STORE_FIELDS:
+                continue
+            assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
+    assert redis_cfg.capacity is None and redis_cfg.retries == 1
+    assert s3_cfg.max_attempts == 2 and s3_cfg.max_pool_connections == 32
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"cluster": "yes"}, "field 'cluster': expected true or false, got 'yes'"),
+    ({"max_value_bytes": 0}, "field 'max_value_bytes': expected a positive size"),
+    ({"max_value_bytes": "lots"}, "field 'max_value_bytes': cannot parse size"),
+    ({"connect_timeout_s": 0}, "field 'connect_timeout_s': expected a positive number, got 0"),
+    ({"retries": -1}, "field 'retries': expected a non-negative integer, got -1"),
+    ({"retries": 1.5}, "field 'retries': expected a non-negative integer"),
+    ({"capacity": "0B"}, "field 'capacity': expected a positive size"),
+    ({"capacity": "1GiB", "cluster": True}, "field 'capacity' needs a single Redis server"),
+    ({"capacity": "1GiB", "url": "redis+cluster://h:7000"},
+     "field 'capacity' needs a single Redis server"),
+])
+def test_redis_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "redis", "url": "redis://h:6379/0", **entry}]})
+    assert str(info.value).startswith("tiers[0] (redis): ") and message in str(info.value)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"connect_timeout_s": -1}, "field 'connect_timeout_s': expected a positive number"),
+    ({"max_attempts": 0}, "field 'max_attempts': expected a positive integer, got 0"),
+    ({"max_pool_connections": "many"}, "field 'max_pool_connections': expected a positive"),
+    ({"max_pool_connections": True}, "field 'max_pool_connections': expected a positive"),
+    ({"capacity": "1TiB"}, "unknown field(s) ['capacity']"),
+])
+def test_s3_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "s3", "bucket": "b", **entry}]})
+    assert str(info.value).startswith("tiers[0] (s3): ") and message in str(info.value)
+
+
+def test_built_redis_and_s3_tiers_carry_the_fields(
+        redis_config: dict, s3_config: dict) -> None:
+    cfg = parse_tier_config({"tiers": [
+        {**redis_config, "connect_timeout_s": 0.25, "retries": 0, "capacity": "4KiB",
+         "max_value_bytes": "1KiB"},
+        {**s3_config, "connect_timeout_s": 0.5, "max_attempts": 1, "max_pool_connections": 3},
+    ]})
+    redis_tier, s3_tier = build_tiers(cfg)
+    try:
+        rc, sc = redis_tier.config, s3_tier.config  # type: ignore[attr-defined]
+        assert (rc.connect_timeout_s, rc.retries, rc.capacity) == (0.25, 0, 4096)
+        assert redis_tier.usage().capacity_bytes == 4096
+        assert redis_tier.put_many([("k", b"x" * 1025)]) == []  # over max_value_bytes: skipped
+        assert redis_tier.get_many(["k"]) == [None]
+        assert (sc.connect_timeout_s, sc.max_attempts, sc.max_pool_connections) == (0.5, 1, 3)
+        assert s3_tier._pool._max_workers == 3  # type: ignore[attr-defined]
+    finally:
+        for tier in (redis_tier, s3_tier):
+            tier.close()
+
+
+def test_remote_fields_parse_with_defaults() -> None:
+    cfg = parse_tier_entry({"kind": "remote", "url": "tcp://cache:7000",
+                            "token_file": "/run/secrets/kv", "timeout_ms": 250})
+    assert cfg == RemoteTierConfig(url="tcp://cache:7000", token_file="/run/secrets/kv",
+                                   timeout_ms=250)
+    assert cfg.effective_timeout_s == 0.25 and cfg.token is None
+    plain = parse_tier_entry({"kind": "remote", "url": "ipc:///tmp/kv.sock"})
+    assert (plain.timeout_s, plain.timeout_ms, plain.effective_timeout_s) == (None, None, 5.0)
+    seconds = parse_tier_entry({"kind": "remote", "url": "tcp://h:1", "timeout_s": 2})
+    assert seconds.effective_timeout_s == 2.0
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"token": "a", "token_file": "/f"}, "'token' and 'token_file' are mutually exclusive"),
+    ({"timeout_s": 1, "timeout_ms": 1000}, "'timeout_s' and 'timeout_ms' are mutually exclusive"),
+    ({"timeout_ms": 0}, "field 'timeout_ms': expected a positive integer, got 0"),
+    ({"timeout_ms": 1.5}, "field 'timeout_ms': expected a positive integer, got 1.5"),
+    ({"timeout_s": -2}, "field 'timeout_s': expected a positive number"),
+    ({"token_file": ""}, "field 'token_file': expected a non-empty string"),
+    ({"url": "http://cache:7000"}, "field 'url' must be tcp://HOST:PORT or ipc://PATH"),
+    ({"timeout": 3}, "unknown field(s) ['timeout']"),
+])
+def test_remote_field_errors(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "remote", "url": "tcp://cache:7000", **entry}]})
+    assert str(info.value).startswith("tiers[0] (remote): ") and message in str(info.value)
+
+
+def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
+    """Issue 16 F5: a host tier larger than the memory available and an unusable LMDB path
+    are ConfigErrors naming the tier and the field, before anything is allocated."""
+    from tiers.config import check_resources
+
+    host = parse_tier_config({"tiers": [{"kind": "host", "capacity": "4TiB"}]})
+    with pytest.raises(ConfigError, match=r"tiers\[0\] \(host\): field 'capacity': 4096.0 GiB "
+                                          r"is more than .*24.0 GiB.*MemAvailable"):
+        check_resources(host, mem_available=24 << 30)
+    check_resources(host, mem_available=5 << 40)  # fits
+    with pytest.raises(ConfigError, match="MemAvailable"):  # build_tiers checks first
+        build_tiers(parse_tier_config({"tiers": [{"kind": "host", "capacity": "1024TiB",
+                                                  "slot_bytes": 4096}]}))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in (blocker / "lmdb", Path("/proc/kvtier-no/lmdb")):
+        lmdb = parse_tier_config({"tiers": [{"kind": "host", "capacity": "1MiB"},
+                                            {"kind": "lmdb", "path": str(bad), "capacity": "1MiB"}]})
+        with pytest.raises(ConfigError, match=r"tiers\[1\] \(lmdb\): field 'path': cannot use "):
+            check_resources(lmdb)
+    good = parse_tier_config({"tiers": [{"kind": "lmdb", "path": str(tmp_path / "a" / "b"),
+                                         "capacity": "1MiB"}]})
+    check_resources(good)
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
+    from connectors.offload.config import load_offload_config
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tiers: [{kind: host, capacity: 4GiB\n")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("tiers:\n  - {kind: host, capacity: lots}\n")
+    for path in (broken, wrong):
+        for load in (load_tier_config, load_offload_config):
+            with pytest.raises(ConfigError, match=str(path)):
+                load(path)
+    with pytest.raises(ConfigError, match=r"wrong.yaml: tiers\[0\] \(host\): field 'capacity'"):
+        load_tier_config(wrong)
+
+
+def test_cache_server_refuses_a_host_tier_larger_than_the_machine(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "engine.cli", "cache-server", "--port", "0",
+                          "--admin-port", "-1", "--host-capacity", "1024TiB"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "(host): field 'capacity'" in run.stderr and "MemAvailable" in run.stderr
+    lines = [x for x in run.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, run.stderr  # one clear line, no traceback

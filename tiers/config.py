@@ -1,0 +1,377 @@
+"""The tier stack as configured: one YAML file (or the same dict) -> frozen per-kind configs.
+
+Example::
+
+    tiers:
+      - {kind: host, capacity: 4GiB}
+      - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB}
+      - {kind: redis, url: "redis://cache:6379/0", ttl_s: 3600, capacity: 64GiB}
+      - {kind: s3, bucket: kv, endpoint_url: "http://minio:9000", prefix: kv/, blocks_per_object: 16}
+      - {kind: remote, url: "tcp://cache-server:7000", token: secret}
+
+Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
+sizes accept ``parse_size`` strings (the one size parser: ``parse_size`` / ``format_size`` below,
+used by every config and flag that takes bytes).
+
+Every tier below the top has a write policy (``cachestore.store.write_through``): ``write_policy``
+``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
+copied there asynchronously), ``write_through_selective`` (copied at its ``write_through_hits``-th
+hit) or ``write_back`` (only what the tier above evicts); ``write_queue_blocks`` bounds the copy
+queue (a full queue drops the copy, never stalls); the store reads these fields
+(``cachestore.store.types.write_policies``). Errors raise ConfigError naming the tier and the
+field. Building tiers is ``tiers.build_tiers`` (the registry, so optional backends load only
+when chosen); this module imports nothing of tiers/ (the registry imports it).
+Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)
+and ``check_resources`` at start (``tiers.build_tiers`` calls it first): a host tier larger than the
+memory available (/proc/meminfo MemAvailable), or an LMDB path that cannot be a directory this
+process writes, is a ConfigError naming the tier and the field, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, ClassVar
+
+# When a block saved to the top tier reaches a lower tier (the store's ``WritePolicy``).
+WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
+WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
+WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
+WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
+
+
+# Byte sizes as people write them in configs and flags: ``4GiB``, ``100GB``, ``512MiB``, ``1024``.
+# Decimal units (kB/KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of
+# 1024; units are case-insensitive, a bare number is bytes. Bare ``K``/``M``/``G`` are refused as
+# ambiguous. Pure functions.
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes in ``value``. Raises ValueError naming the value on anything unparseable.
+
+    Fractions are allowed where the result is a whole number of bytes (``1.5GiB``); negative
+    sizes and booleans are refused.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size must be a number of bytes or a string like '4GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be non-negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"size must be an int or a string like '4GiB', got {type(value).__name__}")
+    match = _PATTERN.match(value)
+    if match is None:
+        raise ValueError(f"cannot parse size {value!r}; write e.g. 4GiB, 100GB, 512MiB or 1024")
+    number, unit = match.groups()
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r}; use one of "
+                         "B, KB, MB, GB, TB (x1000) or KiB, MiB, GiB, TiB (x1024)")
+    try:
+        total = Decimal(number) * scale
+    except InvalidOperation:
+        raise ValueError(f"cannot parse size {value!r}") from None
+    if total != total.to_integral_value():
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return int(total)
+
+
+def format_size(num_bytes: int) -> str:
+    """Shortest exact binary rendering: 4294967296 -> '4GiB', 1000 -> '1000B'."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return f"{num_bytes}B"
+
+
+class ConfigError(ValueError):
+    """A tier configuration that cannot be used; the message names the tier and the field."""
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _pos_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _nonneg_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _pos_float(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _size(value: object) -> int:
+    size = parse_size(value)  # type: ignore[arg-type]
+    if size <= 0:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+# Fields of the lower tiers read by the store (its write policy), not by the tier's backend.
+STORE_FIELDS = ("write_policy", "write_through_hits", "write_queue_blocks")
+
+
+def _policy(value: object) -> str:
+    if value not in WRITE_POLICIES:
+        raise ValueError(f"expected one of {list(WRITE_POLICIES)}, got {value!r}")
+    return str(value)
+
+
+def _f(parse: Callable[[object], Any], default: Any = dataclasses.MISSING, *,
+       secret: bool = False) -> Any:
+    """A config field: ``parse`` checks and converts the YAML value; no default = required."""
+    return field(default=default, repr=not secret, metadata={"parse": parse})
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    """Pinned host memory. ``slot_bytes`` (max encoded block size) may come from the engine."""
+
+    kind: ClassVar[str] = "host"
+    capacity: int = _f(_size)
+    slot_bytes: int | None = _f(_size, None)
+    pin_memory: bool | None = _f(_bool, None)  # None: pin when CUDA is available
+
+
+@dataclass(frozen=True, slots=True)
+class LmdbTierConfig:
+    kind: ClassVar[str] = "lmdb"
+    path: str = _f(_str)
+    capacity: int = _f(_size)
+    map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 64MiB
+    writer_queue_size: int = _f(_pos_int, 256)
+    sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    """Field names mirror ``tiers.redis.RedisTierConfig``; the registry converts by name."""
+
+    kind: ClassVar[str] = "redis"
+    url: str = _f(_str, secret=True)  # may hold a password
+    cluster: bool = _f(_bool, False)
+    key_prefix: str = _f(_str, "kvtier:")
+    ttl_s: float | None = _f(_pos_float, None)
+    max_value_bytes: int = _f(_size, 512 * 1024 * 1024)
+    socket_timeout_s: float = _f(_pos_float, 2.0)
+    connect_timeout_s: float = _f(_pos_float, 1.0)
+    max_connections: int = _f(_pos_int, 64)
+    retries: int = _f(_nonneg_int, 1)
+    capacity: int | None = _f(_size, None)  # bytes; None: the server's maxmemory bounds it
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
+
+    def __post_init__(self) -> None:
+        clustered = self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
+        if self.capacity is not None and clustered:
+            raise ValueError("field 'capacity' needs a single Redis server, not a cluster "
+                             "(bound each shard with maxmemory instead)")
+
+
+@dataclass(frozen=True, slots=True)
+class S3TierConfig:
+    """Field names mirror ``tiers.s3.S3TierConfig``; the registry converts by name. No
+    ``capacity``: the bucket bounds itself (an S3 lifecycle rule expiring ``prefix``)."""
+
+    kind: ClassVar[str] = "s3"
+    bucket: str = _f(_str)
+    endpoint_url: str | None = _f(_str, None)
+    prefix: str = _f(_str, "kv/")
+    blocks_per_object: int = _f(_pos_int, 16)
+    region: str = _f(_str, "us-east-1")
+    access_key_id: str | None = _f(_str, None, secret=True)
+    secret_access_key: str | None = _f(_str, None, secret=True)
+    timeout_s: float = _f(_pos_float, 10.0)
+    connect_timeout_s: float = _f(_pos_float, 2.0)
+    max_attempts: int = _f(_pos_int, 2)
+    max_pool_connections: int = _f(_pos_int, 32)
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierConfig:
+    """A ``kvtier cache-server`` reached over the network.
+
+    At most one of ``token`` / ``token_file`` (a file holding the token, read when the tier is
+    built, so the secret stays out of the YAML) and one of ``timeout_s`` / ``timeout_ms``
+    (neither: 5 s)."""
+
+    kind: ClassVar[str] = "remote"
+    url: str = _f(_str)
+    token: str | None = _f(_str, None, secret=True)
+    token_file: str | None = _f(_str, None)
+    timeout_s: float | None = _f(_pos_float, None)
+    timeout_ms: int | None = _f(_pos_int, None)
+    write_policy: str = _f(_policy, WRITE_THROUGH)
+    write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
+    write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"field 'url' must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("fields 'token' and 'token_file' are mutually exclusive")
+        if self.timeout_s is not None and self.timeout_ms is not None:
+            raise ValueError("fields 'timeout_s' and 'timeout_ms' are mutually exclusive")
+
+    @property
+    def effective_timeout_s(self) -> float:
+        """``timeout_s``, else ``timeout_ms`` / 1000, else 5 s."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return self.timeout_ms / 1000 if self.timeout_ms is not None else 5.0
+
+
+TierConfig = HostTierConfig | LmdbTierConfig | RedisTierConfig | S3TierConfig | RemoteTierConfig
+CONFIG_CLASSES: dict[str, type[Any]] = {
+    cls.kind: cls
+    for cls in (HostTierConfig, LmdbTierConfig, RedisTierConfig, S3TierConfig, RemoteTierConfig)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TierStackConfig:
+    tiers: tuple[TierConfig, ...]
+
+
+def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:
+    """One ``{kind: ..., ...}`` mapping -> its frozen config. Raises ConfigError."""
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with a 'kind' field, got {entry!r}")
+    kind = entry.get("kind")
+    if kind is None:
+        raise ConfigError(f"{where}: missing field 'kind' (one of {sorted(CONFIG_CLASSES)})")
+    cls = CONFIG_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ConfigError(f"{where}: unknown kind {kind!r}; choose one of {sorted(CONFIG_CLASSES)}")
+    where = f"{where} ({kind})"
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in entry if k != "kind" and k not in known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in entry or entry[name] is None:
+            if f.default is dataclasses.MISSING:
+                raise ConfigError(f"{where}: missing required field '{name}'")
+            continue
+        try:
+            kwargs[name] = f.metadata["parse"](entry[name])
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field '{name}': {exc}") from None
+    try:
+        return cls(**kwargs)  # type: ignore[no-any-return]
+    except ValueError as exc:  # a check across fields (__post_init__)
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def parse_tier_config(data: object) -> TierStackConfig:
+    """``{"tiers": [...]}`` -> TierStackConfig. Raises ConfigError on anything invalid."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"tier config must be a mapping with a 'tiers' list, got {data!r}")
+    extra = sorted(str(k) for k in data if k != "tiers")
+    if extra:
+        raise ConfigError(f"tier config: unknown top-level field(s) {extra}; only 'tiers'")
+    entries = data.get("tiers")
+    if not isinstance(entries, list):
+        raise ConfigError("tier config: field 'tiers' must be a list of tier mappings")
+    if not entries:
+        raise ConfigError("tier config: field 'tiers' is empty; configure at least one tier")
+    tiers = tuple(parse_tier_entry(e, f"tiers[{i}]") for i, e in enumerate(entries))
+    if any(isinstance(t, HostTierConfig) for t in tiers[1:]):
+        raise ConfigError("tier config: a 'host' tier may only be the first (top) tier")
+    return TierStackConfig(tiers=tiers)
+
+
+def load_tier_config(path: str | Path) -> TierStackConfig:
+    """Read and parse a YAML file. Raises ConfigError naming the file (also for unreadable
+    or invalid YAML)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read tier config {path}: {exc}") from None
+    try:
+        return parse_tier_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+_FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable from /proc/meminfo (4 GiB if unreadable). The one place it is read."""
+    try:
+        with open(meminfo, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _FALLBACK_MEM_AVAILABLE
+
+
+def check_resources(config: TierStackConfig, *, mem_available: int | None = None) -> None:
+    """Start-time checks of what the stack needs from this machine; raises ConfigError naming
+    the tier and the field. Host tier: ``capacity`` at most ``mem_available`` (default: read
+    MemAvailable now; a larger one would fail deep in the allocator, or start and swap).
+    LMDB: ``path`` is made (as the tier would) and must take a file. Mutates: may create the
+    LMDB directories."""
+    for i, cfg in enumerate(config.tiers):
+        where = f"tiers[{i}] ({cfg.kind})"
+        if isinstance(cfg, HostTierConfig):
+            mem = mem_available_bytes() if mem_available is None else mem_available
+            if cfg.capacity > mem:
+                raise ConfigError(
+                    f"{where}: field 'capacity': {_gib(cfg.capacity)} is more than the memory "
+                    f"available on this machine ({_gib(mem)}, /proc/meminfo MemAvailable)")
+        elif isinstance(cfg, LmdbTierConfig):
+            try:
+                Path(cfg.path).mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=cfg.path):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"{where}: field 'path': cannot use {cfg.path!r} as the LMDB "
+                                  f"directory: {exc.strerror or exc}") from None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
