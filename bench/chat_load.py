@@ -15,7 +15,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -34,6 +34,7 @@ class RequestRecord:
     prompt_tokens: int
     ok: bool
     start_s: float  # since the load started
+    req_id: str = ""
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     completion_tokens: int = 0
@@ -56,16 +57,28 @@ class ChatLoad:
     seed: int = 0
 
 
-async def _one_request(http: httpx.AsyncClient, load: ChatLoad, messages: list[dict[str, str]],
-                       rec: RequestRecord, t0: float) -> str:
-    body = {"model": load.model, "messages": messages, "max_tokens": load.answer_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+class StreamRecord(Protocol):
+    """What ``stream_chat`` fills: the fields both load generators' records carry."""
+
+    ok: bool
+    req_id: str
+    ttft_s: float | None
+    itl_s: list[float]
+    prompt_tokens: int
+    completion_tokens: int
+    error: str
+
+
+async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], rec: StreamRecord,
+                      timeout_s: float) -> str:
+    """One streaming ``/v1/chat/completions`` request of ``body`` (``stream`` and
+    ``include_usage`` are set here); fills ``rec`` (TTFT at the first content chunk, the gaps
+    after it, usage, the response id, the failure). Returns the answer text."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     text: list[str] = []
     start = time.perf_counter()
     last = None
-    async with http.stream("POST", "/v1/chat/completions", json=body,
-                           timeout=load.request_timeout_s) as resp:
+    async with http.stream("POST", "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return ""
@@ -77,8 +90,9 @@ async def _one_request(http: httpx.AsyncClient, load: ChatLoad, messages: list[d
                 break
             chunk = json.loads(data)
             if "error" in chunk:
-                rec.error = f"stream error: {chunk['error']}"
+                rec.error = f"stream error: {chunk['error']}"[:200]
                 return ""
+            rec.req_id = chunk.get("id", rec.req_id)
             if chunk.get("usage"):
                 rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 rec.completion_tokens = chunk["usage"]["completion_tokens"]
@@ -96,6 +110,13 @@ async def _one_request(http: httpx.AsyncClient, load: ChatLoad, messages: list[d
     if not rec.ok and not rec.error:
         rec.error = "no content"
     return "".join(text)
+
+
+async def _one_request(http: httpx.AsyncClient, load: ChatLoad, messages: list[dict[str, str]],
+                       rec: RequestRecord, t0: float) -> str:
+    body = {"model": load.model, "messages": messages, "max_tokens": load.answer_len,
+            "temperature": 0.0, "ignore_eos": True}
+    return await stream_chat(http, body, rec, load.request_timeout_s)
 
 
 async def _user(load: ChatLoad, uid: int, shared: str, records: list[RequestRecord], t0: float) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench import chat_load
 from bench.common import emit_report, machine_info, percentile
 from bench.soak import spawn_server, stop_server, wait_healthy
 from engine.demo_model import _CORPUS
@@ -77,45 +78,9 @@ class Shape:
 
 async def stream_chat(http: httpx.AsyncClient, messages: list[dict[str, str]], answer_len: int,
                       rec: Record, timeout_s: float) -> str:
-    """One streaming chat request; fills ``rec`` (TTFT at the first content chunk, the
-    gaps after it, usage, the response id). Returns the answer text."""
-    body = {"messages": messages, "max_tokens": answer_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
-    parts: list[str] = []
-    start = time.perf_counter()
-    last = None
-    async with http.stream("POST", "/v1/chat/completions", json=body, timeout=timeout_s) as resp:
-        if resp.status_code != 200:
-            rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            return ""
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                rec.error = f"stream error: {chunk['error']}"[:200]
-                return ""
-            rec.req_id = chunk.get("id", rec.req_id)
-            if chunk.get("usage"):
-                rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                rec.completion_tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta", {}).get("content")
-                if delta:
-                    now = time.perf_counter()
-                    if last is None:
-                        rec.ttft_s = now - start
-                    else:
-                        rec.itl_s.append(now - last)
-                    last = now
-                    parts.append(delta)
-    rec.ok = rec.ttft_s is not None and not rec.error
-    if not rec.ok and not rec.error:
-        rec.error = "no content"
-    return "".join(parts)
+    """One streaming chat request of ``messages`` (bench/chat_load.py fills ``rec``)."""
+    body = {"messages": messages, "max_tokens": answer_len, "temperature": 0.0, "ignore_eos": True}
+    return await chat_load.stream_chat(http, body, rec, timeout_s)
 
 
 @dataclass(slots=True)
