@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier serve`` flag."""
-    parser.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: demo model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
