@@ -78,7 +78,7 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # build the demo model here, not ~
 
     args = build_parser(["demo"]).parse_args(
-        ["demo", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
+        ["demo", "--tiny", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
     )
     assert demo.main(args) == 0
     out = capsys.readouterr().out
