@@ -213,11 +213,15 @@ def _client(base_url: str):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
+# Accented text: streamed deltas must never split a multi-byte character.
+FRENCH = [{"role": "user", "content": "Écris une phrase en français sur l'été à Genève."}]
+
+
 def test_served_chat_equals_offline_streamed_and_not(served, llm) -> None:
     client = _client(served)
-    for name in ("short", "multi_turn"):
-        ref = llm.chat(CHATS[name], GREEDY)[0]
-        full = client.chat.completions.create(model="smollm2", messages=CHATS[name],
+    for name, chat in (("short", SHORT), ("multi_turn", MULTI_TURN), ("french", FRENCH)):
+        ref = llm.chat(chat, GREEDY)[0]
+        full = client.chat.completions.create(model="smollm2", messages=chat,
                                               max_tokens=MAX_TOKENS, temperature=0)
         assert full.choices[0].message.content == ref.text, name
         assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -225,11 +229,13 @@ def test_served_chat_equals_offline_streamed_and_not(served, llm) -> None:
         assert full.choices[0].finish_reason == ("stop" if ref.finish_reason == "stop"
                                                  else "length")
         chunks = list(client.chat.completions.create(
-            model="smollm2", messages=CHATS[name], max_tokens=MAX_TOKENS, temperature=0,
+            model="smollm2", messages=chat, max_tokens=MAX_TOKENS, temperature=0,
             stream=True, stream_options={"include_usage": True}))
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert "".join(deltas) == ref.text, name
+        assert "\ufffd" not in ref.text and "<|im" not in ref.text, name
         assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
-    assert full.choices[0].finish_reason in ("stop", "length")
+    assert any(ch in ref.text for ch in "éèàêç"), ref.text  # the reply is accented French
 
 
 def test_served_stop_string_and_eos(served, llm) -> None:
