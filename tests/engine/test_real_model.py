@@ -252,3 +252,25 @@ def test_served_stop_string_and_eos(served, llm) -> None:
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == ref.text[: ref.text.index(stop)]
     assert cut.usage.completion_tokens < len(ref.token_ids)
+
+
+def test_every_eos_id_of_generation_config_ends_a_reply(smollm2_dir, llm, tmp_path) -> None:
+    """generation_config.json's EOS list wins over config.json's single id (Llama-3 style):
+    a copy of the model whose list adds the short reply's third token stops right there."""
+    import json
+    import os
+
+    from engine.llm import LLM
+
+    ref = llm.chat(SHORT, GREEDY)[0]
+    extra_eos = ref.token_ids[2]
+    for name in os.listdir(smollm2_dir):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(smollm2_dir, name), tmp_path / name)
+    gen = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": gen["bos_token_id"], "eos_token_id": [EOS_ID, extra_eos]}))
+    with LLM(str(tmp_path), device="cpu", num_gpu_blocks=64) as engine:
+        out = engine.chat(SHORT, GREEDY)[0]
+    assert out.token_ids == ref.token_ids[:3]
+    assert out.finish_reason == "stop" and out.stop_reason is None
