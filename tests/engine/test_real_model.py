@@ -83,10 +83,12 @@ def hf(smollm2_dir: str):  # -> (model, tokenizer)
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> Iterator[object]:
+def llm(smollm2_gguf: str, smollm2_dir: str) -> Iterator[object]:
+    """``LLM(model="FILE.gguf")``: resolved to the converted directory, not converted again."""
     from engine.llm import LLM
 
-    with LLM(smollm2_dir, device="cpu", num_gpu_blocks=256) as engine:
+    with LLM(smollm2_gguf, device="cpu", num_gpu_blocks=256) as engine:
+        assert engine.engine.model_dir == smollm2_dir
         yield engine
 
 
