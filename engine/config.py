@@ -49,7 +49,7 @@ SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory; None = the embedded demo model
+    model: str | None = None  # HF directory or .gguf file; None = the embedded demo model
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | flashinfer

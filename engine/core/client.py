@@ -87,11 +87,13 @@ class EngineCoreClient:
         """Spawns the core and returns once it has loaded the model. Raises
         EngineStartupError (with the core's message) if it cannot."""
         proc_config = proc_config or CoreProcConfig()
-        model_dir = config.model
-        if model_dir is None:
-            from engine.demo_model import ensure_demo_model
+        from engine.model_sources import resolve_model_dir
 
-            model_dir = ensure_demo_model()  # before the spawn, so only one process builds it
+        # Before the spawn, so that only one process builds the demo model or converts a GGUF.
+        try:
+            model_dir = resolve_model_dir(config.model)
+        except (OSError, ValueError, ImportError) as exc:
+            raise EngineStartupError(str(exc)) from exc
         core = CoreProcess.spawn(config, proc_config)
         try:
             tokenizer, tokenizer_error = None, None

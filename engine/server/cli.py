@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier serve`` flag."""
     parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                        help="HF model directory, as `vllm serve MODEL` (same as --model)")
-    parser.add_argument("--model", default=None, help="HF model directory (default: demo model)")
+                        help="HF model directory or .gguf file, as `vllm serve MODEL` (same as --model)")
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: demo model)")
     parser.add_argument("--config", action=_ConfigFile, metavar="FILE",
                         help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
                              "given on the command line after it win")
