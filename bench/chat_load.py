@@ -15,7 +15,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
@@ -29,14 +29,17 @@ def words(rng: random.Random, n: int) -> str:
 
 @dataclass(slots=True)
 class RequestRecord:
+    """One request of a load generator (bench/soak.py, bench/serving.py): what
+    ``stream_chat`` measured."""
+
     user: int
     round: int
-    prompt_tokens: int
-    ok: bool
     start_s: float  # since the load started
+    ok: bool = False
     req_id: str = ""
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
 
@@ -57,19 +60,7 @@ class ChatLoad:
     seed: int = 0
 
 
-class StreamRecord(Protocol):
-    """What ``stream_chat`` fills: the fields both load generators' records carry."""
-
-    ok: bool
-    req_id: str
-    ttft_s: float | None
-    itl_s: list[float]
-    prompt_tokens: int
-    completion_tokens: int
-    error: str
-
-
-async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], rec: StreamRecord,
+async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord,
                       timeout_s: float) -> str:
     """One streaming ``/v1/chat/completions`` request of ``body`` (``stream`` and
     ``include_usage`` are set here); fills ``rec`` (TTFT at the first content chunk, the gaps
@@ -134,7 +125,7 @@ async def _user(load: ChatLoad, uid: int, shared: str, records: list[RequestReco
                 if tokens and tokens + 1.2 * load.question_tokens + load.answer_len + 128 > load.max_context:
                     break
                 messages.append({"role": "user", "content": words(rng, n_words)})
-                rec = RequestRecord(uid, rnd, 0, False, time.perf_counter() - t0)
+                rec = RequestRecord(uid, rnd, time.perf_counter() - t0)
                 try:
                     answer = await _one_request(http, load, messages, rec, t0)
                 except (httpx.HTTPError, json.JSONDecodeError) as exc:

@@ -30,7 +30,7 @@ import json
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -50,18 +50,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-@dataclass(slots=True)
-class Record:
-    user: int
-    round: int  # 1-based
-    start_s: float
-    ok: bool = False
-    req_id: str = ""
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str = ""
+Record = chat_load.RequestRecord  # round is 1-based here
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,20 +24,18 @@ class StagingFence:
     """One reusable host buffer's guard. Not thread-safe (one engine loop owns it). A fence
     never recorded does not wait. ``record`` must not be called during graph capture."""
 
-    __slots__ = ("_event", "_recorded")
+    __slots__ = ("_event",)
 
     def __init__(self) -> None:
-        self._event: torch.cuda.Event | None = None
-        self._recorded = False
+        self._event: torch.cuda.Event | None = None  # made at the first record
 
     def record(self) -> None:
         """Mark the point in the current stream after the copies that read the buffer."""
         if self._event is None:
             self._event = torch.cuda.Event()
         self._event.record()
-        self._recorded = True
 
     def wait(self) -> None:
         """Block until every copy enqueued before the last ``record`` has run."""
-        if self._recorded and self._event is not None:
+        if self._event is not None:
             self._event.synchronize()
