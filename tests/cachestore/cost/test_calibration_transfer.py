@@ -93,7 +93,9 @@ def test_calibrate_transfer_warms_up_then_keeps_the_fastest_run_per_size() -> No
 
 def test_calibrate_transfer_through_a_real_lmdb_read_path(tmp_path) -> None:
     # The callback reads n real blocks and copies them out, as a load path would; a fixed
-    # sleep per call must come out as latency, and more blocks must cost more.
+    # sleep per call must come out as latency, and more blocks must cost more. A sleep per
+    # block (0.2 ms, ~50x the read) keeps the order of the two sizes robust on a loaded CI
+    # machine, where scheduler jitter can exceed a 2 MB LMDB read.
     block = 64 << 10
     keys = [f"ns/{i:04x}" for i in range(32)]
     with LmdbTier(tmp_path / "lmdb", 16 << 20) as tier:
@@ -101,12 +103,12 @@ def test_calibrate_transfer_through_a_real_lmdb_read_path(tmp_path) -> None:
 
         def load(n: int) -> float:
             t0 = time.perf_counter()
-            time.sleep(0.004)
+            time.sleep(0.004 + n * 2e-4)
             values = tier.get_many(keys[:n])
             assert all(v is not None and len(v) == block for v in values)
             return time.perf_counter() - t0
 
-        fit = calibrate_transfer(load, block, "lmdb", sizes=(4, 32), repeats=2)
+        fit = calibrate_transfer(load, block, "lmdb", sizes=(4, 32), repeats=3)
     assert [s.num_blocks for s in fit.samples] == [4, 32]
     assert fit.samples[1].seconds > fit.samples[0].seconds >= 0.004
     assert fit.cost.latency_s >= 0.003
