@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Phases in timeline order: the names of the request-log keys and of the Prometheus
-# histograms ``kvtier_request_ttft_<phase>_seconds``. Keep them stable.
+# Phases in timeline order: the names of the request-log keys and the ``phase`` label of the
+# Prometheus histogram ``kvtier_request_ttft_phase_seconds``. Keep them stable.
 API_PHASES = ("api_template", "api_tokenize")
 ENGINE_PHASES = ("to_core", "queue", "schedule", "hash", "lookup", "decide", "load",
                  "prefill_wait", "prefill_compute", "first_sample")

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from cachestore.store.histogram import LatencyHistogram
+
 log = logging.getLogger("cachestore.store")  # the store's logger: these are its tier failures
 T = TypeVar("T")
 X = TypeVar("X")
@@ -57,6 +59,8 @@ class TierStats:
         self.name = name
         self._alpha = ewma_alpha
         self._c = _Counters()
+        self._read_hist = LatencyHistogram()  # one batched read (get_many) each
+        self._write_hist = LatencyHistogram()  # one batched write (put_many) each
         self._lock = threading.Lock()
 
     def _ewma(self, old: float, sample: float) -> float:
@@ -73,6 +77,7 @@ class TierStats:
             c.misses += misses
             c.bytes_read += nbytes
             c.read_latency_s = self._ewma(c.read_latency_s, seconds)
+            self._read_hist.observe(seconds)
             if nbytes and seconds > 0:
                 c.read_bandwidth_bps = self._ewma(c.read_bandwidth_bps, nbytes / seconds)
 
@@ -80,12 +85,15 @@ class TierStats:
         with self._lock:
             c = self._c
             c.bytes_written += nbytes
+            self._write_hist.observe(seconds)
             if nbytes and seconds > 0:
                 c.write_bandwidth_bps = self._ewma(c.write_bandwidth_bps, nbytes / seconds)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"name": self.name, **asdict(self._c)}
+            return {"name": self.name, **asdict(self._c),
+                    "read_seconds": self._read_hist.snapshot(),
+                    "write_seconds": self._write_hist.snapshot()}
 
 
 class TierHealth:

@@ -1,13 +1,13 @@
-"""Prometheus metrics for the server, on a dedicated ``CollectorRegistry``.
+"""Prometheus metrics for the server, on a dedicated ``CollectorRegistry`` (one per app, so
+tests and two apps in one process stay apart).
 
-Request counts and latency histograms are recorded by the API as requests flow; token and
-prefix-cache counters and queue gauges are read from the engine's ``stats()`` snapshot at
-scrape time (the engine already keeps them as monotonic totals), so they are never double
-counted and cost nothing between scrapes. A registry per app keeps tests and two apps in one
-process apart.
-
-Every other numeric value of the snapshot, nested ones included (the KV offload counters and
-per-tier rows), is exported generically by ``stats_export``.
+The families are declared once in ``engine.server.metric_families``. Request counts and
+latency histograms (``REQUEST_FAMILIES``) are recorded here as requests flow; everything else
+(``SNAPSHOT_FAMILIES``: token and prefix-cache counters, queue gauges, the KV offload
+connector's counters and per-tier rows) is read from the engine's ``stats()`` snapshot at
+scrape time by ``stats_export`` (the engine keeps them as monotonic totals, so they are never
+double counted and cost nothing between scrapes). The set of families is the same with and
+without ``--kv-offload``.
 """
 
 from __future__ import annotations
@@ -16,43 +16,20 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
-from engine.server.stats_export import stats_families
+from engine.server.metric_families import BY_NAME
+from engine.server.stats_export import snapshot_families
 from engine.ttft import ALL_PHASES, RETURN_PHASE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# (engine stats key, metric name without _total, help). Names match engine.stats() keys.
-_ENGINE_COUNTERS = (
-    ("prompt_tokens_total", "kvtier_prompt_tokens", "Prompt tokens processed"),
-    ("generation_tokens_total", "kvtier_generation_tokens", "Tokens generated"),
-    (
-        "prefix_cache_hit_tokens_total",
-        "kvtier_prefix_cache_hit_tokens",
-        "Prompt tokens served from the prefix cache",
-    ),
-    (
-        "prefix_cache_queried_tokens_total",
-        "kvtier_prefix_cache_queried_tokens",
-        "Prompt tokens looked up in the prefix cache",
-    ),
-    ("num_preemptions_total", "kvtier_num_preemptions", "Requests preempted for lack of blocks"),
-)
-_ENGINE_GAUGES = (
-    ("num_requests_running", "kvtier_num_requests_running", "Requests being scheduled"),
-    ("num_requests_waiting", "kvtier_num_requests_waiting", "Requests waiting to be scheduled"),
-    ("gpu_blocks_total", "kvtier_gpu_blocks_total", "KV blocks in the GPU pool"),
-    ("gpu_blocks_free", "kvtier_gpu_blocks_free", "KV blocks free or cached-evictable"),
-)
 
 _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-
 
 # TTFT phases run from ~10 us (hashing a short prompt) to seconds (a queue under load).
 _PHASE_BUCKETS_S = (
@@ -60,93 +37,82 @@ _PHASE_BUCKETS_S = (
     0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
-
-def phase_metric_name(phase: str) -> str:
-    """The histogram of one TTFT phase (engine/ttft.py): ``kvtier_request_ttft_<phase>_seconds``."""
-    return f"kvtier_request_ttft_{phase}_seconds"
-
-
-_KNOWN_KEYS = frozenset(key for key, _, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES))
-# Names (without _total) the server registers itself; generic stats must not shadow them.
-_SERVER_NAMES = frozenset(
-    (
-        "kvtier_requests",
-        "kvtier_time_to_first_token_seconds",
-        "kvtier_inter_token_latency_seconds",
-        "kvtier_e2e_request_latency_seconds",
-        *(phase_metric_name(p) for p in ALL_PHASES),
-        *(name.removesuffix("_total") for _, name, _ in (*_ENGINE_COUNTERS, *_ENGINE_GAUGES)),
-    )
-)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class _EngineStatsCollector(Collector):
-    """Turns an engine stats snapshot into counter and gauge families at scrape time."""
+    """Turns an engine stats snapshot into the snapshot families at scrape time."""
 
     def __init__(self, read_stats: Callable[[], Mapping[str, Any]], model: str) -> None:
         self._read_stats = read_stats
         self._model = model
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._read_stats()
-        for key, name, doc in _ENGINE_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], float(stats.get(key, 0)))
-            yield family
-        for key, name, doc in _ENGINE_GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model], float(stats.get(key, 0)))
-            yield family
-        yield from stats_families(stats, self._model, skip_keys=_KNOWN_KEYS, reserved=_SERVER_NAMES)
+        yield from snapshot_families(self._read_stats(), self._model)
+
+
+def _counter(name: str, registry: CollectorRegistry) -> Counter:
+    f = BY_NAME[name]
+    return Counter(f.name, f.help, ["model_name", *f.labels], unit=f.unit, registry=registry)
+
+
+def _histogram(name: str, registry: CollectorRegistry, buckets: tuple[float, ...]) -> Histogram:
+    f = BY_NAME[name]
+    return Histogram(f.name, f.help, ["model_name", *f.labels], unit=f.unit, buckets=buckets,
+                     registry=registry)
 
 
 class ServerMetrics:
     """All server metrics. Thread-safe (prometheus-client metrics are)."""
 
     def __init__(self, read_stats: Callable[[], Mapping[str, Any]], model_name: str) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = r = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(read_stats, model_name))
-        self.requests = Counter(
-            "kvtier_requests",
-            "HTTP requests by endpoint and status code",
-            ["endpoint", "status"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "kvtier_time_to_first_token_seconds",
-            "Time from request arrival to its first generated token",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
-        self.inter_token = Histogram(
-            "kvtier_inter_token_latency_seconds",
-            "Time between consecutive generated tokens of one request",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
-        self.e2e = Histogram(
-            "kvtier_e2e_request_latency_seconds",
-            "Time from request arrival to its last token",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
-
-        self.ttft_phases = {
-            phase: Histogram(
-                phase_metric_name(phase),
-                f"Per-request TTFT phase {phase!r} (engine/ttft.py)",
-                buckets=_PHASE_BUCKETS_S,
-                registry=self.registry,
-            )
-            for phase in ALL_PHASES
-        }
+        m = model_name
+        self.requests = _counter("kvtier_requests_total", r)
+        self.success = _counter("kvtier_request_success_total", r)
+        for reason in FINISH_REASONS:  # every finish reason exported from the start (0)
+            self.success.labels(m, reason)
+        self.ttft = _histogram("kvtier_time_to_first_token_seconds", r,
+                               _LATENCY_BUCKETS_S).labels(m)
+        self.inter_token = _histogram("kvtier_inter_token_latency_seconds", r,
+                                      _LATENCY_BUCKETS_S).labels(m)
+        self.e2e = _histogram("kvtier_e2e_request_latency_seconds", r, _LATENCY_BUCKETS_S).labels(m)
+        phases = _histogram("kvtier_request_ttft_phase_seconds", r, _PHASE_BUCKETS_S)
+        self.ttft_phases = {phase: phases.labels(m, phase) for phase in ALL_PHASES}
+        self.prompt_tokens = _histogram("kvtier_request_prompt_tokens", r, _TOKEN_BUCKETS).labels(m)
+        self.generation_tokens = _histogram("kvtier_request_generation_tokens", r,
+                                            _TOKEN_BUCKETS).labels(m)
+        self._model_name = m
 
     def record_request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.requests.labels(self._model_name, endpoint, str(status)).inc()
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """A request's last output: its finish reason and token counts."""
+        self.success.labels(self._model_name, output.finish_reason or "abort").inc()
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(len(output.token_ids))
 
     def exposition(self) -> bytes:
-        """The text exposition format of every metric in this registry."""
-        return generate_latest(self.registry)
+        """The text exposition format of every metric in this registry, without the
+        ``*_created`` timestamps (as vLLM: in the text format they would be extra gauge
+        families that no dashboard uses)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated(Collector):
+    """A view of a registry whose families lose their ``_created`` samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 class RequestTimer:
@@ -162,8 +128,11 @@ class RequestTimer:
         self._breakdown_done = False
 
     def on_output(self, output: RequestOutput, now_s: float) -> None:
-        """Records the TTFT phases once, from the output that carries the first token; the
-        return phase (the core's first-token time to ``now_s``) is measured here."""
+        """Records the TTFT phases once, from the output that carries the first token (the
+        return phase, the core's first-token time to ``now_s``, is measured here), and the
+        finish reason and token counts from the last output."""
+        if output.finished:
+            self._metrics.record_finished(output)
         m = output.metrics
         if self._breakdown_done or m is None or m.first_token_time is None:
             return

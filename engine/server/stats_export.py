@@ -1,111 +1,170 @@
-"""Generic Prometheus export of an engine ``stats()`` snapshot, so that keys the KV offload
-connector (or anyone) adds appear in ``/metrics`` without a change here.
+"""The engine's stats snapshot mapped onto the declared families of
+``engine.server.metric_families`` (``SNAPSHOT_FAMILIES``), every one of them in every mode.
 
-Rules, applied recursively (every sample also carries ``model_name``):
-
-- a number (booleans as 0/1) -> ``kvtier_<path>``, the path's keys joined by ``_``; a counter
-  when the name ends in ``_total``, else a gauge:
-  ``{"kv_loaded_tokens_total": 96}`` -> ``kvtier_kv_loaded_tokens_total 96``
-- a dict under a plural key (``...s``) or a ``..._by_<label>`` key is keyed by label values;
-  the label is the singular (or ``<label>``):
-  ``{"decisions": {"reload": 3}}`` -> ``kvtier_decisions{decision="reload"} 3``;
-  ``{"hits_by_tier_total": {"host": 2}}`` -> ``kvtier_hits_total{tier="host"} 2``
-- rows under a plural key, as a dict of dicts or a list of dicts with a ``"name"``, become
-  labelled samples named after the singular:
-  ``{"tiers": {"host": {"hit_blocks": 5}}}`` or ``{"tiers": [{"name": "host", "hit_blocks": 5}]}``
-  -> ``kvtier_tier_hit_blocks{tier="host"} 5``
-- any other dict is a namespace: ``{"kv": {"store": {"load_pins": 1}}}`` ->
-  ``kvtier_kv_store_load_pins 1``
-
-Strings and other values are skipped; a family whose name is in ``reserved`` (the server's own
-metrics) is skipped; a second shape (other label names) of one family name is dropped.
+The snapshot (``engine.core.base.StatsSampler``) is ``LLMEngine.stats()`` (flat numbers; with
+offload also ``kv_<name>_total`` counters) plus ``kv_stats()`` under ``"kv"`` (the connector's
+``OffloadStats``, per-tier ``tiers`` rows, the store's ``store`` rows and the cost model's
+``cost_model``; without offload only ``gpu_hit_tokens`` and empty rows). A connector value is
+read from ``kv_<name>_total`` when present, else from ``kv[<name>]``, else 0. What no family
+covers is dropped on purpose (docs/metrics.md lists it): duplicates (the connector's per-tier
+write counters, the cost model's priced decisions), EWMAs that the histograms and byte
+counters replace, static configuration, strings. Pure: new families per call.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
 
-_INVALID = re.compile(r"[^a-zA-Z0-9_]")
-Labels = tuple[tuple[str, str], ...]
+from cachestore.cost.model import STRATEGY_LOAD_PREFIX, STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from engine.server.metric_families import SNAPSHOT_FAMILIES, Family
+
+# Families read from one stats() key.
+_ENGINE = {
+    "kvtier_num_requests_running": "num_requests_running",
+    "kvtier_num_requests_waiting": "num_requests_waiting",
+    "kvtier_prompt_tokens_total": "prompt_tokens_total",
+    "kvtier_generation_tokens_total": "generation_tokens_total",
+    "kvtier_prefix_cache_queries_total": "prefix_cache_queried_tokens_total",
+    "kvtier_prefix_cache_hits_total": "prefix_cache_hit_tokens_total",
+    "kvtier_num_preemptions_total": "num_preemptions_total",
+    "kvtier_gpu_cache_usage_ratio": "gpu_cache_usage",
+    "kvtier_gpu_cache_blocks": "gpu_blocks_total",
+    "kvtier_gpu_cache_free_blocks": "gpu_blocks_free",
+}
+# Families read from one connector counter (kv_<key>_total, or kv[key]).
+_CONNECTOR = {
+    "kvtier_kv_loaded_tokens_total": "loaded_tokens",
+    "kvtier_kv_recomputed_tokens_total": "recomputed_tokens",
+    "kvtier_kv_overlap_head_tokens_total": "overlap_head_tokens",
+    "kvtier_kv_overlaps_total": "num_overlaps",
+    "kvtier_kv_loaded_blocks_total": "loaded_blocks",
+    "kvtier_kv_loaded_bytes_total": "loaded_bytes",
+    "kvtier_kv_failed_loads_total": "failed_loads",
+    "kvtier_kv_timed_out_loads_total": "timed_out_loads",
+    "kvtier_kv_cancelled_loads_total": "cancelled_loads",
+    "kvtier_kv_saved_blocks_total": "saved_blocks",
+    "kvtier_kv_saved_bytes_total": "saved_bytes",
+    "kvtier_kv_save_seconds_total": "save_seconds",
+    "kvtier_kv_save_skipped_blocks_total": "save_skipped_blocks",
+    "kvtier_kv_save_incompressible_blocks_total": "save_incompressible_blocks",
+}
+# Families read from one key of each store tier row (``HierarchicalStore.stats()["tiers"]``).
+_TIER_ROW = {
+    "kvtier_kv_tier_hits_total": "hits",
+    "kvtier_kv_tier_misses_total": "misses",
+    "kvtier_kv_tier_read_bytes_total": "bytes_read",
+    "kvtier_kv_tier_written_bytes_total": "bytes_written",
+    "kvtier_kv_tier_errors_total": "errors",
+    "kvtier_kv_tier_corrupt_total": "corrupt",
+    "kvtier_kv_tier_skipped_total": "skipped",
+    "kvtier_kv_tier_evictions_total": "evictions",
+    "kvtier_kv_tier_demotions_dropped_total": "demotions_dropped",
+    "kvtier_kv_tier_dropped_at_bottom_total": "dropped_at_bottom",
+    "kvtier_kv_tier_promotions_total": "promotions",
+    "kvtier_kv_tier_promotions_dropped_total": "promotions_dropped",
+    "kvtier_kv_tier_written_through_total": "written_through",
+    "kvtier_kv_tier_written_back_total": "written_back",
+    "kvtier_kv_tier_write_queue_dropped_total": "write_queue_dropped",
+    "kvtier_kv_tier_write_present_total": "write_present",
+    "kvtier_kv_tier_write_queue_blocks": "write_queue_depth",
+    "kvtier_kv_tier_mover_queue_batches": "queue_batches",
+    "kvtier_kv_tier_consecutive_failures": "consecutive_failures",
+    "kvtier_kv_tier_read_seconds": "read_seconds",
+    "kvtier_kv_tier_write_seconds": "write_seconds",
+}
+# Strategies always exported (0 until used), so rate() has a series from the start.
+_STRATEGIES = (STRATEGY_RECOMPUTE, STRATEGY_LOAD_PREFIX, STRATEGY_OVERLAP)
+_KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+          "histogram": HistogramMetricFamily, "summary": SummaryMetricFamily}
+Rows = list[tuple[tuple[str, ...], Any]]  # (label values after model_name, value)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float))  # bool is an int: exported as 0/1
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def _label_of(key: str) -> tuple[str, str] | None:
-    """(label name, the key without its label part) for a key whose dict is keyed by label
-    values, else None."""
-    name, sep, label = key.partition("_by_")
-    if sep and label:
-        suffix = "_total" if label.endswith("_total") else ""
-        return label.removesuffix("_total"), name + suffix
-    if key.endswith("s") and not key.endswith("ss") and len(key) > 1:
-        return key[:-1], key
-    return None
+def _connector(stats: Mapping[str, Any], key: str) -> float:
+    top = stats.get(f"kv_{key}_total")
+    return _num(top if top is not None else stats.get("kv", {}).get(key, 0))
 
 
-class _Families:
-    def __init__(self, model: str, reserved: Collection[str]) -> None:
-        self._model = model
-        self._reserved = reserved
-        self._families: dict[str, tuple[Metric, tuple[str, ...]]] = {}
-
-    def add(self, path: list[str], value: float, labels: Labels) -> None:
-        name = "kvtier_" + "_".join(_INVALID.sub("_", p) for p in path if p)
-        if name.removesuffix("_total") in self._reserved:
-            return
-        label_names = ("model_name", *(_INVALID.sub("_", n) for n, _ in labels))
-        if len(set(label_names)) != len(label_names):
-            return  # a label nested under itself: no valid sample
-        entry = self._families.get(name)
-        if entry is None:
-            kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            family = kind(name, "engine stats() value", labels=list(label_names))
-            entry = self._families[name] = (family, label_names)
-        if entry[1] != label_names:
-            return
-        entry[0].add_metric([self._model, *(v for _, v in labels)], float(value))
-
-    def values(self) -> Iterable[Metric]:
-        return (family for family, _ in self._families.values())
+def _histogram_buckets(hist: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs from a ``LatencyHistogram`` snapshot."""
+    out, total = [], 0.0
+    for bound, count in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
+        total += count
+        out.append((floatToGoString(bound), total))
+    return out
 
 
-def _walk(path: list[str], value: Any, labels: Labels, out: _Families) -> None:
-    if _is_number(value):
-        out.add(path, value, labels)
-        return
-    label = _label_of(path[-1]) if path else None
-    if label is not None and isinstance(value, Mapping | list):
-        label_name, metric_key = label
-        if isinstance(value, Mapping):
-            rows = [(str(k), v) for k, v in value.items()]
+def _rows(stats: Mapping[str, Any]) -> dict[str, Rows]:
+    """Every snapshot family's samples (an empty list: the family has no sample now)."""
+    kv: Mapping[str, Any] = stats.get("kv", {})
+    store_rows = [r for r in kv.get("store", {}).get("tiers", []) if "name" in r]
+    out: dict[str, Rows] = {f: [((), _num(stats.get(k, 0)))] for f, k in _ENGINE.items()}
+    out.update({f: [((), _connector(stats, k))] for f, k in _CONNECTOR.items()})
+    out["kvtier_kv_offload_enabled"] = [((), float("store" in kv))]
+    gpu = stats.get("kv_gpu_hit_tokens_total", kv.get("gpu_hit_tokens"))
+    if gpu is None:
+        gpu = stats.get("prefix_cache_hit_tokens_total", 0)
+    cached: Rows = [(("gpu",), _num(gpu))]
+    block_tokens = kv.get("cost_model", {}).get("block_tokens")
+    if block_tokens:
+        for tier, row in kv.get("tiers", {}).items():
+            cached.append(((str(tier),), _num(row.get("hit_blocks", 0)) * block_tokens))
+    out["kvtier_prompt_tokens_cached_by_tier_total"] = cached
+    decisions = {s: 0 for s in _STRATEGIES} | dict(kv.get("decisions", {}))
+    out["kvtier_kv_decisions_total"] = [((str(k),), _num(v)) for k, v in decisions.items()]
+    out["kvtier_kv_load_seconds"] = [((), (_connector(stats, "num_loads"),
+                                           _connector(stats, "load_seconds")))]
+    store = kv.get("store", {})
+    out["kvtier_kv_store_in_flight_blocks"] = [((), _num(store.get("in_flight_stores", 0)))]
+    out["kvtier_kv_store_load_pins"] = [((), _num(store.get("load_pins", 0)))]
+    for family, key in _TIER_ROW.items():
+        out[family] = [((str(r["name"]),), r[key] if isinstance(r.get(key), Mapping)
+                        else _num(r.get(key, 0))) for r in store_rows if key in r]
+    cost = kv.get("cost_model", {})
+    names = {str(r["name"]) for r in store_rows}
+    priced = [(t, e) for t, e in cost.get("tiers", {}).items() if t in names]
+    out["kvtier_kv_cost_model_tier_latency_seconds"] = [
+        ((t,), _num(e.get("latency_s"))) for t, e in priced]
+    out["kvtier_kv_cost_model_tier_bandwidth_bytes_per_second"] = [
+        ((t,), _num(e.get("bandwidth_bytes_per_s"))) for t, e in priced]
+    prefill = cost.get("prefill", {})
+    out["kvtier_kv_cost_model_prefill_fixed_seconds"] = [((), _num(prefill.get("fixed_s")))]
+    out["kvtier_kv_cost_model_prefill_per_token_seconds"] = [
+        ((), _num(prefill.get("per_token_s")))]
+    out["kvtier_kv_cost_model_predicted_saved_seconds_total"] = [
+        ((), _num(cost.get("predicted_saved_s")))]
+    return out
+
+
+def _family(f: Family, model: str, rows: Rows) -> Metric:
+    metric = _KINDS[f.kind](f.name, f.help, labels=["model_name", *f.labels], unit=f.unit)
+    for labels, value in rows:
+        values = [model, *labels]
+        if f.kind == "histogram":
+            metric.add_metric(values, _histogram_buckets(value), sum_value=_num(value["sum"]))
+        elif f.kind == "summary":
+            metric.add_metric(values, count_value=value[0], sum_value=value[1])
         else:
-            rows = [(str(r["name"]), r) for r in value if isinstance(r, Mapping) and "name" in r]
-        for label_value, row in rows:
-            row_labels = (*labels, (label_name, label_value))
-            if _is_number(row):
-                out.add([*path[:-1], metric_key], row, row_labels)
-            elif isinstance(row, Mapping):
-                for leaf, v in row.items():
-                    if leaf != "name":
-                        _walk([*path[:-1], label_name, str(leaf)], v, row_labels, out)
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            _walk([*path, str(k)], v, labels, out)
+            metric.add_metric(values, value)
+    return metric
 
 
-def stats_families(
-    stats: Mapping[str, Any], model: str, *, skip_keys: Collection[str], reserved: Collection[str]
-) -> Iterable[Metric]:
-    """Families for every exportable value of ``stats`` except the top-level ``skip_keys``
-    (exported elsewhere). Pure; a new set of families per call."""
-    out = _Families(model, reserved)
-    for key, value in stats.items():
-        if key not in skip_keys:
-            _walk([str(key)], value, (), out)
-    return out.values()
+def snapshot_families(stats: Mapping[str, Any], model: str) -> Iterator[Metric]:
+    """Every family of ``SNAPSHOT_FAMILIES``, in declaration order, from ``stats``. Missing
+    values read as 0 (unlabelled families) or no sample (labelled ones). Pure."""
+    rows = _rows(stats)
+    for f in SNAPSHOT_FAMILIES:
+        yield _family(f, model, rows[f.name])

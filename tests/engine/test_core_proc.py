@@ -252,7 +252,7 @@ def test_startup_error_carries_the_core_message(model_dir: str) -> None:
 def test_kv_offload_stats_reach_metrics_from_the_core_process(model_dir: str) -> None:
     """A 24-block pool and five 100-token prompts: the first prompt's 6 full blocks are
     evicted to the host tier, and sending it again loads them back. The core's offload
-    counters and per-tier rows show up in /metrics without any server-side code for them."""
+    counters and per-tier rows show up in /metrics."""
     from tests.engine.test_server import _metric, run_server
 
     offload = {"decision": "load", "tiers": [{"kind": "host", "capacity": "8MiB"}]}
@@ -271,8 +271,9 @@ def test_kv_offload_stats_reach_metrics_from_the_core_process(model_dir: str) ->
     finally:
         engine.shutdown()
     assert _metric(text, "kvtier_kv_loaded_tokens_total") == 6 * 16
-    assert _metric(text, "kvtier_kv_tier_hit_blocks", '{model_name="kv",tier="host"}') == 6
-    assert _metric(text, "kvtier_kv_store_tier_hits", '{model_name="kv",tier="host"}') == 6
+    host = '{model_name="kv",tier="host"}'
+    assert _metric(text, "kvtier_prompt_tokens_cached_by_tier_total", host) == 6 * 16
+    assert _metric(text, "kvtier_kv_tier_hits_total", host) == 6
     assert _metric(text, "kvtier_kv_saved_bytes_total") > 0
     assert "# TYPE kvtier_kv_loaded_tokens_total counter" in text
 

@@ -1,6 +1,6 @@
 """The per-request TTFT breakdown: its phases add up to the TTFT, chunked prefills count their
 steps, the breakdown crosses the core process, lands in the request log (still readable by
-``kvtier analyze``) and in the ``kvtier_request_ttft_*_seconds`` histograms."""
+``kvtier analyze``) and in the ``kvtier_request_ttft_phase_seconds{phase}`` histogram."""
 
 from __future__ import annotations
 
@@ -110,9 +110,10 @@ def test_breakdown_reaches_the_log_and_metrics_through_the_core(model_dir: str,
     finally:
         engine.shutdown()
     for phase in ALL_PHASES:
-        name = f"kvtier_request_ttft_{phase}_seconds_count"
-        assert _metric(after, name) == _metric(before, name) + 1, phase
-    assert "# TYPE kvtier_request_ttft_prefill_compute_seconds histogram" in after
+        labels = f'{{model_name="m",phase="{phase}"}}'
+        name = "kvtier_request_ttft_phase_seconds_count"
+        assert _metric(after, name, labels) == _metric(before, name, labels) + 1, phase
+    assert "# TYPE kvtier_request_ttft_phase_seconds histogram" in after
     (row,) = _log(log)
     b = row["ttft_breakdown_s"]
     assert b["api_template"] > 0 and b["api_tokenize"] > 0  # measured in the API process

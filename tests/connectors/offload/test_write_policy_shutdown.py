@@ -155,9 +155,9 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
 
 
 def written_through(base: str, tier: str, at_least: int, timeout_s: float = 10.0) -> float:
-    """``kvtier_kv_tier_written_through{tier=...}`` from ``base``'s /metrics, polled until it
-    reaches ``at_least`` or ``timeout_s`` passed (then its last value)."""
-    pattern = re.compile(r'^kvtier_kv_tier_written_through\{[^}]*tier="' + re.escape(tier)
+    """``kvtier_kv_tier_written_through_total{tier=...}`` from ``base``'s /metrics, polled until
+    it reaches ``at_least`` or ``timeout_s`` passed (then its last value)."""
+    pattern = re.compile(r'^kvtier_kv_tier_written_through_total\{[^}]*tier="' + re.escape(tier)
                          + r'"[^}]*\} (\S+)$', re.M)
     deadline = time.monotonic() + timeout_s
     while True:
