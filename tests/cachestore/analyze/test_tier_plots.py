@@ -66,7 +66,7 @@ def test_report_and_table_define_net_saved(tmp_path: Path, capsys: pytest.Captur
     _analyze(tmp_path, "--tier", "host=3blocks", "--tier", "s3=inf", "--sweep",
              "host=1blocks,4blocks", "--report", str(md))
     report = md.read_text()
-    assert f"**Net saved**: {NET_SAVED_DEFINITION}." in report
+    assert f"Definition: {NET_SAVED_DEFINITION}." in report
     assert NET_SAVED_DEFINITION.startswith("net saved = sum over requests of max(saved - restore")
     assert "| capacity | blocks | host hit | s3 hit | total blocks | total tokens | net saved s |" \
         in report
