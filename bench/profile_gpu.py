@@ -208,7 +208,7 @@ def profile_reload(length: int) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix="kvtier-prof-")
     setup = build_setup("full", workdir)
     offload = {"decision": "load", "calibrate": False, "in_step_host_loads": True,
-               "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
+               "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
     rng = random.Random(9)
     llm = make_llm(setup, (length + 64) // 16 + 4, offload)
     res: dict[str, Any] = {"length": length}

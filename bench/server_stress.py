@@ -217,12 +217,12 @@ def start_daemon(cfg: StressConfig, workdir: str) -> tuple[subprocess.Popen[str]
     port, admin = free_port(), free_port()
     cmd = [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
            "--admin-host", "127.0.0.1", "--admin-port", str(admin), "--tokens", tokens,
-           "--host-capacity", str(cfg.host_capacity),
-           "--host-slot-bytes", str(cfg.host_slot_bytes)]
+           "--host-capacity", f"{cfg.host_capacity}B",
+           "--host-slot-bytes", f"{cfg.host_slot_bytes}B"]
     if not cfg.inline_reads:
         cmd.append("--no-inline-reads")
     if cfg.data_dir is not None:
-        cmd += ["--data-dir", cfg.data_dir, "--lmdb-capacity", str(cfg.lmdb_capacity)]
+        cmd += ["--data-dir", cfg.data_dir, "--lmdb-capacity", f"{cfg.lmdb_capacity}B"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline() if proc.stdout is not None else ""

@@ -10,8 +10,8 @@ Example::
       - {kind: remote, url: "tcp://cache-server:7000", token: secret}
 
 Order is the hierarchy: the first tier is the top (fastest). Every field name is the YAML name;
-sizes accept ``parse_size`` strings (the one size parser: ``parse_size`` / ``format_size`` below,
-used by every config and flag that takes bytes).
+sizes are ``parse_size`` strings with a unit (``4GiB``, ``100GB``; a bare number is refused):
+the one size grammar, ``parse_quantity`` below, is also every CLI flag's and ``kvtier analyze``'s.
 
 Every tier below the top has a write policy (``cachestore.store.write_through``): ``write_policy``
 ``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -45,47 +45,105 @@ WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
 WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
 
 
-# Byte sizes as people write them in configs and flags: ``4GiB``, ``100GB``, ``512MiB``, ``1024``.
-# Decimal units (kB/KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers of
-# 1024; units are case-insensitive, a bare number is bytes. Bare ``K``/``M``/``G`` are refused as
-# ambiguous. Pure functions.
-_UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+# Sizes as people write them in configs and flags; the one grammar for every YAML field, every
+# CLI flag and ``kvtier analyze``. A number always carries a unit, because a bare one meant bytes
+# in some places and blocks in others:
+#   bytes   ``4GiB``, ``512MiB``, ``100GB``, ``4096B``; a lone prefix is bytes too: ``G`` (and
+#           ``k``/``M``/``T``/``P``) is decimal (10^9), ``Gi`` binary (2^30), as in Kubernetes;
+#   blocks  ``1000blocks`` / ``1000 blocks``; tokens ``3Mtok``, ``500ktok``, ``1Mitok``, ``3M tokens``;
+#   ``inf`` unbounded.
+# Units are case-insensitive. Which kinds a field takes is the caller's choice (``accept``);
+# pure functions.
+BYTES, BLOCKS, TOKENS, UNBOUNDED = "bytes", "blocks", "tokens", "inf"
+_PREFIXES: dict[str, int] = {
+    "": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "p": 1000**5,
+    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4, "pi": 1024**5,
 }
-_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_UNIT_WORDS: dict[str, str] = {
+    "": BYTES, "b": BYTES, "byte": BYTES, "bytes": BYTES,
+    "block": BLOCKS, "blocks": BLOCKS, "tok": TOKENS, "token": TOKENS, "tokens": TOKENS,
+}
+_NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(.*?)\s*$")
+_EXAMPLES: dict[str, str] = {
+    BYTES: "bytes as 4GiB, 512MiB, 100GB or 4096B (Gi/GiB = 2^30, G/GB = 10^9)",
+    BLOCKS: "blocks as 1000blocks",
+    TOKENS: "tokens as 3Mtok",
+    UNBOUNDED: "inf for unbounded",
+}
 
 
-def parse_size(value: str | int) -> int:
-    """Bytes in ``value``. Raises ValueError naming the value on anything unparseable.
+@dataclass(frozen=True, slots=True)
+class Size:
+    """One parsed size: ``amount`` of ``unit`` (BYTES, BLOCKS or TOKENS), or UNBOUNDED with
+    ``amount`` None. ``text`` is what the user wrote (for labels and errors)."""
 
-    Fractions are allowed where the result is a whole number of bytes (``1.5GiB``); negative
-    sizes and booleans are refused.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size must be a number of bytes or a string like '4GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must be non-negative, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"size must be an int or a string like '4GiB', got {type(value).__name__}")
-    match = _PATTERN.match(value)
+    unit: str
+    amount: int | None
+    text: str
+
+
+def _split_unit(suffix: str) -> tuple[int, str] | None:
+    """``"GiB"`` -> (2^30, BYTES), ``"Mtok"`` -> (10^6, TOKENS), ``"G"`` -> (10^9, BYTES); None
+    if it is no unit. A whole unit word wins over a prefix (``tok`` is tokens, not tera-``ok``)."""
+    s = suffix.lower()
+    for plen in (0, 2, 1):
+        prefix, word = s[:plen], s[plen:].strip()
+        if prefix in _PREFIXES and word in _UNIT_WORDS and (plen or word):
+            return _PREFIXES[prefix], _UNIT_WORDS[word]
+    return None
+
+
+def _examples(accept: Collection[str]) -> str:
+    return "; ".join(_EXAMPLES[k] for k in (BYTES, BLOCKS, TOKENS, UNBOUNDED) if k in accept)
+
+
+def parse_quantity(value: object, what: str = "",
+                   accept: Collection[str] = (BYTES,)) -> Size:
+    """``value`` (a string with a unit, see above) -> Size. ``what`` (a field or flag name)
+    starts every error; ``accept`` lists the kinds this caller can use. Raises ValueError (one
+    line naming the value, with examples of what is accepted) on a bare number, an unknown
+    unit, a fraction of a byte/block/token, a negative value or a kind not in ``accept``."""
+    def fail(msg: str) -> ValueError:
+        return ValueError(f"{what}: {msg}" if what else msg)
+
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise fail(f"expected a size like '4GiB', got {value!r} ({type(value).__name__})")
+    text = str(value)
+    if text.strip().startswith("-"):
+        raise fail(f"{value!r} is negative; sizes are zero or more")
+    if text.strip().lower() in ("inf", "unbounded"):
+        if UNBOUNDED not in accept:
+            raise fail(f"{value!r} (unbounded) is not allowed here; write {_examples(accept)}")
+        return Size(UNBOUNDED, None, text.strip())
+    match = _NUMBER.match(text)
     if match is None:
-        raise ValueError(f"cannot parse size {value!r}; write e.g. 4GiB, 100GB, 512MiB or 1024")
-    number, unit = match.groups()
-    scale = _UNITS.get(unit.lower())
-    if scale is None:
-        raise ValueError(f"unknown size unit {unit!r} in {value!r}; use one of "
-                         "B, KB, MB, GB, TB (x1000) or KiB, MiB, GiB, TiB (x1024)")
+        raise fail(f"cannot parse size {value!r}; write {_examples(accept)}")
+    number, suffix = match.groups()
+    if not suffix:
+        raise fail(f"{value!r} has no unit; write {_examples(accept)}")
+    unit = _split_unit(suffix)
+    if unit is None:
+        raise fail(f"unknown unit {suffix!r} in {value!r}; write {_examples(accept)}")
+    scale, kind = unit
+    if kind not in accept:
+        raise fail(f"{value!r} is in {kind}, which this setting does not take; write "
+                   f"{_examples(accept)}")
     try:
         total = Decimal(number) * scale
     except InvalidOperation:
-        raise ValueError(f"cannot parse size {value!r}") from None
+        raise fail(f"cannot parse size {value!r}") from None
     if total != total.to_integral_value():
-        raise ValueError(f"size {value!r} is not a whole number of bytes")
-    return int(total)
+        raise fail(f"{value!r} is not a whole number of {kind}")
+    return Size(kind, int(total), text.strip())
+
+
+def parse_size(value: object, what: str = "") -> int:
+    """Bytes in ``value`` (``4GiB``, ``100GB``, ``4G`` = 4*10^9, ``4Gi`` = 4*2^30, ``4096B``).
+    Raises ValueError naming ``what`` and the value on a bare number, blocks, tokens, ``inf``
+    or anything unparseable."""
+    size = parse_quantity(value, what, (BYTES,))
+    assert size.amount is not None
+    return size.amount
 
 
 def format_size(num_bytes: int) -> str:
@@ -125,7 +183,7 @@ def _pos_float(value: object) -> float:
 
 
 def _size(value: object) -> int:
-    size = parse_size(value)  # type: ignore[arg-type]
+    size = parse_size(value)
     if size <= 0:
         raise ValueError(f"expected a positive size, got {value!r}")
     return size

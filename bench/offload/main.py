@@ -275,12 +275,12 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
 
 def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[str, Any] | None:
     lmdb = {"kind": "lmdb", "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
-            "capacity": 48 << 30 if setup.model_dir else 1 << 30}
-    host_cap = setup.host_capacity
+            "capacity": "48GiB" if setup.model_dir else "1GiB"}
+    host_cap = f"{setup.host_capacity}B"
     if mode == "recompute":
         return None
     if mode == "lmdb":
-        return {"decision": "load", "tiers": [{"kind": "host", "capacity": 4 * slot_bytes}, lmdb]}
+        return {"decision": "load", "tiers": [{"kind": "host", "capacity": f"{4 * slot_bytes}B"}, lmdb]}
     if "_lossless" in mode:  # the same reload of blocks stored compressed (layer-wise loads)
         return {"decision": "cost" if mode.startswith("cost") else "load",
                 "compression": "lossless",
@@ -402,7 +402,7 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
         flags, extra = RELOAD_MODES[mode]
         offload = None if flags is None else {
             "decision": "load", "calibrate": False, **flags,
-            "tiers": [{"kind": "host", "capacity": setup.host_capacity}]}
+            "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
         rng = random.Random(4)
         llm = make_llm(setup, num_blocks, offload, **extra)
         try:

@@ -162,7 +162,7 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     q, sizes = setup.qa, qa_sizes(setup)
     out: dict[str, Any] = {"params": {**q, **sizes}}
     params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
-    host = {"kind": "host", "capacity": sizes["host_capacity"]}
+    host = {"kind": "host", "capacity": f"{sizes['host_capacity']}B"}
     modes: list[tuple[str, dict[str, Any] | None]] = [
         ("off", None), ("on", {"decision": setup.qa_decision, "tiers": [host]})]
     if setup.qa_lossless and two_byte_kv(setup):

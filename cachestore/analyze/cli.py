@@ -1,6 +1,7 @@
 """``kvtier analyze TRACE``: hit ratios, tier traffic and prefill savings of a cache hierarchy.
 
-Flags map one-to-one onto ``AnalyzeConfig``; capacities are parsed here. Reads the trace,
+Flags map one-to-one onto ``AnalyzeConfig``; capacities are parsed here, with the size grammar
+of every other kvtier setting (``tiers.config.parse_quantity``) and converted to blocks. Reads the trace,
 writes the requested outputs, prints the table unless ``--json -`` owns stdout. Returns 0, or
 2 with a one-line error for bad input.
 """
@@ -8,7 +9,6 @@ writes the requested outputs, prints the table unless ``--json -`` owns stdout. 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from cachestore.analyze.policies import POLICIES
@@ -22,54 +22,51 @@ from cachestore.cost.model import (
     get_model_profile,
 )
 from cachestore.kv_format import COMPRESSIONS, stored_bytes_per_token
+from tiers.config import BLOCKS, BYTES, TOKENS, UNBOUNDED, Size, parse_quantity
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_CAP = re.compile(r"^(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt]i?)?(?P<kind>tok|b)?$", re.I)
 DEFAULT_PROFILE = "llama-3-8b"
+CAPACITY_KINDS = (BYTES, BLOCKS, TOKENS, UNBOUNDED)
 
 
-def parse_capacity(text: str, block_tokens: int, kv_bytes_per_token: int | None) -> int | None:
-    """Blocks for ``text``: ``inf`` -> None, ``1000`` blocks, ``3Mtok`` tokens, ``64GiB`` bytes.
-
-    Token and byte capacities round down to whole blocks. Raises ValueError on bad syntax or
-    on bytes without a known KV size per token.
-    """
-    t = text.strip()
-    if t.lower() in ("inf", "unbounded"):
+def to_blocks(size: Size, block_tokens: int, kv_bytes_per_token: int | None,
+              what: str = "capacity") -> int | None:
+    """Whole blocks in ``size`` (None: unbounded); tokens and bytes round down. Raises
+    ValueError naming ``what`` for bytes without a known KV size per token."""
+    if size.amount is None:
         return None
-    m = _CAP.match(t)
-    if m is None:
-        raise ValueError(f"bad capacity {text!r}: use blocks (1000), tokens (3Mtok), bytes (64GiB)"
-                         " or inf")
-    unit = (m["unit"] or "").lower()
-    kind = (m["kind"] or "").lower()
-    if not kind and unit:  # "64Gi" or "64G" alone: bytes are the only sensible reading
-        kind = "b"
-    value = float(m["num"]) * _UNITS[unit]
-    if kind == "tok":
-        return int(value // block_tokens)
-    if kind == "b":
-        if kv_bytes_per_token is None:
-            raise ValueError(f"capacity {text!r} is in bytes: give --kv-bytes-per-token or "
-                             "--model-profile")
-        return int(value // (kv_bytes_per_token * block_tokens))
-    if value != int(value):
-        raise ValueError(f"capacity {text!r}: a block count must be an integer")
-    return int(value)
+    if size.unit == BLOCKS:
+        return size.amount
+    if size.unit == TOKENS:
+        return size.amount // block_tokens
+    if kv_bytes_per_token is None:
+        raise ValueError(f"{what}: {size.text!r} is in bytes: give --kv-bytes-per-token or "
+                         "--model-profile")
+    return size.amount // (kv_bytes_per_token * block_tokens)
+
+
+def parse_capacity(text: str, block_tokens: int, kv_bytes_per_token: int | None,
+                   what: str = "capacity") -> int | None:
+    """Blocks for ``text`` (``tiers.config.parse_quantity``'s grammar): ``inf`` -> None,
+    ``1000blocks``, ``3Mtok`` tokens, ``64GiB`` bytes; a bare number is refused. Raises
+    ValueError naming ``what``."""
+    return to_blocks(parse_quantity(text, what, CAPACITY_KINDS), block_tokens,
+                     kv_bytes_per_token, what)
 
 
 def parse_tier(text: str, default_policy: str, block_tokens: int,
-               kv_bytes_per_token: int | None) -> TierSpec:
-    """``NAME=CAPACITY[:POLICY]`` -> TierSpec."""
+               kv_bytes_per_token: int | None) -> tuple[TierSpec, Size]:
+    """``NAME=CAPACITY[:POLICY]`` -> the TierSpec and its capacity as written."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
-        raise ValueError(f"bad --tier {text!r}: use NAME=CAPACITY[:POLICY]")
+        raise ValueError(f"bad --tier {text!r}: use NAME=CAPACITY[:POLICY], e.g. host=64GiB")
     cap, _, policy = rest.partition(":")
     policy = policy or default_policy
     if policy not in POLICIES:
         raise ValueError(f"--tier {text!r}: unknown policy {policy!r}; choose {sorted(POLICIES)}")
-    return TierSpec(name, parse_capacity(cap, block_tokens, kv_bytes_per_token), policy)
+    what = f"--tier {text}"
+    size = parse_quantity(cap, what, CAPACITY_KINDS)
+    blocks = to_blocks(size, block_tokens, kv_bytes_per_token, what)
+    return TierSpec(name, blocks, policy), size
 
 
 def parse_tier_cost(text: str) -> TierCost:
@@ -89,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="tokens per block (default 512 for Mooncake traces, else 16)")
     parser.add_argument("--tier", action="append", default=[], metavar="NAME=CAP[:POLICY]",
-                        help="a tier, top first; repeatable. CAP: blocks, inf, 3Mtok, 64GiB "
-                        "(default: host=inf)")
+                        help="a tier, top first; repeatable. CAP: bytes (64GiB, 500GB; "
+                        "Gi = 2^30, G = 10^9), blocks (1000blocks), tokens (3Mtok) or inf; a "
+                        "bare number is refused (default: host=inf)")
     parser.add_argument("--policy", default="lru", choices=sorted(POLICIES),
                         help="eviction policy of tiers that name none")
     parser.add_argument("--model-profile", choices=sorted(MODEL_PROFILES),
@@ -102,11 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-cost", action="append", default=[],
                         metavar="NAME=LATENCY_S,BYTES_PER_S", help="override a tier's cost")
     parser.add_argument("--sweep", metavar="TIER=CAP1,CAP2,...",
-                        help="hit ratio at each capacity of one tier (others fixed)")
+                        help="one tier at each capacity, the others fixed: every tier's hit "
+                        "ratio, the total and net saved per point (plotted with --plot)")
     parser.add_argument("--replay", action="store_true",
                         help="replay all-LRU hierarchies too (slower; same numbers)")
     parser.add_argument("--json", metavar="FILE", help="write the JSON document (- for stdout)")
-    parser.add_argument("--plot", metavar="FILE.png", help="hit-ratio curve and reuse CDF")
+    parser.add_argument("--plot", metavar="FILE.png", help="one hit-ratio plot per tier (its "
+                        "capacity marked), the sweep, and the reuse-distance CDF")
     parser.add_argument("--report", metavar="FILE.md", help="Markdown report")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -124,25 +124,31 @@ def build_config(args: argparse.Namespace, trace: Trace):  # -> AnalyzeConfig
         _stored(get_model_profile(args.model_profile), compression) if args.model_profile
         else None)
     bt = trace.block_tokens
-    tiers = tuple(parse_tier(t, args.policy, bt, explicit_kv) for t in args.tier or ["host=inf"])
+    parsed = [parse_tier(t, args.policy, bt, explicit_kv) for t in args.tier or ["host=inf"]]
+    tiers = tuple(spec for spec, _ in parsed)
     if len({t.name for t in tiers}) != len(tiers):
         raise ValueError("tier names must be distinct")
     costs = dict(DEFAULT_TIER_COSTS)
     for text in args.tier_cost:
         c = parse_tier_cost(text)
         costs[c.name] = c
-    sweep_tier, sweep_caps = None, ()
+    sweep_tier, sweep_sizes = None, ()
     if args.sweep:
         sweep_tier, sep, caps = args.sweep.partition("=")
         if not sep or not caps:
-            raise ValueError(f"bad --sweep {args.sweep!r}: use TIER=CAP1,CAP2,...")
-        sweep_caps = tuple(parse_capacity(c, bt, explicit_kv) for c in caps.split(","))
+            raise ValueError(f"bad --sweep {args.sweep!r}: use TIER=CAP1,CAP2,..., e.g. "
+                             "host=16GiB,64GiB,256GiB")
+        sweep_sizes = tuple(parse_quantity(c, f"--sweep {sweep_tier}={c}", CAPACITY_KINDS)
+                            for c in caps.split(","))
+    sweep_caps = tuple(to_blocks(s, bt, explicit_kv, f"--sweep {sweep_tier}={s.text}")
+                       for s in sweep_sizes)
     profile = args.model_profile or (None if args.kv_bytes_per_token else DEFAULT_PROFILE)
     kv = explicit_kv or _stored(get_model_profile(DEFAULT_PROFILE), compression)
     return AnalyzeConfig(tiers=tiers, kv_bytes_per_token=kv, model_profile=profile,
                          kv_compression=compression,
                          tier_costs=costs, sweep_tier=sweep_tier, sweep_capacities=sweep_caps,
-                         force_replay=args.replay)
+                         force_replay=args.replay, tier_sizes=tuple(s for _, s in parsed),
+                         sweep_sizes=sweep_sizes)
 
 
 def _stored(profile: ModelProfile, compression: str) -> int:
@@ -167,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
         bar = tqdm(total=trace.num_requests, unit="req", file=sys.stderr, desc="replay")
     try:
         doc = analyze(trace, cfg, progress=bar.update if bar else None,
-                      keep_distances=bool(args.plot))
+                      keep_distances=bool(args.plot), curves=bool(args.plot))
     except ValueError as exc:
         print(f"kvtier analyze: {exc}", file=sys.stderr)
         return 2

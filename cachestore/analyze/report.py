@@ -1,7 +1,8 @@
 """Writers for an analysis document: terminal table, JSON, Markdown and a PNG plot.
 
-Each writer takes the dict from ``summary.analyze`` and only formats it. matplotlib is imported
-lazily (Agg backend) by ``write_plot`` alone. Writers create or overwrite their file; none is
+Each writer takes the dict from ``summary.analyze`` and only formats it; capacities are shown
+as the user wrote them (``capacity_text``) beside their blocks. matplotlib is imported lazily
+(Agg backend) by ``write_plot`` alone (plot.py). Writers create or overwrite their file; none is
 thread-safe with another writer on the same path.
 """
 
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
-
-import numpy as np
 
 GIB = float(1 << 30)
 
@@ -22,6 +22,26 @@ def _cap(blocks: object) -> str:
 
 def _pct(x: object) -> str:
     return f"{100.0 * float(x):.2f}%"  # type: ignore[arg-type]
+
+
+def _others(doc: dict, name: str) -> str:
+    return ", ".join(f"{t['name']}={t['capacity_text']}" for t in doc["tiers"] if t["name"] != name)
+
+
+def _sweep_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    """The sweep as a header and rows of cells: capacity as written, each tier's share of the
+    block references, the totals and the seconds."""
+    sw = doc["sweep"]
+    names = [t["name"] for t in doc["tiers"]]
+    head = ["capacity", "blocks", *(f"{n} hit" for n in names), "total blocks", "total tokens",
+            "net saved s"]
+    rows = []
+    for k, c in enumerate(sw["capacities_blocks"]):
+        rows.append([sw["capacities_text"][k], _cap(c),
+                     *(_pct(sw["tier_hit_ratio"][n][k]) for n in names),
+                     _pct(sw["block_hit_ratio"][k]), _pct(sw["token_hit_ratio"][k]),
+                     f"{sw['net_saved_seconds'][k]:.1f}"])
+    return head, rows
 
 
 def format_table(doc: dict) -> str:
@@ -37,15 +57,16 @@ def format_table(doc: dict) -> str:
         f"reuse distance (blocks): p50 {rd['p50']}  p90 {rd['p90']}  p99 {rd['p99']}"
         f"  ({rd['reuse_refs']:,} reuses, {rd['cold_refs']:,} first references)",
         "",
-        f"{'tier':<10}{'policy':<8}{'capacity':>14}{'hit blocks':>13}{'hit %':>9}"
-        f"{'read GiB':>11}{'write GiB':>11}{'evicted':>12}",
+        f"{'tier':<10}{'policy':<8}{'capacity':>12}{'blocks':>11}{'hit blocks':>12}{'hit %':>9}"
+        f"{'read GiB':>11}{'write GiB':>11}{'evicted':>11}",
     ]
     for t in doc["tiers"]:
         share = t["hit_blocks"] / max(doc["block_refs"], 1)
         lines.append(
-            f"{t['name']:<10}{t['policy']:<8}{_cap(t['capacity_blocks']):>14}"
-            f"{t['hit_blocks']:>13,}{_pct(share):>9}{t['read_bytes'] / GIB:>11.2f}"
-            f"{t['write_bytes'] / GIB:>11.2f}{t['evicted_blocks']:>12,}"
+            f"{t['name']:<10}{t['policy']:<8}{t['capacity_text']:>12}"
+            f"{_cap(t['capacity_blocks']):>11}{t['hit_blocks']:>12,}{_pct(share):>9}"
+            f"{t['read_bytes'] / GIB:>11.2f}{t['write_bytes'] / GIB:>11.2f}"
+            f"{t['evicted_blocks']:>11,}"
         )
     lines += [
         "",
@@ -55,12 +76,18 @@ def format_table(doc: dict) -> str:
         f"({doc['model_profile'] or str(doc['kv_bytes_per_token']) + ' B/token'}"
         + (f", {doc['kv_compression']} blocks" if doc.get("kv_compression", "none") != "none"
            else "") + ")",
+        *textwrap.wrap(doc["net_saved_definition"] + ".", 100),
     ]
     if "sweep" in doc:
         sw = doc["sweep"]
-        lines += ["", f"sweep of tier {sw['tier']} ({sw['method']}): capacity -> block / token hit"]
-        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"], strict=True):
-            lines.append(f"  {_cap(c):>14}  {_pct(b):>8}  {_pct(t):>8}")
+        others = _others(doc, sw["tier"])
+        head, rows = _sweep_rows(doc)
+        widths = [max(len(x) for x in col) + 2 for col in zip(head, *rows, strict=True)]
+        lines += ["", f"sweep of tier {sw['tier']} ({sw['method']})"
+                  + (f", others fixed: {others}" if others else "")
+                  + "; hit = % of block references"]
+        for row in [head, *rows]:
+            lines.append("".join(f"{x:>{w}}" for x, w in zip(row, widths, strict=True)))
     return "\n".join(lines)
 
 
@@ -94,63 +121,33 @@ def write_markdown(doc: dict, path: str, plot_path: str | None = None,
         f"| saved prefill (s) | {doc['saved_prefill_seconds']:.2f} |",
         f"| restore (s) | {doc['restore_seconds']:.2f} |",
         f"| net saved (s) | {doc['net_saved_seconds']:.2f} |",
+        "", f"Definition: {doc['net_saved_definition']}.",
         "", "## Tiers", "",
-        "| tier | policy | capacity (blocks) | hit blocks | read GiB | write GiB | evicted |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| tier | policy | capacity | blocks | hit blocks | hit % | read GiB | write GiB | evicted |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for t in doc["tiers"]:
-        out.append(f"| {t['name']} | {t['policy']} | {_cap(t['capacity_blocks'])} | "
-                   f"{t['hit_blocks']:,} | {t['read_bytes'] / GIB:.2f} | "
-                   f"{t['write_bytes'] / GIB:.2f} | {t['evicted_blocks']:,} |")
+        share = t["hit_blocks"] / max(doc["block_refs"], 1)
+        out.append(f"| {t['name']} | {t['policy']} | {t['capacity_text']} | "
+                   f"{_cap(t['capacity_blocks'])} | {t['hit_blocks']:,} | {_pct(share)} | "
+                   f"{t['read_bytes'] / GIB:.2f} | {t['write_bytes'] / GIB:.2f} | "
+                   f"{t['evicted_blocks']:,} |")
     if "sweep" in doc:
         sw = doc["sweep"]
+        others = _others(doc, sw["tier"])
+        head, rows = _sweep_rows(doc)
         out += ["", f"## Sweep of tier `{sw['tier']}` ({sw['method']})", "",
-                "| capacity (blocks) | block hit | token hit |", "| ---: | ---: | ---: |"]
-        for c, b, t in zip(sw["capacities_blocks"], sw["block_hit_ratio"], sw["token_hit_ratio"], strict=True):
-            out.append(f"| {_cap(c)} | {_pct(b)} | {_pct(t)} |")
+                f"The other tiers fixed ({others or 'none'}); a tier's hit is its share of the "
+                "block references, net saved as defined above.", "",
+                "| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
     if plot_path:
-        out += ["", f"![hit ratio and reuse distance]({Path(plot_path).name})"]
+        out += ["", f"![hit ratio per tier, sweep and reuse distance]({Path(plot_path).name})"]
     Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
 
 
 def write_plot(doc: dict, path: str) -> None:
-    """Hit ratio against capacity (sweep points over the LRU curve) and the reuse-distance CDF."""
-    import matplotlib  # lazy: optional dependency (the `analyze` extra)
+    """One hit-ratio plot per tier, the sweep and the reuse CDF (``plot.write_plot``)."""
+    from cachestore.analyze.plot import write_plot as _write
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    curve = doc["lru_curve"]
-    ax1.plot(curve["capacities_blocks"], [100 * x for x in curve["token_hit_ratio"]],
-             label="LRU, token hit", color="tab:blue")
-    ax1.plot(curve["capacities_blocks"], [100 * x for x in curve["block_hit_ratio"]],
-             label="LRU, block hit", color="tab:blue", linestyle="--")
-    if "sweep" in doc:
-        sw = doc["sweep"]
-        # Placed at the hierarchy's total capacity, where an LRU hierarchy meets the curve.
-        pts = [(c, t) for c, t in zip(sw["total_capacity_blocks"], sw["token_hit_ratio"], strict=True)
-               if c is not None and c > 0]
-        if pts:
-            ax1.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o", color="tab:red",
-                     label=f"sweep {sw['tier']} (token hit, at total capacity)")
-    ax1.set_xscale("log")
-    ax1.set_xlabel(f"cache capacity (blocks of {doc['block_tokens']} tokens)")
-    ax1.set_ylabel("hit ratio (%)")
-    ax1.set_ylim(0, 100)
-    ax1.grid(True, which="both", alpha=0.3)
-    ax1.legend(loc="upper left")
-    ax1.set_title("Hit ratio against capacity")
-    reuse = np.asarray(doc.get("_reuse_distances", []))
-    if len(reuse):
-        ax2.plot(reuse, np.arange(1, len(reuse) + 1) / len(reuse) * 100, color="tab:green")
-        ax2.set_xscale("log")
-    ax2.set_xlabel("LRU stack distance at lookup (blocks)")
-    ax2.set_ylabel("reuses at or below (%)")
-    ax2.set_ylim(0, 100)
-    ax2.grid(True, which="both", alpha=0.3)
-    ax2.set_title(f"Reuse-distance CDF ({doc['reuse_distance']['reuse_refs']:,} reuses)")
-    fig.suptitle(f"kvtier analyze: {doc['requests']:,} requests, {doc['block_refs']:,} block refs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _write(doc, path)

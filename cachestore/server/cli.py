@@ -32,7 +32,7 @@ from pathlib import Path
 from cachestore.server.usage import NamespaceUsage
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Tier
-from tiers.config import parse_size
+from tiers.config import TierConfig, parse_size
 
 # The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
 # 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
@@ -76,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="file holding the admin port's bearer token (needed by /stats, "
                              "/namespaces, /metrics; /health stays open)")
     parser.add_argument("--data-dir", default=None, help="LMDB directory (persistence)")
-    parser.add_argument("--lmdb-capacity", default="10GiB", help="LMDB capacity under --data-dir")
+    parser.add_argument("--lmdb-capacity", default="10GiB",
+                        help="LMDB capacity under --data-dir (bytes with a unit: 10GiB, 200GB)")
     parser.add_argument("--host-capacity", default=None,
-                        help="host-memory tier on top of the others (default: none)")
+                        help="host-memory tier on top of the others, e.g. 4GiB (Gi = 2^30, "
+                             "G = 10^9; a bare number is refused; default: none)")
     parser.add_argument("--host-slot-bytes", default="4MiB",
                         help="host tier slot: the largest block it holds (larger: LMDB only)")
     parser.add_argument("--config", default=None, help="tiers YAML (tiers.config)")
@@ -131,30 +133,36 @@ def _admin_token(args: argparse.Namespace) -> str | None:
     return token
 
 
-def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
-    """The daemon's tier stack, top first. ``shared_host``: the host tier's slab in a sealed
-    memfd that clients can map read-only (``cachestore.server.leases``; private memory where that is
-    not supported). Raises ConfigError/ValueError with a clear message."""
-    from tiers import build_tiers
-    from tiers.config import (
-        HostTierConfig,
-        LmdbTierConfig,
-        check_resources,
-        load_tier_config,
-    )
+def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
+    """The daemon's tier configs, top first, from ``--config``, ``--host-capacity`` and
+    ``--data-dir``; reads the YAML, allocates nothing. Raises ConfigError/ValueError with a
+    one-line message naming the file or the flag (sizes need a unit: ``parse_size``)."""
+    from tiers.config import HostTierConfig, LmdbTierConfig, load_tier_config
 
     configs = list(load_tier_config(args.config).tiers) if args.config else []
     if args.host_capacity and not any(isinstance(c, HostTierConfig) for c in configs):
-        configs.insert(0, HostTierConfig(capacity=parse_size(args.host_capacity),
-                                         slot_bytes=parse_size(args.host_slot_bytes),
+        capacity = parse_size(args.host_capacity, "--host-capacity")
+        slot_bytes = parse_size(args.host_slot_bytes, "--host-slot-bytes")
+        configs.insert(0, HostTierConfig(capacity=capacity, slot_bytes=slot_bytes,
                                          pin_memory=False))  # no GPU reads the daemon's memory
     if args.data_dir and not any(isinstance(c, LmdbTierConfig) for c in configs):
         lmdb = LmdbTierConfig(path=str(Path(args.data_dir) / "lmdb"),
-                              capacity=parse_size(args.lmdb_capacity))
+                              capacity=parse_size(args.lmdb_capacity, "--lmdb-capacity"))
         at = 1 if configs and configs[0].kind == "host" else 0
         configs.insert(at, lmdb)
     if not configs:
         raise ValueError("give --data-dir (LMDB) and/or --config (tiers YAML)")
+    return configs
+
+
+def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
+    """The daemon's tier stack, top first (``stack_configs``). ``shared_host``: the host tier's
+    slab in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
+    memory where that is not supported). Raises ConfigError/ValueError with a clear message."""
+    from tiers import build_tiers
+    from tiers.config import HostTierConfig, check_resources
+
+    configs = stack_configs(args)
     from tiers.config import TierStackConfig
 
     host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
@@ -195,9 +203,11 @@ def main(args: argparse.Namespace) -> int:
         tokens = None
         if args.tokens:
             tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
-        quota = parse_size(args.namespace_quota) if args.namespace_quota else None
+        quota = (parse_size(args.namespace_quota, "--namespace-quota") if args.namespace_quota
+                 else None)
         limits = ServerLimits(max_keys_per_request=args.max_keys,
-                              max_frame_bytes=parse_size(args.max_frame_bytes),
+                              max_frame_bytes=parse_size(args.max_frame_bytes,
+                                                         "--max-frame-bytes"),
                               max_namespace_bytes=quota)
         host = f"[{args.host}]" if ":" in args.host else args.host
         config = ServerConfig(url=f"tcp://{host}:{args.port}", limits=limits,

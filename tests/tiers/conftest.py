@@ -40,9 +40,10 @@ def _require_module(kind: str) -> None:
 
 def _base_config(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     if kind == "host":
-        return {"kind": "host", "capacity": 32 * HOST_SLOT_BYTES, "slot_bytes": HOST_SLOT_BYTES}
+        return {"kind": "host", "capacity": f"{32 * HOST_SLOT_BYTES}B",
+                "slot_bytes": f"{HOST_SLOT_BYTES}B"}
     if kind == "lmdb":
-        return {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": 128 * MIB}
+        return {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "128MiB"}
     if kind == "redis":
         return dict(request.getfixturevalue("redis_config"))
     return dict(request.getfixturevalue("s3_config"))

@@ -10,15 +10,21 @@ import pytest
 
 from tiers import build_tiers
 from tiers.config import (
+    BLOCKS,
+    BYTES,
     STORE_FIELDS,
+    TOKENS,
+    UNBOUNDED,
     ConfigError,
     HostTierConfig,
     LmdbTierConfig,
     RedisTierConfig,
     RemoteTierConfig,
     S3TierConfig,
+    Size,
     format_size,
     load_tier_config,
+    parse_quantity,
     parse_size,
     parse_tier_config,
     parse_tier_entry,
@@ -35,20 +41,64 @@ tiers:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("4GiB", 4 * 2**30), ("100GB", 100 * 10**9), ("512MiB", 512 * 2**20), ("1024", 1024),
-    (4096, 4096), ("1.5 KiB", 1536), ("2tb", 2 * 10**12), ("7B", 7), ("0.5MiB", 2**19),
+    ("4GiB", 4 * 2**30), ("4Gi", 4 * 2**30), ("4G", 4 * 10**9), ("100GB", 100 * 10**9),
+    ("512MiB", 512 * 2**20), ("1024B", 1024), ("1.5 KiB", 1536), ("2tb", 2 * 10**12),
+    ("7B", 7), ("0.5MiB", 2**19), ("3 bytes", 3), ("1k", 1000), ("1Ki", 1024), ("1Pi", 2**50),
+    (" 8 MiB ", 8 * 2**20),
 ])
-def test_parse_size(text: str | int, expected: int) -> None:
+def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("4G", "unknown size unit 'G'"), ("GiB", "cannot parse size"), ("-1GiB", "cannot parse"),
-    (-5, "non-negative"), (True, "size must be"), ("0.3B", "whole number"), (1.5, "int or a string"),
+    ("4096", "'4096' has no unit; write bytes as 4GiB, 512MiB, 100GB or 4096B "
+             "(Gi/GiB = 2^30, G/GB = 10^9)"),
+    (4096, "4096 has no unit; write bytes as 4GiB"),  # a YAML int: no bare bytes either
+    (1.5, "1.5 has no unit"),
+    ("GiB", "cannot parse size 'GiB'; write bytes as 4GiB"),
+    ("-1GiB", "'-1GiB' is negative"),
+    (True, "expected a size like '4GiB', got True (bool)"),
+    ("0.3B", "'0.3B' is not a whole number of bytes"),
+    ("4 parsecs", "unknown unit 'parsecs' in '4 parsecs'"),
+    ("1000blocks", "'1000blocks' is in blocks, which this setting does not take"),
+    ("3Mtok", "'3Mtok' is in tokens, which this setting does not take"),
+    ("inf", "'inf' (unbounded) is not allowed here"),
 ])
 def test_parse_size_errors(text: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        parse_size(text)  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as info:
+        parse_size(text)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_parse_size_names_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"^--host-capacity: '4096' has no unit; write bytes"):
+        parse_size("4096", "--host-capacity")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4GiB", Size(BYTES, 4 * 2**30, "4GiB")), ("1000blocks", Size(BLOCKS, 1000, "1000blocks")),
+    ("1000 blocks", Size(BLOCKS, 1000, "1000 blocks")), ("1 block", Size(BLOCKS, 1, "1 block")),
+    ("2kblocks", Size(BLOCKS, 2000, "2kblocks")), ("3Mtok", Size(TOKENS, 3 * 10**6, "3Mtok")),
+    ("500ktok", Size(TOKENS, 500_000, "500ktok")), ("1Mitok", Size(TOKENS, 2**20, "1Mitok")),
+    ("3M tokens", Size(TOKENS, 3 * 10**6, "3M tokens")), ("2.5ktok", Size(TOKENS, 2500, "2.5ktok")),
+    ("inf", Size(UNBOUNDED, None, "inf")), ("Unbounded", Size(UNBOUNDED, None, "Unbounded")),
+    ("0blocks", Size(BLOCKS, 0, "0blocks")),
+])
+def test_parse_quantity_kinds(text: str, expected: Size) -> None:
+    assert parse_quantity(text, "--tier", (BYTES, BLOCKS, TOKENS, UNBOUNDED)) == expected
+
+
+def test_parse_quantity_errors_list_what_the_caller_takes() -> None:
+    every = (BYTES, BLOCKS, TOKENS, UNBOUNDED)
+    with pytest.raises(ValueError) as info:
+        parse_quantity("1000", "--tier host=1000", every)
+    assert str(info.value) == (
+        "--tier host=1000: '1000' has no unit; write bytes as 4GiB, 512MiB, 100GB or 4096B "
+        "(Gi/GiB = 2^30, G/GB = 10^9); blocks as 1000blocks; tokens as 3Mtok; inf for unbounded")
+    with pytest.raises(ValueError, match=r"'1.5blocks' is not a whole number of blocks"):
+        parse_quantity("1.5blocks", "", every)
+    with pytest.raises(ValueError, match=r"unknown unit 'ok' in '4ok'"):
+        parse_quantity("4ok", "", every)
 
 
 def test_format_size() -> None:
@@ -85,8 +135,10 @@ def test_example_yaml_parses(tmp_path: Path) -> None:
     ({"tiers": ["host"]}, "tiers[0]: expected a mapping"),
     ({"tiers": [{"kind": "host"}]}, "tiers[0] (host): missing required field 'capacity'"),
     ({"tiers": [{"kind": "host", "capacity": "4 parsecs"}]},
-     "tiers[0] (host): field 'capacity': unknown size unit 'parsecs'"),
-    ({"tiers": [{"kind": "host", "capacity": 0}]}, "field 'capacity': expected a positive size"),
+     "tiers[0] (host): field 'capacity': unknown unit 'parsecs' in '4 parsecs'"),
+    ({"tiers": [{"kind": "host", "capacity": "0B"}]}, "field 'capacity': expected a positive size"),
+    ({"tiers": [{"kind": "host", "capacity": 4096}]},
+     "tiers[0] (host): field 'capacity': 4096 has no unit; write bytes as 4GiB"),
     ({"tiers": [{"kind": "host", "capacity": "1GiB", "colour": "red"}]},
      "tiers[0] (host): unknown field(s) ['colour']"),
     ({"tiers": [{"kind": "host", "capacity": "1GiB"}, {"kind": "lmdb", "capacity": "1GiB"}]},
@@ -95,8 +147,8 @@ def test_example_yaml_parses(tmp_path: Path) -> None:
      "tiers[0] (s3): field 'blocks_per_object': expected a positive integer, got 0"),
     ({"tiers": [{"kind": "redis", "url": "redis://x", "ttl_s": "soon"}]},
      "tiers[0] (redis): field 'ttl_s': expected a positive number"),
-    ({"tiers": [{"kind": "lmdb", "path": "/x", "capacity": 1},
-                {"kind": "host", "capacity": 1}]}, "a 'host' tier may only be the first"),
+    ({"tiers": [{"kind": "lmdb", "path": "/x", "capacity": "1B"},
+                {"kind": "host", "capacity": "1B"}]}, "a 'host' tier may only be the first"),
 ])
 def test_errors_name_the_field(data: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -183,7 +235,8 @@ def test_backend_defaults_match_the_backends() -> None:
 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"cluster": "yes"}, "field 'cluster': expected true or false, got 'yes'"),
-    ({"max_value_bytes": 0}, "field 'max_value_bytes': expected a positive size"),
+    ({"max_value_bytes": "0MiB"}, "field 'max_value_bytes': expected a positive size"),
+    ({"max_value_bytes": 1024}, "field 'max_value_bytes': 1024 has no unit"),
     ({"max_value_bytes": "lots"}, "field 'max_value_bytes': cannot parse size"),
     ({"connect_timeout_s": 0}, "field 'connect_timeout_s': expected a positive number, got 0"),
     ({"retries": -1}, "field 'retries': expected a non-negative integer, got -1"),
@@ -273,7 +326,7 @@ def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
     check_resources(host, mem_available=5 << 40)  # fits
     with pytest.raises(ConfigError, match="MemAvailable"):  # build_tiers checks first
         build_tiers(parse_tier_config({"tiers": [{"kind": "host", "capacity": "1024TiB",
-                                                  "slot_bytes": 4096}]}))
+                                                  "slot_bytes": "4KiB"}]}))
     blocker = tmp_path / "file"
     blocker.write_text("x")
     for bad in (blocker / "lmdb", Path("/proc/kvtier-no/lmdb")):

@@ -146,7 +146,7 @@ def test_eviction_at_capacity_returns_oldest_keys(make_tier: MakeTier, tier_kind
     # Room for four values in the host slab; for LMDB and Redis (optional ``capacity``, LRU
     # kept in Redis) a capacity of about four values.
     capacity = 4 * HOST_SLOT_BYTES if tier_kind == "host" else 4 * nbytes + 16 * KIB
-    tier = make_tier(capacity=capacity)
+    tier = make_tier(capacity=f"{capacity}B")
     keys = chain_keys(10)
     evicted = []
     for i, k in enumerate(keys):
@@ -172,7 +172,7 @@ def test_lookup_refreshes_recency_for_lru_tiers(make_tier: MakeTier, tier_kind: 
     if tier_kind not in ("host", "redis"):
         pytest.skip(f"{tier_kind}: exact LRU order is asserted for host and redis with capacity "
                     "(lmdb: tests/tiers/test_lmdb)")
-    tier = make_tier(capacity=3 * HOST_SLOT_BYTES if tier_kind == "host" else 3000)
+    tier = make_tier(capacity=f"{3 * HOST_SLOT_BYTES}B" if tier_kind == "host" else "3000B")
     keys = chain_keys(4)
     tier.put_many([(k, value(i, 1000)) for i, k in enumerate(keys[:3])])
     assert tier.lookup(keys[:1]) == 1  # keys[0] becomes most recent

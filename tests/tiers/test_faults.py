@@ -216,8 +216,8 @@ def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
     clock = FakeClock(1000.0)
     backoff_s = 0.5
     cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": 2 * SLOT, "slot_bytes": SLOT},
-        {**redis_config, "capacity": 2 * SLOT, "retries": 0, "socket_timeout_s": 1.0,
+        {"kind": "host", "capacity": f"{2 * SLOT}B", "slot_bytes": f"{SLOT}B"},
+        {**redis_config, "capacity": f"{2 * SLOT}B", "retries": 0, "socket_timeout_s": 1.0,
          "connect_timeout_s": 0.5},
         {**s3_config, "max_attempts": 1, "connect_timeout_s": 0.5, "timeout_s": 2.0},
     ]})

@@ -25,19 +25,28 @@ def _lines(path: Path, rows: list[object]) -> Path:
 
 def test_parse_capacity_units() -> None:
     assert parse_capacity("inf", 512, None) is None
-    assert parse_capacity("1000", 512, None) == 1000
+    assert parse_capacity("1000blocks", 512, None) == 1000
+    assert parse_capacity("1000 blocks", 512, None) == 1000
     assert parse_capacity("3Mtok", 512, None) == 3_000_000 // 512
     assert parse_capacity("1Mitok", 16, None) == 65536
     # 64 GiB of Llama-3-8B KV in 512-token blocks of 64 MiB each: 1024 blocks.
     assert parse_capacity("64GiB", 512, 131072) == 1024
+    assert parse_capacity("64Gi", 512, 131072) == 1024
     assert parse_capacity("1GB", 16, 131072) == 10**9 // (2 << 20)
+    assert parse_capacity("64G", 512, 131072) == 64 * 10**9 // (64 << 20) == 953  # decimal G
     with pytest.raises(ValueError, match="--kv-bytes-per-token"):
         parse_capacity("64GiB", 512, None)
-    with pytest.raises(ValueError, match="bad capacity"):
+    with pytest.raises(ValueError, match="cannot parse size 'lots'"):
         parse_capacity("lots", 512, None)
-    assert parse_tier("ssd=10:lfu", "lru", 16, None).policy == "lfu"
+    with pytest.raises(ValueError, match=r"^capacity: '1000' has no unit; write bytes as 4GiB"):
+        parse_capacity("1000", 512, None)  # bare numbers were blocks here, bytes in YAML
+    with pytest.raises(ValueError, match="not a whole number of blocks"):
+        parse_capacity("2.5blocks", 512, None)
+    spec, size = parse_tier("ssd=10blocks:lfu", "lru", 16, None)
+    assert (spec.name, spec.capacity_blocks, spec.policy) == ("ssd", 10, "lfu")
+    assert (size.unit, size.text) == ("blocks", "10blocks")
     with pytest.raises(ValueError, match="unknown policy"):
-        parse_tier("ssd=10:fifo", "lru", 16, None)
+        parse_tier("ssd=10blocks:fifo", "lru", 16, None)
 
 
 def test_request_log_and_access_log_formats(tmp_path: Path) -> None:
@@ -99,8 +108,8 @@ def test_cli_outputs_on_the_synthetic_trace(tmp_path: Path, capsys: pytest.Captu
     if not SYNTHETIC.exists():
         pytest.skip(f"{SYNTHETIC} absent")
     out_json, png, md = tmp_path / "a.json", tmp_path / "a.png", tmp_path / "a.md"
-    rc = kvtier(["analyze", str(SYNTHETIC), "--tier", "host=2000", "--tier", "lmdb=6Mtok",
-                 "--model-profile", "llama-3-8b", "--sweep", "host=0,1000,inf",
+    rc = kvtier(["analyze", str(SYNTHETIC), "--tier", "host=2000blocks", "--tier", "lmdb=6Mtok",
+                 "--model-profile", "llama-3-8b", "--sweep", "host=0blocks,1000blocks,inf",
                  "--json", str(out_json), "--plot", str(png), "--report", str(md), "--quiet"])
     assert rc == 0
     doc = json.loads(out_json.read_text())
@@ -138,7 +147,7 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
     head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
     docs = []
     for extra in ([], ["--replay"]):
-        assert kvtier(["analyze", str(head), "--tier", "host=300", "--tier", "s3=900",
+        assert kvtier(["analyze", str(head), "--tier", "host=300blocks", "--tier", "s3=900blocks",
                        "--json", "-", "--quiet"] + extra) == 0
         docs.append(json.loads(capsys.readouterr().out))
     assert (docs[0]["method"], docs[1]["method"]) == ("mattson", "replay")
@@ -146,7 +155,7 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
         assert docs[0][key] == docs[1][key]
     assert kvtier(["analyze", str(head), "--tier", "host=64GiB", "--quiet"]) == 2
     assert "--kv-bytes-per-token" in capsys.readouterr().err
-    assert kvtier(["analyze", str(head), "--tier", "tape=10", "--quiet"]) == 2
+    assert kvtier(["analyze", str(head), "--tier", "tape=10blocks", "--quiet"]) == 2
     assert "no cost for tier 'tape'" in capsys.readouterr().err
 
 

@@ -159,9 +159,9 @@ def _four_tiers(tmp_path: Path, redis_config: dict[str, Any],
                 s3_config: dict[str, Any]) -> list[Any]:
     """host 2 blocks -> LMDB 3 blocks -> Redis 2 blocks (tier-side LRU) -> S3 (unbounded)."""
     cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": 2 * SIZE, "slot_bytes": SIZE},
-        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": 3 * SIZE},
-        {**redis_config, "capacity": 2 * SIZE}, dict(s3_config),
+        {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
+        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": f"{3 * SIZE}B"},
+        {**redis_config, "capacity": f"{2 * SIZE}B"}, dict(s3_config),
     ]})
     return build_tiers(cfg)
 
@@ -209,7 +209,7 @@ def test_failing_tier_degrades_to_misses_with_backoff(
         tmp_path: Path, redis_server: Any, redis_config: dict[str, Any]) -> None:
     clock = FakeClock()
     cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": 2 * SIZE, "slot_bytes": SIZE},
+        {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
         {**redis_config, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "retries": 0},
     ]})
     store = HierarchicalStore(build_tiers(cfg), StoreConfig(namespace=PREFIX,

@@ -143,7 +143,7 @@ def bf16_llm(model_dir: str, offload: dict | None = None) -> LLM:
 
 def tiers(tmp_path: Path, compression: str) -> dict:
     return {"decision": "load", "compression": compression, "tiers": [
-        {"kind": "host", "capacity": 12 * 3400},  # ~12 slots of a compressed block
+        {"kind": "host", "capacity": f"{12 * 3400}B"},  # ~12 slots of a compressed block
         {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
 
 
@@ -195,7 +195,7 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
                                  StoreConfig(namespace="ns"))
 
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}
-    store = stack([{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)}, lmdb])
+    store = stack([{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"}, lmdb])
     stats = OffloadStats()
     worker = OffloadWorker(cache, store, meta, load_timeout_s=5.0, stats=stats, codec=codec)
     worker.save_now((BlockSave(0, "ns/00"), BlockSave(1, "ns/01")))

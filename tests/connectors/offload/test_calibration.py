@@ -60,10 +60,10 @@ def test_calibrate_false_keeps_the_default_priors(model_dir: str, tmp_path: Path
 
 def test_calibrate_knob_is_a_strict_bool() -> None:
     assert parse_offload_config({"tiers": [{"kind": "host", "capacity": "1MiB"}]}).calibrate
-    config = parse_offload_config({"calibrate": False, "tiers": [{"kind": "host", "capacity": 1 << 20}]})
+    config = parse_offload_config({"calibrate": False, "tiers": [{"kind": "host", "capacity": "1MiB"}]})
     assert config.calibrate is False
     with pytest.raises(ConfigError, match="calibrate must be true or false"):
-        parse_offload_config({"calibrate": "yes", "tiers": [{"kind": "host", "capacity": 1 << 20}]})
+        parse_offload_config({"calibrate": "yes", "tiers": [{"kind": "host", "capacity": "1MiB"}]})
 
 
 def test_prefill_sizes_fit_the_engine() -> None:

@@ -59,7 +59,7 @@ def host_lmdb(tmp_path: Path, host_slots: int = 12) -> dict:
     return {
         "decision": "load",
         "tiers": [
-            {"kind": "host", "capacity": host_slots * SLOT},
+            {"kind": "host", "capacity": f"{host_slots * SLOT}B"},
             {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
         ],
     }
@@ -123,7 +123,7 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
     q = [rng.randrange(3, VOCAB) for _ in range(120)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     log_path = tmp_path / "requests.jsonl"
-    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": 64 * SLOT}]}
+    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
     with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
         first = llm.generate([p], one)[0].token_ids
         llm.generate([q], one)
@@ -183,7 +183,7 @@ def test_cuda_side_stream_saves_and_batched_loads_keep_outputs(model_dir: str) -
     batched copy; outputs equal the no-offload engine's on the same device."""
     kw: dict[str, Any] = dict(dtype="float32", device="cuda", attention_backend="torch")
     ref = run_conversations(LLM(model_dir, num_gpu_blocks=24, **kw))
-    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": 256 * SLOT}]}
+    config = {"decision": "load", "tiers": [{"kind": "host", "capacity": f"{256 * SLOT}B"}]}
     with LLM(model_dir, num_gpu_blocks=24, kv_offload=True, kv_offload_config=config, **kw) as llm:
         assert llm.engine.offload.store.tiers[0].pinned_memory  # type: ignore[union-attr]
         assert run_conversations(llm) == ref

@@ -27,7 +27,7 @@ def prompts() -> tuple[list[int], list[int]]:
 
 def offload(in_step: bool) -> dict:
     return {"decision": "load", "calibrate": False, "in_step_host_loads": in_step,
-            "tiers": [{"kind": "host", "capacity": 64 * SLOT}]}
+            "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
 
 
 def evict_p_to_host(llm: LLM) -> list[int]:

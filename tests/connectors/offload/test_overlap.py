@@ -44,7 +44,7 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
     log_path = tmp_path / "requests.jsonl"
-    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": 64 * SLOT}]}
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
     with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
         offload = llm.engine.offload
         assert offload is not None

@@ -164,7 +164,7 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     )
     assert cfg.decision == "recompute" and cfg.load_timeout_s == 2.0
     assert cfg.in_step_host_loads is True
-    host = [{"kind": "host", "capacity": 1}]
+    host = [{"kind": "host", "capacity": "1B"}]
     assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
     with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
         load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
@@ -190,9 +190,9 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     yaml_path.write_text("tiers:\n  - {kind: lmdb, path: /x, capacity: 1GiB}\n")
     assert load_offload_config(yaml_path).decision == "cost"
     with pytest.raises(ConfigError, match="unknown field"):
-        load_offload_config({"tiers": [{"kind": "host", "capacity": 1}], "policy": "x"})
+        load_offload_config({"tiers": [{"kind": "host", "capacity": "1B"}], "policy": "x"})
     with pytest.raises(ConfigError, match="decision 'maybe'"):
-        load_offload_config({"tiers": [{"kind": "host", "capacity": 1}], "decision": "maybe"})
+        load_offload_config({"tiers": [{"kind": "host", "capacity": "1B"}], "decision": "maybe"})
     with pytest.raises(ConfigError, match="'tiers' is empty"):
         load_offload_config({"tiers": []})
     meminfo = tmp_path / "meminfo"

@@ -41,7 +41,7 @@ def parts(tmp_path: Path) -> Iterator[tuple[OffloadWorker, HierarchicalStore, KV
     cache = KVCache(spec, 8, "cpu")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)},
+        {"tiers": [{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
                    {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}]}
     )
     store = HierarchicalStore(
@@ -245,7 +245,7 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
     cache = KVCache(spec, 16, "cuda")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": 4 * encoded_size(meta, keyed=True)},
+        {"tiers": [{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
                    {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]})
     store = HierarchicalStore(build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
                               StoreConfig(namespace=PREFIX, promote_on_get=False))
