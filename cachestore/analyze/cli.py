@@ -22,7 +22,7 @@ from cachestore.cost.model import (
     get_model_profile,
 )
 from cachestore.kv_format import COMPRESSIONS, stored_bytes_per_token
-from tiers.config import BLOCKS, BYTES, TOKENS, UNBOUNDED, Size, parse_quantity
+from tiers.sizes import BLOCKS, BYTES, TOKENS, UNBOUNDED, Size, parse_quantity
 
 DEFAULT_PROFILE = "llama-3-8b"
 CAPACITY_KINDS = (BYTES, BLOCKS, TOKENS, UNBOUNDED)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from cachestore.analyze.simulate import TierSpec
 from cachestore.cost.model import DEFAULT_TIER_COSTS, LLAMA3_8B_H200_PREFILL, PrefillCost, TierCost
-from tiers.config import BLOCKS, UNBOUNDED, Size
+from tiers.sizes import BLOCKS, UNBOUNDED, Size
 
 
 @dataclass(frozen=True, slots=True)
