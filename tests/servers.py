@@ -75,6 +75,11 @@ class _ChildServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (another process may kill it)."""
+        return self._proc.pid if self.running else None  # type: ignore[union-attr]
+
     def start(self) -> None:
         """Start the server (no-op if running); blocks until the port accepts connections."""
         if self.running:

@@ -10,6 +10,10 @@ module as a string). Rules:
 - ``tiers/`` imports nothing from ``cachestore/``, ``engine/`` or ``connectors/``;
   ``cachestore/`` nothing from ``engine/`` or ``connectors/``; ``engine/`` nothing from
   ``connectors/``. Every import counts here (module level, inside a function, or for typing).
+- vLLM is imported only by ``connectors.vllm.connector`` and ``connectors.vllm.metrics`` (the
+  vLLM connector's adapter; vLLM loads it by name, nothing of kvtier imports it), so no module
+  of the project needs vLLM installed; the rest of ``connectors/vllm/`` is vLLM-free, and its
+  scheduler side torch-free too.
 - Inside ``cachestore/`` and ``tiers/``, only ``cachestore/server/`` (the daemon) and
   ``tiers/remote/`` (its client and the wire both share) import zmq, sockets or the HTTP
   server stack. (``engine/core`` talks ZMQ between its own processes; that is the engine's.)
@@ -35,13 +39,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tiers", "cachestore", "connectors", "engine")
 NETWORK = ("zmq", "socket", "socketserver", "fastapi", "uvicorn", "starlette")
 NETWORK_OWNERS = ("cachestore.server", "tiers.remote")
-# The connector's scheduler side: torch-free even through what it imports.
-TORCH_FREE_EXTRA = ("connectors.offload.scheduler",)
+# The connectors' scheduler sides: torch-free even through what they import.
+TORCH_FREE_EXTRA = ("connectors.offload.scheduler", "connectors.vllm.scheduler",
+                    "connectors.vllm.lookup", "connectors.vllm.config")
+# The only modules that may import vllm (every import counts, as for the arrows).
+VLLM_OWNERS = ("connectors.vllm.connector", "connectors.vllm.metrics")
 # rule -> "path imports module" strings (no line numbers) still tolerated; see the docstring.
 ALLOWED: dict[str, set[str]] = {
     "torch": set(),
     "arrows": set(),
     "network": set(),
+    "vllm": set(),
     "circle": set(),
     "missing": set(),
 }
@@ -179,6 +187,7 @@ def test_scan_sees_the_packages():
     missing = [m for m in ("tiers.base", "tiers.config", "tiers.remote.protocol",
                            "cachestore.store", "cachestore.server", "cachestore.cost",
                            "connectors.offload.scheduler", "connectors.device",
+                           "connectors.vllm.connector", "connectors.vllm.scheduler",
                            "engine.kv_connector", "engine.scheduler") if m not in MODULES]
     _check("missing", missing, "modules of the layout missing")
 
@@ -216,6 +225,17 @@ def test_only_the_daemon_and_the_remote_tier_touch_the_network():
         and not any(_within(imp.source, owner) for owner in NETWORK_OWNERS)
     ]
     _check("network", bad, f"only {NETWORK_OWNERS} may import {NETWORK}")
+
+
+def test_only_the_vllm_adapter_imports_vllm():
+    bad = [_where(imp) for imp in IMPORTS
+           if _within(imp.target, "vllm") and imp.source not in VLLM_OWNERS]
+    _check("vllm", bad, f"only {VLLM_OWNERS} may import vllm")
+    # The package vLLM names (``connectors.vllm``) imports nothing of kvtier or vLLM when
+    # imported: the connector class loads on first access.
+    eager = [_where(imp) for imp in IMPORTS if imp.source == "connectors.vllm"
+             and imp.module_level and (imp.target in MODULES or _within(imp.target, "vllm"))]
+    assert not eager, "connectors/vllm/__init__.py must import lazily:\n" + "\n".join(eager)
 
 
 def _cycles() -> list[list[str]]:
