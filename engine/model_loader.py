@@ -98,9 +98,10 @@ def iter_weights(model_dir: str, progress: WeightProgress | None = None
 
 
 class WeightProgress:
-    """Progress of one weight load over ``files``: a tqdm bar of bytes on ``stream`` when it is
-    a terminal, else an INFO log line per finished file (and none for a single file) plus
-    ``done``'s summary line. Not thread-safe (the loading thread only)."""
+    """Progress of one weight load over ``files``: a tqdm bar of bytes on ``stream`` (default
+    stderr) when it is a terminal, else INFO log lines: one at the start, one per finished
+    file when there are several, and ``done``'s summary. Not thread-safe (the loading thread
+    only)."""
 
     def __init__(self, files: list[str], stream: Any = None) -> None:
         self._files = files
@@ -115,6 +116,9 @@ class WeightProgress:
 
             self._bar = tqdm(total=self._total, unit="B", unit_scale=True, file=stream,
                              desc="loading weights", leave=False)
+        elif files:
+            logger.info("loading weights from %s: %d file(s), %s", os.path.dirname(files[0]),
+                        len(files), human_bytes(self._total))
 
     def tensor(self, nbytes: int) -> None:
         self._bytes += nbytes

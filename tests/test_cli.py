@@ -152,8 +152,20 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
         ["demo", "--tiny", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
     )
     assert demo.main(args) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "users=2 turns=3" in out
+    # Said first and in the summary: this model's replies are noise.
+    assert out.startswith("kvtier demo: the tiny random-weight model (--tiny): its replies are "
+                          "random tokens")
+    assert "model=kvtier-demo (random weights: replies are noise)" in out
+    # Progress on stderr: each phase's start, each round, its end, with elapsed seconds.
+    # (A calibration bar may share a line: tqdm ends it with a carriage return.)
+    progress = re.findall(r"\[\s*[0-9.]+s\] phase (\d)/2: ([^\r\n]+)", captured.err)
+    assert [p for p, _ in progress] == ["1"] * 6 + ["2"] * 6, captured.err
+    assert [t.rsplit(": ", 1)[1] for _, t in progress[:6]] == [
+        "loading the model", "running 3 turn(s)", "turn 1/3 done", "turn 2/3 done",
+        "turn 3/3 done", "done"]
     assert re.search(r"^requests\s+6$", out, re.M), out
     first_rate, later_rate = map(
         float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups()

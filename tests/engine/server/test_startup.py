@@ -87,7 +87,27 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
     bad.write_text("tiers:\n  - {kind: host, capacity: 4 parsecs}\n")
     message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
     assert message.startswith(f"--kv-offload-config {bad}: tiers[0] (host): field 'capacity'")
+    bad.write_text("tiers:\n  - {kind: host, capacity: 1000TiB}\n")
+    message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
+    assert "tiers[0] (host): field 'capacity'" in message and "memory available" in message
     assert one_line("a\n  b\n\nc") == "a | b | c"
+
+
+def test_tokenizer_and_chat_template_flags(tmp_path: Path) -> None:
+    from engine.cli import build_parser
+    from engine.server.cli import engine_config_from_args
+
+    def parse(*argv: str):
+        return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+    args = parse("/models/m", "--tokenizer", "/models/tok", "--chat-template", "t.jinja")
+    assert engine_config_from_args(args).tokenizer == "/models/tok"
+    assert args.chat_template == "t.jinja"
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("tokenizer: /models/t2\nchat-template: '{{ messages }}'\n")
+    args = parse("--config", str(cfg))
+    assert (engine_config_from_args(args).tokenizer, args.chat_template) == (
+        "/models/t2", "{{ messages }}")
 
 
 def test_bad_yaml_in_config_is_one_line_with_the_file_and_the_line(tmp_path: Path) -> None:
