@@ -155,42 +155,6 @@ def run_workload(engine: object, users: int, turns: int, max_tokens: int,
     return records
 
 
-class Phases:
-    """Progress on ``stream`` (stderr): a line when a phase starts, one per finished round,
-    one when it ends, each with the seconds since the demo started, so that a run of minutes
-    on a CPU is never silent. Single-threaded."""
-
-    def __init__(self, total: int, turns: int, stream: Any = None) -> None:
-        import sys
-
-        self._stream = sys.stderr if stream is None else stream
-        self._t0 = time.perf_counter()
-        self._total = total
-        self._turns = turns
-        self._index = 0
-        self._name = ""
-
-    def _say(self, text: str) -> None:
-        elapsed = time.perf_counter() - self._t0
-        print(f"[{elapsed:6.1f}s] {text}", file=self._stream, flush=True)
-
-    def start(self, name: str) -> None:
-        self._index += 1
-        self._name = name
-        self._say(f"phase {self._index}/{self._total}: {name}: loading the model")
-
-    def running(self) -> None:
-        self._say(f"phase {self._index}/{self._total}: {self._name}: running {self._turns} "
-                  "turn(s)")
-
-    def round_done(self, turn: int) -> None:
-        self._say(f"phase {self._index}/{self._total}: {self._name}: turn {turn + 1}/"
-                  f"{self._turns} done")
-
-    def done(self) -> None:
-        self._say(f"phase {self._index}/{self._total}: {self._name}: done")
-
-
 def summarize(records: list[TurnRecord]) -> GroupSummary:
     ttfts = [r.ttft_s for r in records] or [0.0]
     return GroupSummary(
@@ -317,6 +281,7 @@ _DEFAULTS = {True: (3, 40, 480, "64MiB"), False: (4, 12, 300, "12MiB")}
 
 def main(args: argparse.Namespace) -> int:
     from engine.demo_chat import (
+        Phases,
         choose_model,
         describe_model,
         format_transcript,
