@@ -76,12 +76,16 @@ class ChatTokenCache:
     """LRU of conversation renderings holding at most ``max_cached_tokens`` token ids.
 
     ``encode`` mutates the cache; it raises what ``encode_chat`` raises (ValueError without a
-    chat template, TooManyTokens over ``max_tokens``). A tokenizer without offsets (not a
-    fast tokenizer) gets no caching, only the full path. ``num_*`` count the outcomes.
+    chat template, TooManyTokens over ``max_tokens``). ``chat_template``: rendered with this
+    template instead of the tokenizer's (``kvtier serve --chat-template``). A tokenizer
+    without offsets (not a fast tokenizer) gets no caching, only the full path. ``num_*``
+    count the outcomes.
     """
 
-    def __init__(self, tokenizer: Any, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS):
+    def __init__(self, tokenizer: Any, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
+                 chat_template: str | None = None):
         self._tokenizer = tokenizer
+        self.chat_template = chat_template
         self._enabled = bool(getattr(tokenizer, "is_fast", False)) and max_cached_tokens > 0
         self._max_tokens = max_cached_tokens
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -96,7 +100,7 @@ class ChatTokenCache:
     def encode(self, conversation: Sequence[dict[str, Any]],
                max_tokens: int | None = None) -> EncodedChat:
         t0 = time.perf_counter()
-        text = render_chat(self._tokenizer, conversation)
+        text = render_chat(self._tokenizer, conversation, self.chat_template)
         t1 = time.perf_counter()
         if not self._enabled:
             ids = self._full(text, max_tokens)[0]

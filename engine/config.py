@@ -50,6 +50,7 @@ SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded demo model
+    tokenizer: str | None = None  # tokenizer directory; None = the model's (vLLM's --tokenizer)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto | torch | flashinfer

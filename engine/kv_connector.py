@@ -175,6 +175,16 @@ def kv_connector_class(name: str) -> Any:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def check_kv_connector_config(name: str, config: object) -> None:
+    """Check connector ``name``'s config before anything is built (``kvtier serve`` does,
+    before loading the model), through its class's optional ``check_config(config)``.
+    Raises what that raises (for ``offload``: ConfigError, a ValueError naming the file and
+    the field)."""
+    check = getattr(kv_connector_class(name), "check_config", None)
+    if check is not None:
+        check(config)
+
+
 def create_kv_connector(
     name: str,
     config: object,

@@ -3,6 +3,10 @@
     llm = LLM("path/to/hf-model", num_gpu_blocks=256, max_num_batched_tokens=512)
     outs = llm.generate(["Hello", "The capital of"], SamplingParams(temperature=0.0))
 
+``tokenizer="DIR"`` loads the tokenizer from another directory than the weights (vLLM's
+``tokenizer`` argument); every other keyword is an EngineConfig, CacheConfig or
+SchedulerConfig field.
+
 Not thread-safe: one caller at a time.
 """
 
@@ -117,15 +121,18 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant reply to one conversation (a list of {role, content}) or to
-        each of several, through the tokenizer's chat template."""
+        each of several, through ``chat_template`` (a Jinja string, as vLLM's) or else the
+        tokenizer's chat template."""
         convs: list[Conversation]
         if messages and isinstance(messages[0], dict):
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
-        prompts: list[Prompt] = [encode_chat(self.tokenizer, c) for c in convs]
+        prompts: list[Prompt] = [encode_chat(self.tokenizer, c, chat_template=chat_template)
+                                 for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

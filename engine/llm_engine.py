@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ from engine.ttft import clean_api_times
 
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnector
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,7 +61,7 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
         self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
-        self.tokenizer: Any = load_tokenizer(model_dir)
+        self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
         # A sequence that needs more blocks than the whole pool could never run.
@@ -115,6 +118,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        from engine.startup_log import describe_engine
+
+        logger.info("%s", describe_engine(self))  # model, KV budget, tier stack: one block
         # Everything built so far (torch, transformers, the model, graphs, tiers) lives as
         # long as the engine: move it out of the collector's generations. With ~350K tracked
         # objects a full collection walks them all (177 ms measured on the CI machine), a

@@ -1,22 +1,36 @@
 """Load a Hugging Face model directory (config.json + *.safetensors, single or sharded) into
 the plain-torch models of ``engine/models``, and fingerprint it for the cache key namespace.
 
-No HF modeling code runs here: only ``config.json`` and safetensors files are read.
+No HF modeling code runs here: only ``config.json`` and safetensors files are read. Loading
+reports progress (``WeightProgress``): a tqdm bar on a terminal's stderr, else one INFO line
+per weight file and a closing line with the time taken.
+
+The model is built on the meta device with ``torch.nn.init`` switched off (``_no_init``): every
+parameter comes from the checkpoint, and initialising meta tensors would run torch's reference
+implementations, whose first call imports ``torch._dynamo`` and with it Triton, which on a
+CPU-only run leaks its nanobind objects at exit (~30 lines of ``nanobind: leaked ...``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import struct
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.models import ModelArchConfig, get_model_class
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -66,14 +80,99 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, cpu tensor)`` for every tensor of every shard, one at a time."""
+def iter_weights(model_dir: str, progress: WeightProgress | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, cpu tensor)`` for every tensor of every shard, one at a time;
+    ``progress`` hears of each tensor and each finished file."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                if progress is not None:
+                    progress.tensor(tensor.numel() * tensor.element_size())
+                yield name, tensor
+        if progress is not None:
+            progress.file_done(path)
+
+
+class WeightProgress:
+    """Progress of one weight load over ``files``: a tqdm bar of bytes on ``stream`` (default
+    stderr) when it is a terminal, else INFO log lines: one at the start, one per finished
+    file when there are several, and ``done``'s summary. Not thread-safe (the loading thread
+    only)."""
+
+    def __init__(self, files: list[str], stream: Any = None) -> None:
+        self._files = files
+        self._total = sum(os.path.getsize(f) for f in files)
+        self._done_files = 0
+        self._bytes = 0
+        self._t0 = time.perf_counter()
+        stream = sys.stderr if stream is None else stream
+        self._bar = None
+        if getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self._total, unit="B", unit_scale=True, file=stream,
+                             desc="loading weights", leave=False)
+        elif files:
+            logger.info("loading weights from %s: %d file(s), %s", os.path.dirname(files[0]),
+                        len(files), human_bytes(self._total))
+
+    def tensor(self, nbytes: int) -> None:
+        self._bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def file_done(self, path: str) -> None:
+        self._done_files += 1
+        if self._bar is None and len(self._files) > 1:
+            logger.info("loading weights: file %d/%d %s done (%s of %s, %.1f s)",
+                        self._done_files, len(self._files), os.path.basename(path),
+                        human_bytes(self._bytes), human_bytes(self._total),
+                        time.perf_counter() - self._t0)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        logger.info("loaded %s of weights from %d file(s) in %.1f s", human_bytes(self._bytes),
+                    len(self._files), time.perf_counter() - self._t0)
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes for a log line: '15.0 GiB', '3.2 MiB', '512 B'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """``torch.nn.init``'s in-place initialisers as no-ops (the module docstring says why).
+    They are module attributes looked up at each call, so this reaches every layer; the lock
+    keeps two loads in one process from restoring each other's patches."""
+    import torch.nn.init as init
+
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_")
+             and callable(getattr(init, n))]
+    with _INIT_LOCK:
+        saved = {n: getattr(init, n) for n in names}
+        try:
+            for n in names:
+                setattr(init, n, _keep)
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(init, n, fn)
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 def load_model(
@@ -86,10 +185,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, hf_config)
     cls = get_model_class(arch.architecture)
     # Build without allocating or initializing, then materialize once on the target device.
-    with torch.device("meta"):
+    with _no_init(), torch.device("meta"):
         model = cls(arch, max_positions)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    loaded = model.load_weights(iter_weights(model_dir))
+    progress = WeightProgress(safetensors_files(model_dir))
+    loaded = model.load_weights(iter_weights(model_dir, progress))
+    progress.done()
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks parameters: {missing[:8]}")

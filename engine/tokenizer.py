@@ -1,6 +1,8 @@
 """Tokenizer loading, chat templates, incremental detokenization and stop strings.
 
-``load_tokenizer`` reads a local directory only (no hub access, ever). ``IncrementalDetokenizer``
+``load_tokenizer`` reads a local directory only (no hub access, ever). ``load_chat_template``
+reads a ``--chat-template`` value (a file or the template itself, as vLLM takes it) and checks
+its Jinja syntax; ``render_chat`` applies it, or the tokenizer's own template. ``IncrementalDetokenizer``
 turns a growing list of output token ids into text deltas for streaming: it never emits a
 partial UTF-8 character, never re-emits text, and holds back any tail that could be the start
 of a stop string until it is known not to be one. Not thread-safe (one per request).
@@ -22,16 +24,30 @@ _REPLACEMENT_CHAR = "\ufffd"
 NO_TOKENIZER_LIMIT = 1 << 62  # "no limit": the engine enforces max_model_len itself
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold a tokenizer (no such directory, no tokenizer files), or None.
+    Cheap: looks at file names only."""
+    if not os.path.exists(path):
+        return "no such directory"
+    if not os.path.isdir(path):
+        return "not a directory"
+    if not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        # transformers would guess a slow tokenizer and ask for sentencepiece instead
+        return f"no tokenizer files there (none of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
 def load_tokenizer(model_dir: str) -> Any:  # -> transformers.PreTrainedTokenizerBase
     """AutoTokenizer from a local directory, with no length limit of its own. Raises
     ValueError if it has no tokenizer files."""
     from transformers import AutoTokenizer
 
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if os.path.isdir(model_dir) and not any(os.path.exists(os.path.join(model_dir, n)) for n in names):
-        # transformers would guess a slow tokenizer and ask for sentencepiece instead
-        raise ValueError(f"cannot load a tokenizer from {model_dir!r}: no tokenizer files "
-                         f"there (none of {', '.join(names)})")
+    problem = tokenizer_dir_problem(model_dir)
+    if problem is not None:
+        raise ValueError(f"cannot load a tokenizer from {model_dir!r}: {problem}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -96,23 +112,69 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int],
     return [int(t) for t in prompt]
 
 
-def render_chat(tokenizer: Any, conversation: Sequence[dict[str, str]]) -> str:
-    """``conversation`` rendered by the chat template with the assistant generation prompt.
-    Raises ValueError when the tokenizer has no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template")
-    return tokenizer.apply_chat_template(
-        list(conversation), add_generation_prompt=True, tokenize=False
-    )
+def load_chat_template(value: str) -> str:
+    """The template of a ``--chat-template`` value: the file's text when ``value`` names a
+    readable file, else ``value`` itself when it looks like a template (has ``{``, ``}`` or a
+    newline; ``\\n`` escapes become newlines, as on vLLM's command line). Raises ValueError,
+    one line: a path that cannot be read, or a Jinja syntax error with its line number."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+        where = f"{value}: "
+    except OSError as exc:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"cannot read chat template file {value!r}: "
+                             f"{exc.strerror or exc}") from None
+        template = value.replace("\\n", "\n")
+        where = ""
+    check_chat_template(template, where)
+    return template
+
+
+def check_chat_template(template: str, where: str = "") -> None:
+    """Raises ValueError (``where`` + 'line N: message') if ``template`` is not valid Jinja,
+    compiled as transformers compiles chat templates (sandboxed)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    try:
+        env.parse(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"{where}line {exc.lineno}: {exc.message}") from None
+
+
+def render_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
+                chat_template: str | None = None, *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """``conversation`` rendered by ``chat_template`` (else the tokenizer's own), with the
+    assistant generation prompt unless told otherwise (``continue_final_message``: the last
+    message left open, for the model to continue). Raises ValueError when there is no
+    template, or when the template fails on these messages (``raise_exception``, a bad
+    variable)."""
+    from jinja2 import TemplateError
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template (pass --chat-template)")
+    try:
+        return tokenizer.apply_chat_template(
+            list(conversation), chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False,
+        )
+    except TemplateError as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
-                max_tokens: int | None = None) -> list[int]:
-    """Token ids of ``conversation`` rendered by ``render_chat``. The template writes BOS
-    itself, so no special tokens are added again. Raises ValueError when the tokenizer has no
-    chat template; TooManyTokens as ``encode_prompt`` does. ``chat_tokens.ChatTokenCache``
-    gives the same ids without re-tokenizing a conversation's earlier rounds."""
-    text = render_chat(tokenizer, conversation)
+                max_tokens: int | None = None, chat_template: str | None = None) -> list[int]:
+    """Token ids of ``conversation`` rendered by ``render_chat`` (``chat_template``: instead
+    of the tokenizer's). The template writes BOS itself, so no special tokens are added
+    again. Raises ValueError when there is no chat template; TooManyTokens as
+    ``encode_prompt`` does. ``chat_tokens.ChatTokenCache`` gives the same ids without
+    re-tokenizing a conversation's earlier rounds."""
+    text = render_chat(tokenizer, conversation, chat_template)
     if max_tokens is not None:
         return encode_within(tokenizer, text, max_tokens, add_special_tokens=False)
     return list(tokenizer.encode(text, add_special_tokens=False))

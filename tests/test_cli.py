@@ -30,7 +30,7 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     args = _serve_args([])
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
     assert engine_config_from_args(args) == EngineConfig()
-    assert core_proc_config_from_args(args) == CoreProcConfig()
+    assert core_proc_config_from_args(args) == CoreProcConfig(log_level="info")
     assert args.engine_in_process is False  # the core runs in its own process by default
 
 
@@ -128,7 +128,7 @@ def test_serve_flags_map_one_to_one() -> None:
         request_log="req.jsonl",
     )
     assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, "m1")
-    assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3)
+    assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3, log_level="info")
     assert args.engine_in_process is True
 
 
@@ -152,8 +152,20 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
         ["demo", "--tiny", "--users", "2", "--turns", "3", "--max-tokens", "8", "--device", "cpu"]
     )
     assert demo.main(args) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "users=2 turns=3" in out
+    # Said first and in the summary: this model's replies are noise.
+    assert out.startswith("kvtier demo: the tiny random-weight model (--tiny): its replies are "
+                          "random tokens")
+    assert "model=kvtier-demo (random weights: replies are noise)" in out
+    # Progress on stderr: each phase's start, each round, its end, with elapsed seconds.
+    # (A calibration bar may share a line: tqdm ends it with a carriage return.)
+    progress = re.findall(r"\[\s*[0-9.]+s\] phase (\d)/2: ([^\r\n]+)", captured.err)
+    assert [p for p, _ in progress] == ["1"] * 6 + ["2"] * 6, captured.err
+    assert [t.rsplit(": ", 1)[1] for _, t in progress[:6]] == [
+        "loading the model", "running 3 turn(s)", "turn 1/3 done", "turn 2/3 done",
+        "turn 3/3 done", "done"]
     assert re.search(r"^requests\s+6$", out, re.M), out
     first_rate, later_rate = map(
         float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups()

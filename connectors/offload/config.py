@@ -149,12 +149,12 @@ def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -
     """A YAML path or an already-parsed dict -> OffloadConfig. Raises ConfigError."""
     if isinstance(source, Mapping):
         return parse_offload_config(source)
-    import yaml
+    from tiers.yaml_file import read_yaml
 
     try:
-        data = yaml.safe_load(Path(source).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read kv offload config {source}: {exc}") from None
+        data = read_yaml(source)
+    except ValueError as exc:  # one line: "FILE: line L, column C: problem"
+        raise ConfigError(str(exc)) from None
     try:
         return parse_offload_config(data)
     except ConfigError as exc:  # name the file: the message names only the tier and field

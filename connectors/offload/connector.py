@@ -133,6 +133,17 @@ class OffloadConnector:
             raise
         return cls(config, store, kv_cache, namespace, cost_model)
 
+    @staticmethod
+    def check_config(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> None:
+        """Parse ``source`` and check this machine can hold its tiers (host memory, LMDB
+        directory: ``tiers.config.check_resources``) without building any. Raises
+        ConfigError naming the file, the tier and the field."""
+        if source is None or isinstance(source, OffloadConfig):
+            return
+        from tiers.config import check_resources
+
+        check_resources(load_offload_config(source).tiers)
+
     def after_step(self, report: WorkerReport | None = None) -> None:
         """Hand the worker's report of this step to the scheduler side."""
         self.scheduler.update_from_worker(report or self.worker.take_report())

@@ -98,7 +98,8 @@ class EngineCoreClient:
         try:
             tokenizer, tokenizer_error = None, None
             try:
-                tokenizer = load_tokenizer(model_dir)  # overlaps with the core's model load
+                # overlaps with the core's model load
+                tokenizer = load_tokenizer(config.tokenizer or model_dir)
             except ValueError as exc:
                 tokenizer_error = exc  # the core's own verdict on the directory comes first
             ready = core.wait_ready(proc_config.startup_timeout_s)

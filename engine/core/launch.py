@@ -32,11 +32,13 @@ class EngineStartupError(RuntimeError):
 class CoreProcConfig:
     """How the core process runs. ``num_threads``: torch intra-op threads in the core (None:
     torch's default); ``startup_timeout_s``: None waits as long as the model takes to load;
-    ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at close)."""
+    ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at close);
+    ``log_level``: the core's logging level (None: logging left unconfigured there)."""
 
     num_threads: int | None = None
     startup_timeout_s: float | None = None
     ipc_dir: str | None = None
+    log_level: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -77,7 +79,7 @@ class CoreProcess:
         events.bind(addresses.events)
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, addresses, proc_config.num_threads),
+            args=(config, addresses, proc_config.num_threads, proc_config.log_level),
             name="kvtier-engine-core",
             daemon=True,  # torn down with the API process even if nobody calls stop()
         )

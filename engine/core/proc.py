@@ -64,10 +64,17 @@ class CoreAddresses:
 
 
 def run_engine_core(
-    config: EngineConfig, addresses: CoreAddresses, num_threads: int | None
+    config: EngineConfig, addresses: CoreAddresses, num_threads: int | None,
+    log_level: str | None = None,
 ) -> None:
     """Process entry point; exits with 0 after Shutdown or parent death, 1 on failure.
-    ``num_threads``: torch intra-op threads for this process (None: torch's default)."""
+    ``num_threads``: torch intra-op threads for this process (None: torch's default);
+    ``log_level``: configure logging to stderr at this level (as ``kvtier serve`` does its
+    own; None: leave logging alone). A start-up failure is sent to the API process as one
+    message; its traceback is logged here at debug level only."""
+    if log_level is not None:
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(message)s")
     # Ctrl-C in a terminal signals the whole process group; the API process decides when the
     # core stops (it sends Shutdown after draining HTTP), so the core ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -82,7 +89,7 @@ def run_engine_core(
         try:
             engine = _build_engine(config, num_threads)
         except BaseException as exc:  # noqa: BLE001 - any failure is reported to the API
-            logger.exception("engine core failed to start")
+            logger.debug("engine core failed to start", exc_info=True)
             outbox.send(encode_event(StartupFailed(f"{type(exc).__name__}: {exc}")))
             return
         parent = multiprocessing.parent_process()

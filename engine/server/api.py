@@ -1,11 +1,17 @@
 """``build_app``: the FastAPI app serving OpenAI-compatible endpoints over an ``EngineClient``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /version``, ``GET /health`` (200 while the engine runs, 503 once
-its thread or process died), ``GET /metrics`` (Prometheus text format). With ``api_key``, every
-``/v1/*`` route needs ``Authorization: Bearer <key>`` (401 otherwise; ``/health``,
-``/metrics`` and ``/version`` stay open for probes); ``allowed_origins`` turns CORS on. The app does not own the engine: whoever built the engine shuts
-it down (``kvtier serve`` does, after uvicorn returns).
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes:
+``engine.server.tokenization``), ``GET /version``, ``GET /health`` (200 while the engine runs,
+with each KV tier's state, ``engine.server.health``; 503 once its thread or process died),
+``GET /metrics`` (Prometheus text format). With ``api_key``, every ``/v1/*`` route and
+``/tokenize`` / ``/detokenize`` need ``Authorization: Bearer <key>`` (401 otherwise;
+``/health``, ``/metrics`` and ``/version`` stay open for probes). vLLM leaves its two
+tokenizer routes open; here they are closed too, since they run the tokenizer (and the chat
+template) on caller input, and a client that sends its key everywhere works with both.
+``allowed_origins`` turns CORS on; ``chat_template`` replaces the tokenizer's template for
+chat completions and ``/tokenize``. The app does not own the engine: whoever built the
+engine shuts it down (``kvtier serve`` does, after uvicorn returns).
 
 A request body over ``max_body_bytes`` is refused with 413 before it is parsed: at once when
 its Content-Length says so, else as soon as the bytes received pass it (chunked bodies).
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.core.base import EngineClient
 from engine.server.endpoints import create_chat_completion, create_completion
 from engine.server.errors import error_response, install_error_handlers
+from engine.server.health import health_body, is_verbose
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import (
     ChatCompletionRequest,
@@ -32,10 +40,13 @@ from engine.server.protocol import (
     ModelList,
 )
 from engine.server.serving import ServingContext
+from engine.server.tokenization import detokenize, tokenize
 
 _ENDPOINTS = frozenset(
-    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version")
+    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
+     "/tokenize", "/detokenize")
 )
+_KEYED_PATHS = ("/tokenize", "/detokenize")  # keyed besides /v1/*
 
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -73,8 +84,8 @@ class _BodyLimit:
 
 
 class _ApiKey:
-    """ASGI middleware: ``/v1/*`` requests need ``Authorization: Bearer <key>`` (compared in
-    constant time); others pass. CORS preflights (OPTIONS) pass, so that the CORS layer
+    """ASGI middleware: ``/v1/*``, ``/tokenize`` and ``/detokenize`` requests need
+    ``Authorization: Bearer <key>`` (compared in constant time); others pass. CORS preflights (OPTIONS) pass, so that the CORS layer
     outside answers them."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -82,8 +93,9 @@ class _ApiKey:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope.get("path", "").startswith("/v1/")
-                and scope.get("method") != "OPTIONS"):
+        path = scope.get("path", "")
+        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
+                and (path.startswith("/v1/") or path.rstrip("/") in _KEYED_PATHS)):
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self._expected):
                 await error_response(401, "a valid API key is required (Authorization: Bearer "
@@ -128,13 +140,15 @@ class _RequestCounter:
 
 def build_app(engine: EngineClient, served_model_name: str,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, api_key: str | None = None,
-              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+              allowed_origins: tuple[str, ...] = (), chat_template: str | None = None,
+              model_info: dict[str, Any] | None = None) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
-    request bodies over ``max_body_bytes`` get 413; ``api_key`` and ``allowed_origins`` as the
-    module docstring says."""
+    request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
+    ``chat_template`` as the module docstring says; ``model_info`` (path, dtype, layers) is
+    shown by ``/health?verbose=1``."""
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.stats, served_model_name)
-    ctx = ServingContext(engine, served_model_name, metrics)
+    ctx = ServingContext(engine, served_model_name, metrics, chat_template)
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -170,6 +184,14 @@ def build_app(engine: EngineClient, served_model_name: str,
         card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
         return JSONResponse(card.model_dump())
 
+    @app.post("/tokenize")
+    async def tokenize_route(raw: Request) -> JSONResponse:
+        return JSONResponse((await tokenize(ctx, raw)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize_route(raw: Request) -> JSONResponse:
+        return JSONResponse((await detokenize(ctx, raw)).model_dump())
+
     @app.get("/version")
     async def version() -> JSONResponse:
         from engine.cli import package_version
@@ -177,10 +199,16 @@ def build_app(engine: EngineClient, served_model_name: str,
         return JSONResponse({"version": package_version()})
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(verbose: str | None = None) -> Response:
         if not engine.is_running:
             return error_response(503, f"engine is not running: {engine.dead_error!r}")
-        return Response(status_code=200)
+        refresh = getattr(engine, "request_stats", None)
+        if refresh is not None:  # the core's next snapshot, for the next probe
+            refresh()
+        model = {"name": served_model_name, "max_model_len": engine.max_model_len,
+                 **(model_info or {})}
+        return JSONResponse(health_body(engine.stats(), verbose=is_verbose(verbose),
+                                        model=model))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

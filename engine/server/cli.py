@@ -1,5 +1,11 @@
 """``kvtier serve``: flags -> EngineConfig and CoreProcConfig (one-to-one), then uvicorn on the
-FastAPI app. The engine core runs in its own process unless ``--engine-in-process``."""
+FastAPI app. The engine core runs in its own process unless ``--engine-in-process``.
+
+Start-up order: flags, the port (refused at once when busy), every file the flags name
+(``engine.server.startup.preflight``), then the model load (progress on stderr) and the
+engine's summary block (model, KV budget, tier stack; ``engine.startup_log``). A usage or
+configuration error is one line naming the flag or file, exit code 2; any other start-up
+failure one line, exit code 1; the traceback only with ``--log-level debug``."""
 
 from __future__ import annotations
 
@@ -22,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model directory or .gguf file, as `vllm serve MODEL` (same as --model)")
     parser.add_argument("--model", default=None,
                         help="HF model directory or .gguf file (default: demo model)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenizer directory, when not the model's (as vLLM's --tokenizer)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="Jinja chat template for /v1/chat/completions and /tokenize: a "
+                             "file, or the template itself (default: the tokenizer's)")
     parser.add_argument("--config", action=_ConfigFile, metavar="FILE",
                         help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
                              "given on the command line after it win")
@@ -106,13 +117,12 @@ class _ConfigFile(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        import yaml
+        from tiers.yaml_file import read_yaml
 
         try:
-            with open(values, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            parser.error(f"--config {values}: {exc}")
+            data = read_yaml(values) or {}
+        except ValueError as exc:  # "FILE: line L, column C: problem"
+            parser.error(f"--config {exc}")
         if not isinstance(data, dict):
             parser.error(f"--config {values}: expected a mapping of flag names to values")
         actions = {a.dest: a for a in parser._actions if a.option_strings}
@@ -174,6 +184,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_caching = args.enable_prefix_caching
     return EngineConfig(
         model=resolve_model(args),
+        tokenizer=getattr(args, "tokenizer", None),
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
@@ -199,7 +210,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def core_proc_config_from_args(args: argparse.Namespace) -> CoreProcConfig:
     """Pure mapping of the engine-process flags; raises ValueError on bad values."""
-    return CoreProcConfig(num_threads=args.engine_num_threads)
+    return CoreProcConfig(num_threads=args.engine_num_threads, log_level=args.log_level)
 
 
 def start_engine(
@@ -228,8 +239,8 @@ def main(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from engine.core.client import EngineStartupError
     from engine.server.api import build_app
+    from engine.server.startup import FAILURE_EXIT, USAGE_EXIT, UsageError, one_line, preflight
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
@@ -239,23 +250,31 @@ def main(args: argparse.Namespace) -> int:
         proc_config = core_proc_config_from_args(args)
     except ValueError as exc:
         logger.error("bad arguments: %s", exc)
-        return 2
+        return USAGE_EXIT
     busy = port_in_use(args.host, args.port)
     if busy is not None:  # before minutes of model loading and calibration
         logger.error("cannot serve on %s:%d: %s", args.host, args.port, busy)
-        return 2
+        return USAGE_EXIT
+    try:
+        checked = preflight(config, getattr(args, "chat_template", None))
+    except UsageError as exc:
+        logger.error("%s", exc)
+        return USAGE_EXIT
+    logger.info("loading %s", checked.model_info.get("path"))
     try:
         engine = start_engine(config, proc_config, in_process=args.engine_in_process)
-    except EngineStartupError as exc:
-        logger.error("%s", exc)
-        return 1
+    except Exception as exc:  # noqa: BLE001 - EngineStartupError, or the in-process load's
+        logger.debug("engine start-up failed", exc_info=True)
+        logger.error("%s", one_line(exc))
+        return FAILURE_EXIT
     name = args.served_model_name or engine.model_name
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
     signal.signal(signal.SIGTERM, _exit_after_sigterm)
     app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
-                    allowed_origins=origins_from(args))
+                    allowed_origins=origins_from(args), chat_template=checked.chat_template,
+                    model_info=checked.model_info)
     # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
     # whole life: keep them out of the collector's full passes, as the engine does.
     gc.collect()
@@ -273,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         engine.shutdown()
     if watchdog.engine_error is not None:
         logger.error("exiting: the engine died (%s)", watchdog.engine_error)
-        return 1
+        return FAILURE_EXIT
     return 0
 
 

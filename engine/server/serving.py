@@ -69,16 +69,19 @@ class StartedRequest:
 
 
 class ServingContext:
-    """Holds the engine, the served name, metrics and the chat token cache for the endpoint
-    handlers (all used from the event-loop thread)."""
+    """Holds the engine, the served name, metrics and the chat token cache (rendering with
+    ``chat_template`` when given, else the tokenizer's template) for the endpoint handlers
+    (all used from the event-loop thread)."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics,
+                 chat_template: str | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
-        self.chat_tokens = ChatTokenCache(engine.tokenizer)
+        self.chat_tokens = ChatTokenCache(engine.tokenizer, chat_template=chat_template)
 
-    def check_model(self, request: SamplingRequest) -> None:
+    def check_model(self, request: Any) -> None:
+        """Raises APIError (404) unless ``request.model`` is unset or the served name."""
         if request.model is not None and request.model != self.served_model_name:
             raise APIError(
                 404,

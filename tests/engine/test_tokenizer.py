@@ -131,3 +131,31 @@ def test_stop_token_is_not_detokenized(tok: Any) -> None:
     assert detok.update(last, decode=False).new_text == ""
     assert detok.flush() == ""
     assert detok.text == "abc"
+
+
+def test_a_chat_template_given_replaces_the_tokenizers(tok: Any) -> None:
+    from engine.chat_tokens import ChatTokenCache
+    from engine.tokenizer import render_chat
+
+    conv = [{"role": "user", "content": "hi"}]
+    template = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    assert render_chat(tok, conv, template) == "USER: hi\n"
+    assert render_chat(tok, conv) != render_chat(tok, conv, template)  # the tokenizer's own
+    ids = encode_chat(tok, conv, chat_template=template)
+    assert ids == tok.encode("USER: hi\n", add_special_tokens=False)
+    assert ChatTokenCache(tok, chat_template=template).encode(conv).token_ids == ids
+    with pytest.raises(ValueError, match="TemplateError: no system"):
+        render_chat(tok, conv, "{{ raise_exception('no system') }}")
+
+
+def test_tokenizer_directory_problems_are_named(tmp_path: Path) -> None:
+    from engine.tokenizer import tokenizer_dir_problem
+
+    assert tokenizer_dir_problem(str(tmp_path / "absent")) == "no such directory"
+    (tmp_path / "f").write_text("")
+    assert tokenizer_dir_problem(str(tmp_path / "f")) == "not a directory"
+    assert tokenizer_dir_problem(str(tmp_path)).startswith("no tokenizer files there")
+    save_demo_tokenizer(str(tmp_path))
+    assert tokenizer_dir_problem(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="cannot load a tokenizer from .*absent.*no such directory"):
+        load_tokenizer(str(tmp_path / "absent"))

@@ -1,0 +1,108 @@
+"""``kvtier serve``'s checks before the engine starts, and how a failed start is reported.
+
+``preflight`` looks at every file the flags name, in a second and before any weight is read:
+the model directory (exists, has ``config.json`` with a supported architecture and a usable
+dtype, has weights) or GGUF file, ``--tokenizer``, ``--chat-template`` (read and compiled),
+``--kv-offload-config`` (parsed, and the machine checked for it: host memory, LMDB
+directory). Each problem is a ``UsageError``: one line naming the flag or the file, exit
+code 2. ``one_line`` flattens any other start-up failure (the engine core's message) for the
+single error line, exit code 1; tracebacks are logged at debug level only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+
+USAGE_EXIT = 2
+FAILURE_EXIT = 1
+
+
+class UsageError(ValueError):
+    """A flag or a file it names that cannot work; the message is one line naming it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """What the checks read that the server uses: the chat template's text and what
+    ``/health?verbose=1`` says of the model."""
+
+    chat_template: str | None = None
+    model_info: dict[str, Any] = field(default_factory=dict)
+
+
+def one_line(message: object) -> str:
+    """``message`` on one line (a multi-line error's lines joined with ' | ')."""
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    return " | ".join(lines)
+
+
+def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
+    if model is None:
+        return {"path": "kvtier-demo (embedded, random weights)"}
+    from engine.gguf import is_gguf_path
+
+    if is_gguf_path(model):
+        if not os.path.isfile(model):
+            raise UsageError(f"model {model}: no such GGUF file")
+        return {"path": model, "format": "gguf"}
+    if not os.path.exists(model):
+        raise UsageError(f"model {model}: no such directory (an HF model directory with "
+                         "config.json and *.safetensors, or a .gguf file)")
+    if not os.path.isdir(model):
+        raise UsageError(f"model {model}: not a directory (an HF model directory or a "
+                         ".gguf file)")
+    from engine.model_loader import read_hf_config, resolve_dtype, safetensors_files
+    from engine.models import ModelArchConfig, get_model_class
+
+    try:
+        hf_config = read_hf_config(model)
+        arch = ModelArchConfig.from_hf(hf_config)
+        get_model_class(arch.architecture)
+        safetensors_files(model)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"model {model}: {one_line(exc)}") from None
+    try:
+        torch_dtype = resolve_dtype(dtype, hf_config)
+    except ValueError as exc:
+        raise UsageError(f"--dtype {dtype}: {exc}") from None
+    return {"path": model, "architecture": arch.architecture,
+            "dtype": str(torch_dtype).removeprefix("torch."), "layers": arch.num_layers}
+
+
+def _check_offload(source: str | dict | None) -> None:
+    if source is None:
+        return
+    from engine.kv_connector import check_kv_connector_config
+
+    try:
+        check_kv_connector_config("offload", source)
+    except ValueError as exc:  # ConfigError: "FILE: tiers[0] (host): field ..."
+        raise UsageError(f"--kv-offload-config {one_line(exc)}") from None
+
+
+def preflight(config: EngineConfig, chat_template: str | None = None) -> Checked:
+    """Checks the files ``config`` and ``chat_template`` (the ``--chat-template`` value) name.
+    Raises UsageError. Reads files only (and may create the LMDB directory a tier config
+    names, as the tier would)."""
+    template = None
+    if chat_template is not None:
+        from engine.tokenizer import load_chat_template
+
+        try:
+            template = load_chat_template(chat_template)
+        except ValueError as exc:
+            raise UsageError(f"--chat-template: {exc}") from None
+    _check_offload(config.kv_offload_config)
+    info = _check_model(config.model, config.dtype)
+    if config.tokenizer is not None:
+        from engine.tokenizer import tokenizer_dir_problem
+
+        problem = tokenizer_dir_problem(config.tokenizer)
+        if problem is not None:
+            raise UsageError(f"--tokenizer {config.tokenizer}: {problem}")
+        info["tokenizer"] = config.tokenizer
+    return Checked(template, info)

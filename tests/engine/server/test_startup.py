@@ -1,0 +1,185 @@
+"""``kvtier serve`` start-up as a user meets it: every file a flag names is checked before the
+model loads (``engine.server.startup.preflight``), each problem one line naming the flag or the
+file (YAML: the file and the line), exit code 2; an engine core that fails to start is one line
+and exit code 1, its traceback only with ``--log-level debug``; a good start logs one block with
+the model, the KV budget and the tier stack (plain ``--kv-offload``: where its LMDB lives)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from engine.server.startup import UsageError, one_line, preflight
+from tests.engine.hf_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("startup"), "llama", seed=4)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(*argv: str, env: dict[str, str] | None = None, timeout: float = 120
+           ) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(_free_port()),
+           "--device", "cpu", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if " ERROR " in ln or ln.startswith("kvtier serve:")]
+
+
+def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) -> None:
+    def refused(config: EngineConfig, chat_template: str | None = None) -> str:
+        with pytest.raises(UsageError) as info:
+            preflight(config, chat_template)
+        message = str(info.value)
+        assert "\n" not in message
+        return message
+
+    checked = preflight(EngineConfig(model=model_dir), "{{ messages[0]['content'] }}")
+    assert checked.chat_template == "{{ messages[0]['content'] }}"
+    assert checked.model_info == {"path": model_dir, "architecture": "LlamaForCausalLM",
+                                  "dtype": "float32", "layers": 2}
+    missing = str(tmp_path / "absent")
+    assert refused(EngineConfig(model=missing)).startswith(f"model {missing}: no such directory")
+    assert "no such GGUF file" in refused(EngineConfig(model=str(tmp_path / "m.gguf")))
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text(Path(model_dir, "config.json").read_text())
+    assert "no *.safetensors" in refused(EngineConfig(model=str(weightless)))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    assert refused(EngineConfig(model=str(odd))) == (
+        f"model {odd}: no config.json in model directory {str(odd)!r}")
+    (odd / "model.safetensors").write_bytes(Path(model_dir, "model.safetensors").read_bytes())
+    (odd / "config.json").write_text(json.dumps(
+        {**json.loads(Path(model_dir, "config.json").read_text()), "dtype": "int4"}))
+    assert refused(EngineConfig(model=str(odd))).startswith("--dtype auto: config.json dtype 'int4'")
+    assert refused(EngineConfig(model=model_dir, tokenizer=missing)) == (
+        f"--tokenizer {missing}: no such directory")
+    assert refused(EngineConfig(model=model_dir), "{% if %}").startswith("--chat-template: line 1:")
+    bad = tmp_path / "tiers.yaml"
+    bad.write_text("tiers:\n  - {kind: host, capacity: 4MiB\n")
+    message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
+    assert re.match(rf"--kv-offload-config {bad}: line \d+, column \d+: ", message), message
+    assert "<unicode string>" not in message
+    bad.write_text("tiers:\n  - {kind: host, capacity: 4 parsecs}\n")
+    message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
+    assert message.startswith(f"--kv-offload-config {bad}: tiers[0] (host): field 'capacity'")
+    bad.write_text("tiers:\n  - {kind: host, capacity: 1000TiB}\n")
+    message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
+    assert "tiers[0] (host): field 'capacity'" in message and "memory available" in message
+    assert one_line("a\n  b\n\nc") == "a | b | c"
+
+
+def test_tokenizer_and_chat_template_flags(tmp_path: Path) -> None:
+    from engine.cli import build_parser
+    from engine.server.cli import engine_config_from_args
+
+    def parse(*argv: str):
+        return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+    args = parse("/models/m", "--tokenizer", "/models/tok", "--chat-template", "t.jinja")
+    assert engine_config_from_args(args).tokenizer == "/models/tok"
+    assert args.chat_template == "t.jinja"
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("tokenizer: /models/t2\nchat-template: '{{ messages }}'\n")
+    args = parse("--config", str(cfg))
+    assert (engine_config_from_args(args).tokenizer, args.chat_template) == (
+        "/models/t2", "{{ messages }}")
+
+
+def test_bad_yaml_in_config_is_one_line_with_the_file_and_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "serve.yaml"
+    bad.write_text("port: 9000\nmodel: [a, b\n")
+    result = _serve("--config", str(bad), timeout=60)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(rf"kvtier serve: error: --config {bad}: line \d+, column \d+: ", last), last
+    assert "<unicode string>" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_usage_errors_exit_2_before_loading(model_dir: str, tmp_path: Path) -> None:
+    bad = tmp_path / "tiers.yaml"
+    bad.write_text("tiers:\n  - {kind: host, capacity: 4MiB\n")
+    result = _serve(model_dir, "--kv-offload-config", str(bad), timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert f"ERROR --kv-offload-config {bad}: line 3, column 1: " in line, line
+    assert "Traceback" not in result.stderr and "loading" not in result.stderr
+    result = _serve(str(tmp_path / "absent"), timeout=60)
+    assert result.returncode == 2
+    (line,) = _error_lines(result.stderr)
+    assert f"model {tmp_path / 'absent'}: no such directory" in line
+
+
+def test_an_engine_core_failure_is_one_line_and_its_traceback_needs_debug(
+        model_dir: str, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(model_dir):
+        data = Path(model_dir, name).read_bytes()
+        if name.endswith(".safetensors"):
+            data = data[:64]  # a truncated weight file: found by name, fails to load
+        (broken / name).write_bytes(data)
+    result = _serve(str(broken), "--num-gpu-blocks", "16", "--engine-num-threads", "1")
+    assert result.returncode == 1, result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert "engine core failed to start" in line
+    assert "Traceback" not in result.stderr
+    debug = _serve(str(broken), "--num-gpu-blocks", "16", "--engine-num-threads", "1",
+                   "--log-level", "debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
+        model_dir: str, tmp_path: Path) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "engine.cli", "serve", model_dir, "--port", str(port),
+           "--device", "cpu", "--num-gpu-blocks", "40", "--kv-offload", "--engine-num-threads",
+           "1", "--served-model-name", "tiny"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVTIER_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "kvtier serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    block = stderr[stderr.index("kvtier engine ready"):]
+    assert f"model       {model_dir} (LlamaForCausalLM, float32, 2 layers, cpu)" in block
+    assert "KV cache    40 blocks x 16 tokens = 640 tokens" in block
+    lmdb = re.search(r"tier 1    lmdb  max 32GiB at (\S+), write_through", block)
+    assert lmdb is not None, block
+    assert lmdb.group(1).startswith(str(tmp_path / "cache" / "lmdb"))
+    assert re.search(r"tier 0    host  ~?[0-9.]+[KMG]iB of host memory", block), block
+    assert "loaded " in stderr and " of weights from 1 file(s)" in stderr  # the load's progress
