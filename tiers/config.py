@@ -280,12 +280,12 @@ def parse_tier_config(data: object) -> TierStackConfig:
 def load_tier_config(path: str | Path) -> TierStackConfig:
     """Read and parse a YAML file. Raises ConfigError naming the file (also for unreadable
     or invalid YAML)."""
-    import yaml
+    from tiers.yaml_file import read_yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read tier config {path}: {exc}") from None
+        data = read_yaml(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return parse_tier_config(data)
     except ConfigError as exc:

@@ -44,7 +44,9 @@ DEFAULT_PREFILL_SIZES: tuple[tuple[int, int], ...] = (
 def _progress(total: int, desc: str, enabled: bool):  # -> tqdm
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, leave=False)
+    # disable=None: tqdm draws only on a terminal, so log files get no carriage-return bars.
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=None if enabled else True,
+                leave=False)
 
 
 def calibrate_prefill(run_prefill: Callable[[int, int], float],
