@@ -35,6 +35,15 @@ S3_SECRET_KEY = "kvtier-test-secret"
 S3_REGION = "us-east-1"
 
 
+def python_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``python -m engine.cli ...`` child: this checkout first on
+    PYTHONPATH, whatever the caller's PYTHONPATH held after it (the GPU host keeps its wheels
+    in /tmp/site there), plus ``extra``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

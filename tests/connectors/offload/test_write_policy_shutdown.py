@@ -12,7 +12,6 @@ the prompts the dead one acknowledged, with the outputs of an engine without off
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -37,7 +36,7 @@ from tests.connectors.offload.test_write_policy import (
     reference,  # noqa: F401
     spawn,
 )
-from tests.servers import free_port
+from tests.servers import free_port, python_env
 from tiers.lmdb import LmdbTier
 
 LONG = [(list(range(7, 67)), 180)]  # 60 prompt tokens decoding to 15 blocks: a run to kill in
@@ -115,7 +114,7 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
            "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "16",
            "--dtype", "float32", "--log-level", "warning", "--engine-num-threads", "1",
            "--kv-offload", "--kv-offload-config", str(tmp_path / "offload.json")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=python_env())
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60

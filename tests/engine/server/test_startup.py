@@ -21,6 +21,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.server.startup import UsageError, one_line, preflight
 from tests.engine.hf_models import make_tiny_model
+from tests.servers import python_env
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,7 +43,7 @@ def _serve(*argv: str, env: dict[str, str] | None = None, timeout: float = 120
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(_free_port()),
            "--device", "cpu", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                          env=python_env(**(env or {})))
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -159,7 +160,7 @@ def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
     cmd = [sys.executable, "-m", "engine.cli", "serve", model_dir, "--port", str(port),
            "--device", "cpu", "--num-gpu-blocks", "40", "--kv-offload", "--engine-num-threads",
            "1", "--served-model-name", "tiny"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVTIER_CACHE_DIR": str(tmp_path / "cache")}
+    env = python_env(KVTIER_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
