@@ -7,7 +7,8 @@ instances one after another, each with fresh engine-core and worker processes:
 
 1. ``vllm_alone``: no connector;
 2. ``kvtier_first``: kvtier over host + LMDB (computes and saves the prompts);
-3. ``kvtier_second``: kvtier again, a new process: the prompts' blocks come from LMDB.
+3. ``kvtier_second``: kvtier again, a new process: the prompts' blocks come from LMDB;
+4. ``vllm_alone_again``: no connector again (the ratio uses the faster of the two alone runs).
 
 Each instance serves a warm-up prompt, then ``--prompts`` distinct prompts of
 ``--prompt-tokens`` tokens one at a time, each with ``max_tokens=1``: the request's wall time is
@@ -103,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         model = _model(Path(tmp))
         extra = {"tiers": [{"kind": "host", "capacity": "256MiB"},
                            {"kind": "lmdb", "path": f"{tmp}/lmdb", "capacity": "1GiB"}]}
+        # vLLM alone runs first and again last: the first instance of a session was seen
+        # slower (1.7 s against 1.0 s for the same work), so the ratio takes the faster one.
         runs = {"vllm_alone": _run(model, prompts, None),
                 "kvtier_first": _run(model, prompts, extra),
-                "kvtier_second": _run(model, prompts, extra)}
-    alone, second = runs["vllm_alone"]["median_ttft_s"], runs["kvtier_second"]["median_ttft_s"]
+                "kvtier_second": _run(model, prompts, extra),
+                "vllm_alone_again": _run(model, prompts, None)}
+    alone = min(runs["vllm_alone"]["median_ttft_s"], runs["vllm_alone_again"]["median_ttft_s"])
+    second = runs["kvtier_second"]["median_ttft_s"]
     doc = {"machine": _machine(), "model": "random Llama 12x768 (head_dim 64, fp32)",
            "prompt_tokens": args.prompt_tokens, "block_size": BLOCK, "runs": runs,
            "speedup_second_vs_alone": alone / second}
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    print(f"vLLM TTFT on CPU ({doc['machine']}), {args.prompt_tokens}-token prompt: alone "
+    print(f"vLLM TTFT on CPU ({doc['machine']}), {args.prompt_tokens}-token prompt: alone (best of 2) "
           f"{alone * 1e3:.1f} ms, kvtier first run "
           f"{runs['kvtier_first']['median_ttft_s'] * 1e3:.1f} ms, kvtier second process "
           f"{second * 1e3:.1f} ms ({runs['kvtier_second']['loaded_tokens']:.0f} tokens loaded "
