@@ -8,7 +8,9 @@ instances one after another, each with fresh engine-core and worker processes:
 1. ``vllm_alone``: no connector;
 2. ``kvtier_first``: kvtier over host + LMDB (computes and saves the prompts);
 3. ``kvtier_second``: kvtier again, a new process: the prompts' blocks come from LMDB;
-4. ``vllm_alone_again``: no connector again (the ratio uses the faster of the two alone runs).
+4. ``vllm_alone_again``: no connector again (the ratio uses the faster of the two alone runs);
+5. ``vllm_noop_connector``: a connector that does nothing (bench/vllm_noop_connector.py): what
+   configuring any connector changes in vLLM itself, the fair baseline for kvtier's runs.
 
 Each instance serves a warm-up prompt, then ``--prompts`` distinct prompts of
 ``--prompt-tokens`` tokens one at a time, each with ``max_tokens=1``: the request's wall time is
@@ -60,7 +62,11 @@ def _model(root: Path) -> str:
     return str(out)
 
 
-def _run(model: str, prompts: list[list[int]], extra: dict[str, Any] | None) -> dict[str, Any]:
+NOOP = {"kv_connector": "NoopConnector", "kv_connector_module_path": "bench.vllm_noop_connector"}
+
+
+def _run(model: str, prompts: list[list[int]], extra: dict[str, Any] | None,
+         connector: dict[str, str] | None = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -71,6 +77,8 @@ def _run(model: str, prompts: list[list[int]], extra: dict[str, Any] | None) -> 
             "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra}
+    elif connector is not None:
+        kwargs["kv_transfer_config"] = {**connector, "kv_role": "kv_both"}
     llm = LLM(model=model, **kwargs)
     one = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([{"prompt_token_ids": prompts[0]}], one, use_tqdm=False)  # warm-up
@@ -109,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         runs = {"vllm_alone": _run(model, prompts, None),
                 "kvtier_first": _run(model, prompts, extra),
                 "kvtier_second": _run(model, prompts, extra),
-                "vllm_alone_again": _run(model, prompts, None)}
+                "vllm_alone_again": _run(model, prompts, None),
+                "vllm_noop_connector": _run(model, prompts, None, NOOP)}
     alone = min(runs["vllm_alone"]["median_ttft_s"], runs["vllm_alone_again"]["median_ttft_s"])
     second = runs["kvtier_second"]["median_ttft_s"]
+    noop = runs["vllm_noop_connector"]["median_ttft_s"]
     doc = {"machine": _machine(), "model": "random Llama 12x768 (head_dim 64, fp32)",
            "prompt_tokens": args.prompt_tokens, "block_size": BLOCK, "runs": runs,
-           "speedup_second_vs_alone": alone / second}
+           "speedup_second_vs_alone": alone / second,
+           "speedup_second_vs_noop_connector": noop / second}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{alone * 1e3:.1f} ms, kvtier first run "
           f"{runs['kvtier_first']['median_ttft_s'] * 1e3:.1f} ms, kvtier second process "
           f"{second * 1e3:.1f} ms ({runs['kvtier_second']['loaded_tokens']:.0f} tokens loaded "
-          f"from LMDB): {alone / second:.2f}x")
+          f"from LMDB): {alone / second:.2f}x; vLLM with a no-op connector {noop * 1e3:.1f} ms: "
+          f"{noop / second:.2f}x")
     return 0
 
 
