@@ -44,6 +44,25 @@ def python_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+def wait_until_healthy(base_url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Return once ``GET base_url/health`` answers 200 (a ``kvtier serve`` child coming up).
+    Raises AssertionError when ``proc`` exits first (with its stderr when that is a pipe) or
+    ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            raise AssertionError(f"kvtier serve exited early ({proc.returncode}) {err}")
+        assert time.monotonic() < deadline, "kvtier serve did not come up"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

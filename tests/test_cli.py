@@ -218,19 +218,14 @@ def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
         "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "32",
         "--max-model-len", "64", "--log-level", "warning", "--engine-num-threads", "1",
     ]  # fmt: skip
+    from tests.servers import python_env, wait_until_healthy
+
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.Popen(cmd, cwd=root, env=python_env())
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 45
     try:
-        while True:
-            assert proc.poll() is None, "kvtier serve exited early"
-            assert time.monotonic() < deadline, "kvtier serve did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    return proc, base
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(base, proc, 45)
+        return proc, base
     except BaseException:
         proc.kill()
         proc.wait()

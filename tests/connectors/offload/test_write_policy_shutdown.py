@@ -36,7 +36,7 @@ from tests.connectors.offload.test_write_policy import (
     reference,  # noqa: F401
     spawn,
 )
-from tests.servers import free_port, python_env
+from tests.servers import free_port, python_env, wait_until_healthy
 from tiers.lmdb import LmdbTier
 
 LONG = [(list(range(7, 67)), 180)]  # 60 prompt tokens decoding to 15 blocks: a run to kill in
@@ -117,15 +117,7 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
     proc = subprocess.Popen(cmd, cwd=ROOT, env=python_env())
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "kvtier serve exited early"
-            assert time.monotonic() < deadline, "kvtier serve did not come up"
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_healthy(base, proc, 60)
         for prompt, max_tokens in phases(max_disagg=1):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0.0, "ignore_eos": True}

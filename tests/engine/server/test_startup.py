@@ -12,16 +12,14 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from engine.config import EngineConfig
 from engine.server.startup import UsageError, one_line, preflight
 from tests.engine.hf_models import make_tiny_model
-from tests.servers import python_env
+from tests.servers import python_env, wait_until_healthy
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[3]
@@ -163,15 +161,7 @@ def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
     env = python_env(KVTIER_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "kvtier serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, 120)
     finally:
         proc.terminate()
         _, stderr = proc.communicate(timeout=30)
