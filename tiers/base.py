@@ -73,6 +73,11 @@ class Tier(ABC):
     def contains(self, key: str) -> bool:
         return self.lookup([key]) == 1
 
+    def ping(self) -> None:  # noqa: B027 - optional hook
+        """One cheap round trip to the backend, touching no key: the store's idle probe
+        (``cachestore.store.prober``). Raises TierError when the backend cannot be reached. An
+        in-process tier has nothing to reach: this default does nothing."""
+
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each of ``keys`` is present, past an absent one too: the store's batched
         exists check before a write-through or a demotion (a key a tier holds is not written

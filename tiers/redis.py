@@ -232,6 +232,10 @@ class RedisTier(Tier):
             return self._lru.delete_many(keys)
         return sum(self._pipelined("delete", keys, lambda p, k: p.delete(k)))
 
+    def ping(self) -> None:
+        with self._guard("ping"):
+            self._client.ping()
+
     def usage(self) -> TierUsage:
         """``used_memory`` and ``maxmemory`` (None when 0 = unlimited), summed over primaries;
         with ``capacity``: the tracked value bytes, the capacity and the tracked key count."""

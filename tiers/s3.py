@@ -242,6 +242,9 @@ class S3Tier(Tier):
             self._put(self._pointer_name(mate), ptr.without(present).pack())
         return len(present)
 
+    def ping(self) -> None:
+        self._call("ping", lambda: self._s3.head_bucket(Bucket=self.config.bucket))
+
     def usage(self) -> TierUsage:
         """Bytes in group objects (including superseded values) and the number of pointers."""
         used, entries = 0, 0

@@ -42,6 +42,16 @@ class GuardedTiers:
     def __len__(self) -> int:
         return len(self.tiers)
 
+    def probe_idle(self, idle_s: float) -> list[int]:
+        """``ping`` every tier no call reached for ``idle_s`` seconds and not backing off (a
+        backing-off tier gets its probe from the first call after the backoff, as before), so
+        its health follows the backend while nothing uses it. A failure counts as any call's
+        does. Returns the indices probed. Never raises."""
+        probed = [i for i, h in enumerate(self.health) if h.available() and h.idle_s() >= idle_s]
+        for i in probed:
+            self.call(i, lambda tier: tier.ping(), None)
+        return probed
+
     def call(self, i: int, fn: Callable[[Tier], T], default: T) -> T:
         """``fn(tier i)`` unless it is backing off; a failure counts, backs off and answers
         ``default``. Never raises."""

@@ -49,6 +49,7 @@ from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
+from cachestore.store.prober import TierProber
 from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.write_through import DrainReport, WriteThrough
 from tiers.base import Tier, TierUsage, Value
@@ -94,6 +95,10 @@ class HierarchicalStore:
         if registry is not None:
             self._collector = register_prometheus(registry, self._tier_rows)
         self._registry = registry
+        self._prober: TierProber | None = None
+        if config.probe_interval_s > 0:
+            self._prober = TierProber(self._tiers, config.probe_interval_s)
+            self._prober.start()
         self._closed = False
 
     # -- reads ---------------------------------------------------------------------------
@@ -421,6 +426,8 @@ class HierarchicalStore:
         if self._closed:
             return
         self._closed = True
+        if self._prober is not None:
+            self._prober.stop()
         self._through.stop()
         self._movers.stop()
         if self._collector is not None:

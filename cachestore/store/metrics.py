@@ -107,6 +107,7 @@ class TierHealth:
         self._clock = clock
         self._failures = 0
         self._skip_until = 0.0
+        self._last_call = clock()  # when a call last reached the tier (or the tier was made)
         self._lock = threading.Lock()
 
     def available(self) -> bool:
@@ -115,13 +116,20 @@ class TierHealth:
 
     def record_failure(self) -> None:
         with self._lock:
+            self._last_call = self._clock()
             self._failures += 1
             delay = min(self._initial_s * 2 ** (self._failures - 1), self._max_s)
             self._skip_until = self._clock() + delay
 
     def record_success(self) -> None:
         with self._lock:
+            self._last_call = self._clock()
             self._failures = 0
+
+    def idle_s(self) -> float:
+        """Seconds since a call last reached the tier (succeeded or failed)."""
+        with self._lock:
+            return self._clock() - self._last_call
 
     @property
     def consecutive_failures(self) -> int:

@@ -68,6 +68,10 @@ class StoreConfig:
     # Asynchronous write policy of each tier, top first (the top's own is ignored: saves land
     # there). Shorter than the tier list: the rest are write-back (the store's old behaviour).
     write_policies: tuple[WritePolicy, ...] = ()
+    # Every this many seconds, a tier no call reached meanwhile is pinged (``Tier.ping``), so an
+    # idle store's tier health (``/health``, ``consecutive_failures``) follows its backend.
+    # 0: never (health then changes only when the tiers are used).
+    probe_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.write_through_to is not None and self.write_through_to < 0:
@@ -78,6 +82,8 @@ class StoreConfig:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         if self.block_key_skip < 0:
             raise ValueError("block_key_skip must be >= 0")
+        if self.probe_interval_s < 0:
+            raise ValueError("probe_interval_s must be >= 0 (0: no idle probes)")
 
 
 @dataclass(frozen=True, slots=True)

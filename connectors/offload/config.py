@@ -13,6 +13,7 @@ One YAML file (or the same dict) holds both::
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
     drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
                             # flush host-only blocks down to the tier below the host
+    health_probe_s: 5.0     # ping a tier nothing used for this long (0: never): /health
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
@@ -77,6 +78,9 @@ class OffloadConfig:
     # Graceful shutdown (close): at most this long draining the write-through queues, and as
     # long again flushing host-only blocks down (HierarchicalStore.shutdown_writes).
     drain_timeout_s: float = 5.0
+    # A tier no call reached for this long is pinged (StoreConfig.probe_interval_s), so an idle
+    # engine's /health follows its tiers; 0: never.
+    health_probe_s: float = 5.0
 
     @property
     def layer_wise(self) -> bool:
@@ -103,23 +107,27 @@ class OffloadConfig:
         if not self.drain_timeout_s >= 0:
             raise ConfigError(
                 f"kv offload: drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.health_probe_s >= 0:
+            raise ConfigError(
+                f"kv offload: health_probe_s must be >= 0, got {self.health_probe_s}")
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
-    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ...}`` -> OffloadConfig.
+    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...}``
+    -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
              "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
-             "drain_timeout_s"}
+             "drain_timeout_s", "health_probe_s"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
     numbers = {}
-    for name in ("load_timeout_s", "drain_timeout_s"):
+    for name in ("load_timeout_s", "drain_timeout_s", "health_probe_s"):
         numbers[name] = data.get(name, 5.0)
         if isinstance(numbers[name], bool) or not isinstance(numbers[name], (int, float)):
             raise ConfigError(
@@ -136,6 +144,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         decision=str(data.get("decision", "cost")),
         load_timeout_s=float(numbers["load_timeout_s"]),
         drain_timeout_s=float(numbers["drain_timeout_s"]),
+        health_probe_s=float(numbers["health_probe_s"]),
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]

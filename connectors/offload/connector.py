@@ -116,7 +116,8 @@ class OffloadConnector:
         slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         tiers = build_tiers(config.tiers, host_slot_bytes=slot)
         store = HierarchicalStore(
-            tiers, StoreConfig(namespace=prefix, write_policies=write_policies(config.tiers)))
+            tiers, StoreConfig(namespace=prefix, write_policies=write_policies(config.tiers),
+                               probe_interval_s=config.health_probe_s))
         kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
         base = default_priors(kind)
         priors = CostPriors(

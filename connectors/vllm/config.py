@@ -12,7 +12,8 @@ its counters and the store's per-tier stats at every ``stats_interval_s`` and at
 ``cost_profile`` (the cost model's priors: ``cpu`` or ``h200-llama-3-8b``; default by platform).
 
 Of the offload YAML's knobs the connector uses ``tiers``, ``decision`` (``cost``, ``load``,
-``recompute``; ``overlap`` is refused: vLLM loads only a prefix) and ``drain_timeout_s``; the
+``recompute``; ``overlap`` is refused: vLLM loads only a prefix), ``drain_timeout_s`` and
+``health_probe_s`` (the worker store's idle-tier pings); the
 engine-only ones (``calibrate``, ``in_step_host_loads``, ``layered_loads``, ...) are accepted
 and ignored, and ``compression: lossless`` is refused (raw blocks only). The scheduler looks
 blocks up in the tiers below the host tier (the host tier lives in the worker process), so a

@@ -140,7 +140,8 @@ class KvtierConnector(KVConnectorBase_V1):
         stack = self.config.offload.tiers
         store = HierarchicalStore(build_tiers(stack, host_slot_bytes=slot),
                                   StoreConfig(namespace=prefix,
-                                              write_policies=write_policies(stack)))
+                                              write_policies=write_policies(stack),
+                                              probe_interval_s=self.config.offload.health_probe_s))
         self.worker_side = VllmWorker(
             store, layout, meta, self.counters, self.spec.block_size,
             drain_timeout_s=self.config.offload.drain_timeout_s,

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _LAST_EVENTS_LINGER_MS = 5000  # time to deliver the final events (CoreFailed) before exiting
 _IDLE_STATS_DELAY_S = 1.0  # after going idle, stats are sent once more this much later
+# ... and then every this many seconds while idle: the store's prober keeps the tiers' health
+# current without requests (cachestore/store/prober.py), and /health reads it from these.
+_IDLE_STATS_PERIOD_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,15 +198,18 @@ class EngineCoreLoop:
         poller.register(self._inbox, zmq.POLLIN)
         if self._parent_sentinel is not None:
             poller.register(self._parent_sentinel, zmq.POLLIN)
-        refresh_at: float | None = None  # idle: when to resend stats once (see below)
+        # Idle: when to resend stats (see below); from the start, so an engine that never
+        # served still reports its tiers' health.
+        refresh_at: float | None = time.monotonic() + _IDLE_STATS_PERIOD_S
         while True:
             busy = self.engine.has_unfinished_requests()
             timeout_ms = 0 if busy else _idle_timeout_ms(refresh_at)
             events = dict(poller.poll(timeout_ms))
             if not busy and not events and refresh_at is not None:
                 # The KV copies an idle save started (write-through) ran meanwhile: one more
-                # snapshot, so an idle engine's metrics do not stop before them.
-                refresh_at = None
+                # snapshot, so an idle engine's metrics do not stop before them; later ones
+                # carry the tiers' health as the store's prober finds it.
+                refresh_at = time.monotonic() + _IDLE_STATS_PERIOD_S
                 self._send(StepOutputs([], self.sampler.sample(self.engine, refresh_kv=True)))
                 continue
             if self._parent_sentinel is not None and self._parent_sentinel in events:

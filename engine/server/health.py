@@ -5,8 +5,10 @@ per-tier row: ``cachestore.store.guarded_tiers`` backs it off and probes it agai
 ``up`` otherwise. A down tier does not stop the engine, which answers its lookups as misses
 and recomputes, so the status is then ``degraded`` with HTTP 200: a load balancer keeps the
 replica, a person or an alert reads the body. States come from the engine's stats snapshot
-(refreshed after each step and about a second after the engine goes idle), so they reflect
-the tiers' last use, not a probe made for this request.
+(refreshed after each step, a second after the engine goes idle and every 5 s while idle); an
+idle store pings each tier nothing used for ``health_probe_s`` (5 s; cachestore/store/prober.py),
+so a tier that dies or comes back while no request runs shows within about 10 s. Nothing is
+probed for this request.
 
 Body: ``{"status": "ok" | "degraded", "tiers": [{"name", "state"}, ...]}`` (``tiers`` empty
 without ``--kv-offload``); ``?verbose=1`` adds each tier's counters (``errors``, ``skipped``,

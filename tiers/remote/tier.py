@@ -193,6 +193,11 @@ class RemoteTier(Tier):
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(reply["deleted"] for _, reply in self._batched("delete", keys))
 
+    def ping(self) -> None:
+        """The daemon's ``stats`` op: a header-only round trip."""
+        conn = self._net.get()
+        self._net.call(conn, [({"op": "stats"}, [])])
+
     def usage(self) -> TierUsage:
         conn = self._net.get()
         ((header, _),) = self._net.call(conn, [({"op": "stats"}, [])])

@@ -1,7 +1,8 @@
 """``GET /health``: 200 with each KV tier's state while the engine serves, ``degraded`` while a
 tier is down. The degraded case is a real ``redis-server`` killed under a running
 ``EngineCoreClient`` (the engine core in its own process, as ``kvtier serve`` runs it), then
-started again: the state follows the tier's failures and its recovery."""
+started again: the state follows the tier's failures and its recovery, with requests and
+while the engine is idle."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_health_reports_redis_down_then_back_with_a_real_server(redis_server, tm
     redis_server.ensure_running()
     redis_server.flush()
     model_dir = make_tiny_model(tmp_path, "llama", seed=2)
-    offload = {"calibrate": False, "tiers": [
+    offload = {"calibrate": False, "health_probe_s": 0.5, "tiers": [
         {"kind": "host", "capacity": "4MiB"},
         {"kind": "redis", "url": redis_server.url, "socket_timeout_s": 1.0}]}
     config = EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(num_gpu_blocks=32),
@@ -94,6 +95,15 @@ def test_health_reports_redis_down_then_back_with_a_real_server(redis_server, tm
             _wait_for(lambda: redis_state() == "up", "redis up again in /health", 60,
                       lambda: complete())
             assert health()["status"] == "ok"
+
+            # An idle engine: no request touches the tiers, yet /health follows Redis (the
+            # store pings idle tiers; the core resends its stats while idle).
+            redis_server.kill()
+            _wait_for(lambda: redis_state() == "down", "idle redis down in /health", 30,
+                      lambda: None)
+            redis_server.start()
+            _wait_for(lambda: redis_state() == "up", "idle redis up again in /health", 60,
+                      lambda: None)
     finally:
         engine.shutdown()
         redis_server.ensure_running()
