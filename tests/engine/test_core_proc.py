@@ -296,8 +296,9 @@ class SlowServer:
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlowServer]:
-    """8 layers of width 256 and an 8-token step budget: a 481-token prefill takes about 60
-    engine steps (over a second) in the core process."""
+    """8 layers of width 256 and a 4-token step budget: a 481-token prefill takes 121 engine
+    steps (over a second) in the core process, long enough for 10 health polls even on a
+    loaded CI machine (8-token steps left 8 polls there once)."""
     from tests.engine.test_server import run_server
 
     model_dir = make_tiny_model(
@@ -308,7 +309,7 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlowServer
         model=model_dir,
         device="cpu",
         cache=CacheConfig(num_gpu_blocks=64),
-        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=8),
+        scheduler=SchedulerConfig(max_model_len=512, max_num_batched_tokens=4),
     )
     engine = EngineCoreClient.start(config, ONE_THREAD)
     try:
