@@ -30,11 +30,12 @@ process writes, is a ConfigError naming the tier and the field, before anything 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from tiers.sizes import (  # noqa: F401  (re-exported: tiers.config is the tier config API)
     BLOCKS,
@@ -277,9 +278,13 @@ def parse_tier_config(data: object) -> TierStackConfig:
     return TierStackConfig(tiers=tiers)
 
 
-def load_tier_config(path: str | Path) -> TierStackConfig:
-    """Read and parse a YAML file. Raises ConfigError naming the file (also for unreadable
-    or invalid YAML)."""
+T = TypeVar("T")
+
+
+def load_config_file(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T:
+    """``parse`` of the YAML document in ``path``. Raises ConfigError naming the file: one
+    line for unreadable or invalid YAML (``tiers.yaml_file``), ``parse``'s ConfigError with the
+    file in front (its message names only the tier and the field)."""
     from tiers.yaml_file import read_yaml
 
     try:
@@ -287,9 +292,14 @@ def load_tier_config(path: str | Path) -> TierStackConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
-        return parse_tier_config(data)
+        return parse(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_tier_config(path: str | Path) -> TierStackConfig:
+    """Read and parse a YAML tier file (``load_config_file``)."""
+    return load_config_file(path, parse_tier_config)
 
 
 _FALLBACK_MEM_AVAILABLE = 4 << 30  # /proc/meminfo unreadable (not Linux)

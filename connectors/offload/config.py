@@ -38,6 +38,7 @@ from tiers.config import (
     HostTierConfig,
     LmdbTierConfig,
     TierStackConfig,
+    load_config_file,
     mem_available_bytes,
     parse_tier_config,
 )
@@ -158,16 +159,7 @@ def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -
     """A YAML path or an already-parsed dict -> OffloadConfig. Raises ConfigError."""
     if isinstance(source, Mapping):
         return parse_offload_config(source)
-    from tiers.yaml_file import read_yaml
-
-    try:
-        data = read_yaml(source)
-    except ValueError as exc:  # one line: "FILE: line L, column C: problem"
-        raise ConfigError(str(exc)) from None
-    try:
-        return parse_offload_config(data)
-    except ConfigError as exc:  # name the file: the message names only the tier and field
-        raise ConfigError(f"{source}: {exc}") from None
+    return load_config_file(source, parse_offload_config)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
