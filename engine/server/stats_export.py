@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from cachestore.cost.model import STRATEGY_LOAD_PREFIX, STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from engine.server.health import tier_rows
 from engine.server.metric_families import SNAPSHOT_FAMILIES, Family
 
 # Families read from one stats() key.
@@ -110,7 +111,7 @@ def _histogram_buckets(hist: Mapping[str, Any]) -> list[tuple[str, float]]:
 def _rows(stats: Mapping[str, Any]) -> dict[str, Rows]:
     """Every snapshot family's samples (an empty list: the family has no sample now)."""
     kv: Mapping[str, Any] = stats.get("kv", {})
-    store_rows = [r for r in kv.get("store", {}).get("tiers", []) if "name" in r]
+    store_rows = tier_rows(stats)
     out: dict[str, Rows] = {f: [((), _num(stats.get(k, 0)))] for f, k in _ENGINE.items()}
     out.update({f: [((), _connector(stats, k))] for f, k in _CONNECTOR.items()})
     out["kvtier_kv_offload_enabled"] = [((), float("store" in kv))]
