@@ -36,10 +36,17 @@ class SchedulerConfig:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # A step that yields some request's first token from a short prefill (at most this many
+    # tokens: a reloaded prefix's suffix, a short prompt) carries at most this many prefill
+    # tokens in all, so that token is not held behind another request's long chunk; long
+    # prompts still advance by what is left. 0: off (every step fills the budget).
+    first_token_step_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.first_token_step_tokens < 0:
+            raise ValueError("first_token_step_tokens must be >= 0")
 
 
 # Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).

@@ -8,6 +8,15 @@ ones in FIFO order while the token budget and ``max_num_seqs`` allow; then gives
 back to the prefill chunks the reserve cut. When the pool runs out of blocks the most recently admitted running
 request is preempted: its blocks are freed, its outputs kept, and it goes back to the *front*
 of the waiting queue to re-prefill prompt + outputs (usually hitting its own cached blocks).
+
+Admission costs O(1) per step for a request that cannot be admitted: before any tier lookup
+the pool's room is checked against the fewest blocks the request could possibly take, and a
+request that did not fit is remembered with the number of free blocks it needs (``_Blocked``);
+until the pool has that many it is not hashed, matched or looked up again.
+
+A step that yields a request's first token from a short prefill (``first_token_step_tokens``)
+trims the other, unfinished prefill chunks of that step so that the step stays short: its
+first token is not held behind another request's 2K-token chunk (``_shorten_for_first_tokens``).
 """
 
 from __future__ import annotations
@@ -34,6 +43,21 @@ class SchedulerStats:
     prefix_cache_hit_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_released_loads_total: int = 0  # loading requests that gave their blocks to running work
+    # Steps in which the head of the queue waited for blocks without being looked up again.
+    num_blocked_skips: int = 0
+    # Unfinished prefill tokens deferred so that a step could yield a first token sooner.
+    num_first_token_deferred_tokens: int = 0
+    num_schedule_steps: int = 0
+    schedule_seconds_total: float = 0.0  # the scheduler's own time (schedule())
+
+
+@dataclass(frozen=True, slots=True)
+class _Blocked:
+    """The head of the waiting queue did not fit: it needs ``num_free_blocks`` free blocks
+    before asking the prefix cache and the connector about it is worth a try again."""
+
+    req_id: str
+    num_free_blocks: int
 
 
 class Scheduler:
@@ -63,6 +87,7 @@ class Scheduler:
         # Overlapping requests (RUNNING, their tail loading): req_id -> end of the head, the
         # token they may not compute past until the load ends.
         self._overlap: dict[str, int] = {}
+        self._blocked: _Blocked | None = None
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
@@ -132,6 +157,7 @@ class Scheduler:
         """Decide one step. Mutates queues and block tables (not ``num_computed_tokens``, which
         ``update_from_output`` advances, but for loads that ended). Hand every output to the
         runner, an empty one too: its ``finished_req_ids`` are reported once."""
+        t_start = time.perf_counter()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -181,6 +207,7 @@ class Scheduler:
         if not preempted:  # blocks are short: admitting now would only thrash
             budget = self._admit_waiting(budget, scheduled)
         budget = self._top_up(budget, scheduled, capped)
+        budget += self._shorten_for_first_tokens(scheduled)
 
         if self.debug and not self.requests:
             self.kv.pool.check_integrity()
@@ -193,7 +220,43 @@ class Scheduler:
         if self.connector is not None:  # empty steps too: loads and saves progress meanwhile
             meta = self.connector.build_connector_meta(output)
             output = dataclasses.replace(output, kv_connector_metadata=meta)
+        self.stats.num_schedule_steps += 1
+        self.stats.schedule_seconds_total += time.perf_counter() - t_start
         return output
+
+    def _shorten_for_first_tokens(self, scheduled: list[ScheduledRequest]) -> int:
+        """If this step yields a first token from a short prefill (at most
+        ``first_token_step_tokens`` tokens), cut the step's unfinished prefill chunks so the
+        step carries at most that many prefill tokens (the unfinished ones at least a quarter); a
+        chunk cut to nothing is dropped from the step (its request stays RUNNING with its
+        blocks). Decodes are never cut. Mutates ``scheduled``; returns the tokens given back."""
+        cap = self.config.first_token_step_tokens
+        if cap <= 0 or not self.config.enable_chunked_prefill:
+            return 0
+        first = [s for s in scheduled if s.sample and s.num_output_tokens == 0
+                 and 1 < len(s.token_ids) <= cap]
+        if not first:
+            return 0
+        others = [i for i, s in enumerate(scheduled) if not s.sample and len(s.token_ids) > 1]
+        # Long prompts always advance by at least a quarter of the cap.
+        room = max(cap - sum(len(s.token_ids) for s in first), cap // 4)
+        deferred = 0
+        drop: list[int] = []
+        for i in others:
+            old = scheduled[i]
+            keep = min(len(old.token_ids), room)
+            room -= keep
+            if keep == len(old.token_ids):
+                continue
+            deferred += len(old.token_ids) - keep
+            if keep == 0:
+                drop.append(i)
+            else:
+                scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep])
+        for i in reversed(drop):
+            del scheduled[i]
+        self.stats.num_first_token_deferred_tokens += deferred
+        return deferred
 
     def _prefill_reserve(self) -> int:
         """Budget that running prefills leave to waiting requests in a step."""
@@ -297,6 +360,8 @@ class Scheduler:
                 if num_new > budget and not chunked:
                     break
             else:
+                if self._still_blocked(request):
+                    break
                 times = request.times
                 t0 = time.monotonic()
                 if self.kv.enable_caching:  # here, so that hashing is timed apart
@@ -304,6 +369,16 @@ class Scheduler:
                 t1 = time.monotonic()
                 hit = self.kv.get_computed_blocks(request)
                 num_computed = hit.num_tokens
+                # The fewest blocks any admission of it takes (a load allocates the whole
+                # prompt, a computed chunk at least the budget's worth): short of those, no
+                # tier lookup can help, and none is made.
+                floor = self.kv.num_blocks_needed(
+                    request, min(request.num_tokens, num_computed + budget), hit
+                )
+                if floor > self.kv.pool.num_free_blocks:
+                    times.lookup_s += time.monotonic() - t1
+                    self._block(request, floor)
+                    break
                 external = ExternalHit()
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
                 if self.connector is not None:
@@ -325,6 +400,8 @@ class Scheduler:
                         break
                     if not self.kv.allocate_slots(request, request.num_tokens, hit):
                         times.decide_s += time.monotonic() - t2
+                        self._block(request, self.kv.num_blocks_needed(
+                            request, request.num_tokens, hit))
                         break
                     loaded_now = num_external if head == 0 else 0
                     self._count_prefix(request, num_computed, num_computed + loaded_now)
@@ -354,6 +431,8 @@ class Scheduler:
                         request, num_computed + min(num_new, budget), hit
                     ):
                         times.decide_s += time.monotonic() - t2
+                        self._block(request, self.kv.num_blocks_needed(
+                            request, num_computed + min(num_new, budget), hit))
                         break
                     self._count_prefix(request, hit.num_tokens, num_computed)
                     if self.connector is not None:
@@ -374,6 +453,24 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _block(self, request: Request, num_free_blocks: int) -> None:
+        """``request`` (the head) did not fit: remember what it needs (see ``_Blocked``)."""
+        self._blocked = _Blocked(request.req_id, num_free_blocks)
+        self.stats.num_blocked_skips += 1
+
+    def _still_blocked(self, request: Request) -> bool:
+        """True (and counted) while ``request`` is the remembered blocked head and the pool
+        still lacks the free blocks it needs: skipping it costs O(1). Once the pool has them
+        (blocks were freed past its need), it is considered afresh."""
+        blocked = self._blocked
+        if blocked is None or blocked.req_id != request.req_id:
+            return False
+        if self.kv.pool.num_free_blocks < blocked.num_free_blocks:
+            self.stats.num_blocked_skips += 1
+            return True
+        self._blocked = None
+        return False
 
     def _count_prefix(self, request: Request, num_gpu_hit: int, num_cached: int) -> None:
         self.stats.prefix_cache_queried_tokens_total += request.num_tokens

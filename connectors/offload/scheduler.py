@@ -133,6 +133,7 @@ class OffloadScheduler:
             return ExternalHit()
         keys = [self._key(h) for h in request.block_hashes[start:end]]
         found = self.store.lookup(keys)
+        self.stats.add(num_lookups=1, lookup_blocks=len(keys))
         if found.num_blocks == 0:
             return ExternalHit()
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)

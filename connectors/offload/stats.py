@@ -38,6 +38,8 @@ class OffloadStats:
     cancelled_loads: int = 0
     overlap_head_tokens: int = 0
     num_overlaps: int = 0
+    num_lookups: int = 0  # tier lookups made for admissions (scheduler side)
+    lookup_blocks: int = 0  # blocks those lookups asked about (over loaded_blocks: the waste)
     decisions: Counter[str] = field(default_factory=Counter)
     tier_hit_blocks: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

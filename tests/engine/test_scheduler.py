@@ -598,3 +598,62 @@ def test_loading_requests_give_their_blocks_to_running_work() -> None:
         assert step(sched, runner)[0][0] in ("r", "b")
     assert "r" not in sched.requests and sched.stats.num_preemptions_total == 0
     assert sched.stats.num_released_loads_total >= 1 and conn.finished[:2] == ["a", "b"]
+
+
+def _make_with(config: SchedulerConfig, num_blocks: int, connector: SchedulerConnector | None = None
+               ) -> tuple[Scheduler, FakeRunner]:
+    kv = KVCacheManager(BlockPool(num_blocks), Namespace(model_fingerprint="fake"))
+    sched = Scheduler(config, kv, max_model_len=1024, connector=connector, debug=True)
+    return sched, FakeRunner(sched)
+
+
+def test_a_short_first_token_step_defers_the_long_chunks_and_changes_no_output() -> None:
+    """"long" (600 tokens) is prefilling 256 tokens a step when "short" (40 tokens) arrives:
+    the step that yields short's first token carries 40 + 24 prefill tokens (the cap, 64), not
+    40 + 216; long goes on in full chunks afterwards. Outputs equal those without the cap."""
+    outputs = []
+    for cap in (64, 0):
+        config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
+                                 first_token_step_tokens=cap)
+        sched, runner = _make_with(config, 64)
+        long, short = req("long", prompt(600), max_tokens=3), req("short", prompt(40, base=7),
+                                                                      max_tokens=3)
+        first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+        step = steps[first["short"] - 1]
+        sizes = {s.req_id: len(s.token_ids) for s in step.requests}
+        if cap:
+            assert sizes == {"short": 40, "long": 24}
+            assert step.num_batched_tokens == 64
+            assert sched.stats.num_first_token_deferred_tokens == 192
+        else:
+            assert sizes == {"short": 40, "long": 216}
+            assert sched.stats.num_first_token_deferred_tokens == 0
+        outputs.append((long.output_token_ids, short.output_token_ids))
+    assert outputs[0] == outputs[1]
+
+
+class CountingConnector(FakeConnector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+        self.asked.append(request.req_id)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_a_head_waiting_for_blocks_is_not_looked_up_again_each_step() -> None:
+    """A 12-block pool: "a" (150 tokens, 10 blocks) runs; "b" (100 tokens, 7 blocks) cannot
+    be admitted until a finishes. Meanwhile the connector is never asked about b (the pool's
+    room is checked first), and b is asked exactly once, when it is admitted."""
+    conn = CountingConnector()
+    config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8)
+    sched, runner = _make_with(config, 12, conn)
+    conn.runner, conn.scheduler = runner, sched
+    sched.add_request(req("a", prompt(150), max_tokens=20))
+    sched.add_request(req("b", prompt(100, base=3), max_tokens=2))
+    outs, steps = run_all(sched, runner)
+    assert conn.asked.count("b") == 1
+    assert sched.stats.num_blocked_skips >= 19  # every step of a's decode
+    assert len(outs["a"]) == 20 and len(outs["b"]) == 2
+    assert sched.stats.num_schedule_steps == len(steps)
