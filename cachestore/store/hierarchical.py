@@ -104,23 +104,32 @@ class HierarchicalStore:
     # -- reads ---------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[str]) -> LookupResult:
-        """Side-effect free but for LRU refreshes inside tiers. Never raises for tier failures."""
-        per_tier = [self._call(i, lambda t: t.lookup(keys), 0) for i in range(len(self.tiers))]
+        """Which tier serves each block of the longest available prefix of ``keys``.
+        Side-effect free but for LRU refreshes inside tiers. Never raises for tier failures.
+
+        A tier is asked only from the first block the tiers above it lack: when the host tier
+        holds the whole prefix, LMDB, Redis and S3 are not asked at all (a lookup sits on the
+        scheduler's step path). ``per_tier[i].num_leading`` is what tier i answered to its
+        first question (0 when it was never asked)."""
+        num_tiers = len(self.tiers)
         # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
-        known = [(0, n) for n in per_tier]
+        known: list[tuple[int, int] | None] = [None] * num_tiers
+        first: list[int] = [0] * num_tiers
         served: list[int] = []
         for p in range(len(keys)):
-            for i in range(len(self.tiers)):
-                start, n = known[i]
-                if p > start + n:  # past what we know: ask again from p
-                    start, n = p, self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
-                    known[i] = (start, n)
-                if p < start + n:
+            for i in range(num_tiers):
+                span = known[i]
+                if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
+                    n = self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    if span is None:
+                        first[i] = n
+                    span = known[i] = (p, n)
+                if p < span[0] + span[1]:
                     served.append(i)
                     break
             else:
                 break
-        per = tuple(TierLookup(s.name, n) for s, n in zip(self._stats, per_tier, strict=True))
+        per = tuple(TierLookup(s.name, n) for s, n in zip(self._stats, first, strict=True))
         return LookupResult(per_tier=per, served_by=tuple(served))
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:

@@ -41,6 +41,10 @@ _ENGINE = {
     "kvtier_gpu_cache_usage_ratio": "gpu_cache_usage",
     "kvtier_gpu_cache_blocks": "gpu_blocks_total",
     "kvtier_gpu_cache_free_blocks": "gpu_blocks_free",
+    "kvtier_scheduler_steps_total": "num_schedule_steps",
+    "kvtier_scheduler_seconds_total": "schedule_seconds_total",
+    "kvtier_scheduler_blocked_skips_total": "num_blocked_skips",
+    "kvtier_scheduler_first_token_deferred_tokens_total": "num_first_token_deferred_tokens",
 }
 # Families read from one connector counter (kv_<key>_total, or kv[key]).
 _CONNECTOR = {
@@ -58,6 +62,8 @@ _CONNECTOR = {
     "kvtier_kv_save_seconds_total": "save_seconds",
     "kvtier_kv_save_skipped_blocks_total": "save_skipped_blocks",
     "kvtier_kv_save_incompressible_blocks_total": "save_incompressible_blocks",
+    "kvtier_kv_lookups_total": "num_lookups",
+    "kvtier_kv_lookup_blocks_total": "lookup_blocks",
 }
 # Families read from one key of each store tier row (``HierarchicalStore.stats()["tiers"]``).
 _TIER_ROW = {
