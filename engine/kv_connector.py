@@ -52,9 +52,18 @@ class ExternalHit:
 class SchedulerConnector(Protocol):
     """The scheduler side. Every method runs on the scheduler thread; none touches a device."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+    def on_request_added(self, request: Request, num_computed_tokens: int) -> None:
+        """A request reached the scheduler (its block hashes set, ``num_computed_tokens`` its
+        GPU hit now). The connector may start work for it off the step path (a lookup, a
+        prefetch into a faster tier) and answer "not yet" until that ends."""
+        ...
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> ExternalHit | None:
         """How many tokens past ``num_computed_tokens`` (the GPU hit) lower tiers can supply and
-        should be loaded. Side-effect free (it may memoize its answer); may be asked again."""
+        should be loaded; None: not known yet (work for it runs off the step path), ask again
+        in a later step. Side-effect free (it may memoize its answer); may be asked again."""
         ...
 
     def update_state_after_alloc(

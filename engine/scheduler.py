@@ -100,6 +100,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if self.connector is not None:  # it may start work for it off the step path
+            t0 = time.monotonic()
+            if self.kv.enable_caching:
+                self.kv.update_block_hashes(request)
+            request.times.hash_s += time.monotonic() - t0
+            hit = self.kv.get_computed_blocks(request)
+            self.connector.on_request_added(request, hit.num_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -382,7 +389,13 @@ class Scheduler:
                 external = ExternalHit()
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
                 if self.connector is not None:
-                    external = self.connector.get_num_new_matched_tokens(request, num_computed)
+                    answer = self.connector.get_num_new_matched_tokens(request, num_computed)
+                    if answer is None:  # not known yet: it waits, the ones behind it may go
+                        times.hash_s += t1 - t0
+                        times.lookup_s += time.monotonic() - t1
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    external = answer
                 t2 = time.monotonic()
                 times.hash_s += t1 - t0
                 times.lookup_s += t2 - t1

@@ -14,6 +14,8 @@ One YAML file (or the same dict) holds both::
     drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
                             # flush host-only blocks down to the tier below the host
     health_probe_s: 5.0     # ping a tier nothing used for this long (0: never): /health
+    prefetch: true          # blocks below the host tier move up while their request waits
+    prefetch_budget_blocks: 0  # blocks prefetches may pin at once (0: a quarter of the host tier)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
@@ -82,6 +84,11 @@ class OffloadConfig:
     # A tier no call reached for this long is pinged (StoreConfig.probe_interval_s), so an idle
     # engine's /health follows its tiers; 0: never.
     health_probe_s: float = 5.0
+    # Prefetch on arrival (connectors/offload/prefetch.py): a waiting request's blocks below
+    # the host tier move up while it waits; at most prefetch_budget_blocks pinned at once
+    # (0: a quarter of the host tier's slots).
+    prefetch: bool = True
+    prefetch_budget_blocks: int = 0
 
     @property
     def layer_wise(self) -> bool:
@@ -111,19 +118,24 @@ class OffloadConfig:
         if not self.health_probe_s >= 0:
             raise ConfigError(
                 f"kv offload: health_probe_s must be >= 0, got {self.health_probe_s}")
+        if isinstance(self.prefetch_budget_blocks, bool) or not isinstance(
+                self.prefetch_budget_blocks, int) or self.prefetch_budget_blocks < 0:
+            raise ConfigError(f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
+                              f"got {self.prefetch_budget_blocks!r}")
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
-    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...}``
+    "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
+    "prefetch": ..., "prefetch_budget_blocks": ...}``
     -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
              "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
-             "drain_timeout_s", "health_probe_s"}
+             "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -135,7 +147,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
                 f"kv offload config: {name} must be a number, got {numbers[name]!r}")
     flags = {}
     for name, default in (("calibrate", True), ("in_step_host_loads", True),
-                          ("coalesced_loads", False)):
+                          ("coalesced_loads", False), ("prefetch", True)):
         flags[name] = data.get(name, default)
         if not isinstance(flags[name], bool):
             raise ConfigError(
@@ -152,6 +164,8 @@ def parse_offload_config(data: object) -> OffloadConfig:
         layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],
         compression=str(data.get("compression", "none")),
+        prefetch=flags["prefetch"],
+        prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
     )
 
 

@@ -70,6 +70,7 @@ class OffloadConnector:
         self.scheduler = OffloadScheduler(
             store, namespace, decision=config.decision, cost_model=cost_model,
             stats=self.counters, block_meta=meta if config.in_step_host_loads else None,
+            prefetch_budget_blocks=_prefetch_budget(config, store),
         )
         self.worker = OffloadWorker(
             kv_cache,
@@ -189,12 +190,22 @@ class OffloadConnector:
             self.worker.save_now(meta)
             self.store.shutdown_writes(self.config.drain_timeout_s)
         finally:
+            if self.scheduler.prefetcher is not None:
+                self.scheduler.prefetcher.close()
             self.worker.close()
             self.store.close()
 
 
 # Per-tier write-policy counters also shown beside each tier's hit_blocks in ``stats()``.
 _WRITE_COUNTERS = ("written_through", "written_back", "write_queue_dropped", "write_queue_depth")
+
+
+def _prefetch_budget(config: OffloadConfig, store: HierarchicalStore) -> int:
+    """Blocks prefetches may pin at once: the config's, else a quarter of the host slots."""
+    slab = store.host_slab()
+    if not config.prefetch or slab is None:
+        return 0
+    return config.prefetch_budget_blocks or max(slab.num_slots // 4, 1)  # type: ignore[attr-defined]
 
 
 def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:

@@ -44,6 +44,7 @@ from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, Namespace
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.prefetch import PENDING, Prefetcher
 from connectors.offload.stats import OffloadStats
 from engine.core_types import SchedulerOutput
 from engine.kv_connector import ExternalHit
@@ -86,8 +87,11 @@ class OffloadScheduler:
         cost_model: OnlineCostModel,
         stats: OffloadStats,
         block_meta: BlockMeta | None = None,
+        prefetch_budget_blocks: int = 0,
     ) -> None:
-        """``block_meta``: the codec metadata of a block; given, host-tier hits load in-step."""
+        """``block_meta``: the codec metadata of a block; given, host-tier hits load in-step.
+        ``prefetch_budget_blocks`` > 0 with tiers below a host slab: prefetch on arrival
+        (``connectors.offload.prefetch``), at most that many blocks pinned at once."""
         self.store = store
         self.namespace = namespace
         self._key_prefix = namespace.key_prefix()
@@ -107,6 +111,11 @@ class OffloadScheduler:
         self._inflight: dict[str, _Inflight] = {}
         self._cancelled: set[str] = set()
         self._finished: dict[str, int] = {}
+        self.prefetcher: Prefetcher | None = None
+        if prefetch_budget_blocks > 0 and len(store.tiers) > 1 and store.host_slab() is not None:
+            self.prefetcher = Prefetcher(
+                store, stats, budget_blocks=prefetch_budget_blocks,
+                num_to_load=self._num_to_load)
 
     # -- BlockPoolListener ---------------------------------------------------------------
 
@@ -123,9 +132,31 @@ class OffloadScheduler:
 
     # -- SchedulerConnector --------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
+    def on_request_added(self, request: Request, num_computed_tokens: int) -> None:
+        """Starts the request's prefetch (blocks past its GPU hit, below the host tier)."""
+        if self.prefetcher is None:
+            return
+        bs = self.block_size
+        start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        if end <= start or len(request.block_hashes) < end:
+            return
+        keys = [self._key(h) for h in request.block_hashes[start:end]]
+        self.prefetcher.start(request.req_id, keys, start, request.num_tokens)
+
+    def _num_to_load(self, first_block: int, tiers: tuple[str, ...], num_tokens: int) -> int:
+        """For the prefetch thread: blocks [0, n) of ``tiers``' run that the policy would load
+        (an overlap's tail included)."""
+        option = self._decide(first_block, tiers, num_tokens)
+        return option.load_begin + option.num_load_blocks
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> ExternalHit | None:
         """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan. An
-        in-step plan pins its host slots until it is used or dropped (asked again, finished)."""
+        in-step plan pins its host slots until it is used or dropped (asked again, finished).
+        None ("not yet") while the request's prefetch runs."""
+        if self.prefetcher is not None and self.prefetcher.state(request.req_id) == PENDING:
+            return None
         bs = self.block_size
         start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         self._drop_plan(request.req_id)
@@ -191,6 +222,23 @@ class OffloadScheduler:
         num_gpu_hit_tokens: int,
         num_external_tokens: int,
     ) -> None:
+        plan = self._plans.get(request.req_id)
+        try:
+            self._after_alloc(request, block_ids, num_gpu_hit_tokens, num_external_tokens)
+        finally:  # the plan made its own pins (located or prepared): the prefetch's go
+            if self.prefetcher is not None:
+                head = plan.num_head_blocks if plan is not None else 0
+                n = num_external_tokens // self.block_size
+                loaded = plan.keys[head : head + n] if plan is not None else ()
+                self.prefetcher.release(request.req_id, loaded)
+
+    def _after_alloc(
+        self,
+        request: Request,
+        block_ids: list[int],
+        num_gpu_hit_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
         bs = self.block_size
         self.stats.add(gpu_hit_tokens=num_gpu_hit_tokens)
         plan = self._plans.pop(request.req_id, None)
@@ -237,9 +285,11 @@ class OffloadScheduler:
             offsets,
         )
         self._new_loads.append(load)
-        self._inflight[request.req_id] = _Inflight(
-            request, load, plan.tiers[loaded], record=record and head == 0
-        )
+        tiers = plan.tiers[loaded]
+        if self.prefetcher is not None:  # count a prefetched block where its data lived
+            origin = self.prefetcher.origins(request.req_id)
+            tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
+        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record and head == 0)
 
     def update_from_worker(self, report: WorkerReport) -> None:
         """Take the worker's finished loads (the engine calls this after every step)."""
@@ -293,6 +343,8 @@ class OffloadScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         req_id = request.req_id
         self._drop_plan(req_id)
+        if self.prefetcher is not None:
+            self.prefetcher.release(req_id)
         self._finished.pop(req_id, None)
         inflight = self._inflight.pop(req_id, None)
         if inflight is not None and not inflight.load.in_step:  # in-step: copied in its step

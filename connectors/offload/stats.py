@@ -40,6 +40,9 @@ class OffloadStats:
     num_overlaps: int = 0
     num_lookups: int = 0  # tier lookups made for admissions (scheduler side)
     lookup_blocks: int = 0  # blocks those lookups asked about (over loaded_blocks: the waste)
+    prefetched_blocks: int = 0  # read up into the host tier while their request waited
+    prefetch_used_blocks: int = 0  # of those, loaded by their request
+    prefetch_wasted_blocks: int = 0  # of those, released unused
     decisions: Counter[str] = field(default_factory=Counter)
     tier_hit_blocks: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

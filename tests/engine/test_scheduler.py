@@ -323,6 +323,9 @@ class FakeConnector:
 
     load_async = True  # InStepConnector: the same tokens, loaded within the admitting step
 
+    def on_request_added(self, request: Request, num_computed_tokens: int) -> None:
+        pass
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
         if num_computed_tokens == 32 and request.num_tokens > 48:
             return ExternalHit(num_tokens=16, load_async=self.load_async)

@@ -1,0 +1,158 @@
+"""Prefetch on arrival: a waiting request's lower-tier blocks move into the host tier while it
+waits, off the step path. Torch-free.
+
+When a request reaches the engine core (``OffloadScheduler.on_request_added``), one background
+thread looks its prefix up in the tiers and, where blocks it would load sit below the host tier
+(LMDB, Redis, S3, the cache server), reads them into host slots and pins them
+(``HierarchicalStore.stage_host``). Meanwhile the scheduler's question about that request is
+answered "not yet" (``state`` is ``PENDING``), so the lookup and the read never sit on a step;
+once the job ended, the request's admission finds those blocks in the host tier and loads them
+in its admitting step. The pins are released when the request's plan has made its own
+(``release``), or when it finishes first.
+
+Bounded: at most ``budget_blocks`` blocks are pinned by prefetches at once; a request whose
+blocks would pass that bound is not prefetched (its admission reads them itself, as before).
+Counted in ``OffloadStats``: ``prefetched_blocks`` (placed in the host tier from below),
+``prefetch_used_blocks`` (of those, loaded by their request), ``prefetch_wasted_blocks``
+(released unused: the request finished first, or its plan loaded fewer).
+
+Thread-safe: the scheduler thread calls every public method; the job runs on the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from cachestore.store.hierarchical import HierarchicalStore
+from connectors.offload.stats import OffloadStats
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"
+DONE = "done"
+
+
+@dataclass(slots=True)
+class _Job:
+    keys: tuple[str, ...]
+    future: Future[None] | None = None
+    pinned: tuple[str, ...] = ()  # host pins this job holds (set by the thread)
+    placed: dict[str, str] = field(default_factory=dict)  # read up from a lower tier -> its name
+    done: bool = False
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        store: HierarchicalStore,
+        stats: OffloadStats,
+        *,
+        budget_blocks: int,
+        num_to_load: Callable[[int, tuple[str, ...], int], int],
+    ) -> None:
+        """``num_to_load(first_block, tiers, num_tokens)``: how many of the found blocks the
+        decision policy would load (the cost model: no prefetch where it would recompute)."""
+        self.store = store
+        self.stats = stats
+        self.budget_blocks = budget_blocks
+        self._num_to_load = num_to_load
+        self._jobs: dict[str, _Job] = {}
+        self._num_pinned = 0  # blocks pinned by jobs (reserved at submit, exact once done)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        self._closed = False
+
+    def start(self, req_id: str, keys: Sequence[str], first_block: int, num_tokens: int) -> bool:
+        """Begin prefetching ``keys`` (the request's blocks past its GPU hit, block
+        ``first_block`` on). False (nothing started) when there is nothing to do or the budget
+        is spent."""
+        if not keys or self._closed or req_id in self._jobs:
+            return False
+        with self._lock:
+            if self._num_pinned + len(keys) > self.budget_blocks:
+                return False
+            self._num_pinned += len(keys)
+        job = _Job(tuple(keys))
+        self._jobs[req_id] = job
+        job.future = self._pool.submit(self._run, job, first_block, num_tokens)
+        return True
+
+    def _run(self, job: _Job, first_block: int, num_tokens: int) -> None:
+        pinned: tuple[str, ...] = ()
+        placed: dict[str, str] = {}
+        try:
+            found = self.store.lookup(job.keys)
+            host_lead = found.per_tier[0].num_leading if found.per_tier else 0
+            tiers = tuple(self.store.tiers[i].name for i in found.served_by)
+            num_load = min(self._num_to_load(first_block, tiers, num_tokens), len(tiers))
+            if num_load > host_lead and any(i > 0 for i in found.served_by[:num_load]):
+                wanted = job.keys[:num_load]
+                lower = {k: self.store.tiers[i].name
+                         for k, i in zip(wanted, found.served_by, strict=False) if i > 0}
+                n = self.store.stage_host(wanted)
+                pinned = wanted[:n]
+                placed = {k: lower[k] for k in pinned if k in lower}
+        except Exception:  # a prefetch must never fail a request: the admission reads itself
+            log.exception("kv prefetch failed")
+        with self._lock:
+            self._num_pinned -= len(job.keys) - len(pinned)
+            job.pinned, job.placed, job.done = pinned, placed, True
+        if placed:
+            self.stats.add(prefetched_blocks=len(placed))
+
+    def state(self, req_id: str) -> str | None:
+        """``PENDING`` while the request's job runs, ``DONE`` after, None without a job."""
+        job = self._jobs.get(req_id)
+        if job is None:
+            return None
+        with self._lock:
+            return DONE if job.done else PENDING
+
+    def origins(self, req_id: str) -> dict[str, str]:
+        """The tier each block its finished job placed in the host tier came from (so that hits
+        are counted where the data lived, not where the prefetch put it)."""
+        job = self._jobs.get(req_id)
+        if job is None:
+            return {}
+        with self._lock:
+            return dict(job.placed) if job.done else {}
+
+    def release(self, req_id: str, loaded_keys: Sequence[str] = ()) -> None:
+        """Drop the request's job: unpin its blocks, counting those among ``loaded_keys`` as
+        used and the rest as wasted. A job still running is released when it ends."""
+        job = self._jobs.pop(req_id, None)
+        if job is None:
+            return
+        with self._lock:
+            done = job.done
+        if not done:
+            assert job.future is not None
+            job.future.add_done_callback(lambda _f: self._unpin(job, ()))
+            return
+        self._unpin(job, loaded_keys)
+
+    def _unpin(self, job: _Job, loaded_keys: Sequence[str]) -> None:
+        if job.pinned:
+            self.store.unpin_host(list(job.pinned))
+            with self._lock:
+                self._num_pinned -= len(job.pinned)
+        if job.placed:
+            used = len(job.placed.keys() & set(loaded_keys))
+            self.stats.add(prefetch_used_blocks=used,
+                           prefetch_wasted_blocks=len(job.placed) - used)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        with self._lock:
+            return self._num_pinned
+
+    def close(self) -> None:
+        """Wait for running jobs and release every pin. Idempotent."""
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for req_id in list(self._jobs):
+            self.release(req_id)

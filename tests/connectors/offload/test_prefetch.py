@@ -1,0 +1,82 @@
+"""Prefetch on arrival: a request's blocks below the host tier move up while it waits, so its
+admission loads them from host memory in the admitting step; the tier they came from is still
+the one credited; pins are all released; a request that leaves first wastes its prefetch."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from engine import SamplingParams
+from tests.connectors.offload.test_connector import SLOT, VOCAB, make_llm
+
+GEN = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def config(lmdb: Path, prefetch: bool = True) -> dict:
+    return {"decision": "load", "calibrate": False, "prefetch": prefetch,
+            "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"},
+                      {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB",
+                       "write_policy": "write_through"}]}
+
+
+def prompt(seed: int, n: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def host_pins(llm) -> int:  # type: ignore[no-untyped-def]
+    host = llm.engine.offload.store.tiers[0]
+    return sum(e.pins for e in host._entries.values())
+
+
+def test_a_request_whose_blocks_sit_in_lmdb_is_prefetched_and_loads_from_host(
+    model_dir: str, tmp_path: Path
+) -> None:
+    p = prompt(1)
+    with make_llm(model_dir, 40) as plain:
+        reference = list(plain.generate([p], GEN)[0].token_ids)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
+        assert list(first.generate([p], GEN)[0].token_ids) == reference
+    # A fresh engine: empty GPU pool and host tier; P's 12 blocks are in LMDB only.
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
+        assert list(llm.generate([p], GEN)[0].token_ids) == reference
+        kv = llm.kv_stats()
+        pins = host_pins(llm)
+    assert kv["prefetched_blocks"] == 12 and kv["prefetch_used_blocks"] == 12
+    assert kv["prefetch_wasted_blocks"] == 0
+    assert kv["loaded_blocks"] == 12 and kv["recomputed_tokens"] == 0
+    assert kv["tiers"]["lmdb"]["hit_blocks"] == 12 and kv["tiers"]["host"]["hit_blocks"] == 0
+    assert pins == 0 and kv["store"]["load_pins"] == 0
+
+
+def test_a_prefetch_whose_request_is_aborted_is_counted_wasted_and_unpinned(
+    model_dir: str, tmp_path: Path
+) -> None:
+    p = prompt(2)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
+        first.generate([p], GEN)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
+        engine = llm.engine
+        engine.add_request("gone", p, GEN)
+        prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
+        prefetcher._pool.submit(lambda: None).result()  # the job (queued first) has ended
+        engine.abort_request("gone")
+        kv = llm.kv_stats()
+        pins = host_pins(llm)
+    assert kv["prefetched_blocks"] == 12 and kv["prefetch_wasted_blocks"] == 12
+    assert kv["prefetch_used_blocks"] == 0 and kv["loaded_blocks"] == 0
+    assert pins == 0
+
+
+def test_without_prefetch_the_same_request_loads_from_lmdb_directly(
+    model_dir: str, tmp_path: Path
+) -> None:
+    p = prompt(3)
+    with make_llm(model_dir, 40, config(tmp_path / "db", prefetch=False)) as first:
+        reference = list(first.generate([p], GEN)[0].token_ids)
+    with make_llm(model_dir, 40, config(tmp_path / "db", prefetch=False)) as llm:
+        assert list(llm.generate([p], GEN)[0].token_ids) == reference
+        kv = llm.kv_stats()
+    assert kv["prefetched_blocks"] == 0 and kv["loaded_blocks"] == 12
+    assert kv["tiers"]["lmdb"]["hit_blocks"] == 12
