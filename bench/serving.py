@@ -5,7 +5,8 @@ on, and on with ``compression: lossless``, one server per mode, in one run.
 Usage: python -m bench.serving --model DIR [--modes off,offload,lossless] [--qps 0.5,1,2]
        [--duration-s 60] [--users 10] [--rounds 5] [--system-words 800] [--history-words 900]
        [--question-words 20] [--answer-len 100] [--num-gpu-blocks 1200] [--host-capacity 8GiB]
-       [--max-model-len 8192] [--server-arg FLAG ...] [--log-dir DIR] [--out FILE]
+       [--max-model-len 8192] [--pool-histories N] [--quiet-batch 2] [--server-arg FLAG ...]
+       [--log-dir DIR] [--out FILE]
 
 Shape: ``--users`` sessions at a time, each a shared system prompt, its own history and
 ``--rounds`` rounds of a question and an ``--answer-len``-token answer (``ignore_eos``); a
@@ -20,6 +21,14 @@ history), inter-token latency, output tokens/s and requests/s, and from the serv
 log the engine-side TTFT and its breakdown (engine/ttft.py) per percentile, plus the client's
 overhead over it (HTTP, SSE, the return path: client TTFT - engine TTFT - API phases). Words are
 drawn from the demo tokenizer's corpus (~2.3 tokens each). JSON, then a one-line summary.
+
+Pool pressure (``--pool-histories N``): the GPU pool is sized to hold about N histories (system
+prompt + history + every round), so that the users' histories cannot all stay on the GPU and
+the head of the queue waits for blocks. Each level reports the offered qps beside the processed
+requests/s, and after the levels ``--quiet-batch`` fresh sessions run one round together with
+nothing else waiting: their inter-token latency is the decode ITL of that batch on an idle
+engine, the yardstick of the loaded ITL (``itl_vs_quiet``). The server's scheduler and lookup
+counters (/metrics) are read after each level: scheduler ms per step, lookups per loaded block.
 """
 
 from __future__ import annotations
@@ -144,6 +153,68 @@ async def drive(base_url: str, shape: Shape, qps: float, seed: int) -> dict[str,
     return {"records": records, "wall_s": time.perf_counter() - t0, "sent_s": sent_s}
 
 
+async def quiet_itl(base_url: str, shape: Shape, batch: int, seed: int) -> dict[str, Any]:
+    """``batch`` fresh sessions' first rounds at once, nothing else running: their ITL."""
+    rng = random.Random(seed)
+    system = words(rng, shape.system_words)
+    recs = [Record(10_000 + i, 1, 0.0) for i in range(batch)]
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        await asyncio.gather(*(
+            stream_chat(http, [{"role": "system", "content": f"{system}\n"
+                                f"{words(random.Random(seed * 7 + i), shape.history_words)}"},
+                               {"role": "user", "content": words(rng, shape.question_words)}],
+                        shape.answer_len, rec, shape.request_timeout_s)
+            for i, rec in enumerate(recs)))
+    # Steps where every request decodes: past the longest prefill's first token.
+    itl = [x for r in recs if r.ok for x in r.itl_s[2:]]
+    return {"batch": batch, "itl_ms": _pcts(itl), "failed": sum(not r.ok for r in recs)}
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """The server's scheduler and lookup counters from /metrics (0 where absent)."""
+    names = ("kvtier_scheduler_steps_total", "kvtier_scheduler_seconds_total",
+             "kvtier_scheduler_blocked_skips_total", "kvtier_kv_lookup_blocks_total",
+             "kvtier_kv_loaded_blocks_total", "kvtier_num_preemptions_total",
+             "kvtier_scheduler_first_token_deferred_tokens_total")
+    out = dict.fromkeys(names, 0.0)
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in out:
+            out[name] += float(value)
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = d["kvtier_scheduler_steps_total"]
+    loaded = d["kvtier_kv_loaded_blocks_total"]
+    return {
+        "scheduler_ms_per_step": round(1e3 * d["kvtier_scheduler_seconds_total"] / steps, 4)
+        if steps else None,
+        "steps": int(steps),
+        "blocked_skips": int(d["kvtier_scheduler_blocked_skips_total"]),
+        "lookups_per_loaded_block": round(d["kvtier_kv_lookup_blocks_total"] / loaded, 3)
+        if loaded else None,
+        "preemptions": int(d["kvtier_num_preemptions_total"]),
+        "first_token_deferred_tokens": int(d["kvtier_scheduler_first_token_deferred_tokens_total"]),
+    }
+
+
+def pool_blocks(shape: Shape, histories: int, tokens_per_word: float = 2.3) -> int:
+    """GPU blocks holding about ``histories`` whole conversations (every round included)."""
+    per_round = shape.question_words * tokens_per_word + shape.answer_len
+    tokens = (shape.system_words + shape.history_words) * tokens_per_word + \
+        shape.rounds * per_round
+    return max(int(histories * tokens / 16), 64)
+
+
 def _pcts(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
     s = sorted(values)
     return {f"p{q}": (round(percentile(s, q) * scale, 3) if s else None) for q in _QS}
@@ -215,6 +286,8 @@ def summarize(run: dict[str, Any], qps: float, log: dict[str, dict[str, Any]]) -
         "itl_ms": _pcts([x for r in ok for x in r.itl_s]),
         "output_tokens_per_s": round(tokens / max(run["wall_s"], 1e-9), 2),
         "requests_per_s": round(len(ok) / max(run["wall_s"], 1e-9), 3),
+        "offered_qps": qps,
+        "processed_req_per_s": round(len(ok) / max(run["wall_s"], 1e-9), 3),
         "engine": engine_side(ok, log),
     }
 
@@ -244,10 +317,13 @@ def _summary_line(modes: dict[str, Any]) -> str:
     for mode, res in modes.items():
         lv = res["levels"][0]
         eng = lv["engine"].get("ttft_ms", {}).get("p50")
+        quiet = res.get("quiet", {}).get("itl_ms", {}).get("p50")
+        vs = f" ({lv['itl_ms']['p50'] / quiet:.2f}x quiet)" if quiet and lv["itl_ms"]["p50"] else ""
         parts.append(
             f"{mode}: qps {lv['qps']:g} TTFT p50 {lv['ttft_ms']['p50'] or 0:.1f} ms (later rounds "
             f"{lv['ttft_later_rounds_ms']['p50'] or 0:.1f}, engine {eng or 0:.1f}), ITL p50 "
-            f"{lv['itl_ms']['p50'] or 0:.1f} ms, {lv['output_tokens_per_s']:.0f} tok/s, "
+            f"{lv['itl_ms']['p50'] or 0:.1f} ms{vs}, {lv['output_tokens_per_s']:.0f} tok/s, "
+            f"{lv['processed_req_per_s']:.2f} req/s processed, "
             f"{lv['failed']} failed, best qps (p90 < 1 s) {res['best_qps_p90_under_1s']}")
     base = modes.get("off", {}).get("levels", [{}])[0].get("ttft_later_rounds_ms", {}).get("p50")
     on = modes.get("offload", {}).get("levels", [{}])[0].get("ttft_later_rounds_ms", {}).get("p50")
@@ -270,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-gpu-blocks", type=int, default=1200)
     ap.add_argument("--host-capacity", default="8GiB")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--pool-histories", type=float, default=0,
+                    help="size the GPU pool to hold about this many histories (overrides "
+                         "--num-gpu-blocks; 0: off)")
+    ap.add_argument("--quiet-batch", type=int, default=2,
+                    help="sessions of the idle-engine ITL yardstick run after the levels (0: none)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra kvtier serve flag (repeatable; e.g. --server-arg=--device=cpu)")
     ap.add_argument("--concurrent", action="store_true", help="drive every mode at once")
@@ -290,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     shape = Shape(args.users, args.rounds, args.system_words, args.history_words,
                   args.question_words, args.answer_len, args.duration_s)
+    if args.pool_histories > 0:
+        args.num_gpu_blocks = pool_blocks(shape, args.pool_histories)
     common = ["--num-gpu-blocks", str(args.num_gpu_blocks), "--max-model-len",
               str(args.max_model_len), *args.server_arg]
     servers: dict[str, tuple[Any, str]] = {}
@@ -323,9 +406,18 @@ def main(argv: list[str] | None = None) -> int:
                     return await asyncio.gather(
                         *(drive(servers[m][1], shape, qps, seed) for m in group))
 
-                for m, run in zip(group, asyncio.run(run_group()), strict=True):
+                before = {m: server_counters(servers[m][1]) for m in group}
+                runs = asyncio.run(run_group())
+                time.sleep(1.5)  # the core sends its stats once more 1 s after going idle
+                for m, run in zip(group, runs, strict=True):
                     entries, offsets[m] = read_log(logs[m], offsets[m])
-                    results[m]["levels"].append(summarize(run, qps, entries))
+                    level = summarize(run, qps, entries)
+                    level["server"] = counter_deltas(before[m], server_counters(servers[m][1]))
+                    results[m]["levels"].append(level)
+        if args.quiet_batch > 0:
+            for m in modes:
+                results[m]["quiet"] = asyncio.run(
+                    quiet_itl(servers[m][1], shape, args.quiet_batch, seed=997))
     finally:
         for m, (proc, _) in servers.items():
             results[m]["server_exit"] = stop_server(proc, 30)

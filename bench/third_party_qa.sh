@@ -4,16 +4,20 @@
 # from github.com/vllm-project/production-stack into CLIENT_DIR (it needs openai and pandas).
 # Usage: bench/third_party_qa.sh CLIENT_DIR MODEL_DIR OUT_PREFIX [kvtier serve flags...]
 # Env: QA_ARGS (client flags; default the long-context issue's shape), PORT (default: free).
-# Writes OUT_PREFIX.server.log, OUT_PREFIX.client.log, OUT_PREFIX.csv; prints the client's summary
-# and a last line "third_party_qa: N responses by status {...}, health H" from the server's access log.
+# Writes OUT_PREFIX.server.log, OUT_PREFIX.client.log, OUT_PREFIX.csv, OUT_PREFIX.requests.jsonl (the
+# engine's request log), OUT_PREFIX.breakdown.json (bench/ttft_breakdown.py) and OUT_PREFIX.metrics.txt
+# (the server's /metrics at the end); prints the client's summary, the engine-side TTFT breakdown of
+# reused and fresh requests, the scheduler's and lookups' counters, and a last line
+# "third_party_qa: N responses by status {...}, health H" from the server's access log.
 set -uo pipefail
 client=$1 model=$2 out=$3; shift 3
 PY="${PYTHON:-python3}"
 case "$PY" in */*) [[ "$PY" = /* ]] || PY="$PWD/$PY" ;; esac  # the client runs from its own folder
 port=${PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 qa_args=${QA_ARGS:---num-users 10 --shared-system-prompt 1000 --user-history-prompt 2000 --answer-len 100 --num-rounds 5 --qps 1 --time 90}
-"$PY" -m engine.cli serve --model "$model" --port "$port" --served-model-name qa --log-level info "$@" \
-  >"$out.server.log" 2>&1 &
+rm -f "$out.requests.jsonl"
+"$PY" -m engine.cli serve --model "$model" --port "$port" --served-model-name qa --log-level info \
+  --request-log "$out.requests.jsonl" "$@" >"$out.server.log" 2>&1 &
 server=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
@@ -25,7 +29,11 @@ done
   --output "$out.csv") >"$out.client.log" 2>&1
 client_rc=$?
 health=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")
+curl -s "http://127.0.0.1:$port/metrics" >"$out.metrics.txt"
 kill -INT $server; wait $server; server_rc=$?
 sed -n '/Performance summary/,/=====$/p' "$out.client.log" | sed 's/\x1b\[[0-9;]*m//g' | grep -v '^$'
+"$PY" -m bench.ttft_breakdown "$out.requests.jsonl" --out "$out.breakdown.json" | tail -n 1
+grep -E '^kvtier_(scheduler_[a-z_]+|kv_lookup[a-z_]*|kv_loaded_blocks|num_preemptions|kv_prefetch[a-z_]*)_total[{ ]' \
+  "$out.metrics.txt" | tr '\n' ' '; echo
 statuses=$(grep -o '"POST /v1/chat/completions HTTP/1.1" [0-9]*' "$out.server.log" | awk '{print $NF}' | sort | uniq -c | awk '{printf "%s%s:%s", (NR>1?", ":""), $2, $1}')
 echo "third_party_qa: responses by status {$statuses}, health $health, client rc $client_rc, server rc $server_rc"

@@ -64,6 +64,9 @@ _CONNECTOR = {
     "kvtier_kv_save_incompressible_blocks_total": "save_incompressible_blocks",
     "kvtier_kv_lookups_total": "num_lookups",
     "kvtier_kv_lookup_blocks_total": "lookup_blocks",
+    "kvtier_kv_prefetched_blocks_total": "prefetched_blocks",
+    "kvtier_kv_prefetch_used_blocks_total": "prefetch_used_blocks",
+    "kvtier_kv_prefetch_wasted_blocks_total": "prefetch_wasted_blocks",
 }
 # Families read from one key of each store tier row (``HierarchicalStore.stats()["tiers"]``).
 _TIER_ROW = {

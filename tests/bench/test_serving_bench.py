@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import serving
+from bench import serving, ttft_breakdown
 from bench.random_model import write_model
 from engine.ttft import API_PHASES, ENGINE_PHASES
 
@@ -23,7 +23,7 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
     code = serving.main([
         "--model", str(model), "--qps", "2,4", "--duration-s", "2", "--users", "2",
         "--rounds", "2", "--system-words", "40", "--history-words", "40",
-        "--question-words", "5", "--answer-len", "4", "--num-gpu-blocks", "64",
+        "--question-words", "5", "--answer-len", "4", "--pool-histories", "3",
         "--host-capacity", "16MiB", "--max-model-len", "1024",
         "--server-arg=--device=cpu", "--server-arg=--max-num-seqs=4",
         "--concurrent", "--log-dir", str(tmp_path), "--out", str(out)])
@@ -31,6 +31,7 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
     assert code == 0
     assert set(report["modes"]) == {"off", "offload", "lossless"}
     assert report["machine"]["cpu_count"] >= 1 and report["summary"].startswith("serving: ")
+    assert report["params"]["num_gpu_blocks"] == 64  # 3 histories of ~215 tokens, at least 64
     for mode, res in report["modes"].items():
         assert res["server_exit"] == 0, mode
         assert [lv["qps"] for lv in res["levels"]] == [2.0, 4.0]
@@ -38,6 +39,9 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
             assert lv["requests"] >= 2 and lv["failed"] == 0, (mode, lv["errors"])
             assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0
             assert lv["output_tokens_per_s"] > 0
+            assert lv["offered_qps"] == lv["qps"] and lv["processed_req_per_s"] > 0
+            server = lv["server"]  # /metrics deltas over the level
+            assert server["steps"] > 0 and server["scheduler_ms_per_step"] > 0
             eng = lv["engine"]
             assert eng["matched"] == lv["requests"]  # every request found in its log
             assert set(eng["phases_ms"]) == {*API_PHASES, *ENGINE_PHASES}
@@ -45,6 +49,15 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
             assert eng["phases_ms"]["api_tokenize"]["p50"] > 0
             assert eng["hit_blocks_p50"] > 0  # the shared system prompt at least
         assert any(lv["ttft_later_rounds_ms"]["p50"] for lv in res["levels"]), mode
+        assert res["quiet"]["batch"] == 2 and res["quiet"]["failed"] == 0
+        assert res["quiet"]["itl_ms"]["p50"] > 0
+    assert "x quiet" in report["summary"] and "req/s processed" in report["summary"]
+    # The request log splits into reused (later rounds) and fresh requests.
+    groups = ttft_breakdown.breakdown(
+        [json.loads(x) for x in (tmp_path / "serving_offload.requests.jsonl").read_text()
+         .splitlines()], 0.5)
+    assert groups["reused"]["requests"] >= 1 and groups["fresh"]["requests"] >= 1
+    assert groups["reused"]["cached_tokens_p50"] > 0
 
 
 def test_bad_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,85 @@
+"""Engine-side TTFT breakdown from a ``--request-log`` file (engine/request_log.py), split into
+requests that reused most of their prompt (a later chat round: at least ``--reused`` of the
+prompt's tokens came from a cache tier, the GPU included) and fresh ones.
+
+Usage: python -m bench.ttft_breakdown LOG [--reused 0.5] [--skip 0] [--out FILE]
+
+Per group: how many, engine TTFT p50/p90, each phase's p50 (ms), and how far the phases'
+sum strays from the TTFT (they should add up: engine/ttft.py). ``--skip N`` drops the first N
+entries (a warm-up request). Prints JSON, then a one-line summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from bench.common import emit_report, machine_info, percentile
+from engine.ttft import ENGINE_PHASES, SCHEDULE_PARTS
+
+BLOCK_TOKENS = 16
+# Phases that add up to the engine TTFT (``schedule``'s parts are inside ``schedule``).
+_ADDING = [p for p in ENGINE_PHASES if p not in SCHEDULE_PARTS]
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return round(percentile(sorted(values), q) * 1e3, 3) if values else None
+
+
+def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ttft = [r["ttft_s"] for r in rows]
+    phases = {p: _p([r["ttft_breakdown_s"].get(p, 0.0) for r in rows], 50) for p in ENGINE_PHASES}
+    gaps = [abs(sum(r["ttft_breakdown_s"].get(p, 0.0) for p in _ADDING) - r["ttft_s"])
+            / max(r["ttft_s"], 1e-9) for r in rows]
+    return {
+        "requests": len(rows),
+        "ttft_ms": {"p50": _p(ttft, 50), "p90": _p(ttft, 90)},
+        "phases_p50_ms": phases,
+        "phase_sum_error_max": round(max(gaps), 4) if gaps else None,
+        "prompt_tokens_p50": percentile(sorted(r["prompt_tokens"] for r in rows), 50)
+        if rows else None,
+        "cached_tokens_p50": percentile(sorted(len(r["hit_tiers"]) * BLOCK_TOKENS
+                                               for r in rows), 50) if rows else None,
+        "decisions": {d: sum(r.get("decision") == d for r in rows)
+                      for d in sorted({r.get("decision", "") for r in rows})},
+    }
+
+
+def breakdown(lines: list[dict[str, Any]], reused: float) -> dict[str, Any]:
+    rows = [r for r in lines if r.get("ttft_s") is not None and r.get("ttft_breakdown_s")]
+    hit = [r for r in rows
+           if len(r["hit_tiers"]) * BLOCK_TOKENS >= reused * max(r["prompt_tokens"], 1)]
+    fresh = [r for r in rows if r not in hit]
+    return {"reused": group_report(hit), "fresh": group_report(fresh)}
+
+
+def _line(name: str, g: dict[str, Any]) -> str:
+    if not g["requests"]:
+        return f"{name}: none"
+    ph = g["phases_p50_ms"]
+    top = sorted(((v or 0.0, k) for k, v in ph.items() if k not in SCHEDULE_PARTS), reverse=True)
+    parts = ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
+    return (f"{name}: {g['requests']} req, TTFT p50 {g['ttft_ms']['p50']:.1f} ms "
+            f"(p90 {g['ttft_ms']['p90']:.1f}); p50 phases {parts} ms; "
+            f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("log")
+    ap.add_argument("--reused", type=float, default=0.5)
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    with open(args.log, encoding="utf-8") as f:
+        lines = [json.loads(x) for x in f if x.strip()][args.skip:]
+    groups = breakdown(lines, args.reused)
+    report = {"machine": machine_info(), "params": vars(args), **groups,
+              "summary": "ttft_breakdown: " + "; ".join(_line(k, v) for k, v in groups.items())}
+    emit_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
