@@ -228,13 +228,18 @@ def start_engine(
     return EngineCoreClient.start(config, proc_config)
 
 
-def _exit_after_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM outside uvicorn's own handling: leave ``main`` through its ``finally`` (the
-    engine's graceful shutdown) with exit code 0."""
-    raise SystemExit(0)
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread outside uvicorn's own handling (see ``main``)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def main(args: argparse.Namespace) -> int:
+    """Runs ``kvtier serve``. Exit codes: 0 once a SIGTERM/SIGINT stopped the server and the
+    engine's KV offload drained; 1 when the engine died first, was killed, or its drain lost
+    blocks (or any start-up failure); 2 for a usage or configuration error."""
     import signal
 
     import uvicorn
@@ -271,27 +276,36 @@ def main(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
-    signal.signal(signal.SIGTERM, _exit_after_sigterm)
-    app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
-                    allowed_origins=origins_from(args), chat_template=checked.chat_template,
-                    model_info=checked.model_info)
-    # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
-    # whole life: keep them out of the collector's full passes, as the engine does.
-    gc.collect()
-    gc.freeze()
-    logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    watchdog = EngineWatchdog(engine, server)
-    watchdog.start()
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    watchdog: EngineWatchdog | None = None
     try:
+        app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
+                        allowed_origins=origins_from(args), chat_template=checked.chat_template,
+                        model_info=checked.model_info)
+        # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
+        # its whole life: keep them out of the collector's full passes, as the engine does.
+        gc.collect()
+        gc.freeze()
+        logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level))
+        watchdog = EngineWatchdog(engine, server)
+        watchdog.start()
         server.run()
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it handled after a graceful shutdown
+    except (KeyboardInterrupt, _Terminated):
+        pass  # uvicorn re-raises the signal it handled after a graceful shutdown
     finally:
-        watchdog.stop()
-        engine.shutdown()
-    if watchdog.engine_error is not None:
+        # A second SIGTERM (a supervisor's repeat) must not cut the drain short; a stuck drain
+        # is the supervisor's SIGKILL to end (TimeoutStopSec), or a second Ctrl-C's.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if watchdog is not None:
+            watchdog.stop()
+        problem = engine.shutdown()
+    if watchdog is not None and watchdog.engine_error is not None:
         logger.error("exiting: the engine died (%s)", watchdog.engine_error)
+        return FAILURE_EXIT
+    if problem is not None:
+        logger.error("exiting: %s", problem)
         return FAILURE_EXIT
     return 0
 
