@@ -20,6 +20,9 @@ from engine.core.base import EngineClient
 from engine.core.client import CoreProcConfig
 
 logger = logging.getLogger(__name__)
+# How long serve waits for the engine to stop after HTTP drained: its KV drain takes up to
+# 2 x drain_timeout_s (10 s by default). A core still running then is killed (exit code 1).
+ENGINE_STOP_TIMEOUT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if watchdog is not None:
             watchdog.stop()
-        problem = engine.shutdown()
+        problem = engine.shutdown(ENGINE_STOP_TIMEOUT_S)
     if watchdog is not None and watchdog.engine_error is not None:
         logger.error("exiting: the engine died (%s)", watchdog.engine_error)
         return FAILURE_EXIT
