@@ -162,8 +162,11 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
     from tiers import build_tiers
     from tiers.config import HostTierConfig, check_resources
 
+    from tiers.config import TierStackConfig, load_tier_config
+
+    if args.config:  # the file's own tiers first, so that an error names the file and its index
+        check_resources(load_tier_config(args.config), source=args.config)
     configs = stack_configs(args)
-    from tiers.config import TierStackConfig
 
     host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
     if host is None or host.slot_bytes is None or host.pin_memory:
