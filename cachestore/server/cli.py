@@ -160,11 +160,9 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
     slab in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
     memory where that is not supported). Raises ConfigError/ValueError with a clear message."""
     from tiers import build_tiers
-    from tiers.config import HostTierConfig, check_resources
+    from tiers.config import HostTierConfig, TierStackConfig, check_resources, load_tier_config
 
-    from tiers.config import TierStackConfig, load_tier_config
-
-    if args.config:  # the file's own tiers first, so that an error names the file and its index
+    if args.config:  # the file's own tiers first: an error names the file and its index there
         check_resources(load_tier_config(args.config), source=args.config)
     configs = stack_configs(args)
 
