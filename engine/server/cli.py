@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import threading
 from typing import Any
 
 from engine.config import GRAPH_DECODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
@@ -231,14 +230,6 @@ def start_engine(
     return EngineCoreClient.start(config, proc_config)
 
 
-class _Terminated(Exception):
-    """SIGTERM, raised in the main thread outside uvicorn's own handling (see ``main``)."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
 def main(args: argparse.Namespace) -> int:
     """Runs ``kvtier serve``. Exit codes: 0 once a SIGTERM/SIGINT stopped the server and the
     engine's KV offload drained; 1 when the engine died first, was killed, or its drain lost
@@ -248,6 +239,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.server.api import build_app
+    from engine.server.lifecycle import EngineWatchdog, Terminated, raise_terminated
     from engine.server.startup import FAILURE_EXIT, USAGE_EXIT, UsageError, one_line, preflight
 
     logging.basicConfig(
@@ -279,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     watchdog: EngineWatchdog | None = None
     try:
         app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
@@ -295,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
         watchdog = EngineWatchdog(engine, server)
         watchdog.start()
         server.run()
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         pass  # uvicorn re-raises the signal it handled after a graceful shutdown
     finally:
         # A second SIGTERM (a supervisor's repeat) must not cut the drain short; a stuck drain
@@ -311,33 +303,3 @@ def main(args: argparse.Namespace) -> int:
         logger.error("exiting: %s", problem)
         return FAILURE_EXIT
     return 0
-
-
-class EngineWatchdog:
-    """Stops the HTTP server once the engine can no longer run (its core process or thread
-    died), so that ``kvtier serve`` exits non-zero within ``interval_s`` and a supervisor
-    restarts it, as vLLM's API server does. Requests in flight have already been failed by the
-    engine client (503). ``engine_error`` is the engine's error once that happened."""
-
-    def __init__(self, engine: Any, server: Any, interval_s: float = 0.5) -> None:
-        self._engine = engine
-        self._server = server
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvtier-engine-watchdog", daemon=True)
-        self.engine_error: BaseException | str | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            if not self._engine.is_running:
-                self.engine_error = self._engine.dead_error or "the engine stopped"
-                logger.error("engine is not running (%s): stopping the HTTP server", self.engine_error)
-                self._server.should_exit = True
-                return
