@@ -11,7 +11,8 @@ logger = logging.getLogger(__name__)
 
 
 class Terminated(Exception):
-    """SIGTERM, raised in the main thread outside uvicorn's own handling (see ``engine.server.cli.main``)."""
+    """SIGTERM, raised in the main thread outside uvicorn's own handling (uvicorn re-raises
+    the signal it handled once it stopped): ``engine.server.cli.main`` catches it."""
 
 
 def raise_terminated(signum: int, frame: object) -> None:
