@@ -120,13 +120,15 @@ class KVConnectorWorker(Protocol):
 class KVConnector(Protocol):
     """A connector as ``LLMEngine`` holds it. ``scheduler`` also listens to the block pool
     (``BlockPool.set_listener``); ``cost_model`` takes clean prefill timings
-    (``observe_prefill``); ``counters.snapshot()`` is the counters' dict. The calls between
+    (``observe_prefill``); ``counters.snapshot()`` is the counters' dict; ``store`` is the
+    ``HierarchicalStore`` (its ``drain_report`` says what ``close`` flushed). The calls between
     steps run on the engine thread."""
 
     scheduler: Any  # SchedulerConnector and BlockPoolListener
     worker: KVConnectorWorker
     cost_model: Any
     counters: Any
+    store: Any
 
     def after_step(self) -> None:
         """After every step: hand the worker side's report to the scheduler side."""

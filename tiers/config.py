@@ -317,14 +317,15 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
     return _FALLBACK_MEM_AVAILABLE
 
 
-def check_resources(config: TierStackConfig, *, mem_available: int | None = None) -> None:
+def check_resources(config: TierStackConfig, *, mem_available: int | None = None,
+                    source: str | os.PathLike[str] | None = None) -> None:
     """Start-time checks of what the stack needs from this machine; raises ConfigError naming
-    the tier and the field. Host tier: ``capacity`` at most ``mem_available`` (default: read
-    MemAvailable now; a larger one would fail deep in the allocator, or start and swap).
-    LMDB: ``path`` is made (as the tier would) and must take a file. Mutates: may create the
-    LMDB directories."""
+    the file ``source`` (the YAML the stack came from, when given), the tier and the field.
+    Host tier: ``capacity`` at most ``mem_available`` (default: read MemAvailable now; a larger
+    one would fail deep in the allocator, or start and swap). LMDB: ``path`` is made (as the
+    tier would) and must take a file. Mutates: may create the LMDB directories."""
     for i, cfg in enumerate(config.tiers):
-        where = f"tiers[{i}] ({cfg.kind})"
+        where = f"{source}: tiers[{i}] ({cfg.kind})" if source else f"tiers[{i}] ({cfg.kind})"
         if isinstance(cfg, HostTierConfig):
             mem = mem_available_bytes() if mem_available is None else mem_available
             if cfg.capacity > mem:

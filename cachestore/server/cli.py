@@ -160,10 +160,11 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
     slab in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
     memory where that is not supported). Raises ConfigError/ValueError with a clear message."""
     from tiers import build_tiers
-    from tiers.config import HostTierConfig, check_resources
+    from tiers.config import HostTierConfig, TierStackConfig, check_resources, load_tier_config
 
+    if args.config:  # the file's own tiers first: an error names the file and its index there
+        check_resources(load_tier_config(args.config), source=args.config)
     configs = stack_configs(args)
-    from tiers.config import TierStackConfig
 
     host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
     if host is None or host.slot_bytes is None or host.pin_memory:
@@ -248,10 +249,20 @@ def main(args: argparse.Namespace) -> int:
     try:
         while not server.wait(0.2):
             pass
+        # The write-through queues below the durable tier, and host-only blocks: what a
+        # restart would otherwise miss (acknowledged puts are in LMDB already).
+        report = store.shutdown_writes(config.drain_timeout_s)
+        problem: str | None = server.drain_problem
+        if report.dropped or report.flush_left:
+            problem = f"kv store drain incomplete: {report.describe()}"
     finally:
         trimming.set()
         if admin is not None:
             admin.stop()
         store.close()
-    print("kvtier cache-server stopped", flush=True)
+    if problem is not None:  # a supervisor sees a non-zero exit
+        print(f"kvtier cache-server stopped without a clean drain: {problem}", file=sys.stderr,
+              flush=True)
+        return 1
+    print("kvtier cache-server stopped (drained)", flush=True)
     return 0

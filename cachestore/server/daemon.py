@@ -22,8 +22,10 @@ Contracts:
 - Tenants are enforced in the handler: a client key ``prefix/hex`` is stored as
   ``tenant/prefix/hex``.
 - ``request_stop`` (thread-safe, signal-safe) drains: requests already received finish and are
-  answered, new ones get ``SHUTTING_DOWN``, then sockets and segments close. The store is the
-  caller's: ``CacheServer`` never closes it.
+  answered, new ones get ``SHUTTING_DOWN``, then sockets and segments close. ``drain_problem``
+  then says whether that took longer than ``drain_timeout_s`` or the loop failed (None: a
+  clean drain); ``kvtier cache-server`` exits non-zero on it. The store is the caller's:
+  ``CacheServer`` never closes it.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class CacheServer:
         self._thread: threading.Thread | None = None
         self.bound_url: str | None = None
         self.inflight = 0
+        # Once serve_forever returned: None after a clean drain, else why it was not.
+        self.drain_problem: str | None = None
 
     @property
     def handler(self) -> OpHandler:
@@ -150,7 +154,7 @@ class CacheServer:
         def run() -> None:
             try:
                 self.serve_forever()
-            except BaseException as exc:  # surfaced to the starting thread
+            except BaseException as exc:  # surfaced to the starting thread, or in drain_problem
                 errors.append(exc)
                 self._ready.set()
 
@@ -206,6 +210,9 @@ class CacheServer:
             if self.config.loop_cpu is not None:  # this thread only (Linux: pid 0 = caller)
                 os.sched_setaffinity(0, {self.config.loop_cpu})
             self._loop(router, pool, replies, wake_r, wake_w)
+        except BaseException as exc:
+            self.drain_problem = f"the server loop failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             for listener in (self._bell, self._stream):  # each thread finishes its request
                 if listener is not None:  # before the segments close
@@ -253,6 +260,9 @@ class CacheServer:
             if drain_deadline is not None and (
                 self.inflight == 0 or time.monotonic() > drain_deadline
             ):
+                if self.inflight:  # the pool still finishes them; their clients may be gone
+                    self.drain_problem = (f"{self.inflight} requests still in flight after "
+                                          f"drain_timeout_s ({self.config.drain_timeout_s} s)")
                 return
             if time.perf_counter() < busy_until:
                 events = dict(poller.poll(0))

@@ -100,6 +100,8 @@ class HierarchicalStore:
             self._prober = TierProber(self._tiers, config.probe_interval_s)
             self._prober.start()
         self._closed = False
+        # What ``shutdown_writes`` did, once it ran: the engine core's exit code reports it.
+        self.drain_report: DrainReport | None = None
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -383,9 +385,9 @@ class HierarchicalStore:
         """Graceful shutdown: drain the write-through queues for up to ``drain_timeout_s``, then
         stop them; then copy the host tier's blocks (most recent first) that the first healthy
         tier below it lacks, until another ``drain_timeout_s`` ran out; then wait for the
-        demotions that caused. Logs and returns what it did. Call once, before ``close``; the
-        store still serves reads and writes, but nothing is written through any more. Never
-        raises for tier failures."""
+        demotions that caused. Logs and returns what it did (kept as ``drain_report``). Call
+        once, before ``close``; the store still serves reads and writes, but nothing is written
+        through any more. Never raises for tier failures."""
         t0 = time.monotonic()
         drained, dropped = self._through.drain(drain_timeout_s)
         top = self.tiers[0]
@@ -401,6 +403,7 @@ class HierarchicalStore:
         self._movers.flush()
         report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
                              time.monotonic() - t0)
+        self.drain_report = report
         # Losing blocks is worth a warning (visible without logging set up, as in the engine
         # core process); a complete drain is routine.
         level = logging.WARNING if report.dropped or report.flush_left else logging.INFO

@@ -28,6 +28,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.base import EngineDeadError, EngineStats, OutputStream
+from engine.core.drain import describe_exit
 from engine.core.launch import CoreProcConfig, CoreProcess, EngineStartupError
 from engine.core.messages import (
     AbortRequests,
@@ -75,6 +76,7 @@ class EngineCoreClient:
         self._requests: dict[str, _Entry] = {}  # guarded by _lock
         self._dead: BaseException | None = None
         self._stopping = False
+        self._shutdown_problem: str | None = None  # what shutdown() returned
         self._thread = threading.Thread(
             target=self._output_loop, name="kvtier-core-outputs", daemon=True
         )
@@ -168,19 +170,27 @@ class EngineCoreClient:
     async def abort(self, req_id: str) -> None:
         self._abort_nowait(req_id)
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> str | None:
         """Stops the core after its current step (killing it after ``timeout_s``: long enough
         for its KV offload to drain the write-through queues and flush host-only blocks, up to
-        ``drain_timeout_s`` each); waiting requests get EngineDeadError. Idempotent."""
+        ``drain_timeout_s`` each); waiting requests get EngineDeadError. Returns None when the
+        core stopped as asked and its KV drain completed, else why not in one line (it died
+        before, was killed, or its drain lost blocks). Idempotent (later calls return the
+        first answer)."""
         with self._lock:
             already, self._stopping = self._stopping, True
+            died_before = self._dead
         if already:
-            return
+            return self._shutdown_problem
         try:
             self._send(encode_request(Shutdown()))
         except EngineDeadError:
             pass  # already gone
-        self._core.stop(timeout_s)
+        code = self._core.stop(timeout_s)
+        problem = describe_exit(code)
+        if died_before is not None:
+            problem = f"the engine core died before shutdown ({died_before})"
+        self._shutdown_problem = problem
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         self._fail_all(EngineDeadError("engine shut down"))
@@ -188,6 +198,7 @@ class EngineCoreClient:
             self._requests_sock.close(linger=0)
         if not self._thread.is_alive():
             self._core.close()
+        return problem
 
     # --- internals ------------------------------------------------------------------------------
 

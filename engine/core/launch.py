@@ -8,6 +8,8 @@ and threads.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import multiprocessing
 import shutil
 import tempfile
@@ -21,6 +23,7 @@ from engine.config import EngineConfig
 from engine.core.messages import Ready, StartupFailed, decode_event
 from engine.core.proc import CoreAddresses, run_engine_core
 
+logger = logging.getLogger(__name__)
 _LAST_EVENT_GRACE_MS = 200  # after the core exits, how long its last message may trail
 
 
@@ -64,6 +67,16 @@ class CoreProcess:
         self.requests = requests
         self.events = events
         self._owned_dir = owned_dir  # the temp dir of the sockets, removed at close
+        # The core ignores SIGTERM, so multiprocessing's own exit hook (terminate, then join
+        # without a timeout) would wait forever for a core nobody stopped; this hook runs
+        # before it (registered later) and kills such a core.
+        atexit.register(self._kill_at_exit)
+
+    def _kill_at_exit(self) -> None:
+        if self.proc.is_alive():
+            logger.warning("engine core still running at exit (never shut down): killing it")
+            self.proc.kill()
+            self.proc.join()
 
     @classmethod
     def spawn(cls, config: EngineConfig, proc_config: CoreProcConfig) -> CoreProcess:
@@ -116,21 +129,24 @@ class CoreProcess:
             if deadline is not None and time.monotonic() >= deadline:
                 raise EngineStartupError(f"engine core not ready within {timeout_s} s")
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float) -> int | None:
         """Waits up to ``timeout_s`` for the process to exit (after a Shutdown message), then
-        terminates it, then kills it. Idempotent."""
+        kills it (the core ignores SIGTERM). Returns its exit code as it exited by itself
+        (``engine.core.drain``: 0 drained, 3 drain incomplete, 1 failed, -N killed by signal N
+        before), or ``-SIGKILL`` when it had to be killed here. Idempotent."""
         self.proc.join(timeout_s)
         if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(2.0)
-        if self.proc.is_alive():
+            if timeout_s > 0:  # close() kills at once on purpose
+                logger.error("engine core did not stop within %.0f s: killing it", timeout_s)
             self.proc.kill()
             self.proc.join()
+        return self.proc.exitcode
 
     def close(self) -> None:
         """Stops the process now if it still runs, closes the sockets, removes the temp dir.
         Call once the ``events`` reader is done."""
         self.stop(0.0)
+        atexit.unregister(self._kill_at_exit)
         self.requests.close(linger=0)
         self.events.close(linger=0)
         self.zmq_ctx.term()

@@ -7,9 +7,15 @@ socket for ``CoreEvent``s to addresses the API process has bound, loads the mode
 request, run one ``step()`` if any request is unfinished, push that step's outputs and stats
 as one ``StepOutputs``. Going idle, it saves the last requests' KV blocks (``save_kv``) and,
 a second later, sends its stats once more (the KV copies to the lower tiers ran meanwhile).
-With no work it blocks in ``poll`` (no busy wait). It exits on
-``Shutdown``, when its parent process is gone, or (code 1, after ``CoreFailed``) when a step
-raises.
+With no work it blocks in ``poll`` (no busy wait).
+
+It stops only on ``Shutdown`` or when its parent process is gone (its sentinel), or (code 1,
+after ``CoreFailed``) when a step raises; then it closes the engine, which drains the KV
+offload, and exits with the verdict (``engine.core.drain``: 0, or 3 when the drain lost
+blocks). SIGTERM and SIGINT are ignored: a supervisor signals the whole process group (systemd's
+``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C), and the core must outlive that signal
+until the API process, which got it too, has let its HTTP requests finish and sent
+``Shutdown``; dying on it would lose the host tier's blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.base import StatsSampler
+from engine.core.drain import EXIT_FAILED, EXIT_OK, close_and_judge
 from engine.core.messages import (
     AbortRequests,
     AddRequest,
@@ -70,7 +77,8 @@ def run_engine_core(
     config: EngineConfig, addresses: CoreAddresses, num_threads: int | None,
     log_level: str | None = None,
 ) -> None:
-    """Process entry point; exits with 0 after Shutdown or parent death, 1 on failure.
+    """Process entry point; exits with 0 after Shutdown or parent death and a complete KV drain,
+    3 (``EXIT_DRAIN_INCOMPLETE``) when the drain lost blocks, 1 on failure.
     ``num_threads``: torch intra-op threads for this process (None: torch's default);
     ``log_level``: configure logging to stderr at this level (as ``kvtier serve`` does its
     own; None: leave logging alone). A start-up failure is sent to the API process as one
@@ -78,16 +86,17 @@ def run_engine_core(
     if log_level is not None:
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(message)s")
-    # Ctrl-C in a terminal signals the whole process group; the API process decides when the
-    # core stops (it sends Shutdown after draining HTTP), so the core ignores SIGINT.
+    # A supervisor's SIGTERM and Ctrl-C's SIGINT reach the whole process group; the API process
+    # decides when the core stops (Shutdown after draining HTTP; its death), so both are ignored.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(addresses.requests)
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
     outbox.connect(addresses.events)
-    code = 1
+    code = EXIT_FAILED
     try:
         try:
             engine = _build_engine(config, num_threads)
@@ -105,7 +114,7 @@ def run_engine_core(
         code = loop.run()
     except BaseException:  # noqa: BLE001 - logged here, since sys.exit below replaces it
         logger.exception("engine core loop failed")
-        code = 1
+        code = EXIT_FAILED
     finally:
         inbox.close(linger=0)
         outbox.close(linger=_LAST_EVENTS_LINGER_MS)
@@ -168,7 +177,7 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
 
 class EngineCoreLoop:
     """Owns the engine and both sockets; ``run`` on the process's only engine thread. The
-    engine is closed (offload flushed, tiers closed) when ``run`` returns, however it ends."""
+    engine is closed (offload drained, tiers closed) when ``run`` returns, however it ends."""
 
     def __init__(
         self,
@@ -184,14 +193,15 @@ class EngineCoreLoop:
         self.sampler = StatsSampler()
 
     def run(self) -> int:
-        """Returns the process exit code: 0 on Shutdown or parent death, 1 if a step raised."""
+        """Returns the process exit code: 0 on Shutdown or parent death once the KV drain
+        completed, ``EXIT_DRAIN_INCOMPLETE`` if it lost blocks, 1 if a step or the close
+        raised."""
+        code = EXIT_FAILED
         try:
-            return self._loop()
+            code = self._loop()
         finally:
-            try:
-                self.engine.close()
-            except Exception:  # noqa: BLE001 - exiting anyway; the log says why
-                logger.exception("closing the engine failed")
+            closed = close_and_judge(self.engine)
+        return closed if code == EXIT_OK else code
 
     def _loop(self) -> int:
         poller = zmq.Poller()
@@ -213,10 +223,10 @@ class EngineCoreLoop:
                 self._send(StepOutputs([], self.sampler.sample(self.engine, refresh_kv=True)))
                 continue
             if self._parent_sentinel is not None and self._parent_sentinel in events:
-                logger.warning("API process is gone; engine core exits")
-                return 0
+                logger.warning("API process is gone; engine core drains its KV offload and exits")
+                return EXIT_OK
             if not self._drain_requests():
-                return 0
+                return EXIT_OK
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -224,7 +234,7 @@ class EngineCoreLoop:
             except Exception as exc:  # noqa: BLE001 - fatal: reported, then the process exits
                 logger.exception("engine step failed")
                 self._send(CoreFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
-                return 1
+                return EXIT_FAILED
             # Going idle: no later step would refresh the KV details, so refresh them now.
             idle = not self.engine.has_unfinished_requests()
             stats = self.sampler.sample(self.engine, refresh_kv=idle)

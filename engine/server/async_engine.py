@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.core.base import EngineDeadError, EngineStats, OutputStream, StatsSampler
+from engine.core.drain import close_and_judge, describe_exit
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class EngineCore(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
+    offload: Any  # the KV connector (None without offload): close() drains it
 
     def add_request(
         self,
@@ -86,6 +88,7 @@ class AsyncEngine:
         self._stats: EngineStats = self._sampler.sample(engine)  # replaced, never mutated
         self._dead: BaseException | None = None
         self._stopping = False
+        self._close_code: int | None = None  # close_and_judge's verdict, once closed
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
 
     @classmethod
@@ -145,15 +148,21 @@ class AsyncEngine:
                 self._commands.append(_Abort(req_id))
                 self._cond.notify()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> str | None:
         """Stops the engine thread after its current step and closes the engine (offload
-        flushed); waiting requests get EngineDeadError. Idempotent."""
+        drained); waiting requests get EngineDeadError. Returns None when the engine stopped
+        as asked and its KV drain completed, else why not (one line). Idempotent."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
         self._fail_all(EngineDeadError("engine shut down"))
+        if self._dead is not None:
+            return f"the engine failed before shutdown ({self._dead!r})"
+        if self._close_code is None:
+            return f"the engine thread did not stop within {timeout_s:.0f} s"
+        return describe_exit(self._close_code)
 
     # --- engine thread ---------------------------------------------------------------------
 
@@ -184,11 +193,8 @@ class AsyncEngine:
             self._close_engine()
 
     def _close_engine(self) -> None:
-        # On the engine thread, after its last step: flushes offload and closes the tiers.
-        try:
-            self.engine.close()
-        except Exception:  # noqa: BLE001 - stopping anyway; the log says why
-            logger.exception("closing the engine failed")
+        # On the engine thread, after its last step: drains offload and closes the tiers.
+        self._close_code = close_and_judge(self.engine)
 
     def _has_work(self) -> bool:
         # Called with _cond held, on the engine thread only (the engine is not thread-safe).

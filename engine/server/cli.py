@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import threading
 from typing import Any
 
 from engine.config import GRAPH_DECODE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
@@ -20,6 +19,9 @@ from engine.core.base import EngineClient
 from engine.core.client import CoreProcConfig
 
 logger = logging.getLogger(__name__)
+# How long serve waits for the engine to stop after HTTP drained: its KV drain takes up to
+# 2 x drain_timeout_s (10 s by default). A core still running then is killed (exit code 1).
+ENGINE_STOP_TIMEOUT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,18 +230,16 @@ def start_engine(
     return EngineCoreClient.start(config, proc_config)
 
 
-def _exit_after_sigterm(signum: int, frame: object) -> None:
-    """SIGTERM outside uvicorn's own handling: leave ``main`` through its ``finally`` (the
-    engine's graceful shutdown) with exit code 0."""
-    raise SystemExit(0)
-
-
 def main(args: argparse.Namespace) -> int:
+    """Runs ``kvtier serve``. Exit codes: 0 once a SIGTERM/SIGINT stopped the server and the
+    engine's KV offload drained; 1 when the engine died first, was killed, or its drain lost
+    blocks (or any start-up failure); 2 for a usage or configuration error."""
     import signal
 
     import uvicorn
 
     from engine.server.api import build_app
+    from engine.server.lifecycle import EngineWatchdog, Terminated, raise_terminated
     from engine.server.startup import FAILURE_EXIT, USAGE_EXIT, UsageError, one_line, preflight
 
     logging.basicConfig(
@@ -271,56 +271,35 @@ def main(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
-    signal.signal(signal.SIGTERM, _exit_after_sigterm)
-    app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
-                    allowed_origins=origins_from(args), chat_template=checked.chat_template,
-                    model_info=checked.model_info)
-    # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for its
-    # whole life: keep them out of the collector's full passes, as the engine does.
-    gc.collect()
-    gc.freeze()
-    logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    watchdog = EngineWatchdog(engine, server)
-    watchdog.start()
+    signal.signal(signal.SIGTERM, raise_terminated)
+    watchdog: EngineWatchdog | None = None
     try:
+        app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
+                        allowed_origins=origins_from(args), chat_template=checked.chat_template,
+                        model_info=checked.model_info)
+        # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
+        # its whole life: keep them out of the collector's full passes, as the engine does.
+        gc.collect()
+        gc.freeze()
+        logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level))
+        watchdog = EngineWatchdog(engine, server)
+        watchdog.start()
         server.run()
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises the SIGINT it handled after a graceful shutdown
+    except (KeyboardInterrupt, Terminated):
+        pass  # uvicorn re-raises the signal it handled after a graceful shutdown
     finally:
-        watchdog.stop()
-        engine.shutdown()
-    if watchdog.engine_error is not None:
+        # A second SIGTERM (a supervisor's repeat) must not cut the drain short; a stuck drain
+        # is the supervisor's SIGKILL to end (TimeoutStopSec), or a second Ctrl-C's.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if watchdog is not None:
+            watchdog.stop()
+        problem = engine.shutdown(ENGINE_STOP_TIMEOUT_S)
+    if watchdog is not None and watchdog.engine_error is not None:
         logger.error("exiting: the engine died (%s)", watchdog.engine_error)
         return FAILURE_EXIT
+    if problem is not None:
+        logger.error("exiting: %s", problem)
+        return FAILURE_EXIT
     return 0
-
-
-class EngineWatchdog:
-    """Stops the HTTP server once the engine can no longer run (its core process or thread
-    died), so that ``kvtier serve`` exits non-zero within ``interval_s`` and a supervisor
-    restarts it, as vLLM's API server does. Requests in flight have already been failed by the
-    engine client (503). ``engine_error`` is the engine's error once that happened."""
-
-    def __init__(self, engine: Any, server: Any, interval_s: float = 0.5) -> None:
-        self._engine = engine
-        self._server = server
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvtier-engine-watchdog", daemon=True)
-        self.engine_error: BaseException | str | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            if not self._engine.is_running:
-                self.engine_error = self._engine.dead_error or "the engine stopped"
-                logger.error("engine is not running (%s): stopping the HTTP server", self.engine_error)
-                self._server.should_exit = True
-                return

@@ -65,7 +65,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        # FastAPI puts the character offset where a field name would be ("31: JSON decode
+        # error", param "31"): say what is wrong and where, and name no field.
+        loc = first.get("loc", ())
+        at = loc[-1] if len(loc) > 1 and isinstance(loc[-1], int) else None
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg", "undecodable")
+        where = f" at character {at}" if at is not None else ""
+        return f"invalid JSON body: {reason}{where}", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") == "missing":
+        return "missing JSON body: expected a JSON object", None
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 

@@ -41,7 +41,9 @@ def invalid_unicode(text: str) -> int | None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's API: "max_tokens": "5", 5.0 or true is a 400 naming the field,
+    # not a 5 (an int is still a valid float).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     def texts(self) -> Iterator[tuple[str, str]]:
         """Every free-text field value with its name (``check_text``)."""

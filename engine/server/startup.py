@@ -80,8 +80,13 @@ def _check_offload(source: str | dict | None) -> None:
 
     try:
         check_kv_connector_config("offload", source)
-    except ValueError as exc:  # ConfigError: "FILE: tiers[0] (host): field ..."
-        raise UsageError(f"--kv-offload-config {one_line(exc)}") from None
+    except ValueError as exc:  # ConfigError: "[FILE: ]tiers[0] (host): field ..."
+        message = one_line(exc)
+        # Parse errors name the file already; the machine checks (host memory, LMDB path)
+        # name only the tier and the field.
+        if isinstance(source, (str, os.PathLike)) and not message.startswith(f"{source}:"):
+            message = f"{source}: {message}"
+        raise UsageError(f"--kv-offload-config {message}") from None
 
 
 def preflight(config: EngineConfig, chat_template: str | None = None) -> Checked:

@@ -216,9 +216,13 @@ def test_systemd_units() -> None:
         unit.read_string((DEPLOY / "systemd" / name).read_text())
         assert {"Unit", "Service", "Install"} <= set(unit.sections())
         assert unit["Service"]["ExecStart"].startswith("/opt/kvtier/.venv/bin/kvtier ")
+        # SIGTERM to the main process only; the stop timeout leaves room for the KV drain
+        # (2 x drain_timeout_s: 10 s for an engine, 20 s for the daemon, plus its requests).
+        assert unit["Service"]["KillSignal"] == "SIGTERM"
+        assert unit["Service"]["KillMode"] == "mixed"
+        assert int(unit["Service"]["TimeoutStopSec"]) >= 40
     daemon = configparser.ConfigParser(interpolation=None)
     daemon.read_string((DEPLOY / "systemd" / "kvtier-cache-server.service").read_text())
-    assert daemon["Service"]["KillSignal"] == "SIGTERM"
     assert "--host 127.0.0.1" in daemon["Service"]["ExecStart"]
 
 

@@ -243,6 +243,34 @@ def test_rejected_and_duplicate_requests(client: EngineCoreClient, llm: object) 
     assert client.is_running
 
 
+def test_the_core_outlives_sigterm_and_sigint_and_stops_on_shutdown(model_dir: str) -> None:
+    """A supervisor signals the whole process group: the core ignores it and keeps serving
+    until ``shutdown``, which then reports a clean stop (exit code 0, nothing to drain)."""
+    engine = EngineCoreClient.start(_config(model_dir), ONE_THREAD)
+    try:
+        os.kill(engine.core_pid, signal.SIGTERM)
+        os.kill(engine.core_pid, signal.SIGINT)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        outs = asyncio.run(_collect(engine, [1, 2, 3], params, "sig1"))
+        assert outs[-1].finished and engine.is_running
+    finally:
+        problem = engine.shutdown()
+    assert problem is None
+    assert engine.shutdown() is None  # idempotent: the same answer
+
+
+def test_shutdown_reports_a_core_that_died_first(model_dir: str) -> None:
+    engine = EngineCoreClient.start(_config(model_dir), ONE_THREAD)
+    os.kill(engine.core_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while engine.dead_error is None:  # the output thread saw it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    problem = engine.shutdown()
+    assert problem == ("the engine core died before shutdown (engine core process died (exit "
+                       "code -9))")
+
+
 def test_startup_error_carries_the_core_message(model_dir: str) -> None:
     bad = _config(model_dir, max_num_batched_tokens=16, enable_chunked_prefill=False)
     with pytest.raises(EngineStartupError, match="without chunked prefill"):

@@ -314,6 +314,13 @@ def test_client_disconnect_aborts_streaming_request(server: Server) -> None:
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        # Strict types, as OpenAI's: a number in a string, a float or a bool is no integer.
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5.0}, 400, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": True}, 400, "seed"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "false"}, 400, "stream"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": "5"}, 400, "max_completion_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
@@ -425,6 +432,25 @@ def test_invalid_unicode_and_huge_integers_are_400(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     # Still serving.
     assert server.client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"model": "tiny-llama", "prompt": }', "invalid JSON body: Expecting value at character 34"),
+        (b'{"model": "tiny-llama", "prompt": "x",}', "invalid JSON body: Expecting property name enclosed in double quotes at character 38"),
+        (b"", "missing JSON body: expected a JSON object"),
+    ],
+)  # fmt: skip
+def test_invalid_json_body_is_a_clear_400_naming_no_field(
+    server: Server, content: bytes, message: str
+) -> None:
+    resp = httpx.post(f"{server.base_url}/v1/completions", content=content,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error == {"message": message, "type": "invalid_request_error", "param": None,
+                     "code": None}
 
 
 def test_body_cap_and_length_bound_before_tokenization(server: Server) -> None:

@@ -343,6 +343,25 @@ def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
     assert (tmp_path / "a" / "b").is_dir()
 
 
+def test_start_checks_name_the_file_they_came_from(tmp_path: Path) -> None:
+    """The file is named in front of the tier and the field, as a YAML error names it."""
+    from tiers.config import check_resources
+
+    path = tmp_path / "tiers.yaml"
+    path.write_text("tiers:\n  - {kind: host, capacity: 4TiB}\n"
+                    "  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n")
+    config = load_tier_config(path)
+    with pytest.raises(ConfigError) as info:
+        check_resources(config, mem_available=24 << 30, source=path)
+    assert str(info.value) == (f"{path}: tiers[0] (host): field 'capacity': 4096.0 GiB is more "
+                               "than the memory available on this machine (24.0 GiB, "
+                               "/proc/meminfo MemAvailable)")
+    with pytest.raises(ConfigError) as info:
+        check_resources(config, mem_available=5 << 40, source=path)
+    assert str(info.value).startswith(f"{path}: tiers[1] (lmdb): field 'path': cannot use "
+                                      "'/proc/kvtier-no/lmdb' as the LMDB directory: ")
+
+
 def test_yaml_errors_name_the_file(tmp_path: Path) -> None:
     from connectors.offload.config import load_offload_config
 

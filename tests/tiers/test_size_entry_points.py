@@ -75,3 +75,16 @@ def test_analyze_tier_flag() -> None:
         parse_tier("host=4096", "lru", 16, 131072)
     assert str(info.value).startswith(f"--tier host=4096: {NO_UNIT}")
     assert "blocks as 1000blocks; tokens as 3Mtok; inf for unbounded" in str(info.value)
+
+
+def test_cache_server_resource_errors_name_the_tier_file(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    from cachestore.server.cli import main
+
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text("tiers:\n  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n")
+    assert main(_cache_server_args("--port", "0", "--admin-port", "-1",
+                                   "--config", str(tiers))) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvtier cache-server: {tiers}: tiers[0] (lmdb): field 'path': "
+                           "cannot use '/proc/kvtier-no/lmdb' as the LMDB directory"), line

@@ -88,7 +88,13 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
     assert message.startswith(f"--kv-offload-config {bad}: tiers[0] (host): field 'capacity'")
     bad.write_text("tiers:\n  - {kind: host, capacity: 1000TiB}\n")
     message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
-    assert "tiers[0] (host): field 'capacity'" in message and "memory available" in message
+    assert message.startswith(f"--kv-offload-config {bad}: tiers[0] (host): field 'capacity': ")
+    assert "memory available" in message
+    bad.write_text("tiers:\n  - {kind: host, capacity: 1MiB}\n"
+                   "  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n")
+    message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
+    assert message.startswith(f"--kv-offload-config {bad}: tiers[1] (lmdb): field 'path': "
+                              "cannot use '/proc/kvtier-no/lmdb'"), message
     assert one_line("a\n  b\n\nc") == "a | b | c"
 
 
