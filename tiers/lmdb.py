@@ -5,14 +5,18 @@
   ``map_headroom`` (B-tree pages and free-list overhead) so that eviction, not MDB_MAP_FULL,
   bounds the data.
 - LRU: an in-memory index (key -> size, least recent first) is rebuilt on open from ``recency``,
-  so a restarted process keeps serving what was stored, in the same eviction order. Reads refresh
-  recency in memory at once and on disk lazily, in the writer's next transaction (and on close).
+  so a restarted process keeps serving what was stored, in the same eviction order. ``get_many``
+  never takes the index lock (the writer holds it through a whole write transaction): its hits
+  go to a queue that the writer drains before it evicts, and that ``lookup``, ``pin`` and
+  ``lru_keys`` drain first too. Recency reaches disk lazily, in the writer's next transaction.
 - One writer: ``put_many`` and ``delete_many`` go through a bounded queue to a single writer
   thread and WAIT for their write transaction to commit, so their return value (evictions,
   counts) is exact. Readers run in parallel in their own read-only transactions.
 - ``get_many`` reads with ``buffers=True`` and copies each value once out of the map before the
-  read transaction ends (an LMDB buffer dies with it), so it returns ``bytes`` valid forever.
-  ``lookup`` answers from the in-memory index and touches no transaction.
+  read transaction ends (an LMDB buffer dies with it), into one recycled buffer per call
+  (``tiers.buffers``: memory already faulted in, so the copy runs at memcpy speed): it returns
+  memoryviews valid for as long as the caller holds them. ``get_many_into`` copies straight
+  from the map into the caller's buffers. ``lookup`` answers from the in-memory index.
 - Pins (``pin``/``unpin``, counted) keep entries from eviction, as in the host tier.
 - Every ``lmdb.Error`` becomes ``TierError``. One process per ``path``: the index is per process.
 
@@ -24,18 +28,20 @@ from __future__ import annotations
 import queue
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value, writable_views
+from tiers.buffers import ReadBuffers
 from tiers.shared import backend_errors
 
 _SEQ = struct.Struct("<Q")
 _STOP = object()
+_DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if the lock is free)
 
 
 @dataclass(slots=True)
@@ -58,9 +64,11 @@ class LmdbTier(Tier):
     name = "lmdb"
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, map_headroom: float = 0.25,
-                 writer_queue_size: int = 256, sync: bool = False) -> None:
+                 writer_queue_size: int = 256, sync: bool = False,
+                 read_buffer_bytes: int = 256 << 20) -> None:
         """Open (creating if needed) the environment and rebuild the LRU index.
 
+        ``read_buffer_bytes``: idle read buffers ``get_many`` keeps for reuse (``tiers.buffers``).
         Raises TierError when LMDB cannot open ``path``.
         """
         import lmdb
@@ -82,6 +90,8 @@ class LmdbTier(Tier):
         self._dirty: dict[str, int] = {}  # key -> seq not yet written to ``recency``
         self._used_bytes = 0
         self._seq = 0
+        self._hits: deque[str] = deque()  # read hits not yet applied to the index (lock-free)
+        self._buffers = ReadBuffers(max_idle_bytes=read_buffer_bytes)
         self._rebuild_index()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
         self._closed = False
@@ -92,8 +102,11 @@ class LmdbTier(Tier):
     @classmethod
     def from_config(cls, config: Any) -> LmdbTier:
         """Registry factory (``tiers.lmdb:LmdbTier.from_config``) for an ``LmdbTierConfig``."""
+        extra = {}
+        if getattr(config, "read_buffer_bytes", None) is not None:
+            extra["read_buffer_bytes"] = config.read_buffer_bytes
         return cls(config.path, config.capacity, map_headroom=config.map_headroom,
-                   writer_queue_size=config.writer_queue_size, sync=config.sync)
+                   writer_queue_size=config.writer_queue_size, sync=config.sync, **extra)
 
     def _rebuild_index(self) -> None:
         """Reset the in-memory index from disk (at open, and after an aborted write)."""
@@ -121,6 +134,7 @@ class LmdbTier(Tier):
 
     def lookup(self, keys: Sequence[str]) -> int:
         with self._lock:
+            self._apply_hits()
             for i, key in enumerate(keys):
                 if key not in self._index:
                     return i
@@ -133,16 +147,55 @@ class LmdbTier(Tier):
             return [key in self._index for key in keys]
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        out: list[Value | None] = []
+        """Memoryviews into one recycled buffer per call (one copy out of the map), valid for
+        as long as they are held. Takes no lock: never waits for the writer."""
+        encoded = [key.encode() for key in keys]
+        out: list[Value | None] = [None] * len(keys)
         with _guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
-            for key in keys:
-                buf = txn.get(key.encode())
-                out.append(None if buf is None else bytes(buf))
-        with self._lock:
-            for key, value in zip(keys, out, strict=True):
-                if value is not None and key in self._index:
-                    self._touch(key)
+            found = [txn.get(k) for k in encoded]
+            total = sum(len(b) for b in found if b is not None)
+            dest = self._buffers.take(total)
+            pos = 0
+            for i, buf in enumerate(found):
+                if buf is not None:
+                    end = pos + len(buf)
+                    dest[pos:end] = buf
+                    out[i] = dest[pos:end]
+                    pos = end
+            del found  # the map's buffers die with the transaction
+        self._note_hits(keys, out)
         return out
+
+    def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
+        """Straight from the map into ``out`` (see ``Tier.get_many_into``); no lock taken."""
+        views = writable_views(keys, out)
+        lengths: list[int | None] = []
+        with _guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key, view in zip(keys, views, strict=True):
+                buf = txn.get(key.encode())
+                if buf is None:
+                    lengths.append(None)
+                    continue
+                if len(buf) <= view.nbytes:
+                    view[: len(buf)] = buf
+                lengths.append(len(buf))
+        self._note_hits(keys, lengths)
+        return lengths
+
+    def _note_hits(self, keys: Sequence[str], found: Sequence[object]) -> None:
+        """Queue the hits' recency refresh; apply the queue here only if nobody holds the lock."""
+        self._hits.extend(k for k, v in zip(keys, found, strict=True) if v is not None)
+        if len(self._hits) > _DRAIN_AT and self._lock.acquire(blocking=False):
+            try:
+                self._apply_hits()
+            finally:
+                self._lock.release()
+
+    def _apply_hits(self) -> None:  # lock held
+        for _ in range(len(self._hits)):
+            key = self._hits.popleft()  # only lock holders pop: never empty here
+            if key in self._index:
+                self._touch(key)
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
         """Waits for the write transaction; returns the evicted entries with their bytes."""
@@ -170,6 +223,7 @@ class LmdbTier(Tier):
     def pin(self, keys: Sequence[str]) -> int:
         """Pin the leading present keys; return how many (stops at the first absent key)."""
         with self._lock:
+            self._apply_hits()
             for i, key in enumerate(keys):
                 if key not in self._index:
                     return i
@@ -198,6 +252,7 @@ class LmdbTier(Tier):
     def lru_keys(self) -> list[str]:
         """Keys, least recently used first (tests, debugging)."""
         with self._lock:
+            self._apply_hits()
             return list(self._index)
 
     # -- writer --------------------------------------------------------------------------
@@ -236,6 +291,7 @@ class LmdbTier(Tier):
         """One write transaction: commits on success, aborts on error (then the in-memory
         index, which the transaction already changed, is rebuilt from disk to stay exact)."""
         with self._lock:
+            self._apply_hits()  # reads so far count before any eviction is chosen
             try:
                 with _guard("write", self.path), self._env.begin(write=True) as txn:
                     for key, seq in self._dirty.items():
