@@ -212,10 +212,10 @@ def s3_backend(endpoint: str, creds: dict[str, str]) -> Callable[..., Backend]:
     return make
 
 
-def measure(backend: Backend, items: Items, staging: Staging, size: int,
-            repeats: int) -> dict[tuple[str, str], tuple[list[float], list[float]]]:  # fmt: skip
+def measure(backend: Backend, items: Items, staging: Staging, size: int, repeats: int,
+            puts: bool = True) -> dict[tuple[str, str], tuple[list[float], list[float]]]:  # fmt: skip
     """(op, side) -> (GB/s of each pass, latency of every call). Passes interleave the sides;
-    puts come first in each pass so that the gets hit."""
+    puts come first in each pass so that the gets hit (``puts=False``: stored once, untimed)."""
     keys = [k for k, _ in items]
     num = len(items)
     chunks = [list(range(s, min(s + size, num))) for s in range(0, num, size)]
@@ -227,6 +227,11 @@ def measure(backend: Backend, items: Items, staging: Staging, size: int,
         ("get_into", "tier"): lambda c: backend.tier.get_many_into(
             [keys[i] for i in c], staging.slots[: len(c)]),
     }
+    if not puts:
+        for side in ("tier", "base"):
+            put = ops.pop(("put", side))
+            for chunk in chunks:
+                put(chunk)
     out: dict[tuple[str, str], tuple[list[float], list[float]]] = {k: ([], []) for k in ops}
     nbytes = sum(len(v) for _, v in items)
     for _ in range(repeats):
@@ -270,6 +275,28 @@ def run_one(name: str, make: Callable[..., Backend], block: int, total: int, bat
         finally:
             backend.close()
     return rows
+
+
+def read_ratios(make: Callable[..., Backend], block: int, num: int, repeats: int = 5
+                ) -> dict[str, Any]:  # fmt: skip
+    """Batched reads of ``num`` blocks in one call, tier over baseline (median GB/s of
+    ``repeats`` interleaved passes): ``{"get": ratio, "get_into": ratio, "runs": {...}}``.
+    The figures the tests assert (tests/tiers/test_read_speed.py)."""
+    rng = np.random.default_rng(block)
+    items = [(f"speed/{i:06d}", rng.integers(0, 256, block, dtype=np.uint8).tobytes())
+             for i in range(num)]  # fmt: skip
+    staging = Staging(block, num)
+    with tempfile.TemporaryDirectory(prefix="kvtier-speed-") as scratch:
+        backend = make(block, num, scratch, staging)
+        try:
+            res = measure(backend, items, staging, num, repeats, puts=False)
+        finally:
+            backend.close()
+    med = {k: statistics.median(runs) for k, (runs, _) in res.items()}
+    return {"get": med[("get", "tier")] / med[("get", "base")],
+            "get_into": med[("get_into", "tier")] / med[("get", "base")],
+            "runs": {f"{op}/{side}": [round(x, 3) for x in runs]
+                     for (op, side), (runs, _) in res.items()}}  # fmt: skip
 
 
 BASELINES = {"host": "memcpy", "lmdb": "plain LMDB txn", "redis": "raw pipelined redis-py",
