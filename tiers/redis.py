@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from tiers.base import Evicted, Tier, TierUsage, Value
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.redis_lru import RedisLru
 from tiers.shared import backend_errors, config_as, nbytes
 
@@ -217,12 +217,15 @@ class RedisTier(Tier):
         each pipeline also runs the script that refreshes its hits' recency."""
         get = self._lru.get_many if self._lru is not None else self._get_pipelined
         parts = min(self.config.read_connections, len(keys) // 2)
-        if parts <= 1 or self._readers is None:
+        if parts <= 1 or self._readers is None or self._closed:  # closed: get raises TierError
             return get(keys)
         step = -(-len(keys) // parts)
         chunks = [keys[s : s + step] for s in range(0, len(keys), step)]
         # The calling thread reads the first chunk itself: one thread fewer to hand off to.
-        futures = [self._readers.submit(get, c) for c in chunks[1:]]
+        try:
+            futures = [self._readers.submit(get, c) for c in chunks[1:]]
+        except RuntimeError:  # closed meanwhile: the pool takes no more work
+            raise TierError(f"redis get on {redact_url(self.config.url)}: tier closed") from None
         out = get(chunks[0])
         for future in futures:
             out += future.result()
