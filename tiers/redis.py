@@ -126,6 +126,8 @@ class RedisTier(Tier):
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
+        # Also accepts tiers.config.RedisTierConfig (the YAML one): its fields, our defaults.
+        config = config_as(config, RedisTierConfig)
         self.config = config
         self.max_value_bytes = min(config.max_value_bytes, REDIS_MAX_BULK_BYTES)
         self.num_oversize_skipped = 0  # racy increments are fine: a statistic, not a contract

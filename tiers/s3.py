@@ -109,6 +109,7 @@ class S3Tier(Tier):
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError, ClientError
 
+        config = config_as(config, S3TierConfig)  # also tiers.config.S3TierConfig (YAML)
         self.config = config
         self._client_error = ClientError
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
