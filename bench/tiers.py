@@ -1,21 +1,27 @@
-"""Tier throughput and latency, each beside a raw baseline measured in the same run.
+"""Tier throughput and latency, each beside the best plain use of the same medium, same run.
 
 For every tier, block size and call shape (``single``: one key per call, ``batched``: ``--batch``
-keys per call) it times ``put_many`` then ``get_many`` over the same keys, and the same bytes
-through the baseline:
+keys per call) it times ``put_many``, ``get_many`` and ``get_many_into`` (into one preallocated
+staging buffer) over the same keys, and the same bytes through the baseline:
 
     host   numpy copy into a preallocated buffer (memcpy)   get = get_many + copy out of the slab
-    lmdb   one plain file per block: write() / read()        (page cache, no fsync, like the tier)
-    redis  raw redis-py SET / GET (hiredis), pipelined when batched
+    lmdb   put: a plain write transaction on an environment opened like the tier's;
+           get: a plain read transaction on the TIER'S OWN environment (``buffers=True``,
+           zero-copy), each value copied once into the staging buffer
+    redis  raw redis-py (hiredis) pipelined SET / GET, the batch split over the tier's
+           ``read_connections`` pipelines in parallel, as the tier does
     redis-lru  the same, the tier's ``capacity`` set (LRU bookkeeping in Lua, room for twice the
            working set: no evictions); ``lru_vs_plain`` compares it with the plain Redis tier
-    s3     raw boto3 put_object / get_object, one object per block, parallel when batched
+    s3     raw boto3 put_object / get_object, one object per block, at the tier's
+           ``max_pool_connections`` concurrency
 
-Redis and S3 are private redis-server / moto servers on loopback (tests/servers.py) unless
-``--redis-url`` / ``--s3-endpoint`` name real ones. Prints one JSON document (machine info,
-rows with GB/s, p50/p99 latency and the tier/baseline ratio) and a one-line summary.
+Passes are interleaved (tier, baseline, tier into, per pass) and the median of ``--repeats``
+passes counts; every pass is in the JSON. Redis and S3 are private redis-server / moto servers
+on loopback (tests/servers.py) unless ``--redis-url`` / ``--s3-endpoint`` name real ones.
+Prints one JSON document (machine info, rows with GB/s, p50/p99 latency and the tier/baseline
+ratio) and a one-line summary of the batched 2 MiB reads.
 
-    .venv/bin/python bench/tiers.py [--tiers host,lmdb] [--sizes 64KiB,2MiB] [--total 64MiB]
+    .venv/bin/python bench/tiers.py [--tiers host,lmdb] [--sizes 64KiB,2MiB] [--total 192MiB]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -40,13 +47,7 @@ from tiers.base import Tier  # noqa: E402
 from tiers.config import parse_size  # noqa: E402
 
 Items = list[tuple[str, bytes]]
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    gbps: float
-    p50_ms: float
-    p99_ms: float
+Op = Callable[[list[int]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,99 +55,93 @@ class Row:
     tier: str
     block_bytes: int
     mode: str
-    op: str
+    op: str  # put, get (get_many), get_into (get_many_into); the baseline is the same for both gets
     num_blocks: int
-    tier_gbps: float
+    tier_gbps: float  # median over passes
     tier_p50_ms: float
     tier_p99_ms: float
     base_gbps: float
     base_p50_ms: float
     base_p99_ms: float
-    ratio: float  # tier GB/s / baseline GB/s
-
-
-def time_calls(calls: Sequence[Callable[[], object]], nbytes: int, repeats: int) -> Timing:
-    """Run ``calls`` ``repeats`` times; the fastest pass counts (the first one pays page faults
-    and connection set-up, which a cache in steady state does not)."""
-    best: Timing | None = None
-    for _ in range(repeats):
-        lat = []
-        start = time.perf_counter()
-        for call in calls:
-            t0 = time.perf_counter()
-            call()
-            lat.append(time.perf_counter() - t0)
-        total = time.perf_counter() - start
-        lat.sort()
-        run = Timing(nbytes / total / 1e9, percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3)
-        if best is None or run.gbps > best.gbps:
-            best = run
-    assert best is not None
-    return best
+    ratio: float  # tier GB/s / baseline GB/s (medians)
+    tier_runs: list[float]
+    base_runs: list[float]
 
 
 class Backend:
-    """One tier and its baseline, set up for one block size."""
+    """One tier and its baseline, set up for one block size. ``base_get`` copies or receives
+    each value once, like the tier; ``dest`` is the staging buffer both may read into."""
 
-    def __init__(self, tier: Tier, put: Callable[[Items], None],
-                 get: Callable[[list[str]], list[Any]],
+    def __init__(self, tier: Tier, put: Callable[[Items], None], get: Callable[[list[str]], Any],
                  tier_get: Callable[[list[str]], object] | None = None) -> None:  # fmt: skip
         self.tier, self.base_put, self.base_get = tier, put, get
         self.tier_get = tier_get or tier.get_many
+        self.closers: list[Callable[[], object]] = [tier.close]
 
     def close(self) -> None:
-        self.tier.close()
+        for close in self.closers:
+            close()
 
 
-def host_backend(block: int, num: int, scratch: str) -> Backend:
+class Staging:
+    """A preallocated buffer cut into one slot per key of a call (the host slab's role)."""
+
+    def __init__(self, block: int, slots: int) -> None:
+        self.array = np.empty(block * slots, dtype=np.uint8)
+        self.array[:] = 0  # fault it in before any timing
+        view = memoryview(self.array)
+        self.slots = [view[i * block : (i + 1) * block] for i in range(slots)]
+
+
+def host_backend(block: int, num: int, scratch: str, staging: Staging) -> Backend:
     from tiers.host import HostTier
 
     tier = HostTier(capacity_bytes=num * block, slot_bytes=block)
     slab = np.empty(num * block, dtype=np.uint8)
     index: dict[str, int] = {}
-    out = np.empty(block, dtype=np.uint8)
 
     def put(items: Items) -> None:
         for key, val in items:
             slot = index.setdefault(key, len(index))
             slab[slot * block : (slot + 1) * block] = np.frombuffer(val, dtype=np.uint8)
 
-    def get(keys: list[str]) -> list[Any]:
-        for key in keys:
-            out[:] = slab[index[key] * block : (index[key] + 1) * block]
-        return keys
+    def get(keys: list[str]) -> None:
+        for i, key in enumerate(keys):
+            staging.slots[i][:] = memoryview(slab)[index[key] * block : (index[key] + 1) * block]
 
     def tier_get(keys: list[str]) -> None:  # the consumer copies out of the slab, like memcpy
-        for view in tier.get_many(keys):
-            out[:] = np.frombuffer(view, dtype=np.uint8)  # type: ignore[arg-type]
+        for i, view in enumerate(tier.get_many(keys)):
+            staging.slots[i][:] = view  # type: ignore[index]
 
     return Backend(tier, put, get, tier_get)
 
 
-def lmdb_backend(block: int, num: int, scratch: str) -> Backend:
+def lmdb_backend(block: int, num: int, scratch: str, staging: Staging) -> Backend:
+    import lmdb
+
     from tiers.lmdb import LmdbTier
 
     tier = LmdbTier(os.path.join(scratch, "lmdb"), capacity_bytes=2 * num * block + (64 << 20))
-    files = os.path.join(scratch, "files")
-    os.makedirs(files, exist_ok=True)
+    raw = lmdb.open(os.path.join(scratch, "raw"), map_size=4 * num * block + (64 << 20),
+                    sync=False, metasync=False, readahead=False)  # fmt: skip
 
     def put(items: Items) -> None:
-        for key, val in items:
-            with open(os.path.join(files, key.replace("/", "_")), "wb") as f:
-                f.write(val)
+        with raw.begin(write=True) as txn:
+            for key, val in items:
+                txn.put(key.encode(), val)
 
-    def get(keys: list[str]) -> list[Any]:
-        out = []
-        for key in keys:
-            with open(os.path.join(files, key.replace("/", "_")), "rb") as f:
-                out.append(f.read())
-        return out
+    def get(keys: list[str]) -> None:  # the tier's own environment and sub-database
+        with tier._env.begin(db=tier._blocks, buffers=True) as txn:
+            for i, key in enumerate(keys):
+                staging.slots[i][:] = txn.get(key.encode())
 
-    return Backend(tier, put, get)
+    backend = Backend(tier, put, get)
+    backend.closers.append(raw.close)
+    return backend
 
 
-def redis_backend(url: str, lru: bool = False) -> Callable[[int, int, str], Backend]:
-    def make(block: int, num: int, scratch: str) -> Backend:
+def redis_backend(url: str, lru: bool = False) -> Callable[..., Backend]:
+    def make(block: int, num: int, scratch: str, staging: Staging) -> Backend:
         import redis
 
         from tiers.redis import RedisTier, RedisTierConfig
@@ -155,6 +150,8 @@ def redis_backend(url: str, lru: bool = False) -> Callable[[int, int, str], Back
         tier = RedisTier(RedisTierConfig(url=url, key_prefix="bench:", capacity=capacity))
         raw = redis.Redis.from_url(url)
         raw.flushdb()
+        parallel = tier.config.read_connections
+        pool = ThreadPoolExecutor(parallel)
 
         def put(items: Items) -> None:
             pipe = raw.pipeline(transaction=False)
@@ -162,32 +159,43 @@ def redis_backend(url: str, lru: bool = False) -> Callable[[int, int, str], Back
                 pipe.set("raw:" + key, val)
             pipe.execute()
 
-        def get(keys: list[str]) -> list[Any]:
+        def get_one(keys: Sequence[str]) -> list[Any]:
             pipe = raw.pipeline(transaction=False)
             for key in keys:
                 pipe.get("raw:" + key)
             return list(pipe.execute())
 
-        return Backend(tier, put, get)
+        def get(keys: list[str]) -> list[Any]:  # split like the tier: len // 2 pipelines at most
+            parts = max(1, min(parallel, len(keys) // 2))
+            step = -(-len(keys) // parts)
+            chunks = [keys[s : s + step] for s in range(0, len(keys), step)]
+            return [v for part in pool.map(get_one, chunks) for v in part]
+
+        backend = Backend(tier, put, get)
+        backend.closers += [pool.shutdown, raw.close]
+        return backend
 
     return make
 
 
-def s3_backend(endpoint: str, creds: dict[str, str]) -> Callable[[int, int, str], Backend]:
-    def make(block: int, num: int, scratch: str) -> Backend:
+def s3_backend(endpoint: str, creds: dict[str, str]) -> Callable[..., Backend]:
+    def make(block: int, num: int, scratch: str, staging: Staging) -> Backend:
         import uuid
 
         import boto3
+        from botocore.config import Config
 
         from tiers.s3 import S3Tier, S3TierConfig
 
         bucket = f"bench-{uuid.uuid4().hex[:10]}"
-        client = boto3.session.Session().client("s3", endpoint_url=endpoint, **creds)
-        client.create_bucket(Bucket=bucket)
         tier = S3Tier(S3TierConfig(bucket=bucket, endpoint_url=endpoint, region=creds["region_name"],
                                    access_key_id=creds["aws_access_key_id"],
                                    secret_access_key=creds["aws_secret_access_key"]))  # fmt: skip
-        pool = ThreadPoolExecutor(32)
+        workers = tier.config.max_pool_connections
+        client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint, config=Config(max_pool_connections=workers), **creds)
+        client.create_bucket(Bucket=bucket)
+        pool = ThreadPoolExecutor(workers)
 
         def put(items: Items) -> None:
             list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key="raw/" + kv[0],
@@ -198,53 +206,111 @@ def s3_backend(endpoint: str, creds: dict[str, str]) -> Callable[[int, int, str]
                 Bucket=bucket, Key="raw/" + k)["Body"].read(), keys))  # fmt: skip
 
         backend = Backend(tier, put, get)
-        backend.close = lambda: (tier.close(), pool.shutdown())  # type: ignore[method-assign]
+        backend.closers.append(pool.shutdown)
         return backend
 
     return make
 
 
-def run_one(name: str, make: Callable[[int, int, str], Backend], block: int, total: int,
-            batch: int, repeats: int) -> list[Row]:  # fmt: skip
+def measure(backend: Backend, items: Items, staging: Staging, size: int, repeats: int,
+            puts: bool = True) -> dict[tuple[str, str], tuple[list[float], list[float]]]:  # fmt: skip
+    """(op, side) -> (GB/s of each pass, latency of every call). Passes interleave the sides;
+    puts come first in each pass so that the gets hit (``puts=False``: stored once, untimed)."""
+    keys = [k for k, _ in items]
+    num = len(items)
+    chunks = [list(range(s, min(s + size, num))) for s in range(0, num, size)]
+    ops: dict[tuple[str, str], Op] = {
+        ("put", "tier"): lambda c: backend.tier.put_many([items[i] for i in c]),
+        ("put", "base"): lambda c: backend.base_put([items[i] for i in c]),
+        ("get", "tier"): lambda c: backend.tier_get([keys[i] for i in c]),
+        ("get", "base"): lambda c: backend.base_get([keys[i] for i in c]),
+        ("get_into", "tier"): lambda c: backend.tier.get_many_into(
+            [keys[i] for i in c], staging.slots[: len(c)]),
+    }
+    if not puts:
+        for side in ("tier", "base"):
+            put = ops.pop(("put", side))
+            for chunk in chunks:
+                put(chunk)
+    out: dict[tuple[str, str], tuple[list[float], list[float]]] = {k: ([], []) for k in ops}
+    nbytes = sum(len(v) for _, v in items)
+    for _ in range(repeats):
+        for name, op in ops.items():
+            runs, lat = out[name]
+            start = time.perf_counter()
+            for chunk in chunks:
+                t0 = time.perf_counter()
+                op(chunk)
+                lat.append(time.perf_counter() - t0)
+            runs.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return out
+
+
+def run_one(name: str, make: Callable[..., Backend], block: int, total: int, batch: int,
+            repeats: int) -> list[Row]:  # fmt: skip
     num = max(4, min(512, total // block))
     rng = np.random.default_rng(block)
     items = [(f"bench/{name}/{i:06d}", rng.integers(0, 256, block, dtype=np.uint8).tobytes())
              for i in range(num)]  # fmt: skip
-    keys = [k for k, _ in items]
     rows = []
+    staging = Staging(block, min(batch, num))
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
-        backend = make(block, num, scratch)
+        backend = make(block, num, scratch, staging)
         try:
             backend.tier.put_many(items[:1])  # warm connections and pools
-            backend.tier_get(keys[:1])
+            backend.tier_get([items[0][0]])
             for mode, size in (("single", 1), ("batched", min(batch, num))):
-                chunks = [list(range(s, min(s + size, num))) for s in range(0, num, size)]
-                ops: dict[tuple[str, str], Callable[[list[int]], object]] = {
-                    ("put", "tier"): lambda c: backend.tier.put_many([items[i] for i in c]),
-                    ("put", "base"): lambda c: backend.base_put([items[i] for i in c]),
-                    ("get", "tier"): lambda c: backend.tier_get([keys[i] for i in c]),
-                    ("get", "base"): lambda c: backend.base_get([keys[i] for i in c]),
-                }  # timed in this order: puts first, so that the gets hit
-                res = {k: time_calls([lambda c=c, f=f: f(c) for c in chunks], num * block, repeats)
-                       for k, f in ops.items()}  # fmt: skip
-                for op in ("put", "get"):
-                    t, b = res[(op, "tier")], res[(op, "base")]
-                    rows.append(Row(name, block, mode, op, num, round(t.gbps, 3),
-                                    round(t.p50_ms, 3), round(t.p99_ms, 3), round(b.gbps, 3),
-                                    round(b.p50_ms, 3), round(b.p99_ms, 3),
-                                    round(t.gbps / b.gbps, 3) if b.gbps else 0.0))  # fmt: skip
+                res = measure(backend, items, staging, size, repeats)
+                for op in ("put", "get", "get_into"):
+                    (t, t_lat), (b, b_lat) = res[(op, "tier")], res[("get" if op != "put" else op, "base")]
+                    t_med, b_med = statistics.median(t), statistics.median(b)
+                    t_lat, b_lat = sorted(t_lat), sorted(b_lat)
+                    rows.append(Row(name, block, mode, op, num, round(t_med, 3),
+                                    round(percentile(t_lat, 50) * 1e3, 3),
+                                    round(percentile(t_lat, 99) * 1e3, 3), round(b_med, 3),
+                                    round(percentile(b_lat, 50) * 1e3, 3),
+                                    round(percentile(b_lat, 99) * 1e3, 3),
+                                    round(t_med / b_med, 3) if b_med else 0.0,
+                                    [round(x, 3) for x in t], [round(x, 3) for x in b]))  # fmt: skip
         finally:
             backend.close()
     return rows
+
+
+def read_ratios(make: Callable[..., Backend], block: int, num: int, repeats: int = 5
+                ) -> dict[str, Any]:  # fmt: skip
+    """Batched reads of ``num`` blocks in one call, tier over baseline (median GB/s of
+    ``repeats`` interleaved passes): ``{"get": ratio, "get_into": ratio, "runs": {...}}``.
+    The figures the tests assert (tests/tiers/test_read_speed.py)."""
+    rng = np.random.default_rng(block)
+    items = [(f"speed/{i:06d}", rng.integers(0, 256, block, dtype=np.uint8).tobytes())
+             for i in range(num)]  # fmt: skip
+    staging = Staging(block, num)
+    with tempfile.TemporaryDirectory(prefix="kvtier-speed-") as scratch:
+        backend = make(block, num, scratch, staging)
+        try:
+            res = measure(backend, items, staging, num, repeats, puts=False)
+        finally:
+            backend.close()
+    med = {k: statistics.median(runs) for k, (runs, _) in res.items()}
+    return {"get": med[("get", "tier")] / med[("get", "base")],
+            "get_into": med[("get_into", "tier")] / med[("get", "base")],
+            "runs": {f"{op}/{side}": [round(x, 3) for x in runs]
+                     for (op, side), (runs, _) in res.items()}}  # fmt: skip
+
+
+BASELINES = {"host": "memcpy", "lmdb": "plain LMDB txn", "redis": "raw pipelined redis-py",
+             "redis-lru": "raw pipelined redis-py", "s3": "raw boto3"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tiers", default="host,lmdb,redis,redis-lru,s3")
     p.add_argument("--sizes", default="64KiB,2MiB,8MiB")
-    p.add_argument("--total", default="32MiB", help="bytes moved per tier, size and call shape")
+    p.add_argument("--total", default="192MiB",
+                   help="bytes moved per tier, size and call shape (at most 512 blocks)")
     p.add_argument("--batch", type=int, default=32, help="keys per call in batched mode")
-    p.add_argument("--repeats", type=int, default=2, help="passes per measurement; best counts")
+    p.add_argument("--repeats", type=int, default=5, help="passes per measurement; the median counts")
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.add_argument("--s3-endpoint", default=None, help="default: a private moto server")
     args = p.parse_args(argv)
@@ -253,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = parse_size(args.total)
 
     started: list[Any] = []
-    makers: dict[str, Callable[[int, int, str], Backend]] = {
+    makers: dict[str, Callable[..., Backend]] = {
         "host": host_backend, "lmdb": lmdb_backend}
     if "redis" in names or "redis-lru" in names:
         url = args.redis_url
@@ -285,15 +351,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     lru_vs_plain = [{"block_bytes": r.block_bytes, "mode": r.mode, "op": r.op,
                      "ratio": round(r.tier_gbps / plain[(r.block_bytes, r.mode, r.op)], 3)}
                     for r in rows if r.tier == "redis-lru" and plain.get((r.block_bytes, r.mode, r.op))]  # fmt: skip
-    print(json.dumps({"benchmark": "tiers", "machine": machine_info(),
+    print(json.dumps({"benchmark": "tiers", "machine": machine_info(), "baselines": BASELINES,
                       "rows": [asdict(r) for r in rows], "lru_vs_plain": lru_vs_plain},
                      indent=1))  # fmt: skip
-    parts = [f"{r.tier} {r.block_bytes >> 10}KiB {r.mode} {r.op} {r.tier_gbps:.2f}GB/s "
-             f"({r.ratio:.2f}x {'memcpy' if r.tier == 'host' else 'raw'})"
+    parts = [f"{r.tier} {r.op} {r.tier_gbps:.2f}GB/s = {r.ratio:.2f}x {BASELINES[r.tier]}"
              for r in rows if r.mode == "batched" and r.block_bytes == 2 << 20]  # fmt: skip
     parts += [f"redis-lru/redis {c['op']} {c['ratio']:.2f}x" for c in lru_vs_plain
               if c["mode"] == "batched" and c["block_bytes"] == 2 << 20]  # fmt: skip
-    print("summary: " + "; ".join(parts or [f"{len(rows)} rows"]))
+    machine = machine_info()
+    where = f"{machine['cpu_count']} CPUs, {machine['cpu_model'] or machine['platform']}"
+    print(f"summary ({where}; batched 2 MiB blocks, median of {args.repeats}): "
+          + "; ".join(parts or [f"{len(rows)} rows"]))
     return 0
 
 

@@ -10,6 +10,11 @@ Contracts shared by every tier (tests/tiers/ checks them against real servers):
   ``contains_many`` answers per key (not only the leading ones).
 - ``get_many`` returns ``None`` for a key that is absent. It may return ``bytes`` or a
   ``memoryview``; a memoryview stays valid until the next call on the same thread.
+- ``get_many_into`` reads values into buffers the caller owns (the host slab, pinned staging),
+  one per key, and returns each value's length (``None``: absent). A value longer than its
+  buffer is not written (the caller sees the length and treats it as a miss or reads again with
+  ``get_many``); bytes of a buffer past the returned length are left untouched. Backends that can
+  (LMDB) copy straight from their medium into the buffer; the default goes through ``get_many``.
 - ``put_many`` stores every pair or skips ones it cannot hold (too large, tier full of pinned
   data); it returns the keys it evicted to make room, with their values when the tier can still
   hand them over (so the store can demote them), in eviction order.
@@ -24,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Value = bytes | memoryview
 
@@ -70,6 +76,20 @@ class Tier(ABC):
     def usage(self) -> TierUsage:
         """Bytes used, capacity and entry count (best effort for server-managed tiers)."""
 
+    def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
+        """Read each of ``keys`` into ``out[i]`` (a writable, C-contiguous buffer: bytearray,
+        memoryview, numpy array; e.g. slices of one big staging buffer); return the value
+        lengths in order, ``None`` where absent. A length above ``len(out[i])`` (in bytes) means
+        the value did not fit and nothing was written to ``out[i]``. Same recency effects, errors
+        (TierError) and thread safety as ``get_many``. Raises ValueError (one line) when ``out``
+        and ``keys`` differ in length or a buffer is read-only. This default copies what
+        ``get_many`` returns; a backend that can read into the buffer directly overrides it."""
+        views = writable_views(keys, out)
+        lengths: list[int | None] = []
+        for view, value in zip(views, self.get_many(keys), strict=True):
+            lengths.append(copy_into(view, value))
+        return lengths
+
     def contains(self, key: str) -> bool:
         return self.lookup([key]) == 1
 
@@ -93,3 +113,29 @@ class Tier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def writable_views(keys: Sequence[str], out: Sequence[Any]) -> list[memoryview]:
+    """``out`` as flat byte views, checked for ``get_many_into``. Raises ValueError."""
+    if len(out) != len(keys):
+        raise ValueError(f"get_many_into: {len(keys)} keys but {len(out)} buffers")
+    views = []
+    for i, buf in enumerate(out):
+        try:
+            view = memoryview(buf).cast("B")
+        except TypeError as exc:
+            raise ValueError(f"get_many_into: buffer {i} is not C-contiguous bytes ({exc})") from None
+        if view.readonly:
+            raise ValueError(f"get_many_into: buffer {i} is read-only")
+        views.append(view)
+    return views
+
+
+def copy_into(view: memoryview, value: Value | None) -> int | None:
+    """Copy ``value`` into the front of ``view`` when it fits; its length (None when absent)."""
+    if value is None:
+        return None
+    src = memoryview(value).cast("B")
+    if src.nbytes <= view.nbytes:
+        view[: src.nbytes] = src
+    return src.nbytes

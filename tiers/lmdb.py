@@ -5,14 +5,18 @@
   ``map_headroom`` (B-tree pages and free-list overhead) so that eviction, not MDB_MAP_FULL,
   bounds the data.
 - LRU: an in-memory index (key -> size, least recent first) is rebuilt on open from ``recency``,
-  so a restarted process keeps serving what was stored, in the same eviction order. Reads refresh
-  recency in memory at once and on disk lazily, in the writer's next transaction (and on close).
-- One writer: ``put_many`` and ``delete_many`` go through a bounded queue to a single writer
-  thread and WAIT for their write transaction to commit, so their return value (evictions,
-  counts) is exact. Readers run in parallel in their own read-only transactions.
+  so a restarted process keeps serving what was stored, in the same eviction order. ``get_many``
+  never takes the index lock (the writer holds it through a whole write transaction): its hits
+  go to a queue that the writer drains before it evicts, and that ``lookup``, ``pin`` and
+  ``lru_keys`` drain first too. Recency reaches disk lazily, in the writer's next transaction.
+- One writer (``tiers.lmdb_writer``): ``put_many`` and ``delete_many`` go through a bounded
+  queue to a single writer thread and WAIT for their write transaction to commit, so their
+  return value (evictions, counts) is exact. Readers run in parallel in their own read-only transactions.
 - ``get_many`` reads with ``buffers=True`` and copies each value once out of the map before the
-  read transaction ends (an LMDB buffer dies with it), so it returns ``bytes`` valid forever.
-  ``lookup`` answers from the in-memory index and touches no transaction.
+  read transaction ends (an LMDB buffer dies with it), into one recycled buffer per call
+  (``tiers.buffers``: memory already faulted in, so the copy runs at memcpy speed): it returns
+  memoryviews valid for as long as the caller holds them. ``get_many_into`` copies straight
+  from the map into the caller's buffers. ``lookup`` answers from the in-memory index.
 - Pins (``pin``/``unpin``, counted) keep entries from eviction, as in the host tier.
 - Every ``lmdb.Error`` becomes ``TierError``. One process per ``path``: the index is per process.
 
@@ -22,45 +26,28 @@ Thread-safe.
 from __future__ import annotations
 
 import queue
-import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiers.base import Evicted, Tier, TierError, TierUsage, Value
-from tiers.shared import backend_errors
+from tiers.base import Evicted, Tier, TierUsage, Value, writable_views
+from tiers.buffers import ReadBuffers
+from tiers.lmdb_writer import SEQ, STOP, LmdbWriter, WriteOp, guard
 
-_SEQ = struct.Struct("<Q")
-_STOP = object()
-
-
-@dataclass(slots=True)
-class _WriteOp:
-    puts: Sequence[tuple[str, Value]] = ()
-    deletes: Sequence[str] = ()
-    done: threading.Event = field(default_factory=threading.Event)
-    evicted: list[Evicted] = field(default_factory=list)
-    num_deleted: int = 0
-    error: BaseException | None = None
+_DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if the lock is free)
 
 
-def _guard(op: str, path: str) -> AbstractContextManager[None]:
-    import lmdb
-
-    return backend_errors((lmdb.Error,), "lmdb", op, f"at {path}")
-
-
-class LmdbTier(Tier):
+class LmdbTier(LmdbWriter, Tier):
     name = "lmdb"
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, map_headroom: float = 0.25,
-                 writer_queue_size: int = 256, sync: bool = False) -> None:
+                 writer_queue_size: int = 256, sync: bool = False,
+                 read_buffer_bytes: int = 256 << 20) -> None:
         """Open (creating if needed) the environment and rebuild the LRU index.
 
+        ``read_buffer_bytes``: idle read buffers ``get_many`` keeps for reuse (``tiers.buffers``).
         Raises TierError when LMDB cannot open ``path``.
         """
         import lmdb
@@ -71,7 +58,7 @@ class LmdbTier(Tier):
         # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
         # readers dominate small tiers. The file is sparse, so unused map costs nothing.
         map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
-        with _guard("open", self.path):
+        with guard("open", self.path):
             self._env = lmdb.open(self.path, map_size=map_size, max_dbs=2, sync=sync,
                                   metasync=sync, readahead=False, max_readers=256)
             self._blocks = self._env.open_db(b"blocks")
@@ -82,6 +69,8 @@ class LmdbTier(Tier):
         self._dirty: dict[str, int] = {}  # key -> seq not yet written to ``recency``
         self._used_bytes = 0
         self._seq = 0
+        self._hits: deque[str] = deque()  # read hits not yet applied to the index (lock-free)
+        self._buffers = ReadBuffers(max_idle_bytes=read_buffer_bytes)
         self._rebuild_index()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
         self._closed = False
@@ -92,8 +81,11 @@ class LmdbTier(Tier):
     @classmethod
     def from_config(cls, config: Any) -> LmdbTier:
         """Registry factory (``tiers.lmdb:LmdbTier.from_config``) for an ``LmdbTierConfig``."""
+        extra = {}
+        if getattr(config, "read_buffer_bytes", None) is not None:
+            extra["read_buffer_bytes"] = config.read_buffer_bytes
         return cls(config.path, config.capacity, map_headroom=config.map_headroom,
-                   writer_queue_size=config.writer_queue_size, sync=config.sync)
+                   writer_queue_size=config.writer_queue_size, sync=config.sync, **extra)
 
     def _rebuild_index(self) -> None:
         """Reset the in-memory index from disk (at open, and after an aborted write)."""
@@ -102,9 +94,9 @@ class LmdbTier(Tier):
         self._used_bytes = 0
         order: list[tuple[int, str]] = []
         sizes: dict[str, int] = {}
-        with _guard("open", self.path), self._env.begin(buffers=True) as txn:
+        with guard("open", self.path), self._env.begin(buffers=True) as txn:
             for raw_key, raw_seq in txn.cursor(db=self._recency):
-                order.append((_SEQ.unpack(raw_seq)[0], bytes(raw_key).decode()))
+                order.append((SEQ.unpack(raw_seq)[0], bytes(raw_key).decode()))
             for raw_key, raw_value in txn.cursor(db=self._blocks):
                 sizes[bytes(raw_key).decode()] = len(raw_value)
         # A block without a recency record (crash between the two puts cannot happen: both go
@@ -121,6 +113,7 @@ class LmdbTier(Tier):
 
     def lookup(self, keys: Sequence[str]) -> int:
         with self._lock:
+            self._apply_hits()
             for i, key in enumerate(keys):
                 if key not in self._index:
                     return i
@@ -133,24 +126,63 @@ class LmdbTier(Tier):
             return [key in self._index for key in keys]
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        out: list[Value | None] = []
-        with _guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
-            for key in keys:
-                buf = txn.get(key.encode())
-                out.append(None if buf is None else bytes(buf))
-        with self._lock:
-            for key, value in zip(keys, out, strict=True):
-                if value is not None and key in self._index:
-                    self._touch(key)
+        """Memoryviews into one recycled buffer per call (one copy out of the map), valid for
+        as long as they are held. Takes no lock: never waits for the writer."""
+        encoded = [key.encode() for key in keys]
+        out: list[Value | None] = [None] * len(keys)
+        with guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
+            found = [txn.get(k) for k in encoded]
+            total = sum(len(b) for b in found if b is not None)
+            dest = self._buffers.take(total)
+            pos = 0
+            for i, buf in enumerate(found):
+                if buf is not None:
+                    end = pos + len(buf)
+                    dest[pos:end] = buf
+                    out[i] = dest[pos:end]
+                    pos = end
+            del found  # the map's buffers die with the transaction
+        self._note_hits(keys, out)
         return out
+
+    def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
+        """Straight from the map into ``out`` (see ``Tier.get_many_into``); no lock taken."""
+        views = writable_views(keys, out)
+        lengths: list[int | None] = []
+        with guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key, view in zip(keys, views, strict=True):
+                buf = txn.get(key.encode())
+                if buf is None:
+                    lengths.append(None)
+                    continue
+                if len(buf) <= view.nbytes:
+                    view[: len(buf)] = buf
+                lengths.append(len(buf))
+        self._note_hits(keys, lengths)
+        return lengths
+
+    def _note_hits(self, keys: Sequence[str], found: Sequence[object]) -> None:
+        """Queue the hits' recency refresh; apply the queue here only if nobody holds the lock."""
+        self._hits.extend(k for k, v in zip(keys, found, strict=True) if v is not None)
+        if len(self._hits) > _DRAIN_AT and self._lock.acquire(blocking=False):
+            try:
+                self._apply_hits()
+            finally:
+                self._lock.release()
+
+    def _apply_hits(self) -> None:  # lock held
+        for _ in range(len(self._hits)):
+            key = self._hits.popleft()  # only lock holders pop: never empty here
+            if key in self._index:
+                self._touch(key)
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
         """Waits for the write transaction; returns the evicted entries with their bytes."""
-        return self._submit(_WriteOp(puts=items)).evicted if items else []
+        return self._submit(WriteOp(puts=items)).evicted if items else []
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete unpinned keys (waits for the write); pinned ones stay and are not counted."""
-        return self._submit(_WriteOp(deletes=keys)).num_deleted if keys else 0
+        return self._submit(WriteOp(deletes=keys)).num_deleted if keys else 0
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -161,7 +193,7 @@ class LmdbTier(Tier):
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        self._queue.put(STOP)
         self._writer.join()
         self._env.close()
 
@@ -170,6 +202,7 @@ class LmdbTier(Tier):
     def pin(self, keys: Sequence[str]) -> int:
         """Pin the leading present keys; return how many (stops at the first absent key)."""
         with self._lock:
+            self._apply_hits()
             for i, key in enumerate(keys):
                 if key not in self._index:
                     return i
@@ -198,6 +231,7 @@ class LmdbTier(Tier):
     def lru_keys(self) -> list[str]:
         """Keys, least recently used first (tests, debugging)."""
         with self._lock:
+            self._apply_hits()
             return list(self._index)
 
     # -- writer --------------------------------------------------------------------------
@@ -206,81 +240,3 @@ class LmdbTier(Tier):
         self._seq += 1
         self._index.move_to_end(key)
         self._dirty[key] = self._seq
-
-    def _submit(self, op: _WriteOp) -> _WriteOp:
-        if self._closed:
-            raise TierError(f"lmdb tier at {self.path} is closed")
-        self._queue.put(op)
-        op.done.wait()
-        if op.error is not None:
-            raise op.error
-        return op
-
-    def _write_loop(self) -> None:
-        while True:
-            op = self._queue.get()
-            if op is _STOP:
-                try:
-                    self._apply(None)  # persist recency
-                except TierError:
-                    pass
-                return
-            try:
-                self._apply(op)
-            except BaseException as exc:  # handed to the waiting caller, never lost
-                op.error = exc if isinstance(exc, TierError) else TierError(f"lmdb write: {exc}")
-            finally:
-                op.done.set()
-
-    def _apply(self, op: _WriteOp | None) -> None:
-        """One write transaction: commits on success, aborts on error (then the in-memory
-        index, which the transaction already changed, is rebuilt from disk to stay exact)."""
-        with self._lock:
-            try:
-                with _guard("write", self.path), self._env.begin(write=True) as txn:
-                    for key, seq in self._dirty.items():
-                        if key in self._index:
-                            txn.put(key.encode(), _SEQ.pack(seq), db=self._recency)
-                    if op is not None:
-                        for key in op.deletes:
-                            if key in self._index and key not in self._pins:
-                                self._delete(txn, key)
-                                op.num_deleted += 1
-                        for key, value in op.puts:
-                            self._put_one(txn, key, memoryview(value).cast("B"), op)
-                self._dirty.clear()
-            except BaseException:
-                self._rebuild_index()
-                raise
-
-    def _put_one(self, txn: Any, key: str, value: memoryview, op: _WriteOp) -> None:
-        # Lock held, inside the write transaction.
-        if value.nbytes > self.capacity_bytes:
-            return
-        old = self._index.get(key)
-        room = self.capacity_bytes - self._used_bytes + (old or 0)
-        victims: list[str] = []
-        for victim in self._index:
-            if room >= value.nbytes:
-                break
-            if victim != key and victim not in self._pins:
-                victims.append(victim)
-                room += self._index[victim]
-        if room < value.nbytes:
-            return  # everything else is pinned: skip, keep any old copy
-        for victim in victims:
-            raw = txn.get(victim.encode(), db=self._blocks)
-            op.evicted.append(Evicted(victim, None if raw is None else bytes(raw)))
-            self._delete(txn, victim)
-        if old is not None:
-            self._used_bytes -= self._index.pop(key)
-        self._seq += 1
-        txn.put(key.encode(), value, db=self._blocks)
-        txn.put(key.encode(), _SEQ.pack(self._seq), db=self._recency)
-        self._index[key] = value.nbytes
-        self._used_bytes += value.nbytes
-
-    def _delete(self, txn: Any, key: str) -> None:  # lock held
-        txn.delete(key.encode(), db=self._blocks)
-        txn.delete(key.encode(), db=self._recency)
-        self._used_bytes -= self._index.pop(key)

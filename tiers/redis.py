@@ -28,6 +28,11 @@ Two ways to bound it:
 - redis-py's hiredis parser is expected; without it a warning is logged (parsing megabyte
   values in pure Python is several times slower).
 
+- ``get_many`` splits a batch over ``read_connections`` pipelines on as many pooled connections,
+  run in parallel (one round trip each), so a large read is not one socket's stream; a batch
+  smaller than two keys per connection uses fewer. redis-py cannot parse a reply into a
+  caller's buffer, so ``get_many_into`` is the protocol's default (one copy after the parse).
+
 Thread-safe: redis-py pools hand each call its own connection; pipelines are per call.
 ``get_many`` returns ``bytes`` (never a memoryview), valid forever.
 """
@@ -36,12 +41,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from tiers.base import Evicted, Tier, TierUsage, Value
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.redis_lru import RedisLru
 from tiers.shared import backend_errors, config_as, nbytes
 
@@ -67,6 +73,7 @@ class RedisTierConfig:
     max_connections: int = 64
     retries: int = 1  # on connection errors/timeouts, with a 10-100 ms backoff
     capacity: int | None = None  # bytes of values; None: the server's maxmemory bounds the tier
+    read_connections: int = 4  # parallel pipelines (connections) one get_many may use
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
@@ -81,6 +88,9 @@ class RedisTierConfig:
             raise ValueError("socket_timeout_s and connect_timeout_s must be positive")
         if self.max_connections <= 0 or self.retries < 0:
             raise ValueError("max_connections must be positive and retries non-negative")
+        if not 0 < self.read_connections <= self.max_connections:
+            raise ValueError(f"read_connections must be in 1..max_connections "
+                             f"({self.max_connections}), got {self.read_connections}")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"capacity must be positive or None, got {self.capacity}")
         if self.capacity is not None and (self.cluster or scheme in _CLUSTER_SCHEMES):
@@ -116,6 +126,8 @@ class RedisTier(Tier):
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
+        # Also accepts tiers.config.RedisTierConfig (the YAML one): its fields, our defaults.
+        config = config_as(config, RedisTierConfig)
         self.config = config
         self.max_value_bytes = min(config.max_value_bytes, REDIS_MAX_BULK_BYTES)
         self.num_oversize_skipped = 0  # racy increments are fine: a statistic, not a contract
@@ -139,6 +151,10 @@ class RedisTier(Tier):
         if scheme in _CLUSTER_SCHEMES:
             url = urlunsplit(urlsplit(url)._replace(scheme=_CLUSTER_SCHEMES[scheme]))
         self._closed = False
+        self._readers: ThreadPoolExecutor | None = None
+        if config.read_connections > 1:
+            self._readers = ThreadPoolExecutor(config.read_connections - 1,
+                                               thread_name_prefix="kv-redis-read")
         with backend_errors(self._errors, "redis", "connect", redact_url(config.url)):
             if self._cluster:
                 # The cluster client connects at construction to learn the slot map.
@@ -198,10 +214,26 @@ class RedisTier(Tier):
         return [bool(n) for n in self._pipelined("lookup", keys, lambda p, k: p.exists(k))]
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        """One pipelined GET per key, a single round trip (per node on a cluster). With
-        ``capacity`` the same round trip runs a script that refreshes the hits' recency."""
-        if self._lru is not None:
-            return self._lru.get_many(keys)
+        """One pipelined GET per key, the batch split over up to ``read_connections``
+        pipelines in parallel (one round trip each; per node on a cluster). With ``capacity``
+        each pipeline also runs the script that refreshes its hits' recency."""
+        get = self._lru.get_many if self._lru is not None else self._get_pipelined
+        parts = min(self.config.read_connections, len(keys) // 2)
+        if parts <= 1 or self._readers is None or self._closed:  # closed: get raises TierError
+            return get(keys)
+        step = -(-len(keys) // parts)
+        chunks = [keys[s : s + step] for s in range(0, len(keys), step)]
+        # The calling thread reads the first chunk itself: one thread fewer to hand off to.
+        try:
+            futures = [self._readers.submit(get, c) for c in chunks[1:]]
+        except RuntimeError:  # closed meanwhile: the pool takes no more work
+            raise TierError(f"redis get on {redact_url(self.config.url)}: tier closed") from None
+        out = get(chunks[0])
+        for future in futures:
+            out += future.result()
+        return out
+
+    def _get_pipelined(self, keys: Sequence[str]) -> list[Value | None]:
         return self._pipelined("get", keys, lambda p, k: p.get(k))
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
@@ -261,6 +293,8 @@ class RedisTier(Tier):
         if self._closed:
             return
         self._closed = True
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         try:
             self._client.close()
         except self._errors:
