@@ -11,7 +11,8 @@ One JSON object per finished request, one per line::
 ``ts`` is the Unix time the request arrived; ``block_hashes`` the hex chained hashes of every
 full block of the prompt; ``hit_tiers`` the tier that served each leading cached block;
 ``decision`` the reload decision (``cost_model.STRATEGY_*``); ``ttft_breakdown_s`` the phases
-of ``ttft_s`` (engine/ttft.py; null for a request ended before its first token) and
+of ``ttft_s`` (engine/ttft.py, ``load_copy`` the measured copy of its KV load into the GPU
+cache; null for a request ended before its first token) and
 ``num_prefill_steps`` the steps that computed its prompt. ``kvtier analyze`` reads it
 (format ``request-log``; it needs only ``ts``, ``prompt_tokens`` and ``block_hashes``). Each line is written and flushed at once, so a crash loses at most
 the line being written. Not thread-safe: the engine thread writes it.

@@ -61,6 +61,9 @@ class _Load:
     event: object | None = None  # CUDA: recorded after the last issued copy
     timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
     copy_seconds: float = 0.0  # CPU
+    read_seconds: float = 0.0  # lower-tier staging (load thread)
+    # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
+    shared: tuple[object, object] | None = None
     issuing: bool = True  # more copies may follow (staging pending)
 
 
@@ -248,6 +251,7 @@ class HostLoader:
         for pending in loads:
             pending.copied += len(pending.load.slab_offsets)
             pending.event = end
+            pending.shared = (begin, end)
         # One transfer: observed once (by the first load), with all its bytes.
         loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
@@ -297,6 +301,7 @@ class HostLoader:
         pending.staging = None
         pending.issuing = False
         pending.staged_keys = keys
+        pending.read_seconds += staged.seconds
         lead = self._locate_and_copy(pending, keys)
         data = staged.data
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
@@ -335,8 +340,10 @@ class HostLoader:
             seconds = time.perf_counter() - pending.started
             self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
                            loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
-            self._observe_host(pending)
-            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds))
+            copy_s = _copy_seconds(pending)
+            self._observe_host(pending, copy_s)
+            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds, copy_s,
+                                             pending.read_seconds, load.in_step))
         still: list[_Load] = []
         for pending in self._draining:
             if (pending.staging is None or pending.staging.done()) and _done(pending.event):
@@ -359,18 +366,25 @@ class HostLoader:
         if not pending.load.in_step:  # in-step loads hold slot pins only
             self.store.complete_load(pending.load.keys)
 
-    def _observe_host(self, pending: _Load) -> None:
+    def _observe_host(self, pending: _Load, copy_s: float) -> None:
         if self.cost_model is None or not pending.copied:
             return
         if pending.timings:
-            seconds = sum(b.elapsed_time(e) for b, e, _ in pending.timings) / 1e3  # type: ignore[attr-defined]
             nbytes = sum(n for _, _, n in pending.timings)
         elif pending.copy_seconds:
-            seconds, nbytes = pending.copy_seconds, pending.copied * self.kv_cache.bytes_per_block
+            nbytes = pending.copied * self.kv_cache.bytes_per_block
         else:
             return  # its blocks moved in another load's transfer, observed there
-        self.cost_model.observe_transfer("host", nbytes, max(seconds, 1e-9))
+        self.cost_model.observe_transfer("host", nbytes, max(copy_s, 1e-9))
 
 
 def _done(event: object | None) -> bool:
     return event is None or bool(event.query())  # type: ignore[attr-defined]
+
+
+def _copy_seconds(pending: _Load) -> float:
+    """The load's copy time: CUDA events (all completed: the last one has) and CPU wall time.
+    Reading a completed event's time never waits."""
+    pairs = [pending.shared] if pending.shared is not None else [(b, e) for b, e, _ in pending.timings]
+    device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
+    return device + pending.copy_seconds
