@@ -83,6 +83,8 @@ class OffloadConnector:
             layers_per_copy=config.layers_per_copy,
             coalesced_loads=config.coalesced_loads,
             codec=codec,
+            load_chunk_bytes=config.load_chunk_bytes,
+            load_pipeline_depth=config.load_pipeline_depth,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.

@@ -6,10 +6,13 @@
   (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
   compute stream waits on, since this step's forward reads them).
 - async loads: ``store.locate_host`` finds the leading host-tier blocks (header checked, not the
-  checksum: this process wrote them), copied the same way; the rest (lower tiers) is staged by
-  one background thread (``store.stage_host``: checksummed reads into pinned host slots), then
-  copied at a later step start; blocks the slab cannot take are read into one tensor and
-  scattered. A load whose staging runs past ``load_timeout_s`` ends with what was copied.
+  checksum: this process wrote them), copied the same way; the rest (lower tiers) goes through
+  one background thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by
+  chunk, each chunk read into a pinned staging slot and its copy into the cache issued by that
+  thread while it reads the next (``connectors.offload.pipeline``). Otherwise: staged
+  (``store.stage_host``: checksummed reads into pinned host slots), then copied at a later step
+  start; blocks the slab cannot take are read into one tensor and scattered. A load whose
+  staging runs past ``load_timeout_s`` ends with what was copied.
 - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
   once); their pins are released once the copies and the staging ended. An idle step (nothing
   scheduled) waits for the first staging and for the copies, so the load is reported now.
@@ -36,6 +39,7 @@ from cachestore.store.hierarchical import HierarchicalStore
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.metadata import BlockLoad, LoadResult
+from connectors.offload.pipeline import LoadPipeline, PipedLoad, PipeJob
 from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
@@ -55,7 +59,8 @@ class _Load:
     deadline: float
     started: float
     copied: int = 0  # leading blocks whose copies were issued
-    staging: cf.Future[_Staged] | None = None
+    staging: cf.Future[_Staged] | cf.Future[PipedLoad] | None = None
+    job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
     staged_keys: tuple[str, ...] = ()  # pinned by ``stage_host``: unpin when done
     located: list[str] = field(default_factory=list)  # pinned by ``locate_host``: likewise
     event: object | None = None  # CUDA: recorded after the last issued copy
@@ -72,11 +77,13 @@ class HostLoader:
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
                  cost_model: OnlineCostModel | None, layered: bool = False,
                  coalesced: bool = False, codec: Hi4Codec | None = None,
-                 layers_per_copy: int = 0) -> None:
+                 layers_per_copy: int = 0, chunk_blocks: int = 0, depth: int = 2) -> None:
         """``layered``: in-step loads land layer by layer when the copier can (CUDA;
         ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
-        ``codec``: stored payloads are encoded (decoded into the blocks on arrival)."""
+        ``codec``: stored payloads are encoded (decoded into the blocks on arrival);
+        ``chunk_blocks`` > 0 (raw blocks only): lower-tier loads are pipelined in chunks of that
+        many blocks through ``depth`` staging slots."""
         self.kv_cache = kv_cache
         self.codec = codec
         self.store = store
@@ -93,6 +100,9 @@ class HostLoader:
                                    layers_per_copy=layers_per_copy)
                         if host is not None else None)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._pipeline = (LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks,
+                                       depth=depth)
+                          if chunk_blocks > 0 and codec is None else None)
         self._loads: dict[str, _Load] = {}
         self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
@@ -115,8 +125,8 @@ class HostLoader:
             pending = self._loads.pop(req_id, None)
             if pending is not None:
                 log.debug("load for %s cancelled", req_id)
-                if pending.event is not None:  # its blocks may be rewritten by this forward
-                    torch.cuda.current_stream(self.kv_cache.device).wait_event(pending.event)
+                self._stop_pipe(pending)
+                self._fence(pending.event)  # its blocks may be rewritten by this forward
                 self._draining.append(pending)
         in_step: list[_Load] = []
         for load in loads:
@@ -140,7 +150,10 @@ class HostLoader:
         self.poll()
 
     def take_finished(self) -> list[LoadResult]:
-        """Loads that completed since the last call (polled first); each reported once."""
+        """Loads that completed since the last call (polled first); each reported once. A
+        pipelined load whose thread finished during the step is taken in now (its copies
+        were all issued by that thread), so it is reported a step earlier."""
+        self._advance(pipelined_only=True)
         self.poll()
         done, self._finished = self._finished, []
         return done
@@ -151,12 +164,15 @@ class HostLoader:
         self._draining.extend(self._loads.values())
         self._loads.clear()
         for pending in self._draining:
+            self._stop_pipe(pending)
             if pending.staging is not None:
                 cf.wait([pending.staging])
             if pending.event is not None:
                 pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
         self._pool.shutdown(wait=True)
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     # -- issuing -------------------------------------------------------------------------
 
@@ -168,7 +184,14 @@ class HostLoader:
             pending.issuing = False
             return pending
         lead = self._locate_and_copy(pending, load.keys)
-        if lead < len(load.keys):
+        if lead < len(load.keys) and self._pipeline is not None:
+            ready = None
+            if self._side is not None:  # the blocks' previous owner's queued forwards
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.kv_cache.device))
+            pending.job = PipeJob(load.block_ids[lead:], load.keys[lead:], ready)
+            pending.staging = self._pool.submit(self._pipeline.run, pending.job)
+        elif lead < len(load.keys):
             pending.staging = self._pool.submit(self._stage, load.keys[lead:])
         else:
             pending.issuing = False
@@ -282,18 +305,57 @@ class HostLoader:
         pending.event = end
         pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
 
-    def _advance(self) -> None:
+    def _advance(self, pipelined_only: bool = False) -> None:
         """Copy in the blocks of every finished staging; end staging that ran out of time."""
         now = time.monotonic()
         for pending in self._loads.values():
             future = pending.staging
-            if not pending.issuing or future is None:
+            if not pending.issuing or future is None or (pipelined_only and pending.job is None):
                 continue
-            if future.done():
-                self._copy_staged(pending, future.result())
+            if future.done() and pending.job is not None:
+                self._end_pipe(pending, future.result())  # type: ignore[arg-type]
+            elif future.done():
+                self._copy_staged(pending, future.result())  # type: ignore[arg-type]
             elif now >= pending.deadline:
                 self.stats.add(timed_out_loads=1)
+                self._stop_pipe(pending)
                 pending.issuing = False  # the staging's pins are released once it ends
+
+    def _end_pipe(self, pending: _Load, piped: PipedLoad) -> None:
+        """A pipelined load's thread is done: its copies are the load's last ones."""
+        first = pending.copied
+        pending.staging, pending.job, pending.issuing = None, None, False
+        pending.copied += piped.num_blocks
+        pending.event = piped.last if piped.last is not None else pending.event
+        pending.timings.extend(piped.timings)
+        pending.copy_seconds += piped.cpu_copy_s
+        pending.read_seconds += piped.read_s
+        tiers = pending.load.source_tiers
+        tier = tiers[first] if first < len(tiers) else ""
+        if piped.num_blocks and tier and tier != "host" and self.cost_model is not None:
+            nbytes = piped.num_blocks * self.kv_cache.bytes_per_block
+            self.cost_model.observe_transfer(tier, nbytes, max(piped.read_s, 1e-9))
+
+    def _stop_pipe(self, pending: _Load) -> None:
+        """No more copies from the load thread; the load keeps what was issued (its pins are
+        released once the thread ended: ``_release``)."""
+        job, pending.job = pending.job, None
+        if job is None:
+            return
+        n, last = job.cancel()
+        pending.copied += n
+        pending.event = last if last is not None else pending.event
+
+    def _fence(self, done: object | None) -> None:
+        """Nothing may touch the blocks before ``done`` (the last issued copy) completed:
+        CUDA, the compute stream waits for it; a CPU copy (on the pipeline's thread) is
+        waited for."""
+        if done is None:
+            return
+        if isinstance(done, torch.cuda.Event):
+            torch.cuda.current_stream(self.kv_cache.device).wait_event(done)
+        else:
+            done.synchronize()  # type: ignore[attr-defined]
 
     def _copy_staged(self, pending: _Load, staged: _Staged) -> None:
         first = pending.copied
@@ -359,8 +421,10 @@ class HostLoader:
                 pending.staging = future
                 self._draining.append(pending)
                 return
-            n = future.result().num_blocks
-            pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
+            result = future.result()
+            if isinstance(result, _Staged):  # a pipelined read holds no pins past its chunk
+                n = result.num_blocks
+                pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
         self.store.unpin_host([*pending.staged_keys, *pending.located])
         pending.staged_keys, pending.located = (), []
         if not pending.load.in_step:  # in-step loads hold slot pins only
