@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachestore.kv_format import COMPRESSIONS
-from connectors.offload.pipeline import DEFAULT_CHUNK_BYTES, DEFAULT_DEPTH
 from tiers.config import (
     ConfigError,
     HostTierConfig,
@@ -50,6 +49,10 @@ from tiers.config import (
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
+# Lower-tier load pipeline (connectors/offload/pipeline.py): 16 blocks of Llama-3-8B a chunk,
+# two chunks in flight (bench/offload/pipeline.py measures the choice).
+DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_DEPTH = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,9 +43,6 @@ from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 32 << 20  # 16 blocks of Llama-3-8B (bench/offload "pipeline" section)
-DEFAULT_DEPTH = 2
-
 
 class CpuCopyDone:
     """A CPU copy's completion with a CUDA event's ``query``/``synchronize``."""
