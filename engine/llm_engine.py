@@ -299,6 +299,8 @@ class LLMEngine:
                 ttft_s=ttft,
                 ttft_breakdown_s=m.ttft_breakdown,
                 num_prefill_steps=request.times.num_prefill_steps,
+                load_read_s=request.times.load_read_s,
+                load_copy_s=request.times.load_copy_s,
             )
         )
 

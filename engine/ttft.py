@@ -68,6 +68,7 @@ class LoadTiming:
     req_id: str
     copy_s: float
     in_step: bool = False
+    read_s: float = 0.0  # its reads from tiers below the host (the load thread's wall time)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,7 @@ class RequestTimes:
     prefill_compute_s: float = 0.0
     load_copy_s: float = 0.0  # every load's copy time (``LoadTiming.copy_s``)
     in_step_load_s: float = 0.0  # of which inside one of its prefill steps
+    load_read_s: float = 0.0  # lower-tier reads (``LoadTiming.read_s``), for the request log
     num_prefill_steps: int = 0
     api: dict[str, float] = field(default_factory=dict)
 
@@ -96,6 +98,7 @@ class RequestTimes:
     def on_load(self, timing: LoadTiming) -> None:
         """The connector reported one of this request's loads done."""
         self.load_copy_s += timing.copy_s
+        self.load_read_s += timing.read_s
         if timing.in_step:
             self.in_step_load_s += timing.copy_s
 

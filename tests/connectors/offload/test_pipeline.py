@@ -5,6 +5,7 @@ and an engine reloading from LMDB through it gives the greedy tokens of one with
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -163,8 +164,13 @@ def test_greedy_tokens_with_a_pipelined_lmdb_reload_equal_those_without_offload(
                         {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
     with make_llm(model_dir, 10, config) as llm:
         assert list(llm.generate([prompt], GREEDY)[0].token_ids) == want
-    with make_llm(model_dir, 10, config) as llm:
+    log = tmp_path / "requests.jsonl"
+    with make_llm(model_dir, 10, config, request_log=str(log)) as llm:
         assert list(llm.generate([prompt], GREEDY)[0].token_ids) == want
         kv = llm.kv_stats()
     assert kv["tiers"]["lmdb"]["hit_blocks"] == 7 and kv["failed_loads"] == 0
     assert kv["loaded_tokens"] == 7 * 16
+    row = json.loads(log.read_text().splitlines()[-1])  # the load's measured parts
+    assert row["hit_tiers"] == ["lmdb"] * 7 and row["decision"] == "load_prefix"
+    assert row["kv_load_s"]["read"] > 0 and row["kv_load_s"]["copy"] > 0
+    assert row["ttft_breakdown_s"]["load"] >= row["kv_load_s"]["copy"]
