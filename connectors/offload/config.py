@@ -10,7 +10,7 @@ One YAML file (or the same dict) holds both::
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
-    load_chunk_bytes: 33554432  # lower-tier loads: read and copy overlap in chunks this big
+    load_chunk_bytes: 16777216  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
     load_pipeline_depth: 2  # staging slots of that pipeline (chunks in flight)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
@@ -49,9 +49,12 @@ from tiers.config import (
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
-# Lower-tier load pipeline (connectors/offload/pipeline.py): 16 blocks of Llama-3-8B a chunk,
-# two chunks in flight (bench/offload/pipeline.py measures the choice).
-DEFAULT_CHUNK_BYTES = 32 << 20
+# Lower-tier load pipeline (connectors/offload/pipeline.py): 8 blocks of Llama-3-8B a chunk,
+# two chunks in flight. bench/offload/pipeline.py on the 2-core CPU machine (busy, 48 LMDB
+# blocks of 2 MiB, interleaved medians): 4-32 blocks a chunk all 2-4x faster than the serial
+# load, within run-to-run noise of each other; smaller chunks fill and drain the pipe sooner.
+# To be confirmed on the H200 (``--sections pipeline``).
+DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_DEPTH = 2
 
 

@@ -138,9 +138,9 @@ def test_a_cancelled_pipelined_load_stops_copying_and_releases_its_pins(
 
 def test_pipeline_knobs_are_checked() -> None:
     assert chunk_blocks_for(0, 1024) == 0 and chunk_blocks_for(100, 1024) == 1
-    assert chunk_blocks_for(32 << 20, 2 << 20) == 16
+    assert chunk_blocks_for(16 << 20, 2 << 20) == 8
     tiers = [{"kind": "host", "capacity": "1MiB"}]
-    assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 32 << 20
+    assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 16 << 20
     for bad in ({"load_chunk_bytes": -1}, {"load_pipeline_depth": 0},
                 {"load_chunk_bytes": "big"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
@@ -174,3 +174,32 @@ def test_greedy_tokens_with_a_pipelined_lmdb_reload_equal_those_without_offload(
     assert row["hit_tiers"] == ["lmdb"] * 7 and row["decision"] == "load_prefix"
     assert row["kv_load_s"]["read"] > 0 and row["kv_load_s"]["copy"] > 0
     assert row["ttft_breakdown_s"]["load"] >= row["kv_load_s"]["copy"]
+
+
+@pytest.mark.gpu
+def test_a_pipelined_load_on_cuda_lands_the_bytes_and_times_its_copies(tmp_path: Path) -> None:
+    """CUDA: the load thread's copies on the side stream (events timed, read after they
+    completed) land what the serial path lands."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    cache = KVCache(spec, 2 * N + 2, "cuda")
+    meta = block_meta(cache, PREFIX)
+    store = _store(tmp_path, encoded_size(meta, keyed=True), host_slots=2)
+    gen = torch.Generator().manual_seed(6)
+    keys = [f"{PREFIX}/{i:02x}" for i in range(N)]
+    payload = torch.randint(0, 255, (N, cache.bytes_per_block), generator=gen,
+                            dtype=torch.uint8)
+    store.tiers[1].put_many([(k, encode_block(payload[i].numpy().tobytes(), meta, key=k))
+                             for i, k in enumerate(keys)])
+    ids = tuple(range(1, 2 * N + 1, 2))
+    try:
+        for chunk in (0, 3):
+            cache.tensor.zero_()
+            worker = _worker(store, cache, chunk)
+            try:
+                n, copy_s, _ = _load(worker, store, keys, ids)
+            finally:
+                worker.close()
+            assert n == N and copy_s > 0
+            assert torch.equal(cache.byte_rows()[list(ids)].cpu(), payload), chunk
+    finally:
+        store.close()
