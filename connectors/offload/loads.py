@@ -121,13 +121,7 @@ class HostLoader:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
         request scheduled): wait for the first staging and for the copies."""
-        for req_id in cancelled:
-            pending = self._loads.pop(req_id, None)
-            if pending is not None:
-                log.debug("load for %s cancelled", req_id)
-                self._stop_pipe(pending)
-                self._fence(pending.event)  # its blocks may be rewritten by this forward
-                self._draining.append(pending)
+        self.cancel(cancelled)
         in_step: list[_Load] = []
         for load in loads:
             if load.req_id in cancelled:  # its blocks may be reused at once
@@ -148,6 +142,18 @@ class HostLoader:
                 if not pending.issuing and pending.event is not None:
                     pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
+
+    def cancel(self, cancelled: frozenset[str]) -> None:
+        """Drop these loads: no copy into their blocks is issued after this returns, and this
+        step's work (saves of those blocks, the forward) is ordered after the issued ones.
+        Idempotent (``start`` calls it too)."""
+        for req_id in cancelled:
+            pending = self._loads.pop(req_id, None)
+            if pending is not None:
+                log.debug("load for %s cancelled", req_id)
+                self._stop_pipe(pending)
+                self._fence(pending.event)  # its blocks may be rewritten by this forward
+                self._draining.append(pending)
 
     def take_finished(self) -> list[LoadResult]:
         """Loads that completed since the last call (polled first); each reported once. A

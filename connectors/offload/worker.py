@@ -105,6 +105,9 @@ class OffloadWorker:
     def start_load_kv(self, metadata: object | None) -> None:
         if not isinstance(metadata, KVConnectorMetadata):
             return
+        # Cancelled loads first: a pipelined load's thread stops copying into blocks that
+        # this step may save (a freed block's bytes must be whole) or reuse.
+        self._loader.cancel(metadata.cancelled_loads)
         self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
         self._loader.start(metadata.loads, metadata.cancelled_loads,
                            idle=metadata.num_scheduled_requests == 0)
