@@ -22,7 +22,7 @@ in ``SchedulerOutput.kv_connector_metadata``). Protocols and frozen values only;
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +32,7 @@ from engine.request import Request
 if TYPE_CHECKING:
     from cachestore.hashing import Namespace
     from engine.kv_cache import KVCache
+    from engine.ttft import LoadTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +131,10 @@ class KVConnector(Protocol):
     counters: Any
     store: Any
 
-    def after_step(self) -> None:
-        """After every step: hand the worker side's report to the scheduler side."""
+    def after_step(self) -> Sequence[LoadTiming]:
+        """After every step: hand the worker side's report to the scheduler side; return the
+        measured copy time of each load that finished in this step (the TTFT breakdown's
+        ``load``, engine/ttft.py)."""
         ...
 
     def save_pending(self) -> None:

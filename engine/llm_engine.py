@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
-from engine.ttft import clean_api_times
+from engine.ttft import LoadTiming, clean_api_times
 
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnector
@@ -194,7 +195,7 @@ class LLMEngine:
         runner_out = self.runner.execute_model(sched_out)
         self._stamp_prefill(sched_out, step_start, time.monotonic())
         if self.offload is not None:
-            self.offload.after_step()
+            self._stamp_loads(self.offload.after_step())
             self._observe_prefill(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(sched_out, runner_out):
@@ -208,6 +209,14 @@ class LLMEngine:
             request = requests.get(sliced.req_id)
             if request is not None and not request.output_token_ids:
                 request.times.on_step(start, end)
+
+    def _stamp_loads(self, timings: Sequence[LoadTiming] | None) -> None:
+        """The connector's measured copy time of each load that finished in this step."""
+        requests = self.scheduler.requests
+        for timing in timings or ():
+            request = requests.get(timing.req_id)
+            if request is not None:
+                request.times.on_load(timing)
 
     def _process_token(self, request: Request, now: float) -> RequestOutput:
         state = self._states[request.req_id]
@@ -290,6 +299,8 @@ class LLMEngine:
                 ttft_s=ttft,
                 ttft_breakdown_s=m.ttft_breakdown,
                 num_prefill_steps=request.times.num_prefill_steps,
+                load_read_s=request.times.load_read_s,
+                load_copy_s=request.times.load_copy_s,
             )
         )
 

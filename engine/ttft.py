@@ -5,7 +5,8 @@ core, admitted, its KV load seen done, each step that computed a prefill chunk);
 token ``breakdown`` turns the stamps into phases. All stamps are ``time.monotonic()``, one
 clock for every process of the host, so the API's arrival time and the core's stamps compare.
 
-Phases (seconds), which add up to the engine-side TTFT (first token - arrival):
+Phases (seconds), which add up to the engine-side TTFT (first token - arrival), the parts
+of ``schedule`` and of ``load`` (``SUB_PHASES``) aside:
 
 - ``to_core``: arrival in the API (after tokenizing) -> the core's ``add_request`` (request
   message, ZMQ, and the wait for the core's current step to end)
@@ -13,10 +14,19 @@ Phases (seconds), which add up to the engine-side TTFT (first token - arrival):
 - ``schedule``: the scheduler's own work on it, ``hash`` + ``lookup`` (GPU prefix and the
   connector's tiers, the cost model's decision included) + ``decide`` (block allocation and the
   connector's load set-up); summed over every pass that considered it
-- ``load``: admitted with an asynchronous KV load -> the step that saw the load done (its
-  granularity is the step: a load that ends mid-step is seen at the next boundary). Loads run
-  inside a step (in-step loads) count in ``prefill_compute``; an overlapped tail load in
-  ``prefill_wait``
+- ``load``: the request's KV load on its TTFT path: admitted with an asynchronous KV load ->
+  the step that saw the load done (its granularity is the step: a load that ends mid-step is
+  seen at the next boundary), plus the copy time of an in-step load (copied before the forward
+  of the step that admits it), taken out of that step's ``prefill_compute``. An overlapped
+  tail load runs beside the head's compute: it shows in ``prefill_wait`` only as far as the
+  head waits for it
+- ``load_copy`` (a part of ``load``, never added to the others): the worker's own copy time of
+  the request's blocks into the GPU cache, as the worker measured it (CUDA: events around the
+  copies, read once they completed, so no extra sync; CPU: wall clock). An in-step load's
+  copy time is what moves from ``prefill_compute`` to ``load`` (with layer-wise loads the
+  copies partly run under the forward, so that is an upper bound of their exposed time). For
+  an asynchronous load the rest of ``load`` is the tier read, staging and step granularity;
+  for an overlap's tail it may exceed ``load`` (the copies ran beside the head's compute)
 - ``prefill_wait``: ready to compute -> the end of its last prefill step, less compute: the
   rest of the step it was admitted in, and the gaps between its chunks
 - ``prefill_compute``: the model runner's time for every step that computed one of its chunks
@@ -36,14 +46,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # Phases in timeline order: the names of the request-log keys and the ``phase`` label of the
-# Prometheus histogram ``kvtier_request_ttft_phase_seconds``. Keep them stable.
+# Prometheus histogram ``kvtier_request_ttft_phase_seconds``. Keep them stable: add new
+# names, never rename (``load_copy`` came after the others).
 API_PHASES = ("api_template", "api_tokenize")
 ENGINE_PHASES = ("to_core", "queue", "schedule", "hash", "lookup", "decide", "load",
-                 "prefill_wait", "prefill_compute", "first_sample")
+                 "load_copy", "prefill_wait", "prefill_compute", "first_sample")
 RETURN_PHASE = "return"
 ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE)
-# Sub-phases of ``schedule``: never added to the others.
+# Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
+LOAD_PARTS = ("load_copy",)
+SUB_PHASES = (*SCHEDULE_PARTS, *LOAD_PARTS)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTiming:
+    """A KV connector's measure of one finished load of request ``req_id``: ``copy_s`` its
+    copies into the GPU cache took (device time on CUDA); ``in_step``: they ran before the
+    forward of a step that computed the request (so inside that step's time)."""
+
+    req_id: str
+    copy_s: float
+    in_step: bool = False
+    read_s: float = 0.0  # its reads from tiers below the host (the load thread's wall time)
 
 
 @dataclass(slots=True)
@@ -58,6 +83,9 @@ class RequestTimes:
     lookup_s: float = 0.0
     decide_s: float = 0.0
     prefill_compute_s: float = 0.0
+    load_copy_s: float = 0.0  # every load's copy time (``LoadTiming.copy_s``)
+    in_step_load_s: float = 0.0  # of which inside one of its prefill steps
+    load_read_s: float = 0.0  # lower-tier reads (``LoadTiming.read_s``), for the request log
     num_prefill_steps: int = 0
     api: dict[str, float] = field(default_factory=dict)
 
@@ -66,6 +94,13 @@ class RequestTimes:
         self.prefill_compute_s += end - start
         self.num_prefill_steps += 1
         self.last_prefill_end = end
+
+    def on_load(self, timing: LoadTiming) -> None:
+        """The connector reported one of this request's loads done."""
+        self.load_copy_s += timing.copy_s
+        self.load_read_s += timing.read_s
+        if timing.in_step:
+            self.in_step_load_s += timing.copy_s
 
     def breakdown(self, arrival: float, first_token: float) -> dict[str, float]:
         """The phases of a request whose first token came at ``first_token``. Pure. Missing
@@ -76,6 +111,9 @@ class RequestTimes:
         ready = _or(self.ready, admitted)
         prefill_end = _or(self.last_prefill_end, first_token)
         schedule = self.hash_s + self.lookup_s + self.decide_s
+        # In-step copies ran inside its prefill steps: moved from compute to load, so the
+        # additive phases still sum to the TTFT.
+        in_step = min(self.in_step_load_s, self.prefill_compute_s)
         out = {name: max(0.0, self.api.get(name, 0.0)) for name in API_PHASES}
         out.update(
             to_core=max(0.0, added - arrival),
@@ -84,9 +122,10 @@ class RequestTimes:
             hash=self.hash_s,
             lookup=self.lookup_s,
             decide=self.decide_s,
-            load=max(0.0, ready - admitted),
+            load=max(0.0, ready - admitted) + in_step,
+            load_copy=self.load_copy_s,
             prefill_wait=max(0.0, prefill_end - ready - self.prefill_compute_s),
-            prefill_compute=self.prefill_compute_s,
+            prefill_compute=self.prefill_compute_s - in_step,
             first_sample=max(0.0, first_token - prefill_end),
         )
         return out

@@ -21,7 +21,11 @@ Sections (JSON keys):
 - ``ttft``: a prefix of 1K/4K/16K tokens is prefilled, written to the tiers (``flush_kv``) and
   dropped from the GPU prefix cache; then the same prefix with a new question: recompute
   (offload off), reload from host, reload from LMDB (a 4-slot host tier demotes everything to
-  LMDB), and ``decision: cost`` (the engine's own cost model).
+  LMDB): pipelined (``lmdb``), serial (``lmdb_serial``: read all, then copy), the forced Cake
+  split (``lmdb_overlap``) and ``decision: cost`` over it (``lmdb_cost``), compared per length
+  in ``ttft.lmdb``; and ``decision: cost`` over the host tier (the engine's own cost model).
+- ``pipeline`` (bench/offload/pipeline.py): an LMDB -> cache load alone, its read and copy
+  parts, serial and pipelined over a grid of chunk sizes and depths (interleaved medians).
 - ``reload_steps``: the fixed cost of a reload. For each prefix length, one engine per mode of
   ``--reload-modes`` (``RELOAD_MODES``): recompute (offload off), host reload with
   ``in_step_host_loads: false`` (the load waits in WAITING_FOR_KV and the request runs one
@@ -95,6 +99,7 @@ from bench.offload.parts import (  # noqa: E402
     run_requests,
     two_byte_kv,
 )
+from bench.offload.pipeline import bench_pipeline  # noqa: E402
 from bench.offload.qa import bench_qa  # noqa: E402
 from bench.offload.sweep import bench_sweep  # noqa: E402
 from engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
@@ -279,8 +284,12 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
     host_cap = f"{setup.host_capacity}B"
     if mode == "recompute":
         return None
-    if mode == "lmdb":
-        return {"decision": "load", "tiers": [{"kind": "host", "capacity": f"{4 * slot_bytes}B"}, lmdb]}
+    if mode.startswith("lmdb"):  # everything demoted to LMDB: a 4-slot host tier above it
+        decision = {"lmdb": "load", "lmdb_serial": "load", "lmdb_cost": "cost",
+                    "lmdb_overlap": "overlap"}[mode]
+        serial = {"load_chunk_bytes": 0} if mode == "lmdb_serial" else {}
+        return {"decision": decision, **serial,
+                "tiers": [{"kind": "host", "capacity": f"{4 * slot_bytes}B"}, lmdb]}
     if "_lossless" in mode:  # the same reload of blocks stored compressed (layer-wise loads)
         return {"decision": "cost" if mode.startswith("cost") else "load",
                 "compression": "lossless",
@@ -301,8 +310,10 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
     return prefix
 
 
-TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_whole", "lmdb", "cost",
-              "cost_lossless")
+# lmdb: the pipelined lower-tier load (the default); lmdb_serial: read all, then copy;
+# lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack.
+TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_whole", "lmdb", "lmdb_serial",
+              "lmdb_cost", "lmdb_overlap", "cost", "cost_lossless")
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
@@ -326,7 +337,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                          setup.request_timeout_s)  # warm-up: kernels, allocator
             per_len: dict[str, Any] = {}
             for length in setup.lengths:
-                if mode == "lmdb" and length > setup.lmdb_max_len:
+                if mode.startswith("lmdb") and length > setup.lmdb_max_len:
                     continue  # a 16K prefix is 2 GiB of LMDB writes per repetition
                 ttfts, cached, warm = [], [], []
                 for i in range(setup.warmup_reps + setup.reps):
@@ -355,7 +366,25 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
         for mode in list(rows)[1:] for length in setup.lengths
         if str(length) in rows[mode]
     }
-    return {"modes": rows, "speedup_vs_recompute": speedups}
+    return {"modes": rows, "speedup_vs_recompute": speedups, "lmdb": _lmdb_rows(rows)}
+
+
+def _lmdb_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per length with every LMDB mode measured: TTFT of recompute, the pipelined and the serial
+    reload, the forced overlap and ``decision: cost``, and cost over the best of the others
+    (the target: <= 1.05)."""
+    names = ("recompute", "lmdb", "lmdb_serial", "lmdb_overlap", "lmdb_cost")
+    out: dict[str, dict[str, Any]] = {}
+    for length in rows.get("lmdb", {}):
+        if not length.isdigit() or any(length not in rows.get(m, {}) for m in names):
+            continue
+        ms = {m: rows[m][length]["ttft_s"] * 1e3 for m in names}
+        best = min(ms["recompute"], ms["lmdb"], ms["lmdb_overlap"])
+        out[length] = {"length": int(length), **{f"{m}_ms": v for m, v in ms.items()},
+                       "pipelined_over_serial": ms["lmdb_serial"] / ms["lmdb"],
+                       "recompute_over_pipelined": ms["recompute"] / ms["lmdb"],
+                       "cost_over_best": ms["lmdb_cost"] / best}
+    return out
 
 
 # -- reload steps: the fixed cost of a reload ----------------------------------------------
@@ -502,12 +531,17 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
     if "speedup_vs_recompute" in tt:
         top = max(setup.lengths)
         s = tt["speedup_vs_recompute"]
-        lm = max((k for k in s if k.startswith("lmdb_")), key=lambda k: int(k[5:]), default=None)
+        lm = max((k for k in s if k.startswith("lmdb_") and k[5:].isdigit()),
+                 key=lambda k: int(k[5:]), default=None)
         lm_txt = f"lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else "lmdb -"
         hl = s.get(f"host_lossless_{top}")
         hl_txt = f"host lossless {hl:.1f}x, " if hl else ""
         parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {hl_txt}{lm_txt}, "
                      f"cost {s[f'cost_{top}']:.1f}x;")
+    for row in tt.get("lmdb", {}).values():
+        parts.append(f"LMDB {row['length']} tok TTFT ms: recompute {row['recompute_ms']:.1f}, "
+                     f"pipelined {row['lmdb_ms']:.1f}, serial {row['lmdb_serial_ms']:.1f}, "
+                     f"cost {row['lmdb_cost_ms']:.1f} ({row['cost_over_best']:.2f}x best);")
     if "ttft_p50_ratio" in qa:
         parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "
                      f"{qa['ttft_p50_later_rounds_ratio']:.1f}x), throughput "
@@ -520,7 +554,15 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
                      f"points (worst {sw['worst_ratio_to_best']:.2f}x), never slower than both "
                      f"pure options at {sw.get('num_not_slower_than_both', '?')}/"
                      f"{sw['num_points']}")
-    failed = [k for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep")
+    pp = res.get("pipeline", {})
+    if "best" in pp:
+        b = pp["variants"][pp["best"]]
+        parts.append(f"LMDB load of {pp['num_blocks']} blocks: read {pp['read_ms']:.1f} ms, copy "
+                     f"{pp['copy_ms']:.1f} ms, serial {pp['variants']['serial']['ms']:.1f} ms, "
+                     f"{pp['best']} {b['ms']:.1f} ms ({b['over_max']:.2f}x max(read, copy), "
+                     f"{pp['best_over_serial']:.2f}x faster than serial);")
+    failed = [k for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep",
+                          "pipeline")
               if "error" in res.get(k, {})]
     if failed:
         parts.append(f"FAILED: {', '.join(failed)}")
@@ -562,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sections = {"transfer": bench_transfer, "copy2d": bench_copy2d, "load_path": bench_load_path,
                 "reload_steps": bench_reload_steps, "ttft": bench_ttft, "qa": bench_qa,
-                "sweep": bench_sweep}
+                "sweep": bench_sweep, "pipeline": bench_pipeline}
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(sections))
     if unknown:

@@ -149,7 +149,7 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
                       {"users": 12, "rounds": 6, "concurrency": 4, "system": 1024,
                        "context": 6144, "question": 64, "answer": 32},
                       ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
-                      120.0, dtype="bfloat16", reps=3, lmdb_max_len=4096,
+                      120.0, dtype="bfloat16", reps=3, lmdb_max_len=16384,
                       sweep_lengths=(1024, 4096), host_capacity=HOST_CAPACITY, warmup_reps=1)
     if args is not None:
         over: dict[str, Any] = {}

@@ -10,6 +10,9 @@ One YAML file (or the same dict) holds both::
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
+    load_chunk_bytes: 16777216  # lower-tier loads: read and copy overlap in chunks this big
+                                # (0: read all, then copy all)
+    load_pipeline_depth: 2  # staging slots of that pipeline (chunks in flight)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
     drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
                             # flush host-only blocks down to the tier below the host
@@ -48,6 +51,13 @@ from tiers.config import (
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
+# Lower-tier load pipeline (connectors/offload/pipeline.py): 8 blocks of Llama-3-8B a chunk,
+# two chunks in flight. bench/offload/pipeline.py on the 2-core CPU machine (busy, 48 LMDB
+# blocks of 2 MiB, interleaved medians): 4-32 blocks a chunk all 2-4x faster than the serial
+# load, within run-to-run noise of each other; smaller chunks fill and drain the pipe sooner.
+# To be confirmed on the H200 (``--sections pipeline``).
+DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_DEPTH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,11 @@ class OffloadConfig:
     # "lossless": blocks are stored (every tier) in connectors.device.kv_compress's 12-bit format,
     # 0.76x of the bytes with the same values back; their keys live in their own namespace.
     compression: str = "none"
+    # Lower-tier loads (connectors/offload/pipeline.py): tier read, pinned staging and the copy
+    # into the cache overlap in chunks of this many bytes (rounded down to whole blocks, at
+    # least one) through this many staging slots; 0 bytes: read everything, then copy.
+    load_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    load_pipeline_depth: int = DEFAULT_DEPTH
     # Graceful shutdown (close): at most this long draining the write-through queues, and as
     # long again flushing host-only blocks down (HierarchicalStore.shutdown_writes).
     drain_timeout_s: float = 5.0
@@ -110,6 +125,11 @@ class OffloadConfig:
                 or self.layers_per_copy < 0:
             raise ConfigError(f"kv offload: layers_per_copy must be an integer >= 0, got "
                               f"{self.layers_per_copy!r}")
+        for name, low in (("load_chunk_bytes", 0), ("load_pipeline_depth", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"kv offload: {name} must be an integer >= {low}, got "
+                                  f"{value!r}")
         if not self.load_timeout_s > 0:
             raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
         if not self.drain_timeout_s >= 0:
@@ -128,14 +148,16 @@ def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
     "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
-    "prefetch": ..., "prefetch_budget_blocks": ...}``
+    "prefetch": ..., "prefetch_budget_blocks": ..., "load_chunk_bytes": ...,
+    "load_pipeline_depth": ...}``
     -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
              "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
-             "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks"}
+             "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks",
+             "load_chunk_bytes", "load_pipeline_depth"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -166,6 +188,8 @@ def parse_offload_config(data: object) -> OffloadConfig:
         compression=str(data.get("compression", "none")),
         prefetch=flags["prefetch"],
         prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
+        load_chunk_bytes=data.get("load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
+        load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
     )
 
 

@@ -44,6 +44,7 @@ from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
+from engine.ttft import LoadTiming
 from tiers import build_tiers
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class OffloadConnector:
             layers_per_copy=config.layers_per_copy,
             coalesced_loads=config.coalesced_loads,
             codec=codec,
+            load_chunk_bytes=config.load_chunk_bytes,
+            load_pipeline_depth=config.load_pipeline_depth,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.
@@ -146,9 +149,12 @@ class OffloadConnector:
 
         check_resources(load_offload_config(source).tiers)
 
-    def after_step(self, report: WorkerReport | None = None) -> None:
-        """Hand the worker's report of this step to the scheduler side."""
-        self.scheduler.update_from_worker(report or self.worker.take_report())
+    def after_step(self, report: WorkerReport | None = None) -> tuple[LoadTiming, ...]:
+        """Hand the worker's report of this step to the scheduler side; return its loads'
+        measured copy times (for the engine's TTFT breakdown)."""
+        report = report or self.worker.take_report()
+        self.scheduler.update_from_worker(report)
+        return report.load_timings()
 
     def save_pending(self) -> None:
         """Write every block freed since the last step to the host tier now, without waiting

@@ -6,10 +6,13 @@
   (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
   compute stream waits on, since this step's forward reads them).
 - async loads: ``store.locate_host`` finds the leading host-tier blocks (header checked, not the
-  checksum: this process wrote them), copied the same way; the rest (lower tiers) is staged by
-  one background thread (``store.stage_host``: checksummed reads into pinned host slots), then
-  copied at a later step start; blocks the slab cannot take are read into one tensor and
-  scattered. A load whose staging runs past ``load_timeout_s`` ends with what was copied.
+  checksum: this process wrote them), copied the same way; the rest (lower tiers) goes through
+  one background thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by
+  chunk, each chunk read into a pinned staging slot and its copy into the cache issued by that
+  thread while it reads the next (``connectors.offload.pipeline``). Otherwise: staged
+  (``store.stage_host``: checksummed reads into pinned host slots), then copied at a later step
+  start; blocks the slab cannot take are read into one tensor and scattered. A load whose
+  staging runs past ``load_timeout_s`` ends with what was copied.
 - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
   once); their pins are released once the copies and the staging ended. An idle step (nothing
   scheduled) waits for the first staging and for the copies, so the load is reported now.
@@ -36,6 +39,7 @@ from cachestore.store.hierarchical import HierarchicalStore
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.metadata import BlockLoad, LoadResult
+from connectors.offload.pipeline import LoadPipeline, PipedLoad, PipeJob
 from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
@@ -55,12 +59,16 @@ class _Load:
     deadline: float
     started: float
     copied: int = 0  # leading blocks whose copies were issued
-    staging: cf.Future[_Staged] | None = None
+    staging: cf.Future[_Staged] | cf.Future[PipedLoad] | None = None
+    job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
     staged_keys: tuple[str, ...] = ()  # pinned by ``stage_host``: unpin when done
     located: list[str] = field(default_factory=list)  # pinned by ``locate_host``: likewise
     event: object | None = None  # CUDA: recorded after the last issued copy
     timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
     copy_seconds: float = 0.0  # CPU
+    read_seconds: float = 0.0  # lower-tier staging (load thread)
+    # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
+    shared: tuple[object, object] | None = None
     issuing: bool = True  # more copies may follow (staging pending)
 
 
@@ -69,11 +77,13 @@ class HostLoader:
                  stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
                  cost_model: OnlineCostModel | None, layered: bool = False,
                  coalesced: bool = False, codec: Hi4Codec | None = None,
-                 layers_per_copy: int = 0) -> None:
+                 layers_per_copy: int = 0, chunk_blocks: int = 0, depth: int = 2) -> None:
         """``layered``: in-step loads land layer by layer when the copier can (CUDA;
         ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
-        ``codec``: stored payloads are encoded (decoded into the blocks on arrival)."""
+        ``codec``: stored payloads are encoded (decoded into the blocks on arrival);
+        ``chunk_blocks`` > 0 (raw blocks only): lower-tier loads are pipelined in chunks of that
+        many blocks through ``depth`` staging slots."""
         self.kv_cache = kv_cache
         self.codec = codec
         self.store = store
@@ -90,6 +100,9 @@ class HostLoader:
                                    layers_per_copy=layers_per_copy)
                         if host is not None else None)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._pipeline = (LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks,
+                                       depth=depth)
+                          if chunk_blocks > 0 and codec is None else None)
         self._loads: dict[str, _Load] = {}
         self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
@@ -108,13 +121,7 @@ class HostLoader:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
         request scheduled): wait for the first staging and for the copies."""
-        for req_id in cancelled:
-            pending = self._loads.pop(req_id, None)
-            if pending is not None:
-                log.debug("load for %s cancelled", req_id)
-                if pending.event is not None:  # its blocks may be rewritten by this forward
-                    torch.cuda.current_stream(self.kv_cache.device).wait_event(pending.event)
-                self._draining.append(pending)
+        self.cancel(cancelled)
         in_step: list[_Load] = []
         for load in loads:
             if load.req_id in cancelled:  # its blocks may be reused at once
@@ -136,8 +143,23 @@ class HostLoader:
                     pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
 
+    def cancel(self, cancelled: frozenset[str]) -> None:
+        """Drop these loads: no copy into their blocks is issued after this returns, and this
+        step's work (saves of those blocks, the forward) is ordered after the issued ones.
+        Idempotent (``start`` calls it too)."""
+        for req_id in cancelled:
+            pending = self._loads.pop(req_id, None)
+            if pending is not None:
+                log.debug("load for %s cancelled", req_id)
+                self._stop_pipe(pending)
+                self._fence(pending.event)  # its blocks may be rewritten by this forward
+                self._draining.append(pending)
+
     def take_finished(self) -> list[LoadResult]:
-        """Loads that completed since the last call (polled first); each reported once."""
+        """Loads that completed since the last call (polled first); each reported once. A
+        pipelined load whose thread finished during the step is taken in now (its copies
+        were all issued by that thread), so it is reported a step earlier."""
+        self._advance(pipelined_only=True)
         self.poll()
         done, self._finished = self._finished, []
         return done
@@ -148,12 +170,15 @@ class HostLoader:
         self._draining.extend(self._loads.values())
         self._loads.clear()
         for pending in self._draining:
+            self._stop_pipe(pending)
             if pending.staging is not None:
                 cf.wait([pending.staging])
             if pending.event is not None:
                 pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
         self._pool.shutdown(wait=True)
+        if self._pipeline is not None:
+            self._pipeline.close()
 
     # -- issuing -------------------------------------------------------------------------
 
@@ -165,7 +190,14 @@ class HostLoader:
             pending.issuing = False
             return pending
         lead = self._locate_and_copy(pending, load.keys)
-        if lead < len(load.keys):
+        if lead < len(load.keys) and self._pipeline is not None:
+            ready = None
+            if self._side is not None:  # the blocks' previous owner's queued forwards
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.kv_cache.device))
+            pending.job = PipeJob(load.block_ids[lead:], load.keys[lead:], ready)
+            pending.staging = self._pool.submit(self._pipeline.run, pending.job)
+        elif lead < len(load.keys):
             pending.staging = self._pool.submit(self._stage, load.keys[lead:])
         else:
             pending.issuing = False
@@ -248,6 +280,7 @@ class HostLoader:
         for pending in loads:
             pending.copied += len(pending.load.slab_offsets)
             pending.event = end
+            pending.shared = (begin, end)
         # One transfer: observed once (by the first load), with all its bytes.
         loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
@@ -278,18 +311,57 @@ class HostLoader:
         pending.event = end
         pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
 
-    def _advance(self) -> None:
+    def _advance(self, pipelined_only: bool = False) -> None:
         """Copy in the blocks of every finished staging; end staging that ran out of time."""
         now = time.monotonic()
         for pending in self._loads.values():
             future = pending.staging
-            if not pending.issuing or future is None:
+            if not pending.issuing or future is None or (pipelined_only and pending.job is None):
                 continue
-            if future.done():
-                self._copy_staged(pending, future.result())
+            if future.done() and pending.job is not None:
+                self._end_pipe(pending, future.result())  # type: ignore[arg-type]
+            elif future.done():
+                self._copy_staged(pending, future.result())  # type: ignore[arg-type]
             elif now >= pending.deadline:
                 self.stats.add(timed_out_loads=1)
+                self._stop_pipe(pending)
                 pending.issuing = False  # the staging's pins are released once it ends
+
+    def _end_pipe(self, pending: _Load, piped: PipedLoad) -> None:
+        """A pipelined load's thread is done: its copies are the load's last ones."""
+        first = pending.copied
+        pending.staging, pending.job, pending.issuing = None, None, False
+        pending.copied += piped.num_blocks
+        pending.event = piped.last if piped.last is not None else pending.event
+        pending.timings.extend(piped.timings)
+        pending.copy_seconds += piped.cpu_copy_s
+        pending.read_seconds += piped.read_s
+        tiers = pending.load.source_tiers
+        tier = tiers[first] if first < len(tiers) else ""
+        if piped.num_blocks and tier and tier != "host" and self.cost_model is not None:
+            nbytes = piped.num_blocks * self.kv_cache.bytes_per_block
+            self.cost_model.observe_transfer(tier, nbytes, max(piped.read_s, 1e-9))
+
+    def _stop_pipe(self, pending: _Load) -> None:
+        """No more copies from the load thread; the load keeps what was issued (its pins are
+        released once the thread ended: ``_release``)."""
+        job, pending.job = pending.job, None
+        if job is None:
+            return
+        n, last = job.cancel()
+        pending.copied += n
+        pending.event = last if last is not None else pending.event
+
+    def _fence(self, done: object | None) -> None:
+        """Nothing may touch the blocks before ``done`` (the last issued copy) completed:
+        CUDA, the compute stream waits for it; a CPU copy (on the pipeline's thread) is
+        waited for."""
+        if done is None:
+            return
+        if isinstance(done, torch.cuda.Event):
+            torch.cuda.current_stream(self.kv_cache.device).wait_event(done)
+        else:
+            done.synchronize()  # type: ignore[attr-defined]
 
     def _copy_staged(self, pending: _Load, staged: _Staged) -> None:
         first = pending.copied
@@ -297,6 +369,7 @@ class HostLoader:
         pending.staging = None
         pending.issuing = False
         pending.staged_keys = keys
+        pending.read_seconds += staged.seconds
         lead = self._locate_and_copy(pending, keys)
         data = staged.data
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
@@ -335,8 +408,10 @@ class HostLoader:
             seconds = time.perf_counter() - pending.started
             self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
                            loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
-            self._observe_host(pending)
-            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds))
+            copy_s = _copy_seconds(pending)
+            self._observe_host(pending, copy_s)
+            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds, copy_s,
+                                             pending.read_seconds, load.in_step))
         still: list[_Load] = []
         for pending in self._draining:
             if (pending.staging is None or pending.staging.done()) and _done(pending.event):
@@ -352,25 +427,34 @@ class HostLoader:
                 pending.staging = future
                 self._draining.append(pending)
                 return
-            n = future.result().num_blocks
-            pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
+            result = future.result()
+            if isinstance(result, _Staged):  # a pipelined read holds no pins past its chunk
+                n = result.num_blocks
+                pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
         self.store.unpin_host([*pending.staged_keys, *pending.located])
         pending.staged_keys, pending.located = (), []
         if not pending.load.in_step:  # in-step loads hold slot pins only
             self.store.complete_load(pending.load.keys)
 
-    def _observe_host(self, pending: _Load) -> None:
+    def _observe_host(self, pending: _Load, copy_s: float) -> None:
         if self.cost_model is None or not pending.copied:
             return
         if pending.timings:
-            seconds = sum(b.elapsed_time(e) for b, e, _ in pending.timings) / 1e3  # type: ignore[attr-defined]
             nbytes = sum(n for _, _, n in pending.timings)
         elif pending.copy_seconds:
-            seconds, nbytes = pending.copy_seconds, pending.copied * self.kv_cache.bytes_per_block
+            nbytes = pending.copied * self.kv_cache.bytes_per_block
         else:
             return  # its blocks moved in another load's transfer, observed there
-        self.cost_model.observe_transfer("host", nbytes, max(seconds, 1e-9))
+        self.cost_model.observe_transfer("host", nbytes, max(copy_s, 1e-9))
 
 
 def _done(event: object | None) -> bool:
     return event is None or bool(event.query())  # type: ignore[attr-defined]
+
+
+def _copy_seconds(pending: _Load) -> float:
+    """The load's copy time: CUDA events (all completed: the last one has) and CPU wall time.
+    Reading a completed event's time never waits."""
+    pairs = [pending.shared] if pending.shared is not None else [(b, e) for b, e, _ in pending.timings]
+    device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
+    return device + pending.copy_seconds

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.ttft import LoadTiming
+
 
 @dataclass(frozen=True, slots=True)
 class BlockSave:
@@ -90,6 +92,11 @@ class LoadResult:
     num_loaded_blocks: int
     num_requested_blocks: int
     seconds: float
+    # The copies into the GPU cache (CUDA: device time from events read once they completed;
+    # CPU: wall clock), and the lower-tier reads (wall clock of the load thread).
+    copy_s: float = 0.0
+    read_s: float = 0.0
+    in_step: bool = False  # copied before the forward of the step that admitted the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,11 @@ class WorkerReport:
     """What the worker side tells the scheduler side after a step (via the engine)."""
 
     finished_loads: tuple[LoadResult, ...] = ()
+
+    def load_timings(self) -> tuple[LoadTiming, ...]:
+        """What the engine's TTFT breakdown takes from the finished loads."""
+        return tuple(LoadTiming(r.req_id, r.copy_s, r.in_step, r.read_s)
+                     for r in self.finished_loads)
 
 
 EMPTY_REPORT = WorkerReport()

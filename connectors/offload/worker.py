@@ -5,7 +5,8 @@ it owns one side stream (CUDA) shared by its two halves:
 - ``HostSaver`` (connectors/offload/saves.py): blocks freed since the last step, copied from the
   GPU straight into reserved host-tier slots, sealed after the forward.
 - ``HostLoader`` (connectors/offload/loads.py): in-step loads (copied before this step's
-  forward), async loads (host fast path now, lower tiers through a staging thread), completion.
+  forward), async loads (host fast path now, lower tiers through a load thread: pipelined in
+  chunks by default, ``connectors/offload/pipeline.py``), completion.
 
 Per step (``ModelRunner`` calls, engine thread):
 1. ``start_load_kv(meta)``, before the forward pass: saves first (their blocks may be rewritten
@@ -28,6 +29,7 @@ from cachestore.store.hierarchical import HierarchicalStore
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.loads import HostLoader
 from connectors.offload.metadata import BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.pipeline import chunk_blocks_for
 from connectors.offload.saves import HostSaver
 from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
@@ -63,7 +65,13 @@ class OffloadWorker:
         layers_per_copy: int = 0,
         coalesced_loads: bool = False,
         codec: Hi4Codec | None = None,
+        load_chunk_bytes: int = 0,
+        load_pipeline_depth: int = 2,
     ) -> None:
+        """``load_chunk_bytes`` > 0: lower-tier loads of raw blocks are pipelined (tier read,
+        pinned staging and the copy overlap in chunks of that many bytes, rounded to whole
+        blocks, through ``load_pipeline_depth`` staging slots: connectors/offload/pipeline.py);
+        0: read all, then copy."""
         self.kv_cache = kv_cache
         self.store = store
         self.meta = meta
@@ -75,7 +83,10 @@ class OffloadWorker:
         self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model,
                                   layered=layered_loads, coalesced=coalesced_loads, codec=codec,
-                                  layers_per_copy=layers_per_copy)
+                                  layers_per_copy=layers_per_copy,
+                                  chunk_blocks=chunk_blocks_for(load_chunk_bytes,
+                                                                kv_cache.bytes_per_block),
+                                  depth=load_pipeline_depth)
 
     @property
     def layered_loads(self) -> bool:
@@ -94,6 +105,9 @@ class OffloadWorker:
     def start_load_kv(self, metadata: object | None) -> None:
         if not isinstance(metadata, KVConnectorMetadata):
             return
+        # Cancelled loads first: a pipelined load's thread stops copying into blocks that
+        # this step may save (a freed block's bytes must be whole) or reuse.
+        self._loader.cancel(metadata.cancelled_loads)
         self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
         self._loader.start(metadata.loads, metadata.cancelled_loads,
                            idle=metadata.num_scheduled_requests == 0)

@@ -24,12 +24,20 @@ from engine.core.messages import (
     encode_request,
 )
 from engine.sampling_params import SamplingParams
-from engine.ttft import ALL_PHASES, API_PHASES, ENGINE_PHASES, SCHEDULE_PARTS, RequestTimes
+from engine.ttft import (
+    ALL_PHASES,
+    API_PHASES,
+    ENGINE_PHASES,
+    SCHEDULE_PARTS,
+    SUB_PHASES,
+    LoadTiming,
+    RequestTimes,
+)
 from tests.engine.hf_models import make_tiny_model
 from tests.engine.test_server import _metric, run_server
 
 pytestmark = pytest.mark.timeout(120)
-_ADDITIVE = [p for p in ENGINE_PHASES if p not in SCHEDULE_PARTS]
+_ADDITIVE = [p for p in ENGINE_PHASES if p not in SUB_PHASES]
 
 
 def test_breakdown_of_a_timeline_adds_up() -> None:
@@ -51,6 +59,24 @@ def test_breakdown_of_a_timeline_adds_up() -> None:
     # No stamps at all (a bare scheduler): all of it is waiting to compute.
     bare = RequestTimes().breakdown(arrival=1.0, first_token=1.5)
     assert bare["prefill_wait"] == 0.5 and sum(bare.values()) == 0.5
+
+
+def test_an_in_step_load_moves_from_compute_to_load() -> None:
+    t = RequestTimes(added=1.0, admitted=1.01, ready=1.01)
+    t.on_step(1.02, 1.07)  # 50 ms step, 12 ms of it copying the prefix in before the forward
+    t.on_load(LoadTiming("r", 0.012, in_step=True))
+    b = t.breakdown(arrival=1.0, first_token=1.08)
+    assert b["load"] == pytest.approx(0.012) and b["load_copy"] == pytest.approx(0.012)
+    assert b["prefill_compute"] == pytest.approx(0.038)
+    assert sum(b[p] for p in _ADDITIVE) == pytest.approx(0.08)
+    # An asynchronous load: its copies are inside the wait, nothing moves.
+    a = RequestTimes(added=1.0, admitted=1.0, ready=1.03)
+    a.on_step(1.03, 1.05)
+    a.on_load(LoadTiming("r", 0.004))
+    b = a.breakdown(arrival=1.0, first_token=1.05)
+    assert b["load"] == pytest.approx(0.03) and b["load_copy"] == pytest.approx(0.004)
+    assert b["prefill_compute"] == pytest.approx(0.02)
+    assert sum(b[p] for p in _ADDITIVE) == pytest.approx(0.05)
 
 
 def test_api_times_and_breakdown_cross_the_wire() -> None:
@@ -90,6 +116,41 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
     assert rows[100]["num_prefill_steps"] == math.ceil(100 / 32)
     assert rows[20]["num_prefill_steps"] == 2
     assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
+
+
+@pytest.mark.parametrize("in_step", [True, False])
+def test_a_host_reload_shows_its_load_and_the_phases_add_up(model_dir: str, tmp_path: Path,
+                                                             in_step: bool) -> None:
+    """A prefix reloaded from a real host tier through ``LLM``: the worker's measured copy
+    time reaches the log as ``load_copy`` and ``load`` holds it (an in-step load's copy is taken
+    out of ``prefill_compute``); the additive phases sum to the engine-side TTFT (within 5%,
+    exactly by construction) and the greedy tokens are those without offload."""
+    from engine.llm import LLM
+
+    log = tmp_path / "requests.jsonl"
+    offload = {"decision": "load", "calibrate": False, "in_step_host_loads": in_step,
+               "tiers": [{"kind": "host", "capacity": "32MiB"}]}
+    prefix, other = list(range(3, 3 + 160)), list(range(200, 200 + 160))
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    plain = LLM(model_dir, device="cpu", num_gpu_blocks=16, max_model_len=256)
+    want = plain.generate([prefix + [7]], greedy)[0].token_ids
+    plain.engine.close()
+    llm = LLM(model_dir, device="cpu", num_gpu_blocks=16, max_model_len=256,
+              request_log=str(log), kv_offload=True, kv_offload_config=offload)
+    try:
+        llm.generate([prefix + [5]], greedy)
+        llm.generate([other], greedy)  # 16 blocks: evicts the prefix to the host tier
+        assert llm.generate([prefix + [7]], greedy)[0].token_ids == want
+    finally:
+        llm.engine.close()
+    row = _log(log)[-1]
+    assert row["hit_tiers"].count("host") >= 4
+    b = row["ttft_breakdown_s"]
+    assert sum(b[p] for p in _ADDITIVE) == pytest.approx(row["ttft_s"], rel=0.05)
+    assert b["load_copy"] > 0 and b["load"] >= b["load_copy"] * (1 - 1e-6)
+    if in_step:  # no wait: all of ``load`` is the copy, carved out of the step
+        assert b["load"] == pytest.approx(b["load_copy"], rel=1e-3, abs=1e-6)
+        assert b["prefill_compute"] > 0
 
 
 def test_breakdown_reaches_the_log_and_metrics_through_the_core(model_dir: str,

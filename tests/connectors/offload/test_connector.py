@@ -158,7 +158,10 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
         "ttft_s",
         "ttft_breakdown_s",
         "num_prefill_steps",
+        "kv_load_s",
     }
+    assert lines[0]["kv_load_s"] == {"read": 0.0, "copy": 0.0}  # nothing loaded
+    assert lines[2]["kv_load_s"]["copy"] > 0 and lines[2]["kv_load_s"]["read"] == 0.0
 
 
 def test_default_config_uses_host_and_lmdb_in_the_cache_dir(

@@ -1,0 +1,218 @@
+"""Pipelined lower-tier loads: tier read, pinned staging and the copy into the GPU cache overlap.
+
+A load from a tier below the host (LMDB, Redis, S3, the cache server) used to read every block,
+then stage them all, then copy them all: its time was the sum of the three. ``LoadPipeline``
+splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring of ``depth``
+staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
+``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
+
+- The read step is one method, ``read_chunk(keys, rows)``: today the store's ``get_many_pinned``
+  (checksummed; hits promoted into the host tier as usual) and one copy of each payload into
+  its staging row. A tier that can read into a caller's buffer replaces exactly that method.
+- The copy step: CUDA, ``non_blocking`` copies of runs of consecutive blocks on the worker's
+  side stream, bracketed by timing events (the first waits for the load's ``ready`` event: the
+  blocks' previous owner's forwards); CPU, the same copies on a copy thread (a plain memcpy
+  would otherwise run between the reads, not beside them).
+- A staging slot is reused only once its previous copy completed (the load thread waits: never
+  the engine thread).
+
+Ownership (``PipeJob``): the load thread issues copies into the request's blocks at any time,
+not only at a step start; ``cancel`` (engine thread) stops further copies under the job's lock
+and returns the last copy issued, which the engine waits for before the blocks can be reused
+(CUDA: the compute stream waits on it; CPU: the copy is waited for). Blocks are leading-only:
+the first miss, short value or failed read ends the load there (the rest is recomputed).
+Codec-encoded payloads (``compression: lossless``) do not use the pipeline.
+
+Thread-safety: ``run`` on one load thread at a time (the worker's single-thread pool);
+``PipeJob.cancel`` and ``PipeJob.progress`` from the engine thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cachestore.store.hierarchical import HierarchicalStore
+from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class CpuCopyDone:
+    """A CPU copy's completion with a CUDA event's ``query``/``synchronize``."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: cf.Future[float]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+
+@dataclass(slots=True)
+class PipeJob:
+    """One load's lower-tier part: ``keys`` into ``block_ids``. Shared by the engine thread
+    (``cancel``, ``progress``) and the load thread (``run``), under ``lock``."""
+
+    block_ids: tuple[int, ...]
+    keys: tuple[str, ...]
+    ready: object | None = None  # CUDA: recorded on the compute stream when the load began
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    copied: int = 0  # leading blocks whose copy was issued
+    last: object | None = None  # the last issued copy's completion (event or CpuCopyDone)
+
+    def cancel(self) -> tuple[int, object | None]:
+        """No copy is issued after this returns; (blocks issued, the last copy's completion)."""
+        with self.lock:
+            self.cancelled = True
+            return self.copied, self.last
+
+
+@dataclass(frozen=True, slots=True)
+class PipedLoad:
+    """What ``run`` did: ``num_blocks`` leading blocks copied (their last completion ``last``),
+    ``read_s`` the reads' wall time, ``cpu_copy_s`` the CPU copies' (CUDA: ``timings``)."""
+
+    num_blocks: int
+    read_s: float
+    wall_s: float
+    last: object | None = None
+    cpu_copy_s: float = 0.0
+    timings: tuple[tuple[object, object, int], ...] = ()  # CUDA start, end, bytes
+
+
+class LoadPipeline:
+    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, side_stream: object | None,
+                 *, chunk_blocks: int, depth: int) -> None:
+        """Raises ValueError unless ``chunk_blocks`` >= 1 and ``depth`` >= 1. The staging ring
+        (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread."""
+        if chunk_blocks < 1 or depth < 1:
+            raise ValueError(f"load pipeline: chunk_blocks={chunk_blocks} and depth={depth} "
+                             "must be >= 1")
+        self.kv_cache = kv_cache
+        self.store = store
+        self.chunk_blocks = chunk_blocks
+        self.depth = depth
+        self._side = side_stream
+        self._rows = kv_cache.byte_rows()
+        self._nbytes = kv_cache.bytes_per_block
+        self._ring: torch.Tensor | None = None
+        self._slot_done: list[object | None] = [None] * depth
+        self._copier = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load-copy")
+                        if side_stream is None else None)
+
+    def run(self, job: PipeJob) -> PipedLoad:
+        """Load thread: read and copy ``job`` chunk by chunk until done, a miss or a cancel.
+        Never raises (a failed read ends the load there)."""
+        t0 = time.perf_counter()
+        read_s = 0.0
+        cpu_copy: list[cf.Future[float]] = []
+        timings: list[tuple[object, object, int]] = []
+        ring = self._staging()
+        for c, start in enumerate(range(0, len(job.keys), self.chunk_blocks)):
+            keys = job.keys[start:start + self.chunk_blocks]
+            k = c % self.depth
+            done = self._slot_done[k]
+            if done is not None:  # the slot's previous copy must have read it
+                done.synchronize()  # type: ignore[attr-defined]
+            rows = ring[k * self.chunk_blocks:(k + 1) * self.chunk_blocks]
+            t1 = time.perf_counter()
+            try:
+                n = self.read_chunk(keys, rows)
+            except Exception:
+                log.exception("kv read of %d blocks failed", len(keys))
+                n = 0
+            read_s += time.perf_counter() - t1
+            with job.lock:
+                if job.cancelled or n == 0:
+                    break
+                ids = job.block_ids[start:start + n]
+                if self._side is None:
+                    future = self._copier.submit(self._copy_cpu, ids, rows[:n])  # type: ignore[union-attr]
+                    cpu_copy.append(future)
+                    done = CpuCopyDone(future)
+                else:
+                    begin, done = self._copy_cuda(ids, rows[:n], job.ready)
+                    timings.append((begin, done, n * self._nbytes))
+                self._slot_done[k] = done
+                job.copied, job.last = start + n, done
+            if n < len(keys):
+                break
+        with job.lock:
+            copied, last = job.copied, job.last
+        # A CPU copy's wall time is known once it ran; wait for ours here, off the engine thread.
+        cpu_s = sum(f.result() for f in cpu_copy)
+        return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
+
+    def read_chunk(self, keys: tuple[str, ...], rows: torch.Tensor) -> int:
+        """THE read step: the payloads of ``keys`` into ``rows`` (``[len(keys), bytes_per_block]``
+        uint8 staging); how many leading keys were read (a miss or a short value ends it)."""
+        values, pinned = self.store.get_many_pinned(keys, decoded=True)
+        try:
+            out = rows.numpy()
+            for i, value in enumerate(values):
+                if value is None or len(value) != self._nbytes:
+                    return i
+                out[i] = np.frombuffer(value, dtype=np.uint8)
+            return len(values)
+        finally:
+            self.store.unpin_host(pinned)
+
+    def close(self) -> None:
+        """Stop the CPU copy thread (after its copies). Idempotent."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+
+    # -- copies ------------------------------------------------------------------------
+
+    def _staging(self) -> torch.Tensor:
+        if self._ring is None:
+            self._ring = torch.empty((self.depth * self.chunk_blocks, self._nbytes),
+                                     dtype=torch.uint8, pin_memory=self._side is not None)
+        return self._ring
+
+    def _copy_cpu(self, ids: tuple[int, ...], rows: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        for dst, src, n in _runs(ids):
+            self._rows[dst:dst + n].copy_(rows[src:src + n])
+        return time.perf_counter() - t0
+
+    def _copy_cuda(self, ids: tuple[int, ...], rows: torch.Tensor, ready: object | None
+                   ) -> tuple[object, object]:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
+            if ready is not None:  # the blocks' previous owner's forwards wrote them first
+                self._side.wait_event(ready)  # type: ignore[attr-defined]
+            begin.record(self._side)  # type: ignore[arg-type]
+            for dst, src, n in _runs(ids):
+                self._rows[dst:dst + n].copy_(rows[src:src + n], non_blocking=True)
+            end.record(self._side)  # type: ignore[arg-type]
+        return begin, end
+
+
+def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first block id, first staging row, length) of each run of consecutive block ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if out and out[-1][0] + out[-1][2] == b:
+            d, s, n = out[-1]
+            out[-1] = (d, s, n + 1)
+        else:
+            out.append((b, i, 1))
+    return out
+
+
+def chunk_blocks_for(chunk_bytes: int, bytes_per_block: int) -> int:
+    """Blocks per chunk for ``chunk_bytes`` (at least one); 0 bytes: the pipeline is off (0)."""
+    return 0 if chunk_bytes <= 0 else max(1, chunk_bytes // bytes_per_block)
