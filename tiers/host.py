@@ -129,12 +129,17 @@ class HostTier(Tier):
         return out
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
+        """Write ``items``; returns what left the tier for them: LRU entries evicted to make
+        room, and items this tier could not take (too big for a slot, or no slot free or
+        evictable: every one pinned or reserved), with their bytes, so that the store passes
+        them down like any eviction instead of losing them."""
         evicted: list[Evicted] = []
         with self._lock:
             for key, value in items:
                 src = memoryview(value).cast("B")
                 if src.nbytes > self.slot_bytes:
                     self.num_oversize_skipped += 1
+                    evicted.append(Evicted(key, bytes(src)))
                     continue
                 entry = self._entries.get(key)
                 if entry is not None:
@@ -145,7 +150,8 @@ class HostTier(Tier):
                     self._entries.move_to_end(key)
                 else:
                     entry = self._new_entry(key, src.nbytes, evicted, committed=True)
-                    if entry is None:
+                    if entry is None:  # no room: it goes down, not away
+                        evicted.append(Evicted(key, bytes(src)))
                         continue
                 start = entry.slot * self.slot_bytes
                 self._slab[start:start + src.nbytes] = src

@@ -72,7 +72,7 @@ def test_pin_each_pins_past_a_miss_and_counts_repeats(tier: HostTier) -> None:
     assert [e.key for e in tier.put_many([("h", _val(7))])] == ["a"]
 
 
-def test_pinned_entries_survive_and_oversize_is_skipped(tier: HostTier) -> None:
+def test_pinned_entries_survive_and_what_cannot_be_placed_is_handed_back(tier: HostTier) -> None:
     tier.put_many([(k, _val(i)) for i, k in enumerate("abcd")])
     assert tier.pin(["a", "b", "x", "c"]) == 2
     evicted = tier.put_many([("e", _val(4)), ("f", _val(5)), ("g", _val(6))])
@@ -81,11 +81,14 @@ def test_pinned_entries_survive_and_oversize_is_skipped(tier: HostTier) -> None:
     assert tier.delete_many(["a", "f", "nope"]) == 1  # a is pinned: stays
     assert tier.put_many([("h", _val(7))]) == []  # takes f's freed slot
     assert tier.pin(["g", "h"]) == 2
-    assert tier.put_many([("i", _val(8))]) == [] and tier.num_full_skipped == 1
-    assert tier.lookup(["i"]) == 0
+    # Every slot pinned: "i" cannot be placed, and comes back with its bytes (the store passes
+    # it down to the next tier like an eviction: a save is never silently lost).
+    assert tier.put_many([("i", _val(8))]) == [Evicted("i", _val(8))]
+    assert tier.num_full_skipped == 1 and tier.lookup(["i"]) == 0
     tier.unpin(["b", "a"])
     assert [e.key for e in tier.put_many([("i", _val(8))])] == ["a"]  # a is older than b
-    assert tier.put_many([("big", _val(1, SLOT + 1))]) == [] and tier.num_oversize_skipped == 1
+    assert tier.put_many([("big", _val(1, SLOT + 1))]) == [Evicted("big", _val(1, SLOT + 1))]
+    assert tier.num_oversize_skipped == 1
 
 
 def test_reserve_commit_abort(tier: HostTier) -> None:
@@ -107,7 +110,8 @@ def test_reserve_commit_abort(tier: HostTier) -> None:
 def test_reserved_slots_are_not_evicted(tier: HostTier) -> None:
     reservations = [tier.reserve(k, SLOT) for k in "abcd"]
     assert all(r is not None for r in reservations)
-    assert tier.put_many([("e", _val(1))]) == [] and tier.lookup(["e"]) == 0
+    assert tier.put_many([("e", _val(1))]) == [Evicted("e", _val(1))]  # handed back, not lost
+    assert tier.lookup(["e"]) == 0
 
 
 def test_from_config_via_registry() -> None:

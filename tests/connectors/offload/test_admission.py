@@ -65,3 +65,26 @@ def test_a_blocked_head_is_not_looked_up_again_until_blocks_are_freed(model_dir:
     # r2 waited for blocks for several steps, yet each request was looked up once.
     assert blocked[-1] >= 3, blocked
     assert lookups[-1] == 3, lookups
+
+
+def test_every_request_that_finds_blocks_below_gets_exactly_one_decision(
+    model_dir: str, tmp_path
+) -> None:
+    """Twenty 288-token prompts stored in LMDB by a first engine, whose 64-slot host tier
+    takes more saves in a step than it has free slots (the overflow must go down to LMDB, not
+    away); a fresh engine gets all twenty at once through a pool that holds a few: each request
+    is decided once, and every one of the 20 x 18 blocks is loaded."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(289)] for _ in range(20)]
+    config = {"decision": "load", "calibrate": False, "prefetch": False,
+              "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"},
+                        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB",
+                         "write_policy": "write_through"}]}
+    with make_llm(model_dir, 80, config) as first:
+        reference = [list(o.token_ids) for o in first.generate(prompts, GEN)]
+    with make_llm(model_dir, 80, config) as llm:
+        again = [list(o.token_ids) for o in llm.generate(prompts, GEN)]
+        kv = llm.kv_stats()
+    assert again == reference
+    assert kv["decisions"] == {"load_prefix": 20 + kv["cancelled_loads"]}
+    assert kv["loaded_tokens"] == 20 * 18 * 16 and kv["recomputed_tokens"] == 0
