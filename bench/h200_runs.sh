@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The engine-under-load and tiers-that-pay figures on one CUDA host, in stages that each fit a
+# 10-minute call (bench/gpu_suite.sh runs the broad suite; this one the user-shaped runs).
+# Usage: STAGES=qa,pressure,offload,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
+# - qa: the vLLM production-stack multi-round QA client (bench/third_party_qa.sh; its files in
+#   .qa-client/, fetched for the run, git-excluded), issue 15's shape, 1200 GPU blocks, offload
+#   off then on (48 GiB host tier); the client summary, the engine breakdown and the counters.
+# - pressure: bench/serving.py at ~24K-token histories, a pool of 4096 blocks (under three
+#   histories), qps 1, offload on (PRESSURE_MODES to add off), with the idle-ITL yardstick.
+# - offload: python -m bench.offload ttft at 4K and 16K with LMDB (pipelined, serial, cost,
+#   overlap) beside recompute and the host tier.
+# - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
+# Writes at most 8 files into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
+# per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-h200-out}}"; mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.kvtier ]; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && touch /tmp/site/.kvtier
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-cache}"
+MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-llama-3-8b}"
+STAGES=",${STAGES:-qa},"
+S="$OUT_DIR/summary.txt"
+START=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - START )) s] $*" | tee -a "$S"; }
+[ -f "$MODEL_DIR/config.json" ] || { stamp "model"; "$PY" -m bench.random_model "$MODEL_DIR" >/dev/null; }
+if [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+  stamp "warm FlashInfer"; "$PY" -m bench.engine --warm --warm-parts prefill,decode,sampling >/dev/null 2>&1
+fi
+if [[ "$STAGES" == *,qa,* ]]; then
+  for mode in off on; do
+    flags=(--num-gpu-blocks 1200)
+    if [ "$mode" = on ]; then
+      printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml
+      flags+=(--kv-offload --kv-offload-config /tmp/qa_on.yaml)
+    fi
+    stamp "qa $mode"
+    PYTHON="$PY" timeout -k 5 "${T_QA:-240}" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
+      2>&1 | tee -a "$S"
+    cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
+  done
+fi
+if [[ "$STAGES" == *,pressure,* ]]; then
+  stamp "pressure (${PRESSURE_MODES:-offload})"
+  timeout -k 5 "${T_PRESSURE:-560}" "$PY" -m bench.serving --model "$MODEL_DIR" --modes "${PRESSURE_MODES:-offload}" \
+    --users 8 --rounds 5 --system-words 200 --history-words 10200 --question-words 20 --answer-len 100 \
+    --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity 64GiB --qps 1 \
+    --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
+    --out "$OUT_DIR/pressure.json" 2>&1 | tail -n 1 | tee -a "$S"
+fi
+if [[ "$STAGES" == *,offload,* ]]; then
+  stamp "offload ttft"
+  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
+    --lmdb-max-len 16384 --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
+  tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
+fi
+if [[ "$STAGES" == *,tests,* ]]; then
+  stamp "gpu tests"
+  timeout -k 5 "${T_TESTS:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
+    ${GPU_TEST_FILES:-tests/connectors/offload/test_pipeline.py tests/connectors/offload/test_in_step.py tests/engine/test_gpu.py} \
+    > "$OUT_DIR/gpu_tests.txt" 2>&1
+  tail -n 5 "$OUT_DIR/gpu_tests.txt" | tee -a "$S"
+fi
+stamp "done"
