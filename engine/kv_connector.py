@@ -59,6 +59,12 @@ class SchedulerConnector(Protocol):
         prefetch into a faster tier) and answer "not yet" until that ends."""
         ...
 
+    def wait_pending(self, timeout_s: float) -> bool:
+        """A step scheduled nothing: block until some of the connector's off-step work ends (a
+        request it answered "not yet" may go), at most ``timeout_s``. False at once when none
+        runs. Keeps an engine whose only waiting requests are "not yet" from spinning."""
+        ...
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> ExternalHit | None:

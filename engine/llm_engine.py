@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a step that scheduled nothing waits for the connector's off-step work (a prefetch).
+_NOT_YET_WAIT_S = 0.005
+
 
 @dataclass(slots=True)
 class _RequestState:
@@ -190,6 +193,10 @@ class LLMEngine:
         """Run one engine step. Mutates everything; raises whatever the runner raises."""
         outputs, self._aborted = self._aborted, []
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self.offload is not None:
+            # Every waiting request is "not yet" (its prefetch runs): wait for one briefly
+            # rather than spin; short, so a request arriving meanwhile is not held up.
+            self.offload.scheduler.wait_pending(_NOT_YET_WAIT_S)
         t0 = time.perf_counter()
         step_start = time.monotonic()
         runner_out = self.runner.execute_model(sched_out)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from cachestore.store.hierarchical import HierarchicalStore
@@ -144,6 +144,18 @@ class Prefetcher:
             used = len(job.placed.keys() & set(loaded_keys))
             self.stats.add(prefetch_used_blocks=used,
                            prefetch_wasted_blocks=len(job.placed) - used)
+
+    def wait_any(self, timeout_s: float) -> bool:
+        """Block until a running job ends, at most ``timeout_s``; False when none was running
+        (or none ended in time). For a step that scheduled nothing because every waiting
+        request's answer is "not yet": the engine waits here instead of spinning."""
+        with self._lock:
+            running = [j.future for j in self._jobs.values()
+                       if not j.done and j.future is not None]
+        if not running:
+            return False
+        done, _ = wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        return bool(done)
 
     @property
     def num_pinned_blocks(self) -> int:

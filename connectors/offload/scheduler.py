@@ -141,7 +141,15 @@ class OffloadScheduler:
         if end <= start or len(request.block_hashes) < end:
             return
         keys = [self._key(h) for h in request.block_hashes[start:end]]
+        host = self.store.host_slab()
+        if host is not None and host.lookup(keys) == len(keys):
+            return  # the host tier holds all of it: nothing to bring up, no reason to wait
         self.prefetcher.start(request.req_id, keys, start, request.num_tokens)
+
+    def wait_pending(self, timeout_s: float) -> bool:
+        """Block until work started off the step path (a prefetch) ends, at most
+        ``timeout_s``. False at once when none runs."""
+        return self.prefetcher is not None and self.prefetcher.wait_any(timeout_s)
 
     def _num_to_load(self, first_block: int, tiers: tuple[str, ...], num_tokens: int) -> int:
         """For the prefetch thread: blocks [0, n) of ``tiers``' run that the policy would load

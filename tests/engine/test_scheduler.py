@@ -326,6 +326,9 @@ class FakeConnector:
     def on_request_added(self, request: Request, num_computed_tokens: int) -> None:
         pass
 
+    def wait_pending(self, timeout_s: float) -> bool:
+        return False
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalHit:
         if num_computed_tokens == 32 and request.num_tokens > 48:
             return ExternalHit(num_tokens=16, load_async=self.load_async)

@@ -80,3 +80,52 @@ def test_without_prefetch_the_same_request_loads_from_lmdb_directly(
         kv = llm.kv_stats()
     assert kv["prefetched_blocks"] == 0 and kv["loaded_blocks"] == 12
     assert kv["tiers"]["lmdb"]["hit_blocks"] == 12
+
+
+def test_a_step_waits_for_a_slow_prefetch_instead_of_spinning(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """While the only waiting request's prefetch runs (LMDB reads held up 0.3 s), the engine's
+    empty steps wait on it: a handful of steps, not thousands of spins."""
+    import time
+
+    p = prompt(4)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
+        first.generate([p], GEN)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
+        engine = llm.engine
+        store = engine.offload.store  # type: ignore[union-attr]
+        stage = store.stage_host
+
+        def slow_stage(keys):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            return stage(keys)
+
+        store.stage_host = slow_stage
+        engine.add_request("slow", p, GEN)
+        steps, t0 = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = time.perf_counter() - t0
+        kv = llm.kv_stats()
+    assert kv["prefetched_blocks"] == 12 and kv["loaded_blocks"] == 12
+    assert elapsed >= 0.3
+    assert steps <= 0.3 / 0.005 * 1.5 + 10  # waits of 5 ms each, not a spin
+
+
+def test_a_prefix_the_host_tier_holds_whole_starts_no_prefetch(
+    model_dir: str, tmp_path: Path
+) -> None:
+    p, q = prompt(5), prompt(6)
+    with make_llm(model_dir, 20, config(tmp_path / "db")) as llm:
+        llm.generate([p], GEN)
+        llm.generate([q], GEN)  # a 20-block pool: P's blocks leave the GPU for the host tier
+        engine = llm.engine
+        engine.add_request("again", p, GEN)
+        prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
+        assert prefetcher.state("again") is None
+        while engine.has_unfinished_requests():
+            engine.step()
+        kv = llm.kv_stats()
+    assert kv["prefetched_blocks"] == 0 and kv["tiers"]["host"]["hit_blocks"] > 0
