@@ -44,6 +44,7 @@ from tiers.remote import shm
 from tiers.remote.bell import Bell
 from tiers.remote.protocol import (
     PROTOCOL_VERSION,
+    ZMQ_FRAME_BYTES,
     ErrorCode,
     is_loopback,
     pack,
@@ -248,7 +249,12 @@ class Connections:
                 ids.append(request_id)
                 ops[request_id] = str(header.get("op"))
                 msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
-                parts = [pack(msg), *split_frames(payloads)]
+                head = pack(msg)
+                if len(head) > ZMQ_FRAME_BYTES:  # the daemon would drop the connection
+                    raise TierError(f"a {header.get('op')} header of {len(head)} bytes is over "
+                                    f"ZMQ's {ZMQ_FRAME_BYTES}-byte frame; use fewer keys "
+                                    f"a request (batch_keys)")
+                parts = [head, *split_frames(payloads)]
                 try:  # the common case: the pipe has room, no poll round trip needed
                     conn.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
