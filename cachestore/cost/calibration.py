@@ -15,7 +15,10 @@ Torch-free: the engine passes callbacks that do the device work.
   fits latency + bandwidth by least squares over them (``fit_transfer``), so per-block costs
   (Python, page faults, checksums) show up in the bandwidth rather than vanishing in a small
   batch.
-- ``calibrate(...)`` runs all of them and returns a ready ``OnlineCostModel``.
+- ``calibrate_prefill_checked(...)`` measures until ``cachestore.cost.checks.check_prefill``
+  accepts the fit (a bounded number of attempts), else falls back to a prior, untrusted.
+- ``calibrate(...)`` runs all of them, checks every measurement (a tier that fails
+  ``check_tier`` twice keeps its prior, untrusted) and returns a ready ``OnlineCostModel``.
 
 Progress goes to stderr through tqdm. Safe to run while others use the tiers: it only adds and
 removes its own keys (a random prefix), which may evict others' blocks from a full tier.

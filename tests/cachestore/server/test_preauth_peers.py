@@ -125,3 +125,25 @@ def test_a_declared_command_over_the_limit_is_dropped_at_once(daemon: tuple[int,
         while chunk := sock.recv(4096):
             got += chunk
         assert len(got) <= 64 and time.monotonic() - t0 < 0.5
+
+
+def test_a_header_over_the_zmq_frame_is_refused_by_the_client() -> None:
+    """A request header that would not fit in one ZMQ frame is refused at once with a
+    one-line error (the daemon would drop the connection and the call would time out)."""
+    from tests.cachestore.wire_helpers import served, tenant_daemon
+    from tiers.base import TierError
+    from tiers.remote.protocol import ZMQ_FRAME_BYTES
+    from tiers.remote.tier import RemoteTier
+
+    for srv in served(tenant_daemon(f"{TOKEN} alice\n", 8 << 20, 1 << 20)):
+        tier = RemoteTier(srv.bound_url, token=TOKEN, use_shm=False, use_stream=False,
+                          batch_keys=4096, timeout_s=5.0)
+        try:
+            keys = [f"ns/{i:0250x}" for i in range(2048)]  # ~520 KiB of keys in one header
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match=f"over ZMQ's {ZMQ_FRAME_BYTES}-byte frame"):
+                tier._net.call(tier._net.get(), [({"op": "lookup", "keys": keys}, [])])
+            assert time.monotonic() - t0 < 1.0
+            assert tier.lookup(keys[:4]) == 0  # the connection still serves
+        finally:
+            tier.close()
