@@ -109,7 +109,8 @@ def test_parallel_unauthenticated_peers_are_bounded_in_total(daemon: tuple[int, 
           f"{cut} cut early, longest held {max(held):.2f} s")
     assert len(held) == NUM_PEERS and max(held) < 5.0
     assert growth < MAX_GROWTH_BYTES, growth
-    assert cut >= NUM_PEERS - 64 - 16  # past the pending cap (64), the guard cut them
+    # How many overlap, and so are cut before the 1 s deadline, depends on the machine's load.
+    assert cut >= 1
     assert zmq_ask(url, TOKEN, op="stats")["code"] == ErrorCode.OK
 
 
@@ -147,3 +148,41 @@ def test_a_header_over_the_zmq_frame_is_refused_by_the_client() -> None:
             assert tier.lookup(keys[:4]) == 0  # the connection still serves
         finally:
             tier.close()
+
+
+def test_the_guard_cuts_pending_handshakes_past_its_cap() -> None:
+    """With a 5 s handshake deadline and a cap of 4, 16 peers that send a greeting and stall:
+    the 12 that sent the most are cut by the guard at once, and the daemon keeps serving
+    its authenticated clients."""
+    from tests.cachestore.wire_helpers import served, tenant_daemon
+
+    for srv in served(tenant_daemon(f"{TOKEN} alice\n", 8 << 20, 1 << 20,
+                                    max_pending_handshakes=4, zmq_handshake_s=5.0)):
+        url = str(srv.bound_url)
+        port = int(url.rsplit(":", 1)[1])
+        assert zmq_ask(url, TOKEN, op="stats")["code"] == ErrorCode.OK
+        peers = [socket.create_connection(("127.0.0.1", port), timeout=3) for _ in range(16)]
+        try:
+            for i, sock in enumerate(peers):  # the later ones sent more: they go first
+                sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", 200 << 10)
+                             + bytes(1000 * i))
+            t0 = time.monotonic()
+            closed = []
+            for sock in peers:
+                sock.settimeout(max(0.05, 1.5 - (time.monotonic() - t0)))
+                try:
+                    while sock.recv(4096):
+                        pass
+                    closed.append(True)
+                except ConnectionResetError:
+                    closed.append(True)
+                except TimeoutError:
+                    closed.append(False)
+            assert sum(closed) == 12 and not any(closed[:4]), closed
+            zap = srv.zap
+            assert zap is not None and zap.handshake_guard is not None
+            assert zap.handshake_guard.num_cut == 12
+            assert zmq_ask(url, TOKEN, op="stats")["code"] == ErrorCode.OK
+        finally:
+            for sock in peers:
+                sock.close()
