@@ -160,7 +160,8 @@ class OnlineCostModel:
             return {name: s.cost for name, s in self._tiers.items()}
 
     def prefill_cost(self) -> PrefillCost:
-        """The current prefill model: the calibrated fit times the learned scale."""
+        """The current prefill model: the curve (calibrated, or refit from live samples)
+        times the learned scale."""
         with self._lock:
             return self._prefill.cost()
 
