@@ -15,7 +15,10 @@ Torch-free: the engine passes callbacks that do the device work.
   fits latency + bandwidth by least squares over them (``fit_transfer``), so per-block costs
   (Python, page faults, checksums) show up in the bandwidth rather than vanishing in a small
   batch.
-- ``calibrate(...)`` runs all of them and returns a ready ``OnlineCostModel``.
+- ``calibrate_prefill_checked(...)`` measures until ``cachestore.cost.checks.check_prefill``
+  accepts the fit (a bounded number of attempts), else falls back to a prior, untrusted.
+- ``calibrate(...)`` runs all of them, checks every measurement (a tier that fails
+  ``check_tier`` twice keeps its prior, untrusted) and returns a ready ``OnlineCostModel``.
 
 Progress goes to stderr through tqdm. Safe to run while others use the tiers: it only adds and
 removes its own keys (a random prefix), which may evict others' blocks from a full tier.
@@ -23,17 +26,24 @@ removes its own keys (a random prefix), which may evict others' blocks from a fu
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import combinations
 
+from cachestore.cost.checks import check_prefill, check_tier
+from cachestore.cost.fit import fit_prefill_nonnegative
 from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
 from cachestore.cost.online import CostPriors, OnlineCostModel
 from tiers.base import Tier
+
+__all__ = ["fit_prefill_nonnegative"]  # re-exported: its home is cachestore.cost.fit
+log = logging.getLogger(__name__)
+# Measurements of a size are repeated up to this many times when checks reject the fit.
+CALIBRATION_ATTEMPTS = 3
 
 # (new tokens, context tokens): lengths and context both vary so all three terms are determined.
 DEFAULT_PREFILL_SIZES: tuple[tuple[int, int], ...] = (
@@ -55,14 +65,26 @@ def calibrate_prefill(run_prefill: Callable[[int, int], float],
                       relative: bool = False) -> PrefillCost:
     """Fit ``PrefillCost`` to timed prefills. ``run_prefill(n, c)`` prefills ``n`` new tokens
     after ``c`` cached ones and returns the seconds it took. ``relative``: see
-    ``fit_prefill_nonnegative``. Raises ValueError when ``sizes`` do not determine a fit (fewer
-    than 3 distinct shapes) or a run reports no time."""
+    ``fit_prefill_nonnegative``. No plausibility check (``calibrate_prefill_checked``).
+    Raises ValueError when ``sizes`` do not determine a fit (fewer than 3 distinct shapes)
+    or a run reports no time."""
+    samples = sample_prefill(run_prefill, sizes, repeats=repeats, progress=progress)
+    return fit_prefill_nonnegative(samples, relative=relative)
+
+
+def sample_prefill(run_prefill: Callable[[int, int], float],
+                   sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
+                   repeats: int = 2, progress: bool = True,
+                   warm_up: bool = True) -> list[PrefillSample]:
+    """Time every size ``repeats`` times after one warm-up call; the fastest run of each
+    counts. Raises ValueError as ``calibrate_prefill``."""
     if repeats < 1 or len(set(sizes)) < 3:
         raise ValueError(f"need repeats >= 1 and >= 3 distinct sizes, got {repeats}, {sizes}")
     samples: list[PrefillSample] = []
-    with _progress(len(sizes) * repeats + 1, "calibrate prefill", progress) as bar:
-        run_prefill(*min(sizes))  # warm-up: first-call allocations and kernel compilation
-        bar.update(1)
+    with _progress(len(sizes) * repeats + warm_up, "calibrate prefill", progress) as bar:
+        if warm_up:
+            run_prefill(*min(sizes))  # first-call allocations and kernel compilation
+            bar.update(1)
         for n, c in sizes:
             best = float("inf")
             for _ in range(repeats):
@@ -71,59 +93,50 @@ def calibrate_prefill(run_prefill: Callable[[int, int], float],
             if not best > 0:
                 raise ValueError(f"run_prefill({n}, {c}) reported {best} s")
             samples.append(PrefillSample(n, c, best))
-    return fit_prefill_nonnegative(samples, relative=relative)
+    return samples
 
 
-def fit_prefill_nonnegative(samples: Sequence[PrefillSample], *,
-                            relative: bool = False) -> PrefillCost:
-    """Least squares of ``t = a + b*n + c2*n*(c + n/2)`` with ``a, b, c2 >= 0``: the best of
-    every subset of free coefficients whose solution is non-negative (3 unknowns: 7 subsets).
-    Noise must not make a long prompt look free. ``relative``: minimise the relative errors
-    ``(fit - t) / t`` instead of the absolute ones, so that short prefills, seconds apart from
-    long ones, are fitted as well as they (when a decision compares both). Raises ValueError
-    with fewer than 3 samples or, when ``relative``, a time <= 0."""
-    if len(samples) < 3:
-        raise ValueError("need at least 3 prefill samples")
-    if relative and any(not s.seconds > 0 for s in samples):
-        raise ValueError("a relative fit needs every prefill time > 0")
-    rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
-            for s in samples]
-    ys = [s.seconds for s in samples]
-    if relative:  # each equation divided by its own time: residuals become relative errors
-        rows = [(r[0] / y, r[1] / y, r[2] / y) for r, y in zip(rows, ys, strict=True)]
-        ys = [1.0] * len(ys)
-    best: tuple[float, list[float]] | None = None
-    for k in (3, 2, 1):
-        for active in combinations(range(3), k):
-            coef = _least_squares([[r[i] for i in active] for r in rows], ys)
-            if coef is None or min(coef) < 0:
-                continue
-            full = [0.0, 0.0, 0.0]
-            for i, x in zip(active, coef, strict=True):
-                full[i] = x
-            sse = sum((sum(f * v for f, v in zip(full, r, strict=True)) - y) ** 2
-                      for r, y in zip(rows, ys, strict=True))
-            if best is None or sse < best[0]:
-                best = (sse, full)
-    assert best is not None  # the 1-coefficient fit of a positive target is always >= 0
-    return PrefillCost(*best[1])
+@dataclass(frozen=True, slots=True)
+class PrefillCalibration:
+    """A checked prefill calibration: the cost to start from, whether it was measured and
+    passed ``check_prefill`` (``trusted``), and why not (``reason``, one line)."""
+
+    cost: PrefillCost
+    trusted: bool
+    reason: str | None = None
 
 
-def _least_squares(a: list[list[float]], y: list[float]) -> list[float] | None:
-    """Normal equations solved by Gauss-Jordan with pivoting; None when singular."""
-    k = len(a[0])
-    m = [[sum(r[i] * r[j] for r in a) for j in range(k)]
-         + [sum(r[i] * t for r, t in zip(a, y, strict=True))] for i in range(k)]
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-300:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(k):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * z for x, z in zip(m[r], m[col], strict=True)]
-    return [m[i][k] / m[i][i] for i in range(k)]
+def calibrate_prefill_checked(run_prefill: Callable[[int, int], float],
+                              sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
+                              fallback: PrefillCost | None = None,
+                              attempts: int = CALIBRATION_ATTEMPTS, repeats: int = 2,
+                              progress: bool = True) -> PrefillCalibration:
+    """Measure and fit (relative errors) up to ``attempts`` times until ``check_prefill``
+    accepts the fit; each new attempt keeps, per size, the fastest time of every attempt so
+    far (a stall in one attempt does not survive the next). When every attempt is rejected:
+    ``fallback`` (a prior), else the last fit, untrusted. Each rejection is logged (WARNING).
+    Raises ValueError as ``calibrate_prefill``."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    best: dict[tuple[int, int], float] = {}
+    fit, reason = None, None
+    for attempt in range(attempts):
+        for s in sample_prefill(run_prefill, sizes, repeats=repeats, progress=progress,
+                                warm_up=attempt == 0):
+            key = (s.num_tokens, s.context_tokens)
+            best[key] = min(best.get(key, float("inf")), s.seconds)
+        samples = [PrefillSample(n, c, t) for (n, c), t in best.items()]
+        fit = fit_prefill_nonnegative(samples, relative=True)
+        reason = check_prefill(fit, samples)
+        if reason is None:
+            return PrefillCalibration(fit, True)
+        log.warning("prefill calibration %d/%d rejected: %s", attempt + 1, attempts, reason)
+    assert fit is not None
+    if fallback is not None:
+        log.warning("prefill calibration: keeping the prior (%s); it is corrected online",
+                    reason)
+        return PrefillCalibration(fallback, False, reason)
+    return PrefillCalibration(fit, False, reason)
 
 
 def calibrate_copy(copy_blocks: Callable[[int], float], block_bytes: int, name: str, *,
@@ -262,14 +275,16 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
     Whatever is not measured keeps its value from ``priors`` (required then). A tier that fails
     keeps its prior too. Raises ValueError when neither a measurement nor a prior exists."""
     costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
+    untrusted: set[str] = set()
     if host_to_gpu is not None:
-        costs["host"] = calibrate_copy(host_to_gpu, block_bytes, "host", num_blocks=num_blocks)
+        _checked(lambda: calibrate_copy(host_to_gpu, block_bytes, "host", num_blocks=num_blocks),
+                 "host", costs, untrusted)
         tiers = [t for t in tiers if t.name != "host"]
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             try:
-                costs[tier.name] = calibrate_tier(tier, tier_block_bytes or block_bytes,
-                                                  num_blocks)
+                _checked(lambda t=tier: calibrate_tier(t, tier_block_bytes or block_bytes,
+                                                       num_blocks), tier.name, costs, untrusted)
             except Exception as exc:  # a failing tier must not stop the engine from starting
                 if tier.name not in costs:
                     raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "
@@ -277,16 +292,40 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
             bar.update(1)
     for name, timer in (transfer_timers or {}).items():
         try:
-            costs[name] = calibrate_transfer(timer, tier_block_bytes or block_bytes, name,
-                                             sizes=transfer_sizes).cost
+            _checked(lambda n=name, t=timer: calibrate_transfer(
+                t, tier_block_bytes or block_bytes, n, sizes=transfer_sizes).cost,
+                name, costs, untrusted)
         except Exception as exc:  # as for a tier: a prior, if any, stands in
             if name not in costs:
                 raise ValueError(f"transfer {name!r}: calibration failed ({exc}) and no prior "
                                  f"is given") from exc
     if run_prefill is not None:
-        prefill = calibrate_prefill(run_prefill, prefill_sizes, progress=progress)
+        checked = calibrate_prefill_checked(
+            run_prefill, prefill_sizes, fallback=priors.prefill if priors else None,
+            progress=progress)
+        prefill, trusted = checked.cost, checked.trusted
     elif priors is not None:
-        prefill = priors.prefill
+        prefill, trusted = priors.prefill, True
     else:
         raise ValueError("calibrate needs run_prefill or priors for the prefill model")
-    return OnlineCostModel(costs, prefill, block_bytes, block_tokens, alpha=alpha)
+    return OnlineCostModel(costs, prefill, block_bytes, block_tokens, alpha=alpha,
+                           prefill_trusted=trusted, untrusted_tiers=untrusted)
+
+
+def _checked(measure: Callable[[], TierCost], name: str, costs: dict[str, TierCost],
+             untrusted: set[str], attempts: int = 2) -> None:
+    """``costs[name] = measure()`` once ``check_tier`` accepts it (up to ``attempts``
+    measurements). When none passes, the prior (if any, else the last measurement) stays and
+    ``name`` joins ``untrusted`` (the online model then learns it faster). A measurement
+    that raises propagates."""
+    has_prior = name in costs
+    for attempt in range(attempts):
+        cost = measure()
+        reason = check_tier(cost)
+        if reason is None:
+            costs[name] = cost
+            return
+        log.warning("calibration %d/%d rejected: %s", attempt + 1, attempts, reason)
+        if not has_prior:
+            costs[name] = cost
+    untrusted.add(name)

@@ -11,8 +11,15 @@ move the estimates by an exponentially weighted moving average (EWMA) with weigh
   only: ``B += alpha * (n / (t - L) - B)``, with ``t`` in place of ``t - L`` when ``t <= L``
   (the latency estimate alone cannot explain the sample). Each sample informs the term that
   dominates it, holding the other fixed.
-- prefill of ``n`` tokens after ``c`` in ``t`` s: ``scale += alpha * (t / base(n, c) - scale)``
-  where ``base`` is the calibrated ``PrefillCost``; predictions use ``scale * base``.
+  A tier whose calibration was rejected (``untrusted_tiers``) learns faster at first: its
+  k-th sample weighs ``max(alpha, 1 / (k + 1))``.
+- prefill of ``n`` tokens after ``c`` in ``t`` s: ``cachestore.cost.prefill_learner`` (a scale
+  EWMA on the calibrated curve, and refits of the curve's shape from live samples of
+  different lengths, so a wrong per-token slope is corrected too).
+
+Trust: a prefill calibration that failed its checks (``prefill_trusted=False``) is not used
+to refuse a load: until a live refit replaces it, ``decide`` loads every block a tier holds
+(the data is there; the pricing is still reported).
 
 Samples with ``seconds <= 0`` (clock resolution) carry no information and are counted as
 ignored. Thread-safe: one lock guards the estimates; ``decide`` prices outside it on a
@@ -29,6 +36,7 @@ from typing import Any
 from cachestore.cost.model import (
     DEFAULT_TIER_COSTS,
     LLAMA3_8B_H200_PREFILL,
+    STRATEGY_LOAD_PREFIX,
     STRATEGY_RECOMPUTE,
     Decision,
     PrefillCost,
@@ -37,6 +45,7 @@ from cachestore.cost.model import (
     get_model_profile,
     hops_to_gpu,
 )
+from cachestore.cost.prefill_learner import PrefillLearner
 
 log = logging.getLogger(__name__)
 # An overlap split must predict at least this much less than the best other option (cost_model).
@@ -93,13 +102,13 @@ class _TierState:
     cost: TierCost
     prior: TierCost
     num_samples: int = 0
+    trusted: bool = True
 
 
 @dataclass(slots=True)
 class _Counts:
     transfers_ignored: int = 0
     prefills_ignored: int = 0
-    prefill_samples: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     predicted_saved_s: float = 0.0  # sum over decisions of (recompute - best) predicted
 
@@ -108,8 +117,11 @@ class OnlineCostModel:
     """Reload-versus-recompute decisions on EWMA-updated estimates. Thread-safe."""
 
     def __init__(self, tier_costs: dict[str, TierCost], prefill: PrefillCost, block_bytes: int,
-                 block_tokens: int, *, alpha: float = 0.2) -> None:
-        """Raises ValueError for ``alpha`` outside (0, 1] or non-positive block sizes."""
+                 block_tokens: int, *, alpha: float = 0.2, prefill_trusted: bool = True,
+                 untrusted_tiers: set[str] | frozenset[str] = frozenset()) -> None:
+        """``prefill_trusted``/``untrusted_tiers``: whether calibration passed its checks
+        (see the module docstring). Raises ValueError for ``alpha`` outside (0, 1] or
+        non-positive block sizes."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if block_bytes <= 0 or block_tokens <= 0:
@@ -120,15 +132,18 @@ class OnlineCostModel:
         self.alpha = alpha
         # Keyed by the dict key, which is the name the connector reports (``TierCost.name``
         # is only a label).
-        self._tiers = {name: _TierState(cost, cost) for name, cost in tier_costs.items()}
+        self._tiers = {name: _TierState(cost, cost, trusted=name not in untrusted_tiers)
+                       for name, cost in tier_costs.items()}
         # > 0: host-tier loads land layer by layer over this many layers while the rest of
         # the prompt is computed (set by the KV connector when its loads do that).
         self.pipelined_layers = 0
         # An overlap (Cake) split must beat the best other option by this fraction (see
         # cost_model.choose_split): its extra engine step is not priced.
         self.overlap_margin = OVERLAP_MARGIN
-        self._prefill_base = prefill
-        self._prefill_scale = 1.0
+        # A curve that costs nothing per token prices every recompute like the shortest one:
+        # never a reason to refuse a load, whoever passed it in.
+        flat = prefill.per_token_s <= 0 and prefill.attention_s <= 0
+        self._prefill = PrefillLearner(prefill, alpha, trusted=prefill_trusted and not flat)
         self._counts = _Counts()
         self._lock = threading.Lock()
 
@@ -145,9 +160,15 @@ class OnlineCostModel:
             return {name: s.cost for name, s in self._tiers.items()}
 
     def prefill_cost(self) -> PrefillCost:
-        """The current prefill model: the calibrated fit times the learned scale."""
+        """The current prefill model: the curve (calibrated, or refit from live samples)
+        times the learned scale."""
         with self._lock:
-            return _scaled(self._prefill_base, self._prefill_scale)
+            return self._prefill.cost()
+
+    def trusted(self) -> bool:
+        """Whether the prefill model is trusted to refuse a load (see the module docstring)."""
+        with self._lock:
+            return self._prefill.trusted
 
     def decide(self, num_gpu_hit_blocks: int, source_tiers: list[str],
                num_prompt_tokens: int) -> Decision:
@@ -161,7 +182,8 @@ class OnlineCostModel:
             raise ValueError(f"num_gpu_hit_blocks must be >= 0, got {num_gpu_hit_blocks}")
         with self._lock:
             costs = {name: s.cost for name, s in self._tiers.items()}
-            prefill = _scaled(self._prefill_base, self._prefill_scale)
+            prefill = self._prefill.cost()
+            trusted = self._prefill.trusted
         hops = {name: hops_to_gpu(name, costs) for name in set(source_tiers)}
         lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"),
                          len(source_tiers))
@@ -171,6 +193,8 @@ class OnlineCostModel:
                                 pipelined_blocks=lead_host if self.pipelined_layers else 0,
                                 num_layers=max(self.pipelined_layers, 1),
                                 overlap_margin=self.overlap_margin)
+        if not trusted and source_tiers:
+            decision = _load_all(decision, len(source_tiers))
         recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
                          if o.strategy == STRATEGY_RECOMPUTE)  # always priced by choose_split
         with self._lock:
@@ -203,7 +227,8 @@ class OnlineCostModel:
                 first = TierCost(tier, 0.0, nbytes / seconds)
                 self._tiers[tier] = _TierState(first, first, 1)
                 return
-            state.cost = update_tier_cost(state.cost, nbytes, seconds, self.alpha)
+            alpha = self.alpha if state.trusted else max(self.alpha, 1.0 / (state.num_samples + 2))
+            state.cost = update_tier_cost(state.cost, nbytes, seconds, alpha)
             state.num_samples += 1
 
     def observe_prefill(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
@@ -211,13 +236,9 @@ class OnlineCostModel:
         ones, alone in its step. Raises ValueError for negative counts."""
         if num_tokens < 0 or context_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got {num_tokens}, {context_tokens}")
-        base = self._prefill_base.time(num_tokens, context_tokens)
         with self._lock:
-            if not seconds > 0 or not base > 0:
+            if not self._prefill.observe(num_tokens, context_tokens, seconds):
                 self._counts.prefills_ignored += 1
-                return
-            self._prefill_scale += self.alpha * (seconds / base - self._prefill_scale)
-            self._counts.prefill_samples += 1
 
     def snapshot(self) -> dict[str, Any]:
         """Plain-data view for logs and /metrics: current and prior estimates, sample counts,
@@ -227,17 +248,19 @@ class OnlineCostModel:
                             "bandwidth_bytes_per_s": s.cost.bandwidth_bytes_per_s,
                             "prior_latency_s": s.prior.latency_s,
                             "prior_bandwidth_bytes_per_s": s.prior.bandwidth_bytes_per_s,
-                            "num_samples": s.num_samples}
+                            "num_samples": s.num_samples, "trusted": s.trusted}
                      for name, s in self._tiers.items()}
-            p, c = self._prefill_base, self._counts
+            learner, c = self._prefill, self._counts
+            p = learner.base
             return {
                 "alpha": self.alpha,
                 "block_bytes": self.block_bytes,
                 "block_tokens": self.block_tokens,
                 "tiers": tiers,
                 "prefill": {"fixed_s": p.fixed_s, "per_token_s": p.per_token_s,
-                            "attention_s": p.attention_s, "scale": self._prefill_scale,
-                            "num_samples": c.prefill_samples},
+                            "attention_s": p.attention_s, "scale": learner.scale,
+                            "num_samples": learner.num_samples, "trusted": learner.trusted,
+                            "num_refits": learner.num_refits},
                 "decisions": dict(c.decisions),
                 "predicted_saved_s": c.predicted_saved_s,
                 "ignored": {"transfers": c.transfers_ignored, "prefills": c.prefills_ignored},
@@ -256,7 +279,10 @@ def update_tier_cost(cost: TierCost, nbytes: int, seconds: float, alpha: float) 
     return replace(cost, bandwidth_bytes_per_s=bandwidth + alpha * (nbytes / transfer_s - bandwidth))
 
 
-def _scaled(p: PrefillCost, scale: float) -> PrefillCost:
-    if scale == 1.0:
-        return p
-    return PrefillCost(p.fixed_s * scale, p.per_token_s * scale, p.attention_s * scale)
+def _load_all(decision: Decision, num_cached: int) -> Decision:
+    """``decision`` with loading every cached block as its best option (``choose_split``
+    always prices that option: it is the best or among the alternatives)."""
+    options = (decision.best, *decision.alternatives)
+    load = next(o for o in options
+                if o.strategy == STRATEGY_LOAD_PREFIX and o.load_end == num_cached)
+    return Decision(best=load, alternatives=tuple(o for o in options if o != load))

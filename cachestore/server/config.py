@@ -36,6 +36,13 @@ class ServerConfig:
     # A doorbell or stream connection that has not attached, or a ZMQ peer that has not
     # finished its (token-checked) handshake, within this many seconds is dropped.
     attach_timeout_s: float = 3.0
+    # A ZMQ peer that has not finished its handshake within this many seconds is dropped
+    # (ZMQ_HANDSHAKE_IVL; a PLAIN handshake is 2 round trips and a ZAP check).
+    zmq_handshake_s: float = 1.0
+    # At most this many ZMQ connections may be in their handshake (unauthenticated) at once;
+    # past it, the ones that sent the most are cut (``tiers.remote.handshake_guard``). With
+    # MAXMSGSIZE (~260 KiB) it bounds what unauthenticated ZMQ peers make the daemon hold.
+    max_pending_handshakes: int = 64
     # TCP stream (``cachestore.server.doorbell``, ``tcp``): clients without a shared segment (another
     # host, or shm off) move requests and payload frames over a plain TCP connection served
     # by one thread each, instead of ZMQ. It binds the url's host at ``stream_port`` (0: a
@@ -64,8 +71,12 @@ class ServerConfig:
                              f"{sorted(os.sched_getaffinity(0))}")
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
-        if self.attach_timeout_s <= 0:
-            raise ValueError(f"attach_timeout_s must be positive, got {self.attach_timeout_s}")
+        if self.attach_timeout_s <= 0 or self.zmq_handshake_s <= 0:
+            raise ValueError(f"attach_timeout_s and zmq_handshake_s must be positive, got "
+                             f"{self.attach_timeout_s}, {self.zmq_handshake_s}")
+        if self.max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be >= 1, got "
+                             f"{self.max_pending_handshakes}")
         if not 0 <= self.stream_port <= 65535:
             raise ValueError(f"stream_port must be 0..65535, got {self.stream_port}")
 

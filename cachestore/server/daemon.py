@@ -188,7 +188,7 @@ class CacheServer:
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 1000)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
-        secure_server(router, self.config.attach_timeout_s)
+        secure_server(router, self.config.zmq_handshake_s)
         # ZMQ drops a peer whose frame (or handshake command) exceeds this before it is
         # buffered; frames up to it get a clear TOO_LARGE reply from the handler instead.
         router.setsockopt(zmq.MAXMSGSIZE, zmq_max_msg_bytes(self.config.limits))
@@ -200,6 +200,7 @@ class CacheServer:
         try:
             router.bind(self.config.url)
             self.bound_url = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            zap.guard(router, self.config.max_pending_handshakes, self.config.zmq_handshake_s)
             for listener in (self._bell, self._stream):
                 if listener is not None:
                     try:

@@ -29,7 +29,10 @@ def zmq_ask(url: str, token: str, handshake_token: str | None = None, timeout_ms
     secure_client(sock, token if handshake_token is None else handshake_token)
     sock.connect(url)
     try:
-        sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "token": token, **header}))
+        # A handshake refused before the send leaves the DEALER without a peer: a blocking
+        # send would wait forever, so wait for room as long as for the reply.
+        assert sock.poll(timeout_ms, zmq.POLLOUT), "no reply"
+        sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "token": token, **header}), zmq.NOBLOCK)
         assert sock.poll(timeout_ms), "no reply"
         return msgpack.unpackb(sock.recv_multipart()[0])
     finally:

@@ -44,6 +44,7 @@ from tiers.remote import shm
 from tiers.remote.bell import Bell
 from tiers.remote.protocol import (
     PROTOCOL_VERSION,
+    ZMQ_FRAME_BYTES,
     ErrorCode,
     is_loopback,
     pack,
@@ -241,14 +242,21 @@ class Connections:
         spin = (sum(len(p) for _, ps in requests for p in ps) <= SPIN_MAX_BYTES
                 and all(conn.reply_bytes.get(h.get("op", ""), 0) <= SPIN_MAX_BYTES
                         for h, _ in requests))
+        heads: list[bytes] = []
+        for header, _ in requests:  # all checked before any is sent: a local error
+            request_id = conn.next_id
+            conn.next_id += 1
+            ids.append(request_id)
+            ops[request_id] = str(header.get("op"))
+            heads.append(pack({"v": PROTOCOL_VERSION, "id": request_id, "token": self._token,
+                               **header}))
+            if len(heads[-1]) > ZMQ_FRAME_BYTES:  # the daemon would drop the connection
+                raise TierError(f"a {header.get('op')} header of {len(heads[-1])} bytes is over "
+                                f"ZMQ's {ZMQ_FRAME_BYTES}-byte frame; use fewer keys a "
+                                f"request (batch_keys)")
         try:
-            for header, payloads in requests:
-                request_id = conn.next_id
-                conn.next_id += 1
-                ids.append(request_id)
-                ops[request_id] = str(header.get("op"))
-                msg = {"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header}
-                parts = [pack(msg), *split_frames(payloads)]
+            for head, (_, payloads) in zip(heads, requests, strict=True):
+                parts = [head, *split_frames(payloads)]
                 try:  # the common case: the pipe has room, no poll round trip needed
                     conn.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
                 except zmq.Again:

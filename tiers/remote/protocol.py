@@ -46,10 +46,12 @@ OPS = frozenset({"hello", "lookup", "get", "put", "delete", "stats", "bye"})
 KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,64}/[0-9A-Za-z._-]{1,256}")
 TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # The largest frame a client sends the daemon over ZMQ: a larger put payload goes as several
-# consecutive frames (``split_frames``), which the daemon joins. Why: libzmq's MAXMSGSIZE is
-# per frame and also bounds what a peer can make the daemon buffer during the handshake,
-# before it is authenticated (``tiers.remote.zap``), so it must stay small.
-ZMQ_FRAME_BYTES = 4 << 20
+# consecutive frames (``split_frames``), which the daemon joins; a request header must fit
+# in one. Why: libzmq's MAXMSGSIZE is per frame and also bounds what a peer can make the
+# daemon buffer during the handshake, before it is authenticated (``tiers.remote.zap``):
+# times the pending peers (``ServerConfig.max_pending_handshakes``), that is the total.
+# ZMQ carries hellos and fallbacks; bulk payloads take the shm segment or the TCP stream.
+ZMQ_FRAME_BYTES = 256 << 10
 
 
 class ErrorCode(enum.IntEnum):
@@ -99,10 +101,11 @@ class ServerLimits:
 
 
 def zmq_max_msg_bytes(limits: ServerLimits) -> int:
-    """The daemon socket's MAXMSGSIZE: a header, or a payload frame (at most
-    ``ZMQ_FRAME_BYTES``; up to twice ``max_frame_bytes`` when that is smaller, so a block a
-    little over the limit gets a TOO_LARGE reply rather than a dropped connection)."""
-    return max(limits.max_header_bytes, min(ZMQ_FRAME_BYTES, 2 * limits.max_frame_bytes)) + 4096
+    """The daemon socket's MAXMSGSIZE: a header or a payload frame, at most
+    ``ZMQ_FRAME_BYTES`` (less when both ``max_header_bytes`` and twice ``max_frame_bytes``
+    are smaller; twice, so a block a little over the limit gets a TOO_LARGE reply rather
+    than a dropped connection), plus 4 KiB of slack."""
+    return min(ZMQ_FRAME_BYTES, max(limits.max_header_bytes, 2 * limits.max_frame_bytes)) + 4096
 
 
 def zmq_max_frames(limits: ServerLimits) -> int:

@@ -7,15 +7,16 @@ put was buffered whole before its UNAUTHORIZED reply). With the PLAIN mechanism 
 ROUTER socket, libzmq asks this handler during the ZMTP handshake, before the peer may send
 any message: a password that is not a known token ends the connection there. What an
 unauthenticated peer can make the daemon hold is then one handshake command, which libzmq
-caps at the socket's ``MAXMSGSIZE`` (``zmq_max_msg_bytes``), for at most the handshake
-interval.
+caps at the socket's ``MAXMSGSIZE`` (``zmq_max_msg_bytes``, ~260 KiB), for at most the
+handshake interval; ``guard`` caps how many peers may be at that stage at once
+(``tiers.remote.handshake_guard``).
 
 PLAIN carries the token as the password (username ``kvtier``), in the clear like the
 request headers do; an open (token-less) daemon accepts any password. Every request is
 still authenticated by its own header token (``OpHandler.parse``).
 
 Thread-safe: the handler runs on its own thread with its own REP socket; ``start`` before the
-ROUTER binds, ``stop`` before the context terminates.
+ROUTER binds, ``stop`` before the context terminates (it also stops the ``guard``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import threading
 from collections.abc import Callable
 
 import zmq
+
+from tiers.remote.handshake_guard import HandshakeGuard
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
 ZAP_DOMAIN = b"kvtier"
@@ -59,12 +62,21 @@ class ZapHandler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-zap", daemon=True)
         self.num_denied = 0  # handshakes refused (tests, diagnostics)
+        self.handshake_guard: HandshakeGuard | None = None
+
+    def guard(self, router: zmq.Socket, max_pending: int, handshake_s: float) -> None:
+        """Cap ``router``'s connections still in their handshake at ``max_pending``
+        (``HandshakeGuard``; a tcp:// router after bind, else nothing to do)."""
+        if router.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://"):
+            self.handshake_guard = HandshakeGuard(router, max_pending, handshake_s).start()
 
     def start(self) -> ZapHandler:
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        if self.handshake_guard is not None:
+            self.handshake_guard.stop()
         self._stop.set()
         self._thread.join(5)
         self._sock.close(linger=0)

@@ -32,6 +32,8 @@ from tiers.remote.protocol import (
     ServerLimits,
     TokenTable,
     checksum,
+    split_frames,
+    zmq_max_frames,
 )
 from tiers.remote.tier import RemoteTier
 from tiers.remote.zap import secure_client
@@ -73,7 +75,8 @@ class Raw:
 
     def op(self, payloads: list[bytes] | None = None, **header: Any) -> dict[str, Any]:
         full = {"v": PROTOCOL_VERSION, "id": 7, "token": "tok-alice-0001", **header}
-        return self.ask([msgpack.packb(full), *(payloads or [])])[0]
+        # As the real client does: a payload over ZMQ_FRAME_BYTES goes as several frames.
+        return self.ask([msgpack.packb(full), *split_frames(payloads or [])])[0]
 
 
 def _block(key: str, payload: bytes) -> bytes:
@@ -101,7 +104,8 @@ def _put(raw: Raw, token: str, keys: list[str], values: list[bytes]) -> dict[str
     ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "put", "token": "tok-alice-0001",
                      "keys": ["ns/01"], "sizes": [1], "checksums": [0]}), b"a", b"b"],
      ErrorCode.BAD_FRAME, "2 payload frames for 1 keys"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})] + [b"x"] * 300,
+    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})]
+     + [b"x"] * zmq_max_frames(LIMITS),
      ErrorCode.BAD_FRAME, "too many"),
     ([b""], ErrorCode.BAD_HEADER, "not msgpack"),
 ])
