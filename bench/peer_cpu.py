@@ -71,9 +71,10 @@ class Worker:
 
     def _read(self) -> dict[str, Any]:
         assert self._proc.stdout is not None
-        for line in self._proc.stdout:  # vLLM may print its own lines on stdout
+        for line in self._proc.stdout:  # vLLM logs on stdout: kept in the log file
             if line.startswith(RESULT_PREFIX):
                 return json.loads(line[len(RESULT_PREFIX):])
+            self._log.write(line)
         raise RuntimeError(f"the {self.name} worker exited (rc {self._proc.wait()}); "
                            f"see {self._log.name}")
 

@@ -15,7 +15,9 @@ Imports only the standard library at module level: it runs under vLLM's interpre
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -87,10 +89,10 @@ def _kvtier(model_dir: str) -> tuple[Generate, dict[str, Any], _StepTimer]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
-    import os
     info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "affinity": sorted(os.sched_getaffinity(0)),
-            "threads": getattr(llm.engine.runner, "cpu_threads", None)}
+            "cpu_threads": dataclasses.asdict(llm.engine.runner.cpu_threads),
+            "packed_linears": llm.engine.runner.num_packed_linears}
     return generate, info, _StepTimer(llm.engine)
 
 
