@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-
 # The count this module last set, so that a second engine in the process is not mistaken
 # for a caller's own choice.
 _applied: dict[str, int] = {}

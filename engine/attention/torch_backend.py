@@ -11,10 +11,12 @@ fused CPU kernel (one 1500-token layer of a 135M model: 28.5 against 201.6 ms fo
 softmax + mask); 3-D inputs miss it.
 
 Per step, ``plan`` does everything the layers share: the causal masks, each request's block
-index, the new tokens' (block, offset) write positions, and for a decode-only batch of
-several requests one padded gather index and key-padding mask, so each layer runs ONE
-gather and ONE SDPA call for the whole batch instead of one per request (a CPU decode step
-is otherwise dominated by per-request op dispatch: 8 requests x 30 layers x ~8 ops).
+index, the new tokens' (block, offset) write positions, and for a decode-only step one padded
+block index and key-padding mask, so each layer runs ONE gather and ONE SDPA call for the
+whole batch instead of one per request. A decode step's query heads go in as rows of their
+KV head (``[B, Hkv, group, D]``, no ``enable_gqa``). SmolLM2's shapes, one thread, a batch of
+8 at 160 tokens: 284 us a layer against 663 us for the per-request gather of whole blocks
+with ``enable_gqa``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = [-(-n // bs) for n in metadata.seq_lens_cpu]
         self._blocks = [tables[i, :n] for i, n in enumerate(num_blocks)]
         self._batch_decode = None
-        if len(num_blocks) > 1 and all(q == 1 for q in metadata.query_lens_cpu):
+        if all(q == 1 for q in metadata.query_lens_cpu):
             width = max(num_blocks)
             seq_lens = metadata.seq_lens.to(torch.int64).view(-1, 1, 1, 1)
             keys_pos = torch.arange(width * bs, device=device).view(1, 1, 1, -1)
@@ -91,9 +93,8 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            kv = kv_layer[self._blocks[i]]  # [nb, 2, bs, Hkv, D] gathered copy
-            keys = kv[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            vals = kv[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len]
+            keys, vals = self._gather(kv_layer, self._blocks[i], 1)
+            keys, vals = keys[0, :seq_len], vals[0, :seq_len]  # [seq, Hkv, D]
             qi = q[start : start + q_len].float().transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             ki = keys.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, seq, D]
             vi = vals.float().transpose(0, 1).unsqueeze(0)
@@ -106,19 +107,31 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
+    def _gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_reqs: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` (``[num_reqs * nb]`` flat, request-major) as
+        ``[num_reqs, nb * block_size, Hkv, D]`` each: one ``index_select`` per half, whose
+        contiguous result reshapes for free (indexing the whole layer, then slicing k and v
+        out of it, copied everything twice more: 2.4x slower for a batch of 8)."""
+        flat = block_ids.reshape(-1)
+        shape = (num_reqs, -1, self.num_kv_heads, self.head_dim)
+        keys = kv_layer[:, 0].index_select(0, flat).view(shape)
+        vals = kv_layer[:, 1].index_select(0, flat).view(shape)
+        return keys, vals
+
     def _decode_batch(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """One query row per request, all requests in one SDPA call over their blocks
-        gathered side by side, padded to the longest and masked past each one's length."""
+        gathered side by side, padded to the longest and masked past each one's length.
+        The ``group`` query heads that share a KV head go in as ``group`` query rows of
+        that head (one position, so no causal mask among them): no GQA expansion."""
         assert self._batch_decode is not None
         tables, mask = self._batch_decode
-        num_reqs, width = tables.shape
-        kv = kv_layer[tables]  # [B, nb, 2, bs, Hkv, D] gathered copy
-        shape = (num_reqs, width * kv.shape[3], self.num_kv_heads, self.head_dim)
-        keys = kv[:, :, 0].reshape(shape).float().transpose(1, 2)  # [B, Hkv, S, D]
-        vals = kv[:, :, 1].reshape(shape).float().transpose(1, 2)
-        qb = q.float().unsqueeze(2)  # [B, H, 1, D]
+        num_reqs = tables.shape[0]
+        keys, vals = self._gather(kv_layer, tables, num_reqs)
+        group = self.num_heads // self.num_kv_heads
+        qb = q.float().view(num_reqs, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(
-            qb, keys, vals, attn_mask=mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, H, 1, D]
+            qb, keys.float().transpose(1, 2), vals.float().transpose(1, 2), attn_mask=mask,
+            scale=self.scale,
+        )  # [B, Hkv, group, D]: head h = kv head h // group, row h % group
         return out.to(q.dtype).reshape(num_reqs, self.num_heads * self.head_dim)
