@@ -22,10 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# The count this module last set, so that a second engine in the process is not mistaken
-# for a caller's own choice.
-_applied: dict[str, int] = {}
-
 
 @dataclass(frozen=True, slots=True)
 class CpuThreadPlan:
@@ -36,6 +32,11 @@ class CpuThreadPlan:
     num_threads: int
     cpu_ids: tuple[int, ...]  # the cores the threads run on (binding in ``omp_env``)
     source: str
+
+
+# The plan this module last applied, so that a later call without a count (a second engine,
+# the runner after the core process's explicit choice) keeps it.
+_applied: dict[str, CpuThreadPlan] = {}
 
 
 def usable_cpus() -> list[int]:
@@ -74,22 +75,26 @@ def plan_cpu_threads(num_threads: int | None = None, reserve: int = 1) -> CpuThr
 
 def configure_cpu_threads(num_threads: int | None = None) -> CpuThreadPlan:
     """Apply the plan for this process (``torch.set_num_threads``) and return it. With
-    ``num_threads`` None, an earlier choice is kept (see the module docstring). Idempotent."""
+    ``num_threads`` None, an earlier choice is kept (see the module docstring), including
+    one made through this function (the engine core process passes its
+    ``--engine-num-threads`` here; the model runner then calls it with None). Idempotent."""
     import torch
 
     current = torch.get_num_threads()
     if num_threads is None:
+        last = _applied.get("plan")
+        if last is not None and current == last.num_threads:
+            return last
         env = os.environ.get("OMP_NUM_THREADS", "")
         if env.strip().isdigit():
             return CpuThreadPlan(current, (), "env")
-        if current != len(physical_cores(usable_cpus())) and current != _applied.get("n"):
+        if current != len(physical_cores(usable_cpus())):
             return CpuThreadPlan(current, (), "caller")
     plan = plan_cpu_threads(num_threads)
     if current != plan.num_threads:
         torch.set_num_threads(plan.num_threads)
-    _applied["n"] = plan.num_threads
+    _applied["plan"] = plan
     return plan
-
 
 
 def omp_env(plan: CpuThreadPlan) -> dict[str, str]:

@@ -56,3 +56,15 @@ def test_configure_sets_the_planned_count_and_keeps_earlier_choices() -> None:
     cores = len(physical_cores(usable_cpus()))
     mine = cores + 2  # differs from torch's default (one per physical core)
     assert _configure_in_child({}, f"torch.set_num_threads({mine})\n") == f"caller {mine} {mine}"
+
+
+def test_an_explicit_count_survives_the_runners_later_call() -> None:
+    cores = len(physical_cores(usable_cpus()))
+    before = f"configure_cpu_threads({cores})\n"  # the core process's --engine-num-threads
+    code = ("import torch\nfrom engine.cpu_threads import configure_cpu_threads\n" + before +
+            "p = configure_cpu_threads()\nprint(p.source, torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == f"explicit {cores}"
