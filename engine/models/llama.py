@@ -183,14 +183,14 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
-    def pack_output_head(self) -> None:
+    def pack_output_head(self, row_copy: bool = False) -> None:
         """Called by ``engine.models.cpu_linear.pack_cpu_linears`` once the linears are
         packed: an untied ``lm_head`` already is; a tied head packs a copy of the embedding
-        table (the lookups keep the table)."""
+        table (the lookups keep the table), with ``row_copy`` as ``PackedLinear``'s."""
         from engine.models.cpu_linear import PackedLinear
 
         if self.lm_head is None:
-            self._packed_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self._packed_head = PackedLinear(self.model.embed_tokens.weight, None, row_copy)
         else:
             self._packed_head = self.lm_head
 

@@ -16,12 +16,14 @@ pytestmark = pytest.mark.skipif(not packing_available(torch.float32), reason="no
 
 @pytest.mark.parametrize("rows", [1, 8, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("row_copy", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool, row_copy: bool) -> None:
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 40, generator=g)
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(rows, 40, generator=g)
-    layer = PackedLinear(weight, b)
+    layer = PackedLinear(weight, b, row_copy)
+    assert (layer.weight_t is not None) == row_copy
     torch.testing.assert_close(layer(x), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
     x3 = torch.randn(2, rows, 40, generator=g)
     torch.testing.assert_close(layer(x3), F.linear(x3, weight, b), atol=1e-5, rtol=1e-5)
@@ -54,6 +56,7 @@ def test_runner_on_cpu_packs_the_model_and_its_tied_head(tmp_path) -> None:
     layers = runner.arch.num_layers
     assert runner.num_packed_linears == 4 * layers  # qkv, o, gate_up, down; no lm_head (tied)
     assert isinstance(runner.model._packed_head, PackedLinear)
+    assert runner.model._packed_head.weight_t is not None  # a small model: batch-1 copies
     plain = ModelRunner(config, model_dir, cpu_packed_linears=False)
     assert plain.num_packed_linears == 0
     hidden = torch.randn(3, runner.arch.hidden_size)
