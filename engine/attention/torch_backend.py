@@ -8,7 +8,15 @@ with a causal mask aligned to the end of the context, through
 checkpoints expect): ``is_causal`` when the query spans the whole sequence, no mask for one
 query token, a boolean mask for a chunk after cached context. The 4-D call takes PyTorch's
 fused CPU kernel (one 1500-token layer of a 135M model: 28.5 against 201.6 ms for matmul +
-softmax + mask, issue 21); 3-D inputs miss it.
+softmax + mask); 3-D inputs miss it.
+
+Per step, ``plan`` does everything the layers share: the causal masks, each request's block
+index, the new tokens' (block, offset) write positions, and for a decode-only step one padded
+block index and key-padding mask, so each layer runs ONE gather and ONE SDPA call for the
+whole batch instead of one per request. A decode step's query heads go in as rows of their
+KV head (``[B, Hkv, group, D]``, no ``enable_gqa``). SmolLM2's shapes, one thread, a batch of
+8 at 160 tokens: 284 us a layer against 663 us for the per-request gather of whole blocks
+with ``enable_gqa``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -26,16 +34,33 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._meta: AttentionMetadata | None = None
         self._masks: list[torch.Tensor | None] = []
+        self._blocks: list[torch.Tensor] = []  # per request: its block ids (int64)
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets)
+        # Decode-only batches of > 1 request: [B, max_blocks] block ids, [B, 1, 1, S] mask.
+        self._batch_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor | None:
         return None if self._meta is None else self._meta.slot_mapping
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Precompute each request's causal mask once for all layers."""
+        """Precompute, once for all layers, what the layers share (see the module docstring)."""
         self._meta = metadata
         self._masks = []
         device = metadata.slot_mapping.device
+        bs = metadata.block_size
+        slots = metadata.slot_mapping
+        self._write_at = (torch.div(slots, bs, rounding_mode="floor"), slots % bs)
+        tables = metadata.block_tables.long()
+        num_blocks = [-(-n // bs) for n in metadata.seq_lens_cpu]
+        self._blocks = [tables[i, :n] for i, n in enumerate(num_blocks)]
+        self._batch_decode = None
+        if all(q == 1 for q in metadata.query_lens_cpu):
+            width = max(num_blocks)
+            seq_lens = metadata.seq_lens.to(torch.int64).view(-1, 1, 1, 1)
+            keys_pos = torch.arange(width * bs, device=device).view(1, 1, 1, -1)
+            self._batch_decode = (tables[:, :width], keys_pos < seq_lens)
+            return
         for q_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True):
             if q_len == 1 or q_len == seq_len:
                 self._masks.append(None)  # a decode token sees all; a whole prompt is is_causal
@@ -55,21 +80,21 @@ class TorchAttentionBackend(AttentionBackend):
         kv_written: bool = False,
     ) -> torch.Tensor:
         meta = self._meta
-        if meta is None:
+        if meta is None or self._write_at is None:
             raise RuntimeError("TorchAttentionBackend.forward called before plan()")
         if not kv_written:
-            write_kv(kv_layer, meta.slot_mapping, k, v)
+            blocks, offsets = self._write_at
+            # One scatter for k and v: [T, 2, Hkv, D] at (block, :, offset).
+            kv_layer[blocks, :, offsets] = torch.stack((k, v), dim=1).to(kv_layer.dtype)
+        if self._batch_decode is not None:
+            return self._decode_batch(q, kv_layer)
         num_tokens = q.shape[0]
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         group = self.num_heads // self.num_kv_heads
-        bs = meta.block_size
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            num_blocks = -(-seq_len // bs)
-            blocks = meta.block_tables[i, :num_blocks].long()
-            kv = kv_layer[blocks]  # [nb, 2, bs, Hkv, D] gathered copy
-            keys = kv[:, 0].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
-            vals = kv[:, 1].reshape(num_blocks * bs, self.num_kv_heads, self.head_dim)[:seq_len]
+            keys, vals = self._gather(kv_layer, self._blocks[i], 1)
+            keys, vals = keys[0, :seq_len], vals[0, :seq_len]  # [seq, Hkv, D]
             qi = q[start : start + q_len].float().transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             ki = keys.float().transpose(0, 1).unsqueeze(0)  # [1, Hkv, seq, D]
             vi = vals.float().transpose(0, 1).unsqueeze(0)
@@ -81,3 +106,32 @@ class TorchAttentionBackend(AttentionBackend):
             out[start : start + q_len] = oi[0].transpose(0, 1).to(q.dtype)
             start += q_len
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_reqs: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``block_ids`` (``[num_reqs * nb]`` flat, request-major) as
+        ``[num_reqs, nb * block_size, Hkv, D]`` each: one ``index_select`` per half, whose
+        contiguous result reshapes for free (indexing the whole layer, then slicing k and v
+        out of it, copied everything twice more: 2.4x slower for a batch of 8)."""
+        flat = block_ids.reshape(-1)
+        shape = (num_reqs, -1, self.num_kv_heads, self.head_dim)
+        keys = kv_layer[:, 0].index_select(0, flat).view(shape)
+        vals = kv_layer[:, 1].index_select(0, flat).view(shape)
+        return keys, vals
+
+    def _decode_batch(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """One query row per request, all requests in one SDPA call over their blocks
+        gathered side by side, padded to the longest and masked past each one's length.
+        The ``group`` query heads that share a KV head go in as ``group`` query rows of
+        that head (one position, so no causal mask among them): no GQA expansion."""
+        assert self._batch_decode is not None
+        tables, mask = self._batch_decode
+        num_reqs = tables.shape[0]
+        keys, vals = self._gather(kv_layer, tables, num_reqs)
+        group = self.num_heads // self.num_kv_heads
+        qb = q.float().view(num_reqs, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            qb, keys.float().transpose(1, 2), vals.float().transpose(1, 2), attn_mask=mask,
+            scale=self.scale,
+        )  # [B, Hkv, group, D]: head h = kv head h // group, row h % group
+        return out.to(q.dtype).reshape(num_reqs, self.num_heads * self.head_dim)

@@ -155,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.fused_kernels = False  # see the module docstring; CUDA + Triton only
+        # The output head as a oneDNN-packed linear on CPU (engine/models/cpu_linear.py).
+        self._packed_head: nn.Module | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
@@ -181,7 +183,20 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         return fused_add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
+    def pack_output_head(self, row_copy: bool = False) -> None:
+        """Called by ``engine.models.cpu_linear.pack_cpu_linears`` once the linears are
+        packed: an untied ``lm_head`` already is; a tied head packs a copy of the embedding
+        table (the lookups keep the table), with ``row_copy`` as ``PackedLinear``'s."""
+        from engine.models.cpu_linear import PackedLinear
+
+        if self.lm_head is None:
+            self._packed_head = PackedLinear(self.model.embed_tokens.weight, None, row_copy)
+        else:
+            self._packed_head = self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_head is not None:
+            return self._packed_head(hidden).float()
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         if self.fused_kernels:  # a batch-1 row through the gemv
             return linear(hidden, head).float()
