@@ -107,7 +107,8 @@ class StoreReads:
                 out[j] = block.payload if decoded else keep
             still += remaining[len(values):]  # a short answer: the rest are misses here
             self._account(i, len(remaining) - len(still), len(still), nbytes, seconds,
-                          corrupt, wrong_key)
+                          len(corrupt), wrong_key)
+            self._delete(i, corrupt)
             remaining = still
         if promote:
             self._promote(promote)
@@ -129,10 +130,12 @@ class StoreReads:
             # so a concurrent put cannot reuse its slot in the middle of the copy.
             flags = self._host.pin(keys)
             mine = [j for j, f in enumerate(flags) if f]
+            corrupt: list[str] = []
             try:
-                still = self._tier_into(0, keys, views, mine, lengths, config, lower)
+                still = self._tier_into(0, keys, views, mine, lengths, config, lower, corrupt)
             finally:
                 self._host.unpin([keys[j] for j in mine])
+            self._delete(0, corrupt)  # unpinned first: the host tier keeps pinned entries
             rest = [j for j, f in enumerate(flags) if not f]
             if rest:
                 self._tiers.stats[0].add("misses", len(rest))
@@ -140,7 +143,10 @@ class StoreReads:
         for i in range(first, len(self._tiers)):
             if not remaining:
                 break
-            remaining = self._tier_into(i, keys, views, remaining, lengths, config, lower)
+            corrupt = []
+            remaining = self._tier_into(i, keys, views, remaining, lengths, config, lower,
+                                        corrupt)
+            self._delete(i, corrupt)
         if lower and config.promote_on_get:
             self._promote(self._copy(keys, views, lengths, lower))
         hits = [keys[j] for j, n in enumerate(lengths) if n is not None and n <= views[j].nbytes]
@@ -149,10 +155,11 @@ class StoreReads:
         return lengths
 
     def _tier_into(self, i: int, keys: Sequence[str], views: list[memoryview], idx: list[int],
-                   lengths: list[int | None], config: StoreConfig, lower: list[int]
-                   ) -> list[int]:
+                   lengths: list[int | None], config: StoreConfig, lower: list[int],
+                   corrupt: list[str]) -> list[int]:
         """Read ``keys[idx]`` from tier i into their views and check them; set ``lengths`` of
-        the hits and of values too large for their buffer; return the indices still missing."""
+        the hits and of values too large for their buffer; add the keys of corrupt values to
+        ``corrupt`` (the caller deletes them); return the indices still missing."""
         if not idx:
             return idx
         wanted = [keys[j] for j in idx]
@@ -162,7 +169,7 @@ class StoreReads:
         if got is _SKIP:
             return idx
         seconds = time.perf_counter() - t0
-        still, corrupt, nbytes, wrong_key, too_big = [], [], 0, 0, 0
+        still, nbytes, wrong_key, too_big = [], 0, 0, 0
         for j, n in zip(idx, got, strict=False):
             if n is None:
                 still.append(j)
@@ -182,7 +189,7 @@ class StoreReads:
                     lower.append(j)
         still += idx[len(got):]  # a short answer: the rest are misses here
         misses = len(still) + too_big
-        self._account(i, len(idx) - misses, misses, nbytes, seconds, corrupt, wrong_key)
+        self._account(i, len(idx) - misses, misses, nbytes, seconds, len(corrupt), wrong_key)
         return still
 
     def _copy(self, keys: Sequence[str], views: list[memoryview], lengths: list[int | None],
@@ -200,13 +207,17 @@ class StoreReads:
         return items
 
     def _account(self, i: int, hits: int, misses: int, nbytes: int, seconds: float,
-                 corrupt: list[str], wrong_key: int) -> None:
+                 corrupt: int, wrong_key: int) -> None:
         stats = self._tiers.stats[i]
         stats.record_read(hits, misses, nbytes, seconds)
         if wrong_key:
             stats.add("wrong_key", wrong_key)
         if corrupt:
-            stats.add("corrupt", len(corrupt))
+            stats.add("corrupt", corrupt)
+
+    def _delete(self, i: int, corrupt: list[str]) -> None:
+        """Delete values the codec refused from tier i (they would fail every read)."""
+        if corrupt:
             self._tiers.call(i, lambda t: t.delete_many(corrupt), 0)
 
 
