@@ -55,6 +55,11 @@ class Tier(ABC):
     """A key -> encoded-block store. See the module docstring for the shared contracts."""
 
     name: str = "tier"
+    # True where ``get_many``'s memoryviews stay valid for as long as they are held (recycled
+    # read buffers, ``tiers.buffers``), so a caller may keep them past its next call (the
+    # store queues them for promotion without a copy). False: a view may be valid only until
+    # the next call on the same thread (the contract above); ``bytes`` values always are.
+    owns_read_values: bool = False
 
     @abstractmethod
     def lookup(self, keys: Sequence[str]) -> int:

@@ -13,6 +13,11 @@ Order is the hierarchy: the first tier is the top (fastest). Every field name is
 sizes are ``parse_size`` strings with a unit (``4GiB``, ``100GB``; a bare number is refused):
 the one size grammar, ``parse_quantity`` below, is also every CLI flag's and ``kvtier analyze``'s.
 
+Read-path knobs (``docs/tiers.md``): ``read_connections`` (redis: parallel pipelines per
+``get_many``, at most ``max_connections``), ``read_chunk_bytes`` (s3: the size of the parallel
+range GETs a group's span is split into) and ``read_buffer_bytes`` (lmdb: idle recycled read
+buffers kept, ``tiers.buffers``).
+
 Every tier below the top has a write policy (``cachestore.store.write_through``): ``write_policy``
 ``write_through`` (the default for lmdb, redis, s3 and remote: a block saved to the top tier is
 copied there asynchronously), ``write_through_selective`` (copied at its ``write_through_hits``-th
@@ -130,6 +135,7 @@ class LmdbTierConfig:
     map_headroom: float = _f(_pos_float, 0.25)  # map size = capacity * (1 + headroom) + 64MiB
     writer_queue_size: int = _f(_pos_int, 256)
     sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
+    read_buffer_bytes: int = _f(_size, 256 << 20)  # idle recycled read buffers kept (get_many)
     write_policy: str = _f(_policy, WRITE_THROUGH)
     write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
@@ -150,11 +156,15 @@ class RedisTierConfig:
     max_connections: int = _f(_pos_int, 64)
     retries: int = _f(_nonneg_int, 1)
     capacity: int | None = _f(_size, None)  # bytes; None: the server's maxmemory bounds it
+    read_connections: int = _f(_pos_int, 4)  # parallel pipelines one get_many may use
     write_policy: str = _f(_policy, WRITE_THROUGH)
     write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
     def __post_init__(self) -> None:
+        if self.read_connections > self.max_connections:
+            raise ValueError(f"field 'read_connections': {self.read_connections} is more than "
+                             f"max_connections ({self.max_connections})")
         clustered = self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
         if self.capacity is not None and clustered:
             raise ValueError("field 'capacity' needs a single Redis server, not a cluster "
@@ -178,6 +188,7 @@ class S3TierConfig:
     connect_timeout_s: float = _f(_pos_float, 2.0)
     max_attempts: int = _f(_pos_int, 2)
     max_pool_connections: int = _f(_pos_int, 32)
+    read_chunk_bytes: int = _f(_size, 64 << 20)  # a group's span is read in ranges this large
     write_policy: str = _f(_policy, WRITE_THROUGH)
     write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks

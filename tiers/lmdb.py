@@ -41,6 +41,7 @@ _DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if
 
 class LmdbTier(LmdbWriter, Tier):
     name = "lmdb"
+    owns_read_values = True  # get_many: views of recycled buffers (tiers.buffers)
 
     def __init__(self, path: str | Path, capacity_bytes: int, *, map_headroom: float = 0.25,
                  writer_queue_size: int = 256, sync: bool = False,

@@ -120,6 +120,7 @@ class RedisTier(Tier):
     """Tier over one Redis server or cluster. See the module docstring for semantics."""
 
     name = "redis"
+    owns_read_values = True  # get_many returns bytes
 
     def __init__(self, config: RedisTierConfig) -> None:
         import redis

@@ -103,6 +103,7 @@ class S3Tier(Tier):
     """Tier over an S3 bucket prefix. See the module docstring for the layout and semantics."""
 
     name = "s3"
+    owns_read_values = True  # get_many: views of recycled buffers (tiers.buffers)
 
     def __init__(self, config: S3TierConfig) -> None:
         import boto3

@@ -62,8 +62,9 @@ class TierMovers:
             except queue.Full:
                 stats.add("demotions_dropped", len(batch))
 
-    def promote(self, items: list[tuple[str, bytes]]) -> None:
-        """Queue hits from lower tiers for the top tier. Never blocks."""
+    def promote(self, items: list[tuple[str, Value]]) -> None:
+        """Queue hits from lower tiers for the top tier. Never blocks. The queue holds the
+        values until the top tier's put copies them: they must stay valid while held."""
         try:
             self._queues[0].put_nowait(items)
         except queue.Full:

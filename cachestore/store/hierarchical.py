@@ -7,6 +7,8 @@
   hits from lower tiers for promotion into the top tier (asynchronous).
 - ``get_many_encoded`` is the same read but returns the still-encoded blocks (validated first):
   what a cache server hands on to its clients.
+- ``get_many_into`` is that read into buffers the caller owns (pinned staging, slab slices):
+  each tier copies its hits straight into them (``Tier.get_many_into``), then they are checked.
 - ``get_many_pinned``: the read for callers that use the values while other threads write:
   a host-tier block is read only once pinned for this caller (others come from the lower
   tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
@@ -43,13 +45,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachestore.codec import CodecError, block_key_of, decode_block
 from cachestore.store.demotion import TierMovers
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
+from cachestore.store.reads import StoreReads
 from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.write_through import DrainReport, WriteThrough
 from tiers.base import Tier, TierUsage, Value
@@ -87,10 +89,12 @@ class HierarchicalStore:
         self._host = HostFastPath(
             self._tiers,
             read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
-                                               first_tier=1),
+                                               first_tier=1, owned=True),
             write_top=lambda items: self._write(0, items),
             demote=lambda evicted: self._movers.demote(0, evicted),
         )
+        self._reads = StoreReads(self._tiers, self._host, lambda: self.config,
+                                 self._movers.promote, self._through.hit)
         self._collector = None
         if registry is not None:
             self._collector = register_prometheus(registry, self._tier_rows)
@@ -181,54 +185,41 @@ class HierarchicalStore:
                 out[j] = v
         return out, [keys[j] for j in mine]
 
+    def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
+        """Read each of ``keys`` straight into ``out[i]``, the caller's buffer (writable,
+        C-contiguous: a bytearray, a memoryview slice of one staging buffer, a numpy row of a
+        pinned tensor); the same read as ``get_many_encoded`` otherwise. Returns per key:
+
+        - the encoded block's length ``n`` when ``n <= len(out[i])`` (bytes): ``out[i][:n]`` is
+          the whole encoded block, checksum, namespace and key verified, byte-identical to what
+          ``get_many_encoded`` returns. Its payload sits at ``[header_size : n - 8]``: a caller
+          expecting one layout compares ``out[i][:header_size]`` with its
+          ``HeaderTemplate.for_key(key)`` (the store checks namespace and key, not dtype or
+          shape);
+        - ``None`` for a miss in every tier (absent, failing, backing off, or corrupt there);
+        - a length above ``len(out[i])``: the first tier holding the key holds a block too large
+          for the buffer; nothing was written or verified, no lower tier was asked, counted a
+          miss. Read it with ``get_many_encoded`` or a larger buffer.
+
+        Bytes of ``out[i]`` past the returned length, and all of a miss's buffer, are undefined
+        (a corrupt value a tier above held may have been copied there). Tiers are asked top
+        first, each for what the tiers above missed, each copying into the buffers with
+        ``Tier.get_many_into`` (LMDB straight from the map; the host tier only under a pin
+        taken for this call, so a concurrent put cannot reuse the slot mid-copy; Redis, S3 and
+        remote through their ``get_many``). A value failing the codec is a miss of that tier,
+        counted ``corrupt`` and deleted from it, and the next tier is asked. Hits below the
+        top are promoted to the top tier asynchronously (``promote_on_get``) from one copy
+        the store makes (the caller may reuse ``out`` as soon as this returns). Counters as
+        ``get_many``. Raises ValueError (one line) when ``out`` and ``keys`` differ in length
+        or a buffer is read-only or not contiguous; never raises for tier failures.
+        Thread-safe; concurrent calls must not share buffers."""
+        return self._reads.read_into(keys, out)
+
     def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
-              first_tier: int = 0, count_hits: bool = True) -> list[Value | None]:
-        out: list[Value | None] = [None] * len(keys)
-        remaining = list(range(len(keys)))
-        promote: list[tuple[str, bytes]] = []
-        for i, tier in enumerate(self.tiers):
-            if not remaining:
-                break
-            if i < first_tier:
-                continue
-            wanted = [keys[j] for j in remaining]
-            t0 = time.perf_counter()
-            values = self._call(i, lambda t, w=wanted: t.get_many(w), _SKIP)
-            if values is _SKIP:
-                continue
-            seconds = time.perf_counter() - t0
-            still, corrupt, nbytes, wrong_key = [], [], 0, 0
-            skip = self.config.block_key_skip
-            for j, value in zip(remaining, values, strict=False):  # a tier's answer
-                if value is None:
-                    still.append(j)
-                    continue
-                nbytes += len(value)
-                try:
-                    block = decode_block(value, self.config.namespace,
-                                         expected_key=block_key_of(keys[j], skip))
-                    out[j] = block.payload if decoded else value
-                except CodecError as exc:
-                    log.warning("tier %s: corrupt block %s (%s)", tier.name, keys[j], exc.reason)
-                    corrupt.append(keys[j])
-                    wrong_key += exc.reason == "wrong_key"
-                    still.append(j)
-                    continue
-                if i > 0 and promote_hits and self.config.promote_on_get:
-                    promote.append((keys[j], value if isinstance(value, bytes) else bytes(value)))
-            stats = self._stats[i]
-            stats.record_read(len(remaining) - len(still), len(still), nbytes, seconds)
-            if wrong_key:
-                stats.add("wrong_key", wrong_key)
-            if corrupt:
-                stats.add("corrupt", len(corrupt))
-                self._call(i, lambda t, c=corrupt: t.delete_many(c), 0)
-            remaining = still
-        if promote:
-            self._movers.promote(promote)
-        if count_hits:
-            self._through.hit([k for k, v in zip(keys, out, strict=True) if v is not None])
-        return out
+              first_tier: int = 0, count_hits: bool = True, owned: bool = False
+              ) -> list[Value | None]:
+        """``StoreReads.read``: top tier first, checked, lower-tier hits promoted."""
+        return self._reads.read(keys, decoded, promote_hits, first_tier, count_hits, owned)
 
     def scope_block_keys(self, skip: int) -> None:
         """From now on, check keyed blocks against their store key less its ``skip`` leading

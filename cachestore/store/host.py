@@ -32,7 +32,7 @@ class HostFastPath:
     def __init__(self, tiers: GuardedTiers, read_lower: ReadFn, write_top: WriteFn,
                  demote: Callable[[list[Evicted]], None]) -> None:
         """``read_lower(keys)``: checksummed, encoded reads from the tiers below the top, no
-        promotion; ``write_top(items)``: a store write to the top tier (evictions demoted);
+        promotion, values valid while held (``bytes`` or owned views, ``reads.owned_value``); ``write_top(items)``: a store write to the top tier (evictions demoted);
         ``demote(evicted)``: queue what the top tier evicted for the tier below."""
         self._tiers = tiers
         self._read_lower = read_lower
@@ -73,7 +73,7 @@ class HostFastPath:
             values = self._read_lower([keys[j] for j in missing])
             got = [(keys[j], v) for j, v in zip(missing, values, strict=True) if v is not None]
             if got:
-                self._write_top([(k, v if isinstance(v, bytes) else bytes(v)) for k, v in got])
+                self._write_top(got)  # owned values: no copy before the slab's
                 again = self.pin([k for k, _ in got])
                 pinned = {k for (k, _), f in zip(got, again, strict=True) if f}
                 flags = [f or keys[j] in pinned for j, f in enumerate(flags)]

@@ -180,19 +180,50 @@ def test_build_tiers_through_registry(tmp_path: Path) -> None:
         assert [type(t).__name__ for t in tiers] == ["HostTier", "LmdbTier"]
         assert tiers[0].usage().capacity_bytes == 64 * 1024
         assert tiers[1].usage().capacity_bytes == 2**20
+        assert tiers[1]._buffers.max_idle_bytes == 256 * 2**20  # type: ignore[attr-defined]
     finally:
         for tier in tiers:
             tier.close()
 
 
+def test_lmdb_read_buffer_bytes_parses_and_reaches_the_tier(tmp_path: Path) -> None:
+    import inspect
+
+    from tiers.lmdb import LmdbTier
+
+    default = inspect.signature(LmdbTier).parameters["read_buffer_bytes"].default
+    assert LmdbTierConfig(path="/x", capacity=1).read_buffer_bytes == default
+    cfg = parse_tier_config({"tiers": [{"kind": "lmdb", "path": str(tmp_path / "db"),
+                                        "capacity": "1MiB", "read_buffer_bytes": "32MiB"}]})
+    assert cfg.tiers[0].read_buffer_bytes == 32 * 2**20
+    (tier,) = build_tiers(cfg)
+    try:
+        assert tier._buffers.max_idle_bytes == 32 * 2**20  # type: ignore[attr-defined]
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (1024, "field 'read_buffer_bytes': 1024 has no unit"),
+    ("0B", "field 'read_buffer_bytes': expected a positive size, got '0B'"),
+    ("1000tok", "field 'read_buffer_bytes': '1000tok' is in tokens"),
+])
+def test_lmdb_read_buffer_bytes_errors(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_tier_config({"tiers": [{"kind": "lmdb", "path": "/x", "capacity": "1MiB",
+                                      "read_buffer_bytes": value}]})
+    assert str(info.value).startswith("tiers[0] (lmdb): ") and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 REDIS_FULL = {"kind": "redis", "url": "redis://127.0.0.1:6379/2", "cluster": False,
               "key_prefix": "kv:", "ttl_s": 60, "max_value_bytes": "8MiB",
               "socket_timeout_s": 0.5, "connect_timeout_s": 0.25, "max_connections": 8,
-              "retries": 0, "capacity": "1GiB"}
+              "retries": 0, "capacity": "1GiB", "read_connections": 8}
 S3_FULL = {"kind": "s3", "bucket": "kv", "endpoint_url": "http://127.0.0.1:9000", "prefix": "p/",
            "blocks_per_object": 4, "region": "eu-west-1", "access_key_id": "AK",
            "secret_access_key": "SK", "timeout_s": 3, "connect_timeout_s": 0.5,
-           "max_attempts": 1, "max_pool_connections": 4}
+           "max_attempts": 1, "max_pool_connections": 4, "read_chunk_bytes": "8MiB"}
 
 
 def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
@@ -204,11 +235,12 @@ def test_backend_fields_parse_and_reach_the_backend_configs() -> None:
     assert redis_cfg == RedisTierConfig(
         url="redis://127.0.0.1:6379/2", cluster=False, key_prefix="kv:", ttl_s=60.0,
         max_value_bytes=8 * 2**20, socket_timeout_s=0.5, connect_timeout_s=0.25,
-        max_connections=8, retries=0, capacity=2**30)
+        max_connections=8, retries=0, capacity=2**30, read_connections=8)
     assert s3_cfg == S3TierConfig(
         bucket="kv", endpoint_url="http://127.0.0.1:9000", prefix="p/", blocks_per_object=4,
         region="eu-west-1", access_key_id="AK", secret_access_key="SK", timeout_s=3.0,
-        connect_timeout_s=0.5, max_attempts=1, max_pool_connections=4)
+        connect_timeout_s=0.5, max_attempts=1, max_pool_connections=4,
+        read_chunk_bytes=8 * 2**20)
     # Every YAML field exists, with the same value, on the backend's own config (the registry
     # converts by name, so a field missing there would be silently dropped), but the store's.
     for parsed, backend_cls in ((redis_cfg, RedisBackend), (s3_cfg, S3Backend)):
@@ -234,6 +266,7 @@ def test_backend_defaults_match_the_backends() -> None:
             assert getattr(backend, f.name) == getattr(parsed, f.name), f.name
     assert redis_cfg.capacity is None and redis_cfg.retries == 1
     assert s3_cfg.max_attempts == 2 and s3_cfg.max_pool_connections == 32
+    assert (redis_cfg.read_connections, s3_cfg.read_chunk_bytes) == (4, 64 * 2**20)
 
 
 @pytest.mark.parametrize(("entry", "message"), [
@@ -248,6 +281,11 @@ def test_backend_defaults_match_the_backends() -> None:
     ({"capacity": "1GiB", "cluster": True}, "field 'capacity' needs a single Redis server"),
     ({"capacity": "1GiB", "url": "redis+cluster://h:7000"},
      "field 'capacity' needs a single Redis server"),
+    ({"read_connections": 0}, "field 'read_connections': expected a positive integer, got 0"),
+    ({"read_connections": "4"}, "field 'read_connections': expected a positive integer"),
+    ({"read_connections": 9, "max_connections": 8},
+     "field 'read_connections': 9 is more than max_connections (8)"),
+    ({"read_connections": 65}, "field 'read_connections': 65 is more than max_connections (64)"),
 ])
 def test_redis_field_errors(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -261,6 +299,9 @@ def test_redis_field_errors(entry: dict, message: str) -> None:
     ({"max_pool_connections": "many"}, "field 'max_pool_connections': expected a positive"),
     ({"max_pool_connections": True}, "field 'max_pool_connections': expected a positive"),
     ({"capacity": "1TiB"}, "unknown field(s) ['capacity']"),
+    ({"read_chunk_bytes": 8388608}, "field 'read_chunk_bytes': 8388608 has no unit"),
+    ({"read_chunk_bytes": "0MiB"}, "field 'read_chunk_bytes': expected a positive size"),
+    ({"read_chunk_bytes": "8 blocks"}, "field 'read_chunk_bytes': '8 blocks' is in blocks"),
 ])
 def test_s3_field_errors(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -272,8 +313,9 @@ def test_built_redis_and_s3_tiers_carry_the_fields(
         redis_config: dict, s3_config: dict) -> None:
     cfg = parse_tier_config({"tiers": [
         {**redis_config, "connect_timeout_s": 0.25, "retries": 0, "capacity": "4KiB",
-         "max_value_bytes": "1KiB"},
-        {**s3_config, "connect_timeout_s": 0.5, "max_attempts": 1, "max_pool_connections": 3},
+         "max_value_bytes": "1KiB", "read_connections": 3},
+        {**s3_config, "connect_timeout_s": 0.5, "max_attempts": 1, "max_pool_connections": 3,
+         "read_chunk_bytes": "1MiB"},
     ]})
     redis_tier, s3_tier = build_tiers(cfg)
     try:
@@ -284,6 +326,8 @@ def test_built_redis_and_s3_tiers_carry_the_fields(
         assert redis_tier.get_many(["k"]) == [None]
         assert (sc.connect_timeout_s, sc.max_attempts, sc.max_pool_connections) == (0.5, 1, 3)
         assert s3_tier._pool._max_workers == 3  # type: ignore[attr-defined]
+        assert (rc.read_connections, sc.read_chunk_bytes) == (3, 2**20)
+        assert redis_tier._readers._max_workers == 2  # type: ignore[attr-defined]
     finally:
         for tier in (redis_tier, s3_tier):
             tier.close()

@@ -44,6 +44,22 @@ def test_put_get_round_trip(tier: Tier, nbytes: int, wrap: type) -> None:
     assert tier.contains(keys[1])
 
 
+def test_owned_read_values_survive_later_calls(tier: Tier) -> None:
+    """``owns_read_values``: a value held stays intact through later reads, writes and
+    deletes (the store queues such views for promotion without copying them)."""
+    if not tier.owns_read_values:
+        pytest.skip(f"{tier.name}: views may die at the next call (copied by the store)")
+    keys = chain_keys(4)
+    tier.put_many([(k, value(i, 2 * MIB)) for i, k in enumerate(keys[:2])])
+    held = tier.get_many(keys[:2])
+    for _ in range(3):
+        tier.get_many(keys[:2])
+    tier.put_many([(k, value(9, 2 * MIB)) for k in keys[2:]])
+    tier.get_many(keys[2:])
+    tier.delete_many(keys[:2])
+    assert [as_bytes(v) for v in held] == [value(0, 2 * MIB), value(1, 2 * MIB)]
+
+
 def test_lookup_counts_the_leading_run_only(tier: Tier) -> None:
     keys = chain_keys(6)
     tier.put_many([(keys[i], value(i, 1000)) for i in (0, 1, 2, 4, 5)])  # a gap at 3
