@@ -215,7 +215,7 @@ class LLMEngine:
         for sliced in out.requests:
             request = requests.get(sliced.req_id)
             if request is not None and not request.output_token_ids:
-                request.times.on_step(start, end)
+                request.times.on_step(start, end, out.num_batched_tokens)
 
     def _stamp_loads(self, timings: Sequence[LoadTiming] | None) -> None:
         """The connector's measured copy time of each load that finished in this step."""
@@ -306,6 +306,8 @@ class LLMEngine:
                 ttft_s=ttft,
                 ttft_breakdown_s=m.ttft_breakdown,
                 num_prefill_steps=request.times.num_prefill_steps,
+                prefill_step_tokens=request.times.prefill_step_tokens,
+                kv_plan=request.kv_plan,
                 load_read_s=request.times.load_read_s,
                 load_copy_s=request.times.load_copy_s,
             )

@@ -15,7 +15,12 @@ of ``ttft_s`` (engine/ttft.py, ``load_copy`` the measured copy of its KV load in
 cache; null for a request ended before its first token) and
 ``num_prefill_steps`` the steps that computed its prompt; ``kv_load_s`` the measured parts of its
 KV loads: ``read`` from tiers below the host (wall time of the load thread, chunks overlapping
-the copies when pipelined) and ``copy`` into the GPU cache (``load_copy``). With ``decision``
+the copies when pipelined) and ``copy`` into the GPU cache (``load_copy``);
+``prefill_step_tokens`` every token of the steps that computed its prompt (other requests'
+chunks and decodes included: what its ``prefill_compute`` paid for); ``kv_plan`` the offload
+connector's planned split at admission (``gpu_tokens``, ``head_tokens`` computed beside the
+load, ``load_tokens``, ``recompute_tokens``, ``predicted_s`` the cost model's TTFT; null
+without a connector). With ``decision``
 ``overlap`` the head's compute is ``prefill_compute`` and the tail's load these parts. ``kvtier analyze`` reads it
 (format ``request-log``; it needs only ``ts``, ``prompt_tokens`` and ``block_hashes``). Each line is written and flushed at once, so a crash loses at most
 the line being written. Not thread-safe: the engine thread writes it.
@@ -42,6 +47,8 @@ class RequestLogEntry:
     num_prefill_steps: int = 0
     load_read_s: float = 0.0
     load_copy_s: float = 0.0
+    prefill_step_tokens: int = 0
+    kv_plan: dict[str, float] | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -58,6 +65,8 @@ class RequestLogEntry:
                 "num_prefill_steps": self.num_prefill_steps,
                 "kv_load_s": {"read": round(self.load_read_s, 7),
                               "copy": round(self.load_copy_s, 7)},
+                "prefill_step_tokens": self.prefill_step_tokens,
+                "kv_plan": self.kv_plan,
             },
             separators=(",", ":"),
         )

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of the GPU the engine may use, KV cache included")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--first-token-step-tokens", type=int, default=512,
+                        help="a step that yields a short prefill's first token carries at most "
+                        "this many prefill tokens, others' chunks cut (0: off; default 512)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -199,6 +202,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            first_token_step_tokens=args.first_token_step_tokens,
         ),
         # A tier file is a request for offload: vLLM's --kv-transfer-config needs no second flag.
         kv_offload=args.kv_offload or args.kv_offload_config is not None,
