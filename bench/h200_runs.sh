@@ -67,7 +67,7 @@ fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"
   timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
-    --lmdb-max-len 16384 --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
+    --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
   tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
