@@ -112,8 +112,9 @@ class OffloadWorker:
         # Cancelled loads first: a pipelined load's thread stops copying into blocks that
         # this step may save (a freed block's bytes must be whole) or reuse.
         self._loader.cancel(metadata.cancelled_loads)
-        if metadata.cancelled_loads and self._save_stream is not None:
-            # Copies a cancelled load already issued land before anything is saved.
+        if self._save_stream is not None:
+            # Copies loads issued in earlier steps (a cancelled one's, or one whose request
+            # left before computing) land before their blocks can be read out by a save.
             self._save_stream.wait_stream(self._load_stream)  # type: ignore[arg-type]
         self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
         if self._saver.gather_event is not None and self._load_stream is not None:
