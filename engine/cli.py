@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # under the subcommand's usage, not the top level's (exit code 2)
         subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except BrokenPipeError:  # `kvtier analyze ... | head`: the reader left; no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
