@@ -15,11 +15,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.kv_stats import KVStats
 from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import RequestMetrics, RequestOutput
@@ -312,12 +313,12 @@ class LLMEngine:
             )
         )
 
-    def kv_stats(self) -> dict[str, Any]:
+    def kv_stats(self) -> KVStats:
         """KV reuse counters: ``gpu_hit_tokens``, ``loaded_tokens``, ``recomputed_tokens``,
         per-tier ``hit_blocks``, bytes saved/loaded, load time, decisions, failed loads, the
         store's per-tier stats and the cost model (empty counters without kv offload)."""
         if self.offload is not None:
-            return self.offload.stats()
+            return cast(KVStats, self.offload.stats())
         return {
             "gpu_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens_total,
             "loaded_tokens": 0,
