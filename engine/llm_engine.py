@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, cast
 from cachestore.hashing import Namespace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.kv_stats import KVStats
 from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_stats import KVStats
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_log import RequestLog, RequestLogEntry

@@ -141,7 +141,7 @@ class _LiveCollector:
         yield entries
 
 
-def health_body(store_stats: dict[str, Any], url: str, inflight: int) -> dict[str, Any]:
+def health_body(store_stats: dict[str, Any], url: str | None, inflight: int) -> dict[str, Any]:
     """The ``/health`` body, as the engine's: each tier ``up``, or ``down`` while its last
     call failed (the store backs it off and its prober pings it again every few seconds, so
     a Redis that refuses connections shows within about 5 s even while idle); ``status`` is

@@ -15,15 +15,13 @@ host tier is bounded by its queues and buffers. Two settings here bound what the
 left loose: the store's background queues hold at most ``DAEMON_QUEUE_BATCHES`` batches per
 tier (each a put's worth of evicted block copies; with write-through they are already on
 disk), and freed payload buffers go back to the OS every ``TRIM_INTERVAL_S``
-(``start_trimming``: glibc's ``malloc_trim``) instead of staying in glibc's arenas (300 MB
+(``cachestore.server.trim``: glibc's ``malloc_trim``) instead of staying in glibc's arenas (300 MB
 kept after a load, before).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import signal
 import sys
 import threading
@@ -37,6 +35,7 @@ from cachestore.server.startup import (
     setup_logging,
     startup_block,
 )
+from cachestore.server.trim import start_trimming
 from cachestore.server.usage import NamespaceUsage
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Tier
@@ -45,32 +44,6 @@ from tiers.config import TierConfig, parse_size
 # The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
 # 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
 DAEMON_QUEUE_BATCHES = 8
-# glibc raises its mmap threshold after the first free of a large block, so freed 2 MiB
-# payload buffers (ZMQ messages, copies) then stay in its per-thread arenas: anonymous RSS
-# stayed ~300 MB after a load. A fixed threshold (mmap per buffer) cost page faults on every
-# request; a periodic malloc_trim returns the free pages at no cost to the hot path.
-TRIM_INTERVAL_S = 2.0
-
-
-def start_trimming(stop: threading.Event, interval_s: float = TRIM_INTERVAL_S) -> bool:
-    """Call glibc's ``malloc_trim(0)`` every ``interval_s`` on a daemon thread until ``stop``
-    is set. False (nothing started) where the C library has no malloc_trim."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is None:
-        return False
-
-    def run() -> None:
-        while not stop.wait(interval_s):
-            trim(0)
-
-    threading.Thread(target=run, name="kvtier-trim", daemon=True).start()
-    return True
-
-
 def port_number(text: str) -> int:
     """A TCP port flag: 0..65535 (0: any free port). argparse reports the error."""
     try:

@@ -129,7 +129,7 @@ def describe_tier(cfg: TierConfig) -> str:
     return f"{kind:<6} {where}"
 
 
-def startup_block(bound_url: str, admin_url: str | None, configs: list[TierConfig],
+def startup_block(bound_url: str | None, admin_url: str | None, configs: list[TierConfig],
                   durable: int | None, ignored: list[str], source: str | None) -> list[str]:
     """The lines printed once the daemon listens: the listening line first, then each tier
     (the write-through target marked), then what the tier file held for the engine only."""
