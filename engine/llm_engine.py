@@ -15,13 +15,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_stats import KVStats
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_log import RequestLog, RequestLogEntry
@@ -61,15 +62,16 @@ class LLMEngine:
         self.detokenize = detokenize
         from engine.model_sources import resolve_model_dir
 
-        model_dir = resolve_model_dir(config.model)  # demo model, converted GGUF or HF dir
+        # demo model, converted GGUF, hub snapshot or HF dir
+        model_dir = resolve_model_dir(config.model, dtype=config.dtype, device=config.device)
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
         self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
         self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
-        # A sequence that needs more blocks than the whole pool could never run.
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_gpu_blocks * bs)
+        self.max_model_len = check_max_model_len(config, self.runner.max_model_len,
+                                                 self.runner.num_gpu_blocks)
         if (
             not sched_cfg.enable_chunked_prefill
             and sched_cfg.max_num_batched_tokens < self.max_model_len
@@ -313,12 +315,12 @@ class LLMEngine:
             )
         )
 
-    def kv_stats(self) -> dict[str, Any]:
+    def kv_stats(self) -> KVStats:
         """KV reuse counters: ``gpu_hit_tokens``, ``loaded_tokens``, ``recomputed_tokens``,
         per-tier ``hit_blocks``, bytes saved/loaded, load time, decisions, failed loads, the
         store's per-tier stats and the cost model (empty counters without kv offload)."""
         if self.offload is not None:
-            return self.offload.stats()
+            return cast(KVStats, self.offload.stats())
         return {
             "gpu_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens_total,
             "loaded_tokens": 0,
@@ -390,3 +392,29 @@ class LLMEngine:
             "kv_failed_loads_total": kv["failed_loads"],
             "kv_load_seconds_total": kv["load_seconds"],
         }
+
+
+def check_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The engine's ``max_model_len``: ``max_model_len`` (explicit, or the model's context
+    length) when the pool of ``num_blocks`` holds one sequence that long. A sequence needing
+    more blocks than the whole pool could never run, so a longer one is a ValueError saying
+    what to change (as vLLM's start-up check), except for a pool fixed by ``num_gpu_blocks``
+    under a derived length: tests and benchmarks size tiny pools on purpose, and there the
+    length is cut to the pool with a warning. Never cut silently."""
+    bs = config.cache.block_size
+    pool_tokens = num_blocks * bs
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    explicit = config.scheduler.max_model_len is not None
+    if not explicit and config.cache.num_gpu_blocks is not None:
+        logger.warning("max_model_len cut from %d (the model's context length) to %d: "
+                       "--num-gpu-blocks %d holds no longer sequence; pass --max-model-len to "
+                       "choose", max_model_len, pool_tokens, num_blocks)
+        return pool_tokens
+    source = "--max-model-len" if explicit else "the model's context length (config.json)"
+    more = ("--num-gpu-blocks" if config.cache.num_gpu_blocks is not None else
+            "--gpu-memory-utilization (GPU) or --cpu-kv-cache-bytes (CPU)")
+    raise ValueError(
+        f"max_model_len {max_model_len} ({source}) needs {-(-max_model_len // bs)} KV blocks, "
+        f"but the KV cache holds {num_blocks} blocks ({pool_tokens} tokens): pass "
+        f"--max-model-len {pool_tokens} or less, or give the KV cache more memory ({more})")

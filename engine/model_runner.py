@@ -43,6 +43,7 @@ from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
 
 
 def resolve_device(device: str) -> torch.device:
@@ -232,6 +233,9 @@ class ModelRunner:
             log_budget(self.kv_budget)
             return max(1, self.kv_budget.num_blocks - 1)  # one block goes to the scratch block
         budget = cache_cfg.cpu_kv_cache_bytes
+        if budget is None:  # 256 MiB, or one full-length sequence (config.py says why)
+            full_blocks = -(-self._max_model_len // spec.block_size)
+            budget = max(DEFAULT_CPU_KV_CACHE_BYTES, full_blocks * spec.bytes_per_block)
         num_blocks = budget // spec.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
