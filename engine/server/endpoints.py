@@ -88,11 +88,12 @@ def _completion_logprobs(
     ids = output.new_token_ids if new_only else output.token_ids
     n = min(len(entries), len(ids))
     offset = text_offset + (len(echo_text) if echo_text is not None else 0)
-    generated = ctx.logprobs.completion(entries[:n], ids[:n], offset)
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
+    generated = formatter.completion(entries[:n], ids[:n], offset)
     if echo_text is None:
         return generated
     prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    prompt = ctx.logprobs.completion(prompt_entries, output.prompt_token_ids, text_offset)
+    prompt = formatter.completion(prompt_entries, output.prompt_token_ids, text_offset)
     return merge_completion(prompt, generated)
 
 
@@ -195,6 +196,7 @@ async def create_chat_completion(
             headers=_SSE_HEADERS,
         )
     finals = await unless_disconnected(raw, asyncio.gather(*(collect_final(s) for s in started)))
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
     response = ChatCompletionResponse(
         id=request_id,
         model=ctx.served_model_name,
@@ -203,7 +205,7 @@ async def create_chat_completion(
                 index=i,
                 message=AssistantMessage(content=o.text),
                 finish_reason=finish_reason(o),
-                logprobs=ctx.logprobs.chat(o.logprobs or []) if request.logprobs else None,
+                logprobs=formatter.chat(o.logprobs or []) if request.logprobs else None,
             )
             for i, o in enumerate(finals)
         ],
@@ -224,6 +226,7 @@ async def _chat_stream(
             ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[choice])
         )
 
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
     for s in started:
         yield chunk(s.index, DeltaMessage(role="assistant", content=""), None)
     finals = {}
@@ -231,7 +234,7 @@ async def _chat_stream(
         async for index, output in merge(started):
             logprobs = None
             if request.logprobs and output.new_logprobs:
-                logprobs = ctx.logprobs.chat(output.new_logprobs)
+                logprobs = formatter.chat(output.new_logprobs)
             if output.new_text or logprobs is not None:
                 yield chunk(index, DeltaMessage(content=output.new_text), None, logprobs)
             if output.finished:

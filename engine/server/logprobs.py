@@ -14,14 +14,24 @@ from engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLog
 
 
 class LogprobFormatter:
-    """Decodes token ids to strings (memoized: a vocabulary is finite). Used from the
-    event-loop thread only."""
+    """Decodes token ids to strings (memoized: a vocabulary is finite), or names them
+    ``token_id:N`` when ``as_ids`` (vLLM's ``return_tokens_as_token_ids``: a token that is
+    part of a UTF-8 character decodes to U+FFFD, so a string can be ambiguous). Used from the
+    event-loop thread only; ``for_request`` gives the view a request asks for."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False,
+                 strings: dict[int, str] | None = None) -> None:
         self._tokenizer = tokenizer
-        self._strings: dict[int, str] = {}
+        self._as_ids = as_ids
+        self._strings: dict[int, str] = {} if strings is None else strings
+
+    def for_request(self, as_ids: bool) -> LogprobFormatter:
+        return self if as_ids == self._as_ids else LogprobFormatter(
+            self._tokenizer, as_ids, self._strings)
 
     def token(self, token_id: int) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
         text = self._strings.get(token_id)
         if text is None:
             text = self._tokenizer.decode([token_id])

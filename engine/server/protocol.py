@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured_output import check_grammar
 
 
@@ -92,6 +92,8 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension (HF's definition)
+    # vLLM's extension: logprob tokens as "token_id:N" rather than their decoded text.
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # Declared to be refused (check_supported): ignoring them would answer another question.
@@ -197,7 +199,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Int64 | None = 16
     echo: bool = False
-    logprobs: Int64 | None = None  # top-k per token, 0..20 (the sampled token always comes)
+    # Top-k per token (the sampled token always comes too).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
@@ -261,7 +264,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: Int64 | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
