@@ -325,3 +325,19 @@ def test_json_object_output_stays_json(served: Served) -> None:
     plain = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
                                              temperature=0.0)
     assert not plain.choices[0].text.startswith("{")
+
+
+def test_streamed_echo_equals_non_streamed(served: Served) -> None:
+    """A stream with ``echo`` + ``logprobs`` sends the prompt (text and logprobs) in its
+    choice's first chunk; joined, the chunks equal the non-streamed choice."""
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    whole = served.client.completions.create(**args).choices[0]  # type: ignore[arg-type]
+    chunks = [c.choices[0] for c in served.client.completions.create(**args, stream=True)  # type: ignore[arg-type]
+              if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens  # type: ignore[union-attr]
+    assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset  # type: ignore[union-attr]
+    values = [v for lp in streamed for v in lp.token_logprobs]
+    assert values[0] is None and whole.logprobs.token_logprobs[0] is None  # type: ignore[union-attr]
+    assert values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-5)  # type: ignore[union-attr]
