@@ -138,3 +138,27 @@ def test_prompt_logprobs_bypass_the_tiers(offload_llm: LLM) -> None:
     assert cold.logprobs == warm.logprobs and len(cold.logprobs) == 1
     plain = offload_llm.generate([target], SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert plain.num_cached_tokens == 32  # its blocks were cached all the same
+
+
+def test_grammar_state_is_rebuilt_from_the_request_tokens(tmp_path) -> None:
+    """A preempted request loses its runner state; its matcher is rebuilt from the output
+    tokens it holds, so the next mask equals the one an uninterrupted matcher gives."""
+    pytest.importorskip("xgrammar")
+    from engine.demo_model import TOKENIZER_VOCAB_SIZE, save_demo_tokenizer
+    from engine.structured_output import RequestGrammars
+    from engine.tokenizer import load_tokenizer
+
+    save_demo_tokenizer(str(tmp_path))
+    tokenizer = load_tokenizer(str(tmp_path))
+    params = SamplingParams(json_object=True)
+    logits = torch.zeros(1, TOKENIZER_VOCAB_SIZE)
+    steady = RequestGrammars(tokenizer, TOKENIZER_VOCAB_SIZE, [2])
+    first = int(steady.mask(logits, [("r", params, [])]).argmax())
+    assert tokenizer.decode([first]).startswith("{")
+    steady.accept("r", first)
+    want = steady.mask(logits, [("r", params, [first])])
+    rebuilt = RequestGrammars(tokenizer, TOKENIZER_VOCAB_SIZE, [2])
+    rebuilt.mask(logits, [("r", params, [])])
+    rebuilt.drop(["r"])  # preempted: the runner dropped it
+    got = rebuilt.mask(logits, [("r", params, [first])])
+    assert torch.equal(got, want) and bool((want == float("-inf")).any())
