@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_stats import KVStats
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
@@ -46,6 +46,29 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None  # None: token ids only (detokenize=False)
     metrics: RequestMetrics
     arrival_unix_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token
+    # cached_tokens_by_tier, kept while (num_cached_tokens, len(kv_hit_tiers)) stays the same
+    by_tier: tuple[tuple[int, int], dict[str, int]] | None = None
+
+
+def cached_tokens_by_tier(request: Request, block_size: int, offload: bool) -> dict[str, int]:
+    """``request.num_cached_tokens`` split by the tier that served each leading block: the
+    offload connector records one tier per block (``kv_hit_tiers``); without it every hit is
+    a GPU prefix hit. Blocks are counted in order up to the cached total, so a load cut short
+    (or the last prompt token, always recomputed) is not counted."""
+    remaining = max(request.num_cached_tokens, 0)
+    tiers = request.kv_hit_tiers if offload else ["gpu"] * -(-remaining // block_size)
+    split: dict[str, int] = {}
+    for tier in tiers:
+        if remaining <= 0:
+            break
+        n = min(block_size, remaining)
+        split[tier] = split.get(tier, 0) + n
+        remaining -= n
+    if remaining > 0:  # tiers not recorded (should not happen): still count the tokens
+        split["gpu"] = split.get("gpu", 0) + remaining
+    return split
 
 
 class LLMEngine:
@@ -174,7 +197,9 @@ class LLMEngine:
             )
         self.scheduler.add_request(request)
         self._states[req_id] = _RequestState(
-            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival)
+            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def abort_request(self, req_id: str) -> None:
@@ -207,9 +232,21 @@ class LLMEngine:
             self._stamp_loads(self.offload.after_step())
             self._observe_prefill(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
+        self._collect_prompt_logprobs(runner_out.prompt_logprobs)
         for request in self.scheduler.update_from_output(sched_out, runner_out):
-            outputs.append(self._process_token(request, now))
+            entry = runner_out.logprobs.get(request.req_id)
+            outputs.append(self._process_token(request, now, entry))  # type: ignore[arg-type]
         return outputs
+
+    def _collect_prompt_logprobs(self, chunks: dict[str, tuple[int, list[object]]]) -> None:
+        """Places each chunk's prompt logprobs at its positions (a re-prefill after a
+        preemption overwrites them with the same values)."""
+        for req_id, (first, entries) in chunks.items():
+            state = self._states.get(req_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            del state.prompt_logprobs[first:]
+            state.prompt_logprobs.extend(entries)  # type: ignore[arg-type]
 
     def _stamp_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
         """Every request that computed a prompt chunk in this step, before its first token."""
@@ -227,8 +264,14 @@ class LLMEngine:
             if request is not None:
                 request.times.on_load(timing)
 
-    def _process_token(self, request: Request, now: float) -> RequestOutput:
+    def _process_token(
+        self, request: Request, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         state = self._states[request.req_id]
+        new_logprobs = None
+        if state.logprobs is not None:
+            new_logprobs = [logprob] if logprob is not None else []
+            state.logprobs.extend(new_logprobs)
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -255,10 +298,13 @@ class LLMEngine:
             metrics.finished_time = now
             del self._states[request.req_id]
             self._log_request(state)
-        return self._output(state, [token_id], new_text, finished=request.is_finished)
+        return self._output(
+            state, [token_id], new_text, finished=request.is_finished, new_logprobs=new_logprobs
+        )
 
     def _output(
-        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool
+        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool,
+        new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         request = state.request
         return RequestOutput(
@@ -272,8 +318,22 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens_by_tier=self._by_tier(state),
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            new_logprobs=new_logprobs if state.logprobs is not None else None,
+            prompt_logprobs=state.prompt_logprobs,
             metrics=dataclasses.replace(state.metrics),  # a snapshot, not a live view
         )
+
+    def _by_tier(self, state: _RequestState) -> dict[str, int]:
+        request = state.request
+        key = (request.num_cached_tokens, len(request.kv_hit_tiers))
+        if state.by_tier is None or state.by_tier[0] != key:
+            split = cached_tokens_by_tier(
+                request, self.config.cache.block_size, self.offload is not None
+            )
+            state.by_tier = (key, split)
+        return state.by_tier[1]
 
     def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
