@@ -330,7 +330,10 @@ def main(args: argparse.Namespace) -> int:
             watchdog.stop()
         problem = engine.shutdown(ENGINE_STOP_TIMEOUT_S)
     if watchdog is not None and watchdog.engine_error is not None:
-        logger.error("exiting: the engine died (%s)", watchdog.engine_error)
+        # The core's own exit (killed by a signal, drain incomplete) says more than the
+        # stream's end: give both, whichever the API saw first.
+        why = f"; {problem}" if problem is not None else ""
+        logger.error("exiting: the engine died (%s)%s", watchdog.engine_error, why)
         return FAILURE_EXIT
     if problem is not None:
         logger.error("exiting: %s", problem)
