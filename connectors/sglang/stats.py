@@ -11,6 +11,7 @@ thread and writes from its backup thread.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 COUNTERS: dict[str, str] = {
     "exists_pages": "pages SGLang asked about",
@@ -28,6 +29,18 @@ COUNTERS: dict[str, str] = {
     "get_seconds": "seconds in reads",
     "set_seconds": "seconds in writes",
 }
+
+
+@dataclass
+class StorageWindow:
+    """SGLang's ``StorageMetrics`` fields (``observability.metrics_collector``), duck-typed:
+    that module cannot be imported without SGLang's CUDA stack, and SGLang's collector only
+    reads these attributes (and may set ``prefetch_stats`` on the object)."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
 
 
 class Counters:
@@ -55,12 +68,11 @@ class Counters:
             pgs.append(pages)
             bw.append(pages * self.page_gb / max(seconds, 1e-9))
 
-    def take_window(self) -> tuple[list[int], list[int], list[float], list[float]]:
-        """(prefetch_pgs, backup_pgs, prefetch_bandwidth, backup_bandwidth) since the last
-        call (cleared)."""
+    def take_window(self) -> StorageWindow:
+        """The pages and bandwidths of the calls since the last ``take_window`` (cleared)."""
         with self._lock:
             out, self._window = self._window, ([], [], [], [])
-            return out
+        return StorageWindow(*out)
 
     def totals(self) -> dict[str, float]:
         with self._lock:

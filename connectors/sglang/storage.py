@@ -19,7 +19,7 @@ and size (MLA: shared by all ranks) and pipeline / context-parallel shard.
 - ``batch_exists``: how many leading pages some tier holds (``HierarchicalStore.lookup``).
 - Writes skip the leading pages already stored; a tier failure is a miss or a failed write
   (False), never an exception to SGLang. ``clear`` deletes nothing (the tiers may be shared).
-- Metrics: ``get_stats`` returns SGLang's ``StorageMetrics`` (pages and GB/s a call);
+- Metrics: ``get_stats`` returns SGLang's ``StorageMetrics`` fields (pages and GB/s a call);
   ``stats()`` the backend's counters and the store's per-tier counters.
 
 Thread-safe as SGLang uses it (prefetch and backup threads at once): the store is, the
@@ -57,7 +57,7 @@ from cachestore.store.types import write_policies
 from connectors.sglang.config import parse_storage_config
 from connectors.sglang.keys import make_namespace, page_key, shard_name
 from connectors.sglang.pages import HostPages, copy_in, copy_out
-from connectors.sglang.stats import Counters
+from connectors.sglang.stats import Counters, StorageWindow
 from tiers import build_tiers
 from tiers.config import ConfigError
 
@@ -277,15 +277,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
         log.warning("kvtier SGLang backend: clear() leaves kvtier's tiers as they are")
         return False
 
-    def get_stats(self) -> Any:
-        """SGLang's ``StorageMetrics`` for the calls since the last ``get_stats``."""
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:
-            return None
-        pre, back, pre_bw, back_bw = self.counters.take_window()
-        return StorageMetrics(prefetch_pgs=pre, backup_pgs=back, prefetch_bandwidth=pre_bw,
-                              backup_bandwidth=back_bw)
+    def get_stats(self) -> StorageWindow:
+        """SGLang's ``StorageMetrics`` fields for the calls since the last ``get_stats``
+        (pages and GB/s of each read and write call)."""
+        return self.counters.take_window()
 
     def stats(self) -> dict[str, Any]:
         """The backend's counters, and the store's per-tier counters once built."""
