@@ -83,13 +83,14 @@ $(SGLANG_VENV)/.sglang:
 	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG_SPEC)"
 	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS)
-	$(SGLANG_PY) -c "import torch, sglang.srt.mem_cache.storage, sglang.srt.mem_cache.utils; \
-	import sglang; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $@
 
+# SGLang's storage modules also import numpy, transformers, pydantic, pyzmq, pyyaml, ...: kvtier's
+# own dependencies, installed here; the import check runs once they are in.
 $(SGLANG_VENV)/.installed: $(SGLANG_VENV)/.sglang pyproject.toml
 	$(SGLANG_PY) -m pip install -q -e '.[redis,lmdb,server]' pytest pytest-timeout
-	$(SGLANG_PY) -c "import torch, sglang; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	$(SGLANG_PY) -c "import torch, sglang, sglang.srt.mem_cache.storage, sglang.srt.mem_cache.utils; \
+	print('sglang', sglang.__version__, 'torch', torch.__version__)"
 	touch $@
 
 test-sglang: sglang-venv
