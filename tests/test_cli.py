@@ -255,7 +255,9 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 64)]
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
         usage = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["usage"]
-        assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                         "prompt_tokens_details": {"cached_tokens": 0,
+                                                   "kvtier_cached_tokens_by_tier": {}}}
         # The default layout: the model runs in a spawned engine-core child process.
         (core_pid,) = _engine_core_children(proc.pid)
         proc.send_signal(signal.SIGINT)

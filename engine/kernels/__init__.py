@@ -69,7 +69,10 @@ def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     tied output head (no bias); a single CUDA row (batch-1 decode) goes through the Triton
     ``gemv`` (engine/kernels/gemv.py: the small projections at HBM speed where cuBLAS's M=1
     kernels are not), anything else through ``F.linear``. For the fused path (CUDA + Triton)."""
-    w, bias = layer.weight, getattr(layer, "bias", None)
+    w = getattr(layer, "weight", None)
+    if w is None:  # a packed CPU linear (engine/models/cpu_linear.py) has its own kernel
+        return layer(x)
+    bias = getattr(layer, "bias", None)
     if x.dim() == 2 and x.shape[0] == 1 and x.is_cuda and x.stride(1) == 1 and w.stride(1) == 1:
         from engine.kernels.gemv import gemv
 
