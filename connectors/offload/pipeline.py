@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
 from engine.kv_cache import KVCache
 
@@ -65,7 +66,7 @@ class PipeJob:
     (``cancel``, ``progress``) and the load thread (``run``), under ``lock``."""
 
     block_ids: tuple[int, ...]
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     ready: object | None = None  # CUDA: recorded on the compute stream when the load began
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
@@ -155,7 +156,7 @@ class LoadPipeline:
         cpu_s = sum(f.result() for f in cpu_copy)
         return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
 
-    def read_chunk(self, keys: tuple[str, ...], rows: torch.Tensor) -> int:
+    def read_chunk(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
         """THE read step: the payloads of ``keys`` into ``rows`` (``[len(keys), bytes_per_block]``
         uint8 staging); how many leading keys were read (a miss or a short value ends it)."""
         values, pinned = self.store.get_many_pinned(keys, decoded=True)

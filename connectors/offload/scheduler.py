@@ -20,8 +20,7 @@
 - Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
   only: an in-step load was counted at admission).
-- Keys: ``namespace_prefix/hex(hash)`` (``cachestore.hashing.block_key``), with the prefix
-  computed once here rather than once per block (it is a sha256 of the namespace).
+- Keys: ``cachestore.hashing.block_key`` of each block hash (``BlockKey``).
 
 Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
 """
@@ -41,7 +40,7 @@ from cachestore.cost.model import (
     Option,
 )
 from cachestore.cost.online import OnlineCostModel
-from cachestore.hashing import BlockHash, Namespace
+from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
 from connectors.offload.prefetch import PENDING, Prefetcher
@@ -58,7 +57,7 @@ class _Plan:
     """The answer of ``get_num_new_matched_tokens`` for one request, kept for the allocation."""
 
     num_computed_tokens: int
-    keys: tuple[str, ...]  # every available block's key past the GPU hit
+    keys: tuple[BlockKey, ...]  # every available block's key past the GPU hit
     tiers: tuple[str, ...]  # the tier serving each of them
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
@@ -94,7 +93,6 @@ class OffloadScheduler:
         (``connectors.offload.prefetch``), at most that many blocks pinned at once."""
         self.store = store
         self.namespace = namespace
-        self._key_prefix = namespace.key_prefix()
         self._in_step = block_meta is not None and store.host_slab() is not None
         # Blocks carry their key (codec version 2): the header check names it.
         self._headers = (HeaderTemplate(block_meta, keyed=True) if block_meta is not None
@@ -104,7 +102,7 @@ class OffloadScheduler:
         self.decision = decision
         self.cost_model = cost_model
         self.stats = stats
-        self._pending_saves: dict[int, str] = {}  # block id -> key, freed since the last step
+        self._pending_saves: dict[int, BlockKey] = {}  # block id -> key, freed since the last step
         self._reused = False
         self._plans: dict[str, _Plan] = {}
         self._new_loads: list[BlockLoad] = []
@@ -119,9 +117,8 @@ class OffloadScheduler:
 
     # -- BlockPoolListener ---------------------------------------------------------------
 
-    def _key(self, block_hash: BlockHash) -> str:
-        """``block_key(namespace, block_hash)`` without re-hashing the namespace per block."""
-        return f"{self._key_prefix}/{block_hash.hex()}"
+    def _key(self, block_hash: BlockHash) -> BlockKey:
+        return block_key(self.namespace, block_hash)
 
     def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None:
         self._pending_saves[block_id] = self._key(block_hash)
@@ -193,7 +190,7 @@ class OffloadScheduler:
             num_head_tokens=head * bs,
         )
 
-    def _locate(self, keys: list[str]) -> tuple[int, ...]:
+    def _locate(self, keys: list[BlockKey]) -> tuple[int, ...]:
         """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
         pinned; pins past that run are undone at once."""
         headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
