@@ -2,8 +2,8 @@
 
 Formats (docs/analyze.md has the exact schemas):
 - ``mooncake``: JSONL ``{"timestamp" (ms), "input_length", "output_length", "hash_ids"}``.
-- ``request-log``: the engine's ``--request-log`` JSONL (``ts``, ``req_id``, ``prompt_tokens``,
-  ``block_hashes`` hex, ``hit_tiers``, ``decision``, ``ttft_s``).
+- ``request-log``: the engine's ``--request-log`` JSONL (schema:
+  ``cachestore.analyze.request_log``); read: ``ts``, ``prompt_tokens``, ``block_hashes`` (hex).
 - ``access-log``: the cache server's JSONL (``ts``, ``op``, ``namespace``, ``keys``); ``get`` and
   ``lookup`` lines are requests, other ops are skipped.
 - ``prompts``: JSONL of ``{"prompt": str}`` / ``{"messages": [...]}`` or plain text, one prompt a
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+
+from cachestore.analyze.request_log import BLOCK_HASHES, PROMPT_TOKENS, TS
 
 FORMATS = ("mooncake", "request-log", "access-log", "prompts")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "request-log": 16, "access-log": 16, "prompts": 16}
@@ -94,7 +96,7 @@ def detect_format(path: Path) -> str:
         return "prompts"
     if "hash_ids" in obj:
         return "mooncake"
-    if "block_hashes" in obj:
+    if BLOCK_HASHES in obj:
         return "request-log"
     if "keys" in obj and "op" in obj:
         return "access-log"
@@ -157,8 +159,8 @@ def read_mooncake(path: Path, block_tokens: int) -> Trace:
 
 
 def read_request_log(path: Path, block_tokens: int) -> Trace:
-    rows = [(float(_field(path, n, o, "ts")), list(_field(path, n, o, "block_hashes")),
-             int(_field(path, n, o, "prompt_tokens"))) for n, o in _jsonl(path)]
+    rows = [(float(_field(path, n, o, TS)), list(_field(path, n, o, BLOCK_HASHES)),
+             int(_field(path, n, o, PROMPT_TOKENS))) for n, o in _jsonl(path)]
     return _build("request-log", block_tokens, rows)
 
 
