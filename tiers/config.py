@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from tiers.config_fields import (  # noqa: F401  (re-exported: the tier config API)
+from tiers.config_fields import (
     STORE_FIELDS,
     WRITE_BACK,
     WRITE_POLICIES,
@@ -60,7 +60,7 @@ from tiers.config_fields import (  # noqa: F401  (re-exported: the tier config A
     _size,
     _str,
 )
-from tiers.sizes import (  # noqa: F401  (re-exported: tiers.config is the tier config API)
+from tiers.sizes import (
     BLOCKS,
     BYTES,
     TOKENS,
@@ -70,6 +70,17 @@ from tiers.sizes import (  # noqa: F401  (re-exported: tiers.config is the tier 
     parse_quantity,
     parse_size,
 )
+
+# The tier config API: this module's own names and the field vocabulary and sizes it re-exports.
+__all__ = [
+    "BLOCKS", "BYTES", "CONFIG_CLASSES", "REDIS_CLUSTER_SCHEMES", "REDIS_MAX_BULK_BYTES",
+    "STORE_FIELDS", "TOKENS", "UNBOUNDED", "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH",
+    "WRITE_THROUGH_SELECTIVE", "ConfigError", "HostTierConfig", "LmdbTierConfig",
+    "RedisTierConfig", "RemoteTierConfig", "S3TierConfig", "Size", "TierConfig",
+    "TierStackConfig", "check_resources", "format_size", "load_config_file", "load_tier_config",
+    "mem_available_bytes", "parse_quantity", "parse_size", "parse_tier_config",
+    "parse_tier_entry", "redact_url",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ class RedisTier(Tier):
         return backend_errors(self._errors, "redis", op, f"on {redact_url(self.config.url)}",
                               closed=self._closed)
 
-    def _pipelined(self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list:
+    def _pipelined(self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list[Any]:
         if not keys:
             return []
         with self._guard(op):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
@@ -113,8 +114,9 @@ class S3Tier(Tier):
     def _get(self, name: str) -> bytes | None:
         """Object body, or None if absent. Raises TierError on any other failure."""
         try:
-            return self._call("get", lambda: self._s3.get_object(
+            body: bytes = self._call("get", lambda: self._s3.get_object(
                 Bucket=self.config.bucket, Key=name)["Body"].read())  # fmt: skip
+            return body
         except TierError as exc:
             cause = exc.__cause__
             if isinstance(cause, self._client_error):
@@ -238,8 +240,8 @@ class S3Tier(Tier):
             return 0
         names = [{"Key": self._pointer_name(k)} for k in present]
         for s in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
-            self._call("delete", lambda b=names[s : s + 1000]: self._s3.delete_objects(
-                Bucket=self.config.bucket, Delete={"Objects": b, "Quiet": True}))  # fmt: skip
+            self._call("delete", partial(self._s3.delete_objects, Bucket=self.config.bucket,
+                                         Delete={"Objects": names[s : s + 1000], "Quiet": True}))
         mates = list({m: None for p in present.values() for m in p.keys if m not in present})
         for mate, ptr in zip(mates, self._parallel(self._read_pointer, mates), strict=True):
             if ptr is None or not set(ptr.keys) & present.keys():

@@ -126,7 +126,7 @@ class HierarchicalStore:
             for i in range(num_tiers):
                 span = known[i]
                 if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
-                    n = self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    n = self._call(i, _lookup(keys[p:]), 0)
                     if span is None:
                         first[i] = n
                     span = known[i] = (p, n)
@@ -388,7 +388,7 @@ class HierarchicalStore:
         flush_tier, flushed, present, left = None, 0, 0, 0
         if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
             flush_tier = self._stats[target].name
-            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
+            keys: list[str] = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
             flushed, present, left = self._through.flush_down(
                 target, keys, time.monotonic() + drain_timeout_s)
         self._movers.flush()
@@ -437,3 +437,8 @@ class HierarchicalStore:
             self._registry.unregister(self._collector)
         for tier in self.tiers:
             tier.close()
+
+
+def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
+    """A tier call's function, built outside the caller's loop."""
+    return lambda tier: tier.lookup(keys)
