@@ -165,7 +165,7 @@ class HierarchicalStore:
         ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
         (owned bytes, promoted as usual) even if a concurrent put has placed it in the host
         tier since -- a host view of an entry nobody pinned for us may be evicted and its slot
-        reused by another key while the caller still copies it (issue 16, F1). Without a
+        reused by another key while the caller still copies it. Without a
         slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
         failures."""
         if self._host.slab is None or not keys:

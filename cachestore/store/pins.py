@@ -13,7 +13,7 @@
   one claim and unpins only what exceeds the claims left. Why not "unpin what is recorded":
   a caller whose ``prepare_load`` found the key absent (no pin) would then take the pin of a
   later caller that found it present, whose host-slab view could be evicted and its slot
-  reused for another key while it was still copying it out (issue 16, F1).
+  reused for another key while it was still copying it out.
 
 Thread-safe: one lock guards the sets and counts; tier calls are made outside it, through
 ``GuardedTiers.call`` (a tier failure pins or finds nothing, never raises). Torch-free.

@@ -1,7 +1,7 @@
 """Pipelined lower-tier loads: tier read, pinned staging and the copy into the GPU cache overlap.
 
-A load from a tier below the host (LMDB, Redis, S3, the cache server) used to read every block,
-then stage them all, then copy them all: its time was the sum of the three. ``LoadPipeline``
+A load from a tier below the host (LMDB, Redis, S3, the cache server) that read every block,
+then staged them all, then copied them all would take the sum of the three. ``LoadPipeline``
 splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring of ``depth``
 staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
 ``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
