@@ -242,6 +242,13 @@ class HierarchicalStore:
         self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
         return out
 
+    def locate_host_run(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+                        ) -> tuple[int, ...]:
+        """Slab offsets of the leading run of ``keys`` whose host blocks pass the header
+        check, pinned (hits past it unpinned): ``locate_host``, then ``HostFastPath.keep_run``.
+        Balance with ``unpin_host(keys[:len(result)])``."""
+        return self._host.keep_run(keys, self.locate_host(keys, header, nbytes))
+
     def stage_host(self, keys: Sequence[str]) -> int:
         """Pin ``keys`` in the host tier, placing lower-tier blocks there when all fit; the
         number of leading keys pinned: ``HostFastPath.stage``. For a background thread."""

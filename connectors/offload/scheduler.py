@@ -11,7 +11,7 @@
   waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
   head ``[0, m)`` (``ExternalHit.num_head_tokens``).
 - In-step loads (``block_meta`` given): a ``load_prefix`` whose blocks all sit in the host
-  tier is located in the slab now (``store.locate_host``: the codec header checked, the slots
+  tier is located in the slab now (``store.locate_host_run``: the codec header checked, the slots
   pinned) and offered as ``ExternalHit(load_async=False)``: the scheduler counts those tokens as
   computed at admission, and the worker copies the slots in before that same step's forward.
   A slot that fails its header check (or is gone) ends the load there: the rest is recomputed,
@@ -195,11 +195,7 @@ class OffloadScheduler:
         pinned; pins past that run are undone at once."""
         headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
                    else [b""] * len(keys))
-        offsets = self.store.locate_host(keys, headers, self._slot_bytes)
-        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
-        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
-                               if o is not None])
-        return tuple(offsets[:lead])  # type: ignore[arg-type]
+        return self.store.locate_host_run(keys, headers, self._slot_bytes)
 
     def _drop_plan(self, req_id: str) -> None:
         plan = self._plans.pop(req_id, None)
@@ -279,7 +275,7 @@ class OffloadScheduler:
             # Pin now, in the same schedule() as the lookup, so that saves written before the
             # load thread reads cannot evict these blocks from the host tier meanwhile. The
             # worker's load thread unpins them (complete_load) when its read ends. (An in-step
-            # load's slots were pinned by ``locate_host``; the worker unpins them.)
+            # load's slots were pinned by ``locate_host_run``; the worker unpins them.)
             self.store.prepare_load(list(plan.keys[loaded]))
         load = BlockLoad(
             request.req_id,
