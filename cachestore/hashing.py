@@ -153,5 +153,11 @@ def hash_request_tokens(
 
 
 def block_key(namespace: Namespace, block_hash: BlockHash) -> BlockKey:
-    """The tier key of one block: ``namespace_prefix/hex(hash)``. The one place a key is built."""
-    return BlockKey(f"{namespace._prefix}/{block_hash.hex()}")
+    """The tier key of one block: ``namespace_prefix/hex(hash)``."""
+    return key_of_digest(namespace._prefix, block_hash.hex())
+
+
+def key_of_digest(key_prefix: str, digest_hex: str) -> BlockKey:
+    """``key_prefix/digest_hex``: the one place a block key is formatted (``block_key``; a
+    connector whose engine names blocks by its own digests passes those)."""
+    return BlockKey(f"{key_prefix}/{digest_hex}")

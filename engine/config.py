@@ -14,7 +14,9 @@ class CacheConfig:
     # None: derive from memory (GPU: profile + gpu_memory_utilization; CPU: cpu_kv_cache_bytes).
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 256 << 20
+    # KV pool of a CPU engine. None: 256 MiB, or what one max_model_len sequence needs when
+    # that is more (so the default never refuses the model's own context length).
+    cpu_kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     hash_name: str = "sha256"
@@ -25,6 +27,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be 16, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.cpu_kv_cache_bytes is not None and self.cpu_kv_cache_bytes < 1:
+            raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

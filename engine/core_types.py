@@ -32,8 +32,11 @@ class ScheduledRequest:
     sample: bool
     sampling: SamplingParams
     num_output_tokens: int = 0
-    # All tokens so far (prompt + output), needed only by penalties; may be empty.
+    # All tokens so far (prompt + output), filled only when ``sampling.needs_history``
+    # (penalties, a grammar, prompt logprobs); else empty. The scheduler's live list: read it
+    # during the step only.
     all_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,5 +57,11 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     # req_id -> sampled token id, only for requests with ``sample=True``.
     sampled_token_ids: dict[str, int]
-    # Optional, for tests and logprobs: req_id -> logits row (a torch tensor) of the sampled pos.
+    # Optional, for tests: req_id -> logits row (a torch tensor) of the sampled pos.
     logits: dict[str, object] | None = None
+    # req_id -> the sampled token's logprob entry (engine.outputs.TokenLogprob), for requests
+    # with ``sampling.logprobs`` set.
+    logprobs: dict[str, object] = field(default_factory=dict)
+    # req_id -> (first prompt position covered, entries): prompt logprobs of this step's
+    # chunk, for requests with ``sampling.prompt_logprobs`` set.
+    prompt_logprobs: dict[str, tuple[int, list[object]]] = field(default_factory=dict)

@@ -1,7 +1,9 @@
 """GGUF checkpoints: converted once into a plain HF directory in the cache, then loaded as any.
 
-``ensure_converted(path)`` returns ``<cache>/gguf/<sha256 prefix>-v<N>``: a directory with
-config.json, model.safetensors (float32, dequantized by transformers' GGUF reader),
+``ensure_converted(path, dtype=...)`` returns ``<cache>/gguf/<sha256 prefix>-v<N>[-<dtype>]``
+(no suffix for float32): a directory with config.json, model.safetensors (dequantized by
+transformers' GGUF reader to the serving dtype: a bfloat16 server keeps 2 bytes a weight, not
+4),
 generation_config.json and the tokenizer files (chat template included). The directory is
 named by the sha256 of the GGUF's bytes, so the same file under another name or path reuses
 it and a changed file never does. A marker file (``kvtier-gguf.json``) is written last; a
@@ -34,6 +36,7 @@ MARKER_FILE = "kvtier-gguf.json"
 CONVERTER_VERSION = 1
 GGUF_MAGIC = b"GGUF"
 _HASH_CHUNK_BYTES = 8 << 20
+_DTYPES = ("float32", "float16", "bfloat16")
 _INSTALL_HINT = "pip install 'kvtier[gguf]' (the gguf and accelerate packages)"
 
 
@@ -92,11 +95,20 @@ def read_marker(model_dir: str) -> dict | None:
         return None
 
 
-def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
-    """The HF directory converted from ``gguf_path``, converting first if the cache lacks a
-    complete one (a log line on stderr and transformers' progress bar; ~1 min for a 100 MB
-    file on 2 cores). Raises FileNotFoundError (no such file), ValueError (not a GGUF file,
-    or one transformers cannot read), ImportError (gguf/accelerate missing)."""
+def converted_name(digest: str, dtype: str) -> str:
+    """The cache directory name of the GGUF with sha256 ``digest`` dequantized to ``dtype``."""
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return f"{digest[:32]}-v{CONVERTER_VERSION}{suffix}"
+
+
+def ensure_converted(gguf_path: str, cache_dir: str | None = None, dtype: str = "float32") -> str:
+    """The HF directory converted from ``gguf_path`` with weights in ``dtype`` (float32,
+    float16 or bfloat16), converting first if the cache lacks a complete one (a log line on
+    stderr and transformers' progress bar; ~1 min for a 100 MB file on 2 cores). Raises
+    FileNotFoundError (no such file), ValueError (not a GGUF file, one transformers cannot
+    read, or a bad dtype), ImportError (gguf/accelerate missing)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"a GGUF is dequantized to one of {', '.join(_DTYPES)}, not {dtype!r}")
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path!r}")
     with open(gguf_path, "rb") as f:
@@ -105,7 +117,7 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
     root = Path(cache_dir or default_cache_dir()) / GGUF_SUBDIR
     root.mkdir(parents=True, exist_ok=True)
     digest = _cached_sha256(gguf_path, root)
-    final = root / f"{digest[:32]}-v{CONVERTER_VERSION}"
+    final = root / converted_name(digest, dtype)
     if read_marker(str(final)) is not None:
         return str(final)
     check_gguf_dependencies()
@@ -116,12 +128,13 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
         if final.exists():
             shutil.rmtree(final)  # half-written (no marker): redo
         size_mb = os.path.getsize(gguf_path) / 1e6
-        print(f"kvtier: converting {os.path.basename(gguf_path)} ({size_mb:.0f} MB) to an HF "
-              f"directory in {final} (once; later starts reuse it)", file=sys.stderr, flush=True)
+        print(f"kvtier: converting {os.path.basename(gguf_path)} ({size_mb:.0f} MB) to a "
+              f"{dtype} HF directory in {final} (once; later starts reuse it)",
+              file=sys.stderr, flush=True)
         start = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix=f".{final.name}-", dir=root)
         try:
-            convert_gguf(gguf_path, tmp, digest)
+            convert_gguf(gguf_path, tmp, digest, dtype)
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
             os.rename(tmp, final)
         finally:
@@ -132,20 +145,21 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None) -> str:
     return str(final)
 
 
-def convert_gguf(gguf_path: str, out_dir: str, sha256: str) -> None:
+def convert_gguf(gguf_path: str, out_dir: str, sha256: str, dtype: str = "float32") -> None:
     """Write the HF directory of ``gguf_path`` into the existing empty ``out_dir``, marker
-    last. transformers dequantizes the GGUF; its GGUF-loaded model refuses
-    ``save_pretrained``, so the state dict and config are written directly (tied weights
-    once, as HF does). Raises ValueError if transformers cannot read the file."""
+    last, weights and config in ``dtype``. transformers dequantizes the GGUF; its
+    GGUF-loaded model refuses ``save_pretrained``, so the state dict and config are written
+    directly (tied weights once, as HF does). Raises ValueError if transformers cannot read the file."""
     import torch
     import transformers
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = getattr(torch, dtype)
     src_dir, name = os.path.split(os.path.abspath(gguf_path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch_dtype)
     except ImportError:
         raise
     except Exception as exc:  # the GGUF parser's errors on a bad file are of any type
@@ -154,13 +168,13 @@ def convert_gguf(gguf_path: str, out_dir: str, sha256: str) -> None:
     for key in ("quantization_config", "_name_or_path", "transformers_version"):
         config.pop(key, None)
     config["architectures"] = [type(model).__name__]  # the GGUF config leaves it null
-    config["dtype"] = "float32"
+    config["dtype"] = dtype
     state = model.state_dict()
     embed = state.get("model.embed_tokens.weight")
     head = state.get("lm_head.weight")
     if config.get("tie_word_embeddings") and embed is not None and head is not None:
         del state["lm_head.weight"]  # the same tensor; safetensors stores a tensor once
-    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
+    tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt", "kvtier_gguf_sha256": sha256})
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -171,6 +185,7 @@ def convert_gguf(gguf_path: str, out_dir: str, sha256: str) -> None:
         "source": os.path.basename(gguf_path),
         "gguf_sha256": sha256,
         "converter_version": CONVERTER_VERSION,
+        "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
     with open(os.path.join(out_dir, MARKER_FILE), "w", encoding="utf-8") as f:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_stats import KVStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat
@@ -70,9 +71,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def kv_stats(self) -> dict[str, Any]:
-        """KV reuse statistics (``LLMEngine.kv_stats``): GPU hits, loaded and recomputed tokens,
-        per-tier hit blocks, bytes moved, load time, decisions, failed loads."""
+    def kv_stats(self) -> KVStats:
+        """KV reuse statistics (``LLMEngine.kv_stats``; ``engine.kv_stats.KVStats`` lists the
+        keys): GPU hits, loaded and recomputed tokens, per-tier hit blocks, bytes moved, load
+        time, decisions, failed loads. A plain dict; no side effect."""
         return self.engine.kv_stats()
 
     def close(self) -> None:

@@ -15,14 +15,15 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.core_types import SchedulerOutput
 from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.kv_stats import KVStats
+from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
@@ -45,6 +46,29 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None  # None: token ids only (detokenize=False)
     metrics: RequestMetrics
     arrival_unix_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token
+    # cached_tokens_by_tier, kept while (num_cached_tokens, len(kv_hit_tiers)) stays the same
+    by_tier: tuple[tuple[int, int], dict[str, int]] | None = None
+
+
+def cached_tokens_by_tier(request: Request, block_size: int, offload: bool) -> dict[str, int]:
+    """``request.num_cached_tokens`` split by the tier that served each leading block: the
+    offload connector records one tier per block (``kv_hit_tiers``); without it every hit is
+    a GPU prefix hit. Blocks are counted in order up to the cached total, so a load cut short
+    (or the last prompt token, always recomputed) is not counted."""
+    remaining = max(request.num_cached_tokens, 0)
+    tiers = request.kv_hit_tiers if offload else ["gpu"] * -(-remaining // block_size)
+    split: dict[str, int] = {}
+    for tier in tiers:
+        if remaining <= 0:
+            break
+        n = min(block_size, remaining)
+        split[tier] = split.get(tier, 0) + n
+        remaining -= n
+    if remaining > 0:  # tiers not recorded (should not happen): still count the tokens
+        split["gpu"] = split.get("gpu", 0) + remaining
+    return split
 
 
 class LLMEngine:
@@ -61,15 +85,16 @@ class LLMEngine:
         self.detokenize = detokenize
         from engine.model_sources import resolve_model_dir
 
-        model_dir = resolve_model_dir(config.model)  # demo model, converted GGUF or HF dir
+        # demo model, converted GGUF, hub snapshot or HF dir
+        model_dir = resolve_model_dir(config.model, dtype=config.dtype, device=config.device)
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
         self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
         self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
-        # A sequence that needs more blocks than the whole pool could never run.
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_gpu_blocks * bs)
+        self.max_model_len = check_max_model_len(config, self.runner.max_model_len,
+                                                 self.runner.num_gpu_blocks)
         if (
             not sched_cfg.enable_chunked_prefill
             and sched_cfg.max_num_batched_tokens < self.max_model_len
@@ -172,7 +197,9 @@ class LLMEngine:
             )
         self.scheduler.add_request(request)
         self._states[req_id] = _RequestState(
-            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival)
+            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def abort_request(self, req_id: str) -> None:
@@ -205,9 +232,21 @@ class LLMEngine:
             self._stamp_loads(self.offload.after_step())
             self._observe_prefill(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
+        self._collect_prompt_logprobs(runner_out.prompt_logprobs)
         for request in self.scheduler.update_from_output(sched_out, runner_out):
-            outputs.append(self._process_token(request, now))
+            entry = runner_out.logprobs.get(request.req_id)
+            outputs.append(self._process_token(request, now, entry))  # type: ignore[arg-type]
         return outputs
+
+    def _collect_prompt_logprobs(self, chunks: dict[str, tuple[int, list[object]]]) -> None:
+        """Places each chunk's prompt logprobs at its positions (a re-prefill after a
+        preemption overwrites them with the same values)."""
+        for req_id, (first, entries) in chunks.items():
+            state = self._states.get(req_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            del state.prompt_logprobs[first:]
+            state.prompt_logprobs.extend(entries)  # type: ignore[arg-type]
 
     def _stamp_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
         """Every request that computed a prompt chunk in this step, before its first token."""
@@ -215,7 +254,7 @@ class LLMEngine:
         for sliced in out.requests:
             request = requests.get(sliced.req_id)
             if request is not None and not request.output_token_ids:
-                request.times.on_step(start, end)
+                request.times.on_step(start, end, out.num_batched_tokens)
 
     def _stamp_loads(self, timings: Sequence[LoadTiming] | None) -> None:
         """The connector's measured copy time of each load that finished in this step."""
@@ -225,8 +264,14 @@ class LLMEngine:
             if request is not None:
                 request.times.on_load(timing)
 
-    def _process_token(self, request: Request, now: float) -> RequestOutput:
+    def _process_token(
+        self, request: Request, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         state = self._states[request.req_id]
+        new_logprobs = None
+        if state.logprobs is not None:
+            new_logprobs = [logprob] if logprob is not None else []
+            state.logprobs.extend(new_logprobs)
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -253,10 +298,13 @@ class LLMEngine:
             metrics.finished_time = now
             del self._states[request.req_id]
             self._log_request(state)
-        return self._output(state, [token_id], new_text, finished=request.is_finished)
+        return self._output(
+            state, [token_id], new_text, finished=request.is_finished, new_logprobs=new_logprobs
+        )
 
     def _output(
-        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool
+        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool,
+        new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         request = state.request
         return RequestOutput(
@@ -270,8 +318,22 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens_by_tier=self._by_tier(state),
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            new_logprobs=new_logprobs if state.logprobs is not None else None,
+            prompt_logprobs=state.prompt_logprobs,
             metrics=dataclasses.replace(state.metrics),  # a snapshot, not a live view
         )
+
+    def _by_tier(self, state: _RequestState) -> dict[str, int]:
+        request = state.request
+        key = (request.num_cached_tokens, len(request.kv_hit_tiers))
+        if state.by_tier is None or state.by_tier[0] != key:
+            split = cached_tokens_by_tier(
+                request, self.config.cache.block_size, self.offload is not None
+            )
+            state.by_tier = (key, split)
+        return state.by_tier[1]
 
     def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
         """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
@@ -306,17 +368,19 @@ class LLMEngine:
                 ttft_s=ttft,
                 ttft_breakdown_s=m.ttft_breakdown,
                 num_prefill_steps=request.times.num_prefill_steps,
+                prefill_step_tokens=request.times.prefill_step_tokens,
+                kv_plan=request.kv_plan,
                 load_read_s=request.times.load_read_s,
                 load_copy_s=request.times.load_copy_s,
             )
         )
 
-    def kv_stats(self) -> dict[str, Any]:
+    def kv_stats(self) -> KVStats:
         """KV reuse counters: ``gpu_hit_tokens``, ``loaded_tokens``, ``recomputed_tokens``,
         per-tier ``hit_blocks``, bytes saved/loaded, load time, decisions, failed loads, the
         store's per-tier stats and the cost model (empty counters without kv offload)."""
         if self.offload is not None:
-            return self.offload.stats()
+            return cast(KVStats, self.offload.stats())
         return {
             "gpu_hit_tokens": self.scheduler.stats.prefix_cache_hit_tokens_total,
             "loaded_tokens": 0,
@@ -388,3 +452,29 @@ class LLMEngine:
             "kv_failed_loads_total": kv["failed_loads"],
             "kv_load_seconds_total": kv["load_seconds"],
         }
+
+
+def check_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The engine's ``max_model_len``: ``max_model_len`` (explicit, or the model's context
+    length) when the pool of ``num_blocks`` holds one sequence that long. A sequence needing
+    more blocks than the whole pool could never run, so a longer one is a ValueError saying
+    what to change (as vLLM's start-up check), except for a pool fixed by ``num_gpu_blocks``
+    under a derived length: tests and benchmarks size tiny pools on purpose, and there the
+    length is cut to the pool with a warning. Never cut silently."""
+    bs = config.cache.block_size
+    pool_tokens = num_blocks * bs
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    explicit = config.scheduler.max_model_len is not None
+    if not explicit and config.cache.num_gpu_blocks is not None:
+        logger.warning("max_model_len cut from %d (the model's context length) to %d: "
+                       "--num-gpu-blocks %d holds no longer sequence; pass --max-model-len to "
+                       "choose", max_model_len, pool_tokens, num_blocks)
+        return pool_tokens
+    source = "--max-model-len" if explicit else "the model's context length (config.json)"
+    more = ("--num-gpu-blocks" if config.cache.num_gpu_blocks is not None else
+            "--gpu-memory-utilization (GPU) or --cpu-kv-cache-bytes (CPU)")
+    raise ValueError(
+        f"max_model_len {max_model_len} ({source}) needs {-(-max_model_len // bs)} KV blocks, "
+        f"but the KV cache holds {num_blocks} blocks ({pool_tokens} tokens): pass "
+        f"--max-model-len {pool_tokens} or less, or give the KV cache more memory ({more})")

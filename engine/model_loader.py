@@ -179,11 +179,14 @@ def load_model(
     model_dir: str, dtype: str, device: torch.device | str, max_positions: int | None = None
 ) -> LoadedModel:
     """Build the model on ``device`` in the resolved dtype and fill every parameter from the
-    checkpoint. Raises ValueError if the checkpoint misses a parameter or has an extra one."""
+    checkpoint. Raises ValueError for an unsupported architecture (naming the supported
+    ones) or if the checkpoint misses a parameter or has an extra one."""
     hf_config = read_hf_config(model_dir)
+    # The architecture first (one line listing the supported ones): another family's config
+    # may lack fields ModelArchConfig reads.
+    cls = get_model_class((hf_config.get("architectures") or ["(none in config.json)"])[0])
     arch = ModelArchConfig.from_hf(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config)
-    cls = get_model_class(arch.architecture)
     # Build without allocating or initializing, then materialize once on the target device.
     with _no_init(), torch.device("meta"):
         model = cls(arch, max_positions)

@@ -29,6 +29,7 @@ from engine.cpu_threads import CpuThreadPlan, configure_cpu_threads
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_connector import KVConnectorWorker
+from engine.logits_processors import PenaltyRow, apply_penalties, token_logprobs
 from engine.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
 from engine.model_loader import LoadedModel, load_model, model_fingerprint
 from engine.models.cpu_linear import pack_cpu_linears
@@ -41,8 +42,10 @@ from engine.runner_inputs import (  # noqa: F401  (HostBatch/BatchInputs re-expo
 )
 from engine.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output import RequestGrammars
 
 logger = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
 
 
 def resolve_device(device: str) -> torch.device:
@@ -130,6 +133,7 @@ class ModelRunner:
         fused_kernels: bool | None = None, cpu_packed_linears: bool = True,
     ) -> None:
         device = resolve_device(config.device)
+        self._tokenizer_dir = config.tokenizer or model_dir
         loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len)
         self._setup(
             config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
@@ -151,6 +155,7 @@ class ModelRunner:
         """A runner around a model already in memory on ``config.device`` (benchmarks that
         share weights with a reference model)."""
         runner = cls.__new__(cls)
+        runner._tokenizer_dir = config.tokenizer or config.model
         runner._setup(
             config, resolve_device(config.device), loaded, fingerprint, eos_token_ids, cuda_graphs,
             fused_kernels,
@@ -199,6 +204,7 @@ class ModelRunner:
         )
         self.attn_backend.bind(self.dtype, device)
         self.sampler = Sampler(config.seed, device)
+        self._grammars: RequestGrammars | None = None  # built on the first constrained request
         spec = KVCacheSpec(
             num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             dtype=self.dtype, block_size=config.cache.block_size,
@@ -232,6 +238,9 @@ class ModelRunner:
             log_budget(self.kv_budget)
             return max(1, self.kv_budget.num_blocks - 1)  # one block goes to the scratch block
         budget = cache_cfg.cpu_kv_cache_bytes
+        if budget is None:  # 256 MiB, or one full-length sequence (config.py says why)
+            full_blocks = -(-self._max_model_len // spec.block_size)
+            budget = max(DEFAULT_CPU_KV_CACHE_BYTES, full_blocks * spec.bytes_per_block)
         num_blocks = budget // spec.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -293,6 +302,8 @@ class ModelRunner:
         range, position past max_model_len, duplicate req_id)."""
         for req_id in out.finished_req_ids:
             self._num_tokens_written.pop(req_id, None)
+        if self._grammars is not None:
+            self._grammars.drop(out.finished_req_ids)
         connector = self._kv_connector
         if out.is_empty:
             if connector is not None:
@@ -303,29 +314,86 @@ class ModelRunner:
         host = self._host_batch(out)
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
-        sampled: dict[str, int] = {}
-        logits_out: dict[str, object] | None = {} if return_logits else None
+        result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host)
             if host.sample_req_ids:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
                 by_id = {r.req_id: r for r in out.requests}
-                requests = [
-                    SampleRequest(by_id[rid].sampling, by_id[rid].num_output_tokens)
-                    for rid in host.sample_req_ids
-                ]
-                tokens = self.sampler.sample(logits, requests).tolist()  # the step's one sync
-                sampled = dict(zip(host.sample_req_ids, tokens, strict=True))
-                if logits_out is not None:
+                sliced = [by_id[rid] for rid in host.sample_req_ids]
+                self._sample(logits, sliced, result)
+                if result.logits is not None:
                     cpu_rows = logits.cpu()
-                    logits_out = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
+                    result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
+            self._prompt_logprobs(hidden, out, result)
         if connector is not None:
             connector.wait_for_save()
             connector.after_step(out.kv_connector_metadata)
         for r in out.requests:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
-        return ModelRunnerOutput(sampled_token_ids=sampled, logits=logits_out)
+        return result
+
+    def _sample(
+        self, logits: torch.Tensor, sliced: list[ScheduledRequest], result: ModelRunnerOutput
+    ) -> None:
+        """Penalties, grammar masks, sampling, then logprobs of the raw ``logits``; fills
+        ``result``. The one host sync of a plain step is the sampled ids' copy."""
+        processed = apply_penalties(logits, [
+            PenaltyRow(s.sampling, s.all_token_ids, s.num_output_tokens)
+            if s.sampling.has_penalties else None
+            for s in sliced
+        ])
+        grammar_rows = [
+            (s.req_id, s.sampling, s.all_token_ids[len(s.all_token_ids) - s.num_output_tokens :])
+            if s.sampling.has_grammar else None
+            for s in sliced
+        ]
+        if any(r is not None for r in grammar_rows):
+            processed = self._grammar_state().mask(processed, grammar_rows)
+        requests = [SampleRequest(s.sampling, s.num_output_tokens) for s in sliced]
+        tokens = self.sampler.sample(processed, requests).tolist()  # the step's one sync
+        result.sampled_token_ids = {s.req_id: t for s, t in zip(sliced, tokens, strict=True)}
+        if self._grammars is not None:
+            for s, token in zip(sliced, tokens, strict=True):
+                if s.sampling.has_grammar:
+                    self._grammars.accept(s.req_id, token)
+        wanted = [i for i, s in enumerate(sliced) if s.sampling.logprobs is not None]
+        if wanted:
+            index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
+            entries = token_logprobs(
+                logits.index_select(0, index), [tokens[i] for i in wanted],
+                [sliced[i].sampling.logprobs or 0 for i in wanted],
+            )
+            result.logprobs = {sliced[i].req_id: e for i, e in zip(wanted, entries, strict=True)}
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict: the row of position
+        ``p`` gives token ``p + 1``'s. Such requests bypass the prefix cache (scheduler), so
+        every prompt position passes through here once (again after a preemption)."""
+        offset = 0
+        for r in out.requests:
+            k = r.sampling.prompt_logprobs
+            start, n = r.num_computed_tokens, len(r.token_ids)
+            end = min(start + n, r.num_prompt_tokens - 1)  # the last prompt row samples
+            if k is not None and start < end:
+                rows = hidden[offset : offset + end - start]
+                entries = token_logprobs(
+                    self.model.compute_logits(rows), r.all_token_ids[start + 1 : end + 1],
+                    [k] * (end - start),
+                )
+                result.prompt_logprobs[r.req_id] = (start + 1, list(entries))
+            offset += n
+
+    def _grammar_state(self) -> RequestGrammars:
+        if self._grammars is None:
+            from engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(self._tokenizer_dir)
+            self._grammars = RequestGrammars(tokenizer, self.vocab_size, self._eos_token_ids)
+        return self._grammars
 
     def _forward(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the step, and the rows to take logits from (None: all rows)."""

@@ -21,6 +21,26 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token's log-probability under the model's raw distribution, and the ``top`` k
+    (token id, log-probability) pairs of that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_plain(self) -> list[object]:
+        """As msgpack carries it: ``[token_id, logprob, [[id, logprob], ...]]``."""
+        return [self.token_id, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_plain(cls, value: list[object]) -> TokenLogprob:
+        token_id, logprob, top = value
+        return cls(int(token_id), float(logprob),  # type: ignore[arg-type]
+                   tuple((int(i), float(lp)) for i, lp in top))  # type: ignore[union-attr]
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """State of one request after an engine step.
@@ -28,7 +48,11 @@ class RequestOutput:
     ``token_ids``/``text`` hold everything generated so far (stop strings excluded from
     ``text``); ``new_token_ids``/``new_text`` only what this step added (for streaming).
     ``num_cached_tokens`` is the prompt prefix served from cache (GPU prefix hit plus, with
-    ``--kv-offload``, tokens loaded from lower tiers).
+    ``--kv-offload``, tokens loaded from lower tiers); ``num_cached_tokens_by_tier`` splits it
+    by the tier that served each block ("gpu", "host", "lmdb", ...).
+    ``logprobs`` (cumulative) / ``new_logprobs`` (this step) hold one entry per generated token
+    when ``SamplingParams.logprobs`` is set; ``prompt_logprobs`` one per prompt token (None for
+    the first) when ``SamplingParams.prompt_logprobs`` is set, complete from the first output on.
     """
 
     req_id: str
@@ -41,4 +65,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     num_cached_tokens: int = 0
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics | None = None

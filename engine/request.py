@@ -77,6 +77,9 @@ class Request:
     # each leading cached block ("gpu", "host", "lmdb", ...) and the reload decision.
     kv_hit_tiers: list[str] = field(default_factory=list)
     kv_decision: str = "recompute"
+    # The connector's planned split at admission (tokens from the GPU hit, computed as an
+    # overlap's head, loaded, recomputed; the cost model's predicted TTFT), or None.
+    kv_plan: dict[str, float] | None = None
     # Stamps for the TTFT breakdown (engine/ttft.py), until the first token.
     times: RequestTimes = field(default_factory=RequestTimes)
 

@@ -4,13 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top-k alternatives per token, as OpenAI's chat API allows
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1``
     disables top-p. ``seed`` makes a request's sampling reproducible regardless of batching.
     ``stop`` strings end generation and are not included in ``.text``; ``stop_token_ids`` and
-    EOS (unless ``ignore_eos``) end it too. Raises ValueError on bad values."""
+    EOS (unless ``ignore_eos``) end it too. Raises ValueError on bad values.
+
+    Penalties act on the logits before temperature, greedy included, in vLLM's order:
+    ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``: over prompt and output
+    tokens, a positive logit divided by it, a negative one multiplied; 1 = off), then OpenAI's
+    ``frequency_penalty`` (minus penalty x count) and ``presence_penalty`` (minus penalty once)
+    over the output tokens only.
+
+    ``logprobs``: None = off, k >= 0 = each sampled token's log-probability plus its top k.
+    ``prompt_logprobs``: the same for every prompt token but the first; a request asking for
+    them computes its whole prompt (no prefix-cache or tier hit), so that every prompt
+    position has logits. Log-probabilities are those of the model's raw distribution (before
+    penalties, temperature, top-k/top-p and any grammar mask), as vLLM returns by default.
+
+    ``json_schema`` (JSON text) or ``json_object`` constrain the output with a grammar
+    (xgrammar, an optional dependency: engine/structured_output.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -21,6 +38,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    json_schema: str | None = None
+    json_object: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -41,7 +65,32 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):  # OpenAI's range; rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (0.0 < self.repetition_penalty < float("inf")):  # rejects NaN too
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.json_schema is not None and self.json_object:
+            raise ValueError("json_schema and json_object are exclusive")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.json_object
+
+    @property
+    def needs_history(self) -> bool:
+        """The model runner needs the request's tokens so far (prompt and output)."""
+        return self.has_penalties or self.has_grammar or self.prompt_logprobs is not None

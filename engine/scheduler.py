@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.kv_connector import ExternalHit, SchedulerConnector
 from engine.request import Request, RequestStatus
 
@@ -158,6 +158,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             sampling=request.sampling_params,
             num_output_tokens=request.num_output_tokens,
+            all_token_ids=request.all_token_ids if request.sampling_params.needs_history else [],
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -375,6 +377,9 @@ class Scheduler:
                     self.kv.update_block_hashes(request)
                 t1 = time.monotonic()
                 hit = self.kv.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is not None:
+                    # Prompt logprobs need every prompt position's logits: no reuse at all.
+                    hit = NO_HIT
                 num_computed = hit.num_tokens
                 # The fewest blocks any admission of it takes (a load allocates the whole
                 # prompt, a computed chunk at least the budget's worth): short of those, no
@@ -388,7 +393,8 @@ class Scheduler:
                     break
                 external = ExternalHit()
                 # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
-                if self.connector is not None:
+                if (self.connector is not None
+                        and request.sampling_params.prompt_logprobs is None):
                     answer = self.connector.get_num_new_matched_tokens(request, num_computed)
                     if answer is None:  # not known yet: it waits, the ones behind it may go
                         times.hash_s += t1 - t0

@@ -87,12 +87,15 @@ class RequestTimes:
     in_step_load_s: float = 0.0  # of which inside one of its prefill steps
     load_read_s: float = 0.0  # lower-tier reads (``LoadTiming.read_s``), for the request log
     num_prefill_steps: int = 0
+    prefill_step_tokens: int = 0  # every token of the steps that computed its prompt
     api: dict[str, float] = field(default_factory=dict)
 
-    def on_step(self, start: float, end: float) -> None:
-        """A step from ``start`` to ``end`` computed one of this request's prefill chunks."""
+    def on_step(self, start: float, end: float, step_tokens: int = 0) -> None:
+        """A step from ``start`` to ``end`` (``step_tokens`` tokens in all, other requests'
+        included) computed one of this request's prefill chunks."""
         self.prefill_compute_s += end - start
         self.num_prefill_steps += 1
+        self.prefill_step_tokens += step_tokens
         self.last_prefill_end = end
 
     def on_load(self, timing: LoadTiming) -> None:

@@ -41,15 +41,20 @@ NETWORK = ("zmq", "socket", "socketserver", "fastapi", "uvicorn", "starlette")
 NETWORK_OWNERS = ("cachestore.server", "tiers.remote")
 # The connectors' scheduler sides: torch-free even through what they import.
 TORCH_FREE_EXTRA = ("connectors.offload.scheduler", "connectors.vllm.scheduler",
-                    "connectors.vllm.lookup", "connectors.vllm.config")
+                    "connectors.vllm.lookup", "connectors.vllm.config",
+                    "connectors.sglang.config", "connectors.sglang.keys",
+                    "connectors.sglang.stats")
 # The only modules that may import vllm (every import counts, as for the arrows).
 VLLM_OWNERS = ("connectors.vllm.connector", "connectors.vllm.metrics")
+# The only module that may import sglang (SGLang's HiCache storage backend).
+SGLANG_OWNERS = ("connectors.sglang.storage",)
 # rule -> "path imports module" strings (no line numbers) still tolerated; see the docstring.
 ALLOWED: dict[str, set[str]] = {
     "torch": set(),
     "arrows": set(),
     "network": set(),
     "vllm": set(),
+    "sglang": set(),
     "circle": set(),
     "missing": set(),
 }
@@ -279,3 +284,14 @@ def _cycles() -> list[list[str]]:
 
 def test_no_import_circle():
     _check("circle", [" <-> ".join(c) for c in _cycles()], "import circles")
+
+
+def test_only_the_sglang_backend_imports_sglang():
+    bad = [_where(imp) for imp in IMPORTS
+           if _within(imp.target, "sglang") and imp.source not in SGLANG_OWNERS]
+    _check("sglang", bad, f"only {SGLANG_OWNERS} may import sglang")
+    # SGLang's factory imports ``connectors.sglang``: it imports nothing until the class is
+    # asked for, so the rest of kvtier never needs SGLang.
+    eager = [_where(imp) for imp in IMPORTS if imp.source == "connectors.sglang"
+             and imp.module_level and (imp.target in MODULES or _within(imp.target, "sglang"))]
+    assert not eager, "connectors/sglang/__init__.py must import lazily:\n" + "\n".join(eager)

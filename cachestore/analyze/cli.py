@@ -85,8 +85,10 @@ def parse_tier_cost(text: str) -> TierCost:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="trace file (Mooncake JSONL, kvtier request/access log, "
                         "or prompts)")
-    parser.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
-    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory for raw prompts")
+    parser.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
+                        help="trace format (auto: from the file's first record)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenizer directory for raw prompts; default: none")
     parser.add_argument("--block-tokens", type=int, default=None,
                         help="tokens per block (default 512 for Mooncake traces, else 16)")
     parser.add_argument("--tier", action="append", default=[], metavar="NAME=CAP[:POLICY]",
@@ -96,22 +98,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lru", choices=sorted(POLICIES),
                         help="eviction policy of tiers that name none")
     parser.add_argument("--model-profile", choices=sorted(MODEL_PROFILES),
-                        help=f"KV size per token (default {DEFAULT_PROFILE} for pricing)")
-    parser.add_argument("--kv-bytes-per-token", type=int, help="KV size per token, in bytes")
+                        help=f"the model whose KV size per token turns byte capacities into "
+                        f"blocks and prices prefill (default: {DEFAULT_PROFILE}, unless "
+                        "--kv-bytes-per-token is given)")
+    parser.add_argument("--kv-bytes-per-token", type=int,
+                        help="KV size per token, in bytes (default: the model profile's)")
     parser.add_argument("--kv-compression", default="none", choices=COMPRESSIONS,
                         help="the format the tiers store (the engine's compression setting): "
                         "lossless is 12-bit blocks, ~0.76x the bytes; needs a model profile")
     parser.add_argument("--tier-cost", action="append", default=[],
-                        metavar="NAME=LATENCY_S,BYTES_PER_S", help="override a tier's cost")
+                        metavar="NAME=LATENCY_S,BYTES_PER_S",
+                        help="override a tier's cost; repeatable (default: the built-in costs)")
     parser.add_argument("--sweep", metavar="TIER=CAP1,CAP2,...",
                         help="one tier at each capacity, the others fixed: every tier's hit "
-                        "ratio, the total and net saved per point (plotted with --plot)")
+                        "ratio, the total and net saved per point (plotted with --plot); "
+                        "default: no sweep")
     parser.add_argument("--replay", action="store_true",
                         help="replay all-LRU hierarchies too (slower; same numbers)")
-    parser.add_argument("--json", metavar="FILE", help="write the JSON document (- for stdout)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the JSON document (- for stdout); default: none")
     parser.add_argument("--plot", metavar="FILE.png", help="one hit-ratio plot per tier (its "
-                        "capacity marked), the sweep, and the reuse-distance CDF")
-    parser.add_argument("--report", metavar="FILE.md", help="Markdown report")
+                        "capacity marked), the sweep, and the reuse-distance CDF; default: none")
+    parser.add_argument("--report", metavar="FILE.md", help="Markdown report; default: none")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -124,9 +132,10 @@ def build_config(args: argparse.Namespace, trace: Trace) -> AnalyzeConfig:
     if compression != "none" and args.kv_bytes_per_token:
         raise ValueError(f"--kv-compression {compression} needs --model-profile, not "
                          "--kv-bytes-per-token: the format's size depends on the layer count")
-    explicit_kv = args.kv_bytes_per_token or (
-        _stored(get_model_profile(args.model_profile), compression) if args.model_profile
-        else None)
+    # Byte capacities need a KV size per token: --kv-bytes-per-token, else the profile's
+    # (llama-3-8b when none is named, as --help says).
+    explicit_kv = args.kv_bytes_per_token or _stored(
+        get_model_profile(args.model_profile or DEFAULT_PROFILE), compression)
     bt = trace.block_tokens
     parsed = [parse_tier(t, args.policy, bt, explicit_kv) for t in args.tier or ["host=inf"]]
     tiers = tuple(spec for spec, _ in parsed)
@@ -148,8 +157,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> AnalyzeConfig:
     sweep_caps = tuple(to_blocks(s, bt, explicit_kv, f"--sweep {sweep_tier}={s.text}")
                        for s in sweep_sizes)
     profile = args.model_profile or (None if args.kv_bytes_per_token else DEFAULT_PROFILE)
-    kv = explicit_kv or _stored(get_model_profile(DEFAULT_PROFILE), compression)
-    return AnalyzeConfig(tiers=tiers, kv_bytes_per_token=kv, model_profile=profile,
+    return AnalyzeConfig(tiers=tiers, kv_bytes_per_token=explicit_kv, model_profile=profile,
                          kv_compression=compression,
                          tier_costs=costs, sweep_tier=sweep_tier, sweep_capacities=sweep_caps,
                          force_replay=args.replay, tier_sizes=tuple(s for _, s in parsed),
@@ -161,11 +169,28 @@ def _stored(profile: ModelProfile, compression: str) -> int:
     return stored_bytes_per_token(profile.kv_bytes_per_token, profile.num_layers, compression)
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Raises ValueError (one line naming the flag) when an output file's directory is
+    missing or not writable: found before minutes of analysis, not after."""
+    import os
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot),
+                       ("--report", args.report)):
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag} {path}: no such directory {folder}")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"{flag} {path}: directory {folder} is not writable")
+
+
 def main(args: argparse.Namespace) -> int:
     from cachestore.analyze import report
     from cachestore.analyze.summary import analyze
 
     try:
+        check_outputs(args)
         trace = read_trace(args.trace, args.format, args.block_tokens, args.tokenizer)
         cfg = build_config(args, trace)
     except (OSError, ValueError) as exc:
@@ -186,12 +211,17 @@ def main(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     doc["trace"] = str(args.trace)
-    if args.json:
-        report.write_json(doc, args.json)
-    if args.plot:
-        report.write_plot(doc, args.plot)
-    if args.report:
-        report.write_markdown(doc, args.report, plot_path=args.plot)
+    try:
+        if args.json:
+            report.write_json(doc, args.json)
+        if args.plot:
+            report.write_plot(doc, args.plot)
+        if args.report:
+            report.write_markdown(doc, args.report, plot_path=args.plot)
+    except OSError as exc:  # the directory went away, a full disk: checked ones pass above
+        print(f"kvtier analyze: cannot write {exc.filename or 'output'}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return 1
     if args.json != "-":
         print(report.format_table(doc))
     return 0

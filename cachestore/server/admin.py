@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,20 @@ class _LiveCollector:
         yield entries
 
 
+def health_body(store_stats: dict[str, Any], url: str | None, inflight: int) -> dict[str, Any]:
+    """The ``/health`` body, as the engine's: each tier ``up``, or ``down`` while its last
+    call failed (the store backs it off and its prober pings it again every few seconds, so
+    a Redis that refuses connections shows within about 5 s even while idle); ``status`` is
+    ``degraded`` (HTTP 200: the daemon serves, a down tier reads as misses) when any is down.
+    Pure."""
+    tiers = [{"name": row["name"],
+              "state": "down" if row.get("consecutive_failures", 0) else "up"}
+             for row in store_stats.get("tiers", []) if "name" in row]
+    degraded = any(t["state"] != "up" for t in tiers)
+    return {"status": "degraded" if degraded else "ok", "tiers": tiers, "url": url,
+            "inflight": inflight}
+
+
 def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = None) -> Any:
     """The FastAPI app. Read-only: no endpoint mutates the store. With ``token``, every
     endpoint but ``/health`` answers 401 unless the request carries it as a bearer token."""
@@ -161,7 +176,7 @@ def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = N
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "url": server.bound_url, "inflight": server.inflight}
+        return health_body(server.store.stats(), server.bound_url, server.inflight)
 
     @app.get("/metrics")
     def prom() -> Response:
@@ -200,6 +215,16 @@ class AdminServer:
     @property
     def started(self) -> bool:
         return bool(self._server.started)
+
+    def wait_started(self, timeout_s: float = 10.0) -> bool:
+        """Block until uvicorn listens (True) or gave up, e.g. on a taken port (False: its
+        thread ended, or ``timeout_s`` passed)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -15,20 +15,27 @@ host tier is bounded by its queues and buffers. Two settings here bound what the
 left loose: the store's background queues hold at most ``DAEMON_QUEUE_BATCHES`` batches per
 tier (each a put's worth of evicted block copies; with write-through they are already on
 disk), and freed payload buffers go back to the OS every ``TRIM_INTERVAL_S``
-(``start_trimming``: glibc's ``malloc_trim``) instead of staying in glibc's arenas (about
-300 MB after a load without it).
+(``cachestore.server.trim``: glibc's ``malloc_trim``) instead of staying in glibc's arenas
+(about 300 MB after a load without it).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from cachestore.server.startup import (
+    check_binds,
+    daemon_host_tier,
+    load_daemon_tiers,
+    say,
+    setup_logging,
+    startup_block,
+)
+from cachestore.server.trim import start_trimming
 from cachestore.server.usage import NamespaceUsage
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tiers.base import Tier
@@ -37,60 +44,60 @@ from tiers.config import TierConfig, parse_size
 # The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
 # 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
 DAEMON_QUEUE_BATCHES = 8
-# glibc raises its mmap threshold after the first free of a large block, so freed 2 MiB
-# payload buffers (ZMQ messages, copies) then stay in its per-thread arenas: anonymous RSS
-# stayed ~300 MB after a load. A fixed threshold (mmap per buffer) cost page faults on every
-# request; a periodic malloc_trim returns the free pages at no cost to the hot path.
-TRIM_INTERVAL_S = 2.0
-
-
-def start_trimming(stop: threading.Event, interval_s: float = TRIM_INTERVAL_S) -> bool:
-    """Call glibc's ``malloc_trim(0)`` every ``interval_s`` on a daemon thread until ``stop``
-    is set. False (nothing started) where the C library has no malloc_trim."""
-    name = ctypes.util.find_library("c")
+def port_number(text: str) -> int:
+    """A TCP port flag: 0..65535 (0: any free port). argparse reports the error."""
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is None:
-        return False
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: a number 0..65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: a number 0..65535")
+    return port
 
-    def run() -> None:
-        while not stop.wait(interval_s):
-            trim(0)
 
-    threading.Thread(target=run, name="kvtier-trim", daemon=True).start()
-    return True
+def admin_port_number(text: str) -> int:
+    """``--admin-port``: a port, or -1 for no admin port."""
+    return -1 if text.strip() == "-1" else port_number(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Mutates ``parser``: adds every ``kvtier cache-server`` flag, each with help text (the
+    ``kvtier`` parser shows the defaults)."""
     parser.add_argument("--host", default="127.0.0.1",
-                        help="bind address (anything but loopback needs --tokens)")
-    parser.add_argument("--port", type=int, default=5555, help="ZMQ port (0: any free port)")
-    parser.add_argument("--admin-port", type=int, default=5556,
+                        help="ZMQ bind address (anything but loopback needs --tokens)")
+    parser.add_argument("--port", type=port_number, default=5555,
+                        help="ZMQ port (0: any free port)")
+    parser.add_argument("--admin-port", type=admin_port_number, default=5556,
                         help="HTTP admin port: /health /metrics /stats (-1: off)")
     parser.add_argument("--admin-host", default="127.0.0.1",
-                        help="admin bind address (default loopback; anything else needs "
+                        help="admin bind address (anything but loopback needs "
                              "--admin-token-file: the admin port lists every tenant's usage)")
-    parser.add_argument("--admin-token-file", default=None,
+    parser.add_argument("--admin-token-file", default=None, metavar="FILE",
                         help="file holding the admin port's bearer token (needed by /stats, "
-                             "/namespaces, /metrics; /health stays open)")
-    parser.add_argument("--data-dir", default=None, help="LMDB directory (persistence)")
+                             "/namespaces, /metrics; /health stays open); default: no token")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="LMDB directory (persistence); default: none")
     parser.add_argument("--lmdb-capacity", default="10GiB",
                         help="LMDB capacity under --data-dir (bytes with a unit: 10GiB, 200GB)")
     parser.add_argument("--host-capacity", default=None,
                         help="host-memory tier on top of the others, e.g. 4GiB (Gi = 2^30, "
-                             "G = 10^9; a bare number is refused; default: none)")
+                             "G = 10^9; a bare number is refused); default: none")
     parser.add_argument("--host-slot-bytes", default="4MiB",
-                        help="host tier slot: the largest block it holds (larger: LMDB only)")
-    parser.add_argument("--config", default=None, help="tiers YAML (tiers.config)")
-    parser.add_argument("--tokens", default=None,
-                        help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines")
-    parser.add_argument("--access-log", default=None, help="JSONL access log (ts, op, namespace, keys)")
+                        help="host tier slot: the largest block it holds (larger: LMDB only); "
+                             "also a --config host tier's when its file sets none")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="tiers YAML (tiers.config; the engine's --kv-offload-config file "
+                             "works as is: its engine-only settings are ignored)")
+    parser.add_argument("--tokens", default=None, metavar="FILE",
+                        help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines; default: open "
+                             "daemon, loopback only")
+    parser.add_argument("--access-log", default=None, metavar="FILE",
+                        help="JSONL access log (ts, op, namespace, keys); default: none")
     parser.add_argument("--workers", type=int, default=4, help="request worker threads")
     parser.add_argument("--max-frame-bytes", default="64MiB", help="largest block accepted")
     parser.add_argument("--max-keys", type=int, default=4096, help="keys per request")
-    parser.add_argument("--namespace-quota", default=None, help="bytes per namespace (default: none)")
+    parser.add_argument("--namespace-quota", default=None,
+                        help="bytes per namespace, e.g. 10GiB; default: none")
     parser.add_argument("--no-shm", action="store_true", help="disable the shared-memory path")
     parser.add_argument("--no-inline-reads", action="store_true",
                         help="send every request to the worker pool (no loop-thread host reads)")
@@ -98,17 +105,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
     parser.add_argument("--no-stream", action="store_true",
                         help="no TCP stream (clients without shared memory stay on ZMQ)")
-    parser.add_argument("--stream-port", type=int, default=0,
-                        help="TCP stream port on --host (default 0: a free port, announced "
-                             "to clients in the hello reply)")
+    parser.add_argument("--stream-port", type=port_number, default=0,
+                        help="TCP stream port on --host (0: a free port, announced to clients "
+                             "in the hello reply)")
     parser.add_argument("--no-leases", action="store_true",
                         help="no zero-copy same-host gets (doorbell clients mapping the host "
                              "slab; only ever offered when it holds one namespace)")
     parser.add_argument("--spin-us", type=float, default=100.0,
                         help="microseconds the loop polls for a next request before blocking")
-    parser.add_argument("--loop-cpu", type=int, default=None,
+    parser.add_argument("--loop-cpu", type=int, default=None, metavar="CPU",
                         help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
-                             "(faster TCP on small VMs; default: unpinned)")
+                             "(faster TCP on small VMs); default: unpinned")
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -134,15 +141,19 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
-    """The daemon's tier configs, top first, from ``--config``, ``--host-capacity`` and
-    ``--data-dir``; reads the YAML, allocates nothing. Raises ConfigError/ValueError with a
-    one-line message naming the file or the flag (sizes need a unit: ``parse_size``)."""
-    from tiers.config import HostTierConfig, LmdbTierConfig, load_tier_config
+    """The daemon's tier configs, top first, from ``--config`` (``load_daemon_tiers``),
+    ``--host-capacity`` and ``--data-dir``; reads the YAML, allocates nothing. Raises ConfigError/ValueError with a one-line message
+    naming the file or the flag (sizes need a unit: ``parse_size``)."""
+    from tiers.config import HostTierConfig, LmdbTierConfig
 
-    configs = list(load_tier_config(args.config).tiers) if args.config else []
+    slot_bytes = parse_size(args.host_slot_bytes, "--host-slot-bytes")
+    configs: list[TierConfig] = []
+    if args.config:
+        stack, _ = load_daemon_tiers(args.config)
+        configs = [daemon_host_tier(c, slot_bytes) if isinstance(c, HostTierConfig) else c
+                   for c in stack.tiers]
     if args.host_capacity and not any(isinstance(c, HostTierConfig) for c in configs):
         capacity = parse_size(args.host_capacity, "--host-capacity")
-        slot_bytes = parse_size(args.host_slot_bytes, "--host-slot-bytes")
         configs.insert(0, HostTierConfig(capacity=capacity, slot_bytes=slot_bytes,
                                          pin_memory=False))  # no GPU reads the daemon's memory
     if args.data_dir and not any(isinstance(c, LmdbTierConfig) for c in configs):
@@ -155,23 +166,21 @@ def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
     return configs
 
 
-def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list[Tier]:
-    """The daemon's tier stack, top first (``stack_configs``). ``shared_host``: the host tier's
-    slab in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
+def build_tiers_for(configs: list[TierConfig], source: str | None = None,
+                    shared_host: bool = False) -> list[Tier]:
+    """The daemon's tier stack from ``stack_configs``' ``configs``, top first; ``source``
+    (the YAML file) named in a resource check's error. ``shared_host``: the host tier's slab
+    in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
     memory where that is not supported). Raises ConfigError/ValueError with a clear message."""
     from tiers import build_tiers
-    from tiers.config import HostTierConfig, TierStackConfig, check_resources, load_tier_config
+    from tiers.config import HostTierConfig, TierStackConfig, check_resources
 
-    if args.config:  # the file's own tiers first: an error names the file and its index there
-        check_resources(load_tier_config(args.config), source=args.config)
-    configs = stack_configs(args)
-
+    check_resources(TierStackConfig(tiers=tuple(configs)), source=source)
     host = configs[0] if shared_host and isinstance(configs[0], HostTierConfig) else None
     if host is None or host.slot_bytes is None or host.pin_memory:
         return build_tiers(TierStackConfig(tiers=tuple(configs)))
     from tiers.host import HostTier
 
-    check_resources(TierStackConfig(tiers=tuple(configs)))  # before the slab is allocated
     try:
         top = HostTier(host.capacity, host.slot_bytes, shared=True)
     except OSError:  # no memfd/seals here: a private slab, gets copy as before
@@ -184,23 +193,38 @@ def build_tiers_for(args: argparse.Namespace, shared_host: bool = False) -> list
         raise
 
 
+def durable_index(tiers: list[Tier]) -> int | None:
+    """The tier puts write through to: the first LMDB tier below the top (None: none)."""
+    durable = next((i for i, t in enumerate(tiers) if t.name == "lmdb"), None)
+    return durable if durable else None
+
+
 def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
     """The daemon's store over ``tiers`` (owned from here on), writing through to the first
     LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
-    durable = next((i for i, t in enumerate(tiers) if t.name == "lmdb"), None)
     # Keys are ``tenant/`` + the client's key: blocks carry the client's (codec version 2).
-    config = StoreConfig(write_through_to=durable if durable else None, block_key_skip=1,
+    config = StoreConfig(write_through_to=durable_index(tiers), block_key_skip=1,
                          queue_batches=DAEMON_QUEUE_BATCHES)
     return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 
+def _fail(message: object) -> int:
+    print(f"kvtier cache-server: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(args: argparse.Namespace) -> int:
+    """Runs the daemon. Exit codes: 0 after a SIGTERM/SIGINT drained cleanly; 1 when the
+    drain lost blocks; 2 for a usage or start-up error (one line on stderr, printed before
+    anything is bound or allocated where the flags show it: taken ports, bad addresses)."""
     from cachestore.server.admin import AdminMetrics, AdminServer, create_app
     from cachestore.server.daemon import CacheServer, ServerConfig
     from tiers.remote.protocol import ServerLimits, TokenTable
 
+    setup_logging()
     try:
         admin_token = _admin_token(args)
+        check_binds(args)
         tokens = None
         if args.tokens:
             tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
@@ -222,30 +246,42 @@ def main(args: argparse.Namespace) -> int:
         # A mappable slab only where leases may be offered (one namespace in it).
         shared = (config.leases and config.doorbell and config.shm_enabled
                   and config.inline_reads and (tokens is None or tokens.one_open_namespace()))
-        store = build_store(build_tiers_for(args, shared_host=shared), usage)
+        configs = stack_configs(args)
+        ignored = load_daemon_tiers(args.config)[1] if args.config else []
+        tiers = build_tiers_for(configs, args.config, shared_host=shared)
+        store = build_store(tiers, usage)
     except (OSError, ValueError) as exc:
-        print(f"kvtier cache-server: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc)
     metrics = AdminMetrics()
     try:
         server = CacheServer(config, store, tokens, on_request=metrics.record, usage=usage)
     except ValueError as exc:
         store.close()
-        print(f"kvtier cache-server: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc)
     metrics.bind(server)
     admin = None
     if args.admin_port >= 0:
         admin = AdminServer(create_app(server, metrics, admin_token), args.admin_host,
                             args.admin_port).start()
+        if not admin.wait_started():  # taken since check_binds: fatal, as any bind failure
+            store.close()
+            return _fail(f"--admin-port: cannot serve http://{args.admin_host}:"
+                         f"{args.admin_port}")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
+    try:
+        server.start()
+    except RuntimeError as exc:  # the ZMQ bind, taken since check_binds
+        if admin is not None:
+            admin.stop()
+        store.close()
+        return _fail(exc)
     trimming = threading.Event()
     start_trimming(trimming)
-    server.start()
-    print(f"kvtier cache-server listening on {server.bound_url}"
-          + (f", admin http://{args.admin_host}:{args.admin_port}" if admin else ""),
-          flush=True)
+    admin_url = f"http://{args.admin_host}:{args.admin_port}" if admin else None
+    for line in startup_block(server.bound_url, admin_url, configs, durable_index(tiers),
+                              ignored, args.config):
+        say(line)
     try:
         while not server.wait(0.2):
             pass
@@ -261,8 +297,7 @@ def main(args: argparse.Namespace) -> int:
             admin.stop()
         store.close()
     if problem is not None:  # a supervisor sees a non-zero exit
-        print(f"kvtier cache-server stopped without a clean drain: {problem}", file=sys.stderr,
-              flush=True)
+        say(f"kvtier cache-server stopped without a clean drain: {problem}", sys.stderr)
         return 1
-    print("kvtier cache-server stopped (drained)", flush=True)
+    say("kvtier cache-server stopped (drained)")
     return 0

@@ -164,7 +164,8 @@ class CacheServer:
         self._thread = threading.Thread(target=run, name="kvtier-cache-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s) or errors:
-            raise RuntimeError(f"cache server failed to start: {errors[:1]}")
+            why = str(errors[0]) if errors else f"not bound within {timeout_s:g} s"
+            raise RuntimeError(f"cannot serve {self.config.url}: {why}")
         return self
 
     def request_stop(self) -> None:

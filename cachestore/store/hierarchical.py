@@ -76,6 +76,7 @@ class HierarchicalStore:
         self.tiers = self._tiers.tiers
         self.config = config
         self._stats = self._tiers.stats
+        self._skipped: frozenset[int] = frozenset()  # tiers demotion passes over (skip_tiers)
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
         self._movers = TierMovers(self._stats, self._tiers.health, config.queue_batches,
@@ -308,6 +309,18 @@ class HierarchicalStore:
         return max(self._call(i, lambda t: t.delete_many(keys), 0)
                    for i in range(len(self.tiers)))
 
+    def skip_tiers(self, names: Sequence[str]) -> None:
+        """Stop demoting into the tiers named (``cachestore.cost.placement``: no block there
+        would be worth loading): what the tier above evicts passes on to the tier below,
+        and its write-through lane copies nothing; each block not written is counted
+        ``placement_skipped`` on the skipped tier (once per path it was kept from). The top
+        tier and ``write_through_to`` (an acknowledged put's durable tier) are never skipped;
+        blocks already in a skipped tier stay readable; shutdown's flush still writes."""
+        durable = self.config.write_through_to
+        self._skipped = frozenset(i for i, t in enumerate(self.tiers)
+                                  if t.name in names and i > 0 and i != durable)
+        self._through.skipped = self._skipped
+
     def _write(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
         """Write to tier i (in the caller's thread); demote what it evicted. Returns count, or
         -1 when the tier failed or was backing off (nothing written, nothing demoted)."""
@@ -328,6 +341,9 @@ class HierarchicalStore:
         failed or backs off (the movers pass the batch further down)."""
         if i == 0:
             return self._write(0, items)
+        if i in self._skipped:  # never worth loading from: pass the batch on down, counted
+            self._stats[i].add("placement_skipped", len(items))
+            return -1
         keys = [k for k, _ in items]
         flags = self._call(i, lambda t: t.contains_many(keys), None)
         if flags is None:

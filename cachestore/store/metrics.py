@@ -24,6 +24,7 @@ COUNTERS = (
     "hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "skipped",
     "evictions", "demotions_dropped", "dropped_at_bottom", "promotions", "promotions_dropped",
     "written_through", "written_back", "write_queue_dropped", "write_present",
+    "placement_skipped",
 )
 
 
@@ -47,6 +48,7 @@ class _Counters:
     written_back: int = 0  # blocks demoted here (evicted above) or flushed here at shutdown
     write_queue_dropped: int = 0  # blocks not copied: write-through queue full, or shutdown
     write_present: int = 0  # blocks not rewritten: this tier already held them
+    placement_skipped: int = 0  # blocks not written here: never worth loading (skip_tiers)
     read_latency_s: float = 0.0  # EWMA of one get_many call
     read_bandwidth_bps: float = 0.0  # EWMA of bytes / second of get_many calls that moved bytes
     write_bandwidth_bps: float = 0.0

@@ -107,6 +107,7 @@ class WriteThrough:
         self._hits_lock = threading.Lock()
         self._selective = [lane for lane in self._lanes if lane.policy.policy != WRITE_THROUGH]
         self._stopping = False
+        self.skipped: frozenset[int] = frozenset()  # tiers not written to (store.skip_tiers)
         for lane in self._lanes:
             lane.thread = threading.Thread(target=self._work, args=(lane,), daemon=True,
                                            name=f"kvtier-write-{tiers.stats[lane.tier].name}")
@@ -254,6 +255,9 @@ class WriteThrough:
 
     def _enqueue(self, lane: _Lane, keys: Sequence[str]) -> None:
         if self._stopping:
+            return
+        if lane.tier in self.skipped:  # never worth loading from: not copied, counted
+            self._tiers.stats[lane.tier].add("placement_skipped", len(keys))
             return
         with lane.cond:
             room = lane.policy.queue_blocks - len(lane.keys)

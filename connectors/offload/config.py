@@ -19,6 +19,8 @@ One YAML file (or the same dict) holds both::
     health_probe_s: 5.0     # ping a tier nothing used for this long (0: never): /health
     prefetch: true          # blocks below the host tier move up while their request waits
     prefetch_budget_blocks: 0  # blocks prefetches may pin at once (0: a quarter of the host tier)
+    placement: all          # all | worth_loading: skip demoting into tiers no prefix would
+                            # ever be worth loading from (cachestore/cost/placement.py)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
@@ -58,6 +60,7 @@ DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs n
 # To be confirmed on the H200 (``--sections pipeline``).
 DEFAULT_CHUNK_BYTES = 16 << 20
 DEFAULT_DEPTH = 2
+PLACEMENTS = ("all", "worth_loading")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,9 @@ class OffloadConfig:
     # (0: a quarter of the host tier's slots).
     prefetch: bool = True
     prefetch_budget_blocks: int = 0
+    # "worth_loading": blocks are not demoted into a tier from which even the longest prefix
+    # loads slower than it recomputes, priced after calibration (cachestore/cost/placement.py).
+    placement: str = "all"
 
     @property
     def layer_wise(self) -> bool:
@@ -138,6 +144,9 @@ class OffloadConfig:
         if not self.health_probe_s >= 0:
             raise ConfigError(
                 f"kv offload: health_probe_s must be >= 0, got {self.health_probe_s}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"kv offload: placement {self.placement!r}; choose one of "
+                              f"{PLACEMENTS}")
         if isinstance(self.prefetch_budget_blocks, bool) or not isinstance(
                 self.prefetch_budget_blocks, int) or self.prefetch_budget_blocks < 0:
             raise ConfigError(f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
@@ -157,7 +166,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
              "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
              "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks",
-             "load_chunk_bytes", "load_pipeline_depth"}
+             "load_chunk_bytes", "load_pipeline_depth", "placement"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -190,6 +199,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
         load_chunk_bytes=data.get("load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
         load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
+        placement=str(data.get("placement", "all")),
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from cachestore.codec import PAYLOAD_ALIGN, encoded_size
 from cachestore.cost.calibration import calibrate
 from cachestore.cost.online import CostPriors, OnlineCostModel, default_priors
+from cachestore.cost.placement import unprofitable_tiers
 from cachestore.hashing import Namespace
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from cachestore.store.types import write_policies
@@ -136,6 +137,8 @@ class OffloadConnector:
         except BaseException:
             store.close()
             raise
+        if config.placement == "worth_loading":
+            _place(store, cost_model, kv_cache)
         return cls(config, store, kv_cache, namespace, cost_model)
 
     @staticmethod
@@ -223,6 +226,21 @@ def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace
     """Keys of compressed blocks get their own prefix: an engine storing raw blocks and one
     storing compressed ones may share tiers without reading each other's format."""
     return namespace if codec is None else dataclasses.replace(namespace, kv_format=codec.name)
+
+
+def _place(store: HierarchicalStore, cost_model: OnlineCostModel, kv_cache: KVCache) -> None:
+    """``placement: worth_loading``: tiers no prefix the cache can hold would be worth loading
+    from are skipped by demotion (``HierarchicalStore.skip_tiers``), each logged with its
+    figures."""
+    verdicts = unprofitable_tiers(
+        cost_model.tier_costs(), cost_model.prefill_cost(), block_bytes=kv_cache.bytes_per_block,
+        block_tokens=kv_cache.block_size,
+        max_prefix_tokens=max(kv_cache.num_blocks, 1) * kv_cache.block_size)
+    for v in verdicts:
+        log.info("kv placement: not writing to %s: a %d-token prefix loads in %.1f ms there, "
+                 "recomputes in %.1f ms", v.name, v.prefix_tokens, v.load_s * 1e3,
+                 v.recompute_s * 1e3)
+    store.skip_tiers([v.name for v in verdicts])
 
 
 def _calibrate(

@@ -66,12 +66,17 @@ class HostSaver:
             host = None  # ``put_many`` writes through to the durable tier: keep that path
         self._copier = SlabCopier(kv_cache, host, codec=codec) if host is not None else None
         self._pending: _Batch | None = None
+        # CUDA: recorded on the save stream after this step's gather (None: nothing gathered).
+        # Loads run on another stream and wait for it: a block saved and reloaded in one step
+        # must be read out before it is written.
+        self.gather_event: object | None = None
         self._sealing: list[cf.Future[None]] = []
         self._pool = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-seal")
                       if side_stream is not None else None)
 
     def start(self, saves: tuple[BlockSave, ...], reuse: bool) -> None:
         """Reserve slots and issue the copies of ``saves`` (engine thread, before the forward)."""
+        self.gather_event = None
         if not saves:
             return
         if self._pending is not None:  # the last step raised before end_step: finish it
@@ -114,9 +119,10 @@ class HostSaver:
                 self._side.wait_stream(compute)  # type: ignore[attr-defined]
                 gathered = self.kv_cache.byte_rows().index_select(
                     0, torch.as_tensor(ids, device=self.kv_cache.device))
+                gather_done = torch.cuda.Event()
+                gather_done.record(self._side)
+                self.gather_event = gather_done
                 if reuse:  # a block has a new owner: the forward waits for the gather only
-                    gather_done = torch.cuda.Event()
-                    gather_done.record(self._side)
                     compute.wait_event(gather_done)
                 payloads = self._encode(gathered)
                 if self._copier is not None:

@@ -65,6 +65,7 @@ class _Plan:
     # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys.
     slab_offsets: tuple[int, ...] = ()
     num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
+    predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
 
 
 @dataclass(slots=True)
@@ -182,7 +183,7 @@ class OffloadScheduler:
             unlocated, num_load = num_load - len(offsets), len(offsets)
         self._plans[request.req_id] = _Plan(
             num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
-            option.strategy, offsets, unlocated,
+            option.strategy, offsets, unlocated, option.predicted_s,
         )
         in_step = bool(offsets) or unlocated > 0
         return ExternalHit(
@@ -265,6 +266,13 @@ class OffloadScheduler:
             self.store.unpin_host(plan.keys[len(offsets) : len(plan.slab_offsets)])
         if record and num_load:
             request.kv_decision = plan.decision
+        if record:  # the planned split, for the request log (measured parts come later)
+            request.kv_plan = {
+                "gpu_tokens": num_gpu_hit_tokens, "head_tokens": head * bs,
+                "load_tokens": num_load * bs,
+                "recompute_tokens": request.num_prompt_tokens - num_gpu_hit_tokens
+                - num_load * bs, "predicted_s": round(plan.predicted_s, 6),
+            }
         if num_load == 0:
             return
         if head:

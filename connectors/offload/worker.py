@@ -1,7 +1,7 @@
 """The offload connector's worker side: moves KV bytes between the GPU cache and the store.
 
 ``OffloadWorker`` is the model runner's connector (``engine.kv_connector.KVConnectorWorker``);
-it owns one side stream (CUDA) shared by its two halves:
+it owns two side streams (CUDA), one per direction, so saves and loads overlap:
 - ``HostSaver`` (connectors/offload/saves.py): blocks freed since the last step, copied from the
   GPU straight into reserved host-tier slots, sealed after the forward.
 - ``HostLoader`` (connectors/offload/loads.py): in-step loads (copied before this step's
@@ -78,9 +78,13 @@ class OffloadWorker:
         self.stats = stats
         self.cost_model = cost_model
         cuda = kv_cache.device.type == "cuda"
-        self._side_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
-        self._saver = HostSaver(kv_cache, store, meta, stats, self._side_stream, codec)
-        self._loader = HostLoader(kv_cache, store, meta, stats, self._side_stream,
+        # Saves (device -> host) and loads (host -> device) on streams of their own, so the
+        # copy engines run both directions at once: an in-step load (which the forward waits
+        # for) never queues behind the step's saves (which nothing waits for).
+        self._save_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
+        self._load_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
+        self._saver = HostSaver(kv_cache, store, meta, stats, self._save_stream, codec)
+        self._loader = HostLoader(kv_cache, store, meta, stats, self._load_stream,
                                   load_timeout_s=load_timeout_s, cost_model=cost_model,
                                   layered=layered_loads, coalesced=coalesced_loads, codec=codec,
                                   layers_per_copy=layers_per_copy,
@@ -108,7 +112,15 @@ class OffloadWorker:
         # Cancelled loads first: a pipelined load's thread stops copying into blocks that
         # this step may save (a freed block's bytes must be whole) or reuse.
         self._loader.cancel(metadata.cancelled_loads)
+        if self._save_stream is not None:
+            # Copies loads issued in earlier steps (a cancelled one's, or one whose request
+            # left before computing) land before their blocks can be read out by a save.
+            self._save_stream.wait_stream(self._load_stream)  # type: ignore[arg-type]
         self._saver.start(metadata.saves, metadata.saves_reuse_blocks)
+        if self._saver.gather_event is not None and self._load_stream is not None:
+            # A block saved this step may be a load's destination: read out first (the gather
+            # is a device copy; the slow device -> host part does not hold loads up).
+            self._load_stream.wait_event(self._saver.gather_event)  # type: ignore[arg-type]
         self._loader.start(metadata.loads, metadata.cancelled_loads,
                            idle=metadata.num_scheduled_requests == 0)
 

@@ -93,7 +93,7 @@ class EngineCoreClient:
 
         # Before the spawn, so that only one process builds the demo model or converts a GGUF.
         try:
-            model_dir = resolve_model_dir(config.model)
+            model_dir = resolve_model_dir(config.model, dtype=config.dtype, device=config.device)
         except (OSError, ValueError, ImportError) as exc:
             raise EngineStartupError(str(exc)) from exc
         core = CoreProcess.spawn(config, proc_config)

@@ -69,6 +69,12 @@ class CoreOutput:
     finished_time: float | None
     # Phase -> seconds (engine/ttft.py), on the output carrying the first token only.
     ttft_breakdown: dict[str, float] | None = None
+    # On the first token's output only: the cached tokens by serving tier, and the prompt
+    # logprobs (``TokenLogprob.to_plain`` lists, None for the first prompt token) if asked.
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    prompt_logprobs: list[Any] | None = None
+    # This output's tokens' logprobs (``TokenLogprob.to_plain`` lists) if asked.
+    new_logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

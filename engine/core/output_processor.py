@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.core.messages import CoreOutput
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -39,6 +39,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def new(
@@ -50,7 +53,8 @@ class RequestState:
         arrival_time: float,
     ) -> RequestState:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
-        return cls(req_id, prompt_token_ids, detok, RequestMetrics(arrival_time=arrival_time))
+        return cls(req_id, prompt_token_ids, detok, RequestMetrics(arrival_time=arrival_time),
+                   logprobs=[] if params.logprobs is not None else None)
 
     def process(self, core: CoreOutput) -> ProcessedOutput:
         """Mutates this state with one step's output. Tokens after a stop string (the core
@@ -60,10 +64,20 @@ class RequestState:
         new_ids: list[int] = []
         new_text = ""
         abort_in_core = False
+        if core.num_cached_tokens_by_tier is not None:
+            self.cached_by_tier = dict(core.num_cached_tokens_by_tier)
+        if core.prompt_logprobs is not None:
+            self.prompt_logprobs = [
+                None if e is None else TokenLogprob.from_plain(e) for e in core.prompt_logprobs
+            ]
+        core_logprobs = [TokenLogprob.from_plain(e) for e in core.new_logprobs or ()]
+        new_logprobs: list[TokenLogprob] | None = None if self.logprobs is None else []
         for i, token_id in enumerate(core.new_token_ids):
             last = i == len(core.new_token_ids) - 1
             new_ids.append(token_id)
             self.token_ids.append(token_id)
+            if new_logprobs is not None and i < len(core_logprobs):
+                new_logprobs.append(core_logprobs[i])
             # Only the final token of a finished request can be a stop token or EOS; like the
             # engine, it ends the request without becoming text.
             stopped_by_token = last and finished and reason == "stop"
@@ -76,6 +90,8 @@ class RequestState:
             if last and finished:
                 new_text += self.detokenizer.flush()
         self._update_metrics(core, finished)
+        if self.logprobs is not None and new_logprobs:
+            self.logprobs.extend(new_logprobs)
         output = RequestOutput(
             req_id=self.req_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -87,6 +103,10 @@ class RequestState:
             finish_reason=reason if finished else None,
             stop_reason=stop_reason if finished else None,
             num_cached_tokens=core.num_cached_tokens,
+            num_cached_tokens_by_tier=self.cached_by_tier,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            new_logprobs=new_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             metrics=replace(self.metrics),  # a snapshot, not a live view
         )
         return ProcessedOutput(output, abort_in_core)

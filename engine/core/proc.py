@@ -158,6 +158,7 @@ def _build_engine(config: EngineConfig, num_threads: int | None) -> LLMEngine:
 
 def to_core_output(output: RequestOutput) -> CoreOutput:
     m = output.metrics
+    first = len(output.token_ids) == len(output.new_token_ids) > 0
     return CoreOutput(
         req_id=output.req_id,
         new_token_ids=list(output.new_token_ids),
@@ -169,9 +170,12 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
         last_token_time=None if m is None else m.last_token_time,
         finished_time=None if m is None else m.finished_time,
         # Only with the first token: later outputs need not carry it again.
-        ttft_breakdown=m.ttft_breakdown
-        if m is not None and len(output.token_ids) == len(output.new_token_ids) > 0
-        else None,
+        ttft_breakdown=m.ttft_breakdown if m is not None and first else None,
+        num_cached_tokens_by_tier=dict(output.num_cached_tokens_by_tier) if first else None,
+        new_logprobs=None if output.new_logprobs is None
+        else [e.to_plain() for e in output.new_logprobs],
+        prompt_logprobs=None if output.prompt_logprobs is None or not first
+        else [None if e is None else e.to_plain() for e in output.prompt_logprobs],
     )
 
 

@@ -27,9 +27,12 @@ ENGINE_STOP_TIMEOUT_S = 60.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier serve`` flag."""
     parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                        help="HF model directory or .gguf file, as `vllm serve MODEL` (same as --model)")
+                        help="HF model directory, .gguf file or Hugging Face model id "
+                             "ORG/NAME, as `vllm serve MODEL` (same as --model)")
     parser.add_argument("--model", default=None,
-                        help="HF model directory or .gguf file (default: demo model)")
+                        help="HF model directory, .gguf file or Hugging Face model id "
+                             "ORG/NAME (from the HF cache; downloaded unless HF_HUB_OFFLINE=1)"
+                             "; default: the embedded random demo model")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="tokenizer directory, when not the model's (as vLLM's --tokenizer)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -38,31 +41,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", action=_ConfigFile, metavar="FILE",
                         help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
                              "given on the command line after it win")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (1..65535)")
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: the model's)"
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16")
+        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+        help="weights and KV cache dtype; auto: config.json's (a GGUF: bfloat16 on CUDA, "
+             "float32 on CPU)",
     )
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--device", default="auto",
+                        help="auto | cpu | cuda | cuda:N (auto: cuda when available)")
     parser.add_argument("--num-gpu-blocks", type=int, default=None,
-                        help="fixed KV cache size in blocks (default: from the memory profile)")
+                        help="fixed KV cache size in blocks of 16 tokens (default: from the "
+                             "memory profile on GPU, --cpu-kv-cache-bytes on CPU)")
+    parser.add_argument("--cpu-kv-cache-bytes", type=_size, default=None, metavar="SIZE",
+                        help="KV cache of a CPU engine, e.g. 2GiB (default: 256MiB, or one "
+                             "max_model_len sequence when that needs more)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of the GPU the engine may use, KV cache included")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens one engine step may carry (prefill chunks and decodes)")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="requests running at once")
+    parser.add_argument("--first-token-step-tokens", type=int, default=512,
+                        help="a step that yields a short prefill's first token carries at most "
+                        "this many prefill tokens, others' chunks cut (0: off)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus output, in tokens (default: the model's "
+                             "context length; a start-up error when the KV cache cannot hold it)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="no prefix caching (every prompt computed whole)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="vLLM's spelling of prefix caching on/off (default on)")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="accepted for vLLM compatibility: kvtier logs no request by default")
     parser.add_argument("--kv-offload", action="store_true", help="offload KV to lower tiers")
-    parser.add_argument("--kv-offload-config", default=None, metavar="FILE", help="tiers YAML")
-    parser.add_argument("--request-log", default=None, metavar="FILE")
+    parser.add_argument("--kv-offload-config", default=None, metavar="FILE",
+                        help="tiers YAML (implies --kv-offload); default with --kv-offload: "
+                             "host memory and an LMDB in the cache directory")
+    parser.add_argument("--request-log", default=None, metavar="FILE",
+                        help="JSONL log of every request (ids, lengths, cached tokens, "
+                             "timings); default: none")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
     )
@@ -87,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads of the engine core process (default: torch's choice)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        help="log level (debug adds tracebacks to start-up errors)",
     )
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: "
@@ -101,6 +124,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="16MiB",
         help="largest HTTP request body; a larger one gets 413 (default 16MiB)",
     )
+
+
+def port_number(text: str) -> int:
+    """An HTTP port flag: 1..65535. argparse reports the error under ``kvtier serve``."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: a number 1..65535") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: a number 1..65535")
+    return port
 
 
 def _size(text: str) -> int:
@@ -193,12 +227,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             num_gpu_blocks=args.num_gpu_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            cpu_kv_cache_bytes=getattr(args, "cpu_kv_cache_bytes", None),
             enable_prefix_caching=prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            first_token_step_tokens=args.first_token_step_tokens,
         ),
         # A tier file is a request for offload: vLLM's --kv-transfer-config needs no second flag.
         kv_offload=args.kv_offload or args.kv_offload_config is not None,
@@ -297,7 +333,10 @@ def main(args: argparse.Namespace) -> int:
             watchdog.stop()
         problem = engine.shutdown(ENGINE_STOP_TIMEOUT_S)
     if watchdog is not None and watchdog.engine_error is not None:
-        logger.error("exiting: the engine died (%s)", watchdog.engine_error)
+        # The core's own exit (killed by a signal, drain incomplete) says more than the
+        # stream's end: give both, whichever the API saw first.
+        why = f"; {problem}" if problem is not None else ""
+        logger.error("exiting: the engine died (%s)%s", watchdog.engine_error, why)
         return FAILURE_EXIT
     if problem is not None:
         logger.error("exiting: %s", problem)

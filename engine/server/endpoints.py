@@ -14,15 +14,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.chat_tokens import EncodedChat
 from engine.core.base import EngineDeadError
+from engine.outputs import RequestOutput
 from engine.server.errors import error_body
+from engine.server.logprobs import merge_completion
 from engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -68,6 +72,31 @@ async def _error_tail(exc: BaseException) -> AsyncIterator[str]:
     yield sse(error_body(str(exc), kind))
 
 
+def _echo_text(ctx: ServingContext, prompt: str | list[int], token_ids: list[int]) -> str:
+    return prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(token_ids)
+
+
+def _completion_logprobs(
+    ctx: ServingContext, request: CompletionRequest, output: RequestOutput, echo_text: str | None,
+    *, new_only: bool = False, text_offset: int = 0,
+) -> CompletionLogprobs | None:
+    """The choice's logprobs (None unless asked): the echoed prompt's first (when
+    ``echo_text`` is given), then the generated tokens' (this output's only if ``new_only``)."""
+    if request.logprobs is None:
+        return None
+    entries = (output.new_logprobs if new_only else output.logprobs) or []
+    ids = output.new_token_ids if new_only else output.token_ids
+    n = min(len(entries), len(ids))
+    offset = text_offset + (len(echo_text) if echo_text is not None else 0)
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
+    generated = formatter.completion(entries[:n], ids[:n], offset)
+    if echo_text is None:
+        return generated
+    prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    prompt = formatter.completion(prompt_entries, output.prompt_token_ids, text_offset)
+    return merge_completion(prompt, generated)
+
+
 async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
@@ -75,42 +104,59 @@ async def create_completion(
     ctx.check_model(request)
     request.check_supported()
     t0 = time.perf_counter()
-    prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in request.prompts()]
+    raw_prompts = request.prompts()
+    prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in raw_prompts]
     times = api_times(0.0, time.perf_counter() - t0)
+    echoes = [
+        _echo_text(ctx, p, prepared.token_ids) if request.echo else None
+        for p, prepared in zip(raw_prompts, prompts, strict=True)
+    ]
     request_id = new_request_id("cmpl")
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
-            _completion_stream(ctx, request_id, request, started),
+            _completion_stream(ctx, request_id, request, started, echoes),
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
     finals = await unless_disconnected(raw, asyncio.gather(*(collect_final(s) for s in started)))
+    choices = []
+    for i, o in enumerate(finals):
+        echo = echoes[i // request.n]
+        choices.append(CompletionChoice(
+            index=i, text=(echo or "") + o.text, finish_reason=finish_reason(o),
+            logprobs=_completion_logprobs(ctx, request, o, echo),
+        ))
     response = CompletionResponse(
-        id=request_id,
-        model=ctx.served_model_name,
-        choices=[
-            CompletionChoice(index=i, text=o.text, finish_reason=finish_reason(o))
-            for i, o in enumerate(finals)
-        ],
-        usage=usage_of(finals),
+        id=request_id, model=ctx.served_model_name, choices=choices,
+        usage=usage_of(finals, request.n),
     )
     return JSONResponse(response.model_dump())
 
 
 async def _completion_stream(
-    ctx: ServingContext, request_id: str, request: CompletionRequest, started: list[StartedRequest]
+    ctx: ServingContext, request_id: str, request: CompletionRequest,
+    started: list[StartedRequest], echoes: list[str | None],
 ) -> AsyncIterator[str]:
     finals = {}
+    sent_chars: dict[int, int] = {}  # per choice: characters sent so far (text_offset)
     try:
         async for index, output in merge(started):
-            if output.new_text or output.finished:
+            first = index not in sent_chars
+            echo = echoes[index // request.n] if first else None
+            logprobs = _completion_logprobs(
+                ctx, request, output, echo, new_only=True, text_offset=sent_chars.get(index, 0)
+            )
+            text = (echo or "") + output.new_text
+            sent_chars[index] = sent_chars.get(index, 0) + len(text)
+            if text or output.finished or (logprobs is not None and logprobs.tokens):
                 chunk = CompletionResponse(
                     id=request_id,
                     model=ctx.served_model_name,
                     choices=[
                         CompletionChoice(
-                            index=index, text=output.new_text, finish_reason=finish_reason(output)
+                            index=index, text=text, finish_reason=finish_reason(output),
+                            logprobs=logprobs,
                         )
                     ],
                 )
@@ -123,7 +169,7 @@ async def _completion_stream(
             yield line
     else:
         if request.include_usage:
-            usage = usage_of([finals[i] for i in sorted(finals)])
+            usage = usage_of([finals[i] for i in sorted(finals)], request.n)
             yield sse(
                 CompletionResponse(
                     id=request_id, model=ctx.served_model_name, choices=[], usage=usage
@@ -145,51 +191,62 @@ async def create_chat_completion(
     started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
-            _chat_stream(ctx, request_id, request, started[0]),
+            _chat_stream(ctx, request_id, request, started),
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
-    final = await unless_disconnected(raw, collect_final(started[0]))
+    finals = await unless_disconnected(raw, asyncio.gather(*(collect_final(s) for s in started)))
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
     response = ChatCompletionResponse(
         id=request_id,
         model=ctx.served_model_name,
         choices=[
             ChatChoice(
-                index=0,
-                message=AssistantMessage(content=final.text),
-                finish_reason=finish_reason(final),
+                index=i,
+                message=AssistantMessage(content=o.text),
+                finish_reason=finish_reason(o),
+                logprobs=formatter.chat(o.logprobs or []) if request.logprobs else None,
             )
+            for i, o in enumerate(finals)
         ],
-        usage=usage_of([final]),
+        usage=usage_of(finals, request.n),
     )
     return JSONResponse(response.model_dump())
 
 
 async def _chat_stream(
-    ctx: ServingContext, request_id: str, request: ChatCompletionRequest, started: StartedRequest
+    ctx: ServingContext, request_id: str, request: ChatCompletionRequest,
+    started: list[StartedRequest],
 ) -> AsyncIterator[str]:
-    def chunk(delta: DeltaMessage, reason: str | None) -> str:
-        choice = ChatStreamChoice(index=0, delta=delta, finish_reason=reason)
+    def chunk(index: int, delta: DeltaMessage, reason: str | None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=reason,
+                                  logprobs=logprobs)
         return sse(
             ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[choice])
         )
 
-    yield chunk(DeltaMessage(role="assistant", content=""), None)
-    final = None
+    formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
+    for s in started:
+        yield chunk(s.index, DeltaMessage(role="assistant", content=""), None)
+    finals = {}
     try:
-        async for output in started.outputs():
-            if output.new_text:
-                yield chunk(DeltaMessage(content=output.new_text), None)
+        async for index, output in merge(started):
+            logprobs = None
+            if request.logprobs and output.new_logprobs:
+                logprobs = formatter.chat(output.new_logprobs)
+            if output.new_text or logprobs is not None:
+                yield chunk(index, DeltaMessage(content=output.new_text), None, logprobs)
             if output.finished:
-                final = output
-                yield chunk(DeltaMessage(), finish_reason(output))
+                finals[index] = output
+                yield chunk(index, DeltaMessage(), finish_reason(output))
     except Exception as exc:  # noqa: BLE001 - status 200 is already sent: report in-band
         logger.warning("chat stream %s failed: %r", request_id, exc)
         async for line in _error_tail(exc):
             yield line
     else:
-        if request.include_usage and final is not None:
-            usage = usage_of([final])
+        if request.include_usage and len(finals) == len(started):
+            usage = usage_of([finals[i] for i in sorted(finals)], request.n)
             yield sse(
                 ChatCompletionChunk(
                     id=request_id, model=ctx.served_model_name, choices=[], usage=usage

@@ -139,6 +139,8 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_kv_tier_written_back_total", "Blocks written here on eviction above or flush", _T),
     _c("kvtier_kv_tier_write_queue_dropped_total", "Blocks dropped from a full write queue", _T),
     _c("kvtier_kv_tier_write_present_total", "Blocks not rewritten: the tier held them", _T),
+    _c("kvtier_kv_tier_placement_skipped_total",
+       "Blocks not demoted here: no prefix would be worth loading from it", _T),
     _g("kvtier_kv_tier_write_queue_blocks", "Blocks waiting in this tier's write-through queue",
        _T),
     _g("kvtier_kv_tier_mover_queue_batches", "Batches waiting in this tier's demotion queue", _T),

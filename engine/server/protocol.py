@@ -1,19 +1,21 @@
 """OpenAI-compatible request and response models (pydantic), and the request -> SamplingParams
-mapping. Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos`` and
-``stop_token_ids`` are vLLM-style extensions. Unknown fields are ignored, as OpenAI clients
-send fields this server does not implement, except the fields that change what a response
-means (``response_format``, ``tools``, ``logit_bias``, ...): those are declared and refused with
-a 400 naming the field rather than silently dropped."""
+mapping. Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos``,
+``repetition_penalty`` and ``stop_token_ids`` are vLLM-style extensions. Unknown fields are
+ignored, as OpenAI clients send fields this server does not implement, except the fields that
+change what a response means (``tools``, ``logit_bias``, ``suffix``, ...): those are declared
+and refused with a 400 naming the field rather than silently dropped."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_output import check_grammar
 
 
 class ProtocolError(ValueError):
@@ -69,6 +71,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+MAX_N = 128  # OpenAI's bound on ``n``
+
+
 class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -86,53 +91,99 @@ class SamplingRequest(_Request):
     min_tokens: Int64 = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
+    repetition_penalty: float | None = None  # vLLM's extension (HF's definition)
+    # vLLM's extension: logprob tokens as "token_id:N" rather than their decoded text.
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
-    # Declared to be refused (check_supported): ignoring them would answer another question.
     response_format: dict[str, Any] | None = None
+    # Declared to be refused (check_supported): ignoring them would answer another question.
     logit_bias: dict[str, Any] | None = None
     best_of: Int64 | None = None
+    _grammar: tuple[str | None, bool] | None = PrivateAttr(default=None)
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        """(top-k per sampled token or None, top-k per prompt token or None)."""
+        return None, None
+
     def check_supported(self) -> None:
-        """Raises ProtocolError for valid-but-unsupported options."""
-        if self.n != 1:
-            raise ProtocolError(f"only n=1 is supported, got n={self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ProtocolError(f"{name} is not supported", name)
-        if self.logprobs not in (None, False, 0):
-            raise ProtocolError("logprobs are not supported", "logprobs")
+        """Raises ProtocolError for valid-but-unsupported options (and ``n`` out of range)."""
+        if not 1 <= self.n <= MAX_N:
+            raise ProtocolError(f"n must be in [1, {MAX_N}], got n={self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options requires stream=true", "stream_options")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ProtocolError(f"response_format {self.response_format.get('type')!r} is not "
-                                "supported (no constrained decoding); only 'text'",
-                                "response_format")
+        self.grammar()  # raises for an unsupported or invalid response_format
         if self.logit_bias:
             raise ProtocolError("logit_bias is not supported", "logit_bias")
-        if self.best_of not in (None, 1):
-            raise ProtocolError(f"only best_of=1 is supported, got {self.best_of}", "best_of")
+        if self.best_of not in (None, self.n):
+            raise ProtocolError(f"best_of must equal n (no server-side ranking of samples), "
+                                f"got best_of={self.best_of}, n={self.n}", "best_of")
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """``max_tokens`` is the resolved budget (the server fills a default). Raises
+    def grammar(self) -> tuple[str | None, bool]:
+        """``response_format`` as (JSON schema text or None, json_object). Raises
+        ProtocolError (400) for an unknown type, a malformed or invalid schema, or when the
+        grammar library (xgrammar) is not installed. Checked once per request."""
+        if self._grammar is None:
+            self._grammar = self._check_grammar()
+        return self._grammar
+
+    def _check_grammar(self) -> tuple[str | None, bool]:
+        fmt = self.response_format
+        kind = "text" if fmt is None else fmt.get("type", "text")
+        if kind == "text":
+            return None, False
+        if kind == "json_object":
+            schema = None
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema") if fmt else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ProtocolError("response_format json_schema needs "
+                                    "{'json_schema': {'name': ..., 'schema': {...}}}",
+                                    "response_format")
+            schema = json.dumps(spec.get("schema", {}))
+        else:
+            raise ProtocolError(f"response_format {kind!r} is not supported; use 'text', "
+                                "'json_object' or 'json_schema'", "response_format")
+        try:
+            check_grammar(schema, schema is None)
+        except ImportError as exc:
+            raise ProtocolError(f"response_format {kind!r} is not available on this server: "
+                                f"{exc}", "response_format") from None
+        except ValueError as exc:
+            raise ProtocolError(f"response_format: {exc}", "response_format") from None
+        return schema, schema is None
+
+    def to_sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
+        """``max_tokens`` is the resolved budget (the server fills a default);
+        ``sample_index``: which of the ``n`` samples (a seeded request's sample ``i`` uses
+        ``seed + i``, so the n samples differ and the same seed gives the same n). Raises
         ProtocolError naming the field when SamplingParams rejects a value."""
         stop: tuple[str, ...] = (
             (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         )
+        logprobs, prompt_logprobs = self.logprob_settings()
+        schema, json_object = self.grammar()
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
-                seed=self.seed,
+                seed=None if self.seed is None else self.seed + sample_index,
                 stop=stop,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if self.repetition_penalty is None
+                                    else self.repetition_penalty),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                json_schema=schema,
+                json_object=json_object,
             )
         except ValueError as exc:
             message = str(exc)
@@ -148,7 +199,13 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Int64 | None = 16
     echo: bool = False
+    # Top-k per token (the sampled token always comes too).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
+
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        # echo + logprobs: the prompt tokens' logprobs come first (lm-eval's loglikelihood).
+        return self.logprobs, self.logprobs if self.echo else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -178,8 +235,6 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ProtocolError("echo is not supported", "echo")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
 
@@ -208,13 +263,20 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
+    def logprob_settings(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise ProtocolError(f"{name} (tool calling) is not supported", name)
@@ -255,17 +317,37 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens whose KV was reused (GPU prefix-cache hits plus tokens
+    loaded from lower tiers). ``kvtier_cached_tokens_by_tier``: the same tokens by the tier
+    that served them ("gpu", "host", "lmdb", "redis", "s3", ...), a kvtier extension."""
+
+    cached_tokens: int = 0
+    kvtier_cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's (legacy) logprobs: parallel lists, one entry per token; the
+    first prompt token of an ``echo`` has None (nothing predicts it)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -277,6 +359,20 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -286,7 +382,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -307,7 +403,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

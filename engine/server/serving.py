@@ -19,9 +19,16 @@ from pydantic import BaseModel
 from engine.chat_tokens import ChatTokenCache
 from engine.core.base import EngineClient
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
+from engine.server.logprobs import LogprobFormatter
 from engine.server.metrics import RequestTimer, ServerMetrics
-from engine.server.protocol import ProtocolError, SamplingRequest, UsageInfo
+from engine.server.protocol import (
+    PromptTokensDetails,
+    ProtocolError,
+    SamplingRequest,
+    UsageInfo,
+)
 
 T = TypeVar("T")
 DONE_LINE = "data: [DONE]\n\n"
@@ -79,6 +86,7 @@ class ServingContext:
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.chat_tokens = ChatTokenCache(engine.tokenizer, chat_template=chat_template)
+        self.logprobs = LogprobFormatter(engine.tokenizer)
 
     def check_model(self, request: Any) -> None:
         """Raises APIError (404) unless ``request.model`` is unset or the served name."""
@@ -134,17 +142,43 @@ class ServingContext:
         self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest,
         api_times: dict[str, float] | None = None,
     ) -> list[StartedRequest]:
-        """Submits every prompt and waits for each one's first output, so that a rejected
-        request raises here (ValueError -> 400) before a response starts. On any failure the
-        already started requests are aborted. ``api_times``: this process's TTFT phases
-        (``ttft.API_PHASES``), sent along for the request log."""
+        """Submits ``request.n`` samples of every prompt (choice ``index = prompt * n + j``)
+        and waits for each one's first output, so that a rejected request raises here
+        (ValueError -> 400) before a response starts. With ``n > 1`` a prompt's first sample
+        is started alone: once it has its first token its prompt blocks are in the prefix
+        cache, and the other samples reuse them instead of computing the prompt again (all
+        but its last, partial block). On any failure the already started requests are
+        aborted. ``api_times``: this process's TTFT phases (``ttft.API_PHASES``), sent along
+        for the request log."""
         arrival = time.monotonic()
-        params = [request.to_sampling_params(p.max_tokens) for p in prompts]
+        n = request.n
+        params = [[request.to_sampling_params(p.max_tokens, j) for j in range(n)]
+                  for p in prompts]
+        started: list[StartedRequest] = []
+        try:
+            waves = [[(i, 0) for i in range(len(prompts))]]
+            if n > 1:
+                waves.append([(i, j) for i in range(len(prompts)) for j in range(1, n)])
+            for wave in waves:
+                started += await self._start_wave(
+                    request_id, prompts, params, wave, n, arrival, api_times
+                )
+        except BaseException:
+            for s in started:  # closing an unfinished generator aborts its engine request
+                await s.rest.aclose()  # type: ignore[attr-defined]
+            raise
+        return sorted(started, key=lambda s: s.index)
+
+    async def _start_wave(
+        self, request_id: str, prompts: list[PreparedPrompt], params: list[list[SamplingParams]],
+        wave: list[tuple[int, int]], n: int, arrival: float, api_times: dict[str, float] | None,
+    ) -> list[StartedRequest]:
         iters = [
             self.engine.generate(
-                p.token_ids, sp, f"{request_id}-{i}", arrival_time=arrival, api_times=api_times
+                prompts[i].token_ids, params[i][j], f"{request_id}-{i * n + j}",
+                arrival_time=arrival, api_times=api_times,
             ).__aiter__()
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            for i, j in wave
         ]
         tasks = [asyncio.ensure_future(anext(it)) for it in iters]
         try:
@@ -157,16 +191,29 @@ class ServingContext:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return [
-            StartedRequest(i, first, it, RequestTimer(self.metrics, arrival))
-            for i, (first, it) in enumerate(zip(firsts, iters, strict=True))
+            StartedRequest(i * n + j, first, it, RequestTimer(self.metrics, arrival))
+            for (i, j), first, it in zip(wave, firsts, iters, strict=True)
         ]
 
 
-def usage_of(finals: list[RequestOutput]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
+def usage_of(finals: list[RequestOutput], n: int = 1) -> UsageInfo:
+    """Usage of a response whose choice ``k`` is ``finals[k]`` (``n`` samples per prompt):
+    each prompt counts once, with the cached tokens of its first sample (the one that
+    computed it); completions count every sample."""
+    firsts = finals[::n]
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.token_ids) for o in finals)
+    by_tier: dict[str, int] = {}
+    for o in firsts:
+        for tier, count in o.num_cached_tokens_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + count
+    details = PromptTokensDetails(
+        cached_tokens=sum(o.num_cached_tokens for o in firsts),
+        kvtier_cached_tokens_by_tier=by_tier,
+    )
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=details,
     )
 
 

@@ -1,7 +1,8 @@
 """``kvtier serve``'s checks before the engine starts, and how a failed start is reported.
 
 ``preflight`` looks at every file the flags name, in a second and before any weight is read:
-the model directory (exists, has ``config.json`` with a supported architecture and a usable
+the model directory or Hugging Face model id (resolved in the local cache, or downloaded
+unless ``HF_HUB_OFFLINE``; exists, has ``config.json`` with a supported architecture and a usable
 dtype, has weights) or GGUF file, ``--tokenizer``, ``--chat-template`` (read and compiled),
 ``--kv-offload-config`` (parsed, and the machine checked for it: host memory, LMDB
 directory). Each problem is a ``UsageError``: one line naming the flag or the file, exit
@@ -44,33 +45,45 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     if model is None:
         return {"path": "kvtier-demo (embedded, random weights)"}
     from engine.gguf import is_gguf_path
+    from engine.model_sources import is_model_id, resolve_hub_model
 
     if is_gguf_path(model):
         if not os.path.isfile(model):
             raise UsageError(f"model {model}: no such GGUF file")
         return {"path": model, "format": "gguf"}
-    if not os.path.exists(model):
+    model_dir = model
+    if is_model_id(model):
+        try:
+            model_dir = resolve_hub_model(model)  # the cache's snapshot, or a download
+        except FileNotFoundError as exc:
+            raise UsageError(one_line(exc)) from None
+    elif not os.path.exists(model):
         raise UsageError(f"model {model}: no such directory (an HF model directory with "
-                         "config.json and *.safetensors, or a .gguf file)")
-    if not os.path.isdir(model):
-        raise UsageError(f"model {model}: not a directory (an HF model directory or a "
-                         ".gguf file)")
+                         "config.json and *.safetensors, a .gguf file, or a Hugging Face "
+                         "model id ORG/NAME)")
+    elif not os.path.isdir(model):
+        raise UsageError(f"model {model}: not a directory (an HF model directory, a .gguf "
+                         "file or a Hugging Face model id)")
     from engine.model_loader import read_hf_config, resolve_dtype, safetensors_files
     from engine.models import ModelArchConfig, get_model_class
 
     try:
-        hf_config = read_hf_config(model)
+        hf_config = read_hf_config(model_dir)
+        # The architecture first: another family's config may lack fields ours read.
+        get_model_class((hf_config.get("architectures") or ["(none in config.json)"])[0])
         arch = ModelArchConfig.from_hf(hf_config)
-        get_model_class(arch.architecture)
-        safetensors_files(model)
+        safetensors_files(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"model {model}: {one_line(exc)}") from None
     try:
         torch_dtype = resolve_dtype(dtype, hf_config)
     except ValueError as exc:
         raise UsageError(f"--dtype {dtype}: {exc}") from None
-    return {"path": model, "architecture": arch.architecture,
+    info = {"path": model, "architecture": arch.architecture,
             "dtype": str(torch_dtype).removeprefix("torch."), "layers": arch.num_layers}
+    if model_dir != model:
+        info["snapshot"] = model_dir
+    return info
 
 
 def _check_offload(source: str | dict | None) -> None:

@@ -254,3 +254,150 @@ def test_prometheus_scrapes_the_admin_port() -> None:
     targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]]
     assert "cache-server:5556" in targets
+
+
+# -- what the manifests name is provided: files, Secret keys, hosts, ports -----------------
+
+DOCS_DEPLOY = DEPLOY.parent / "docs" / "deploy.md"
+_ETC_PATH = re.compile(r"(/(?:etc|var/lib|models)/[\w./-]+)")
+
+
+def _volume_sources(spec: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Volume name -> (kind, name) of what backs it: Secret, ConfigMap or a claim."""
+    out = {}
+    for vol in spec.get("volumes", []):
+        if "secret" in vol:
+            out[vol["name"]] = ("Secret", vol["secret"]["secretName"])
+        elif "configMap" in vol:
+            out[vol["name"]] = ("ConfigMap", vol["configMap"]["name"])
+        elif "persistentVolumeClaim" in vol:
+            out[vol["name"]] = ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+    for claim in spec.get("volumeClaimTemplates", []):
+        out[claim["metadata"]["name"]] = ("PersistentVolumeClaim", claim["metadata"]["name"])
+    return out
+
+
+def _keys(doc: dict[str, Any]) -> set[str]:
+    return set(doc.get("data") or {}) | set(doc.get("stringData") or {})
+
+
+def test_kubernetes_files_and_secret_keys_exist() -> None:
+    """Every file a container's args (or a tier file it loads) names under a mounted Secret or
+    ConfigMap is a key of it; every secretKeyRef's key exists; paths on a claim are the
+    user's data (a model), documented in docs/deploy.md."""
+    docs = _manifests()
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    configmap = by_name[("ConfigMap", "kvtier-tiers")]
+    deploy_doc = DOCS_DEPLOY.read_text()
+    for doc in docs:
+        if doc["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        sources = _volume_sources({**pod, **doc["spec"]})
+        for c in pod["containers"]:
+            text = " ".join(str(a) for a in c.get("args", []) + c.get("command", []))
+            names = set(_ETC_PATH.findall(text))
+            for arg in c.get("args", []):  # the tier files it loads name files too
+                if str(arg).startswith("/etc/kvtier/") and str(arg).endswith(".yaml"):
+                    names |= set(_ETC_PATH.findall(configmap["data"][Path(arg).name]))
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            for path in names:
+                mount = max((m for m in mounts if path.startswith(m + "/") or path == m),
+                            key=len, default=None)
+                assert mount is not None, (doc["metadata"]["name"], path, "not mounted")
+                kind, name = sources[mounts[mount]]
+                if kind == "PersistentVolumeClaim":
+                    if mount != "/var/lib/kvtier":  # the daemon's own data directory
+                        assert path in deploy_doc, (path, "user data not in docs/deploy.md")
+                    continue
+                key = path[len(mount) + 1:]
+                assert key in _keys(by_name[(kind, name)]), (doc["metadata"]["name"], path,
+                                                            f"no key {key!r} in {kind} {name}")
+            for env in c.get("env", []):
+                ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in _keys(by_name[("Secret", ref["name"])]), ref
+    admin = by_name[("Secret", "kvtier-tokens")]
+    assert len(admin["stringData"]["admin-token"]) >= 16  # the daemon refuses a shorter one
+
+
+def test_the_engine_asks_for_an_api_key_by_default() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _manifests()}
+    engine = docs[("Deployment", "kvtier-engine")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in engine.get("env", [])}
+    ref = env["KVTIER_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref["key"] in _keys(docs[("Secret", ref["name"])])
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["engine"]
+    env_files = compose.get("env_file") or []
+    assert any("KVTIER_API_KEY=" in (DEPLOY / f).read_text() for f in env_files), env_files
+    unit = configparser.ConfigParser(interpolation=None)
+    unit.read_string((DEPLOY / "systemd" / "kvtier-engine.service").read_text())
+    assert unit["Service"]["EnvironmentFile"] == "/etc/kvtier/engine.env"
+
+
+def test_compose_files_and_hosts_exist() -> None:
+    """Every file compose mounts or loads is shipped; every host a tier file names is a
+    compose service, on a port that service listens on."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    ports = {"redis": 6379, "minio": 9000, "cache-server": 5555}
+    for name, svc in services.items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (DEPLOY / source).exists(), (name, source)
+        for env_file in svc.get("env_file", []):
+            assert (DEPLOY / env_file).is_file(), (name, env_file)
+    for tier_file in ("tiers.yaml", "engine-tiers.yaml"):
+        for tier in parse_tier_config(yaml.safe_load((DEPLOY / tier_file).read_text())).tiers:
+            url = getattr(tier, "url", None) or getattr(tier, "endpoint_url", None)
+            if not url:
+                continue
+            host, port = re.sub(r"^[a-z]+://", "", url).split("/")[0].split(":")
+            assert host in services and ports[host] == int(port), (tier_file, url)
+    tokens = (DEPLOY / "tokens.example").read_text().split()
+    engine_tiers = yaml.safe_load((DEPLOY / "engine-tiers.yaml").read_text())
+    assert engine_tiers["tiers"][1]["token"] in tokens  # the daemon knows the engine's token
+
+
+def _deploy_table() -> dict[str, str]:
+    """docs/deploy.md's table of installed files: target path -> what provides it."""
+    rows = re.findall(r"^\| `(/[^`]+)` \| ([^|]+) \|", DOCS_DEPLOY.read_text(), re.M)
+    return {path: source.strip() for path, source in rows}
+
+
+def test_systemd_files_hosts_and_ports_are_shipped_or_documented() -> None:
+    """The units' files (and the files their tier files name) are in docs/deploy.md's table,
+    each from a shipped deploy/ file or marked as the user's; the units' tier files name only
+    localhost, on the ports the daemon unit binds."""
+    table = _deploy_table()
+    named: set[str] = set()
+    for unit_name in ("kvtier-cache-server.service", "kvtier-engine.service"):
+        unit = configparser.ConfigParser(interpolation=None)
+        unit.read_string((DEPLOY / "systemd" / unit_name).read_text())
+        service = unit["Service"]
+        named |= set(_ETC_PATH.findall(service["ExecStart"] + " "
+                                        + service.get("EnvironmentFile", "")))
+    for source in ("tiers.yaml", "engine-tiers.yaml"):
+        named |= set(_ETC_PATH.findall((DEPLOY / "systemd" / source).read_text()))
+    named = {p for p in named if not p.startswith("/var/lib/kvtier/lmdb")}
+    for path in sorted(named):
+        if path in ("/var/lib/kvtier", "/var/log/kvtier/access.jsonl"):
+            continue  # StateDirectory= / LogsDirectory= make them
+        assert path in table, f"{path}: not in docs/deploy.md's table of files"
+        shipped = re.match(r"`(deploy/[^`]+)`", table[path])
+        assert shipped is None or (DEPLOY.parent / shipped.group(1)).is_file(), table[path]
+        assert shipped is not None or "yours" in table[path], table[path]
+    daemon = configparser.ConfigParser(interpolation=None)
+    daemon.read_string((DEPLOY / "systemd" / "kvtier-cache-server.service").read_text())
+    exec_start = daemon["Service"]["ExecStart"]
+    daemon_port = int(re.search(r"--port (\d+)", exec_start).group(1))  # type: ignore[union-attr]
+    local_ports = {"redis": 6379, "s3": 9000, "remote": daemon_port}
+    for source in ("tiers.yaml", "engine-tiers.yaml"):
+        text = (DEPLOY / "systemd" / source).read_text()
+        for tier in parse_tier_config(yaml.safe_load(text)).tiers:
+            url = getattr(tier, "url", None) or getattr(tier, "endpoint_url", None)
+            if url:
+                host, port = re.sub(r"^[a-z]+://", "", url).split("/")[0].split(":")
+                assert host in ("127.0.0.1", "localhost"), (source, url)
+                assert int(port) == local_ports[tier.kind], (source, url)

@@ -115,6 +115,9 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
     # it, gets the reserve (8 tokens) in step 2 and the rest in step 3.
     assert rows[100]["num_prefill_steps"] == math.ceil(100 / 32)
     assert rows[20]["num_prefill_steps"] == 2
+    # Its two steps were shared with the long prompt's chunks: 32 tokens each.
+    assert rows[20]["prefill_step_tokens"] == 2 * 32
+    assert rows[100]["kv_plan"] is None  # no connector, no plan
     assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
 
 

@@ -153,8 +153,13 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
     assert (docs[0]["method"], docs[1]["method"]) == ("mattson", "replay")
     for key in ("hit_blocks", "hit_tokens", "tiers", "saved_prefill_seconds", "restore_seconds"):
         assert docs[0][key] == docs[1][key]
-    assert kvtier(["analyze", str(head), "--tier", "host=64GiB", "--quiet"]) == 2
-    assert "--kv-bytes-per-token" in capsys.readouterr().err
+    # Byte capacities without a profile use llama-3-8b's KV size, as --help says.
+    same = []
+    for extra in ([], ["--model-profile", "llama-3-8b"]):
+        assert kvtier(["analyze", str(head), "--tier", "host=64GiB", "--quiet", "--json", "-",
+                       *extra]) == 0
+        same.append(json.loads(capsys.readouterr().out))
+    assert same[0] == same[1]
     assert kvtier(["analyze", str(head), "--tier", "tape=10blocks", "--quiet"]) == 2
     assert "no cost for tier 'tape'" in capsys.readouterr().err
 

@@ -159,8 +159,14 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
         "ttft_breakdown_s",
         "num_prefill_steps",
         "kv_load_s",
+        "prefill_step_tokens",
+        "kv_plan",
     }
     assert lines[0]["kv_load_s"] == {"read": 0.0, "copy": 0.0}  # nothing loaded
+    assert lines[0]["prefill_step_tokens"] >= 85  # its steps carried its own prompt at least
+    # The planned split of the reload: 2 blocks from the GPU, 3 loaded, the last 5 recomputed.
+    assert lines[2]["kv_plan"] == {"gpu_tokens": 32, "head_tokens": 0, "load_tokens": 48,
+                                   "recompute_tokens": 5, "predicted_s": 0.0}
     assert lines[2]["kv_load_s"]["copy"] > 0 and lines[2]["kv_load_s"]["read"] == 0.0
 
 
