@@ -12,7 +12,7 @@ Version 2 (``encode_block(..., key=...)``) carries the block's own key: ``key_di
 (xxh3_64 of the key's UTF-8, e.g. ``prefix/hash`` as the engine or a cache-server client
 names it), inside the checksummed header. A reader that knows which key it asked for
 (``decode_block(..., expected_key=...)``) then refuses a block of another key ("wrong_key"),
-so a block served under the wrong key is a miss, never data (issue 16, F1). Version 1 blocks
+so a block served under the wrong key is a miss, never data. Version 1 blocks
 (no key; what ``encode_block`` without a key still writes) decode as before: a reader cannot
 check their key. A keyed block is ``encoded_size(meta, keyed=True)`` bytes: 0 or 16 more.
 

@@ -19,6 +19,8 @@ from typing import NewType
 import xxhash
 
 BlockHash = NewType("BlockHash", bytes)
+# A block's key in every tier: ``namespace_prefix/hex(hash)``, built only by ``block_key``.
+BlockKey = NewType("BlockKey", str)
 HashFn = Callable[[bytes], bytes]
 
 # Bumped whenever the byte layout of a cached KV block changes (engine/kv_cache.py).
@@ -86,6 +88,7 @@ class Namespace:
     kv_format: str = ""
     # Derived once (a hash of describe()); every block key and chain seed reuses it.
     _seed: bytes = field(init=False, repr=False, compare=False, default=b"")
+    _prefix: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -94,6 +97,7 @@ class Namespace:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         fn = get_hash_fn(self.hash_name)
         object.__setattr__(self, "_seed", fn(self.describe().encode()))
+        object.__setattr__(self, "_prefix", self._seed.hex()[:16])
 
     def describe(self) -> str:
         return (
@@ -112,7 +116,7 @@ class Namespace:
 
     def key_prefix(self) -> str:
         """Short stable prefix tiers put in front of ``hex(h[i])`` (``namespace/hex``)."""
-        return self.seed().hex()[:16]
+        return self._prefix
 
 
 def _pack_int32(token_ids: Sequence[int]) -> bytes:
@@ -148,6 +152,12 @@ def hash_request_tokens(
     return out
 
 
-def block_key(namespace: Namespace, block_hash: BlockHash) -> str:
+def block_key(namespace: Namespace, block_hash: BlockHash) -> BlockKey:
     """The tier key of one block: ``namespace_prefix/hex(hash)``."""
-    return f"{namespace.key_prefix()}/{block_hash.hex()}"
+    return key_of_digest(namespace._prefix, block_hash.hex())
+
+
+def key_of_digest(key_prefix: str, digest_hex: str) -> BlockKey:
+    """``key_prefix/digest_hex``: the one place a block key is formatted (``block_key``; a
+    connector whose engine names blocks by its own digests passes those)."""
+    return BlockKey(f"{key_prefix}/{digest_hex}")

@@ -3,13 +3,12 @@
 A factory takes the kind's frozen config (``tiers.config``) and returns a ready Tier.
 The built-in kinds resolve to these classmethods, so a backend module only needs to exist and
 expose its factory under this name (nothing imports it until that kind is configured).
-redis and s3 define their own frozen config dataclass; the parsed YAML config is converted to
-it field by field (same names), so their ``__post_init__`` checks still run:
+Each factory takes its kind's one config class (``tiers.config``) as is:
 
     host    tiers.host:HostTier.from_config(HostTierConfig)
     lmdb    tiers.lmdb:LmdbTier.from_config(LmdbTierConfig)
-    redis   tiers.redis:RedisTier.from_config(tiers.redis.RedisTierConfig)
-    s3      tiers.s3:S3Tier.from_config(tiers.s3.S3TierConfig)
+    redis   tiers.redis:RedisTier.from_config(RedisTierConfig)
+    s3      tiers.s3:S3Tier.from_config(S3TierConfig)
     remote  tiers.remote.tier:RemoteTier.from_config(RemoteTierConfig)
 
 ``build_tiers`` builds a whole configured stack (``tiers.config``) through it.

@@ -25,7 +25,8 @@ hit) or ``write_back`` (only what the tier above evicts); ``write_queue_blocks``
 queue (a full queue drops the copy, never stalls); the store reads these fields
 (``cachestore.store.types.write_policies``). Errors raise ConfigError naming the tier and the
 field. Building tiers is ``tiers.build_tiers`` (the registry, so optional backends load only
-when chosen); this module imports nothing of tiers/ (the registry imports it).
+when chosen); each kind has one config class, here, which its backend takes as is; this module
+imports no backend (the registry and the backends import it).
 Parsing is pure; the I/O is reading the file in ``load_tier_config`` (its errors name the file)
 and ``check_resources`` at start (``tiers.build_tiers`` calls it first): a host tier larger than the
 memory available (/proc/meminfo MemAvailable), or an LMDB path that cannot be a directory this
@@ -38,11 +39,28 @@ import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from tiers.sizes import (  # noqa: F401  (re-exported: tiers.config is the tier config API)
+from tiers.config_fields import (
+    STORE_FIELDS,
+    WRITE_BACK,
+    WRITE_POLICIES,
+    WRITE_THROUGH,
+    WRITE_THROUGH_SELECTIVE,
+    ConfigError,
+    _bool,
+    _f,
+    _nonneg_int,
+    _policy,
+    _pos_float,
+    _pos_int,
+    _size,
+    _str,
+)
+from tiers.sizes import (
     BLOCKS,
     BYTES,
     TOKENS,
@@ -53,68 +71,16 @@ from tiers.sizes import (  # noqa: F401  (re-exported: tiers.config is the tier 
     parse_size,
 )
 
-# When a block saved to the top tier reaches a lower tier (the store's ``WritePolicy``).
-WRITE_THROUGH = "write_through"  # copied down as soon as it is saved to the top tier
-WRITE_THROUGH_SELECTIVE = "write_through_selective"  # copied down at its ``hits``-th hit
-WRITE_BACK = "write_back"  # copied down only when the tier above evicts it
-WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
-
-
-class ConfigError(ValueError):
-    """A tier configuration that cannot be used; the message names the tier and the field."""
-
-
-def _str(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a non-empty string, got {value!r}")
-    return value
-
-
-def _pos_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-    return value
-
-
-def _nonneg_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
-    return value
-
-
-def _pos_float(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"expected a positive number, got {value!r}")
-    return float(value)
-
-
-def _size(value: object) -> int:
-    size = parse_size(value)
-    if size <= 0:
-        raise ValueError(f"expected a positive size, got {value!r}")
-    return size
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
-# Fields of the lower tiers read by the store (its write policy), not by the tier's backend.
-STORE_FIELDS = ("write_policy", "write_through_hits", "write_queue_blocks")
-
-
-def _policy(value: object) -> str:
-    if value not in WRITE_POLICIES:
-        raise ValueError(f"expected one of {list(WRITE_POLICIES)}, got {value!r}")
-    return str(value)
-
-
-def _f(parse: Callable[[object], Any], default: Any = dataclasses.MISSING, *,
-       secret: bool = False) -> Any:
-    """A config field: ``parse`` checks and converts the YAML value; no default = required."""
-    return field(default=default, repr=not secret, metadata={"parse": parse})
+# The tier config API: this module's own names and the field vocabulary and sizes it re-exports.
+__all__ = [
+    "BLOCKS", "BYTES", "CONFIG_CLASSES", "REDIS_CLUSTER_SCHEMES", "REDIS_MAX_BULK_BYTES",
+    "STORE_FIELDS", "TOKENS", "UNBOUNDED", "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH",
+    "WRITE_THROUGH_SELECTIVE", "ConfigError", "HostTierConfig", "LmdbTierConfig",
+    "RedisTierConfig", "RemoteTierConfig", "S3TierConfig", "Size", "TierConfig",
+    "TierStackConfig", "check_resources", "format_size", "load_config_file", "load_tier_config",
+    "mem_available_bytes", "parse_quantity", "parse_size", "parse_tier_config",
+    "parse_tier_entry", "redact_url",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,20 +107,37 @@ class LmdbTierConfig:
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
 
+REDIS_MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
+# Cluster URL schemes -> the scheme redis-py's cluster client takes.
+REDIS_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and repr)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
-    """Field names mirror ``tiers.redis.RedisTierConfig``; the registry converts by name."""
+    """One Redis (or Redis Cluster) tier (``tiers.redis``). ``url`` may carry credentials;
+    repr hides it. The checks run however the config is built (YAML or code)."""
 
     kind: ClassVar[str] = "redis"
-    url: str = _f(_str, secret=True)  # may hold a password
+    url: str = _f(_str, "redis://127.0.0.1:6379/0", secret=True, required=True)
     cluster: bool = _f(_bool, False)
-    key_prefix: str = _f(_str, "kvtier:")
-    ttl_s: float | None = _f(_pos_float, None)
-    max_value_bytes: int = _f(_size, 512 * 1024 * 1024)
+    key_prefix: str = _f(_str, "kvtier:")  # lets kvtier share a database, scanned apart
+    ttl_s: float | None = _f(_pos_float, None)  # None: kept until the server evicts
+    max_value_bytes: int = _f(_size, REDIS_MAX_BULK_BYTES)
     socket_timeout_s: float = _f(_pos_float, 2.0)
     connect_timeout_s: float = _f(_pos_float, 1.0)
     max_connections: int = _f(_pos_int, 64)
-    retries: int = _f(_nonneg_int, 1)
+    retries: int = _f(_nonneg_int, 1)  # on connection errors/timeouts, 10-100 ms backoff
     capacity: int | None = _f(_size, None)  # bytes; None: the server's maxmemory bounds it
     read_connections: int = _f(_pos_int, 4)  # parallel pipelines one get_many may use
     write_policy: str = _f(_policy, WRITE_THROUGH)
@@ -162,19 +145,36 @@ class RedisTierConfig:
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
     def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in {"redis", "rediss", "unix", *REDIS_CLUSTER_SCHEMES}:
+            raise ValueError(f"redis url must be redis://, rediss://, unix:// or "
+                             f"redis+cluster://, got {redact_url(self.url)!r}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, got {self.ttl_s}")
+        if self.max_value_bytes <= 0:
+            raise ValueError(f"max_value_bytes must be positive, got {self.max_value_bytes}")
+        if self.socket_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("socket_timeout_s and connect_timeout_s must be positive")
+        if self.max_connections <= 0 or self.retries < 0:
+            raise ValueError("max_connections must be positive and retries non-negative")
         if self.read_connections > self.max_connections:
             raise ValueError(f"field 'read_connections': {self.read_connections} is more than "
                              f"max_connections ({self.max_connections})")
-        clustered = self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
-        if self.capacity is not None and clustered:
+        if self.read_connections <= 0:
+            raise ValueError(f"read_connections must be positive, got {self.read_connections}")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ValueError(f"capacity must be positive or None, got {self.capacity}")
+        if self.capacity is not None and (self.cluster or scheme in REDIS_CLUSTER_SCHEMES):
+            # Its LRU scripts touch keys in many hash slots.
             raise ValueError("field 'capacity' needs a single Redis server, not a cluster "
                              "(bound each shard with maxmemory instead)")
 
 
 @dataclass(frozen=True, slots=True)
 class S3TierConfig:
-    """Field names mirror ``tiers.s3.S3TierConfig``; the registry converts by name. No
-    ``capacity``: the bucket bounds itself (an S3 lifecycle rule expiring ``prefix``)."""
+    """One bucket/prefix on an S3-compatible endpoint (``tiers.s3``). Keys: explicit, else
+    boto3's chain; repr hides them. No ``capacity``: the bucket bounds itself (an S3
+    lifecycle rule expiring ``prefix``). The checks run however the config is built."""
 
     kind: ClassVar[str] = "s3"
     bucket: str = _f(_str)
@@ -187,11 +187,27 @@ class S3TierConfig:
     timeout_s: float = _f(_pos_float, 10.0)
     connect_timeout_s: float = _f(_pos_float, 2.0)
     max_attempts: int = _f(_pos_int, 2)
-    max_pool_connections: int = _f(_pos_int, 32)
-    read_chunk_bytes: int = _f(_size, 64 << 20)  # a group's span is read in ranges this large
+    max_pool_connections: int = _f(_pos_int, 32)  # also the number of parallel requests
+    # A group's span is read in range GETs of at most this many bytes, in parallel. AWS
+    # serves 8-16 MiB ranges per connection best: lower it when a read touches few groups.
+    # The default keeps a group of 16 x 2 MiB blocks one GET: S3-compatible servers that read
+    # the whole object for every range (moto) pay the object size per piece.
+    read_chunk_bytes: int = _f(_size, 64 << 20)
     write_policy: str = _f(_policy, WRITE_THROUGH)
     write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise ValueError("s3 tier needs a bucket")
+        if self.blocks_per_object <= 0 or self.max_pool_connections <= 0:
+            raise ValueError("blocks_per_object and max_pool_connections must be positive")
+        if self.read_chunk_bytes <= 0:
+            raise ValueError(f"read_chunk_bytes must be positive, got {self.read_chunk_bytes}")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.max_attempts <= 0:
+            raise ValueError("timeouts and max_attempts must be positive")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +274,7 @@ def parse_tier_entry(entry: object, where: str = "tier") -> TierConfig:
     kwargs: dict[str, Any] = {}
     for name, f in known.items():
         if name not in entry or entry[name] is None:
-            if f.default is dataclasses.MISSING:
+            if f.default is dataclasses.MISSING or f.metadata["required"]:
                 raise ConfigError(f"{where}: missing required field '{name}'")
             continue
         try:

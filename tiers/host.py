@@ -335,4 +335,4 @@ def _allocate(num_bytes: int, pin_memory: bool | None) -> tuple[Any, memoryview]
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-    return tensor, memoryview(tensor.numpy()).cast("B")
+    return tensor, tensor.numpy().data.cast("B")

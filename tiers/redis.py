@@ -43,70 +43,22 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
+from tiers.config import (  # noqa: F401  (RedisTierConfig: re-exported beside its tier)
+    REDIS_CLUSTER_SCHEMES,
+    REDIS_MAX_BULK_BYTES,
+    RedisTierConfig,
+    redact_url,
+)
 from tiers.redis_lru import RedisLru
-from tiers.shared import backend_errors, config_as, nbytes
+from tiers.shared import backend_errors, nbytes
 
 log = logging.getLogger(__name__)
 
-REDIS_MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
 _LOOKUP_BATCH = 64  # EXISTS per round trip in lookup; most chains stop well before this
-_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-
-
-
-@dataclass(frozen=True, slots=True)
-class RedisTierConfig:
-    """One Redis (or Redis Cluster) tier. ``url`` may carry credentials; repr hides them."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    cluster: bool = False
-    key_prefix: str = "kvtier:"  # lets kvtier share a database and be scanned/flushed apart
-    ttl_s: float | None = None  # None: keep until the server evicts (maxmemory policy)
-    max_value_bytes: int = REDIS_MAX_BULK_BYTES
-    socket_timeout_s: float = 2.0
-    connect_timeout_s: float = 1.0
-    max_connections: int = 64
-    retries: int = 1  # on connection errors/timeouts, with a 10-100 ms backoff
-    capacity: int | None = None  # bytes of values; None: the server's maxmemory bounds the tier
-    read_connections: int = 4  # parallel pipelines (connections) one get_many may use
-
-    def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in {"redis", "rediss", "unix", *_CLUSTER_SCHEMES}:
-            raise ValueError(f"redis url must be redis://, rediss://, unix:// or "
-                             f"redis+cluster://, got {redact_url(self.url)!r}")  # fmt: skip
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive or None, got {self.ttl_s}")
-        if self.max_value_bytes <= 0:
-            raise ValueError(f"max_value_bytes must be positive, got {self.max_value_bytes}")
-        if self.socket_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("socket_timeout_s and connect_timeout_s must be positive")
-        if self.max_connections <= 0 or self.retries < 0:
-            raise ValueError("max_connections must be positive and retries non-negative")
-        if not 0 < self.read_connections <= self.max_connections:
-            raise ValueError(f"read_connections must be in 1..max_connections "
-                             f"({self.max_connections}), got {self.read_connections}")
-        if self.capacity is not None and self.capacity <= 0:
-            raise ValueError(f"capacity must be positive or None, got {self.capacity}")
-        if self.capacity is not None and (self.cluster or scheme in _CLUSTER_SCHEMES):
-            raise ValueError("capacity needs a single Redis server (its LRU scripts touch keys "
-                             "in many hash slots); bound a cluster with maxmemory per shard")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and repr)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def hiredis_active() -> bool:
@@ -127,8 +79,6 @@ class RedisTier(Tier):
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry
 
-        # Also accepts tiers.config.RedisTierConfig (the YAML one): its fields, our defaults.
-        config = config_as(config, RedisTierConfig)
         self.config = config
         self.max_value_bytes = min(config.max_value_bytes, REDIS_MAX_BULK_BYTES)
         self.num_oversize_skipped = 0  # racy increments are fine: a statistic, not a contract
@@ -147,10 +97,10 @@ class RedisTier(Tier):
             "max_connections": config.max_connections,
         }
         scheme = urlsplit(config.url).scheme
-        self._cluster = config.cluster or scheme in _CLUSTER_SCHEMES
+        self._cluster = config.cluster or scheme in REDIS_CLUSTER_SCHEMES
         url = config.url
-        if scheme in _CLUSTER_SCHEMES:
-            url = urlunsplit(urlsplit(url)._replace(scheme=_CLUSTER_SCHEMES[scheme]))
+        if scheme in REDIS_CLUSTER_SCHEMES:
+            url = urlunsplit(urlsplit(url)._replace(scheme=REDIS_CLUSTER_SCHEMES[scheme]))
         self._closed = False
         self._readers: ThreadPoolExecutor | None = None
         if config.read_connections > 1:
@@ -170,11 +120,9 @@ class RedisTier(Tier):
             self._lru = RedisLru(self._client, config.key_prefix, config.capacity, self._guard)
 
     @classmethod
-    def from_config(cls, config: Any) -> RedisTier:
-        """Registry factory (``tiers.redis:RedisTier.from_config``): accepts this module's config
-        or any config object (``tiers.config.RedisTierConfig``) with a subset of its
-        fields; absent fields take this module's defaults."""
-        return cls(config_as(config, RedisTierConfig))
+    def from_config(cls, config: RedisTierConfig) -> RedisTier:
+        """Registry factory (``tiers.redis:RedisTier.from_config``)."""
+        return cls(config)
 
     def __repr__(self) -> str:
         return (f"RedisTier(url={redact_url(self.config.url)!r}, cluster={self._cluster}, "
@@ -187,7 +135,7 @@ class RedisTier(Tier):
         return backend_errors(self._errors, "redis", op, f"on {redact_url(self.config.url)}",
                               closed=self._closed)
 
-    def _pipelined(self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list:
+    def _pipelined(self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list[Any]:
         if not keys:
             return []
         with self._guard(op):

@@ -49,54 +49,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.buffers import ReadBuffers
+from tiers.config import S3TierConfig  # noqa: F401  (re-exported beside its tier)
 from tiers.s3_layout import Location, Pointer, resolve
-from tiers.shared import backend_errors, config_as, last_value_wins
+from tiers.shared import backend_errors, last_value_wins
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True, slots=True)
-class S3TierConfig:
-    """One bucket/prefix on an S3-compatible endpoint. Keys: explicit, else boto3's chain."""
-
-    bucket: str
-    endpoint_url: str | None = None  # None: AWS S3
-    prefix: str = "kv/"
-    region: str = "us-east-1"
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    blocks_per_object: int = 16
-    timeout_s: float = 10.0  # read timeout per request
-    connect_timeout_s: float = 2.0
-    max_attempts: int = 2  # botocore "standard" retries, total attempts per request
-    max_pool_connections: int = 32  # also the number of parallel requests
-    # A group's span is read in range GETs of at most this many bytes, in parallel. AWS
-    # serves 8-16 MiB ranges per connection best: lower it when a read touches few groups.
-    # The default keeps a group of 16 x 2 MiB blocks one GET: S3-compatible servers that read
-    # the whole object for every range (moto) pay the object size per piece.
-    read_chunk_bytes: int = 64 << 20
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise ValueError("s3 tier needs a bucket")
-        if self.blocks_per_object <= 0 or self.max_pool_connections <= 0:
-            raise ValueError("blocks_per_object and max_pool_connections must be positive")
-        if self.read_chunk_bytes <= 0:
-            raise ValueError(f"read_chunk_bytes must be positive, got {self.read_chunk_bytes}")
-        if self.timeout_s <= 0 or self.connect_timeout_s <= 0 or self.max_attempts <= 0:
-            raise ValueError("timeouts and max_attempts must be positive")
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("give both access_key_id and secret_access_key, or neither")
-
-    def __repr__(self) -> str:  # never show the secret
-        return (f"S3TierConfig(bucket={self.bucket!r}, endpoint_url={self.endpoint_url!r}, "
-                f"prefix={self.prefix!r}, blocks_per_object={self.blocks_per_object})")  # fmt: skip
 
 
 class S3Tier(Tier):
@@ -110,7 +73,6 @@ class S3Tier(Tier):
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError, ClientError
 
-        config = config_as(config, S3TierConfig)  # also tiers.config.S3TierConfig (YAML)
         self.config = config
         self._client_error = ClientError
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, OSError)
@@ -132,10 +94,9 @@ class S3Tier(Tier):
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: Any) -> S3Tier:
-        """Registry factory (``tiers.s3:S3Tier.from_config``): accepts this module's config or
-        any config object (``tiers.config.S3TierConfig``) with a subset of its fields."""
-        return cls(config_as(config, S3TierConfig))
+    def from_config(cls, config: S3TierConfig) -> S3Tier:
+        """Registry factory (``tiers.s3:S3Tier.from_config``)."""
+        return cls(config)
 
     def __repr__(self) -> str:
         return f"S3Tier({self.config!r})"
@@ -153,8 +114,9 @@ class S3Tier(Tier):
     def _get(self, name: str) -> bytes | None:
         """Object body, or None if absent. Raises TierError on any other failure."""
         try:
-            return self._call("get", lambda: self._s3.get_object(
+            body: bytes = self._call("get", lambda: self._s3.get_object(
                 Bucket=self.config.bucket, Key=name)["Body"].read())  # fmt: skip
+            return body
         except TierError as exc:
             cause = exc.__cause__
             if isinstance(cause, self._client_error):
@@ -278,8 +240,8 @@ class S3Tier(Tier):
             return 0
         names = [{"Key": self._pointer_name(k)} for k in present]
         for s in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
-            self._call("delete", lambda b=names[s : s + 1000]: self._s3.delete_objects(
-                Bucket=self.config.bucket, Delete={"Objects": b, "Quiet": True}))  # fmt: skip
+            self._call("delete", partial(self._s3.delete_objects, Bucket=self.config.bucket,
+                                         Delete={"Objects": names[s : s + 1000], "Quiet": True}))
         mates = list({m: None for p in present.values() for m in p.keys if m not in present})
         for mate, ptr in zip(mates, self._parallel(self._read_pointer, mates), strict=True):
             if ptr is None or not set(ptr.keys) & present.keys():

@@ -37,9 +37,10 @@ class Pointer:
         return cls(group, tuple(k for k, _ in chunk), tuple(offsets), tuple(lengths))
 
     def pack(self) -> bytes:
-        return msgpack.packb(
+        packed: bytes = msgpack.packb(
             {"g": self.group, "k": list(self.keys), "o": list(self.offsets),
              "n": list(self.lengths)})  # fmt: skip
+        return packed
 
     @classmethod
     def unpack(cls, raw: bytes) -> Pointer | None:

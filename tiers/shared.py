@@ -2,8 +2,8 @@
 
 - ``backend_errors``: turn a backend's exceptions into ``TierError`` with one message format,
   and refuse calls on a closed tier.
-- ``config_as``: rebuild a parsed YAML config (``tiers.config``) as a backend's own
-  frozen config class, field by field, so the backend's ``__post_init__`` checks still run.
+- ``config_as``: ``config`` as a given dataclass, rebuilt from the fields both share (each tier
+  kind has one config class, ``tiers.config``, so the backends need no conversion).
 - ``nbytes`` and ``last_value_wins``: value size and the "a key given twice keeps its last value"
   rule of ``put_many``.
 

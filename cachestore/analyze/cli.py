@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from cachestore.analyze.policies import POLICIES
 from cachestore.analyze.simulate import TierSpec
@@ -23,6 +24,9 @@ from cachestore.cost.model import (
 )
 from cachestore.kv_format import COMPRESSIONS, stored_bytes_per_token
 from tiers.sizes import BLOCKS, BYTES, TOKENS, UNBOUNDED, Size, parse_quantity
+
+if TYPE_CHECKING:
+    from cachestore.analyze.summary import AnalyzeConfig
 
 DEFAULT_PROFILE = "llama-3-8b"
 CAPACITY_KINDS = (BYTES, BLOCKS, TOKENS, UNBOUNDED)
@@ -119,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def build_config(args: argparse.Namespace, trace: Trace):  # -> AnalyzeConfig
+def build_config(args: argparse.Namespace, trace: Trace) -> AnalyzeConfig:
     from cachestore.analyze.summary import AnalyzeConfig
 
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
@@ -141,7 +145,8 @@ def build_config(args: argparse.Namespace, trace: Trace):  # -> AnalyzeConfig
     for text in args.tier_cost:
         c = parse_tier_cost(text)
         costs[c.name] = c
-    sweep_tier, sweep_sizes = None, ()
+    sweep_tier: str | None = None
+    sweep_sizes: tuple[Size, ...] = ()
     if args.sweep:
         sweep_tier, sep, caps = args.sweep.partition("=")
         if not sep or not caps:

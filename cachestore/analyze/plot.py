@@ -28,7 +28,7 @@ def _unit(own: str, fallback: list[str]) -> str:
     return next((u for u in fallback if u != "inf"), "blocks")
 
 
-def _scale(unit: str, doc: dict) -> tuple[float, str]:
+def _scale(unit: str, doc: dict[str, Any]) -> tuple[float, str]:
     """Axis units per block, and the axis label's unit text."""
     if unit == "bytes":
         return doc["block_bytes"] / GIB, f"GiB; {doc['block_bytes'] / (1 << 20):g} MiB a block"
@@ -41,7 +41,7 @@ def _x(blocks: int | None, top: int, scale: float) -> float:
     return (top if blocks is None else blocks) * scale
 
 
-def _tier_axes(ax: Any, doc: dict, i: int, units: list[str]) -> None:
+def _tier_axes(ax: Any, doc: dict[str, Any], i: int, units: list[str]) -> None:
     tier, curve = doc["tiers"][i], doc["tier_curves"][i]
     n = len(doc["tiers"])
     top = max(doc["unique_blocks"], 1)
@@ -77,7 +77,7 @@ def _tier_axes(ax: Any, doc: dict, i: int, units: list[str]) -> None:
     ax.set_label(f"tier:{tier['name']}")
 
 
-def _sweep_x(doc: dict, units: list[str]) -> tuple[list[float], str, list[int]]:
+def _sweep_x(doc: dict[str, Any], units: list[str]) -> tuple[list[float], str, list[int]]:
     sw = doc["sweep"]
     swept = next(t for t in doc["tiers"] if t["name"] == sw["tier"])
     written = [u for u, c in zip(sw["capacities_unit"], sw["capacities_blocks"], strict=True)
@@ -103,7 +103,7 @@ def _mark_inf(ax: Any, xs: list[float], ys: list[float], inf_at: list[int]) -> N
         ax.annotate("inf", (xs[k], ys[k]), textcoords="offset points", xytext=(4, 4), fontsize=8)
 
 
-def _sweep_axes(ax_hits: Any, ax_net: Any, doc: dict, units: list[str]) -> None:
+def _sweep_axes(ax_hits: Any, ax_net: Any, doc: dict[str, Any], units: list[str]) -> None:
     sw = doc["sweep"]
     xs, xlabel, inf_at = _sweep_x(doc, units)
     for i, t in enumerate(doc["tiers"]):
@@ -141,7 +141,7 @@ def _sweep_axes(ax_hits: Any, ax_net: Any, doc: dict, units: list[str]) -> None:
         ax.grid(True, which="both", alpha=0.3)
 
 
-def _reuse_axes(ax: Any, doc: dict) -> None:
+def _reuse_axes(ax: Any, doc: dict[str, Any]) -> None:
     reuse = np.asarray(doc.get("_reuse_distances", []))
     if len(reuse):
         ax.plot(reuse, np.arange(1, len(reuse) + 1) / len(reuse) * 100, color="tab:green")
@@ -155,7 +155,7 @@ def _reuse_axes(ax: Any, doc: dict) -> None:
     ax.set_label("reuse_cdf")
 
 
-def build_figure(doc: dict) -> Any:
+def build_figure(doc: dict[str, Any]) -> Any:
     """The Figure for ``doc`` (needs ``tier_curves``: ``analyze(..., curves=True)``). Raises
     KeyError without it."""
     import matplotlib  # lazy: optional dependency (the `analyze` extra)
@@ -180,7 +180,7 @@ def build_figure(doc: dict) -> Any:
     return fig
 
 
-def write_plot(doc: dict, path: str) -> None:
+def write_plot(doc: dict[str, Any], path: str) -> None:
     """Save ``build_figure(doc)`` as a PNG at ``path`` (created or overwritten)."""
     fig = build_figure(doc)
     import matplotlib.pyplot as plt

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -141,7 +142,7 @@ class CostAwarePolicy(_HeapPolicy):
         self._inflation = priority
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "cost": CostAwarePolicy}
+POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRUPolicy, "lfu": LFUPolicy, "cost": CostAwarePolicy}
 
 
 def make_policy(name: str) -> Policy:

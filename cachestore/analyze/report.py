@@ -12,6 +12,7 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 GIB = float(1 << 30)
 
@@ -24,11 +25,11 @@ def _pct(x: object) -> str:
     return f"{100.0 * float(x):.2f}%"  # type: ignore[arg-type]
 
 
-def _others(doc: dict, name: str) -> str:
+def _others(doc: dict[str, Any], name: str) -> str:
     return ", ".join(f"{t['name']}={t['capacity_text']}" for t in doc["tiers"] if t["name"] != name)
 
 
-def _sweep_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+def _sweep_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The sweep as a header and rows of cells: capacity as written, each tier's share of the
     block references, the totals and the seconds."""
     sw = doc["sweep"]
@@ -44,7 +45,7 @@ def _sweep_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def format_table(doc: dict) -> str:
+def format_table(doc: dict[str, Any]) -> str:
     """A fixed-width summary for the terminal."""
     rd = doc["reuse_distance"]
     inf = doc["infinite_capacity"]
@@ -91,11 +92,11 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _public(doc: dict) -> dict:
+def _public(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if not k.startswith("_")}
 
 
-def write_json(doc: dict, target: str) -> None:
+def write_json(doc: dict[str, Any], target: str) -> None:
     """Write the document as JSON to ``target`` (a path, or ``-`` for stdout)."""
     text = json.dumps(_public(doc), indent=2)
     if target == "-":
@@ -104,7 +105,7 @@ def write_json(doc: dict, target: str) -> None:
         Path(target).write_text(text + "\n", encoding="utf-8")
 
 
-def write_markdown(doc: dict, path: str, plot_path: str | None = None,
+def write_markdown(doc: dict[str, Any], path: str, plot_path: str | None = None,
                    title: str = "kvtier analyze") -> None:
     """A Markdown report: the summary table, per-tier rows, savings and the sweep."""
     rd = doc["reuse_distance"]
@@ -146,7 +147,7 @@ def write_markdown(doc: dict, path: str, plot_path: str | None = None,
     Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
 
 
-def write_plot(doc: dict, path: str) -> None:
+def write_plot(doc: dict[str, Any], path: str) -> None:
     """One hit-ratio plot per tier, the sweep and the reuse CDF (``plot.write_plot``)."""
     from cachestore.analyze.plot import write_plot as _write
 

@@ -63,7 +63,7 @@ class ReplayResult:
     tiers: tuple[TierCounts, ...]
 
 
-ProgressFn = Callable[[int], None]
+ProgressFn = Callable[[int], object]  # its return value is ignored (tqdm.update returns one)
 
 
 def replay(trace: Trace, tiers: Sequence[TierSpec],

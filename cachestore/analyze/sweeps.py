@@ -151,7 +151,7 @@ def tier_curves(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances,
     tiers down to it and the stack's total block hit ratio."""
     exact = all(t.policy == "lru" for t in cfg.tiers) and not cfg.force_replay
     n = points or (LRU_CURVE_POINTS if exact else REPLAY_CURVE_POINTS)
-    out = []
+    out: list[dict[str, object]] = []
     for i, tier in enumerate(cfg.tiers):
         caps = curve_grid(trace.num_unique_blocks, tier.capacity_blocks, n)
         own, cumulative, total = [], [], []

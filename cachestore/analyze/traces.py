@@ -2,8 +2,8 @@
 
 Formats (docs/analyze.md has the exact schemas):
 - ``mooncake``: JSONL ``{"timestamp" (ms), "input_length", "output_length", "hash_ids"}``.
-- ``request-log``: the engine's ``--request-log`` JSONL (``ts``, ``req_id``, ``prompt_tokens``,
-  ``block_hashes`` hex, ``hit_tiers``, ``decision``, ``ttft_s``).
+- ``request-log``: the engine's ``--request-log`` JSONL (schema:
+  ``cachestore.analyze.request_log``); read: ``ts``, ``prompt_tokens``, ``block_hashes`` (hex).
 - ``access-log``: the cache server's JSONL (``ts``, ``op``, ``namespace``, ``keys``); ``get`` and
   ``lookup`` lines are requests, other ops are skipped.
 - ``prompts``: JSONL of ``{"prompt": str}`` / ``{"messages": [...]}`` or plain text, one prompt a
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
+
+from cachestore.analyze.request_log import BLOCK_HASHES, PROMPT_TOKENS, TS
 
 FORMATS = ("mooncake", "request-log", "access-log", "prompts")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "request-log": 16, "access-log": 16, "prompts": 16}
@@ -94,7 +96,7 @@ def detect_format(path: Path) -> str:
         return "prompts"
     if "hash_ids" in obj:
         return "mooncake"
-    if "block_hashes" in obj:
+    if BLOCK_HASHES in obj:
         return "request-log"
     if "keys" in obj and "op" in obj:
         return "access-log"
@@ -103,11 +105,12 @@ def detect_format(path: Path) -> str:
     raise ValueError(f"{path}: cannot tell the trace format from keys {sorted(obj)}; use --format")
 
 
-def _dedup(keys: list) -> list:
+def _dedup(keys: Sequence[Hashable]) -> Sequence[Hashable]:
     return keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
 
 
-def _build(fmt: str, block_tokens: int, rows: list[tuple[float, list, int]]) -> Trace:
+def _build(fmt: str, block_tokens: int,
+           rows: Sequence[tuple[float, Sequence[Hashable], int]]) -> Trace:
     """Order rows ``(timestamp_s, keys, input_tokens)`` by time (stable) and intern the keys."""
     ts = np.fromiter((r[0] for r in rows), np.float64, len(rows))
     order = np.argsort(ts, kind="stable")
@@ -133,7 +136,7 @@ def _build(fmt: str, block_tokens: int, rows: list[tuple[float, list, int]]) -> 
                  num_unique)
 
 
-def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
+def _jsonl(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
     with open_text(path) as fh:
         for lineno, line in enumerate(fh, 1):
             if line.strip():
@@ -143,7 +146,7 @@ def _jsonl(path: Path) -> Iterable[tuple[int, dict]]:
                     raise ValueError(f"{path}:{lineno}: bad JSON: {exc}") from None
 
 
-def _field(path: Path, lineno: int, obj: dict, name: str) -> object:
+def _field(path: Path, lineno: int, obj: dict[str, Any], name: str) -> Any:
     try:
         return obj[name]
     except KeyError:
@@ -157,13 +160,13 @@ def read_mooncake(path: Path, block_tokens: int) -> Trace:
 
 
 def read_request_log(path: Path, block_tokens: int) -> Trace:
-    rows = [(float(_field(path, n, o, "ts")), list(_field(path, n, o, "block_hashes")),
-             int(_field(path, n, o, "prompt_tokens"))) for n, o in _jsonl(path)]
+    rows = [(float(_field(path, n, o, TS)), list(_field(path, n, o, BLOCK_HASHES)),
+             int(_field(path, n, o, PROMPT_TOKENS))) for n, o in _jsonl(path)]
     return _build("request-log", block_tokens, rows)
 
 
 def read_access_log(path: Path, block_tokens: int) -> Trace:
-    rows = []
+    rows: list[tuple[float, Sequence[Hashable], int]] = []
     for n, o in _jsonl(path):
         if _field(path, n, o, "op") not in ACCESS_LOG_READ_OPS:
             continue
@@ -202,8 +205,9 @@ def read_prompts(path: Path, block_tokens: int, tokenizer_dir: str | None) -> Tr
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     ns = Namespace(model_fingerprint=f"analyze:{Path(tokenizer_dir).name}", block_size=block_tokens)
-    rows = []
+    rows: list[tuple[float, Sequence[Hashable], int]] = []
     for i, p in enumerate(_prompt_texts(path)):
+        ids: Any
         if isinstance(p, list):
             ids = tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):

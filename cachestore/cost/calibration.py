@@ -33,12 +33,17 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from cachestore.cost.checks import check_prefill, check_tier
 from cachestore.cost.fit import fit_prefill_nonnegative
 from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
 from cachestore.cost.online import CostPriors, OnlineCostModel
 from tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["fit_prefill_nonnegative"]  # re-exported: its home is cachestore.cost.fit
 log = logging.getLogger(__name__)
@@ -51,7 +56,7 @@ DEFAULT_PREFILL_SIZES: tuple[tuple[int, int], ...] = (
 )
 
 
-def _progress(total: int, desc: str, enabled: bool):  # -> tqdm
+def _progress(total: int, desc: str, enabled: bool) -> tqdm[Any]:
     from tqdm import tqdm
 
     # disable=None: tqdm draws only on a terminal, so log files get no carriage-return bars.
@@ -283,8 +288,8 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             try:
-                _checked(lambda t=tier: calibrate_tier(t, tier_block_bytes or block_bytes,
-                                                       num_blocks), tier.name, costs, untrusted)
+                _checked(partial(calibrate_tier, tier, tier_block_bytes or block_bytes,
+                                 num_blocks), tier.name, costs, untrusted)
             except Exception as exc:  # a failing tier must not stop the engine from starting
                 if tier.name not in costs:
                     raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "
@@ -292,9 +297,8 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
             bar.update(1)
     for name, timer in (transfer_timers or {}).items():
         try:
-            _checked(lambda n=name, t=timer: calibrate_transfer(
-                t, tier_block_bytes or block_bytes, n, sizes=transfer_sizes).cost,
-                name, costs, untrusted)
+            _checked(partial(_transfer_cost, timer, tier_block_bytes or block_bytes, name,
+                             transfer_sizes), name, costs, untrusted)
         except Exception as exc:  # as for a tier: a prior, if any, stands in
             if name not in costs:
                 raise ValueError(f"transfer {name!r}: calibration failed ({exc}) and no prior "
@@ -310,6 +314,11 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
         raise ValueError("calibrate needs run_prefill or priors for the prefill model")
     return OnlineCostModel(costs, prefill, block_bytes, block_tokens, alpha=alpha,
                            prefill_trusted=trusted, untrusted_tiers=untrusted)
+
+
+def _transfer_cost(timer: Callable[[int], float], block_bytes: int, name: str,
+                   sizes: Sequence[int]) -> TierCost:
+    return calibrate_transfer(timer, block_bytes, name, sizes=sizes).cost
 
 
 def _checked(measure: Callable[[], TierCost], name: str, costs: dict[str, TierCost],

@@ -126,18 +126,35 @@ LLAMA3_8B_H200_SAMPLES = (
 )
 LLAMA3_8B_H200_PREFILL = PrefillCost.fit(LLAMA3_8B_H200_SAMPLES)
 
-# Priors per tier kind until calibration replaces them. host: the measured pinned copy
-# (DESIGN.md); the others are typical figures for a local NVMe behind LMDB, Redis over 25 GbE and
-# an S3-compatible store, and are meant to be overridden (`--tier-cost`).
-DEFAULT_TIER_COSTS: dict[str, TierCost] = {
-    t.name: t
-    for t in (
-        TierCost("host", 10e-6, 55.4e9),
-        TierCost("lmdb", 100e-6, 3.0e9),
-        TierCost("redis", 500e-6, 2.5e9),
-        TierCost("s3", 20e-3, 1.0e9),
-    )
+# The one price table: priors per machine and tier kind until calibration replaces them.
+# ``h200``: host is the measured pinned copy (DESIGN.md "Physics"); the others are typical
+# figures for a local NVMe behind LMDB, Redis over 25 GbE, an S3-compatible store and a cache
+# server over loopback shared memory or TCP, meant to be overridden (``--tier-cost``).
+# ``cpu``: a tiny model on a few CPU cores (the embedded demo model, fp32), where the "GPU" is
+# host memory and the host hop a memcpy; rough figures from a 2-core CI machine.
+# Rows: (tier, latency_s, bandwidth_bytes_per_s).
+_PRICES: dict[str, tuple[tuple[str, float, float], ...]] = {
+    "h200": (
+        ("host", 10e-6, 55.4e9),
+        ("lmdb", 100e-6, 3.0e9),
+        ("redis", 500e-6, 2.5e9),
+        ("s3", 20e-3, 1.0e9),
+        ("remote", 200e-6, 5.0e9),
+    ),
+    "cpu": (
+        ("host", 5e-6, 5.0e9),
+        ("lmdb", 50e-6, 1.0e9),
+        ("redis", 300e-6, 0.5e9),
+        ("s3", 10e-3, 0.1e9),
+        ("remote", 200e-6, 1.0e9),
+    ),
 }
+TIER_COST_PRIORS: dict[str, dict[str, TierCost]] = {
+    machine: {name: TierCost(name, latency, bandwidth) for name, latency, bandwidth in rows}
+    for machine, rows in _PRICES.items()
+}
+# What ``kvtier analyze`` prices with unless told otherwise (callers copy it before editing).
+DEFAULT_TIER_COSTS: dict[str, TierCost] = TIER_COST_PRIORS["h200"]
 
 
 def get_model_profile(name: str) -> ModelProfile:

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cachestore.cost.model import (
-    DEFAULT_TIER_COSTS,
     LLAMA3_8B_H200_PREFILL,
     STRATEGY_LOAD_PREFIX,
     STRATEGY_RECOMPUTE,
+    TIER_COST_PRIORS,
     Decision,
     PrefillCost,
     TierCost,
@@ -63,22 +63,8 @@ class CostPriors:
     block_tokens: int = 16
 
 
-# A remote cache server is reached over loopback shared memory or TCP; a typical figure until
-# calibration measures it.
-_REMOTE_PRIOR = TierCost("remote", 200e-6, 5.0e9)
-
-# A tiny model on a few CPU cores (the embedded demo model, fp32): the "GPU" is host memory, so
-# the host hop is a memcpy. Rough figures from this project's 2-core CI machine; calibrate.
-_CPU_TIER_COSTS = {
-    t.name: t
-    for t in (
-        TierCost("host", 5e-6, 5.0e9),
-        TierCost("lmdb", 50e-6, 1.0e9),
-        TierCost("redis", 300e-6, 0.5e9),
-        TierCost("s3", 10e-3, 0.1e9),
-        TierCost("remote", 200e-6, 1.0e9),
-    )
-}
+# The CPU prior's prefill: the embedded demo model on a few cores (the tiers' prices are
+# ``TIER_COST_PRIORS["cpu"]``); rough figures, calibrate.
 _CPU_DEMO_PREFILL = PrefillCost(fixed_s=5e-3, per_token_s=60e-6, attention_s=5e-9)
 _DEMO_KV_BYTES_PER_TOKEN = 4 * 4 * 32 * 2 * 4  # 4 layers x 4 KV heads x 32 x (K, V) x fp32
 
@@ -88,11 +74,11 @@ def default_priors(kind: str) -> CostPriors:
     31 ms / 4K 120 ms / 16K 577 ms) or ``cpu`` (the demo model on a small CPU).
     Raises ValueError for another name."""
     if kind == "h200-llama-3-8b":
-        costs = {**DEFAULT_TIER_COSTS, "remote": _REMOTE_PRIOR}
         block_bytes = get_model_profile("llama-3-8b").block_bytes(16)
-        return CostPriors(kind, costs, LLAMA3_8B_H200_PREFILL, block_bytes)
+        return CostPriors(kind, dict(TIER_COST_PRIORS["h200"]), LLAMA3_8B_H200_PREFILL,
+                          block_bytes)
     if kind == "cpu":
-        return CostPriors(kind, dict(_CPU_TIER_COSTS), _CPU_DEMO_PREFILL,
+        return CostPriors(kind, dict(TIER_COST_PRIORS["cpu"]), _CPU_DEMO_PREFILL,
                           _DEMO_KV_BYTES_PER_TOKEN * 16)
     raise ValueError(f"unknown cost prior {kind!r}; choose 'h200-llama-3-8b' or 'cpu'")
 

@@ -10,13 +10,13 @@ again. Host-tier evictions demote to LMDB, LMDB's to Redis/S3 below, in the back
 SIGTERM/SIGINT drain: requests already received are answered, then everything closes.
 The only module of the daemon that reads files named on the command line (tokens, YAML).
 
-Memory (issue 16, F7; docs/cache_server.md "Memory"): the daemon's anonymous memory beyond its
+Memory (docs/cache_server.md "Memory"): the daemon's anonymous memory beyond its
 host tier is bounded by its queues and buffers. Two settings here bound what the defaults
 left loose: the store's background queues hold at most ``DAEMON_QUEUE_BATCHES`` batches per
 tier (each a put's worth of evicted block copies; with write-through they are already on
 disk), and freed payload buffers go back to the OS every ``TRIM_INTERVAL_S``
-(``cachestore.server.trim``: glibc's ``malloc_trim``) instead of staying in glibc's arenas (300 MB
-kept after a load, before).
+(``cachestore.server.trim``: glibc's ``malloc_trim``) instead of staying in glibc's arenas
+(about 300 MB after a load without it).
 """
 
 from __future__ import annotations

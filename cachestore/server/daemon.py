@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import zmq
@@ -43,7 +44,7 @@ import zmq
 from cachestore.server.config import ServerConfig, is_loopback
 from cachestore.server.doorbell import Doorbell
 from cachestore.server.leases import LeaseOffer
-from cachestore.server.ops import OpHandler, Reply, RequestRecord
+from cachestore.server.ops import OpHandler
 from cachestore.server.usage import NamespaceUsage
 from cachestore.store.hierarchical import HierarchicalStore
 from tiers.remote import shm
@@ -51,6 +52,8 @@ from tiers.remote.protocol import (
     OPEN_TENANT,
     ErrorCode,
     ProtocolError,
+    Reply,
+    RequestRecord,
     TokenTable,
     error_header,
     pack,
@@ -242,7 +245,7 @@ class CacheServer:
         except (ProtocolError, UnicodeDecodeError):
             return None
 
-    def _loop(self, router: zmq.Socket, pool: ThreadPoolExecutor,
+    def _loop(self, router: zmq.Socket[bytes], pool: ThreadPoolExecutor,
               replies: queue.SimpleQueue[tuple[bytes, Reply]], wake_r: int, wake_w: int) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
@@ -308,14 +311,14 @@ class CacheServer:
                         continue
                     self.inflight += 1
                     fut = pool.submit(self._handler.run, parsed)
-                    fut.add_done_callback(lambda f, ident=identity: finish(ident, f))
+                    fut.add_done_callback(partial(finish, identity))
             if events:
                 # Spin for the next request only after small messages: one that follows a
                 # large transfer is at least that transfer away, and the spin would take the
                 # CPU from the ZMQ I/O thread still moving the bytes (2 shared cores).
                 busy_until = time.perf_counter() + spin_s if moved <= SPIN_MAX_BYTES else 0.0
 
-    def _flush(self, router: zmq.Socket, replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> int:
+    def _flush(self, router: zmq.Socket[bytes], replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> int:
         """Send the pool's finished replies; returns their payload bytes."""
         moved = 0
         while True:
@@ -327,7 +330,7 @@ class CacheServer:
             moved += _send(router, identity, reply, copy=False)
 
 
-def _send(router: zmq.Socket, identity: bytes, reply: Reply, copy: bool) -> int:
+def _send(router: zmq.Socket[bytes], identity: bytes, reply: Reply, copy: bool) -> int:
     """Send one reply. ``copy``: ZMQ copies the payloads before returning; else it sends them
     zero copy, holding a reference to each payload until its bytes are on the wire (owned
     bytes, or host-tier views lent by ``HostReads.lend``, unpinned when released)."""

@@ -76,7 +76,7 @@ SECRET_TTL_S = 30.0
 REQUEST_ARENA_BYTES = 8 << 20
 # Arenas of all of a listener's connections together (16 connections' worth): past it, a
 # new connection reads its payloads into buffers freed after each request, so 256 idle
-# connections cannot hold 2 GiB between them (issue 16, F7).
+# connections cannot hold 2 GiB between them.
 MAX_ARENA_BYTES = 128 << 20
 MAX_PENDING_SECRETS = 1024
 

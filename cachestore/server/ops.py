@@ -297,7 +297,7 @@ class OpHandler:
         if not ikeys:
             return {"sizes": [], **({"shm_offsets": []} if segment is not None else {})}, []
         # Host-tier views are read only under this request's own pins (never a block a
-        # concurrent put may evict, or whose pin another request may drop): issue 16, F1.
+        # concurrent put may evict, or whose pin another request may drop).
         values, pinned = self.store.get_many_pinned(ikeys)
         try:
             if self._fast is not None:

@@ -9,14 +9,14 @@ header is checked against the one the daemon last saw for the (tenant, namespace
 ``HostReads`` hint, for the put's key: a keyed block, codec version 2, names its key); only a
 block without a matching hint goes through ``decode_block``, whose second pass also names the
 exact reason of a refusal. A keyed block of another key than the one it is put under is
-refused (``BAD_BLOCK``): it would be served as that key's block (issue 16, F1).
+refused (``BAD_BLOCK``): it would be served as that key's block.
 
 ``put_views`` finds the payloads (frames or the client's segment); ``store_put`` checks them,
 the tenant's quota, and writes them. Thread-safe (the store and usage lock themselves).
 
-Races: two puts of one key at once used to leave the later one's ``put_many`` with nothing
-to write (the store skips keys another put is writing), answered INTERNAL: 2-4% of ops under
-a hostile load. ``PutClaims`` finds them first: a key some other request is putting is left
+Races: of two puts of one key at once, the later one's ``put_many`` would find nothing to
+write (the store skips keys another put is writing) and answer INTERNAL (2-4% of ops under a
+hostile load, docs/cache_server.md). ``PutClaims`` finds them first: a key some other request is putting is left
 out of this one and counted (``num_raced``, the ``kvtier_server_put_races`` metric); a put
 whose every key raced is answered ``PUT_RACED``, not an error of the store.
 """

@@ -6,7 +6,7 @@ blocks this daemon already verified (put payloads are checksummed and decoded be
 stored; lower-tier blocks are checksummed before they are promoted). What is still checked per
 block is its stored codec header and size (``HierarchicalStore.locate_host``), as the engine's
 host fast path does (docs/offload_design.md); the header of a keyed block (codec version 2)
-names its key, so a block lying under another key is a miss there (issue 16, F1).
+names its key, so a block lying under another key is a miss there.
 
 Over ZMQ frames the blocks are lent rather than copied (``HostReads.lend``): the reply frames
 are the pinned slab views themselves, sent zero copy, and each block's pin is released when

@@ -106,7 +106,7 @@ def human_size(n: int) -> str:
 
 def describe_tier(cfg: TierConfig) -> str:
     """One tier for the start-up block: kind, size, where (passwords and tokens hidden)."""
-    from tiers.redis import redact_url
+    from tiers.config import redact_url
 
     kind = type(cfg).kind
     if isinstance(cfg, HostTierConfig):

@@ -127,7 +127,7 @@ class HierarchicalStore:
             for i in range(num_tiers):
                 span = known[i]
                 if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
-                    n = self._call(i, lambda t, p=p: t.lookup(keys[p:]), 0)
+                    n = self._call(i, _lookup(keys[p:]), 0)
                     if span is None:
                         first[i] = n
                     span = known[i] = (p, n)
@@ -166,7 +166,7 @@ class HierarchicalStore:
         ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
         (owned bytes, promoted as usual) even if a concurrent put has placed it in the host
         tier since -- a host view of an entry nobody pinned for us may be evicted and its slot
-        reused by another key while the caller still copies it (issue 16, F1). Without a
+        reused by another key while the caller still copies it. Without a
         slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
         failures."""
         if self._host.slab is None or not keys:
@@ -242,6 +242,13 @@ class HierarchicalStore:
         out = self._host.locate(keys, header, nbytes)
         self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
         return out
+
+    def locate_host_run(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+                        ) -> tuple[int, ...]:
+        """Slab offsets of the leading run of ``keys`` whose host blocks pass the header
+        check, pinned (hits past it unpinned): ``locate_host``, then ``HostFastPath.keep_run``.
+        Balance with ``unpin_host(keys[:len(result)])``."""
+        return self._host.keep_run(keys, self.locate_host(keys, header, nbytes))
 
     def stage_host(self, keys: Sequence[str]) -> int:
         """Pin ``keys`` in the host tier, placing lower-tier blocks there when all fit; the
@@ -404,7 +411,7 @@ class HierarchicalStore:
         flush_tier, flushed, present, left = None, 0, 0, 0
         if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
             flush_tier = self._stats[target].name
-            keys = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
+            keys: list[str] = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
             flushed, present, left = self._through.flush_down(
                 target, keys, time.monotonic() + drain_timeout_s)
         self._movers.flush()
@@ -453,3 +460,8 @@ class HierarchicalStore:
             self._registry.unregister(self._collector)
         for tier in self.tiers:
             tier.close()
+
+
+def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
+    """A tier call's function, built outside the caller's loop."""
+    return lambda tier: tier.lookup(keys)

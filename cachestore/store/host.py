@@ -58,6 +58,13 @@ class HostFastPath:
                                          time.perf_counter() - t0)
         return out
 
+    def keep_run(self, keys: Sequence[str], offsets: Sequence[int | None]) -> tuple[int, ...]:
+        """The leading run of ``locate``'s ``offsets`` for ``keys`` (up to the first miss); the
+        pins of hits past it are undone at once."""
+        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
+        self.unpin([k for k, o in zip(keys[lead:], offsets[lead:], strict=True) if o is not None])
+        return tuple(o for o in offsets[:lead] if o is not None)
+
     def stage(self, keys: Sequence[str]) -> int:
         """Pin ``keys`` in the host tier, reading the ones it lacks from the lower tiers and
         writing them there first when they all fit beside the pinned and reserved entries;

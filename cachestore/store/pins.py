@@ -13,7 +13,7 @@
   one claim and unpins only what exceeds the claims left. Why not "unpin what is recorded":
   a caller whose ``prepare_load`` found the key absent (no pin) would then take the pin of a
   later caller that found it present, whose host-slab view could be evicted and its slot
-  reused for another key while it was still copying it out (issue 16, F1).
+  reused for another key while it was still copying it out.
 
 Thread-safe: one lock guards the sets and counts; tier calls are made outside it, through
 ``GuardedTiers.call`` (a tier failure pins or finds nothing, never raises). Torch-free.
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.types import PinningTier
-from tiers.base import Value
+from tiers.base import Tier, Value
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class StorePins:
             fresh = [k for k in dict.fromkeys(keys) if k not in self._storing
                      and k not in self._writing]
             self._storing.update(fresh)
-        present = {k for k in fresh if self._tiers.call(0, lambda t, k=k: t.contains(k), False)}
+        present = {k for k in fresh if self._tiers.call(0, _contains(k), False)}
         if present:
             with self._lock:
                 self._storing.difference_update(present)
@@ -90,7 +90,7 @@ class StorePins:
         for i, tier in enumerate(self._tiers.tiers):
             if not keys or not isinstance(tier, PinningTier):
                 continue
-            flags = self._tiers.call(i, lambda t: t.pin_each(keys), None)  # type: ignore[attr-defined]
+            flags = self._tiers.call(i, _pin_each(keys), None)
             if flags is None:
                 continue
             with self._lock:
@@ -122,9 +122,23 @@ class StorePins:
                         del self._load_pins[(i, key)]
         for i, mine in enumerate(unpin):
             if mine:
-                self._tiers.call(i, lambda t, m=mine: t.unpin(m), None)  # type: ignore[attr-defined]
+                self._tiers.call(i, _unpin(mine), None)
 
     def counts(self) -> PinCounts:
         """A consistent snapshot of the in-flight keys and the load pins."""
         with self._lock:
             return PinCounts(len(self._storing | self._writing), sum(self._load_pins.values()))
+
+
+# A tier call's function per key list, built outside the caller's loop (the loop variable is
+# bound here, once per call).
+def _contains(key: str) -> Callable[[Tier], bool]:
+    return lambda tier: tier.contains(key)
+
+
+def _pin_each(keys: Sequence[str]) -> Callable[[Tier], list[bool] | None]:
+    return lambda tier: tier.pin_each(keys) if isinstance(tier, PinningTier) else None
+
+
+def _unpin(keys: Sequence[str]) -> Callable[[Tier], None]:
+    return lambda tier: tier.unpin(keys) if isinstance(tier, PinningTier) else None

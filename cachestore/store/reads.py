@@ -83,7 +83,7 @@ class StoreReads:
                 break
             wanted = [keys[j] for j in remaining]
             t0 = time.perf_counter()
-            values = self._tiers.call(i, lambda t, w=wanted: t.get_many(w), _SKIP)
+            values = self._tiers.call(i, _get_many(wanted), _SKIP)
             if values is _SKIP:
                 continue
             seconds = time.perf_counter() - t0
@@ -229,3 +229,8 @@ def _check(tier: Tier, value: Value, key: str, config: StoreConfig) -> DecodedBl
     except CodecError as exc:
         log.warning("tier %s: corrupt block %s (%s)", tier.name, key, exc.reason)
         return exc
+
+
+def _get_many(keys: Sequence[str]) -> Callable[[Tier], list[Value | None]]:
+    """A tier call's function, built outside the caller's loop."""
+    return lambda tier: tier.get_many(keys)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from tiers.config import WRITE_BACK, WRITE_POLICIES, TierStackConfig
+from tiers.config import WRITE_BACK, WRITE_POLICIES, HostTierConfig, TierStackConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +44,8 @@ class WritePolicy:
 def write_policies(config: TierStackConfig) -> tuple[WritePolicy, ...]:
     """Each tier's ``WritePolicy``, top first (a host tier's is write-back: saves land there)."""
     return tuple(
-        WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
-        if hasattr(c, "write_policy") else WritePolicy()
+        WritePolicy() if isinstance(c, HostTierConfig)
+        else WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
         for c in config.tiers
     )
 

@@ -14,8 +14,8 @@ decode kernels on a second stream so that a decode runs beside the next copy:
   One CUDA event per group, after its decode: the forward's attention of layer ``l`` waits
   only for its group's event (``KVCache.set_layer_ready``), so the forward runs while later
   groups are still on the link. The copies are DMA (``connectors.device.copy2d``), the SMs stay
-  free. On the H200 a 16K prefix loads so in 38-42 ms against 42-47 whole (docs/offload.md,
-  session 6); one layer a copy (16-32 KiB rows, run 26) had been slower than whole payloads.
+  free. On the H200 a 16K prefix loads so in 38-42 ms against 42-47 whole; one layer a copy
+  (16-32 KiB rows) is slower than whole payloads (docs/offload.md).
 
 On the CPU ``to_device`` decodes straight from the slab; ``to_device_layers`` (tests, with
 ``force_layers``) runs the same staging steps synchronously. Not thread-safe: one caller (the engine thread).
@@ -144,7 +144,7 @@ class StagedDecoder:
     def layer_groups(self) -> list[tuple[int, int]]:
         """The ``[first, end)`` layers each layer-wise copy moves. ``layers_per_copy`` of them;
         or (0, automatic) the fewest that make a codes row of ``MIN_ROW_BYTES`` (2-D DMA over
-        narrow rows runs below the link's speed: run 26), the last such group halved down to
+        narrow rows runs below the link's speed, docs/offload.md), the last such group halved to
         rows of ``MIN_TAIL_ROW_BYTES`` (what lands last is what the forward waits for at the
         end: its own layers only)."""
         n, m = self.num_layers, self.codec.segment_values

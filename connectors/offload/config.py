@@ -77,7 +77,7 @@ class OffloadConfig:
     # layer's attention waiting only for its layer (with compression: groups of layers' parts
     # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
     # "auto" (the default): on with compression, where the H200 measured it faster (a 16K
-    # prefix in 38-39 ms against 42-46 whole, docs/offload.md run 27), off for raw blocks,
+    # prefix in 38-39 ms against 42-46 whole, docs/offload.md), off for raw blocks,
     # where it did not beat whole-block copies.
     layered_loads: bool | str = "auto"
     # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at

@@ -5,7 +5,7 @@
   header checked) while planning, so each block is ONE slab -> cache copy issued now
   (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
   compute stream waits on, since this step's forward reads them).
-- async loads: ``store.locate_host`` finds the leading host-tier blocks (header checked, not the
+- async loads: ``store.locate_host_run`` finds the leading host-tier blocks (header checked, not the
   checksum: this process wrote them), copied the same way; the rest (lower tiers) goes through
   one background thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by
   chunk, each chunk read into a pinned staging slot and its copy into the cache issued by that
@@ -35,6 +35,7 @@ import torch
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
 from cachestore.cost.online import OnlineCostModel
+from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
@@ -61,8 +62,8 @@ class _Load:
     copied: int = 0  # leading blocks whose copies were issued
     staging: cf.Future[_Staged] | cf.Future[PipedLoad] | None = None
     job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
-    staged_keys: tuple[str, ...] = ()  # pinned by ``stage_host``: unpin when done
-    located: list[str] = field(default_factory=list)  # pinned by ``locate_host``: likewise
+    staged_keys: tuple[BlockKey, ...] = ()  # pinned by ``stage_host``: unpin when done
+    located: list[BlockKey] = field(default_factory=list)  # pinned by ``locate_host_run``: likewise
     event: object | None = None  # CUDA: recorded after the last issued copy
     timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
     copy_seconds: float = 0.0  # CPU
@@ -210,7 +211,7 @@ class HostLoader:
         else:
             self.store.complete_load(load.keys)
 
-    def _stage(self, keys: tuple[str, ...]) -> _Staged:
+    def _stage(self, keys: tuple[BlockKey, ...]) -> _Staged:
         """Load thread: lower-tier blocks into pinned host slots. Never raises."""
         t0 = time.perf_counter()
         try:
@@ -225,7 +226,7 @@ class HostLoader:
             data = None
         return _Staged(n, time.perf_counter() - t0, data)
 
-    def _read_through(self, keys: tuple[str, ...]) -> torch.Tensor:
+    def _read_through(self, keys: tuple[BlockKey, ...]) -> torch.Tensor:
         """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
         every slot pinned): the leading ones, read through the store into one host tensor
         (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
@@ -244,16 +245,14 @@ class HostLoader:
             self.store.unpin_host(pinned)
         return data
 
-    def _locate_and_copy(self, pending: _Load, keys: tuple[str, ...]) -> int:
+    def _locate_and_copy(self, pending: _Load, keys: tuple[BlockKey, ...]) -> int:
         """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
         next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
-        offsets = self.store.locate_host(keys, [self._headers.for_key(k) for k in keys],
-                                         self._total)
-        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
-        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
-                               if o is not None])
+        offsets = self.store.locate_host_run(keys, [self._headers.for_key(k) for k in keys],
+                                             self._total)
+        lead = len(offsets)
         pending.located.extend(keys[:lead])
-        self._copy(pending, offsets[:lead])  # type: ignore[arg-type]
+        self._copy(pending, list(offsets))
         return lead
 
     def _copy_in_step(self, loads: list[_Load]) -> None:

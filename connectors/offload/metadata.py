@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cachestore.hashing import BlockKey
 from engine.ttft import LoadTiming
 
 
@@ -37,7 +38,7 @@ class BlockSave:
     """Copy GPU block ``block_id`` out to the tiers under ``key`` (``block_key`` of its hash)."""
 
     block_id: int
-    key: str
+    key: BlockKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class BlockLoad:
 
     req_id: str
     block_ids: tuple[int, ...]
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     first_token: int
     source_tiers: tuple[str, ...] = ()  # the tier expected to serve each block (for pricing)
     # In-step load: the host slab offset of each block's encoded slot, located (header checked)

@@ -1,7 +1,7 @@
 """Pipelined lower-tier loads: tier read, pinned staging and the copy into the GPU cache overlap.
 
-A load from a tier below the host (LMDB, Redis, S3, the cache server) used to read every block,
-then stage them all, then copy them all: its time was the sum of the three. ``LoadPipeline``
+A load from a tier below the host (LMDB, Redis, S3, the cache server) that read every block,
+then staged them all, then copied them all would take the sum of the three. ``LoadPipeline``
 splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring of ``depth``
 staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
 ``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
 from engine.kv_cache import KVCache
 
@@ -65,7 +66,7 @@ class PipeJob:
     (``cancel``, ``progress``) and the load thread (``run``), under ``lock``."""
 
     block_ids: tuple[int, ...]
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     ready: object | None = None  # CUDA: recorded on the compute stream when the load began
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
@@ -155,7 +156,7 @@ class LoadPipeline:
         cpu_s = sum(f.result() for f in cpu_copy)
         return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
 
-    def read_chunk(self, keys: tuple[str, ...], rows: torch.Tensor) -> int:
+    def read_chunk(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
         """THE read step: the payloads of ``keys`` into ``rows`` (``[len(keys), bytes_per_block]``
         uint8 staging); how many leading keys were read (a miss or a short value ends it)."""
         values, pinned = self.store.get_many_pinned(keys, decoded=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.offload.stats import OffloadStats
 
@@ -38,7 +39,7 @@ DONE = "done"
 
 @dataclass(slots=True)
 class _Job:
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     future: Future[None] | None = None
     pinned: tuple[str, ...] = ()  # host pins this job holds (set by the thread)
     placed: dict[str, str] = field(default_factory=dict)  # read up from a lower tier -> its name
@@ -66,7 +67,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         self._closed = False
 
-    def start(self, req_id: str, keys: Sequence[str], first_block: int, num_tokens: int) -> bool:
+    def start(self, req_id: str, keys: Sequence[BlockKey], first_block: int,
+              num_tokens: int) -> bool:
         """Begin prefetching ``keys`` (the request's blocks past its GPU hit, block
         ``first_block`` on). False (nothing started) when there is nothing to do or the budget
         is spent."""

@@ -11,7 +11,7 @@
   waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
   head ``[0, m)`` (``ExternalHit.num_head_tokens``).
 - In-step loads (``block_meta`` given): a ``load_prefix`` whose blocks all sit in the host
-  tier is located in the slab now (``store.locate_host``: the codec header checked, the slots
+  tier is located in the slab now (``store.locate_host_run``: the codec header checked, the slots
   pinned) and offered as ``ExternalHit(load_async=False)``: the scheduler counts those tokens as
   computed at admission, and the worker copies the slots in before that same step's forward.
   A slot that fails its header check (or is gone) ends the load there: the rest is recomputed,
@@ -20,8 +20,7 @@
 - Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
   only: an in-step load was counted at admission).
-- Keys: ``namespace_prefix/hex(hash)`` (``cachestore.hashing.block_key``), with the prefix
-  computed once here rather than once per block (it is a sha256 of the namespace).
+- Keys: ``cachestore.hashing.block_key`` of each block hash (``BlockKey``).
 
 Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
 """
@@ -41,7 +40,7 @@ from cachestore.cost.model import (
     Option,
 )
 from cachestore.cost.online import OnlineCostModel
-from cachestore.hashing import BlockHash, Namespace
+from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
 from connectors.offload.prefetch import PENDING, Prefetcher
@@ -58,7 +57,7 @@ class _Plan:
     """The answer of ``get_num_new_matched_tokens`` for one request, kept for the allocation."""
 
     num_computed_tokens: int
-    keys: tuple[str, ...]  # every available block's key past the GPU hit
+    keys: tuple[BlockKey, ...]  # every available block's key past the GPU hit
     tiers: tuple[str, ...]  # the tier serving each of them
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
@@ -95,7 +94,6 @@ class OffloadScheduler:
         (``connectors.offload.prefetch``), at most that many blocks pinned at once."""
         self.store = store
         self.namespace = namespace
-        self._key_prefix = namespace.key_prefix()
         self._in_step = block_meta is not None and store.host_slab() is not None
         # Blocks carry their key (codec version 2): the header check names it.
         self._headers = (HeaderTemplate(block_meta, keyed=True) if block_meta is not None
@@ -105,7 +103,7 @@ class OffloadScheduler:
         self.decision = decision
         self.cost_model = cost_model
         self.stats = stats
-        self._pending_saves: dict[int, str] = {}  # block id -> key, freed since the last step
+        self._pending_saves: dict[int, BlockKey] = {}  # block id -> key, freed since the last step
         self._reused = False
         self._plans: dict[str, _Plan] = {}
         self._new_loads: list[BlockLoad] = []
@@ -120,9 +118,8 @@ class OffloadScheduler:
 
     # -- BlockPoolListener ---------------------------------------------------------------
 
-    def _key(self, block_hash: BlockHash) -> str:
-        """``block_key(namespace, block_hash)`` without re-hashing the namespace per block."""
-        return f"{self._key_prefix}/{block_hash.hex()}"
+    def _key(self, block_hash: BlockHash) -> BlockKey:
+        return block_key(self.namespace, block_hash)
 
     def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None:
         self._pending_saves[block_id] = self._key(block_hash)
@@ -194,16 +191,12 @@ class OffloadScheduler:
             num_head_tokens=head * bs,
         )
 
-    def _locate(self, keys: list[str]) -> tuple[int, ...]:
+    def _locate(self, keys: list[BlockKey]) -> tuple[int, ...]:
         """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
         pinned; pins past that run are undone at once."""
         headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
                    else [b""] * len(keys))
-        offsets = self.store.locate_host(keys, headers, self._slot_bytes)
-        lead = next((i for i, o in enumerate(offsets) if o is None), len(offsets))
-        self.store.unpin_host([k for k, o in zip(keys[lead:], offsets[lead:], strict=True)
-                               if o is not None])
-        return tuple(offsets[:lead])  # type: ignore[arg-type]
+        return self.store.locate_host_run(keys, headers, self._slot_bytes)
 
     def _drop_plan(self, req_id: str) -> None:
         plan = self._plans.pop(req_id, None)
@@ -290,7 +283,7 @@ class OffloadScheduler:
             # Pin now, in the same schedule() as the lookup, so that saves written before the
             # load thread reads cannot evict these blocks from the host tier meanwhile. The
             # worker's load thread unpins them (complete_load) when its read ends. (An in-step
-            # load's slots were pinned by ``locate_host``; the worker unpins them.)
+            # load's slots were pinned by ``locate_host_run``; the worker unpins them.)
             self.store.prepare_load(list(plan.keys[loaded]))
         load = BlockLoad(
             request.req_id,

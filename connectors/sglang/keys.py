@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import string
 
-from cachestore.hashing import Namespace
+from cachestore.hashing import BlockKey, Namespace, key_of_digest
 
 LAYOUT_VERSION = 1  # bump when the stored page payload changes (pages.PageLayout)
 _HEX = frozenset(string.hexdigits.lower())
@@ -65,8 +65,8 @@ def make_namespace(model_fingerprint: str, layout: str, page_size: int, tp_rank:
                      tp_rank=tp_rank, tp_size=tp_size, kv_format=layout)
 
 
-def page_key(prefix: str, sglang_key: str) -> str:
+def page_key(prefix: str, sglang_key: str) -> BlockKey:
     """The kvtier key of the page SGLang names ``sglang_key``. Pure."""
     if 0 < len(sglang_key) <= 128 and set(sglang_key) <= _HEX:
-        return f"{prefix}/{sglang_key}"
-    return f"{prefix}/{hashlib.sha256(sglang_key.encode()).hexdigest()}"
+        return key_of_digest(prefix, sglang_key)
+    return key_of_digest(prefix, hashlib.sha256(sglang_key.encode()).hexdigest())

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from cachestore.hashing import BlockHash, Namespace, block_key, hash_request_tokens
+from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key, hash_request_tokens
 
 LAYOUT_VERSION = 1  # bump when the stored vLLM block layout changes (worker.KvLayout)
 
@@ -59,9 +59,9 @@ class RequestKeys:
     namespace: Namespace
     extra: tuple[str, ...] = ()
     hashes: list[BlockHash] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)
 
-    def first(self, token_ids: Sequence[int], num_blocks: int) -> list[str]:
+    def first(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockKey]:
         """Keys of the first ``num_blocks`` full blocks of ``token_ids`` (fewer when
         ``token_ids`` holds fewer full blocks). ``token_ids`` must extend the ids seen before.
         Raises ValueError for ids outside int32."""

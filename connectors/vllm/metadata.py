@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cachestore.hashing import BlockKey
+
 
 @dataclass(frozen=True, slots=True)
 class LoadJob:
     req_id: str
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]  # vLLM block ids, one per key
     tiers: tuple[str, ...]  # the tier the scheduler saw serving each key
 
@@ -25,7 +27,7 @@ class LoadJob:
 @dataclass(frozen=True, slots=True)
 class SaveJob:
     req_id: str
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
 
 

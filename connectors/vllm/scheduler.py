@@ -31,7 +31,7 @@ from typing import Any
 
 from cachestore.cost.model import STRATEGY_RECOMPUTE, Option
 from cachestore.cost.online import OnlineCostModel
-from cachestore.hashing import Namespace
+from cachestore.hashing import BlockKey, Namespace
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.vllm.keys import RequestKeys, extra_keys_of
 from connectors.vllm.metadata import LoadJob, SaveJob, StepPlan, WorkerFeedback
@@ -53,7 +53,7 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class _Plan:
     num_computed_tokens: int
-    keys: tuple[str, ...]
+    keys: tuple[BlockKey, ...]
     tiers: tuple[str, ...]
 
 

@@ -28,7 +28,8 @@ def test_each_tier_kind_says_where_and_how_big_without_secrets() -> None:
         "lmdb": ({"path": "/var/kv", "capacity": "100GiB"}, "lmdb  max 100GiB at /var/kv"),
         "redis": ({"url": "redis://:pw@r:6379/0", "ttl_s": 60},
                   "redis bounded by the server's maxmemory at redis://:***@r:6379/0, ttl 60s"),
-        "s3": ({"bucket": "kv", "endpoint_url": "http://minio:9000", "secret_access_key": "S"},
+        "s3": ({"bucket": "kv", "endpoint_url": "http://minio:9000", "access_key_id": "A",
+               "secret_access_key": "S"},
                "s3    unbounded at s3://kv/kv/ via http://minio:9000"),
         "remote": ({"url": "tcp://cs:7000", "token": "T0K"}, "remote at tcp://cs:7000, token set"),
     }

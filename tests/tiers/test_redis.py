@@ -207,9 +207,9 @@ def test_capacity_is_shared_by_clients_and_survives_a_new_client(
 def test_capacity_config_is_checked() -> None:
     with pytest.raises(ValueError, match="capacity must be positive"):
         RedisTierConfig(capacity=0)
-    with pytest.raises(ValueError, match="capacity needs a single Redis server"):
+    with pytest.raises(ValueError, match="'capacity' needs a single Redis server"):
         RedisTierConfig(url="redis+cluster://127.0.0.1:7000", capacity=100)
-    with pytest.raises(ValueError, match="capacity needs a single Redis server"):
+    with pytest.raises(ValueError, match="'capacity' needs a single Redis server"):
         RedisTierConfig(cluster=True, capacity=100)
 
 

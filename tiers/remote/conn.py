@@ -67,7 +67,7 @@ SPIN_MAX_BYTES = 256 << 10
 class Conn:
     """One thread's socket, segment, doorbell and negotiated limits."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
         self.next_id = 1
         self.hello_done = False
@@ -282,7 +282,7 @@ class Connections:
             raise TierError(f"cache server {self.url}: {exc}") from exc
         return [replies[i] for i in ids]
 
-    def _wait_in(self, sock: zmq.Socket, deadline: float, spin: bool) -> bool:
+    def _wait_in(self, sock: zmq.Socket[bytes], deadline: float, spin: bool) -> bool:
         """Whether a reply arrived before ``deadline``: polled without blocking for up to
         ``spin_s`` if ``spin`` (yielding between polls; a blocked thread's wake-up costs tens
         of us here), then a blocking poll."""

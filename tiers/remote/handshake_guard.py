@@ -62,7 +62,7 @@ class HandshakeGuard:
     """Caps the ROUTER's pending (unauthenticated) connections at ``max_pending``.
     ``num_cut`` counts the connections it shut down. Thread-safe to ``stop``."""
 
-    def __init__(self, router: zmq.Socket, max_pending: int, handshake_s: float) -> None:
+    def __init__(self, router: zmq.Socket[bytes], max_pending: int, handshake_s: float) -> None:
         """``router``: bound to a tcp:// endpoint. Raises ValueError for ``max_pending < 1``."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")

@@ -214,7 +214,8 @@ def is_loopback(url: str) -> bool:
 
 
 def pack(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
+    packed: bytes = msgpack.packb(header, use_bin_type=True)
+    return packed
 
 
 def unpack_request(raw: bytes | memoryview, limits: ServerLimits) -> dict[str, Any]:

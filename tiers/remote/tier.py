@@ -129,7 +129,7 @@ class RemoteTier(Tier):
         conn = self._net.get()
         out: list[Value | None] = []
         chunks = _chunks(list(keys), min(self.batch_keys, conn.max_keys))
-        requests = []
+        requests: list[tuple[dict[str, Any], list[Value]]] = []
         region = conn.segment.size // max(len(chunks), 1) if conn.segment is not None else 0
         for i, chunk in enumerate(chunks):
             header: dict[str, Any] = {"op": "get", "keys": chunk}

@@ -42,7 +42,7 @@ def plain_password(token: str | None) -> bytes:
     return raw
 
 
-def secure_client(sock: zmq.Socket, token: str | None) -> None:
+def secure_client(sock: zmq.Socket[bytes], token: str | None) -> None:
     """Set the PLAIN credentials ``kvtier cache-server`` expects on a client socket (before
     connect)."""
     sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USERNAME)
@@ -54,7 +54,7 @@ class ZapHandler:
     (its tenant name becomes the connection's User-Id), 400 for anything else.
     ``accept(password) -> tenant name | None`` must not raise and must be fast."""
 
-    def __init__(self, ctx: zmq.Context, accept: Callable[[bytes], str | None]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], accept: Callable[[bytes], str | None]) -> None:
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
@@ -64,7 +64,7 @@ class ZapHandler:
         self.num_denied = 0  # handshakes refused (tests, diagnostics)
         self.handshake_guard: HandshakeGuard | None = None
 
-    def guard(self, router: zmq.Socket, max_pending: int, handshake_s: float) -> None:
+    def guard(self, router: zmq.Socket[bytes], max_pending: int, handshake_s: float) -> None:
         """Cap ``router``'s connections still in their handshake at ``max_pending``
         (``HandshakeGuard``; a tcp:// router after bind, else nothing to do)."""
         if router.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://"):
@@ -101,7 +101,7 @@ class ZapHandler:
                                            tenant.encode(), b""])
 
 
-def secure_server(sock: zmq.Socket, handshake_s: float) -> None:
+def secure_server(sock: zmq.Socket[bytes], handshake_s: float) -> None:
     """Make ``sock`` (the daemon's ROUTER, before bind) a PLAIN server checked by the
     context's ``ZapHandler``; a peer that has not finished the handshake within
     ``handshake_s`` is dropped."""
