@@ -1,6 +1,6 @@
 """What the HTTP layer needs from an engine, whichever process runs it.
 
-``EngineClient`` is the contract the endpoints use; ``engine.server.async_engine.AsyncEngine``
+``EngineClient`` is the contract the endpoints use; ``engine.core.async_engine.AsyncEngine``
 (the core on a thread of the API process) and ``engine.core.client.EngineCoreClient`` (the core
 in its own process) both satisfy it. ``OutputStream`` is the per-request mailbox both use to
 hand outputs from their background thread to the asyncio consumer; ``StatsSampler`` builds

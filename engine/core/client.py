@@ -89,7 +89,7 @@ class EngineCoreClient:
         """Spawns the core and returns once it has loaded the model. Raises
         EngineStartupError (with the core's message) if it cannot."""
         proc_config = proc_config or CoreProcConfig()
-        from engine.model_sources import resolve_model_dir
+        from engine.models.sources import resolve_model_dir
 
         # Before the spawn, so that only one process builds the demo model or converts a GGUF.
         try:

@@ -43,7 +43,7 @@ def one_line(message: object) -> str:
 def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     if model is None:
         return {"path": "kvtier-demo (embedded, random weights)"}
-    from engine.gguf import is_gguf_path
+    from engine.models.gguf import is_gguf_path
 
     if is_gguf_path(model):
         if not os.path.isfile(model):
@@ -55,8 +55,8 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     if not os.path.isdir(model):
         raise UsageError(f"model {model}: not a directory (an HF model directory or a "
                          ".gguf file)")
-    from engine.model_loader import read_hf_config, resolve_dtype, safetensors_files
     from engine.models import ModelArchConfig, get_model_class
+    from engine.models.loader import read_hf_config, resolve_dtype, safetensors_files
 
     try:
         hf_config = read_hf_config(model)

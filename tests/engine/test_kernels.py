@@ -102,7 +102,7 @@ def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
         pytest.skip("CPU tensors need the interpreter; test_gpu compares the paths on CUDA")
     from engine.config import CacheConfig, EngineConfig
     from engine.core_types import ScheduledRequest, SchedulerOutput
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from engine.sampling_params import SamplingParams
     from tests.engine.hf_models import make_tiny_model
 

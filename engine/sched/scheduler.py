@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import ExternalHit, SchedulerConnector
 from engine.request import Request, RequestStatus
+from engine.sched.kv_cache_manager import KVCacheManager
 
 # Share of the token budget that running prefill chunks leave to waiting requests (when there
 # are any): 512 of the default 2048, room for a later chat round's new tokens.

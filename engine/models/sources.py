@@ -4,8 +4,8 @@ the small real model that a package from the registry ships.
 ``resolve_model_dir`` is what the engine, the engine core and the API process's tokenizer
 load all call, so the three always read the same directory:
 
-- ``None``: the embedded random demo model (``engine.demo_model``);
-- a ``*.gguf`` file: its HF directory converted once into the cache (``engine.gguf``);
+- ``None``: the embedded random demo model (``engine.models.demo_model``);
+- a ``*.gguf`` file: its HF directory converted once into the cache (``engine.models.gguf``);
 - anything else: returned unchanged (an HF directory; the loader checks it).
 
 ``find_packaged_gguf`` locates SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), shipped inside
@@ -26,13 +26,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def resolve_model_dir(model: str | None, cache_dir: str | None = None) -> str:
     """The HF directory to load for ``model`` (see the module docstring). May take a minute
-    the first time for a GGUF; instant afterwards. Raises as ``engine.gguf.ensure_converted``
+    the first time for a GGUF; instant afterwards. Raises as ``engine.models.gguf.ensure_converted``
     for a GGUF path; never for a directory (the loader reports a bad one)."""
     if model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.models.demo_model import ensure_demo_model
 
         return ensure_demo_model(cache_dir)
-    from engine.gguf import ensure_converted, is_gguf_path
+    from engine.models.gguf import ensure_converted, is_gguf_path
 
     if is_gguf_path(model):
         return ensure_converted(model, cache_dir)
