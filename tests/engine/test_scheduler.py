@@ -11,11 +11,12 @@ from __future__ import annotations
 from cachestore.hashing import Namespace
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.kv_connector import ExternalHit, SchedulerConnector
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.block_pool import BlockPool
 from engine.sched.kv_cache_manager import KVCacheManager
-from engine.sched.scheduler import ExternalHit, Scheduler, SchedulerConnector
+from engine.sched.scheduler import Scheduler
 
 BS = 16
 
