@@ -155,8 +155,8 @@ def test_rotary_and_cache_matches_rotary_plus_write_kv(dtype: torch.dtype, heads
                                                        kv_heads: int, dim: int) -> None:
     """One kernel = rotary on q and k + the torch path's write_kv into a block-major layer
     view; slots outside the written ones stay untouched."""
-    from engine.attention.base import write_kv
     from engine.kernels import rotary_and_cache
+    from engine.kernels.reference import write_kv
     from engine.kv_cache import KVCache, KVCacheSpec
     from engine.models.base import RopeConfig
     from engine.models.layers import RotaryEmbedding
