@@ -25,7 +25,7 @@ from bench.common import emit_report, machine_info, percentile
 from engine.chat_tokens import ChatTokenCache
 from engine.core.messages import AddRequest, CoreOutput, encode_request
 from engine.core.output_processor import RequestState
-from engine.demo_model import build_demo_tokenizer
+from engine.models.demo_model import build_demo_tokenizer
 from engine.sampling_params import SamplingParams
 from engine.server.protocol import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
 from engine.server.serving import sse
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     p50 = {path: paths[path]["total_ms"]["p50"] for path in paths}
     return {
-        "machine": machine_info(), "tokenizer": "demo byte-level BPE (engine/demo_model.py)",
+        "machine": machine_info(), "tokenizer": "demo byte-level BPE (engine/models/demo_model.py)",
         "context_tokens": args.context_tokens, "answer_len": args.answer_len,
         "requests_measured": len(prompt_tokens),
         "prompt_tokens": {"min": min(prompt_tokens), "max": max(prompt_tokens)},

@@ -41,10 +41,10 @@ import torch
 from bench.common import machine_info, random_weight_model
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
-from engine.model_loader import LoadedModel
-from engine.model_runner import ModelRunner
 from engine.models import ModelArchConfig
 from engine.models.llama import _FUSED
+from engine.models.loader import LoadedModel
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -303,7 +303,7 @@ def warm_flashinfer(parts: set[str] = frozenset({"prefill", "decode", "sampling"
     bf16 head_dim 128 prefill and decode, and the sampling kernels. Returns seconds per part."""
     from engine.attention.base import AttentionMetadata
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
-    from engine.sampler import Sampler, SampleRequest
+    from engine.runner.sampler import Sampler, SampleRequest
 
     device = torch.device("cuda")
     backend = FlashInferAttentionBackend(8, 2, 128, 128**-0.5)

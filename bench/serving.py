@@ -47,7 +47,7 @@ import httpx
 from bench import chat_load
 from bench.common import emit_report, machine_info, percentile
 from bench.soak import spawn_server, stop_server, wait_healthy
-from engine.demo_model import _CORPUS
+from engine.models.demo_model import _CORPUS
 from engine.ttft import API_PHASES, ENGINE_PHASES
 
 MODES = ("off", "offload", "lossless")

@@ -73,7 +73,7 @@ class Namespace:
     """Everything that makes two caches incompatible; its hash seeds every chain.
 
     ``model_fingerprint`` names the architecture, the weights' identity and the dtype
-    (see ``engine.model_loader.model_fingerprint``). ``cache_salt`` isolates tenants.
+    (see ``engine.models.loader.model_fingerprint``). ``cache_salt`` isolates tenants.
     ``kv_format`` names a stored block format other than the raw one (the offload
     connector's ``compression``), so blocks of two formats never share a key.
     """

@@ -13,7 +13,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("engine.server.cli", "OpenAI-compatible serving engine"),
-    "demo": ("engine.demo", "a multi-turn chat with KV offload on a real (or the tiny) model"),
+    "demo": ("engine.demo.run", "a multi-turn chat with KV offload on a real (or the tiny) model"),
     "cache-server": ("cachestore.server.cli", "standalone KV cache daemon shared by engines"),
     "analyze": ("cachestore.analyze.cli", "cache-hit analysis of a request trace"),
 }

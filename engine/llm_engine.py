@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.core_types import SchedulerOutput
-from engine.kv_cache_manager import KVCacheManager
 from engine.kv_stats import KVStats
 from engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.request_log import RequestLog, RequestLogEntry
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.block_pool import BlockPool
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
 from engine.ttft import LoadTiming, clean_api_times
 
@@ -79,11 +79,11 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, *, debug: bool = False, detokenize: bool = True
     ) -> None:
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         self.config = config
         self.detokenize = detokenize
-        from engine.model_sources import resolve_model_dir
+        from engine.models.sources import resolve_model_dir
 
         # demo model, converted GGUF, hub snapshot or HF dir
         model_dir = resolve_model_dir(config.model, dtype=config.dtype, device=config.device)

@@ -27,7 +27,7 @@ class SamplingParams:
     penalties, temperature, top-k/top-p and any grammar mask), as vLLM returns by default.
 
     ``json_schema`` (JSON text) or ``json_object`` constrain the output with a grammar
-    (xgrammar, an optional dependency: engine/structured_output.py)."""
+    (xgrammar, an optional dependency: engine/runner/structured_output.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0

@@ -144,7 +144,7 @@ def test_serve_rejects_bad_values() -> None:
 def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine import demo
+    from engine.demo import run as demo
 
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # build the demo model here, not ~
 
@@ -186,7 +186,7 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
 
 
 def test_percentile_nearest_rank() -> None:
-    from engine.demo import percentile
+    from engine.demo.run import percentile
 
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert [percentile(values, q) for q in (0, 20, 50, 90, 100)] == [1.0, 1.0, 3.0, 5.0, 5.0]
@@ -270,8 +270,8 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
 
 
 def test_demo_model_choice_says_why_it_falls_back() -> None:
-    from engine.demo_chat import DemoModel, choose_model
-    from engine.model_sources import find_packaged_gguf
+    from engine.demo.chat import DemoModel, choose_model
+    from engine.models.sources import find_packaged_gguf
 
     assert choose_model(None, tiny=True) == DemoModel(None, real=False)
     assert choose_model("/some/dir", tiny=False) == DemoModel("/some/dir", real=True)

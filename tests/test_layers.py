@@ -19,6 +19,15 @@ module as a string). Rules:
   server stack. (``engine/core`` talks ZMQ between its own processes; that is the engine's.)
 - No import circle between modules of these packages, counting every import (a lazy or
   typing-only import still ties the two modules together).
+- ``bench/`` may import anything of the product (and vLLM, to compare with it); no product
+  package imports ``bench``.
+- Inside ``engine/``, concepts sit on floors (``ENGINE_FLOORS``, bottom to top: the shared
+  contract types at engine/'s root; kernels; attention and ``sched/``; ``models/``;
+  ``runner/``; the offline engine ``llm_engine``/``llm``; ``core/``, the drivers;
+  ``server/``; the ``engine`` facade and ``demo/``). An import goes to a lower floor or stays in
+  its own concept: ``sched/`` never reaches ``runner/``, ``models/`` or ``attention/``,
+  nothing below reaches ``core/`` or ``server/``. ``sched/`` also imports no device library
+  (torch, triton, flashinfer), not even through another module.
 
 A rule broken by the tree is a test failure naming the file and the import. ``ALLOWED`` lists
 breaks the tree may still have, exactly (an entry that no longer occurs fails too, so the list
@@ -36,7 +45,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tiers", "cachestore", "connectors", "engine")
+PRODUCT = ("tiers", "cachestore", "connectors", "engine")
+PACKAGES = (*PRODUCT, "bench")
 NETWORK = ("zmq", "socket", "socketserver", "fastapi", "uvicorn", "starlette")
 NETWORK_OWNERS = ("cachestore.server", "tiers.remote")
 # The connectors' scheduler sides: torch-free even through what they import.
@@ -44,7 +54,8 @@ TORCH_FREE_EXTRA = ("connectors.offload.scheduler", "connectors.vllm.scheduler",
                     "connectors.vllm.lookup", "connectors.vllm.config",
                     "connectors.sglang.config", "connectors.sglang.keys",
                     "connectors.sglang.stats")
-# The only modules that may import vllm (every import counts, as for the arrows).
+# The only product modules that may import vllm (every import counts, as for the arrows);
+# bench/ imports it to compare with it.
 VLLM_OWNERS = ("connectors.vllm.connector", "connectors.vllm.metrics")
 # The only module that may import sglang (SGLang's HiCache storage backend).
 SGLANG_OWNERS = ("connectors.sglang.storage",)
@@ -57,12 +68,34 @@ ALLOWED: dict[str, set[str]] = {
     "sglang": set(),
     "circle": set(),
     "missing": set(),
+    "floors": set(),
+    "device": set(),
 }
 FORBIDDEN = {
-    "tiers": ("cachestore", "engine", "connectors"),
-    "cachestore": ("engine", "connectors"),
-    "engine": ("connectors",),
+    "tiers": ("cachestore", "engine", "connectors", "bench"),
+    "cachestore": ("engine", "connectors", "bench"),
+    "connectors": ("bench",),
+    "engine": ("connectors", "bench"),
 }
+# engine/'s concepts, bottom to top: (floor, module prefixes). A module belongs to the concept
+# of its longest matching prefix. engine.cli (the console script's table: it names its
+# subcommands' modules as strings) sits at the bottom because the server asks it the version.
+ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "contract": (0, tuple(f"engine.{m}" for m in (
+        "config", "core_types", "request", "outputs", "sampling_params", "ttft", "kv_connector",
+        "kv_cache", "request_log", "tokenizer", "chat_tokens", "startup_log", "kv_stats"))),
+    "cli": (0, ("engine.cli",)),
+    "kernels": (1, ("engine.kernels",)),
+    "attention": (2, ("engine.attention",)),
+    "sched": (2, ("engine.sched",)),
+    "models": (3, ("engine.models",)),
+    "runner": (4, ("engine.runner",)),
+    "llm": (5, ("engine.llm_engine", "engine.llm")),
+    "core": (6, ("engine.core",)),
+    "server": (7, ("engine.server",)),
+    "top": (8, ("engine", "engine.demo")),
+}
+DEVICE_LIBRARIES = ("torch", "triton", "flashinfer", "cupy")
 
 
 @dataclass(frozen=True)
@@ -187,13 +220,16 @@ def _closure(start: str) -> dict[str, Import]:
 
 def test_scan_sees_the_packages():
     # A rule checked over nothing passes vacuously: the scan must see the real tree.
-    assert any(i.source == "engine.block_pool" and i.target == "cachestore.hashing"
+    assert any(i.source == "engine.sched.block_pool" and i.target == "cachestore.hashing"
                for i in IMPORTS)
     missing = [m for m in ("tiers.base", "tiers.config", "tiers.remote.protocol",
                            "cachestore.store", "cachestore.server", "cachestore.cost",
                            "connectors.offload.scheduler", "connectors.device",
                            "connectors.vllm.connector", "connectors.vllm.scheduler",
-                           "engine.kv_connector", "engine.scheduler") if m not in MODULES]
+                           "engine.kv_connector", "engine.sched.scheduler",
+                           "engine.runner.model_runner", "engine.models.loader",
+                           "engine.core.async_engine", "engine.demo.run",
+                           "bench.common", "bench.offload.main") if m not in MODULES]
     _check("missing", missing, "modules of the layout missing")
 
 
@@ -234,7 +270,8 @@ def test_only_the_daemon_and_the_remote_tier_touch_the_network():
 
 def test_only_the_vllm_adapter_imports_vllm():
     bad = [_where(imp) for imp in IMPORTS
-           if _within(imp.target, "vllm") and imp.source not in VLLM_OWNERS]
+           if _within(imp.target, "vllm") and imp.source not in VLLM_OWNERS
+           and not _within(imp.source, "bench")]
     _check("vllm", bad, f"only {VLLM_OWNERS} may import vllm")
     # The package vLLM names (``connectors.vllm``) imports nothing of kvtier or vLLM when
     # imported: the connector class loads on first access.
@@ -295,3 +332,44 @@ def test_only_the_sglang_backend_imports_sglang():
     eager = [_where(imp) for imp in IMPORTS if imp.source == "connectors.sglang"
              and imp.module_level and (imp.target in MODULES or _within(imp.target, "sglang"))]
     assert not eager, "connectors/sglang/__init__.py must import lazily:\n" + "\n".join(eager)
+
+
+def _engine_concept(module: str) -> str | None:
+    """The concept (an ``ENGINE_FLOORS`` key) of an engine module, by longest prefix."""
+    best, best_len = None, -1
+    for concept, (_, prefixes) in ENGINE_FLOORS.items():
+        for prefix in prefixes:
+            if _within(module, prefix) and len(prefix) > best_len:
+                best, best_len = concept, len(prefix)
+    return best
+
+
+def test_every_engine_module_has_a_floor():
+    # A new module at engine/'s root must be placed (in the contract, or a concept of its own).
+    unplaced = [m for m in MODULES if _within(m, "engine") and _engine_concept(m) in (None, "top")
+                and m != "engine" and not _within(m, "engine.demo")]
+    assert not unplaced, f"engine modules on no floor (add them to ENGINE_FLOORS): {unplaced}"
+
+
+def test_engine_concepts_import_down():
+    bad = []
+    for imp in IMPORTS:
+        if not (_within(imp.source, "engine") and _within(imp.target, "engine")):
+            continue
+        src, dst = _engine_concept(imp.source), _engine_concept(imp.target)
+        if src is None or dst is None or src == dst:
+            continue
+        if ENGINE_FLOORS[dst][0] >= ENGINE_FLOORS[src][0]:
+            bad.append(f"{_where(imp)} ({src} -> {dst})")
+    _check("floors", bad, "engine/ imports that do not run down a floor (ENGINE_FLOORS)")
+
+
+def test_the_scheduler_imports_no_device_library():
+    direct = [_where(imp) for imp in IMPORTS if _within(imp.source, "engine.sched")
+              and any(_within(imp.target, lib) for lib in DEVICE_LIBRARIES)]
+    _check("device", direct, "engine/sched imports a device library")
+    for module in sorted(m for m in MODULES if _within(m, "engine.sched")):
+        closure = _closure(module)
+        found = sorted(t for t in closure if any(_within(t, lib) for lib in DEVICE_LIBRARIES))
+        assert not found, (f"{module} imports {found[0]} at module level: "
+                           + _chain(closure, found[0]))

@@ -58,7 +58,7 @@ Sections (JSON keys):
 Every TTFT point (``ttft``, ``reload_steps``) runs ``--warmup-reps`` unmeasured repetitions first
 (1 on the full run): a length's first reload meets kernels the 64-token warm-up did not.
 
-The 8B shape is built directly on the device with random weights: ``engine.model_runner``'s
+The 8B shape is built directly on the device with random weights: ``engine.runner.model_runner``'s
 ``load_model`` is wrapped (in this process only) for directories this script marks, so no 16 GB
 checkpoint is ever written. Prints one JSON document and a one-line summary; ``--out DIR`` also
 writes DIR/offload.json. A section that fails is reported as ``{"error": ...}``; the rest run.

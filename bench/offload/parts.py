@@ -76,7 +76,7 @@ def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
     """config.json, the demo tokenizer and a marker; the weights are made on the device."""
     from safetensors.torch import save_file
 
-    from engine.demo_model import save_demo_tokenizer
+    from engine.models.demo_model import save_demo_tokenizer
 
     out = os.path.join(workdir, f"llama-random-{config['hidden_size']}")
     os.makedirs(out, exist_ok=True)
@@ -95,8 +95,8 @@ def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
 def _install_random_loader() -> None:
     """Wrap ``load_model`` so a marked directory gets random weights built on the device once
     per (dir, dtype, device, max_positions) and shared by every engine of this process."""
-    import engine.model_loader as ml
-    import engine.model_runner as mr
+    import engine.models.loader as ml
+    import engine.runner.model_runner as mr
 
     real = ml.load_model
     cache: dict[tuple[Any, ...], Any] = {}
@@ -209,9 +209,9 @@ def close_llm(llm: Any) -> None:
 
 def bytes_per_block(setup: Setup) -> int:
     """KV bytes of one block of the benchmarked model, from its config.json."""
-    from engine.demo_model import ensure_demo_model
-    from engine.model_loader import read_hf_config, resolve_dtype
     from engine.models import ModelArchConfig
+    from engine.models.demo_model import ensure_demo_model
+    from engine.models.loader import read_hf_config, resolve_dtype
 
     hf = read_hf_config(setup.model_dir or ensure_demo_model())
     arch = ModelArchConfig.from_hf(hf)

@@ -280,7 +280,7 @@ def _fingerprint(model_config: Any) -> str:
     """kvtier's engine fingerprint for a local model directory; else name, revision, dtype."""
     model, dtype = str(model_config.model), model_config.dtype
     if os.path.isfile(os.path.join(model, "config.json")):
-        from engine.model_loader import model_fingerprint
+        from engine.models.loader import model_fingerprint
 
         return model_fingerprint(model, dtype)
     return f"hf:{model}@{getattr(model_config, 'revision', None) or 'main'}:{dtype}"

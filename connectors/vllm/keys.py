@@ -4,7 +4,7 @@ Keys are kvtier's chained block hashes (``cachestore.hashing``) of the token ids
 own block hashes (those are seeded per process unless PYTHONHASHSEED is set). The namespace
 seeds every chain and covers what makes two caches incompatible:
 
-- ``model_fingerprint``: ``engine.model_loader.model_fingerprint`` for a local model directory
+- ``model_fingerprint``: ``engine.models.loader.model_fingerprint`` for a local model directory
   (config.json and safetensors headers, plus the dtype: equal to kvtier's own engine's for the
   same model), else the model name, revision and dtype;
 - ``block_size``, ``tp_rank`` / ``tp_size``;

@@ -114,13 +114,3 @@ class AttentionBackend(ABC):
 
         Mutates ``kv_layer``: stores k/v at the planned ``slot_mapping``, unless
         ``kv_written`` (the caller already stored them there)."""
-
-
-def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new tokens' k/v ``[T, Hkv, D]`` into a layer view at flat slots (in place)."""
-    block_size = kv_layer.shape[2]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    # Advanced indexing on the strided view writes through to the block-major tensor.
-    kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
-    kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)

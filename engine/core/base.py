@@ -1,9 +1,10 @@
 """What the HTTP layer needs from an engine, whichever process runs it.
 
-``EngineClient`` is the contract the endpoints use; ``engine.server.async_engine.AsyncEngine``
+``EngineClient`` is the contract the endpoints use; ``engine.core.async_engine.AsyncEngine``
 (the core on a thread of the API process) and ``engine.core.client.EngineCoreClient`` (the core
-in its own process) both satisfy it. ``OutputStream`` is the per-request mailbox both use to
-hand outputs from their background thread to the asyncio consumer; ``StatsSampler`` builds
+in its own process) both satisfy it, on the half they share (``StreamingFrontEnd``: the live
+requests and ``generate``'s stream loop). ``OutputStream`` is the per-request mailbox both use
+to hand outputs from their background thread to the asyncio consumer; ``StatsSampler`` builds
 the stats snapshot both publish.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -92,6 +94,68 @@ class OutputStream:
         finally:
             if not finished:
                 on_abandon()
+
+
+@dataclass(slots=True)
+class StreamEntry:
+    """A live request as a front end keeps it: its mailbox (a front end may add its own
+    per-request state in a subclass)."""
+
+    stream: OutputStream
+
+
+class StreamingFrontEnd:
+    """What both engine front ends share: the live requests (``_entries``, by request id),
+    ``generate``'s registration and stream loop, ``abort``, and failing every waiting request
+    when the engine stops. A subclass sets ``_lock`` (guarding ``_entries``, ``_dead`` and
+    ``_stopping``; re-entrant if the subclass registers while holding it), ``_entries``,
+    ``_dead``, ``_stopping`` and ``_stats`` in its ``__init__``, and implements
+    ``_abort_nowait``."""
+
+    _lock: AbstractContextManager[Any]
+    _entries: dict[str, StreamEntry]
+    _dead: BaseException | None
+    _stopping: bool
+    _stats: EngineStats  # replaced, never mutated
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def stats(self) -> EngineStats:
+        """The engine's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
+        return self._stats
+
+    async def abort(self, req_id: str) -> None:
+        self._abort_nowait(req_id)
+
+    def _abort_nowait(self, req_id: str) -> None:
+        """Forget ``req_id`` (if live) and stop it in the engine; any thread, never blocks."""
+        raise NotImplementedError
+
+    def _open(self, req_id: str, entry: StreamEntry) -> None:
+        """Register a new request. Raises EngineDeadError when the engine is not running,
+        ValueError on a request id already live."""
+        with self._lock:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(f"engine is not running: {self._dead!r}")
+            if req_id in self._entries:
+                raise ValueError(f"duplicate request id {req_id!r}")
+            self._entries[req_id] = entry
+
+    async def _outputs(self, req_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        """The registered request's outputs until its last; a consumer that leaves early
+        aborts it."""
+        async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
+            yield output
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every live request's stream raises ``error``; none is live afterwards."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            entry.stream.put(error)
 
 
 class StatsSampler:

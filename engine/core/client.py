@@ -27,7 +27,13 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.base import EngineDeadError, EngineStats, OutputStream
+from engine.core.base import (
+    EngineDeadError,
+    EngineStats,
+    OutputStream,
+    StreamEntry,
+    StreamingFrontEnd,
+)
 from engine.core.drain import describe_exit
 from engine.core.launch import CoreProcConfig, CoreProcess, EngineStartupError
 from engine.core.messages import (
@@ -54,12 +60,11 @@ _LAST_EVENTS_GRACE_MS = 200  # after the core exits, how long its last messages 
 
 
 @dataclass(slots=True)
-class _Entry:
+class _Entry(StreamEntry):
     state: RequestState  # touched by the output thread only
-    stream: OutputStream
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamingFrontEnd):
     """Satisfies ``engine.core.base.EngineClient``; build it with ``start``. Thread-safe."""
 
     def __init__(self, core: CoreProcess, tokenizer: Any, ready: Ready) -> None:
@@ -73,7 +78,7 @@ class EngineCoreClient:
         self._stats: EngineStats = ready.stats  # replaced, never mutated
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._requests: dict[str, _Entry] = {}  # guarded by _lock
+        self._entries: dict[str, StreamEntry] = {}  # guarded by _lock; each an _Entry
         self._dead: BaseException | None = None
         self._stopping = False
         self._shutdown_problem: str | None = None  # what shutdown() returned
@@ -89,7 +94,7 @@ class EngineCoreClient:
         """Spawns the core and returns once it has loaded the model. Raises
         EngineStartupError (with the core's message) if it cannot."""
         proc_config = proc_config or CoreProcConfig()
-        from engine.model_sources import resolve_model_dir
+        from engine.models.sources import resolve_model_dir
 
         # Before the spawn, so that only one process builds the demo model or converts a GGUF.
         try:
@@ -118,14 +123,6 @@ class EngineCoreClient:
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping and self._core.proc.is_alive()
 
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead
-
-    def stats(self) -> EngineStats:
-        """The core's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
-        return self._stats
-
     def request_stats(self) -> None:
         """Asks the core for fresh stats; ``stats()`` shows them once they arrive."""
         self._send(encode_request(StatsRequest()))
@@ -152,23 +149,15 @@ class EngineCoreClient:
             raise ValueError(f"sampling params cannot be sent to the engine core: {exc}") from exc
         state = RequestState.new(self.tokenizer, req_id, prompt_ids, params, arrival)
         stream = OutputStream(asyncio.get_running_loop())
-        with self._lock:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(f"engine is not running: {self._dead!r}")
-            if req_id in self._requests:
-                raise ValueError(f"duplicate request id {req_id!r}")
-            self._requests[req_id] = _Entry(state, stream)
+        self._open(req_id, _Entry(stream, state))
         try:
             self._send(data)
         except EngineDeadError:
             with self._lock:
-                self._requests.pop(req_id, None)
+                self._entries.pop(req_id, None)
             raise
-        async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
+        async for output in self._outputs(req_id, stream):
             yield output
-
-    async def abort(self, req_id: str) -> None:
-        self._abort_nowait(req_id)
 
     def shutdown(self, timeout_s: float = 30.0) -> str | None:
         """Stops the core after its current step (killing it after ``timeout_s``: long enough
@@ -214,7 +203,7 @@ class EngineCoreClient:
 
     def _abort_nowait(self, req_id: str) -> None:
         with self._lock:
-            entry = self._requests.pop(req_id, None)
+            entry = self._entries.pop(req_id, None)
         if entry is not None:
             self._send_abort(req_id)
 
@@ -267,19 +256,20 @@ class EngineCoreClient:
             self._stats = event.stats
             for core_output in event.outputs:
                 with self._lock:
-                    entry = self._requests.get(core_output.req_id)
+                    entry = self._entries.get(core_output.req_id)
                 if entry is None:
                     continue  # aborted, or ended by a stop string while the core ran ahead
+                assert isinstance(entry, _Entry)
                 processed = entry.state.process(core_output)
                 if processed.output.finished:
                     with self._lock:
-                        self._requests.pop(core_output.req_id, None)
+                        self._entries.pop(core_output.req_id, None)
                 if processed.abort_in_core:
                     self._send_abort(core_output.req_id)
                 entry.stream.put(processed.output)
         elif isinstance(event, RequestRejected):
             with self._lock:
-                entry = self._requests.pop(event.req_id, None)
+                entry = self._entries.pop(event.req_id, None)
             if entry is not None:
                 entry.stream.put(ValueError(event.message))
         elif isinstance(event, CoreFailed):
@@ -292,10 +282,3 @@ class EngineCoreClient:
         with self._lock:
             if self._dead is None:
                 self._dead = error
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            entries = list(self._requests.values())
-            self._requests.clear()
-        for entry in entries:
-            entry.stream.put(error)

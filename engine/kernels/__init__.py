@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from engine.kernels import reference
+
 logger = logging.getLogger(__name__)
 
 _CHECKED: dict[str, bool] = {}
@@ -88,8 +90,8 @@ def rotary_and_cache(
     """Rotary on q and k of a fused ``qkv [T, (Hq + 2 Hkv) * D]`` row and the new K/V stored
     in the cache, in one kernel: returns the rotated ``[T, Hq + Hkv, D]`` (q heads, then k
     heads) and writes rotated k and v at ``slot_mapping[t]`` of ``kv_layer`` (a
-    ``[blocks, 2, block_size, Hkv, D]`` layer view, mutated in place). What the torch path
-    does with ``rotary`` plus ``attention.base.write_kv``. Raises ImportError without Triton."""
+    ``[blocks, 2, block_size, Hkv, D]`` layer view, mutated in place): what
+    ``reference.rotary`` plus ``reference.write_kv`` compute. Raises ImportError without Triton."""
     from engine.kernels.triton_ops import rotary_and_cache as _rotary_and_cache
 
     return _rotary_and_cache(qkv, cos, sin_signed, num_heads, num_kv_heads, kv_layer, slot_mapping)
@@ -114,7 +116,8 @@ def copy_layer_from_host(
 
 
 def _self_check(device: torch.device) -> None:
-    """Run both kernels once on small bf16 inputs and compare to torch; raises on mismatch."""
+    """Run each kernel once on small bf16 inputs and compare to torch (the torch path's own
+    rotary and KV write, ``reference``); raises on mismatch."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(3, 256, device=device, generator=gen).to(torch.bfloat16)
     r = torch.randn(3, 256, device=device, generator=gen).to(torch.bfloat16)
@@ -127,22 +130,18 @@ def _self_check(device: torch.device) -> None:
     gu = torch.randn(3, 512, device=device, generator=gen).to(torch.bfloat16)
     ref_act = torch.nn.functional.silu(gu[:, :256].float()) * gu[:, 256:].float()
     torch.testing.assert_close(silu_and_mul(gu).float(), ref_act, rtol=2e-2, atol=2e-2)
-    from engine.models.layers import RotaryEmbedding
-
     qk = torch.randn(3, 6, 64, device=device, generator=gen).to(torch.bfloat16)
     cos = torch.rand(3, 1, 64, device=device, generator=gen).to(torch.bfloat16)
     sin = torch.rand(3, 1, 64, device=device, generator=gen).to(torch.bfloat16)
-    ref_rot = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
+    ref_rot = reference.rotary(qk.float(), cos.float(), sin.float())
     torch.testing.assert_close(rotary(qk, cos, sin).float(), ref_rot, rtol=2e-2, atol=2e-2)
-    from engine.attention.base import write_kv
-
     qkv = torch.randn(3, 8 * 64, device=device, generator=gen).to(torch.bfloat16)  # 4 q, 2 kv
     cache = torch.zeros(3, 2, 4, 2, 64, dtype=torch.bfloat16, device=device)
     ref_cache = cache.clone()
     slots = torch.tensor([1, 6, 11], device=device)
     out = rotary_and_cache(qkv, cos, sin, 4, 2, cache, slots)
-    ref_qk = RotaryEmbedding.apply(qkv[:, :6 * 64].view(3, 6, 64).float(), cos.float(), sin.float())
-    write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
+    ref_qk = reference.rotary(qkv[:, :6 * 64].view(3, 6, 64).float(), cos.float(), sin.float())
+    reference.write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
     torch.testing.assert_close(out.float(), ref_qk, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
     from engine.kernels.gemv import gemv

@@ -1,6 +1,8 @@
 """Model registry: HF ``architectures[0]`` name -> plain-torch implementation.
 
-Modules are imported only when their architecture is requested.
+Modules are imported only when their architecture is requested. Beside the models, where their
+weights come from: ``sources`` resolves a model argument to a directory (``gguf`` converts a GGUF
+file once, ``demo_model`` builds the embedded random model) and ``loader`` loads it.
 """
 
 from __future__ import annotations

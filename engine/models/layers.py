@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import reference
 from engine.models.base import RopeConfig
 
 
@@ -90,10 +91,9 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]``; returns a new tensor."""
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin_signed)
+        """``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]``; returns a new tensor
+        (``engine.kernels.reference.rotary``: the fused kernels are checked against it)."""
+        return reference.rotary(x, cos, sin_signed)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP serving on top of ``LLMEngine``.
 
-The engine core runs in its own process (``engine.core``: ZMQ, msgpack) by default;
-``async_engine`` is the in-process alternative (one background thread, ``--engine-in-process``).
+The engine core runs in its own process (``engine.core.client``: ZMQ, msgpack) by default;
+``engine.core.async_engine`` is the in-process alternative (one background thread,
+``--engine-in-process``).
 ``api`` builds the FastAPI app; ``protocol`` holds the request/response models; ``metrics``
 the Prometheus registry (its families declared in ``metric_families``); ``cli`` is
 ``kvtier serve``. Nothing is imported here so that ``import engine.server.protocol`` stays

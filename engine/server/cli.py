@@ -258,7 +258,7 @@ def start_engine(
     on a thread of this process with ``in_process``. The caller must ``shutdown()`` it.
     Raises EngineStartupError (core process) or the load error (in process)."""
     if in_process:
-        from engine.server.async_engine import AsyncEngine
+        from engine.core.async_engine import AsyncEngine
 
         return AsyncEngine.from_config(config)
     from engine.core.client import EngineCoreClient

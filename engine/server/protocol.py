@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from engine.runner.structured_output import check_grammar
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.structured_output import check_grammar
 
 
 class ProtocolError(ValueError):

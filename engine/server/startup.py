@@ -44,8 +44,8 @@ def one_line(message: object) -> str:
 def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     if model is None:
         return {"path": "kvtier-demo (embedded, random weights)"}
-    from engine.gguf import is_gguf_path
-    from engine.model_sources import is_model_id, resolve_hub_model
+    from engine.models.gguf import is_gguf_path
+    from engine.models.sources import is_model_id, resolve_hub_model
 
     if is_gguf_path(model):
         if not os.path.isfile(model):
@@ -64,8 +64,8 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     elif not os.path.isdir(model):
         raise UsageError(f"model {model}: not a directory (an HF model directory, a .gguf "
                          "file or a Hugging Face model id)")
-    from engine.model_loader import read_hf_config, resolve_dtype, safetensors_files
     from engine.models import ModelArchConfig, get_model_class
+    from engine.models.loader import read_hf_config, resolve_dtype, safetensors_files
 
     try:
         hf_config = read_hf_config(model_dir)

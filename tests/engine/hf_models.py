@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.demo_model import TOKENIZER_VOCAB_SIZE, save_demo_tokenizer
+from engine.models.demo_model import TOKENIZER_VOCAB_SIZE, save_demo_tokenizer
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=TOKENIZER_VOCAB_SIZE,

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.server.async_engine import AsyncEngine, EngineDeadError
 from tests.engine.hf_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(60)

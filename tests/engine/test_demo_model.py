@@ -13,9 +13,9 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
-from engine.demo_model import DEMO_SUBDIR, ensure_demo_model
-from engine.model_loader import model_fingerprint
-from engine.model_runner import ModelRunner
+from engine.models.demo_model import DEMO_SUBDIR, ensure_demo_model
+from engine.models.loader import model_fingerprint
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +39,7 @@ def test_created_once_and_deterministic_across_directories(demo_dir, tmp_path) -
     assert os.path.getmtime(os.path.join(demo_dir, "model.safetensors")) == mtime  # not rewritten
     # Two processes race to create it in a fresh directory: one wins, no temp dir is left.
     root = str(tmp_path / "race")
-    code = f"from engine.demo_model import ensure_demo_model; print(ensure_demo_model({root!r}))"
+    code = f"from engine.models.demo_model import ensure_demo_model; print(ensure_demo_model({root!r}))"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]

@@ -1,4 +1,4 @@
-"""The GGUF resolver's cache logic (engine/gguf.py, engine/model_sources.py) without a real
+"""The GGUF resolver's cache logic (engine/models/gguf.py, engine/models/sources.py) without a real
 conversion: tests/engine/test_real_model.py converts the real SmolLM2 GGUF."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 
 from engine import gguf
-from engine.model_loader import model_fingerprint
-from engine.model_sources import resolve_model_dir
+from engine.models.loader import model_fingerprint
+from engine.models.sources import resolve_model_dir
 
 
 def _fake_gguf(path, payload: bytes = b"not really a model") -> str:
@@ -71,7 +71,7 @@ def test_the_fingerprint_covers_the_gguf_sha256_in_the_safetensors_header(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    from engine.demo_model import DEMO_ARCH
+    from engine.models.demo_model import DEMO_ARCH
 
     fps = []
     for digest in ("a" * 64, "b" * 64):

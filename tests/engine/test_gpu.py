@@ -15,8 +15,8 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, SampleRequest
+from engine.runner.model_runner import ModelRunner
+from engine.runner.sampler import Sampler, SampleRequest
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
 

@@ -102,7 +102,7 @@ def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
         pytest.skip("CPU tensors need the interpreter; test_gpu compares the paths on CUDA")
     from engine.config import CacheConfig, EngineConfig
     from engine.core_types import ScheduledRequest, SchedulerOutput
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from engine.sampling_params import SamplingParams
     from tests.engine.hf_models import make_tiny_model
 
@@ -155,8 +155,8 @@ def test_rotary_and_cache_matches_rotary_plus_write_kv(dtype: torch.dtype, heads
                                                        kv_heads: int, dim: int) -> None:
     """One kernel = rotary on q and k + the torch path's write_kv into a block-major layer
     view; slots outside the written ones stay untouched."""
-    from engine.attention.base import write_kv
     from engine.kernels import rotary_and_cache
+    from engine.kernels.reference import write_kv
     from engine.kv_cache import KVCache, KVCacheSpec
     from engine.models.base import RopeConfig
     from engine.models.layers import RotaryEmbedding

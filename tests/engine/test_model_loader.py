@@ -1,4 +1,4 @@
-"""``engine.model_loader``: weight-loading progress (log lines per file, a bar on a terminal),
+"""``engine.models.loader``: weight-loading progress (log lines per file, a bar on a terminal),
 and loading a model on CPU imports neither ``torch._dynamo`` nor Triton, whose nanobind
 objects otherwise print ~30 ``nanobind: leaked ...`` lines at interpreter exit."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_loader import WeightProgress, human_bytes, load_model, safetensors_files
+from engine.models.loader import WeightProgress, human_bytes, load_model, safetensors_files
 from tests.engine.hf_models import build_tiny_hf_model, make_tiny_model
 from tests.servers import python_env
 
@@ -59,7 +59,7 @@ def test_progress_logs_each_file_of_a_sharded_model(tmp_path: Path,
     build_tiny_hf_model("llama", seed=2).save_pretrained(str(out), max_shard_size="200KB")
     files = safetensors_files(str(out))
     assert len(files) >= 2
-    caplog.set_level(logging.INFO, logger="engine.model_loader")
+    caplog.set_level(logging.INFO, logger="engine.models.loader")
     loaded = load_model(str(out), "float32", "cpu")
     assert loaded.arch.num_layers == 2
     lines = [r.getMessage() for r in caplog.records]
@@ -77,7 +77,7 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_no_lines(tmp_path: Path,
             return True
 
     (tmp_path / "a.safetensors").write_bytes(b"x" * 3000)
-    caplog.set_level(logging.INFO, logger="engine.model_loader")
+    caplog.set_level(logging.INFO, logger="engine.models.loader")
     stream = Tty()
     progress = WeightProgress([str(tmp_path / "a.safetensors")], stream)
     progress.tensor(3000)

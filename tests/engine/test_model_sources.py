@@ -1,4 +1,4 @@
-"""Where a model comes from (engine/model_sources.py) and the engine's length check: a hub
+"""Where a model comes from (engine/models/sources.py) and the engine's length check: a hub
 id resolved from a Hugging Face cache that the test lays out (``HF_HOME`` in a temp dir,
 ``models--ORG--NAME/snapshots/<rev>`` plus ``refs/main``) with ``HF_HUB_OFFLINE=1``, served
 by ``kvtier serve ORG/NAME``; an unknown architecture is one line naming the supported ones;
@@ -19,8 +19,8 @@ import pytest
 from engine import gguf
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import check_max_model_len
-from engine.model_sources import gguf_dtype, hub_cache_dir, is_model_id, resolve_model_dir
 from engine.models import supported_architectures
+from engine.models.sources import gguf_dtype, hub_cache_dir, is_model_id, resolve_model_dir
 from engine.server.startup import UsageError, preflight
 from tests.engine.hf_models import make_tiny_model
 from tests.servers import python_env, wait_until_healthy
@@ -91,7 +91,7 @@ def test_an_unknown_architecture_names_the_supported_ones(tmp_path: Path, model_
     supported = ", ".join(supported_architectures())
     assert str(info.value) == (f"model {other}: unsupported architecture 'GPT2LMHeadModel'; "
                                f"supported: {supported}")
-    from engine.model_loader import load_model
+    from engine.models.loader import load_model
 
     with pytest.raises(ValueError, match=f"supported: {supported}$"):
         load_model(str(other), "auto", "cpu")

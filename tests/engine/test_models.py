@@ -16,9 +16,9 @@ import torch
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, EngineConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
-from engine.model_loader import load_model, model_fingerprint
-from engine.model_runner import ModelRunner
 from engine.models.base import ModelArchConfig
+from engine.models.loader import load_model, model_fingerprint
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
 
@@ -145,7 +145,7 @@ def test_fingerprint_stable_across_processes_and_sensitive(tmp_path) -> None:
     a = make_tiny_model(tmp_path, "llama", seed=0)
     fp = model_fingerprint(a, "float32")
     assert fp.startswith("LlamaForCausalLM-") and len(fp) == len("LlamaForCausalLM-") + 32
-    code = f"from engine.model_loader import model_fingerprint; print(model_fingerprint({a!r}, 'float32'))"
+    code = f"from engine.models.loader import model_fingerprint; print(model_fingerprint({a!r}, 'float32'))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert other.stdout.strip() == fp

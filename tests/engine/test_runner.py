@@ -10,7 +10,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core_types import ScheduledRequest, SchedulerOutput
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SampleRequest, seeded_uniform
+from engine.runner.sampler import Sampler, SampleRequest, seeded_uniform
 from engine.sampling_params import SamplingParams
 
 

@@ -9,13 +9,14 @@ preemption show up as assertion errors or as outputs that differ from a referenc
 from __future__ import annotations
 
 from cachestore.hashing import Namespace
-from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import ExternalHit, SchedulerConnector
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ExternalHit, Scheduler, SchedulerConnector
+from engine.sched.block_pool import BlockPool
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 
 BS = 16
 

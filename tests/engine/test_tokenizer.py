@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.demo_model import save_demo_tokenizer
+from engine.models.demo_model import save_demo_tokenizer
 from engine.tokenizer import (
     IncrementalDetokenizer,
     encode_chat,

@@ -28,11 +28,11 @@ from connectors.offload.metadata import (
 )
 from connectors.offload.scheduler import OffloadScheduler
 from connectors.offload.stats import OffloadStats
-from engine.block_pool import BlockPool
 from engine.core_types import SchedulerOutput
 from engine.kv_connector import ExternalHit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.sched.block_pool import BlockPool
 from tiers.config import ConfigError, HostTierConfig, LmdbTierConfig
 from tiers.host import HostTier
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.server.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from engine.tokenizer import load_tokenizer
 from tests.engine.hf_models import make_tiny_model
 from tests.engine.test_server import run_server

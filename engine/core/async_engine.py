@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.config import EngineConfig
-from engine.core.base import EngineDeadError, EngineStats, OutputStream, StatsSampler
+from engine.core.base import (
+    EngineDeadError,
+    EngineStats,
+    OutputStream,
+    StatsSampler,
+    StreamEntry,
+    StreamingFrontEnd,
+)
 from engine.core.drain import close_and_judge, describe_exit
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -67,7 +74,7 @@ class _Abort:
     req_id: str
 
 
-class AsyncEngine:
+class AsyncEngine(StreamingFrontEnd):
     """Owns ``engine`` and the thread that drives it; ``start()`` must be called once.
 
     Thread-safety: every public method may be called from any thread, ``generate`` from an
@@ -81,9 +88,10 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # its lock is re-entrant: generate registers in it
+        self._lock = self._cond  # StreamingFrontEnd's lock
         self._commands: deque[_Add | _Abort] = deque()  # guarded by _cond
-        self._streams: dict[str, OutputStream] = {}  # guarded by _cond
+        self._entries: dict[str, StreamEntry] = {}  # guarded by _cond
         self._sampler = StatsSampler()  # used on the engine thread once it runs
         self._stats: EngineStats = self._sampler.sample(engine)  # replaced, never mutated
         self._dead: BaseException | None = None
@@ -107,14 +115,6 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead
-
-    def stats(self) -> EngineStats:
-        """The engine's ``stats()`` as of its last step (a snapshot; safe from any thread)."""
-        return self._stats
-
     async def generate(
         self,
         prompt: str | list[int],
@@ -129,22 +129,15 @@ class AsyncEngine:
         the engine stops. Closing or cancelling the iterator early aborts the request."""
         stream = OutputStream(asyncio.get_running_loop())
         with self._cond:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(f"engine is not running: {self._dead!r}")
-            if req_id in self._streams:
-                raise ValueError(f"duplicate request id {req_id!r}")
-            self._streams[req_id] = stream
+            self._open(req_id, StreamEntry(stream))
             self._commands.append(_Add(req_id, prompt, params, arrival_time, api_times))
             self._cond.notify()
-        async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
+        async for output in self._outputs(req_id, stream):
             yield output
-
-    async def abort(self, req_id: str) -> None:
-        self._abort_nowait(req_id)
 
     def _abort_nowait(self, req_id: str) -> None:
         with self._cond:
-            if self._streams.pop(req_id, None) is not None:
+            if self._entries.pop(req_id, None) is not None:
                 self._commands.append(_Abort(req_id))
                 self._cond.notify()
 
@@ -214,23 +207,16 @@ class AsyncEngine:
             )
         except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
             with self._cond:
-                stream = self._streams.pop(command.req_id, None)
-            if stream is not None:
-                stream.put(exc)
+                entry = self._entries.pop(command.req_id, None)
+            if entry is not None:
+                entry.stream.put(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             with self._cond:
                 if output.finished:
-                    stream = self._streams.pop(output.req_id, None)
+                    entry = self._entries.pop(output.req_id, None)
                 else:
-                    stream = self._streams.get(output.req_id)
-            if stream is not None:
-                stream.put(output)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            streams = list(self._streams.values())
-            self._streams.clear()
-        for stream in streams:
-            stream.put(error)
+                    entry = self._entries.get(output.req_id)
+            if entry is not None:
+                entry.stream.put(output)

@@ -3,7 +3,7 @@ tensors, plus the attention metadata.
 
 ``build_host_batch`` validates and flattens (pure Python, no tensors); ``build_device_batch``
 packs every per-step int into ONE host buffer and makes one pinned, non-blocking copy.
-Neither touches the KV cache. Split out of engine/model_runner.py.
+Neither touches the KV cache. Split out of engine/runner/model_runner.py.
 """
 
 from __future__ import annotations

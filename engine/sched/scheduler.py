@@ -11,8 +11,10 @@ of the waiting queue to re-prefill prompt + outputs (usually hitting its own cac
 
 Admission costs O(1) per step for a request that cannot be admitted: before any tier lookup
 the pool's room is checked against the fewest blocks the request could possibly take, and a
-request that did not fit is remembered with the number of free blocks it needs (``_Blocked``);
-until the pool has that many it is not hashed, matched or looked up again.
+request that did not fit is remembered with the number of free blocks it needs; until the pool
+has that many it is not hashed, matched or looked up again. A new request's admission (its
+prefix hit and the connector's hooks) is ``engine/sched/admission.py``'s; this module keeps the
+queue: who is asked, in which order, and what an admitted request runs.
 
 A step that yields a request's first token from a short prefill (``first_token_step_tokens``)
 trims the other, unfinished prefill chunks of that step so that the step stays short: its
@@ -28,9 +30,10 @@ from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.kv_cache_manager import NO_HIT, KVCacheManager
-from engine.kv_connector import ExternalHit, SchedulerConnector
+from engine.kv_connector import SchedulerConnector
 from engine.request import Request, RequestStatus
+from engine.sched.admission import Admission, Admit, Wait
+from engine.sched.kv_cache_manager import KVCacheManager
 
 # Share of the token budget that running prefill chunks leave to waiting requests (when there
 # are any): 512 of the default 2048, room for a later chat round's new tokens.
@@ -49,15 +52,6 @@ class SchedulerStats:
     num_first_token_deferred_tokens: int = 0
     num_schedule_steps: int = 0
     schedule_seconds_total: float = 0.0  # the scheduler's own time (schedule())
-
-
-@dataclass(frozen=True, slots=True)
-class _Blocked:
-    """The head of the waiting queue did not fit: it needs ``num_free_blocks`` free blocks
-    before asking the prefix cache and the connector about it is worth a try again."""
-
-    req_id: str
-    num_free_blocks: int
 
 
 class Scheduler:
@@ -87,7 +81,8 @@ class Scheduler:
         # Overlapping requests (RUNNING, their tail loading): req_id -> end of the head, the
         # token they may not compute past until the load ends.
         self._overlap: dict[str, int] = {}
-        self._blocked: _Blocked | None = None
+        self.admission = Admission(kv_manager, connector, chunked=config.enable_chunked_prefill,
+                                   stats=self.stats)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
@@ -169,15 +164,42 @@ class Scheduler:
         t_start = time.perf_counter()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted = False
         if self.connector is not None:
             self._loaded.update(self.connector.get_finished_loading())
 
+        budget, preempted, capped = self._schedule_running(budget, scheduled)
+        if not preempted:  # blocks are short: admitting now would only thrash
+            budget = self._admit_waiting(budget, scheduled)
+        budget = self._top_up(budget, scheduled, capped)
+        budget += self._shorten_for_first_tokens(scheduled)
+
+        if self.debug and not self.requests:
+            self.kv.pool.check_integrity()
+        output = SchedulerOutput(
+            requests=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=frozenset(self._finished_ids),
+        )
+        self._finished_ids.clear()
+        if self.connector is not None:  # empty steps too: loads and saves progress meanwhile
+            meta = self.connector.build_connector_meta(output)
+            output = dataclasses.replace(output, kv_connector_metadata=meta)
+        self.stats.num_schedule_steps += 1
+        self.stats.schedule_seconds_total += time.perf_counter() - t_start
+        return output
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]
+                          ) -> tuple[int, bool, dict[str, int]]:
+        """Schedule running requests within ``budget`` (appending to ``scheduled``), preempting
+        when blocks run out. Returns the budget left, whether blocks ran short (a preemption or
+        a released load), and the prefill chunks the reserve capped (req_id -> index in
+        ``scheduled``)."""
         # Decodes first (admission order), then prefill chunks by remaining work: a short
         # prefill never waits behind a long one. While requests wait, running prefills leave
         # a reserve of the budget to them, so that a later round's short prefill gets its
         # chunk in the next step instead of after a new user's whole long prompt; what the
         # waiting requests do not use goes back to the capped prefills (``_top_up``).
+        preempted = False
         reserve = self._prefill_reserve() if self.waiting else 0
         capped: dict[str, int] = {}  # req_id -> index in scheduled, for the top-up
         done: set[str] = set()
@@ -212,26 +234,7 @@ class Scheduler:
             scheduled.append(self._slice(request, num_new))
             done.add(request.req_id)
             budget -= num_new
-
-        if not preempted:  # blocks are short: admitting now would only thrash
-            budget = self._admit_waiting(budget, scheduled)
-        budget = self._top_up(budget, scheduled, capped)
-        budget += self._shorten_for_first_tokens(scheduled)
-
-        if self.debug and not self.requests:
-            self.kv.pool.check_integrity()
-        output = SchedulerOutput(
-            requests=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            finished_req_ids=frozenset(self._finished_ids),
-        )
-        self._finished_ids.clear()
-        if self.connector is not None:  # empty steps too: loads and saves progress meanwhile
-            meta = self.connector.build_connector_meta(output)
-            output = dataclasses.replace(output, kv_connector_metadata=meta)
-        self.stats.num_schedule_steps += 1
-        self.stats.schedule_seconds_total += time.perf_counter() - t_start
-        return output
+        return budget, preempted, capped
 
     def _shorten_for_first_tokens(self, scheduled: list[ScheduledRequest]) -> int:
         """If this step yields a first token from a short prefill (at most
@@ -342,160 +345,70 @@ class Scheduler:
         return False
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        if self._loaded:
-            # Loaded requests first: they already hold their blocks, so a new request stuck
-            # at the head for lack of blocks must not keep them (and their blocks) waiting.
-            ready = [r for r in self.waiting if r.req_id in self._loaded]
-            rest = [r for r in self.waiting if r.req_id not in self._loaded]
-            self.waiting = deque(ready + rest)
+        """Admit waiting requests in queue order (loaded ones first) while the budget and
+        ``max_num_seqs`` allow, appending their slices to ``scheduled``; a request set aside
+        (``Wait.SKIP``) keeps its place at the front; the first that does not fit
+        (``Wait.STOP``) ends admission. Returns the budget left."""
+        self._loaded_first()
         skipped: list[Request] = []
-        chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING_FOR_KV:
-                num_valid = self._loaded.get(request.req_id)
-                if num_valid is None:
-                    skipped.append(self.waiting.popleft())
-                    continue
-                # Its blocks are allocated and now hold the loaded KV; a short load (missing or
-                # corrupt block, tier down, timeout) is recomputed from its first missing block.
-                if num_valid < request.num_computed_tokens:
-                    if request.num_preemptions == 0:
-                        request.num_cached_tokens = min(request.num_cached_tokens, num_valid)
-                    request.num_computed_tokens = num_valid
-                self.kv.cache_blocks(request)
-                num_computed = request.num_computed_tokens
-                num_new = request.num_tokens - num_computed
-                if num_new > budget and not chunked:
-                    break
+                outcome = self._admit_loaded(request, budget)
             else:
-                if self._still_blocked(request):
-                    break
-                times = request.times
-                t0 = time.monotonic()
-                if self.kv.enable_caching:  # here, so that hashing is timed apart
-                    self.kv.update_block_hashes(request)
-                t1 = time.monotonic()
-                hit = self.kv.get_computed_blocks(request)
-                if request.sampling_params.prompt_logprobs is not None:
-                    # Prompt logprobs need every prompt position's logits: no reuse at all.
-                    hit = NO_HIT
-                num_computed = hit.num_tokens
-                # The fewest blocks any admission of it takes (a load allocates the whole
-                # prompt, a computed chunk at least the budget's worth): short of those, no
-                # tier lookup can help, and none is made.
-                floor = self.kv.num_blocks_needed(
-                    request, min(request.num_tokens, num_computed + budget), hit
-                )
-                if floor > self.kv.pool.num_free_blocks:
-                    times.lookup_s += time.monotonic() - t1
-                    self._block(request, floor)
-                    break
-                external = ExternalHit()
-                # CONNECTOR HOOK (a): further leading tokens available from lower tiers.
-                if (self.connector is not None
-                        and request.sampling_params.prompt_logprobs is None):
-                    answer = self.connector.get_num_new_matched_tokens(request, num_computed)
-                    if answer is None:  # not known yet: it waits, the ones behind it may go
-                        times.hash_s += t1 - t0
-                        times.lookup_s += time.monotonic() - t1
-                        skipped.append(self.waiting.popleft())
-                        continue
-                    external = answer
-                t2 = time.monotonic()
-                times.hash_s += t1 - t0
-                times.lookup_s += t2 - t1
-                head = external.num_head_tokens if external.load_async else 0
-                # Always leave the last token to compute: it yields the logit to sample.
-                num_external = min(
-                    external.num_tokens, request.num_tokens - 1 - num_computed - head
-                )
-                if external.load_async and num_external > 0:
-                    # CONNECTOR HOOK (b): blocks for the whole prompt now: once loaded, the
-                    # request must be able to run without more blocks, or requests holding
-                    # loaded KV could fill the pool and wait on each other forever.
-                    if head > budget and not chunked:
-                        times.decide_s += time.monotonic() - t2
-                        break
-                    if not self.kv.allocate_slots(request, request.num_tokens, hit):
-                        times.decide_s += time.monotonic() - t2
-                        self._block(request, self.kv.num_blocks_needed(
-                            request, request.num_tokens, hit))
-                        break
-                    loaded_now = num_external if head == 0 else 0
-                    self._count_prefix(request, num_computed, num_computed + loaded_now)
-                    self.connector.update_state_after_alloc(  # type: ignore[union-attr]
-                        request, self.kv.get_block_ids(request.req_id), num_computed, num_external
-                    )
-                    if head == 0:  # wait for the load off the step path
-                        request.num_computed_tokens = num_computed + num_external
-                        request.status = RequestStatus.WAITING_FOR_KV
-                        skipped.append(self.waiting.popleft())
-                        times.admitted = time.monotonic()
-                        times.decide_s += times.admitted - t2
-                        continue
-                    # Overlap (Cake): compute the head now while the tail loads.
-                    self._overlap[request.req_id] = num_computed + head
-                    num_new = head
-                else:
-                    # CONNECTOR HOOK (c): an in-step load (``load_async`` False): those tokens
-                    # count as computed now; the worker copies them in before this step's
-                    # forward, so the rest of the prompt is computed in this very step.
-                    num_computed += num_external
-                    num_new = request.num_tokens - num_computed
-                    if num_new > budget and not chunked:
-                        times.decide_s += time.monotonic() - t2
-                        break
-                    if not self.kv.allocate_slots(
-                        request, num_computed + min(num_new, budget), hit
-                    ):
-                        times.decide_s += time.monotonic() - t2
-                        self._block(request, self.kv.num_blocks_needed(
-                            request, num_computed + min(num_new, budget), hit))
-                        break
-                    self._count_prefix(request, hit.num_tokens, num_computed)
-                    if self.connector is not None:
-                        self.connector.update_state_after_alloc(
-                            request, self.kv.get_block_ids(request.req_id), hit.num_tokens,
-                            num_external,
-                        )
-                times.admitted = time.monotonic()
-                times.decide_s += times.admitted - t2
-            num_new = min(num_new, budget)  # blocks: allocated above, or when its load began
-            request.times.ready = time.monotonic()
-            self.waiting.popleft()
-            self._loaded.pop(request.req_id, None)
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._slice(request, num_new))
-            budget -= num_new
+                outcome = self.admission.try_admit(request, budget)
+            if outcome is Wait.STOP:
+                break
+            if outcome is Wait.SKIP:
+                skipped.append(self.waiting.popleft())
+                continue
+            assert isinstance(outcome, Admit)
+            budget -= self._start_running(request, outcome, budget, scheduled)
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _block(self, request: Request, num_free_blocks: int) -> None:
-        """``request`` (the head) did not fit: remember what it needs (see ``_Blocked``)."""
-        self._blocked = _Blocked(request.req_id, num_free_blocks)
-        self.stats.num_blocked_skips += 1
+    def _loaded_first(self) -> None:
+        """Requests whose load ended go to the front of the queue: they already hold their
+        blocks, so a new request stuck at the head for lack of blocks must not keep them (and
+        their blocks) waiting."""
+        if self._loaded:
+            ready = [r for r in self.waiting if r.req_id in self._loaded]
+            rest = [r for r in self.waiting if r.req_id not in self._loaded]
+            self.waiting = deque(ready + rest)
 
-    def _still_blocked(self, request: Request) -> bool:
-        """True (and counted) while ``request`` is the remembered blocked head and the pool
-        still lacks the free blocks it needs: skipping it costs O(1). Once the pool has them
-        (blocks were freed past its need), it is considered afresh."""
-        blocked = self._blocked
-        if blocked is None or blocked.req_id != request.req_id:
-            return False
-        if self.kv.pool.num_free_blocks < blocked.num_free_blocks:
-            self.stats.num_blocked_skips += 1
-            return True
-        self._blocked = None
-        return False
+    def _admit_loaded(self, request: Request, budget: int) -> Admit | Wait:
+        """A WAITING_FOR_KV head: set aside while its load runs; once it ended, its blocks
+        (allocated when the load began) hold the loaded KV, and a short load (missing or
+        corrupt block, tier down, timeout) is recomputed from its first missing block."""
+        num_valid = self._loaded.get(request.req_id)
+        if num_valid is None:
+            return Wait.SKIP
+        if num_valid < request.num_computed_tokens:
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = min(request.num_cached_tokens, num_valid)
+            request.num_computed_tokens = num_valid
+        self.kv.cache_blocks(request)
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return Wait.STOP
+        request.times.ready = time.monotonic()
+        return Admit(request.num_computed_tokens, num_new)
 
-    def _count_prefix(self, request: Request, num_gpu_hit: int, num_cached: int) -> None:
-        self.stats.prefix_cache_queried_tokens_total += request.num_tokens
-        self.stats.prefix_cache_hit_tokens_total += num_gpu_hit
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_cached
+    def _start_running(self, request: Request, admit: Admit, budget: int,
+                       scheduled: list[ScheduledRequest]) -> int:
+        """Move the admitted head (its ``times.ready`` stamped) to running and schedule its
+        first slice (its blocks were allocated at admission, or when its load began). Returns
+        the tokens scheduled."""
+        num_new = min(admit.num_new, budget)
+        if admit.overlap_barrier is not None:  # Cake: compute the head while the tail loads
+            self._overlap[request.req_id] = admit.overlap_barrier
+        self.waiting.popleft()
+        self._loaded.pop(request.req_id, None)
+        request.num_computed_tokens = admit.num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(self._slice(request, num_new))
+        return num_new
 
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput

