@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from engine import gguf
+from engine.models import gguf
 from engine.models.loader import model_fingerprint
 from engine.models.sources import resolve_model_dir
 
