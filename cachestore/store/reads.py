@@ -3,6 +3,7 @@ above it missed, every value checked by the codec before it counts.
 
 - ``read``: values as the tiers return them (encoded) or their decoded payloads; what
   ``HierarchicalStore.get_many``/``get_many_encoded``/``get_many_pinned`` answer.
+- ``lookup_chain``: which tier serves each leading block; ``HierarchicalStore.lookup``.
 - ``read_into``: each hit copied by its tier straight into a buffer the caller owns
   (``Tier.get_many_into``) and checked there; ``HierarchicalStore.get_many_into``.
 
@@ -33,7 +34,7 @@ from typing import Any
 from cachestore.codec import CodecError, DecodedBlock, block_key_of, decode_block
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
-from cachestore.store.types import StoreConfig
+from cachestore.store.types import LookupResult, StoreConfig, TierLookup
 from tiers.base import Tier, Value, writable_views
 from tiers.buffers import ReadBuffers
 
@@ -234,3 +235,35 @@ def _check(tier: Tier, value: Value, key: str, config: StoreConfig) -> DecodedBl
 def _get_many(keys: Sequence[str]) -> Callable[[Tier], list[Value | None]]:
     """A tier call's function, built outside the caller's loop."""
     return lambda tier: tier.get_many(keys)
+
+
+def lookup_chain(tiers: GuardedTiers, keys: Sequence[str]) -> LookupResult:
+    """``HierarchicalStore.lookup``: which tier serves each block of the longest prefix of
+    ``keys`` the tiers hold, each tier asked only from the first block the tiers above it
+    lack (``per_tier[i].num_leading``: tier i's answer to its first question, 0 if never
+    asked)."""
+    num_tiers = len(tiers)
+    # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
+    known: list[tuple[int, int] | None] = [None] * num_tiers
+    first: list[int] = [0] * num_tiers
+    served: list[int] = []
+    for p in range(len(keys)):
+        for i in range(num_tiers):
+            span = known[i]
+            if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
+                n = tiers.call(i, _lookup(keys[p:]), 0)
+                if span is None:
+                    first[i] = n
+                span = known[i] = (p, n)
+            if p < span[0] + span[1]:
+                served.append(i)
+                break
+        else:
+            break
+    per = tuple(TierLookup(s.name, n) for s, n in zip(tiers.stats, first, strict=True))
+    return LookupResult(per_tier=per, served_by=tuple(served))
+
+
+def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
+    """A tier call's function, built outside the caller's loop."""
+    return lambda tier: tier.lookup(keys)
