@@ -264,21 +264,20 @@ class OffloadScheduler:
         offsets = plan.slab_offsets[:num_load]
         if len(offsets) < len(plan.slab_offsets):  # located but not loaded: unpin
             self.store.unpin_host(plan.keys[len(offsets) : len(plan.slab_offsets)])
-        if record and num_load:
-            request.kv_decision = plan.decision
-        if record:  # the planned split, for the request log (measured parts come later)
-            request.kv_plan = {
-                "gpu_tokens": num_gpu_hit_tokens, "head_tokens": head * bs,
-                "load_tokens": num_load * bs,
-                "recompute_tokens": request.num_prompt_tokens - num_gpu_hit_tokens
-                - num_load * bs, "predicted_s": round(plan.predicted_s, 6),
-            }
-        if num_load == 0:
-            return
-        if head:
-            self.stats.add(overlap_head_tokens=head * bs, num_overlaps=1)
-        first = num_gpu_hit_tokens // bs + head
-        loaded = slice(head, head + num_load)
+        if record:
+            _record_plan(request, plan, num_gpu_hit_tokens, head * bs, num_load * bs)
+        if num_load:
+            self._start_load(request, plan, block_ids, num_gpu_hit_tokens // bs + head,
+                             slice(head, head + num_load), offsets, record=record and head == 0)
+
+    def _start_load(self, request: Request, plan: _Plan, block_ids: list[int], first: int,
+                    loaded: slice, offsets: tuple[int, ...], *, record: bool) -> None:
+        """Hand the worker the load of ``plan.keys[loaded]`` into the request's blocks from
+        block ``first`` on (in-step when ``offsets``, its slots located at planning)."""
+        bs = self.block_size
+        num_load = loaded.stop - loaded.start
+        if loaded.start:
+            self.stats.add(overlap_head_tokens=loaded.start * bs, num_overlaps=1)
         if not offsets:
             # Pin now, in the same schedule() as the lookup, so that saves written before the
             # load thread reads cannot evict these blocks from the host tier meanwhile. The
@@ -298,7 +297,7 @@ class OffloadScheduler:
         if self.prefetcher is not None:  # count a prefetched block where its data lived
             origin = self.prefetcher.origins(request.req_id)
             tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
-        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record and head == 0)
+        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record)
 
     def update_from_worker(self, report: WorkerReport) -> None:
         """Take the worker's finished loads (the engine calls this after every step)."""
@@ -378,3 +377,16 @@ def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
     if not splits:
         return Option(STRATEGY_LOAD_PREFIX, 0, num_cached, 0.0)
     return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))
+
+
+def _record_plan(request: Request, plan: _Plan, num_gpu_tokens: int, num_head_tokens: int,
+                 num_load_tokens: int) -> None:
+    """The planned split, for the request log (measured parts come later)."""
+    if num_load_tokens:
+        request.kv_decision = plan.decision
+    request.kv_plan = {
+        "gpu_tokens": num_gpu_tokens, "head_tokens": num_head_tokens,
+        "load_tokens": num_load_tokens,
+        "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
+        "predicted_s": round(plan.predicted_s, 6),
+    }
