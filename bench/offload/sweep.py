@@ -23,7 +23,7 @@ from bench.offload.parts import (
     sync,
 )
 from cachestore.cost.calibration import calibrate_prefill, calibrate_transfer
-from cachestore.cost.model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from cachestore.cost.model import Strategy
 from cachestore.cost.online import OnlineCostModel
 from engine.kv_cache import KVCache
 from tiers.base import Evicted, Tier, TierUsage, Value
@@ -232,9 +232,9 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
                 read_all = parts.load(0, k_all)
                 load_all = read_all + parts.prefill(16, length)
                 b = d.best
-                if b.strategy == STRATEGY_RECOMPUTE:
+                if b.strategy == Strategy.RECOMPUTE:
                     chosen = recompute
-                elif b.strategy == STRATEGY_OVERLAP:
+                elif b.strategy == Strategy.OVERLAP:
                     chosen = max(parts.prefill(16 * b.load_begin, 0),
                                  parts.load(b.load_begin, b.load_end)) + parts.prefill(16, length)
                 else:

@@ -32,13 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
-from cachestore.cost.model import (
-    STRATEGY_LOAD_PREFIX,
-    STRATEGY_OVERLAP,
-    STRATEGY_RECOMPUTE,
-    Decision,
-    Option,
-)
+from cachestore.cost.model import Decision, Option, Strategy
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
@@ -61,7 +55,7 @@ class _Plan:
     tiers: tuple[str, ...]  # the tier serving each of them
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
-    decision: str
+    decision: Strategy
     # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys.
     slab_offsets: tuple[int, ...] = ()
     num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
@@ -205,14 +199,14 @@ class OffloadScheduler:
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
         if self.decision == "load":
-            return Option(STRATEGY_LOAD_PREFIX, 0, len(tiers), 0.0)
+            return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
         if self.decision == "recompute":
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         try:
             decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
         except ValueError as exc:  # a tier the model has no price for: do the safe thing
             log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         if self.decision == "overlap":
             return _cheapest_overlap(decision, len(tiers))
         return decision.best
@@ -249,7 +243,7 @@ class OffloadScheduler:
         record = request.num_preemptions == 0
         if record:  # leading blocks only (an overlap's head is computed; its tail is not)
             request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
-            request.kv_decision = STRATEGY_RECOMPUTE
+            request.kv_decision = Strategy.RECOMPUTE
         if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
             if plan is not None:  # planned for another GPU hit: unused
                 self._plans[request.req_id] = plan
@@ -315,7 +309,7 @@ class OffloadScheduler:
             if inflight.record:
                 request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
                 if n == 0:
-                    request.kv_decision = STRATEGY_RECOMPUTE
+                    request.kv_decision = Strategy.RECOMPUTE
             if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
                 if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
                     log.error("in-step load of %s came back short (%d/%d blocks)",
@@ -373,9 +367,9 @@ class OffloadScheduler:
 def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
     """The forced ``overlap`` policy: the cheapest overlap split the model priced; with fewer
     than two cached blocks there is none, and everything is loaded."""
-    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == STRATEGY_OVERLAP]
+    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == Strategy.OVERLAP]
     if not splits:
-        return Option(STRATEGY_LOAD_PREFIX, 0, num_cached, 0.0)
+        return Option(Strategy.LOAD_PREFIX, 0, num_cached, 0.0)
     return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))
 
 
