@@ -120,9 +120,10 @@ class SweepLoads:
         self.host.delete_many(keys)  # cold: LMDB serves them (untimed)
         sync(self.device)
         t0 = time.perf_counter()
-        self.store.prepare_load(keys)
+        spec = self.store.prepare_load(keys)
         self.worker.start_load_kv(KVConnectorMetadata(loads=(BlockLoad(
-            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n),), num_scheduled_requests=0))
+            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n, spec=spec),),
+            num_scheduled_requests=0))
         finished = self.worker.take_report().finished_loads
         sync(self.device)
         seconds = time.perf_counter() - t0

@@ -9,9 +9,10 @@
   what a cache server hands on to its clients.
 - ``get_many_into`` is that read into buffers the caller owns (pinned staging, slab slices):
   each tier copies its hits straight into them (``Tier.get_many_into``), then they are checked.
-- ``get_many_pinned``: the read for callers that use the values while other threads write:
-  a host-tier block is read only once pinned for this caller (others come from the lower
-  tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
+- ``get_many_pinned`` (``read_pinned``, its context): the read for callers that use the values
+  while other threads write: a host-tier block is read only once pinned for this caller (others
+  come from the lower tiers, owned), so no concurrent put, eviction or delete can reuse its slot
+  under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
   to tier i+1 in the background, never blocking the caller (``cachestore.store.demotion``); a key the
@@ -24,7 +25,8 @@
   first tier below the top: a graceful shutdown keeps what the host tier held.
 - Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
   of the host slab for the offload connector (``cachestore.store.host``).
-- Pins and in-flight stores (``prepare_load``/``complete_load``, ``prepare_store``/
+- Loads (``prepare_load`` -> ``LoadSpec``, ``stage_load``, ``complete_load``: the one owner of a
+  load's pins, ``cachestore.store.loads``) and in-flight stores (``prepare_store``/
   ``complete_store``): ``cachestore.store.pins``. ``put_many`` skips a key another ``put_many`` is
   writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
@@ -40,14 +42,16 @@ Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cachestore.store.demotion import TierMovers
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
+from cachestore.store.loads import HostCheck, LoadLeases, LoadSpec, StagedRun
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
@@ -58,7 +62,6 @@ from cachestore.store.writes import TierWrites, flush_on_shutdown
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
-
 
 
 class HierarchicalStore:
@@ -94,6 +97,8 @@ class HierarchicalStore:
             write_top=lambda items: self._write(0, items),
             demote=lambda evicted: self._movers.demote(0, evicted),
         )
+        self._loads = LoadLeases(self._pins, self._host.unpin, self.locate_host_run,
+                                 stage=lambda keys: self.stage_host(keys))
         self._reads = StoreReads(self._tiers, self._host, lambda: self.config,
                                  self._movers.promote, self._through.hit)
         self._collector = None
@@ -150,22 +155,18 @@ class HierarchicalStore:
         reused by another key while the caller still copies it. Without a
         slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
         failures."""
-        if self._host.slab is None or not keys:
-            return self._read(keys, decoded=decoded), []
-        flags = self._host.pin(keys)
-        mine = [j for j, f in enumerate(flags) if f]
-        rest = [j for j, f in enumerate(flags) if not f]
-        out: list[Value | None] = [None] * len(keys)
-        if mine:
-            for j, v in zip(mine, self._read([keys[j] for j in mine], decoded=decoded),
-                            strict=True):
-                out[j] = v
-        if rest:
-            self._stats[0].add("misses", len(rest))
-            for j, v in zip(rest, self._read([keys[j] for j in rest], decoded=decoded,
-                                             first_tier=1), strict=True):
-                out[j] = v
-        return out, [keys[j] for j in mine]
+        return self._reads.read_pinned(keys, decoded)
+
+    @contextlib.contextmanager
+    def read_pinned(self, keys: Sequence[str], decoded: bool = False
+                    ) -> Iterator[list[Value | None]]:
+        """``get_many_pinned`` as a context: its values stay valid inside, its pins are
+        released on the way out."""
+        values, pinned = self._reads.read_pinned(keys, decoded)
+        try:
+            yield values
+        finally:
+            self._host.unpin(pinned)
 
     def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
         """Read each of ``keys`` straight into ``out[i]``, the caller's buffer (writable,
@@ -236,12 +237,8 @@ class HierarchicalStore:
         number of leading keys pinned: ``HostFastPath.stage``. For a background thread."""
         return self._host.stage(keys)
 
-    def pin_host(self, keys: Sequence[str]) -> list[bool]:
-        """Pin each of ``keys`` the host tier holds: ``HostFastPath.pin``."""
-        return self._host.pin(keys)
-
     def unpin_host(self, keys: Sequence[str]) -> None:
-        """Undo ``stage_host``'s, ``locate_host``'s and ``pin_host``'s pins."""
+        """Undo ``stage_host``'s, ``locate_host``'s and ``get_many_pinned``'s pins."""
         self._host.unpin(keys)
 
     def reserve_host(self, key: str, nbytes: int) -> Any:
@@ -314,15 +311,26 @@ class HierarchicalStore:
         the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
         self._pins.complete_store(keys)
 
-    def prepare_load(self, keys: Sequence[str]) -> int:
-        """Pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier);
-        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``.
-        Never raises for tier failures (a failed tier pins nothing)."""
-        return self._pins.prepare_load(keys)
+    def prepare_load(self, keys: Sequence[str], host: HostCheck | None = None, *,
+                     claim: bool = True) -> LoadSpec:
+        """Pin a load's blocks and say where they are (``cachestore.store.loads``). ``claim``:
+        pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier;
+        ``num_pinned``: leading keys pinned somewhere). ``host``: also the slab offsets of the
+        leading run of keys whose host blocks pass ``host``'s check, pinned (``host_offsets``).
+        Balance with ``complete_load(spec)``. Never raises for tier failures."""
+        return self._loads.prepare(keys, host, claim)
 
-    def complete_load(self, keys: Sequence[str]) -> None:
-        """Undo ``prepare_load``'s pins for ``keys`` (one ``unpin`` call per tier)."""
-        self._pins.complete_load(keys)
+    def stage_load(self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None = None
+                   ) -> StagedRun:
+        """``stage_host(keys)`` for a prepared load, its pins held by ``spec`` until
+        ``complete_load(spec)``; with ``host``, the slab offsets of the leading run of the
+        staged blocks that pass its check. For a background thread."""
+        return self._loads.stage(spec, keys, host)
+
+    def complete_load(self, spec: LoadSpec, keys: Sequence[str] | None = None) -> None:
+        """Release the pins ``spec`` holds (of ``keys`` only, when given), one ``unpin`` call
+        per tier. The one release of ``prepare_load``'s and ``stage_load``'s pins."""
+        self._loads.release(spec.lease, keys)
 
     # -- lifecycle and stats -------------------------------------------------------------
 

@@ -4,6 +4,8 @@ above it missed, every value checked by the codec before it counts.
 - ``read``: values as the tiers return them (encoded) or their decoded payloads; what
   ``HierarchicalStore.get_many``/``get_many_encoded``/``get_many_pinned`` answer.
 - ``lookup_chain``: which tier serves each leading block; ``HierarchicalStore.lookup``.
+- ``read_pinned``: ``read`` with each host-tier hit pinned for the caller first;
+  ``HierarchicalStore.get_many_pinned``.
 - ``read_into``: each hit copied by its tier straight into a buffer the caller owns
   (``Tier.get_many_into``) and checked there; ``HierarchicalStore.get_many_into``.
 
@@ -116,6 +118,28 @@ class StoreReads:
         if count_hits:
             self._hit([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
+
+    def read_pinned(self, keys: Sequence[str], decoded: bool
+                    ) -> tuple[list[Value | None], list[str]]:
+        """``HierarchicalStore.get_many_pinned``: (values, the keys pinned in the host tier for
+        this call). A key is read from the host tier only when pinned there first (one
+        ``pin_each``); the others come from the lower tiers, owned, counted host misses."""
+        if self._host.slab is None or not keys:
+            return self.read(keys, decoded), []
+        flags = self._host.pin(keys)
+        mine = [j for j, f in enumerate(flags) if f]
+        rest = [j for j, f in enumerate(flags) if not f]
+        out: list[Value | None] = [None] * len(keys)
+        if mine:
+            for j, v in zip(mine, self.read([keys[j] for j in mine], decoded),
+                            strict=True):
+                out[j] = v
+        if rest:
+            self._tiers.stats[0].add("misses", len(rest))
+            for j, v in zip(rest, self.read([keys[j] for j in rest], decoded,
+                                             first_tier=1), strict=True):
+                out[j] = v
+        return out, [keys[j] for j in mine]
 
     def read_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
         """``HierarchicalStore.get_many_into`` (its docstring is the contract). Raises

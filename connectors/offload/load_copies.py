@@ -1,7 +1,7 @@
 """The offload worker's slab -> GPU cache copies of a load (``HostLoader``'s copy half).
 
 ``PendingLoad`` is one load in progress: how many leading blocks' copies were issued, the
-event of the last one, the pins it holds, its timings. ``SlabToCache`` issues the copies:
+event of the last one, its timings, and the store's ``LoadSpec`` that holds its pins. ``SlabToCache`` issues the copies:
 - ``copy``: the next blocks of a load from their slab offsets (CPU: a synchronous memcpy;
   CUDA: ``non_blocking`` on the side stream, after the compute stream's queued work, an event
   recorded after them);
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachestore.hashing import BlockKey
+from cachestore.store.loads import LoadSpec
 from connectors.device.copy import SlabCopier
 from connectors.offload.metadata import BlockLoad
 from connectors.offload.pipeline import PipedLoad, PipeJob
@@ -35,18 +35,18 @@ class Staged:
     num_blocks: int  # leading keys now pinned in the host tier
     seconds: float
     data: torch.Tensor | None = None  # the blocks after those, read through the store
+    offsets: tuple[int, ...] = ()  # slab offsets of the leading run of the pinned ones
 
 
 @dataclass(slots=True)
 class PendingLoad:
     load: BlockLoad
+    spec: LoadSpec  # the store's prepared load: every pin the load holds, until completed
     deadline: float
     started: float
     copied: int = 0  # leading blocks whose copies were issued
     staging: cf.Future[Staged] | cf.Future[PipedLoad] | None = None
     job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
-    staged_keys: tuple[BlockKey, ...] = ()  # pinned by ``stage_host``: unpin when done
-    located: list[BlockKey] = field(default_factory=list)  # pinned by ``locate_host_run``: likewise
     event: object | None = None  # CUDA: recorded after the last issued copy
     timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
     copy_seconds: float = 0.0  # CPU

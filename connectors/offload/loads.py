@@ -5,20 +5,21 @@
   header checked) while planning, so each block is ONE slab -> cache copy issued now
   (``load_copies.SlabToCache``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
   compute stream waits on, since this step's forward reads them).
-- async loads: ``store.locate_host_run`` finds the leading host-tier blocks (header checked, not the
-  checksum: this process wrote them), copied the same way; the rest (lower tiers) goes through
-  one background thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by
-  chunk, each chunk read into a pinned staging slot and its copy into the cache issued by that
-  thread while it reads the next (``connectors.offload.pipeline``). Otherwise: staged
-  (``store.stage_host``: checksummed reads into pinned host slots), then copied at a later step
+- async loads: the load's ``LoadSpec`` says where its leading host-tier blocks are (header
+  checked, not the checksum: this process wrote them; located by the scheduler side's
+  ``prepare_load``), copied the same way; the rest (lower tiers) goes through one background
+  thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by chunk, each chunk
+  read into a pinned staging slot and its copy into the cache issued by that thread while it
+  reads the next (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
+  checksummed reads into pinned host slots, which it locates), then copied at a later step
   start; blocks the slab cannot take are read into one tensor and scattered. A load whose
   staging runs past ``load_timeout_s`` ends with what was copied.
 - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
   once); their pins are released once the copies and the staging ended. An idle step (nothing
   scheduled) waits for the first staging and for the copies, so the load is reported now.
 ``poll``: a load whose copies completed becomes a ``LoadResult`` (reported in the step it
-landed in) and its pins are released. Cost model: lower-tier staging is observed under its
-tier, each load's copies under ``host``.
+landed in) and its spec is completed (``store.complete_load``: every pin it holds released).
+Cost model: lower-tier staging is observed under its tier, each load's copies under ``host``.
 
 Not thread-safe: the engine thread drives it; the load thread only runs ``_stage`` and touches
 nothing but the store and its own result.
@@ -32,10 +33,11 @@ import time
 
 import torch
 
-from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
+from cachestore.codec import BlockMeta, HeaderTemplate
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import HostCheck, LoadSpec, StagedRun
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.load_copies import PendingLoad, SlabToCache, Staged
@@ -68,7 +70,7 @@ class HostLoader:
         self.load_timeout_s = load_timeout_s
         self._side = side_stream
         self._headers = HeaderTemplate(meta, keyed=True)  # a block's header names its key
-        self._total = encoded_size(meta, keyed=True)
+        self._check = HostCheck.for_meta(meta)  # how staged host blocks are located
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
         self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
@@ -160,12 +162,15 @@ class HostLoader:
 
     def _begin(self, load: BlockLoad) -> PendingLoad:
         now = time.monotonic()
-        pending = PendingLoad(load, now + self.load_timeout_s, time.perf_counter())
+        # A load prepared without the store (none given) gets an empty spec: its staging's pins.
+        spec = load.spec if load.spec is not None else self.store.prepare_load(load.keys,
+                                                                               claim=False)
+        pending = PendingLoad(load, spec, now + self.load_timeout_s, time.perf_counter())
         if load.in_step:  # copied by ``copy_in_step``, with the step's other in-step loads
-            pending.located.extend(load.keys)  # pinned by the scheduler side: unpin when done
             pending.issuing = False
             return pending
-        lead = self._locate_and_copy(pending, load.keys)
+        lead = len(spec.host_offsets)
+        self._copies.copy(pending, list(spec.host_offsets))
         if lead < len(load.keys) and self._pipeline is not None:
             ready = None
             if self._side is not None:  # the blocks' previous owner's queued forwards
@@ -174,32 +179,33 @@ class HostLoader:
             pending.job = PipeJob(load.block_ids[lead:], load.keys[lead:], ready)
             pending.staging = self._pool.submit(self._pipeline.run, pending.job)
         elif lead < len(load.keys):
-            pending.staging = self._pool.submit(self._stage, load.keys[lead:])
+            pending.staging = self._pool.submit(self._stage, spec, load.keys[lead:])
         else:
             pending.issuing = False
         return pending
 
     def _release_unsent(self, load: BlockLoad) -> None:
-        """Undo the pins of a load that is dropped before any copy was issued."""
-        if load.in_step:
-            self.store.unpin_host(load.keys)
-        else:
-            self.store.complete_load(load.keys)
+        """Release the pins of a load that is dropped before any copy was issued."""
+        if load.spec is not None:
+            self.store.complete_load(load.spec)
 
-    def _stage(self, keys: tuple[BlockKey, ...]) -> Staged:
-        """Load thread: lower-tier blocks into pinned host slots. Never raises."""
+    def _stage(self, spec: LoadSpec, keys: tuple[BlockKey, ...]) -> Staged:
+        """Load thread: lower-tier blocks into pinned host slots (held by ``spec``), located.
+        Never raises."""
         t0 = time.perf_counter()
         try:
-            n = self.store.stage_host(keys) if self._copier is not None else 0
+            run = (self.store.stage_load(spec, keys, self._check) if self._copier is not None
+                   else StagedRun(0))
         except Exception:  # a read that fails is a miss; the request recomputes
             log.exception("kv staging of %d blocks failed", len(keys))
             return Staged(0, time.perf_counter() - t0)
+        n = run.num_pinned
         try:
             data = self._read_through(keys[n:]) if n < len(keys) else None
         except Exception:
             log.exception("kv read of %d blocks failed", len(keys) - n)
             data = None
-        return Staged(n, time.perf_counter() - t0, data)
+        return Staged(n, time.perf_counter() - t0, data, run.host_offsets)
 
     def _read_through(self, keys: tuple[BlockKey, ...]) -> torch.Tensor:
         """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
@@ -207,8 +213,7 @@ class HostLoader:
         (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
         # Host hits are views into the slab: read only once pinned for this call, or a
         # concurrent write (this very read's promotions) may reuse their slots.
-        values, pinned = self.store.get_many_pinned(keys, decoded=True)
-        try:
+        with self.store.read_pinned(keys, decoded=True) as values:
             size = self.meta.payload_bytes
             n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
                      len(values))
@@ -216,19 +221,7 @@ class HostLoader:
             rows = data.numpy()
             for i in range(n):
                 rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
-        finally:
-            self.store.unpin_host(pinned)
         return data
-
-    def _locate_and_copy(self, pending: PendingLoad, keys: tuple[BlockKey, ...]) -> int:
-        """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
-        next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
-        offsets = self.store.locate_host_run(keys, [self._headers.for_key(k) for k in keys],
-                                             self._total)
-        lead = len(offsets)
-        pending.located.extend(keys[:lead])
-        self._copies.copy(pending, list(offsets))
-        return lead
 
     def _advance(self, pipelined_only: bool = False) -> None:
         """Copy in the blocks of every finished staging; end staging that ran out of time."""
@@ -276,9 +269,9 @@ class HostLoader:
         keys = pending.load.keys[first:first + staged.num_blocks]
         pending.staging = None
         pending.issuing = False
-        pending.staged_keys = keys
         pending.read_seconds += staged.seconds
-        lead = self._locate_and_copy(pending, keys)
+        lead = len(staged.offsets)
+        self._copies.copy(pending, list(staged.offsets))
         data = staged.data
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
             t0 = time.perf_counter()
@@ -329,20 +322,13 @@ class HostLoader:
         self._draining = still
 
     def _release(self, pending: PendingLoad) -> None:
+        """Complete the load's spec once its staging ended (its pins are the spec's)."""
         future, pending.staging = pending.staging, None
-        if future is not None:  # ended without its copies (cancelled or timed out)
-            if not future.done():
-                pending.staging = future
-                self._draining.append(pending)
-                return
-            result = future.result()
-            if isinstance(result, Staged):  # a pipelined read holds no pins past its chunk
-                n = result.num_blocks
-                pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
-        self.store.unpin_host([*pending.staged_keys, *pending.located])
-        pending.staged_keys, pending.located = (), []
-        if not pending.load.in_step:  # in-step loads hold slot pins only
-            self.store.complete_load(pending.load.keys)
+        if future is not None and not future.done():  # ended without its copies
+            pending.staging = future
+            self._draining.append(pending)
+            return
+        self.store.complete_load(pending.spec)
 
     def _observe_host(self, pending: PendingLoad, copy_s: float) -> None:
         if self.cost_model is None or not pending.copied:
