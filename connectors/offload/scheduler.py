@@ -61,12 +61,16 @@ class _Plan:
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
     decision: Strategy
-    # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys,
-    # and the prepared load holding their pins.
-    slab_offsets: tuple[int, ...] = ()
+    # In-step: the prepared load holding the located (pinned) slots of the first
+    # num_load_blocks keys.
     spec: LoadSpec | None = None
     num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
     predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
+
+    @property
+    def slab_offsets(self) -> tuple[int, ...]:
+        """In-step: the slab offset of each of the first num_load_blocks keys' slots."""
+        return self.spec.host_offsets if self.spec is not None else ()
 
 
 @dataclass(slots=True)
@@ -187,7 +191,7 @@ class OffloadScheduler:
             unlocated, num_load = num_load - len(offsets), len(offsets)
         self._plans[request.req_id] = _Plan(
             num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
-            option.strategy, offsets, spec, unlocated, option.predicted_s,
+            option.strategy, spec, unlocated, option.predicted_s,
         )
         in_step = bool(offsets) or unlocated > 0
         return ExternalHit(
@@ -281,10 +285,9 @@ class OffloadScheduler:
         spec = plan.spec
         if not offsets:
             # Pin now, in the same schedule() as the lookup, so that saves written before the
-            # load thread reads cannot evict these blocks from the host tier meanwhile; the
-            # leading host-tier run is located too, so the worker copies it without asking.
-            # The worker completes the spec when its copies ended. (An in-step load's slots
-            # were pinned at planning, its spec the plan's.)
+            # load thread reads cannot evict these blocks meanwhile; the leading host-tier run
+            # is located too (the worker copies it without asking). An in-step load's spec is
+            # the plan's. The worker completes the spec once its copies ended.
             spec = self.store.prepare_load(list(plan.keys[loaded]), self._check)
         load = BlockLoad(
             request.req_id,
