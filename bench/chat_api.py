@@ -27,7 +27,7 @@ from engine.core.messages import AddRequest, CoreOutput, encode_request
 from engine.core.output_processor import RequestState
 from engine.models.demo_model import build_demo_tokenizer
 from engine.sampling_params import SamplingParams
-from engine.server.protocol import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
+from engine.server.responses import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
 from engine.server.serving import sse
 from engine.tokenizer import NO_TOKENIZER_LIMIT, encode_chat
 

@@ -168,6 +168,7 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     Best of ``repeats``; the cache's device is the setup's (CPU for --quick/--tiny)."""
     from cachestore.codec import encode_block, encoded_size
     from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+    from cachestore.store.loads import HostCheck
     from connectors.device.kv_compress import Hi4Codec
     from connectors.device.slab_runs import pad16
     from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
@@ -197,9 +198,10 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
 
     def load(coalesced: bool = False) -> None:
         worker = workers[coalesced]
-        store.prepare_load(keys)
+        spec = store.prepare_load(keys, HostCheck.for_meta(meta))
         worker.start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, keys, 0, ("host",) * n),), num_scheduled_requests=0))
+            loads=(BlockLoad("bench", ids, keys, 0, ("host",) * n, spec=spec),),
+            num_scheduled_requests=0))
         [done] = worker.take_report().finished_loads
         assert done.num_loaded_blocks == n, done
 
@@ -236,9 +238,10 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     workers["lossless"] = lworker
 
     def load_lossless() -> None:
-        lstore.prepare_load(lkeys)
+        spec = lstore.prepare_load(lkeys, HostCheck.for_meta(lmeta))
         lworker.start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, lkeys, 0, ("host",) * n),), num_scheduled_requests=0))
+            loads=(BlockLoad("bench", ids, lkeys, 0, ("host",) * n, spec=spec),),
+            num_scheduled_requests=0))
         [done] = lworker.take_report().finished_loads
         assert done.num_loaded_blocks == n, done
 

@@ -67,9 +67,10 @@ def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
     parts: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
 
     def load(name: str) -> None:
-        store.prepare_load(keys)
+        spec = store.prepare_load(keys)
         variants[name].start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, keys, 0, ("lmdb",) * n),), num_scheduled_requests=0))
+            loads=(BlockLoad("bench", ids, keys, 0, ("lmdb",) * n, spec=spec),),
+            num_scheduled_requests=0))
         [done] = variants[name].take_report().finished_loads
         assert done.num_loaded_blocks == n, done
         parts[name].append((done.read_s, done.copy_s))

@@ -23,7 +23,7 @@ from bench.offload.parts import (
     sync,
 )
 from cachestore.cost.calibration import calibrate_prefill, calibrate_transfer
-from cachestore.cost.model import STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from cachestore.cost.model import Strategy
 from cachestore.cost.online import OnlineCostModel
 from engine.kv_cache import KVCache
 from tiers.base import Evicted, Tier, TierUsage, Value
@@ -120,9 +120,10 @@ class SweepLoads:
         self.host.delete_many(keys)  # cold: LMDB serves them (untimed)
         sync(self.device)
         t0 = time.perf_counter()
-        self.store.prepare_load(keys)
+        spec = self.store.prepare_load(keys)
         self.worker.start_load_kv(KVConnectorMetadata(loads=(BlockLoad(
-            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n),), num_scheduled_requests=0))
+            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n, spec=spec),),
+            num_scheduled_requests=0))
         finished = self.worker.take_report().finished_loads
         sync(self.device)
         seconds = time.perf_counter() - t0
@@ -232,9 +233,9 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
                 read_all = parts.load(0, k_all)
                 load_all = read_all + parts.prefill(16, length)
                 b = d.best
-                if b.strategy == STRATEGY_RECOMPUTE:
+                if b.strategy == Strategy.RECOMPUTE:
                     chosen = recompute
-                elif b.strategy == STRATEGY_OVERLAP:
+                elif b.strategy == Strategy.OVERLAP:
                     chosen = max(parts.prefill(16 * b.load_begin, 0),
                                  parts.load(b.load_begin, b.load_end)) + parts.prefill(16, length)
                 else:

@@ -13,7 +13,7 @@ reads it (``cachestore.analyze.traces``, format ``request-log``, which needs onl
 
 - ``ts``: the Unix time the request arrived; ``block_hashes``: the hex chained hashes of every
   full block of the prompt; ``hit_tiers``: the tier that served each leading cached block;
-  ``decision``: the reload decision (``cachestore.cost.model.STRATEGY_*``).
+  ``decision``: the reload decision (``cachestore.cost.model.Strategy``, its value).
 - ``ttft_breakdown_s``: the phases of ``ttft_s`` (engine/ttft.py; ``load_copy`` the measured
   copy of its KV load into the GPU cache); null for a request ended before its first token.
 - ``num_prefill_steps``: the steps that computed its prompt; ``prefill_step_tokens``: every

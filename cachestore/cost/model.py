@@ -17,12 +17,31 @@ updates build new frozen values on top of these types; nothing here mutates.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STRATEGY_RECOMPUTE = "recompute"  # compute everything past the GPU hit
-STRATEGY_LOAD_PREFIX = "load_prefix"  # load [0, k) then compute [k, end)
-STRATEGY_OVERLAP = "overlap"  # compute [0, m) while [m, K) loads, then compute [K, end)
+
+class Strategy(str, enum.Enum):
+    """A reload decision: how a prompt is served past its GPU hit. A ``str``: each member is
+    its value, the string that logs, metrics labels and request logs carry (``str``, ``format``,
+    JSON and msgpack give the value; it compares and hashes as that string)."""
+
+    RECOMPUTE = "recompute"  # compute everything past the GPU hit
+    LOAD_PREFIX = "load_prefix"  # load [0, k) then compute [k, end)
+    OVERLAP = "overlap"  # compute [0, m) while [m, K) loads, then compute [K, end)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
+
+
+# The members under their former constant names (importers that predate ``Strategy``).
+STRATEGY_RECOMPUTE = Strategy.RECOMPUTE
+STRATEGY_LOAD_PREFIX = Strategy.LOAD_PREFIX
+STRATEGY_OVERLAP = Strategy.OVERLAP
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +219,7 @@ class Option:
     """One way to serve a prompt: compute ``[0, load_begin)`` (overlapped with the load),
     load blocks ``[load_begin, load_end)``, compute everything from ``load_end`` on."""
 
-    strategy: str
+    strategy: Strategy
     load_begin: int
     load_end: int
     predicted_s: float
@@ -309,7 +328,7 @@ def choose_split(
                  for m in range(1, num_cached)]
 
     def prefix_option(k: int) -> Option:
-        return Option(STRATEGY_RECOMPUTE if k == 0 else STRATEGY_LOAD_PREFIX, 0, k, prefix_t[k])
+        return Option(Strategy.RECOMPUTE if k == 0 else Strategy.LOAD_PREFIX, 0, k, prefix_t[k])
 
     if not 0.0 <= overlap_margin < 1.0:
         raise ValueError(f"overlap_margin must be in [0, 1), got {overlap_margin}")
@@ -318,7 +337,7 @@ def choose_split(
     families = [prefix_option(0), prefix_option(num_cached), best_prefix]
     if overlap_t:  # (time, loaded blocks = K - m) for m = 1..K-1
         t, loaded = min(zip(overlap_t, range(num_cached - 1, 0, -1), strict=True))
-        best_overlap = Option(STRATEGY_OVERLAP, num_cached - loaded, num_cached, t)
+        best_overlap = Option(Strategy.OVERLAP, num_cached - loaded, num_cached, t)
         if ((t, loaded) < (best.predicted_s, best.num_load_blocks)
                 and t <= (1.0 - overlap_margin) * best.predicted_s):
             best = best_overlap

@@ -35,11 +35,10 @@ from typing import Any
 
 from cachestore.cost.model import (
     LLAMA3_8B_H200_PREFILL,
-    STRATEGY_LOAD_PREFIX,
-    STRATEGY_RECOMPUTE,
     TIER_COST_PRIORS,
     Decision,
     PrefillCost,
+    Strategy,
     TierCost,
     choose_split,
     get_model_profile,
@@ -182,7 +181,7 @@ class OnlineCostModel:
         if not trusted and source_tiers:
             decision = _load_all(decision, len(source_tiers))
         recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
-                         if o.strategy == STRATEGY_RECOMPUTE)  # always priced by choose_split
+                         if o.strategy == Strategy.RECOMPUTE)  # always priced by choose_split
         with self._lock:
             d = self._counts.decisions
             d[decision.best.strategy] = d.get(decision.best.strategy, 0) + 1
@@ -270,5 +269,5 @@ def _load_all(decision: Decision, num_cached: int) -> Decision:
     always prices that option: it is the best or among the alternatives)."""
     options = (decision.best, *decision.alternatives)
     load = next(o for o in options
-                if o.strategy == STRATEGY_LOAD_PREFIX and o.load_end == num_cached)
+                if o.strategy == Strategy.LOAD_PREFIX and o.load_end == num_cached)
     return Decision(best=load, alternatives=tuple(o for o in options if o != load))

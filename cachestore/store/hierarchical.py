@@ -9,13 +9,15 @@
   what a cache server hands on to its clients.
 - ``get_many_into`` is that read into buffers the caller owns (pinned staging, slab slices):
   each tier copies its hits straight into them (``Tier.get_many_into``), then they are checked.
-- ``get_many_pinned``: the read for callers that use the values while other threads write:
-  a host-tier block is read only once pinned for this caller (others come from the lower
-  tiers, owned), so no concurrent put, eviction or delete can reuse its slot under the view.
+- ``get_many_pinned`` (``read_pinned``, its context): the read for callers that use the values
+  while other threads write: a host-tier block is read only once pinned for this caller (others
+  come from the lower tiers, owned), so no concurrent put, eviction or delete can reuse its slot
+  under the view.
 - ``put_many`` writes encoded blocks to the top tier and, with ``write_through_to`` set,
   synchronously to that (durable) tier too before returning. Evictions from tier i are demoted
   to tier i+1 in the background, never blocking the caller (``cachestore.store.demotion``); a key the
-  tier below already holds is not rewritten (one ``contains_many`` per batch).
+  tier below already holds is not rewritten (one ``contains_many`` per batch;
+  ``cachestore.store.writes``).
 - Write policies (``StoreConfig.write_policies``, ``cachestore.store.write_through``): blocks saved to
   the top tier (``put_many``, ``commit_host``) are copied asynchronously to each write-through
   tier below, or at their N-th hit for a selective one; write-back tiers get them on eviction.
@@ -23,7 +25,8 @@
   first tier below the top: a graceful shutdown keeps what the host tier held.
 - Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
   of the host slab for the offload connector (``cachestore.store.host``).
-- Pins and in-flight stores (``prepare_load``/``complete_load``, ``prepare_store``/
+- Loads (``prepare_load`` -> ``LoadSpec``, ``stage_load``, ``complete_load``: the one owner of a
+  load's pins, ``cachestore.store.loads``) and in-flight stores (``prepare_store``/
   ``complete_store``): ``cachestore.store.pins``. ``put_many`` skips a key another ``put_many`` is
   writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
@@ -39,27 +42,26 @@ Thread-safe. Torch-free. The store owns its tiers: ``close`` closes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from cachestore.store.demotion import TierMovers
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
+from cachestore.store.loads import HostCheck, LoadLeases, LoadSpec, StagedRun
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
-from cachestore.store.reads import StoreReads
+from cachestore.store.reads import StoreReads, lookup_chain
 from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.write_through import DrainReport, WriteThrough
+from cachestore.store.writes import TierWrites, flush_on_shutdown
 from tiers.base import Tier, TierUsage, Value
 
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
-
-log = logging.getLogger(__name__)
-_SKIP: Any = object()  # a tier call that did not happen or failed
 
 
 class HierarchicalStore:
@@ -76,11 +78,12 @@ class HierarchicalStore:
         self.tiers = self._tiers.tiers
         self.config = config
         self._stats = self._tiers.stats
-        self._skipped: frozenset[int] = frozenset()  # tiers demotion passes over (skip_tiers)
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
+        self._writes = TierWrites(self._tiers, lambda i, evicted: self._movers.demote(i, evicted))
+        self._write = self._writes.write
         self._movers = TierMovers(self._stats, self._tiers.health, config.queue_batches,
-                                  self._write_back, on_drop)
+                                  self._writes.write_back, on_drop)
         policies = list(config.write_policies[:len(tiers)])
         policies += [WritePolicy()] * (len(tiers) - len(policies))
         self._through = WriteThrough(
@@ -94,6 +97,8 @@ class HierarchicalStore:
             write_top=lambda items: self._write(0, items),
             demote=lambda evicted: self._movers.demote(0, evicted),
         )
+        self._loads = LoadLeases(self._pins, self._host.unpin, self.locate_host_run,
+                                 stage=lambda keys: self.stage_host(keys))
         self._reads = StoreReads(self._tiers, self._host, lambda: self.config,
                                  self._movers.promote, self._through.hit)
         self._collector = None
@@ -118,26 +123,7 @@ class HierarchicalStore:
         holds the whole prefix, LMDB, Redis and S3 are not asked at all (a lookup sits on the
         scheduler's step path). ``per_tier[i].num_leading`` is what tier i answered to its
         first question (0 when it was never asked)."""
-        num_tiers = len(self.tiers)
-        # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
-        known: list[tuple[int, int] | None] = [None] * num_tiers
-        first: list[int] = [0] * num_tiers
-        served: list[int] = []
-        for p in range(len(keys)):
-            for i in range(num_tiers):
-                span = known[i]
-                if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
-                    n = self._call(i, _lookup(keys[p:]), 0)
-                    if span is None:
-                        first[i] = n
-                    span = known[i] = (p, n)
-                if p < span[0] + span[1]:
-                    served.append(i)
-                    break
-            else:
-                break
-        per = tuple(TierLookup(s.name, n) for s, n in zip(self._stats, first, strict=True))
-        return LookupResult(per_tier=per, served_by=tuple(served))
+        return lookup_chain(self._tiers, keys)
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.
@@ -169,22 +155,18 @@ class HierarchicalStore:
         reused by another key while the caller still copies it. Without a
         slab tier on top this is ``_read`` and ``pinned`` is empty. Never raises for tier
         failures."""
-        if self._host.slab is None or not keys:
-            return self._read(keys, decoded=decoded), []
-        flags = self._host.pin(keys)
-        mine = [j for j, f in enumerate(flags) if f]
-        rest = [j for j, f in enumerate(flags) if not f]
-        out: list[Value | None] = [None] * len(keys)
-        if mine:
-            for j, v in zip(mine, self._read([keys[j] for j in mine], decoded=decoded),
-                            strict=True):
-                out[j] = v
-        if rest:
-            self._stats[0].add("misses", len(rest))
-            for j, v in zip(rest, self._read([keys[j] for j in rest], decoded=decoded,
-                                             first_tier=1), strict=True):
-                out[j] = v
-        return out, [keys[j] for j in mine]
+        return self._reads.read_pinned(keys, decoded)
+
+    @contextlib.contextmanager
+    def read_pinned(self, keys: Sequence[str], decoded: bool = False
+                    ) -> Iterator[list[Value | None]]:
+        """``get_many_pinned`` as a context: its values stay valid inside, its pins are
+        released on the way out."""
+        values, pinned = self._reads.read_pinned(keys, decoded)
+        try:
+            yield values
+        finally:
+            self._host.unpin(pinned)
 
     def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
         """Read each of ``keys`` straight into ``out[i]``, the caller's buffer (writable,
@@ -255,12 +237,8 @@ class HierarchicalStore:
         number of leading keys pinned: ``HostFastPath.stage``. For a background thread."""
         return self._host.stage(keys)
 
-    def pin_host(self, keys: Sequence[str]) -> list[bool]:
-        """Pin each of ``keys`` the host tier holds: ``HostFastPath.pin``."""
-        return self._host.pin(keys)
-
     def unpin_host(self, keys: Sequence[str]) -> None:
-        """Undo ``stage_host``'s, ``locate_host``'s and ``pin_host``'s pins."""
+        """Undo ``stage_host``'s, ``locate_host``'s and ``get_many_pinned``'s pins."""
         self._host.unpin(keys)
 
     def reserve_host(self, key: str, nbytes: int) -> Any:
@@ -317,46 +295,9 @@ class HierarchicalStore:
         tier and ``write_through_to`` (an acknowledged put's durable tier) are never skipped;
         blocks already in a skipped tier stay readable; shutdown's flush still writes."""
         durable = self.config.write_through_to
-        self._skipped = frozenset(i for i, t in enumerate(self.tiers)
-                                  if t.name in names and i > 0 and i != durable)
-        self._through.skipped = self._skipped
-
-    def _write(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
-        """Write to tier i (in the caller's thread); demote what it evicted. Returns count, or
-        -1 when the tier failed or was backing off (nothing written, nothing demoted)."""
-        t0 = time.perf_counter()
-        evicted = self._call(i, lambda t: t.put_many(items), _SKIP)
-        if evicted is _SKIP:
-            return -1
-        stats = self._stats[i]
-        stats.record_write(sum(len(v) for _, v in items), time.perf_counter() - t0)
-        if evicted:
-            stats.add("evictions", len(evicted))
-            self._movers.demote(i, evicted)
-        return len(items)
-
-    def _write_back(self, i: int, items: Sequence[tuple[str, Value]]) -> int:
-        """A demotion worker's write (promotions for tier 0): keys tier i already holds are not
-        rewritten (``write_present``); the rest are counted ``written_back``. -1 when the tier
-        failed or backs off (the movers pass the batch further down)."""
-        if i == 0:
-            return self._write(0, items)
-        if i in self._skipped:  # never worth loading from: pass the batch on down, counted
-            self._stats[i].add("placement_skipped", len(items))
-            return -1
-        keys = [k for k, _ in items]
-        flags = self._call(i, lambda t: t.contains_many(keys), None)
-        if flags is None:
-            return -1
-        todo = [item for item, present in zip(items, flags, strict=True) if not present]
-        if len(todo) < len(items):
-            self._stats[i].add("write_present", len(items) - len(todo))
-        if not todo:
-            return 0
-        written = self._write(i, todo)
-        if written > 0:
-            self._stats[i].add("written_back", written)
-        return written
+        skipped = frozenset(i for i, t in enumerate(self.tiers)
+                            if t.name in names and i > 0 and i != durable)
+        self._writes.skipped = self._through.skipped = skipped
 
     # -- pins (cachestore.store.pins) ----------------------------------------------------------
 
@@ -370,15 +311,26 @@ class HierarchicalStore:
         the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
         self._pins.complete_store(keys)
 
-    def prepare_load(self, keys: Sequence[str]) -> int:
-        """Pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier);
-        return how many leading keys are pinned somewhere. Balance with ``complete_load(keys)``.
-        Never raises for tier failures (a failed tier pins nothing)."""
-        return self._pins.prepare_load(keys)
+    def prepare_load(self, keys: Sequence[str], host: HostCheck | None = None, *,
+                     claim: bool = True) -> LoadSpec:
+        """Pin a load's blocks and say where they are (``cachestore.store.loads``). ``claim``:
+        pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier;
+        ``num_pinned``: leading keys pinned somewhere). ``host``: also the slab offsets of the
+        leading run of keys whose host blocks pass ``host``'s check, pinned (``host_offsets``).
+        Balance with ``complete_load(spec)``. Never raises for tier failures."""
+        return self._loads.prepare(keys, host, claim)
 
-    def complete_load(self, keys: Sequence[str]) -> None:
-        """Undo ``prepare_load``'s pins for ``keys`` (one ``unpin`` call per tier)."""
-        self._pins.complete_load(keys)
+    def stage_load(self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None = None
+                   ) -> StagedRun:
+        """``stage_host(keys)`` for a prepared load, its pins held by ``spec`` until
+        ``complete_load(spec)``; with ``host``, the slab offsets of the leading run of the
+        staged blocks that pass its check. For a background thread."""
+        return self._loads.stage(spec, keys, host)
+
+    def complete_load(self, spec: LoadSpec, keys: Sequence[str] | None = None) -> None:
+        """Release the pins ``spec`` holds (of ``keys`` only, when given), one ``unpin`` call
+        per tier. The one release of ``prepare_load``'s and ``stage_load``'s pins."""
+        self._loads.release(spec.lease, keys)
 
     # -- lifecycle and stats -------------------------------------------------------------
 
@@ -402,26 +354,9 @@ class HierarchicalStore:
         demotions that caused. Logs and returns what it did (kept as ``drain_report``). Call
         once, before ``close``; the store still serves reads and writes, but nothing is written
         through any more. Never raises for tier failures."""
-        t0 = time.monotonic()
-        drained, dropped = self._through.drain(drain_timeout_s)
-        top = self.tiers[0]
-        lru_keys = getattr(top, "lru_keys", None)  # the host tier's committed keys
-        target = next((i for i in range(1, len(self.tiers)) if self._tiers.health[i].available()),
-                      None)
-        flush_tier, flushed, present, left = None, 0, 0, 0
-        if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
-            flush_tier = self._stats[target].name
-            keys: list[str] = list(reversed(self._call(0, lambda t: lru_keys(), [])))  # most recent first
-            flushed, present, left = self._through.flush_down(
-                target, keys, time.monotonic() + drain_timeout_s)
-        self._movers.flush()
-        report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
-                             time.monotonic() - t0)
+        report = flush_on_shutdown(self._tiers, self._through, self._movers.flush,
+                                   drain_timeout_s)
         self.drain_report = report
-        # Losing blocks is worth a warning (visible without logging set up, as in the engine
-        # core process); a complete drain is routine.
-        level = logging.WARNING if report.dropped or report.flush_left else logging.INFO
-        log.log(level, "kv store shutdown: %s", report.describe())
         return report
 
     def _tier_rows(self) -> list[dict[str, Any]]:
@@ -461,7 +396,3 @@ class HierarchicalStore:
         for tier in self.tiers:
             tier.close()
 
-
-def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
-    """A tier call's function, built outside the caller's loop."""
-    return lambda tier: tier.lookup(keys)

@@ -5,7 +5,8 @@
 - Stores: ``prepare_store`` hands each key to one caller only (not present at the top tier, not
   being stored or written by someone else) until ``complete_store``. A concurrent read of a key
   being stored misses; nothing here ever waits for a store.
-- Loads: ``prepare_load`` pins keys in every tier that supports pins (``PinningTier``: host,
+- Load claims (for ``cachestore.store.loads``, which owns a load's pins and calls these):
+  ``prepare_load`` pins keys in every tier that supports pins (``PinningTier``: host,
   lmdb), one ``pin_each`` call per tier for the batch; ``complete_load`` undoes them (one
   ``unpin`` call per tier). Callers are not told apart (no handle), so the accounting is per
   key: every ``prepare_load`` of a key is a *claim*, whether or not it pinned anything, and

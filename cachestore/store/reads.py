@@ -3,6 +3,9 @@ above it missed, every value checked by the codec before it counts.
 
 - ``read``: values as the tiers return them (encoded) or their decoded payloads; what
   ``HierarchicalStore.get_many``/``get_many_encoded``/``get_many_pinned`` answer.
+- ``lookup_chain``: which tier serves each leading block; ``HierarchicalStore.lookup``.
+- ``read_pinned``: ``read`` with each host-tier hit pinned for the caller first;
+  ``HierarchicalStore.get_many_pinned``.
 - ``read_into``: each hit copied by its tier straight into a buffer the caller owns
   (``Tier.get_many_into``) and checked there; ``HierarchicalStore.get_many_into``.
 
@@ -33,7 +36,7 @@ from typing import Any
 from cachestore.codec import CodecError, DecodedBlock, block_key_of, decode_block
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
-from cachestore.store.types import StoreConfig
+from cachestore.store.types import LookupResult, StoreConfig, TierLookup
 from tiers.base import Tier, Value, writable_views
 from tiers.buffers import ReadBuffers
 
@@ -115,6 +118,28 @@ class StoreReads:
         if count_hits:
             self._hit([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
+
+    def read_pinned(self, keys: Sequence[str], decoded: bool
+                    ) -> tuple[list[Value | None], list[str]]:
+        """``HierarchicalStore.get_many_pinned``: (values, the keys pinned in the host tier for
+        this call). A key is read from the host tier only when pinned there first (one
+        ``pin_each``); the others come from the lower tiers, owned, counted host misses."""
+        if self._host.slab is None or not keys:
+            return self.read(keys, decoded), []
+        flags = self._host.pin(keys)
+        mine = [j for j, f in enumerate(flags) if f]
+        rest = [j for j, f in enumerate(flags) if not f]
+        out: list[Value | None] = [None] * len(keys)
+        if mine:
+            for j, v in zip(mine, self.read([keys[j] for j in mine], decoded),
+                            strict=True):
+                out[j] = v
+        if rest:
+            self._tiers.stats[0].add("misses", len(rest))
+            for j, v in zip(rest, self.read([keys[j] for j in rest], decoded,
+                                             first_tier=1), strict=True):
+                out[j] = v
+        return out, [keys[j] for j in mine]
 
     def read_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
         """``HierarchicalStore.get_many_into`` (its docstring is the contract). Raises
@@ -234,3 +259,35 @@ def _check(tier: Tier, value: Value, key: str, config: StoreConfig) -> DecodedBl
 def _get_many(keys: Sequence[str]) -> Callable[[Tier], list[Value | None]]:
     """A tier call's function, built outside the caller's loop."""
     return lambda tier: tier.get_many(keys)
+
+
+def lookup_chain(tiers: GuardedTiers, keys: Sequence[str]) -> LookupResult:
+    """``HierarchicalStore.lookup``: which tier serves each block of the longest prefix of
+    ``keys`` the tiers hold, each tier asked only from the first block the tiers above it
+    lack (``per_tier[i].num_leading``: tier i's answer to its first question, 0 if never
+    asked)."""
+    num_tiers = len(tiers)
+    # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
+    known: list[tuple[int, int] | None] = [None] * num_tiers
+    first: list[int] = [0] * num_tiers
+    served: list[int] = []
+    for p in range(len(keys)):
+        for i in range(num_tiers):
+            span = known[i]
+            if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
+                n = tiers.call(i, _lookup(keys[p:]), 0)
+                if span is None:
+                    first[i] = n
+                span = known[i] = (p, n)
+            if p < span[0] + span[1]:
+                served.append(i)
+                break
+        else:
+            break
+    per = tuple(TierLookup(s.name, n) for s, n in zip(tiers.stats, first, strict=True))
+    return LookupResult(per_tier=per, served_by=tuple(served))
+
+
+def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
+    """A tier call's function, built outside the caller's loop."""
+    return lambda tier: tier.lookup(keys)

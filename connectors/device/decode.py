@@ -187,30 +187,8 @@ class StagedDecoder:
         except RuntimeError:  # the driver refused a 2-D copy: whole payloads from now on
             if current is None:
                 raise
-            log.exception("layer-wise loads of compressed blocks are off for this engine")
-            self._layers_ok = False
-            self.to_device(block_ids, offsets)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(current)
-            return [event] * self.num_layers
-        # One decode index for every (layer buffer, group width). Staging row r of a group of
-        # w layers sits at r % rows[w] of its buffer: codes (w * M bytes) from ``base``, low
-        # bytes (2 * w * M) after all the codes rows; rows[w] * 3 * w * M fits the buffer and
-        # M, the metadata size and the bases are multiples of 16 (``__init__``), which is all
-        # ``Hi4Codec.check`` would verify.
-        rows: dict[int, int] = {w: max(1, min(n, buf_size // (3 * m * w))) for w in widths}
-        cols: dict[tuple[int, int], int] = {}
-        r = torch.arange(n, dtype=torch.int64)
-        block = torch.tensor(ids, dtype=torch.int64)
-        parts = []
-        for p in range(2):
-            base = meta_size + p * buf_size
-            for w in widths:
-                cols[p, w] = len(parts) * n
-                k = r % rows[w]
-                parts.append(torch.stack((r * meta, base + k * (w * m),
-                                          base + rows[w] * w * m + k * (2 * w * m), block)))
-        index = index_to_device(torch.cat(parts, 1), self._rows.device)
+            return self._whole_payloads(block_ids, offsets, current)
+        index, rows, cols = self._layer_index(ids, widths, meta_size, buf_size)
         decoder = None
         if current is not None:
             decoder = self._decoder_stream()
@@ -239,6 +217,41 @@ class StagedDecoder:
         if decoder is not None:
             current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events
+
+    def _whole_payloads(self, block_ids: Sequence[int], offsets: Sequence[int],
+                        current: object) -> list[object]:
+        """Layer-wise loads are off for this engine (the driver refused a 2-D copy): the
+        blocks' whole payloads with ``to_device``, one event for every layer."""
+        log.exception("layer-wise loads of compressed blocks are off for this engine")
+        self._layers_ok = False
+        self.to_device(block_ids, offsets)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(current)  # type: ignore[arg-type]
+        return [event] * self.num_layers
+
+    def _layer_index(self, ids: list[int], widths: list[int], meta_size: int, buf_size: int
+                     ) -> tuple[torch.Tensor, dict[int, int], dict[tuple[int, int], int]]:
+        """One decode index for every (layer buffer, group width), on the device; with the
+        staging rows each width's buffer holds (``rows[w]``) and where each (buffer, width)'s
+        columns begin in the index (``cols[p, w]``). Staging row r of a group of w layers sits
+        at r % rows[w] of its buffer: codes (w * M bytes) from ``base``, low bytes (2 * w * M)
+        after all the codes rows; rows[w] * 3 * w * M fits the buffer and M, the metadata size
+        and the bases are multiples of 16 (``__init__``), which is all ``Hi4Codec.check``
+        would verify."""
+        n, m, meta = len(ids), self.codec.segment_values, self.codec.offsets["codes"]
+        rows: dict[int, int] = {w: max(1, min(n, buf_size // (3 * m * w))) for w in widths}
+        cols: dict[tuple[int, int], int] = {}
+        r = torch.arange(n, dtype=torch.int64)
+        block = torch.tensor(ids, dtype=torch.int64)
+        parts = []
+        for p in range(2):
+            base = meta_size + p * buf_size
+            for w in widths:
+                cols[p, w] = len(parts) * n
+                k = r % rows[w]
+                parts.append(torch.stack((r * meta, base + k * (w * m),
+                                          base + rows[w] * w * m + k * (2 * w * m), block)))
+        return index_to_device(torch.cat(parts, 1), self._rows.device), rows, cols
 
     def _copy_meta(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor) -> None:
         meta = self.codec.offsets["codes"]

@@ -71,7 +71,7 @@ class OffloadConnector:
         meta = block_meta(kv_cache, namespace.key_prefix(), codec)
         self.scheduler = OffloadScheduler(
             store, namespace, decision=config.decision, cost_model=cost_model,
-            stats=self.counters, block_meta=meta if config.in_step_host_loads else None,
+            stats=self.counters, block_meta=meta, in_step=config.in_step_host_loads,
             prefetch_budget_blocks=_prefetch_budget(config, store),
         )
         self.worker = OffloadWorker(

@@ -3,22 +3,23 @@
 ``start`` (engine thread, before the forward):
 - in-step loads (``BlockLoad.in_step``): the scheduler side located and pinned each slot (codec
   header checked) while planning, so each block is ONE slab -> cache copy issued now
-  (``SlabCopier``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
+  (``load_copies.SlabToCache``; CPU: memcpy; CUDA: ``non_blocking`` on the side stream, then an event the
   compute stream waits on, since this step's forward reads them).
-- async loads: ``store.locate_host_run`` finds the leading host-tier blocks (header checked, not the
-  checksum: this process wrote them), copied the same way; the rest (lower tiers) goes through
-  one background thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by
-  chunk, each chunk read into a pinned staging slot and its copy into the cache issued by that
-  thread while it reads the next (``connectors.offload.pipeline``). Otherwise: staged
-  (``store.stage_host``: checksummed reads into pinned host slots), then copied at a later step
+- async loads: the load's ``LoadSpec`` says where its leading host-tier blocks are (header
+  checked, not the checksum: this process wrote them; located by the scheduler side's
+  ``prepare_load``), copied the same way; the rest (lower tiers) goes through one background
+  thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by chunk, each chunk
+  read into a pinned staging slot and its copy into the cache issued by that thread while it
+  reads the next (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
+  checksummed reads into pinned host slots, which it locates), then copied at a later step
   start; blocks the slab cannot take are read into one tensor and scattered. A load whose
   staging runs past ``load_timeout_s`` ends with what was copied.
 - cancelled loads: the compute stream waits for their copies (the blocks may be reused at
   once); their pins are released once the copies and the staging ended. An idle step (nothing
   scheduled) waits for the first staging and for the copies, so the load is reported now.
 ``poll``: a load whose copies completed becomes a ``LoadResult`` (reported in the step it
-landed in) and its pins are released. Cost model: lower-tier staging is observed under its
-tier, each load's copies under ``host``.
+landed in) and its spec is completed (``store.complete_load``: every pin it holds released).
+Cost model: lower-tier staging is observed under its tier, each load's copies under ``host``.
 
 Not thread-safe: the engine thread drives it; the load thread only runs ``_stage`` and touches
 nothing but the store and its own result.
@@ -29,48 +30,23 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
+from cachestore.codec import BlockMeta, HeaderTemplate
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import HostCheck, LoadSpec, StagedRun
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.load_copies import PendingLoad, SlabToCache, Staged
 from connectors.offload.metadata import BlockLoad, LoadResult
 from connectors.offload.pipeline import LoadPipeline, PipedLoad, PipeJob
 from connectors.offload.stats import OffloadStats
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Staged:
-    num_blocks: int  # leading keys now pinned in the host tier
-    seconds: float
-    data: torch.Tensor | None = None  # the blocks after those, read through the store
-
-
-@dataclass(slots=True)
-class _Load:
-    load: BlockLoad
-    deadline: float
-    started: float
-    copied: int = 0  # leading blocks whose copies were issued
-    staging: cf.Future[_Staged] | cf.Future[PipedLoad] | None = None
-    job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
-    staged_keys: tuple[BlockKey, ...] = ()  # pinned by ``stage_host``: unpin when done
-    located: list[BlockKey] = field(default_factory=list)  # pinned by ``locate_host_run``: likewise
-    event: object | None = None  # CUDA: recorded after the last issued copy
-    timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
-    copy_seconds: float = 0.0  # CPU
-    read_seconds: float = 0.0  # lower-tier staging (load thread)
-    # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
-    shared: tuple[object, object] | None = None
-    issuing: bool = True  # more copies may follow (staging pending)
 
 
 class HostLoader:
@@ -94,36 +70,37 @@ class HostLoader:
         self.load_timeout_s = load_timeout_s
         self._side = side_stream
         self._headers = HeaderTemplate(meta, keyed=True)  # a block's header names its key
-        self._total = encoded_size(meta, keyed=True)
+        self._check = HostCheck.for_meta(meta)  # how staged host blocks are located
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
         self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
                                    layers_per_copy=layers_per_copy)
                         if host is not None else None)
+        self._copies = SlabToCache(kv_cache, self._copier, side_stream, self._headers.size)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._pipeline = (LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks,
                                        depth=depth)
                           if chunk_blocks > 0 and codec is None else None)
-        self._loads: dict[str, _Load] = {}
-        self._draining: list[_Load] = []  # cancelled or timed out: pins released when idle
+        self._loads: dict[str, PendingLoad] = {}
+        self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
 
     @property
     def layered(self) -> bool:
-        """In-step loads land layer by layer (see ``_copy_in_step``)."""
-        return self._side is not None and self._copier is not None and self._copier.layered
+        """In-step loads land layer by layer (``SlabToCache.copy_in_step``)."""
+        return self._copies.layered
 
     @property
     def load_stages(self) -> int:
         """Layer-wise loads: how many events the layers' reads wait for in turn (else 1)."""
-        return self._copier.load_stages if self.layered else 1  # type: ignore[union-attr]
+        return self._copies.load_stages
 
     def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
         request scheduled): wait for the first staging and for the copies."""
         self.cancel(cancelled)
-        in_step: list[_Load] = []
+        in_step: list[PendingLoad] = []
         for load in loads:
             if load.req_id in cancelled:  # its blocks may be reused at once
                 self._release_unsent(load)
@@ -132,7 +109,7 @@ class HostLoader:
             self._loads[load.req_id] = pending
             if load.in_step:
                 in_step.append(pending)
-        self._copy_in_step(in_step)
+        self._copies.copy_in_step(in_step)
         if idle and self._loads:
             first = min(self._loads.values(), key=lambda p: p.deadline)
             if first.staging is not None:
@@ -153,7 +130,7 @@ class HostLoader:
             if pending is not None:
                 log.debug("load for %s cancelled", req_id)
                 self._stop_pipe(pending)
-                self._fence(pending.event)  # its blocks may be rewritten by this forward
+                self._copies.fence(pending.event)  # its blocks may be rewritten by this forward
                 self._draining.append(pending)
 
     def take_finished(self) -> list[LoadResult]:
@@ -183,14 +160,17 @@ class HostLoader:
 
     # -- issuing -------------------------------------------------------------------------
 
-    def _begin(self, load: BlockLoad) -> _Load:
+    def _begin(self, load: BlockLoad) -> PendingLoad:
         now = time.monotonic()
-        pending = _Load(load, now + self.load_timeout_s, time.perf_counter())
-        if load.in_step:  # copied by _copy_in_step, with the step's other in-step loads
-            pending.located.extend(load.keys)  # pinned by the scheduler side: unpin when done
+        # A load prepared without the store (none given) gets an empty spec: its staging's pins.
+        spec = load.spec if load.spec is not None else self.store.prepare_load(load.keys,
+                                                                               claim=False)
+        pending = PendingLoad(load, spec, now + self.load_timeout_s, time.perf_counter())
+        if load.in_step:  # copied by ``copy_in_step``, with the step's other in-step loads
             pending.issuing = False
             return pending
-        lead = self._locate_and_copy(pending, load.keys)
+        lead = len(spec.host_offsets)
+        self._copies.copy(pending, list(spec.host_offsets))
         if lead < len(load.keys) and self._pipeline is not None:
             ready = None
             if self._side is not None:  # the blocks' previous owner's queued forwards
@@ -199,32 +179,33 @@ class HostLoader:
             pending.job = PipeJob(load.block_ids[lead:], load.keys[lead:], ready)
             pending.staging = self._pool.submit(self._pipeline.run, pending.job)
         elif lead < len(load.keys):
-            pending.staging = self._pool.submit(self._stage, load.keys[lead:])
+            pending.staging = self._pool.submit(self._stage, spec, load.keys[lead:])
         else:
             pending.issuing = False
         return pending
 
     def _release_unsent(self, load: BlockLoad) -> None:
-        """Undo the pins of a load that is dropped before any copy was issued."""
-        if load.in_step:
-            self.store.unpin_host(load.keys)
-        else:
-            self.store.complete_load(load.keys)
+        """Release the pins of a load that is dropped before any copy was issued."""
+        if load.spec is not None:
+            self.store.complete_load(load.spec)
 
-    def _stage(self, keys: tuple[BlockKey, ...]) -> _Staged:
-        """Load thread: lower-tier blocks into pinned host slots. Never raises."""
+    def _stage(self, spec: LoadSpec, keys: tuple[BlockKey, ...]) -> Staged:
+        """Load thread: lower-tier blocks into pinned host slots (held by ``spec``), located.
+        Never raises."""
         t0 = time.perf_counter()
         try:
-            n = self.store.stage_host(keys) if self._copier is not None else 0
+            run = (self.store.stage_load(spec, keys, self._check) if self._copier is not None
+                   else StagedRun(0))
         except Exception:  # a read that fails is a miss; the request recomputes
             log.exception("kv staging of %d blocks failed", len(keys))
-            return _Staged(0, time.perf_counter() - t0)
+            return Staged(0, time.perf_counter() - t0)
+        n = run.num_pinned
         try:
             data = self._read_through(keys[n:]) if n < len(keys) else None
         except Exception:
             log.exception("kv read of %d blocks failed", len(keys) - n)
             data = None
-        return _Staged(n, time.perf_counter() - t0, data)
+        return Staged(n, time.perf_counter() - t0, data, run.host_offsets)
 
     def _read_through(self, keys: tuple[BlockKey, ...]) -> torch.Tensor:
         """Blocks the host slab cannot take (no slab at the top, e.g. an LMDB-only stack, or
@@ -232,8 +213,7 @@ class HostLoader:
         (pinned on CUDA: an allocation, off the fast path), scattered by the engine thread."""
         # Host hits are views into the slab: read only once pinned for this call, or a
         # concurrent write (this very read's promotions) may reuse their slots.
-        values, pinned = self.store.get_many_pinned(keys, decoded=True)
-        try:
+        with self.store.read_pinned(keys, decoded=True) as values:
             size = self.meta.payload_bytes
             n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
                      len(values))
@@ -241,74 +221,7 @@ class HostLoader:
             rows = data.numpy()
             for i in range(n):
                 rows[i] = memoryview(values[i]).cast("B")  # type: ignore[arg-type]
-        finally:
-            self.store.unpin_host(pinned)
         return data
-
-    def _locate_and_copy(self, pending: _Load, keys: tuple[BlockKey, ...]) -> int:
-        """Locate (and pin) ``keys`` in the host slab, copy the leading run of hits into the
-        next blocks of ``pending``; return that run's length. Hits past it are unpinned."""
-        offsets = self.store.locate_host_run(keys, [self._headers.for_key(k) for k in keys],
-                                             self._total)
-        lead = len(offsets)
-        pending.located.extend(keys[:lead])
-        self._copy(pending, list(offsets))
-        return lead
-
-    def _copy_in_step(self, loads: list[_Load]) -> None:
-        """This step's forward reads these blocks. CUDA with the layer kernel: one copy per
-        layer for all of them on the side stream, each layer's attention waiting only for its
-        own layer (KVCache.set_layer_ready), so the forward runs while later layers land.
-        Otherwise per-block copies the whole forward waits for."""
-        if not loads or self._copier is None:
-            return
-        if not self.layered:
-            for pending in loads:
-                self._copy(pending, list(pending.load.slab_offsets), forward_reads=True)
-            return
-        ids = [b for p in loads for b in p.load.block_ids[:len(p.load.slab_offsets)]]
-        payload = [o + self._headers.size for p in loads for o in p.load.slab_offsets]
-        begin = torch.cuda.Event(enable_timing=True)
-        compute = torch.cuda.current_stream(self.kv_cache.device)
-        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
-            self._side.wait_stream(compute)  # type: ignore[attr-defined]
-            begin.record(self._side)  # type: ignore[arg-type]
-            events = self._copier.to_device_layers(ids, payload)
-        self.kv_cache.set_layer_ready(events)
-        end = events[-1]
-        for pending in loads:
-            pending.copied += len(pending.load.slab_offsets)
-            pending.event = end
-            pending.shared = (begin, end)
-        # One transfer: observed once (by the first load), with all its bytes.
-        loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
-
-    def _copy(self, pending: _Load, offsets: list[int], forward_reads: bool = False) -> None:
-        """Issue the slab -> cache copies of the next ``len(offsets)`` blocks of ``pending``.
-        ``forward_reads``: this step's forward reads them (CUDA: the compute stream waits)."""
-        if not offsets or self._copier is None:
-            return
-        start = pending.copied
-        ids = pending.load.block_ids[start:start + len(offsets)]
-        payload = [o + self._headers.size for o in offsets]
-        pending.copied += len(offsets)
-        if self._side is None:
-            t0 = time.perf_counter()
-            self._copier.to_device(ids, payload)
-            pending.copy_seconds += time.perf_counter() - t0
-            return
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        compute = torch.cuda.current_stream(self.kv_cache.device)
-        with torch.cuda.stream(self._side):  # type: ignore[arg-type]
-            # The blocks' previous owner may still have forwards queued that write them.
-            self._side.wait_stream(compute)  # type: ignore[attr-defined]
-            begin.record(self._side)  # type: ignore[arg-type]
-            self._copier.to_device(ids, payload)
-            end.record(self._side)  # type: ignore[arg-type]
-        if forward_reads:
-            compute.wait_event(end)
-        pending.event = end
-        pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
 
     def _advance(self, pipelined_only: bool = False) -> None:
         """Copy in the blocks of every finished staging; end staging that ran out of time."""
@@ -326,7 +239,7 @@ class HostLoader:
                 self._stop_pipe(pending)
                 pending.issuing = False  # the staging's pins are released once it ends
 
-    def _end_pipe(self, pending: _Load, piped: PipedLoad) -> None:
+    def _end_pipe(self, pending: PendingLoad, piped: PipedLoad) -> None:
         """A pipelined load's thread is done: its copies are the load's last ones."""
         first = pending.copied
         pending.staging, pending.job, pending.issuing = None, None, False
@@ -341,7 +254,7 @@ class HostLoader:
             nbytes = piped.num_blocks * self.kv_cache.bytes_per_block
             self.cost_model.observe_transfer(tier, nbytes, max(piped.read_s, 1e-9))
 
-    def _stop_pipe(self, pending: _Load) -> None:
+    def _stop_pipe(self, pending: PendingLoad) -> None:
         """No more copies from the load thread; the load keeps what was issued (its pins are
         released once the thread ended: ``_release``)."""
         job, pending.job = pending.job, None
@@ -351,25 +264,14 @@ class HostLoader:
         pending.copied += n
         pending.event = last if last is not None else pending.event
 
-    def _fence(self, done: object | None) -> None:
-        """Nothing may touch the blocks before ``done`` (the last issued copy) completed:
-        CUDA, the compute stream waits for it; a CPU copy (on the pipeline's thread) is
-        waited for."""
-        if done is None:
-            return
-        if isinstance(done, torch.cuda.Event):
-            torch.cuda.current_stream(self.kv_cache.device).wait_event(done)
-        else:
-            done.synchronize()  # type: ignore[attr-defined]
-
-    def _copy_staged(self, pending: _Load, staged: _Staged) -> None:
+    def _copy_staged(self, pending: PendingLoad, staged: Staged) -> None:
         first = pending.copied
         keys = pending.load.keys[first:first + staged.num_blocks]
         pending.staging = None
         pending.issuing = False
-        pending.staged_keys = keys
         pending.read_seconds += staged.seconds
-        lead = self._locate_and_copy(pending, keys)
+        lead = len(staged.offsets)
+        self._copies.copy(pending, list(staged.offsets))
         data = staged.data
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
             t0 = time.perf_counter()
@@ -407,11 +309,11 @@ class HostLoader:
             seconds = time.perf_counter() - pending.started
             self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
                            loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
-            copy_s = _copy_seconds(pending)
+            copy_s = pending.copy_time()
             self._observe_host(pending, copy_s)
             self._finished.append(LoadResult(req_id, n, len(load.keys), seconds, copy_s,
                                              pending.read_seconds, load.in_step))
-        still: list[_Load] = []
+        still: list[PendingLoad] = []
         for pending in self._draining:
             if (pending.staging is None or pending.staging.done()) and _done(pending.event):
                 self._release(pending)
@@ -419,23 +321,16 @@ class HostLoader:
                 still.append(pending)
         self._draining = still
 
-    def _release(self, pending: _Load) -> None:
+    def _release(self, pending: PendingLoad) -> None:
+        """Complete the load's spec once its staging ended (its pins are the spec's)."""
         future, pending.staging = pending.staging, None
-        if future is not None:  # ended without its copies (cancelled or timed out)
-            if not future.done():
-                pending.staging = future
-                self._draining.append(pending)
-                return
-            result = future.result()
-            if isinstance(result, _Staged):  # a pipelined read holds no pins past its chunk
-                n = result.num_blocks
-                pending.staged_keys = pending.load.keys[pending.copied:pending.copied + n]
-        self.store.unpin_host([*pending.staged_keys, *pending.located])
-        pending.staged_keys, pending.located = (), []
-        if not pending.load.in_step:  # in-step loads hold slot pins only
-            self.store.complete_load(pending.load.keys)
+        if future is not None and not future.done():  # ended without its copies
+            pending.staging = future
+            self._draining.append(pending)
+            return
+        self.store.complete_load(pending.spec)
 
-    def _observe_host(self, pending: _Load, copy_s: float) -> None:
+    def _observe_host(self, pending: PendingLoad, copy_s: float) -> None:
         if self.cost_model is None or not pending.copied:
             return
         if pending.timings:
@@ -450,10 +345,3 @@ class HostLoader:
 def _done(event: object | None) -> bool:
     return event is None or bool(event.query())  # type: ignore[attr-defined]
 
-
-def _copy_seconds(pending: _Load) -> float:
-    """The load's copy time: CUDA events (all completed: the last one has) and CPU wall time.
-    Reading a completed event's time never waits."""
-    pairs = [pending.shared] if pending.shared is not None else [(b, e) for b, e, _ in pending.timings]
-    device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
-    return device + pending.copy_seconds

@@ -23,13 +23,17 @@ Ownership (why a free never races a copy):
   that step's forward (CPU: synchronously; CUDA: on the side stream, the compute stream waiting
   on the copies' event). The scheduler side validated and pinned its host slots while planning
   it, so the copy cannot come back short: the scheduler counts those tokens as computed at once.
+- Pins: every load's pins are held by its ``BlockLoad.spec`` (the store's ``LoadSpec``) from the
+  scheduler side's ``prepare_load`` until one ``complete_load(spec)``: by the worker once the
+  copies ended, or by the scheduler side for a load it never sent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cachestore.hashing import BlockKey
+from cachestore.store.loads import LoadSpec
 from engine.ttft import LoadTiming
 
 
@@ -52,9 +56,13 @@ class BlockLoad:
     first_token: int
     source_tiers: tuple[str, ...] = ()  # the tier expected to serve each block (for pricing)
     # In-step load: the host slab offset of each block's encoded slot, located (header checked)
-    # and pinned by the scheduler side; the worker copies them before this step's forward and
-    # unpins them. Empty: an async load (``prepare_load`` pins; the worker locates or stages).
+    # and pinned by the scheduler side; the worker copies them before this step's forward.
+    # Empty: an async load (the worker copies ``spec.host_offsets``, then stages the rest).
     slab_offsets: tuple[int, ...] = ()
+    # The store's prepared load (``HierarchicalStore.prepare_load``): where the blocks are and
+    # the pins they hold; the worker releases it with ``complete_load`` once its copies ended.
+    # None: nothing was prepared (the worker prepares an empty one to hold its staging's pins).
+    spec: LoadSpec | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.keys) or not self.keys:

@@ -6,7 +6,7 @@ splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring o
 staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
 ``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
 
-- The read step is one method, ``read_chunk(keys, rows)``: today the store's ``get_many_pinned``
+- The read step is one method, ``read_chunk(keys, rows)``: today the store's ``read_pinned``
   (checksummed; hits promoted into the host tier as usual) and one copy of each payload into
   its staging row. A tier that can read into a caller's buffer replaces exactly that method.
 - The copy step: CUDA, ``non_blocking`` copies of runs of consecutive blocks on the worker's
@@ -159,16 +159,13 @@ class LoadPipeline:
     def read_chunk(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
         """THE read step: the payloads of ``keys`` into ``rows`` (``[len(keys), bytes_per_block]``
         uint8 staging); how many leading keys were read (a miss or a short value ends it)."""
-        values, pinned = self.store.get_many_pinned(keys, decoded=True)
-        try:
+        with self.store.read_pinned(keys, decoded=True) as values:
             out = rows.numpy()
             for i, value in enumerate(values):
                 if value is None or len(value) != self._nbytes:
                     return i
                 out[i] = np.frombuffer(value, dtype=np.uint8)
             return len(values)
-        finally:
-            self.store.unpin_host(pinned)
 
     def close(self) -> None:
         """Stop the CPU copy thread (after its copies). Idempotent."""

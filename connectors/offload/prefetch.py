@@ -4,11 +4,11 @@ waits, off the step path. Torch-free.
 When a request reaches the engine core (``OffloadScheduler.on_request_added``), one background
 thread looks its prefix up in the tiers and, where blocks it would load sit below the host tier
 (LMDB, Redis, S3, the cache server), reads them into host slots and pins them
-(``HierarchicalStore.stage_host``). Meanwhile the scheduler's question about that request is
+(``HierarchicalStore.stage_load``, the pins held by the job's ``LoadSpec``). Meanwhile the scheduler's question about that request is
 answered "not yet" (``state`` is ``PENDING``), so the lookup and the read never sit on a step;
 once the job ended, the request's admission finds those blocks in the host tier and loads them
-in its admitting step. The pins are released when the request's plan has made its own
-(``release``), or when it finishes first.
+in its admitting step. The pins are released (``complete_load``) when the request's plan has
+made its own (``release``), or when it finishes first.
 
 Bounded: at most ``budget_blocks`` blocks are pinned by prefetches at once; a request whose
 blocks would pass that bound is not prefetched (its admission reads them itself, as before).
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import LoadSpec
 from connectors.offload.stats import OffloadStats
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ DONE = "done"
 class _Job:
     keys: tuple[BlockKey, ...]
     future: Future[None] | None = None
-    pinned: tuple[str, ...] = ()  # host pins this job holds (set by the thread)
+    pinned: tuple[str, ...] = ()  # keys this job holds pinned in the host tier (by the thread)
+    spec: LoadSpec | None = None  # the prepared load holding those pins (set by the thread)
     placed: dict[str, str] = field(default_factory=dict)  # read up from a lower tier -> its name
     done: bool = False
 
@@ -86,6 +88,7 @@ class Prefetcher:
     def _run(self, job: _Job, first_block: int, num_tokens: int) -> None:
         pinned: tuple[str, ...] = ()
         placed: dict[str, str] = {}
+        spec = None
         try:
             found = self.store.lookup(job.keys)
             host_lead = found.per_tier[0].num_leading if found.per_tier else 0
@@ -95,14 +98,15 @@ class Prefetcher:
                 wanted = job.keys[:num_load]
                 lower = {k: self.store.tiers[i].name
                          for k, i in zip(wanted, found.served_by, strict=False) if i > 0}
-                n = self.store.stage_host(wanted)
+                spec = self.store.prepare_load(wanted, claim=False)  # holds nothing yet
+                n = self.store.stage_load(spec, wanted).num_pinned
                 pinned = wanted[:n]
                 placed = {k: lower[k] for k in pinned if k in lower}
         except Exception:  # a prefetch must never fail a request: the admission reads itself
             log.exception("kv prefetch failed")
         with self._lock:
             self._num_pinned -= len(job.keys) - len(pinned)
-            job.pinned, job.placed, job.done = pinned, placed, True
+            job.pinned, job.placed, job.spec, job.done = pinned, placed, spec, True
         if placed:
             self.stats.add(prefetched_blocks=len(placed))
 
@@ -138,8 +142,9 @@ class Prefetcher:
         self._unpin(job, loaded_keys)
 
     def _unpin(self, job: _Job, loaded_keys: Sequence[str]) -> None:
+        if job.spec is not None:
+            self.store.complete_load(job.spec)
         if job.pinned:
-            self.store.unpin_host(list(job.pinned))
             with self._lock:
                 self._num_pinned -= len(job.pinned)
         if job.placed:

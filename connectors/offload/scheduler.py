@@ -10,13 +10,17 @@
   split, forced) picks what to load. A ``load_prefix`` loads blocks ``[0, k)`` while the request
   waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
   head ``[0, m)`` (``ExternalHit.num_head_tokens``).
-- In-step loads (``block_meta`` given): a ``load_prefix`` whose blocks all sit in the host
-  tier is located in the slab now (``store.locate_host_run``: the codec header checked, the slots
-  pinned) and offered as ``ExternalHit(load_async=False)``: the scheduler counts those tokens as
-  computed at admission, and the worker copies the slots in before that same step's forward.
-  A slot that fails its header check (or is gone) ends the load there: the rest is recomputed,
-  decided before anything was promised. The pins are released by the worker after the copy, or
-  here when the plan is dropped (asked again, not used, request finished).
+- In-step loads (``block_meta`` given, ``in_step``): a ``load_prefix`` whose blocks all sit in
+  the host tier is located in the slab now (``store.prepare_load`` with a host check, no claim:
+  the codec header checked, the slots pinned) and offered as ``ExternalHit(load_async=False)``:
+  the scheduler counts those tokens as computed at admission, and the worker copies the slots
+  in before that same step's forward. A slot that fails its header check (or is gone) ends the
+  load there: the rest is recomputed, decided before anything was promised.
+- Async loads: ``store.prepare_load`` at allocation claims and pins the blocks in every tier and
+  (``block_meta`` given) locates the leading host-tier run, so the worker copies it at once.
+- Pins: each load's ``LoadSpec`` holds them; it is completed (``store.complete_load``) by the
+  worker after the copies, or here when the plan is dropped (asked again, not used, request
+  finished) or its load was never sent.
 - Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
   only: an in-step load was counted at admission).
@@ -31,17 +35,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cachestore.codec import BlockMeta, HeaderTemplate, encoded_size
-from cachestore.cost.model import (
-    STRATEGY_LOAD_PREFIX,
-    STRATEGY_OVERLAP,
-    STRATEGY_RECOMPUTE,
-    Decision,
-    Option,
-)
+from cachestore.codec import BlockMeta
+from cachestore.cost.model import Decision, Option, Strategy
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import HostCheck, LoadSpec
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
 from connectors.offload.prefetch import PENDING, Prefetcher
 from connectors.offload.stats import OffloadStats
@@ -61,11 +60,17 @@ class _Plan:
     tiers: tuple[str, ...]  # the tier serving each of them
     num_head_blocks: int  # computed while the load runs (overlap), else 0
     num_load_blocks: int  # loaded after the head
-    decision: str
-    # In-step: the located (pinned) slab offset of each of the first num_load_blocks keys.
-    slab_offsets: tuple[int, ...] = ()
+    decision: Strategy
+    # In-step: the prepared load holding the located (pinned) slots of the first
+    # num_load_blocks keys.
+    spec: LoadSpec | None = None
     num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
     predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
+
+    @property
+    def slab_offsets(self) -> tuple[int, ...]:
+        """In-step: the slab offset of each of the first num_load_blocks keys' slots."""
+        return self.spec.host_offsets if self.spec is not None else ()
 
 
 @dataclass(slots=True)
@@ -87,18 +92,18 @@ class OffloadScheduler:
         cost_model: OnlineCostModel,
         stats: OffloadStats,
         block_meta: BlockMeta | None = None,
+        in_step: bool = True,
         prefetch_budget_blocks: int = 0,
     ) -> None:
-        """``block_meta``: the codec metadata of a block; given, host-tier hits load in-step.
+        """``block_meta``: the codec metadata of a block; given, loads find their host-tier
+        blocks when prepared, and with ``in_step`` host-tier hits load in-step.
         ``prefetch_budget_blocks`` > 0 with tiers below a host slab: prefetch on arrival
         (``connectors.offload.prefetch``), at most that many blocks pinned at once."""
         self.store = store
         self.namespace = namespace
-        self._in_step = block_meta is not None and store.host_slab() is not None
         # Blocks carry their key (codec version 2): the header check names it.
-        self._headers = (HeaderTemplate(block_meta, keyed=True) if block_meta is not None
-                         else None)
-        self._slot_bytes = encoded_size(block_meta, keyed=True) if block_meta is not None else 0
+        self._check = HostCheck.for_meta(block_meta) if block_meta is not None else None
+        self._in_step = in_step and self._check is not None and store.host_slab() is not None
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -178,12 +183,15 @@ class OffloadScheduler:
         head, num_load = option.load_begin, option.num_load_blocks
         offsets: tuple[int, ...] = ()
         unlocated = 0
+        spec = None
         if self._in_step and head == 0 and num_load and all(t == "host" for t in tiers[:num_load]):
-            offsets = self._locate(keys[:num_load])
+            # Located and pinned now, the pins held until the plan is used or dropped.
+            spec = self.store.prepare_load(keys[:num_load], self._check, claim=False)
+            offsets = spec.host_offsets
             unlocated, num_load = num_load - len(offsets), len(offsets)
         self._plans[request.req_id] = _Plan(
             num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
-            option.strategy, offsets, unlocated, option.predicted_s,
+            option.strategy, spec, unlocated, option.predicted_s,
         )
         in_step = bool(offsets) or unlocated > 0
         return ExternalHit(
@@ -191,28 +199,21 @@ class OffloadScheduler:
             num_head_tokens=head * bs,
         )
 
-    def _locate(self, keys: list[BlockKey]) -> tuple[int, ...]:
-        """Slab offsets of the leading run of ``keys`` whose host slots pass the header check,
-        pinned; pins past that run are undone at once."""
-        headers = ([self._headers.for_key(k) for k in keys] if self._headers is not None
-                   else [b""] * len(keys))
-        return self.store.locate_host_run(keys, headers, self._slot_bytes)
-
     def _drop_plan(self, req_id: str) -> None:
         plan = self._plans.pop(req_id, None)
-        if plan is not None and plan.slab_offsets:
-            self.store.unpin_host(plan.keys[: len(plan.slab_offsets)])
+        if plan is not None and plan.spec is not None:
+            self.store.complete_load(plan.spec)
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
         if self.decision == "load":
-            return Option(STRATEGY_LOAD_PREFIX, 0, len(tiers), 0.0)
+            return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
         if self.decision == "recompute":
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         try:
             decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
         except ValueError as exc:  # a tier the model has no price for: do the safe thing
             log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         if self.decision == "overlap":
             return _cheapest_overlap(decision, len(tiers))
         return decision.best
@@ -249,7 +250,7 @@ class OffloadScheduler:
         record = request.num_preemptions == 0
         if record:  # leading blocks only (an overlap's head is computed; its tail is not)
             request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
-            request.kv_decision = STRATEGY_RECOMPUTE
+            request.kv_decision = Strategy.RECOMPUTE
         if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
             if plan is not None:  # planned for another GPU hit: unused
                 self._plans[request.req_id] = plan
@@ -262,29 +263,32 @@ class OffloadScheduler:
         if plan.num_unlocated:  # an in-step load cut short at planning time
             self.stats.add(failed_loads=1)
         offsets = plan.slab_offsets[:num_load]
-        if len(offsets) < len(plan.slab_offsets):  # located but not loaded: unpin
-            self.store.unpin_host(plan.keys[len(offsets) : len(plan.slab_offsets)])
-        if record and num_load:
-            request.kv_decision = plan.decision
-        if record:  # the planned split, for the request log (measured parts come later)
-            request.kv_plan = {
-                "gpu_tokens": num_gpu_hit_tokens, "head_tokens": head * bs,
-                "load_tokens": num_load * bs,
-                "recompute_tokens": request.num_prompt_tokens - num_gpu_hit_tokens
-                - num_load * bs, "predicted_s": round(plan.predicted_s, 6),
-            }
-        if num_load == 0:
-            return
-        if head:
-            self.stats.add(overlap_head_tokens=head * bs, num_overlaps=1)
-        first = num_gpu_hit_tokens // bs + head
-        loaded = slice(head, head + num_load)
+        if plan.spec is not None and not offsets:  # located, nothing loaded: release it all
+            self.store.complete_load(plan.spec)
+        elif plan.spec is not None and len(offsets) < len(plan.slab_offsets):
+            # Located but not loaded: release those.
+            self.store.complete_load(plan.spec, plan.keys[len(offsets) : len(plan.slab_offsets)])
+        if record:
+            _record_plan(request, plan, num_gpu_hit_tokens, head * bs, num_load * bs)
+        if num_load:
+            self._start_load(request, plan, block_ids, num_gpu_hit_tokens // bs + head,
+                             slice(head, head + num_load), offsets, record=record and head == 0)
+
+    def _start_load(self, request: Request, plan: _Plan, block_ids: list[int], first: int,
+                    loaded: slice, offsets: tuple[int, ...], *, record: bool) -> None:
+        """Hand the worker the load of ``plan.keys[loaded]`` into the request's blocks from
+        block ``first`` on (in-step when ``offsets``, its slots located at planning)."""
+        bs = self.block_size
+        num_load = loaded.stop - loaded.start
+        if loaded.start:
+            self.stats.add(overlap_head_tokens=loaded.start * bs, num_overlaps=1)
+        spec = plan.spec
         if not offsets:
             # Pin now, in the same schedule() as the lookup, so that saves written before the
-            # load thread reads cannot evict these blocks from the host tier meanwhile. The
-            # worker's load thread unpins them (complete_load) when its read ends. (An in-step
-            # load's slots were pinned by ``locate_host_run``; the worker unpins them.)
-            self.store.prepare_load(list(plan.keys[loaded]))
+            # load thread reads cannot evict these blocks meanwhile; the leading host-tier run
+            # is located too (the worker copies it without asking). An in-step load's spec is
+            # the plan's. The worker completes the spec once its copies ended.
+            spec = self.store.prepare_load(list(plan.keys[loaded]), self._check)
         load = BlockLoad(
             request.req_id,
             tuple(block_ids[first : first + num_load]),
@@ -292,13 +296,14 @@ class OffloadScheduler:
             first * bs,
             plan.tiers[loaded],
             offsets,
+            spec,
         )
         self._new_loads.append(load)
         tiers = plan.tiers[loaded]
         if self.prefetcher is not None:  # count a prefetched block where its data lived
             origin = self.prefetcher.origins(request.req_id)
             tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
-        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record and head == 0)
+        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record)
 
     def update_from_worker(self, report: WorkerReport) -> None:
         """Take the worker's finished loads (the engine calls this after every step)."""
@@ -316,7 +321,7 @@ class OffloadScheduler:
             if inflight.record:
                 request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
                 if n == 0:
-                    request.kv_decision = STRATEGY_RECOMPUTE
+                    request.kv_decision = Strategy.RECOMPUTE
             if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
                 if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
                     log.error("in-step load of %s came back short (%d/%d blocks)",
@@ -361,9 +366,10 @@ class OffloadScheduler:
             unsent = [ld for ld in self._new_loads if ld.req_id != req_id]
             if len(unsent) == len(self._new_loads):
                 self._cancelled.add(req_id)  # the worker has it: drop it there
-            else:  # never sent: undo its pins here
+            else:  # never sent: release its pins here
                 mine = next(ld for ld in self._new_loads if ld.req_id == req_id)
-                self.store.complete_load(list(mine.keys))
+                if mine.spec is not None:
+                    self.store.complete_load(mine.spec)
             self._new_loads = unsent
 
     @property
@@ -374,7 +380,20 @@ class OffloadScheduler:
 def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
     """The forced ``overlap`` policy: the cheapest overlap split the model priced; with fewer
     than two cached blocks there is none, and everything is loaded."""
-    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == STRATEGY_OVERLAP]
+    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == Strategy.OVERLAP]
     if not splits:
-        return Option(STRATEGY_LOAD_PREFIX, 0, num_cached, 0.0)
+        return Option(Strategy.LOAD_PREFIX, 0, num_cached, 0.0)
     return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))
+
+
+def _record_plan(request: Request, plan: _Plan, num_gpu_tokens: int, num_head_tokens: int,
+                 num_load_tokens: int) -> None:
+    """The planned split, for the request log (measured parts come later)."""
+    if num_load_tokens:
+        request.kv_decision = plan.decision
+    request.kv_plan = {
+        "gpu_tokens": num_gpu_tokens, "head_tokens": num_head_tokens,
+        "load_tokens": num_load_tokens,
+        "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
+        "predicted_s": round(plan.predicted_s, 6),
+    }

@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachestore.cost.model import Strategy
+
 
 @dataclass(slots=True)
 class OffloadStats:
@@ -55,7 +57,7 @@ class OffloadStats:
                     raise AttributeError(name)
                 setattr(self, name, getattr(self, name) + delta)
 
-    def count_decision(self, decision: str) -> None:
+    def count_decision(self, decision: Strategy) -> None:
         with self._lock:
             self.decisions[decision] += 1
 

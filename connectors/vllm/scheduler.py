@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachestore.cost.model import STRATEGY_RECOMPUTE, Option
+from cachestore.cost.model import Option, Strategy
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockKey, Namespace
 from cachestore.store.hierarchical import HierarchicalStore
@@ -118,12 +118,12 @@ class VllmScheduler:
         if self.decision == "load":
             return Option("load_prefix", 0, len(tiers), 0.0)
         if self.decision == "recompute":
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         try:
             decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
         except ValueError as exc:  # a tier without a price: the safe choice
             log.warning("kvtier: cost model cannot price %s: %s; recomputing", tiers, exc)
-            return Option(STRATEGY_RECOMPUTE, 0, 0, 0.0)
+            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         prefixes = [o for o in (decision.best, *decision.alternatives) if o.load_begin == 0]
         return min(prefixes, key=lambda o: (o.predicted_s, o.num_load_blocks))
 

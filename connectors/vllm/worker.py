@@ -134,9 +134,9 @@ class VllmWorker:
             return set()
         t0 = time.perf_counter()
         before = self._tier_hits()
-        values, pinned = self.store.get_many_pinned(keys, decoded=True)
         failed: set[int] = set()
-        try:
+        # Host hits are views into the slab, valid while pinned for this read (inside).
+        with self.store.read_pinned(keys, decoded=True) as values:
             ok_ids, rows = [], []
             nbytes = self.layout.block_bytes
             block_ids = [b for job in jobs for b in job.block_ids]
@@ -154,9 +154,6 @@ class VllmWorker:
                 data = staging.view(self.layout.dtype).view(len(rows), len(self.layout.views),
                                                             *self.layout.block_shape)
                 self.layout.scatter(ok_ids, data)
-        finally:
-            if pinned:
-                self.store.unpin_host(pinned)
         seconds = time.perf_counter() - t0
         loaded = len(keys) - len(failed)
         self._count_load(jobs, loaded, failed, seconds, before)

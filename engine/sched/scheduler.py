@@ -13,12 +13,14 @@ Admission costs O(1) per step for a request that cannot be admitted: before any 
 the pool's room is checked against the fewest blocks the request could possibly take, and a
 request that did not fit is remembered with the number of free blocks it needs; until the pool
 has that many it is not hashed, matched or looked up again. A new request's admission (its
-prefix hit and the connector's hooks) is ``engine/sched/admission.py``'s; this module keeps the
-queue: who is asked, in which order, and what an admitted request runs.
+prefix hit and the connector's hooks) is ``engine/sched/admission.py``'s, the requests whose
+KV loads from lower tiers ``engine/sched/kv_loads.py``'s; this module keeps the queue: who is
+asked, in which order, and what an admitted request runs.
 
 A step that yields a request's first token from a short prefill (``first_token_step_tokens``)
 trims the other, unfinished prefill chunks of that step so that the step stays short: its
-first token is not held behind another request's 2K-token chunk (``_shorten_for_first_tokens``).
+first token is not held behind another request's 2K-token chunk
+(``engine/sched/first_tokens.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from engine.kv_connector import SchedulerConnector
 from engine.request import Request, RequestStatus
 from engine.sched.admission import Admission, Admit, Wait
+from engine.sched.first_tokens import shorten_for_first_tokens
 from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.kv_loads import KVLoads
 
 # Share of the token budget that running prefill chunks leave to waiting requests (when there
 # are any): 512 of the default 2048, room for a later chat round's new tokens.
@@ -74,13 +78,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
-        # WAITING_FOR_KV requests whose load ended -> leading tokens with valid KV. Kept until
-        # the request is admitted (the admit loop may stop before reaching it), or, for an
-        # overlapping request, until its head is computed.
-        self._loaded: dict[str, int] = {}
-        # Overlapping requests (RUNNING, their tail loading): req_id -> end of the head, the
-        # token they may not compute past until the load ends.
-        self._overlap: dict[str, int] = {}
+        self.loads = KVLoads(kv_manager, chunked=config.enable_chunked_prefill)
         self.admission = Admission(kv_manager, connector, chunked=config.enable_chunked_prefill,
                                    stats=self.stats)
 
@@ -122,8 +120,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self._loaded.pop(request.req_id, None)
-        self._overlap.pop(request.req_id, None)
+        self.loads.forget(request.req_id)
         if self.connector is not None:
             self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
         self.kv.free(request)
@@ -131,10 +128,9 @@ class Scheduler:
         self._finished_ids.add(request.req_id)
 
     def _preempt(self, request: Request) -> None:
-        if self._overlap.pop(request.req_id, None) is not None:
-            self._loaded.pop(request.req_id, None)
-            if self.connector is not None:  # its tail load must not write the freed blocks
-                self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
+        if self.loads.stop_overlap(request.req_id) and self.connector is not None:
+            # Its tail load must not write the freed blocks.
+            self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -165,7 +161,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         if self.connector is not None:
-            self._loaded.update(self.connector.get_finished_loading())
+            self.loads.add_ended(self.connector.get_finished_loading())
 
         budget, preempted, capped = self._schedule_running(budget, scheduled)
         if not preempted:  # blocks are short: admitting now would only thrash
@@ -212,8 +208,8 @@ class Scheduler:
             limit = budget if remaining <= 1 else max(budget - reserve, 0)
             if limit == 0:
                 continue
-            if request.req_id in self._overlap:
-                num_new = self._overlap_slice(request, limit)
+            if self.loads.is_overlapping(request.req_id):
+                num_new = self.loads.overlap_slice(request, limit)
                 if num_new == 0:  # its head is computed, its tail still loading
                     continue
             else:
@@ -229,7 +225,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # it preempted itself; the others may still fit
-            if num_new < remaining and request.req_id not in self._overlap:
+            if num_new < remaining and not self.loads.is_overlapping(request.req_id):
                 capped[request.req_id] = len(scheduled)
             scheduled.append(self._slice(request, num_new))
             done.add(request.req_id)
@@ -237,36 +233,11 @@ class Scheduler:
         return budget, preempted, capped
 
     def _shorten_for_first_tokens(self, scheduled: list[ScheduledRequest]) -> int:
-        """If this step yields a first token from a short prefill (at most
-        ``first_token_step_tokens`` tokens), cut the step's unfinished prefill chunks so the
-        step carries at most that many prefill tokens (the unfinished ones at least a quarter); a
-        chunk cut to nothing is dropped from the step (its request stays RUNNING with its
-        blocks). Decodes are never cut. Mutates ``scheduled``; returns the tokens given back."""
-        cap = self.config.first_token_step_tokens
-        if cap <= 0 or not self.config.enable_chunked_prefill:
+        """``shorten_for_first_tokens`` with chunked prefill on; counted. Mutates
+        ``scheduled``; returns the tokens given back."""
+        if not self.config.enable_chunked_prefill:
             return 0
-        first = [s for s in scheduled if s.sample and s.num_output_tokens == 0
-                 and 1 < len(s.token_ids) <= cap]
-        if not first:
-            return 0
-        others = [i for i, s in enumerate(scheduled) if not s.sample and len(s.token_ids) > 1]
-        # Long prompts always advance by at least a quarter of the cap.
-        room = max(cap - sum(len(s.token_ids) for s in first), cap // 4)
-        deferred = 0
-        drop: list[int] = []
-        for i in others:
-            old = scheduled[i]
-            keep = min(len(old.token_ids), room)
-            room -= keep
-            if keep == len(old.token_ids):
-                continue
-            deferred += len(old.token_ids) - keep
-            if keep == 0:
-                drop.append(i)
-            else:
-                scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep])
-        for i in reversed(drop):
-            del scheduled[i]
+        deferred = shorten_for_first_tokens(scheduled, self.config.first_token_step_tokens)
         self.stats.num_first_token_deferred_tokens += deferred
         return deferred
 
@@ -309,30 +280,13 @@ class Scheduler:
             scheduled[index] = self._slice(request, num_new)
         return budget
 
-    def _overlap_slice(self, request: Request, budget: int) -> int:
-        """Tokens an overlapping request computes this step: its head up to the barrier while
-        its tail loads; once both are done, it skips the tail's valid KV (the worker scattered
-        it into the request's own blocks) and goes on. A failed tail load recomputes."""
-        barrier = self._overlap[request.req_id]
-        if request.num_computed_tokens < barrier:
-            return min(barrier - request.num_computed_tokens, budget)
-        num_valid = self._loaded.pop(request.req_id, None)
-        if num_valid is None:
-            return 0
-        del self._overlap[request.req_id]
-        if num_valid > request.num_computed_tokens:
-            if request.num_preemptions == 0:
-                request.num_cached_tokens += num_valid - request.num_computed_tokens
-            request.num_computed_tokens = num_valid
-            self.kv.cache_blocks(request)
-        return min(request.num_tokens - request.num_computed_tokens, budget)
-
     def _release_a_load(self) -> bool:
         """Running work needs blocks: the most recent request still loading (WAITING_FOR_KV,
         load not ended) gives its blocks back, its load cancelled, and waits again as a new
         request. So loads can never hold the pool hostage. False if there is none."""
         for request in reversed(self.waiting):
-            if request.status is RequestStatus.WAITING_FOR_KV and request.req_id not in self._loaded:
+            if (request.status is RequestStatus.WAITING_FOR_KV
+                    and not self.loads.has_ended(request.req_id)):
                 if self.connector is not None:
                     self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
                 self.kv.free(request)
@@ -349,12 +303,12 @@ class Scheduler:
         ``max_num_seqs`` allow, appending their slices to ``scheduled``; a request set aside
         (``Wait.SKIP``) keeps its place at the front; the first that does not fit
         (``Wait.STOP``) ends admission. Returns the budget left."""
-        self._loaded_first()
+        self.waiting = self.loads.ended_first(self.waiting)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING_FOR_KV:
-                outcome = self._admit_loaded(request, budget)
+                outcome = self.loads.admit_ended(request, budget)
             else:
                 outcome = self.admission.try_admit(request, budget)
             if outcome is Wait.STOP:
@@ -367,43 +321,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _loaded_first(self) -> None:
-        """Requests whose load ended go to the front of the queue: they already hold their
-        blocks, so a new request stuck at the head for lack of blocks must not keep them (and
-        their blocks) waiting."""
-        if self._loaded:
-            ready = [r for r in self.waiting if r.req_id in self._loaded]
-            rest = [r for r in self.waiting if r.req_id not in self._loaded]
-            self.waiting = deque(ready + rest)
-
-    def _admit_loaded(self, request: Request, budget: int) -> Admit | Wait:
-        """A WAITING_FOR_KV head: set aside while its load runs; once it ended, its blocks
-        (allocated when the load began) hold the loaded KV, and a short load (missing or
-        corrupt block, tier down, timeout) is recomputed from its first missing block."""
-        num_valid = self._loaded.get(request.req_id)
-        if num_valid is None:
-            return Wait.SKIP
-        if num_valid < request.num_computed_tokens:
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = min(request.num_cached_tokens, num_valid)
-            request.num_computed_tokens = num_valid
-        self.kv.cache_blocks(request)
-        num_new = request.num_tokens - request.num_computed_tokens
-        if num_new > budget and not self.config.enable_chunked_prefill:
-            return Wait.STOP
-        request.times.ready = time.monotonic()
-        return Admit(request.num_computed_tokens, num_new)
-
     def _start_running(self, request: Request, admit: Admit, budget: int,
                        scheduled: list[ScheduledRequest]) -> int:
         """Move the admitted head (its ``times.ready`` stamped) to running and schedule its
         first slice (its blocks were allocated at admission, or when its load began). Returns
         the tokens scheduled."""
         num_new = min(admit.num_new, budget)
-        if admit.overlap_barrier is not None:  # Cake: compute the head while the tail loads
-            self._overlap[request.req_id] = admit.overlap_barrier
+        # Cake (a barrier): compute the head while the tail loads.
+        self.loads.start(request.req_id, admit.overlap_barrier)
         self.waiting.popleft()
-        self._loaded.pop(request.req_id, None)
         request.num_computed_tokens = admit.num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -33,12 +33,8 @@ from engine.server.endpoints import create_chat_completion, create_completion
 from engine.server.errors import error_response, install_error_handlers
 from engine.server.health import health_body, is_verbose
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
-from engine.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.responses import ModelCard, ModelList
 from engine.server.serving import ServingContext
 from engine.server.tokenization import detokenize, tokenize
 

@@ -17,20 +17,18 @@ from engine.core.base import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.server.errors import error_body
 from engine.server.logprobs import merge_completion
-from engine.server.protocol import (
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from engine.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ProtocolError,
 )
 from engine.server.serving import (
     DONE_LINE,

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.base import EngineDeadError
-from engine.server.protocol import ErrorInfo, ErrorResponse, ProtocolError
+from engine.server.protocol import ProtocolError
+from engine.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

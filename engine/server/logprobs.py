@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.outputs import TokenLogprob
-from engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from engine.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 class LogprobFormatter:

@@ -1,5 +1,5 @@
-"""OpenAI-compatible request and response models (pydantic), and the request -> SamplingParams
-mapping. Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos``,
+"""OpenAI-compatible request models (pydantic) and the request -> SamplingParams mapping
+(the response models are ``engine.server.responses``'s). Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos``,
 ``repetition_penalty`` and ``stop_token_ids`` are vLLM-style extensions. Unknown fields are
 ignored, as OpenAI clients send fields this server does not implement, except the fields that
 change what a response means (``tools``, ``logit_bias``, ``suffix``, ...): those are declared
@@ -8,9 +8,8 @@ and refused with a 400 naming the field rather than silently dropped."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -308,132 +307,3 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-
-# --- responses -----------------------------------------------------------------------------
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    """``cached_tokens``: prompt tokens whose KV was reused (GPU prefix-cache hits plus tokens
-    loaded from lower tiers). ``kvtier_cached_tokens_by_tier``: the same tokens by the tier
-    that served them ("gpu", "host", "lmdb", "redis", "s3", ...), a kvtier extension."""
-
-    cached_tokens: int = 0
-    kvtier_cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """The completions API's (legacy) logprobs: parallel lists, one entry per token; the
-    first prompt token of an ``echo`` has None (nothing predicts it)."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "kvtier"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

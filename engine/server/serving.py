@@ -23,12 +23,8 @@ from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
 from engine.server.logprobs import LogprobFormatter
 from engine.server.metrics import RequestTimer, ServerMetrics
-from engine.server.protocol import (
-    PromptTokensDetails,
-    ProtocolError,
-    SamplingRequest,
-    UsageInfo,
-)
+from engine.server.protocol import ProtocolError, SamplingRequest
+from engine.server.responses import PromptTokensDetails, UsageInfo
 
 T = TypeVar("T")
 DONE_LINE = "data: [DONE]\n\n"

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from cachestore.cost.model import STRATEGY_LOAD_PREFIX, STRATEGY_OVERLAP, STRATEGY_RECOMPUTE
+from cachestore.cost.model import Strategy
 from engine.server.health import tier_rows
 from engine.server.metric_families import SNAPSHOT_FAMILIES, Family
 
@@ -94,7 +94,7 @@ _TIER_ROW = {
     "kvtier_kv_tier_write_seconds": "write_seconds",
 }
 # Strategies always exported (0 until used), so rate() has a series from the start.
-_STRATEGIES = (STRATEGY_RECOMPUTE, STRATEGY_LOAD_PREFIX, STRATEGY_OVERLAP)
+_STRATEGIES = (Strategy.RECOMPUTE, Strategy.LOAD_PREFIX, Strategy.OVERLAP)
 _KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
           "histogram": HistogramMetricFamily, "summary": SummaryMetricFamily}
 Rows = list[tuple[tuple[str, ...], Any]]  # (label values after model_name, value)

@@ -61,15 +61,17 @@ def test_complete_load_keeps_another_callers_pin() -> None:
     store = HierarchicalStore([host], StoreConfig())
     try:
         key, other, third = "ns/k", "ns/other", "ns/third"
-        assert store.prepare_load([key]) == 0  # X: absent
+        x = store.prepare_load([key])
+        assert x.num_pinned == 0  # X: absent
         store.put_many([(key, _block(key))])
-        assert store.prepare_load([key]) == 1  # Z: pinned
+        z = store.prepare_load([key])
+        assert z.num_pinned == 1  # Z: pinned
         (view,) = store.get_many_encoded([key])  # Z reads while pinned
-        store.complete_load([key])  # X is done (it pinned nothing)
+        store.complete_load(x)  # X is done (it pinned nothing)
         assert host.num_pins() == 1  # Z's pin is still there
         store.put_many([(other, _block(other)), (third, _block(third))])  # a full tier
         assert bytes(view) == _block(key)  # K was not evicted under Z
-        store.complete_load([key])  # Z is done
+        store.complete_load(z)  # Z is done
         assert host.num_pins() == 0 and store.stats()["load_pins"] == 0
         store.put_many([(f"ns/{i}", _block(f"ns/{i}")) for i in range(2)])
         assert key not in host.lru_keys()  # unpinned now: evictable again

@@ -92,7 +92,8 @@ def test_pins_dedup_and_full_demotion_queue(tmp_path: Path) -> None:
     store.complete_store(KEYS[:5], success=True)
     assert store.prepare_store(KEYS[:6]) == [KEYS[4], KEYS[5]]  # 0..3 now at the top
     store.complete_store(KEYS[4:6], success=False)
-    assert store.prepare_load([KEYS[0], KEYS[1], KEYS[9]]) == 2
+    spec = store.prepare_load([KEYS[0], KEYS[1], KEYS[9]])
+    assert spec.num_pinned == 2
     assert store.stats()["load_pins"] == 2
     # Hold the LMDB writer so that the store's demotion worker blocks on its first batch.
     with lmdb._lock:
@@ -107,7 +108,7 @@ def test_pins_dedup_and_full_demotion_queue(tmp_path: Path) -> None:
         assert counters(store, "demotions_dropped") == [2, 0]
     store.flush()
     assert lmdb.lru_keys() == [KEYS[2], KEYS[3]]
-    store.complete_load([KEYS[0], KEYS[1], KEYS[9]])
+    store.complete_load(spec)
     assert store.stats()["load_pins"] == 0
     store.put_many([(KEYS[8], block(8))])
     store.flush()
@@ -125,17 +126,18 @@ def test_prepare_load_pins_with_one_call_per_tier(tmp_path: Path) -> None:
     store.flush()
     assert host.lru_keys() == KEYS[2:6] and lmdb.lru_keys() == KEYS[:2]
     batch = [KEYS[0], KEYS[2], KEYS[1], KEYS[20], KEYS[3], KEYS[3]]
-    assert store.prepare_load(batch) == 3  # KEYS[20] is nowhere; 3 is pinned past it, twice
+    spec = store.prepare_load(batch)
+    assert spec.num_pinned == 3  # KEYS[20] is nowhere; 3 is pinned past it, twice
     assert calls == [("host", "pin_each", batch), ("lmdb", "pin_each", batch)]
     assert store.stats()["load_pins"] == 5
     for i in range(6, 9):
         store.put_many([(KEYS[i], block(i))])
     assert host.lru_keys() == [KEYS[2], KEYS[3], KEYS[7], KEYS[8]]  # pinned 2, 3 stayed
     calls.clear()
-    store.complete_load(batch)
+    store.complete_load(spec)
     assert calls == [("host", "unpin", [KEYS[2], KEYS[3], KEYS[3]]),
                      ("lmdb", "unpin", [KEYS[0], KEYS[1]])]
-    assert store.stats()["load_pins"] == 0 and store.prepare_load([]) == 0
+    assert store.stats()["load_pins"] == 0 and store.prepare_load([]).num_pinned == 0
     store.put_many([(KEYS[9], block(9))])
     assert host.lru_keys() == [KEYS[3], KEYS[7], KEYS[8], KEYS[9]]  # 2 unpinned: evicted
     store.close()

@@ -66,8 +66,8 @@ def _worker(store: HierarchicalStore, cache: KVCache, chunk_blocks: int,
 def _load(worker: OffloadWorker, store: HierarchicalStore, keys: list[str],
           block_ids: tuple[int, ...]) -> tuple[int, float, float]:
     """One async load through an idle engine step: (blocks loaded, copy_s, read_s)."""
-    store.prepare_load(keys)
-    load = BlockLoad("r", block_ids, tuple(keys), 0, ("lmdb",) * len(keys))
+    spec = store.prepare_load(keys)
+    load = BlockLoad("r", block_ids, tuple(keys), 0, ("lmdb",) * len(keys), spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
     [result] = worker.take_report().finished_loads
     return result.num_loaded_blocks, result.copy_s, result.read_s
@@ -120,8 +120,8 @@ def test_a_cancelled_pipelined_load_stops_copying_and_releases_its_pins(
     loader = worker._loader
     loader._pipeline = _SlowPipeline(cache, store, None, chunk_blocks=1, depth=2)
     try:
-        store.prepare_load(keys)
-        load = BlockLoad("r", tuple(range(N)), tuple(keys), 0, ("lmdb",) * N)
+        spec = store.prepare_load(keys)
+        load = BlockLoad("r", tuple(range(N)), tuple(keys), 0, ("lmdb",) * N, spec=spec)
         worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
         time.sleep(0.12)  # two or three chunks read
         worker.start_load_kv(KVConnectorMetadata(cancelled_loads=frozenset({"r"}),

@@ -13,6 +13,7 @@ import torch
 from cachestore.codec import encode_block, encoded_size
 from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from cachestore.store.loads import HostCheck
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
 from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
@@ -72,8 +73,8 @@ def test_a_load_from_two_tiers_reports_each_hop(
     store.tiers[1].put_many(encoded[2:])  # the third block lives only in LMDB
     store.put_many(encoded[:2])
     assert store.lookup(keys).served_by == (0, 0, 1)
-    store.prepare_load(keys)
-    load = BlockLoad("r", (5, 3, 6), tuple(keys), 0, ("host", "host", "lmdb"))
+    spec = store.prepare_load(keys, HostCheck.for_meta(worker.meta))
+    load = BlockLoad("r", (5, 3, 6), tuple(keys), 0, ("host", "host", "lmdb"), spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
     report = worker.take_report()
     assert [(r.req_id, r.num_loaded_blocks) for r in report.finished_loads] == [("r", 3)]
@@ -136,8 +137,8 @@ def test_host_tier_loads_skip_the_checksum_and_copy_the_exact_bytes(
     keys, blobs = _host_blocks(worker, store, cache, 3)
     counter = _CountingXXH()
     monkeypatch.setattr(codec, "xxhash", counter)
-    store.prepare_load(keys)
-    load = BlockLoad("r", (6, 1, 3), tuple(keys), 0, ("host",) * 3)
+    spec = store.prepare_load(keys, HostCheck.for_meta(worker.meta))
+    load = BlockLoad("r", (6, 1, 3), tuple(keys), 0, ("host",) * 3, spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
     [result] = worker.take_report().finished_loads  # reported in the step it landed
     assert (result.num_loaded_blocks, counter.calls) == (3, 0)
@@ -161,8 +162,8 @@ def test_a_wrong_namespace_slot_is_not_loaded(
     other = encode_block(block(9.0, cache).numpy().tobytes(), alien, key=bad_key)
     assert len(other) == encoded_size(worker.meta, keyed=True)
     store.tiers[0].put_many([(bad_key, other)])
-    load = BlockLoad("r", (2, 4), (keys[0], bad_key), 0, ("host", "host"))
-    store.prepare_load(load.keys)
+    spec = store.prepare_load((keys[0], bad_key), HostCheck.for_meta(worker.meta))
+    load = BlockLoad("r", (2, 4), (keys[0], bad_key), 0, ("host", "host"), spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
     [result] = worker.take_report().finished_loads
     assert (result.num_loaded_blocks, result.num_requested_blocks) == (1, 2)
@@ -180,8 +181,8 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     keys, blobs = _host_blocks(worker, store, cache, 2)
     in_flight = [True]
     monkeypatch.setattr(ow, "_done", lambda event: not in_flight[0])  # the copy's event
-    load = BlockLoad("r", (0, 5), tuple(keys), 0, ("host", "host"))
-    store.prepare_load(keys)
+    spec = store.prepare_load(keys, HostCheck.for_meta(worker.meta))
+    load = BlockLoad("r", (0, 5), tuple(keys), 0, ("host", "host"), spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
     assert worker.take_report().finished_loads == ()
     # The host tier (4 slots) fills up: the two entries being copied must survive.
@@ -268,16 +269,16 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
         keys = tuple(s.key for s in saves)
         assert store.lookup(keys).served_by == (1, 1, 0, 0, 0, 0)
         targets = (15, 9, 8, 12)
-        store.prepare_load(keys[2:])
-        load = BlockLoad("h", targets, keys[2:], 0, ("host",) * 4)
+        spec = store.prepare_load(keys[2:], HostCheck.for_meta(meta))
+        load = BlockLoad("h", targets, keys[2:], 0, ("host",) * 4, spec=spec)
         worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
         [res] = worker.take_report().finished_loads
         assert res.num_loaded_blocks == 4
         torch.cuda.synchronize()
         for t, b in zip(targets, range(2, 6), strict=True):
             assert torch.equal(cache.tensor[t], blobs[b])
-        store.prepare_load(keys[:2])
-        load = BlockLoad("l", (13, 14), keys[:2], 0, ("lmdb", "lmdb"))
+        spec = store.prepare_load(keys[:2], HostCheck.for_meta(meta))
+        load = BlockLoad("l", (13, 14), keys[:2], 0, ("lmdb", "lmdb"), spec=spec)
         worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
         [res] = worker.take_report().finished_loads
         assert res.num_loaded_blocks == 2

@@ -1,0 +1,43 @@
+"""Short steps for first tokens: a step that yields a request's first token from a short
+prefill trims the step's other, unfinished prefill chunks, so that first token is not held
+behind another request's 2K-token chunk. Pure: works on the step's scheduled slices only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.core_types import ScheduledRequest
+
+
+def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
+    """If ``scheduled`` yields a first token from a short prefill (at most ``cap`` tokens),
+    cut its unfinished prefill chunks so the step carries at most ``cap`` prefill tokens (the
+    unfinished ones at least a quarter of it); a chunk cut to nothing is dropped from the step
+    (its request stays RUNNING with its blocks). Decodes are never cut. Mutates ``scheduled``;
+    returns the tokens given back (0 when ``cap`` <= 0)."""
+    if cap <= 0:
+        return 0
+    first = [s for s in scheduled if s.sample and s.num_output_tokens == 0
+             and 1 < len(s.token_ids) <= cap]
+    if not first:
+        return 0
+    others = [i for i, s in enumerate(scheduled) if not s.sample and len(s.token_ids) > 1]
+    # Long prompts always advance by at least a quarter of the cap.
+    room = max(cap - sum(len(s.token_ids) for s in first), cap // 4)
+    deferred = 0
+    drop: list[int] = []
+    for i in others:
+        old = scheduled[i]
+        keep = min(len(old.token_ids), room)
+        room -= keep
+        if keep == len(old.token_ids):
+            continue
+        deferred += len(old.token_ids) - keep
+        if keep == 0:
+            drop.append(i)
+        else:
+            scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep])
+    for i in reversed(drop):
+        del scheduled[i]
+    return deferred
