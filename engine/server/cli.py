@@ -86,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
     )
     parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        help="split the model over N processes (one GPU each; gloo on CPU); N must divide the "
+             "model's KV heads (docs/tp.md)",
+    )
+    parser.add_argument(
         "--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
         help="auto: flashinfer on CUDA when installed (bf16/fp16), else torch",
     )
@@ -238,6 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         graph_decode=args.graph_decode,
     )

@@ -1,0 +1,177 @@
+"""Tensor-parallel execution: rank 0's ``TPDriver`` beside the scheduler, one worker process per
+other rank (``worker_main``).
+
+The driver starts ranks ``1..N-1`` (``spawn``), joins the group as rank 0 and builds its own
+``ModelRunner`` over its slice. Every step, ``execute_model`` broadcasts the ``SchedulerOutput``
+(the runner inputs are derived from it identically on every rank, the offload connector's
+metadata riding along) over the control group, then runs rank 0's share; the model's
+all-reduces keep the ranks in lock step and only rank 0 samples. With an offload connector each
+rank's worker side reports its finished loads after the step (``gather``): ``TPDriver.reports``.
+
+Commands a worker obeys, in the order the driver broadcasts them: ``step``, ``offload`` (build
+this rank's connector), ``offload_call`` (save / flush / close its connector, then acknowledge),
+``stop``. A worker that fails at start-up sends its error down a pipe, so the driver raises it
+instead of waiting on a rendezvous that never completes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.distributed import TPGroup, free_port, init_tp_group
+
+logger = logging.getLogger(__name__)
+_READY_TIMEOUT_S = 600.0
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config rank ``rank`` runs with: on CUDA, GPU ``rank`` (each rank one GPU)."""
+    from engine.model_runner import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return config
+    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}")
+
+
+class TPDriver:
+    """Rank 0: presents the ``ModelRunner`` surface ``LLMEngine`` uses (the other attributes
+    are rank 0's runner's). Not thread-safe: the engine thread drives it."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True) -> None:
+        from engine.model_runner import ModelRunner, resolve_device
+
+        from engine.model_loader import read_hf_config
+        from engine.models.base import ModelArchConfig
+        from engine.models.parallel import check_tp_size
+
+        size = config.tensor_parallel_size
+        # A degree that cannot split the model: one clear error before any process starts.
+        check_tp_size(ModelArchConfig.from_hf(read_hf_config(model_dir)), size)
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._pipes: list[Any] = []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, name=f"kvtier-tp{rank}", daemon=True,
+                               args=(rank, size, port, rank_config(config, rank), model_dir,
+                                     cuda_graphs, child))
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._pipes.append(parent)
+        self._closed = False
+        try:
+            self.group: TPGroup = init_tp_group(0, size, port, resolve_device(config.device))
+            self.runner = ModelRunner(rank_config(config, 0), model_dir, cuda_graphs=cuda_graphs,
+                                      tp=self.group)
+            self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self.offload_ranks = False  # the ranks have connectors: gather their reports
+        self.reports: list[Any] = []  # the last step's worker reports, rank order
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["runner"], name)
+
+    def execute_model(self, out: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
+        """Send the step to every rank, run rank 0's share; rank 0's sampled tokens."""
+        self.group.broadcast(("step", out))
+        result = self.runner.execute_model(out, return_logits)
+        if self.offload_ranks:
+            worker = self.runner._kv_connector
+            self.reports = self.group.gather(worker.take_report()) or []
+        return result
+
+    def command(self, name: str, arg: object = None) -> list[Any]:
+        """Broadcast a command to the workers (``offload``, ``offload_call``); each answers,
+        its answers in rank order (rank 0's slot None)."""
+        self.group.broadcast((name, arg))
+        return (self.group.gather(None) or [None])[1:]
+
+    def close(self) -> None:
+        """Stop the workers and leave the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.group.broadcast(("stop", None))
+        except Exception:
+            logger.exception("tensor-parallel stop failed")
+        for proc in self._procs:
+            proc.join(timeout=30)
+        self._kill()
+        self.group.close()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        for rank, (proc, pipe) in enumerate(zip(self._procs, self._pipes, strict=True), 1):
+            while not pipe.poll(0.1):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited at start-up "
+                                       f"(exit code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} not ready after "
+                                       f"{_READY_TIMEOUT_S:.0f} s")
+            status, detail = pipe.recv()
+            if status != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed at start-up: {detail}")
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def worker_main(rank: int, size: int, port: int, config: EngineConfig, model_dir: str,
+                cuda_graphs: bool, pipe: Any) -> None:
+    """Rank ``rank``'s process: join the group, build its runner, obey the driver until
+    ``stop``."""
+    from engine.model_runner import ModelRunner, resolve_device
+
+    try:
+        device = resolve_device(config.device)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The ranks share the machine's cores (rank 0 keeps its own plan).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+        group = init_tp_group(rank, size, port, device)
+        runner = ModelRunner(config, model_dir, cuda_graphs=cuda_graphs, tp=group)
+    except BaseException as exc:
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    pipe.send(("ready", None))
+    pipe.close()
+    ranked: Any = None  # this rank's offload connector (connectors/offload/tp.py)
+    while True:
+        name, arg = group.broadcast()
+        if name == "step":
+            runner.execute_model(arg)
+            if ranked is not None:
+                group.gather(ranked.worker.take_report())
+        elif name == "offload":
+            from connectors.offload.tp import build_rank_connector
+
+            ranked = build_rank_connector(arg, runner.kv_cache, rank, size)
+            runner.set_kv_connector(ranked.worker)
+            group.gather(None)
+        elif name == "offload_call":
+            ranked.call(*arg)
+            group.gather(None)
+        elif name == "stop":
+            break
+    if ranked is not None:
+        ranked.close()
+    group.close()

@@ -1,0 +1,64 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks, one process each): greedy outputs at TP=2 equal
+TP=1 on random-weight Llama and Qwen2 models with 2 KV heads (GQA), and a bad degree is one
+clear error before any process starts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.base import ModelArchConfig
+from engine.models.parallel import TPShard, check_tp_size, local_arch
+from tests.engine.hf_models import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Lengths across block boundaries, and a shared 32-token prefix (prefix cache hits).
+    shared = [rng.randrange(3, 500) for _ in range(32)]
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 40)] + [
+        shared + [rng.randrange(3, 500) for _ in range(9)],
+        shared + [rng.randrange(3, 500) for _ in range(3)],
+    ]
+
+
+def _generate(model_dir: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+    with LLM(model_dir, num_gpu_blocks=48, dtype="float32", device="cpu",
+             tensor_parallel_size=tp) as llm:
+        return [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_greedy_equals_tp1(tmp_path, arch: str) -> None:
+    model_dir = make_tiny_model(tmp_path, arch, seed=4)
+    prompts = _prompts(1)
+    one = _generate(model_dir, 1, prompts)
+    two = _generate(model_dir, 2, prompts)
+    assert two == one
+    assert len({tuple(t) for t in one}) > 1  # the model tells prompts apart
+
+
+def test_tp_size_must_divide_the_heads(tmp_path) -> None:
+    model_dir = make_tiny_model(tmp_path, "llama", seed=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(model_dir, num_gpu_blocks=8, dtype="float32", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(model_dir, num_gpu_blocks=8, dtype="float32", device="cpu", tensor_parallel_size=0)
+
+
+def test_local_arch_divides_heads_and_mlp() -> None:
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
+    arch = ModelArchConfig.from_hf(cfg)
+    mine = local_arch(arch, TPShard(1, 4))
+    assert (mine.num_heads, mine.num_kv_heads, mine.intermediate_size) == (2, 1, 32)
+    assert mine.head_dim == arch.head_dim and mine.hidden_size == 64
+    assert TPShard(1, 4).kv_head_range(4) == (1, 2)
+    check_tp_size(arch, 4)
+    with pytest.raises(ValueError, match="does not divide the model's 4 KV heads"):
+        check_tp_size(arch, 8)
