@@ -134,7 +134,7 @@ class LLMEngine:
             )
             self.offload = create_kv_connector(
                 "offload", config.kv_offload_config, self.runner.kv_cache, namespace,
-                calibration=target,
+                calibration=target, tp=self.tp,
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)

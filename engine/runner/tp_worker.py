@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -70,6 +71,8 @@ class TPDriver:
             child.close()
             self._procs.append(proc)
             self._pipes.append(parent)
+        # An engine that fails after this point (or is dropped unclosed) still ends its ranks.
+        weakref.finalize(self, _kill, self._procs)
         self._closed = False
         try:
             self.group: TPGroup = init_tp_group(0, size, port, resolve_device(config.device))
@@ -85,13 +88,18 @@ class TPDriver:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["runner"], name)
 
+    @property
+    def size(self) -> int:
+        return self.group.size
+
     def execute_model(self, out: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
         """Send the step to every rank, run rank 0's share; rank 0's sampled tokens."""
         self.group.broadcast(("step", out))
         result = self.runner.execute_model(out, return_logits)
-        if self.offload_ranks:
+        if self.offload_ranks:  # before the connector is attached (calibration): None
             worker = self.runner._kv_connector
-            self.reports = self.group.gather(worker.take_report()) or []
+            self.reports = self.group.gather(
+                worker.take_report() if worker is not None else None) or []
         return result
 
     def command(self, name: str, arg: object = None) -> list[Any]:
@@ -129,10 +137,14 @@ class TPDriver:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed at start-up: {detail}")
 
     def _kill(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        _kill(self._procs)
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def worker_main(rank: int, size: int, port: int, config: EngineConfig, model_dir: str,
@@ -162,9 +174,10 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, model_dir
             if ranked is not None:
                 group.gather(ranked.worker.take_report())
         elif name == "offload":
-            from connectors.offload.tp import build_rank_connector
+            from engine.kv_connector import kv_connector_class
 
-            ranked = build_rank_connector(arg, runner.kv_cache, rank, size)
+            connector, spec = arg
+            ranked = kv_connector_class(connector).create_rank(spec, runner.kv_cache, rank, size)
             runner.set_kv_connector(ranked.worker)
             group.gather(None)
         elif name == "offload_call":
