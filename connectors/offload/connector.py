@@ -38,6 +38,7 @@ from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from cachestore.store.types import write_policies
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload import calibration as cal
+from connectors.offload import tp as tp_offload  # builds on this class, handed to it
 from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
 from connectors.offload.metadata import WorkerReport
 from connectors.offload.scheduler import OffloadScheduler
@@ -113,9 +114,8 @@ class OffloadConnector:
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         config = resolve_config(source, namespace)
         if tp is not None or 0 < config.kv_head_group < kv_cache.spec.num_kv_heads:
-            from connectors.offload.tp import create_tp_connector
-
-            return create_tp_connector(config, kv_cache, namespace, calibration, tp)
+            return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration,
+                                                  tp)
         codec = _codec(config, kv_cache)
         prefix = _stored_namespace(namespace, codec).store_prefix()
         meta = block_meta(kv_cache, prefix, codec)
@@ -148,9 +148,7 @@ class OffloadConnector:
     def create_rank(spec: Any, kv_cache: KVCache, rank: int, size: int) -> Any:
         """Tensor-parallel rank ``rank``'s share (connectors/offload/tp.py), from what rank 0
         sent (``spec``)."""
-        from connectors.offload.tp import create_rank_connector
-
-        return create_rank_connector(spec, kv_cache, rank, size)
+        return tp_offload.create_rank_connector(OffloadConnector, spec, kv_cache, rank, size)
 
     @staticmethod
     def check_config(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from cachestore.hashing import Namespace
 from connectors.offload.config import ConfigError, OffloadConfig
-from connectors.offload.connector import OffloadConnector, _codec, _stored_namespace
+from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.metadata import BlockSave, KVConnectorMetadata, LoadResult, WorkerReport
 from connectors.offload.worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache
@@ -168,9 +168,18 @@ class GroupedWorker:
             self.kv_cache.tensor[idx, :, :, :, g * width:(g + 1) * width] = shadow.tensor[idx]
 
 
-def _build(config: OffloadConfig, kv_cache: KVCache, namespace: Namespace,
+def _codec(config: OffloadConfig, cache: KVCache) -> Hi4Codec | None:
+    return Hi4Codec.for_cache(cache) if config.compression == "lossless" else None
+
+
+def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace:
+    # As OffloadConnector's: compressed blocks live under a prefix of their own.
+    return namespace if codec is None else dataclasses.replace(namespace, kv_format=codec.name)
+
+
+def _build(cls: Any, config: OffloadConfig, kv_cache: KVCache, namespace: Namespace,
            calibration: CalibrationTarget | None, rank: int, size: int,
-           total: int) -> tuple[OffloadConnector, GroupedWorker]:
+           total: int) -> tuple[Any, GroupedWorker]:
     """Rank ``rank``'s connector: its store, its scheduler side (used on rank 0 only) and
     a worker per head group."""
     groups = head_groups(total, rank, size, config.kv_head_group)
@@ -180,7 +189,7 @@ def _build(config: OffloadConfig, kv_cache: KVCache, namespace: Namespace,
         spec = dataclasses.replace(kv_cache.spec, num_kv_heads=width)
         shadows = [KVCache(spec, kv_cache.num_blocks, kv_cache.device) for _ in groups]
     caches = shadows or [kv_cache]
-    inner = OffloadConnector.create(config, caches[0], slice_namespace(namespace, groups[0], total),
+    inner = cls.create(config, caches[0], slice_namespace(namespace, groups[0], total),
                                     calibration=calibration)
     codec = _codec(config, caches[0])
     workers = [inner.worker]
@@ -209,7 +218,7 @@ class TPOffloadConnector:
     """Rank 0's connector (``engine.kv_connector.KVConnector``): the inner connector's
     scheduler side, store, stats; its between-step calls run on every rank."""
 
-    def __init__(self, inner: OffloadConnector, grouped: GroupedWorker, tp: Any) -> None:
+    def __init__(self, inner: Any, grouped: GroupedWorker, tp: Any) -> None:
         self.inner = inner
         self._tp = tp
         self._ranks = LoadMerger(tp.size) if tp is not None else None
@@ -254,7 +263,7 @@ class TPOffloadConnector:
 class RankConnector:
     """A rank's share other than rank 0's: its worker and store, driven by rank 0."""
 
-    def __init__(self, inner: OffloadConnector) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.worker = inner.worker
 
@@ -269,22 +278,24 @@ class RankConnector:
         self.inner.close()  # idempotent
 
 
-def create_tp_connector(config: OffloadConfig, kv_cache: KVCache, namespace: Namespace,
-                        calibration: CalibrationTarget | None, tp: Any) -> TPOffloadConnector:
-    """Rank 0's connector; with ``tp`` (the engine's driver), every other rank builds its
-    share first (``create_rank_connector``)."""
+def create_tp_connector(cls: Any, config: OffloadConfig, kv_cache: KVCache,
+                        namespace: Namespace, calibration: CalibrationTarget | None,
+                        tp: Any) -> TPOffloadConnector:
+    """Rank 0's connector, ``cls`` (``OffloadConnector``) per head group's store; with
+    ``tp`` (the engine's driver), every other rank builds its share first
+    (``create_rank_connector``)."""
     size = tp.size if tp is not None else 1
     total = kv_cache.spec.num_kv_heads * size
     head_groups(total, 0, size, config.kv_head_group)  # a bad granularity: before any rank
     if tp is not None:
         tp.command("offload", ("offload", (config, namespace, total)))
         tp.offload_ranks = True
-    inner, grouped = _build(_tp_config(config, 0), kv_cache, namespace, calibration, 0, size, total)
+    inner, grouped = _build(cls, _tp_config(config, 0), kv_cache, namespace, calibration, 0, size, total)
     return TPOffloadConnector(inner, grouped, tp)
 
 
-def create_rank_connector(spec: tuple[OffloadConfig, Namespace, int], kv_cache: KVCache,
-                          rank: int, size: int) -> RankConnector:
+def create_rank_connector(cls: Any, spec: tuple[OffloadConfig, Namespace, int],
+                          kv_cache: KVCache, rank: int, size: int) -> RankConnector:
     config, namespace, total = spec
-    inner, _ = _build(_tp_config(config, rank), kv_cache, namespace, None, rank, size, total)
+    inner, _ = _build(cls, _tp_config(config, rank), kv_cache, namespace, None, rank, size, total)
     return RankConnector(inner)
