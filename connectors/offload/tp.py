@@ -205,6 +205,9 @@ def _build(cls: Any, config: OffloadConfig, kv_cache: KVCache, namespace: Namesp
                 for g in groups]
     grouped = GroupedWorker(kv_cache, workers, base, prefixes, shadows)
     inner.worker = grouped  # type: ignore[assignment]
+    # A block costs a rank all its groups' objects: price the bytes of its whole slice (the
+    # ranks read in parallel; the reads of one rank are batched, so one latency per run).
+    inner.cost_model.block_bytes = kv_cache.bytes_per_block
     return inner, grouped
 
 

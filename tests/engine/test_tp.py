@@ -62,3 +62,14 @@ def test_local_arch_divides_heads_and_mlp() -> None:
     check_tp_size(arch, 4)
     with pytest.raises(ValueError, match="does not divide the model's 4 KV heads"):
         check_tp_size(arch, 8)
+
+
+def test_serve_flag_maps_to_the_config() -> None:
+    import argparse
+
+    from engine.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args([]).tensor_parallel_size == 1

@@ -77,3 +77,30 @@ def test_head_slices_stored_at_one_degree_load_at_another(
         assert got == want, f"TP={tp}"
         assert kv["loaded_tokens"] == 64 and kv["recomputed_tokens"] == 0, (tp, kv)
         assert kv["tiers"]["lmdb"]["hit_blocks"] > 0
+
+
+def test_keys_name_the_head_range_not_the_chain() -> None:
+    from cachestore.hashing import Namespace, hash_request_tokens
+    from connectors.offload.tp import head_groups, slice_namespace
+
+    ns = Namespace(model_fingerprint="m")
+    half = slice_namespace(ns, (1, 2), total=2)
+    assert slice_namespace(ns, (0, 2), total=2) == ns  # all heads: today's keys
+    assert half.key_prefix() == f"{ns.store_prefix()}.h1-2" and half.store_prefix() == ns.store_prefix()
+    assert hash_request_tokens(half, list(range(32))) == hash_request_tokens(ns, list(range(32)))
+    assert head_groups(8, 1, 2, 0) == [(4, 8)] and head_groups(8, 1, 2, 2) == [(4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="kv_head_group 3 does not divide the 4 KV heads"):
+        head_groups(8, 0, 2, 3)
+
+
+def test_a_load_counts_the_fewest_blocks_any_part_loaded() -> None:
+    from connectors.offload.metadata import LoadResult
+    from connectors.offload.tp import LoadMerger
+
+    merger = LoadMerger(2)
+    assert merger.merge([[LoadResult("r", 4, 4, 0.1)], []]) == ()  # rank 1 not done yet
+    (done,) = merger.merge([[], [LoadResult("r", 3, 4, 0.2)]])
+    assert (done.num_loaded_blocks, done.num_requested_blocks, done.seconds) == (3, 4, 0.2)
+    merger.merge([[LoadResult("s", 2, 2, 0.1)], []])
+    merger.forget(["s"])  # cancelled: a later load of "s" starts afresh
+    assert merger.merge([[], [LoadResult("s", 2, 2, 0.1)]]) == ()
