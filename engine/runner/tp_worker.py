@@ -16,12 +16,14 @@ instead of waiting on a rendezvous that never completes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,15 +64,16 @@ class TPDriver:
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._pipes: list[Any] = []
-        for rank in range(1, size):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, name=f"kvtier-tp{rank}", daemon=True,
-                               args=(rank, size, port, rank_config(config, rank), model_dir,
-                                     cuda_graphs, child))
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._pipes.append(parent)
+        with _children_allowed():
+            for rank in range(1, size):
+                parent, child = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, name=f"kvtier-tp{rank}", daemon=True,
+                                   args=(rank, size, port, rank_config(config, rank), model_dir,
+                                         cuda_graphs, child))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._pipes.append(parent)
         # An engine that fails after this point (or is dropped unclosed) still ends its ranks.
         weakref.finalize(self, _kill, self._procs)
         self._closed = False
@@ -138,6 +141,23 @@ class TPDriver:
 
     def _kill(self) -> None:
         _kill(self._procs)
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let a daemonic process (``kvtier serve``'s engine core, engine/core/launch.py) start the
+    ranks: multiprocessing refuses because a daemon's children are not waited for at exit.
+    Here they need not be: they are killed by ``close``, by the finalizer, or end on their own
+    when a collective with the gone driver times out."""
+    me = mp.current_process()
+    daemonic = me.daemon
+    if daemonic:
+        me._config["daemon"] = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if daemonic:
+            me._config["daemon"] = True  # type: ignore[attr-defined]
 
 
 def _kill(procs: list[Any]) -> None:
