@@ -21,6 +21,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tp-offload"), "llama", seed=7)
 
 
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("tp-offload-qwen2"), "qwen2", seed=7)
+
+
 def _llm(model_dir: str, tp: int, blocks: int, offload: dict | None = None) -> LLM:
     kw: dict[str, Any] = {}
     if offload is not None:
@@ -46,7 +51,11 @@ def _run(llm: LLM, rounds: list[list[list[int]]]) -> list[list[int]]:
     return [list(o.token_ids) for prompts in rounds for o in llm.generate(prompts, GREEDY)]
 
 
-def test_tp2_with_offload_equals_tp1_and_reloads(model_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_with_offload_equals_tp1_and_reloads(
+    model_dir: str, qwen2_dir: str, tmp_path: Path, arch: str
+) -> None:
+    model_dir = qwen2_dir if arch == "qwen2" else model_dir
     # Two batches that cannot both stay in a 12-block pool, then the first again: its blocks
     # come back from the tiers (each rank its own slice).
     a, b = _prompts(1, 3, 40), _prompts(2, 3, 40)
