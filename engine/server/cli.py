@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens one engine step may carry (prefill chunks and decodes)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="requests running at once")
+    parser.add_argument("--first-token-step-tokens", type=int, default=512, metavar="N",
+                        help="a step yielding a first token from a short prefill carries at "
+                             "most N prefill tokens; 0: off (docs/scheduling.md)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus output, in tokens (default: the model's "
                              "context length; a start-up error when the KV cache cannot hold it)")
