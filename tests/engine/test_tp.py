@@ -32,9 +32,14 @@ def _generate(model_dir: str, tp: int, prompts: list[list[int]]) -> list[list[in
         return [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tp2_greedy_equals_tp1(tmp_path, arch: str) -> None:
-    model_dir = make_tiny_model(tmp_path, arch, seed=4)
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases, split with their heads
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases: added once
+    ("qwen3", {}),  # per-head q/k norms, replicated
+])
+def test_tp2_greedy_equals_tp1(tmp_path, arch: str, overrides: dict) -> None:
+    model_dir = make_tiny_model(tmp_path, arch, seed=4, **overrides)
     prompts = _prompts(1)
     one = _generate(model_dir, 1, prompts)
     two = _generate(model_dir, 2, prompts)
