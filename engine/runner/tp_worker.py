@@ -31,6 +31,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import TPGroup, free_port, init_tp_group
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 600.0
@@ -97,7 +98,7 @@ class TPDriver:
 
     def execute_model(self, out: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
         """Send the step to every rank, run rank 0's share; rank 0's sampled tokens."""
-        self.group.broadcast(("step", out))
+        self.group.broadcast(("step", _for_workers(out)))
         result = self.runner.execute_model(out, return_logits)
         if self.offload_ranks:  # before the connector is attached (calibration): None
             worker = self.runner._kv_connector
@@ -141,6 +142,19 @@ class TPDriver:
 
     def _kill(self) -> None:
         _kill(self._procs)
+
+
+_PLAIN = SamplingParams()
+
+
+def _for_workers(out: SchedulerOutput) -> SchedulerOutput:
+    """The step as the other ranks need it: they neither sample nor take logprobs, so each
+    request's sampling parameters (which may hold unpicklable logits processors) and token
+    history (penalties, grammars: long) stay on rank 0."""
+    requests = [r if r.sampling is _PLAIN and not r.all_token_ids
+                else dataclasses.replace(r, sampling=_PLAIN, all_token_ids=[])
+                for r in out.requests]
+    return dataclasses.replace(out, requests=requests)
 
 
 @contextlib.contextmanager

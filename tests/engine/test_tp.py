@@ -78,3 +78,26 @@ def test_serve_flag_maps_to_the_config() -> None:
     add_arguments(parser)
     assert parser.parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
     assert parser.parse_args([]).tensor_parallel_size == 1
+
+
+def test_tp2_penalties_logprobs_and_seeded_sampling_match_tp1(tmp_path) -> None:
+    """Only rank 0 samples: penalties (token history), logprobs and prompt logprobs come out as
+    at TP=1 (the other ranks never see the sampling parameters)."""
+    model_dir = make_tiny_model(tmp_path, "qwen2", seed=2)
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.5, logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=8, temperature=0.7, seed=11, ignore_eos=True),
+    ]
+    prompts = _prompts(5)[:2]
+    outs = {}
+    for tp in (1, 2):
+        with LLM(model_dir, num_gpu_blocks=32, dtype="float32", device="cpu",
+                 tensor_parallel_size=tp) as llm:
+            outs[tp] = llm.generate(prompts, params)
+    for one, two in zip(outs[1], outs[2], strict=True):
+        assert two.token_ids == one.token_ids
+    a, b = outs[1][0], outs[2][0]
+    assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
+    assert [e.logprob for e in b.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in a.prompt_logprobs[1:]], abs=1e-4)
