@@ -99,12 +99,13 @@ class TPDriver:
     def execute_model(self, out: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
         """Send the step to every rank, run rank 0's share; rank 0's sampled tokens."""
         self.group.broadcast(("step", _for_workers(out)))
-        result = self.runner.execute_model(out, return_logits)
-        if self.offload_ranks:  # before the connector is attached (calibration): None
-            worker = self.runner._kv_connector
-            self.reports = self.group.gather(
-                worker.take_report() if worker is not None else None) or []
-        return result
+        try:
+            return self.runner.execute_model(out, return_logits)
+        finally:  # a step refused on every rank (a bad SchedulerOutput) still gathers
+            if self.offload_ranks:  # before the connector is attached (calibration): None
+                worker = self.runner._kv_connector
+                self.reports = self.group.gather(
+                    worker.take_report() if worker is not None else None) or []
 
     def command(self, name: str, arg: object = None) -> list[Any]:
         """Broadcast a command to the workers (``offload``, ``offload_call``); each answers,
@@ -204,7 +205,10 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig, model_dir
     while True:
         name, arg = group.broadcast()
         if name == "step":
-            runner.execute_model(arg)
+            try:
+                runner.execute_model(arg)
+            except Exception:  # rank 0 raises the same error to its caller; stay in step
+                logger.exception("tensor-parallel rank %d: step failed", rank)
             if ranked is not None:
                 group.gather(ranked.worker.take_report())
         elif name == "offload":

@@ -101,3 +101,16 @@ def test_tp2_penalties_logprobs_and_seeded_sampling_match_tp1(tmp_path) -> None:
     assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
     assert [e.logprob for e in b.prompt_logprobs[1:]] == pytest.approx(
         [e.logprob for e in a.prompt_logprobs[1:]], abs=1e-4)
+
+
+def test_a_refused_step_leaves_the_ranks_in_step(tmp_path) -> None:
+    from engine.core_types import ScheduledRequest, SchedulerOutput
+
+    model_dir = make_tiny_model(tmp_path, "llama", seed=1)
+    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu",
+             tensor_parallel_size=2) as llm:
+        bad = SchedulerOutput([ScheduledRequest("x", [1, 2], 0, [99], True, GREEDY)], 2)
+        with pytest.raises(ValueError, match="block id outside"):
+            llm.engine.runner.execute_model(bad)
+        out = llm.generate([[5, 6, 7]], GREEDY)[0]  # every rank still answers
+    assert len(out.token_ids) == GREEDY.max_tokens
