@@ -21,6 +21,8 @@ One YAML file (or the same dict) holds both::
     prefetch_budget_blocks: 0  # blocks prefetches may pin at once (0: a quarter of the host tier)
     placement: all          # all | worth_loading: skip demoting into tiers no prefix would
                             # ever be worth loading from (cachestore/cost/placement.py)
+    kv_head_group: 0        # KV heads per stored object (0: a TP rank's slice); engines at
+                            # two TP degrees share blocks when both store e.g. 1 (docs/tp.md)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}

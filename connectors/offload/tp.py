@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from cachestore.hashing import Namespace
-from connectors.offload.config import ConfigError, OffloadConfig
 from connectors.device.kv_compress import Hi4Codec
+from connectors.offload.config import ConfigError, OffloadConfig
 from connectors.offload.metadata import BlockSave, KVConnectorMetadata, LoadResult, WorkerReport
 from connectors.offload.worker import OffloadWorker, block_meta
 from engine.kv_cache import KVCache

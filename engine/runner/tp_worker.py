@@ -52,9 +52,8 @@ class TPDriver:
     are rank 0's runner's). Not thread-safe: the engine thread drives it."""
 
     def __init__(self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True) -> None:
-        from engine.model_runner import ModelRunner, resolve_device
-
         from engine.model_loader import read_hf_config
+        from engine.model_runner import ModelRunner, resolve_device
         from engine.models.base import ModelArchConfig
         from engine.models.parallel import check_tp_size
 
@@ -105,7 +104,7 @@ class TPDriver:
             if self.offload_ranks:  # before the connector is attached (calibration): None
                 worker = self.runner._kv_connector
                 self.reports = self.group.gather(
-                    worker.take_report() if worker is not None else None) or []
+                    worker.take_report() if worker is not None else None) or []  # type: ignore[attr-defined]
 
     def command(self, name: str, arg: object = None) -> list[Any]:
         """Broadcast a command to the workers (``offload``, ``offload_call``); each answers,
