@@ -69,10 +69,10 @@ class TPGroup:
         return out
 
     def close(self) -> None:
-        """Leave the group (idempotent)."""
+        """Leave the group (idempotent; never another engine's group formed since)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.group.WORLD is self.device_group:
             dist.destroy_process_group()
 
 
@@ -82,6 +82,8 @@ def init_tp_group(rank: int, size: int, port: int, device: torch.device,
     NCCL for a CUDA device (this process's GPU set first), else gloo."""
     import torch.distributed as dist
 
+    if dist.is_initialized():  # the group is per process (torch's default group)
+        raise RuntimeError("this process already runs a tensor-parallel engine: close it first")
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

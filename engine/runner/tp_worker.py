@@ -75,10 +75,12 @@ class TPDriver:
                 self._procs.append(proc)
                 self._pipes.append(parent)
         # An engine that fails after this point (or is dropped unclosed) still ends its ranks.
-        weakref.finalize(self, _kill, self._procs)
         self._closed = False
+        self._groups: list[TPGroup] = []  # the group once joined (for the finalizer)
+        weakref.finalize(self, _abandon, self._procs, self._groups)
         try:
             self.group: TPGroup = init_tp_group(0, size, port, resolve_device(config.device))
+            self._groups.append(self.group)
             self.runner = ModelRunner(rank_config(config, 0), model_dir, cuda_graphs=cuda_graphs,
                                       tp=self.group)
             self._wait_ready()
@@ -172,6 +174,14 @@ def _children_allowed() -> Iterator[None]:
     finally:
         if daemonic:
             me._config["daemon"] = True  # type: ignore[attr-defined]
+
+
+def _abandon(procs: list[Any], groups: list[TPGroup]) -> None:
+    """An engine dropped without ``close`` (or failing after its ranks started): kill the
+    ranks and leave its group, so that another engine in this process can form one."""
+    _kill(procs)
+    for group in groups:
+        group.close()
 
 
 def _kill(procs: list[Any]) -> None:

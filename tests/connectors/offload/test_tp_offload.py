@@ -113,3 +113,17 @@ def test_a_load_counts_the_fewest_blocks_any_part_loaded() -> None:
     merger.merge([[LoadResult("s", 2, 2, 0.1)], []])
     merger.forget(["s"])  # cancelled: a later load of "s" starts afresh
     assert merger.merge([[], [LoadResult("s", 2, 2, 0.1)]]) == ()
+
+
+def test_a_bad_head_group_fails_the_engine_and_a_next_one_starts(
+    model_dir: str, tmp_path: Path
+) -> None:
+    import gc
+
+    from connectors.offload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_head_group 3 does not divide the 1 KV heads"):
+        _llm(model_dir, 2, 16, _offload(tmp_path, group=3))
+    gc.collect()  # the failed engine's ranks and group go with it
+    with _llm(model_dir, 2, 16, _offload(tmp_path)) as llm:
+        assert len(_run(llm, [_prompts(4, 1, 20)])[0]) == GREEDY.max_tokens
