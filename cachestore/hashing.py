@@ -76,6 +76,11 @@ class Namespace:
     (see ``engine.models.loader.model_fingerprint``). ``cache_salt`` isolates tenants.
     ``kv_format`` names a stored block format other than the raw one (the offload
     connector's ``compression``), so blocks of two formats never share a key.
+    ``kv_heads`` ``(lo, hi)``: the stored object holds KV heads ``[lo, hi)`` of each block
+    (kvtier's engine under tensor parallelism, docs/tp.md); None: all of them. It names the
+    key (``key_prefix``), not the chain: every TP degree hashes the same tokens to the same
+    chain, so an engine at any degree finds the head slices another degree stored.
+    ``tp_rank``/``tp_size`` are for the vLLM and SGLang connectors, which key per rank.
     """
 
     model_fingerprint: str
@@ -86,6 +91,7 @@ class Namespace:
     cache_salt: str = ""
     hash_name: str = "sha256"
     kv_format: str = ""
+    kv_heads: tuple[int, int] | None = None
     # Derived once (a hash of describe()); every block key and chain seed reuses it.
     _seed: bytes = field(init=False, repr=False, compare=False, default=b"")
     _prefix: str = field(init=False, repr=False, compare=False, default="")
@@ -95,9 +101,12 @@ class Namespace:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.kv_heads is not None and not 0 <= self.kv_heads[0] < self.kv_heads[1]:
+            raise ValueError(f"kv_heads must be a range lo < hi, got {self.kv_heads}")
         fn = get_hash_fn(self.hash_name)
         object.__setattr__(self, "_seed", fn(self.describe().encode()))
-        object.__setattr__(self, "_prefix", self._seed.hex()[:16])
+        heads = "" if self.kv_heads is None else f".h{self.kv_heads[0]}-{self.kv_heads[1]}"
+        object.__setattr__(self, "_prefix", self._seed.hex()[:16] + heads)
 
     def describe(self) -> str:
         return (
@@ -115,8 +124,14 @@ class Namespace:
         return BlockHash(self._seed)
 
     def key_prefix(self) -> str:
-        """Short stable prefix tiers put in front of ``hex(h[i])`` (``namespace/hex``)."""
+        """Short stable prefix tiers put in front of ``hex(h[i])`` (``namespace/hex``): the
+        store prefix, plus ``.h<lo>-<hi>`` for a slice of the KV heads."""
         return self._prefix
+
+    def store_prefix(self) -> str:
+        """The namespace without the head range: what a stored block's header names and what
+        its store checks, the same for every slice of one model's blocks."""
+        return self._seed.hex()[:16]
 
 
 def _pack_int32(token_ids: Sequence[int]) -> bytes:

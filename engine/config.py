@@ -82,8 +82,15 @@ class EngineConfig:
     request_log: str | None = None
     # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
     enforce_eager: bool = False
+    # Ranks the model is split over (engine/runner/distributed.py, docs/tp.md): one process each, the
+    # scheduler in rank 0's. 1: the single-process engine, no collective anywhere.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
         if self.graph_decode not in GRAPH_DECODE_CHOICES:
             raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {self.graph_decode!r}")
         if self.small_query_attention not in SMALL_QUERY_CHOICES:

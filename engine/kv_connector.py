@@ -212,10 +212,16 @@ def create_kv_connector(
     namespace: Namespace,
     *,
     calibration: CalibrationTarget | None = None,
+    tp: object | None = None,
 ) -> KVConnector:
     """Build connector ``name`` with its class's ``create(config, kv_cache, namespace,
     calibration=...)``; ``config`` is the connector's own (for ``offload``: a YAML path, a
     mapping, an ``OffloadConfig`` or None for the defaults). Raises ValueError for an unknown
-    name; the connector's own errors (a bad config, a tier that cannot be built) propagate."""
+    name; the connector's own errors (a bad config, a tier that cannot be built) propagate.
+    ``tp``: the engine's tensor-parallel driver (``engine.runner.tp_worker.TPDriver``), for a
+    connector that runs a share on every rank (``create(..., tp=tp)``; the ranks build theirs
+    with the class's ``create_rank(spec, kv_cache, rank, size)``)."""
     cls = kv_connector_class(name)
+    if tp is not None:
+        return cls.create(config, kv_cache, namespace, calibration=calibration, tp=tp)  # type: ignore[no-any-return]
     return cls.create(config, kv_cache, namespace, calibration=calibration)  # type: ignore[no-any-return]

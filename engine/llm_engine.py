@@ -33,6 +33,8 @@ from engine.ttft import LoadTiming, clean_api_times
 
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnector
+    from engine.runner.model_runner import ModelRunner
+    from engine.runner.tp_worker import TPDriver
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,14 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model, dtype=config.dtype, device=config.device)
         self.model_dir = model_dir
         self.model_name = config.model or "kvtier-demo"
-        self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
+        self.tp: TPDriver | None = None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 in processes of their own
+            from engine.runner.tp_worker import TPDriver
+
+            self.tp = TPDriver(config, model_dir, cuda_graphs=not config.enforce_eager)
+            self.runner = cast("ModelRunner", self.tp)
+        else:
+            self.runner = ModelRunner(config, model_dir, cuda_graphs=not config.enforce_eager)
         self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
@@ -125,7 +134,7 @@ class LLMEngine:
             )
             self.offload = create_kv_connector(
                 "offload", config.kv_offload_config, self.runner.kv_cache, namespace,
-                calibration=target,
+                calibration=target, tp=self.tp,
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)
@@ -414,6 +423,8 @@ class LLMEngine:
         finally:
             if self.request_log is not None:
                 self.request_log.close()
+            if self.tp is not None:
+                self.tp.close()
             gc.unfreeze()  # process-wide: other live engines just lose the optimization
 
     def stats(self) -> dict[str, Any]:

@@ -114,6 +114,10 @@ def describe_engine(engine: Any) -> str:
     ]
     if engine.config.tokenizer:
         lines.append(f"  tokenizer   {engine.config.tokenizer}")
+    tp = engine.config.tensor_parallel_size
+    if tp > 1:  # docs/tp.md; the KV cache line below is one rank's
+        lines.append(f"  tensor par. {tp} ranks, {arch.num_kv_heads} KV heads and the KV cache "
+                     f"below on each")
     caching = "on" if engine.config.cache.enable_prefix_caching else "off"
     lines.append(f"  KV cache    {blocks} blocks x {block_size} tokens = {blocks * block_size} "
                  f"tokens ({human_size(kv_bytes)}), max_model_len {engine.max_model_len}, "

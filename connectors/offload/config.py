@@ -21,6 +21,8 @@ One YAML file (or the same dict) holds both::
     prefetch_budget_blocks: 0  # blocks prefetches may pin at once (0: a quarter of the host tier)
     placement: all          # all | worth_loading: skip demoting into tiers no prefix would
                             # ever be worth loading from (cachestore/cost/placement.py)
+    kv_head_group: 0        # KV heads per stored object (0: a TP rank's slice); engines at
+                            # two TP degrees share blocks when both store e.g. 1 (docs/tp.md)
     tiers:
       - {kind: host, capacity: 4GiB}
       - {kind: lmdb, path: /var/cache/kvtier, capacity: 100GiB, write_policy: write_through}
@@ -110,6 +112,10 @@ class OffloadConfig:
     # "worth_loading": blocks are not demoted into a tier from which even the longest prefix
     # loads slower than it recomputes, priced after calibration (cachestore/cost/placement.py).
     placement: str = "all"
+    # Heads per stored object under tensor parallelism (connectors/offload/tp.py, docs/tp.md):
+    # 0: one object per rank's slice (TP=1: the whole block, as before). Engines at two TP
+    # degrees share blocks when both store the same granularity, e.g. 1 (one KV head).
+    kv_head_group: int = 0
 
     @property
     def layer_wise(self) -> bool:
@@ -147,6 +153,10 @@ class OffloadConfig:
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"kv offload: placement {self.placement!r}; choose one of "
                               f"{PLACEMENTS}")
+        if isinstance(self.kv_head_group, bool) or not isinstance(self.kv_head_group, int) \
+                or self.kv_head_group < 0:
+            raise ConfigError(f"kv offload: kv_head_group must be an integer >= 0, got "
+                              f"{self.kv_head_group!r}")
         if isinstance(self.prefetch_budget_blocks, bool) or not isinstance(
                 self.prefetch_budget_blocks, int) or self.prefetch_budget_blocks < 0:
             raise ConfigError(f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
@@ -158,7 +168,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
     "in_step_host_loads": ..., "layered_loads": ..., "layers_per_copy": ...,
     "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
     "prefetch": ..., "prefetch_budget_blocks": ..., "load_chunk_bytes": ...,
-    "load_pipeline_depth": ...}``
+    "load_pipeline_depth": ..., "placement": ..., "kv_head_group": ...}``
     -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
@@ -166,7 +176,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
     known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
              "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
              "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks",
-             "load_chunk_bytes", "load_pipeline_depth", "placement"}
+             "load_chunk_bytes", "load_pipeline_depth", "placement", "kv_head_group"}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -200,6 +210,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         load_chunk_bytes=data.get("load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
         load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
         placement=str(data.get("placement", "all")),
+        kv_head_group=data.get("kv_head_group", 0),  # type: ignore[arg-type]
     )
 
 

@@ -38,6 +38,7 @@ from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from cachestore.store.types import write_policies
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload import calibration as cal
+from connectors.offload import tp as tp_offload  # builds on this class, handed to it
 from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
 from connectors.offload.metadata import WorkerReport
 from connectors.offload.scheduler import OffloadScheduler
@@ -68,7 +69,7 @@ class OffloadConnector:
         self.counters = OffloadStats()
         codec = _codec(config, kv_cache)
         namespace = _stored_namespace(namespace, codec)
-        meta = block_meta(kv_cache, namespace.key_prefix(), codec)
+        meta = block_meta(kv_cache, namespace.store_prefix(), codec)
         self.scheduler = OffloadScheduler(
             store, namespace, decision=config.decision, cost_model=cost_model,
             stats=self.counters, block_meta=meta, in_step=config.in_step_host_loads,
@@ -101,20 +102,22 @@ class OffloadConnector:
         namespace: Namespace,
         *,
         calibration: CalibrationTarget | None = None,
-    ) -> OffloadConnector:
+        tp: Any = None,
+    ) -> Any:
         """Build from a YAML path, a dict, an ``OffloadConfig`` or None (the defaults).
+        ``tp`` (the engine's tensor-parallel driver) or a ``kv_head_group`` that splits this
+        cache's heads: the connector of connectors/offload/tp.py, one worker per rank and
+        head group.
         With ``config.calibrate``, measure the priors first (prefill only when ``calibration``
         is given; the tiers and the host hop always). Call before the worker is attached to the
         runner and before any request: calibration uses the cache's blocks as scratch.
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
-        if source is None:
-            config = default_offload_config(namespace.key_prefix())
-        elif isinstance(source, OffloadConfig):
-            config = source
-        else:
-            config = load_offload_config(source)
+        config = resolve_config(source, namespace)
+        if tp is not None or 0 < config.kv_head_group < kv_cache.spec.num_kv_heads:
+            return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration,
+                                                  tp)
         codec = _codec(config, kv_cache)
-        prefix = _stored_namespace(namespace, codec).key_prefix()
+        prefix = _stored_namespace(namespace, codec).store_prefix()
         meta = block_meta(kv_cache, prefix, codec)
         # Slots of a multiple of PAYLOAD_ALIGN bytes: every payload in the slab starts 16-byte
         # aligned (the layer-wise load kernel reads it in 16-byte words).
@@ -140,6 +143,12 @@ class OffloadConnector:
         if config.placement == "worth_loading":
             _place(store, cost_model, kv_cache)
         return cls(config, store, kv_cache, namespace, cost_model)
+
+    @staticmethod
+    def create_rank(spec: Any, kv_cache: KVCache, rank: int, size: int) -> Any:
+        """Tensor-parallel rank ``rank``'s share (connectors/offload/tp.py), from what rank 0
+        sent (``spec``)."""
+        return tp_offload.create_rank_connector(OffloadConnector, spec, kv_cache, rank, size)
 
     @staticmethod
     def check_config(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> None:
@@ -203,6 +212,16 @@ class OffloadConnector:
                 self.scheduler.prefetcher.close()
             self.worker.close()
             self.store.close()
+
+
+def resolve_config(source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
+                   namespace: Namespace) -> OffloadConfig:
+    """The config ``source`` names (None: the defaults, an LMDB under the store prefix)."""
+    if source is None:
+        return default_offload_config(namespace.store_prefix())
+    if isinstance(source, OffloadConfig):
+        return source
+    return load_offload_config(source)
 
 
 # Per-tier write-policy counters also shown beside each tier's hit_blocks in ``stats()``.

@@ -14,7 +14,7 @@ norms). Same math, one rounding apart; the torch path is the fallback.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from engine.kernels import linear
 from engine.models.base import ModelArchConfig
 from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from engine.models.parallel import TPShard, local_arch, shard_weight
 
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
@@ -50,6 +51,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary  # shared by all layers; not a submodule weight
+        # Tensor parallel: sums o_proj's partial outputs across ranks (engine/models/parallel.py).
+        self.tp_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -93,7 +96,8 @@ class Attention(nn.Module):
                     qk = RotaryEmbedding.apply(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn.forward(self.layer_idx, q, k, v, kv_layer, kv_written=kv_written)
-        return linear(out, self.o_proj) if fused else self.o_proj(out)
+        out = linear(out, self.o_proj) if fused else self.o_proj(out)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -127,7 +131,8 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(rope, h, attn, kv_cache, fused=True)
         ln = self.post_attention_layernorm
         h, residual = fused_add_rms_norm(h, residual, ln.weight, ln.eps)
-        return linear(silu_and_mul(linear(h, self.mlp.gate_up_proj)), self.mlp.down_proj), residual
+        h = linear(silu_and_mul(linear(h, self.mlp.gate_up_proj)), self.mlp.down_proj)
+        return (h if self.mlp.tp_reduce is None else self.mlp.tp_reduce(h)), residual
 
 
 class DecoderStack(nn.Module):
@@ -143,8 +148,16 @@ class DecoderStack(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Implements ``engine.models.base.CausalLM``. Holds no per-request state."""
 
-    def __init__(self, arch: ModelArchConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, max_positions: int | None = None, tp: TPShard | None = None
+    ) -> None:
+        """``tp``: build one tensor-parallel rank's slice (``engine.models.parallel``);
+        ``arch`` stays the full model's (``full_arch``), ``self.arch`` is what this rank holds."""
         super().__init__()
+        self.full_arch = arch
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            arch = local_arch(arch, self.tp)
         self.arch = arch
         n_pos = max(max_positions or 0, arch.max_context_len)
         # Built outside the module tree so a meta-device build still gets a real table.
@@ -210,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (self.lm_head is None and name.startswith("lm_head.")):
                 continue
+            if self.tp is not None:
+                tensor = shard_weight(name, tensor, self.full_arch, self.tp)
             shard = None
             for hf_part, (ours, idx) in _FUSED.items():
                 if hf_part in name:

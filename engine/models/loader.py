@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from engine.models import ModelArchConfig, get_model_class
+from engine.models.parallel import TPShard
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -176,11 +177,14 @@ def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor
 
 
 def load_model(
-    model_dir: str, dtype: str, device: torch.device | str, max_positions: int | None = None
+    model_dir: str, dtype: str, device: torch.device | str, max_positions: int | None = None,
+    tp: TPShard | None = None,
 ) -> LoadedModel:
     """Build the model on ``device`` in the resolved dtype and fill every parameter from the
     checkpoint. Raises ValueError for an unsupported architecture (naming the supported
-    ones) or if the checkpoint misses a parameter or has an extra one."""
+    ones) or if the checkpoint misses a parameter or has an extra one. ``tp`` (size > 1):
+    this rank's slice of every split weight (``engine.models.parallel``); ``arch`` of the
+    result is then the rank's (its heads and intermediate size divided)."""
     hf_config = read_hf_config(model_dir)
     # The architecture first (one line listing the supported ones): another family's config
     # may lack fields ModelArchConfig reads.
@@ -189,7 +193,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, hf_config)
     # Build without allocating or initializing, then materialize once on the target device.
     with _no_init(), torch.device("meta"):
-        model = cls(arch, max_positions)
+        model = cls(arch, max_positions) if tp is None or tp.size == 1 else cls(arch, max_positions, tp)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     progress = WeightProgress(safetensors_files(model_dir))
     loaded = model.load_weights(iter_weights(model_dir, progress))
@@ -197,7 +201,8 @@ def load_model(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks parameters: {missing[:8]}")
-    return LoadedModel(model=model.eval(), arch=arch, dtype=torch_dtype, hf_config=hf_config)
+    return LoadedModel(model=model.eval(), arch=getattr(model, "arch", arch), dtype=torch_dtype,
+                       hf_config=hf_config)
 
 
 def _safetensors_header(path: str) -> bytes:

