@@ -98,7 +98,8 @@ test-sglang: sglang-venv
 	$(SGLANG_PY) -m pytest -q $(PYTEST_ARGS) tests/sglang
 
 lint: install
-	$(VENV)/bin/ruff check engine cachestore tiers connectors tests bench
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Strict on cachestore/ and tiers/ ([tool.mypy] in pyproject.toml); about 2 minutes cold.
 typecheck: install

@@ -38,8 +38,14 @@ from cachestore.analyze.summary import AnalyzeConfig, analyze  # noqa: E402
 from cachestore.analyze.traces import open_text, read_trace  # noqa: E402
 from cachestore.cost.model import get_model_profile  # noqa: E402
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
-                             "traces", "conversation_trace.jsonl.gz")
+DEFAULT_TRACE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "tests",
+    "data",
+    "traces",
+    "conversation_trace.jsonl.gz",
+)
 
 
 def _timed(fn: Callable[[], Any], times: list[float]) -> Any:
@@ -60,8 +66,14 @@ def _lmcache_events(path: str, block_tokens: int) -> list[dict[str, Any]] | None
         for line in fh:
             if line.strip():
                 r = json.loads(line)
-                events.append({"timestamp": r["timestamp"], "chunk_hashes": r["hash_ids"],
-                               "seq_len": r["input_length"], "chunk_size": block_tokens})
+                events.append(
+                    {
+                        "timestamp": r["timestamp"],
+                        "chunk_hashes": r["hash_ids"],
+                        "seq_len": r["input_length"],
+                        "chunk_size": block_tokens,
+                    }
+                )
     events.sort(key=lambda e: e["timestamp"])
     return events
 
@@ -78,22 +90,34 @@ def main() -> int:
     bt = trace.block_tokens
     kv = get_model_profile("llama-3-8b").kv_bytes_per_token
     half = args.capacity_blocks // 2
-    cfg = AnalyzeConfig(tiers=(TierSpec("host", half), TierSpec("lmdb", args.capacity_blocks - half)),
-                        kv_bytes_per_token=kv, model_profile="llama-3-8b")
+    cfg = AnalyzeConfig(
+        tiers=(TierSpec("host", half), TierSpec("lmdb", args.capacity_blocks - half)),
+        kv_bytes_per_token=kv,
+        model_profile="llama-3-8b",
+    )
     all_caps = np.arange(trace.num_unique_blocks + 1)
     events = _lmcache_events(args.trace, bt)
     chunk_bytes = kv * bt
-    times: dict[str, list[float]] = {k: [] for k in ("lmcache_full", "lmcache_fast",
-                                                     "kvtier_report", "kvtier_curve")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("lmcache_full", "lmcache_fast", "kvtier_report", "kvtier_curve")
+    }
     lm_full = doc = None
     for _ in range(args.repeat):  # interleaved, so that load from other processes hits all alike
         if events is not None:
             from lmcache.tools.cache_simulator.simulator import simulate
 
-            lm_full = _timed(lambda: simulate(events, args.capacity_blocks * chunk_bytes,
-                                              chunk_bytes, fast=False), times["lmcache_full"])
-            _timed(lambda: simulate(events, args.capacity_blocks * chunk_bytes, chunk_bytes,
-                                   fast=True), times["lmcache_fast"])
+            lm_full = _timed(
+                lambda: simulate(
+                    events, args.capacity_blocks * chunk_bytes, chunk_bytes, fast=False
+                ),
+                times["lmcache_full"],
+            )
+            _timed(
+                lambda: simulate(
+                    events, args.capacity_blocks * chunk_bytes, chunk_bytes, fast=True
+                ),
+                times["lmcache_fast"],
+            )
         doc = _timed(lambda: analyze(trace, cfg), times["kvtier_report"])
         curve = _timed(lambda: lru_hit_curve(trace, all_caps), times["kvtier_curve"])
     best = {k: (min(v) if v else None) for k, v in times.items()}
@@ -115,21 +139,27 @@ def main() -> int:
         "lmcache": None if events is None else "lmcache.tools.cache_simulator.simulator.simulate",
     }
     if events is None:
-        out["lmcache_note"] = "lmcache not importable: pip install --no-deps lmcache sortedcontainers"
-        summary = (f"analyze {out['trace']}: kvtier report {best['kvtier_report']:.3f} s, "
-                   f"curve of {len(all_caps):,} capacities {best['kvtier_curve']:.3f} s "
-                   "(lmcache not importable; no peer timing)")
+        out["lmcache_note"] = (
+            "lmcache not importable: pip install --no-deps lmcache sortedcontainers"
+        )
+        summary = (
+            f"analyze {out['trace']}: kvtier report {best['kvtier_report']:.3f} s, "
+            f"curve of {len(all_caps):,} capacities {best['kvtier_curve']:.3f} s "
+            "(lmcache not importable; no peer timing)"
+        )
     else:
         assert lm_full is not None
         out["lmcache_hit_blocks"] = int(sum(lm_full["hit_prefix_lengths"]))
         out["hits_agree"] = out["lmcache_hit_blocks"] == doc["hit_blocks"]
         out["ratio_report_vs_lmcache_full"] = best["kvtier_report"] / best["lmcache_full"]
         out["ratio_curve_vs_lmcache_fast"] = best["kvtier_curve"] / best["lmcache_fast"]
-        summary = (f"analyze {out['trace']}: kvtier report {best['kvtier_report']:.3f} s vs "
-                   f"lmcache full {best['lmcache_full']:.3f} s (x{out['ratio_report_vs_lmcache_full']:.2f}); "
-                   f"kvtier curve of {len(all_caps):,} capacities {best['kvtier_curve']:.3f} s vs "
-                   f"lmcache fast, one capacity, {best['lmcache_fast']:.3f} s "
-                   f"(x{out['ratio_curve_vs_lmcache_fast']:.2f}); hits agree: {out['hits_agree']}")
+        summary = (
+            f"analyze {out['trace']}: kvtier report {best['kvtier_report']:.3f} s vs "
+            f"lmcache full {best['lmcache_full']:.3f} s (x{out['ratio_report_vs_lmcache_full']:.2f}); "
+            f"kvtier curve of {len(all_caps):,} capacities {best['kvtier_curve']:.3f} s vs "
+            f"lmcache fast, one capacity, {best['lmcache_fast']:.3f} s "
+            f"(x{out['ratio_curve_vs_lmcache_fast']:.2f}); hits agree: {out['hits_agree']}"
+        )
     print(json.dumps(out, indent=2))
     print(summary)
     return 0

@@ -45,9 +45,12 @@ def _case(context: int, query_lens: list[int], seed: int) -> tuple[Any, Any, int
     kv = KVCache(spec, batch * pages + 1, dev)
     kv.tensor.normal_()
     perm = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables = [perm[i * pages:(i + 1) * pages] for i in range(batch)]
-    slots = [t[p // PAGE] * PAGE + p % PAGE for t, n in zip(tables, query_lens, strict=True)
-             for p in range(context - n, context)]
+    tables = [perm[i * pages : (i + 1) * pages] for i in range(batch)]
+    slots = [
+        t[p // PAGE] * PAGE + p % PAGE
+        for t, n in zip(tables, query_lens, strict=True)
+        for p in range(context - n, context)
+    ]
     cu = [0]
     for n in query_lens:
         cu.append(cu[-1] + n)
@@ -55,8 +58,11 @@ def _case(context: int, query_lens: list[int], seed: int) -> tuple[Any, Any, int
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
         seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev),
         block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=dev),
-        slot_mapping=torch.tensor(slots, device=dev), query_lens_cpu=list(query_lens),
-        seq_lens_cpu=[context] * batch, block_size=PAGE, block_tables_cpu=tables,
+        slot_mapping=torch.tensor(slots, device=dev),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=[context] * batch,
+        block_size=PAGE,
+        block_tables_cpu=tables,
     )
     return kv, meta, pages
 
@@ -80,12 +86,23 @@ def _layers(backend: Any, kv: Any, q: torch.Tensor, outs: list[torch.Tensor]) ->
 
 # (block_n, num_warps, num_stages, programs_per_sm) tried by --sweep (the engine's choice per
 # batch size: engine.kernels.decode_attention.decode_config)
-SWEEP = [(64, 4, 2, 2), (64, 4, 3, 2), (128, 4, 2, 2), (128, 8, 3, 2), (64, 4, 2, 8),
-         (64, 4, 3, 8), (128, 4, 2, 8), (32, 4, 3, 8), (64, 4, 3, 4), (128, 8, 3, 8)]
+SWEEP = [
+    (64, 4, 2, 2),
+    (64, 4, 3, 2),
+    (128, 4, 2, 2),
+    (128, 8, 3, 2),
+    (64, 4, 2, 8),
+    (64, 4, 3, 8),
+    (128, 4, 2, 8),
+    (32, 4, 3, 8),
+    (64, 4, 3, 4),
+    (128, 8, 3, 8),
+]
 
 
-def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, reps: int,
-                  ref: torch.Tensor) -> list[dict[str, Any]]:
+def sweep_configs(
+    meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, reps: int, ref: torch.Tensor
+) -> list[dict[str, Any]]:
     """The Triton kernel alone under each SWEEP configuration (us per layer in a graph of 32
     layers, and the largest difference from the default's output)."""
     from engine.kernels import decode_attention as da
@@ -98,18 +115,29 @@ def sweep_configs(meta: Any, kv: Any, q: torch.Tensor, batch: int, pages: int, r
     for block_n, warps, stages, per_sm in SWEEP:
         splits = da.num_splits_for(batch, KV_HEADS, sms, per_sm)
 
-        def step(outs: list[torch.Tensor], cfg: tuple[int, ...] = (splits, block_n, warps, stages)) -> None:
+        def step(
+            outs: list[torch.Tensor], cfg: tuple[int, ...] = (splits, block_n, warps, stages)
+        ) -> None:
             outs.clear()
             for layer in range(LAYERS):
-                outs.append(da.paged_decode_attention(q, kv.layer_view(layer), indptr, indices, last,
-                                                      DIM**-0.5, *cfg))
+                outs.append(
+                    da.paged_decode_attention(
+                        q, kv.layer_view(layer), indptr, indices, last, DIM**-0.5, *cfg
+                    )
+                )
 
         outs: list[torch.Tensor] = []
         try:
             us = cuda_graph_us(lambda o=outs, f=step: f(o), reps) / LAYERS
             diff = float((outs[0].float() - ref.view_as(outs[0]).float()).abs().max())
-            rows.append({"config": [block_n, warps, stages, per_sm], "splits": splits,
-                         "us_per_layer": round(us, 2), "max_abs_diff": diff})
+            rows.append(
+                {
+                    "config": [block_n, warps, stages, per_sm],
+                    "splits": splits,
+                    "us_per_layer": round(us, 2),
+                    "max_abs_diff": diff,
+                }
+            )
         except Exception as exc:  # a configuration that does not compile is reported
             rows.append({"config": [block_n, warps, stages, per_sm], "error": str(exc)[:200]})
     return rows
@@ -138,7 +166,9 @@ def measure(batch: int, context: int, reps: int, sweep: bool = False) -> dict[st
     row["speedup"] = round(row["flashinfer_us_per_layer"] / row["triton_us_per_layer"], 2)
     if sweep:
         row["sweep"] = sweep_configs(meta, kv, q, batch, pages, reps, outputs["triton"])
-    row["max_abs_diff"] = float((outputs["triton"].float() - outputs["flashinfer"].float()).abs().max())
+    row["max_abs_diff"] = float(
+        (outputs["triton"].float() - outputs["flashinfer"].float()).abs().max()
+    )
     del kv
     torch.cuda.empty_cache()
     return row
@@ -179,9 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="512,4096,16384")
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--sweep", action="store_true", help="also time the Triton kernel's tile configurations")
-    ap.add_argument("--appends", default="", metavar="Q@CTX,...",
-                    help="also time eager short appends, e.g. 16@4096,16@16384 (Triton vs FlashInfer prefill)")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time the Triton kernel's tile configurations"
+    )
+    ap.add_argument(
+        "--appends",
+        default="",
+        metavar="Q@CTX,...",
+        help="also time eager short appends, e.g. 16@4096,16@16384 (Triton vs FlashInfer prefill)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -200,13 +236,30 @@ def main(argv: list[str] | None = None) -> int:
         q_len, context = (int(x) for x in item.split("@"))
         appends.append(measure_append(context, q_len, args.reps))
         print(json.dumps(appends[-1]), flush=True)
-    summary = "decode attention triton vs flashinfer (us/layer): " + ", ".join(
-        f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "
-        f"({r['speedup']}x)" for r in rows) + "".join(
-        f", append {r['query_tokens']}@{r['context']} {r['triton_us_per_layer']}/"
-        f"{r['flashinfer_us_per_layer']} ({r['speedup']}x)" for r in appends)
-    emit_report({"benchmark": "attention", "machine": machine_info(), "argv": sys.argv[1:],
-                 "rows": rows, "appends": appends, "summary": summary}, args.out)
+    summary = (
+        "decode attention triton vs flashinfer (us/layer): "
+        + ", ".join(
+            f"b{r['batch']}/{r['context']} {r['triton_us_per_layer']}/{r['flashinfer_us_per_layer']} "
+            f"({r['speedup']}x)"
+            for r in rows
+        )
+        + "".join(
+            f", append {r['query_tokens']}@{r['context']} {r['triton_us_per_layer']}/"
+            f"{r['flashinfer_us_per_layer']} ({r['speedup']}x)"
+            for r in appends
+        )
+    )
+    emit_report(
+        {
+            "benchmark": "attention",
+            "machine": machine_info(),
+            "argv": sys.argv[1:],
+            "rows": rows,
+            "appends": appends,
+            "summary": summary,
+        },
+        args.out,
+    )
     return 0
 
 

@@ -41,16 +41,26 @@ def _stream_answer(tok: Any, prompt_ids: list[int], answer_ids: list[int]) -> No
     state = RequestState.new(tok, "r", prompt_ids, params, 0.0)
     for i, token_id in enumerate(answer_ids):
         last = i == len(answer_ids) - 1
-        out = CoreOutput("r", [token_id], last, "length" if last else None, None, 0,
-                         0.0, 0.0, 0.0 if last else None)
+        out = CoreOutput(
+            "r",
+            [token_id],
+            last,
+            "length" if last else None,
+            None,
+            0,
+            0.0,
+            0.0,
+            0.0 if last else None,
+        )
         output = state.process(out).output
         if output.new_text:
             choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=output.new_text))
             sse(ChatCompletionChunk(id="r", model="m", choices=[choice]))
 
 
-def _measure(tok: Any, conv: list[dict[str, str]], answer_ids: list[int],
-             cache: ChatTokenCache | None) -> tuple[dict[str, float], list[int]]:
+def _measure(
+    tok: Any, conv: list[dict[str, str]], answer_ids: list[int], cache: ChatTokenCache | None
+) -> tuple[dict[str, float], list[int]]:
     if cache is not None:
         enc = cache.encode(conv)
         ids, template_s, tokenize_s = enc.token_ids, enc.template_s, enc.tokenize_s
@@ -63,8 +73,12 @@ def _measure(tok: Any, conv: list[dict[str, str]], answer_ids: list[int],
     t1 = time.perf_counter()
     _stream_answer(tok, ids, answer_ids)
     t2 = time.perf_counter()
-    times = {"template_ms": template_s * 1e3, "tokenize_ms": tokenize_s * 1e3,
-             "request_msg_ms": (t1 - t0) * 1e3, "detok_sse_ms": (t2 - t1) * 1e3}
+    times = {
+        "template_ms": template_s * 1e3,
+        "tokenize_ms": tokenize_s * 1e3,
+        "request_msg_ms": (t1 - t0) * 1e3,
+        "detok_sse_ms": (t2 - t1) * 1e3,
+    }
     times["total_ms"] = sum(times.values())
     return times, ids
 
@@ -79,8 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(c)
         conv = [{"role": "system", "content": words(rng, int(800 * WORDS_PER_TOKEN * 5))}]
         while True:
-            conv.append({"role": "user",
-                         "content": words(rng, int(args.question_tokens * WORDS_PER_TOKEN))})
+            conv.append(
+                {"role": "user", "content": words(rng, int(args.question_tokens * WORDS_PER_TOKEN))}
+            )
             answer = words(rng, int(args.answer_len * WORDS_PER_TOKEN))
             answer_ids = tok.encode(answer, add_special_tokens=False)[: args.answer_len]
             cached, ids = _measure(tok, conv, answer_ids, cache)
@@ -95,30 +110,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             conv.append({"role": "assistant", "content": tok.decode(answer_ids)})
     paths = {
-        path: {key: {f"p{q}": round(percentile(sorted(r[key] for r in rows), q), 3)
-                     for q in (50, 90)} for key in rows[0]}
+        path: {
+            key: {f"p{q}": round(percentile(sorted(r[key] for r in rows), q), 3) for q in (50, 90)}
+            for key in rows[0]
+        }
         for path, rows in measured.items()
     }
     p50 = {path: paths[path]["total_ms"]["p50"] for path in paths}
     return {
-        "machine": machine_info(), "tokenizer": "demo byte-level BPE (engine/models/demo_model.py)",
-        "context_tokens": args.context_tokens, "answer_len": args.answer_len,
+        "machine": machine_info(),
+        "tokenizer": "demo byte-level BPE (engine/models/demo_model.py)",
+        "context_tokens": args.context_tokens,
+        "answer_len": args.answer_len,
         "requests_measured": len(prompt_tokens),
         "prompt_tokens": {"min": min(prompt_tokens), "max": max(prompt_tokens)},
-        "paths": paths, "cache_hits": cache.num_hits, "cache_misses": cache.num_misses,
+        "paths": paths,
+        "cache_hits": cache.num_hits,
+        "cache_misses": cache.num_misses,
         "guard_failures": cache.num_guard_failures,
-        "summary": (f"chat_api: {len(prompt_tokens)} requests of {min(prompt_tokens)}-"
-                    f"{max(prompt_tokens)} tokens, {args.answer_len}-token answers: API-side "
-                    f"p50 {p50['cached']:.2f} ms with the token cache, {p50['full']:.2f} ms "
-                    f"re-tokenizing (CPU: {machine_info()['cpu_model']})"),
+        "summary": (
+            f"chat_api: {len(prompt_tokens)} requests of {min(prompt_tokens)}-"
+            f"{max(prompt_tokens)} tokens, {args.answer_len}-token answers: API-side "
+            f"p50 {p50['cached']:.2f} ms with the token cache, {p50['full']:.2f} ms "
+            f"re-tokenizing (CPU: {machine_info()['cpu_model']})"
+        ),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--context-tokens", type=int, default=16384)
-    ap.add_argument("--measure-from", type=float, default=0.75,
-                    help="measure rounds whose prompt is at least this fraction of the context")
+    ap.add_argument(
+        "--measure-from",
+        type=float,
+        default=0.75,
+        help="measure rounds whose prompt is at least this fraction of the context",
+    )
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--question-tokens", type=int, default=1000)
     ap.add_argument("--answer-len", type=int, default=100)

@@ -24,7 +24,9 @@ WORDS_PER_TOKEN = 0.2  # the demo tokenizer: ~5 tokens per random word; refined 
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 8))) for _ in range(n))
+    return " ".join(
+        "".join(rng.choice(_LETTERS) for _ in range(rng.randint(2, 8))) for _ in range(n)
+    )
 
 
 @dataclass(slots=True)
@@ -60,8 +62,9 @@ class ChatLoad:
     seed: int = 0
 
 
-async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord,
-                      timeout_s: float) -> str:
+async def stream_chat(
+    http: httpx.AsyncClient, body: dict[str, Any], rec: RequestRecord, timeout_s: float
+) -> str:
     """One streaming ``/v1/chat/completions`` request of ``body`` (``stream`` and
     ``include_usage`` are set here); fills ``rec`` (TTFT at the first content chunk, the gaps
     after it, usage, the response id, the failure). Returns the answer text."""
@@ -103,14 +106,26 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], rec: Reques
     return "".join(text)
 
 
-async def _one_request(http: httpx.AsyncClient, load: ChatLoad, messages: list[dict[str, str]],
-                       rec: RequestRecord, t0: float) -> str:
-    body = {"model": load.model, "messages": messages, "max_tokens": load.answer_len,
-            "temperature": 0.0, "ignore_eos": True}
+async def _one_request(
+    http: httpx.AsyncClient,
+    load: ChatLoad,
+    messages: list[dict[str, str]],
+    rec: RequestRecord,
+    t0: float,
+) -> str:
+    body = {
+        "model": load.model,
+        "messages": messages,
+        "max_tokens": load.answer_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     return await stream_chat(http, body, rec, load.request_timeout_s)
 
 
-async def _user(load: ChatLoad, uid: int, shared: str, records: list[RequestRecord], t0: float) -> None:
+async def _user(
+    load: ChatLoad, uid: int, shared: str, records: list[RequestRecord], t0: float
+) -> None:
     rng = random.Random(load.seed * 1000 + uid)
     words_per_token = WORDS_PER_TOKEN  # refined from usage
     async with httpx.AsyncClient(base_url=load.base_url) as http:
@@ -122,7 +137,11 @@ async def _user(load: ChatLoad, uid: int, shared: str, records: list[RequestReco
             conv += 1
             while time.perf_counter() - t0 < load.duration_s:
                 n_words = max(1, int(load.question_tokens * words_per_token))
-                if tokens and tokens + 1.2 * load.question_tokens + load.answer_len + 128 > load.max_context:
+                if (
+                    tokens
+                    and tokens + 1.2 * load.question_tokens + load.answer_len + 128
+                    > load.max_context
+                ):
                     break
                 messages.append({"role": "user", "content": words(rng, n_words)})
                 rec = RequestRecord(uid, rnd, time.perf_counter() - t0)
@@ -146,7 +165,9 @@ async def _user(load: ChatLoad, uid: int, shared: str, records: list[RequestReco
                 await asyncio.sleep(rng.uniform(0, 2 * load.think_s))
 
 
-async def _health(base_url: str, t0: float, duration_s: float, samples: list[tuple[float, int]]) -> None:
+async def _health(
+    base_url: str, t0: float, duration_s: float, samples: list[tuple[float, int]]
+) -> None:
     async with httpx.AsyncClient(base_url=base_url) as http:
         while time.perf_counter() - t0 < duration_s:
             try:
@@ -164,8 +185,10 @@ async def run_load(load: ChatLoad) -> dict[str, Any]:
     shared = words(random.Random(load.seed), int(load.shared_system_tokens * WORDS_PER_TOKEN))
     records: list[RequestRecord] = []
     health: list[tuple[float, int]] = []
-    await asyncio.gather(_health(load.base_url, t0, load.duration_s, health),
-                         *(_user(load, u, shared, records, t0) for u in range(load.users)))
+    await asyncio.gather(
+        _health(load.base_url, t0, load.duration_s, health),
+        *(_user(load, u, shared, records, t0) for u in range(load.users)),
+    )
     return {"records": records, "health": health, "wall_s": time.perf_counter() - t0}
 
 
@@ -189,12 +212,15 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if not r.ok:
             errors[r.error[:120]] = errors.get(r.error[:120], 0) + 1
     return {
-        "requests": len(recs), "failed": len(recs) - len(ok), "errors": errors,
+        "requests": len(recs),
+        "failed": len(recs) - len(ok),
+        "errors": errors,
         "max_prompt_tokens": max((r.prompt_tokens for r in ok), default=0),
         "prompt_tokens_p50": pct([float(r.prompt_tokens) for r in ok], 50),
         "ttft_ms": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": pct(itl, q) for q in (50, 90, 99)},
         "generated_tokens": sum(r.completion_tokens for r in ok),
-        "health": codes, "health_samples": len(result["health"]),
+        "health": codes,
+        "health_samples": len(result["health"]),
         "wall_s": round(result["wall_s"], 1),
     }

@@ -49,17 +49,39 @@ from engine.sampling_params import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=500000.0,
-        tie_word_embeddings=False, hidden_act="silu", bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=32768,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "qwen2.5-7b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
-        intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=1000000.0,
-        tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
-        bos_token_id=1, eos_token_id=2,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
 }
 GREEDY = SamplingParams(temperature=0.0)
@@ -73,9 +95,13 @@ def build_models(name: str, device: torch.device) -> tuple[LoadedModel, torch.nn
     cfg = SHAPES[name]
     arch = ModelArchConfig.from_hf(cfg)
     ours = random_weight_model(arch, torch.bfloat16, device, MAX_LEN)
-    hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    hf_cfg = AutoConfig.for_model(
+        cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}
+    )
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
     params = dict(ours.named_parameters())
     for hf_name, _ in list(hf.named_parameters()):
         target, shard = hf_name, None
@@ -88,7 +114,9 @@ def build_models(name: str, device: torch.device) -> tuple[LoadedModel, torch.nn
             sizes = ours._shard_sizes(target)
             tensor = tensor.narrow(0, sum(sizes[:shard]), sizes[shard])
         module_name, _, leaf = hf_name.rpartition(".")
-        hf.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+        hf.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(
+            tensor, requires_grad=False
+        )
     rotary = hf.model.rotary_emb
     hf.model.rotary_emb = type(rotary)(hf.config).to(device)  # real inv_freq buffers
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
@@ -129,14 +157,23 @@ class EngineDriver:
             raise ValueError("KV cache too small for the benchmark")
         return [list(range(i * per, (i + 1) * per)) for i in range(n)]
 
-    def prefill(self, prompts: list[list[int]], tables: list[list[int]], tag: str) -> dict[str, int]:
-        reqs = [ScheduledRequest(f"{tag}{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
-        return self.runner.execute_model(SchedulerOutput(reqs, sum(len(p) for p in prompts))).sampled_token_ids
+    def prefill(
+        self, prompts: list[list[int]], tables: list[list[int]], tag: str
+    ) -> dict[str, int]:
+        reqs = [
+            ScheduledRequest(f"{tag}{i}", p, 0, t, True, GREEDY)
+            for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+        ]
+        return self.runner.execute_model(
+            SchedulerOutput(reqs, sum(len(p) for p in prompts))
+        ).sampled_token_ids
 
     def decode(self, seqs: dict[str, list[int]], tables: list[list[int]], steps: int) -> None:
         for n in range(steps):
-            reqs = [ScheduledRequest(rid, s[-1:], len(s) - 1, tables[i], True, GREEDY, n + 1)
-                    for i, (rid, s) in enumerate(seqs.items())]
+            reqs = [
+                ScheduledRequest(rid, s[-1:], len(s) - 1, tables[i], True, GREEDY, n + 1)
+                for i, (rid, s) in enumerate(seqs.items())
+            ]
             out = self.runner.execute_model(SchedulerOutput(reqs, len(reqs)))
             for rid, tok in out.sampled_token_ids.items():
                 seqs[rid].append(tok)
@@ -162,8 +199,9 @@ def measure_decode(drv: EngineDriver, vocab: int, batch: int, steps: int) -> flo
     return ms
 
 
-def decode_ms_per_step(drv: EngineDriver, seqs: dict[str, list[int]], tables: list[list[int]],
-                       steps: int) -> float:
+def decode_ms_per_step(
+    drv: EngineDriver, seqs: dict[str, list[int]], tables: list[list[int]], steps: int
+) -> float:
     """Median ms per step of 3 runs of ``steps`` decode steps (device synchronized)."""
     runs = []
     for _ in range(3):
@@ -175,8 +213,9 @@ def decode_ms_per_step(drv: EngineDriver, seqs: dict[str, list[int]], tables: li
     return statistics.median(runs)
 
 
-def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[str],
-                 quick: bool) -> dict[str, Any]:
+def bench_engine(
+    runner: ModelRunner, hf: torch.nn.Module | None, sections: set[str], quick: bool
+) -> dict[str, Any]:
     """The chosen sections on one runner; HF's figure beside each when ``hf`` is given."""
     device = torch.device("cuda")
     drv = EngineDriver(runner)
@@ -188,10 +227,17 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
         check = random_prompts(1, 1024, vocab, 1)[0]
         [table] = drv.tables(1, 1024)
         req = ScheduledRequest("check", check, 0, table, True, GREEDY)
-        ours_logits = runner.execute_model(SchedulerOutput([req], 1024), return_logits=True).logits["check"]
+        ours_logits = runner.execute_model(SchedulerOutput([req], 1024), return_logits=True).logits[
+            "check"
+        ]
         runner.execute_model(SchedulerOutput([], 0, frozenset({"check"})))
         with torch.inference_mode():
-            hf_logits = hf(torch.tensor([check], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
+            hf_logits = (
+                hf(torch.tensor([check], device=device), logits_to_keep=1)
+                .logits[0, -1]
+                .float()
+                .cpu()
+            )
         res["logits_rel_err_vs_hf"] = float((ours_logits - hf_logits).norm() / hf_logits.norm())
     if "prefill" in sections:
         res["prefill"] = []
@@ -217,8 +263,18 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
                 ids = torch.tensor(random_prompts(batch, 512, vocab, 100 + batch), device=device)
                 gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
                 with torch.inference_mode():
-                    t_short = timed(lambda x=ids, g=gen: hf.generate(x, max_new_tokens=1, min_new_tokens=1, **g), 1)
-                    t_long = timed(lambda x=ids, g=gen: hf.generate(x, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **g), 1)
+                    t_short = timed(
+                        lambda x=ids, g=gen: hf.generate(
+                            x, max_new_tokens=1, min_new_tokens=1, **g
+                        ),
+                        1,
+                    )
+                    t_long = timed(
+                        lambda x=ids, g=gen: hf.generate(
+                            x, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **g
+                        ),
+                        1,
+                    )
                 hf_ms = (t_long - t_short) / steps * 1e3
                 row.update(hf_ms_per_step=round(hf_ms, 3), speedup=round(hf_ms / ours_ms, 2))
             res["decode"].append(row)
@@ -241,7 +297,14 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
             with torch.inference_mode():
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                hf.generate(ids, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, eos_token_id=None, pad_token_id=0)
+                hf.generate(
+                    ids,
+                    max_new_tokens=n_out,
+                    min_new_tokens=n_out,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
                 torch.cuda.synchronize()
                 hf_s = time.perf_counter() - t0
             row.update(hf_tok_s=round(total / hf_s, 1), speedup=round(hf_s / ours_s, 2))
@@ -249,25 +312,42 @@ def bench_engine(runner: ModelRunner, hf: torch.nn.Module | None, sections: set[
     return res
 
 
-def bench_model(name: str, sections: set[str], variants: list[str], with_hf: bool, quick: bool,
-                num_gpu_blocks: int | None) -> dict[str, Any]:
+def bench_model(
+    name: str,
+    sections: set[str],
+    variants: list[str],
+    with_hf: bool,
+    quick: bool,
+    num_gpu_blocks: int | None,
+) -> dict[str, Any]:
     """Each variant's runner in turn (built, measured, freed) on the same weights; HF's figures
     with the first variant only; a fused-vs-torch decode ratio when both ran."""
     device = torch.device("cuda")
     t0 = time.perf_counter()
     loaded, hf = build_models(name, device)
-    res: dict[str, Any] = {"model": name, "build_s": round(time.perf_counter() - t0, 1), "variants": {}}
+    res: dict[str, Any] = {
+        "model": name,
+        "build_s": round(time.perf_counter() - t0, 1),
+        "variants": {},
+    }
     cfg = EngineConfig(
-        dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="flashinfer",
         cache=CacheConfig(gpu_memory_utilization=0.55, num_gpu_blocks=num_gpu_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=MAX_LEN),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=16384, max_num_seqs=64, max_model_len=MAX_LEN
+        ),
     )
     for i, variant in enumerate(variants):
         t0 = time.perf_counter()
         try:
             runner = ModelRunner.from_loaded(
-                dataclasses.replace(cfg, graph_decode=_GRAPH_DECODE[variant]), loaded,
-                f"bench-{name}", fused_kernels=variant != "torch")
+                dataclasses.replace(cfg, graph_decode=_GRAPH_DECODE[variant]),
+                loaded,
+                f"bench-{name}",
+                fused_kernels=variant != "torch",
+            )
             row: dict[str, Any] = {
                 "runner_init_s": round(time.perf_counter() - t0, 1),
                 "graph_decode": getattr(runner.attn_backend, "graph_decode", None),
@@ -285,12 +365,18 @@ def bench_model(name: str, sections: set[str], variants: list[str], with_hf: boo
         gc.collect()
         torch.cuda.empty_cache()
     dec = {v: r["decode"] for v, r in res["variants"].items() if "decode" in r}
-    for other, key in (("torch", "decode_fused_vs_torch"), ("fused-fi", "decode_fused_vs_fused_fi")):
+    for other, key in (
+        ("torch", "decode_fused_vs_torch"),
+        ("fused-fi", "decode_fused_vs_fused_fi"),
+    ):
         if "fused" in dec and other in dec:
             res[key] = [
-                {"batch": f["batch"], "fused_ms": f["engine_ms_per_step"],
-                 f"{other}_ms": t["engine_ms_per_step"],
-                 "speedup": round(t["engine_ms_per_step"] / f["engine_ms_per_step"], 3)}
+                {
+                    "batch": f["batch"],
+                    "fused_ms": f["engine_ms_per_step"],
+                    f"{other}_ms": t["engine_ms_per_step"],
+                    "speedup": round(t["engine_ms_per_step"] / f["engine_ms_per_step"], 3),
+                }
                 for f, t in zip(dec["fused"], dec[other], strict=True)
             ]
     del hf, loaded
@@ -298,7 +384,9 @@ def bench_model(name: str, sections: set[str], variants: list[str], with_hf: boo
     return res
 
 
-def warm_flashinfer(parts: set[str] = frozenset({"prefill", "decode", "sampling"})) -> dict[str, float]:
+def warm_flashinfer(
+    parts: set[str] = frozenset({"prefill", "decode", "sampling"}),
+) -> dict[str, float]:
     """Build (JIT-compile or load from the cache dir) the FlashInfer modules the engine uses:
     bf16 head_dim 128 prefill and decode, and the sampling kernels. Returns seconds per part."""
     from engine.attention.base import AttentionMetadata
@@ -319,8 +407,12 @@ def warm_flashinfer(parts: set[str] = frozenset({"prefill", "decode", "sampling"
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([5], dtype=torch.int32, device=device),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            slot_mapping=torch.arange(n, device=device), query_lens_cpu=q_lens, seq_lens_cpu=[5],
-            block_size=16, block_tables_cpu=[[0]])
+            slot_mapping=torch.arange(n, device=device),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=[5],
+            block_size=16,
+            block_tables_cpu=[[0]],
+        )
         backend.plan(meta)
         q = torch.randn(n, 8, 128, dtype=torch.bfloat16, device=device)
         k = torch.randn(n, 2, 128, dtype=torch.bfloat16, device=device)
@@ -330,7 +422,10 @@ def warm_flashinfer(parts: set[str] = frozenset({"prefill", "decode", "sampling"
     if "sampling" not in parts:
         return times
     t0 = time.perf_counter()
-    Sampler(0, device)(torch.randn(2, 64, device=device), [SampleRequest(SamplingParams(temperature=1.0, top_k=5), 0)] * 2)
+    Sampler(0, device)(
+        torch.randn(2, 64, device=device),
+        [SampleRequest(SamplingParams(temperature=1.0, top_k=5), 0)] * 2,
+    )
     times["sampling_s"] = round(time.perf_counter() - t0, 1)
     return times
 
@@ -352,9 +447,14 @@ def summary(results: list[dict[str, Any]]) -> str:
                 bits.append(f"{variant} prefill {p16['tokens']} {p16['engine_ms']} ms")
             if "generate_batch32" in v:
                 bits.append(f"{variant} b32 gen {v['generate_batch32']['engine_tok_s']} tok/s")
-        for key, other in (("decode_fused_vs_torch", "torch"), ("decode_fused_vs_fused_fi", "fused-fi")):
+        for key, other in (
+            ("decode_fused_vs_torch", "torch"),
+            ("decode_fused_vs_fused_fi", "fused-fi"),
+        ):
             for d in r.get(key, []):
-                bits.append(f"b{d['batch']} fused/{other} {d['fused_ms']}/{d[f'{other}_ms']} ms ({d['speedup']}x)")
+                bits.append(
+                    f"b{d['batch']} fused/{other} {d['fused_ms']}/{d[f'{other}_ms']} ms ({d['speedup']}x)"
+                )
         parts.append(", ".join(bits))
     return " | ".join(parts)
 
@@ -365,13 +465,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens")
     parser.add_argument("--warm", action="store_true", help="only build the FlashInfer kernels")
-    parser.add_argument("--warm-parts", default="prefill,decode,sampling",
-                        help="with --warm: which FlashInfer modules to build")
+    parser.add_argument(
+        "--warm-parts",
+        default="prefill,decode,sampling",
+        help="with --warm: which FlashInfer modules to build",
+    )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {SECTIONS}")
     parser.add_argument("--variants", default="fused,torch", help=f"subset of {VARIANTS}, in order")
-    parser.add_argument("--no-hf", action="store_true", help="engine figures only (no HF model runs)")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None,
-                        help="fixed KV cache size instead of the memory profile")
+    parser.add_argument(
+        "--no-hf", action="store_true", help="engine figures only (no HF model runs)"
+    )
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="fixed KV cache size instead of the memory profile",
+    )
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -386,12 +495,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     results = []
     for name in args.models.split(","):
-        results.append(bench_model(name, sections, variants, not args.no_hf, args.quick,
-                                   args.num_gpu_blocks))
+        results.append(
+            bench_model(name, sections, variants, not args.no_hf, args.quick, args.num_gpu_blocks)
+        )
         print(json.dumps(results[-1]), flush=True)
-    report = {"benchmark": "engine", "machine": machine_info(), "quick": args.quick,
-              "argv": sys.argv[1:] if argv is None else argv, "results": results,
-              "summary": summary(results)}
+    report = {
+        "benchmark": "engine",
+        "machine": machine_info(),
+        "quick": args.quick,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "results": results,
+        "summary": summary(results),
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -21,11 +21,22 @@ import torch.nn.functional as F
 
 from bench.common import cuda_graph_us, emit_report, machine_info
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
-    (4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 4, 4), (16, 256, 4, 3), (8, 1024, 8, 2),
-    (16, 512, 8, 3), (4, 1024, 4, 2), (2, 1024, 4, 3),
+    (4, 512, 4, 3),
+    (8, 512, 4, 3),
+    (8, 256, 4, 4),
+    (16, 256, 4, 3),
+    (8, 1024, 8, 2),
+    (16, 512, 8, 3),
+    (4, 1024, 4, 2),
+    (2, 1024, 4, 3),
 ]
 
 
@@ -39,8 +50,12 @@ def measure(name: str, layers: int, reps: int) -> dict[str, Any]:
     nbytes = n * k * 2
     t_ref = cuda_graph_us(lambda: [F.linear(x, w) for w in ws], reps) / count
     ref = F.linear(x, ws[0]).float()
-    row: dict[str, Any] = {"shape": [n, k], "cublas_us": round(t_ref, 2),
-                           "cublas_tb_s": round(nbytes / t_ref / 1e6, 2), "configs": []}
+    row: dict[str, Any] = {
+        "shape": [n, k],
+        "cublas_us": round(t_ref, 2),
+        "cublas_tb_s": round(nbytes / t_ref / 1e6, 2),
+        "configs": [],
+    }
     best = None
     for cfg in CONFIGS:
         bn, bk, nw, ns = cfg
@@ -51,8 +66,9 @@ def measure(name: str, layers: int, reps: int) -> dict[str, Any]:
         except Exception as exc:  # a config that does not compile is reported, not fatal
             row["configs"].append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
-        row["configs"].append({"config": cfg, "us": round(t, 2), "tb_s": round(nbytes / t / 1e6, 2),
-                               "rel_err": err})
+        row["configs"].append(
+            {"config": cfg, "us": round(t, 2), "tb_s": round(nbytes / t / 1e6, 2), "rel_err": err}
+        )
         if best is None or t < best[1]:
             best = (cfg, t)
     if best is not None:
@@ -77,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = measure(name, args.layers, args.reps)
         print(json.dumps({name: rows[name]}), flush=True)
     summary = "gemv M=1 triton best vs cublas: " + ", ".join(
-        f"{k} {r.get('best_us')}/{r['cublas_us']} us ({r.get('speedup')}x)" for k, r in rows.items())
-    emit_report({"benchmark": "gemv", "machine": machine_info(), "rows": rows, "summary": summary},
-                args.out)
+        f"{k} {r.get('best_us')}/{r['cublas_us']} us ({r.get('speedup')}x)" for k, r in rows.items()
+    )
+    emit_report(
+        {"benchmark": "gemv", "machine": machine_info(), "rows": rows, "summary": summary}, args.out
+    )
     return 0
 
 

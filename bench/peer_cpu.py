@@ -42,8 +42,10 @@ from bench.peer_cpu_worker import RESULT_PREFIX
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # `make vllm-venv` builds .venv-vllm beside .venv: in this checkout, or beside the running venv.
-_VLLM_PYTHONS = [os.path.join(base, ".venv-vllm", "bin", "python")
-                 for base in (_ROOT, os.path.dirname(sys.prefix))]
+_VLLM_PYTHONS = [
+    os.path.join(base, ".venv-vllm", "bin", "python")
+    for base in (_ROOT, os.path.dirname(sys.prefix))
+]
 DEFAULT_VLLM_PYTHON = next((p for p in _VLLM_PYTHONS if os.path.exists(p)), _VLLM_PYTHONS[0])
 PREFILL_TOKENS = 1024
 DECODE_PROMPT_TOKENS = 32
@@ -58,8 +60,13 @@ class Worker:
         env = dict(os.environ, PYTHONPATH=_ROOT, TOKENIZERS_PARALLELISM="false")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self._proc = subprocess.Popen(
-            [python, "-m", "bench.peer_cpu_worker", name, model_dir], cwd=_ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            [python, "-m", "bench.peer_cpu_worker", name, model_dir],
+            cwd=_ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
         )
         self.info = self._read()  # the ready line: load time and settings
 
@@ -73,10 +80,11 @@ class Worker:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:  # vLLM logs on stdout: kept in the log file
             if line.startswith(RESULT_PREFIX):
-                return json.loads(line[len(RESULT_PREFIX):])
+                return json.loads(line[len(RESULT_PREFIX) :])
             self._log.write(line)
-        raise RuntimeError(f"the {self.name} worker exited (rc {self._proc.wait()}); "
-                           f"see {self._log.name}")
+        raise RuntimeError(
+            f"the {self.name} worker exited (rc {self._proc.wait()}); see {self._log.name}"
+        )
 
     def close(self) -> None:
         if self._proc.stdin is not None:
@@ -96,10 +104,16 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 def _round_tasks(rng: random.Random, decode_tokens: int) -> list[dict[str, Any]]:
     return [
         {"task": "prefill", "prompt": _prompt(rng, PREFILL_TOKENS)},
-        {"task": "decode", "prompts": [_prompt(rng, DECODE_PROMPT_TOKENS)],
-         "new_tokens": decode_tokens},
-        {"task": "decode", "prompts": [_prompt(rng, DECODE_PROMPT_TOKENS) for _ in range(8)],
-         "new_tokens": decode_tokens},
+        {
+            "task": "decode",
+            "prompts": [_prompt(rng, DECODE_PROMPT_TOKENS)],
+            "new_tokens": decode_tokens,
+        },
+        {
+            "task": "decode",
+            "prompts": [_prompt(rng, DECODE_PROMPT_TOKENS) for _ in range(8)],
+            "new_tokens": decode_tokens,
+        },
     ]
 
 
@@ -125,8 +139,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"no vLLM interpreter at {args.vllm_python} (make vllm-venv)")
     log_dir = args.log_dir or os.path.join(tempfile.gettempdir(), "kvtier-peer-cpu")
     os.makedirs(log_dir, exist_ok=True)
-    workers = {n: Worker(n, pythons[n], model_dir, os.path.join(log_dir, f"peer_cpu-{n}.log"))
-               for n in names}
+    workers = {
+        n: Worker(n, pythons[n], model_dir, os.path.join(log_dir, f"peer_cpu-{n}.log"))
+        for n in names
+    }
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     host: list[dict[str, float]] = []
     tokens: dict[str, list[list[int]]] = {}
@@ -152,16 +168,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             w.close()
     medians = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
     report: dict[str, Any] = {
-        "bench": "peer_cpu", "machine": machine_info(), "model_dir": model_dir,
-        "rounds": args.rounds, "decode_tokens": args.decode_tokens, "workers": infos,
-        "samples": samples, "median": medians,
+        "bench": "peer_cpu",
+        "machine": machine_info(),
+        "model_dir": model_dir,
+        "rounds": args.rounds,
+        "decode_tokens": args.decode_tokens,
+        "workers": infos,
+        "samples": samples,
+        "median": medians,
     }
     if host:
         report["kvtier_decode_step_ms"] = {
-            k: statistics.median(h[k] for h in host) for k in host[0]}
+            k: statistics.median(h[k] for h in host) for k in host[0]
+        }
     if len(names) == 2 and "kvtier" in names and "vllm" in names:
         report["ratio_kvtier_over_vllm"] = {
-            k: medians["kvtier"][k] / medians["vllm"][k] for k in medians["kvtier"]}
+            k: medians["kvtier"][k] / medians["vllm"][k] for k in medians["kvtier"]
+        }
         report["same_tokens_b8"] = _same_share(tokens["kvtier"], tokens["vllm"])
     report["summary"] = _summary(report, names)
     return report
@@ -171,19 +194,25 @@ def _summary(report: dict[str, Any], names: list[str]) -> str:
     m, mach = report["median"], report["machine"]
     parts = []
     for n in names:
-        parts.append(f"{n}: prefill 1K {m[n]['prefill_s']:.2f} s, decode b1 "
-                     f"{m[n]['decode_b1_ms']:.1f} ms, b8 {m[n]['decode_b8_ms']:.1f} ms/step")
+        parts.append(
+            f"{n}: prefill 1K {m[n]['prefill_s']:.2f} s, decode b1 "
+            f"{m[n]['decode_b1_ms']:.1f} ms, b8 {m[n]['decode_b8_ms']:.1f} ms/step"
+        )
     line = "; ".join(parts)
     if "ratio_kvtier_over_vllm" in report:
         r = report["ratio_kvtier_over_vllm"]
-        line += (f" | kvtier/vLLM time: prefill {r['prefill_s']:.2f}x, b1 {r['decode_b1_ms']:.2f}x,"
-                 f" b8 {r['decode_b8_ms']:.2f}x (same greedy tokens b8 "
-                 f"{report['same_tokens_b8']:.0%})")
+        line += (
+            f" | kvtier/vLLM time: prefill {r['prefill_s']:.2f}x, b1 {r['decode_b1_ms']:.2f}x,"
+            f" b8 {r['decode_b8_ms']:.2f}x (same greedy tokens b8 "
+            f"{report['same_tokens_b8']:.0%})"
+        )
     if "kvtier_decode_step_ms" in report:
         h = report["kvtier_decode_step_ms"]
         line += f" | kvtier b1 step host {h['host_ms']:.2f} of {h['step_ms']:.1f} ms"
-    return (f"{line} | {report['rounds']} rounds, medians, {mach['cpu_model']} x"
-            f"{mach['cpu_count']}, torch {mach['torch']}")
+    return (
+        f"{line} | {report['rounds']} rounds, medians, {mach['cpu_model']} x"
+        f"{mach['cpu_count']}, torch {mach['torch']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds of 64 decode tokens")
     parser.add_argument("--engines", default="kvtier,vllm")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    parser.add_argument("--log-dir", default=None, help="worker logs (default $TMPDIR/kvtier-peer-cpu)")
+    parser.add_argument(
+        "--log-dir", default=None, help="worker logs (default $TMPDIR/kvtier-peer-cpu)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:

@@ -44,8 +44,11 @@ class _StepTimer:
         self._in_step = 0.0
         runner = engine.runner
         engine.step = self._wrap(engine.step)
-        for owner, name in ((runner.model, "forward"), (runner.model, "compute_logits"),
-                            (runner.sampler, "sample")):
+        for owner, name in (
+            (runner.model, "forward"),
+            (runner.model, "compute_logits"),
+            (runner.sampler, "sample"),
+        ):
             setattr(owner, name, self._wrap_inner(getattr(owner, name)))
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,6 +59,7 @@ class _StepTimer:
             self.steps.append(time.perf_counter() - start)
             self.compute.append(self._in_step)
             return out
+
         return timed
 
     def _wrap_inner(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,6 +68,7 @@ class _StepTimer:
             out = fn(*a, **k)
             self._in_step += time.perf_counter() - start
             return out
+
         return timed
 
     def take(self) -> dict[str, float]:
@@ -71,9 +76,11 @@ class _StepTimer:
         steps, compute = self.steps, self.compute
         self.steps, self.compute = [], []
         host = [s - c for s, c in zip(steps, compute, strict=True)]
-        return {"step_ms": 1e3 * statistics.median(steps),
-                "compute_ms": 1e3 * statistics.median(compute),
-                "host_ms": 1e3 * statistics.median(host)}
+        return {
+            "step_ms": 1e3 * statistics.median(steps),
+            "compute_ms": 1e3 * statistics.median(compute),
+            "host_ms": 1e3 * statistics.median(host),
+        }
 
 
 def _kvtier(model_dir: str) -> tuple[Generate, dict[str, Any], _StepTimer]:
@@ -82,17 +89,27 @@ def _kvtier(model_dir: str) -> tuple[Generate, dict[str, Any], _StepTimer]:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(model_dir, device="cpu", dtype="float32", enable_prefix_caching=False,
-              max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+    )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
-    info = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "affinity": sorted(os.sched_getaffinity(0)),
-            "cpu_threads": dataclasses.asdict(llm.engine.runner.cpu_threads),
-            "packed_linears": llm.engine.runner.num_packed_linears}
+    info = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "cpu_threads": dataclasses.asdict(llm.engine.runner.cpu_threads),
+        "packed_linears": llm.engine.runner.num_packed_linears,
+    }
     return generate, info, _StepTimer(llm.engine)
 
 
@@ -101,8 +118,15 @@ def _vllm(model_dir: str) -> tuple[Generate, dict[str, Any], None]:
     import vllm
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, max_num_seqs=8,
-              max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        seed=0,
+    )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -40,8 +40,13 @@ def _kernel_table(prof: Any, reps: int, top: int = 18) -> list[dict[str, Any]]:
         dev_us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
         if dev_us <= 0 or ev.key.startswith("cuda"):
             continue
-        rows.append({"kernel": ev.key[:90], "calls_per_rep": ev.count / reps,
-                     "us_per_rep": round(dev_us / reps, 1)})
+        rows.append(
+            {
+                "kernel": ev.key[:90],
+                "calls_per_rep": ev.count / reps,
+                "us_per_rep": round(dev_us / reps, 1),
+            }
+        )
     rows.sort(key=lambda r: -r["us_per_rep"])
     return rows[:top]
 
@@ -63,7 +68,9 @@ def profile_decode(quick: bool) -> dict[str, Any]:
     loaded, hf = build_models("llama3-8b", device)
     del hf
     cfg = EngineConfig(
-        dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="flashinfer",
         cache=CacheConfig(num_gpu_blocks=2048),
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=8, max_model_len=8192),
     )
@@ -113,8 +120,9 @@ def profile_decode(quick: bool) -> dict[str, Any]:
     post = [ends[i] - marks[2 * i + 1] for i in range(len(starts))]
     gaps = [starts[i + 1] - ends[i] for i in range(len(starts) - 1)]
     res["host_before_replay_ms"] = round(statistics.median(pre) * 1e3, 3)
-    res["replay_call_ms"] = round(statistics.median(
-        [marks[2 * i + 1] - marks[2 * i] for i in range(len(starts))]) * 1e3, 3)
+    res["replay_call_ms"] = round(
+        statistics.median([marks[2 * i + 1] - marks[2 * i] for i in range(len(starts))]) * 1e3, 3
+    )
     res["after_replay_to_return_ms"] = round(statistics.median(post) * 1e3, 3)
     res["between_steps_ms"] = round(statistics.median(gaps) * 1e3, 3)
 
@@ -159,14 +167,19 @@ def profile_decode(quick: bool) -> dict[str, Any]:
         torch.cuda.synchronize()
     table = _kernel_table(prof, reps, top=25)
     res["replay_kernels"] = table
-    res["replay_kernel_sum_us"] = round(sum(r["us_per_rep"] for r in _kernel_table(prof, reps, 10**6)), 1)
+    res["replay_kernel_sum_us"] = round(
+        sum(r["us_per_rep"] for r in _kernel_table(prof, reps, 10**6)), 1
+    )
 
     # 5. matrix-vector bandwidth per weight (M=1), against bytes read
     layer = runner.model.model.layers[0]
-    weights = {"qkv": layer.self_attn.qkv_proj.weight, "o": layer.self_attn.o_proj.weight,
-               "gate_up": layer.mlp.gate_up_proj.weight if hasattr(layer.mlp, "gate_up_proj") else None,
-               "down": layer.mlp.down_proj.weight if hasattr(layer.mlp, "down_proj") else None,
-               "lm_head": runner.model.lm_head.weight}
+    weights = {
+        "qkv": layer.self_attn.qkv_proj.weight,
+        "o": layer.self_attn.o_proj.weight,
+        "gate_up": layer.mlp.gate_up_proj.weight if hasattr(layer.mlp, "gate_up_proj") else None,
+        "down": layer.mlp.down_proj.weight if hasattr(layer.mlp, "down_proj") else None,
+        "lm_head": runner.model.lm_head.weight,
+    }
     gemv = {}
     for name, w in weights.items():
         if w is None:
@@ -182,11 +195,17 @@ def profile_decode(quick: bool) -> dict[str, Any]:
             end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) / 50 * 1e3
-        gemv[name] = {"shape": list(w.shape), "us": round(us, 1),
-                      "GB_s": round(w.numel() * w.element_size() / us / 1e3, 0)}
+        gemv[name] = {
+            "shape": list(w.shape),
+            "us": round(us, 1),
+            "GB_s": round(w.numel() * w.element_size() / us / 1e3, 0),
+        }
     res["gemv_m1"] = gemv
-    n_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
-                  if "embed_tokens" not in n)
+    n_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in runner.model.named_parameters()
+        if "embed_tokens" not in n
+    )
     res["weight_bytes_read_per_step_gb"] = round(n_bytes / 1e9, 2)
     res["hbm_floor_ms_at_4_8_tb_s"] = round(n_bytes / 4.8e12 * 1e3, 3)
     del runner, loaded
@@ -207,8 +226,12 @@ def profile_reload(length: int) -> dict[str, Any]:
 
     workdir = tempfile.mkdtemp(prefix="kvtier-prof-")
     setup = build_setup("full", workdir)
-    offload = {"decision": "load", "calibrate": False, "in_step_host_loads": True,
-               "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
+    offload = {
+        "decision": "load",
+        "calibrate": False,
+        "in_step_host_loads": True,
+        "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}],
+    }
     rng = random.Random(9)
     llm = make_llm(setup, (length + 64) // 16 + 4, offload)
     res: dict[str, Any] = {"length": length}
@@ -218,18 +241,29 @@ def profile_reload(length: int) -> dict[str, Any]:
         for _ in range(2):
             prefix = _prefix_in_tiers_only(llm, rng, length, setup)
             f = first_token_steps(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
-            plain.append({"ttft_ms": round(f.ttft_s * 1e3, 2), "steps": f.steps,
-                          "step_ms": [round(x, 2) for x in f.step_ms],
-                          "schedule_ms": round(f.schedule_ms, 2), "load_ms": round(f.load_ms, 2),
-                          "execute_ms": round(f.execute_ms, 2), "cached": f.cached_tokens})
+            plain.append(
+                {
+                    "ttft_ms": round(f.ttft_s * 1e3, 2),
+                    "steps": f.steps,
+                    "step_ms": [round(x, 2) for x in f.step_ms],
+                    "schedule_ms": round(f.schedule_ms, 2),
+                    "load_ms": round(f.load_ms, 2),
+                    "execute_ms": round(f.execute_ms, 2),
+                    "cached": f.cached_tokens,
+                }
+            )
         res["plain"] = plain
         # A full-context prefill of 16 new tokens with the prefix already in the GPU cache:
         # the forward pass the reload step cannot avoid.
         prefix = random_tokens(rng, length)
         run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1, setup.request_timeout_s)
         f = first_token_steps(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
-        res["gpu_hit_same_shape"] = {"ttft_ms": round(f.ttft_s * 1e3, 2), "steps": f.steps,
-                                     "execute_ms": round(f.execute_ms, 2), "cached": f.cached_tokens}
+        res["gpu_hit_same_shape"] = {
+            "ttft_ms": round(f.ttft_s * 1e3, 2),
+            "steps": f.steps,
+            "execute_ms": round(f.execute_ms, 2),
+            "cached": f.cached_tokens,
+        }
         # cProfile of one reload
         prefix = _prefix_in_tiers_only(llm, rng, length, setup)
         prompt = prefix + random_tokens(rng, 16)
@@ -250,9 +284,20 @@ def profile_reload(length: int) -> dict[str, Any]:
             f = first_token_steps(llm, prompt, setup.request_timeout_s)
             torch.cuda.synchronize()
         res["torchprof_ttft_ms"] = round(f.ttft_s * 1e3, 2)
-        res["cpu_calls"] = _cpu_table(prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel",
-                                             "cudaGraphLaunch", "aten::copy_", "pin_memory",
-                                             "cudaHostAlloc", "cudaEventQuery", "cudaStreamWait"))
+        res["cpu_calls"] = _cpu_table(
+            prof,
+            (
+                "Synchronize",
+                "cudaMemcpy",
+                "cudaLaunchKernel",
+                "cudaGraphLaunch",
+                "aten::copy_",
+                "pin_memory",
+                "cudaHostAlloc",
+                "cudaEventQuery",
+                "cudaStreamWait",
+            ),
+        )
         res["kernels"] = _kernel_table(prof, 1, top=15)
     finally:
         close_llm(llm)
@@ -272,11 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
-            res[name] = profile_decode(args.quick) if name == "decode" else profile_reload(args.length)
+            res[name] = (
+                profile_decode(args.quick) if name == "decode" else profile_reload(args.length)
+            )
         except Exception as exc:  # report and go on
             import traceback
 
-            res[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            res[name] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-3000:],
+            }
         res[name + "_s"] = round(time.perf_counter() - t0, 1)
         if args.out:
             with open(args.out, "w") as f:
@@ -284,9 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     d = res.get("decode", {})
     r = res.get("reload", {})
     print(json.dumps(res, indent=1))
-    print(f"decode b1: step {d.get('step_ms')} ms, replay {d.get('replay_gpu_ms')} ms, host before "
-          f"replay {d.get('host_before_replay_ms')} ms | reload {r.get('length')}: "
-          f"{[p['ttft_ms'] for p in r.get('plain', [])]} ms")
+    print(
+        f"decode b1: step {d.get('step_ms')} ms, replay {d.get('replay_gpu_ms')} ms, host before "
+        f"replay {d.get('host_before_replay_ms')} ms | reload {r.get('length')}: "
+        f"{[p['ttft_ms'] for p in r.get('plain', [])]} ms"
+    )
     return 0
 
 

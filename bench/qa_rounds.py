@@ -32,7 +32,8 @@ def read_rounds(path: str) -> dict[str, Any]:
         "first_round": {"n": len(first), "p50_ms": _ms(first, 50), "p90_ms": _ms(first, 90)},
         "later_rounds": {"n": len(later), "p50_ms": _ms(later, 50), "p90_ms": _ms(later, 90)},
         "prompt_tokens_p50": percentile(sorted(float(r["prompt_tokens"]) for r in rows), 50)
-        if rows else None,
+        if rows
+        else None,
     }
 
 
@@ -65,14 +66,20 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in r:
             return f"{name}: {r['error']}"
         lr, fr = r["later_rounds"], r["first_round"]
-        s = (f"{name}: later rounds p50 {lr['p50_ms']} ms p90 {lr['p90_ms']} ms (n={lr['n']}), "
-             f"round 1 p50 {fr['p50_ms']} ms (n={fr['n']})")
+        s = (
+            f"{name}: later rounds p50 {lr['p50_ms']} ms p90 {lr['p90_ms']} ms (n={lr['n']}), "
+            f"round 1 p50 {fr['p50_ms']} ms (n={fr['n']})"
+        )
         if name in speedup:
             s += f", later p50 {speedup[name]['p50_ms']}x faster than {names[0]}"
         return s
 
-    report = {"machine": machine_info(), "runs": runs, "later_round_speedup": speedup,
-              "summary": "qa_rounds: " + "; ".join(line(n) for n in names)}
+    report = {
+        "machine": machine_info(),
+        "runs": runs,
+        "later_round_speedup": speedup,
+        "summary": "qa_rounds: " + "; ".join(line(n) for n in names),
+    }
     emit_report(report, args.out)
     return 0
 

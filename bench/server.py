@@ -52,10 +52,14 @@ from tests.servers import RedisServer, free_port  # noqa: E402
 SIZES = {"2MiB": 2 << 20, "64KiB": 64 << 10}
 BATCH = {"2MiB": 16, "64KiB": 64}
 WORKING_SET = {"2MiB": 32, "64KiB": 256}
-DAEMON_KINDS = {"daemon-tcp": "tcp_vs_redis", "daemon-tcp-zmq": "tcp_zmq_vs_redis",
-                "daemon-shm": "shm_vs_redis",
-                "daemon-shm-copy": "shm_copy_vs_redis", "daemon-shm-zmq": "shm_zmq_vs_redis",
-                "daemon-tcp-cpu": "tcp_cpu_vs_redis"}  # backend -> its ratio's field
+DAEMON_KINDS = {
+    "daemon-tcp": "tcp_vs_redis",
+    "daemon-tcp-zmq": "tcp_zmq_vs_redis",
+    "daemon-shm": "shm_vs_redis",
+    "daemon-shm-copy": "shm_copy_vs_redis",
+    "daemon-shm-zmq": "shm_zmq_vs_redis",
+    "daemon-tcp-cpu": "tcp_cpu_vs_redis",
+}  # backend -> its ratio's field
 
 
 def _subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
@@ -83,14 +87,29 @@ def _client(kind: str, url: str) -> Any:
         return redis.Redis.from_url(url)
     from tiers.remote.tier import RemoteTier
 
-    return RemoteTier(url, use_shm=kind.startswith("daemon-shm"),
-                      use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),
-                      use_leases=(kind == "daemon-shm"), use_stream=(kind != "daemon-tcp-zmq"),
-                      timeout_s=30.0, batch_keys=64)
+    return RemoteTier(
+        url,
+        use_shm=kind.startswith("daemon-shm"),
+        use_doorbell=kind in ("daemon-shm", "daemon-shm-copy"),
+        use_leases=(kind == "daemon-shm"),
+        use_stream=(kind != "daemon-tcp-zmq"),
+        timeout_s=30.0,
+        batch_keys=64,
+    )
 
 
-def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str],
-            seconds: float, touch: str, start: Any, out: Any) -> None:
+def _worker(
+    kind: str,
+    url: str,
+    op: str,
+    size: int,
+    batch: int,
+    keys: list[str],
+    seconds: float,
+    touch: str,
+    start: Any,
+    out: Any,
+) -> None:
     client = _client(kind, url)
     payload = _block(keys[0], size)
     sink = memoryview(bytearray(size * batch)) if touch == "sink" else None
@@ -107,14 +126,22 @@ def _worker(kind: str, url: str, op: str, size: int, batch: int, keys: list[str]
         moved += _one(client, kind, op, chunk, payload, touch, sink)
         calls += 1
     # Values read in place (leased views of the daemon's slab) during the timed part.
-    out.put((moved, time.perf_counter() - t0, calls,
-             getattr(client, "num_in_place", 0) - in_place0))
+    out.put(
+        (moved, time.perf_counter() - t0, calls, getattr(client, "num_in_place", 0) - in_place0)
+    )
     if kind != "redis":
         client.close()
 
 
-def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch: str,
-         sink: memoryview | None = None) -> int:
+def _one(
+    client: Any,
+    kind: str,
+    op: str,
+    keys: list[str],
+    payload: bytes,
+    touch: str,
+    sink: memoryview | None = None,
+) -> int:
     if kind == "redis":
         if op == "put":
             if len(keys) == 1:
@@ -137,8 +164,16 @@ def _one(client: Any, kind: str, op: str, keys: list[str], payload: bytes, touch
     return sum(len(v) for v in values)
 
 
-def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, clients: int,
-             seconds: float, touch: str) -> tuple[float, int, int]:
+def run_case(
+    kind: str,
+    url: str,
+    op: str,
+    size_name: str,
+    batched: bool,
+    clients: int,
+    seconds: float,
+    touch: str,
+) -> tuple[float, int, int]:
     """GB/s over all clients, values got in place and values moved (blocks)."""
     size = SIZES[size_name]
     batch = BATCH[size_name] if batched else 1
@@ -149,8 +184,9 @@ def run_case(kind: str, url: str, op: str, size_name: str, batched: bool, client
         keys = [f"bench{c}/{i:08x}" for i in range(WORKING_SET[size_name] // clients or 1)]
         if op == "get":  # every client reads keys that exist (written by its own put pass)
             keys = [f"bench0/{i:08x}" for i in range(WORKING_SET[size_name])]
-        p = ctx.Process(target=_worker, args=(kind, url, op, size, batch, keys, seconds, touch,
-                                              start, out))
+        p = ctx.Process(
+            target=_worker, args=(kind, url, op, size, batch, keys, seconds, touch, start, out)
+        )
         p.start()
         procs.append(p)
     start.wait()
@@ -172,10 +208,28 @@ def _prefill(kind: str, url: str, size_name: str) -> None:
 def _start_daemon(procs: list[subprocess.Popen[str]], cfg: str, extra: list[str]) -> str:
     """Start a memory-only ``kvtier cache-server`` (appended to ``procs``); its url."""
     port = free_port()
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--config", cfg, "--max-keys", "4096", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True))
+    procs.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "engine.cli",
+                "cache-server",
+                "--port",
+                str(port),
+                "--admin-port",
+                "-1",
+                "--config",
+                cfg,
+                "--max-keys",
+                "4096",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    )
     assert procs[-1].stdout is not None and "listening" in procs[-1].stdout.readline()
     return f"tcp://127.0.0.1:{port}"
 
@@ -185,17 +239,28 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--clients", type=int, default=4)
     copy = ap.add_mutually_exclusive_group()
-    copy.add_argument("--touch", action="store_true",
-                      help="bytes() of each got daemon value on the client")
-    copy.add_argument("--sink", action="store_true",
-                      help="copy each got value (all backends) into one reused client buffer")
+    copy.add_argument(
+        "--touch", action="store_true", help="bytes() of each got daemon value on the client"
+    )
+    copy.add_argument(
+        "--sink",
+        action="store_true",
+        help="copy each got value (all backends) into one reused client buffer",
+    )
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"block sizes, of {list(SIZES)}")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds per case (each --seconds/rounds long; best kept)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds per case (each --seconds/rounds long; best kept)",
+    )
     ap.add_argument("--ops", default="get,put", help="of get, put")
     ap.add_argument("--modes", default="single,batch", help="of single, batch")
-    ap.add_argument("--backends", default="daemon-tcp,daemon-shm,daemon-shm-zmq",
-                    help=f"daemon backends, of {list(DAEMON_KINDS)} (redis always runs)")
+    ap.add_argument(
+        "--backends",
+        default="daemon-tcp,daemon-shm,daemon-shm-zmq",
+        help=f"daemon backends, of {list(DAEMON_KINDS)} (redis always runs)",
+    )
     ap.add_argument("--loop-cpu", type=int, default=0, help="daemon-tcp-cpu's --loop-cpu")
     args = ap.parse_args()
     touch = "bytes" if args.touch else "sink" if args.sink else ""
@@ -210,12 +275,17 @@ def main() -> int:
         redis_server.start()
         cfg = os.path.join(tmp, "tiers.yaml")
         with open(cfg, "w") as f:
-            f.write("tiers:\n  - {kind: host, capacity: 1GiB, slot_bytes: 2MiB, pin_memory: false}\n")
+            f.write(
+                "tiers:\n  - {kind: host, capacity: 1GiB, slot_bytes: 2MiB, pin_memory: false}\n"
+            )
         urls = {"redis": redis_server.url}
         daemon = _start_daemon(procs, cfg, [])
         for kind in backends:
-            urls[kind] = (_start_daemon(procs, cfg, ["--loop-cpu", str(args.loop_cpu)])
-                          if kind == "daemon-tcp-cpu" else daemon)
+            urls[kind] = (
+                _start_daemon(procs, cfg, ["--loop-cpu", str(args.loop_cpu)])
+                if kind == "daemon-tcp-cpu"
+                else daemon
+            )
         cases: list[dict[str, Any]] = []
         for size_name in sizes:
             for kind in urls:
@@ -223,8 +293,12 @@ def main() -> int:
             for op in ops:
                 for batched in [m == "batch" for m in modes]:
                     for clients in sorted({1, args.clients}):
-                        row: dict[str, Any] = {"size": size_name, "op": op, "batched": batched,
-                                               "clients": clients}
+                        row: dict[str, Any] = {
+                            "size": size_name,
+                            "op": op,
+                            "batched": batched,
+                            "clients": clients,
+                        }
                         # Backends alternate, --rounds times, each case keeping its best
                         # round: load from other processes on a shared machine hits all alike.
                         best = dict.fromkeys(urls, 0.0)
@@ -232,8 +306,15 @@ def main() -> int:
                         for _ in range(args.rounds):
                             for kind, url in urls.items():
                                 gbps, leased, blocks = run_case(
-                                    kind, url, op, size_name, batched, clients,
-                                    args.seconds / args.rounds, touch)
+                                    kind,
+                                    url,
+                                    op,
+                                    size_name,
+                                    batched,
+                                    clients,
+                                    args.seconds / args.rounds,
+                                    touch,
+                                )
                                 best[kind] = max(best[kind], gbps)
                                 if kind == "daemon-shm" and op == "get":
                                     in_place = [in_place[0] + leased, in_place[1] + blocks]
@@ -251,14 +332,30 @@ def main() -> int:
             p.wait(10)
         redis_server.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"bench": "server", "unit": "GB/s", "machine": machine_info(),
-                      "seconds": args.seconds, "rounds": args.rounds, "touch": touch,
-                      "cases": cases}, indent=1))
+    print(
+        json.dumps(
+            {
+                "bench": "server",
+                "unit": "GB/s",
+                "machine": machine_info(),
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "touch": touch,
+                "cases": cases,
+            },
+            indent=1,
+        )
+    )
     big = [c for c in cases if c["size"] == "2MiB" and c["clients"] == 1]
     summary = ", ".join(
-        f"{c['op']}{'-batch' if c['batched'] else ''} " + " ".join(
-            f"{kind[len('daemon-'):]} {c[ratio]}x" for kind, ratio in DAEMON_KINDS.items()
-            if ratio in c) for c in big)
+        f"{c['op']}{'-batch' if c['batched'] else ''} "
+        + " ".join(
+            f"{kind[len('daemon-') :]} {c[ratio]}x"
+            for kind, ratio in DAEMON_KINDS.items()
+            if ratio in c
+        )
+        for c in big
+    )
     print(f"server bench (2 MiB, 1 client, vs redis GB/s): {summary}")
     return 0
 

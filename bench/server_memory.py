@@ -98,8 +98,18 @@ def main() -> None:
 
     data = tempfile.mkdtemp(prefix="kvtier-bench-mem-")
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-           "--admin-port", "-1", "--host-capacity", "256MiB"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "cache-server",
+        "--port",
+        str(port),
+        "--admin-port",
+        "-1",
+        "--host-capacity",
+        "256MiB",
+    ]
     if not args.no_data_dir:
         cmd += ["--data-dir", data, "--lmdb-capacity", "2GiB"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -108,11 +118,26 @@ def main() -> None:
         assert daemon.stdout is not None and "listening" in daemon.stdout.readline()
         url = f"tcp://127.0.0.1:{port}"
         idle = _status_mib(daemon.pid)
-        clients = [subprocess.Popen([sys.executable, __file__, "--client", url, str(i),
-                                     "--seconds", str(args.seconds), "--threads",
-                                     str(args.threads)], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, text=True)
-                   for i in range(args.procs)]
+        clients = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--client",
+                    url,
+                    str(i),
+                    "--seconds",
+                    str(args.seconds),
+                    "--threads",
+                    str(args.threads),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(args.procs)
+        ]
         samples: list[dict[str, Any]] = []
         t0 = time.monotonic()
         while any(c.poll() is None for c in clients):
@@ -130,15 +155,25 @@ def main() -> None:
         daemon.wait(30)
         shutil.rmtree(data, ignore_errors=True)
     peak = {f: max(s[f] for s in samples) for f in FIELDS} if samples else {}
-    report = {"machine": machine_info(), "host_capacity_mib": 256,
-              "data_dir": not args.no_data_dir, "seconds": args.seconds,
-              "clients": args.procs * args.threads, "ops": ops, "errors": errors,
-              "idle_mib": idle, "peak_mib": peak, "after_mib": after, "samples": samples}
+    report = {
+        "machine": machine_info(),
+        "host_capacity_mib": 256,
+        "data_dir": not args.no_data_dir,
+        "seconds": args.seconds,
+        "clients": args.procs * args.threads,
+        "ops": ops,
+        "errors": errors,
+        "idle_mib": idle,
+        "peak_mib": peak,
+        "after_mib": after,
+        "samples": samples,
+    }
     report["summary"] = (
         f"daemon, 256 MiB host tier, {args.procs * args.threads} clients, {ops} ops: "
         f"peak RSS {peak.get('VmRSS')} MiB (anon {peak.get('RssAnon')}, file "
         f"{peak.get('RssFile')}, slab {peak.get('RssShmem')}); 3 s after: anon "
-        f"{after.get('RssAnon')} MiB")
+        f"{after.get('RssAnon')} MiB"
+    )
     emit_report(report, args.out)
 
 

@@ -94,8 +94,11 @@ def payload_for(tenant: str, key: str, version: str, nbytes: int) -> bytes:
 
 def block_for(tenant: str, key: str, version: str, nbytes: int) -> bytes:
     """The encoded block, carrying ``key`` (codec version 2) as the engine's blocks do."""
-    return encode_block(payload_for(tenant, key, version, nbytes),
-                        BlockMeta("uint8", (nbytes,), "stress", PREFIX), key=key)
+    return encode_block(
+        payload_for(tenant, key, version, nbytes),
+        BlockMeta("uint8", (nbytes,), "stress", PREFIX),
+        key=key,
+    )
 
 
 def check_read(tenant: str, key: str, value: Any, nbytes: int) -> str | None:
@@ -129,8 +132,9 @@ class ThreadCounts:
     in_place: int = 0
 
 
-def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
-                   counts: ThreadCounts) -> None:
+def _client_thread(
+    cfg: StressConfig, index: int, url: str, deadline: float, counts: ThreadCounts
+) -> None:
     from tiers.base import TierError
     from tiers.remote.tier import RemoteTier
 
@@ -144,14 +148,18 @@ def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
         while time.monotonic() < deadline:
             keys = rng.sample(names, rng.randint(1, cfg.max_batch))
             r = rng.random()
-            op = "put" if r < cfg.put_share else (
-                "delete" if r < cfg.put_share + cfg.delete_share else "get")
+            op = (
+                "put"
+                if r < cfg.put_share
+                else ("delete" if r < cfg.put_share + cfg.delete_share else "get")
+            )
             try:
                 if op == "put":
                     serial += 1
                     version = f"{index}.{serial}"
-                    tier.put_many([(k, block_for(tenant, k, version, cfg.block_bytes))
-                                   for k in keys])
+                    tier.put_many(
+                        [(k, block_for(tenant, k, version, cfg.block_bytes)) for k in keys]
+                    )
                 elif op == "delete":
                     tier.delete_many(keys)
                 else:
@@ -166,8 +174,7 @@ def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
                         if wrong is not None:
                             counts.wrong += 1
                             if len(counts.examples) < MAX_EXAMPLES:
-                                counts.examples.append(
-                                    f"{transport} {tenant} get({key}): {wrong}")
+                                counts.examples.append(f"{transport} {tenant} get({key}): {wrong}")
                     del values  # views: valid until this thread's next call only
                 counts.ops[op] += 1
             except TierError as exc:
@@ -179,16 +186,20 @@ def _client_thread(cfg: StressConfig, index: int, url: str, deadline: float,
         tier.close()
 
 
-def _client_process(cfg: StressConfig, proc_index: int, url: str, start_at: float
-                    ) -> list[dict[str, Any]]:
+def _client_process(
+    cfg: StressConfig, proc_index: int, url: str, start_at: float
+) -> list[dict[str, Any]]:
     """One client process: ``cfg.threads`` threads until ``start_at + cfg.seconds`` (wall
     clock: processes start at different times). Returns each thread's counts as a dict."""
     time.sleep(max(0.0, start_at - time.time()))
     deadline = time.monotonic() + cfg.seconds
     counts = [ThreadCounts() for _ in range(cfg.threads)]
-    threads = [threading.Thread(target=_client_thread,
-                                args=(cfg, proc_index * cfg.threads + t, url, deadline, c))
-               for t, c in enumerate(counts)]
+    threads = [
+        threading.Thread(
+            target=_client_thread, args=(cfg, proc_index * cfg.threads + t, url, deadline, c)
+        )
+        for t, c in enumerate(counts)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -215,10 +226,24 @@ def start_daemon(cfg: StressConfig, workdir: str) -> tuple[subprocess.Popen[str]
     with open(tokens, "w") as f:
         f.writelines(f"{tok} {name}\n" for tok, name in TENANTS[: cfg.tenants])
     port, admin = free_port(), free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-           "--admin-host", "127.0.0.1", "--admin-port", str(admin), "--tokens", tokens,
-           "--host-capacity", f"{cfg.host_capacity}B",
-           "--host-slot-bytes", f"{cfg.host_slot_bytes}B"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "cache-server",
+        "--port",
+        str(port),
+        "--admin-host",
+        "127.0.0.1",
+        "--admin-port",
+        str(admin),
+        "--tokens",
+        tokens,
+        "--host-capacity",
+        f"{cfg.host_capacity}B",
+        "--host-slot-bytes",
+        f"{cfg.host_slot_bytes}B",
+    ]
     if not cfg.inline_reads:
         cmd.append("--no-inline-reads")
     if cfg.data_dir is not None:
@@ -259,8 +284,10 @@ def run_stress(cfg: StressConfig) -> dict[str, Any]:
             start_at = time.time() + 2.0 + 0.5 * cfg.processes  # spawn + imports, all alike
             ctx = mp.get_context("spawn")
             with concurrent.futures.ProcessPoolExecutor(cfg.processes, mp_context=ctx) as pool:
-                futures = [pool.submit(_client_process, cfg, p, url, start_at)
-                           for p in range(cfg.processes)]
+                futures = [
+                    pool.submit(_client_process, cfg, p, url, start_at)
+                    for p in range(cfg.processes)
+                ]
                 while not all(f.done() for f in futures):
                     rss.append((round(time.monotonic() - t0, 1), _rss_mb(proc.pid)))
                     concurrent.futures.wait(futures, timeout=cfg.rss_every_s)
@@ -278,9 +305,13 @@ def run_stress(cfg: StressConfig) -> dict[str, Any]:
     return summarize(cfg, threads, rss, alive, counters)
 
 
-def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
-              rss: list[tuple[float, float | None]], alive: bool,
-              counters: dict[str, int] | None) -> dict[str, Any]:
+def summarize(
+    cfg: StressConfig,
+    threads: list[dict[str, Any]],
+    rss: list[tuple[float, float | None]],
+    alive: bool,
+    counters: dict[str, int] | None,
+) -> dict[str, Any]:
     ops: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     per_transport: dict[str, dict[str, int]] = {}
@@ -291,21 +322,34 @@ def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
         examples.extend(t["examples"])
         name = list(TRANSPORTS)[i % len(TRANSPORTS)]
         row = per_transport.setdefault(name, Counter())
-        row.update(hits=t["hits"], misses=t["misses"], wrong=t["wrong"], in_place=t["in_place"],
-                   ops=sum(t["ops"].values()), errors=sum(t["errors"].values()))
+        row.update(
+            hits=t["hits"],
+            misses=t["misses"],
+            wrong=t["wrong"],
+            in_place=t["in_place"],
+            ops=sum(t["ops"].values()),
+            errors=sum(t["errors"].values()),
+        )
         row[f"seen:{t['transport']}"] += 1
     totals = {k: sum(t[k] for t in threads) for k in ("keys_read", "hits", "misses", "wrong")}
     samples = [mb for _, mb in rss if mb is not None]
     report = {
-        "bench": "server_stress", "config": asdict(cfg), "daemon_alive": alive,
-        "ops": dict(ops), "ops_total": sum(ops.values()),
-        "ops_per_s": round(sum(ops.values()) / cfg.seconds, 1), **totals,
-        "wrong_reads": totals["wrong"], "wrong_examples": examples[:MAX_EXAMPLES],
+        "bench": "server_stress",
+        "config": asdict(cfg),
+        "daemon_alive": alive,
+        "ops": dict(ops),
+        "ops_total": sum(ops.values()),
+        "ops_per_s": round(sum(ops.values()) / cfg.seconds, 1),
+        **totals,
+        "wrong_reads": totals["wrong"],
+        "wrong_examples": examples[:MAX_EXAMPLES],
         "daemon_wrong_key": None if counters is None else counters["wrong_key"],
         "daemon_corrupt": None if counters is None else counters["corrupt"],
-        "errors": sum(errors.values()), "errors_by_kind": dict(errors),
+        "errors": sum(errors.values()),
+        "errors_by_kind": dict(errors),
         "per_transport": {k: dict(v) for k, v in per_transport.items()},
-        "rss_mb": rss, "rss_peak_mb": max(samples, default=None),
+        "rss_mb": rss,
+        "rss_peak_mb": max(samples, default=None),
         "rss_last_mb": samples[-1] if samples else None,
     }
     report["summary"] = (
@@ -315,7 +359,8 @@ def summarize(cfg: StressConfig, threads: list[dict[str, Any]],
         f"{totals['hits']} verified hits, {totals['wrong']} wrong reads "
         f"(daemon wrong_key {report['daemon_wrong_key']}, corrupt {report['daemon_corrupt']}), "
         f"{report['errors']} errors, daemon RSS peak {report['rss_peak_mb']} MB"
-        f"{'' if alive else ', DAEMON DIED'}")
+        f"{'' if alive else ', DAEMON DIED'}"
+    )
     return report
 
 
@@ -342,23 +387,36 @@ def main() -> int:
     runs = []
     for i in range(args.repeat):
         cfg = StressConfig(
-            seconds=args.seconds, processes=args.processes, threads=args.threads,
-            block_bytes=parse_size(args.block_bytes), host_capacity=parse_size(args.host_capacity),
-            host_slot_bytes=parse_size(args.host_slot_bytes), keys=args.keys,
-            tenants=args.tenants, inline_reads=not args.no_inline_reads,
+            seconds=args.seconds,
+            processes=args.processes,
+            threads=args.threads,
+            block_bytes=parse_size(args.block_bytes),
+            host_capacity=parse_size(args.host_capacity),
+            host_slot_bytes=parse_size(args.host_slot_bytes),
+            keys=args.keys,
+            tenants=args.tenants,
+            inline_reads=not args.no_inline_reads,
             data_dir=os.path.join(args.data_dir, f"run{i}") if args.data_dir else None,
-            seed=args.seed + i)
+            seed=args.seed + i,
+        )
         runs.append(run_stress(cfg))
         print(f"run {i + 1}/{args.repeat}: {runs[-1]['summary']}", file=sys.stderr, flush=True)
     wrong = sum(r["wrong_reads"] for r in runs)
-    report = {"bench": "server_stress", "machine": machine_info(), "runs": runs,
-              "wrong_reads": wrong, "summary": (
-                  runs[0]["summary"] if len(runs) == 1 else
-                  f"server stress x{len(runs)} runs of {args.seconds:g}s: "
-                  f"{sum(r['ops_total'] for r in runs)} ops, "
-                  f"{sum(r['hits'] for r in runs)} verified hits, {wrong} wrong reads "
-                  f"(per run: {[r['wrong_reads'] for r in runs]}), "
-                  f"{sum(r['errors'] for r in runs)} errors")}
+    report = {
+        "bench": "server_stress",
+        "machine": machine_info(),
+        "runs": runs,
+        "wrong_reads": wrong,
+        "summary": (
+            runs[0]["summary"]
+            if len(runs) == 1
+            else f"server stress x{len(runs)} runs of {args.seconds:g}s: "
+            f"{sum(r['ops_total'] for r in runs)} ops, "
+            f"{sum(r['hits'] for r in runs)} verified hits, {wrong} wrong reads "
+            f"(per run: {[r['wrong_reads'] for r in runs]}), "
+            f"{sum(r['errors'] for r in runs)} errors"
+        ),
+    }
     emit_report(report, args.out)
     return 1 if wrong else 0
 

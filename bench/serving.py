@@ -74,8 +74,13 @@ class Shape:
     request_timeout_s: float = 600.0
 
 
-async def stream_chat(http: httpx.AsyncClient, messages: list[dict[str, str]], answer_len: int,
-                      rec: Record, timeout_s: float) -> str:
+async def stream_chat(
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    answer_len: int,
+    rec: Record,
+    timeout_s: float,
+) -> str:
     """One streaming chat request of ``messages`` (bench/chat_load.py fills ``rec``)."""
     body = {"messages": messages, "max_tokens": answer_len, "temperature": 0.0, "ignore_eos": True}
     return await chat_load.stream_chat(http, body, rec, timeout_s)
@@ -102,8 +107,12 @@ async def drive(base_url: str, shape: Shape, qps: float, seed: int) -> dict[str,
         nonlocal next_user
         user_rng = random.Random(seed * 100_003 + next_user)
         history = words(user_rng, shape.history_words)
-        s = _Session(next_user, [{"role": "system", "content": f"{system}\n{history}"}],
-                     user_rng, idle_since=time.perf_counter())
+        s = _Session(
+            next_user,
+            [{"role": "system", "content": f"{system}\n{history}"}],
+            user_rng,
+            idle_since=time.perf_counter(),
+        )
         next_user += 1
         return s
 
@@ -117,8 +126,9 @@ async def drive(base_url: str, shape: Shape, qps: float, seed: int) -> dict[str,
         s.messages.append({"role": "user", "content": words(s.rng, shape.question_words)})
         rec = Record(s.user, s.round + 1, time.perf_counter() - t0)
         try:
-            answer = await stream_chat(http, s.messages, shape.answer_len, rec,
-                                       shape.request_timeout_s)
+            answer = await stream_chat(
+                http, s.messages, shape.answer_len, rec, shape.request_timeout_s
+            )
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             rec.error, answer = f"{type(exc).__name__}: {exc}"[:200], ""
         records.append(rec)
@@ -159,12 +169,25 @@ async def quiet_itl(base_url: str, shape: Shape, batch: int, seed: int) -> dict[
     system = words(rng, shape.system_words)
     recs = [Record(10_000 + i, 1, 0.0) for i in range(batch)]
     async with httpx.AsyncClient(base_url=base_url) as http:
-        await asyncio.gather(*(
-            stream_chat(http, [{"role": "system", "content": f"{system}\n"
-                                f"{words(random.Random(seed * 7 + i), shape.history_words)}"},
-                               {"role": "user", "content": words(rng, shape.question_words)}],
-                        shape.answer_len, rec, shape.request_timeout_s)
-            for i, rec in enumerate(recs)))
+        await asyncio.gather(
+            *(
+                stream_chat(
+                    http,
+                    [
+                        {
+                            "role": "system",
+                            "content": f"{system}\n"
+                            f"{words(random.Random(seed * 7 + i), shape.history_words)}",
+                        },
+                        {"role": "user", "content": words(rng, shape.question_words)},
+                    ],
+                    shape.answer_len,
+                    rec,
+                    shape.request_timeout_s,
+                )
+                for i, rec in enumerate(recs)
+            )
+        )
     # Steps where every request decodes: past the first gap (which may hold another's prefill).
     itl = [x for r in recs if r.ok for x in (r.itl_s[1:] or r.itl_s)]
     return {"batch": batch, "itl_ms": _pcts(itl), "failed": sum(not r.ok for r in recs)}
@@ -172,10 +195,15 @@ async def quiet_itl(base_url: str, shape: Shape, batch: int, seed: int) -> dict[
 
 def server_counters(base_url: str) -> dict[str, float]:
     """The server's scheduler and lookup counters from /metrics (0 where absent)."""
-    names = ("kvtier_scheduler_steps_total", "kvtier_scheduler_seconds_total",
-             "kvtier_scheduler_blocked_skips_total", "kvtier_kv_lookup_blocks_total",
-             "kvtier_kv_loaded_blocks_total", "kvtier_num_preemptions_total",
-             "kvtier_scheduler_first_token_deferred_tokens_total")
+    names = (
+        "kvtier_scheduler_steps_total",
+        "kvtier_scheduler_seconds_total",
+        "kvtier_scheduler_blocked_skips_total",
+        "kvtier_kv_lookup_blocks_total",
+        "kvtier_kv_loaded_blocks_total",
+        "kvtier_num_preemptions_total",
+        "kvtier_scheduler_first_token_deferred_tokens_total",
+    )
     out = dict.fromkeys(names, 0.0)
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=30).text
@@ -197,11 +225,13 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     loaded = d["kvtier_kv_loaded_blocks_total"]
     return {
         "scheduler_ms_per_step": round(1e3 * d["kvtier_scheduler_seconds_total"] / steps, 4)
-        if steps else None,
+        if steps
+        else None,
         "steps": int(steps),
         "blocked_skips": int(d["kvtier_scheduler_blocked_skips_total"]),
         "lookups_per_loaded_block": round(d["kvtier_kv_lookup_blocks_total"] / loaded, 3)
-        if loaded else None,
+        if loaded
+        else None,
         "preemptions": int(d["kvtier_num_preemptions_total"]),
         "first_token_deferred_tokens": int(d["kvtier_scheduler_first_token_deferred_tokens_total"]),
     }
@@ -210,8 +240,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
 def pool_blocks(shape: Shape, histories: int, tokens_per_word: float = 2.3) -> int:
     """GPU blocks holding about ``histories`` whole conversations (every round included)."""
     per_round = shape.question_words * tokens_per_word + shape.answer_len
-    tokens = (shape.system_words + shape.history_words) * tokens_per_word + \
-        shape.rounds * per_round
+    tokens = (shape.system_words + shape.history_words) * tokens_per_word + shape.rounds * per_round
     return max(int(histories * tokens / 16), 64)
 
 
@@ -252,16 +281,19 @@ def engine_side(records: list[Record], log: dict[str, dict[str, Any]]) -> dict[s
         phases[phase] = _pcts([e["ttft_breakdown_s"].get(phase, 0.0) for _, e in with_phases])
     out["phases_ms"] = phases
     out["phases_later_rounds_p50_ms"] = {
-        phase: _pcts([e["ttft_breakdown_s"].get(phase, 0.0) for r, e in with_phases
-                      if r.round >= 2])["p50"]
-        for phase in (*API_PHASES, *ENGINE_PHASES)}
+        phase: _pcts(
+            [e["ttft_breakdown_s"].get(phase, 0.0) for r, e in with_phases if r.round >= 2]
+        )["p50"]
+        for phase in (*API_PHASES, *ENGINE_PHASES)
+    }
     overhead = []
     for r, e in with_phases:
         api = sum(e["ttft_breakdown_s"].get(p, 0.0) for p in API_PHASES)
         overhead.append(max(0.0, (r.ttft_s or 0.0) - e["ttft_s"] - api))
     out["client_overhead_ms"] = _pcts(overhead)
-    out["prefill_steps_p50"] = percentile(sorted(e.get("num_prefill_steps", 0)
-                                                 for _, e in rows), 50)
+    out["prefill_steps_p50"] = percentile(
+        sorted(e.get("num_prefill_steps", 0) for _, e in rows), 50
+    )
     out["hit_blocks_p50"] = percentile(sorted(len(e.get("hit_tiers", [])) for _, e in rows), 50)
     return out
 
@@ -277,12 +309,16 @@ def summarize(run: dict[str, Any], qps: float, log: dict[str, dict[str, Any]]) -
     later = [r.ttft_s for r in ok if r.ttft_s is not None and r.round >= 2]
     tokens = sum(r.completion_tokens for r in ok)
     return {
-        "qps": qps, "requests": len(recs), "failed": len(recs) - len(ok), "errors": errors,
+        "qps": qps,
+        "requests": len(recs),
+        "failed": len(recs) - len(ok),
+        "errors": errors,
         "achieved_qps": round(len(recs) / max(run["sent_s"], 1e-9), 3),
         "wall_s": round(run["wall_s"], 2),
         "prompt_tokens_p50": percentile(sorted(r.prompt_tokens for r in ok), 50),
         "max_prompt_tokens": max((r.prompt_tokens for r in ok), default=0),
-        "ttft_ms": _pcts(ttft), "ttft_later_rounds_ms": _pcts(later),
+        "ttft_ms": _pcts(ttft),
+        "ttft_later_rounds_ms": _pcts(later),
         "itl_ms": _pcts([x for r in ok for x in r.itl_s]),
         "output_tokens_per_s": round(tokens / max(run["wall_s"], 1e-9), 2),
         "requests_per_s": round(len(ok) / max(run["wall_s"], 1e-9), 3),
@@ -299,16 +335,22 @@ def offload_config(mode: str, host_capacity: str, log_dir: str) -> list[str]:
         return []
     path = os.path.join(log_dir, f"serving_{mode}.yaml")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(f"compression: {'lossless' if mode == 'lossless' else 'none'}\n"
-                f"tiers:\n  - {{kind: host, capacity: {host_capacity}}}\n")
+        f.write(
+            f"compression: {'lossless' if mode == 'lossless' else 'none'}\n"
+            f"tiers:\n  - {{kind: host, capacity: {host_capacity}}}\n"
+        )
     return ["--kv-offload", "--kv-offload-config", path]
 
 
 def best_qps(levels: list[dict[str, Any]], limit_ms: float = 1000.0) -> float | None:
     """The highest qps level whose TTFT p90 stayed under ``limit_ms`` with no failure."""
-    good = [lv["qps"] for lv in levels
-            if lv["failed"] == 0 and lv["ttft_ms"]["p90"] is not None
-            and lv["ttft_ms"]["p90"] < limit_ms]
+    good = [
+        lv["qps"]
+        for lv in levels
+        if lv["failed"] == 0
+        and lv["ttft_ms"]["p90"] is not None
+        and lv["ttft_ms"]["p90"] < limit_ms
+    ]
     return max(good) if good else None
 
 
@@ -324,7 +366,8 @@ def _summary_line(modes: dict[str, Any]) -> str:
             f"{lv['ttft_later_rounds_ms']['p50'] or 0:.1f}, engine {eng or 0:.1f}), ITL p50 "
             f"{lv['itl_ms']['p50'] or 0:.1f} ms{vs}, {lv['output_tokens_per_s']:.0f} tok/s, "
             f"{lv['processed_req_per_s']:.2f} req/s processed, "
-            f"{lv['failed']} failed, best qps (p90 < 1 s) {res['best_qps_p90_under_1s']}")
+            f"{lv['failed']} failed, best qps (p90 < 1 s) {res['best_qps_p90_under_1s']}"
+        )
     base = modes.get("off", {}).get("levels", [{}])[0].get("ttft_later_rounds_ms", {}).get("p50")
     on = modes.get("offload", {}).get("levels", [{}])[0].get("ttft_later_rounds_ms", {}).get("p50")
     ratio = f"; later-round p50 off/offload {base / on:.2f}x" if base and on else ""
@@ -346,13 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-gpu-blocks", type=int, default=1200)
     ap.add_argument("--host-capacity", default="8GiB")
     ap.add_argument("--max-model-len", type=int, default=8192)
-    ap.add_argument("--pool-histories", type=float, default=0,
-                    help="size the GPU pool to hold about this many histories (overrides "
-                         "--num-gpu-blocks; 0: off)")
-    ap.add_argument("--quiet-batch", type=int, default=2,
-                    help="sessions of the idle-engine ITL yardstick run after the levels (0: none)")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra kvtier serve flag (repeatable; e.g. --server-arg=--device=cpu)")
+    ap.add_argument(
+        "--pool-histories",
+        type=float,
+        default=0,
+        help="size the GPU pool to hold about this many histories (overrides "
+        "--num-gpu-blocks; 0: off)",
+    )
+    ap.add_argument(
+        "--quiet-batch",
+        type=int,
+        default=2,
+        help="sessions of the idle-engine ITL yardstick run after the levels (0: none)",
+    )
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra kvtier serve flag (repeatable; e.g. --server-arg=--device=cpu)",
+    )
     ap.add_argument("--concurrent", action="store_true", help="drive every mode at once")
     ap.add_argument("--startup-timeout-s", type=float, default=600)
     ap.add_argument("--log-dir", default=".")
@@ -369,12 +424,24 @@ def main(argv: list[str] | None = None) -> int:
     if any(q <= 0 for q in qps_levels):
         ap.error("--qps: every level must be > 0")
     os.makedirs(args.log_dir, exist_ok=True)
-    shape = Shape(args.users, args.rounds, args.system_words, args.history_words,
-                  args.question_words, args.answer_len, args.duration_s)
+    shape = Shape(
+        args.users,
+        args.rounds,
+        args.system_words,
+        args.history_words,
+        args.question_words,
+        args.answer_len,
+        args.duration_s,
+    )
     if args.pool_histories > 0:
         args.num_gpu_blocks = pool_blocks(shape, args.pool_histories)
-    common = ["--num-gpu-blocks", str(args.num_gpu_blocks), "--max-model-len",
-              str(args.max_model_len), *args.server_arg]
+    common = [
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+        "--max-model-len",
+        str(args.max_model_len),
+        *args.server_arg,
+    ]
     servers: dict[str, tuple[Any, str]] = {}
     logs = {m: os.path.join(args.log_dir, f"serving_{m}.requests.jsonl") for m in modes}
     offsets = dict.fromkeys(modes, 0)
@@ -384,27 +451,37 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {m: {"levels": []} for m in modes}
     try:
         for m in modes:
-            flags = [*offload_config(m, args.host_capacity, args.log_dir), "--request-log",
-                     logs[m], *common]
-            servers[m] = spawn_server(args.model, flags, [],
-                                      os.path.join(args.log_dir, f"serving_{m}.log"))
+            flags = [
+                *offload_config(m, args.host_capacity, args.log_dir),
+                "--request-log",
+                logs[m],
+                *common,
+            ]
+            servers[m] = spawn_server(
+                args.model, flags, [], os.path.join(args.log_dir, f"serving_{m}.log")
+            )
         for m in modes:
-            wait_healthy(*servers[m], os.path.join(args.log_dir, f"serving_{m}.log"),
-                         args.startup_timeout_s)
+            wait_healthy(
+                *servers[m], os.path.join(args.log_dir, f"serving_{m}.log"), args.startup_timeout_s
+            )
         for m in modes:  # one short request each: first-call costs stay out of the levels
-            httpx.post(f"{servers[m][1]}/v1/chat/completions", timeout=args.startup_timeout_s,
-                       json={"messages": [{"role": "user", "content": "warm up"}],
-                             "max_tokens": 2})
+            httpx.post(
+                f"{servers[m][1]}/v1/chat/completions",
+                timeout=args.startup_timeout_s,
+                json={"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2},
+            )
             offsets[m] = read_log(logs[m], 0)[1]
         for i, qps in enumerate(qps_levels):
             groups = [modes] if args.concurrent else [[m] for m in modes]
             for group in groups:
                 print(f"serving: qps {qps:g}, {','.join(group)}", flush=True)
 
-                async def run_group(group: list[str] = group, qps: float = qps,
-                                    seed: int = i + 1) -> list[Any]:
+                async def run_group(
+                    group: list[str] = group, qps: float = qps, seed: int = i + 1
+                ) -> list[Any]:
                     return await asyncio.gather(
-                        *(drive(servers[m][1], shape, qps, seed) for m in group))
+                        *(drive(servers[m][1], shape, qps, seed) for m in group)
+                    )
 
                 before = {m: server_counters(servers[m][1]) for m in group}
                 runs = asyncio.run(run_group())
@@ -417,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quiet_batch > 0:
             for m in modes:
                 results[m]["quiet"] = asyncio.run(
-                    quiet_itl(servers[m][1], shape, args.quiet_batch, seed=997))
+                    quiet_itl(servers[m][1], shape, args.quiet_batch, seed=997)
+                )
     finally:
         for m, (proc, _) in servers.items():
             results[m]["server_exit"] = stop_server(proc, 30)

@@ -37,17 +37,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_server(model: str, mode_flags: list[str], extra: list[str], log_path: str
-                 ) -> tuple[subprocess.Popen[bytes], str]:
+def spawn_server(
+    model: str, mode_flags: list[str], extra: list[str], log_path: str
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", str(port),
-           "--served-model-name", "soak", "--log-level", "warning", *mode_flags, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "soak",
+        "--log-level",
+        "warning",
+        *mode_flags,
+        *extra,
+    ]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen[bytes], base: str, log_path: str, timeout_s: float = 600) -> None:
+def wait_healthy(
+    proc: subprocess.Popen[bytes], base: str, log_path: str, timeout_s: float = 600
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -86,21 +103,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=2000, help="shared system prompt")
     ap.add_argument("--user-system-tokens", type=int, default=1000)
     ap.add_argument("--num-gpu-blocks", type=int, default=4096)
-    ap.add_argument("--server-arg", action="append", default=[], help="extra kvtier serve flag (repeatable)")
+    ap.add_argument(
+        "--server-arg", action="append", default=[], help="extra kvtier serve flag (repeatable)"
+    )
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--log-dir", default=".")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    extra = ["--num-gpu-blocks", str(args.num_gpu_blocks), "--max-model-len", str(args.max_context + 1024),
-             *args.server_arg]
+    extra = [
+        "--num-gpu-blocks",
+        str(args.num_gpu_blocks),
+        "--max-model-len",
+        str(args.max_context + 1024),
+        *args.server_arg,
+    ]
     servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     results: dict[str, Any] = {}
 
     def load_for(base: str) -> ChatLoad:
-        return ChatLoad(base, "soak", args.users, args.duration_s, args.max_context,
-                        shared_system_tokens=args.system_tokens, user_system_tokens=args.user_system_tokens,
-                        question_tokens=args.question_tokens, answer_len=args.answer_len)
+        return ChatLoad(
+            base,
+            "soak",
+            args.users,
+            args.duration_s,
+            args.max_context,
+            shared_system_tokens=args.system_tokens,
+            user_system_tokens=args.user_system_tokens,
+            question_tokens=args.question_tokens,
+            answer_len=args.answer_len,
+        )
 
     try:
         groups = [[m] for m in modes] if args.sequential else [modes]
@@ -123,17 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _ in servers.values():
             stop_server(proc, 10)
-    ok = all(r["failed"] == 0 and set(r["health"]) == {"200"} and r["server_alive_at_end"]
-             for r in results.values())
+    ok = all(
+        r["failed"] == 0 and set(r["health"]) == {"200"} and r["server_alive_at_end"]
+        for r in results.values()
+    )
     report = {
-        "machine": machine_info(), "duration_s": args.duration_s, "users": args.users,
-        "max_context": args.max_context, "num_gpu_blocks": args.num_gpu_blocks,
-        "side_by_side": not args.sequential, "modes": results,
-        "summary": "soak: " + "; ".join(
+        "machine": machine_info(),
+        "duration_s": args.duration_s,
+        "users": args.users,
+        "max_context": args.max_context,
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "side_by_side": not args.sequential,
+        "modes": results,
+        "summary": "soak: "
+        + "; ".join(
             f"{m}: {r['requests']} requests, {r['failed']} failed, longest prompt {r['max_prompt_tokens']}, "
             f"TTFT p50/p99 {r['ttft_ms']['p50'] or 0:.0f}/{r['ttft_ms']['p99'] or 0:.0f} ms, "
             f"ITL p50 {r['itl_ms']['p50'] or 0:.1f} ms, health {r['health']}"
-            for m, r in results.items()),
+            for m, r in results.items()
+        ),
     }
     emit_report(report, args.out)
     return 0 if ok else 1

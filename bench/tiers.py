@@ -193,7 +193,8 @@ def s3_backend(endpoint: str, creds: dict[str, str]) -> Callable[..., Backend]:
                                    secret_access_key=creds["aws_secret_access_key"]))  # fmt: skip
         workers = tier.config.max_pool_connections
         client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint, config=Config(max_pool_connections=workers), **creds)
+            "s3", endpoint_url=endpoint, config=Config(max_pool_connections=workers), **creds
+        )
         client.create_bucket(Bucket=bucket)
         pool = ThreadPoolExecutor(workers)
 
@@ -225,7 +226,8 @@ def measure(backend: Backend, items: Items, staging: Staging, size: int, repeats
         ("get", "tier"): lambda c: backend.tier_get([keys[i] for i in c]),
         ("get", "base"): lambda c: backend.base_get([keys[i] for i in c]),
         ("get_into", "tier"): lambda c: backend.tier.get_many_into(
-            [keys[i] for i in c], staging.slots[: len(c)]),
+            [keys[i] for i in c], staging.slots[: len(c)]
+        ),
     }
     if not puts:
         for side in ("tier", "base"):
@@ -262,7 +264,10 @@ def run_one(name: str, make: Callable[..., Backend], block: int, total: int, bat
             for mode, size in (("single", 1), ("batched", min(batch, num))):
                 res = measure(backend, items, staging, size, repeats)
                 for op in ("put", "get", "get_into"):
-                    (t, t_lat), (b, b_lat) = res[(op, "tier")], res[("get" if op != "put" else op, "base")]
+                    (t, t_lat), (b, b_lat) = (
+                        res[(op, "tier")],
+                        res[("get" if op != "put" else op, "base")],
+                    )
                     t_med, b_med = statistics.median(t), statistics.median(b)
                     t_lat, b_lat = sorted(t_lat), sorted(b_lat)
                     rows.append(Row(name, block, mode, op, num, round(t_med, 3),
@@ -299,18 +304,28 @@ def read_ratios(make: Callable[..., Backend], block: int, num: int, repeats: int
                      for (op, side), (runs, _) in res.items()}}  # fmt: skip
 
 
-BASELINES = {"host": "memcpy", "lmdb": "plain LMDB txn", "redis": "raw pipelined redis-py",
-             "redis-lru": "raw pipelined redis-py", "s3": "raw boto3"}
+BASELINES = {
+    "host": "memcpy",
+    "lmdb": "plain LMDB txn",
+    "redis": "raw pipelined redis-py",
+    "redis-lru": "raw pipelined redis-py",
+    "s3": "raw boto3",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tiers", default="host,lmdb,redis,redis-lru,s3")
     p.add_argument("--sizes", default="64KiB,2MiB,8MiB")
-    p.add_argument("--total", default="192MiB",
-                   help="bytes moved per tier, size and call shape (at most 512 blocks)")
+    p.add_argument(
+        "--total",
+        default="192MiB",
+        help="bytes moved per tier, size and call shape (at most 512 blocks)",
+    )
     p.add_argument("--batch", type=int, default=32, help="keys per call in batched mode")
-    p.add_argument("--repeats", type=int, default=5, help="passes per measurement; the median counts")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="passes per measurement; the median counts"
+    )
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.add_argument("--s3-endpoint", default=None, help="default: a private moto server")
     args = p.parse_args(argv)
@@ -319,8 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = parse_size(args.total)
 
     started: list[Any] = []
-    makers: dict[str, Callable[..., Backend]] = {
-        "host": host_backend, "lmdb": lmdb_backend}
+    makers: dict[str, Callable[..., Backend]] = {"host": host_backend, "lmdb": lmdb_backend}
     if "redis" in names or "redis-lru" in names:
         url = args.redis_url
         if url is None:
@@ -360,8 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               if c["mode"] == "batched" and c["block_bytes"] == 2 << 20]  # fmt: skip
     machine = machine_info()
     where = f"{machine['cpu_count']} CPUs, {machine['cpu_model'] or machine['platform']}"
-    print(f"summary ({where}; batched 2 MiB blocks, median of {args.repeats}): "
-          + "; ".join(parts or [f"{len(rows)} rows"]))
+    print(
+        f"summary ({where}; batched 2 MiB blocks, median of {args.repeats}): "
+        + "; ".join(parts or [f"{len(rows)} rows"])
+    )
     return 0
 
 

@@ -30,33 +30,48 @@ def _p(values: list[float], q: float) -> float | None:
 def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ttft = [r["ttft_s"] for r in rows]
     phases = {p: _p([r["ttft_breakdown_s"].get(p, 0.0) for r in rows], 50) for p in ENGINE_PHASES}
-    gaps = [abs(sum(r["ttft_breakdown_s"].get(p, 0.0) for p in _ADDING) - r["ttft_s"])
-            / max(r["ttft_s"], 1e-9) for r in rows]
+    gaps = [
+        abs(sum(r["ttft_breakdown_s"].get(p, 0.0) for p in _ADDING) - r["ttft_s"])
+        / max(r["ttft_s"], 1e-9)
+        for r in rows
+    ]
     return {
         "requests": len(rows),
         "ttft_ms": {"p50": _p(ttft, 50), "p90": _p(ttft, 90)},
         "phases_p50_ms": phases,
         "phase_sum_error_max": round(max(gaps), 4) if gaps else None,
         "prompt_tokens_p50": percentile(sorted(r["prompt_tokens"] for r in rows), 50)
-        if rows else None,
-        "cached_tokens_p50": percentile(sorted(len(r["hit_tiers"]) * BLOCK_TOKENS
-                                               for r in rows), 50) if rows else None,
+        if rows
+        else None,
+        "cached_tokens_p50": percentile(
+            sorted(len(r["hit_tiers"]) * BLOCK_TOKENS for r in rows), 50
+        )
+        if rows
+        else None,
         # What the steps computing its prompt carried (others' chunks and decodes included).
-        "prefill_step_tokens_p50": percentile(sorted(r.get("prefill_step_tokens", 0)
-                                                     for r in rows), 50) if rows else None,
-        "plan_p50_tokens": {k: percentile(sorted((r.get("kv_plan") or {}).get(k, 0)
-                                                 for r in rows), 50) if rows else None
-                            for k in ("gpu_tokens", "head_tokens", "load_tokens",
-                                      "recompute_tokens")},
-        "decisions": {d: sum(r.get("decision") == d for r in rows)
-                      for d in sorted({r.get("decision", "") for r in rows})},
+        "prefill_step_tokens_p50": percentile(
+            sorted(r.get("prefill_step_tokens", 0) for r in rows), 50
+        )
+        if rows
+        else None,
+        "plan_p50_tokens": {
+            k: percentile(sorted((r.get("kv_plan") or {}).get(k, 0) for r in rows), 50)
+            if rows
+            else None
+            for k in ("gpu_tokens", "head_tokens", "load_tokens", "recompute_tokens")
+        },
+        "decisions": {
+            d: sum(r.get("decision") == d for r in rows)
+            for d in sorted({r.get("decision", "") for r in rows})
+        },
     }
 
 
 def breakdown(lines: list[dict[str, Any]], reused: float) -> dict[str, Any]:
     rows = [r for r in lines if r.get("ttft_s") is not None and r.get("ttft_breakdown_s")]
-    hit = [r for r in rows
-           if len(r["hit_tiers"]) * BLOCK_TOKENS >= reused * max(r["prompt_tokens"], 1)]
+    hit = [
+        r for r in rows if len(r["hit_tiers"]) * BLOCK_TOKENS >= reused * max(r["prompt_tokens"], 1)
+    ]
     fresh = [r for r in rows if r not in hit]
     return {"reused": group_report(hit), "fresh": group_report(fresh)}
 
@@ -67,10 +82,12 @@ def _line(name: str, g: dict[str, Any]) -> str:
     ph = g["phases_p50_ms"]
     top = sorted(((v or 0.0, k) for k, v in ph.items() if k not in SUB_PHASES), reverse=True)
     parts = ", ".join(f"{k} {v:.1f}" for v, k in top[:4])
-    return (f"{name}: {g['requests']} req, TTFT p50 {g['ttft_ms']['p50']:.1f} ms "
-            f"(p90 {g['ttft_ms']['p90']:.1f}); p50 phases {parts} ms; "
-            f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%; "
-            f"its prefill steps carried {g['prefill_step_tokens_p50']} tokens (p50)")
+    return (
+        f"{name}: {g['requests']} req, TTFT p50 {g['ttft_ms']['p50']:.1f} ms "
+        f"(p90 {g['ttft_ms']['p90']:.1f}); p50 phases {parts} ms; "
+        f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%; "
+        f"its prefill steps carried {g['prefill_step_tokens_p50']} tokens (p50)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     with open(args.log, encoding="utf-8") as f:
-        lines = [json.loads(x) for x in f if x.strip()][args.skip:]
+        lines = [json.loads(x) for x in f if x.strip()][args.skip :]
     groups = breakdown(lines, args.reused)
-    report = {"machine": machine_info(), "params": vars(args), **groups,
-              "summary": "ttft_breakdown: " + "; ".join(_line(k, v) for k, v in groups.items())}
+    report = {
+        "machine": machine_info(),
+        "params": vars(args),
+        **groups,
+        "summary": "ttft_breakdown: " + "; ".join(_line(k, v) for k, v in groups.items()),
+    }
     emit_report(report, args.out)
     return 0
 

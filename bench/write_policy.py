@@ -38,19 +38,28 @@ VARIANTS = ("write_back", "write_through")
 
 def workload(num_requests: int, seed: int = 17) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(96, 161))]
-            for _ in range(num_requests)]
+    return [
+        [rng.randrange(3, 500) for _ in range(rng.randrange(96, 161))] for _ in range(num_requests)
+    ]
 
 
-def run_variant(policy: str, prompts: list[list[int]], args: argparse.Namespace,
-                workdir: Path) -> dict[str, Any]:
+def run_variant(
+    policy: str, prompts: list[list[int]], args: argparse.Namespace, workdir: Path
+) -> dict[str, Any]:
     """One fresh engine, the whole workload, closed at the end. Returns its figures."""
     from engine import LLM, SamplingParams
 
-    tiers = [{"kind": "host", "capacity": "256MiB"},
-             {"kind": "lmdb", "path": str(workdir), "capacity": "1GiB", "write_policy": policy}]
-    llm = LLM(None, num_gpu_blocks=args.num_gpu_blocks, device=args.device, kv_offload=True,
-              kv_offload_config={"decision": "load", "calibrate": False, "tiers": tiers})
+    tiers = [
+        {"kind": "host", "capacity": "256MiB"},
+        {"kind": "lmdb", "path": str(workdir), "capacity": "1GiB", "write_policy": policy},
+    ]
+    llm = LLM(
+        None,
+        num_gpu_blocks=args.num_gpu_blocks,
+        device=args.device,
+        kv_offload=True,
+        kv_offload_config={"decision": "load", "calibrate": False, "tiers": tiers},
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     try:
@@ -94,8 +103,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for policy in VARIANTS:
         mine = [r for r in runs if r["policy"] == policy]
-        out[policy] = {k: statistics.median(r[k] for r in mine)
-                       for k in mine[0] if k != "policy"}
+        out[policy] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k != "policy"}
     wb, wt = out["write_back"], out["write_through"]
     out["forward_overhead_pct"] = 100 * (wt["step_ms_median"] / wb["step_ms_median"] - 1)
     out["mean_step_overhead_pct"] = 100 * (wt["step_ms_mean"] / wb["step_ms_mean"] - 1)

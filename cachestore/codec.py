@@ -46,8 +46,17 @@ _U64 = struct.Struct("<Q")
 
 # Bytes per element of the dtypes a KV cache uses; "torch." prefixes are accepted and dropped.
 DTYPE_ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
 }
 
 
@@ -133,8 +142,14 @@ def encoded_size(meta: BlockMeta, keyed: bool = False) -> int:
     return FIXED_HEADER_BYTES + meta_len + meta.payload_bytes + CHECKSUM_BYTES
 
 
-def encode_block_into(out: memoryview | bytearray, payload: bytes | memoryview, meta: BlockMeta,
-                      *, key: str | None = None, version: int | None = None) -> int:
+def encode_block_into(
+    out: memoryview | bytearray,
+    payload: bytes | memoryview,
+    meta: BlockMeta,
+    *,
+    key: str | None = None,
+    version: int | None = None,
+) -> int:
     """Write the encoded block at the start of ``out`` (mutates it); return the bytes written.
     ``key``: the block's key, carried in the header (version 2); None: a version-1 block.
 
@@ -143,8 +158,10 @@ def encode_block_into(out: memoryview | bytearray, payload: bytes | memoryview, 
     """
     view = memoryview(payload).cast("B")
     if view.nbytes != meta.payload_bytes:
-        raise ValueError(f"payload is {view.nbytes} bytes but {meta.dtype}{list(meta.shape)} "
-                         f"needs {meta.payload_bytes}")
+        raise ValueError(
+            f"payload is {view.nbytes} bytes but {meta.dtype}{list(meta.shape)} "
+            f"needs {meta.payload_bytes}"
+        )
     meta_raw = _meta_bytes(meta, None if key is None else key_digest(key))
     if version is None:
         version = KEYLESS_VERSION if key is None else FORMAT_VERSION
@@ -154,9 +171,9 @@ def encode_block_into(out: memoryview | bytearray, payload: bytes | memoryview, 
         raise ValueError(f"output buffer holds {dest.nbytes} bytes, block needs {total}")
     _FIXED.pack_into(dest, 0, MAGIC, version, 0, len(meta_raw), view.nbytes)
     pos = FIXED_HEADER_BYTES
-    dest[pos:pos + len(meta_raw)] = meta_raw
+    dest[pos : pos + len(meta_raw)] = meta_raw
     pos += len(meta_raw)
-    dest[pos:pos + view.nbytes] = view
+    dest[pos : pos + view.nbytes] = view
     pos += view.nbytes
     _U64.pack_into(dest, pos, xxhash.xxh3_64_intdigest(dest[:pos]))
     return total
@@ -175,7 +192,7 @@ def _parse_meta(raw: memoryview, keyed: bool) -> tuple[BlockMeta, int | None]:
     texts = []
     for _ in range(3):
         (n,) = _U16.unpack_from(raw, pos)
-        texts.append(bytes(raw[pos + 2:pos + 2 + n]).decode())
+        texts.append(bytes(raw[pos + 2 : pos + 2 + n]).decode())
         pos += 2 + n
     ndim = raw[pos]
     shape = tuple(_U64.unpack_from(raw, pos + 1 + 8 * i)[0] for i in range(ndim))
@@ -190,9 +207,11 @@ def _parse_meta(raw: memoryview, keyed: bool) -> tuple[BlockMeta, int | None]:
     return BlockMeta(dtype=texts[0], layout=texts[1], namespace=texts[2], shape=shape), digest
 
 
-def decode_block(buf: bytes | bytearray | memoryview,
-                 expected_namespace: str | None = None,
-                 expected_key: str | None = None) -> DecodedBlock:
+def decode_block(
+    buf: bytes | bytearray | memoryview,
+    expected_namespace: str | None = None,
+    expected_key: str | None = None,
+) -> DecodedBlock:
     """Check and decode one block; ``expected_key``: the key it was read under, refused
     ("wrong_key") when a version-2 block carries another (a version-1 block has no key to
     check). Pure; raises CodecError (see module docstring for reasons)."""
@@ -203,8 +222,10 @@ def decode_block(buf: bytes | bytearray | memoryview,
     if magic != MAGIC:
         raise CodecError("bad_magic", f"{magic!r}")
     if version not in (KEYLESS_VERSION, FORMAT_VERSION):
-        raise CodecError("version", f"format version {version}, this build reads "
-                         f"{KEYLESS_VERSION} and {FORMAT_VERSION}")
+        raise CodecError(
+            "version",
+            f"format version {version}, this build reads {KEYLESS_VERSION} and {FORMAT_VERSION}",
+        )
     body_end = FIXED_HEADER_BYTES + meta_len + payload_len
     total = body_end + CHECKSUM_BYTES
     if view.nbytes < total:
@@ -215,8 +236,10 @@ def decode_block(buf: bytes | bytearray | memoryview,
     if xxhash.xxh3_64_intdigest(view[:body_end]) != stored:
         raise CodecError("checksum")
     try:
-        meta, digest = _parse_meta(view[FIXED_HEADER_BYTES:FIXED_HEADER_BYTES + meta_len],
-                                   keyed=version == FORMAT_VERSION)
+        meta, digest = _parse_meta(
+            view[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + meta_len],
+            keyed=version == FORMAT_VERSION,
+        )
     except (ValueError, struct.error, IndexError, UnicodeDecodeError) as exc:
         raise CodecError("bad_meta", str(exc)) from None
     if meta.payload_bytes != payload_len:
@@ -226,8 +249,7 @@ def decode_block(buf: bytes | bytearray | memoryview,
     if expected_key is not None and digest is not None and digest != key_digest(expected_key):
         raise CodecError("wrong_key", f"the block is another key's, not {expected_key!r}'s")
     start = FIXED_HEADER_BYTES + meta_len
-    return DecodedBlock(meta=meta, payload=view[start:body_end], version=version,
-                        key_digest=digest)
+    return DecodedBlock(meta=meta, payload=view[start:body_end], version=version, key_digest=digest)
 
 
 def header_bytes(meta: BlockMeta, key: str | None = None) -> bytes:
@@ -272,7 +294,7 @@ class HeaderTemplate:
         self.size = len(full)
         if keyed:  # the digest sits right after the shape, before the zero padding
             at = FIXED_HEADER_BYTES + len(_meta_unpadded(meta))
-            self._head, self._tail = full[:at], full[at + 8:]
+            self._head, self._tail = full[:at], full[at + 8 :]
         else:
             self._head, self._tail = full, b""
 
@@ -288,8 +310,11 @@ class HeaderTemplate:
         return self._head + _U64.pack(key_digest(key)) + self._tail
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, HeaderTemplate) and self.meta == other.meta
-                and self.keyed == other.keyed)
+        return (
+            isinstance(other, HeaderTemplate)
+            and self.meta == other.meta
+            and self.keyed == other.keyed
+        )
 
     def __hash__(self) -> int:
         return hash((self.meta, self.keyed))

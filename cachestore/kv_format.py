@@ -42,8 +42,12 @@ def hi4_layout(num_segments: int, segment_values: int) -> dict[str, int]:
     return out
 
 
-def stored_bytes_per_token(kv_bytes_per_token: int, num_layers: int, compression: str,
-                           block_tokens: int = ENGINE_BLOCK_TOKENS) -> int:
+def stored_bytes_per_token(
+    kv_bytes_per_token: int,
+    num_layers: int,
+    compression: str,
+    block_tokens: int = ENGINE_BLOCK_TOKENS,
+) -> int:
     """Bytes a token of KV takes in the tiers (rounded up) for 2-byte KV of ``num_layers``
     layers stored as ``compression``. Raises ValueError for an unknown compression or a
     geometry the format cannot hold."""
@@ -54,7 +58,8 @@ def stored_bytes_per_token(kv_bytes_per_token: int, num_layers: int, compression
     raw = kv_bytes_per_token * block_tokens
     segments = 2 * num_layers
     if num_layers < 1 or raw % (2 * segments):
-        raise ValueError(f"{kv_bytes_per_token} B/token does not split into {segments} "
-                         "segments of 2-byte values")
+        raise ValueError(
+            f"{kv_bytes_per_token} B/token does not split into {segments} segments of 2-byte values"
+        )
     payload = hi4_layout(segments, raw // (2 * segments))["end"]
     return -(-payload // block_tokens)

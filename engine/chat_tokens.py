@@ -82,8 +82,12 @@ class ChatTokenCache:
     count the outcomes.
     """
 
-    def __init__(self, tokenizer: Any, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
+        chat_template: str | None = None,
+    ):
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self._enabled = bool(getattr(tokenizer, "is_fast", False)) and max_cached_tokens > 0
@@ -97,8 +101,9 @@ class ChatTokenCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode(self, conversation: Sequence[dict[str, Any]],
-               max_tokens: int | None = None) -> EncodedChat:
+    def encode(
+        self, conversation: Sequence[dict[str, Any]], max_tokens: int | None = None
+    ) -> EncodedChat:
         t0 = time.perf_counter()
         text = render_chat(self._tokenizer, conversation, self.chat_template)
         t1 = time.perf_counter()
@@ -130,8 +135,7 @@ class ChatTokenCache:
                 return entry
         return None
 
-    def _extend(self, old: _Entry, text: str, max_tokens: int | None
-                ) -> tuple[_Entry, int] | None:
+    def _extend(self, old: _Entry, text: str, max_tokens: int | None) -> tuple[_Entry, int] | None:
         """``old`` extended to ``text``, or None when the guard fails."""
         if text == old.text:
             return old, len(old.token_ids)
@@ -193,4 +197,3 @@ def _tokenize(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int
     """Ids and character offsets, through the same call path as ``tokenizer.encode``."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), list(enc["offset_mapping"])
-

@@ -87,12 +87,20 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
-                self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
-                             f"{self.tensor_parallel_size!r}")
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size < 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
         if self.graph_decode not in GRAPH_DECODE_CHOICES:
-            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {self.graph_decode!r}")
+            raise ValueError(
+                f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {self.graph_decode!r}"
+            )
         if self.small_query_attention not in SMALL_QUERY_CHOICES:
-            raise ValueError(f"small_query_attention must be one of {SMALL_QUERY_CHOICES}, "
-                             f"got {self.small_query_attention!r}")
+            raise ValueError(
+                f"small_query_attention must be one of {SMALL_QUERY_CHOICES}, "
+                f"got {self.small_query_attention!r}"
+            )

@@ -118,7 +118,9 @@ class KVCache:
         """Copy whole blocks out: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``, a new
         contiguous tensor on the cache's device (one ``index_select``)."""
         ids = self._ids(block_ids)
-        out = torch.empty((ids.numel(), *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)
+        out = torch.empty(
+            (ids.numel(), *self.spec.block_shape), dtype=self.spec.dtype, device=self.device
+        )
         torch.index_select(self._words(self.tensor), 0, ids, out=self._words(out))
         return out
 

@@ -133,8 +133,9 @@ class LLM:
             convs = [list(messages)]  # type: ignore[arg-type]
         else:
             convs = [list(c) for c in messages]  # type: ignore[arg-type]
-        prompts: list[Prompt] = [encode_chat(self.tokenizer, c, chat_template=chat_template)
-                                 for c in convs]
+        prompts: list[Prompt] = [
+            encode_chat(self.tokenizer, c, chat_template=chat_template) for c in convs
+        ]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -102,8 +102,9 @@ class LLMEngine:
         self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
-        self.max_model_len = check_max_model_len(config, self.runner.max_model_len,
-                                                 self.runner.num_gpu_blocks)
+        self.max_model_len = check_max_model_len(
+            config, self.runner.max_model_len, self.runner.num_gpu_blocks
+        )
         if (
             not sched_cfg.enable_chunked_prefill
             and sched_cfg.max_num_batched_tokens < self.max_model_len
@@ -133,8 +134,12 @@ class LLMEngine:
                 self.runner.vocab_size,
             )
             self.offload = create_kv_connector(
-                "offload", config.kv_offload_config, self.runner.kv_cache, namespace,
-                calibration=target, tp=self.tp,
+                "offload",
+                config.kv_offload_config,
+                self.runner.kv_cache,
+                namespace,
+                calibration=target,
+                tp=self.tp,
             )
             self.pool.set_listener(self.offload.scheduler)
             self.runner.set_kv_connector(self.offload.worker)
@@ -206,7 +211,10 @@ class LLMEngine:
             )
         self.scheduler.add_request(request)
         self._states[req_id] = _RequestState(
-            request, detok, RequestMetrics(arrival_time=arrival), time.time() - (now - arrival),
+            request,
+            detok,
+            RequestMetrics(arrival_time=arrival),
+            time.time() - (now - arrival),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
@@ -312,7 +320,12 @@ class LLMEngine:
         )
 
     def _output(
-        self, state: _RequestState, new_ids: list[int], new_text: str, *, finished: bool,
+        self,
+        state: _RequestState,
+        new_ids: list[int],
+        new_text: str,
+        *,
+        finished: bool,
         new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         request = state.request
@@ -478,14 +491,23 @@ def check_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: in
         return max_model_len
     explicit = config.scheduler.max_model_len is not None
     if not explicit and config.cache.num_gpu_blocks is not None:
-        logger.warning("max_model_len cut from %d (the model's context length) to %d: "
-                       "--num-gpu-blocks %d holds no longer sequence; pass --max-model-len to "
-                       "choose", max_model_len, pool_tokens, num_blocks)
+        logger.warning(
+            "max_model_len cut from %d (the model's context length) to %d: "
+            "--num-gpu-blocks %d holds no longer sequence; pass --max-model-len to "
+            "choose",
+            max_model_len,
+            pool_tokens,
+            num_blocks,
+        )
         return pool_tokens
     source = "--max-model-len" if explicit else "the model's context length (config.json)"
-    more = ("--num-gpu-blocks" if config.cache.num_gpu_blocks is not None else
-            "--gpu-memory-utilization (GPU) or --cpu-kv-cache-bytes (CPU)")
+    more = (
+        "--num-gpu-blocks"
+        if config.cache.num_gpu_blocks is not None
+        else "--gpu-memory-utilization (GPU) or --cpu-kv-cache-bytes (CPU)"
+    )
     raise ValueError(
         f"max_model_len {max_model_len} ({source}) needs {-(-max_model_len // bs)} KV blocks, "
         f"but the KV cache holds {num_blocks} blocks ({pool_tokens} tokens): pass "
-        f"--max-model-len {pool_tokens} or less, or give the KV cache more memory ({more})")
+        f"--max-model-len {pool_tokens} or less, or give the KV cache more memory ({more})"
+    )

@@ -37,8 +37,11 @@ class TokenLogprob:
     @classmethod
     def from_plain(cls, value: list[object]) -> TokenLogprob:
         token_id, logprob, top = value
-        return cls(int(token_id), float(logprob),  # type: ignore[arg-type]
-                   tuple((int(i), float(lp)) for i, lp in top))  # type: ignore[union-attr]
+        return cls(
+            int(token_id),
+            float(logprob),  # type: ignore[arg-type]
+            tuple((int(i), float(lp)) for i, lp in top),
+        )  # type: ignore[union-attr]
 
 
 @dataclass(slots=True)

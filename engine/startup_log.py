@@ -50,8 +50,10 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(w in k.lower() for w in _SECRET_WORDS) else v)
-                           for k, v in pairs], safe="*")
+        query = urlencode(
+            [(k, "***" if any(w in k.lower() for w in _SECRET_WORDS) else v) for k, v in pairs],
+            safe="*",
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
@@ -87,8 +89,9 @@ def describe_offload(offload: Any) -> list[str]:
     stack = getattr(getattr(config, "tiers", None), "tiers", None)
     if not stack:
         return [f"  KV offload  on ({type(offload).__name__})"]
-    lines = [f"  KV offload  {len(stack)} tier(s), decision policy "
-             f"{getattr(config, 'decision', '?')}"]
+    lines = [
+        f"  KV offload  {len(stack)} tier(s), decision policy {getattr(config, 'decision', '?')}"
+    ]
     for i, tier in enumerate(stack):
         policy = getattr(tier, "write_policy", None) if i > 0 else None
         lines.append(f"    tier {i}    {describe_tier(tier)}" + (f", {policy}" if policy else ""))
@@ -101,8 +104,11 @@ def describe_engine(engine: Any) -> str:
     arch = runner.arch
     dtype = str(runner.dtype).removeprefix("torch.")
     source = engine.config.model
-    model = engine.model_dir if source in (None, engine.model_dir) else \
-        f"{engine.model_dir} (from {source})"
+    model = (
+        engine.model_dir
+        if source in (None, engine.model_dir)
+        else f"{engine.model_dir} (from {source})"
+    )
     demo = ", the embedded demo model: random weights" if source is None else ""
     blocks = engine.pool.num_blocks
     block_size = engine.config.cache.block_size
@@ -116,11 +122,14 @@ def describe_engine(engine: Any) -> str:
         lines.append(f"  tokenizer   {engine.config.tokenizer}")
     tp = engine.config.tensor_parallel_size
     if tp > 1:  # docs/tp.md; the KV cache line below is one rank's
-        lines.append(f"  tensor par. {tp} ranks, {arch.num_kv_heads} KV heads and the KV cache "
-                     f"below on each")
+        lines.append(
+            f"  tensor par. {tp} ranks, {arch.num_kv_heads} KV heads and the KV cache below on each"
+        )
     caching = "on" if engine.config.cache.enable_prefix_caching else "off"
-    lines.append(f"  KV cache    {blocks} blocks x {block_size} tokens = {blocks * block_size} "
-                 f"tokens ({human_size(kv_bytes)}), max_model_len {engine.max_model_len}, "
-                 f"prefix caching {caching}")
+    lines.append(
+        f"  KV cache    {blocks} blocks x {block_size} tokens = {blocks * block_size} "
+        f"tokens ({human_size(kv_bytes)}), max_model_len {engine.max_model_len}, "
+        f"prefix caching {caching}"
+    )
     lines += describe_offload(engine.offload)
     return "\n".join(lines)

@@ -88,8 +88,9 @@ def check_token_bound(tokenizer: Any, text: str, max_tokens: int) -> None:
                 raise TooManyTokens(count - BOUND_CUT_SLACK * cuts, max_tokens)
 
 
-def encode_within(tokenizer: Any, text: str, max_tokens: int, add_special_tokens: bool = True
-                  ) -> list[int]:
+def encode_within(
+    tokenizer: Any, text: str, max_tokens: int, add_special_tokens: bool = True
+) -> list[int]:
     """``tokenizer.encode(text)``, unless ``text`` surely has more than ``max_tokens`` tokens:
     then raises TooManyTokens having tokenized only about ``max_tokens`` tokens' worth of it
     (a 50 MB body took 38 s to tokenize whole before its length was refused). A text of at
@@ -100,8 +101,9 @@ def encode_within(tokenizer: Any, text: str, max_tokens: int, add_special_tokens
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Sequence[int],
-                  max_tokens: int | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: str | Sequence[int], max_tokens: int | None = None
+) -> list[int]:
     """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS); ids pass
     through as ints. With ``max_tokens``: raises TooManyTokens for a text that surely has
     more (``encode_within``)."""
@@ -123,8 +125,9 @@ def load_chat_template(value: str) -> str:
         where = f"{value}: "
     except OSError as exc:
         if not any(c in value for c in "{}\n"):
-            raise ValueError(f"cannot read chat template file {value!r}: "
-                             f"{exc.strerror or exc}") from None
+            raise ValueError(
+                f"cannot read chat template file {value!r}: {exc.strerror or exc}"
+            ) from None
         template = value.replace("\\n", "\n")
         where = ""
     check_chat_template(template, where)
@@ -137,17 +140,23 @@ def check_chat_template(template: str, where: str = "") -> None:
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     try:
         env.parse(template)
     except TemplateSyntaxError as exc:
         raise ValueError(f"{where}line {exc.lineno}: {exc.message}") from None
 
 
-def render_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
-                chat_template: str | None = None, *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+def render_chat(
+    tokenizer: Any,
+    conversation: Sequence[dict[str, str]],
+    chat_template: str | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
     """``conversation`` rendered by ``chat_template`` (else the tokenizer's own), with the
     assistant generation prompt unless told otherwise (``continue_final_message``: the last
     message left open, for the model to continue). Raises ValueError when there is no
@@ -159,16 +168,22 @@ def render_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
         raise ValueError("the tokenizer has no chat template (pass --chat-template)")
     try:
         return tokenizer.apply_chat_template(
-            list(conversation), chat_template=chat_template,
+            list(conversation),
+            chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False,
+            continue_final_message=continue_final_message,
+            tokenize=False,
         )
     except TemplateError as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def encode_chat(tokenizer: Any, conversation: Sequence[dict[str, str]],
-                max_tokens: int | None = None, chat_template: str | None = None) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    conversation: Sequence[dict[str, str]],
+    max_tokens: int | None = None,
+    chat_template: str | None = None,
+) -> list[int]:
     """Token ids of ``conversation`` rendered by ``render_chat`` (``chat_template``: instead
     of the tokenizer's). The template writes BOS itself, so no special tokens are added
     again. Raises ValueError when there is no chat template; TooManyTokens as

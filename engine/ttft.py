@@ -49,8 +49,19 @@ from dataclasses import dataclass, field
 # Prometheus histogram ``kvtier_request_ttft_phase_seconds``. Keep them stable: add new
 # names, never rename (``load_copy`` came after the others).
 API_PHASES = ("api_template", "api_tokenize")
-ENGINE_PHASES = ("to_core", "queue", "schedule", "hash", "lookup", "decide", "load",
-                 "load_copy", "prefill_wait", "prefill_compute", "first_sample")
+ENGINE_PHASES = (
+    "to_core",
+    "queue",
+    "schedule",
+    "hash",
+    "lookup",
+    "decide",
+    "load",
+    "load_copy",
+    "prefill_wait",
+    "prefill_compute",
+    "first_sample",
+)
 RETURN_PHASE = "return"
 ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE)
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.

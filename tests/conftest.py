@@ -36,9 +36,12 @@ def _cuda_available() -> bool:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--server-soak-s", type=float,
-                     default=float(os.environ.get("KVTIER_SERVER_SOAK_S", "5")),
-                     help="seconds the cache-server soak test runs (env KVTIER_SERVER_SOAK_S)")
+    parser.addoption(
+        "--server-soak-s",
+        type=float,
+        default=float(os.environ.get("KVTIER_SERVER_SOAK_S", "5")),
+        help="seconds the cache-server soak test runs (env KVTIER_SERVER_SOAK_S)",
+    )
 
 
 @pytest.fixture(scope="session")

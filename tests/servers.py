@@ -369,7 +369,9 @@ class ExternalS3(S3Server):
 
 
 @contextlib.contextmanager
-def cache_server_process(tmp_path: Any, token: str, tenant: str, data_subdir: str = "data") -> Iterator[int]:
+def cache_server_process(
+    tmp_path: Any, token: str, tenant: str, data_subdir: str = "data"
+) -> Iterator[int]:
     """A small ``kvtier cache-server`` process (4 MiB host tier of 64 KiB slots over a 64 MiB
     LMDB in ``tmp_path/data_subdir``, no admin port) accepting ``token`` for ``tenant``; yields its port
     once it listens, stops it (SIGTERM, then waits) after."""
@@ -379,15 +381,33 @@ def cache_server_process(tmp_path: Any, token: str, tenant: str, data_subdir: st
     port = free_port()
     (Path(tmp_path) / "tokens").write_text(f"{token} {tenant}\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(Path(tmp_path) / data_subdir), "--lmdb-capacity",
-         "64MiB", "--host-capacity", "4MiB", "--host-slot-bytes", "64KiB",
-         "--tokens", str(Path(tmp_path) / "tokens")],
-        cwd=root, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--data-dir",
+            str(Path(tmp_path) / data_subdir),
+            "--lmdb-capacity",
+            "64MiB",
+            "--host-capacity",
+            "4MiB",
+            "--host-slot-bytes",
+            "64KiB",
+            "--tokens",
+            str(Path(tmp_path) / "tokens"),
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         yield port
     finally:
         proc.terminate()
         proc.wait(30)
-

@@ -36,20 +36,32 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
 
 def test_vllm_habits_positional_model_prefix_caching_flags_config_file(tmp_path: Path) -> None:
     assert engine_config_from_args(_serve_args(["/models/m"])).model == "/models/m"
-    assert engine_config_from_args(_serve_args(["/models/m", "--model", "/models/m"])).model == "/models/m"
+    assert (
+        engine_config_from_args(_serve_args(["/models/m", "--model", "/models/m"])).model
+        == "/models/m"
+    )
     with pytest.raises(ValueError, match="two models"):
         engine_config_from_args(_serve_args(["/models/a", "--model", "/models/b"]))
     off = engine_config_from_args(_serve_args(["--no-enable-prefix-caching"]))
     assert off.cache.enable_prefix_caching is False
-    assert engine_config_from_args(_serve_args(["--enable-prefix-caching"])).cache.enable_prefix_caching
-    assert engine_config_from_args(_serve_args(["--no-prefix-caching"])).cache.enable_prefix_caching is False
+    assert engine_config_from_args(
+        _serve_args(["--enable-prefix-caching"])
+    ).cache.enable_prefix_caching
+    assert (
+        engine_config_from_args(_serve_args(["--no-prefix-caching"])).cache.enable_prefix_caching
+        is False
+    )
     assert _serve_args(["--disable-log-requests"]).disable_log_requests is True
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: /models/y\nport: 9100\nmax-model-len: 2048\nkv_offload: true\n")
     args = _serve_args(["--config", str(cfg), "--port", "9200"])
     config = engine_config_from_args(args)
     assert (args.port, config.model, config.scheduler.max_model_len, config.kv_offload) == (
-        9200, "/models/y", 2048, True)  # the later flag wins over the file
+        9200,
+        "/models/y",
+        2048,
+        True,
+    )  # the later flag wins over the file
     bad = tmp_path / "bad.yaml"
     bad.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
@@ -61,9 +73,14 @@ def test_api_key_from_flag_or_environment_and_origins() -> None:
 
     assert api_key_from(_serve_args([]), {}) is None
     assert api_key_from(_serve_args([]), {"KVTIER_API_KEY": "sk-env"}) == "sk-env"
-    assert api_key_from(_serve_args(["--api-key", "sk-flag"]), {"KVTIER_API_KEY": "sk-env"}) == "sk-flag"
+    assert (
+        api_key_from(_serve_args(["--api-key", "sk-flag"]), {"KVTIER_API_KEY": "sk-env"})
+        == "sk-flag"
+    )
     assert origins_from(_serve_args(["--allowed-origins", "https://a.example, *"])) == (
-        "https://a.example", "*")
+        "https://a.example",
+        "*",
+    )
     assert origins_from(_serve_args([])) == ()
 
 
@@ -72,10 +89,21 @@ def test_serve_refuses_a_busy_port_before_loading_the_model(tmp_path: Path) -> N
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(tmp_path / "absent"),
-               "--port", str(port), "--device", "cpu"]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                                cwd=Path(__file__).resolve().parents[1])
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "serve",
+            "--model",
+            str(tmp_path / "absent"),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ]
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1]
+        )
     assert result.returncode == 2
     assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
     assert "absent" not in result.stderr  # refused before the model directory was looked at
@@ -90,8 +118,13 @@ def test_a_directory_without_tokenizer_files_says_so(tmp_path: Path) -> None:
 
 
 def test_kvtier_version() -> None:
-    result = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=60,
+    )
     assert result.returncode == 0 and result.stdout.startswith("kvtier ")
 
 
@@ -102,7 +135,10 @@ def test_kv_offload_config_implies_kv_offload() -> None:
     assert config.kv_offload is True and config.kv_offload_config == "tiers.yaml"
     assert engine_config_from_args(_serve_args([])).kv_offload is False
     assert build_engine_config(None, kv_offload_config={"tiers": []}).kv_offload is True
-    assert build_engine_config(None, kv_offload_config={"tiers": []}, kv_offload=False).kv_offload is False
+    assert (
+        build_engine_config(None, kv_offload_config={"tiers": []}, kv_offload=False).kv_offload
+        is False
+    )
 
 
 def test_serve_flags_map_one_to_one() -> None:
@@ -156,16 +192,22 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     out = captured.out
     assert "users=2 turns=3" in out
     # Said first and in the summary: this model's replies are noise.
-    assert out.startswith("kvtier demo: the tiny random-weight model (--tiny): its replies are "
-                          "random tokens")
+    assert out.startswith(
+        "kvtier demo: the tiny random-weight model (--tiny): its replies are random tokens"
+    )
     assert "model=kvtier-demo (random weights: replies are noise)" in out
     # Progress on stderr: each phase's start, each round, its end, with elapsed seconds.
     # (A calibration bar may share a line: tqdm ends it with a carriage return.)
     progress = re.findall(r"\[\s*[0-9.]+s\] phase (\d)/2: ([^\r\n]+)", captured.err)
     assert [p for p, _ in progress] == ["1"] * 6 + ["2"] * 6, captured.err
     assert [t.rsplit(": ", 1)[1] for _, t in progress[:6]] == [
-        "loading the model", "running 3 turn(s)", "turn 1/3 done", "turn 2/3 done",
-        "turn 3/3 done", "done"]
+        "loading the model",
+        "running 3 turn(s)",
+        "turn 1/3 done",
+        "turn 2/3 done",
+        "turn 3/3 done",
+        "done",
+    ]
     assert re.search(r"^requests\s+6$", out, re.M), out
     first_rate, later_rate = map(
         float, re.search(r"^hit rate %\s+(\S+)\s+(\S+)$", out, re.M).groups()
@@ -255,9 +297,12 @@ def test_kvtier_serve_process_serves_and_stops_on_sigint(tmp_path: Path) -> None
         assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("tiny", 64)]
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
         usage = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()["usage"]
-        assert usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
-                         "prompt_tokens_details": {"cached_tokens": 0,
-                                                   "kvtier_cached_tokens_by_tier": {}}}
+        assert usage == {
+            "prompt_tokens": 3,
+            "completion_tokens": 3,
+            "total_tokens": 6,
+            "prompt_tokens_details": {"cached_tokens": 0, "kvtier_cached_tokens_by_tier": {}},
+        }
         # The default layout: the model runs in a spawned engine-core child process.
         (core_pid,) = _engine_core_children(proc.pid)
         proc.send_signal(signal.SIGINT)

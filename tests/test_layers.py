@@ -50,10 +50,15 @@ PACKAGES = (*PRODUCT, "bench")
 NETWORK = ("zmq", "socket", "socketserver", "fastapi", "uvicorn", "starlette")
 NETWORK_OWNERS = ("cachestore.server", "tiers.remote")
 # The connectors' scheduler sides: torch-free even through what they import.
-TORCH_FREE_EXTRA = ("connectors.offload.scheduler", "connectors.vllm.scheduler",
-                    "connectors.vllm.lookup", "connectors.vllm.config",
-                    "connectors.sglang.config", "connectors.sglang.keys",
-                    "connectors.sglang.stats")
+TORCH_FREE_EXTRA = (
+    "connectors.offload.scheduler",
+    "connectors.vllm.scheduler",
+    "connectors.vllm.lookup",
+    "connectors.vllm.config",
+    "connectors.sglang.config",
+    "connectors.sglang.keys",
+    "connectors.sglang.stats",
+)
 # The only product modules that may import vllm (every import counts, as for the arrows);
 # bench/ imports it to compare with it.
 VLLM_OWNERS = ("connectors.vllm.connector", "connectors.vllm.metrics")
@@ -81,9 +86,27 @@ FORBIDDEN = {
 # of its longest matching prefix. engine.cli (the console script's table: it names its
 # subcommands' modules as strings) sits at the bottom because the server asks it the version.
 ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "contract": (0, tuple(f"engine.{m}" for m in (
-        "config", "core_types", "request", "outputs", "sampling_params", "ttft", "kv_connector",
-        "kv_cache", "request_log", "tokenizer", "chat_tokens", "startup_log", "kv_stats"))),
+    "contract": (
+        0,
+        tuple(
+            f"engine.{m}"
+            for m in (
+                "config",
+                "core_types",
+                "request",
+                "outputs",
+                "sampling_params",
+                "ttft",
+                "kv_connector",
+                "kv_cache",
+                "request_log",
+                "tokenizer",
+                "chat_tokens",
+                "startup_log",
+                "kv_stats",
+            )
+        ),
+    ),
     "cli": (0, ("engine.cli",)),
     "kernels": (1, ("engine.kernels",)),
     "attention": (2, ("engine.attention",)),
@@ -115,7 +138,8 @@ def _module_name(path: Path) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _walk(node: ast.AST, module_level: bool):
@@ -169,8 +193,9 @@ def _within(name: str, prefix: str) -> bool:
 
 
 def _path(module: str) -> str:
-    return module.replace(".", "/") + ("/__init__.py" if (ROOT / module.replace(".", "/")).is_dir()
-                                       else ".py")
+    return module.replace(".", "/") + (
+        "/__init__.py" if (ROOT / module.replace(".", "/")).is_dir() else ".py"
+    )
 
 
 def _where(imp: Import) -> str:
@@ -220,16 +245,33 @@ def _closure(start: str) -> dict[str, Import]:
 
 def test_scan_sees_the_packages():
     # A rule checked over nothing passes vacuously: the scan must see the real tree.
-    assert any(i.source == "engine.sched.block_pool" and i.target == "cachestore.hashing"
-               for i in IMPORTS)
-    missing = [m for m in ("tiers.base", "tiers.config", "tiers.remote.protocol",
-                           "cachestore.store", "cachestore.server", "cachestore.cost",
-                           "connectors.offload.scheduler", "connectors.device",
-                           "connectors.vllm.connector", "connectors.vllm.scheduler",
-                           "engine.kv_connector", "engine.sched.scheduler",
-                           "engine.runner.model_runner", "engine.models.loader",
-                           "engine.core.async_engine", "engine.demo.run",
-                           "bench.common", "bench.offload.main") if m not in MODULES]
+    assert any(
+        i.source == "engine.sched.block_pool" and i.target == "cachestore.hashing" for i in IMPORTS
+    )
+    missing = [
+        m
+        for m in (
+            "tiers.base",
+            "tiers.config",
+            "tiers.remote.protocol",
+            "cachestore.store",
+            "cachestore.server",
+            "cachestore.cost",
+            "connectors.offload.scheduler",
+            "connectors.device",
+            "connectors.vllm.connector",
+            "connectors.vllm.scheduler",
+            "engine.kv_connector",
+            "engine.sched.scheduler",
+            "engine.runner.model_runner",
+            "engine.models.loader",
+            "engine.core.async_engine",
+            "engine.demo.run",
+            "bench.common",
+            "bench.offload.main",
+        )
+        if m not in MODULES
+    ]
     _check("missing", missing, "modules of the layout missing")
 
 
@@ -246,13 +288,18 @@ def test_no_torch_at_module_level(module):
     closure = _closure(module)
     torch = sorted(t for t in closure if _within(t, "torch"))
     found = [f"{_path(module)} imports torch" for _ in torch[:1]]
-    _check("torch", found, f"{module} imports torch at module level: "
-           + (_chain(closure, torch[0]) if torch else ""))
+    _check(
+        "torch",
+        found,
+        f"{module} imports torch at module level: " + (_chain(closure, torch[0]) if torch else ""),
+    )
 
 
 def test_arrows_run_one_way():
     bad = [
-        _where(imp) for imp in IMPORTS for package, above in FORBIDDEN.items()
+        _where(imp)
+        for imp in IMPORTS
+        for package, above in FORBIDDEN.items()
         if _within(imp.source, package) and any(_within(imp.target, up) for up in above)
     ]
     _check("arrows", bad, f"arrows that run back up ({FORBIDDEN})")
@@ -260,7 +307,8 @@ def test_arrows_run_one_way():
 
 def test_only_the_daemon_and_the_remote_tier_touch_the_network():
     bad = [
-        _where(imp) for imp in IMPORTS
+        _where(imp)
+        for imp in IMPORTS
         if (_within(imp.source, "cachestore") or _within(imp.source, "tiers"))
         and any(_within(imp.target, net) for net in NETWORK)
         and not any(_within(imp.source, owner) for owner in NETWORK_OWNERS)
@@ -269,14 +317,23 @@ def test_only_the_daemon_and_the_remote_tier_touch_the_network():
 
 
 def test_only_the_vllm_adapter_imports_vllm():
-    bad = [_where(imp) for imp in IMPORTS
-           if _within(imp.target, "vllm") and imp.source not in VLLM_OWNERS
-           and not _within(imp.source, "bench")]
+    bad = [
+        _where(imp)
+        for imp in IMPORTS
+        if _within(imp.target, "vllm")
+        and imp.source not in VLLM_OWNERS
+        and not _within(imp.source, "bench")
+    ]
     _check("vllm", bad, f"only {VLLM_OWNERS} may import vllm")
     # The package vLLM names (``connectors.vllm``) imports nothing of kvtier or vLLM when
     # imported: the connector class loads on first access.
-    eager = [_where(imp) for imp in IMPORTS if imp.source == "connectors.vllm"
-             and imp.module_level and (imp.target in MODULES or _within(imp.target, "vllm"))]
+    eager = [
+        _where(imp)
+        for imp in IMPORTS
+        if imp.source == "connectors.vllm"
+        and imp.module_level
+        and (imp.target in MODULES or _within(imp.target, "vllm"))
+    ]
     assert not eager, "connectors/vllm/__init__.py must import lazily:\n" + "\n".join(eager)
 
 
@@ -324,13 +381,21 @@ def test_no_import_circle():
 
 
 def test_only_the_sglang_backend_imports_sglang():
-    bad = [_where(imp) for imp in IMPORTS
-           if _within(imp.target, "sglang") and imp.source not in SGLANG_OWNERS]
+    bad = [
+        _where(imp)
+        for imp in IMPORTS
+        if _within(imp.target, "sglang") and imp.source not in SGLANG_OWNERS
+    ]
     _check("sglang", bad, f"only {SGLANG_OWNERS} may import sglang")
     # SGLang's factory imports ``connectors.sglang``: it imports nothing until the class is
     # asked for, so the rest of kvtier never needs SGLang.
-    eager = [_where(imp) for imp in IMPORTS if imp.source == "connectors.sglang"
-             and imp.module_level and (imp.target in MODULES or _within(imp.target, "sglang"))]
+    eager = [
+        _where(imp)
+        for imp in IMPORTS
+        if imp.source == "connectors.sglang"
+        and imp.module_level
+        and (imp.target in MODULES or _within(imp.target, "sglang"))
+    ]
     assert not eager, "connectors/sglang/__init__.py must import lazily:\n" + "\n".join(eager)
 
 
@@ -346,8 +411,14 @@ def _engine_concept(module: str) -> str | None:
 
 def test_every_engine_module_has_a_floor():
     # A new module at engine/'s root must be placed (in the contract, or a concept of its own).
-    unplaced = [m for m in MODULES if _within(m, "engine") and _engine_concept(m) in (None, "top")
-                and m != "engine" and not _within(m, "engine.demo")]
+    unplaced = [
+        m
+        for m in MODULES
+        if _within(m, "engine")
+        and _engine_concept(m) in (None, "top")
+        and m != "engine"
+        and not _within(m, "engine.demo")
+    ]
     assert not unplaced, f"engine modules on no floor (add them to ENGINE_FLOORS): {unplaced}"
 
 
@@ -365,11 +436,16 @@ def test_engine_concepts_import_down():
 
 
 def test_the_scheduler_imports_no_device_library():
-    direct = [_where(imp) for imp in IMPORTS if _within(imp.source, "engine.sched")
-              and any(_within(imp.target, lib) for lib in DEVICE_LIBRARIES)]
+    direct = [
+        _where(imp)
+        for imp in IMPORTS
+        if _within(imp.source, "engine.sched")
+        and any(_within(imp.target, lib) for lib in DEVICE_LIBRARIES)
+    ]
     _check("device", direct, "engine/sched imports a device library")
     for module in sorted(m for m in MODULES if _within(m, "engine.sched")):
         closure = _closure(module)
         found = sorted(t for t in closure if any(_within(t, lib) for lib in DEVICE_LIBRARIES))
-        assert not found, (f"{module} imports {found[0]} at module level: "
-                           + _chain(closure, found[0]))
+        assert not found, f"{module} imports {found[0]} at module level: " + _chain(
+            closure, found[0]
+        )

@@ -59,7 +59,11 @@ def _remote(config: Any) -> Tier:
 
 
 _FACTORIES: dict[str, TierFactory] = {
-    "host": _host, "lmdb": _lmdb, "redis": _redis, "s3": _s3, "remote": _remote,
+    "host": _host,
+    "lmdb": _lmdb,
+    "redis": _redis,
+    "s3": _s3,
+    "remote": _remote,
 }
 
 
@@ -82,6 +86,7 @@ def create_tier(config: Any) -> Tier:
     if factory is None:
         raise ValueError(f"no tier registered for kind {kind!r}; known: {tier_kinds()}")
     return factory(config)
+
 
 def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) -> list[Tier]:
     """Construct every tier of ``config`` through this registry, top first.
@@ -107,5 +112,14 @@ def build_tiers(config: TierStackConfig, *, host_slot_bytes: int | None = None) 
     return built
 
 
-__all__ = ["Evicted", "Tier", "TierError", "TierUsage", "Value", "build_tiers", "create_tier",
-           "register_tier", "tier_kinds"]
+__all__ = [
+    "Evicted",
+    "Tier",
+    "TierError",
+    "TierUsage",
+    "Value",
+    "build_tiers",
+    "create_tier",
+    "register_tier",
+    "tier_kinds",
+]

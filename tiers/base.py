@@ -129,7 +129,9 @@ def writable_views(keys: Sequence[str], out: Sequence[Any]) -> list[memoryview]:
         try:
             view = memoryview(buf).cast("B")
         except TypeError as exc:
-            raise ValueError(f"get_many_into: buffer {i} is not C-contiguous bytes ({exc})") from None
+            raise ValueError(
+                f"get_many_into: buffer {i} is not C-contiguous bytes ({exc})"
+            ) from None
         if view.readonly:
             raise ValueError(f"get_many_into: buffer {i} is read-only")
         views.append(view)

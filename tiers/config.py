@@ -73,13 +73,37 @@ from tiers.sizes import (
 
 # The tier config API: this module's own names and the field vocabulary and sizes it re-exports.
 __all__ = [
-    "BLOCKS", "BYTES", "CONFIG_CLASSES", "REDIS_CLUSTER_SCHEMES", "REDIS_MAX_BULK_BYTES",
-    "STORE_FIELDS", "TOKENS", "UNBOUNDED", "WRITE_BACK", "WRITE_POLICIES", "WRITE_THROUGH",
-    "WRITE_THROUGH_SELECTIVE", "ConfigError", "HostTierConfig", "LmdbTierConfig",
-    "RedisTierConfig", "RemoteTierConfig", "S3TierConfig", "Size", "TierConfig",
-    "TierStackConfig", "check_resources", "format_size", "load_config_file", "load_tier_config",
-    "mem_available_bytes", "parse_quantity", "parse_size", "parse_tier_config",
-    "parse_tier_entry", "redact_url",
+    "BLOCKS",
+    "BYTES",
+    "CONFIG_CLASSES",
+    "REDIS_CLUSTER_SCHEMES",
+    "REDIS_MAX_BULK_BYTES",
+    "STORE_FIELDS",
+    "TOKENS",
+    "UNBOUNDED",
+    "WRITE_BACK",
+    "WRITE_POLICIES",
+    "WRITE_THROUGH",
+    "WRITE_THROUGH_SELECTIVE",
+    "ConfigError",
+    "HostTierConfig",
+    "LmdbTierConfig",
+    "RedisTierConfig",
+    "RemoteTierConfig",
+    "S3TierConfig",
+    "Size",
+    "TierConfig",
+    "TierStackConfig",
+    "check_resources",
+    "format_size",
+    "load_config_file",
+    "load_tier_config",
+    "mem_available_bytes",
+    "parse_quantity",
+    "parse_size",
+    "parse_tier_config",
+    "parse_tier_entry",
+    "redact_url",
 ]
 
 
@@ -147,8 +171,10 @@ class RedisTierConfig:
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
         if scheme not in {"redis", "rediss", "unix", *REDIS_CLUSTER_SCHEMES}:
-            raise ValueError(f"redis url must be redis://, rediss://, unix:// or "
-                             f"redis+cluster://, got {redact_url(self.url)!r}")
+            raise ValueError(
+                f"redis url must be redis://, rediss://, unix:// or "
+                f"redis+cluster://, got {redact_url(self.url)!r}"
+            )
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {self.ttl_s}")
         if self.max_value_bytes <= 0:
@@ -158,16 +184,20 @@ class RedisTierConfig:
         if self.max_connections <= 0 or self.retries < 0:
             raise ValueError("max_connections must be positive and retries non-negative")
         if self.read_connections > self.max_connections:
-            raise ValueError(f"field 'read_connections': {self.read_connections} is more than "
-                             f"max_connections ({self.max_connections})")
+            raise ValueError(
+                f"field 'read_connections': {self.read_connections} is more than "
+                f"max_connections ({self.max_connections})"
+            )
         if self.read_connections <= 0:
             raise ValueError(f"read_connections must be positive, got {self.read_connections}")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"capacity must be positive or None, got {self.capacity}")
         if self.capacity is not None and (self.cluster or scheme in REDIS_CLUSTER_SCHEMES):
             # Its LRU scripts touch keys in many hash slots.
-            raise ValueError("field 'capacity' needs a single Redis server, not a cluster "
-                             "(bound each shard with maxmemory instead)")
+            raise ValueError(
+                "field 'capacity' needs a single Redis server, not a cluster "
+                "(bound each shard with maxmemory instead)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,8 +374,12 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
     return _FALLBACK_MEM_AVAILABLE
 
 
-def check_resources(config: TierStackConfig, *, mem_available: int | None = None,
-                    source: str | os.PathLike[str] | None = None) -> None:
+def check_resources(
+    config: TierStackConfig,
+    *,
+    mem_available: int | None = None,
+    source: str | os.PathLike[str] | None = None,
+) -> None:
     """Start-time checks of what the stack needs from this machine; raises ConfigError naming
     the file ``source`` (the YAML the stack came from, when given), the tier and the field.
     Host tier: ``capacity`` at most ``mem_available`` (default: read MemAvailable now; a larger
@@ -358,15 +392,18 @@ def check_resources(config: TierStackConfig, *, mem_available: int | None = None
             if cfg.capacity > mem:
                 raise ConfigError(
                     f"{where}: field 'capacity': {_gib(cfg.capacity)} is more than the memory "
-                    f"available on this machine ({_gib(mem)}, /proc/meminfo MemAvailable)")
+                    f"available on this machine ({_gib(mem)}, /proc/meminfo MemAvailable)"
+                )
         elif isinstance(cfg, LmdbTierConfig):
             try:
                 Path(cfg.path).mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryFile(dir=cfg.path):
                     pass
             except OSError as exc:
-                raise ConfigError(f"{where}: field 'path': cannot use {cfg.path!r} as the LMDB "
-                                  f"directory: {exc.strerror or exc}") from None
+                raise ConfigError(
+                    f"{where}: field 'path': cannot use {cfg.path!r} as the LMDB "
+                    f"directory: {exc.strerror or exc}"
+                ) from None
 
 
 def _gib(n: int) -> str:

@@ -70,9 +70,13 @@ def _policy(value: object) -> str:
     return str(value)
 
 
-def _f(parse: Callable[[object], Any], default: Any = dataclasses.MISSING, *,
-       secret: bool = False, required: bool = False) -> Any:
+def _f(
+    parse: Callable[[object], Any],
+    default: Any = dataclasses.MISSING,
+    *,
+    secret: bool = False,
+    required: bool = False,
+) -> Any:
     """A config field: ``parse`` checks and converts the YAML value. Required in YAML when it
     has no default or ``required`` (a default for code that builds the config directly)."""
-    return field(default=default, repr=not secret,
-                 metadata={"parse": parse, "required": required})
+    return field(default=default, repr=not secret, metadata={"parse": parse, "required": required})

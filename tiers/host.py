@@ -60,13 +60,21 @@ class Reservation:
 class HostTier(Tier):
     name = "host"
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int, *,
-                 pin_memory: bool | None = None, shared: bool = False) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        pin_memory: bool | None = None,
+        shared: bool = False,
+    ) -> None:
         """Allocate the slab. Raises ValueError when not even one slot fits, OSError when
         ``shared`` memory cannot be had here (no memfd or seals: use private memory)."""
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
-            raise ValueError(f"host tier needs capacity >= slot_bytes > 0, got "
-                             f"capacity={capacity_bytes} slot_bytes={slot_bytes}")
+            raise ValueError(
+                f"host tier needs capacity >= slot_bytes > 0, got "
+                f"capacity={capacity_bytes} slot_bytes={slot_bytes}"
+            )
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
         self._shared: SharedSlab | None = None
@@ -125,7 +133,7 @@ class HostTier(Tier):
                     continue
                 self._entries.move_to_end(key)
                 start = entry.slot * self.slot_bytes
-                out.append(self._slab[start:start + entry.nbytes])
+                out.append(self._slab[start : start + entry.nbytes])
         return out
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
@@ -154,7 +162,7 @@ class HostTier(Tier):
                         evicted.append(Evicted(key, bytes(src)))
                         continue
                 start = entry.slot * self.slot_bytes
-                self._slab[start:start + src.nbytes] = src
+                self._slab[start : start + src.nbytes] = src
         return evicted
 
     def delete_many(self, keys: Sequence[str]) -> int:
@@ -170,9 +178,11 @@ class HostTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(used_bytes=self._used_bytes,
-                             capacity_bytes=self.num_slots * self.slot_bytes,
-                             num_entries=sum(e.committed for e in self._entries.values()))
+            return TierUsage(
+                used_bytes=self._used_bytes,
+                capacity_bytes=self.num_slots * self.slot_bytes,
+                num_entries=sum(e.committed for e in self._entries.values()),
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -217,8 +227,14 @@ class HostTier(Tier):
                 if entry is not None and entry.pins:
                     entry.pins -= 1
 
-    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int, *,
-               pin: bool = False) -> list[int | None]:
+    def locate(
+        self,
+        keys: Sequence[str],
+        header: bytes | Sequence[bytes],
+        nbytes: int,
+        *,
+        pin: bool = False,
+    ) -> list[int | None]:
         """Slab offset of each key's entry (None: absent, reserved, another size, or a stored
         header other than ``header``: one for all keys, or one per key -- a keyed block's
         header names its key, ``codec.HeaderTemplate``); refreshes recency of hits. The offset
@@ -236,7 +252,7 @@ class HostTier(Tier):
                     out.append(None)
                     continue
                 start = entry.slot * self.slot_bytes
-                if self._slab[start:start + len(want)] != want:
+                if self._slab[start : start + len(want)] != want:
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
@@ -254,7 +270,7 @@ class HostTier(Tier):
             if entry is None:
                 return None
             offset = entry.slot * self.slot_bytes
-            return Reservation(self._slab[offset:offset + nbytes], offset, evicted)
+            return Reservation(self._slab[offset : offset + nbytes], offset, evicted)
 
     def commit(self, key: str) -> bool:
         """Make a reserved entry visible (most recently used). False if it was not reserved."""
@@ -281,8 +297,7 @@ class HostTier(Tier):
     def available_slots(self) -> int:
         """Slots a write could take now: free ones plus committed, unpinned entries."""
         with self._lock:
-            return len(self._free) + sum(e.committed and not e.pins
-                                         for e in self._entries.values())
+            return len(self._free) + sum(e.committed and not e.pins for e in self._entries.values())
 
     def lru_keys(self) -> list[str]:
         """Committed keys, least recently used first (for tests and debugging)."""
@@ -298,8 +313,9 @@ class HostTier(Tier):
 
     # -- internals (lock held) -----------------------------------------------------------
 
-    def _new_entry(self, key: str, nbytes: int, evicted: list[Evicted],
-                   committed: bool) -> _Entry | None:
+    def _new_entry(
+        self, key: str, nbytes: int, evicted: list[Evicted], committed: bool
+    ) -> _Entry | None:
         if not self._free and not self._evict_one(evicted):
             self.num_full_skipped += 1
             return None
@@ -313,7 +329,7 @@ class HostTier(Tier):
             if entry.committed and not entry.pins:
                 start = entry.slot * self.slot_bytes
                 # Copied out: the slot is about to be reused for the incoming block.
-                evicted.append(Evicted(key, bytes(self._slab[start:start + entry.nbytes])))
+                evicted.append(Evicted(key, bytes(self._slab[start : start + entry.nbytes])))
                 self._drop(key, entry)
                 return True
         return False

@@ -43,9 +43,16 @@ class LmdbTier(LmdbWriter, Tier):
     name = "lmdb"
     owns_read_values = True  # get_many: views of recycled buffers (tiers.buffers)
 
-    def __init__(self, path: str | Path, capacity_bytes: int, *, map_headroom: float = 0.25,
-                 writer_queue_size: int = 256, sync: bool = False,
-                 read_buffer_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        *,
+        map_headroom: float = 0.25,
+        writer_queue_size: int = 256,
+        sync: bool = False,
+        read_buffer_bytes: int = 256 << 20,
+    ) -> None:
         """Open (creating if needed) the environment and rebuild the LRU index.
 
         ``read_buffer_bytes``: idle read buffers ``get_many`` keeps for reuse (``tiers.buffers``).
@@ -60,8 +67,15 @@ class LmdbTier(LmdbWriter, Tier):
         # readers dominate small tiers. The file is sparse, so unused map costs nothing.
         map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
         with guard("open", self.path):
-            self._env = lmdb.open(self.path, map_size=map_size, max_dbs=2, sync=sync,
-                                  metasync=sync, readahead=False, max_readers=256)
+            self._env = lmdb.open(
+                self.path,
+                map_size=map_size,
+                max_dbs=2,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                max_readers=256,
+            )
             self._blocks = self._env.open_db(b"blocks")
             self._recency = self._env.open_db(b"recency")
         self._lock = threading.Lock()  # guards the index, pins, dirty recency and _seq
@@ -75,8 +89,9 @@ class LmdbTier(LmdbWriter, Tier):
         self._rebuild_index()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name=f"lmdb-writer:{self.path}",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name=f"lmdb-writer:{self.path}", daemon=True
+        )
         self._writer.start()
 
     @classmethod
@@ -85,8 +100,14 @@ class LmdbTier(LmdbWriter, Tier):
         extra = {}
         if getattr(config, "read_buffer_bytes", None) is not None:
             extra["read_buffer_bytes"] = config.read_buffer_bytes
-        return cls(config.path, config.capacity, map_headroom=config.map_headroom,
-                   writer_queue_size=config.writer_queue_size, sync=config.sync, **extra)
+        return cls(
+            config.path,
+            config.capacity,
+            map_headroom=config.map_headroom,
+            writer_queue_size=config.writer_queue_size,
+            sync=config.sync,
+            **extra,
+        )
 
     def _rebuild_index(self) -> None:
         """Reset the in-memory index from disk (at open, and after an aborted write)."""

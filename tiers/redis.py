@@ -87,7 +87,9 @@ class RedisTier(Tier):
             log.warning("hiredis is not installed: redis-py parses replies in Python (slow); "
                         "pip install 'redis[hiredis]'")  # fmt: skip
         self._errors: tuple[type[BaseException], ...] = (
-            redis.RedisError, redis.exceptions.RedisClusterException, OSError
+            redis.RedisError,
+            redis.exceptions.RedisClusterException,
+            OSError,
         )
         retry = Retry(ExponentialBackoff(cap=0.1, base=0.01), config.retries)
         common: dict[str, Any] = {
@@ -104,8 +106,9 @@ class RedisTier(Tier):
         self._closed = False
         self._readers: ThreadPoolExecutor | None = None
         if config.read_connections > 1:
-            self._readers = ThreadPoolExecutor(config.read_connections - 1,
-                                               thread_name_prefix="kv-redis-read")
+            self._readers = ThreadPoolExecutor(
+                config.read_connections - 1, thread_name_prefix="kv-redis-read"
+            )
         with backend_errors(self._errors, "redis", "connect", redact_url(config.url)):
             if self._cluster:
                 # The cluster client connects at construction to learn the slot map.
@@ -132,10 +135,13 @@ class RedisTier(Tier):
         return self.config.key_prefix + key
 
     def _guard(self, op: str) -> AbstractContextManager[None]:
-        return backend_errors(self._errors, "redis", op, f"on {redact_url(self.config.url)}",
-                              closed=self._closed)
+        return backend_errors(
+            self._errors, "redis", op, f"on {redact_url(self.config.url)}", closed=self._closed
+        )
 
-    def _pipelined(self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]) -> list[Any]:
+    def _pipelined(
+        self, op: str, keys: Sequence[str], add: Callable[[Any, str], object]
+    ) -> list[Any]:
         if not keys:
             return []
         with self._guard(op):
@@ -248,4 +254,3 @@ class RedisTier(Tier):
             self._client.close()
         except self._errors:
             pass  # closing a connection to a dead server has nothing left to release
-

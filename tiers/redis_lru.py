@@ -38,7 +38,9 @@ end
 # ARGV: capacity, prefix, n_drop, n_drop keys to delete (this call's items that its later items
 # evict at once), then key1, size1, key2, size2, ... to admit, evicting the least recent keys
 # first. Returns victim1, value1, ... (GET before DEL; victims already gone are omitted).
-_LUA_ADMIT = _LUA_FORGET + """
+_LUA_ADMIT = (
+    _LUA_FORGET
+    + """
 local cap, pre, ndrop = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 for i = 4, 3 + ndrop do
   redis.call('DEL', pre .. ARGV[i])
@@ -73,10 +75,13 @@ end
 redis.call('SET', KEYS[3], total)
 return out
 """
+)
 # ARGV: mode ('touch' | 'lookup'), prefix, keys... A present key gets a fresh recency (tracked
 # keys only); an absent one is forgotten. 'lookup' stops at the first absent key and returns
 # how many came before it; 'touch' (after a pipelined GET) visits every key.
-_LUA_TOUCH = _LUA_FORGET + """
+_LUA_TOUCH = (
+    _LUA_FORGET
+    + """
 local lookup, pre = ARGV[1] == 'lookup', ARGV[2]
 for i = 3, #ARGV do
   local key = ARGV[i]
@@ -91,8 +96,11 @@ for i = 3, #ARGV do
 end
 return #ARGV - 2
 """
+)
 # ARGV: prefix, keys... Returns how many keys existed.
-_LUA_DELETE = _LUA_FORGET + """
+_LUA_DELETE = (
+    _LUA_FORGET
+    + """
 local n = 0
 for i = 2, #ARGV do
   n = n + redis.call('DEL', ARGV[1] .. ARGV[i])
@@ -100,6 +108,7 @@ for i = 2, #ARGV do
 end
 return n
 """
+)
 _PUT_CHUNK = 32  # items per put script: bounds one script's run time and argument size
 
 

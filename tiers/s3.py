@@ -128,9 +128,13 @@ class S3Tier(Tier):
     def _get_into(self, name: str, start: int, dest: memoryview) -> bool:
         """Bytes ``start .. start + len(dest)`` of object ``name`` into ``dest``; False if the
         object is absent or shorter. Raises TierError on any other failure."""
+
         def read() -> bool:
-            body = self._s3.get_object(Bucket=self.config.bucket, Key=name,
-                                       Range=f"bytes={start}-{start + dest.nbytes - 1}")["Body"]
+            body = self._s3.get_object(
+                Bucket=self.config.bucket,
+                Key=name,
+                Range=f"bytes={start}-{start + dest.nbytes - 1}",
+            )["Body"]
             got = 0
             with body:
                 while got < dest.nbytes:
@@ -167,9 +171,13 @@ class S3Tier(Tier):
 
     def _resolve(self, keys: Sequence[str], stop_at_miss: bool) -> list[Location | None]:
         """``s3_layout.resolve`` with this tier's pointer reads (parallel, on the pool)."""
-        return resolve(keys, lambda names: self._parallel(self._read_pointer, names),
-                       self.config.blocks_per_object,
-                       max(1, self.config.max_pool_connections // 2), stop_at_miss)
+        return resolve(
+            keys,
+            lambda names: self._parallel(self._read_pointer, names),
+            self.config.blocks_per_object,
+            max(1, self.config.max_pool_connections // 2),
+            stop_at_miss,
+        )
 
     # -- Tier API --------------------------------------------------------------------------
 
@@ -235,13 +243,21 @@ class S3Tier(Tier):
         """Delete pointers; rewrite group-mates' pointers so no manifest lists a deleted key."""
         wanted = list(dict.fromkeys(keys))
         pointers = self._parallel(self._read_pointer, wanted)
-        present = {k: p for k, p in zip(wanted, pointers, strict=True) if p is not None and k in p.keys}
+        present = {
+            k: p for k, p in zip(wanted, pointers, strict=True) if p is not None and k in p.keys
+        }
         if not present:
             return 0
         names = [{"Key": self._pointer_name(k)} for k in present]
         for s in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
-            self._call("delete", partial(self._s3.delete_objects, Bucket=self.config.bucket,
-                                         Delete={"Objects": names[s : s + 1000], "Quiet": True}))
+            self._call(
+                "delete",
+                partial(
+                    self._s3.delete_objects,
+                    Bucket=self.config.bucket,
+                    Delete={"Objects": names[s : s + 1000], "Quiet": True},
+                ),
+            )
         mates = list({m: None for p in present.values() for m in p.keys if m not in present})
         for mate, ptr in zip(mates, self._parallel(self._read_pointer, mates), strict=True):
             if ptr is None or not set(ptr.keys) & present.keys():

@@ -66,8 +66,13 @@ class Location:
     length: int
 
 
-def resolve(keys: Sequence[str], read_pointers: Callable[[list[str]], list[Pointer | None]],
-            blocks_per_object: int, fanout: int, stop_at_miss: bool) -> list[Location | None]:
+def resolve(
+    keys: Sequence[str],
+    read_pointers: Callable[[list[str]], list[Pointer | None]],
+    blocks_per_object: int,
+    fanout: int,
+    stop_at_miss: bool,
+) -> list[Location | None]:
     """Locations of ``keys`` (all of them, or the leading run when ``stop_at_miss``).
 
     Each round fetches (``read_pointers``, in parallel) the pointers of the next unresolved key

@@ -23,8 +23,9 @@ C = TypeVar("C")
 
 
 @contextmanager
-def backend_errors(errors: tuple[type[BaseException], ...], kind: str, op: str, where: str,
-                   *, closed: bool = False) -> Iterator[None]:
+def backend_errors(
+    errors: tuple[type[BaseException], ...], kind: str, op: str, where: str, *, closed: bool = False
+) -> Iterator[None]:
     """Run the body; re-raise any of ``errors`` as ``TierError("{kind} {op} {where}: {exc}")``
     (the backend exception chained as its cause). ``closed``: raise
     ``TierError("{kind} tier {op} after close")`` before running anything."""

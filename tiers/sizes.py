@@ -20,12 +20,28 @@ from decimal import Decimal, InvalidOperation
 # pure functions.
 BYTES, BLOCKS, TOKENS, UNBOUNDED = "bytes", "blocks", "tokens", "inf"
 _PREFIXES: dict[str, int] = {
-    "": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "p": 1000**5,
-    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4, "pi": 1024**5,
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "p": 1000**5,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+    "pi": 1024**5,
 }
 _UNIT_WORDS: dict[str, str] = {
-    "": BYTES, "b": BYTES, "byte": BYTES, "bytes": BYTES,
-    "block": BLOCKS, "blocks": BLOCKS, "tok": TOKENS, "token": TOKENS, "tokens": TOKENS,
+    "": BYTES,
+    "b": BYTES,
+    "byte": BYTES,
+    "bytes": BYTES,
+    "block": BLOCKS,
+    "blocks": BLOCKS,
+    "tok": TOKENS,
+    "token": TOKENS,
+    "tokens": TOKENS,
 }
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(.*?)\s*$")
 _EXAMPLES: dict[str, str] = {
@@ -61,12 +77,12 @@ def _examples(accept: Collection[str]) -> str:
     return "; ".join(_EXAMPLES[k] for k in (BYTES, BLOCKS, TOKENS, UNBOUNDED) if k in accept)
 
 
-def parse_quantity(value: object, what: str = "",
-                   accept: Collection[str] = (BYTES,)) -> Size:
+def parse_quantity(value: object, what: str = "", accept: Collection[str] = (BYTES,)) -> Size:
     """``value`` (a string with a unit, see above) -> Size. ``what`` (a field or flag name)
     starts every error; ``accept`` lists the kinds this caller can use. Raises ValueError (one
     line naming the value, with examples of what is accepted) on a bare number, an unknown
     unit, a fraction of a byte/block/token, a negative value or a kind not in ``accept``."""
+
     def fail(msg: str) -> ValueError:
         return ValueError(f"{what}: {msg}" if what else msg)
 
@@ -90,8 +106,9 @@ def parse_quantity(value: object, what: str = "",
         raise fail(f"unknown unit {suffix!r} in {value!r}; write {_examples(accept)}")
     scale, kind = unit
     if kind not in accept:
-        raise fail(f"{value!r} is in {kind}, which this setting does not take; write "
-                   f"{_examples(accept)}")
+        raise fail(
+            f"{value!r} is in {kind}, which this setting does not take; write {_examples(accept)}"
+        )
     try:
         total = Decimal(number) * scale
     except InvalidOperation:

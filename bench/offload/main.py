@@ -123,15 +123,22 @@ def bench_transfer(setup: Setup, repeats: int = 5) -> dict[str, Any]:
 
     rows = {}
     cases = {
-        "device_to_host": (lambda: host.copy_(kv.gather_blocks(ids), non_blocking=pinned),
-                           lambda: host.copy_(raw_dev, non_blocking=pinned)),
-        "host_to_device": (lambda: kv.scatter_blocks(ids, host),
-                           lambda: raw_dev.copy_(host, non_blocking=pinned)),
+        "device_to_host": (
+            lambda: host.copy_(kv.gather_blocks(ids), non_blocking=pinned),
+            lambda: host.copy_(raw_dev, non_blocking=pinned),
+        ),
+        "host_to_device": (
+            lambda: kv.scatter_blocks(ids, host),
+            lambda: raw_dev.copy_(host, non_blocking=pinned),
+        ),
     }
     for name, (blocks_fn, raw_fn) in cases.items():
         t_blocks, t_raw = best(blocks_fn), best(raw_fn)
-        rows[name] = {"blocks_gbps": nbytes / t_blocks / 1e9, "raw_gbps": nbytes / t_raw / 1e9,
-                      "ratio": t_raw / t_blocks}
+        rows[name] = {
+            "blocks_gbps": nbytes / t_blocks / 1e9,
+            "raw_gbps": nbytes / t_raw / 1e9,
+            "ratio": t_raw / t_blocks,
+        }
     return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "pinned": pinned, **rows}
 
 
@@ -151,12 +158,17 @@ def bench_copy2d(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "src_pitch": pitch, "widths": {}}
     for width in (16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10):
         nbytes = rows * width
-        t2d = best_time(lambda w=width: copy2d(dev, 0, w, host, 0, pitch, w, rows),
-                        setup.device, repeats)
-        t1d = best_time(lambda n=nbytes: dev[:n].copy_(host[:n], non_blocking=True),
-                        setup.device, repeats)
-        out["widths"][str(width)] = {"copy2d_gbps": nbytes / t2d / 1e9,
-                                     "plain_gbps": nbytes / t1d / 1e9, "ratio": t1d / t2d}
+        t2d = best_time(
+            lambda w=width: copy2d(dev, 0, w, host, 0, pitch, w, rows), setup.device, repeats
+        )
+        t1d = best_time(
+            lambda n=nbytes: dev[:n].copy_(host[:n], non_blocking=True), setup.device, repeats
+        )
+        out["widths"][str(width)] = {
+            "copy2d_gbps": nbytes / t2d / 1e9,
+            "plain_gbps": nbytes / t1d / 1e9,
+            "ratio": t1d / t2d,
+        }
     return out
 
 
@@ -182,26 +194,36 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     ids = tuple(torch.randperm(2 * n, generator=torch.Generator().manual_seed(1))[:n].tolist())
     meta = block_meta(kv, "bench-load-path")
     slot = encoded_size(meta, keyed=True)  # blocks carry their key, as the engine's do
-    store = HierarchicalStore([HostTier(n * slot, slot)],
-                              StoreConfig(namespace=meta.namespace, promote_on_get=False))
-    workers: dict[object, OffloadWorker] = {c: OffloadWorker(kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(),
-                                coalesced_loads=c) for c in (False, True)}
+    store = HierarchicalStore(
+        [HostTier(n * slot, slot)], StoreConfig(namespace=meta.namespace, promote_on_get=False)
+    )
+    workers: dict[object, OffloadWorker] = {
+        c: OffloadWorker(
+            kv, store, meta, load_timeout_s=120.0, stats=OffloadStats(), coalesced_loads=c
+        )
+        for c in (False, True)
+    }
     gen = torch.Generator().manual_seed(2)
-    host = torch.randint(-(2**15), 2**15 - 1, (n, spec.bytes_per_block // 2),
-                         generator=gen, dtype=torch.int16).view(torch.uint8)
+    host = torch.randint(
+        -(2**15), 2**15 - 1, (n, spec.bytes_per_block // 2), generator=gen, dtype=torch.int16
+    ).view(torch.uint8)
     host = host.pin_memory() if dev.type == "cuda" else host
     keys = tuple(f"{meta.namespace}/{i:064x}" for i in range(n))
-    store.put_many([(k, encode_block(memoryview(host[i].numpy()), meta, key=k))
-                    for i, k in enumerate(keys)])
+    store.put_many(
+        [(k, encode_block(memoryview(host[i].numpy()), meta, key=k)) for i, k in enumerate(keys)]
+    )
     raw_dev = torch.empty((n, spec.bytes_per_block), dtype=torch.uint8, device=dev)
     nbytes = n * spec.bytes_per_block
 
     def load(coalesced: bool = False) -> None:
         worker = workers[coalesced]
         spec = store.prepare_load(keys, HostCheck.for_meta(meta))
-        worker.start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, keys, 0, ("host",) * n, spec=spec),),
-            num_scheduled_requests=0))
+        worker.start_load_kv(
+            KVConnectorMetadata(
+                loads=(BlockLoad("bench", ids, keys, 0, ("host",) * n, spec=spec),),
+                num_scheduled_requests=0,
+            )
+        )
         [done] = worker.take_report().finished_loads
         assert done.num_loaded_blocks == n, done
 
@@ -210,8 +232,9 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
         return bool(torch.equal(got, host.cpu()))
 
     def decode_path() -> None:
-        staging = torch.empty((n, *spec.block_shape), dtype=spec.dtype,
-                              pin_memory=dev.type == "cuda")
+        staging = torch.empty(
+            (n, *spec.block_shape), dtype=spec.dtype, pin_memory=dev.type == "cuda"
+        )
         rows = staging.view(torch.uint8).view(n, -1).numpy()
         for i, value in enumerate(store.get_many(keys)):
             rows[i] = memoryview(value).cast("B")  # type: ignore[arg-type]
@@ -225,23 +248,31 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
     codec = Hi4Codec.for_cache(kv)
     lmeta = block_meta(kv, "bench-load-path-lossless", codec)
     lslot = pad16(encoded_size(lmeta, keyed=True))
-    lstore = HierarchicalStore([HostTier(n * lslot, lslot)],
-                               StoreConfig(namespace=lmeta.namespace, promote_on_get=False))
+    lstore = HierarchicalStore(
+        [HostTier(n * lslot, lslot)], StoreConfig(namespace=lmeta.namespace, promote_on_get=False)
+    )
     lkeys = tuple(f"{lmeta.namespace}/{i:064x}" for i in range(n))
     kvlike = (torch.randn(n, spec.bytes_per_block // 2, generator=gen) * 1.3).bfloat16()
     kvlike = kvlike.view(torch.uint8).view(n, -1)
-    lstore.put_many([(k, encode_block(memoryview(codec.encode(kvlike[i:i + 1])[0].numpy()), lmeta,
-                                      key=k))
-                     for i, k in enumerate(lkeys)])
-    lworker = OffloadWorker(kv, lstore, lmeta, load_timeout_s=120.0, stats=OffloadStats(),
-                            codec=codec)
+    lstore.put_many(
+        [
+            (k, encode_block(memoryview(codec.encode(kvlike[i : i + 1])[0].numpy()), lmeta, key=k))
+            for i, k in enumerate(lkeys)
+        ]
+    )
+    lworker = OffloadWorker(
+        kv, lstore, lmeta, load_timeout_s=120.0, stats=OffloadStats(), codec=codec
+    )
     workers["lossless"] = lworker
 
     def load_lossless() -> None:
         spec = lstore.prepare_load(lkeys, HostCheck.for_meta(lmeta))
-        lworker.start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, lkeys, 0, ("host",) * n, spec=spec),),
-            num_scheduled_requests=0))
+        lworker.start_load_kv(
+            KVConnectorMetadata(
+                loads=(BlockLoad("bench", ids, lkeys, 0, ("host",) * n, spec=spec),),
+                num_scheduled_requests=0,
+            )
+        )
         [done] = lworker.take_report().finished_loads
         assert done.num_loaded_blocks == n, done
 
@@ -262,44 +293,68 @@ def bench_load_path(setup: Setup, repeats: int = 5) -> dict[str, Any]:
             worker.close()
         store.close()
         lstore.close()
-    return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "device": str(dev),
-            "pinned": dev.type == "cuda",
-            "bytes_correct": ok, "coalesced_bytes_correct": ok_coalesced,
-            "raw_gbps": nbytes / t_raw / 1e9, "load_path_gbps": nbytes / t_load / 1e9,
-            "coalesced_load_path_gbps": nbytes / t_coalesced / 1e9,
-            "coalesced_ratio_to_raw": t_raw / t_coalesced,
-            "coalesced_vs_per_block": t_load / t_coalesced,
-            "decode_path_gbps": nbytes / t_decode / 1e9,
-            "load_path_ms": t_load * 1e3, "raw_ms": t_raw * 1e3, "decode_path_ms": t_decode * 1e3,
-            "ratio_to_raw": t_raw / t_load, "decode_ratio_to_raw": t_raw / t_decode,
-            # Effective (raw KV bytes per second): above 1x, compression beats the raw copy.
-            "lossless_bytes_correct": ok_lossless, "lossless_payload_bytes": codec.payload_bytes,
-            "lossless_load_path_gbps": nbytes / t_lossless / 1e9,
-            "lossless_ratio_to_raw": t_raw / t_lossless}
+    return {
+        "num_blocks": n,
+        "block_bytes": spec.bytes_per_block,
+        "device": str(dev),
+        "pinned": dev.type == "cuda",
+        "bytes_correct": ok,
+        "coalesced_bytes_correct": ok_coalesced,
+        "raw_gbps": nbytes / t_raw / 1e9,
+        "load_path_gbps": nbytes / t_load / 1e9,
+        "coalesced_load_path_gbps": nbytes / t_coalesced / 1e9,
+        "coalesced_ratio_to_raw": t_raw / t_coalesced,
+        "coalesced_vs_per_block": t_load / t_coalesced,
+        "decode_path_gbps": nbytes / t_decode / 1e9,
+        "load_path_ms": t_load * 1e3,
+        "raw_ms": t_raw * 1e3,
+        "decode_path_ms": t_decode * 1e3,
+        "ratio_to_raw": t_raw / t_load,
+        "decode_ratio_to_raw": t_raw / t_decode,
+        # Effective (raw KV bytes per second): above 1x, compression beats the raw copy.
+        "lossless_bytes_correct": ok_lossless,
+        "lossless_payload_bytes": codec.payload_bytes,
+        "lossless_load_path_gbps": nbytes / t_lossless / 1e9,
+        "lossless_ratio_to_raw": t_raw / t_lossless,
+    }
 
 
 # -- TTFT: recompute vs reload ---------------------------------------------------------------
 
 
 def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[str, Any] | None:
-    lmdb = {"kind": "lmdb", "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
-            "capacity": "48GiB" if setup.model_dir else "1GiB"}
+    lmdb = {
+        "kind": "lmdb",
+        "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
+        "capacity": "48GiB" if setup.model_dir else "1GiB",
+    }
     host_cap = f"{setup.host_capacity}B"
     if mode == "recompute":
         return None
     if mode.startswith("lmdb"):  # everything demoted to LMDB: a 4-slot host tier above it
-        decision = {"lmdb": "load", "lmdb_serial": "load", "lmdb_cost": "cost",
-                    "lmdb_overlap": "overlap"}[mode]
+        decision = {
+            "lmdb": "load",
+            "lmdb_serial": "load",
+            "lmdb_cost": "cost",
+            "lmdb_overlap": "overlap",
+        }[mode]
         serial = {"load_chunk_bytes": 0} if mode == "lmdb_serial" else {}
-        return {"decision": decision, **serial,
-                "tiers": [{"kind": "host", "capacity": f"{4 * slot_bytes}B"}, lmdb]}
+        return {
+            "decision": decision,
+            **serial,
+            "tiers": [{"kind": "host", "capacity": f"{4 * slot_bytes}B"}, lmdb],
+        }
     if "_lossless" in mode:  # the same reload of blocks stored compressed (layer-wise loads)
-        return {"decision": "cost" if mode.startswith("cost") else "load",
-                "compression": "lossless",
-                **({"layered_loads": False} if mode == "host_lossless_whole" else {}),
-                "tiers": [{"kind": "host", "capacity": host_cap}]}
-    return {"decision": "load" if mode == "host" else "cost",
-            "tiers": [{"kind": "host", "capacity": host_cap}]}
+        return {
+            "decision": "cost" if mode.startswith("cost") else "load",
+            "compression": "lossless",
+            **({"layered_loads": False} if mode == "host_lossless_whole" else {}),
+            "tiers": [{"kind": "host", "capacity": host_cap}],
+        }
+    return {
+        "decision": "load" if mode == "host" else "cost",
+        "tiers": [{"kind": "host", "capacity": host_cap}],
+    }
 
 
 def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setup) -> list[int]:
@@ -315,8 +370,18 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
 
 # lmdb: the pipelined lower-tier load (the default); lmdb_serial: read all, then copy;
 # lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack.
-TTFT_MODES = ("recompute", "host", "host_lossless", "host_lossless_whole", "lmdb", "lmdb_serial",
-              "lmdb_cost", "lmdb_overlap", "cost", "cost_lossless")
+TTFT_MODES = (
+    "recompute",
+    "host",
+    "host_lossless",
+    "host_lossless_whole",
+    "lmdb",
+    "lmdb_serial",
+    "lmdb_cost",
+    "lmdb_overlap",
+    "cost",
+    "cost_lossless",
+)
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
@@ -336,8 +401,9 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     for mode in _modes(TTFT_MODES, setup):
         llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode))
         try:
-            run_requests(llm, [random_tokens(rng, 64)], GREEDY1,
-                         setup.request_timeout_s)  # warm-up: kernels, allocator
+            run_requests(
+                llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s
+            )  # warm-up: kernels, allocator
             per_len: dict[str, Any] = {}
             for length in setup.lengths:
                 if mode.startswith("lmdb") and length > setup.lmdb_max_len:
@@ -345,8 +411,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                 ttfts, cached, warm = [], [], []
                 for i in range(setup.warmup_reps + setup.reps):
                     prefix = _prefix_in_tiers_only(llm, rng, length, setup)
-                    t, c = _ttft_once(llm, prefix + random_tokens(rng, 16),
-                                      setup.request_timeout_s)
+                    t, c = _ttft_once(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
                     if i < setup.warmup_reps:  # this length's first kernels: not measured
                         warm.append(t)
                         continue
@@ -354,19 +419,25 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                     cached.append(c)
                 ttfts.sort()
                 mid = len(ttfts) // 2
-                per_len[str(length)] = {"ttft_s": ttfts[mid], "cached_tokens": sorted(cached)[mid],
-                                        "all_ttft_s": ttfts, "warmup_ttft_s": warm}
+                per_len[str(length)] = {
+                    "ttft_s": ttfts[mid],
+                    "cached_tokens": sorted(cached)[mid],
+                    "all_ttft_s": ttfts,
+                    "warmup_ttft_s": warm,
+                }
             stats = llm.kv_stats()
             per_len["decisions"] = stats.get("decisions", {})
-            per_len["tier_hit_blocks"] = {k: v.get("hit_blocks", 0)
-                                          for k, v in stats.get("tiers", {}).items()}
+            per_len["tier_hit_blocks"] = {
+                k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()
+            }
             rows[mode] = per_len
         finally:
             close_llm(llm)
     speedups = {
-        f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"] / rows[mode][str(length)][
-            "ttft_s"]
-        for mode in list(rows)[1:] for length in setup.lengths
+        f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"]
+        / rows[mode][str(length)]["ttft_s"]
+        for mode in list(rows)[1:]
+        for length in setup.lengths
         if str(length) in rows[mode]
     }
     return {"modes": rows, "speedup_vs_recompute": speedups, "lmdb": _lmdb_rows(rows)}
@@ -383,10 +454,13 @@ def _lmdb_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         ms = {m: rows[m][length]["ttft_s"] * 1e3 for m in names}
         best = min(ms["recompute"], ms["lmdb"], ms["lmdb_overlap"])
-        out[length] = {"length": int(length), **{f"{m}_ms": v for m, v in ms.items()},
-                       "pipelined_over_serial": ms["lmdb_serial"] / ms["lmdb"],
-                       "recompute_over_pipelined": ms["recompute"] / ms["lmdb"],
-                       "cost_over_best": ms["lmdb_cost"] / best}
+        out[length] = {
+            "length": int(length),
+            **{f"{m}_ms": v for m, v in ms.items()},
+            "pipelined_over_serial": ms["lmdb_serial"] / ms["lmdb"],
+            "recompute_over_pipelined": ms["recompute"] / ms["lmdb"],
+            "cost_over_best": ms["lmdb_cost"] / best,
+        }
     return out
 
 
@@ -403,21 +477,41 @@ RELOAD_MODES: dict[str, tuple[dict[str, Any] | None, dict[str, Any]]] = {
     "host_layered": ({"in_step_host_loads": True, "layered_loads": True}, {}),
     "host_coalesced": ({"in_step_host_loads": True, "coalesced_loads": True}, {}),
     "host_sq": ({"in_step_host_loads": True}, {"small_query_attention": "triton"}),
-    "host_coalesced_sq": ({"in_step_host_loads": True, "coalesced_loads": True},
-                          {"small_query_attention": "triton"}),
-    "host_layered_sq": ({"in_step_host_loads": True, "layered_loads": True},
-                        {"small_query_attention": "triton"}),
+    "host_coalesced_sq": (
+        {"in_step_host_loads": True, "coalesced_loads": True},
+        {"small_query_attention": "triton"},
+    ),
+    "host_layered_sq": (
+        {"in_step_host_loads": True, "layered_loads": True},
+        {"small_query_attention": "triton"},
+    ),
     # Compressed: layer-wise in-step loads by default (automatic layers_per_copy), or whole.
     "host_lossless": ({"in_step_host_loads": True, "compression": "lossless"}, {}),
-    "host_lossless_whole": ({"in_step_host_loads": True, "compression": "lossless",
-                             "layered_loads": False}, {}),
-    **{f"host_lossless_layers{k}": ({"in_step_host_loads": True, "compression": "lossless",
-                                     "layered_loads": True, "layers_per_copy": k}, {})
-       for k in (1, 2, 4, 8, 16)},
+    "host_lossless_whole": (
+        {"in_step_host_loads": True, "compression": "lossless", "layered_loads": False},
+        {},
+    ),
+    **{
+        f"host_lossless_layers{k}": (
+            {
+                "in_step_host_loads": True,
+                "compression": "lossless",
+                "layered_loads": True,
+                "layers_per_copy": k,
+            },
+            {},
+        )
+        for k in (1, 2, 4, 8, 16)
+    },
 }
-CUDA_ONLY_MODES = {"host_layered", "host_coalesced", "host_sq", "host_coalesced_sq",
-                   "host_layered_sq",
-                   *(m for m in RELOAD_MODES if m.startswith("host_lossless_layers"))}
+CUDA_ONLY_MODES = {
+    "host_layered",
+    "host_coalesced",
+    "host_sq",
+    "host_coalesced_sq",
+    "host_layered_sq",
+    *(m for m in RELOAD_MODES if m.startswith("host_lossless_layers")),
+}
 DEFAULT_RELOAD_MODES = ("recompute", "host_async", "host_in_step", "host_layered", "host_lossless")
 
 
@@ -426,15 +520,25 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
     recompute, host reload async (+1 step), in-step, and the CUDA variants (layer-wise,
     coalesced copies, Triton small-query attention). Each mode is its own engine and sees the
     same prompts; median of ``reps`` by TTFT. Ratios are recompute over each mode."""
-    names = [m for m in _modes(setup.reload_modes, setup)
-             if setup.device.type == "cuda" or m not in CUDA_ONLY_MODES]
+    names = [
+        m
+        for m in _modes(setup.reload_modes, setup)
+        if setup.device.type == "cuda" or m not in CUDA_ONLY_MODES
+    ]
     num_blocks = (max(setup.lengths) + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
     for mode in names:
         flags, extra = RELOAD_MODES[mode]
-        offload = None if flags is None else {
-            "decision": "load", "calibrate": False, **flags,
-            "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
+        offload = (
+            None
+            if flags is None
+            else {
+                "decision": "load",
+                "calibrate": False,
+                **flags,
+                "tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}],
+            }
+        )
         rng = random.Random(4)
         llm = make_llm(setup, num_blocks, offload, **extra)
         try:
@@ -444,18 +548,23 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
                 samples, warm = [], []
                 for i in range(setup.warmup_reps + setup.reps):
                     prefix = _prefix_in_tiers_only(llm, rng, length, setup)
-                    f = first_token_steps(llm, prefix + random_tokens(rng, 16),
-                                          setup.request_timeout_s)
+                    f = first_token_steps(
+                        llm, prefix + random_tokens(rng, 16), setup.request_timeout_s
+                    )
                     (warm if i < setup.warmup_reps else samples).append(f)
                 samples.sort(key=lambda f: f.ttft_s)
                 mid = samples[len(samples) // 2]
                 per_len[str(length)] = {
-                    "ttft_s": mid.ttft_s, "steps_to_first_token": mid.steps,
-                    "step_ms": list(mid.step_ms), "schedule_ms": mid.schedule_ms,
-                    "load_ms": mid.load_ms, "execute_ms": mid.execute_ms,
+                    "ttft_s": mid.ttft_s,
+                    "steps_to_first_token": mid.steps,
+                    "step_ms": list(mid.step_ms),
+                    "schedule_ms": mid.schedule_ms,
+                    "load_ms": mid.load_ms,
+                    "execute_ms": mid.execute_ms,
                     "cached_tokens": mid.cached_tokens,
                     "all_ttft_s": [f.ttft_s for f in samples],
-                    "warmup_ttft_s": [f.ttft_s for f in warm]}
+                    "warmup_ttft_s": [f.ttft_s for f in warm],
+                }
             rows[mode] = per_len
         finally:
             close_llm(llm)
@@ -464,8 +573,13 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
         ttft = {m: rows[m][length]["ttft_s"] for m in rows}
         r = ratios[length] = {}
         if "recompute" in ttft:
-            r.update({f"recompute_over_{m.removeprefix('host_')}": ttft["recompute"] / t
-                      for m, t in ttft.items() if m != "recompute"})
+            r.update(
+                {
+                    f"recompute_over_{m.removeprefix('host_')}": ttft["recompute"] / t
+                    for m, t in ttft.items()
+                    if m != "recompute"
+                }
+            )
         if "host_async" in ttft and "host_in_step" in ttft:
             r["async_over_in_step"] = ttft["host_async"] / ttft["host_in_step"]
     return {"modes": rows, "ratios": ratios}
@@ -489,10 +603,15 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
     check("h2d_gbps", "transfer", lambda s: s["host_to_device"]["blocks_gbps"], 50.0)
     check("load_path_ratio", "load_path", lambda s: s["ratio_to_raw"], 0.9)
     top = str(max(setup.lengths))
-    check(f"ttft_{top}_host_speedup", "ttft", lambda s: s["speedup_vs_recompute"][f"host_{top}"],
-          12.0)
-    check(f"ttft_{top}_host_lossless_speedup", "ttft",
-          lambda s: s["speedup_vs_recompute"][f"host_lossless_{top}"], 12.0)
+    check(
+        f"ttft_{top}_host_speedup", "ttft", lambda s: s["speedup_vs_recompute"][f"host_{top}"], 12.0
+    )
+    check(
+        f"ttft_{top}_host_lossless_speedup",
+        "ttft",
+        lambda s: s["speedup_vs_recompute"][f"host_lossless_{top}"],
+        12.0,
+    )
     check("qa_ttft_p50_ratio", "qa", lambda s: s["ttft_p50_ratio"], 5.0)
     check("qa_throughput_ratio", "qa", lambda s: s["throughput_ratio"], 2.0)
     check("qa_lossless_ttft_p50_ratio", "qa", lambda s: s["lossless_ttft_p50_ratio"], 5.0)
@@ -502,71 +621,102 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
 
 
 def _summary(res: dict[str, Any], setup: Setup) -> str:
-    parts = [f"offload ({res['machine'].get('cuda_device') or 'cpu'}, "
-             f"{'quick' if setup.model_dir is None else res.get('mode', 'full')}):"]
+    parts = [
+        f"offload ({res['machine'].get('cuda_device') or 'cpu'}, "
+        f"{'quick' if setup.model_dir is None else res.get('mode', 'full')}):"
+    ]
     tr, tt, qa, sw = (res.get(k, {}) for k in ("transfer", "ttft", "qa", "sweep"))
     lp = res.get("load_path", {})
     rs = res.get("reload_steps", {})
     if "ratios" in rs:
         top = str(max(setup.lengths))
         m, r = rs["modes"], rs["ratios"][top]
-        best = min((k for k in m if k != "recompute"), key=lambda k: m[k][top]["ttft_s"],
-                   default=None)
+        best = min(
+            (k for k in m if k != "recompute"), key=lambda k: m[k][top]["ttft_s"], default=None
+        )
         if best is not None:
             vs = r.get(f"recompute_over_{best.removeprefix('host_')}")
-            parts.append(f"reload {top} tok: best {best} TTFT {m[best][top]['ttft_s'] * 1e3:.1f} ms"
-                         f" in {m[best][top]['steps_to_first_token']} steps"
-                         + (f" ({vs:.1f}x vs recompute);" if vs else ";"))
+            parts.append(
+                f"reload {top} tok: best {best} TTFT {m[best][top]['ttft_s'] * 1e3:.1f} ms"
+                f" in {m[best][top]['steps_to_first_token']} steps"
+                + (f" ({vs:.1f}x vs recompute);" if vs else ";")
+            )
     c2 = res.get("copy2d", {}).get("widths", {})
     if c2:
-        parts.append("copy2d vs plain: " + ", ".join(
-            f"{int(w) >> 10}K {v['ratio']:.2f}x" for w, v in c2.items()) + ";")
+        parts.append(
+            "copy2d vs plain: "
+            + ", ".join(f"{int(w) >> 10}K {v['ratio']:.2f}x" for w, v in c2.items())
+            + ";"
+        )
     if "ratio_to_raw" in lp:
-        parts.append(f"host load path {lp['load_path_gbps']:.1f} GB/s "
-                     f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
-                     f"decode path {lp['decode_ratio_to_raw']:.2f}x; lossless "
-                     f"{lp['lossless_ratio_to_raw']:.2f}x effective);")
+        parts.append(
+            f"host load path {lp['load_path_gbps']:.1f} GB/s "
+            f"({lp['ratio_to_raw']:.2f}x raw; coalesced {lp['coalesced_ratio_to_raw']:.2f}x; "
+            f"decode path {lp['decode_ratio_to_raw']:.2f}x; lossless "
+            f"{lp['lossless_ratio_to_raw']:.2f}x effective);"
+        )
     if "device_to_host" in tr:
-        parts.append(f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
-                     f"({tr['device_to_host']['ratio']:.2f}x raw), h2d "
-                     f"{tr['host_to_device']['blocks_gbps']:.1f} GB/s "
-                     f"({tr['host_to_device']['ratio']:.2f}x raw);")
+        parts.append(
+            f"blocks d2h {tr['device_to_host']['blocks_gbps']:.1f} GB/s "
+            f"({tr['device_to_host']['ratio']:.2f}x raw), h2d "
+            f"{tr['host_to_device']['blocks_gbps']:.1f} GB/s "
+            f"({tr['host_to_device']['ratio']:.2f}x raw);"
+        )
     if "speedup_vs_recompute" in tt:
         top = max(setup.lengths)
         s = tt["speedup_vs_recompute"]
-        lm = max((k for k in s if k.startswith("lmdb_") and k[5:].isdigit()),
-                 key=lambda k: int(k[5:]), default=None)
+        lm = max(
+            (k for k in s if k.startswith("lmdb_") and k[5:].isdigit()),
+            key=lambda k: int(k[5:]),
+            default=None,
+        )
         lm_txt = f"lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else "lmdb -"
         hl = s.get(f"host_lossless_{top}")
         hl_txt = f"host lossless {hl:.1f}x, " if hl else ""
-        parts.append(f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {hl_txt}{lm_txt}, "
-                     f"cost {s[f'cost_{top}']:.1f}x;")
+        parts.append(
+            f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {hl_txt}{lm_txt}, "
+            f"cost {s[f'cost_{top}']:.1f}x;"
+        )
     for row in tt.get("lmdb", {}).values():
-        parts.append(f"LMDB {row['length']} tok TTFT ms: recompute {row['recompute_ms']:.1f}, "
-                     f"pipelined {row['lmdb_ms']:.1f}, serial {row['lmdb_serial_ms']:.1f}, "
-                     f"cost {row['lmdb_cost_ms']:.1f} ({row['cost_over_best']:.2f}x best);")
+        parts.append(
+            f"LMDB {row['length']} tok TTFT ms: recompute {row['recompute_ms']:.1f}, "
+            f"pipelined {row['lmdb_ms']:.1f}, serial {row['lmdb_serial_ms']:.1f}, "
+            f"cost {row['lmdb_cost_ms']:.1f} ({row['cost_over_best']:.2f}x best);"
+        )
     if "ttft_p50_ratio" in qa:
-        parts.append(f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "
-                     f"{qa['ttft_p50_later_rounds_ratio']:.1f}x), throughput "
-                     f"{qa['throughput_ratio']:.2f}x with offload"
-                     + (f" (lossless: {qa['lossless_ttft_p50_ratio']:.1f}x, "
-                        f"{qa['lossless_throughput_ratio']:.2f}x)" if "lossless_ttft_p50_ratio" in qa
-                        else "") + ";")
+        parts.append(
+            f"QA TTFT p50 {qa['ttft_p50_ratio']:.1f}x lower (rounds >= 1: "
+            f"{qa['ttft_p50_later_rounds_ratio']:.1f}x), throughput "
+            f"{qa['throughput_ratio']:.2f}x with offload"
+            + (
+                f" (lossless: {qa['lossless_ttft_p50_ratio']:.1f}x, "
+                f"{qa['lossless_throughput_ratio']:.2f}x)"
+                if "lossless_ttft_p50_ratio" in qa
+                else ""
+            )
+            + ";"
+        )
     if "points" in sw:
-        parts.append(f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
-                     f"points (worst {sw['worst_ratio_to_best']:.2f}x), never slower than both "
-                     f"pure options at {sw.get('num_not_slower_than_both', '?')}/"
-                     f"{sw['num_points']}")
+        parts.append(
+            f"cost model within 5% of best at {sw['within_5pct']}/{sw['num_points']} "
+            f"points (worst {sw['worst_ratio_to_best']:.2f}x), never slower than both "
+            f"pure options at {sw.get('num_not_slower_than_both', '?')}/"
+            f"{sw['num_points']}"
+        )
     pp = res.get("pipeline", {})
     if "best" in pp:
         b = pp["variants"][pp["best"]]
-        parts.append(f"LMDB load of {pp['num_blocks']} blocks: read {pp['read_ms']:.1f} ms, copy "
-                     f"{pp['copy_ms']:.1f} ms, serial {pp['variants']['serial']['ms']:.1f} ms, "
-                     f"{pp['best']} {b['ms']:.1f} ms ({b['over_max']:.2f}x max(read, copy), "
-                     f"{pp['best_over_serial']:.2f}x faster than serial);")
-    failed = [k for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep",
-                          "pipeline")
-              if "error" in res.get(k, {})]
+        parts.append(
+            f"LMDB load of {pp['num_blocks']} blocks: read {pp['read_ms']:.1f} ms, copy "
+            f"{pp['copy_ms']:.1f} ms, serial {pp['variants']['serial']['ms']:.1f} ms, "
+            f"{pp['best']} {b['ms']:.1f} ms ({b['over_max']:.2f}x max(read, copy), "
+            f"{pp['best_over_serial']:.2f}x faster than serial);"
+        )
+    failed = [
+        k
+        for k in ("transfer", "load_path", "reload_steps", "ttft", "qa", "sweep", "pipeline")
+        if "error" in res.get(k, {})
+    ]
     if failed:
         parts.append(f"FAILED: {', '.join(failed)}")
     return " ".join(parts)
@@ -587,42 +737,68 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="directory for offload.json")
     ap.add_argument("--quick", action="store_true", help="demo model, small sizes (CPU-friendly)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="the full code path on a tiny random Llama (CPU-friendly)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the full code path on a tiny random Llama (CPU-friendly)",
+    )
     ap.add_argument("--lengths", help="TTFT prefix lengths, comma-separated (multiples of 16)")
     ap.add_argument("--sweep-lengths", help="sweep prefix lengths (default: the mode's)")
     ap.add_argument("--reps", type=int, help="TTFT repetitions per point (median reported)")
-    ap.add_argument("--warmup-reps", type=int,
-                    help="unmeasured repetitions before each TTFT point (default: 1 on the "
-                         "full run, 0 for --quick/--tiny)")
+    ap.add_argument(
+        "--warmup-reps",
+        type=int,
+        help="unmeasured repetitions before each TTFT point (default: 1 on the "
+        "full run, 0 for --quick/--tiny)",
+    )
     ap.add_argument("--lmdb-max-len", type=int, help="LMDB TTFT mode only up to this length")
     ap.add_argument("--qa-users", type=int, help="multi-round QA users")
-    ap.add_argument("--qa-concurrency", type=int,
-                    help="multi-round QA requests in flight at most")
-    ap.add_argument("--qa-lossless", action="store_true",
-                    help="multi-round QA: also offload with compression: lossless (2-byte KV)")
+    ap.add_argument("--qa-concurrency", type=int, help="multi-round QA requests in flight at most")
+    ap.add_argument(
+        "--qa-lossless",
+        action="store_true",
+        help="multi-round QA: also offload with compression: lossless (2-byte KV)",
+    )
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
-    ap.add_argument("--reload-modes", default=",".join(DEFAULT_RELOAD_MODES),
-                    help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}")
+    ap.add_argument(
+        "--reload-modes",
+        default=",".join(DEFAULT_RELOAD_MODES),
+        help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}",
+    )
     args = ap.parse_args(argv)
-    sections = {"transfer": bench_transfer, "copy2d": bench_copy2d, "load_path": bench_load_path,
-                "reload_steps": bench_reload_steps, "ttft": bench_ttft, "qa": bench_qa,
-                "sweep": bench_sweep, "pipeline": bench_pipeline}
+    sections = {
+        "transfer": bench_transfer,
+        "copy2d": bench_copy2d,
+        "load_path": bench_load_path,
+        "reload_steps": bench_reload_steps,
+        "ttft": bench_ttft,
+        "qa": bench_qa,
+        "sweep": bench_sweep,
+        "pipeline": bench_pipeline,
+    }
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(sections))
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {sorted(sections)}")
     modes = tuple(m.strip() for m in args.reload_modes.split(",") if m.strip())
     if not modes or set(modes) - set(RELOAD_MODES):
-        ap.error(f"unknown reload modes {sorted(set(modes) - set(RELOAD_MODES))}; choose "
-                 f"from {sorted(RELOAD_MODES)}")
+        ap.error(
+            f"unknown reload modes {sorted(set(modes) - set(RELOAD_MODES))}; choose "
+            f"from {sorted(RELOAD_MODES)}"
+        )
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
         mode = "quick" if args.quick else "tiny" if args.tiny else "full"
-        setup = dataclasses.replace(build_setup(mode, workdir, args), reload_modes=modes,
-                                    qa_lossless=args.qa_lossless)
-        res: dict[str, Any] = {"bench": "offload", "machine": machine_info(),
-                               "quick": args.quick, "mode": mode, "lengths": list(setup.lengths),
-                               "argv": sys.argv[1:] if argv is None else argv}
+        setup = dataclasses.replace(
+            build_setup(mode, workdir, args), reload_modes=modes, qa_lossless=args.qa_lossless
+        )
+        res: dict[str, Any] = {
+            "bench": "offload",
+            "machine": machine_info(),
+            "quick": args.quick,
+            "mode": mode,
+            "lengths": list(setup.lengths),
+            "argv": sys.argv[1:] if argv is None else argv,
+        }
         for name in chosen:
             t0 = time.perf_counter()
             try:

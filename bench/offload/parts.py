@@ -29,17 +29,38 @@ from engine.sampling_params import SamplingParams
 GREEDY1 = SamplingParams(max_tokens=1, temperature=0.0)
 RANDOM_MARKER = "kvtier_bench_random_weights.json"
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
 }
 HOST_CAPACITY = 8 << 30  # pinned; holds the TTFT prefixes (3 x 16K = 6 GiB) and all QA histories
-TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "max_position_embeddings": 32768}  # room for 16K prefixes on CPU
+TINY = {
+    **LLAMA3_8B,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 32768,
+}  # room for 16K prefixes on CPU
 TOKEN_RANGE = (10, 500)
 
 
@@ -127,30 +148,81 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
     if not cuda:
         torch.set_num_threads(1)  # tiny models on a shared CPU: threads only add contention
     if mode == "quick":
-        setup = Setup(None, device, workdir, (256, 1024), 32,
-                      {"users": 6, "rounds": 3, "concurrency": 2, "system": 64, "context": 320,
-                       "question": 16, "answer": 8},
-                      ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)), 2048, 60.0)
+        setup = Setup(
+            None,
+            device,
+            workdir,
+            (256, 1024),
+            32,
+            {
+                "users": 6,
+                "rounds": 3,
+                "concurrency": 2,
+                "system": 64,
+                "context": 320,
+                "question": 16,
+                "answer": 8,
+            },
+            ((0.25, 0.0), (4.0, 0.0), (16.0, 0.5)),
+            2048,
+            60.0,
+        )
     elif mode == "tiny":
         _install_random_loader()
-        setup = Setup(_random_model_dir(workdir, TINY), device, workdir, (256, 1024), 16,
-                      {"users": 6, "rounds": 3, "concurrency": 2, "system": 64, "context": 320,
-                       "question": 16, "answer": 4},
-                      ((0.25, 0.0), (16.0, 0.5)), 2048, 60.0,
-                      dtype="bfloat16" if cuda else "float32", reps=1, lmdb_max_len=256,
-                      sweep_lengths=(256,))
+        setup = Setup(
+            _random_model_dir(workdir, TINY),
+            device,
+            workdir,
+            (256, 1024),
+            16,
+            {
+                "users": 6,
+                "rounds": 3,
+                "concurrency": 2,
+                "system": 64,
+                "context": 320,
+                "question": 16,
+                "answer": 4,
+            },
+            ((0.25, 0.0), (16.0, 0.5)),
+            2048,
+            60.0,
+            dtype="bfloat16" if cuda else "float32",
+            reps=1,
+            lmdb_max_len=256,
+            sweep_lengths=(256,),
+        )
     else:
         if not cuda:
-            raise SystemExit("the full benchmark needs CUDA (Llama-3-8B shape); use --quick or "
-                             "--tiny on CPU")
+            raise SystemExit(
+                "the full benchmark needs CUDA (Llama-3-8B shape); use --quick or --tiny on CPU"
+            )
         _install_random_loader()
-        setup = Setup(_random_model_dir(workdir, LLAMA3_8B), device, workdir, (1024, 4096, 16384),
-                      256,
-                      {"users": 12, "rounds": 6, "concurrency": 4, "system": 1024,
-                       "context": 6144, "question": 64, "answer": 32},
-                      ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)), 16384 + 256,
-                      120.0, dtype="bfloat16", reps=3, lmdb_max_len=16384,
-                      sweep_lengths=(1024, 4096), host_capacity=HOST_CAPACITY, warmup_reps=1)
+        setup = Setup(
+            _random_model_dir(workdir, LLAMA3_8B),
+            device,
+            workdir,
+            (1024, 4096, 16384),
+            256,
+            {
+                "users": 12,
+                "rounds": 6,
+                "concurrency": 4,
+                "system": 1024,
+                "context": 6144,
+                "question": 64,
+                "answer": 32,
+            },
+            ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (16.0, 0.5)),
+            16384 + 256,
+            120.0,
+            dtype="bfloat16",
+            reps=3,
+            lmdb_max_len=16384,
+            sweep_lengths=(1024, 4096),
+            host_capacity=HOST_CAPACITY,
+            warmup_reps=1,
+        )
     if args is not None:
         over: dict[str, Any] = {}
         if args.lengths:
@@ -177,14 +249,18 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
     return setup
 
 
-def make_llm(setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None,
-             **extra: Any) -> Any:
+def make_llm(
+    setup: Setup, num_gpu_blocks: int, offload: dict[str, Any] | None, **extra: Any
+) -> Any:
     """An ``LLM`` of the setup's model; ``extra`` goes to ``LLM`` as is (e.g. request_log)."""
     from engine.llm import LLM
 
     kwargs: dict[str, Any] = {
-        "num_gpu_blocks": num_gpu_blocks, "max_num_batched_tokens": setup.max_batched_tokens,
-        "max_num_seqs": 64, "seed": 0, **extra,
+        "num_gpu_blocks": num_gpu_blocks,
+        "max_num_batched_tokens": setup.max_batched_tokens,
+        "max_num_seqs": 64,
+        "seed": 0,
+        **extra,
     }
     if setup.model_dir is not None:
         kwargs["dtype"] = setup.dtype
@@ -215,8 +291,7 @@ def bytes_per_block(setup: Setup) -> int:
 
     hf = read_hf_config(setup.model_dir or ensure_demo_model())
     arch = ModelArchConfig.from_hf(hf)
-    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                       resolve_dtype("auto", hf))
+    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, resolve_dtype("auto", hf))
     return spec.bytes_per_block
 
 
@@ -227,8 +302,9 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 _REQ_IDS = itertools.count()
 
 
-def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams,
-                 timeout_s: float) -> list[Any]:
+def run_requests(
+    llm: Any, prompts: list[list[int]], params: SamplingParams, timeout_s: float
+) -> list[Any]:
     """``LLM.generate`` with a deadline: a stalled engine (no request can progress) raises
     RuntimeError with its stats instead of hanging the whole benchmark."""
     eng = llm.engine
@@ -249,8 +325,10 @@ def run_requests(llm: Any, prompts: list[list[int]], params: SamplingParams,
                 if not eng.has_unfinished_requests():
                     break
                 eng.step()
-            raise RuntimeError(f"engine stalled: {len(finals)}/{len(ids)} requests finished "
-                               f"after {timeout_s:.0f} s; stats {stats}")
+            raise RuntimeError(
+                f"engine stalled: {len(finals)}/{len(ids)} requests finished "
+                f"after {timeout_s:.0f} s; stats {stats}"
+            )
     return [finals[r] for r in ids]
 
 
@@ -271,7 +349,6 @@ def best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> f
         sync(device)
         times.append(time.perf_counter() - t0)
     return min(times)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +382,7 @@ def first_token_steps(llm: Any, prompt: list[int], timeout_s: float) -> FirstTok
                 return fn(*args, **kwargs)
             finally:
                 spent[key] += time.perf_counter() - t0
+
         return run
 
     for obj, name, key in targets:
@@ -328,8 +406,15 @@ def first_token_steps(llm: Any, prompt: list[int], timeout_s: float) -> FirstTok
         for obj, name, _ in targets:
             delattr(obj, name)  # the class's method again
     ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else sum(steps)
-    return FirstToken(ttft, len(steps), tuple(x * 1e3 for x in steps), spent["schedule"] * 1e3,
-                      spent["load"] * 1e3, spent["execute"] * 1e3, out.num_cached_tokens)
+    return FirstToken(
+        ttft,
+        len(steps),
+        tuple(x * 1e3 for x in steps),
+        spent["schedule"] * 1e3,
+        spent["load"] * 1e3,
+        spent["execute"] * 1e3,
+        out.num_cached_tokens,
+    )
 
 
 def _ttft_once(llm: Any, prompt: list[int], timeout_s: float) -> tuple[float, int]:

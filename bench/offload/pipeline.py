@@ -43,41 +43,58 @@ def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
     kv = KVCache(spec, n + 2, dev)
     meta = block_meta(kv, "bench-pipeline")
     slot = encoded_size(meta, keyed=True)
-    config = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": f"{2 * slot}B"},
-        {"kind": "lmdb", "path": os.path.join(setup.workdir, "lmdb-pipeline"),
-         "capacity": f"{(n + 8) * slot * 2}B"}]})
-    store = HierarchicalStore(build_tiers(config, host_slot_bytes=slot),
-                              StoreConfig(namespace=meta.namespace, promote_on_get=False))
+    config = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{2 * slot}B"},
+                {
+                    "kind": "lmdb",
+                    "path": os.path.join(setup.workdir, "lmdb-pipeline"),
+                    "capacity": f"{(n + 8) * slot * 2}B",
+                },
+            ]
+        }
+    )
+    store = HierarchicalStore(
+        build_tiers(config, host_slot_bytes=slot),
+        StoreConfig(namespace=meta.namespace, promote_on_get=False),
+    )
     gen = torch.Generator().manual_seed(3)
     payload = torch.randint(0, 255, (n, spec.bytes_per_block), generator=gen, dtype=torch.uint8)
     keys = tuple(f"{meta.namespace}/{i:064x}" for i in range(n))
-    store.tiers[1].put_many([(k, encode_block(memoryview(payload[i].numpy()), meta, key=k))
-                             for i, k in enumerate(keys)])
+    store.tiers[1].put_many(
+        [(k, encode_block(memoryview(payload[i].numpy()), meta, key=k)) for i, k in enumerate(keys)]
+    )
     ids = tuple(range(n))
     nbytes = n * spec.bytes_per_block
     variants: dict[str, OffloadWorker] = {"serial": _worker(kv, store, meta, 0, 2)}
     for chunk, depth in GRID:
         variants[f"pipelined_c{chunk}_d{depth}"] = _worker(kv, store, meta, chunk, depth)
     probe = LoadPipeline(kv, store, None, chunk_blocks=n, depth=1)
-    staging = torch.empty((n, spec.bytes_per_block), dtype=torch.uint8,
-                          pin_memory=dev.type == "cuda")
+    staging = torch.empty(
+        (n, spec.bytes_per_block), dtype=torch.uint8, pin_memory=dev.type == "cuda"
+    )
     rows = kv.byte_rows()
 
     parts: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
 
     def load(name: str) -> None:
         spec = store.prepare_load(keys)
-        variants[name].start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("bench", ids, keys, 0, ("lmdb",) * n, spec=spec),),
-            num_scheduled_requests=0))
+        variants[name].start_load_kv(
+            KVConnectorMetadata(
+                loads=(BlockLoad("bench", ids, keys, 0, ("lmdb",) * n, spec=spec),),
+                num_scheduled_requests=0,
+            )
+        )
         [done] = variants[name].take_report().finished_loads
         assert done.num_loaded_blocks == n, done
         parts[name].append((done.read_s, done.copy_s))
 
-    cases = {"read": lambda: probe.read_chunk(keys, staging),
-             "copy": lambda: rows[:n].copy_(staging, non_blocking=dev.type == "cuda"),
-             **{name: (lambda name=name: load(name)) for name in variants}}
+    cases = {
+        "read": lambda: probe.read_chunk(keys, staging),
+        "copy": lambda: rows[:n].copy_(staging, non_blocking=dev.type == "cuda"),
+        **{name: (lambda name=name: load(name)) for name in variants},
+    }
     times: dict[str, list[float]] = {name: [] for name in cases}
     try:
         for fn in cases.values():  # warm-up: page cache, pinned ring, kernels
@@ -103,19 +120,39 @@ def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
         # The variant's own read and copy parts (its chunked reads are not the one big read).
         own_read = statistics.median(r for r, _ in parts[name][1:])
         own_copy = statistics.median(c for _, c in parts[name][1:])
-        rows_out[name] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9, "read_ms": own_read * 1e3,
-                          "copy_ms": own_copy * 1e3, "over_sum": t / (own_read + own_copy),
-                          "over_max": t / max(own_read, own_copy)}
+        rows_out[name] = {
+            "ms": t * 1e3,
+            "gbps": nbytes / t / 1e9,
+            "read_ms": own_read * 1e3,
+            "copy_ms": own_copy * 1e3,
+            "over_sum": t / (own_read + own_copy),
+            "over_max": t / max(own_read, own_copy),
+        }
     best = min((k for k in rows_out if k.startswith("pipelined")), key=lambda k: med[k])
-    return {"num_blocks": n, "block_bytes": spec.bytes_per_block, "device": str(dev),
-            "reps": reps, "bytes_correct": correct, "read_ms": read * 1e3, "copy_ms": copy * 1e3,
-            "variants": rows_out, "best": best,
-            "best_over_serial": med["serial"] / med[best]}
+    return {
+        "num_blocks": n,
+        "block_bytes": spec.bytes_per_block,
+        "device": str(dev),
+        "reps": reps,
+        "bytes_correct": correct,
+        "read_ms": read * 1e3,
+        "copy_ms": copy * 1e3,
+        "variants": rows_out,
+        "best": best,
+        "best_over_serial": med["serial"] / med[best],
+    }
 
 
 def _worker(kv: Any, store: Any, meta: Any, chunk: int, depth: int) -> Any:
     from connectors.offload.stats import OffloadStats
     from connectors.offload.worker import OffloadWorker
 
-    return OffloadWorker(kv, store, meta, load_timeout_s=600.0, stats=OffloadStats(),
-                         load_chunk_bytes=chunk * kv.bytes_per_block, load_pipeline_depth=depth)
+    return OffloadWorker(
+        kv,
+        store,
+        meta,
+        load_timeout_s=600.0,
+        stats=OffloadStats(),
+        load_chunk_bytes=chunk * kv.bytes_per_block,
+        load_pipeline_depth=depth,
+    )

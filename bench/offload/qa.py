@@ -59,9 +59,15 @@ def qa_order(users: int, rounds: int) -> list[tuple[int, int]]:
     return [(u, r) for r in range(rounds) for u in range(users)]
 
 
-def run_qa(llm: Any, histories: Sequence[Sequence[int]],
-           questions: Sequence[Sequence[Sequence[int]]], params: SamplingParams,
-           concurrency: int, log_path: str, stall_s: float) -> QaRun:
+def run_qa(
+    llm: Any,
+    histories: Sequence[Sequence[int]],
+    questions: Sequence[Sequence[Sequence[int]]],
+    params: SamplingParams,
+    concurrency: int,
+    log_path: str,
+    stall_s: float,
+) -> QaRun:
     """Drive a multi-round QA session through ``llm.engine`` (add_request / step).
 
     User ``u`` asks ``questions[r][u]`` in round ``r`` after its round ``r - 1`` answer came
@@ -105,8 +111,10 @@ def run_qa(llm: Any, histories: Sequence[Sequence[int]],
             stats = eng.stats()
             for rid in inflight:
                 eng.abort_request(rid)
-            raise RuntimeError(f"QA stalled: {len(done)} requests done, {len(inflight)} in "
-                               f"flight, none finished for {stall_s:.0f} s; stats {stats}")
+            raise RuntimeError(
+                f"QA stalled: {len(done)} requests done, {len(inflight)} in "
+                f"flight, none finished for {stall_s:.0f} s; stats {stats}"
+            )
     wall = time.perf_counter() - t0
     logged = _read_request_log(log_path)
     bs = llm.config.cache.block_size
@@ -115,11 +123,24 @@ def run_qa(llm: Any, histories: Sequence[Sequence[int]],
         entry = logged.get(rid, {})
         tiers = entry.get("hit_tiers", [])
         ttft = out.metrics.ttft_s if out.metrics is not None and out.metrics.ttft_s else 0.0
-        turns.append(QaTurn(u, r, len(out.prompt_token_ids), ttft, out.num_cached_tokens,
-                            bs * sum(t != "gpu" for t in tiers),
-                            str(entry.get("decision", "unknown"))))
-    return QaRun(tuple(turns), wall, generated, max_in_flight,
-                 eng.stats()["num_preemptions_total"] - preempt0)
+        turns.append(
+            QaTurn(
+                u,
+                r,
+                len(out.prompt_token_ids),
+                ttft,
+                out.num_cached_tokens,
+                bs * sum(t != "gpu" for t in tiers),
+                str(entry.get("decision", "unknown")),
+            )
+        )
+    return QaRun(
+        tuple(turns),
+        wall,
+        generated,
+        max_in_flight,
+        eng.stats()["num_preemptions_total"] - preempt0,
+    )
 
 
 def _read_request_log(path: str) -> dict[str, dict[str, Any]]:
@@ -146,10 +167,13 @@ def qa_sizes(setup: Setup) -> dict[str, int]:
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
     all_blocks = q["system"] // 16 + q["users"] * own_blocks
     pool = (q["concurrency"] + 1) * user_blocks + 4
-    return {"max_prompt_tokens": max_prompt, "num_gpu_blocks": pool,
-            "all_history_blocks": all_blocks,
-            "pool_holds_all_histories": pool >= all_blocks,  # then the run shows no reloads
-            "host_capacity": max(setup.host_capacity, all_blocks * slot * 5 // 4)}
+    return {
+        "max_prompt_tokens": max_prompt,
+        "num_gpu_blocks": pool,
+        "all_history_blocks": all_blocks,
+        "pool_holds_all_histories": pool >= all_blocks,  # then the run shows no reloads
+        "host_capacity": max(setup.host_capacity, all_blocks * slot * 5 // 4),
+    }
 
 
 def bench_qa(setup: Setup) -> dict[str, Any]:
@@ -164,54 +188,95 @@ def bench_qa(setup: Setup) -> dict[str, Any]:
     params = SamplingParams(max_tokens=q["answer"], temperature=0.0, ignore_eos=True)
     host = {"kind": "host", "capacity": f"{sizes['host_capacity']}B"}
     modes: list[tuple[str, dict[str, Any] | None]] = [
-        ("off", None), ("on", {"decision": setup.qa_decision, "tiers": [host]})]
+        ("off", None),
+        ("on", {"decision": setup.qa_decision, "tiers": [host]}),
+    ]
     if setup.qa_lossless and two_byte_kv(setup):
-        modes.append(("on_lossless", {"decision": setup.qa_decision, "compression": "lossless",
-                                      "tiers": [host]}))
+        modes.append(
+            (
+                "on_lossless",
+                {"decision": setup.qa_decision, "compression": "lossless", "tiers": [host]},
+            )
+        )
     for name, offload in modes:
         rng = random.Random(2)
         system = random_tokens(rng, q["system"])
         histories = [system + random_tokens(rng, q["context"]) for _ in range(q["users"])]
-        questions = [[random_tokens(rng, q["question"]) for _ in range(q["users"])]
-                     for _ in range(q["rounds"])]
+        questions = [
+            [random_tokens(rng, q["question"]) for _ in range(q["users"])]
+            for _ in range(q["rounds"])
+        ]
         log_path = os.path.join(setup.workdir, f"qa-{name}.jsonl")
         llm = make_llm(setup, sizes["num_gpu_blocks"], offload, request_log=log_path)
         try:
             run_requests(llm, [random_tokens(rng, 32)], GREEDY1, setup.request_timeout_s)  # warm-up
             before = llm.kv_stats()
-            run = run_qa(llm, histories, questions, params, q["concurrency"], log_path,
-                         setup.request_timeout_s)
+            run = run_qa(
+                llm,
+                histories,
+                questions,
+                params,
+                q["concurrency"],
+                log_path,
+                setup.request_timeout_s,
+            )
             after = llm.kv_stats()
         finally:
             close_llm(llm)
         out[name] = _qa_figures(run, before, after)
     out["ttft_p50_ratio"] = out["off"]["ttft_p50_s"] / out["on"]["ttft_p50_s"]
-    out["ttft_p50_later_rounds_ratio"] = (out["off"]["ttft_p50_later_rounds_s"]
-                                          / out["on"]["ttft_p50_later_rounds_s"])
+    out["ttft_p50_later_rounds_ratio"] = (
+        out["off"]["ttft_p50_later_rounds_s"] / out["on"]["ttft_p50_later_rounds_s"]
+    )
     out["throughput_ratio"] = out["on"]["output_tokens_per_s"] / out["off"]["output_tokens_per_s"]
     if "on_lossless" in out:
         on = out["on_lossless"]
         out["lossless_ttft_p50_ratio"] = out["off"]["ttft_p50_s"] / on["ttft_p50_s"]
-        out["lossless_throughput_ratio"] = (on["output_tokens_per_s"]
-                                            / out["off"]["output_tokens_per_s"])
+        out["lossless_throughput_ratio"] = (
+            on["output_tokens_per_s"] / out["off"]["output_tokens_per_s"]
+        )
     return out
 
 
 def _qa_figures(run: QaRun, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     ttfts = sorted(t.ttft_s for t in run.turns)
     later = sorted(t.ttft_s for t in run.turns if t.round > 0)
-    decisions = {k: v - before.get("decisions", {}).get(k, 0)
-                 for k, v in after.get("decisions", {}).items()}
-    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "ttft_p50_later_rounds_s": percentile(later, 50),
-            "output_tokens_per_s": run.generated_tokens / run.wall_s, "wall_s": run.wall_s,
-            "requests": len(run.turns), "generated_tokens": run.generated_tokens,
-            "decisions": {k: v for k, v in decisions.items() if v},
-            "cached_tokens": sum(t.cached_tokens for t in run.turns),
-            "loaded_tokens": sum(t.loaded_tokens for t in run.turns),
-            "kv_loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"],
-            "max_in_flight": run.max_in_flight, "preemptions": run.preemptions,
-            "per_request": [[t.user, t.round, t.prompt_tokens, round(t.ttft_s * 1e3, 3),
-                             t.cached_tokens, t.loaded_tokens, t.decision] for t in run.turns],
-            "per_request_fields": ["user", "round", "prompt_tokens", "ttft_ms", "cached_tokens",
-                                   "loaded_tokens", "decision"]}
+    decisions = {
+        k: v - before.get("decisions", {}).get(k, 0) for k, v in after.get("decisions", {}).items()
+    }
+    return {
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "ttft_p50_later_rounds_s": percentile(later, 50),
+        "output_tokens_per_s": run.generated_tokens / run.wall_s,
+        "wall_s": run.wall_s,
+        "requests": len(run.turns),
+        "generated_tokens": run.generated_tokens,
+        "decisions": {k: v for k, v in decisions.items() if v},
+        "cached_tokens": sum(t.cached_tokens for t in run.turns),
+        "loaded_tokens": sum(t.loaded_tokens for t in run.turns),
+        "kv_loaded_tokens": after["loaded_tokens"] - before["loaded_tokens"],
+        "max_in_flight": run.max_in_flight,
+        "preemptions": run.preemptions,
+        "per_request": [
+            [
+                t.user,
+                t.round,
+                t.prompt_tokens,
+                round(t.ttft_s * 1e3, 3),
+                t.cached_tokens,
+                t.loaded_tokens,
+                t.decision,
+            ]
+            for t in run.turns
+        ],
+        "per_request_fields": [
+            "user",
+            "round",
+            "prompt_tokens",
+            "ttft_ms",
+            "cached_tokens",
+            "loaded_tokens",
+            "decision",
+        ],
+    }

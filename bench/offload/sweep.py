@@ -98,14 +98,20 @@ class SweepLoads:
         self.lmdb = LmdbTier(lmdb_path, (num_blocks + 16) * (slot + 4096) * 2)
         rng = random.Random(5)  # seeded payloads; nothing computes on them
         for i in range(0, num_blocks, 32):
-            self.lmdb.put_many([(k, encode_block(rng.randbytes(kv.bytes_per_block), meta, key=k))
-                                for k in self.keys[i:i + 32]])
+            self.lmdb.put_many(
+                [
+                    (k, encode_block(rng.randbytes(kv.bytes_per_block), meta, key=k))
+                    for k in self.keys[i : i + 32]
+                ]
+            )
         self.tier = ThrottledTier(self.lmdb, 0.0, float("inf"))
         self.host = HostTier((num_blocks + 4) * slot, slot)
-        self.store = HierarchicalStore([self.host, self.tier], StoreConfig(
-            namespace=meta.namespace, promote_on_get=False))
-        self.worker = OffloadWorker(kv, self.store, meta, load_timeout_s=600.0,
-                                    stats=OffloadStats())
+        self.store = HierarchicalStore(
+            [self.host, self.tier], StoreConfig(namespace=meta.namespace, promote_on_get=False)
+        )
+        self.worker = OffloadWorker(
+            kv, self.store, meta, load_timeout_s=600.0, stats=OffloadStats()
+        )
 
     def throttle(self, latency_s: float, bandwidth_bytes_per_s: float) -> None:
         self.tier.latency_s, self.tier.bandwidth = latency_s, bandwidth_bytes_per_s
@@ -121,9 +127,12 @@ class SweepLoads:
         sync(self.device)
         t0 = time.perf_counter()
         spec = self.store.prepare_load(keys)
-        self.worker.start_load_kv(KVConnectorMetadata(loads=(BlockLoad(
-            "sweep", tuple(range(n)), keys, 0, ("lmdb",) * n, spec=spec),),
-            num_scheduled_requests=0))
+        self.worker.start_load_kv(
+            KVConnectorMetadata(
+                loads=(BlockLoad("sweep", tuple(range(n)), keys, 0, ("lmdb",) * n, spec=spec),),
+                num_scheduled_requests=0,
+            )
+        )
         finished = self.worker.take_report().finished_loads
         sync(self.device)
         seconds = time.perf_counter() - t0
@@ -167,10 +176,15 @@ class _Parts:
             times = []
             for _ in range(2):
                 if c:
-                    run_requests(self.llm, [ctx + random_tokens(self.rng, 1)], GREEDY1,
-                                 self.setup.request_timeout_s)  # cache the context
-                t, cached = _ttft_once(self.llm, ctx + random_tokens(self.rng, n),
-                                         self.setup.request_timeout_s)
+                    run_requests(
+                        self.llm,
+                        [ctx + random_tokens(self.rng, 1)],
+                        GREEDY1,
+                        self.setup.request_timeout_s,
+                    )  # cache the context
+                t, cached = _ttft_once(
+                    self.llm, ctx + random_tokens(self.rng, n), self.setup.request_timeout_s
+                )
                 if cached < c:
                     raise RuntimeError(f"context of {c} tokens not cached ({cached})")
                 times.append(t)
@@ -193,8 +207,13 @@ def _sweep_prefill_sizes(lengths: tuple[int, ...]) -> list[tuple[int, int]]:
     shapes its options price: recompute ``(L+16 | 0)``, the rest after load-all ``(16 | L)``,
     overlap heads ``(L/4 | 0)`` and ``(L/2 | 0)``, the rest of a half load ``(L/2+16 | L/2)``.
     (The fit is relative: short shapes count as much as long ones.)"""
-    return list(dict.fromkeys(s for n in lengths for s in (
-        (n // 4, 0), (n // 2, 0), (n + 16, 0), (16, n), (n // 2 + 16, n // 2))))
+    return list(
+        dict.fromkeys(
+            s
+            for n in lengths
+            for s in ((n // 4, 0), (n // 2, 0), (n + 16, 0), (16, n), (n // 2 + 16, n // 2))
+        )
+    )
 
 
 def bench_sweep(setup: Setup) -> dict[str, Any]:
@@ -213,20 +232,24 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
     try:
         parts = _Parts(setup, llm, os.path.join(setup.workdir, "sweep-lmdb"), max_blocks)
         bpb = parts.bpb
-        run_requests(llm, [random_tokens(parts.rng, 64)], GREEDY1,
-                     setup.request_timeout_s)  # warm-up
-        prefill = calibrate_prefill(parts.prefill, _sweep_prefill_sizes(lengths), progress=False,
-                                    relative=True)
-        ceiling = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
-                                     sizes=calibration_sizes(max_blocks))
+        run_requests(
+            llm, [random_tokens(parts.rng, 64)], GREEDY1, setup.request_timeout_s
+        )  # warm-up
+        prefill = calibrate_prefill(
+            parts.prefill, _sweep_prefill_sizes(lengths), progress=False, relative=True
+        )
+        ceiling = calibrate_transfer(
+            parts.loads.timer(), bpb, "lmdb", sizes=calibration_sizes(max_blocks)
+        )
         for length in lengths:
             k_all = length // 16
             recompute = parts.prefill(length + 16, 0)
             breakeven_bw = k_all * bpb / recompute
             for bw_factor, lat_factor in setup.sweep_factors:
                 parts.loads.throttle(lat_factor * recompute, bw_factor * breakeven_bw)
-                fit = calibrate_transfer(parts.loads.timer(), bpb, "lmdb",
-                                         sizes=calibration_sizes(k_all))
+                fit = calibrate_transfer(
+                    parts.loads.timer(), bpb, "lmdb", sizes=calibration_sizes(k_all)
+                )
                 # No "host" hop: the fit is the whole load (staging, then slab -> cache copies).
                 model = OnlineCostModel({"lmdb": fit.cost}, prefill, bpb, 16)
                 d = model.decide(0, ["lmdb"] * k_all, length + 16)
@@ -236,44 +259,63 @@ def bench_sweep(setup: Setup) -> dict[str, Any]:
                 if b.strategy == Strategy.RECOMPUTE:
                     chosen = recompute
                 elif b.strategy == Strategy.OVERLAP:
-                    chosen = max(parts.prefill(16 * b.load_begin, 0),
-                                 parts.load(b.load_begin, b.load_end)) + parts.prefill(16, length)
+                    chosen = max(
+                        parts.prefill(16 * b.load_begin, 0), parts.load(b.load_begin, b.load_end)
+                    ) + parts.prefill(16, length)
                 else:
                     done = 16 * b.load_end
                     chosen = parts.load(0, b.load_end) + parts.prefill(length + 16 - done, done)
                 best = min(recompute, load_all, chosen)
-                points.append({
-                    "prefix_tokens": length,
-                    "bandwidth_gbps": fit.cost.bandwidth_bytes_per_s / 1e9,  # effective
-                    "latency_s": fit.cost.latency_s,  # effective
-                    "nominal_gbps": bw_factor * breakeven_bw / 1e9,
-                    "nominal_latency_s": lat_factor * recompute,
-                    "calibration": [[s.num_blocks, s.seconds] for s in fit.samples],
-                    "choice": b.strategy, "load_blocks": [b.load_begin, b.load_end],
-                    "predicted_s": d.predicted_s,
-                    "predicted_recompute_s": prefill.time(length + 16, 0),
-                    "predicted_load_all_s": fit.predict(k_all, bpb) + prefill.time(16, length),
-                    "read_all_s": read_all, "predicted_read_all_s": fit.predict(k_all, bpb),
-                    "recompute_s": recompute, "load_all_s": load_all, "chosen_s": chosen,
-                    "ratio_to_best": chosen / best,
-                    "not_slower_than_both": chosen <= max(recompute, load_all) * 1.02,
-                })
+                points.append(
+                    {
+                        "prefix_tokens": length,
+                        "bandwidth_gbps": fit.cost.bandwidth_bytes_per_s / 1e9,  # effective
+                        "latency_s": fit.cost.latency_s,  # effective
+                        "nominal_gbps": bw_factor * breakeven_bw / 1e9,
+                        "nominal_latency_s": lat_factor * recompute,
+                        "calibration": [[s.num_blocks, s.seconds] for s in fit.samples],
+                        "choice": b.strategy,
+                        "load_blocks": [b.load_begin, b.load_end],
+                        "predicted_s": d.predicted_s,
+                        "predicted_recompute_s": prefill.time(length + 16, 0),
+                        "predicted_load_all_s": fit.predict(k_all, bpb) + prefill.time(16, length),
+                        "read_all_s": read_all,
+                        "predicted_read_all_s": fit.predict(k_all, bpb),
+                        "recompute_s": recompute,
+                        "load_all_s": load_all,
+                        "chosen_s": chosen,
+                        "ratio_to_best": chosen / best,
+                        "not_slower_than_both": chosen <= max(recompute, load_all) * 1.02,
+                    }
+                )
     finally:
         if parts is not None:
             parts.close()
         close_llm(llm)
     ratios = [p["ratio_to_best"] for p in points]
-    return {"points": points, "worst_ratio_to_best": max(ratios),
-            "within_5pct": sum(r <= 1.05 for r in ratios), "num_points": len(points),
-            "never_slower_than_both": all(p["not_slower_than_both"] for p in points),
-            "num_not_slower_than_both": sum(p["not_slower_than_both"] for p in points),
-            # Which side of the model misses: the calibrated load, or the prefill fit.
-            "worst_read_prediction_error": max(
-                abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points),
-            "worst_recompute_prediction_error": max(
-                abs(p["predicted_recompute_s"] / p["recompute_s"] - 1) for p in points),
-            "path_ceiling": {"gbps": ceiling.cost.bandwidth_bytes_per_s / 1e9,
-                             "latency_s": ceiling.cost.latency_s, "block_bytes": bpb,
-                             "calibration": [[s.num_blocks, s.seconds] for s in ceiling.samples]},
-            "prefill_fit": {"fixed_s": prefill.fixed_s, "per_token_s": prefill.per_token_s,
-                            "attention_s": prefill.attention_s}}
+    return {
+        "points": points,
+        "worst_ratio_to_best": max(ratios),
+        "within_5pct": sum(r <= 1.05 for r in ratios),
+        "num_points": len(points),
+        "never_slower_than_both": all(p["not_slower_than_both"] for p in points),
+        "num_not_slower_than_both": sum(p["not_slower_than_both"] for p in points),
+        # Which side of the model misses: the calibrated load, or the prefill fit.
+        "worst_read_prediction_error": max(
+            abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points
+        ),
+        "worst_recompute_prediction_error": max(
+            abs(p["predicted_recompute_s"] / p["recompute_s"] - 1) for p in points
+        ),
+        "path_ceiling": {
+            "gbps": ceiling.cost.bandwidth_bytes_per_s / 1e9,
+            "latency_s": ceiling.cost.latency_s,
+            "block_bytes": bpb,
+            "calibration": [[s.num_blocks, s.seconds] for s in ceiling.samples],
+        },
+        "prefill_fit": {
+            "fixed_s": prefill.fixed_s,
+            "per_token_s": prefill.per_token_s,
+            "attention_s": prefill.attention_s,
+        },
+    }

@@ -33,5 +33,6 @@ def as_written(sizes: tuple[Size, ...], blocks: list[int | None]) -> list[Size]:
     """``sizes`` where given, else each capacity in blocks (``inf`` for unbounded)."""
     if len(sizes) == len(blocks):
         return list(sizes)
-    return [Size(UNBOUNDED, None, "inf") if b is None else Size(BLOCKS, b, f"{b}blocks")
-            for b in blocks]
+    return [
+        Size(UNBOUNDED, None, "inf") if b is None else Size(BLOCKS, b, f"{b}blocks") for b in blocks
+    ]

@@ -48,40 +48,62 @@ def _tier_axes(ax: Any, doc: dict[str, Any], i: int, units: list[str]) -> None:
     scale, label = _scale(_unit(tier["capacity_unit"], units), doc)
     xs = [c * scale for c in curve["capacities_blocks"]]
     colour = _COLOURS[i % len(_COLOURS)]
-    ax.plot(xs, [100 * y for y in curve["tier_hit_ratio"]], color=colour, lw=2,
-            label=f"{tier['name']} hits")
+    ax.plot(
+        xs,
+        [100 * y for y in curve["tier_hit_ratio"]],
+        color=colour,
+        lw=2,
+        label=f"{tier['name']} hits",
+    )
     if 0 < i < n - 1:
         names = "+".join(t["name"] for t in doc["tiers"][: i + 1])
-        ax.plot(xs, [100 * y for y in curve["cumulative_hit_ratio"]], color=colour,
-                linestyle="--", label=f"{names} (cumulative)")
+        ax.plot(
+            xs,
+            [100 * y for y in curve["cumulative_hit_ratio"]],
+            color=colour,
+            linestyle="--",
+            label=f"{names} (cumulative)",
+        )
     if n > 1:
-        ax.plot(xs, [100 * y for y in curve["total_hit_ratio"]], color="black", linestyle=":",
-                label="whole stack")
+        ax.plot(
+            xs,
+            [100 * y for y in curve["total_hit_ratio"]],
+            color="black",
+            linestyle=":",
+            label="whole stack",
+        )
     at = _x(tier["capacity_blocks"], top, scale)
-    shown = tier["capacity_text"] + (" (drawn where all blocks fit)"
-                                     if tier["capacity_blocks"] is None else "")
+    shown = tier["capacity_text"] + (
+        " (drawn where all blocks fit)" if tier["capacity_blocks"] is None else ""
+    )
     if at > 0:
         ax.axvline(at, color="tab:red", alpha=0.7, label=f"configured {tier['name']}={shown}")
-        ax.plot([at], [100 * tier["hit_blocks"] / max(doc["block_refs"], 1)], "o",
-                color="tab:red")
+        ax.plot([at], [100 * tier["hit_blocks"] / max(doc["block_refs"], 1)], "o", color="tab:red")
     ax.set_xscale("log")
     ax.set_xlabel(f"{tier['name']} capacity ({label})")
     ax.set_ylabel("hit ratio (% of block references)")
     ax.set_ylim(0, 100)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    others = ", ".join(f"{t['name']}={t['capacity_text']}" for j, t in enumerate(doc["tiers"])
-                       if j != i)
-    ax.set_title(f"tier {i + 1}/{n}: {tier['name']} ({tier['policy']})"
-                 + (f"\nothers fixed: {others}" if others else ""), fontsize=10)
+    others = ", ".join(
+        f"{t['name']}={t['capacity_text']}" for j, t in enumerate(doc["tiers"]) if j != i
+    )
+    ax.set_title(
+        f"tier {i + 1}/{n}: {tier['name']} ({tier['policy']})"
+        + (f"\nothers fixed: {others}" if others else ""),
+        fontsize=10,
+    )
     ax.set_label(f"tier:{tier['name']}")
 
 
 def _sweep_x(doc: dict[str, Any], units: list[str]) -> tuple[list[float], str, list[int]]:
     sw = doc["sweep"]
     swept = next(t for t in doc["tiers"] if t["name"] == sw["tier"])
-    written = [u for u, c in zip(sw["capacities_unit"], sw["capacities_blocks"], strict=True)
-               if u != "inf" and c]  # a zero reads the same in every unit
+    written = [
+        u
+        for u, c in zip(sw["capacities_unit"], sw["capacities_blocks"], strict=True)
+        if u != "inf" and c
+    ]  # a zero reads the same in every unit
     scale, label = _scale(_unit(written[0] if written else swept["capacity_unit"], units), doc)
     finite = [c for c in sw["capacities_blocks"] if c is not None]
     top = max([doc["unique_blocks"], *finite, 1])
@@ -107,17 +129,25 @@ def _sweep_axes(ax_hits: Any, ax_net: Any, doc: dict[str, Any], units: list[str]
     sw = doc["sweep"]
     xs, xlabel, inf_at = _sweep_x(doc, units)
     for i, t in enumerate(doc["tiers"]):
-        ax_hits.plot(xs, [100 * y for y in sw["tier_hit_ratio"][t["name"]]], "o-",
-                     color=_COLOURS[i % len(_COLOURS)], label=f"{t['name']} hits")
+        ax_hits.plot(
+            xs,
+            [100 * y for y in sw["tier_hit_ratio"][t["name"]]],
+            "o-",
+            color=_COLOURS[i % len(_COLOURS)],
+            label=f"{t['name']} hits",
+        )
     total = [100 * y for y in sw["block_hit_ratio"]]
     ax_hits.plot(xs, total, "s-", color="black", label="total (blocks)")
-    ax_hits.plot(xs, [100 * y for y in sw["token_hit_ratio"]], "s--", color="grey",
-                 label="total (tokens)")
+    ax_hits.plot(
+        xs, [100 * y for y in sw["token_hit_ratio"]], "s--", color="grey", label="total (tokens)"
+    )
     _mark_inf(ax_hits, xs, total, inf_at)
-    others = ", ".join(f"{t['name']}={t['capacity_text']}" for t in doc["tiers"]
-                       if t["name"] != sw["tier"])
-    ax_hits.set_title(f"sweep of {sw['tier']}" + (f" (fixed: {others})" if others else ""),
-                      fontsize=10)
+    others = ", ".join(
+        f"{t['name']}={t['capacity_text']}" for t in doc["tiers"] if t["name"] != sw["tier"]
+    )
+    ax_hits.set_title(
+        f"sweep of {sw['tier']}" + (f" (fixed: {others})" if others else ""), fontsize=10
+    )
     ax_hits.set_ylabel("hit ratio (% of block references)")
     ax_hits.set_ylim(0, 100)
     ax_hits.legend(loc="upper left", fontsize=8)
@@ -126,8 +156,10 @@ def _sweep_axes(ax_hits: Any, ax_net: Any, doc: dict[str, Any], units: list[str]
     ax_net.plot(xs, net, "o-", color="tab:red", label="net saved")
     ax_net.plot(xs, sw["saved_prefill_seconds"], "^--", color="tab:green", label="prefill saved")
     _mark_inf(ax_net, xs, net, inf_at)
-    ax_net.set_title(f"net saved against {sw['tier']} capacity\n(per request max(saved - "
-                     "reload, 0), summed)", fontsize=10)
+    ax_net.set_title(
+        f"net saved against {sw['tier']} capacity\n(per request max(saved - reload, 0), summed)",
+        fontsize=10,
+    )
     ax_net.set_ylabel("seconds (cost model)")
     ax_net.set_ylim(bottom=0)
     ax_net.legend(loc="upper left", fontsize=8)
@@ -150,8 +182,9 @@ def _reuse_axes(ax: Any, doc: dict[str, Any]) -> None:
     ax.set_ylabel("reuses at or below (%)")
     ax.set_ylim(0, 100)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"reuse-distance CDF ({doc['reuse_distance']['reuse_refs']:,} reuses)",
-                 fontsize=10)
+    ax.set_title(
+        f"reuse-distance CDF ({doc['reuse_distance']['reuse_refs']:,} reuses)", fontsize=10
+    )
     ax.set_label("reuse_cdf")
 
 
@@ -174,8 +207,10 @@ def build_figure(doc: dict[str, Any]) -> Any:
     if "sweep" in doc:
         _sweep_axes(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), doc, units)
     _reuse_axes(fig.add_subplot(grid[1, lower - 1]), doc)
-    fig.suptitle(f"kvtier analyze: {doc['requests']:,} requests, {doc['block_refs']:,} block "
-                 f"refs, blocks of {doc['block_tokens']} tokens")
+    fig.suptitle(
+        f"kvtier analyze: {doc['requests']:,} requests, {doc['block_refs']:,} block "
+        f"refs, blocks of {doc['block_tokens']} tokens"
+    )
     fig.tight_layout()
     return fig
 

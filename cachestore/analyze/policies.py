@@ -24,10 +24,13 @@ class Policy(Protocol):
     def __contains__(self, block: int) -> bool: ...
     def insert(self, block: int, value: float) -> None:
         """Add an absent block. Mutates."""
+
     def touch(self, block: int, value: float) -> None:
         """Refresh a present block. Mutates."""
+
     def remove(self, block: int) -> None:
         """Drop a present block without counting an eviction. Mutates."""
+
     def pop_victim(self) -> int:
         """Remove and return the block to evict. Mutates; KeyError when empty."""
 
@@ -142,7 +145,11 @@ class CostAwarePolicy(_HeapPolicy):
         self._inflation = priority
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRUPolicy, "lfu": LFUPolicy, "cost": CostAwarePolicy}
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "cost": CostAwarePolicy,
+}
 
 
 def make_policy(name: str) -> Policy:

@@ -34,14 +34,26 @@ def _sweep_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     block references, the totals and the seconds."""
     sw = doc["sweep"]
     names = [t["name"] for t in doc["tiers"]]
-    head = ["capacity", "blocks", *(f"{n} hit" for n in names), "total blocks", "total tokens",
-            "net saved s"]
+    head = [
+        "capacity",
+        "blocks",
+        *(f"{n} hit" for n in names),
+        "total blocks",
+        "total tokens",
+        "net saved s",
+    ]
     rows = []
     for k, c in enumerate(sw["capacities_blocks"]):
-        rows.append([sw["capacities_text"][k], _cap(c),
-                     *(_pct(sw["tier_hit_ratio"][n][k]) for n in names),
-                     _pct(sw["block_hit_ratio"][k]), _pct(sw["token_hit_ratio"][k]),
-                     f"{sw['net_saved_seconds'][k]:.1f}"])
+        rows.append(
+            [
+                sw["capacities_text"][k],
+                _cap(c),
+                *(_pct(sw["tier_hit_ratio"][n][k]) for n in names),
+                _pct(sw["block_hit_ratio"][k]),
+                _pct(sw["token_hit_ratio"][k]),
+                f"{sw['net_saved_seconds'][k]:.1f}",
+            ]
+        )
     return head, rows
 
 
@@ -75,8 +87,12 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{doc['saved_prefill_seconds']:.1f} s, restore {doc['restore_seconds']:.1f} s, "
         f"net saved {doc['net_saved_seconds']:.1f} s "
         f"({doc['model_profile'] or str(doc['kv_bytes_per_token']) + ' B/token'}"
-        + (f", {doc['kv_compression']} blocks" if doc.get("kv_compression", "none") != "none"
-           else "") + ")",
+        + (
+            f", {doc['kv_compression']} blocks"
+            if doc.get("kv_compression", "none") != "none"
+            else ""
+        )
+        + ")",
         *textwrap.wrap(doc["net_saved_definition"] + ".", 100),
     ]
     if "sweep" in doc:
@@ -84,9 +100,12 @@ def format_table(doc: dict[str, Any]) -> str:
         others = _others(doc, sw["tier"])
         head, rows = _sweep_rows(doc)
         widths = [max(len(x) for x in col) + 2 for col in zip(head, *rows, strict=True)]
-        lines += ["", f"sweep of tier {sw['tier']} ({sw['method']})"
-                  + (f", others fixed: {others}" if others else "")
-                  + "; hit = % of block references"]
+        lines += [
+            "",
+            f"sweep of tier {sw['tier']} ({sw['method']})"
+            + (f", others fixed: {others}" if others else "")
+            + "; hit = % of block references",
+        ]
         for row in [head, *rows]:
             lines.append("".join(f"{x:>{w}}" for x, w in zip(row, widths, strict=True)))
     return "\n".join(lines)
@@ -105,15 +124,25 @@ def write_json(doc: dict[str, Any], target: str) -> None:
         Path(target).write_text(text + "\n", encoding="utf-8")
 
 
-def write_markdown(doc: dict[str, Any], path: str, plot_path: str | None = None,
-                   title: str = "kvtier analyze") -> None:
+def write_markdown(
+    doc: dict[str, Any], path: str, plot_path: str | None = None, title: str = "kvtier analyze"
+) -> None:
     """A Markdown report: the summary table, per-tier rows, savings and the sweep."""
     rd = doc["reuse_distance"]
     out = [f"# {title}", "", "| metric | value |", "| --- | --- |"]
-    for key in ("format", "requests", "block_refs", "unique_blocks", "block_tokens",
-                "input_tokens", "hit_blocks", "hit_tokens"):
-        out.append(f"| {key} | {doc[key]:,} |" if isinstance(doc[key], int)
-                   else f"| {key} | {doc[key]} |")
+    for key in (
+        "format",
+        "requests",
+        "block_refs",
+        "unique_blocks",
+        "block_tokens",
+        "input_tokens",
+        "hit_blocks",
+        "hit_tokens",
+    ):
+        out.append(
+            f"| {key} | {doc[key]:,} |" if isinstance(doc[key], int) else f"| {key} | {doc[key]} |"
+        )
     out += [
         f"| block_hit_ratio | {_pct(doc['block_hit_ratio'])} |",
         f"| token_hit_ratio | {_pct(doc['token_hit_ratio'])} |",
@@ -122,25 +151,36 @@ def write_markdown(doc: dict[str, Any], path: str, plot_path: str | None = None,
         f"| saved prefill (s) | {doc['saved_prefill_seconds']:.2f} |",
         f"| restore (s) | {doc['restore_seconds']:.2f} |",
         f"| net saved (s) | {doc['net_saved_seconds']:.2f} |",
-        "", f"Definition: {doc['net_saved_definition']}.",
-        "", "## Tiers", "",
+        "",
+        f"Definition: {doc['net_saved_definition']}.",
+        "",
+        "## Tiers",
+        "",
         "| tier | policy | capacity | blocks | hit blocks | hit % | read GiB | write GiB | evicted |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for t in doc["tiers"]:
         share = t["hit_blocks"] / max(doc["block_refs"], 1)
-        out.append(f"| {t['name']} | {t['policy']} | {t['capacity_text']} | "
-                   f"{_cap(t['capacity_blocks'])} | {t['hit_blocks']:,} | {_pct(share)} | "
-                   f"{t['read_bytes'] / GIB:.2f} | {t['write_bytes'] / GIB:.2f} | "
-                   f"{t['evicted_blocks']:,} |")
+        out.append(
+            f"| {t['name']} | {t['policy']} | {t['capacity_text']} | "
+            f"{_cap(t['capacity_blocks'])} | {t['hit_blocks']:,} | {_pct(share)} | "
+            f"{t['read_bytes'] / GIB:.2f} | {t['write_bytes'] / GIB:.2f} | "
+            f"{t['evicted_blocks']:,} |"
+        )
     if "sweep" in doc:
         sw = doc["sweep"]
         others = _others(doc, sw["tier"])
         head, rows = _sweep_rows(doc)
-        out += ["", f"## Sweep of tier `{sw['tier']}` ({sw['method']})", "",
-                f"The other tiers fixed ({others or 'none'}); a tier's hit is its share of the "
-                "block references, net saved as defined above.", "",
-                "| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+        out += [
+            "",
+            f"## Sweep of tier `{sw['tier']}` ({sw['method']})",
+            "",
+            f"The other tiers fixed ({others or 'none'}); a tier's hit is its share of the "
+            "block references, net saved as defined above.",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + " ---: |" * len(head),
+        ]
         out += ["| " + " | ".join(r) + " |" for r in rows]
     if plot_path:
         out += ["", f"![hit ratio per tier, sweep and reuse distance]({Path(plot_path).name})"]

@@ -80,11 +80,11 @@ class RequestLogEntry:
                 HIT_TIERS: list(self.hit_tiers),
                 DECISION: self.decision,
                 TTFT_S: self.ttft_s,
-                TTFT_BREAKDOWN_S: None if breakdown is None
+                TTFT_BREAKDOWN_S: None
+                if breakdown is None
                 else {k: round(v, 7) for k, v in breakdown.items()},
                 NUM_PREFILL_STEPS: self.num_prefill_steps,
-                KV_LOAD_S: {"read": round(self.load_read_s, 7),
-                            "copy": round(self.load_copy_s, 7)},
+                KV_LOAD_S: {"read": round(self.load_read_s, 7), "copy": round(self.load_copy_s, 7)},
                 PREFILL_STEP_TOKENS: self.prefill_step_tokens,
                 KV_PLAN: self.kv_plan,
             },

@@ -66,9 +66,13 @@ class ReplayResult:
 ProgressFn = Callable[[int], object]  # its return value is ignored (tqdm.update returns one)
 
 
-def replay(trace: Trace, tiers: Sequence[TierSpec],
-           value_per_byte_by_depth: Sequence[float] | None = None,
-           progress: ProgressFn | None = None, progress_every: int = 1024) -> ReplayResult:
+def replay(
+    trace: Trace,
+    tiers: Sequence[TierSpec],
+    value_per_byte_by_depth: Sequence[float] | None = None,
+    progress: ProgressFn | None = None,
+    progress_every: int = 1024,
+) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (top first). Raises ValueError on a bad setup.
 
     ``value_per_byte_by_depth[i]`` (needed by the ``cost`` policy) is the prefill time saved
@@ -156,15 +160,23 @@ def replay(trace: Trace, tiers: Sequence[TierSpec],
     tier_hits = np.bincount(flat, minlength=num_req * num_tiers).reshape(num_req, num_tiers)
     per_tier_hits = tier_hits.sum(axis=0)
     counts = tuple(
-        TierCounts(t.name, t.capacity_blocks, t.policy, int(per_tier_hits[i]), inserted[i],
-                   evicted[i], len(pols[i]))
+        TierCounts(
+            t.name,
+            t.capacity_blocks,
+            t.policy,
+            int(per_tier_hits[i]),
+            inserted[i],
+            evicted[i],
+            len(pols[i]),
+        )
         for i, t in enumerate(tiers)
     )
     return ReplayResult(hits_arr, tier_hits, counts)
 
 
-def lru_hierarchy(trace: Trace, distances: StackDistances,
-                  tiers: Sequence[TierSpec]) -> ReplayResult:
+def lru_hierarchy(
+    trace: Trace, distances: StackDistances, tiers: Sequence[TierSpec]
+) -> ReplayResult:
     """The result ``replay`` gives for an all-LRU hierarchy, from stack distances, vectorized.
 
     The global LRU stack splits by depth: the top tier holds the ``C0`` most recent blocks, the
@@ -196,8 +208,15 @@ def lru_hierarchy(trace: Trace, distances: StackDistances,
     resident = [min(max(final - above[i], 0), caps[i]) for i in range(num_tiers)]
     per_tier = tier_hits.sum(axis=0)
     counts = tuple(
-        TierCounts(t.name, t.capacity_blocks, t.policy, int(per_tier[i]), inserted[i],
-                   evicted[i], resident[i])
+        TierCounts(
+            t.name,
+            t.capacity_blocks,
+            t.policy,
+            int(per_tier[i]),
+            inserted[i],
+            evicted[i],
+            resident[i],
+        )
         for i, t in enumerate(tiers)
     )
     return ReplayResult(tier_hits.sum(axis=1), tier_hits, counts)

@@ -72,8 +72,9 @@ def previous_reference(ids: np.ndarray) -> np.ndarray:
     return prev
 
 
-def _count_below(px: np.ndarray, py: np.ndarray, pw: np.ndarray,
-                 qx: np.ndarray, qy: np.ndarray) -> np.ndarray:
+def _count_below(
+    px: np.ndarray, py: np.ndarray, pw: np.ndarray, qx: np.ndarray, qy: np.ndarray
+) -> np.ndarray:
     """For each query, the total weight of points with ``px <= qx`` and ``py < qy``.
 
     A merge-sort tree over the points in ``px`` order: at level ``l`` each run of ``2**l``
@@ -102,8 +103,7 @@ def _count_below(px: np.ndarray, py: np.ndarray, pw: np.ndarray,
     return total
 
 
-def _chained_distances(trace: Trace,
-                       prev: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _chained_distances(trace: Trace, prev: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """(lookup, touch) distances via request-level distinct counts; None when not chained."""
     ids, offsets = trace.block_ids, trace.offsets
     lens = np.diff(offsets)
@@ -210,8 +210,9 @@ def stack_distances(trace: Trace, force_fenwick: bool = False) -> StackDistances
     return StackDistances(distance=dist, prefix_max=pmax, touch_distance=touch, chained=chained)
 
 
-def lru_hit_curve(trace: Trace, capacities_blocks: np.ndarray | list[int],
-                  distances: StackDistances | None = None) -> HitCurve:
+def lru_hit_curve(
+    trace: Trace, capacities_blocks: np.ndarray | list[int], distances: StackDistances | None = None
+) -> HitCurve:
     """Exact leading-hit blocks and tokens of one LRU cache at every capacity, in one pass."""
     sd = stack_distances(trace) if distances is None else distances
     caps = np.asarray(capacities_blocks, dtype=np.int64)
@@ -226,5 +227,6 @@ def lru_hit_curve(trace: Trace, capacities_blocks: np.ndarray | list[int],
     by_tokens = np.zeros(top + 1, np.int64)
     np.cumsum(np.bincount(m, weights=tokens, minlength=top).astype(np.int64), out=by_tokens[1:])
     idx = np.minimum(caps + 1, top)  # by_*[i] counts running maxima < i; a hit needs <= C
-    return HitCurve(caps, by_blocks[idx], by_tokens[idx], trace.num_block_refs,
-                    int(trace.input_tokens.sum()))
+    return HitCurve(
+        caps, by_blocks[idx], by_tokens[idx], trace.num_block_refs, int(trace.input_tokens.sum())
+    )

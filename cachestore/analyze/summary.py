@@ -28,8 +28,13 @@ def _nearest_rank(sorted_values: np.ndarray, pct: int) -> int | None:
     return int(sorted_values[rank - 1])
 
 
-def analyze(trace: Trace, cfg: AnalyzeConfig, progress: ProgressFn | None = None,
-            keep_distances: bool = False, curves: bool = False) -> dict[str, object]:
+def analyze(
+    trace: Trace,
+    cfg: AnalyzeConfig,
+    progress: ProgressFn | None = None,
+    keep_distances: bool = False,
+    curves: bool = False,
+) -> dict[str, object]:
     """The full analysis document (see docs/analyze.md). ``curves``: also each tier's hit
     ratios over its capacity (``tier_curves``, what the plot draws; a replay per point unless
     every tier is LRU). Raises ValueError on a bad config."""
@@ -54,30 +59,51 @@ def analyze(trace: Trace, cfg: AnalyzeConfig, progress: ProgressFn | None = None
         "hit_tokens": hit_tokens,
         "block_hit_ratio": hit_blocks / max(trace.num_block_refs, 1),
         "token_hit_ratio": hit_tokens / max(total_tokens, 1),
-        "infinite_capacity": {"block_hit_ratio": float(inf_curve.block_hit_ratio[0]),
-                              "token_hit_ratio": float(inf_curve.token_hit_ratio[0])},
+        "infinite_capacity": {
+            "block_hit_ratio": float(inf_curve.block_hit_ratio[0]),
+            "token_hit_ratio": float(inf_curve.token_hit_ratio[0]),
+        },
         "method": method,
         "model_profile": cfg.model_profile,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "kv_compression": cfg.kv_compression,
         "block_bytes": block_bytes,
         "tiers": [
-            {"name": t.name, "policy": t.policy, "capacity_blocks": t.capacity_blocks,
-             "capacity_text": w.text, "capacity_unit": w.unit,
-             "hit_blocks": t.hit_blocks, "read_bytes": t.hit_blocks * block_bytes,
-             "write_bytes": t.inserted_blocks * block_bytes, "inserted_blocks": t.inserted_blocks,
-             "evicted_blocks": t.evicted_blocks, "resident_blocks": t.resident_blocks}
+            {
+                "name": t.name,
+                "policy": t.policy,
+                "capacity_blocks": t.capacity_blocks,
+                "capacity_text": w.text,
+                "capacity_unit": w.unit,
+                "hit_blocks": t.hit_blocks,
+                "read_bytes": t.hit_blocks * block_bytes,
+                "write_bytes": t.inserted_blocks * block_bytes,
+                "inserted_blocks": t.inserted_blocks,
+                "evicted_blocks": t.evicted_blocks,
+                "resident_blocks": t.resident_blocks,
+            }
             for t, w in zip(res.tiers, written, strict=True)
         ],
         "reuse_distance": {f"p{p}": _nearest_rank(reuse, p) for p in PERCENTILES}
         | {"reuse_refs": int(len(reuse)), "cold_refs": int(trace.num_block_refs - len(reuse))},
-        "cost_model": {"prefill": {"fixed_s": cfg.prefill.fixed_s,
-                                   "per_token_s": cfg.prefill.per_token_s,
-                                   "attention_s": cfg.prefill.attention_s},
-                       "tiers": {t.name: [{"name": h.name, "latency_s": h.latency_s,
-                                           "bandwidth_bytes_per_s": h.bandwidth_bytes_per_s}
-                                          for h in hops_to_gpu(t.name, cfg.tier_costs)]
-                                 for t in cfg.tiers}},
+        "cost_model": {
+            "prefill": {
+                "fixed_s": cfg.prefill.fixed_s,
+                "per_token_s": cfg.prefill.per_token_s,
+                "attention_s": cfg.prefill.attention_s,
+            },
+            "tiers": {
+                t.name: [
+                    {
+                        "name": h.name,
+                        "latency_s": h.latency_s,
+                        "bandwidth_bytes_per_s": h.bandwidth_bytes_per_s,
+                    }
+                    for h in hops_to_gpu(t.name, cfg.tier_costs)
+                ]
+                for t in cfg.tiers
+            },
+        },
     }
     doc |= savings(trace, cfg, res)
     doc["net_saved_definition"] = NET_SAVED_DEFINITION
@@ -86,14 +112,18 @@ def analyze(trace: Trace, cfg: AnalyzeConfig, progress: ProgressFn | None = None
     top = max(trace.num_unique_blocks, 1)
     caps = np.unique(np.round(np.logspace(0, np.log10(top), 48)).astype(np.int64))
     curve = lru_hit_curve(trace, caps, sd)
-    doc["lru_curve"] = {"capacities_blocks": caps.tolist(),
-                        "block_hit_ratio": curve.block_hit_ratio.tolist(),
-                        "token_hit_ratio": curve.token_hit_ratio.tolist()}
+    doc["lru_curve"] = {
+        "capacities_blocks": caps.tolist(),
+        "block_hit_ratio": curve.block_hit_ratio.tolist(),
+        "token_hit_ratio": curve.token_hit_ratio.tolist(),
+    }
     if cfg.sweep_tier is not None:
         sw = sweep(trace, cfg, sd)
         pts = as_written(cfg.sweep_sizes, sw["capacities_blocks"])  # type: ignore[arg-type]
-        doc["sweep"] = sw | {"capacities_text": [p.text for p in pts],
-                             "capacities_unit": [p.unit for p in pts]}
+        doc["sweep"] = sw | {
+            "capacities_text": [p.text for p in pts],
+            "capacities_unit": [p.unit for p in pts],
+        }
     if curves:
         doc["tier_curves"] = tier_curves(trace, cfg, sd)
     if keep_distances:

@@ -31,7 +31,8 @@ NET_SAVED_DEFINITION = (
     "is the prefill GPU time the request's h leading hit tokens avoid (cost model, prompt of L "
     "tokens) and restore is the time to reload those hit blocks from the tiers holding them "
     "(latency + bytes / bandwidth of each tier's hops to the GPU); a request whose reload would "
-    "be slower than recomputing counts 0 (the engine recomputes it)")
+    "be slower than recomputing counts 0 (the engine recomputes it)"
+)
 
 
 def depth_values(cfg: AnalyzeConfig, trace: Trace) -> list[float]:
@@ -42,8 +43,13 @@ def depth_values(cfg: AnalyzeConfig, trace: Trace) -> list[float]:
     return [cfg.prefill.time(bt, d * bt) / block_bytes for d in range(max(depth, 1))]
 
 
-def run_stack(trace: Trace, cfg: AnalyzeConfig, tiers: Sequence[TierSpec],
-              sd: StackDistances, progress: ProgressFn | None = None) -> tuple[ReplayResult, str]:
+def run_stack(
+    trace: Trace,
+    cfg: AnalyzeConfig,
+    tiers: Sequence[TierSpec],
+    sd: StackDistances,
+    progress: ProgressFn | None = None,
+) -> tuple[ReplayResult, str]:
     """The replay result of ``tiers`` and how it was obtained (``mattson`` or ``replay``)."""
     if all(t.policy == "lru" for t in tiers) and not cfg.force_replay:
         return lru_hierarchy(trace, sd, tiers), "mattson"
@@ -71,8 +77,12 @@ def savings(trace: Trace, cfg: AnalyzeConfig, res: ReplayResult) -> dict[str, fl
         saved += s
         restore += t
         net += max(s - t, 0.0)  # the engine recomputes when reloading would be slower
-    return {"baseline_prefill_seconds": baseline, "saved_prefill_seconds": saved,
-            "restore_seconds": restore, "net_saved_seconds": net}
+    return {
+        "baseline_prefill_seconds": baseline,
+        "saved_prefill_seconds": saved,
+        "restore_seconds": restore,
+        "net_saved_seconds": net,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +97,11 @@ class HitRatios:
 def ratios(trace: Trace, res: ReplayResult) -> HitRatios:
     refs = max(trace.num_block_refs, 1)
     hit_tokens = int(np.minimum(res.hit_blocks * trace.block_tokens, trace.input_tokens).sum())
-    return HitRatios(tuple(t.hit_blocks / refs for t in res.tiers),
-                     float(res.hit_blocks.sum() / refs),
-                     hit_tokens / max(int(trace.input_tokens.sum()), 1))
+    return HitRatios(
+        tuple(t.hit_blocks / refs for t in res.tiers),
+        float(res.hit_blocks.sum() / refs),
+        hit_tokens / max(int(trace.input_tokens.sum()), 1),
+    )
 
 
 def with_capacity(tiers: Sequence[TierSpec], idx: int, blocks: int | None) -> list[TierSpec]:
@@ -105,8 +117,9 @@ def sweep(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances) -> dict[str, obj
     for a tier name not in the stack."""
     names = [t.name for t in cfg.tiers]
     if cfg.sweep_tier not in names:
-        raise ValueError(f"--sweep names tier {cfg.sweep_tier!r}, not one of the --tier names "
-                         f"{names}")
+        raise ValueError(
+            f"--sweep names tier {cfg.sweep_tier!r}, not one of the --tier names {names}"
+        )
     idx = names.index(cfg.sweep_tier)
     caps = list(cfg.sweep_capacities)
     tier_hit: list[list[float]] = [[] for _ in names]
@@ -129,11 +142,18 @@ def sweep(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances) -> dict[str, obj
     others = [t.capacity_blocks for i, t in enumerate(cfg.tiers) if i != idx]
     fixed = None if None in others else sum(c for c in others if c is not None)
     total = [None if fixed is None or c is None else fixed + c for c in caps]
-    return {"tier": cfg.sweep_tier, "capacities_blocks": caps, "total_capacity_blocks": total,
-            "tier_hit_ratio": dict(zip(names, tier_hit, strict=True)),
-            "block_hit_ratio": block_ratio, "token_hit_ratio": token_ratio,
-            "saved_prefill_seconds": saved, "restore_seconds": restore,
-            "net_saved_seconds": net, "method": method}
+    return {
+        "tier": cfg.sweep_tier,
+        "capacities_blocks": caps,
+        "total_capacity_blocks": total,
+        "tier_hit_ratio": dict(zip(names, tier_hit, strict=True)),
+        "block_hit_ratio": block_ratio,
+        "token_hit_ratio": token_ratio,
+        "saved_prefill_seconds": saved,
+        "restore_seconds": restore,
+        "net_saved_seconds": net,
+        "method": method,
+    }
 
 
 def curve_grid(top_blocks: int, configured: int | None, points: int) -> list[int]:
@@ -144,8 +164,9 @@ def curve_grid(top_blocks: int, configured: int | None, points: int) -> list[int
     return sorted(set(grid) | ({configured} if configured else set()))
 
 
-def tier_curves(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances,
-                points: int | None = None) -> list[dict[str, object]]:
+def tier_curves(
+    trace: Trace, cfg: AnalyzeConfig, sd: StackDistances, points: int | None = None
+) -> list[dict[str, object]]:
     """For each tier: its capacity over ``curve_grid`` with the other tiers as configured, and
     at each point that tier's share of the block references, the cumulative share of the
     tiers down to it and the stack's total block hit ratio."""
@@ -161,7 +182,14 @@ def tier_curves(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances,
             own.append(shares[i])
             cumulative.append(sum(shares[: i + 1]))
             total.append(sum(shares))
-        out.append({"tier": tier.name, "capacities_blocks": caps, "tier_hit_ratio": own,
-                    "cumulative_hit_ratio": cumulative, "total_hit_ratio": total,
-                    "method": "mattson" if exact else "replay"})
+        out.append(
+            {
+                "tier": tier.name,
+                "capacities_blocks": caps,
+                "tier_hit_ratio": own,
+                "cumulative_hit_ratio": cumulative,
+                "total_hit_ratio": total,
+                "method": "mattson" if exact else "replay",
+            }
+        )
     return out

@@ -61,9 +61,15 @@ class Trace:
         """The first ``num_requests`` requests (ids keep their values; unique count recomputed)."""
         end = int(self.offsets[num_requests])
         ids = self.block_ids[:end]
-        return Trace(self.format, self.block_tokens, ids, self.offsets[: num_requests + 1],
-                     self.input_tokens[:num_requests], self.timestamps_s[:num_requests],
-                     len(np.unique(ids)))
+        return Trace(
+            self.format,
+            self.block_tokens,
+            ids,
+            self.offsets[: num_requests + 1],
+            self.input_tokens[:num_requests],
+            self.timestamps_s[:num_requests],
+            len(np.unique(ids)),
+        )
 
     def block_token_counts(self) -> np.ndarray:
         """Tokens in each block reference: ``block_tokens``, less for a request's partial tail."""
@@ -75,12 +81,12 @@ class Trace:
         return counts
 
 
-
 def open_text(path: Path) -> IO[str]:
     """Open a trace for reading as UTF-8 text; ``*.gz`` files are decompressed on the fly."""
     if str(path).endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
+
 
 def detect_format(path: Path) -> str:
     """Guess the format from the first non-empty line. Raises ValueError on an empty file."""
@@ -109,8 +115,9 @@ def _dedup(keys: Sequence[Hashable]) -> Sequence[Hashable]:
     return keys if len(set(keys)) == len(keys) else list(dict.fromkeys(keys))
 
 
-def _build(fmt: str, block_tokens: int,
-           rows: Sequence[tuple[float, Sequence[Hashable], int]]) -> Trace:
+def _build(
+    fmt: str, block_tokens: int, rows: Sequence[tuple[float, Sequence[Hashable], int]]
+) -> Trace:
     """Order rows ``(timestamp_s, keys, input_tokens)`` by time (stable) and intern the keys."""
     ts = np.fromiter((r[0] for r in rows), np.float64, len(rows))
     order = np.argsort(ts, kind="stable")
@@ -128,12 +135,14 @@ def _build(fmt: str, block_tokens: int,
         num_unique = len(uniq)
     else:
         table: dict[Hashable, int] = {}
-        ids = np.fromiter((table.setdefault(k, len(table)) for k in flat), np.int64,
-                          int(offsets[-1]))
+        ids = np.fromiter(
+            (table.setdefault(k, len(table)) for k in flat), np.int64, int(offsets[-1])
+        )
         num_unique = len(table)
     input_tokens = np.fromiter((r[2] for r in rows), np.int64, len(rows))
-    return Trace(fmt, block_tokens, ids.astype(np.int64, copy=False), offsets, input_tokens, ts,
-                 num_unique)
+    return Trace(
+        fmt, block_tokens, ids.astype(np.int64, copy=False), offsets, input_tokens, ts, num_unique
+    )
 
 
 def _jsonl(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
@@ -154,14 +163,26 @@ def _field(path: Path, lineno: int, obj: dict[str, Any], name: str) -> Any:
 
 
 def read_mooncake(path: Path, block_tokens: int) -> Trace:
-    rows = [(float(_field(path, n, o, "timestamp")) / 1000.0, _field(path, n, o, "hash_ids"),
-             int(_field(path, n, o, "input_length"))) for n, o in _jsonl(path)]
+    rows = [
+        (
+            float(_field(path, n, o, "timestamp")) / 1000.0,
+            _field(path, n, o, "hash_ids"),
+            int(_field(path, n, o, "input_length")),
+        )
+        for n, o in _jsonl(path)
+    ]
     return _build("mooncake", block_tokens, rows)
 
 
 def read_request_log(path: Path, block_tokens: int) -> Trace:
-    rows = [(float(_field(path, n, o, TS)), list(_field(path, n, o, BLOCK_HASHES)),
-             int(_field(path, n, o, PROMPT_TOKENS))) for n, o in _jsonl(path)]
+    rows = [
+        (
+            float(_field(path, n, o, TS)),
+            list(_field(path, n, o, BLOCK_HASHES)),
+            int(_field(path, n, o, PROMPT_TOKENS)),
+        )
+        for n, o in _jsonl(path)
+    ]
     return _build("request-log", block_tokens, rows)
 
 
@@ -220,12 +241,18 @@ def read_prompts(path: Path, block_tokens: int, tokenizer_dir: str | None) -> Tr
 
 
 READERS: dict[str, Callable[[Path, int], Trace]] = {
-    "mooncake": read_mooncake, "request-log": read_request_log, "access-log": read_access_log,
+    "mooncake": read_mooncake,
+    "request-log": read_request_log,
+    "access-log": read_access_log,
 }
 
 
-def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None,
-               tokenizer_dir: str | None = None) -> Trace:
+def read_trace(
+    path: str | Path,
+    fmt: str = "auto",
+    block_tokens: int | None = None,
+    tokenizer_dir: str | None = None,
+) -> Trace:
     """Read any supported trace. Raises ValueError for an unknown format or malformed lines."""
     path = Path(path)
     if fmt == "auto":
@@ -240,9 +267,12 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     return READERS[fmt](path, bt)
 
 
-def trace_from_requests(requests: list[list[Hashable]], block_tokens: int = 16,
-                        input_tokens: list[int] | None = None,
-                        timestamps_s: list[float] | None = None) -> Trace:
+def trace_from_requests(
+    requests: list[list[Hashable]],
+    block_tokens: int = 16,
+    input_tokens: list[int] | None = None,
+    timestamps_s: list[float] | None = None,
+) -> Trace:
     """Build a trace in memory (tests, benchmarks): one list of block keys per request.
 
     ``input_tokens`` defaults to full blocks; ``timestamps_s`` to the request index.

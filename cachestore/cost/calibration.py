@@ -52,7 +52,11 @@ CALIBRATION_ATTEMPTS = 3
 
 # (new tokens, context tokens): lengths and context both vary so all three terms are determined.
 DEFAULT_PREFILL_SIZES: tuple[tuple[int, int], ...] = (
-    (256, 0), (1024, 0), (4096, 0), (1024, 3072), (256, 4096),
+    (256, 0),
+    (1024, 0),
+    (4096, 0),
+    (1024, 3072),
+    (256, 4096),
 )
 
 
@@ -60,14 +64,19 @@ def _progress(total: int, desc: str, enabled: bool) -> tqdm[Any]:
     from tqdm import tqdm
 
     # disable=None: tqdm draws only on a terminal, so log files get no carriage-return bars.
-    return tqdm(total=total, desc=desc, file=sys.stderr, disable=None if enabled else True,
-                leave=False)
+    return tqdm(
+        total=total, desc=desc, file=sys.stderr, disable=None if enabled else True, leave=False
+    )
 
 
-def calibrate_prefill(run_prefill: Callable[[int, int], float],
-                      sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
-                      repeats: int = 2, progress: bool = True,
-                      relative: bool = False) -> PrefillCost:
+def calibrate_prefill(
+    run_prefill: Callable[[int, int], float],
+    sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
+    *,
+    repeats: int = 2,
+    progress: bool = True,
+    relative: bool = False,
+) -> PrefillCost:
     """Fit ``PrefillCost`` to timed prefills. ``run_prefill(n, c)`` prefills ``n`` new tokens
     after ``c`` cached ones and returns the seconds it took. ``relative``: see
     ``fit_prefill_nonnegative``. No plausibility check (``calibrate_prefill_checked``).
@@ -77,10 +86,14 @@ def calibrate_prefill(run_prefill: Callable[[int, int], float],
     return fit_prefill_nonnegative(samples, relative=relative)
 
 
-def sample_prefill(run_prefill: Callable[[int, int], float],
-                   sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
-                   repeats: int = 2, progress: bool = True,
-                   warm_up: bool = True) -> list[PrefillSample]:
+def sample_prefill(
+    run_prefill: Callable[[int, int], float],
+    sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
+    *,
+    repeats: int = 2,
+    progress: bool = True,
+    warm_up: bool = True,
+) -> list[PrefillSample]:
     """Time every size ``repeats`` times after one warm-up call; the fastest run of each
     counts. Raises ValueError as ``calibrate_prefill``."""
     if repeats < 1 or len(set(sizes)) < 3:
@@ -111,11 +124,15 @@ class PrefillCalibration:
     reason: str | None = None
 
 
-def calibrate_prefill_checked(run_prefill: Callable[[int, int], float],
-                              sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES, *,
-                              fallback: PrefillCost | None = None,
-                              attempts: int = CALIBRATION_ATTEMPTS, repeats: int = 2,
-                              progress: bool = True) -> PrefillCalibration:
+def calibrate_prefill_checked(
+    run_prefill: Callable[[int, int], float],
+    sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
+    *,
+    fallback: PrefillCost | None = None,
+    attempts: int = CALIBRATION_ATTEMPTS,
+    repeats: int = 2,
+    progress: bool = True,
+) -> PrefillCalibration:
     """Measure and fit (relative errors) up to ``attempts`` times until ``check_prefill``
     accepts the fit; each new attempt keeps, per size, the fastest time of every attempt so
     far (a stall in one attempt does not survive the next). When every attempt is rejected:
@@ -126,8 +143,9 @@ def calibrate_prefill_checked(run_prefill: Callable[[int, int], float],
     best: dict[tuple[int, int], float] = {}
     fit, reason = None, None
     for attempt in range(attempts):
-        for s in sample_prefill(run_prefill, sizes, repeats=repeats, progress=progress,
-                                warm_up=attempt == 0):
+        for s in sample_prefill(
+            run_prefill, sizes, repeats=repeats, progress=progress, warm_up=attempt == 0
+        ):
             key = (s.num_tokens, s.context_tokens)
             best[key] = min(best.get(key, float("inf")), s.seconds)
         samples = [PrefillSample(n, c, t) for (n, c), t in best.items()]
@@ -138,21 +156,27 @@ def calibrate_prefill_checked(run_prefill: Callable[[int, int], float],
         log.warning("prefill calibration %d/%d rejected: %s", attempt + 1, attempts, reason)
     assert fit is not None
     if fallback is not None:
-        log.warning("prefill calibration: keeping the prior (%s); it is corrected online",
-                    reason)
+        log.warning("prefill calibration: keeping the prior (%s); it is corrected online", reason)
         return PrefillCalibration(fallback, False, reason)
     return PrefillCalibration(fit, False, reason)
 
 
-def calibrate_copy(copy_blocks: Callable[[int], float], block_bytes: int, name: str, *,
-                   num_blocks: int = 32, repeats: int = 3) -> TierCost:
+def calibrate_copy(
+    copy_blocks: Callable[[int], float],
+    block_bytes: int,
+    name: str,
+    *,
+    num_blocks: int = 32,
+    repeats: int = 3,
+) -> TierCost:
     """Fit one hop from ``copy_blocks(n)`` (moves ``n`` blocks, returns seconds; the fastest of
     ``repeats`` counts) at ``n = 1`` and ``n = num_blocks``: ``B = (N-1)*b / (t_N - t_1)``,
     ``L = t_1 - b/B`` clamped at 0. When noise makes ``t_N <= t_1`` the bandwidth is taken as
     ``N*b / t_N``. Raises ValueError for ``num_blocks < 2`` or a non-positive time."""
     if num_blocks < 2 or block_bytes <= 0:
-        raise ValueError(f"need num_blocks >= 2 and block_bytes > 0, got {num_blocks}, "
-                         f"{block_bytes}")
+        raise ValueError(
+            f"need num_blocks >= 2 and block_bytes > 0, got {num_blocks}, {block_bytes}"
+        )
     copy_blocks(1)  # warm-up
     t1 = min(copy_blocks(1) for _ in range(repeats))
     tn = min(copy_blocks(num_blocks) for _ in range(repeats))
@@ -165,8 +189,9 @@ def calibrate_copy(copy_blocks: Callable[[int], float], block_bytes: int, name: 
     return TierCost(name, max(t1 - block_bytes / bandwidth, 0.0), bandwidth)
 
 
-def calibrate_tier(tier: Tier, block_bytes: int, num_blocks: int = 32, *,
-                   repeats: int = 3) -> TierCost:
+def calibrate_tier(
+    tier: Tier, block_bytes: int, num_blocks: int = 32, *, repeats: int = 3
+) -> TierCost:
     """Time ``get_many`` of real blocks through ``tier`` (see ``calibrate_copy``). Writes
     ``num_blocks`` random blocks under a private prefix first and deletes them in any case.
     Raises TierError when the tier fails, ValueError when it did not keep the blocks."""
@@ -176,8 +201,10 @@ def calibrate_tier(tier: Tier, block_bytes: int, num_blocks: int = 32, *,
     try:
         tier.put_many([(k, payload) for k in keys])
         if tier.lookup(keys) != num_blocks:
-            raise ValueError(f"tier {tier.name!r} kept fewer than {num_blocks} blocks of "
-                             f"{block_bytes} bytes; give it more capacity or fewer blocks")
+            raise ValueError(
+                f"tier {tier.name!r} kept fewer than {num_blocks} blocks of "
+                f"{block_bytes} bytes; give it more capacity or fewer blocks"
+            )
 
         def read(n: int) -> float:
             t0 = time.perf_counter()
@@ -189,8 +216,7 @@ def calibrate_tier(tier: Tier, block_bytes: int, num_blocks: int = 32, *,
                     bytes(v)
             return time.perf_counter() - t0
 
-        return calibrate_copy(read, block_bytes, tier.name, num_blocks=num_blocks,
-                              repeats=repeats)
+        return calibrate_copy(read, block_bytes, tier.name, num_blocks=num_blocks, repeats=repeats)
     finally:
         tier.delete_many(keys)
 
@@ -222,18 +248,24 @@ def fit_transfer(samples: Sequence[TransferSample], block_bytes: int, name: str)
     ``calibrate_copy`` does. Pure. Raises ValueError with fewer than 2 distinct sizes, a size
     < 1, a time <= 0 or ``block_bytes <= 0``."""
     if block_bytes <= 0 or len({s.num_blocks for s in samples}) < 2:
-        raise ValueError(f"need block_bytes > 0 and >= 2 distinct sizes, got {block_bytes}, "
-                         f"{[s.num_blocks for s in samples]}")
+        raise ValueError(
+            f"need block_bytes > 0 and >= 2 distinct sizes, got {block_bytes}, "
+            f"{[s.num_blocks for s in samples]}"
+        )
     if any(s.num_blocks < 1 or not s.seconds > 0 for s in samples):
         raise ValueError(f"{name}: sizes must be >= 1 and times > 0, got {list(samples)}")
     ns = [float(s.num_blocks) for s in samples]
     ts = [s.seconds for s in samples]
     n_mean, t_mean = sum(ns) / len(ns), sum(ts) / len(ts)
-    slope = (sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts, strict=True))
-             / sum((n - n_mean) ** 2 for n in ns))  # seconds per block
+    slope = sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts, strict=True)) / sum(
+        (n - n_mean) ** 2 for n in ns
+    )  # seconds per block
     latency = t_mean - slope * n_mean
     if slope > 0 and latency < 0:
-        slope, latency = sum(n * t for n, t in zip(ns, ts, strict=True)) / sum(n * n for n in ns), 0.0
+        slope, latency = (
+            sum(n * t for n, t in zip(ns, ts, strict=True)) / sum(n * n for n in ns),
+            0.0,
+        )
     if not slope > 0:
         big = max(samples, key=lambda s: s.num_blocks)
         small = min(samples, key=lambda s: s.num_blocks)
@@ -242,8 +274,14 @@ def fit_transfer(samples: Sequence[TransferSample], block_bytes: int, name: str)
     return TierCost(name, latency, block_bytes / slope)
 
 
-def calibrate_transfer(load_blocks: Callable[[int], float], block_bytes: int, name: str, *,
-                       sizes: Sequence[int] = (16, 128), repeats: int = 2) -> TransferFit:
+def calibrate_transfer(
+    load_blocks: Callable[[int], float],
+    block_bytes: int,
+    name: str,
+    *,
+    sizes: Sequence[int] = (16, 128),
+    repeats: int = 2,
+) -> TransferFit:
     """Fit one whole transfer path from ``load_blocks(n)`` (moves ``n`` blocks the way the
     caller's real loads do and returns the seconds; each call must start from the same state,
     e.g. cold: that reset is the callback's job and is not timed). One warm-up call at the
@@ -252,20 +290,29 @@ def calibrate_transfer(load_blocks: Callable[[int], float], block_bytes: int, na
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     load_blocks(min(sizes))  # warm-up: first-call allocations, imports, page mappings
-    samples = tuple(TransferSample(n, min(float(load_blocks(n)) for _ in range(repeats)))
-                    for n in sorted(set(sizes)))
+    samples = tuple(
+        TransferSample(n, min(float(load_blocks(n)) for _ in range(repeats)))
+        for n in sorted(set(sizes))
+    )
     return TransferFit(fit_transfer(samples, block_bytes, name), samples)
 
 
-def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
-              run_prefill: Callable[[int, int], float] | None = None, *,
-              host_to_gpu: Callable[[int], float] | None = None,
-              priors: CostPriors | None = None,
-              prefill_sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
-              num_blocks: int = 32, alpha: float = 0.2, progress: bool = True,
-              tier_block_bytes: int | None = None,
-              transfer_timers: Mapping[str, Callable[[int], float]] | None = None,
-              transfer_sizes: Sequence[int] = (16, 128)) -> OnlineCostModel:
+def calibrate(
+    tiers: Sequence[Tier],
+    block_bytes: int,
+    block_tokens: int,
+    run_prefill: Callable[[int, int], float] | None = None,
+    *,
+    host_to_gpu: Callable[[int], float] | None = None,
+    priors: CostPriors | None = None,
+    prefill_sizes: Sequence[tuple[int, int]] = DEFAULT_PREFILL_SIZES,
+    num_blocks: int = 32,
+    alpha: float = 0.2,
+    progress: bool = True,
+    tier_block_bytes: int | None = None,
+    transfer_timers: Mapping[str, Callable[[int], float]] | None = None,
+    transfer_sizes: Sequence[int] = (16, 128),
+) -> OnlineCostModel:
     """Measure what can be measured and start an ``OnlineCostModel`` from it.
 
     The ``host`` entry is the host -> GPU hop that every load ends with: timed with
@@ -282,47 +329,79 @@ def calibrate(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
     costs: dict[str, TierCost] = dict(priors.tier_costs) if priors is not None else {}
     untrusted: set[str] = set()
     if host_to_gpu is not None:
-        _checked(lambda: calibrate_copy(host_to_gpu, block_bytes, "host", num_blocks=num_blocks),
-                 "host", costs, untrusted)
+        _checked(
+            lambda: calibrate_copy(host_to_gpu, block_bytes, "host", num_blocks=num_blocks),
+            "host",
+            costs,
+            untrusted,
+        )
         tiers = [t for t in tiers if t.name != "host"]
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             try:
-                _checked(partial(calibrate_tier, tier, tier_block_bytes or block_bytes,
-                                 num_blocks), tier.name, costs, untrusted)
+                _checked(
+                    partial(calibrate_tier, tier, tier_block_bytes or block_bytes, num_blocks),
+                    tier.name,
+                    costs,
+                    untrusted,
+                )
             except Exception as exc:  # a failing tier must not stop the engine from starting
                 if tier.name not in costs:
-                    raise ValueError(f"tier {tier.name!r}: calibration failed ({exc}) and "
-                                     f"no prior is given") from exc
+                    raise ValueError(
+                        f"tier {tier.name!r}: calibration failed ({exc}) and no prior is given"
+                    ) from exc
             bar.update(1)
     for name, timer in (transfer_timers or {}).items():
         try:
-            _checked(partial(_transfer_cost, timer, tier_block_bytes or block_bytes, name,
-                             transfer_sizes), name, costs, untrusted)
+            _checked(
+                partial(
+                    _transfer_cost, timer, tier_block_bytes or block_bytes, name, transfer_sizes
+                ),
+                name,
+                costs,
+                untrusted,
+            )
         except Exception as exc:  # as for a tier: a prior, if any, stands in
             if name not in costs:
-                raise ValueError(f"transfer {name!r}: calibration failed ({exc}) and no prior "
-                                 f"is given") from exc
+                raise ValueError(
+                    f"transfer {name!r}: calibration failed ({exc}) and no prior is given"
+                ) from exc
     if run_prefill is not None:
         checked = calibrate_prefill_checked(
-            run_prefill, prefill_sizes, fallback=priors.prefill if priors else None,
-            progress=progress)
+            run_prefill,
+            prefill_sizes,
+            fallback=priors.prefill if priors else None,
+            progress=progress,
+        )
         prefill, trusted = checked.cost, checked.trusted
     elif priors is not None:
         prefill, trusted = priors.prefill, True
     else:
         raise ValueError("calibrate needs run_prefill or priors for the prefill model")
-    return OnlineCostModel(costs, prefill, block_bytes, block_tokens, alpha=alpha,
-                           prefill_trusted=trusted, untrusted_tiers=untrusted)
+    return OnlineCostModel(
+        costs,
+        prefill,
+        block_bytes,
+        block_tokens,
+        alpha=alpha,
+        prefill_trusted=trusted,
+        untrusted_tiers=untrusted,
+    )
 
 
-def _transfer_cost(timer: Callable[[int], float], block_bytes: int, name: str,
-                   sizes: Sequence[int]) -> TierCost:
+def _transfer_cost(
+    timer: Callable[[int], float], block_bytes: int, name: str, sizes: Sequence[int]
+) -> TierCost:
     return calibrate_transfer(timer, block_bytes, name, sizes=sizes).cost
 
 
-def _checked(measure: Callable[[], TierCost], name: str, costs: dict[str, TierCost],
-             untrusted: set[str], attempts: int = 2) -> None:
+def _checked(
+    measure: Callable[[], TierCost],
+    name: str,
+    costs: dict[str, TierCost],
+    untrusted: set[str],
+    attempts: int = 2,
+) -> None:
     """``costs[name] = measure()`` once ``check_tier`` accepts it (up to ``attempts``
     measurements). When none passes, the prior (if any, else the last measurement) stays and
     ``name`` joins ``untrusted`` (the online model then learns it faster). A measurement

@@ -38,8 +38,9 @@ MIN_BANDWIDTH = 1e6  # 1 MB/s
 MAX_BANDWIDTH = 1e13  # 10 TB/s
 
 
-def check_prefill(cost: PrefillCost, samples: Sequence[PrefillSample], *,
-                  max_rms: float = MAX_RMS_RELATIVE) -> str | None:
+def check_prefill(
+    cost: PrefillCost, samples: Sequence[PrefillSample], *, max_rms: float = MAX_RMS_RELATIVE
+) -> str | None:
     """Why ``cost``, fitted to ``samples``, is implausible (one line), or None."""
     coefs = (cost.fixed_s, cost.per_token_s, cost.attention_s)
     if not all(math.isfinite(x) and x >= 0 for x in coefs):
@@ -48,30 +49,37 @@ def check_prefill(cost: PrefillCost, samples: Sequence[PrefillSample], *,
         return "no samples"
     slow = max(samples, key=lambda s: s.seconds)
     if not slow.seconds <= MAX_SAMPLE_S:
-        return (f"a prefill of {slow.num_tokens} tokens took {slow.seconds:.1f} s "
-                f"(over {MAX_SAMPLE_S:.0f} s)")
+        return (
+            f"a prefill of {slow.num_tokens} tokens took {slow.seconds:.1f} s "
+            f"(over {MAX_SAMPLE_S:.0f} s)"
+        )
     longest = max(samples, key=lambda s: (s.num_tokens, s.context_tokens))
     n, c = longest.num_tokens, longest.context_tokens
     total = cost.time(n, c)
     per_token = (total - cost.fixed_s) / n if n else 0.0
     if not per_token >= MIN_PER_TOKEN_S:
-        return (f"zero per-token cost ({per_token * 1e6:.3f} us/token at {n} tokens): a "
-                f"prefill must grow with its length")
+        return (
+            f"zero per-token cost ({per_token * 1e6:.3f} us/token at {n} tokens): a "
+            f"prefill must grow with its length"
+        )
     if per_token > MAX_PER_TOKEN_S:
         return f"per-token cost {per_token * 1e3:.1f} ms is over {MAX_PER_TOKEN_S * 1e3:.0f} ms"
     if cost.fixed_s > MAX_FIXED_S:
         return f"fixed cost {cost.fixed_s:.2f} s is over {MAX_FIXED_S:.0f} s"
     if total - cost.fixed_s < MIN_VARIABLE_SHARE * total:
-        return (f"flat fit: the fixed {cost.fixed_s * 1e3:.2f} ms is "
-                f"{cost.fixed_s / total:.0%} of a {n}-token prefill")
+        return (
+            f"flat fit: the fixed {cost.fixed_s * 1e3:.2f} ms is "
+            f"{cost.fixed_s / total:.0%} of a {n}-token prefill"
+        )
     rms = relative_rms(cost, samples)
     if rms > max_rms:
         return f"residuals too large: {rms:.0%} root-mean-square relative error"
     return None
 
 
-def relative_rms(cost: PrefillCost, samples: Sequence[PrefillSample],
-                 weights: Sequence[float] | None = None) -> float:
+def relative_rms(
+    cost: PrefillCost, samples: Sequence[PrefillSample], weights: Sequence[float] | None = None
+) -> float:
     """Root mean square of ``(cost(n, c) - t) / t`` over ``samples`` (weighted when given);
     samples with ``t <= 0`` do not count. 0 for none."""
     w = weights if weights is not None else [1.0] * len(samples)
@@ -89,6 +97,8 @@ def check_tier(cost: TierCost) -> str | None:
         return f"tier {cost.name!r}: latency {cost.latency_s:.3f} s is over {MAX_LATENCY_S:.0f} s"
     bw = cost.bandwidth_bytes_per_s
     if not (math.isfinite(bw) and MIN_BANDWIDTH <= bw <= MAX_BANDWIDTH):
-        return (f"tier {cost.name!r}: bandwidth {bw / 1e9:.4g} GB/s is outside "
-                f"[{MIN_BANDWIDTH / 1e9:g}, {MAX_BANDWIDTH / 1e9:g}] GB/s")
+        return (
+            f"tier {cost.name!r}: bandwidth {bw / 1e9:.4g} GB/s is outside "
+            f"[{MIN_BANDWIDTH / 1e9:g}, {MAX_BANDWIDTH / 1e9:g}] GB/s"
+        )
     return None

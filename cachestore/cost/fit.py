@@ -13,8 +13,12 @@ from itertools import combinations
 from cachestore.cost.model import PrefillCost, PrefillSample
 
 
-def fit_prefill_nonnegative(samples: Sequence[PrefillSample], *, relative: bool = False,
-                            weights: Sequence[float] | None = None) -> PrefillCost:
+def fit_prefill_nonnegative(
+    samples: Sequence[PrefillSample],
+    *,
+    relative: bool = False,
+    weights: Sequence[float] | None = None,
+) -> PrefillCost:
     """Least squares of ``t = a + b*n + c2*n*(c + n/2)`` with ``a, b, c2 >= 0``: the best of
     every subset of free coefficients whose solution is non-negative (3 unknowns: 7 subsets).
     Noise must not make a long prompt look free. ``relative``: minimise the relative errors
@@ -29,8 +33,10 @@ def fit_prefill_nonnegative(samples: Sequence[PrefillSample], *, relative: bool 
     w = [1.0] * len(samples) if weights is None else list(weights)
     if len(w) != len(samples) or any(not x >= 0 for x in w):
         raise ValueError(f"need one weight >= 0 per sample, got {len(w)} for {len(samples)}")
-    rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
-            for s in samples]
+    rows = [
+        (1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
+        for s in samples
+    ]
     ys = [s.seconds for s in samples]
     if relative:  # each equation divided by its own time: residuals become relative errors
         rows = [(r[0] / y, r[1] / y, r[2] / y) for r, y in zip(rows, ys, strict=True)]
@@ -53,8 +59,11 @@ def fit_prefill_nonnegative(samples: Sequence[PrefillSample], *, relative: bool 
             full = [0.0, 0.0, 0.0]
             for i, x in zip(active, coef, strict=True):
                 full[i] = x
-            sse = (yty - 2 * sum(f * b for f, b in zip(full, aty, strict=True))
-                   + sum(full[i] * ata[i][j] * full[j] for i in range(3) for j in range(3)))
+            sse = (
+                yty
+                - 2 * sum(f * b for f, b in zip(full, aty, strict=True))
+                + sum(full[i] * ata[i][j] * full[j] for i in range(3) for j in range(3))
+            )
             if best is None or sse < best[0]:
                 best = (sse, full)
     if best is None:  # only when every weight is 0: nothing to fit

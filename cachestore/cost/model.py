@@ -93,8 +93,10 @@ class PrefillCost:
 
         Raises ValueError when the samples do not determine the coefficients.
         """
-        rows = [(1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
-                for s in samples]
+        rows = [
+            (1.0, float(s.num_tokens), s.num_tokens * (s.context_tokens + s.num_tokens / 2))
+            for s in samples
+        ]
         # Normal equations A^T A x = A^T y, solved by Gaussian elimination with pivoting: three
         # unknowns do not justify numpy, and cachestore stays dependency-light.
         ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
@@ -202,7 +204,9 @@ def hops_to_gpu(tier_name: str, costs: dict[str, TierCost]) -> tuple[TierCost, .
 def reload_time(num_blocks: int, block_bytes: int, hops: Sequence[TierCost]) -> float:
     """Seconds to bring ``num_blocks`` blocks over pipelined ``hops``; 0 for no blocks or hops."""
     if num_blocks < 0 or block_bytes < 0:
-        raise ValueError(f"num_blocks and block_bytes must be >= 0, got {num_blocks}, {block_bytes}")
+        raise ValueError(
+            f"num_blocks and block_bytes must be >= 0, got {num_blocks}, {block_bytes}"
+        )
     if num_blocks == 0 or not hops:
         return 0.0
     latency = sum(h.latency_s for h in hops)
@@ -241,8 +245,9 @@ class Decision:
         return self.best.predicted_s
 
 
-def _run_load_times(hops_per_block: Sequence[Sequence[TierCost]], block_bytes: int,
-                    reverse: bool) -> list[float]:
+def _run_load_times(
+    hops_per_block: Sequence[Sequence[TierCost]], block_bytes: int, reverse: bool
+) -> list[float]:
     """``out[i]``: time to load the first (or, reversed, the last) ``i`` blocks.
 
     Runs of blocks from the same source are one transfer each; different sources are priced
@@ -324,8 +329,10 @@ def choose_split(
     # Ties go to fewer loaded blocks: (time, blocks) pairs order exactly that way.
     prefix_t = [load_then_rest(k) for k in range(num_cached + 1)]
     tail_rest = rest(num_cached)
-    overlap_t = [max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest
-                 for m in range(1, num_cached)]
+    overlap_t = [
+        max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest
+        for m in range(1, num_cached)
+    ]
 
     def prefix_option(k: int) -> Option:
         return Option(Strategy.RECOMPUTE if k == 0 else Strategy.LOAD_PREFIX, 0, k, prefix_t[k])
@@ -338,8 +345,9 @@ def choose_split(
     if overlap_t:  # (time, loaded blocks = K - m) for m = 1..K-1
         t, loaded = min(zip(overlap_t, range(num_cached - 1, 0, -1), strict=True))
         best_overlap = Option(Strategy.OVERLAP, num_cached - loaded, num_cached, t)
-        if ((t, loaded) < (best.predicted_s, best.num_load_blocks)
-                and t <= (1.0 - overlap_margin) * best.predicted_s):
+        if (t, loaded) < (best.predicted_s, best.num_load_blocks) and t <= (
+            1.0 - overlap_margin
+        ) * best.predicted_s:
             best = best_overlap
         families.append(best_overlap)
     alternatives = tuple(dict.fromkeys(o for o in families if o != best))

@@ -74,11 +74,11 @@ def default_priors(kind: str) -> CostPriors:
     Raises ValueError for another name."""
     if kind == "h200-llama-3-8b":
         block_bytes = get_model_profile("llama-3-8b").block_bytes(16)
-        return CostPriors(kind, dict(TIER_COST_PRIORS["h200"]), LLAMA3_8B_H200_PREFILL,
-                          block_bytes)
+        return CostPriors(kind, dict(TIER_COST_PRIORS["h200"]), LLAMA3_8B_H200_PREFILL, block_bytes)
     if kind == "cpu":
-        return CostPriors(kind, dict(TIER_COST_PRIORS["cpu"]), _CPU_DEMO_PREFILL,
-                          _DEMO_KV_BYTES_PER_TOKEN * 16)
+        return CostPriors(
+            kind, dict(TIER_COST_PRIORS["cpu"]), _CPU_DEMO_PREFILL, _DEMO_KV_BYTES_PER_TOKEN * 16
+        )
     raise ValueError(f"unknown cost prior {kind!r}; choose 'h200-llama-3-8b' or 'cpu'")
 
 
@@ -101,24 +101,35 @@ class _Counts:
 class OnlineCostModel:
     """Reload-versus-recompute decisions on EWMA-updated estimates. Thread-safe."""
 
-    def __init__(self, tier_costs: dict[str, TierCost], prefill: PrefillCost, block_bytes: int,
-                 block_tokens: int, *, alpha: float = 0.2, prefill_trusted: bool = True,
-                 untrusted_tiers: set[str] | frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        tier_costs: dict[str, TierCost],
+        prefill: PrefillCost,
+        block_bytes: int,
+        block_tokens: int,
+        *,
+        alpha: float = 0.2,
+        prefill_trusted: bool = True,
+        untrusted_tiers: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
         """``prefill_trusted``/``untrusted_tiers``: whether calibration passed its checks
         (see the module docstring). Raises ValueError for ``alpha`` outside (0, 1] or
         non-positive block sizes."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if block_bytes <= 0 or block_tokens <= 0:
-            raise ValueError(f"need block_bytes > 0 and block_tokens > 0, got "
-                             f"{block_bytes}, {block_tokens}")
+            raise ValueError(
+                f"need block_bytes > 0 and block_tokens > 0, got {block_bytes}, {block_tokens}"
+            )
         self.block_bytes = block_bytes
         self.block_tokens = block_tokens
         self.alpha = alpha
         # Keyed by the dict key, which is the name the connector reports (``TierCost.name``
         # is only a label).
-        self._tiers = {name: _TierState(cost, cost, trusted=name not in untrusted_tiers)
-                       for name, cost in tier_costs.items()}
+        self._tiers = {
+            name: _TierState(cost, cost, trusted=name not in untrusted_tiers)
+            for name, cost in tier_costs.items()
+        }
         # > 0: host-tier loads land layer by layer over this many layers while the rest of
         # the prompt is computed (set by the KV connector when its loads do that).
         self.pipelined_layers = 0
@@ -134,8 +145,13 @@ class OnlineCostModel:
 
     @classmethod
     def from_priors(cls, priors: CostPriors, *, alpha: float = 0.2) -> OnlineCostModel:
-        return cls(dict(priors.tier_costs), priors.prefill, priors.block_bytes,
-                   priors.block_tokens, alpha=alpha)
+        return cls(
+            dict(priors.tier_costs),
+            priors.prefill,
+            priors.block_bytes,
+            priors.block_tokens,
+            alpha=alpha,
+        )
 
     # -- reading -------------------------------------------------------------------------
 
@@ -155,8 +171,9 @@ class OnlineCostModel:
         with self._lock:
             return self._prefill.trusted
 
-    def decide(self, num_gpu_hit_blocks: int, source_tiers: list[str],
-               num_prompt_tokens: int) -> Decision:
+    def decide(
+        self, num_gpu_hit_blocks: int, source_tiers: list[str], num_prompt_tokens: int
+    ) -> Decision:
         """Price a prompt of ``num_prompt_tokens`` whose first ``num_gpu_hit_blocks`` blocks
         are on the GPU and whose next ``len(source_tiers)`` blocks are served by the named
         tiers (``source_tiers[i]`` for the i-th block after the GPU hit). A ``host`` block
@@ -170,26 +187,40 @@ class OnlineCostModel:
             prefill = self._prefill.cost()
             trusted = self._prefill.trusted
         hops = {name: hops_to_gpu(name, costs) for name in set(source_tiers)}
-        lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"),
-                         len(source_tiers))
-        decision = choose_split([hops[t] for t in source_tiers], self.block_tokens,
-                                self.block_bytes, num_prompt_tokens, prefill,
-                                computed_tokens=num_gpu_hit_blocks * self.block_tokens,
-                                pipelined_blocks=lead_host if self.pipelined_layers else 0,
-                                num_layers=max(self.pipelined_layers, 1),
-                                overlap_margin=self.overlap_margin)
+        lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"), len(source_tiers))
+        decision = choose_split(
+            [hops[t] for t in source_tiers],
+            self.block_tokens,
+            self.block_bytes,
+            num_prompt_tokens,
+            prefill,
+            computed_tokens=num_gpu_hit_blocks * self.block_tokens,
+            pipelined_blocks=lead_host if self.pipelined_layers else 0,
+            num_layers=max(self.pipelined_layers, 1),
+            overlap_margin=self.overlap_margin,
+        )
         if not trusted and source_tiers:
             decision = _load_all(decision, len(source_tiers))
-        recompute = next(o.predicted_s for o in (decision.best, *decision.alternatives)
-                         if o.strategy == Strategy.RECOMPUTE)  # always priced by choose_split
+        recompute = next(
+            o.predicted_s
+            for o in (decision.best, *decision.alternatives)
+            if o.strategy == Strategy.RECOMPUTE
+        )  # always priced by choose_split
         with self._lock:
             d = self._counts.decisions
             d[decision.best.strategy] = d.get(decision.best.strategy, 0) + 1
             self._counts.predicted_saved_s += recompute - decision.predicted_s
-        log.debug("cost decision: gpu_hit=%d cached=%d prompt=%d -> %s [%d, %d) %.6fs "
-                  "(recompute %.6fs)", num_gpu_hit_blocks, len(source_tiers), num_prompt_tokens,
-                  decision.best.strategy, decision.best.load_begin, decision.best.load_end,
-                  decision.predicted_s, recompute)
+        log.debug(
+            "cost decision: gpu_hit=%d cached=%d prompt=%d -> %s [%d, %d) %.6fs (recompute %.6fs)",
+            num_gpu_hit_blocks,
+            len(source_tiers),
+            num_prompt_tokens,
+            decision.best.strategy,
+            decision.best.load_begin,
+            decision.best.load_end,
+            decision.predicted_s,
+            recompute,
+        )
         return decision
 
     # -- learning ------------------------------------------------------------------------
@@ -229,12 +260,17 @@ class OnlineCostModel:
         """Plain-data view for logs and /metrics: current and prior estimates, sample counts,
         decision counts per strategy, predicted seconds saved against recomputing."""
         with self._lock:
-            tiers = {name: {"latency_s": s.cost.latency_s,
-                            "bandwidth_bytes_per_s": s.cost.bandwidth_bytes_per_s,
-                            "prior_latency_s": s.prior.latency_s,
-                            "prior_bandwidth_bytes_per_s": s.prior.bandwidth_bytes_per_s,
-                            "num_samples": s.num_samples, "trusted": s.trusted}
-                     for name, s in self._tiers.items()}
+            tiers = {
+                name: {
+                    "latency_s": s.cost.latency_s,
+                    "bandwidth_bytes_per_s": s.cost.bandwidth_bytes_per_s,
+                    "prior_latency_s": s.prior.latency_s,
+                    "prior_bandwidth_bytes_per_s": s.prior.bandwidth_bytes_per_s,
+                    "num_samples": s.num_samples,
+                    "trusted": s.trusted,
+                }
+                for name, s in self._tiers.items()
+            }
             learner, c = self._prefill, self._counts
             p = learner.base
             return {
@@ -242,10 +278,15 @@ class OnlineCostModel:
                 "block_bytes": self.block_bytes,
                 "block_tokens": self.block_tokens,
                 "tiers": tiers,
-                "prefill": {"fixed_s": p.fixed_s, "per_token_s": p.per_token_s,
-                            "attention_s": p.attention_s, "scale": learner.scale,
-                            "num_samples": learner.num_samples, "trusted": learner.trusted,
-                            "num_refits": learner.num_refits},
+                "prefill": {
+                    "fixed_s": p.fixed_s,
+                    "per_token_s": p.per_token_s,
+                    "attention_s": p.attention_s,
+                    "scale": learner.scale,
+                    "num_samples": learner.num_samples,
+                    "trusted": learner.trusted,
+                    "num_refits": learner.num_refits,
+                },
                 "decisions": dict(c.decisions),
                 "predicted_saved_s": c.predicted_saved_s,
                 "ignored": {"transfers": c.transfers_ignored, "prefills": c.prefills_ignored},
@@ -261,13 +302,16 @@ def update_tier_cost(cost: TierCost, nbytes: int, seconds: float, alpha: float) 
         return replace(cost, latency_s=cost.latency_s + alpha * (sample - cost.latency_s))
     transfer_s = seconds - cost.latency_s if seconds > cost.latency_s else seconds
     bandwidth = cost.bandwidth_bytes_per_s
-    return replace(cost, bandwidth_bytes_per_s=bandwidth + alpha * (nbytes / transfer_s - bandwidth))
+    return replace(
+        cost, bandwidth_bytes_per_s=bandwidth + alpha * (nbytes / transfer_s - bandwidth)
+    )
 
 
 def _load_all(decision: Decision, num_cached: int) -> Decision:
     """``decision`` with loading every cached block as its best option (``choose_split``
     always prices that option: it is the best or among the alternatives)."""
     options = (decision.best, *decision.alternatives)
-    load = next(o for o in options
-                if o.strategy == Strategy.LOAD_PREFIX and o.load_end == num_cached)
+    load = next(
+        o for o in options if o.strategy == Strategy.LOAD_PREFIX and o.load_end == num_cached
+    )
     return Decision(best=load, alternatives=tuple(o for o in options if o != load))

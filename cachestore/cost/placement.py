@@ -36,14 +36,22 @@ class TierVerdict:
         return self.load_s < self.recompute_s
 
 
-def tier_verdicts(costs: Mapping[str, TierCost], prefill: PrefillCost, *, block_bytes: int,
-                  block_tokens: int, max_prefix_tokens: int) -> list[TierVerdict]:
+def tier_verdicts(
+    costs: Mapping[str, TierCost],
+    prefill: PrefillCost,
+    *,
+    block_bytes: int,
+    block_tokens: int,
+    max_prefix_tokens: int,
+) -> list[TierVerdict]:
     """Every priced tier but ``host`` (the GPU's own spill space, always worth it), priced at
     the longest prefix of whole blocks up to ``max_prefix_tokens``. Raises ValueError for a
     non-positive block size or prefix."""
     if block_tokens <= 0 or block_bytes <= 0 or max_prefix_tokens < block_tokens:
-        raise ValueError(f"need block_tokens, block_bytes > 0 and max_prefix_tokens >= "
-                         f"block_tokens, got {block_tokens}, {block_bytes}, {max_prefix_tokens}")
+        raise ValueError(
+            f"need block_tokens, block_bytes > 0 and max_prefix_tokens >= "
+            f"block_tokens, got {block_tokens}, {block_bytes}, {max_prefix_tokens}"
+        )
     blocks = max_prefix_tokens // block_tokens
     tokens = blocks * block_tokens
     out = []
@@ -55,10 +63,23 @@ def tier_verdicts(costs: Mapping[str, TierCost], prefill: PrefillCost, *, block_
     return out
 
 
-def unprofitable_tiers(costs: Mapping[str, TierCost], prefill: PrefillCost, *,
-                       block_bytes: int, block_tokens: int,
-                       max_prefix_tokens: int) -> list[TierVerdict]:
+def unprofitable_tiers(
+    costs: Mapping[str, TierCost],
+    prefill: PrefillCost,
+    *,
+    block_bytes: int,
+    block_tokens: int,
+    max_prefix_tokens: int,
+) -> list[TierVerdict]:
     """The verdicts of the tiers from which no prefix would ever be worth loading."""
-    return [v for v in tier_verdicts(costs, prefill, block_bytes=block_bytes,
-                                     block_tokens=block_tokens,
-                                     max_prefix_tokens=max_prefix_tokens) if not v.pays]
+    return [
+        v
+        for v in tier_verdicts(
+            costs,
+            prefill,
+            block_bytes=block_bytes,
+            block_tokens=block_tokens,
+            max_prefix_tokens=max_prefix_tokens,
+        )
+        if not v.pays
+    ]

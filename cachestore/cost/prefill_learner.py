@@ -43,8 +43,9 @@ TRUSTED_REFIT_EVERY = 16
 class PrefillLearner:
     """See the module docstring. ``num_samples`` counts the samples used."""
 
-    def __init__(self, base: PrefillCost, alpha: float, *, trusted: bool = True,
-                 window: int = WINDOW) -> None:
+    def __init__(
+        self, base: PrefillCost, alpha: float, *, trusted: bool = True, window: int = WINDOW
+    ) -> None:
         self.base = base
         self.scale = 1.0
         self.alpha = alpha
@@ -88,9 +89,16 @@ class PrefillLearner:
         # untrusted curve): a model frozen with alpha ~ 0 keeps its curve.
         w = 1.0 if not self.trusted else 1.0 - (1.0 - self.alpha) ** len(samples)
         cur = self.cost()
-        self.base = PrefillCost(*(c + w * (f - c) for c, f in (
-            (cur.fixed_s, fit.fixed_s), (cur.per_token_s, fit.per_token_s),
-            (cur.attention_s, fit.attention_s))))
+        self.base = PrefillCost(
+            *(
+                c + w * (f - c)
+                for c, f in (
+                    (cur.fixed_s, fit.fixed_s),
+                    (cur.per_token_s, fit.per_token_s),
+                    (cur.attention_s, fit.attention_s),
+                )
+            )
+        )
         self.scale, self.trusted = 1.0, True
         self.num_refits += 1
 

@@ -41,11 +41,19 @@ if TYPE_CHECKING:
     from cachestore.server.daemon import CacheServer, RequestRecord
 
 METRIC_NAMES = (
-    "kvtier_server_requests_total", "kvtier_server_request_seconds", "kvtier_server_keys_total",
-    "kvtier_server_bytes_total", "kvtier_server_inflight_requests",
-    "kvtier_server_namespace_bytes", "kvtier_server_namespace_keys", "kvtier_tier_used_bytes",
-    "kvtier_tier_capacity_bytes", "kvtier_tier_entries", "kvtier_server_lent_bytes",
-    "kvtier_server_leased_bytes", "kvtier_server_leased_blocks_total",
+    "kvtier_server_requests_total",
+    "kvtier_server_request_seconds",
+    "kvtier_server_keys_total",
+    "kvtier_server_bytes_total",
+    "kvtier_server_inflight_requests",
+    "kvtier_server_namespace_bytes",
+    "kvtier_server_namespace_keys",
+    "kvtier_tier_used_bytes",
+    "kvtier_tier_capacity_bytes",
+    "kvtier_tier_entries",
+    "kvtier_server_lent_bytes",
+    "kvtier_server_leased_bytes",
+    "kvtier_server_leased_blocks_total",
     "kvtier_server_put_races_total",
 )
 
@@ -56,16 +64,25 @@ class AdminMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvtier_server_requests", "Requests served", ["op", "code"],
-                                registry=r)
-        self.seconds = Histogram("kvtier_server_request_seconds", "Request service time", ["op"],
-                                 registry=r, buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1,
-                                                      0.5, 1.0, 5.0))
+        self.requests = Counter(
+            "kvtier_server_requests", "Requests served", ["op", "code"], registry=r
+        )
+        self.seconds = Histogram(
+            "kvtier_server_request_seconds",
+            "Request service time",
+            ["op"],
+            registry=r,
+            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
+        )
         self.keys = Counter("kvtier_server_keys", "Keys asked for", ["op", "result"], registry=r)
-        self.bytes = Counter("kvtier_server_bytes", "Payload bytes moved", ["op", "path"],
-                             registry=r)
-        self.put_races = Counter("kvtier_server_put_races",
-                                 "Put keys left to a concurrent put of the same key", registry=r)
+        self.bytes = Counter(
+            "kvtier_server_bytes", "Payload bytes moved", ["op", "path"], registry=r
+        )
+        self.put_races = Counter(
+            "kvtier_server_put_races",
+            "Put keys left to a concurrent put of the same key",
+            registry=r,
+        )
         self._server: CacheServer | None = None
 
     def bind(self, server: CacheServer) -> None:
@@ -105,23 +122,29 @@ class _LiveCollector:
         inflight = GaugeMetricFamily("kvtier_server_inflight_requests", "Requests in flight")
         inflight.add_metric([], server.inflight)
         yield inflight
-        lent = GaugeMetricFamily("kvtier_server_lent_bytes",
-                                 "Host-tier bytes pinned under zero-copy replies in flight")
+        lent = GaugeMetricFamily(
+            "kvtier_server_lent_bytes", "Host-tier bytes pinned under zero-copy replies in flight"
+        )
         lent.add_metric([], server.handler.lent_bytes)
         yield lent
         leases = server.leases
-        leased = GaugeMetricFamily("kvtier_server_leased_bytes",
-                                   "Host-tier bytes pinned under same-host in-place reads (leases)")
+        leased = GaugeMetricFamily(
+            "kvtier_server_leased_bytes",
+            "Host-tier bytes pinned under same-host in-place reads (leases)",
+        )
         leased.add_metric([], leases.budget.held_bytes if leases is not None else 0)
         yield leased
-        granted = CounterMetricFamily("kvtier_server_leased_blocks",
-                                      "Blocks read in place under a lease since start")
+        granted = CounterMetricFamily(
+            "kvtier_server_leased_blocks", "Blocks read in place under a lease since start"
+        )
         granted.add_metric([], leases.budget.num_granted if leases is not None else 0)
         yield granted
-        ns_bytes = GaugeMetricFamily("kvtier_server_namespace_bytes", "Bytes per namespace",
-                                     labels=["namespace"])
-        ns_keys = GaugeMetricFamily("kvtier_server_namespace_keys", "Keys per namespace",
-                                    labels=["namespace"])
+        ns_bytes = GaugeMetricFamily(
+            "kvtier_server_namespace_bytes", "Bytes per namespace", labels=["namespace"]
+        )
+        ns_keys = GaugeMetricFamily(
+            "kvtier_server_namespace_keys", "Keys per namespace", labels=["namespace"]
+        )
         for name, usage in server.handler.usage.snapshot().items():
             ns_bytes.add_metric([name], usage["bytes"])
             ns_keys.add_metric([name], usage["keys"])
@@ -147,12 +170,18 @@ def health_body(store_stats: dict[str, Any], url: str | None, inflight: int) -> 
     a Redis that refuses connections shows within about 5 s even while idle); ``status`` is
     ``degraded`` (HTTP 200: the daemon serves, a down tier reads as misses) when any is down.
     Pure."""
-    tiers = [{"name": row["name"],
-              "state": "down" if row.get("consecutive_failures", 0) else "up"}
-             for row in store_stats.get("tiers", []) if "name" in row]
+    tiers = [
+        {"name": row["name"], "state": "down" if row.get("consecutive_failures", 0) else "up"}
+        for row in store_stats.get("tiers", [])
+        if "name" in row
+    ]
     degraded = any(t["state"] != "up" for t in tiers)
-    return {"status": "degraded" if degraded else "ok", "tiers": tiers, "url": url,
-            "inflight": inflight}
+    return {
+        "status": "degraded" if degraded else "ok",
+        "tiers": tiers,
+        "url": url,
+        "inflight": inflight,
+    }
 
 
 def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = None) -> Any:
@@ -161,8 +190,9 @@ def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = N
     from fastapi import FastAPI, Request, Response
     from fastapi.responses import JSONResponse
 
-    app = FastAPI(title="kvtier cache-server admin", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="kvtier cache-server admin", docs_url=None, redoc_url=None, openapi_url=None
+    )
     if token is not None:
         expected = f"Bearer {token}".encode()
 
@@ -170,8 +200,11 @@ def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = N
         async def bearer(request: Request, call_next: Callable[[Request], Any]) -> Any:
             given = request.headers.get("authorization", "").encode()
             if request.url.path != "/health" and not hmac.compare_digest(given, expected):
-                return JSONResponse({"error": "admin token required"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+                return JSONResponse(
+                    {"error": "admin token required"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
             return await call_next(request)
 
     @app.get("/health")
@@ -184,11 +217,20 @@ def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = N
 
     @app.get("/stats")
     def stats() -> dict[str, Any]:
-        usage = {name: {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
-                        "num_entries": u.num_entries}
-                 for name, u in server.store.tier_usage().items()}
-        return {"store": server.store.stats(), "tier_usage": usage,
-                "namespaces": server.handler.usage.snapshot(), "inflight": server.inflight}
+        usage = {
+            name: {
+                "used_bytes": u.used_bytes,
+                "capacity_bytes": u.capacity_bytes,
+                "num_entries": u.num_entries,
+            }
+            for name, u in server.store.tier_usage().items()
+        }
+        return {
+            "store": server.store.stats(),
+            "tier_usage": usage,
+            "namespaces": server.handler.usage.snapshot(),
+            "inflight": server.inflight,
+        }
 
     @app.get("/namespaces")
     def namespaces() -> dict[str, Any]:
@@ -205,8 +247,7 @@ class AdminServer:
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="kvtier-admin",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.run, name="kvtier-admin", daemon=True)
 
     def start(self) -> AdminServer:
         self._thread.start()

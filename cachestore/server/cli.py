@@ -44,6 +44,8 @@ from tiers.config import TierConfig, parse_size
 # The store's per-tier demotion/promotion queue bound for the daemon (StoreConfig's default,
 # 64, held ~330 MiB of 2 MiB block copies under load with a 256 MiB host tier).
 DAEMON_QUEUE_BATCHES = 8
+
+
 def port_number(text: str) -> int:
     """A TCP port flag: 0..65535 (0: any free port). argparse reports the error."""
     try:
@@ -63,59 +65,123 @@ def admin_port_number(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier cache-server`` flag, each with help text (the
     ``kvtier`` parser shows the defaults)."""
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="ZMQ bind address (anything but loopback needs --tokens)")
-    parser.add_argument("--port", type=port_number, default=5555,
-                        help="ZMQ port (0: any free port)")
-    parser.add_argument("--admin-port", type=admin_port_number, default=5556,
-                        help="HTTP admin port: /health /metrics /stats (-1: off)")
-    parser.add_argument("--admin-host", default="127.0.0.1",
-                        help="admin bind address (anything but loopback needs "
-                             "--admin-token-file: the admin port lists every tenant's usage)")
-    parser.add_argument("--admin-token-file", default=None, metavar="FILE",
-                        help="file holding the admin port's bearer token (needed by /stats, "
-                             "/namespaces, /metrics; /health stays open); default: no token")
-    parser.add_argument("--data-dir", default=None, metavar="DIR",
-                        help="LMDB directory (persistence); default: none")
-    parser.add_argument("--lmdb-capacity", default="10GiB",
-                        help="LMDB capacity under --data-dir (bytes with a unit: 10GiB, 200GB)")
-    parser.add_argument("--host-capacity", default=None,
-                        help="host-memory tier on top of the others, e.g. 4GiB (Gi = 2^30, "
-                             "G = 10^9; a bare number is refused); default: none")
-    parser.add_argument("--host-slot-bytes", default="4MiB",
-                        help="host tier slot: the largest block it holds (larger: LMDB only); "
-                             "also a --config host tier's when its file sets none")
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="tiers YAML (tiers.config; the engine's --kv-offload-config file "
-                             "works as is: its engine-only settings are ignored)")
-    parser.add_argument("--tokens", default=None, metavar="FILE",
-                        help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines; default: open "
-                             "daemon, loopback only")
-    parser.add_argument("--access-log", default=None, metavar="FILE",
-                        help="JSONL access log (ts, op, namespace, keys); default: none")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="ZMQ bind address (anything but loopback needs --tokens)",
+    )
+    parser.add_argument(
+        "--port", type=port_number, default=5555, help="ZMQ port (0: any free port)"
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=admin_port_number,
+        default=5556,
+        help="HTTP admin port: /health /metrics /stats (-1: off)",
+    )
+    parser.add_argument(
+        "--admin-host",
+        default="127.0.0.1",
+        help="admin bind address (anything but loopback needs "
+        "--admin-token-file: the admin port lists every tenant's usage)",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the admin port's bearer token (needed by /stats, "
+        "/namespaces, /metrics; /health stays open); default: no token",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="LMDB directory (persistence); default: none",
+    )
+    parser.add_argument(
+        "--lmdb-capacity",
+        default="10GiB",
+        help="LMDB capacity under --data-dir (bytes with a unit: 10GiB, 200GB)",
+    )
+    parser.add_argument(
+        "--host-capacity",
+        default=None,
+        help="host-memory tier on top of the others, e.g. 4GiB (Gi = 2^30, "
+        "G = 10^9; a bare number is refused); default: none",
+    )
+    parser.add_argument(
+        "--host-slot-bytes",
+        default="4MiB",
+        help="host tier slot: the largest block it holds (larger: LMDB only); "
+        "also a --config host tier's when its file sets none",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="tiers YAML (tiers.config; the engine's --kv-offload-config file "
+        "works as is: its engine-only settings are ignored)",
+    )
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        metavar="FILE",
+        help="file of 'TOKEN NAMESPACE [KEY_PREFIX...]' lines; default: open daemon, loopback only",
+    )
+    parser.add_argument(
+        "--access-log",
+        default=None,
+        metavar="FILE",
+        help="JSONL access log (ts, op, namespace, keys); default: none",
+    )
     parser.add_argument("--workers", type=int, default=4, help="request worker threads")
     parser.add_argument("--max-frame-bytes", default="64MiB", help="largest block accepted")
     parser.add_argument("--max-keys", type=int, default=4096, help="keys per request")
-    parser.add_argument("--namespace-quota", default=None,
-                        help="bytes per namespace, e.g. 10GiB; default: none")
+    parser.add_argument(
+        "--namespace-quota", default=None, help="bytes per namespace, e.g. 10GiB; default: none"
+    )
     parser.add_argument("--no-shm", action="store_true", help="disable the shared-memory path")
-    parser.add_argument("--no-inline-reads", action="store_true",
-                        help="send every request to the worker pool (no loop-thread host reads)")
-    parser.add_argument("--no-doorbell", action="store_true",
-                        help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)")
-    parser.add_argument("--no-stream", action="store_true",
-                        help="no TCP stream (clients without shared memory stay on ZMQ)")
-    parser.add_argument("--stream-port", type=port_number, default=0,
-                        help="TCP stream port on --host (0: a free port, announced to clients "
-                             "in the hello reply)")
-    parser.add_argument("--no-leases", action="store_true",
-                        help="no zero-copy same-host gets (doorbell clients mapping the host "
-                             "slab; only ever offered when it holds one namespace)")
-    parser.add_argument("--spin-us", type=float, default=100.0,
-                        help="microseconds the loop polls for a next request before blocking")
-    parser.add_argument("--loop-cpu", type=int, default=None, metavar="CPU",
-                        help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
-                             "(faster TCP on small VMs); default: unpinned")
+    parser.add_argument(
+        "--no-inline-reads",
+        action="store_true",
+        help="send every request to the worker pool (no loop-thread host reads)",
+    )
+    parser.add_argument(
+        "--no-doorbell",
+        action="store_true",
+        help="no same-host Unix-socket doorbell (shm clients stay on ZMQ)",
+    )
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="no TCP stream (clients without shared memory stay on ZMQ)",
+    )
+    parser.add_argument(
+        "--stream-port",
+        type=port_number,
+        default=0,
+        help="TCP stream port on --host (0: a free port, announced to clients in the hello reply)",
+    )
+    parser.add_argument(
+        "--no-leases",
+        action="store_true",
+        help="no zero-copy same-host gets (doorbell clients mapping the host "
+        "slab; only ever offered when it holds one namespace)",
+    )
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=100.0,
+        help="microseconds the loop polls for a next request before blocking",
+    )
+    parser.add_argument(
+        "--loop-cpu",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
+        "(faster TCP on small VMs); default: unpinned",
+    )
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -128,15 +194,20 @@ def _admin_token(args: argparse.Namespace) -> str | None:
         try:
             token = Path(args.admin_token_file).read_text().strip()
         except OSError as exc:
-            raise ValueError(f"--admin-token-file: cannot read {args.admin_token_file}: "
-                             f"{exc.strerror}") from None
+            raise ValueError(
+                f"--admin-token-file: cannot read {args.admin_token_file}: {exc.strerror}"
+            ) from None
         if len(token) < 16:
-            raise ValueError(f"--admin-token-file {args.admin_token_file}: the token must be "
-                             "at least 16 characters")
+            raise ValueError(
+                f"--admin-token-file {args.admin_token_file}: the token must be "
+                "at least 16 characters"
+            )
     host = f"[{args.admin_host}]" if ":" in args.admin_host else args.admin_host
     if args.admin_port >= 0 and token is None and not is_loopback(f"tcp://{host}:0"):
-        raise ValueError(f"--admin-host {args.admin_host} exposes every tenant's name and usage: "
-                         "give --admin-token-file, or keep the admin port on loopback")
+        raise ValueError(
+            f"--admin-host {args.admin_host} exposes every tenant's name and usage: "
+            "give --admin-token-file, or keep the admin port on loopback"
+        )
     return token
 
 
@@ -150,15 +221,20 @@ def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
     configs: list[TierConfig] = []
     if args.config:
         stack, _ = load_daemon_tiers(args.config)
-        configs = [daemon_host_tier(c, slot_bytes) if isinstance(c, HostTierConfig) else c
-                   for c in stack.tiers]
+        configs = [
+            daemon_host_tier(c, slot_bytes) if isinstance(c, HostTierConfig) else c
+            for c in stack.tiers
+        ]
     if args.host_capacity and not any(isinstance(c, HostTierConfig) for c in configs):
         capacity = parse_size(args.host_capacity, "--host-capacity")
-        configs.insert(0, HostTierConfig(capacity=capacity, slot_bytes=slot_bytes,
-                                         pin_memory=False))  # no GPU reads the daemon's memory
+        configs.insert(
+            0, HostTierConfig(capacity=capacity, slot_bytes=slot_bytes, pin_memory=False)
+        )  # no GPU reads the daemon's memory
     if args.data_dir and not any(isinstance(c, LmdbTierConfig) for c in configs):
-        lmdb = LmdbTierConfig(path=str(Path(args.data_dir) / "lmdb"),
-                              capacity=parse_size(args.lmdb_capacity, "--lmdb-capacity"))
+        lmdb = LmdbTierConfig(
+            path=str(Path(args.data_dir) / "lmdb"),
+            capacity=parse_size(args.lmdb_capacity, "--lmdb-capacity"),
+        )
         at = 1 if configs and configs[0].kind == "host" else 0
         configs.insert(at, lmdb)
     if not configs:
@@ -166,8 +242,9 @@ def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
     return configs
 
 
-def build_tiers_for(configs: list[TierConfig], source: str | None = None,
-                    shared_host: bool = False) -> list[Tier]:
+def build_tiers_for(
+    configs: list[TierConfig], source: str | None = None, shared_host: bool = False
+) -> list[Tier]:
     """The daemon's tier stack from ``stack_configs``' ``configs``, top first; ``source``
     (the YAML file) named in a resource check's error. ``shared_host``: the host tier's slab
     in a sealed memfd that clients can map read-only (``cachestore.server.leases``; private
@@ -186,8 +263,10 @@ def build_tiers_for(configs: list[TierConfig], source: str | None = None,
     except OSError:  # no memfd/seals here: a private slab, gets copy as before
         top = HostTier(host.capacity, host.slot_bytes, pin_memory=False)
     try:
-        return [top, *(build_tiers(TierStackConfig(tiers=tuple(configs[1:])))
-                       if len(configs) > 1 else [])]
+        return [
+            top,
+            *(build_tiers(TierStackConfig(tiers=tuple(configs[1:]))) if len(configs) > 1 else []),
+        ]
     except BaseException:
         top.close()
         raise
@@ -203,8 +282,9 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
     """The daemon's store over ``tiers`` (owned from here on), writing through to the first
     LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
     # Keys are ``tenant/`` + the client's key: blocks carry the client's (codec version 2).
-    config = StoreConfig(write_through_to=durable_index(tiers), block_key_skip=1,
-                         queue_batches=DAEMON_QUEUE_BATCHES)
+    config = StoreConfig(
+        write_through_to=durable_index(tiers), block_key_skip=1, queue_batches=DAEMON_QUEUE_BATCHES
+    )
     return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 
@@ -228,24 +308,38 @@ def main(args: argparse.Namespace) -> int:
         tokens = None
         if args.tokens:
             tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
-        quota = (parse_size(args.namespace_quota, "--namespace-quota") if args.namespace_quota
-                 else None)
-        limits = ServerLimits(max_keys_per_request=args.max_keys,
-                              max_frame_bytes=parse_size(args.max_frame_bytes,
-                                                         "--max-frame-bytes"),
-                              max_namespace_bytes=quota)
+        quota = (
+            parse_size(args.namespace_quota, "--namespace-quota") if args.namespace_quota else None
+        )
+        limits = ServerLimits(
+            max_keys_per_request=args.max_keys,
+            max_frame_bytes=parse_size(args.max_frame_bytes, "--max-frame-bytes"),
+            max_namespace_bytes=quota,
+        )
         host = f"[{args.host}]" if ":" in args.host else args.host
-        config = ServerConfig(url=f"tcp://{host}:{args.port}", limits=limits,
-                              num_workers=args.workers, shm_enabled=not args.no_shm,
-                              access_log_path=args.access_log,
-                              inline_reads=not args.no_inline_reads,
-                              doorbell=not args.no_doorbell, spin_us=args.spin_us,
-                              stream=not args.no_stream, stream_port=args.stream_port,
-                              loop_cpu=args.loop_cpu, leases=not args.no_leases)
+        config = ServerConfig(
+            url=f"tcp://{host}:{args.port}",
+            limits=limits,
+            num_workers=args.workers,
+            shm_enabled=not args.no_shm,
+            access_log_path=args.access_log,
+            inline_reads=not args.no_inline_reads,
+            doorbell=not args.no_doorbell,
+            spin_us=args.spin_us,
+            stream=not args.no_stream,
+            stream_port=args.stream_port,
+            loop_cpu=args.loop_cpu,
+            leases=not args.no_leases,
+        )
         usage = NamespaceUsage()
         # A mappable slab only where leases may be offered (one namespace in it).
-        shared = (config.leases and config.doorbell and config.shm_enabled
-                  and config.inline_reads and (tokens is None or tokens.one_open_namespace()))
+        shared = (
+            config.leases
+            and config.doorbell
+            and config.shm_enabled
+            and config.inline_reads
+            and (tokens is None or tokens.one_open_namespace())
+        )
         configs = stack_configs(args)
         ignored = load_daemon_tiers(args.config)[1] if args.config else []
         tiers = build_tiers_for(configs, args.config, shared_host=shared)
@@ -261,12 +355,12 @@ def main(args: argparse.Namespace) -> int:
     metrics.bind(server)
     admin = None
     if args.admin_port >= 0:
-        admin = AdminServer(create_app(server, metrics, admin_token), args.admin_host,
-                            args.admin_port).start()
+        admin = AdminServer(
+            create_app(server, metrics, admin_token), args.admin_host, args.admin_port
+        ).start()
         if not admin.wait_started():  # taken since check_binds: fatal, as any bind failure
             store.close()
-            return _fail(f"--admin-port: cannot serve http://{args.admin_host}:"
-                         f"{args.admin_port}")
+            return _fail(f"--admin-port: cannot serve http://{args.admin_host}:{args.admin_port}")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
     try:
@@ -279,8 +373,9 @@ def main(args: argparse.Namespace) -> int:
     trimming = threading.Event()
     start_trimming(trimming)
     admin_url = f"http://{args.admin_host}:{args.admin_port}" if admin else None
-    for line in startup_block(server.bound_url, admin_url, configs, durable_index(tiers),
-                              ignored, args.config):
+    for line in startup_block(
+        server.bound_url, admin_url, configs, durable_index(tiers), ignored, args.config
+    ):
         say(line)
     try:
         while not server.wait(0.2):

@@ -67,16 +67,21 @@ class ServerConfig:
         if self.num_workers <= 0:
             raise ValueError("num_workers must be positive")
         if self.loop_cpu is not None and self.loop_cpu not in os.sched_getaffinity(0):
-            raise ValueError(f"loop_cpu {self.loop_cpu} is not one of this process's CPUs "
-                             f"{sorted(os.sched_getaffinity(0))}")
+            raise ValueError(
+                f"loop_cpu {self.loop_cpu} is not one of this process's CPUs "
+                f"{sorted(os.sched_getaffinity(0))}"
+            )
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"url must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
         if self.attach_timeout_s <= 0 or self.zmq_handshake_s <= 0:
-            raise ValueError(f"attach_timeout_s and zmq_handshake_s must be positive, got "
-                             f"{self.attach_timeout_s}, {self.zmq_handshake_s}")
+            raise ValueError(
+                f"attach_timeout_s and zmq_handshake_s must be positive, got "
+                f"{self.attach_timeout_s}, {self.zmq_handshake_s}"
+            )
         if self.max_pending_handshakes < 1:
-            raise ValueError(f"max_pending_handshakes must be >= 1, got "
-                             f"{self.max_pending_handshakes}")
+            raise ValueError(
+                f"max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}"
+            )
         if not 0 <= self.stream_port <= 65535:
             raise ValueError(f"stream_port must be 0..65535, got {self.stream_port}")
 

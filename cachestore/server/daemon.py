@@ -96,20 +96,41 @@ class CacheServer:
         shm_on = config.shm_enabled and shm.available()
         bell_on = shm_on and config.doorbell
         one_namespace = tokens is None or tokens.one_open_namespace()
-        self._leases = (LeaseOffer.build(store, one_namespace, config.max_leased_bytes,
-                                         config.max_leased_conn_bytes)
-                        if bell_on and config.leases and config.inline_reads else None)
+        self._leases = (
+            LeaseOffer.build(
+                store, one_namespace, config.max_leased_bytes, config.max_leased_conn_bytes
+            )
+            if bell_on and config.leases and config.inline_reads
+            else None
+        )
         self._tokens = tokens
-        self._bell = (Doorbell(config.limits, config.max_doorbell_conns, config.doorbell_dir,
-                               config.inline_reads, config.spin_us * 1e-6, self._leases,
-                               attach_timeout_s=config.attach_timeout_s)
-                      if bell_on else None)
+        self._bell = (
+            Doorbell(
+                config.limits,
+                config.max_doorbell_conns,
+                config.doorbell_dir,
+                config.inline_reads,
+                config.spin_us * 1e-6,
+                self._leases,
+                attach_timeout_s=config.attach_timeout_s,
+            )
+            if bell_on
+            else None
+        )
         stream_host = config.stream_host() if config.stream else None
-        self._stream = (Doorbell(config.limits, config.max_doorbell_conns, None,
-                                 config.inline_reads, config.spin_us * 1e-6,
-                                 tcp=(stream_host, config.stream_port),
-                                 attach_timeout_s=config.attach_timeout_s)
-                        if stream_host is not None else None)
+        self._stream = (
+            Doorbell(
+                config.limits,
+                config.max_doorbell_conns,
+                None,
+                config.inline_reads,
+                config.spin_us * 1e-6,
+                tcp=(stream_host, config.stream_port),
+                attach_timeout_s=config.attach_timeout_s,
+            )
+            if stream_host is not None
+            else None
+        )
         self.zap: ZapHandler | None = None  # while serving: the ZMQ handshake's token check
         self._handler = OpHandler(
             store=store,
@@ -199,8 +220,12 @@ class CacheServer:
         replies: queue.SimpleQueue[tuple[bytes, Reply]] = queue.SimpleQueue()
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
-        pool = ThreadPoolExecutor(self.config.num_workers, thread_name_prefix="kvtier-worker",
-                                  initializer=os.sched_setaffinity, initargs=(0, cpus))
+        pool = ThreadPoolExecutor(
+            self.config.num_workers,
+            thread_name_prefix="kvtier-worker",
+            initializer=os.sched_setaffinity,
+            initargs=(0, cpus),
+        )
         try:
             router.bind(self.config.url)
             self.bound_url = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -245,8 +270,14 @@ class CacheServer:
         except (ProtocolError, UnicodeDecodeError):
             return None
 
-    def _loop(self, router: zmq.Socket[bytes], pool: ThreadPoolExecutor,
-              replies: queue.SimpleQueue[tuple[bytes, Reply]], wake_r: int, wake_w: int) -> None:
+    def _loop(
+        self,
+        router: zmq.Socket[bytes],
+        pool: ThreadPoolExecutor,
+        replies: queue.SimpleQueue[tuple[bytes, Reply]],
+        wake_r: int,
+        wake_w: int,
+    ) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake_r, zmq.POLLIN)
@@ -266,8 +297,10 @@ class CacheServer:
                 self.inflight == 0 or time.monotonic() > drain_deadline
             ):
                 if self.inflight:  # the pool still finishes them; their clients may be gone
-                    self.drain_problem = (f"{self.inflight} requests still in flight after "
-                                          f"drain_timeout_s ({self.config.drain_timeout_s} s)")
+                    self.drain_problem = (
+                        f"{self.inflight} requests still in flight after "
+                        f"drain_timeout_s ({self.config.drain_timeout_s} s)"
+                    )
                 return
             if time.perf_counter() < busy_until:
                 events = dict(poller.poll(0))
@@ -293,8 +326,15 @@ class CacheServer:
                     moved += sum(len(f) for f in frames[2:])
                     if drain_deadline is not None:
                         router.send_multipart(
-                            [identity, pack(error_header(-1, ErrorCode.SHUTTING_DOWN,
-                                                         "daemon is shutting down"))])
+                            [
+                                identity,
+                                pack(
+                                    error_header(
+                                        -1, ErrorCode.SHUTTING_DOWN, "daemon is shutting down"
+                                    )
+                                ),
+                            ]
+                        )
                         continue
                     parsed = self._handler.parse(frames[1:])
                     if isinstance(parsed, Reply):  # refused: no store work to hand off
@@ -307,7 +347,8 @@ class CacheServer:
 
                     # Host blocks leave zero copy, lent (pinned) until ZMQ has sent them.
                     if self.config.inline_reads and self._handler.serve_inline(
-                            parsed, send, lend=True):
+                        parsed, send, lend=True
+                    ):
                         continue
                     self.inflight += 1
                     fut = pool.submit(self._handler.run, parsed)
@@ -318,7 +359,9 @@ class CacheServer:
                 # CPU from the ZMQ I/O thread still moving the bytes (2 shared cores).
                 busy_until = time.perf_counter() + spin_s if moved <= SPIN_MAX_BYTES else 0.0
 
-    def _flush(self, router: zmq.Socket[bytes], replies: queue.SimpleQueue[tuple[bytes, Reply]]) -> int:
+    def _flush(
+        self, router: zmq.Socket[bytes], replies: queue.SimpleQueue[tuple[bytes, Reply]]
+    ) -> int:
         """Send the pool's finished replies; returns their payload bytes."""
         moved = 0
         while True:
@@ -339,4 +382,3 @@ def _send(router: zmq.Socket[bytes], identity: bytes, reply: Reply, copy: bool) 
     except zmq.ZMQError:
         pass  # the peer is gone (ROUTER drops silently; this is belt and braces)
     return sum(len(p) for p in reply.payloads)
-

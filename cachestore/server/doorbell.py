@@ -87,10 +87,17 @@ class Doorbell:
     ``run``). ``max_conns`` bounds the threads: a connection past it is closed at once (the
     client stays on ZMQ)."""
 
-    def __init__(self, limits: ServerLimits, max_conns: int = 256,
-                 directory: str | None = None, inline_reads: bool = True,
-                 spin_s: float = 100e-6, leases: LeaseOffer | None = None,
-                 tcp: tuple[str, int] | None = None, attach_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        limits: ServerLimits,
+        max_conns: int = 256,
+        directory: str | None = None,
+        inline_reads: bool = True,
+        spin_s: float = 100e-6,
+        leases: LeaseOffer | None = None,
+        tcp: tuple[str, int] | None = None,
+        attach_timeout_s: float = 3.0,
+    ) -> None:
         """``leases``: offer in-place reads to connections that ask (None: never; never over
         TCP). ``tcp``: listen on this (host, port) instead (port 0: any free port).
         ``attach_timeout_s``: a connection that has not attached by then is closed."""
@@ -124,8 +131,7 @@ class Doorbell:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             listener = socket.create_server((host, port), family=family, backlog=64)
             self._listener, self.port = listener, listener.getsockname()[1]
-            threading.Thread(target=self._accept, name="kvtier-stream-accept",
-                             daemon=True).start()
+            threading.Thread(target=self._accept, name="kvtier-stream-accept", daemon=True).start()
             return f"{host}:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="kvtier-bell-", dir=self._directory)
         path = os.path.join(self._dir, "bell.sock")
@@ -149,8 +155,10 @@ class Doorbell:
         secret = secrets.token_bytes(16)
         now = time.monotonic()
         with self._lock:
-            while self._pending and (len(self._pending) >= MAX_PENDING_SECRETS
-                                     or next(iter(self._pending.values()))[1] < now):
+            while self._pending and (
+                len(self._pending) >= MAX_PENDING_SECRETS
+                or next(iter(self._pending.values()))[1] < now
+            ):
                 self._pending.popitem(last=False)
             self._pending[_digest(secret)] = (tenant, now + SECRET_TTL_S)
         if self.port is not None:
@@ -197,8 +205,9 @@ class Doorbell:
                 if len(self._conns) >= self._max_conns or self._listener is None:
                     sock.close()
                     continue
-                thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                                          name="kvtier-bell")
+                thread = threading.Thread(
+                    target=self._serve, args=(sock,), daemon=True, name="kvtier-bell"
+                )
                 self._conns[sock] = thread
             thread.start()
 
@@ -250,8 +259,14 @@ class Doorbell:
                 self.arena_bytes -= arena
             sock.close()
 
-    def _serve_one(self, sock: socket.socket, handler: OpHandler, tenant: str,
-                   frames: list[Any], leases: ConnLeases | None) -> None:
+    def _serve_one(
+        self,
+        sock: socket.socket,
+        handler: OpHandler,
+        tenant: str,
+        frames: list[Any],
+        leases: ConnLeases | None,
+    ) -> None:
         self.num_requests += 1
 
         def send(reply: Reply) -> None:
@@ -262,14 +277,16 @@ class Doorbell:
             send(parsed)
             return
         if parsed.tenant != tenant:
-            send(handler.refuse(parsed, ErrorCode.UNAUTHORIZED,
-                                "this connection is bound to another namespace"))
+            send(
+                handler.refuse(
+                    parsed, ErrorCode.UNAUTHORIZED, "this connection is bound to another namespace"
+                )
+            )
             return
         if leases is not None:
             if parsed.header.get("release") is True:  # the client's previous call is over
                 leases.release()
-            if parsed.header.get("lease") is True and handler.serve_leased(parsed, send,
-                                                                            leases):
+            if parsed.header.get("lease") is True and handler.serve_leased(parsed, send, leases):
                 return
         if not (self._inline and handler.serve_inline(parsed, send)):
             send(handler.run(parsed))

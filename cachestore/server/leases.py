@@ -61,8 +61,7 @@ class ConnLeases:
     together. Not thread-safe: used by its connection's thread only. Never raises for a store
     failure (a grant that fails is a copy-path get)."""
 
-    def __init__(self, store: HierarchicalStore, budget: LeaseBudget,
-                 max_conn_bytes: int) -> None:
+    def __init__(self, store: HierarchicalStore, budget: LeaseBudget, max_conn_bytes: int) -> None:
         self._store = store
         self._budget = budget
         self._max_conn_bytes = max_conn_bytes
@@ -79,7 +78,8 @@ class ConnLeases:
             return None
         nbytes = hint[1] * len(keys)
         if self.held_bytes + nbytes > self._max_conn_bytes or not self._budget.take(
-                nbytes, len(keys)):
+            nbytes, len(keys)
+        ):
             return None
         located = reads.locate(req.tenant, keys, req.ikeys)
         if located is None or located[1] * len(keys) != nbytes:  # the hint moved meanwhile
@@ -117,8 +117,9 @@ class LeaseOffer:
     max_conn_bytes: int
 
     @classmethod
-    def build(cls, store: HierarchicalStore, one_namespace: bool, max_bytes: int,
-              max_conn_bytes: int) -> LeaseOffer | None:
+    def build(
+        cls, store: HierarchicalStore, one_namespace: bool, max_bytes: int, max_conn_bytes: int
+    ) -> LeaseOffer | None:
         """An offer when the store's top tier is a shared-slab ``HostTier`` and its blocks
         all belong to one namespace every client may read whole (``one_namespace``); else
         None (in-place reads are never offered, gets copy). The budget is at most a quarter
@@ -128,8 +129,7 @@ class LeaseOffer:
         if fd is None or max_bytes <= 0 or max_conn_bytes <= 0:
             return None
         capacity = slab.usage().capacity_bytes or 0  # type: ignore[union-attr]
-        return cls(os.dup(fd), store, LeaseBudget(min(max_bytes, capacity // 4)),
-                   max_conn_bytes)
+        return cls(os.dup(fd), store, LeaseBudget(min(max_bytes, capacity // 4)), max_conn_bytes)
 
     def open(self) -> ConnLeases:
         """A fresh connection's (empty) leases."""

@@ -69,14 +69,18 @@ class OpHandler:
     ``offer_stream(tenant)`` those of the TCP stream, offered to clients without a segment.
     """
 
-    def __init__(self, store: HierarchicalStore, limits: ServerLimits,
-                 authenticate: Callable[[object], Tenant],
-                 segments: shm.AttachedSegments | None,
-                 usage: NamespaceUsage,
-                 on_request: Callable[[RequestRecord], None] | None = None,
-                 access_log_path: str | None = None,
-                 offer_doorbell: Callable[[str], dict[str, Any]] | None = None,
-                 offer_stream: Callable[[str], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        store: HierarchicalStore,
+        limits: ServerLimits,
+        authenticate: Callable[[object], Tenant],
+        segments: shm.AttachedSegments | None,
+        usage: NamespaceUsage,
+        on_request: Callable[[RequestRecord], None] | None = None,
+        access_log_path: str | None = None,
+        offer_doorbell: Callable[[str], dict[str, Any]] | None = None,
+        offer_stream: Callable[[str], dict[str, Any]] | None = None,
+    ) -> None:
         self.store = store
         self.limits = limits
         self.usage = usage
@@ -89,8 +93,12 @@ class OpHandler:
         self._log_lock = threading.Lock()
         self._log = open(access_log_path, "a", buffering=1) if access_log_path else None
         self._ops: dict[str, _Op] = {
-            "hello": self._op_hello, "bye": self._op_bye, "lookup": self._op_lookup,
-            "get": self._op_get, "put": self._op_put, "delete": self._op_delete,
+            "hello": self._op_hello,
+            "bye": self._op_bye,
+            "lookup": self._op_lookup,
+            "get": self._op_get,
+            "put": self._op_put,
+            "delete": self._op_delete,
             "stats": self._op_stats,
         }
         slab = store.host_slab()
@@ -119,9 +127,22 @@ class OpHandler:
     def parse(self, frames: Sequence[zmq.Frame | bytes]) -> Request | Reply:
         """Decode, authenticate and check one request: a ``Request`` to run, or the error
         ``Reply`` (already recorded). Cheap (no store access): the loop thread calls it."""
-        req = Request({}, "?", "?", [], frames, {"num_keys": 0, "num_hits": 0, "bytes_in": 0,
-                                                 "bytes_out": 0, "path": "tcp", "keys": []},
-                      time.perf_counter())
+        req = Request(
+            {},
+            "?",
+            "?",
+            [],
+            frames,
+            {
+                "num_keys": 0,
+                "num_hits": 0,
+                "bytes_in": 0,
+                "bytes_out": 0,
+                "path": "tcp",
+                "keys": [],
+            },
+            time.perf_counter(),
+        )
         try:
             if len(frames) > zmq_max_frames(self.limits):
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"{len(frames)} frames is too many")
@@ -142,8 +163,9 @@ class OpHandler:
     def run(self, req: Request) -> Reply:
         """Run a parsed request against the store; never raises. For the worker pool."""
         try:
-            body, payloads = self._ops[req.op](req.header, req.tenant, req.ikeys, req.frames[1:],
-                                               req.rec)
+            body, payloads = self._ops[req.op](
+                req.header, req.tenant, req.ikeys, req.frames[1:], req.rec
+            )
         except Exception as exc:
             return self._fail(req, exc)
         return self._done(req, ErrorCode.OK, self._ok(req, body, payloads))
@@ -152,8 +174,7 @@ class OpHandler:
         """The recorded error reply to a parsed request (e.g. a doorbell tenant mismatch)."""
         return self._fail(req, ProtocolError(code, message))
 
-    def serve_inline(self, req: Request, send: Callable[[Reply], None], lend: bool = False
-                     ) -> bool:
+    def serve_inline(self, req: Request, send: Callable[[Reply], None], lend: bool = False) -> bool:
         """Serve a get or lookup whose keys the host tier holds, or a small put of known
         namespaces into a memory-only store, on the calling (loop) thread, and ``send`` its
         reply while the blocks are still pinned; False (nothing sent, nothing pinned) when the
@@ -166,9 +187,14 @@ class OpHandler:
         if self._fast is None or not req.ikeys:
             return False
         if req.op == "put":
-            if not self._inline_puts or sum(req.header["sizes"]) > INLINE_PUT_BYTES or any(
+            if (
+                not self._inline_puts
+                or sum(req.header["sizes"]) > INLINE_PUT_BYTES
+                or any(
                     self._fast.hint(req.tenant, k.split("/", 1)[0]) is None
-                    for k in req.header["keys"]):
+                    for k in req.header["keys"]
+                )
+            ):
                 return False
             self.num_inline += 1
             send(self.run(req))
@@ -204,17 +230,20 @@ class OpHandler:
             send(self._done(req, ErrorCode.OK, reply))
             del reply
         finally:
-            self.store.unpin_host([k for k, was_lent in zip(req.ikeys, lent, strict=True)
-                                   if not was_lent])
+            self.store.unpin_host(
+                [k for k, was_lent in zip(req.ikeys, lent, strict=True) if not was_lent]
+            )
         return True
 
-    def serve_leased(self, req: Request, send: Callable[[Reply], None], leases: ConnLeases
-                     ) -> bool:
+    def serve_leased(self, req: Request, send: Callable[[Reply], None], leases: ConnLeases) -> bool:
         """Answer get ``req`` with where its host blocks lie in the slab, each pinned under
         ``leases`` until that is released (``cachestore.server.leases``); False (nothing sent or
         pinned) when it must take the copy path (a miss, a foreign header, a cap reached)."""
-        body = leases.grant(self._fast, req) if (
-            self._fast is not None and req.op == "get" and req.ikeys) else None
+        body = (
+            leases.grant(self._fast, req)
+            if (self._fast is not None and req.op == "get" and req.ikeys)
+            else None
+        )
         if body is None:
             return False
         self.num_inline += 1
@@ -227,26 +256,45 @@ class OpHandler:
     def _fail(self, req: Request, exc: Exception) -> Reply:
         request_id = req.header.get("id", -1)
         if isinstance(exc, ProtocolError):
-            return self._done(req, exc.code, Reply(error_header(request_id, exc.code,
-                                                                exc.message), []))
+            return self._done(
+                req, exc.code, Reply(error_header(request_id, exc.code, exc.message), [])
+            )
         # A store failure: the client sees a miss, the daemon lives.
         message = f"store error: {exc!r}"[:500]
-        return self._done(req, ErrorCode.INTERNAL,
-                          Reply(error_header(request_id, ErrorCode.INTERNAL, message), []))
+        return self._done(
+            req,
+            ErrorCode.INTERNAL,
+            Reply(error_header(request_id, ErrorCode.INTERNAL, message), []),
+        )
 
     def _done(self, req: Request, code: ErrorCode, reply: Reply) -> Reply:
         """Record and log a finished request; returns ``reply``."""
         rec = req.rec
         if self._on_request is not None:
-            self._on_request(RequestRecord(req.op, req.tenant, code, rec["num_keys"],
-                                           rec["num_hits"], rec["bytes_in"], rec["bytes_out"],
-                                           rec["path"], time.perf_counter() - req.start,
-                                           rec.get("num_raced", 0) if code in (
-                                               ErrorCode.OK, ErrorCode.PUT_RACED) else 0))
+            self._on_request(
+                RequestRecord(
+                    req.op,
+                    req.tenant,
+                    code,
+                    rec["num_keys"],
+                    rec["num_hits"],
+                    rec["bytes_in"],
+                    rec["bytes_out"],
+                    rec["path"],
+                    time.perf_counter() - req.start,
+                    rec.get("num_raced", 0) if code in (ErrorCode.OK, ErrorCode.PUT_RACED) else 0,
+                )
+            )
         if self._log is not None and code == ErrorCode.OK and req.op in _LOGGED_OPS:
-            line = json.dumps({"ts": round(time.time(), 6), "op": req.op,
-                               "namespace": req.tenant, "keys": rec["keys"],
-                               "hits": rec["num_hits"]})
+            line = json.dumps(
+                {
+                    "ts": round(time.time(), 6),
+                    "op": req.op,
+                    "namespace": req.tenant,
+                    "keys": rec["keys"],
+                    "hits": rec["num_hits"],
+                }
+            )
             with self._log_lock:
                 if self._log is not None:
                     self._log.write(line + "\n")
@@ -254,15 +302,24 @@ class OpHandler:
 
     # -- ops: each returns (reply fields, payload frames) ------------------------------------
 
-    def _op_hello(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                  frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_hello(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         shm_ok = False
         replaced = header.get("replaces")
         if isinstance(replaced, str) and self._segments is not None:
             self._segments.detach(replaced, tenant)  # the client grew its segment
         name = header.get("shm")
-        if (isinstance(name, str) and self._segments is not None
-                and header.get("host_id") == self.host_id):
+        if (
+            isinstance(name, str)
+            and self._segments is not None
+            and header.get("host_id") == self.host_id
+        ):
             try:
                 self._segments.attach(name, tenant)
                 shm_ok = True
@@ -270,29 +327,51 @@ class OpHandler:
                 shm_ok = False  # another /dev/shm (container) or a bad name: frames it is
         lim = self.limits
         body: dict[str, Any] = {
-            "shm": shm_ok, "namespace": tenant, "max_keys_per_request": lim.max_keys_per_request,
-            "max_frame_bytes": lim.max_frame_bytes, "max_request_bytes": lim.max_request_bytes}
+            "shm": shm_ok,
+            "namespace": tenant,
+            "max_keys_per_request": lim.max_keys_per_request,
+            "max_frame_bytes": lim.max_frame_bytes,
+            "max_request_bytes": lim.max_request_bytes,
+        }
         if shm_ok and header.get("doorbell") is True and self._offer_doorbell is not None:
             body.update(self._offer_doorbell(tenant))  # same host proven by the mapping
         elif not shm_ok and header.get("stream") is True and self._offer_stream is not None:
             body.update(self._offer_stream(tenant))  # payload frames over a TCP connection
         return body, []
 
-    def _op_bye(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_bye(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         name = header.get("shm")
         if isinstance(name, str) and self._segments is not None:
             self._segments.detach(name, tenant)
         return {}, []
 
-    def _op_lookup(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                   frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_lookup(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         count = self.store.lookup(ikeys).num_blocks if ikeys else 0
         rec["num_hits"] = count
         return {"count": count}, []
 
-    def _op_get(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_get(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         segment, offset, end = self._shm_region(header, tenant)
         if not ikeys:
             return {"sizes": [], **({"shm_offsets": []} if segment is not None else {})}, []
@@ -307,34 +386,66 @@ class OpHandler:
         finally:
             self.store.unpin_host(pinned)
 
-    def _op_put(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_put(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         sizes: list[int] = header["sizes"]
-        views = put_views(header, sizes, [_buffer(f) for f in frames], self.limits,
-                          lambda: self._shm_region(header, tenant)[0], rec)
+        views = put_views(
+            header,
+            sizes,
+            [_buffer(f) for f in frames],
+            self.limits,
+            lambda: self._shm_region(header, tenant)[0],
+            rec,
+        )
         rec["num_raced"] = len(set(ikeys))  # until store_put says otherwise (PUT_RACED: all)
-        stored, rec["num_raced"] = store_put(self.store, self.usage,
-                                             self.limits.max_namespace_bytes, self._fast, header,
-                                             tenant, ikeys, views, self.put_claims)
+        stored, rec["num_raced"] = store_put(
+            self.store,
+            self.usage,
+            self.limits.max_namespace_bytes,
+            self._fast,
+            header,
+            tenant,
+            ikeys,
+            views,
+            self.put_claims,
+        )
         rec["bytes_in"] = sum(sizes)
         return {"stored": stored, "raced": rec["num_raced"], "evicted": 0}, []
 
-    def _op_delete(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                   frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_delete(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         deleted = self.store.delete_many(ikeys) if ikeys else 0
         self.usage.remove(ikeys)
         return {"deleted": deleted}, []
 
-    def _op_stats(self, header: dict[str, Any], tenant: str, ikeys: list[str],
-                  frames: Sequence[Any], rec: dict[str, Any]) -> _Body:
+    def _op_stats(
+        self,
+        header: dict[str, Any],
+        tenant: str,
+        ikeys: list[str],
+        frames: Sequence[Any],
+        rec: dict[str, Any],
+    ) -> _Body:
         mine = self.usage.snapshot().get(tenant, {"bytes": 0, "keys": 0})
         return {"stats": {"namespace": tenant, **mine}}, []
 
-    def _shm_region(self, header: dict[str, Any], tenant: str
-                    ) -> tuple[shm.ShmSegment | None, int, int]:
+    def _shm_region(
+        self, header: dict[str, Any], tenant: str
+    ) -> tuple[shm.ShmSegment | None, int, int]:
         return shm_region(self._segments, header, tenant)
 
 
 def _buffer(frame: zmq.Frame | bytes) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
-

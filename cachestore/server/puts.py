@@ -47,15 +47,24 @@ if TYPE_CHECKING:
 Hint = tuple[HeaderTemplate, int]  # (codec header template, encoded size) of a namespace
 
 
-def check_payload(index: int, view: memoryview, size: int, digest: int, namespace: str,
-                  hint: Hint | None, key: str) -> DecodedBlock | None:
+def check_payload(
+    index: int,
+    view: memoryview,
+    size: int,
+    digest: int,
+    namespace: str,
+    hint: Hint | None,
+    key: str,
+) -> DecodedBlock | None:
     """Check one put payload for client key ``key``. Returns None when the hint vouched for
     its header (the block is fine), the decoded block when it had to decode it. Raises
     ``ProtocolError`` (``CHECKSUM_MISMATCH``: size or transport checksum; ``BAD_BLOCK``: not a
     block of ``namespace``, a keyed block of another key, or its own checksum fails)."""
     if len(view) != size:
-        raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
-                            f"payload {index} does not match its size/checksum; nothing stored")
+        raise ProtocolError(
+            ErrorCode.CHECKSUM_MISMATCH,
+            f"payload {index} does not match its size/checksum; nothing stored",
+        )
     body: int | None = None
     if len(view) > CHECKSUM_BYTES:
         h = xxhash.xxh3_64(view[:-CHECKSUM_BYTES])
@@ -65,41 +74,63 @@ def check_payload(index: int, view: memoryview, size: int, digest: int, namespac
     else:
         whole = checksum(view)
     if whole != digest:
-        raise ProtocolError(ErrorCode.CHECKSUM_MISMATCH,
-                            f"payload {index} does not match its size/checksum; nothing stored")
-    if (hint is not None and body is not None and len(view) == hint[1]
-            and view[: hint[0].size] == hint[0].for_key(key)
-            and body == int.from_bytes(view[-CHECKSUM_BYTES:], "little")):
+        raise ProtocolError(
+            ErrorCode.CHECKSUM_MISMATCH,
+            f"payload {index} does not match its size/checksum; nothing stored",
+        )
+    if (
+        hint is not None
+        and body is not None
+        and len(view) == hint[1]
+        and view[: hint[0].size] == hint[0].for_key(key)
+        and body == int.from_bytes(view[-CHECKSUM_BYTES:], "little")
+    ):
         return None
     try:
         return decode_block(view, namespace, expected_key=key)
     except CodecError as exc:
-        what = ("its key's block" if exc.reason == "wrong_key"
-                else "an encoded block of its key's namespace")
-        raise ProtocolError(ErrorCode.BAD_BLOCK, f"payload {index} is not {what} ({exc}); "
-                            "nothing stored") from None
+        what = (
+            "its key's block"
+            if exc.reason == "wrong_key"
+            else "an encoded block of its key's namespace"
+        )
+        raise ProtocolError(
+            ErrorCode.BAD_BLOCK, f"payload {index} is not {what} ({exc}); nothing stored"
+        ) from None
 
 
-def put_views(header: dict[str, Any], sizes: list[int], frames: list[memoryview],
-              limits: ServerLimits, segment_of: Callable[[], shm.ShmSegment | None],
-              rec: dict[str, Any]) -> list[memoryview]:
+def put_views(
+    header: dict[str, Any],
+    sizes: list[int],
+    frames: list[memoryview],
+    limits: ServerLimits,
+    segment_of: Callable[[], shm.ShmSegment | None],
+    rec: dict[str, Any],
+) -> list[memoryview]:
     """A put's payloads: ``frames`` (joined where a payload was split), or views of the client's segment (``segment_of``, which
     raises ``ProtocolError`` for an unknown one) at ``shm_offsets``. Checks sizes against
     ``limits`` and offsets against the segment; raises ``ProtocolError``. No copy: the store
     copies before the put is acknowledged, and the client leaves its segment alone until then."""
     if any(s > limits.max_frame_bytes for s in sizes) or sum(sizes) > limits.max_request_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE,
-                            f"payload over the limit ({limits.max_frame_bytes} bytes per block, "
-                            f"{limits.max_request_bytes} per request)")
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"payload over the limit ({limits.max_frame_bytes} bytes per block, "
+            f"{limits.max_request_bytes} per request)",
+        )
     if "shm_offsets" not in header:  # a payload over ZMQ_FRAME_BYTES came as several frames
         return join_frames(frames, sizes)
     segment = segment_of()
     offsets = header["shm_offsets"]
     if segment is None:
         raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
-    if (not isinstance(offsets, list) or len(offsets) != len(sizes) or not all(
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != len(sizes)
+        or not all(
             isinstance(o, int) and 0 <= o and o + s <= segment.size
-            for o, s in zip(offsets, sizes, strict=True))):
+            for o, s in zip(offsets, sizes, strict=True)
+        )
+    ):
         raise ProtocolError(ErrorCode.BAD_HEADER, "shm_offsets out of the segment")
     rec["path"] = "shm"
     return [segment.buf[o : o + s] for o, s in zip(offsets, sizes, strict=True)]
@@ -130,9 +161,17 @@ class PutClaims:
                     self._keys.discard(k)
 
 
-def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None,
-              reads: HostReads | None, header: dict[str, Any], tenant: str, ikeys: list[str],
-              views: list[memoryview], claims: PutClaims) -> tuple[int, int]:
+def store_put(
+    store: HierarchicalStore,
+    usage: NamespaceUsage,
+    quota: int | None,
+    reads: HostReads | None,
+    header: dict[str, Any],
+    tenant: str,
+    ikeys: list[str],
+    views: list[memoryview],
+    claims: PutClaims,
+) -> tuple[int, int]:
     """Check every payload (``check_payload``) and the tenant's ``quota``, then write the
     keys no concurrent request is putting (``claims``) with ``put_many`` and account them;
     the header of blocks no hint vouched for is remembered (once per namespace). Returns
@@ -141,11 +180,19 @@ def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None
     must not believe the blocks are kept."""
     sizes: list[int] = header["sizes"]
     metas = []
-    for i, (view, size, digest, key) in enumerate(zip(views, sizes, header["checksums"],
-                                                      header["keys"], strict=True)):
+    for i, (view, size, digest, key) in enumerate(
+        zip(views, sizes, header["checksums"], header["keys"], strict=True)
+    ):
         prefix = key.split("/", 1)[0]
-        block = check_payload(i, view, size, digest, prefix,
-                              reads.hint(tenant, prefix) if reads is not None else None, key)
+        block = check_payload(
+            i,
+            view,
+            size,
+            digest,
+            prefix,
+            reads.hint(tenant, prefix) if reads is not None else None,
+            key,
+        )
         if block is not None:
             metas.append((HeaderTemplate.of_block(block.meta, block.key_digest), size))
     mine = claims.claim(ikeys)
@@ -155,11 +202,16 @@ def store_put(store: HierarchicalStore, usage: NamespaceUsage, quota: int | None
         items = [(k, v) for k, v, m in zip(ikeys, views, mine, strict=True) if m]
         accounted = [(k, s) for k, s, m in zip(ikeys, sizes, mine, strict=True) if m]
         if ikeys and not items:
-            raise ProtocolError(ErrorCode.PUT_RACED, f"all {raced} keys were being written by "
-                                "a concurrent put; nothing of this put stored")
+            raise ProtocolError(
+                ErrorCode.PUT_RACED,
+                f"all {raced} keys were being written by "
+                "a concurrent put; nothing of this put stored",
+            )
         if quota is not None and usage.used(tenant) + usage.delta(tenant, accounted) > quota:
-            raise ProtocolError(ErrorCode.QUOTA_EXCEEDED,
-                                f"namespace {tenant!r} would exceed its quota of {quota} bytes")
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"namespace {tenant!r} would exceed its quota of {quota} bytes",
+            )
         if items and store.put_many(items) == 0:
             # The store counted the failure (or a write of its own, a promotion, held them).
             raise ProtocolError(ErrorCode.INTERNAL, "the store did not write the blocks")

@@ -75,12 +75,16 @@ class HostReads:
                 continue
             prefix = key.split("/", 1)[0]
             hint = self._hints.get((tenant, prefix))
-            if (hint is not None and len(value) == hint[1]
-                    and value[:hint[0].size] == hint[0].for_key(key)):
+            if (
+                hint is not None
+                and len(value) == hint[1]
+                and value[: hint[0].size] == hint[0].for_key(key)
+            ):
                 continue
             block = decode_block(value)  # verified already; this runs once per namespace
-            self.remember(tenant, prefix, HeaderTemplate.of_block(block.meta, block.key_digest),
-                          len(value))
+            self.remember(
+                tenant, prefix, HeaderTemplate.of_block(block.meta, block.key_digest), len(value)
+            )
 
     def lookup(self, ikeys: list[str]) -> int:
         """Leading keys the host tier holds (0 if it fails)."""
@@ -89,8 +93,9 @@ class HostReads:
         except Exception:
             return 0
 
-    def locate(self, tenant: str, keys: list[str], ikeys: list[str]
-               ) -> tuple[list[int], int] | None:
+    def locate(
+        self, tenant: str, keys: list[str], ikeys: list[str]
+    ) -> tuple[list[int], int] | None:
         """Slab offsets of every key's host block, each pinned (balance with
         ``store.unpin_host``), and the blocks' size; or None (nothing pinned) unless all of
         them are there with the expected header (for a keyed block: naming that very key)."""
@@ -109,8 +114,7 @@ class HostReads:
             return None
         return offsets, nbytes  # type: ignore[return-value]
 
-    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]
-                     ) -> list[Value] | None:
+    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]) -> list[Value] | None:
         """Views of every key's host block, each pinned (balance with ``store.unpin_host``),
         or None (nothing pinned) unless all of them are there with the expected header."""
         located = self.locate(tenant, keys, ikeys)
@@ -126,8 +130,9 @@ class HostReads:
             return None
         return views  # type: ignore[return-value]
 
-    def lend(self, ikeys: Sequence[str], views: Sequence[Value], payloads: Sequence[Value]
-             ) -> list[bool]:
+    def lend(
+        self, ikeys: Sequence[str], views: Sequence[Value], payloads: Sequence[Value]
+    ) -> list[bool]:
         """Hand the pins of ``views`` (pinned by ``pinned_views``, in ``ikeys`` order) that
         are also reply ``payloads`` (by identity) over to the views themselves: each one's key
         is unpinned when the last reference to its view goes (the caller sends it zero copy
@@ -157,8 +162,14 @@ class HostReads:
                 self.lent_bytes -= size
 
 
-def copy_out(values: Sequence[Value | None], segment: shm.ShmSegment | None, offset: int,
-             end: int, rec: dict[str, Any], owned: bool) -> tuple[dict[str, Any], list[Value]]:
+def copy_out(
+    values: Sequence[Value | None],
+    segment: shm.ShmSegment | None,
+    offset: int,
+    end: int,
+    rec: dict[str, Any],
+    owned: bool,
+) -> tuple[dict[str, Any], list[Value]]:
     """A get's reply body and frames: hits into ``segment[offset:end]`` while they fit,
     the rest as frames (copied to bytes when ``owned``). Values must stay valid (pinned)."""
     sizes: list[int] = []
@@ -187,8 +198,9 @@ def copy_out(values: Sequence[Value | None], segment: shm.ShmSegment | None, off
     return body, payloads
 
 
-def shm_region(segments: shm.AttachedSegments | None, header: dict[str, Any], tenant: str
-               ) -> tuple[shm.ShmSegment | None, int, int]:
+def shm_region(
+    segments: shm.AttachedSegments | None, header: dict[str, Any], tenant: str
+) -> tuple[shm.ShmSegment | None, int, int]:
     """The client segment region a request names (``shm``, ``shm_start``, ``shm_length``):
     (segment, start, end), or (None, 0, 0) when it names none or shm is off. Raises
     ``ProtocolError`` (``SHM_UNAVAILABLE``: not attached by ``tenant``; ``BAD_HEADER``)."""
@@ -199,7 +211,12 @@ def shm_region(segments: shm.AttachedSegments | None, header: dict[str, Any], te
     if segment is None:
         raise ProtocolError(ErrorCode.SHM_UNAVAILABLE, "unknown shared-memory segment")
     start, length = header.get("shm_start", 0), header.get("shm_length", segment.size)
-    if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
-            and 0 <= length and start + length <= segment.size):
+    if not (
+        isinstance(start, int)
+        and isinstance(length, int)
+        and 0 <= start
+        and 0 <= length
+        and start + length <= segment.size
+    ):
         raise ProtocolError(ErrorCode.BAD_HEADER, "shm region out of the segment")
     return segment, start, start + length

@@ -46,8 +46,9 @@ def say(message: str, stream: IO[str] | None = None) -> None:
 
 def setup_logging(level: int = logging.INFO) -> None:
     """Library log records (the store's drain report, tier errors) on stderr, timestamped."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt=TIME_FORMAT)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt=TIME_FORMAT
+    )
 
 
 def check_port(host: str, port: int, flag: str) -> None:
@@ -60,8 +61,7 @@ def check_port(host: str, port: int, flag: str) -> None:
         try:
             sock.bind((bind_host, port))
         except OSError as exc:
-            raise ValueError(f"{flag}: cannot bind {host}:{port}: "
-                             f"{exc.strerror or exc}") from None
+            raise ValueError(f"{flag}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
         except (OverflowError, socket.gaierror) as exc:
             raise ValueError(f"{flag}: cannot bind {host}:{port}: {exc}") from None
 
@@ -129,12 +129,20 @@ def describe_tier(cfg: TierConfig) -> str:
     return f"{kind:<6} {where}"
 
 
-def startup_block(bound_url: str | None, admin_url: str | None, configs: list[TierConfig],
-                  durable: int | None, ignored: list[str], source: str | None) -> list[str]:
+def startup_block(
+    bound_url: str | None,
+    admin_url: str | None,
+    configs: list[TierConfig],
+    durable: int | None,
+    ignored: list[str],
+    source: str | None,
+) -> list[str]:
     """The lines printed once the daemon listens: the listening line first, then each tier
     (the write-through target marked), then what the tier file held for the engine only."""
-    lines = [f"kvtier cache-server listening on {bound_url}"
-             + (f", admin {admin_url}" if admin_url else ", admin port off")]
+    lines = [
+        f"kvtier cache-server listening on {bound_url}"
+        + (f", admin {admin_url}" if admin_url else ", admin port off")
+    ]
     for i, cfg in enumerate(configs):
         note = ", write-through (puts commit here first)" if i == durable else ""
         lines.append(f"  tier {i}  {describe_tier(cfg)}{note}")

@@ -59,5 +59,7 @@ class NamespaceUsage:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {t: {"bytes": b, "keys": self._tenant_keys.get(t, 0)}
-                    for t, b in sorted(self._tenant_bytes.items())}
+            return {
+                t: {"bytes": b, "keys": self._tenant_keys.get(t, 0)}
+                for t, b in sorted(self._tenant_bytes.items())
+            }

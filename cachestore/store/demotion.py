@@ -30,18 +30,26 @@ WriteFn = Callable[[int, Batch], int]  # count written, or -1 when the tier fail
 
 
 class TierMovers:
-    def __init__(self, stats: Sequence[TierStats], health: Sequence[TierHealth],
-                 queue_batches: int, write: WriteFn,
-                 on_drop: Callable[[list[str]], None] | None) -> None:
+    def __init__(
+        self,
+        stats: Sequence[TierStats],
+        health: Sequence[TierHealth],
+        queue_batches: int,
+        write: WriteFn,
+        on_drop: Callable[[list[str]], None] | None,
+    ) -> None:
         """Start one worker per tier (``stats[i].name`` names its thread)."""
         self._stats = stats
         self._health = health
         self._write = write
         self._on_drop = on_drop
         self._queues: list[queue.Queue[Any]] = [queue.Queue(queue_batches) for _ in stats]
-        self._workers = [threading.Thread(target=self._work, args=(i,), daemon=True,
-                                          name=f"kvtier-store-{s.name}")
-                         for i, s in enumerate(stats)]
+        self._workers = [
+            threading.Thread(
+                target=self._work, args=(i,), daemon=True, name=f"kvtier-store-{s.name}"
+            )
+            for i, s in enumerate(stats)
+        ]
         for worker in self._workers:
             worker.start()
 

@@ -26,18 +26,25 @@ T = TypeVar("T")
 class GuardedTiers:
     __slots__ = ("health", "stats", "tiers")
 
-    def __init__(self, tiers: Sequence[Tier], config: StoreConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """One ``TierStats`` and one ``TierHealth`` per tier, from ``config``'s EWMA and
         backoff settings. Raises ValueError for no tiers."""
         if not tiers:
             raise ValueError("a hierarchical store needs at least one tier")
         self.tiers = list(tiers)
         names = [t.name for t in self.tiers]
-        self.stats = [TierStats(n if names.count(n) == 1 else f"{n}{i}", config.ewma_alpha)
-                      for i, n in enumerate(names)]
-        self.health = [TierHealth(config.backoff_initial_s, config.backoff_max_s, clock)
-                       for _ in self.tiers]
+        self.stats = [
+            TierStats(n if names.count(n) == 1 else f"{n}{i}", config.ewma_alpha)
+            for i, n in enumerate(names)
+        ]
+        self.health = [
+            TierHealth(config.backoff_initial_s, config.backoff_max_s, clock) for _ in self.tiers
+        ]
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -55,5 +62,11 @@ class GuardedTiers:
     def call(self, i: int, fn: Callable[[Tier], T], default: T) -> T:
         """``fn(tier i)`` unless it is backing off; a failure counts, backs off and answers
         ``default``. Never raises."""
-        return call_with_backoff(self.tiers[i], fn, default, name=self.tiers[i].name,
-                                 stats=self.stats[i], health=self.health[i])
+        return call_with_backoff(
+            self.tiers[i],
+            fn,
+            default,
+            name=self.tiers[i].name,
+            stats=self.stats[i],
+            health=self.health[i],
+        )

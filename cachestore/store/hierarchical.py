@@ -65,16 +65,23 @@ __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # 
 
 
 class HierarchicalStore:
-    def __init__(self, tiers: Sequence[Tier], config: StoreConfig, *, registry: Any = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        config: StoreConfig,
+        *,
+        registry: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_drop: Callable[[list[str]], None] | None = None,
+    ) -> None:
         """Start one worker per tier. ``registry``: a prometheus_client CollectorRegistry.
         ``on_drop(keys)`` is called (from the writing thread) with keys the last tier evicted.
         Raises ValueError for no tiers or a ``write_through_to`` past the last tier."""
         self._tiers = GuardedTiers(tiers, config, clock)
         if config.write_through_to is not None and config.write_through_to >= len(tiers):
-            raise ValueError(f"write_through_to={config.write_through_to} but only "
-                             f"{len(tiers)} tier(s)")
+            raise ValueError(
+                f"write_through_to={config.write_through_to} but only {len(tiers)} tier(s)"
+            )
         self.tiers = self._tiers.tiers
         self.config = config
         self._stats = self._tiers.stats
@@ -82,25 +89,36 @@ class HierarchicalStore:
         self._pins = StorePins(self._tiers)
         self._writes = TierWrites(self._tiers, lambda i, evicted: self._movers.demote(i, evicted))
         self._write = self._writes.write
-        self._movers = TierMovers(self._stats, self._tiers.health, config.queue_batches,
-                                  self._writes.write_back, on_drop)
-        policies = list(config.write_policies[:len(tiers)])
+        self._movers = TierMovers(
+            self._stats, self._tiers.health, config.queue_batches, self._writes.write_back, on_drop
+        )
+        policies = list(config.write_policies[: len(tiers)])
         policies += [WritePolicy()] * (len(tiers) - len(policies))
         self._through = WriteThrough(
-            self._tiers, policies, self._write,
-            read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
-                                               first_tier=1, count_hits=False))
+            self._tiers,
+            policies,
+            self._write,
+            read_lower=lambda keys: self._read(
+                keys, decoded=False, promote_hits=False, first_tier=1, count_hits=False
+            ),
+        )
         self._host = HostFastPath(
             self._tiers,
-            read_lower=lambda keys: self._read(keys, decoded=False, promote_hits=False,
-                                               first_tier=1, owned=True),
+            read_lower=lambda keys: self._read(
+                keys, decoded=False, promote_hits=False, first_tier=1, owned=True
+            ),
             write_top=lambda items: self._write(0, items),
             demote=lambda evicted: self._movers.demote(0, evicted),
         )
-        self._loads = LoadLeases(self._pins, self._host.unpin, self.locate_host_run,
-                                 stage=lambda keys: self.stage_host(keys))
-        self._reads = StoreReads(self._tiers, self._host, lambda: self.config,
-                                 self._movers.promote, self._through.hit)
+        self._loads = LoadLeases(
+            self._pins,
+            self._host.unpin,
+            self.locate_host_run,
+            stage=lambda keys: self.stage_host(keys),
+        )
+        self._reads = StoreReads(
+            self._tiers, self._host, lambda: self.config, self._movers.promote, self._through.hit
+        )
         self._collector = None
         if registry is not None:
             self._collector = register_prometheus(registry, self._tier_rows)
@@ -142,8 +160,9 @@ class HierarchicalStore:
         them is a miss and is deleted, exactly as in ``get_many``."""
         return self._read(keys, decoded=False)
 
-    def get_many_pinned(self, keys: Sequence[str], decoded: bool = False
-                        ) -> tuple[list[Value | None], list[str]]:
+    def get_many_pinned(
+        self, keys: Sequence[str], decoded: bool = False
+    ) -> tuple[list[Value | None], list[str]]:
         """``get_many_encoded`` (``decoded``: ``get_many``) whose values stay valid while
         other threads write: returns (values, pinned) where ``pinned`` are the keys this call
         pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values.
@@ -158,8 +177,9 @@ class HierarchicalStore:
         return self._reads.read_pinned(keys, decoded)
 
     @contextlib.contextmanager
-    def read_pinned(self, keys: Sequence[str], decoded: bool = False
-                    ) -> Iterator[list[Value | None]]:
+    def read_pinned(
+        self, keys: Sequence[str], decoded: bool = False
+    ) -> Iterator[list[Value | None]]:
         """``get_many_pinned`` as a context: its values stay valid inside, its pins are
         released on the way out."""
         values, pinned = self._reads.read_pinned(keys, decoded)
@@ -198,9 +218,15 @@ class HierarchicalStore:
         Thread-safe; concurrent calls must not share buffers."""
         return self._reads.read_into(keys, out)
 
-    def _read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
-              first_tier: int = 0, count_hits: bool = True, owned: bool = False
-              ) -> list[Value | None]:
+    def _read(
+        self,
+        keys: Sequence[str],
+        decoded: bool,
+        promote_hits: bool = True,
+        first_tier: int = 0,
+        count_hits: bool = True,
+        owned: bool = False,
+    ) -> list[Value | None]:
         """``StoreReads.read``: top tier first, checked, lower-tier hits promoted."""
         return self._reads.read(keys, decoded, promote_hits, first_tier, count_hits, owned)
 
@@ -218,15 +244,17 @@ class HierarchicalStore:
         """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
         return self._host.slab
 
-    def locate_host(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
-                    ) -> list[int | None]:
+    def locate_host(
+        self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+    ) -> list[int | None]:
         """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
         out = self._host.locate(keys, header, nbytes)
         self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
         return out
 
-    def locate_host_run(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
-                        ) -> tuple[int, ...]:
+    def locate_host_run(
+        self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+    ) -> tuple[int, ...]:
         """Slab offsets of the leading run of ``keys`` whose host blocks pass the header
         check, pinned (hits past it unpinned): ``locate_host``, then ``HostFastPath.keep_run``.
         Balance with ``unpin_host(keys[:len(result)])``."""
@@ -284,8 +312,7 @@ class HierarchicalStore:
         Returns the largest count any one tier reported. Never raises for tier failures."""
         if not keys:
             return 0
-        return max(self._call(i, lambda t: t.delete_many(keys), 0)
-                   for i in range(len(self.tiers)))
+        return max(self._call(i, lambda t: t.delete_many(keys), 0) for i in range(len(self.tiers)))
 
     def skip_tiers(self, names: Sequence[str]) -> None:
         """Stop demoting into the tiers named (``cachestore.cost.placement``: no block there
@@ -295,8 +322,9 @@ class HierarchicalStore:
         tier and ``write_through_to`` (an acknowledged put's durable tier) are never skipped;
         blocks already in a skipped tier stay readable; shutdown's flush still writes."""
         durable = self.config.write_through_to
-        skipped = frozenset(i for i, t in enumerate(self.tiers)
-                            if t.name in names and i > 0 and i != durable)
+        skipped = frozenset(
+            i for i, t in enumerate(self.tiers) if t.name in names and i > 0 and i != durable
+        )
         self._writes.skipped = self._through.skipped = skipped
 
     # -- pins (cachestore.store.pins) ----------------------------------------------------------
@@ -311,8 +339,9 @@ class HierarchicalStore:
         the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
         self._pins.complete_store(keys)
 
-    def prepare_load(self, keys: Sequence[str], host: HostCheck | None = None, *,
-                     claim: bool = True) -> LoadSpec:
+    def prepare_load(
+        self, keys: Sequence[str], host: HostCheck | None = None, *, claim: bool = True
+    ) -> LoadSpec:
         """Pin a load's blocks and say where they are (``cachestore.store.loads``). ``claim``:
         pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier;
         ``num_pinned``: leading keys pinned somewhere). ``host``: also the slab offsets of the
@@ -320,8 +349,9 @@ class HierarchicalStore:
         Balance with ``complete_load(spec)``. Never raises for tier failures."""
         return self._loads.prepare(keys, host, claim)
 
-    def stage_load(self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None = None
-                   ) -> StagedRun:
+    def stage_load(
+        self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None = None
+    ) -> StagedRun:
         """``stage_host(keys)`` for a prepared load, its pins held by ``spec`` until
         ``complete_load(spec)``; with ``host``, the slab offsets of the leading run of the
         staged blocks that pass its check. For a background thread."""
@@ -354,8 +384,7 @@ class HierarchicalStore:
         demotions that caused. Logs and returns what it did (kept as ``drain_report``). Call
         once, before ``close``; the store still serves reads and writes, but nothing is written
         through any more. Never raises for tier failures."""
-        report = flush_on_shutdown(self._tiers, self._through, self._movers.flush,
-                                   drain_timeout_s)
+        report = flush_on_shutdown(self._tiers, self._through, self._movers.flush, drain_timeout_s)
         self.drain_report = report
         return report
 
@@ -379,8 +408,11 @@ class HierarchicalStore:
 
     def stats(self) -> dict[str, Any]:
         counts = self._pins.counts()
-        return {"tiers": self._tier_rows(), "in_flight_stores": counts.in_flight_stores,
-                "load_pins": counts.load_pins}
+        return {
+            "tiers": self._tier_rows(),
+            "in_flight_stores": counts.in_flight_stores,
+            "load_pins": counts.load_pins,
+        }
 
     def close(self) -> None:
         """Drain the queues, stop the workers, unregister metrics, close the tiers. Idempotent."""
@@ -395,4 +427,3 @@ class HierarchicalStore:
             self._registry.unregister(self._collector)
         for tier in self.tiers:
             tier.close()
-

@@ -29,8 +29,13 @@ WriteFn = Callable[[Sequence[tuple[str, Value]]], int]  # count written, -1 on f
 
 
 class HostFastPath:
-    def __init__(self, tiers: GuardedTiers, read_lower: ReadFn, write_top: WriteFn,
-                 demote: Callable[[list[Evicted]], None]) -> None:
+    def __init__(
+        self,
+        tiers: GuardedTiers,
+        read_lower: ReadFn,
+        write_top: WriteFn,
+        demote: Callable[[list[Evicted]], None],
+    ) -> None:
         """``read_lower(keys)``: checksummed, encoded reads from the tiers below the top, no
         promotion, values valid while held (``bytes`` or owned views, ``reads.owned_value``); ``write_top(items)``: a store write to the top tier (evictions demoted);
         ``demote(evicted)``: queue what the top tier evicted for the tier below."""
@@ -41,8 +46,9 @@ class HostFastPath:
         top = tiers.tiers[0]
         self.slab: SlabTier | None = top if isinstance(top, SlabTier) else None
 
-    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
-               ) -> list[int | None]:
+    def locate(
+        self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
+    ) -> list[int | None]:
         """Slab offsets of ``keys`` in the host tier (``SlabTier.locate``), each hit pinned
         there (balance with ``unpin`` of the hits); all None without a slab tier or when it
         fails. Counts hits like a read."""
@@ -54,8 +60,9 @@ class HostFastPath:
         if out is None:
             return [None] * len(keys)
         hits = sum(o is not None for o in out)
-        self._tiers.stats[0].record_read(hits, len(keys) - hits, hits * nbytes,
-                                         time.perf_counter() - t0)
+        self._tiers.stats[0].record_read(
+            hits, len(keys) - hits, hits * nbytes, time.perf_counter() - t0
+        )
         return out
 
     def keep_run(self, keys: Sequence[str], offsets: Sequence[int | None]) -> tuple[int, ...]:

@@ -79,8 +79,14 @@ LocateRun = Callable[[Sequence[str], Sequence[bytes], int], tuple[int, ...]]
 
 
 class LoadLeases:
-    def __init__(self, pins: StorePins, unpin_host: Callable[[Sequence[str]], None],
-                 locate_run: LocateRun, *, stage: Callable[[Sequence[str]], int]) -> None:
+    def __init__(
+        self,
+        pins: StorePins,
+        unpin_host: Callable[[Sequence[str]], None],
+        locate_run: LocateRun,
+        *,
+        stage: Callable[[Sequence[str]], int],
+    ) -> None:
         """``pins``: the store's claim accounting; ``unpin_host(keys)``: undo one host pin per
         key; ``locate_run(keys, headers, nbytes)``: the slab offsets of the leading run of
         ``keys`` whose host blocks pass the header check, pinned (``locate_host_run``);
@@ -102,7 +108,7 @@ class LoadLeases:
             offsets = self._locate_run(keys, [host.header_for(k) for k in keys], host.nbytes)
         with self._lock:
             lease = next(self._ids)
-            self._open[lease] = _Lease(list(keys) if claim else [], list(keys[:len(offsets)]))
+            self._open[lease] = _Lease(list(keys) if claim else [], list(keys[: len(offsets)]))
         return LoadSpec(tuple(keys), num_pinned if claim else len(offsets), offsets, lease)
 
     def stage(self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None) -> StagedRun:
@@ -112,7 +118,7 @@ class LoadLeases:
         if host is not None and n:
             staged = keys[:n]
             offsets = self._locate_run(staged, [host.header_for(k) for k in staged], host.nbytes)
-        self._hold(spec.lease, [*keys[:n], *keys[:len(offsets)]])
+        self._hold(spec.lease, [*keys[:n], *keys[: len(offsets)]])
         return StagedRun(n, offsets)
 
     def _hold(self, lease: int, host: Sequence[str]) -> None:

@@ -21,9 +21,22 @@ T = TypeVar("T")
 X = TypeVar("X")
 
 COUNTERS = (
-    "hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "skipped",
-    "evictions", "demotions_dropped", "dropped_at_bottom", "promotions", "promotions_dropped",
-    "written_through", "written_back", "write_queue_dropped", "write_present",
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "errors",
+    "corrupt",
+    "skipped",
+    "evictions",
+    "demotions_dropped",
+    "dropped_at_bottom",
+    "promotions",
+    "promotions_dropped",
+    "written_through",
+    "written_back",
+    "write_queue_dropped",
+    "write_present",
     "placement_skipped",
 )
 
@@ -93,9 +106,12 @@ class TierStats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"name": self.name, **asdict(self._c),
-                    "read_seconds": self._read_hist.snapshot(),
-                    "write_seconds": self._write_hist.snapshot()}
+            return {
+                "name": self.name,
+                **asdict(self._c),
+                "read_seconds": self._read_hist.snapshot(),
+                "write_seconds": self._write_hist.snapshot(),
+            }
 
 
 class TierHealth:
@@ -139,8 +155,9 @@ class TierHealth:
             return self._failures
 
 
-def call_with_backoff(target: X, fn: Callable[[X], T], default: T, *, name: str,
-                      stats: TierStats, health: TierHealth) -> T:
+def call_with_backoff(
+    target: X, fn: Callable[[X], T], default: T, *, name: str, stats: TierStats, health: TierHealth
+) -> T:
     """``fn(target)`` unless ``health`` says back off (then ``default``, counted ``skipped``).
     Any exception (TierError, or a backend bug) is logged, counted in ``errors``, recorded as a
     failure and answered with ``default``: a miss, never a failure of the caller."""

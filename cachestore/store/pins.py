@@ -67,8 +67,9 @@ class StorePins:
         """The keys this caller should store: not at the top tier and not being stored or
         written by someone else. They stay reserved until ``complete_store``."""
         with self._lock:
-            fresh = [k for k in dict.fromkeys(keys) if k not in self._storing
-                     and k not in self._writing]
+            fresh = [
+                k for k in dict.fromkeys(keys) if k not in self._storing and k not in self._writing
+            ]
             self._storing.update(fresh)
         present = {k for k in fresh if self._tiers.call(0, _contains(k), False)}
         if present:

@@ -56,9 +56,14 @@ def owned_value(tier: Tier, value: Value) -> Value:
 
 
 class StoreReads:
-    def __init__(self, tiers: GuardedTiers, host: HostFastPath,
-                 config: Callable[[], StoreConfig], promote: Promote,
-                 hit: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self,
+        tiers: GuardedTiers,
+        host: HostFastPath,
+        config: Callable[[], StoreConfig],
+        promote: Promote,
+        hit: Callable[[list[str]], None],
+    ) -> None:
         """``config()``: the store's current config (namespace, key scope, promote_on_get);
         ``promote(items)``: queue (key, encoded block) pairs for the top tier, never blocking;
         ``hit(keys)``: the selective write-through's hit count."""
@@ -69,9 +74,15 @@ class StoreReads:
         self._hit = hit
         self._copies = ReadBuffers(max_idle_bytes=_PROMOTE_IDLE_BYTES)
 
-    def read(self, keys: Sequence[str], decoded: bool, promote_hits: bool = True,
-             first_tier: int = 0, count_hits: bool = True, owned: bool = False
-             ) -> list[Value | None]:
+    def read(
+        self,
+        keys: Sequence[str],
+        decoded: bool,
+        promote_hits: bool = True,
+        first_tier: int = 0,
+        count_hits: bool = True,
+        owned: bool = False,
+    ) -> list[Value | None]:
         """Encoded blocks (``decoded``: their payloads), ``None`` = miss. ``owned``: every
         encoded value stays valid while held (``owned_value``), for callers that keep them
         past another tier call. Never raises for tier failures."""
@@ -108,9 +119,10 @@ class StoreReads:
                     if i > 0 and promoting:
                         promote.append((keys[j], keep))
                 out[j] = block.payload if decoded else keep
-            still += remaining[len(values):]  # a short answer: the rest are misses here
-            self._account(i, len(remaining) - len(still), len(still), nbytes, seconds,
-                          len(corrupt), wrong_key)
+            still += remaining[len(values) :]  # a short answer: the rest are misses here
+            self._account(
+                i, len(remaining) - len(still), len(still), nbytes, seconds, len(corrupt), wrong_key
+            )
             self._delete(i, corrupt)
             remaining = still
         if promote:
@@ -119,8 +131,9 @@ class StoreReads:
             self._hit([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
 
-    def read_pinned(self, keys: Sequence[str], decoded: bool
-                    ) -> tuple[list[Value | None], list[str]]:
+    def read_pinned(
+        self, keys: Sequence[str], decoded: bool
+    ) -> tuple[list[Value | None], list[str]]:
         """``HierarchicalStore.get_many_pinned``: (values, the keys pinned in the host tier for
         this call). A key is read from the host tier only when pinned there first (one
         ``pin_each``); the others come from the lower tiers, owned, counted host misses."""
@@ -131,13 +144,13 @@ class StoreReads:
         rest = [j for j, f in enumerate(flags) if not f]
         out: list[Value | None] = [None] * len(keys)
         if mine:
-            for j, v in zip(mine, self.read([keys[j] for j in mine], decoded),
-                            strict=True):
+            for j, v in zip(mine, self.read([keys[j] for j in mine], decoded), strict=True):
                 out[j] = v
         if rest:
             self._tiers.stats[0].add("misses", len(rest))
-            for j, v in zip(rest, self.read([keys[j] for j in rest], decoded,
-                                             first_tier=1), strict=True):
+            for j, v in zip(
+                rest, self.read([keys[j] for j in rest], decoded, first_tier=1), strict=True
+            ):
                 out[j] = v
         return out, [keys[j] for j in mine]
 
@@ -169,8 +182,7 @@ class StoreReads:
             if not remaining:
                 break
             corrupt = []
-            remaining = self._tier_into(i, keys, views, remaining, lengths, config, lower,
-                                        corrupt)
+            remaining = self._tier_into(i, keys, views, remaining, lengths, config, lower, corrupt)
             self._delete(i, corrupt)
         if lower and config.promote_on_get:
             self._promote(self._copy(keys, views, lengths, lower))
@@ -179,9 +191,17 @@ class StoreReads:
             self._hit(hits)
         return lengths
 
-    def _tier_into(self, i: int, keys: Sequence[str], views: list[memoryview], idx: list[int],
-                   lengths: list[int | None], config: StoreConfig, lower: list[int],
-                   corrupt: list[str]) -> list[int]:
+    def _tier_into(
+        self,
+        i: int,
+        keys: Sequence[str],
+        views: list[memoryview],
+        idx: list[int],
+        lengths: list[int | None],
+        config: StoreConfig,
+        lower: list[int],
+        corrupt: list[str],
+    ) -> list[int]:
         """Read ``keys[idx]`` from tier i into their views and check them; set ``lengths`` of
         the hits and of values too large for their buffer; add the keys of corrupt values to
         ``corrupt`` (the caller deletes them); return the indices still missing."""
@@ -212,13 +232,18 @@ class StoreReads:
                 lengths[j] = n
                 if i > 0:
                     lower.append(j)
-        still += idx[len(got):]  # a short answer: the rest are misses here
+        still += idx[len(got) :]  # a short answer: the rest are misses here
         misses = len(still) + too_big
         self._account(i, len(idx) - misses, misses, nbytes, seconds, len(corrupt), wrong_key)
         return still
 
-    def _copy(self, keys: Sequence[str], views: list[memoryview], lengths: list[int | None],
-              idx: list[int]) -> list[tuple[str, Value]]:
+    def _copy(
+        self,
+        keys: Sequence[str],
+        views: list[memoryview],
+        lengths: list[int | None],
+        idx: list[int],
+    ) -> list[tuple[str, Value]]:
         """One copy of each block to promote, all in one recycled buffer (already faulted in;
         a fresh ``bytes`` per block page-faults on every page), held by the promotion queue."""
         dest = self._copies.take(sum(lengths[j] or 0 for j in idx))
@@ -231,8 +256,16 @@ class StoreReads:
             pos = end
         return items
 
-    def _account(self, i: int, hits: int, misses: int, nbytes: int, seconds: float,
-                 corrupt: int, wrong_key: int) -> None:
+    def _account(
+        self,
+        i: int,
+        hits: int,
+        misses: int,
+        nbytes: int,
+        seconds: float,
+        corrupt: int,
+        wrong_key: int,
+    ) -> None:
         stats = self._tiers.stats[i]
         stats.record_read(hits, misses, nbytes, seconds)
         if wrong_key:
@@ -249,8 +282,9 @@ class StoreReads:
 def _check(tier: Tier, value: Value, key: str, config: StoreConfig) -> DecodedBlock | CodecError:
     """``value`` read under ``key``, decoded, or the codec's error (logged)."""
     try:
-        return decode_block(value, config.namespace,
-                            expected_key=block_key_of(key, config.block_key_skip))
+        return decode_block(
+            value, config.namespace, expected_key=block_key_of(key, config.block_key_skip)
+        )
     except CodecError as exc:
         log.warning("tier %s: corrupt block %s (%s)", tier.name, key, exc.reason)
         return exc

@@ -44,7 +44,8 @@ class WritePolicy:
 def write_policies(config: TierStackConfig) -> tuple[WritePolicy, ...]:
     """Each tier's ``WritePolicy``, top first (a host tier's is write-back: saves land there)."""
     return tuple(
-        WritePolicy() if isinstance(c, HostTierConfig)
+        WritePolicy()
+        if isinstance(c, HostTierConfig)
         else WritePolicy(c.write_policy, c.write_through_hits, c.write_queue_blocks)
         for c in config.tiers
     )
@@ -132,8 +133,14 @@ class SlabTier(Protocol):
     """A tier over one fixed memory slab (the host tier): in-place reads and writes for the
     store's host fast path (``HierarchicalStore.locate_host``/``reserve_host``)."""
 
-    def locate(self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int, *,
-               pin: bool = False) -> list[int | None]:
+    def locate(
+        self,
+        keys: Sequence[str],
+        header: bytes | Sequence[bytes],
+        nbytes: int,
+        *,
+        pin: bool = False,
+    ) -> list[int | None]:
         """Slab offset of each committed entry of size ``nbytes`` starting with ``header``;
         ``pin``: pin each hit too."""
         ...

@@ -86,31 +86,43 @@ class DrainReport:
 
     def describe(self) -> str:
         where = f" to {self.flush_tier}" if self.flush_tier else ""
-        return (f"write-through queues: {self.drained} blocks written, {self.dropped} dropped; "
-                f"host-only blocks flushed{where}: {self.flushed} written, "
-                f"{self.flush_present} already there, {self.flush_left} left "
-                f"({self.seconds:.2f}s)")
+        return (
+            f"write-through queues: {self.drained} blocks written, {self.dropped} dropped; "
+            f"host-only blocks flushed{where}: {self.flushed} written, "
+            f"{self.flush_present} already there, {self.flush_left} left "
+            f"({self.seconds:.2f}s)"
+        )
 
 
 class WriteThrough:
-    def __init__(self, tiers: GuardedTiers, policies: Sequence[WritePolicy],
-                 write: WriteFn, read_lower: ReadFn) -> None:
+    def __init__(
+        self,
+        tiers: GuardedTiers,
+        policies: Sequence[WritePolicy],
+        write: WriteFn,
+        read_lower: ReadFn,
+    ) -> None:
         """One lane (and thread) per tier below the top whose policy copies down.
         ``write(i, items)``: the store's write to tier i; ``read_lower(keys)``: checksummed,
         encoded reads from the tiers below the top, no promotion."""
         self._tiers = tiers
         self._write = write
         self._read_lower = read_lower
-        self._lanes = [_Lane(i, p) for i, p in enumerate(policies)
-                       if 0 < i < len(tiers) and p.copies_down]
+        self._lanes = [
+            _Lane(i, p) for i, p in enumerate(policies) if 0 < i < len(tiers) and p.copies_down
+        ]
         self._hits: OrderedDict[str, int] = OrderedDict()
         self._hits_lock = threading.Lock()
         self._selective = [lane for lane in self._lanes if lane.policy.policy != WRITE_THROUGH]
         self._stopping = False
         self.skipped: frozenset[int] = frozenset()  # tiers not written to (store.skip_tiers)
         for lane in self._lanes:
-            lane.thread = threading.Thread(target=self._work, args=(lane,), daemon=True,
-                                           name=f"kvtier-write-{tiers.stats[lane.tier].name}")
+            lane.thread = threading.Thread(
+                target=self._work,
+                args=(lane,),
+                daemon=True,
+                name=f"kvtier-write-{tiers.stats[lane.tier].name}",
+            )
             lane.thread.start()
 
     @property
@@ -243,15 +255,16 @@ class WriteThrough:
         for start in range(0, len(keys), BATCH_BLOCKS):
             if time.monotonic() >= deadline:
                 return written, present, left + len(keys) - start
-            r = self.copy_down(i, keys[start:start + BATCH_BLOCKS], "written_back")
+            r = self.copy_down(i, keys[start : start + BATCH_BLOCKS], "written_back")
             written, present, left = written + r.written, present + r.present, left + r.failed
         return written, present, left
 
     # -- internals -----------------------------------------------------------------------
 
     def _written(self) -> int:
-        return sum(self._tiers.stats[lane.tier].snapshot()["written_through"]
-                   for lane in self._lanes)
+        return sum(
+            self._tiers.stats[lane.tier].snapshot()["written_through"] for lane in self._lanes
+        )
 
     def _enqueue(self, lane: _Lane, keys: Sequence[str]) -> None:
         if self._stopping:
@@ -261,7 +274,7 @@ class WriteThrough:
             return
         with lane.cond:
             room = lane.policy.queue_blocks - len(lane.keys)
-            lane.keys.extend(keys[:max(room, 0)])
+            lane.keys.extend(keys[: max(room, 0)])
             dropped = len(keys) - max(room, 0)
             lane.cond.notify()
             warn = dropped > 0 and not lane.warned
@@ -269,9 +282,12 @@ class WriteThrough:
         if dropped > 0:
             self._tiers.stats[lane.tier].add("write_queue_dropped", dropped)
         if warn:
-            log.warning("tier %s: write-through queue full (%d blocks); blocks past it are not "
-                        "copied (counted in write_queue_dropped; logged once)",
-                        self._tiers.stats[lane.tier].name, lane.policy.queue_blocks)
+            log.warning(
+                "tier %s: write-through queue full (%d blocks); blocks past it are not "
+                "copied (counted in write_queue_dropped; logged once)",
+                self._tiers.stats[lane.tier].name,
+                lane.policy.queue_blocks,
+            )
 
     def _work(self, lane: _Lane) -> None:
         while True:

@@ -31,8 +31,7 @@ _SKIP: Any = object()  # a tier call that did not happen or failed
 
 
 class TierWrites:
-    def __init__(self, tiers: GuardedTiers,
-                 demote: Callable[[int, list[Evicted]], None]) -> None:
+    def __init__(self, tiers: GuardedTiers, demote: Callable[[int, list[Evicted]], None]) -> None:
         """``demote(i, evicted)``: queue what tier i evicted for the tier below."""
         self._tiers = tiers
         self._demote = demote
@@ -77,8 +76,12 @@ class TierWrites:
         return written
 
 
-def flush_on_shutdown(tiers: GuardedTiers, through: WriteThrough, flush_movers: Callable[[], None],
-                      drain_timeout_s: float) -> DrainReport:
+def flush_on_shutdown(
+    tiers: GuardedTiers,
+    through: WriteThrough,
+    flush_movers: Callable[[], None],
+    drain_timeout_s: float,
+) -> DrainReport:
     """``HierarchicalStore.shutdown_writes``: drain the write-through lanes for up to
     ``drain_timeout_s`` and stop them; copy the host tier's blocks (most recent first) that the
     first healthy tier below it lacks, until another ``drain_timeout_s`` ran out; wait for the
@@ -87,17 +90,18 @@ def flush_on_shutdown(tiers: GuardedTiers, through: WriteThrough, flush_movers: 
     drained, dropped = through.drain(drain_timeout_s)
     top = tiers.tiers[0]
     lru_keys = getattr(top, "lru_keys", None)  # the host tier's committed keys
-    target = next((i for i in range(1, len(tiers.tiers)) if tiers.health[i].available()),
-                  None)
+    target = next((i for i in range(1, len(tiers.tiers)) if tiers.health[i].available()), None)
     flush_tier, flushed, present, left = None, 0, 0, 0
     if isinstance(top, SlabTier) and callable(lru_keys) and target is not None:
         flush_tier = tiers.stats[target].name
         keys: list[str] = list(reversed(tiers.call(0, lambda t: lru_keys(), [])))  # newest first
         flushed, present, left = through.flush_down(
-            target, keys, time.monotonic() + drain_timeout_s)
+            target, keys, time.monotonic() + drain_timeout_s
+        )
     flush_movers()
-    report = DrainReport(drained, dropped, flush_tier, flushed, present, left,
-                         time.monotonic() - t0)
+    report = DrainReport(
+        drained, dropped, flush_tier, flushed, present, left, time.monotonic() - t0
+    )
     # Losing blocks is worth a warning (visible without logging set up, as in the engine
     # core process); a complete drain is routine.
     level = logging.WARNING if report.dropped or report.flush_left else logging.INFO

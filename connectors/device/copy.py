@@ -40,9 +40,16 @@ STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks 
 
 
 class SlabCopier:
-    def __init__(self, kv_cache: KVCache, host: torch.Tensor, *, layered: bool = False,
-                 coalesce: bool = False, codec: Hi4Codec | None = None,
-                 layers_per_copy: int = 0) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        host: torch.Tensor,
+        *,
+        layered: bool = False,
+        coalesce: bool = False,
+        codec: Hi4Codec | None = None,
+        layers_per_copy: int = 0,
+    ) -> None:
         """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
         where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
         copy each. ``codec``: the slab holds its payloads (module docstring). Raises
@@ -57,17 +64,36 @@ class SlabCopier:
         # CUDA only: on a CPU cache a per-block copy is already one memcpy straight into the
         # block, and the staging would add a second pass (0.41x against 0.90x of a raw copy,
         # bench/offload/main.py --quick). Tests set ``coalesce`` to run the same code on the CPU.
-        self.coalesce = (coalesce and self._non_blocking and self.nbytes % 8 == 0
-                         and self.nbytes <= STAGING_BYTES)
+        self.coalesce = (
+            coalesce
+            and self._non_blocking
+            and self.nbytes % 8 == 0
+            and self.nbytes <= STAGING_BYTES
+        )
         self._staging: torch.Tensor | None = None  # int64 words, allocated on first use
         spec = kv_cache.spec
         self._num_layers = spec.num_layers
-        self._decoder = (StagedDecoder(codec, self._rows, host, spec.num_layers, layers=layered,
-                                       layers_per_copy=layers_per_copy)
-                         if codec is not None else None)
+        self._decoder = (
+            StagedDecoder(
+                codec,
+                self._rows,
+                host,
+                spec.num_layers,
+                layers=layered,
+                layers_per_copy=layers_per_copy,
+            )
+            if codec is not None
+            else None
+        )
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
-        if layered and codec is None and self._non_blocking and self.nbytes % (4 * spec.num_layers) == 0 \
-                and host.is_pinned() and host.data_ptr() % 16 == 0:
+        if (
+            layered
+            and codec is None
+            and self._non_blocking
+            and self.nbytes % (4 * spec.num_layers) == 0
+            and host.is_pinned()
+            and host.data_ptr() % 16 == 0
+        ):
             from engine.kernels import fused_kernels_available
 
             if fused_kernels_available(kv_cache.device):
@@ -134,22 +160,24 @@ class SlabCopier:
     def _per_block(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         rows, host, n, nb = self._rows, self._host, self.nbytes, self._non_blocking
         for block_id, offset in zip(block_ids, offsets, strict=True):
-            rows[block_id].copy_(host[offset:offset + n], non_blocking=nb)
+            rows[block_id].copy_(host[offset : offset + n], non_blocking=nb)
 
     def _run(self, block_ids: Sequence[int], first: int, stride: int) -> None:
         """Blocks whose payloads start at ``first + i * stride``: one host copy of each chunk's
         span into the staging buffer, then one word scatter into the cache rows."""
         n, nb = self.nbytes, self._non_blocking
         if self._staging is None:
-            self._staging = torch.empty(STAGING_BYTES // 8, dtype=torch.int64, device=self._rows.device)
+            self._staging = torch.empty(
+                STAGING_BYTES // 8, dtype=torch.int64, device=self._rows.device
+            )
         staged_bytes = self._staging.view(torch.uint8)
         words = self._rows.view(torch.int64)
         per_chunk = max(1, (STAGING_BYTES - n) // stride + 1)
         for c in range(0, len(block_ids), per_chunk):
-            ids = block_ids[c:c + per_chunk]
+            ids = block_ids[c : c + per_chunk]
             span = (len(ids) - 1) * stride + n
             begin = first + c * stride
-            staged_bytes[:span].copy_(self._host[begin:begin + span], non_blocking=nb)
+            staged_bytes[:span].copy_(self._host[begin : begin + span], non_blocking=nb)
             src = self._staging.as_strided((len(ids), n // 8), (stride // 8, 1))
             index = torch.tensor(list(ids), dtype=torch.long)
             if nb:
@@ -174,4 +202,4 @@ class SlabCopier:
         """Copy ``src[rows[i]]`` (uint8 rows of ``bytes_per_block``) to host byte ``offsets[i]``."""
         host, n, nb = self._host, self.nbytes, self._non_blocking
         for row, offset in zip(rows, offsets, strict=True):
-            host[offset:offset + n].copy_(src[row], non_blocking=nb)
+            host[offset : offset + n].copy_(src[row], non_blocking=nb)

@@ -25,15 +25,22 @@ class _Memcpy2D(ctypes.Structure):
     """``CUDA_MEMCPY2D`` (cuda.h), field for field."""
 
     _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
         ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
         ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
     ]
 
 
@@ -57,8 +64,16 @@ def copy2d_available() -> bool:
     return torch.cuda.is_available() and _driver_copy() is not None
 
 
-def copy2d(dst: torch.Tensor, dst_offset: int, dst_pitch: int, src: torch.Tensor, src_offset: int,
-           src_pitch: int, width: int, height: int) -> None:
+def copy2d(
+    dst: torch.Tensor,
+    dst_offset: int,
+    dst_pitch: int,
+    src: torch.Tensor,
+    src_offset: int,
+    src_pitch: int,
+    width: int,
+    height: int,
+) -> None:
     """Copy ``height`` rows of ``width`` bytes from ``src`` (1-D uint8, host) at byte
     ``src_offset + r * src_pitch`` to ``dst`` (1-D uint8) at ``dst_offset + r * dst_pitch``.
     CUDA ``dst``: asynchronous on the current stream (``src`` pinned and untouched until it
@@ -68,7 +83,10 @@ def copy2d(dst: torch.Tensor, dst_offset: int, dst_pitch: int, src: torch.Tensor
         return
     if width > src_pitch and height > 1 or width > dst_pitch and height > 1:
         raise ValueError("copy2d: rows overlap (width above a pitch)")
-    for buf, off, pitch, name in ((src, src_offset, src_pitch, "src"), (dst, dst_offset, dst_pitch, "dst")):
+    for buf, off, pitch, name in (
+        (src, src_offset, src_pitch, "src"),
+        (dst, dst_offset, dst_pitch, "dst"),
+    ):
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise ValueError(f"copy2d: {name} must be a 1-D uint8 tensor")
         if off < 0 or off + (height - 1) * pitch + width > buf.numel():
@@ -77,11 +95,16 @@ def copy2d(dst: torch.Tensor, dst_offset: int, dst_pitch: int, src: torch.Tensor
         fn = _driver_copy()
         if fn is None or src.is_cuda or not src.is_pinned():
             raise ValueError("copy2d to CUDA needs the driver library and a pinned host source")
-        p = _Memcpy2D(srcMemoryType=_HOST, srcHost=src.data_ptr() + src_offset,
-                      srcPitch=src_pitch if height > 1 else width,
-                      dstMemoryType=_DEVICE, dstDevice=dst.data_ptr() + dst_offset,
-                      dstPitch=dst_pitch if height > 1 else width,
-                      WidthInBytes=width, Height=height)
+        p = _Memcpy2D(
+            srcMemoryType=_HOST,
+            srcHost=src.data_ptr() + src_offset,
+            srcPitch=src_pitch if height > 1 else width,
+            dstMemoryType=_DEVICE,
+            dstDevice=dst.data_ptr() + dst_offset,
+            dstPitch=dst_pitch if height > 1 else width,
+            WidthInBytes=width,
+            Height=height,
+        )
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         rc = fn(ctypes.byref(p), ctypes.c_void_p(stream))  # type: ignore[operator]
         if rc != 0:

@@ -42,9 +42,17 @@ MIN_TAIL_ROW_BYTES = 32 << 10  # ... and the last group tapered down to rows thi
 
 
 class StagedDecoder:
-    def __init__(self, codec: Hi4Codec, rows: torch.Tensor, host: torch.Tensor, num_layers: int,
-                 *, layers: bool = False, force_layers: bool = False,
-                 layers_per_copy: int = 0) -> None:
+    def __init__(
+        self,
+        codec: Hi4Codec,
+        rows: torch.Tensor,
+        host: torch.Tensor,
+        num_layers: int,
+        *,
+        layers: bool = False,
+        force_layers: bool = False,
+        layers_per_copy: int = 0,
+    ) -> None:
         """``rows``: the cache as ``[num_blocks, raw_bytes]`` uint8; ``host``: the slab (1-D
         uint8). ``layers``: enable ``to_device_layers`` where it can run (``layered_loads``);
         ``force_layers``: run it on the CPU too (tests); ``layers_per_copy``: see
@@ -61,8 +69,13 @@ class StagedDecoder:
         self._rows = rows
         self._host = host
         self._cuda = rows.is_cuda
-        self._layers_ok = force_layers or (layers and self._cuda and host.is_pinned()
-                                           and copy2d_available() and triton_decode_available())
+        self._layers_ok = force_layers or (
+            layers
+            and self._cuda
+            and host.is_pinned()
+            and copy2d_available()
+            and triton_decode_available()
+        )
         self._staging: torch.Tensor | None = None
         self._stream: object | None = None  # CUDA: the decode stream
 
@@ -115,16 +128,23 @@ class StagedDecoder:
             if free[c % 2] is not None:
                 current.wait_event(free[c % 2])
             for dst, src, span in copies:
-                buf[dst:dst + span].copy_(self._host[src:src + span], non_blocking=True)
+                buf[dst : dst + span].copy_(self._host[src : src + span], non_blocking=True)
             k1 = k0 + len(entries)
-            free[c % 2] = self._decode_after_copy(current, decoder, buf, index[:, k0:k1],
-                                                  0, codec.num_segments)
+            free[c % 2] = self._decode_after_copy(
+                current, decoder, buf, index[:, k0:k1], 0, codec.num_segments
+            )
             k0 = k1
         current.wait_stream(decoder)
 
-    def _decode_after_copy(self, current: object | None, decoder: object | None,
-                           src: torch.Tensor, index: torch.Tensor, first: int,
-                           count: int) -> object | None:
+    def _decode_after_copy(
+        self,
+        current: object | None,
+        decoder: object | None,
+        src: torch.Tensor,
+        index: torch.Tensor,
+        first: int,
+        count: int,
+    ) -> object | None:
         """CUDA: the decoder stream waits for the copies enqueued so far, decodes, records an
         event (returned). CPU (``current`` None): decodes at once, returns None."""
         if current is None:
@@ -165,8 +185,10 @@ class StagedDecoder:
         event per layer, recorded after its group's decode (the last one with timing; CPU:
         ``[]``, done on return)."""
         if not self._layers_ok:
-            raise ValueError("layer-wise loads of compressed blocks need CUDA, Triton, the "
-                             "driver's 2-D copies and a pinned slab")
+            raise ValueError(
+                "layer-wise loads of compressed blocks need CUDA, Triton, the "
+                "driver's 2-D copies and a pinned slab"
+            )
         codec = self.codec
         n, m, meta = len(block_ids), codec.segment_values, codec.offsets["codes"]
         if n == 0:
@@ -204,11 +226,13 @@ class StagedDecoder:
                 if free[p] is not None:
                     current.wait_event(free[p])  # type: ignore[union-attr]
                 r1 = min(n, r0 + rows[w])
-                self._copy_layers(runs, staging, meta_size + p * buf_size, rows[w] * w * m,
-                                  (a, b), (r0, r1))
+                self._copy_layers(
+                    runs, staging, meta_size + p * buf_size, rows[w] * w * m, (a, b), (r0, r1)
+                )
                 k = cols[p, w]
-                free[p] = self._decode_after_copy(current, decoder, staging,
-                                                  index[:, k + r0:k + r1], 2 * a, 2 * w)
+                free[p] = self._decode_after_copy(
+                    current, decoder, staging, index[:, k + r0 : k + r1], 2 * a, 2 * w
+                )
                 c += 1
             if decoder is not None:
                 event = torch.cuda.Event(enable_timing=b == self.num_layers)
@@ -218,8 +242,9 @@ class StagedDecoder:
             current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events
 
-    def _whole_payloads(self, block_ids: Sequence[int], offsets: Sequence[int],
-                        current: object) -> list[object]:
+    def _whole_payloads(
+        self, block_ids: Sequence[int], offsets: Sequence[int], current: object
+    ) -> list[object]:
         """Layer-wise loads are off for this engine (the driver refused a 2-D copy): the
         blocks' whole payloads with ``to_device``, one event for every layer."""
         log.exception("layer-wise loads of compressed blocks are off for this engine")
@@ -229,8 +254,9 @@ class StagedDecoder:
         event.record(current)  # type: ignore[arg-type]
         return [event] * self.num_layers
 
-    def _layer_index(self, ids: list[int], widths: list[int], meta_size: int, buf_size: int
-                     ) -> tuple[torch.Tensor, dict[int, int], dict[tuple[int, int], int]]:
+    def _layer_index(
+        self, ids: list[int], widths: list[int], meta_size: int, buf_size: int
+    ) -> tuple[torch.Tensor, dict[int, int], dict[tuple[int, int], int]]:
         """One decode index for every (layer buffer, group width), on the device; with the
         staging rows each width's buffer holds (``rows[w]``) and where each (buffer, width)'s
         columns begin in the index (``cols[p, w]``). Staging row r of a group of w layers sits
@@ -249,8 +275,16 @@ class StagedDecoder:
             for w in widths:
                 cols[p, w] = len(parts) * n
                 k = r % rows[w]
-                parts.append(torch.stack((r * meta, base + k * (w * m),
-                                          base + rows[w] * w * m + k * (2 * w * m), block)))
+                parts.append(
+                    torch.stack(
+                        (
+                            r * meta,
+                            base + k * (w * m),
+                            base + rows[w] * w * m + k * (2 * w * m),
+                            block,
+                        )
+                    )
+                )
         return index_to_device(torch.cat(parts, 1), self._rows.device), rows, cols
 
     def _copy_meta(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor) -> None:
@@ -260,9 +294,15 @@ class StagedDecoder:
             copy2d(staging, row * meta, meta, self._host, first, pitch, meta, len(js))
             row += len(js)
 
-    def _copy_layers(self, runs: list[tuple[int, int, list[int]]], staging: torch.Tensor,
-                     base: int, low_at: int, layers: tuple[int, int],
-                     rows: tuple[int, int]) -> None:
+    def _copy_layers(
+        self,
+        runs: list[tuple[int, int, list[int]]],
+        staging: torch.Tensor,
+        base: int,
+        low_at: int,
+        layers: tuple[int, int],
+        rows: tuple[int, int],
+    ) -> None:
         """The codes and low bytes of ``layers`` ``[a, b)`` of staging rows ``[g0, g1)`` into
         the layer buffer at ``base``: codes rows of ``(b - a) * M`` bytes, then from
         ``base + low_at`` low rows of twice that."""
@@ -274,15 +314,32 @@ class StagedDecoder:
             lo, hi = max(g0, r0), min(g1, r0 + len(js))
             if lo < hi:
                 src = first + (lo - r0) * pitch
-                copy2d(staging, base + (lo - g0) * row_m, row_m, self._host,
-                       src + off["codes"] + a * m, pitch, (b - a) * m, hi - lo)
-                copy2d(staging, base + low_at + (lo - g0) * 2 * row_m, 2 * row_m, self._host,
-                       src + off["low"] + 2 * a * m, pitch, 2 * (b - a) * m, hi - lo)
+                copy2d(
+                    staging,
+                    base + (lo - g0) * row_m,
+                    row_m,
+                    self._host,
+                    src + off["codes"] + a * m,
+                    pitch,
+                    (b - a) * m,
+                    hi - lo,
+                )
+                copy2d(
+                    staging,
+                    base + low_at + (lo - g0) * 2 * row_m,
+                    2 * row_m,
+                    self._host,
+                    src + off["low"] + 2 * a * m,
+                    pitch,
+                    2 * (b - a) * m,
+                    hi - lo,
+                )
             r0 += len(js)
 
 
-def staging_plan(offsets: Sequence[int], nbytes: int, cap: int
-                 ) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
+def staging_plan(
+    offsets: Sequence[int], nbytes: int, cap: int
+) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
     """Cut the payloads at ``offsets`` into chunks that fit a ``cap``-byte staging buffer:
     per chunk, the copies ``(staging offset, host offset, bytes)`` (a run of slots at a
     constant stride is one copy, ``ascending_runs``) and the payloads ``(staging offset,

@@ -98,21 +98,30 @@ class Hi4Codec:
         """``rows``: ``[n, raw_bytes]`` uint8 (whole blocks) -> ``[n, payload_bytes]`` uint8 on
         the same device (asynchronous on CUDA: the current stream)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.raw_bytes:
-            raise ValueError(f"encode wants [n, {self.raw_bytes}] uint8, got "
-                             f"{tuple(rows.shape)} {rows.dtype}")
-        out = torch.zeros((rows.shape[0], self.payload_bytes), dtype=torch.uint8, device=rows.device)
+            raise ValueError(
+                f"encode wants [n, {self.raw_bytes}] uint8, got {tuple(rows.shape)} {rows.dtype}"
+            )
+        out = torch.zeros(
+            (rows.shape[0], self.payload_bytes), dtype=torch.uint8, device=rows.device
+        )
         for start in range(0, rows.shape[0], _ENCODE_ROWS):
-            self._encode_rows(rows[start:start + _ENCODE_ROWS], out[start:start + _ENCODE_ROWS])
+            self._encode_rows(rows[start : start + _ENCODE_ROWS], out[start : start + _ENCODE_ROWS])
         return out
 
     def _encode_rows(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        s, m, e, off = self.num_segments, self.segment_values, self.escapes_per_segment, self.offsets
+        s, m, e, off = (
+            self.num_segments,
+            self.segment_values,
+            self.escapes_per_segment,
+            self.offsets,
+        )
         n, dev = rows.shape[0], rows.device
         pairs = rows.view(n * s, m, 2)  # little-endian: [..., 0] low byte, [..., 1] high byte
         high = pairs[..., 1].long()
         segs = n * s
-        counts = torch.bincount((high + torch.arange(segs, device=dev)[:, None] * 256).view(-1),
-                                minlength=segs * 256).view(segs, 256)
+        counts = torch.bincount(
+            (high + torch.arange(segs, device=dev)[:, None] * 256).view(-1), minlength=segs * 256
+        ).view(segs, 256)
         book = counts.topk(ESCAPE, dim=1).indices  # the 15 most frequent high bytes
         lut = torch.full((segs, 256), ESCAPE, dtype=torch.uint8, device=dev)
         lut.scatter_(1, book, torch.arange(ESCAPE, dtype=torch.uint8, device=dev).expand(segs, -1))
@@ -127,11 +136,12 @@ class Hi4Codec:
         esc.scatter_(1, col, pairs[..., 1])
 
         def field(name: str, nbytes: int) -> torch.Tensor:
-            return out[:, off[name]:off[name] + nbytes].view(n, s, -1)
+            return out[:, off[name] : off[name] + nbytes].view(n, s, -1)
 
         field("count", 2 * s).copy_(count.to(torch.int32).view(n, s, 1).view(torch.uint8)[..., :2])
-        field("idx", 2 * s * e).copy_(idx[:, :e].reshape(n, s, e, 1).view(torch.uint8)[..., :2]
-                                      .reshape(n, s, 2 * e))
+        field("idx", 2 * s * e).copy_(
+            idx[:, :e].reshape(n, s, e, 1).view(torch.uint8)[..., :2].reshape(n, s, 2 * e)
+        )
         field("esc", s * e).copy_(esc[:, :e].view(n, s, e))
         book_bytes = torch.zeros((segs, 16), dtype=torch.uint8, device=dev)
         book_bytes[:, :ESCAPE] = book.to(torch.uint8)
@@ -141,25 +151,48 @@ class Hi4Codec:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode_into(self, src: torch.Tensor, src_offsets: Sequence[int], cache_rows: torch.Tensor,
-                    block_ids: Sequence[int], *, index: torch.Tensor | None = None) -> None:
+    def decode_into(
+        self,
+        src: torch.Tensor,
+        src_offsets: Sequence[int],
+        cache_rows: torch.Tensor,
+        block_ids: Sequence[int],
+        *,
+        index: torch.Tensor | None = None,
+    ) -> None:
         """Decode the payloads at byte ``src_offsets[i]`` of the 1-D uint8 ``src`` into row
         ``block_ids[i]`` of ``cache_rows`` (the cache as ``[num_blocks, raw_bytes]`` uint8).
         ``src`` must be on the cache's device. CUDA: two Triton kernels on the current stream
         when Triton runs here, else torch. ``index``: ``decode_index``'s tensor for the same
         payloads, already on the device (saves the kernels a host->device copy)."""
-        self.decode_segments(src, self.payload_bases(src_offsets), cache_rows, block_ids, 0,
-                             self.num_segments, index=index)
+        self.decode_segments(
+            src,
+            self.payload_bases(src_offsets),
+            cache_rows,
+            block_ids,
+            0,
+            self.num_segments,
+            index=index,
+        )
 
     def payload_bases(self, offsets: Sequence[int]) -> DecodeBases:
         """The parts of whole payloads that start at ``offsets``."""
         off = self.offsets
-        return DecodeBases(list(offsets), [o + off["codes"] for o in offsets],
-                           [o + off["low"] for o in offsets])
+        return DecodeBases(
+            list(offsets), [o + off["codes"] for o in offsets], [o + off["low"] for o in offsets]
+        )
 
-    def decode_segments(self, src: torch.Tensor, bases: DecodeBases, cache_rows: torch.Tensor,
-                        block_ids: Sequence[int], first: int, count: int, *,
-                        index: torch.Tensor | None = None) -> None:
+    def decode_segments(
+        self,
+        src: torch.Tensor,
+        bases: DecodeBases,
+        cache_rows: torch.Tensor,
+        block_ids: Sequence[int],
+        first: int,
+        count: int,
+        *,
+        index: torch.Tensor | None = None,
+    ) -> None:
         """Decode segments ``[first, first + count)`` of each block from parts that need not
         sit together in ``src``: block ``i``'s metadata (counts, escapes, codebook: the
         payload's first ``offsets["codes"]`` bytes) at ``bases.meta[i]``, the codes of those
@@ -177,8 +210,15 @@ class Hi4Codec:
             index = self.decode_index(bases, block_ids, cache_rows.device)
         self.decode_indexed(src, index, cache_rows, first, count)
 
-    def check(self, src_bytes: int, bases: DecodeBases, block_ids: Sequence[int], num_rows: int,
-              first: int, count: int) -> None:
+    def check(
+        self,
+        src_bytes: int,
+        bases: DecodeBases,
+        block_ids: Sequence[int],
+        num_rows: int,
+        first: int,
+        count: int,
+    ) -> None:
         """Raise ValueError unless every part lies 16-byte aligned inside ``src_bytes`` and
         every block id below ``num_rows`` (what keeps the kernels in bounds)."""
         n, m, off = len(block_ids), self.segment_values, self.offsets
@@ -188,13 +228,24 @@ class Hi4Codec:
             raise ValueError(f"segments [{first}, {first + count}) of {self.num_segments}")
         if n and (min(block_ids) < 0 or max(block_ids) >= num_rows):
             raise ValueError(f"block id out of range [0, {num_rows})")
-        for starts, nbytes in ((bases.meta, off["codes"]), (bases.codes, count * m // 2),
-                               (bases.low, count * m)):
+        for starts, nbytes in (
+            (bases.meta, off["codes"]),
+            (bases.codes, count * m // 2),
+            (bases.low, count * m),
+        ):
             if any(b < 0 or b + nbytes > src_bytes or b % 16 for b in starts):
-                raise ValueError("a payload part runs past the end of src or is not 16-byte aligned")
+                raise ValueError(
+                    "a payload part runs past the end of src or is not 16-byte aligned"
+                )
 
-    def decode_indexed(self, src: torch.Tensor, index: torch.Tensor, cache_rows: torch.Tensor,
-                       first: int, count: int) -> None:
+    def decode_indexed(
+        self,
+        src: torch.Tensor,
+        index: torch.Tensor,
+        cache_rows: torch.Tensor,
+        first: int,
+        count: int,
+    ) -> None:
         """``decode_segments`` after ``check``, from its ``decode_index`` (on the cache's
         device; a column slice is fine). CUDA: Triton when it runs here, else torch."""
         if cache_rows.is_cuda and _triton_decode() is not None:
@@ -205,38 +256,54 @@ class Hi4Codec:
             self._decode_torch(src, meta[i], codes[i], low[i], cache_rows[block], first, count)
 
     @staticmethod
-    def decode_index(bases: DecodeBases, block_ids: Sequence[int],
-                     device: torch.device | str) -> torch.Tensor:
+    def decode_index(
+        bases: DecodeBases, block_ids: Sequence[int], device: torch.device | str
+    ) -> torch.Tensor:
         """The decode kernels' ``[4, n]`` int64 index (meta, codes and low bases, block id) on
         ``device`` (pinned and copied asynchronously to CUDA)."""
-        index = torch.tensor([bases.meta, bases.codes, bases.low, list(block_ids)], dtype=torch.int64)
+        index = torch.tensor(
+            [bases.meta, bases.codes, bases.low, list(block_ids)], dtype=torch.int64
+        )
         return index_to_device(index, device)
 
-    def _decode_torch(self, src: torch.Tensor, meta: int, codes_at: int, low_at: int,
-                      row: torch.Tensor, first: int, count: int) -> None:
-        s, m, e, off = self.num_segments, self.segment_values, self.escapes_per_segment, self.offsets
+    def _decode_torch(
+        self,
+        src: torch.Tensor,
+        meta: int,
+        codes_at: int,
+        low_at: int,
+        row: torch.Tensor,
+        first: int,
+        count: int,
+    ) -> None:
+        s, m, e, off = (
+            self.num_segments,
+            self.segment_values,
+            self.escapes_per_segment,
+            self.offsets,
+        )
         segs = slice(first, first + count)
-        p = src[meta:meta + off["codes"]]
-        book = p[off["book"]:off["codes"]].view(s, 16)[segs]
-        packed = src[codes_at:codes_at + count * m // 2].view(count, m // 2)
+        p = src[meta : meta + off["codes"]]
+        book = p[off["book"] : off["codes"]].view(s, 16)[segs]
+        packed = src[codes_at : codes_at + count * m // 2].view(count, m // 2)
         codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(count, m).long()
         high = torch.gather(book, 1, codes)
-        num = p[:2 * s].view(s, 2).to(torch.int32)[segs]
+        num = p[: 2 * s].view(s, 2).to(torch.int32)[segs]
         num = (num[:, 0] | (num[:, 1] << 8)).clamp(max=e)
-        idx = p[off["idx"]:off["esc"]].view(s, e, 2).to(torch.int64)[segs]
+        idx = p[off["idx"] : off["esc"]].view(s, e, 2).to(torch.int64)[segs]
         idx = idx[..., 0] | (idx[..., 1] << 8)
         valid = (torch.arange(e, device=src.device)[None, :] < num[:, None]) & (idx < m)
         idx = torch.where(valid, idx, m)  # column m: a bin for unused entries
         wide = torch.cat((high, high.new_zeros((count, 1))), dim=1)
-        wide.scatter_(1, idx, p[off["esc"]:off["esc"] + s * e].view(s, e)[segs])
+        wide.scatter_(1, idx, p[off["esc"] : off["esc"] + s * e].view(s, e)[segs])
         out = row.view(s, m, 2)[segs]
-        out[..., 0] = src[low_at:low_at + count * m].view(count, m)
+        out[..., 0] = src[low_at : low_at + count * m].view(count, m)
         out[..., 1] = wide[:, :m]
 
     def overflowed(self, payload: memoryview | bytes) -> bool:
         """Whether an encoded payload lost escapes (a segment had more than ``E``): such a
         block must not be stored. Reads only the ``2 * S`` count bytes."""
-        counts = memoryview(payload)[:2 * self.num_segments].cast("B").cast("H")
+        counts = memoryview(payload)[: 2 * self.num_segments].cast("B").cast("H")
         return max(counts) > self.escapes_per_segment
 
 

@@ -24,7 +24,11 @@ def slot_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]
     while i < len(offsets):
         j = i + 1
         stride = offsets[j] - offsets[i] if j < len(offsets) else 0
-        if nbytes <= abs(stride) <= nbytes + MAX_SLOT_GAP and stride % 8 == 0 and offsets[i] % 8 == 0:
+        if (
+            nbytes <= abs(stride) <= nbytes + MAX_SLOT_GAP
+            and stride % 8 == 0
+            and offsets[i] % 8 == 0
+        ):
             while j < len(offsets) and offsets[j] - offsets[j - 1] == stride:
                 j += 1
         else:

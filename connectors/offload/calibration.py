@@ -58,7 +58,9 @@ def max_prefill_tokens(kv_cache: KVCache, max_model_len: int, token_budget: int)
     return cap
 
 
-def prefill_timer(execute: Execute, block_size: int, vocab_size: int) -> Callable[[int, int], float]:
+def prefill_timer(
+    execute: Execute, block_size: int, vocab_size: int
+) -> Callable[[int, int], float]:
     """``run(n, c)``: one prefill of ``n`` new tokens after ``c`` (garbage) cached ones on
     blocks ``[0, ceil((n+c)/block_size))``, sampled greedily (the sample is the step's sync),
     returning seconds. The caller guarantees those blocks are scratch."""
@@ -84,8 +86,9 @@ def finish(execute: Execute, kv_cache: KVCache, num_scratch_blocks: int) -> None
         kv_cache.tensor[:num_scratch_blocks].zero_()
 
 
-def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
-                      codec: Hi4Codec | None = None) -> Callable[[int], float]:
+def host_to_gpu_timer(
+    kv_cache: KVCache, max_blocks: int, codec: Hi4Codec | None = None
+) -> Callable[[int], float]:
     """``copy(n)``: copy ``n <= max_blocks`` blocks from host memory (pinned on CUDA) laid out
     like host-tier slots (a header before each payload) into scratch blocks ``[0, n)`` exactly
     as a load's host fast path does (``SlabCopier.to_device``), synchronized; returns seconds.
@@ -106,7 +109,7 @@ def host_to_gpu_timer(kv_cache: KVCache, max_blocks: int,
     if codec is not None:  # a valid payload in every slot
         payload = codec.encode(torch.full((1, codec.raw_bytes), 0x3C, dtype=torch.uint8))[0]
         for offset in offsets:
-            host[offset:offset + nbytes] = payload
+            host[offset : offset + nbytes] = payload
 
     def copy(num_blocks: int) -> float:
         t0 = time.perf_counter()

@@ -126,41 +126,56 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
-            raise ConfigError(f"kv offload: compression {self.compression!r}; choose one of "
-                              f"{COMPRESSIONS}")
+            raise ConfigError(
+                f"kv offload: compression {self.compression!r}; choose one of {COMPRESSIONS}"
+            )
         if self.decision not in DECISIONS:
             raise ConfigError(f"kv offload: decision {self.decision!r}; choose one of {DECISIONS}")
         if not (isinstance(self.layered_loads, bool) or self.layered_loads == "auto"):
-            raise ConfigError(f"kv offload: layered_loads must be true, false or auto, got "
-                              f"{self.layered_loads!r}")
-        if isinstance(self.layers_per_copy, bool) or not isinstance(self.layers_per_copy, int) \
-                or self.layers_per_copy < 0:
-            raise ConfigError(f"kv offload: layers_per_copy must be an integer >= 0, got "
-                              f"{self.layers_per_copy!r}")
+            raise ConfigError(
+                f"kv offload: layered_loads must be true, false or auto, got {self.layered_loads!r}"
+            )
+        if (
+            isinstance(self.layers_per_copy, bool)
+            or not isinstance(self.layers_per_copy, int)
+            or self.layers_per_copy < 0
+        ):
+            raise ConfigError(
+                f"kv offload: layers_per_copy must be an integer >= 0, got {self.layers_per_copy!r}"
+            )
         for name, low in (("load_chunk_bytes", 0), ("load_pipeline_depth", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"kv offload: {name} must be an integer >= {low}, got "
-                                  f"{value!r}")
+                raise ConfigError(f"kv offload: {name} must be an integer >= {low}, got {value!r}")
         if not self.load_timeout_s > 0:
             raise ConfigError(f"kv offload: load_timeout_s must be > 0, got {self.load_timeout_s}")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(
-                f"kv offload: drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+                f"kv offload: drain_timeout_s must be >= 0, got {self.drain_timeout_s}"
+            )
         if not self.health_probe_s >= 0:
-            raise ConfigError(
-                f"kv offload: health_probe_s must be >= 0, got {self.health_probe_s}")
+            raise ConfigError(f"kv offload: health_probe_s must be >= 0, got {self.health_probe_s}")
         if self.placement not in PLACEMENTS:
-            raise ConfigError(f"kv offload: placement {self.placement!r}; choose one of "
-                              f"{PLACEMENTS}")
-        if isinstance(self.kv_head_group, bool) or not isinstance(self.kv_head_group, int) \
-                or self.kv_head_group < 0:
-            raise ConfigError(f"kv offload: kv_head_group must be an integer >= 0, got "
-                              f"{self.kv_head_group!r}")
-        if isinstance(self.prefetch_budget_blocks, bool) or not isinstance(
-                self.prefetch_budget_blocks, int) or self.prefetch_budget_blocks < 0:
-            raise ConfigError(f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
-                              f"got {self.prefetch_budget_blocks!r}")
+            raise ConfigError(
+                f"kv offload: placement {self.placement!r}; choose one of {PLACEMENTS}"
+            )
+        if (
+            isinstance(self.kv_head_group, bool)
+            or not isinstance(self.kv_head_group, int)
+            or self.kv_head_group < 0
+        ):
+            raise ConfigError(
+                f"kv offload: kv_head_group must be an integer >= 0, got {self.kv_head_group!r}"
+            )
+        if (
+            isinstance(self.prefetch_budget_blocks, bool)
+            or not isinstance(self.prefetch_budget_blocks, int)
+            or self.prefetch_budget_blocks < 0
+        ):
+            raise ConfigError(
+                f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
+                f"got {self.prefetch_budget_blocks!r}"
+            )
 
 
 def parse_offload_config(data: object) -> OffloadConfig:
@@ -173,10 +188,25 @@ def parse_offload_config(data: object) -> OffloadConfig:
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
-    known = {"tiers", "decision", "load_timeout_s", "calibrate", "in_step_host_loads",
-             "layered_loads", "layers_per_copy", "coalesced_loads", "compression",
-             "drain_timeout_s", "health_probe_s", "prefetch", "prefetch_budget_blocks",
-             "load_chunk_bytes", "load_pipeline_depth", "placement", "kv_head_group"}
+    known = {
+        "tiers",
+        "decision",
+        "load_timeout_s",
+        "calibrate",
+        "in_step_host_loads",
+        "layered_loads",
+        "layers_per_copy",
+        "coalesced_loads",
+        "compression",
+        "drain_timeout_s",
+        "health_probe_s",
+        "prefetch",
+        "prefetch_budget_blocks",
+        "load_chunk_bytes",
+        "load_pipeline_depth",
+        "placement",
+        "kv_head_group",
+    }
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
@@ -184,15 +214,19 @@ def parse_offload_config(data: object) -> OffloadConfig:
     for name in ("load_timeout_s", "drain_timeout_s", "health_probe_s"):
         numbers[name] = data.get(name, 5.0)
         if isinstance(numbers[name], bool) or not isinstance(numbers[name], (int, float)):
-            raise ConfigError(
-                f"kv offload config: {name} must be a number, got {numbers[name]!r}")
+            raise ConfigError(f"kv offload config: {name} must be a number, got {numbers[name]!r}")
     flags = {}
-    for name, default in (("calibrate", True), ("in_step_host_loads", True),
-                          ("coalesced_loads", False), ("prefetch", True)):
+    for name, default in (
+        ("calibrate", True),
+        ("in_step_host_loads", True),
+        ("coalesced_loads", False),
+        ("prefetch", True),
+    ):
         flags[name] = data.get(name, default)
         if not isinstance(flags[name], bool):
             raise ConfigError(
-                f"kv offload config: {name} must be true or false, got {flags[name]!r}")
+                f"kv offload config: {name} must be true or false, got {flags[name]!r}"
+            )
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),

@@ -71,8 +71,13 @@ class OffloadConnector:
         namespace = _stored_namespace(namespace, codec)
         meta = block_meta(kv_cache, namespace.store_prefix(), codec)
         self.scheduler = OffloadScheduler(
-            store, namespace, decision=config.decision, cost_model=cost_model,
-            stats=self.counters, block_meta=meta, in_step=config.in_step_host_loads,
+            store,
+            namespace,
+            decision=config.decision,
+            cost_model=cost_model,
+            stats=self.counters,
+            block_meta=meta,
+            in_step=config.in_step_host_loads,
             prefetch_budget_blocks=_prefetch_budget(config, store),
         )
         self.worker = OffloadWorker(
@@ -114,8 +119,7 @@ class OffloadConnector:
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         config = resolve_config(source, namespace)
         if tp is not None or 0 < config.kv_head_group < kv_cache.spec.num_kv_heads:
-            return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration,
-                                                  tp)
+            return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration, tp)
         codec = _codec(config, kv_cache)
         prefix = _stored_namespace(namespace, codec).store_prefix()
         meta = block_meta(kv_cache, prefix, codec)
@@ -124,8 +128,13 @@ class OffloadConnector:
         slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         tiers = build_tiers(config.tiers, host_slot_bytes=slot)
         store = HierarchicalStore(
-            tiers, StoreConfig(namespace=prefix, write_policies=write_policies(config.tiers),
-                               probe_interval_s=config.health_probe_s))
+            tiers,
+            StoreConfig(
+                namespace=prefix,
+                write_policies=write_policies(config.tiers),
+                probe_interval_s=config.health_probe_s,
+            ),
+        )
         kind = "cpu" if kv_cache.device.type == "cpu" else "h200-llama-3-8b"
         base = default_priors(kind)
         priors = CostPriors(
@@ -133,8 +142,9 @@ class OffloadConnector:
         )
         try:
             if config.calibrate:
-                cost_model = _calibrate(store, kv_cache, priors, encoded_size(meta, keyed=True),
-                                        calibration, codec)
+                cost_model = _calibrate(
+                    store, kv_cache, priors, encoded_size(meta, keyed=True), calibration, codec
+                )
             else:
                 cost_model = OnlineCostModel.from_priors(priors)
         except BaseException:
@@ -214,8 +224,9 @@ class OffloadConnector:
             self.store.close()
 
 
-def resolve_config(source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None,
-                   namespace: Namespace) -> OffloadConfig:
+def resolve_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | OffloadConfig | None, namespace: Namespace
+) -> OffloadConfig:
     """The config ``source`` names (None: the defaults, an LMDB under the store prefix)."""
     if source is None:
         return default_offload_config(namespace.store_prefix())
@@ -252,13 +263,21 @@ def _place(store: HierarchicalStore, cost_model: OnlineCostModel, kv_cache: KVCa
     from are skipped by demotion (``HierarchicalStore.skip_tiers``), each logged with its
     figures."""
     verdicts = unprofitable_tiers(
-        cost_model.tier_costs(), cost_model.prefill_cost(), block_bytes=kv_cache.bytes_per_block,
+        cost_model.tier_costs(),
+        cost_model.prefill_cost(),
+        block_bytes=kv_cache.bytes_per_block,
         block_tokens=kv_cache.block_size,
-        max_prefix_tokens=max(kv_cache.num_blocks, 1) * kv_cache.block_size)
+        max_prefix_tokens=max(kv_cache.num_blocks, 1) * kv_cache.block_size,
+    )
     for v in verdicts:
-        log.info("kv placement: not writing to %s: a %d-token prefix loads in %.1f ms there, "
-                 "recomputes in %.1f ms", v.name, v.prefix_tokens, v.load_s * 1e3,
-                 v.recompute_s * 1e3)
+        log.info(
+            "kv placement: not writing to %s: a %d-token prefix loads in %.1f ms there, "
+            "recomputes in %.1f ms",
+            v.name,
+            v.prefix_tokens,
+            v.load_s * 1e3,
+            v.recompute_s * 1e3,
+        )
     store.skip_tiers([v.name for v in verdicts])
 
 

@@ -48,7 +48,9 @@ class PendingLoad:
     staging: cf.Future[Staged] | cf.Future[PipedLoad] | None = None
     job: PipeJob | None = None  # pipelined: the load thread's copies (cancel stops them)
     event: object | None = None  # CUDA: recorded after the last issued copy
-    timings: list[tuple[object, object, int]] = field(default_factory=list)  # CUDA start, end, bytes
+    timings: list[tuple[object, object, int]] = field(
+        default_factory=list
+    )  # CUDA start, end, bytes
     copy_seconds: float = 0.0  # CPU
     read_seconds: float = 0.0  # lower-tier staging (load thread)
     # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
@@ -58,15 +60,19 @@ class PendingLoad:
     def copy_time(self) -> float:
         """The load's copy time: CUDA events (all completed: the last one has) and CPU wall
         time. Reading a completed event's time never waits."""
-        pairs = ([self.shared] if self.shared is not None
-                 else [(b, e) for b, e, _ in self.timings])
+        pairs = [self.shared] if self.shared is not None else [(b, e) for b, e, _ in self.timings]
         device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
         return device + self.copy_seconds
 
 
 class SlabToCache:
-    def __init__(self, kv_cache: KVCache, copier: SlabCopier | None, side_stream: object | None,
-                 header_size: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        copier: SlabCopier | None,
+        side_stream: object | None,
+        header_size: int,
+    ) -> None:
         """``copier``: None without a host slab (nothing is copied); ``side_stream``: CUDA's
         copy stream, None on CPU; ``header_size``: a slot's codec header, before its payload."""
         self.kv_cache = kv_cache
@@ -95,7 +101,7 @@ class SlabToCache:
             for pending in loads:
                 self.copy(pending, list(pending.load.slab_offsets), forward_reads=True)
             return
-        ids = [b for p in loads for b in p.load.block_ids[:len(p.load.slab_offsets)]]
+        ids = [b for p in loads for b in p.load.block_ids[: len(p.load.slab_offsets)]]
         payload = [o + self._header_size for p in loads for o in p.load.slab_offsets]
         begin = torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.kv_cache.device)
@@ -118,7 +124,7 @@ class SlabToCache:
         if not offsets or self.copier is None:
             return
         start = pending.copied
-        ids = pending.load.block_ids[start:start + len(offsets)]
+        ids = pending.load.block_ids[start : start + len(offsets)]
         payload = [o + self._header_size for o in offsets]
         pending.copied += len(offsets)
         if self._side is None:

@@ -50,11 +50,23 @@ log = logging.getLogger(__name__)
 
 
 class HostLoader:
-    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
-                 stats: OffloadStats, side_stream: object | None, *, load_timeout_s: float,
-                 cost_model: OnlineCostModel | None, layered: bool = False,
-                 coalesced: bool = False, codec: Hi4Codec | None = None,
-                 layers_per_copy: int = 0, chunk_blocks: int = 0, depth: int = 2) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        store: HierarchicalStore,
+        meta: BlockMeta,
+        stats: OffloadStats,
+        side_stream: object | None,
+        *,
+        load_timeout_s: float,
+        cost_model: OnlineCostModel | None,
+        layered: bool = False,
+        coalesced: bool = False,
+        codec: Hi4Codec | None = None,
+        layers_per_copy: int = 0,
+        chunk_blocks: int = 0,
+        depth: int = 2,
+    ) -> None:
         """``layered``: in-step loads land layer by layer when the copier can (CUDA;
         ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
@@ -73,14 +85,25 @@ class HostLoader:
         self._check = HostCheck.for_meta(meta)  # how staged host blocks are located
         slab = store.host_slab()
         host = slab.slab_tensor() if slab is not None else None
-        self._copier = (SlabCopier(kv_cache, host, layered=layered, coalesce=coalesced, codec=codec,
-                                   layers_per_copy=layers_per_copy)
-                        if host is not None else None)
+        self._copier = (
+            SlabCopier(
+                kv_cache,
+                host,
+                layered=layered,
+                coalesce=coalesced,
+                codec=codec,
+                layers_per_copy=layers_per_copy,
+            )
+            if host is not None
+            else None
+        )
         self._copies = SlabToCache(kv_cache, self._copier, side_stream, self._headers.size)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._pipeline = (LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks,
-                                       depth=depth)
-                          if chunk_blocks > 0 and codec is None else None)
+        self._pipeline = (
+            LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks, depth=depth)
+            if chunk_blocks > 0 and codec is None
+            else None
+        )
         self._loads: dict[str, PendingLoad] = {}
         self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
@@ -163,8 +186,9 @@ class HostLoader:
     def _begin(self, load: BlockLoad) -> PendingLoad:
         now = time.monotonic()
         # A load prepared without the store (none given) gets an empty spec: its staging's pins.
-        spec = load.spec if load.spec is not None else self.store.prepare_load(load.keys,
-                                                                               claim=False)
+        spec = (
+            load.spec if load.spec is not None else self.store.prepare_load(load.keys, claim=False)
+        )
         pending = PendingLoad(load, spec, now + self.load_timeout_s, time.perf_counter())
         if load.in_step:  # copied by ``copy_in_step``, with the step's other in-step loads
             pending.issuing = False
@@ -194,8 +218,11 @@ class HostLoader:
         Never raises."""
         t0 = time.perf_counter()
         try:
-            run = (self.store.stage_load(spec, keys, self._check) if self._copier is not None
-                   else StagedRun(0))
+            run = (
+                self.store.stage_load(spec, keys, self._check)
+                if self._copier is not None
+                else StagedRun(0)
+            )
         except Exception:  # a read that fails is a miss; the request recomputes
             log.exception("kv staging of %d blocks failed", len(keys))
             return Staged(0, time.perf_counter() - t0)
@@ -215,8 +242,7 @@ class HostLoader:
         # concurrent write (this very read's promotions) may reuse their slots.
         with self.store.read_pinned(keys, decoded=True) as values:
             size = self.meta.payload_bytes
-            n = next((i for i, v in enumerate(values) if v is None or len(v) != size),
-                     len(values))
+            n = next((i for i, v in enumerate(values) if v is None or len(v) != size), len(values))
             data = torch.empty((n, size), dtype=torch.uint8, pin_memory=self._side is not None)
             rows = data.numpy()
             for i in range(n):
@@ -266,7 +292,7 @@ class HostLoader:
 
     def _copy_staged(self, pending: PendingLoad, staged: Staged) -> None:
         first = pending.copied
-        keys = pending.load.keys[first:first + staged.num_blocks]
+        keys = pending.load.keys[first : first + staged.num_blocks]
         pending.staging = None
         pending.issuing = False
         pending.read_seconds += staged.seconds
@@ -276,10 +302,10 @@ class HostLoader:
         if lead == len(keys) and data is not None and len(data):  # one sync scatter
             t0 = time.perf_counter()
             start = pending.copied
-            self._scatter(pending.load.block_ids[start:start + len(data)], data)
+            self._scatter(pending.load.block_ids[start : start + len(data)], data)
             pending.copy_seconds += time.perf_counter() - t0
             pending.copied += len(data)
-            keys = pending.load.keys[first:pending.copied]
+            keys = pending.load.keys[first : pending.copied]
         tiers = pending.load.source_tiers
         tier = tiers[first] if first < len(tiers) else ""
         if keys and tier and tier != "host" and self.cost_model is not None:
@@ -290,7 +316,9 @@ class HostLoader:
         """Payload rows read through the store (``_read_through``) into their blocks."""
         if self.codec is None:
             spec = self.kv_cache.spec
-            self.kv_cache.scatter_blocks(block_ids, data.view(spec.dtype).view(-1, *spec.block_shape))
+            self.kv_cache.scatter_blocks(
+                block_ids, data.view(spec.dtype).view(-1, *spec.block_shape)
+            )
             return
         rows = self.kv_cache.byte_rows()
         src = data.reshape(-1).to(rows.device)
@@ -307,12 +335,20 @@ class HostLoader:
             self._release(pending)
             n, load = pending.copied, pending.load
             seconds = time.perf_counter() - pending.started
-            self.stats.add(num_loads=1, failed_loads=int(n < len(load.keys)), loaded_blocks=n,
-                           loaded_bytes=n * self.meta.payload_bytes, load_seconds=seconds)
+            self.stats.add(
+                num_loads=1,
+                failed_loads=int(n < len(load.keys)),
+                loaded_blocks=n,
+                loaded_bytes=n * self.meta.payload_bytes,
+                load_seconds=seconds,
+            )
             copy_s = pending.copy_time()
             self._observe_host(pending, copy_s)
-            self._finished.append(LoadResult(req_id, n, len(load.keys), seconds, copy_s,
-                                             pending.read_seconds, load.in_step))
+            self._finished.append(
+                LoadResult(
+                    req_id, n, len(load.keys), seconds, copy_s, pending.read_seconds, load.in_step
+                )
+            )
         still: list[PendingLoad] = []
         for pending in self._draining:
             if (pending.staging is None or pending.staging.done()) and _done(pending.event):
@@ -344,4 +380,3 @@ class HostLoader:
 
 def _done(event: object | None) -> bool:
     return event is None or bool(event.query())  # type: ignore[attr-defined]
-

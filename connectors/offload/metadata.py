@@ -116,8 +116,9 @@ class WorkerReport:
 
     def load_timings(self) -> tuple[LoadTiming, ...]:
         """What the engine's TTFT breakdown takes from the finished loads."""
-        return tuple(LoadTiming(r.req_id, r.copy_s, r.in_step, r.read_s)
-                     for r in self.finished_loads)
+        return tuple(
+            LoadTiming(r.req_id, r.copy_s, r.in_step, r.read_s) for r in self.finished_loads
+        )
 
 
 EMPTY_REPORT = WorkerReport()

@@ -94,13 +94,21 @@ class PipedLoad:
 
 
 class LoadPipeline:
-    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, side_stream: object | None,
-                 *, chunk_blocks: int, depth: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        store: HierarchicalStore,
+        side_stream: object | None,
+        *,
+        chunk_blocks: int,
+        depth: int,
+    ) -> None:
         """Raises ValueError unless ``chunk_blocks`` >= 1 and ``depth`` >= 1. The staging ring
         (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread."""
         if chunk_blocks < 1 or depth < 1:
-            raise ValueError(f"load pipeline: chunk_blocks={chunk_blocks} and depth={depth} "
-                             "must be >= 1")
+            raise ValueError(
+                f"load pipeline: chunk_blocks={chunk_blocks} and depth={depth} must be >= 1"
+            )
         self.kv_cache = kv_cache
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -110,8 +118,11 @@ class LoadPipeline:
         self._nbytes = kv_cache.bytes_per_block
         self._ring: torch.Tensor | None = None
         self._slot_done: list[object | None] = [None] * depth
-        self._copier = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load-copy")
-                        if side_stream is None else None)
+        self._copier = (
+            cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load-copy")
+            if side_stream is None
+            else None
+        )
 
     def run(self, job: PipeJob) -> PipedLoad:
         """Load thread: read and copy ``job`` chunk by chunk until done, a miss or a cancel.
@@ -122,12 +133,12 @@ class LoadPipeline:
         timings: list[tuple[object, object, int]] = []
         ring = self._staging()
         for c, start in enumerate(range(0, len(job.keys), self.chunk_blocks)):
-            keys = job.keys[start:start + self.chunk_blocks]
+            keys = job.keys[start : start + self.chunk_blocks]
             k = c % self.depth
             done = self._slot_done[k]
             if done is not None:  # the slot's previous copy must have read it
                 done.synchronize()  # type: ignore[attr-defined]
-            rows = ring[k * self.chunk_blocks:(k + 1) * self.chunk_blocks]
+            rows = ring[k * self.chunk_blocks : (k + 1) * self.chunk_blocks]
             t1 = time.perf_counter()
             try:
                 n = self.read_chunk(keys, rows)
@@ -138,7 +149,7 @@ class LoadPipeline:
             with job.lock:
                 if job.cancelled or n == 0:
                     break
-                ids = job.block_ids[start:start + n]
+                ids = job.block_ids[start : start + n]
                 if self._side is None:
                     future = self._copier.submit(self._copy_cpu, ids, rows[:n])  # type: ignore[union-attr]
                     cpu_copy.append(future)
@@ -176,25 +187,29 @@ class LoadPipeline:
 
     def _staging(self) -> torch.Tensor:
         if self._ring is None:
-            self._ring = torch.empty((self.depth * self.chunk_blocks, self._nbytes),
-                                     dtype=torch.uint8, pin_memory=self._side is not None)
+            self._ring = torch.empty(
+                (self.depth * self.chunk_blocks, self._nbytes),
+                dtype=torch.uint8,
+                pin_memory=self._side is not None,
+            )
         return self._ring
 
     def _copy_cpu(self, ids: tuple[int, ...], rows: torch.Tensor) -> float:
         t0 = time.perf_counter()
         for dst, src, n in _runs(ids):
-            self._rows[dst:dst + n].copy_(rows[src:src + n])
+            self._rows[dst : dst + n].copy_(rows[src : src + n])
         return time.perf_counter() - t0
 
-    def _copy_cuda(self, ids: tuple[int, ...], rows: torch.Tensor, ready: object | None
-                   ) -> tuple[object, object]:
+    def _copy_cuda(
+        self, ids: tuple[int, ...], rows: torch.Tensor, ready: object | None
+    ) -> tuple[object, object]:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._side):  # type: ignore[arg-type]
             if ready is not None:  # the blocks' previous owner's forwards wrote them first
                 self._side.wait_event(ready)  # type: ignore[attr-defined]
             begin.record(self._side)  # type: ignore[arg-type]
             for dst, src, n in _runs(ids):
-                self._rows[dst:dst + n].copy_(rows[src:src + n], non_blocking=True)
+                self._rows[dst : dst + n].copy_(rows[src : src + n], non_blocking=True)
             end.record(self._side)  # type: ignore[arg-type]
         return begin, end
 

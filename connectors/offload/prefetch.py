@@ -69,8 +69,9 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         self._closed = False
 
-    def start(self, req_id: str, keys: Sequence[BlockKey], first_block: int,
-              num_tokens: int) -> bool:
+    def start(
+        self, req_id: str, keys: Sequence[BlockKey], first_block: int, num_tokens: int
+    ) -> bool:
         """Begin prefetching ``keys`` (the request's blocks past its GPU hit, block
         ``first_block`` on). False (nothing started) when there is nothing to do or the budget
         is spent."""
@@ -96,8 +97,11 @@ class Prefetcher:
             num_load = min(self._num_to_load(first_block, tiers, num_tokens), len(tiers))
             if num_load > host_lead and any(i > 0 for i in found.served_by[:num_load]):
                 wanted = job.keys[:num_load]
-                lower = {k: self.store.tiers[i].name
-                         for k, i in zip(wanted, found.served_by, strict=False) if i > 0}
+                lower = {
+                    k: self.store.tiers[i].name
+                    for k, i in zip(wanted, found.served_by, strict=False)
+                    if i > 0
+                }
                 spec = self.store.prepare_load(wanted, claim=False)  # holds nothing yet
                 n = self.store.stage_load(spec, wanted).num_pinned
                 pinned = wanted[:n]
@@ -149,16 +153,14 @@ class Prefetcher:
                 self._num_pinned -= len(job.pinned)
         if job.placed:
             used = len(job.placed.keys() & set(loaded_keys))
-            self.stats.add(prefetch_used_blocks=used,
-                           prefetch_wasted_blocks=len(job.placed) - used)
+            self.stats.add(prefetch_used_blocks=used, prefetch_wasted_blocks=len(job.placed) - used)
 
     def wait_any(self, timeout_s: float) -> bool:
         """Block until a running job ends, at most ``timeout_s``; False when none was running
         (or none ended in time). For a step that scheduled nothing because every waiting
         request's answer is "not yet": the engine waits here instead of spinning."""
         with self._lock:
-            running = [j.future for j in self._jobs.values()
-                       if not j.done and j.future is not None]
+            running = [j.future for j in self._jobs.values() if not j.done and j.future is not None]
         if not running:
             return False
         done, _ = wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)

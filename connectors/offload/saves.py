@@ -47,9 +47,15 @@ class _Batch:
 
 
 class HostSaver:
-    def __init__(self, kv_cache: KVCache, store: HierarchicalStore, meta: BlockMeta,
-                 stats: OffloadStats, side_stream: object | None,
-                 codec: Hi4Codec | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        store: HierarchicalStore,
+        meta: BlockMeta,
+        stats: OffloadStats,
+        side_stream: object | None,
+        codec: Hi4Codec | None = None,
+    ) -> None:
         """``codec``: blocks are stored encoded (``meta`` describes the encoded payload)."""
         self.kv_cache = kv_cache
         self.codec = codec
@@ -71,8 +77,11 @@ class HostSaver:
         # must be read out before it is written.
         self.gather_event: object | None = None
         self._sealing: list[cf.Future[None]] = []
-        self._pool = (cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-seal")
-                      if side_stream is not None else None)
+        self._pool = (
+            cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-seal")
+            if side_stream is not None
+            else None
+        )
 
     def start(self, saves: tuple[BlockSave, ...], reuse: bool) -> None:
         """Reserve slots and issue the copies of ``saves`` (engine thread, before the forward)."""
@@ -110,15 +119,18 @@ class HostSaver:
         if self._side is None:
             if self._copier is not None:
                 self._copier.to_host([ids[r] for r in rows], offsets)
-            spilled = [(k, self._encode(self.kv_cache.gather_blocks([ids[r]]))[0].clone())
-                       for r, k in spill]
+            spilled = [
+                (k, self._encode(self.kv_cache.gather_blocks([ids[r]]))[0].clone())
+                for r, k in spill
+            ]
         else:
             compute = torch.cuda.current_stream(self.kv_cache.device)
             event = torch.cuda.Event()
             with torch.cuda.stream(self._side):  # type: ignore[arg-type]
                 self._side.wait_stream(compute)  # type: ignore[attr-defined]
                 gathered = self.kv_cache.byte_rows().index_select(
-                    0, torch.as_tensor(ids, device=self.kv_cache.device))
+                    0, torch.as_tensor(ids, device=self.kv_cache.device)
+                )
                 gather_done = torch.cuda.Event()
                 gather_done.record(self._side)
                 self.gather_event = gather_done
@@ -189,8 +201,15 @@ class HostSaver:
             spilled = [(k, t) for k, t in batch.spilled if self._storable(t)]
             dropped += len(batch.spilled) - len(spilled)
             if spilled:
-                items = [(k, encode_block(memoryview(t.contiguous().view(torch.uint8).numpy()),
-                                          self.meta, key=k)) for k, t in spilled]
+                items = [
+                    (
+                        k,
+                        encode_block(
+                            memoryview(t.contiguous().view(torch.uint8).numpy()), self.meta, key=k
+                        ),
+                    )
+                    for k, t in spilled
+                ]
                 written += self.store.put_many(items)
         except Exception:
             log.exception("kv save of %d blocks failed", len(keys))
@@ -198,6 +217,9 @@ class HostSaver:
                 self.store.abort_host(key)
         finally:
             self.store.complete_store(keys, True)
-        self.stats.add(saved_blocks=written, saved_bytes=written * self.meta.payload_bytes,
-                       save_seconds=time.perf_counter() - batch.started,
-                       save_incompressible_blocks=dropped)
+        self.stats.add(
+            saved_blocks=written,
+            saved_bytes=written * self.meta.payload_bytes,
+            save_seconds=time.perf_counter() - batch.started,
+            save_incompressible_blocks=dropped,
+        )

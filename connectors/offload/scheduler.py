@@ -118,8 +118,8 @@ class OffloadScheduler:
         self.prefetcher: Prefetcher | None = None
         if prefetch_budget_blocks > 0 and len(store.tiers) > 1 and store.host_slab() is not None:
             self.prefetcher = Prefetcher(
-                store, stats, budget_blocks=prefetch_budget_blocks,
-                num_to_load=self._num_to_load)
+                store, stats, budget_blocks=prefetch_budget_blocks, num_to_load=self._num_to_load
+            )
 
     # -- BlockPoolListener ---------------------------------------------------------------
 
@@ -190,12 +190,20 @@ class OffloadScheduler:
             offsets = spec.host_offsets
             unlocated, num_load = num_load - len(offsets), len(offsets)
         self._plans[request.req_id] = _Plan(
-            num_computed_tokens, tuple(keys[: found.num_blocks]), tiers, head, num_load,
-            option.strategy, spec, unlocated, option.predicted_s,
+            num_computed_tokens,
+            tuple(keys[: found.num_blocks]),
+            tiers,
+            head,
+            num_load,
+            option.strategy,
+            spec,
+            unlocated,
+            option.predicted_s,
         )
         in_step = bool(offsets) or unlocated > 0
         return ExternalHit(
-            num_tokens=num_load * bs, load_async=num_load > 0 and not in_step,
+            num_tokens=num_load * bs,
+            load_async=num_load > 0 and not in_step,
             num_head_tokens=head * bs,
         )
 
@@ -271,11 +279,27 @@ class OffloadScheduler:
         if record:
             _record_plan(request, plan, num_gpu_hit_tokens, head * bs, num_load * bs)
         if num_load:
-            self._start_load(request, plan, block_ids, num_gpu_hit_tokens // bs + head,
-                             slice(head, head + num_load), offsets, record=record and head == 0)
+            self._start_load(
+                request,
+                plan,
+                block_ids,
+                num_gpu_hit_tokens // bs + head,
+                slice(head, head + num_load),
+                offsets,
+                record=record and head == 0,
+            )
 
-    def _start_load(self, request: Request, plan: _Plan, block_ids: list[int], first: int,
-                    loaded: slice, offsets: tuple[int, ...], *, record: bool) -> None:
+    def _start_load(
+        self,
+        request: Request,
+        plan: _Plan,
+        block_ids: list[int],
+        first: int,
+        loaded: slice,
+        offsets: tuple[int, ...],
+        *,
+        record: bool,
+    ) -> None:
         """Hand the worker the load of ``plan.keys[loaded]`` into the request's blocks from
         block ``first`` on (in-step when ``offsets``, its slots located at planning)."""
         bs = self.block_size
@@ -324,8 +348,12 @@ class OffloadScheduler:
                     request.kv_decision = Strategy.RECOMPUTE
             if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
                 if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
-                    log.error("in-step load of %s came back short (%d/%d blocks)",
-                              result.req_id, n, result.num_requested_blocks)
+                    log.error(
+                        "in-step load of %s came back short (%d/%d blocks)",
+                        result.req_id,
+                        n,
+                        result.num_requested_blocks,
+                    )
                 continue
             self._finished[result.req_id] = inflight.load.first_token + n * bs
 
@@ -386,13 +414,15 @@ def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
     return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))
 
 
-def _record_plan(request: Request, plan: _Plan, num_gpu_tokens: int, num_head_tokens: int,
-                 num_load_tokens: int) -> None:
+def _record_plan(
+    request: Request, plan: _Plan, num_gpu_tokens: int, num_head_tokens: int, num_load_tokens: int
+) -> None:
     """The planned split, for the request log (measured parts come later)."""
     if num_load_tokens:
         request.kv_decision = plan.decision
     request.kv_plan = {
-        "gpu_tokens": num_gpu_tokens, "head_tokens": num_head_tokens,
+        "gpu_tokens": num_gpu_tokens,
+        "head_tokens": num_head_tokens,
         "load_tokens": num_load_tokens,
         "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
         "predicted_s": round(plan.predicted_s, 6),

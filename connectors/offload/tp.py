@@ -42,8 +42,9 @@ def head_groups(total: int, rank: int, size: int, group: int) -> list[tuple[int,
     per = total // size
     g = group or per
     if per % g:
-        raise ConfigError(f"kv offload: kv_head_group {group} does not divide the {per} KV "
-                          f"heads a rank holds")
+        raise ConfigError(
+            f"kv offload: kv_head_group {group} does not divide the {per} KV heads a rank holds"
+        )
     return [(h, h + g) for h in range(rank * per, (rank + 1) * per, g)]
 
 
@@ -75,10 +76,17 @@ class LoadMerger:
                     continue
                 del self._seen[r.req_id]
                 rs = list(got.values())
-                done.append(LoadResult(
-                    r.req_id, min(x.num_loaded_blocks for x in rs), r.num_requested_blocks,
-                    max(x.seconds for x in rs), max(x.copy_s for x in rs),
-                    max(x.read_s for x in rs), all(x.in_step for x in rs)))
+                done.append(
+                    LoadResult(
+                        r.req_id,
+                        min(x.num_loaded_blocks for x in rs),
+                        r.num_requested_blocks,
+                        max(x.seconds for x in rs),
+                        max(x.copy_s for x in rs),
+                        max(x.read_s for x in rs),
+                        all(x.in_step for x in rs),
+                    )
+                )
         return tuple(done)
 
 
@@ -89,8 +97,14 @@ class GroupedWorker:
     layered_loads = False
     load_stages = 1
 
-    def __init__(self, kv_cache: KVCache, workers: list[OffloadWorker], base: str,
-                 prefixes: list[str], shadows: list[KVCache] | None) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        workers: list[OffloadWorker],
+        base: str,
+        prefixes: list[str],
+        shadows: list[KVCache] | None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.workers = workers
         self._base = base
@@ -101,7 +115,9 @@ class GroupedWorker:
         self._targets: dict[str, tuple[int, ...]] = {}  # req_id -> its load's blocks
 
     def _rename(self, key: str, g: int) -> str:
-        return key if self._prefixes[g] == self._base else self._prefixes[g] + key[len(self._base):]
+        return (
+            key if self._prefixes[g] == self._base else self._prefixes[g] + key[len(self._base) :]
+        )
 
     def _saves(self, saves: tuple[BlockSave, ...], g: int) -> tuple[BlockSave, ...]:
         return tuple(BlockSave(s.block_id, self._rename(s.key, g)) for s in saves)
@@ -109,8 +125,10 @@ class GroupedWorker:
     def _meta(self, meta: KVConnectorMetadata, g: int) -> KVConnectorMetadata:
         if self._prefixes[g] == self._base:
             return meta
-        loads = tuple(dataclasses.replace(x, keys=tuple(self._rename(k, g) for k in x.keys))
-                      for x in meta.loads)
+        loads = tuple(
+            dataclasses.replace(x, keys=tuple(self._rename(k, g) for k in x.keys))
+            for x in meta.loads
+        )
         return dataclasses.replace(meta, saves=self._saves(meta.saves, g), loads=loads)
 
     def start_load_kv(self, metadata: object | None) -> None:
@@ -123,8 +141,9 @@ class GroupedWorker:
             self._targets.update((x.req_id, x.block_ids) for x in metadata.loads)
             self._to_shadows([s.block_id for s in metadata.saves])
         for g, worker in enumerate(self.workers):
-            worker.start_load_kv(self._meta(metadata, g)
-                                 if isinstance(metadata, KVConnectorMetadata) else metadata)
+            worker.start_load_kv(
+                self._meta(metadata, g) if isinstance(metadata, KVConnectorMetadata) else metadata
+            )
 
     def wait_for_save(self) -> None:
         for worker in self.workers:
@@ -157,7 +176,7 @@ class GroupedWorker:
         src = self.kv_cache.tensor.index_select(0, idx)  # [n, layers, 2, bs, heads, dim]
         width = self._shadows[0].spec.num_kv_heads
         for g, shadow in enumerate(self._shadows):
-            shadow.tensor[idx] = src[:, :, :, :, g * width:(g + 1) * width]
+            shadow.tensor[idx] = src[:, :, :, :, g * width : (g + 1) * width]
 
     def _from_shadows(self, ids: list[int]) -> None:
         if self._shadows is None or not ids:
@@ -165,7 +184,7 @@ class GroupedWorker:
         idx = torch.as_tensor(ids, dtype=torch.long, device=self.kv_cache.device)
         width = self._shadows[0].spec.num_kv_heads
         for g, shadow in enumerate(self._shadows):
-            self.kv_cache.tensor[idx, :, :, :, g * width:(g + 1) * width] = shadow.tensor[idx]
+            self.kv_cache.tensor[idx, :, :, :, g * width : (g + 1) * width] = shadow.tensor[idx]
 
 
 def _codec(config: OffloadConfig, cache: KVCache) -> Hi4Codec | None:
@@ -177,9 +196,16 @@ def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace
     return namespace if codec is None else dataclasses.replace(namespace, kv_format=codec.name)
 
 
-def _build(cls: Any, config: OffloadConfig, kv_cache: KVCache, namespace: Namespace,
-           calibration: CalibrationTarget | None, rank: int, size: int,
-           total: int) -> tuple[Any, GroupedWorker]:
+def _build(
+    cls: Any,
+    config: OffloadConfig,
+    kv_cache: KVCache,
+    namespace: Namespace,
+    calibration: CalibrationTarget | None,
+    rank: int,
+    size: int,
+    total: int,
+) -> tuple[Any, GroupedWorker]:
     """Rank ``rank``'s connector: its store, its scheduler side (used on rank 0 only) and
     a worker per head group."""
     groups = head_groups(total, rank, size, config.kv_head_group)
@@ -189,20 +215,32 @@ def _build(cls: Any, config: OffloadConfig, kv_cache: KVCache, namespace: Namesp
         spec = dataclasses.replace(kv_cache.spec, num_kv_heads=width)
         shadows = [KVCache(spec, kv_cache.num_blocks, kv_cache.device) for _ in groups]
     caches = shadows or [kv_cache]
-    inner = cls.create(config, caches[0], slice_namespace(namespace, groups[0], total),
-                                    calibration=calibration)
+    inner = cls.create(
+        config, caches[0], slice_namespace(namespace, groups[0], total), calibration=calibration
+    )
     codec = _codec(config, caches[0])
     workers = [inner.worker]
     for cache in caches[1:]:
         meta = block_meta(cache, _stored_namespace(namespace, codec).store_prefix(), codec)
-        workers.append(OffloadWorker(
-            cache, inner.store, meta, load_timeout_s=config.load_timeout_s, stats=inner.counters,
-            cost_model=inner.cost_model, coalesced_loads=config.coalesced_loads, codec=_codec(config, cache),
-            load_chunk_bytes=config.load_chunk_bytes, load_pipeline_depth=config.load_pipeline_depth))
+        workers.append(
+            OffloadWorker(
+                cache,
+                inner.store,
+                meta,
+                load_timeout_s=config.load_timeout_s,
+                stats=inner.counters,
+                cost_model=inner.cost_model,
+                coalesced_loads=config.coalesced_loads,
+                codec=_codec(config, cache),
+                load_chunk_bytes=config.load_chunk_bytes,
+                load_pipeline_depth=config.load_pipeline_depth,
+            )
+        )
     first = head_groups(total, 0, size, config.kv_head_group)[0]
     base = _stored_namespace(slice_namespace(namespace, first, total), codec).key_prefix()
-    prefixes = [_stored_namespace(slice_namespace(namespace, g, total), codec).key_prefix()
-                for g in groups]
+    prefixes = [
+        _stored_namespace(slice_namespace(namespace, g, total), codec).key_prefix() for g in groups
+    ]
     grouped = GroupedWorker(kv_cache, workers, base, prefixes, shadows)
     inner.worker = grouped  # type: ignore[assignment]
     # A block costs a rank all its groups' objects: price the bytes of its whole slice (the
@@ -213,8 +251,9 @@ def _build(cls: Any, config: OffloadConfig, kv_cache: KVCache, namespace: Namesp
 
 def _tp_config(config: OffloadConfig, rank: int) -> OffloadConfig:
     # Only rank 0 calibrates (its prefills run on every rank through the driver).
-    return dataclasses.replace(config, in_step_host_loads=False, prefetch=False,
-                               calibrate=config.calibrate and rank == 0)
+    return dataclasses.replace(
+        config, in_step_host_loads=False, prefetch=False, calibrate=config.calibrate and rank == 0
+    )
 
 
 class TPOffloadConnector:
@@ -281,9 +320,14 @@ class RankConnector:
         self.inner.close()  # idempotent
 
 
-def create_tp_connector(cls: Any, config: OffloadConfig, kv_cache: KVCache,
-                        namespace: Namespace, calibration: CalibrationTarget | None,
-                        tp: Any) -> TPOffloadConnector:
+def create_tp_connector(
+    cls: Any,
+    config: OffloadConfig,
+    kv_cache: KVCache,
+    namespace: Namespace,
+    calibration: CalibrationTarget | None,
+    tp: Any,
+) -> TPOffloadConnector:
     """Rank 0's connector, ``cls`` (``OffloadConnector``) per head group's store; with
     ``tp`` (the engine's driver), every other rank builds its share first
     (``create_rank_connector``)."""
@@ -293,12 +337,15 @@ def create_tp_connector(cls: Any, config: OffloadConfig, kv_cache: KVCache,
     if tp is not None:
         tp.command("offload", ("offload", (config, namespace, total)))
         tp.offload_ranks = True
-    inner, grouped = _build(cls, _tp_config(config, 0), kv_cache, namespace, calibration, 0, size, total)
+    inner, grouped = _build(
+        cls, _tp_config(config, 0), kv_cache, namespace, calibration, 0, size, total
+    )
     return TPOffloadConnector(inner, grouped, tp)
 
 
-def create_rank_connector(cls: Any, spec: tuple[OffloadConfig, Namespace, int],
-                          kv_cache: KVCache, rank: int, size: int) -> RankConnector:
+def create_rank_connector(
+    cls: Any, spec: tuple[OffloadConfig, Namespace, int], kv_cache: KVCache, rank: int, size: int
+) -> RankConnector:
     config, namespace, total = spec
     inner, _ = _build(cls, _tp_config(config, rank), kv_cache, namespace, None, rank, size, total)
     return RankConnector(inner)

@@ -37,12 +37,18 @@ from engine.kv_cache import KVCache
 KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] per block
 
 
-def block_meta(kv_cache: KVCache, namespace_prefix: str, codec: Hi4Codec | None = None) -> BlockMeta:
+def block_meta(
+    kv_cache: KVCache, namespace_prefix: str, codec: Hi4Codec | None = None
+) -> BlockMeta:
     """The codec metadata of one block of ``kv_cache`` (its encoded size sizes host slots);
     with ``codec``, of its compressed payload (bytes, in a layout naming the format)."""
     if codec is not None:
-        return BlockMeta(dtype="uint8", shape=(codec.payload_bytes,),
-                         layout=f"{KV_LAYOUT}+{codec.name}", namespace=namespace_prefix)
+        return BlockMeta(
+            dtype="uint8",
+            shape=(codec.payload_bytes,),
+            layout=f"{KV_LAYOUT}+{codec.name}",
+            namespace=namespace_prefix,
+        )
     return BlockMeta(
         dtype=str(kv_cache.spec.dtype),
         shape=kv_cache.spec.block_shape,
@@ -84,13 +90,21 @@ class OffloadWorker:
         self._save_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
         self._load_stream = torch.cuda.Stream(kv_cache.device) if cuda else None
         self._saver = HostSaver(kv_cache, store, meta, stats, self._save_stream, codec)
-        self._loader = HostLoader(kv_cache, store, meta, stats, self._load_stream,
-                                  load_timeout_s=load_timeout_s, cost_model=cost_model,
-                                  layered=layered_loads, coalesced=coalesced_loads, codec=codec,
-                                  layers_per_copy=layers_per_copy,
-                                  chunk_blocks=chunk_blocks_for(load_chunk_bytes,
-                                                                kv_cache.bytes_per_block),
-                                  depth=load_pipeline_depth)
+        self._loader = HostLoader(
+            kv_cache,
+            store,
+            meta,
+            stats,
+            self._load_stream,
+            load_timeout_s=load_timeout_s,
+            cost_model=cost_model,
+            layered=layered_loads,
+            coalesced=coalesced_loads,
+            codec=codec,
+            layers_per_copy=layers_per_copy,
+            chunk_blocks=chunk_blocks_for(load_chunk_bytes, kv_cache.bytes_per_block),
+            depth=load_pipeline_depth,
+        )
 
     @property
     def layered_loads(self) -> bool:
@@ -121,8 +135,9 @@ class OffloadWorker:
             # A block saved this step may be a load's destination: read out first (the gather
             # is a device copy; the slow device -> host part does not hold loads up).
             self._load_stream.wait_event(self._saver.gather_event)  # type: ignore[arg-type]
-        self._loader.start(metadata.loads, metadata.cancelled_loads,
-                           idle=metadata.num_scheduled_requests == 0)
+        self._loader.start(
+            metadata.loads, metadata.cancelled_loads, idle=metadata.num_scheduled_requests == 0
+        )
 
     def wait_for_save(self) -> None:
         self._saver.end_step()

@@ -54,26 +54,34 @@ def parse_storage_config(extra: Mapping[str, Any] | None) -> SglangStorageConfig
     source = own.pop("kvtier_config", None)
     if source is None:
         if "tiers" not in extra:
-            raise ConfigError("kvtier SGLang backend: the extra config needs 'kvtier_config' "
-                              "(a tier YAML path or mapping) or inline 'tiers'")
+            raise ConfigError(
+                "kvtier SGLang backend: the extra config needs 'kvtier_config' "
+                "(a tier YAML path or mapping) or inline 'tiers'"
+            )
         source = extra
     elif extra:
-        raise ConfigError(f"kvtier SGLang backend: unknown key(s) {sorted(extra)} beside "
-                          f"'kvtier_config'; known: {list(OWN_KEYS + SGLANG_KEYS)}")
+        raise ConfigError(
+            f"kvtier SGLang backend: unknown key(s) {sorted(extra)} beside "
+            f"'kvtier_config'; known: {list(OWN_KEYS + SGLANG_KEYS)}"
+        )
     if not isinstance(source, (str, Mapping)):
-        raise ConfigError(f"kvtier SGLang backend: 'kvtier_config' must be a path or a "
-                          f"mapping, got {source!r}")
+        raise ConfigError(
+            f"kvtier SGLang backend: 'kvtier_config' must be a path or a mapping, got {source!r}"
+        )
     offload = load_offload_config(source)
     if offload.compression != "none":
         raise ConfigError("kvtier SGLang backend: compression must be 'none' (raw pages)")
     fingerprint = own.get("model_fingerprint")
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
-        raise ConfigError(f"kvtier SGLang backend: model_fingerprint must be a non-empty "
-                          f"string, got {fingerprint!r}")
+        raise ConfigError(
+            f"kvtier SGLang backend: model_fingerprint must be a non-empty "
+            f"string, got {fingerprint!r}"
+        )
     staging = own.get("staging_bytes", DEFAULT_STAGING_BYTES)
     if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
-        raise ConfigError(f"kvtier SGLang backend: staging_bytes must be a positive integer, "
-                          f"got {staging!r}")
+        raise ConfigError(
+            f"kvtier SGLang backend: staging_bytes must be a positive integer, got {staging!r}"
+        )
     stats_file = own.get("stats_file")
     if stats_file is not None and (not isinstance(stats_file, str) or not stats_file):
         raise ConfigError(f"kvtier SGLang backend: stats_file must be a path, got {stats_file!r}")

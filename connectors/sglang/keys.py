@@ -32,18 +32,35 @@ LAYOUT_VERSION = 1  # bump when the stored page payload changes (pages.PageLayou
 _HEX = frozenset(string.hexdigits.lower())
 
 
-def layout_name(kind: str, dtype: str, num_layers: int, num_heads: int, head_dim: int,
-                v_head_dim: int, page_size: int, host_layout: str, shard: str = "") -> str:
+def layout_name(
+    kind: str,
+    dtype: str,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    page_size: int,
+    host_layout: str,
+    shard: str = "",
+) -> str:
     """The stored page layout, e.g. ``sglang1:mha:bfloat16:L32:h8:d128/128:p64:page_first``.
     ``kind`` is ``mha`` or ``mla``; ``shard`` names pipeline / context-parallel shards."""
     dtype = dtype.removeprefix("torch.")
-    name = (f"sglang{LAYOUT_VERSION}:{kind}:{dtype}:L{num_layers}:h{num_heads}:"
-            f"d{head_dim}/{v_head_dim}:p{page_size}:{host_layout}")
+    name = (
+        f"sglang{LAYOUT_VERSION}:{kind}:{dtype}:L{num_layers}:h{num_heads}:"
+        f"d{head_dim}/{v_head_dim}:p{page_size}:{host_layout}"
+    )
     return f"{name}:{shard}" if shard else name
 
 
-def shard_name(pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0, cp_size: int = 1,
-               dcp_rank: int = 0, dcp_size: int = 1) -> str:
+def shard_name(
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
+) -> str:
     """The parallel shard a rank's pages belong to, beside TP ('' when not sharded)."""
     parts = []
     if pp_size > 1:
@@ -55,14 +72,20 @@ def shard_name(pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0, cp_size: in
     return ",".join(parts)
 
 
-def make_namespace(model_fingerprint: str, layout: str, page_size: int, tp_rank: int,
-                   tp_size: int, is_mla: bool) -> Namespace:
+def make_namespace(
+    model_fingerprint: str, layout: str, page_size: int, tp_rank: int, tp_size: int, is_mla: bool
+) -> Namespace:
     """The namespace of one SGLang rank's pages (MLA: shared by all TP ranks).
     Raises ValueError for a bad rank or page size."""
     if is_mla:
         tp_rank, tp_size = 0, 1
-    return Namespace(model_fingerprint=model_fingerprint, block_size=page_size,
-                     tp_rank=tp_rank, tp_size=tp_size, kv_format=layout)
+    return Namespace(
+        model_fingerprint=model_fingerprint,
+        block_size=page_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_format=layout,
+    )
 
 
 def page_key(prefix: str, sglang_key: str) -> BlockKey:

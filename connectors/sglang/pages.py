@@ -43,20 +43,32 @@ class HostPages:
         _, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
         self.zero_copy = sum(sizes) == self.page_bytes
         heads, head_dim, v_dim = _geometry(pool, is_mla)
-        self.layout = layout_name("mla" if is_mla else "mha", self.dtype, int(pool.layer_num),
-                                  heads, head_dim, v_dim, self.page_size, self.host_layout,
-                                  shard)
+        self.layout = layout_name(
+            "mla" if is_mla else "mha",
+            self.dtype,
+            int(pool.layer_num),
+            heads,
+            head_dim,
+            v_dim,
+            self.page_size,
+            self.host_layout,
+            shard,
+        )
 
     def views(self, host_indices: torch.Tensor) -> list[list[memoryview]]:
         """Per page of ``host_indices`` (``page_size`` slots a page, as SGLang passes them),
         the page's segments as writable memoryviews over the pool, in payload order.
         Raises RuntimeError for a pointer outside the pool, ValueError for a bad length."""
         if not self.zero_copy:
-            raise RuntimeError(f"kvtier: host layout {self.host_layout} has no zero-copy "
-                               "page view; leave 'interface_v1' out of the extra config")
+            raise RuntimeError(
+                f"kvtier: host layout {self.host_layout} has no zero-copy "
+                "page view; leave 'interface_v1' out of the extra config"
+            )
         if host_indices.numel() % self.page_size:
-            raise ValueError(f"kvtier: {host_indices.numel()} host indices is not a whole "
-                             f"number of {self.page_size}-token pages")
+            raise ValueError(
+                f"kvtier: {host_indices.numel()} host indices is not a whole "
+                f"number of {self.page_size}-token pages"
+            )
         num_pages = host_indices.numel() // self.page_size
         if num_pages == 0:
             return []
@@ -73,8 +85,10 @@ class HostPages:
     def _view(self, ptr: int, size: int) -> memoryview:
         ptr, size = int(ptr), int(size)
         if not any(lo <= ptr and ptr + size <= hi for lo, hi in self._ranges):
-            raise RuntimeError(f"kvtier: SGLang handed a page segment at {ptr:#x}+{size} "
-                               "outside its host pool's buffers")
+            raise RuntimeError(
+                f"kvtier: SGLang handed a page segment at {ptr:#x}+{size} "
+                "outside its host pool's buffers"
+            )
         return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
@@ -105,7 +119,7 @@ def copy_in(segments: Sequence[memoryview], payload: memoryview) -> None:
         raise ValueError("kvtier: payload and page sizes differ")
     pos = 0
     for seg in segments:
-        seg[:] = payload[pos:pos + seg.nbytes]
+        seg[:] = payload[pos : pos + seg.nbytes]
         pos += seg.nbytes
 
 
@@ -113,5 +127,5 @@ def copy_out(segments: Sequence[memoryview], out: memoryview) -> None:
     """Gather ``segments`` into ``out`` (mutates it)."""
     pos = 0
     for seg in segments:
-        out[pos:pos + seg.nbytes] = seg
+        out[pos : pos + seg.nbytes] = seg
         pos += seg.nbytes

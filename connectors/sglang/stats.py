@@ -63,8 +63,9 @@ class Counters:
         if pages <= 0:
             return
         with self._lock:
-            pgs, bw = (self._window[1], self._window[3]) if write else \
-                (self._window[0], self._window[2])
+            pgs, bw = (
+                (self._window[1], self._window[3]) if write else (self._window[0], self._window[2])
+            )
             pgs.append(pages)
             bw.append(pages * self.page_gb / max(seconds, 1e-9))
 

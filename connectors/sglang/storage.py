@@ -66,8 +66,9 @@ Sink = Callable[[int, memoryview], None]  # (page number in the call, payload)
 
 
 class KvtierHiCacheStorage(HiCacheStorage):
-    def __init__(self, storage_config: HiCacheStorageConfig,
-                 kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Parses the extra config (ConfigError, one line); builds nothing until SGLang
         registers its host pool (``register_mem_pool_host``)."""
         self.storage_config = storage_config
@@ -85,38 +86,57 @@ class KvtierHiCacheStorage(HiCacheStorage):
         layout is accepted, of another layout raises ValueError)."""
         super().register_mem_pool_host(mem_pool_host)
         cfg = self.storage_config
-        shard = shard_name(cfg.pp_rank, cfg.pp_size, cfg.attn_cp_rank, cfg.attn_cp_size,
-                           cfg.dcp_rank, cfg.dcp_size)
+        shard = shard_name(
+            cfg.pp_rank, cfg.pp_size, cfg.attn_cp_rank, cfg.attn_cp_size, cfg.dcp_rank, cfg.dcp_size
+        )
         pages = HostPages(mem_pool_host, cfg.is_mla_model, shard)
         if self.store is not None:
             if self.pages is not None and pages.layout != self.pages.layout:
-                raise ValueError(f"kvtier: a second host pool of layout {pages.layout}; "
-                                 f"the store holds {self.pages.layout}")
+                raise ValueError(
+                    f"kvtier: a second host pool of layout {pages.layout}; "
+                    f"the store holds {self.pages.layout}"
+                )
             self.pages = pages
             return
         model = self.config.model_fingerprint or cfg.model_name
         if not model:
-            raise ConfigError("kvtier SGLang backend: SGLang gave no model name; set "
-                              "'model_fingerprint' in the extra config")
-        self.namespace = make_namespace(model, pages.layout, pages.page_size, cfg.tp_rank,
-                                        cfg.tp_size, cfg.is_mla_model)
+            raise ConfigError(
+                "kvtier SGLang backend: SGLang gave no model name; set "
+                "'model_fingerprint' in the extra config"
+            )
+        self.namespace = make_namespace(
+            model, pages.layout, pages.page_size, cfg.tp_rank, cfg.tp_size, cfg.is_mla_model
+        )
         prefix = self.namespace.key_prefix()
         itemsize = DTYPE_ITEMSIZE.get(pages.dtype, 0)
         dtype = pages.dtype if itemsize and pages.page_bytes % itemsize == 0 else "uint8"
-        self.meta = BlockMeta(dtype=dtype, shape=(pages.page_bytes // DTYPE_ITEMSIZE[dtype],),
-                              layout=pages.layout, namespace=prefix)
+        self.meta = BlockMeta(
+            dtype=dtype,
+            shape=(pages.page_bytes // DTYPE_ITEMSIZE[dtype],),
+            layout=pages.layout,
+            namespace=prefix,
+        )
         self._template = HeaderTemplate(self.meta, keyed=True)
         self._block_bytes = encoded_size(self.meta, keyed=True)
         slot = -(-self._block_bytes // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         stack = self.config.offload.tiers
         self.store = HierarchicalStore(
             build_tiers(stack, host_slot_bytes=slot),
-            StoreConfig(namespace=prefix, write_policies=write_policies(stack),
-                        probe_interval_s=self.config.offload.health_probe_s))
+            StoreConfig(
+                namespace=prefix,
+                write_policies=write_policies(stack),
+                probe_interval_s=self.config.offload.health_probe_s,
+            ),
+        )
         self.pages = pages
         self.counters.page_gb = pages.page_bytes / 1e9
-        log.info("kvtier SGLang backend: namespace %s (%s), page %d B, tiers %s", prefix,
-                 self.namespace.describe(), pages.page_bytes, [t.name for t in self.store.tiers])
+        log.info(
+            "kvtier SGLang backend: namespace %s (%s), page %d B, tiers %s",
+            prefix,
+            self.namespace.describe(),
+            pages.page_bytes,
+            [t.name for t in self.store.tiers],
+        )
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if self.store is None:
@@ -126,8 +146,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # -- existence -------------------------------------------------------------------------
 
-    def batch_exists(self, keys: list[str],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         """How many leading pages of ``keys`` some tier holds. Never raises for tiers."""
         if not keys:
             return 0
@@ -142,8 +163,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy interface (interface_v1) -------------------------------------------------
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Read pages into the host pool at ``host_indices`` (``page_size`` a page); per
         page, whether it was read (a miss leaves its slots undefined)."""
         self._keys(keys)
@@ -151,8 +176,12 @@ class KvtierHiCacheStorage(HiCacheStorage):
         views = self.pages.views(host_indices)
         return self._read(keys, lambda i, payload: copy_in(views[i], payload))
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         """Write the host pool's pages at ``host_indices``; per page, whether it is stored."""
         self._keys(keys)
         assert self.pages is not None
@@ -161,12 +190,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
     # -- generic interface (flat page tensors) ---------------------------------------------
 
-    def get(self, key: str, target_location: Any = None,
-            target_sizes: Any = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Read each page into ``target_locations[i]`` (a contiguous tensor of one page, as
         ``get_dummy_flat_data_page``; None: a new uint8 tensor). None for a miss."""
         self._keys(keys)
@@ -177,8 +208,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
             if t is None:
                 targets[i] = torch.empty(nbytes, dtype=torch.uint8)
             elif not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
-                raise ValueError(f"kvtier: target tensor {tuple(t.shape)} {t.dtype} is not "
-                                 f"one contiguous {nbytes}-byte page")
+                raise ValueError(
+                    f"kvtier: target tensor {tuple(t.shape)} {t.dtype} is not "
+                    f"one contiguous {nbytes}-byte page"
+                )
         dst = [memoryview(t.view(-1).view(torch.uint8).numpy()) for t in targets]
 
         def sink(i: int, payload: memoryview) -> None:
@@ -187,12 +220,18 @@ class KvtierHiCacheStorage(HiCacheStorage):
         ok = self._read(keys, sink)
         return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         """Write flat page tensors; True when every page is stored."""
         if not keys:
             return False
@@ -201,8 +240,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
 
         def fill(i: int, out: memoryview) -> None:
             if src[i].nbytes != out.nbytes:
-                raise ValueError(f"kvtier: page tensor of {src[i].nbytes} bytes, the layout "
-                                 f"needs {out.nbytes}")
+                raise ValueError(
+                    f"kvtier: page tensor of {src[i].nbytes} bytes, the layout needs {out.nbytes}"
+                )
             out[:] = src[i]
 
         return all(self._write(keys, fill))
@@ -225,9 +265,9 @@ class KvtierHiCacheStorage(HiCacheStorage):
         ok = [False] * len(keys)
         bad = 0
         for start in range(0, len(keys), chunk):
-            part = skeys[start:start + chunk]
+            part = skeys[start : start + chunk]
             staging = self._staging(len(part))
-            bufs = [staging[j * size:(j + 1) * size] for j in range(len(part))]
+            bufs = [staging[j * size : (j + 1) * size] for j in range(len(part))]
             for j, n in enumerate(self.store.get_many_into(part, bufs)):
                 if n is None:
                     continue
@@ -235,13 +275,18 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 if n != size or buf[:head] != self._template.for_key(part[j]):
                     bad += 1  # checksummed, but not this layout: a miss
                     continue
-                sink(start + j, buf[head:size - CHECKSUM_BYTES])
+                sink(start + j, buf[head : size - CHECKSUM_BYTES])
                 ok[start + j] = True
         hits = sum(ok)
         seconds = time.perf_counter() - t0
-        self.counters.add(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits,
-                          get_bad_layout=bad, get_bytes=hits * self.meta.payload_bytes,
-                          get_seconds=seconds)
+        self.counters.add(
+            get_pages=len(keys),
+            get_hits=hits,
+            get_misses=len(keys) - hits,
+            get_bad_layout=bad,
+            get_bytes=hits * self.meta.payload_bytes,
+            get_seconds=seconds,
+        )
         self.counters.record(False, hits, seconds)
         return ok
 
@@ -258,15 +303,20 @@ class KvtierHiCacheStorage(HiCacheStorage):
             block = bytearray(size)
             block[:head] = self._template.for_key(skeys[i])
             view = memoryview(block)
-            fill(i, view[head:size - CHECKSUM_BYTES])
+            fill(i, view[head : size - CHECKSUM_BYTES])
             seal_block(view, size)
             items.append((skeys[i], view))
         written = self.store.put_many(items) if items else 0
         stored = written > 0 or not items
         seconds = time.perf_counter() - t0
-        self.counters.add(set_pages=len(keys), set_present=present,
-                          set_written=written, set_failed=0 if stored else len(items),
-                          set_bytes=written * self.meta.payload_bytes, set_seconds=seconds)
+        self.counters.add(
+            set_pages=len(keys),
+            set_present=present,
+            set_written=written,
+            set_failed=0 if stored else len(items),
+            set_bytes=written * self.meta.payload_bytes,
+            set_seconds=seconds,
+        )
         self.counters.record(True, len(items) if stored else 0, seconds)
         return [True] * present + [stored] * len(items)
 
@@ -286,8 +336,11 @@ class KvtierHiCacheStorage(HiCacheStorage):
         """The backend's counters, and the store's per-tier counters once built."""
         out: dict[str, Any] = {"counters": self.counters.totals()}
         if self.store is not None:
-            out.update(namespace=self.namespace.key_prefix(), layout=self.meta.layout,
-                       store=self.store.stats())
+            out.update(
+                namespace=self.namespace.key_prefix(),
+                layout=self.meta.layout,
+                store=self.store.stats(),
+            )
         return out
 
     def close(self) -> None:

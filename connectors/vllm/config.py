@@ -57,28 +57,38 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> VllmConnectorConf
     own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
     if source is None:
         if not extra:
-            raise ConfigError("kvtier vLLM connector: kv_connector_extra_config needs "
-                              "'kvtier_config' (a tier YAML path or mapping) or inline 'tiers'")
+            raise ConfigError(
+                "kvtier vLLM connector: kv_connector_extra_config needs "
+                "'kvtier_config' (a tier YAML path or mapping) or inline 'tiers'"
+            )
         source = extra
     elif extra:
-        raise ConfigError(f"kvtier vLLM connector: unknown key(s) {sorted(extra)} beside "
-                          f"'kvtier_config'; known: {list(CONNECTOR_KEYS)}")
+        raise ConfigError(
+            f"kvtier vLLM connector: unknown key(s) {sorted(extra)} beside "
+            f"'kvtier_config'; known: {list(CONNECTOR_KEYS)}"
+        )
     if not isinstance(source, (str, Mapping)):
-        raise ConfigError(f"kvtier vLLM connector: 'kvtier_config' must be a path or a mapping, "
-                          f"got {source!r}")
+        raise ConfigError(
+            f"kvtier vLLM connector: 'kvtier_config' must be a path or a mapping, got {source!r}"
+        )
     offload = load_offload_config(source)
     if offload.decision not in DECISIONS:
-        raise ConfigError(f"kvtier vLLM connector: decision {offload.decision!r}; choose one of "
-                          f"{DECISIONS} (vLLM loads a prefix only)")
+        raise ConfigError(
+            f"kvtier vLLM connector: decision {offload.decision!r}; choose one of "
+            f"{DECISIONS} (vLLM loads a prefix only)"
+        )
     if offload.compression != "none":
         raise ConfigError("kvtier vLLM connector: compression must be 'none' (raw blocks)")
     if all(isinstance(t, HostTierConfig) for t in offload.tiers.tiers):
-        raise ConfigError("kvtier vLLM connector: the tier stack needs a tier below 'host' "
-                          "(vLLM's scheduler process looks blocks up there)")
+        raise ConfigError(
+            "kvtier vLLM connector: the tier stack needs a tier below 'host' "
+            "(vLLM's scheduler process looks blocks up there)"
+        )
     profile = own.get("cost_profile")
     if profile is not None and profile not in COST_PROFILES:
-        raise ConfigError(f"kvtier vLLM connector: cost_profile {profile!r}; choose one of "
-                          f"{COST_PROFILES}")
+        raise ConfigError(
+            f"kvtier vLLM connector: cost_profile {profile!r}; choose one of {COST_PROFILES}"
+        )
     stats_file = own.get("stats_file")
     if stats_file is not None and (not isinstance(stats_file, str) or not stats_file):
         raise ConfigError(f"kvtier vLLM connector: stats_file must be a path, got {stats_file!r}")

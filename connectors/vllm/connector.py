@@ -81,15 +81,22 @@ class _Spec:
 
 
 class KvtierConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole,
-                 kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config: VllmConnectorConfig = parse_connector_config(
-            self._kv_transfer_config.kv_connector_extra_config)
+            self._kv_transfer_config.kv_connector_extra_config
+        )
         self.counters = Counters()
         self.spec = _spec(kv_cache_config, vllm_config.cache_config.block_size)
-        self.layout = layout_name(self.spec.dtype, self.spec.num_layers, self.spec.num_kv_heads,
-                                  self.spec.head_size, self.spec.block_size)
+        self.layout = layout_name(
+            self.spec.dtype,
+            self.spec.num_layers,
+            self.spec.num_kv_heads,
+            self.spec.head_size,
+            self.spec.block_size,
+        )
         fingerprint = _fingerprint(vllm_config.model_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.scheduler_side: VllmScheduler | None = None
@@ -100,18 +107,30 @@ class KvtierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             ns = make_namespace(fingerprint, self.layout, self.spec.block_size, 0, tp_size)
             store = build_lookup_store(self.config.offload.tiers, ns.key_prefix())
-            self.scheduler_side = VllmScheduler(store, ns, self._cost_model(),
-                                                self.config.decision, self.counters)
+            self.scheduler_side = VllmScheduler(
+                store, ns, self._cost_model(), self.config.decision, self.counters
+            )
             if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") == "fail":
-                log.warning("kvtier: kv_load_failure_policy is 'fail': a block that cannot be "
-                            "loaded fails its request; set it to 'recompute'")
-            log.info("kvtier connector (scheduler): namespace %s (%s), decision %s",
-                     ns.key_prefix(), ns.describe(), self.config.decision)
+                log.warning(
+                    "kvtier: kv_load_failure_policy is 'fail': a block that cannot be "
+                    "loaded fails its request; set it to 'recompute'"
+                )
+            log.info(
+                "kvtier connector (scheduler): namespace %s (%s), decision %s",
+                ns.key_prefix(),
+                ns.describe(),
+                self.config.decision,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self.namespace = make_namespace(fingerprint, self.layout, self.spec.block_size,
-                                            get_tensor_model_parallel_rank(), tp_size)
+            self.namespace = make_namespace(
+                fingerprint,
+                self.layout,
+                self.spec.block_size,
+                get_tensor_model_parallel_rank(),
+                tp_size,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -120,35 +139,58 @@ class KvtierConnector(KVConnectorBase_V1):
     def _cost_model(self) -> OnlineCostModel:
         from vllm.platforms import current_platform
 
-        kind = self.config.cost_profile or ("cpu" if current_platform.is_cpu()
-                                            else "h200-llama-3-8b")
+        kind = self.config.cost_profile or (
+            "cpu" if current_platform.is_cpu() else "h200-llama-3-8b"
+        )
         base = default_priors(kind)
-        return OnlineCostModel.from_priors(CostPriors(kind, dict(base.tier_costs), base.prefill,
-                                                      self.spec.block_bytes,
-                                                      self.spec.block_size))
+        return OnlineCostModel.from_priors(
+            CostPriors(
+                kind,
+                dict(base.tier_costs),
+                base.prefill,
+                self.spec.block_bytes,
+                self.spec.block_size,
+            )
+        )
 
     # ==== worker side =====================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KvLayout.from_caches(kv_caches, self._kv_cache_config.num_blocks)
         if layout.block_bytes != self.spec.block_bytes:
-            raise ValueError(f"kvtier: KV tensors hold {layout.block_bytes} B a block, the KV "
-                             f"spec says {self.spec.block_bytes}")
+            raise ValueError(
+                f"kvtier: KV tensors hold {layout.block_bytes} B a block, the KV "
+                f"spec says {self.spec.block_bytes}"
+            )
         prefix = self.namespace.key_prefix()
         meta = layout.block_meta(prefix, self.layout)
         slot = -(-encoded_size(meta, keyed=True) // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
         stack = self.config.offload.tiers
-        store = HierarchicalStore(build_tiers(stack, host_slot_bytes=slot),
-                                  StoreConfig(namespace=prefix,
-                                              write_policies=write_policies(stack),
-                                              probe_interval_s=self.config.offload.health_probe_s))
+        store = HierarchicalStore(
+            build_tiers(stack, host_slot_bytes=slot),
+            StoreConfig(
+                namespace=prefix,
+                write_policies=write_policies(stack),
+                probe_interval_s=self.config.offload.health_probe_s,
+            ),
+        )
         self.worker_side = VllmWorker(
-            store, layout, meta, self.counters, self.spec.block_size,
+            store,
+            layout,
+            meta,
+            self.counters,
+            self.spec.block_size,
             drain_timeout_s=self.config.offload.drain_timeout_s,
-            stats_file=self.config.stats_file, stats_interval_s=self.config.stats_interval_s)
-        log.info("kvtier connector (worker): %d layers, block %s, namespace %s, tiers %s",
-                 len(layout.views), layout.block_shape, prefix,
-                 [t.name for t in store.tiers])
+            stats_file=self.config.stats_file,
+            stats_interval_s=self.config.stats_interval_s,
+        )
+        log.info(
+            "kvtier connector (worker): %d layers, block %s, namespace %s, tiers %s",
+            len(layout.views),
+            layout.block_shape,
+            prefix,
+            [t.name for t in store.tiers],
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -169,8 +211,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # whole blocks are saved after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
@@ -204,13 +247,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ==================================================================
 
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
         return self.scheduler_side.matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
@@ -225,15 +268,25 @@ class KvtierConnector(KVConnectorBase_V1):
                 ids = self._kv_cache_manager.get_block_ids(req_id)
             return list((ids or fallback or ([],))[0])
 
-        scheduled = [ScheduledRequest(r.req_id, r.num_computed_tokens,
-                                      so.num_scheduled_tokens.get(r.req_id, 0),
-                                      block_ids(r.req_id, r.block_ids))
-                     for r in so.scheduled_new_reqs]
+        scheduled = [
+            ScheduledRequest(
+                r.req_id,
+                r.num_computed_tokens,
+                so.num_scheduled_tokens.get(r.req_id, 0),
+                block_ids(r.req_id, r.block_ids),
+            )
+            for r in so.scheduled_new_reqs
+        ]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            scheduled.append(ScheduledRequest(req_id, cached.num_computed_tokens[i],
-                                              so.num_scheduled_tokens.get(req_id, 0),
-                                              block_ids(req_id, None)))
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    so.num_scheduled_tokens.get(req_id, 0),
+                    block_ids(req_id, None),
+                )
+            )
         plan = self.scheduler_side.build_step(scheduled, sorted(so.finished_req_ids))
         return KvtierConnectorMetadata(plan)
 
@@ -242,8 +295,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if isinstance(meta, KvtierWorkerMetadata) and self.scheduler_side is not None:
             self.scheduler_side.feedback(meta.feedback)
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler_side is not None:
             self.scheduler_side.forget(request.request_id)
         return False, None
@@ -255,9 +309,13 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KvtierPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
@@ -265,15 +323,23 @@ def _spec(kv_cache_config: Any, block_size: int) -> _Spec:
     """The attention KV spec of the one KV cache group. Raises ValueError otherwise."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
-        raise ValueError(f"kvtier: {len(groups)} KV cache groups; the connector supports models "
-                         "with one (full attention everywhere)")
+        raise ValueError(
+            f"kvtier: {len(groups)} KV cache groups; the connector supports models "
+            "with one (full attention everywhere)"
+        )
     spec = groups[0].kv_cache_spec
     num_layers = len(groups[0].layer_names)
     for name in ("num_kv_heads", "head_size", "dtype", "page_size_bytes"):
         if not hasattr(spec, name):
             raise ValueError(f"kvtier: KV spec {type(spec).__name__} is not an attention spec")
-    return _Spec(num_layers, spec.num_kv_heads, spec.head_size, str(spec.dtype),
-                 getattr(spec, "block_size", block_size), spec.page_size_bytes * num_layers)
+    return _Spec(
+        num_layers,
+        spec.num_kv_heads,
+        spec.head_size,
+        str(spec.dtype),
+        getattr(spec, "block_size", block_size),
+        spec.page_size_bytes * num_layers,
+    )
 
 
 def _fingerprint(model_config: Any) -> str:

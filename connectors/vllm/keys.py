@@ -26,19 +26,32 @@ from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key, hash_r
 LAYOUT_VERSION = 1  # bump when the stored vLLM block layout changes (worker.KvLayout)
 
 
-def layout_name(kv_dtype: str, num_layers: int, num_kv_heads: int, head_size: int,
-                block_size: int) -> str:
+def layout_name(
+    kv_dtype: str, num_layers: int, num_kv_heads: int, head_size: int, block_size: int
+) -> str:
     """The stored block layout: ``[layers, *one layer's block]`` of vLLM's per-layer view, named
     so both connector sides derive it from the KV cache spec alone."""
     dtype = kv_dtype.removeprefix("torch.")
     return f"vllm{LAYOUT_VERSION}:{dtype}:L{num_layers}:h{num_kv_heads}:d{head_size}:b{block_size}"
 
 
-def make_namespace(model_fingerprint: str, layout: str, block_size: int, tp_rank: int = 0,
-                   tp_size: int = 1, hash_name: str = "sha256") -> Namespace:
+def make_namespace(
+    model_fingerprint: str,
+    layout: str,
+    block_size: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    hash_name: str = "sha256",
+) -> Namespace:
     """The namespace of one vLLM instance's (one TP rank's) blocks. Raises ValueError."""
-    return Namespace(model_fingerprint=model_fingerprint, block_size=block_size, tp_rank=tp_rank,
-                     tp_size=tp_size, hash_name=hash_name, kv_format=layout)
+    return Namespace(
+        model_fingerprint=model_fingerprint,
+        block_size=block_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        hash_name=hash_name,
+        kv_format=layout,
+    )
 
 
 def extra_keys_of(lora_name: str | None, cache_salt: str | None) -> tuple[str, ...]:
@@ -71,8 +84,12 @@ class RequestKeys:
         if num_blocks > have:
             parent = self.hashes[-1] if self.hashes else None
             extras = [self.extra] * (num_blocks - have) if self.extra else None
-            new = hash_request_tokens(self.namespace, token_ids[have * bs:num_blocks * bs],
-                                      extra_keys=extras, parent=parent)
+            new = hash_request_tokens(
+                self.namespace,
+                token_ids[have * bs : num_blocks * bs],
+                extra_keys=extras,
+                parent=parent,
+            )
             self.hashes.extend(new)
             self.keys.extend(block_key(self.namespace, h) for h in new)
         return self.keys[:num_blocks]

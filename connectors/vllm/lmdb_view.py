@@ -40,11 +40,14 @@ class LmdbReadView(Tier):
 
         if not (Path(self.path) / "data.mdb").exists():
             return False
-        with self._lock, backend_errors((lmdb.Error,), "lmdb", "open", f"at {self.path}",
-                                        closed=self._closed):
+        with (
+            self._lock,
+            backend_errors((lmdb.Error,), "lmdb", "open", f"at {self.path}", closed=self._closed),
+        ):
             if self._env is None:
-                env = lmdb.open(self.path, readonly=True, lock=True, max_dbs=2,
-                                readahead=False, create=False)
+                env = lmdb.open(
+                    self.path, readonly=True, lock=True, max_dbs=2, readahead=False, create=False
+                )
                 self._blocks = env.open_db(b"blocks", create=False)
                 self._env = env
         return True
@@ -55,9 +58,10 @@ class LmdbReadView(Tier):
         if not keys or not self._open():
             return [False] * len(keys)
         out: list[bool] = []
-        with backend_errors((lmdb.Error,), "lmdb", "lookup", f"at {self.path}",
-                            closed=self._closed), \
-                self._env.begin(db=self._blocks, buffers=True) as txn:
+        with (
+            backend_errors((lmdb.Error,), "lmdb", "lookup", f"at {self.path}", closed=self._closed),
+            self._env.begin(db=self._blocks, buffers=True) as txn,
+        ):
             for key in keys:
                 present = txn.get(key.encode()) is not None
                 out.append(present)
@@ -77,9 +81,10 @@ class LmdbReadView(Tier):
 
         if not self._open():
             return [None] * len(keys)
-        with backend_errors((lmdb.Error,), "lmdb", "get", f"at {self.path}",
-                            closed=self._closed), \
-                self._env.begin(db=self._blocks, buffers=True) as txn:
+        with (
+            backend_errors((lmdb.Error,), "lmdb", "get", f"at {self.path}", closed=self._closed),
+            self._env.begin(db=self._blocks, buffers=True) as txn,
+        ):
             return [None if (b := txn.get(k.encode())) is None else bytes(b) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:

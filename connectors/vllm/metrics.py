@@ -40,13 +40,19 @@ class KvtierStats(KVConnectorStats):
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, Any]] = {}
         for name, doc in COUNTERS.items():
-            metric = self._counter_cls(name=f"vllm:kvtier_{name}", documentation=f"kvtier: {doc}",
-                                       labelnames=labelnames)
+            metric = self._counter_cls(
+                name=f"vllm:kvtier_{name}", documentation=f"kvtier: {doc}", labelnames=labelnames
+            )
             self.counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -66,8 +66,14 @@ class _Tracked:
 
 
 class VllmScheduler:
-    def __init__(self, lookup_store: HierarchicalStore, namespace: Namespace,
-                 cost_model: OnlineCostModel, decision: str, counters: Counters) -> None:
+    def __init__(
+        self,
+        lookup_store: HierarchicalStore,
+        namespace: Namespace,
+        cost_model: OnlineCostModel,
+        decision: str,
+        counters: Counters,
+    ) -> None:
         self.store = lookup_store
         self.namespace = namespace
         self.block_size = namespace.block_size
@@ -109,8 +115,10 @@ class VllmScheduler:
         keys = self._key_cache.get(request.request_id)
         if keys is None:
             lora = getattr(request, "lora_request", None)
-            extra = extra_keys_of(getattr(lora, "lora_name", None) if lora else None,
-                                  getattr(request, "cache_salt", None))
+            extra = extra_keys_of(
+                getattr(lora, "lora_name", None) if lora else None,
+                getattr(request, "cache_salt", None),
+            )
             keys = self._key_cache[request.request_id] = RequestKeys(self.namespace, extra)
         return keys
 
@@ -142,16 +150,20 @@ class VllmScheduler:
         if n <= 0:
             return
         if plan is None or n > len(plan.keys):
-            raise RuntimeError(f"kvtier: vLLM asked to load {num_external_tokens} tokens of "
-                               f"{req_id} but the connector planned "
-                               f"{0 if plan is None else len(plan.keys) * self.block_size}")
+            raise RuntimeError(
+                f"kvtier: vLLM asked to load {num_external_tokens} tokens of "
+                f"{req_id} but the connector planned "
+                f"{0 if plan is None else len(plan.keys) * self.block_size}"
+            )
         first = plan.num_computed_tokens // self.block_size
-        self._loads.append(LoadJob(req_id, plan.keys[:n], tuple(block_ids[first:first + n]),
-                                   plan.tiers[:n]))
+        self._loads.append(
+            LoadJob(req_id, plan.keys[:n], tuple(block_ids[first : first + n]), plan.tiers[:n])
+        )
         self.counters.add(planned_load_tokens=n * self.block_size)
 
-    def build_step(self, scheduled: Sequence[ScheduledRequest],
-                   finished: Sequence[str] = ()) -> StepPlan:
+    def build_step(
+        self, scheduled: Sequence[ScheduledRequest], finished: Sequence[str] = ()
+    ) -> StepPlan:
         """This step's jobs; clears the queued loads. ``finished``: request ids vLLM finished
         (their state is dropped)."""
         bs = self.block_size
@@ -170,8 +182,7 @@ class VllmScheduler:
                 continue
             keys = tracked.keys.first(tokens, full)
             first = tracked.saved_blocks
-            saves.append(SaveJob(s.req_id, tuple(keys[first:full]),
-                                 tuple(s.block_ids[first:full])))
+            saves.append(SaveJob(s.req_id, tuple(keys[first:full]), tuple(s.block_ids[first:full])))
             tracked.saved_blocks = full
         sample = None
         if len(scheduled) == 1 and scheduled[0].num_scheduled_tokens > 1:
@@ -200,6 +211,7 @@ class VllmScheduler:
 
 def _eligible(request: Any) -> bool:
     """Whether the request's KV is a function of its token ids alone."""
-    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds",
-                                                                  None) is None
-
+    return (
+        not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )

@@ -61,15 +61,18 @@ class KvLayout:
         for name, t in kv_caches.items():
             dims = [d for d in range(min(t.dim(), 2)) if t.shape[d] == num_blocks]
             if not dims:
-                raise ValueError(f"kvtier: KV tensor {name} {tuple(t.shape)} has no block "
-                                 f"dimension of size {num_blocks} among its first two")
+                raise ValueError(
+                    f"kvtier: KV tensor {name} {tuple(t.shape)} has no block "
+                    f"dimension of size {num_blocks} among its first two"
+                )
             names.append(name)
             views.append(t.movedim(dims[0], 0))
         shapes = {tuple(v.shape[1:]) for v in views}
         dtypes = {v.dtype for v in views}
         if len(shapes) != 1 or len(dtypes) != 1:
-            raise ValueError(f"kvtier: KV layers differ ({shapes}, {dtypes}); hybrid models "
-                             "are not supported")
+            raise ValueError(
+                f"kvtier: KV layers differ ({shapes}, {dtypes}); hybrid models are not supported"
+            )
         return cls(tuple(names), tuple(views), shapes.pop(), dtypes.pop())
 
     @property
@@ -84,8 +87,12 @@ class KvLayout:
         return self.block_numel * self.dtype.itemsize
 
     def block_meta(self, namespace_prefix: str, layout: str) -> BlockMeta:
-        return BlockMeta(dtype=str(self.dtype), shape=(len(self.views), *self.block_shape),
-                         layout=layout, namespace=namespace_prefix)
+        return BlockMeta(
+            dtype=str(self.dtype),
+            shape=(len(self.views), *self.block_shape),
+            layout=layout,
+            namespace=namespace_prefix,
+        )
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """``[n, num_layers, *block_shape]`` on the CPU (a copy)."""
@@ -104,10 +111,19 @@ class KvLayout:
 
 
 class VllmWorker:
-    def __init__(self, store: HierarchicalStore, layout: KvLayout, meta: BlockMeta,
-                 counters: Counters, block_tokens: int, *, drain_timeout_s: float = 5.0,
-                 stats_file: str | None = None, stats_interval_s: float = 10.0,
-                 save_queue_batches: int = 64) -> None:
+    def __init__(
+        self,
+        store: HierarchicalStore,
+        layout: KvLayout,
+        meta: BlockMeta,
+        counters: Counters,
+        block_tokens: int,
+        *,
+        drain_timeout_s: float = 5.0,
+        stats_file: str | None = None,
+        stats_interval_s: float = 10.0,
+        save_queue_batches: int = 64,
+    ) -> None:
         """Takes ownership of ``store`` (``close`` closes it)."""
         self.store = store
         self.layout = layout
@@ -119,8 +135,7 @@ class VllmWorker:
         self.stats_interval_s = stats_interval_s
         self._feedback = WorkerFeedback()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=save_queue_batches)
-        self._saver = threading.Thread(target=self._save_loop, name="kvtier-vllm-save",
-                                       daemon=True)
+        self._saver = threading.Thread(target=self._save_loop, name="kvtier-vllm-save", daemon=True)
         self._saver.start()
         self._last_stats = time.monotonic()
         self._closed = False
@@ -151,27 +166,42 @@ class VllmWorker:
                 flat = staging.numpy()
                 for i, row in enumerate(rows):
                     flat[i] = memoryview(row).cast("B")
-                data = staging.view(self.layout.dtype).view(len(rows), len(self.layout.views),
-                                                            *self.layout.block_shape)
+                data = staging.view(self.layout.dtype).view(
+                    len(rows), len(self.layout.views), *self.layout.block_shape
+                )
                 self.layout.scatter(ok_ids, data)
         seconds = time.perf_counter() - t0
         loaded = len(keys) - len(failed)
         self._count_load(jobs, loaded, failed, seconds, before)
         return failed
 
-    def _count_load(self, jobs: Sequence[LoadJob], loaded: int, failed: set[int],
-                    seconds: float, before: dict[str, int]) -> None:
-        self.counters.add(loaded_tokens=loaded * self.block_tokens,
-                          load_failed_blocks=len(failed), load_seconds=seconds)
+    def _count_load(
+        self,
+        jobs: Sequence[LoadJob],
+        loaded: int,
+        failed: set[int],
+        seconds: float,
+        before: dict[str, int],
+    ) -> None:
+        self.counters.add(
+            loaded_tokens=loaded * self.block_tokens,
+            load_failed_blocks=len(failed),
+            load_seconds=seconds,
+        )
         if failed:
-            log.warning("kvtier: %d of %d blocks failed to load; vLLM recomputes them",
-                        len(failed), loaded + len(failed))
-        served = {n: h - before.get(n, 0) for n, h in self._tier_hits().items()
-                  if h > before.get(n, 0)}
+            log.warning(
+                "kvtier: %d of %d blocks failed to load; vLLM recomputes them",
+                len(failed),
+                loaded + len(failed),
+            )
+        served = {
+            n: h - before.get(n, 0) for n, h in self._tier_hits().items() if h > before.get(n, 0)
+        }
         planned = {t for job in jobs for t in job.tiers}
         if loaded and len(served) == 1 and set(served) == planned:
-            self._feedback.transfers.append((planned.pop(), loaded * self.layout.block_bytes,
-                                             seconds))
+            self._feedback.transfers.append(
+                (planned.pop(), loaded * self.layout.block_bytes, seconds)
+            )
 
     def _tier_hits(self) -> dict[str, int]:
         return {row["name"]: row["hits"] for row in self.store.stats()["tiers"]}
@@ -200,8 +230,7 @@ class VllmWorker:
                 if items is _STOP:
                     return
                 written = self.store.put_many(items)
-                self.counters.add(saved_blocks=written,
-                                  save_dropped_blocks=len(items) - written)
+                self.counters.add(saved_blocks=written, save_dropped_blocks=len(items) - written)
             except Exception:  # never kill the thread: a lost save is a later miss
                 log.exception("kvtier: saving %d blocks failed", len(items))
                 self.counters.add(save_dropped_blocks=len(items))
@@ -229,8 +258,12 @@ class VllmWorker:
         if not force and now - self._last_stats < self.stats_interval_s:
             return
         self._last_stats = now
-        doc = {"counters": self.counters.totals(), "store": self.store.stats(),
-               "namespace": self.meta.namespace, "layout": self.meta.layout}
+        doc = {
+            "counters": self.counters.totals(),
+            "store": self.store.stats(),
+            "namespace": self.meta.namespace,
+            "layout": self.meta.layout,
+        }
         tmp = f"{self.stats_file}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)

@@ -28,13 +28,20 @@ def resolve_backend_name(name: str, device_type: str) -> str:
                 return "torch"
         return "torch"
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}"
+        )
     return name
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-    graph_decode: str = "auto", small_query: str = "flashinfer",
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    graph_decode: str = "auto",
+    small_query: str = "flashinfer",
 ) -> AttentionBackend:
     """Instantiate a resolved backend name (see ``resolve_backend_name``); ``graph_decode``
     and ``small_query`` go to the flashinfer backend (its kernels for CUDA-graph decode steps
@@ -42,9 +49,20 @@ def create_attention_backend(
     module_name, cls_name = _BACKENDS[name]
     cls = getattr(importlib.import_module(module_name), cls_name)
     if name == "flashinfer":
-        return cls(num_heads, num_kv_heads, head_dim, scale, graph_decode=graph_decode,
-                   small_query=small_query)
+        return cls(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            graph_decode=graph_decode,
+            small_query=small_query,
+        )
     return cls(num_heads, num_kv_heads, head_dim, scale)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend", "resolve_backend_name"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "create_attention_backend",
+    "resolve_backend_name",
+]

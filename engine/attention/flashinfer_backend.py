@@ -49,7 +49,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.staging import StagingFence
 from engine.config import GRAPH_DECODE_CHOICES, SMALL_QUERY_CHOICES
 
-_WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
+_WORKSPACE_BYTES = (
+    256 << 20
+)  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
 _DECODE_KERNEL_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE of the CUDA-core decode
 SMALL_QUERY_AUTO_MIN_CONTEXT = 8192  # small_query="auto": the Triton kernel from this context on
 
@@ -91,13 +93,24 @@ def _pinned(values: list[int]) -> torch.Tensor:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 graph_decode: str = "auto", small_query: str = "auto") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        graph_decode: str = "auto",
+        small_query: str = "auto",
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         if graph_decode not in GRAPH_DECODE_CHOICES:
-            raise ValueError(f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {graph_decode!r}")
+            raise ValueError(
+                f"graph_decode must be one of {GRAPH_DECODE_CHOICES}, got {graph_decode!r}"
+            )
         if small_query not in SMALL_QUERY_CHOICES:
-            raise ValueError(f"small_query must be one of {SMALL_QUERY_CHOICES}, got {small_query!r}")
+            raise ValueError(
+                f"small_query must be one of {SMALL_QUERY_CHOICES}, got {small_query!r}"
+            )
         self._wanted = {"graph_decode": graph_decode, "small_query": small_query}
         self.graph_decode = self.small_query = "flashinfer"  # resolved in bind()
         # The planned step's Triton call, graph or eager: ((indptr, indices, last_page_len)
@@ -118,7 +131,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Per wrapper (by id) and per graph size: the pinned plan buffers' fences (see
         # engine/attention/staging.py: plan() reuses page-locked memory the GPU reads later).
         self._fences: dict[object, StagingFence] = {}
-        self._active: BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None = None
+        self._active: (
+            BatchPrefillWithPagedKVCacheWrapper | BatchDecodeWithPagedKVCacheWrapper | None
+        ) = None
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None
         self._slot_offsets: torch.Tensor | None = None
@@ -159,8 +174,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             if fits:
                 self._triton_decode = decode_attention
         if not fits and wanted == "triton":
-            raise ValueError(f"{option}='triton' needs triton, a passing kernel self-check, "
-                             "a GQA group <= 16 and a power-of-two head_dim")
+            raise ValueError(
+                f"{option}='triton' needs triton, a passing kernel self-check, "
+                "a GQA group <= 16 and a power-of-two head_dim"
+            )
         return fits
 
     @property
@@ -173,10 +190,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._check_bound()
         self._triton_call = None
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
-        if self.small_query != "flashinfer" and metadata.max_query_len <= \
-                self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads) and (
+        if (
+            self.small_query != "flashinfer"
+            and metadata.max_query_len
+            <= self._triton_decode.max_query_len(self.num_heads // self.num_kv_heads)
+            and (
                 self.small_query == "triton"
-                or max(metadata.seq_lens_cpu) >= SMALL_QUERY_AUTO_MIN_CONTEXT):
+                or max(metadata.seq_lens_cpu) >= SMALL_QUERY_AUTO_MIN_CONTEXT
+            )
+        ):
             self._plan_small_query(metadata, indptr, indices, last_page_len)
             return
         indices_gpu = _pinned(indices).to(self._device, non_blocking=True)
@@ -188,28 +210,47 @@ class FlashInferAttentionBackend(AttentionBackend):
             fence = self._fence(self._prefill)
             fence.wait()
             self._prefill.plan(
-                _pinned(_offsets(metadata.query_lens_cpu)), _pinned(indptr), indices_gpu, _pinned(last_page_len),
-                self.num_heads, self.num_kv_heads, self.head_dim, metadata.block_size,
-                causal=True, sm_scale=self.scale, q_data_type=self._dtype,
-                kv_data_type=self._dtype, non_blocking=True,
+                _pinned(_offsets(metadata.query_lens_cpu)),
+                _pinned(indptr),
+                indices_gpu,
+                _pinned(last_page_len),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                metadata.block_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self._dtype,
+                kv_data_type=self._dtype,
+                non_blocking=True,
             )
             fence.record()
             self._active = self._prefill
             self.last_wrapper = "prefill"
         self._slot_mapping = metadata.slot_mapping
 
-    def _plan_small_query(self, metadata: AttentionMetadata, indptr: list[int], indices: list[int],
-                          last_page_len: list[int]) -> None:
+    def _plan_small_query(
+        self,
+        metadata: AttentionMetadata,
+        indptr: list[int],
+        indices: list[int],
+        last_page_len: list[int],
+    ) -> None:
         """An eager step for the Triton kernel: one pinned copy of [indptr | last_page_len |
         qo_indptr | indices]."""
         n = metadata.num_reqs
         qo_indptr = _offsets(metadata.query_lens_cpu)
-        table = _pinned(indptr + last_page_len + qo_indptr + indices).to(self._device, non_blocking=True)
+        table = _pinned(indptr + last_page_len + qo_indptr + indices).to(
+            self._device, non_blocking=True
+        )
         self._triton_call = (
-            (table[:n + 1], table[3 * n + 2:], table[n + 1:2 * n + 1]),
+            (table[: n + 1], table[3 * n + 2 :], table[n + 1 : 2 * n + 1]),
             self._triton_decode.decode_config(n, self.num_kv_heads, self._num_sms),
-            {"qo_indptr": table[2 * n + 1:3 * n + 2], "num_reqs": n,
-             "max_q_len": metadata.max_query_len},
+            {
+                "qo_indptr": table[2 * n + 1 : 3 * n + 2],
+                "num_reqs": n,
+                "max_q_len": metadata.max_query_len,
+            },
         )
         self._active = None
         self._slot_mapping = metadata.slot_mapping
@@ -223,8 +264,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         when no graph decode kernel fits the group size."""
         self._check_bound()
         if not self.graph_capable:
-            raise ValueError("CUDA-graph decode needs the triton kernel (GQA group <= 16) or "
-                             "a FlashInfer decode kernel's group size (1, 2, 3, 4, 8)")
+            raise ValueError(
+                "CUDA-graph decode needs the triton kernel (GQA group <= 16) or "
+                "a FlashInfer decode kernel's group size (1, 2, 3, 4, 8)"
+            )
         if metadata.num_reqs != batch_size or metadata.max_query_len != 1:
             raise ValueError(f"graph decode plan needs {batch_size} one-token rows")
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
@@ -241,9 +284,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._graph_host[batch_size] = host
         head = 2 * batch_size + 1
         rows = host.numpy()
-        rows[:batch_size + 1] = indptr
-        rows[batch_size + 1:head] = last_page_len
-        rows[head:head + len(indices)] = indices
+        rows[: batch_size + 1] = indptr
+        rows[batch_size + 1 : head] = last_page_len
+        rows[head : head + len(indices)] = indices
         self._slot_mapping = metadata.slot_mapping
         self._triton_call = None
         self.last_wrapper = "graph_decode"
@@ -252,26 +295,41 @@ class FlashInferAttentionBackend(AttentionBackend):
             if table is None:
                 table = torch.zeros_like(host, device=self._device)
                 self._graph_dev[batch_size] = table
-            table[:head + len(indices)].copy_(host[:head + len(indices)], non_blocking=True)
+            table[: head + len(indices)].copy_(host[: head + len(indices)], non_blocking=True)
             host_fence.record()
             self._triton_call = (
-                (table[:batch_size + 1], table[head:], table[batch_size + 1:head]),
-                self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms), {})
+                (table[: batch_size + 1], table[head:], table[batch_size + 1 : head]),
+                self._triton_decode.decode_config(batch_size, self.num_kv_heads, self._num_sms),
+                {},
+            )
             self._active = None
             return
         wrapper = self._graph_decode.get(batch_size)
         if wrapper is None:
             assert self._workspace is not None and self._device is not None
             wrapper = BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True,
-                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self._device),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self._device),
-                paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=self._device),
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(
+                    batch_size + 1, dtype=torch.int32, device=self._device
+                ),
+                paged_kv_indices_buffer=torch.zeros(
+                    max_pages, dtype=torch.int32, device=self._device
+                ),
+                paged_kv_last_page_len_buffer=torch.ones(
+                    batch_size, dtype=torch.int32, device=self._device
+                ),
             )
             self._graph_decode[batch_size] = wrapper
-        indices_gpu = host[head:head + len(indices)].to(self._device, non_blocking=True)
-        self._plan_decode(wrapper, host[:batch_size + 1], indices_gpu, host[batch_size + 1:head],
-                          metadata.block_size)
+        indices_gpu = host[head : head + len(indices)].to(self._device, non_blocking=True)
+        self._plan_decode(
+            wrapper,
+            host[: batch_size + 1],
+            indices_gpu,
+            host[batch_size + 1 : head],
+            metadata.block_size,
+        )
         host_fence.record()
 
     def _plan_decode(
@@ -291,9 +349,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         fence = self._fence(wrapper)
         fence.wait()
         wrapper.plan(
-            indptr, indices_gpu, last_page_len,
-            self.num_heads, self.num_kv_heads, self.head_dim, page_size,
-            sm_scale=self.scale, q_data_type=self._dtype, kv_data_type=self._dtype,
+            indptr,
+            indices_gpu,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            page_size,
+            sm_scale=self.scale,
+            q_data_type=self._dtype,
+            kv_data_type=self._dtype,
             non_blocking=True,
         )
         fence.record()
@@ -333,7 +398,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if triton is not None:
             tables, cfg, extra = triton
             out = self._triton_decode.paged_decode_attention(
-                q, kv_layer, *tables, self.scale, *cfg, **extra)
+                q, kv_layer, *tables, self.scale, *cfg, **extra
+            )
             return out.view(num_tokens, self.num_heads * self.head_dim)
         assert wrapper is not None
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

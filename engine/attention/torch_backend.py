@@ -92,7 +92,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         group = self.num_heads // self.num_kv_heads
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        for i, (q_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
             keys, vals = self._gather(kv_layer, self._blocks[i], 1)
             keys, vals = keys[0, :seq_len], vals[0, :seq_len]  # [seq, Hkv, D]
             qi = q[start : start + q_len].float().transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -100,15 +102,21 @@ class TorchAttentionBackend(AttentionBackend):
             vi = vals.float().transpose(0, 1).unsqueeze(0)
             mask = self._masks[i]
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask if mask is not None and q_len != seq_len else None,
-                is_causal=q_len == seq_len and q_len > 1, scale=self.scale, enable_gqa=group > 1,
+                qi,
+                ki,
+                vi,
+                attn_mask=mask if mask is not None and q_len != seq_len else None,
+                is_causal=q_len == seq_len and q_len > 1,
+                scale=self.scale,
+                enable_gqa=group > 1,
             )  # [1, H, q_len, D]
             out[start : start + q_len] = oi[0].transpose(0, 1).to(q.dtype)
             start += q_len
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _gather(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_reqs: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(
+        self, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_reqs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``block_ids`` (``[num_reqs * nb]`` flat, request-major) as
         ``[num_reqs, nb * block_size, Hkv, D]`` each: one ``index_select`` per half, whose
         contiguous result reshapes for free (indexing the whole layer, then slicing k and v
@@ -131,7 +139,10 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         qb = q.float().view(num_reqs, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(
-            qb, keys.float().transpose(1, 2), vals.float().transpose(1, 2), attn_mask=mask,
+            qb,
+            keys.float().transpose(1, 2),
+            vals.float().transpose(1, 2),
+            attn_mask=mask,
             scale=self.scale,
         )  # [B, Hkv, group, D]: head h = kv head h // group, row h % group
         return out.to(q.dtype).reshape(num_reqs, self.num_heads * self.head_dim)

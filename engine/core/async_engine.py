@@ -202,8 +202,11 @@ class AsyncEngine(StreamingFrontEnd):
             return
         try:
             self.engine.add_request(
-                command.req_id, command.prompt, command.params,
-                arrival_time=command.arrival_time, api_times=command.api_times,
+                command.req_id,
+                command.prompt,
+                command.params,
+                arrival_time=command.arrival_time,
+                api_times=command.api_times,
             )
         except Exception as exc:  # noqa: BLE001 - a bad request fails only itself
             with self._cond:

@@ -37,14 +37,25 @@ def close_and_judge(engine: Any) -> int:
         return EXIT_OK  # no KV offload: nothing to drain
     where = f" to {report.flush_tier}" if report.flush_tier else ""
     if report.dropped or report.flush_left:
-        logger.error("KV drain incomplete after %.2fs: %d host-only blocks not flushed%s and %d "
-                     "queued write-through copies dropped: lost to a restart (raise "
-                     "drain_timeout_s, or check the tier below)", report.seconds,
-                     report.flush_left, where, report.dropped)
+        logger.error(
+            "KV drain incomplete after %.2fs: %d host-only blocks not flushed%s and %d "
+            "queued write-through copies dropped: lost to a restart (raise "
+            "drain_timeout_s, or check the tier below)",
+            report.seconds,
+            report.flush_left,
+            where,
+            report.dropped,
+        )
         return EXIT_DRAIN_INCOMPLETE
-    logger.info("KV drain complete in %.2fs: %d host-only blocks flushed%s, %d already there, "
-                "%d queued copies written", report.seconds, report.flushed, where,
-                report.flush_present, report.drained)
+    logger.info(
+        "KV drain complete in %.2fs: %d host-only blocks flushed%s, %d already there, "
+        "%d queued copies written",
+        report.seconds,
+        report.flushed,
+        where,
+        report.flush_present,
+        report.drained,
+    )
     return EXIT_OK
 
 

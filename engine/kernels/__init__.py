@@ -84,8 +84,13 @@ def linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
 
 
 def rotary_and_cache(
-    qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
-    num_kv_heads: int, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Rotary on q and k of a fused ``qkv [T, (Hq + 2 Hkv) * D]`` row and the new K/V stored
     in the cache, in one kernel: returns the rotated ``[T, Hq + Hkv, D]`` (q heads, then k
@@ -98,8 +103,12 @@ def rotary_and_cache(
 
 
 def copy_layer_from_host(
-    src: torch.Tensor, src_word_offsets: torch.Tensor, dst_words: torch.Tensor,
-    dst_rows: torch.Tensor, chunk_start: int, chunk_words: int,
+    src: torch.Tensor,
+    src_word_offsets: torch.Tensor,
+    dst_words: torch.Tensor,
+    dst_rows: torch.Tensor,
+    chunk_start: int,
+    chunk_words: int,
 ) -> None:
     """Copy one layer's chunk of many blocks from host memory into the cache, as one kernel
     that reads the (pinned, device-mapped) host bytes directly: for each i, words
@@ -140,15 +149,19 @@ def _self_check(device: torch.device) -> None:
     ref_cache = cache.clone()
     slots = torch.tensor([1, 6, 11], device=device)
     out = rotary_and_cache(qkv, cos, sin, 4, 2, cache, slots)
-    ref_qk = reference.rotary(qkv[:, :6 * 64].view(3, 6, 64).float(), cos.float(), sin.float())
-    reference.write_kv(ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64:].view(3, 2, 64))
+    ref_qk = reference.rotary(qkv[:, : 6 * 64].view(3, 6, 64).float(), cos.float(), sin.float())
+    reference.write_kv(
+        ref_cache, slots, ref_qk[:, 4:].to(torch.bfloat16), qkv[:, 6 * 64 :].view(3, 2, 64)
+    )
     torch.testing.assert_close(out.float(), ref_qk, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=2e-2, atol=2e-2)
     from engine.kernels.gemv import gemv
 
     xs = torch.randn(1, 300, device=device, generator=gen).to(torch.bfloat16)
     ws = torch.randn(37, 300, device=device, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(gemv(xs, ws).float(), xs.float() @ ws.float().T, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(
+        gemv(xs, ws).float(), xs.float() @ ws.float().T, rtol=2e-2, atol=5e-2
+    )
     from engine.kernels.decode_attention import paged_decode_attention
 
     # Decode attention, 2 requests (7 and 3 tokens) over pages [2, 0] and [1] of ``cache``.
@@ -160,7 +173,9 @@ def _self_check(device: torch.device) -> None:
         k = kv[:, 0].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
         v = kv[:, 1].reshape(-1, 2, 64)[:n].repeat_interleave(2, 1)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * 0.125, dim=-1)
-        torch.testing.assert_close(got[b].float(), torch.einsum("hn,nhd->hd", w, v), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(
+            got[b].float(), torch.einsum("hn,nhd->hd", w, v), rtol=3e-2, atol=3e-2
+        )
 
 
 def fused_kernels_available(device: torch.device) -> bool:
@@ -177,7 +192,9 @@ def fused_kernels_available(device: torch.device) -> bool:
             try:
                 _self_check(device)
             except Exception as exc:  # a broken kernel must not break the engine
-                logger.warning("fused kernels off: self-check failed: %s: %s", type(exc).__name__, exc)
+                logger.warning(
+                    "fused kernels off: self-check failed: %s: %s", type(exc).__name__, exc
+                )
                 ok = False
         _CHECKED[key] = ok
     return _CHECKED[key]

@@ -19,8 +19,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -52,13 +61,21 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
     return 8, 512, 4, 3
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int = 512,
-         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int = 512,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
     """``x [1, K] @ weight[N, K].T`` -> ``[1, N]``; the tiles from ``tile_config`` unless
     ``block_n`` is given (then the other three arguments too). Raises ValueError on other
     shapes."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [1, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
+        raise ValueError(
+            f"gemv needs x [1, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs unit last strides")
     n, k = weight.shape
@@ -66,7 +83,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, bloc
         block_n, block_k, num_warps, num_stages = tile_config(n, k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+        x,
+        weight,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y

@@ -21,8 +21,9 @@ _BLOCK = 2048  # value pairs (32-bit words) per program of the value kernel
 
 
 @triton.jit
-def _values_kernel(src_ptr, idx_ptr, idx_stride, dst_ptr, row_words, M: tl.constexpr, BOOK, S0,
-                   BLOCK: tl.constexpr):
+def _values_kernel(
+    src_ptr, idx_ptr, idx_stride, dst_ptr, row_words, M: tl.constexpr, BOOK, S0, BLOCK: tl.constexpr
+):
     """One program: BLOCK pairs of values of segment ``S0 + program_id(1)`` of block
     ``program_id(0)``. A pair is one packed code byte and two low bytes (one u16 load),
     written as one 32-bit word. ``idx``: rows meta, codes, low (byte offsets), block id."""
@@ -37,8 +38,9 @@ def _values_kernel(src_ptr, idx_ptr, idx_stride, dst_ptr, row_words, M: tl.const
     pair = t * BLOCK + tl.arange(0, BLOCK)
     mask = pair < M // 2
     packed = tl.load(codes + local * (M // 2) + pair, mask=mask, other=0).to(tl.int32)
-    lows = tl.load(low.to(tl.pointer_type(tl.uint16)) + local * (M // 2) + pair,
-                   mask=mask, other=0).to(tl.int32)
+    lows = tl.load(
+        low.to(tl.pointer_type(tl.uint16)) + local * (M // 2) + pair, mask=mask, other=0
+    ).to(tl.int32)
     book = meta + BOOK + seg * 16
     hi0 = tl.load(book + (packed & 15), mask=mask, other=0).to(tl.int32)
     hi1 = tl.load(book + (packed >> 4), mask=mask, other=0).to(tl.int32)
@@ -47,21 +49,32 @@ def _values_kernel(src_ptr, idx_ptr, idx_stride, dst_ptr, row_words, M: tl.const
 
 
 @triton.jit
-def _escapes_kernel(src_ptr, idx_ptr, idx_stride, dst_ptr, row_values, M: tl.constexpr,
-                    E: tl.constexpr, E_POW2: tl.constexpr, IDX, ESC, S0):
+def _escapes_kernel(
+    src_ptr,
+    idx_ptr,
+    idx_stride,
+    dst_ptr,
+    row_values,
+    M: tl.constexpr,
+    E: tl.constexpr,
+    E_POW2: tl.constexpr,
+    IDX,
+    ESC,
+    S0,
+):
     i = tl.program_id(0)
     local = tl.program_id(1)
     seg = S0 + local
     meta = src_ptr + tl.load(idx_ptr + i)
     low = src_ptr + tl.load(idx_ptr + 2 * idx_stride + i)
     row = tl.load(idx_ptr + 3 * idx_stride + i)
-    count = (tl.load(meta + seg * 2).to(tl.int32)
-             | (tl.load(meta + seg * 2 + 1).to(tl.int32) << 8))
+    count = tl.load(meta + seg * 2).to(tl.int32) | (tl.load(meta + seg * 2 + 1).to(tl.int32) << 8)
     j = tl.arange(0, E_POW2)
     mask = (j < count) & (j < E)
     at = meta + IDX + (seg * E + j) * 2
-    idx = (tl.load(at, mask=mask, other=0).to(tl.int32)
-           | (tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8))
+    idx = tl.load(at, mask=mask, other=0).to(tl.int32) | (
+        tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8
+    )
     mask = mask & (idx < M)  # a damaged index never writes outside its segment
     high = tl.load(meta + ESC + seg * E + j, mask=mask, other=0).to(tl.int32)
     lo = tl.load(low + local * M + idx, mask=mask, other=0).to(tl.int32)
@@ -69,8 +82,14 @@ def _escapes_kernel(src_ptr, idx_ptr, idx_stride, dst_ptr, row_values, M: tl.con
     tl.store(dst_ptr + row.to(tl.int64) * row_values + seg * M + idx, value, mask=mask)
 
 
-def decode_hi4(codec: Any, src: torch.Tensor, index: torch.Tensor, cache_rows: torch.Tensor,
-               first: int, count: int) -> None:
+def decode_hi4(
+    codec: Any,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    cache_rows: torch.Tensor,
+    first: int,
+    count: int,
+) -> None:
     """See ``Hi4Codec.decode_segments`` (which validates the arguments and builds
     ``index``: ``[4, n]`` int64, rows meta / codes / low byte offsets and block ids; a column
     slice of a wider one is fine)."""
@@ -79,10 +98,28 @@ def decode_hi4(codec: Any, src: torch.Tensor, index: torch.Tensor, cache_rows: t
     row_values = cache_rows.shape[1] // 2
     stride = index.stride(0)
     _values_kernel[(n, count, triton.cdiv(m // 2, _BLOCK))](
-        src, index, stride, cache_rows.view(torch.int32), row_values // 2, m, off["book"], first,
-        BLOCK=_BLOCK, num_warps=8,
+        src,
+        index,
+        stride,
+        cache_rows.view(torch.int32),
+        row_values // 2,
+        m,
+        off["book"],
+        first,
+        BLOCK=_BLOCK,
+        num_warps=8,
     )
     _escapes_kernel[(n, count)](
-        src, index, stride, cache_rows.view(torch.int16), row_values, m, e,
-        triton.next_power_of_2(e), off["idx"], off["esc"], first, num_warps=4,
+        src,
+        index,
+        stride,
+        cache_rows.view(torch.int16),
+        row_values,
+        m,
+        e,
+        triton.next_power_of_2(e),
+        off["idx"],
+        off["esc"],
+        first,
+        num_warps=4,
     )

@@ -19,7 +19,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return torch.addcmul(x * cos, swapped, sin_signed)
 
 
-def write_kv(kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Store new tokens' k/v ``[T, Hkv, D]`` into a layer view at flat slots (in place)."""
     block_size = kv_layer.shape[2]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")

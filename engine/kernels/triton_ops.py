@@ -20,8 +20,17 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    n_cols, x_stride, res_stride, out_stride, new_res_stride, eps,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    n_cols,
+    x_stride,
+    res_stride,
+    out_stride,
+    new_res_stride,
+    eps,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -42,7 +51,12 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    in_ptr, out_ptr, n_cols, in_stride, out_stride, BLOCK: tl.constexpr,
+    in_ptr,
+    out_ptr,
+    n_cols,
+    in_stride,
+    out_stride,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -55,8 +69,10 @@ def _silu_and_mul_kernel(
 
 def _check_rows(t: torch.Tensor, name: str) -> None:
     if t.dim() != 2 or t.stride(-1) != 1:
-        raise ValueError(f"{name} must be 2-D [rows, cols] with unit column stride, got "
-                         f"shape {tuple(t.shape)} stride {t.stride()}")
+        raise ValueError(
+            f"{name} must be 2-D [rows, cols] with unit column stride, got "
+            f"shape {tuple(t.shape)} stride {t.stride()}"
+        )
 
 
 def add_rms_norm(
@@ -66,8 +82,10 @@ def add_rms_norm(
     _check_rows(x, "x")
     _check_rows(residual, "residual")
     if x.shape != residual.shape or weight.shape != (x.shape[1],):
-        raise ValueError(f"shapes x {tuple(x.shape)}, residual {tuple(residual.shape)}, "
-                         f"weight {tuple(weight.shape)} do not match")
+        raise ValueError(
+            f"shapes x {tuple(x.shape)}, residual {tuple(residual.shape)}, "
+            f"weight {tuple(weight.shape)} do not match"
+        )
     rows, cols = x.shape
     out = torch.empty_like(x)
     new_res = torch.empty_like(x)
@@ -76,8 +94,19 @@ def add_rms_norm(
     block = triton.next_power_of_2(cols)
     warps = 4 if block <= 2048 else 8
     _add_rms_norm_kernel[(rows,)](
-        x, residual, weight, out, new_res, cols, x.stride(0), residual.stride(0),
-        out.stride(0), new_res.stride(0), eps, BLOCK=block, num_warps=warps,
+        x,
+        residual,
+        weight,
+        out,
+        new_res,
+        cols,
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        new_res.stride(0),
+        eps,
+        BLOCK=block,
+        num_warps=warps,
     )
     return out, new_res
 
@@ -94,15 +123,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-        gate_up, out, cols, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        gate_up,
+        out,
+        cols,
+        gate_up.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, x_tok_stride, x_head_stride, cs_stride, num_heads,
-    head_dim, BLOCK: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    x_tok_stride,
+    x_head_stride,
+    cs_stride,
+    num_heads,
+    head_dim,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tok = (pid // num_heads).to(tl.int64)
@@ -134,17 +177,39 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     if tokens == 0:
         return out
     _rotary_kernel[(tokens * heads,)](
-        x, cos2, sin2, out, x.stride(0), x.stride(1), dim, heads, dim,
-        BLOCK=triton.next_power_of_2(dim), num_warps=1 if dim <= 128 else 2,
+        x,
+        cos2,
+        sin2,
+        out,
+        x.stride(0),
+        x.stride(1),
+        dim,
+        heads,
+        dim,
+        BLOCK=triton.next_power_of_2(dim),
+        num_warps=1 if dim <= 128 else 2,
     )
     return out
 
 
 @triton.jit
 def _rotary_cache_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, cache_ptr, slot_ptr,
-    x_tok_stride, cs_stride, num_heads, num_kv_heads, head_dim, block_size,
-    c_block_stride, c_kv_stride, c_off_stride, c_head_stride,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    cache_ptr,
+    slot_ptr,
+    x_tok_stride,
+    cs_stride,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    c_block_stride,
+    c_kv_stride,
+    c_off_stride,
+    c_head_stride,
     BLOCK: tl.constexpr,
 ):
     # One program per (token, head) over [q heads | k heads | v heads] of the fused qkv row.
@@ -156,7 +221,9 @@ def _rotary_cache_kernel(
     mask = offs < head_dim
     base = x_ptr + tok * x_tok_stride + head * head_dim
     slot = tl.load(slot_ptr + tok)
-    cache_row = cache_ptr + (slot // block_size) * c_block_stride + (slot % block_size) * c_off_stride
+    cache_row = (
+        cache_ptr + (slot // block_size) * c_block_stride + (slot % block_size) * c_off_stride
+    )
     if head < num_heads + num_kv_heads:
         half = head_dim // 2
         partner = tl.where(offs < half, offs + half, offs - half)
@@ -165,32 +232,49 @@ def _rotary_cache_kernel(
         c = tl.load(cos_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + tok * cs_stride + offs, mask=mask, other=0.0).to(tl.float32)
         y = (x * c + xp * s).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (tok * (num_heads + num_kv_heads) + head) * head_dim + offs, y, mask=mask)
+        tl.store(
+            out_ptr + (tok * (num_heads + num_kv_heads) + head) * head_dim + offs, y, mask=mask
+        )
         if head >= num_heads:  # a k head: into the cache's K half at its slot
             kv_head = head - num_heads
-            tl.store(cache_row + kv_head * c_head_stride + offs, y.to(cache_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(
+                cache_row + kv_head * c_head_stride + offs,
+                y.to(cache_ptr.dtype.element_ty),
+                mask=mask,
+            )
     else:  # a v head: copied into the cache's V half
         kv_head = head - num_heads - num_kv_heads
         v = tl.load(base + offs, mask=mask, other=0.0)
-        tl.store(cache_row + c_kv_stride + kv_head * c_head_stride + offs,
-                 v.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            cache_row + c_kv_stride + kv_head * c_head_stride + offs,
+            v.to(cache_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def rotary_and_cache(
-    qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, num_heads: int,
-    num_kv_heads: int, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """See ``engine.kernels.rotary_and_cache``. Raises ValueError on mismatched shapes."""
     _check_rows(qkv, "qkv")
     tokens = qkv.shape[0]
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2 or kv_layer.shape[3] != num_kv_heads:
-        raise ValueError(f"kv_layer must be [blocks, 2, block_size, {num_kv_heads}, D], got "
-                         f"{tuple(kv_layer.shape)}")
+        raise ValueError(
+            f"kv_layer must be [blocks, 2, block_size, {num_kv_heads}, D], got "
+            f"{tuple(kv_layer.shape)}"
+        )
     dim = kv_layer.shape[4]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * dim or kv_layer.stride(4) != 1:
-        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} q and "
-                         f"{num_kv_heads} k/v heads of {dim}")
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} does not hold {num_heads} q and "
+            f"{num_kv_heads} k/v heads of {dim}"
+        )
     if slot_mapping.shape[0] < tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {tokens} tokens")
     cos2, sin2 = cos.reshape(tokens, -1), sin_signed.reshape(tokens, -1)
@@ -203,16 +287,37 @@ def rotary_and_cache(
         return out
     s = kv_layer.stride()
     _rotary_cache_kernel[(tokens * (num_heads + 2 * num_kv_heads),)](
-        qkv, cos2, sin2, out, kv_layer, slot_mapping, qkv.stride(0), dim, num_heads,
-        num_kv_heads, dim, kv_layer.shape[2], s[0], s[1], s[2], s[3],
-        BLOCK=triton.next_power_of_2(dim), num_warps=1 if dim <= 128 else 2,
+        qkv,
+        cos2,
+        sin2,
+        out,
+        kv_layer,
+        slot_mapping,
+        qkv.stride(0),
+        dim,
+        num_heads,
+        num_kv_heads,
+        dim,
+        kv_layer.shape[2],
+        s[0],
+        s[1],
+        s[2],
+        s[3],
+        BLOCK=triton.next_power_of_2(dim),
+        num_warps=1 if dim <= 128 else 2,
     )
     return out
 
 
 @triton.jit
 def _copy_layer_kernel(
-    src_base, src_offsets_ptr, dst_ptr, dst_rows_ptr, chunk_start, chunk_words, row_words,
+    src_base,
+    src_offsets_ptr,
+    dst_ptr,
+    dst_rows_ptr,
+    chunk_start,
+    chunk_words,
+    row_words,
     BLOCK: tl.constexpr,
 ):
     # Program (i, j): words [j * BLOCK, (j + 1) * BLOCK) of block i's layer chunk, read from
@@ -230,8 +335,12 @@ def _copy_layer_kernel(
 
 
 def copy_layer_from_host(
-    src: torch.Tensor, src_word_offsets: torch.Tensor, dst_words: torch.Tensor,
-    dst_rows: torch.Tensor, chunk_start: int, chunk_words: int,
+    src: torch.Tensor,
+    src_word_offsets: torch.Tensor,
+    dst_words: torch.Tensor,
+    dst_rows: torch.Tensor,
+    chunk_start: int,
+    chunk_words: int,
 ) -> None:
     """See ``engine.kernels.copy_layer_from_host``."""
     if src.device.type != "cpu" or (dst_words.is_cuda and not src.is_pinned()):
@@ -247,6 +356,13 @@ def copy_layer_from_host(
         raise ValueError(f"{src_word_offsets.shape[0]} source offsets for {n} rows")
     block = 2048
     _copy_layer_kernel[(n, triton.cdiv(chunk_words, block))](
-        src.data_ptr(), src_word_offsets, dst_words, dst_rows, chunk_start, chunk_words,
-        dst_words.shape[1], BLOCK=block, num_warps=4,
+        src.data_ptr(),
+        src_word_offsets,
+        dst_words,
+        dst_rows,
+        chunk_start,
+        chunk_words,
+        dst_words.shape[1],
+        BLOCK=block,
+        num_warps=4,
     )

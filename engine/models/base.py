@@ -104,7 +104,9 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} not supported; use one of {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"rope type {rope_type!r} not supported; use one of {SUPPORTED_ROPE_TYPES}"
+        )
     if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
     return RopeConfig(

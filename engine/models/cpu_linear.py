@@ -49,7 +49,9 @@ class PackedLinear(nn.Module):
     which MKL streams at the full memory bandwidth where neither ``F.linear`` nor the packed
     layout does (see ``ROW_COPY_MAX_BYTES``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, row_copy: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, row_copy: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         with torch.no_grad():
@@ -76,9 +78,11 @@ def pack_cpu_linears(model: nn.Module) -> int:
     ``PackedLinear``; pack the output head if the model has ``pack_output_head``. Mutates
     ``model``; returns the number of layers packed (0: left as it was)."""
     targets = [
-        (parent, name, child) for parent in list(model.modules())
+        (parent, name, child)
+        for parent in list(model.modules())
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+        if isinstance(child, nn.Linear)
+        and child.weight.device.type == "cpu"
         and packing_available(child.weight.dtype)
     ]
     total_bytes = sum(c.weight.numel() * c.weight.element_size() for _, _, c in targets)

@@ -165,30 +165,38 @@ DEMO_ARCH: dict[str, object] = {
 
 def default_cache_dir() -> str:
     """``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier`` (read only when no directory is given)."""
-    return os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    return os.environ.get("KVTIER_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvtier"
+    )
 
 
 def _demo_weights() -> dict:  # name -> torch.Tensor
     import torch
 
     cfg = DEMO_ARCH
-    hidden, inter, vocab = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+    hidden, inter, vocab = (
+        int(cfg["hidden_size"]),
+        int(cfg["intermediate_size"]),
+        int(cfg["vocab_size"]),
+    )
     q_out = int(cfg["num_attention_heads"]) * int(cfg["head_dim"])
     kv_out = int(cfg["num_key_value_heads"]) * int(cfg["head_dim"])
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(int(cfg["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_out, hidden),
-            p + "self_attn.k_proj.weight": (kv_out, hidden),
-            p + "self_attn.v_proj.weight": (kv_out, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_out),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (q_out, hidden),
+                p + "self_attn.k_proj.weight": (kv_out, hidden),
+                p + "self_attn.v_proj.weight": (kv_out, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_out),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     gen = torch.Generator(device="cpu").manual_seed(DEMO_SEED)
@@ -208,7 +216,9 @@ def write_demo_model(out_dir: str) -> None:
     """Write every demo-model file into an existing empty ``out_dir`` (deterministic bytes)."""
     from safetensors.torch import save_file
 
-    save_file(_demo_weights(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        _demo_weights(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
+    )
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(DEMO_ARCH, f, indent=2, sort_keys=True)
     gen_cfg = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}

@@ -128,9 +128,12 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None, dtype: str = 
         if final.exists():
             shutil.rmtree(final)  # half-written (no marker): redo
         size_mb = os.path.getsize(gguf_path) / 1e6
-        print(f"kvtier: converting {os.path.basename(gguf_path)} ({size_mb:.0f} MB) to a "
-              f"{dtype} HF directory in {final} (once; later starts reuse it)",
-              file=sys.stderr, flush=True)
+        print(
+            f"kvtier: converting {os.path.basename(gguf_path)} ({size_mb:.0f} MB) to a "
+            f"{dtype} HF directory in {final} (once; later starts reuse it)",
+            file=sys.stderr,
+            flush=True,
+        )
         start = time.perf_counter()
         tmp = tempfile.mkdtemp(prefix=f".{final.name}-", dir=root)
         try:
@@ -140,8 +143,9 @@ def ensure_converted(gguf_path: str, cache_dir: str | None = None, dtype: str = 
         finally:
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
-        print(f"kvtier: converted in {time.perf_counter() - start:.0f} s", file=sys.stderr,
-              flush=True)
+        print(
+            f"kvtier: converted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True
+        )
     return str(final)
 
 
@@ -175,8 +179,11 @@ def convert_gguf(gguf_path: str, out_dir: str, sha256: str, dtype: str = "float3
     if config.get("tie_word_embeddings") and embed is not None and head is not None:
         del state["lm_head.weight"]  # the same tensor; safetensors stores a tensor once
     tensors = {k: v.detach().to(torch_dtype).contiguous() for k, v in state.items()}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt", "kvtier_gguf_sha256": sha256})
+    save_file(
+        tensors,
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt", "kvtier_gguf_sha256": sha256},
+    )
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     model.generation_config.save_pretrained(out_dir)

@@ -78,7 +78,9 @@ class RotaryEmbedding(nn.Module):
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.max_positions = max_positions
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed sin)``, each ``[T, 1, D]`` in ``dtype`` on ``positions.device``."""
         key = (positions.device, dtype)
         table = self._tables.get(key)

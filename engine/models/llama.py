@@ -43,10 +43,16 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -58,8 +64,12 @@ class Attention(nn.Module):
         return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
-        kv_cache: KVCache, fused: bool = False,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        attn: AttentionBackend,
+        kv_cache: KVCache,
+        fused: bool = False,
     ) -> torch.Tensor:
         """``rope`` = this step's ``(cos, signed sin)`` rows (RotaryEmbedding.cos_sin);
         ``fused``: rotate q and k with one Triton kernel (engine.kernels.rotary; on CUDA, once
@@ -80,8 +90,9 @@ class Attention(nn.Module):
                 # One kernel: rotary on q and k, and the new K/V stored at the step's slots.
                 from engine.kernels import rotary_and_cache
 
-                qk = rotary_and_cache(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                      kv_layer, attn.slot_mapping)
+                qk = rotary_and_cache(
+                    qkv, cos, sin, self.num_heads, self.num_kv_heads, kv_layer, attn.slot_mapping
+                )
                 kv_written = True
             else:
                 # q and k are adjacent in the fused output: rotate both with one set of kernels.
@@ -109,15 +120,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        attn: AttentionBackend,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_fused(
-        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None,
-        attn: AttentionBackend, kv_cache: KVCache,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn: AttentionBackend,
+        kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused path: ``(h, residual)`` in, ``(mlp output, residual stream)`` out; the
         residual stream before this layer is ``h + residual`` (``h`` alone at layer 0)."""
@@ -172,7 +190,11 @@ class LlamaForCausalLM(nn.Module):
         self._packed_head: nn.Module | None = None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, kv_cache: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        kv_cache: KVCache,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self._rotary.cos_sin(positions, x.dtype)  # gathered once for every layer
@@ -183,7 +205,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _forward_fused(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, attn: AttentionBackend,
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        attn: AttentionBackend,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         from engine.kernels import fused_add_rms_norm
@@ -238,7 +263,9 @@ class LlamaForCausalLM(nn.Module):
                 sizes = self._shard_sizes(name)
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+                )
             with torch.no_grad():
                 target.copy_(tensor)
             loaded.add(name)

@@ -81,8 +81,9 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iter_weights(model_dir: str, progress: WeightProgress | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_dir: str, progress: WeightProgress | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, cpu tensor)`` for every tensor of every shard, one at a time;
     ``progress`` hears of each tensor and each finished file."""
     from safetensors import safe_open
@@ -115,11 +116,21 @@ class WeightProgress:
         if getattr(stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self._total, unit="B", unit_scale=True, file=stream,
-                             desc="loading weights", leave=False)
+            self._bar = tqdm(
+                total=self._total,
+                unit="B",
+                unit_scale=True,
+                file=stream,
+                desc="loading weights",
+                leave=False,
+            )
         elif files:
-            logger.info("loading weights from %s: %d file(s), %s", os.path.dirname(files[0]),
-                        len(files), human_bytes(self._total))
+            logger.info(
+                "loading weights from %s: %d file(s), %s",
+                os.path.dirname(files[0]),
+                len(files),
+                human_bytes(self._total),
+            )
 
     def tensor(self, nbytes: int) -> None:
         self._bytes += nbytes
@@ -129,16 +140,25 @@ class WeightProgress:
     def file_done(self, path: str) -> None:
         self._done_files += 1
         if self._bar is None and len(self._files) > 1:
-            logger.info("loading weights: file %d/%d %s done (%s of %s, %.1f s)",
-                        self._done_files, len(self._files), os.path.basename(path),
-                        human_bytes(self._bytes), human_bytes(self._total),
-                        time.perf_counter() - self._t0)
+            logger.info(
+                "loading weights: file %d/%d %s done (%s of %s, %.1f s)",
+                self._done_files,
+                len(self._files),
+                os.path.basename(path),
+                human_bytes(self._bytes),
+                human_bytes(self._total),
+                time.perf_counter() - self._t0,
+            )
 
     def done(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        logger.info("loaded %s of weights from %d file(s) in %.1f s", human_bytes(self._bytes),
-                    len(self._files), time.perf_counter() - self._t0)
+        logger.info(
+            "loaded %s of weights from %d file(s) in %.1f s",
+            human_bytes(self._bytes),
+            len(self._files),
+            time.perf_counter() - self._t0,
+        )
 
 
 def human_bytes(n: int) -> str:
@@ -159,8 +179,11 @@ def _no_init() -> Iterator[None]:
     keeps two loads in one process from restoring each other's patches."""
     import torch.nn.init as init
 
-    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_")
-             and callable(getattr(init, n))]
+    names = [
+        n
+        for n in dir(init)
+        if n.endswith("_") and not n.startswith("_") and callable(getattr(init, n))
+    ]
     with _INIT_LOCK:
         saved = {n: getattr(init, n) for n in names}
         try:
@@ -177,7 +200,10 @@ def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor
 
 
 def load_model(
-    model_dir: str, dtype: str, device: torch.device | str, max_positions: int | None = None,
+    model_dir: str,
+    dtype: str,
+    device: torch.device | str,
+    max_positions: int | None = None,
     tp: TPShard | None = None,
 ) -> LoadedModel:
     """Build the model on ``device`` in the resolved dtype and fill every parameter from the
@@ -193,7 +219,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, hf_config)
     # Build without allocating or initializing, then materialize once on the target device.
     with _no_init(), torch.device("meta"):
-        model = cls(arch, max_positions) if tp is None or tp.size == 1 else cls(arch, max_positions, tp)
+        model = (
+            cls(arch, max_positions) if tp is None or tp.size == 1 else cls(arch, max_positions, tp)
+        )
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     progress = WeightProgress(safetensors_files(model_dir))
     loaded = model.load_weights(iter_weights(model_dir, progress))
@@ -201,8 +229,12 @@ def load_model(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks parameters: {missing[:8]}")
-    return LoadedModel(model=model.eval(), arch=getattr(model, "arch", arch), dtype=torch_dtype,
-                       hf_config=hf_config)
+    return LoadedModel(
+        model=model.eval(),
+        arch=getattr(model, "arch", arch),
+        dtype=torch_dtype,
+        hf_config=hf_config,
+    )
 
 
 def _safetensors_header(path: str) -> bytes:

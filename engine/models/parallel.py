@@ -48,8 +48,11 @@ def check_tp_size(arch: ModelArchConfig, size: int) -> None:
     intermediate size (every rank then holds whole heads and a GQA group stays on one rank)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    for what, n in (("KV heads", arch.num_kv_heads), ("attention heads", arch.num_heads),
-                    ("intermediate size", arch.intermediate_size)):
+    for what, n in (
+        ("KV heads", arch.num_kv_heads),
+        ("attention heads", arch.num_heads),
+        ("intermediate size", arch.intermediate_size),
+    ):
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {n} {what}")
 
@@ -58,12 +61,16 @@ def local_arch(arch: ModelArchConfig, tp: TPShard) -> ModelArchConfig:
     """The shapes one rank computes: heads and intermediate size divided by ``tp.size``."""
     check_tp_size(arch, tp.size)
     return dataclasses.replace(
-        arch, num_heads=arch.num_heads // tp.size, num_kv_heads=arch.num_kv_heads // tp.size,
+        arch,
+        num_heads=arch.num_heads // tp.size,
+        num_kv_heads=arch.num_kv_heads // tp.size,
         intermediate_size=arch.intermediate_size // tp.size,
     )
 
 
-def shard_weight(name: str, tensor: torch.Tensor, arch: ModelArchConfig, tp: TPShard) -> torch.Tensor:
+def shard_weight(
+    name: str, tensor: torch.Tensor, arch: ModelArchConfig, tp: TPShard
+) -> torch.Tensor:
     """This rank's slice of the HF checkpoint tensor ``name`` (``arch``: the full model's).
     Replicated tensors come back unchanged."""
     r, n = tp.rank, tp.size
@@ -77,7 +84,7 @@ def shard_weight(name: str, tensor: torch.Tensor, arch: ModelArchConfig, tp: TPS
         if name.endswith(".bias"):  # added once, after the sum
             return tensor if r == 0 else torch.zeros_like(tensor)
         per = tensor.shape[1] // n
-        return tensor[:, r * per:(r + 1) * per]
+        return tensor[:, r * per : (r + 1) * per]
     return tensor
 
 
@@ -85,10 +92,12 @@ def _rows(tensor: torch.Tensor, total: int, rank: int, size: int) -> torch.Tenso
     if tensor.shape[0] != total:
         raise ValueError(f"cannot split a tensor of {tensor.shape[0]} rows as {total}")
     per = total // size
-    return tensor[rank * per:(rank + 1) * per]
+    return tensor[rank * per : (rank + 1) * per]
 
 
-def attach_all_reduce(model: torch.nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def attach_all_reduce(
+    model: torch.nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
     """Make every decoder layer sum its two row-parallel outputs (``o_proj``, ``down_proj``)
     across ranks with ``reduce`` (in place, returns its argument)."""
     for layer in model.model.layers:  # type: ignore[union-attr]

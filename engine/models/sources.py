@@ -51,7 +51,8 @@ def hub_cache_dir(environ: dict[str, str] | None = None) -> str:
     if env.get("HF_HUB_CACHE"):
         return env["HF_HUB_CACHE"]
     home = env.get("HF_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
     return os.path.join(home, "hub")
 
 
@@ -66,17 +67,25 @@ def resolve_hub_model(model_id: str) -> str:
     cache = hub_cache_dir()
     offline = hub_offline()
     try:
-        return snapshot_download(repo_id, revision=revision or None, cache_dir=cache,
-                                 local_files_only=offline, allow_patterns=HUB_FILE_PATTERNS)
+        return snapshot_download(
+            repo_id,
+            revision=revision or None,
+            cache_dir=cache,
+            local_files_only=offline,
+            allow_patterns=HUB_FILE_PATTERNS,
+        )
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         raise FileNotFoundError(
             f"model {model_id}: no such directory, and not in the Hugging Face cache {cache} "
-            f"({why}: nothing downloaded)") from None
+            f"({why}: nothing downloaded)"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FileNotFoundError(f"model {model_id}: no such directory, and the Hugging Face "
-                                f"hub did not provide it ({first})") from None
+        raise FileNotFoundError(
+            f"model {model_id}: no such directory, and the Hugging Face "
+            f"hub did not provide it ({first})"
+        ) from None
 
 
 def gguf_dtype(dtype: str, device: str) -> str:
@@ -93,8 +102,9 @@ def gguf_dtype(dtype: str, device: str) -> str:
     return "float32"
 
 
-def resolve_model_dir(model: str | None, cache_dir: str | None = None, *,
-                      dtype: str = "auto", device: str = "auto") -> str:
+def resolve_model_dir(
+    model: str | None, cache_dir: str | None = None, *, dtype: str = "auto", device: str = "auto"
+) -> str:
     """The HF directory to load for ``model`` (see the module docstring). ``dtype`` and
     ``device`` (the engine's) choose a GGUF's dequantized dtype (``gguf_dtype``). May take a
     minute the first time for a GGUF or a download; instant afterwards. Raises as

@@ -115,7 +115,10 @@ class DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(device) - before
         logger.info(
             "captured %d decode CUDA graphs (sizes %s) in %.1f s, pool %.1f MiB",
-            len(self.sizes), self.sizes, time.perf_counter() - start, self.pool_bytes / 2**20,
+            len(self.sizes),
+            self.sizes,
+            time.perf_counter() - start,
+            self.pool_bytes / 2**20,
         )
 
     def padded_metadata(

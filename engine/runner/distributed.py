@@ -76,8 +76,9 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def init_tp_group(rank: int, size: int, port: int, device: torch.device,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+def init_tp_group(
+    rank: int, size: int, port: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> TPGroup:
     """Join the group of ``size`` ranks meeting at ``127.0.0.1:port`` (blocks until all have).
     NCCL for a CUDA device (this process's GPU set first), else gloo."""
     import torch.distributed as dist
@@ -88,8 +89,9 @@ def init_tp_group(rank: int, size: int, port: int, device: torch.device,
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timeout
+    )
     world = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else world
     return TPGroup(rank, size, world, control)

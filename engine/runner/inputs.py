@@ -46,7 +46,6 @@ class BatchInputs:
     sample_req_ids: list[str]
 
 
-
 def build_host_batch(
     out: SchedulerOutput, block_size: int, num_blocks: int, max_model_len: int
 ) -> HostBatch:
@@ -64,9 +63,13 @@ def build_host_batch(
         if n == 0 or start < 0:
             raise ValueError(f"request {r.req_id!r}: empty slice or negative num_computed_tokens")
         if end > max_model_len:
-            raise ValueError(f"request {r.req_id!r}: {end} tokens exceed max_model_len {max_model_len}")
+            raise ValueError(
+                f"request {r.req_id!r}: {end} tokens exceed max_model_len {max_model_len}"
+            )
         if len(r.block_table) * bs < end:
-            raise ValueError(f"request {r.req_id!r}: block table of {len(r.block_table)} blocks cannot hold {end} tokens")
+            raise ValueError(
+                f"request {r.req_id!r}: block table of {len(r.block_table)} blocks cannot hold {end} tokens"
+            )
         needed = list(r.block_table[: -(-end // bs)])
         if min(needed) < 0 or max(needed) >= num_blocks:
             raise ValueError(f"request {r.req_id!r}: block id outside [0, {num_blocks})")
@@ -92,13 +95,23 @@ def build_device_batch(host: HostBatch, block_size: int, device: torch.device) -
     cu = [0]
     for n in host.query_lens:
         cu.append(cu[-1] + n)
-    flat: list[int] = host.input_ids + host.positions + host.slots + host.logits_rows + cu + host.seq_lens
+    flat: list[int] = (
+        host.input_ids + host.positions + host.slots + host.logits_rows + cu + host.seq_lens
+    )
     for t in host.block_tables:
         flat.extend(t)
         flat.extend([0] * (max_blocks - len(t)))
     packed = to_device(flat, device)
     parts = packed.split(
-        [num_tokens, num_tokens, num_tokens, len(host.logits_rows), num_reqs + 1, num_reqs, num_reqs * max_blocks]
+        [
+            num_tokens,
+            num_tokens,
+            num_tokens,
+            len(host.logits_rows),
+            num_reqs + 1,
+            num_reqs,
+            num_reqs * max_blocks,
+        ]
     )
     metadata = AttentionMetadata(
         cu_seqlens_q=parts[4].to(torch.int32),
@@ -119,10 +132,16 @@ def build_device_batch(host: HostBatch, block_size: int, device: torch.device) -
     )
 
 
-def to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def to_device(
+    values: list[int], device: torch.device, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
     """``values`` as a tensor on ``device`` (through pinned memory, non-blocking, on CUDA)."""
     # array('q') converts a long int list several times faster than torch.tensor(list).
-    host = torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+    host = (
+        torch.frombuffer(array("q", values), dtype=torch.int64)
+        if values
+        else torch.empty(0, dtype=torch.int64)
+    )
     host = host.to(dtype)
     if device.type == "cpu":
         return host

@@ -73,7 +73,10 @@ def token_logprobs(
         top_lp = values[:, :k].cpu().tolist()
         top_ids = indices[:, :k].cpu().tolist()
     return [
-        TokenLogprob(int(t), float(lp), tuple(zip(top_ids[i][: num_top[i]],
-                                                  top_lp[i][: num_top[i]], strict=True)))
+        TokenLogprob(
+            int(t),
+            float(lp),
+            tuple(zip(top_ids[i][: num_top[i]], top_lp[i][: num_top[i]], strict=True)),
+        )
         for i, (t, lp) in enumerate(zip(token_ids, chosen, strict=True))
     ]

@@ -88,8 +88,9 @@ def _resolve_fused(wanted: bool | None, model: torch.nn.Module, device: torch.de
     else:
         enabled = fused_kernels_available(device)
         if wanted and not enabled:
-            raise ValueError(f"fused kernels requested but unavailable on {device} "
-                             "(they need CUDA and triton)")
+            raise ValueError(
+                f"fused kernels requested but unavailable on {device} (they need CUDA and triton)"
+            )
     if supported:
         model.fused_kernels = enabled
     return enabled
@@ -107,12 +108,15 @@ def resolve_max_model_len(requested: int | None, loaded: LoadedModel) -> int:
     if requested and requested > derived:
         logger.warning(
             "max_model_len %d exceeds the model's context length %d (config.json); positions past "
-            "it were never trained", requested, derived,
+            "it were never trained",
+            requested,
+            derived,
         )
     table = getattr(getattr(loaded.model, "_rotary", None), "max_positions", None)
     if table is not None and table < max_len:
-        raise ValueError(f"the model's rotary table holds {table} positions, fewer than "
-                         f"max_model_len {max_len}")
+        raise ValueError(
+            f"the model's rotary table holds {table} positions, fewer than max_model_len {max_len}"
+        )
     return max_len
 
 
@@ -130,8 +134,13 @@ class ModelRunner:
     torch thread count is set by engine/runner/cpu_threads.py (``cpu_threads`` says how)."""
 
     def __init__(
-        self, config: EngineConfig, model_dir: str, *, cuda_graphs: bool = True,
-        fused_kernels: bool | None = None, cpu_packed_linears: bool = True,
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        *,
+        cuda_graphs: bool = True,
+        fused_kernels: bool | None = None,
+        cpu_packed_linears: bool = True,
         tp: TPGroup | None = None,
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group (engine/runner/distributed.py):
@@ -142,9 +151,15 @@ class ModelRunner:
         shard = tp.shard if tp is not None else None
         loaded = load_model(model_dir, config.dtype, device, config.scheduler.max_model_len, shard)
         self._setup(
-            config, device, loaded, model_fingerprint(model_dir, loaded.dtype),
-            read_eos_token_ids(model_dir, loaded.hf_config), cuda_graphs, fused_kernels,
-            cpu_packed_linears, tp,
+            config,
+            device,
+            loaded,
+            model_fingerprint(model_dir, loaded.dtype),
+            read_eos_token_ids(model_dir, loaded.hf_config),
+            cuda_graphs,
+            fused_kernels,
+            cpu_packed_linears,
+            tp,
         )
 
     @classmethod
@@ -163,7 +178,12 @@ class ModelRunner:
         runner = cls.__new__(cls)
         runner._tokenizer_dir = config.tokenizer or config.model
         runner._setup(
-            config, resolve_device(config.device), loaded, fingerprint, eos_token_ids, cuda_graphs,
+            config,
+            resolve_device(config.device),
+            loaded,
+            fingerprint,
+            eos_token_ids,
+            cuda_graphs,
             fused_kernels,
         )
         return runner
@@ -213,15 +233,23 @@ class ModelRunner:
         self.fused_kernels = _resolve_fused(fused_kernels, self.model, device)
         arch = loaded.arch
         self.attn_backend = create_attention_backend(
-            self.attention_backend_name, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            arch.head_dim**-0.5, config.graph_decode, config.small_query_attention,
+            self.attention_backend_name,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.head_dim**-0.5,
+            config.graph_decode,
+            config.small_query_attention,
         )
         self.attn_backend.bind(self.dtype, device)
         self.sampler = Sampler(config.seed, device)
         self._grammars: RequestGrammars | None = None  # built on the first constrained request
         spec = KVCacheSpec(
-            num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-            dtype=self.dtype, block_size=config.cache.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype=self.dtype,
+            block_size=config.cache.block_size,
         )
         use_graphs = cuda_graphs and device.type == "cuda" and self.attn_backend.graph_capable
         sizes = capture_sizes(config.scheduler.max_num_seqs) if use_graphs else []
@@ -268,14 +296,21 @@ class ModelRunner:
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self._max_model_len)
         num_reqs = min(sched.max_num_seqs, num_tokens)
-        lens = [num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0) for i in range(num_reqs)]
+        lens = [
+            num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0)
+            for i in range(num_reqs)
+        ]
         bs = spec.block_size
         reqs: list[ScheduledRequest] = []
         next_block = 0
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + -(-n // bs)))
             next_block += len(blocks)
-            reqs.append(ScheduledRequest(f"profile-{i}", [1] * n, 0, blocks, True, SamplingParams(temperature=0.0)))
+            reqs.append(
+                ScheduledRequest(
+                    f"profile-{i}", [1] * n, 0, blocks, True, SamplingParams(temperature=0.0)
+                )
+            )
 
         def run_step() -> int:
             self.kv_cache = KVCache(spec, next_block, self.device)
@@ -287,7 +322,10 @@ class ModelRunner:
 
         profile = measure_profile(self.device, run_step, num_tokens)
         return kv_budget_from(
-            profile, self.config.cache.gpu_memory_utilization, spec.bytes_per_block, max_capture_size
+            profile,
+            self.config.cache.gpu_memory_utilization,
+            spec.bytes_per_block,
+            max_capture_size,
         )
 
     @property
@@ -354,14 +392,19 @@ class ModelRunner:
     ) -> None:
         """Penalties, grammar masks, sampling, then logprobs of the raw ``logits``; fills
         ``result``. The one host sync of a plain step is the sampled ids' copy."""
-        processed = apply_penalties(logits, [
-            PenaltyRow(s.sampling, s.all_token_ids, s.num_output_tokens)
-            if s.sampling.has_penalties else None
-            for s in sliced
-        ])
+        processed = apply_penalties(
+            logits,
+            [
+                PenaltyRow(s.sampling, s.all_token_ids, s.num_output_tokens)
+                if s.sampling.has_penalties
+                else None
+                for s in sliced
+            ],
+        )
         grammar_rows = [
             (s.req_id, s.sampling, s.all_token_ids[len(s.all_token_ids) - s.num_output_tokens :])
-            if s.sampling.has_grammar else None
+            if s.sampling.has_grammar
+            else None
             for s in sliced
         ]
         if any(r is not None for r in grammar_rows):
@@ -377,7 +420,8 @@ class ModelRunner:
         if wanted:
             index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
             entries = token_logprobs(
-                logits.index_select(0, index), [tokens[i] for i in wanted],
+                logits.index_select(0, index),
+                [tokens[i] for i in wanted],
                 [sliced[i].sampling.logprobs or 0 for i in wanted],
             )
             result.logprobs = {sliced[i].req_id: e for i, e in zip(wanted, entries, strict=True)}
@@ -396,7 +440,8 @@ class ModelRunner:
             if k is not None and start < end:
                 rows = hidden[offset : offset + end - start]
                 entries = token_logprobs(
-                    self.model.compute_logits(rows), r.all_token_ids[start + 1 : end + 1],
+                    self.model.compute_logits(rows),
+                    r.all_token_ids[start + 1 : end + 1],
                     [k] * (end - start),
                 )
                 result.prompt_logprobs[r.req_id] = (start + 1, list(entries))
@@ -439,7 +484,9 @@ class ModelRunner:
         return self._device_batch(self._host_batch(out))
 
     def _host_batch(self, out: SchedulerOutput) -> HostBatch:
-        return build_host_batch(out, self.kv_cache.block_size, self.kv_cache.num_blocks, self._max_model_len)
+        return build_host_batch(
+            out, self.kv_cache.block_size, self.kv_cache.num_blocks, self._max_model_len
+        )
 
     def _device_batch(self, host: HostBatch) -> BatchInputs:
         return build_device_batch(host, self.kv_cache.block_size, self.device)

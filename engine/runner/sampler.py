@@ -75,8 +75,12 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         logits = logits.float()
         out = logits.argmax(dim=-1)  # greedy rows keep this
-        seeded = [i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is not None]
-        unseeded = [i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
+        seeded = [
+            i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is not None
+        ]
+        unseeded = [
+            i for i, r in enumerate(requests) if not r.params.greedy and r.params.seed is None
+        ]
         if unseeded:
             rows = [requests[i] for i in unseeded]
             if self._gpu_kernels is not None and logits.is_cuda:
@@ -88,11 +92,15 @@ class Sampler:
             out[seeded] = self._sample_rows(logits[seeded], [requests[i] for i in seeded])
         return out
 
-    def _sample_rows_flashinfer(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    def _sample_rows_flashinfer(
+        self, logits: torch.Tensor, requests: list[SampleRequest]
+    ) -> torch.Tensor:
         device = logits.device
         vocab = logits.shape[-1]
         params = [r.params for r in requests]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(device, non_blocking=True)
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(
+            device, non_blocking=True
+        )
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int32)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         picked = self._gpu_kernels.top_k_top_p_sampling_from_logits(  # type: ignore[attr-defined]
@@ -140,6 +148,8 @@ class Sampler:
         shared = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64).tolist()
         draws = dict(zip(unseeded, shared, strict=True))
         return [
-            draws[i] if r.params.seed is None else seeded_uniform(r.params.seed, r.num_output_tokens)
+            draws[i]
+            if r.params.seed is None
+            else seeded_uniform(r.params.seed, r.num_output_tokens)
             for i, r in enumerate(requests)
         ]

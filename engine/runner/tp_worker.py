@@ -67,9 +67,20 @@ class TPDriver:
         with _children_allowed():
             for rank in range(1, size):
                 parent, child = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=worker_main, name=f"kvtier-tp{rank}", daemon=True,
-                                   args=(rank, size, port, rank_config(config, rank), model_dir,
-                                         cuda_graphs, child))
+                proc = ctx.Process(
+                    target=worker_main,
+                    name=f"kvtier-tp{rank}",
+                    daemon=True,
+                    args=(
+                        rank,
+                        size,
+                        port,
+                        rank_config(config, rank),
+                        model_dir,
+                        cuda_graphs,
+                        child,
+                    ),
+                )
                 proc.start()
                 child.close()
                 self._procs.append(proc)
@@ -81,8 +92,9 @@ class TPDriver:
         try:
             self.group: TPGroup = init_tp_group(0, size, port, resolve_device(config.device))
             self._groups.append(self.group)
-            self.runner = ModelRunner(rank_config(config, 0), model_dir, cuda_graphs=cuda_graphs,
-                                      tp=self.group)
+            self.runner = ModelRunner(
+                rank_config(config, 0), model_dir, cuda_graphs=cuda_graphs, tp=self.group
+            )
             self._wait_ready()
         except BaseException:
             self._kill()
@@ -105,8 +117,9 @@ class TPDriver:
         finally:  # a step refused on every rank (a bad SchedulerOutput) still gathers
             if self.offload_ranks:  # before the connector is attached (calibration): None
                 worker = self.runner._kv_connector
-                self.reports = self.group.gather(
-                    worker.take_report() if worker is not None else None) or []  # type: ignore[attr-defined]
+                self.reports = (
+                    self.group.gather(worker.take_report() if worker is not None else None) or []
+                )  # type: ignore[attr-defined]
 
     def command(self, name: str, arg: object = None) -> list[Any]:
         """Broadcast a command to the workers (``offload``, ``offload_call``); each answers,
@@ -133,11 +146,14 @@ class TPDriver:
         for rank, (proc, pipe) in enumerate(zip(self._procs, self._pipes, strict=True), 1):
             while not pipe.poll(0.1):
                 if not proc.is_alive():
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited at start-up "
-                                       f"(exit code {proc.exitcode})")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited at start-up "
+                        f"(exit code {proc.exitcode})"
+                    )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} not ready after "
-                                       f"{_READY_TIMEOUT_S:.0f} s")
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} not ready after {_READY_TIMEOUT_S:.0f} s"
+                    )
             status, detail = pipe.recv()
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed at start-up: {detail}")
@@ -153,9 +169,12 @@ def _for_workers(out: SchedulerOutput) -> SchedulerOutput:
     """The step as the other ranks need it: they neither sample nor take logprobs, so each
     request's sampling parameters (which may hold unpicklable logits processors) and token
     history (penalties, grammars: long) stay on rank 0."""
-    requests = [r if r.sampling is _PLAIN and not r.all_token_ids
-                else dataclasses.replace(r, sampling=_PLAIN, all_token_ids=[])
-                for r in out.requests]
+    requests = [
+        r
+        if r.sampling is _PLAIN and not r.all_token_ids
+        else dataclasses.replace(r, sampling=_PLAIN, all_token_ids=[])
+        for r in out.requests
+    ]
     return dataclasses.replace(out, requests=requests)
 
 
@@ -191,8 +210,15 @@ def _kill(procs: list[Any]) -> None:
             proc.join(timeout=5)
 
 
-def worker_main(rank: int, size: int, port: int, config: EngineConfig, model_dir: str,
-                cuda_graphs: bool, pipe: Any) -> None:
+def worker_main(
+    rank: int,
+    size: int,
+    port: int,
+    config: EngineConfig,
+    model_dir: str,
+    cuda_graphs: bool,
+    pipe: Any,
+) -> None:
     """Rank ``rank``'s process: join the group, build its runner, obey the driver until
     ``stop``."""
     from engine.runner.model_runner import ModelRunner, resolve_device

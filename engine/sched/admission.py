@@ -71,8 +71,14 @@ class _Blocked:
 class Admission:
     """The admission decisions of one ``Scheduler`` (its KV manager, connector and stats)."""
 
-    def __init__(self, kv: KVCacheManager, connector: SchedulerConnector | None, *,
-                 chunked: bool, stats: AdmissionCounters) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        connector: SchedulerConnector | None,
+        *,
+        chunked: bool,
+        stats: AdmissionCounters,
+    ) -> None:
         self.kv = kv
         self.connector = connector
         self.chunked = chunked
@@ -95,7 +101,8 @@ class Admission:
         # computed chunk at least the budget's worth): short of those, no tier lookup can
         # help, and none is made.
         floor = self.kv.num_blocks_needed(
-            request, min(request.num_tokens, hit.num_tokens + budget), hit)
+            request, min(request.num_tokens, hit.num_tokens + budget), hit
+        )
         if floor > self.kv.pool.num_free_blocks:
             times.lookup_s += time.monotonic() - t1
             self._block(request, floor)
@@ -128,8 +135,9 @@ class Admission:
             return ExternalHit()  # no connector, or a prompt that must be computed whole
         return self.connector.get_num_new_matched_tokens(request, num_computed)
 
-    def _admit_async_load(self, request: Request, budget: int, hit: PrefixHit,
-                          num_external: int, head: int) -> Admit | Wait:
+    def _admit_async_load(
+        self, request: Request, budget: int, hit: PrefixHit, num_external: int, head: int
+    ) -> Admit | Wait:
         """CONNECTOR HOOK (b): a background load of ``num_external`` tokens after a head of
         ``head`` tokens to compute. Blocks for the whole prompt now: once loaded, the request
         must be able to run without more blocks, or requests holding loaded KV could fill the
@@ -146,15 +154,17 @@ class Admission:
         loaded_now = num_external if head == 0 else 0
         self._count_prefix(request, num_computed, num_computed + loaded_now)
         self.connector.update_state_after_alloc(
-            request, self.kv.get_block_ids(request.req_id), num_computed, num_external)
+            request, self.kv.get_block_ids(request.req_id), num_computed, num_external
+        )
         if head == 0:
             request.num_computed_tokens = num_computed + num_external
             request.status = RequestStatus.WAITING_FOR_KV
             return Wait.SKIP
         return Admit(num_computed, head, overlap_barrier=num_computed + head)
 
-    def _admit_in_step(self, request: Request, budget: int, hit: PrefixHit,
-                       num_external: int) -> Admit | Wait:
+    def _admit_in_step(
+        self, request: Request, budget: int, hit: PrefixHit, num_external: int
+    ) -> Admit | Wait:
         """CONNECTOR HOOK (c): no load, or an in-step one (``load_async`` False): its
         ``num_external`` tokens count as computed now; the worker copies them in before this
         step's forward, so the rest of the prompt is computed in this very step."""
@@ -169,7 +179,8 @@ class Admission:
         self._count_prefix(request, hit.num_tokens, num_computed)
         if self.connector is not None:
             self.connector.update_state_after_alloc(
-                request, self.kv.get_block_ids(request.req_id), hit.num_tokens, num_external)
+                request, self.kv.get_block_ids(request.req_id), hit.num_tokens, num_external
+            )
         return Admit(num_computed, num_new)
 
     def _block(self, request: Request, num_free_blocks: int) -> None:

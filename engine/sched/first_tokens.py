@@ -18,8 +18,11 @@ def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int
     returns the tokens given back (0 when ``cap`` <= 0)."""
     if cap <= 0:
         return 0
-    first = [s for s in scheduled if s.sample and s.num_output_tokens == 0
-             and 1 < len(s.token_ids) <= cap]
+    first = [
+        s
+        for s in scheduled
+        if s.sample and s.num_output_tokens == 0 and 1 < len(s.token_ids) <= cap
+    ]
     if not first:
         return 0
     others = [i for i, s in enumerate(scheduled) if not s.sample and len(s.token_ids) > 1]

@@ -79,8 +79,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self.loads = KVLoads(kv_manager, chunked=config.enable_chunked_prefill)
-        self.admission = Admission(kv_manager, connector, chunked=config.enable_chunked_prefill,
-                                   stats=self.stats)
+        self.admission = Admission(
+            kv_manager, connector, chunked=config.enable_chunked_prefill, stats=self.stats
+        )
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError on a duplicate id or a prompt that cannot fit."""
@@ -184,8 +185,9 @@ class Scheduler:
         self.stats.schedule_seconds_total += time.perf_counter() - t_start
         return output
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]
-                          ) -> tuple[int, bool, dict[str, int]]:
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest]
+    ) -> tuple[int, bool, dict[str, int]]:
         """Schedule running requests within ``budget`` (appending to ``scheduled``), preempting
         when blocks run out. Returns the budget left, whether blocks ran short (a preemption or
         a released load), and the prefill chunks the reserve capped (req_id -> index in
@@ -262,8 +264,9 @@ class Scheduler:
                 return self.running.pop(i)
         raise AssertionError("no preemption candidate: the request being scheduled is one")
 
-    def _top_up(self, budget: int, scheduled: list[ScheduledRequest],
-                capped: dict[str, int]) -> int:
+    def _top_up(
+        self, budget: int, scheduled: list[ScheduledRequest], capped: dict[str, int]
+    ) -> int:
         """Gives the budget left after admission back to prefills capped by the reserve,
         shortest first; a chunk whose blocks cannot be had stays as it was. Returns the
         budget left."""
@@ -285,8 +288,9 @@ class Scheduler:
         load not ended) gives its blocks back, its load cancelled, and waits again as a new
         request. So loads can never hold the pool hostage. False if there is none."""
         for request in reversed(self.waiting):
-            if (request.status is RequestStatus.WAITING_FOR_KV
-                    and not self.loads.has_ended(request.req_id)):
+            if request.status is RequestStatus.WAITING_FOR_KV and not self.loads.has_ended(
+                request.req_id
+            ):
                 if self.connector is not None:
                     self.connector.request_finished(request, self.kv.get_block_ids(request.req_id))
                 self.kv.free(request)
@@ -321,8 +325,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _start_running(self, request: Request, admit: Admit, budget: int,
-                       scheduled: list[ScheduledRequest]) -> int:
+    def _start_running(
+        self, request: Request, admit: Admit, budget: int, scheduled: list[ScheduledRequest]
+    ) -> int:
         """Move the admitted head (its ``times.ready`` stamped) to running and schedule its
         first slice (its blocks were allocated at admission, or when its load began). Returns
         the tokens scheduled."""

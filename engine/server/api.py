@@ -39,8 +39,16 @@ from engine.server.serving import ServingContext
 from engine.server.tokenization import detokenize, tokenize
 
 _ENDPOINTS = frozenset(
-    ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
-     "/tokenize", "/detokenize")
+    (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/version",
+        "/tokenize",
+        "/detokenize",
+    )
 )
 _KEYED_PATHS = ("/tokenize", "/detokenize")  # keyed besides /v1/*
 
@@ -90,12 +98,16 @@ class _ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if (scope["type"] == "http" and scope.get("method") != "OPTIONS"
-                and (path.startswith("/v1/") or path.rstrip("/") in _KEYED_PATHS)):
+        if (
+            scope["type"] == "http"
+            and scope.get("method") != "OPTIONS"
+            and (path.startswith("/v1/") or path.rstrip("/") in _KEYED_PATHS)
+        ):
             given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self._expected):
-                await error_response(401, "a valid API key is required (Authorization: Bearer "
-                                          "<key>)")(scope, receive, send)
+                await error_response(
+                    401, "a valid API key is required (Authorization: Bearer <key>)"
+                )(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -134,10 +146,16 @@ class _RequestCounter:
             self.metrics.record_request(endpoint, status[0] if status else 500)
 
 
-def build_app(engine: EngineClient, served_model_name: str,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, api_key: str | None = None,
-              allowed_origins: tuple[str, ...] = (), chat_template: str | None = None,
-              model_info: dict[str, Any] | None = None) -> FastAPI:
+def build_app(
+    engine: EngineClient,
+    served_model_name: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    api_key: str | None = None,
+    allowed_origins: tuple[str, ...] = (),
+    chat_template: str | None = None,
+    model_info: dict[str, Any] | None = None,
+) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
     ``chat_template`` as the module docstring says; ``model_info`` (path, dtype, layers) is
@@ -155,9 +173,12 @@ def build_app(engine: EngineClient, served_model_name: str,
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["authorization", "content-type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type"],
+        )
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
@@ -175,8 +196,12 @@ def build_app(engine: EngineClient, served_model_name: str,
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         if model_id != served_model_name:
-            return error_response(404, f"The model `{model_id}` does not exist.", param="model",
-                                  code="model_not_found")
+            return error_response(
+                404,
+                f"The model `{model_id}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
         card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
         return JSONResponse(card.model_dump())
 
@@ -201,10 +226,12 @@ def build_app(engine: EngineClient, served_model_name: str,
         refresh = getattr(engine, "request_stats", None)
         if refresh is not None:  # the core's next snapshot, for the next probe
             refresh()
-        model = {"name": served_model_name, "max_model_len": engine.max_model_len,
-                 **(model_info or {})}
-        return JSONResponse(health_body(engine.stats(), verbose=is_verbose(verbose),
-                                        model=model))
+        model = {
+            "name": served_model_name,
+            "max_model_len": engine.max_model_len,
+            **(model_info or {}),
+        }
+        return JSONResponse(health_body(engine.stats(), verbose=is_verbose(verbose), model=model))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

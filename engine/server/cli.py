@@ -26,79 +26,152 @@ ENGINE_STOP_TIMEOUT_S = 60.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Mutates ``parser``: adds every ``kvtier serve`` flag."""
-    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
-                        help="HF model directory, .gguf file or Hugging Face model id "
-                             "ORG/NAME, as `vllm serve MODEL` (same as --model)")
-    parser.add_argument("--model", default=None,
-                        help="HF model directory, .gguf file or Hugging Face model id "
-                             "ORG/NAME (from the HF cache; downloaded unless HF_HUB_OFFLINE=1)"
-                             "; default: the embedded random demo model")
-    parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="tokenizer directory, when not the model's (as vLLM's --tokenizer)")
-    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                        help="Jinja chat template for /v1/chat/completions and /tokenize: a "
-                             "file, or the template itself (default: the tokenizer's)")
-    parser.add_argument("--config", action=_ConfigFile, metavar="FILE",
-                        help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
-                             "given on the command line after it win")
+    parser.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF model directory, .gguf file or Hugging Face model id "
+        "ORG/NAME, as `vllm serve MODEL` (same as --model)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory, .gguf file or Hugging Face model id "
+        "ORG/NAME (from the HF cache; downloaded unless HF_HUB_OFFLINE=1)"
+        "; default: the embedded random demo model",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="tokenizer directory, when not the model's (as vLLM's --tokenizer)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="Jinja chat template for /v1/chat/completions and /tokenize: a "
+        "file, or the template itself (default: the tokenizer's)",
+    )
+    parser.add_argument(
+        "--config",
+        action=_ConfigFile,
+        metavar="FILE",
+        help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
+        "given on the command line after it win",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (1..65535)")
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: the model's)"
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
         help="weights and KV cache dtype; auto: config.json's (a GGUF: bfloat16 on CUDA, "
-             "float32 on CPU)",
+        "float32 on CPU)",
     )
-    parser.add_argument("--device", default="auto",
-                        help="auto | cpu | cuda | cuda:N (auto: cuda when available)")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None,
-                        help="fixed KV cache size in blocks of 16 tokens (default: from the "
-                             "memory profile on GPU, --cpu-kv-cache-bytes on CPU)")
-    parser.add_argument("--cpu-kv-cache-bytes", type=_size, default=None, metavar="SIZE",
-                        help="KV cache of a CPU engine, e.g. 2GiB (default: 256MiB, or one "
-                             "max_model_len sequence when that needs more)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of the GPU the engine may use, KV cache included")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens one engine step may carry (prefill chunks and decodes)")
-    parser.add_argument("--max-num-seqs", type=int, default=64,
-                        help="requests running at once")
-    parser.add_argument("--first-token-step-tokens", type=int, default=512, metavar="N",
-                        help="a step yielding a first token from a short prefill carries at "
-                             "most N prefill tokens; 0: off (docs/scheduling.md)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt plus output, in tokens (default: the model's "
-                             "context length; a start-up error when the KV cache cannot hold it)")
+    parser.add_argument(
+        "--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: cuda when available)"
+    )
+    parser.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="fixed KV cache size in blocks of 16 tokens (default: from the "
+        "memory profile on GPU, --cpu-kv-cache-bytes on CPU)",
+    )
+    parser.add_argument(
+        "--cpu-kv-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="KV cache of a CPU engine, e.g. 2GiB (default: 256MiB, or one "
+        "max_model_len sequence when that needs more)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU the engine may use, KV cache included",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one engine step may carry (prefill chunks and decodes)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument(
+        "--first-token-step-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="a step yielding a first token from a short prefill carries at "
+        "most N prefill tokens; 0: off (docs/scheduling.md)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt plus output, in tokens (default: the model's "
+        "context length; a start-up error when the KV cache cannot hold it)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="no prefix caching (every prompt computed whole)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=None, help="vLLM's spelling of prefix caching on/off (default on)")
-    parser.add_argument("--disable-log-requests", action="store_true",
-                        help="accepted for vLLM compatibility: kvtier logs no request by default")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="no prefix caching (every prompt computed whole)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's spelling of prefix caching on/off (default on)",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: kvtier logs no request by default",
+    )
     parser.add_argument("--kv-offload", action="store_true", help="offload KV to lower tiers")
-    parser.add_argument("--kv-offload-config", default=None, metavar="FILE",
-                        help="tiers YAML (implies --kv-offload); default with --kv-offload: "
-                             "host memory and an LMDB in the cache directory")
-    parser.add_argument("--request-log", default=None, metavar="FILE",
-                        help="JSONL log of every request (ids, lengths, cached tokens, "
-                             "timings); default: none")
+    parser.add_argument(
+        "--kv-offload-config",
+        default=None,
+        metavar="FILE",
+        help="tiers YAML (implies --kv-offload); default with --kv-offload: "
+        "host memory and an LMDB in the cache directory",
+    )
+    parser.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="JSONL log of every request (ids, lengths, cached tokens, timings); default: none",
+    )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
     )
     parser.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
         help="split the model over N processes (one GPU each; gloo on CPU); N must divide the "
-             "model's KV heads (docs/tp.md)",
+        "model's KV heads (docs/tp.md)",
     )
     parser.add_argument(
-        "--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "flashinfer"),
         help="auto: flashinfer on CUDA when installed (bf16/fp16), else torch",
     )
     parser.add_argument(
-        "--graph-decode", default="auto", choices=GRAPH_DECODE_CHOICES,
+        "--graph-decode",
+        default="auto",
+        choices=GRAPH_DECODE_CHOICES,
         help="decode attention kernel inside CUDA graphs (flashinfer backend; docs/gpu.md)",
     )
     parser.add_argument(
@@ -114,15 +187,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads of the engine core process (default: torch's choice)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
         help="log level (debug adds tracebacks to start-up errors)",
     )
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1/* (default: "
-                             "$KVTIER_API_KEY; unset: no key)")
-    parser.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                        help="comma-separated CORS origins (e.g. https://app.example,*); "
-                             "default: no CORS")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (default: "
+        "$KVTIER_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="comma-separated CORS origins (e.g. https://app.example,*); default: no CORS",
+    )
     parser.add_argument(
         "--max-body-bytes",
         type=_size,
@@ -156,8 +237,13 @@ class _ConfigFile(argparse.Action):
     ``max_model_len``) that the command line has not set before it; later flags override.
     Unknown keys and unreadable files are argparse errors naming the file."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         from tiers.yaml_file import read_yaml
 
         try:
@@ -316,16 +402,23 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, raise_terminated)
     watchdog: EngineWatchdog | None = None
     try:
-        app = build_app(engine, name, args.max_body_bytes, api_key=api_key_from(args),
-                        allowed_origins=origins_from(args), chat_template=checked.chat_template,
-                        model_info=checked.model_info)
+        app = build_app(
+            engine,
+            name,
+            args.max_body_bytes,
+            api_key=api_key_from(args),
+            allowed_origins=origins_from(args),
+            chat_template=checked.chat_template,
+            model_info=checked.model_info,
+        )
         # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
         # its whole life: keep them out of the collector's full passes, as the engine does.
         gc.collect()
         gc.freeze()
         logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.log_level))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        )
         watchdog = EngineWatchdog(engine, server)
         watchdog.start()
         server.run()

@@ -75,8 +75,13 @@ def _echo_text(ctx: ServingContext, prompt: str | list[int], token_ids: list[int
 
 
 def _completion_logprobs(
-    ctx: ServingContext, request: CompletionRequest, output: RequestOutput, echo_text: str | None,
-    *, new_only: bool = False, text_offset: int = 0,
+    ctx: ServingContext,
+    request: CompletionRequest,
+    output: RequestOutput,
+    echo_text: str | None,
+    *,
+    new_only: bool = False,
+    text_offset: int = 0,
 ) -> CompletionLogprobs | None:
     """The choice's logprobs (None unless asked): the echoed prompt's first (when
     ``echo_text`` is given), then the generated tokens' (this output's only if ``new_only``)."""
@@ -121,20 +126,29 @@ async def create_completion(
     choices = []
     for i, o in enumerate(finals):
         echo = echoes[i // request.n]
-        choices.append(CompletionChoice(
-            index=i, text=(echo or "") + o.text, finish_reason=finish_reason(o),
-            logprobs=_completion_logprobs(ctx, request, o, echo),
-        ))
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=(echo or "") + o.text,
+                finish_reason=finish_reason(o),
+                logprobs=_completion_logprobs(ctx, request, o, echo),
+            )
+        )
     response = CompletionResponse(
-        id=request_id, model=ctx.served_model_name, choices=choices,
+        id=request_id,
+        model=ctx.served_model_name,
+        choices=choices,
         usage=usage_of(finals, request.n),
     )
     return JSONResponse(response.model_dump())
 
 
 async def _completion_stream(
-    ctx: ServingContext, request_id: str, request: CompletionRequest,
-    started: list[StartedRequest], echoes: list[str | None],
+    ctx: ServingContext,
+    request_id: str,
+    request: CompletionRequest,
+    started: list[StartedRequest],
+    echoes: list[str | None],
 ) -> AsyncIterator[str]:
     finals = {}
     sent_chars: dict[int, int] = {}  # per choice: characters sent so far (text_offset)
@@ -153,7 +167,9 @@ async def _completion_stream(
                     model=ctx.served_model_name,
                     choices=[
                         CompletionChoice(
-                            index=index, text=text, finish_reason=finish_reason(output),
+                            index=index,
+                            text=text,
+                            finish_reason=finish_reason(output),
                             logprobs=logprobs,
                         )
                     ],
@@ -213,13 +229,15 @@ async def create_chat_completion(
 
 
 async def _chat_stream(
-    ctx: ServingContext, request_id: str, request: ChatCompletionRequest,
+    ctx: ServingContext,
+    request_id: str,
+    request: ChatCompletionRequest,
     started: list[StartedRequest],
 ) -> AsyncIterator[str]:
-    def chunk(index: int, delta: DeltaMessage, reason: str | None,
-              logprobs: ChatLogprobs | None = None) -> str:
-        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=reason,
-                                  logprobs=logprobs)
+    def chunk(
+        index: int, delta: DeltaMessage, reason: str | None, logprobs: ChatLogprobs | None = None
+    ) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
         return sse(
             ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[choice])
         )

@@ -21,8 +21,7 @@ from typing import Any
 
 from engine.core.base import EngineStats
 
-TIER_DETAILS = ("consecutive_failures", "errors", "skipped", "hits", "misses",
-                "write_queue_depth")
+TIER_DETAILS = ("consecutive_failures", "errors", "skipped", "hits", "misses", "write_queue_depth")
 
 
 def tier_rows(stats: EngineStats) -> list[dict[str, Any]]:
@@ -33,8 +32,9 @@ def tier_rows(stats: EngineStats) -> list[dict[str, Any]]:
     return [r for r in rows or [] if isinstance(r, dict) and "name" in r]
 
 
-def health_body(stats: EngineStats, *, verbose: bool = False,
-                model: dict[str, Any] | None = None) -> dict[str, Any]:
+def health_body(
+    stats: EngineStats, *, verbose: bool = False, model: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON body for a running engine (see the module docstring). Pure."""
     tiers = []
     for row in tier_rows(stats):

@@ -30,7 +30,9 @@ class EngineWatchdog:
         self._server = server
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvtier-engine-watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="kvtier-engine-watchdog", daemon=True
+        )
         self.engine_error: BaseException | str | None = None
 
     def start(self) -> None:
@@ -44,6 +46,8 @@ class EngineWatchdog:
         while not self._stop.wait(self._interval_s):
             if not self._engine.is_running:
                 self.engine_error = self._engine.dead_error or "the engine stopped"
-                logger.error("engine is not running (%s): stopping the HTTP server", self.engine_error)
+                logger.error(
+                    "engine is not running (%s): stopping the HTTP server", self.engine_error
+                )
                 self._server.should_exit = True
                 return

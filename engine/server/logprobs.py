@@ -19,15 +19,19 @@ class LogprobFormatter:
     part of a UTF-8 character decodes to U+FFFD, so a string can be ambiguous). Used from the
     event-loop thread only; ``for_request`` gives the view a request asks for."""
 
-    def __init__(self, tokenizer: Any, as_ids: bool = False,
-                 strings: dict[int, str] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, as_ids: bool = False, strings: dict[int, str] | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         self._as_ids = as_ids
         self._strings: dict[int, str] = {} if strings is None else strings
 
     def for_request(self, as_ids: bool) -> LogprobFormatter:
-        return self if as_ids == self._as_ids else LogprobFormatter(
-            self._tokenizer, as_ids, self._strings)
+        return (
+            self
+            if as_ids == self._as_ids
+            else LogprobFormatter(self._tokenizer, as_ids, self._strings)
+        )
 
     def token(self, token_id: int) -> str:
         if self._as_ids:
@@ -43,10 +47,14 @@ class LogprobFormatter:
         content = []
         for e in entries:
             text = self.token(e.token_id)
-            content.append(ChatTokenLogprob(
-                token=text, logprob=e.logprob, bytes=list(text.encode()),
-                top_logprobs=[self._top(i, lp) for i, lp in e.top],
-            ))
+            content.append(
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=e.logprob,
+                    bytes=list(text.encode()),
+                    top_logprobs=[self._top(i, lp) for i, lp in e.top],
+                )
+            )
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:

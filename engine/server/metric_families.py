@@ -50,15 +50,28 @@ def _h(name: str, doc: str, *labels: str, unit: str = "") -> Family:
 
 REQUEST_FAMILIES = (
     _c("kvtier_requests_total", "HTTP requests by endpoint and status code", "endpoint", "status"),
-    _c("kvtier_request_success_total", "Requests finished, by finish reason (stop, length, abort)",
-       "finished_reason"),
-    _h("kvtier_time_to_first_token_seconds", "Request arrival to its first generated token",
-       unit="seconds"),
-    _h("kvtier_inter_token_latency_seconds", "Time between consecutive tokens of one request",
-       unit="seconds"),
+    _c(
+        "kvtier_request_success_total",
+        "Requests finished, by finish reason (stop, length, abort)",
+        "finished_reason",
+    ),
+    _h(
+        "kvtier_time_to_first_token_seconds",
+        "Request arrival to its first generated token",
+        unit="seconds",
+    ),
+    _h(
+        "kvtier_inter_token_latency_seconds",
+        "Time between consecutive tokens of one request",
+        unit="seconds",
+    ),
     _h("kvtier_e2e_request_latency_seconds", "Request arrival to its last token", unit="seconds"),
-    _h("kvtier_request_ttft_phase_seconds", "Per-request TTFT phase (engine/ttft.py)", "phase",
-       unit="seconds"),
+    _h(
+        "kvtier_request_ttft_phase_seconds",
+        "Per-request TTFT phase (engine/ttft.py)",
+        "phase",
+        unit="seconds",
+    ),
     _h("kvtier_request_prompt_tokens", "Prompt tokens of each finished request"),
     _h("kvtier_request_generation_tokens", "Generated tokens of each finished request"),
 )
@@ -77,56 +90,85 @@ SNAPSHOT_FAMILIES = (
     _g("kvtier_gpu_cache_blocks", "KV blocks in the GPU pool"),
     _g("kvtier_gpu_cache_free_blocks", "GPU KV blocks free or cached-evictable"),
     _c("kvtier_scheduler_steps_total", "Steps the scheduler decided"),
-    _c("kvtier_scheduler_seconds_total", "The scheduler's own time deciding steps",
-       unit="seconds"),
-    _c("kvtier_scheduler_blocked_skips_total",
-       "Steps in which the head of the queue waited for GPU blocks (not looked up again)"),
-    _c("kvtier_scheduler_first_token_deferred_tokens_total",
-       "Prefill tokens deferred so that a step could yield a short prefill's first token"),
-    _c("kvtier_prompt_tokens_cached_by_tier_total",
-       "Prompt tokens whose KV came from a tier at admission (gpu: the prefix cache)", _T),
+    _c("kvtier_scheduler_seconds_total", "The scheduler's own time deciding steps", unit="seconds"),
+    _c(
+        "kvtier_scheduler_blocked_skips_total",
+        "Steps in which the head of the queue waited for GPU blocks (not looked up again)",
+    ),
+    _c(
+        "kvtier_scheduler_first_token_deferred_tokens_total",
+        "Prefill tokens deferred so that a step could yield a short prefill's first token",
+    ),
+    _c(
+        "kvtier_prompt_tokens_cached_by_tier_total",
+        "Prompt tokens whose KV came from a tier at admission (gpu: the prefix cache)",
+        _T,
+    ),
     # The KV offload connector (0 without --kv-offload).
     _g("kvtier_kv_offload_enabled", "1 when the engine runs the KV offload connector"),
     _c("kvtier_kv_loaded_tokens_total", "Prompt tokens whose KV was loaded from the tiers"),
-    _c("kvtier_kv_recomputed_tokens_total",
-       "Prompt tokens the tiers held but that were computed (decision, or a failed load)"),
+    _c(
+        "kvtier_kv_recomputed_tokens_total",
+        "Prompt tokens the tiers held but that were computed (decision, or a failed load)",
+    ),
     _c("kvtier_kv_overlap_head_tokens_total", "Tokens computed while an overlap's tail loaded"),
     _c("kvtier_kv_overlaps_total", "Admissions that overlapped computing a head with a load"),
-    _c("kvtier_kv_decisions_total", "Reload-versus-recompute decisions applied, by strategy",
-       "decision"),
-    Family("kvtier_kv_load_seconds", "summary", "Asynchronous KV loads: count and seconds",
-           unit="seconds"),
+    _c(
+        "kvtier_kv_decisions_total",
+        "Reload-versus-recompute decisions applied, by strategy",
+        "decision",
+    ),
+    Family(
+        "kvtier_kv_load_seconds",
+        "summary",
+        "Asynchronous KV loads: count and seconds",
+        unit="seconds",
+    ),
     _c("kvtier_kv_loaded_blocks_total", "KV blocks loaded from the tiers"),
     _c("kvtier_kv_loaded_bytes_total", "KV payload bytes loaded from the tiers", unit="bytes"),
     _c("kvtier_kv_failed_loads_total", "Loads that came back short (missing, corrupt, tier down)"),
     _c("kvtier_kv_timed_out_loads_total", "Loads abandoned after the load timeout"),
     _c("kvtier_kv_cancelled_loads_total", "Loads cancelled (request aborted while loading)"),
     _c("kvtier_kv_lookups_total", "Tier lookups made to admit requests"),
-    _c("kvtier_kv_lookup_blocks_total",
-       "Blocks those lookups asked about (over kvtier_kv_loaded_blocks_total: lookups per loaded block)"),
-    _c("kvtier_kv_prefetched_blocks_total",
-       "Blocks read up into the host tier while their request waited (prefetch on arrival)"),
+    _c(
+        "kvtier_kv_lookup_blocks_total",
+        "Blocks those lookups asked about (over kvtier_kv_loaded_blocks_total: lookups per loaded block)",
+    ),
+    _c(
+        "kvtier_kv_prefetched_blocks_total",
+        "Blocks read up into the host tier while their request waited (prefetch on arrival)",
+    ),
     _c("kvtier_kv_prefetch_used_blocks_total", "Prefetched blocks their request then loaded"),
-    _c("kvtier_kv_prefetch_wasted_blocks_total",
-       "Prefetched blocks released unused (request gone first, or loaded fewer)"),
+    _c(
+        "kvtier_kv_prefetch_wasted_blocks_total",
+        "Prefetched blocks released unused (request gone first, or loaded fewer)",
+    ),
     _c("kvtier_kv_saved_blocks_total", "KV blocks saved to the tiers"),
     _c("kvtier_kv_saved_bytes_total", "KV payload bytes saved to the tiers", unit="bytes"),
     _c("kvtier_kv_save_seconds_total", "Seconds spent saving KV batches", unit="seconds"),
     _c("kvtier_kv_save_skipped_blocks_total", "Blocks not saved: the store already held them"),
-    _c("kvtier_kv_save_incompressible_blocks_total",
-       "Blocks not saved: lossless compression could not encode them"),
+    _c(
+        "kvtier_kv_save_incompressible_blocks_total",
+        "Blocks not saved: lossless compression could not encode them",
+    ),
     _g("kvtier_kv_store_in_flight_blocks", "Blocks claimed for a save and not yet written"),
     _g("kvtier_kv_store_load_pins", "Block pins held for loads in flight (all tiers)"),
     # The store's tiers (one `tier` label value per configured tier; none without offload).
     _c("kvtier_kv_tier_hits_total", "Blocks found in this tier", _T),
     _c("kvtier_kv_tier_misses_total", "Blocks asked of this tier and not found", _T),
     _c("kvtier_kv_tier_read_bytes_total", "Encoded bytes read from this tier", _T, unit="bytes"),
-    _c("kvtier_kv_tier_written_bytes_total", "Encoded bytes written to this tier", _T,
-       unit="bytes"),
-    _h("kvtier_kv_tier_read_seconds", "One batched read of this tier (retrieve)", _T,
-       unit="seconds"),
-    _h("kvtier_kv_tier_write_seconds", "One batched write to this tier (store)", _T,
-       unit="seconds"),
+    _c(
+        "kvtier_kv_tier_written_bytes_total", "Encoded bytes written to this tier", _T, unit="bytes"
+    ),
+    _h(
+        "kvtier_kv_tier_read_seconds",
+        "One batched read of this tier (retrieve)",
+        _T,
+        unit="seconds",
+    ),
+    _h(
+        "kvtier_kv_tier_write_seconds", "One batched write to this tier (store)", _T, unit="seconds"
+    ),
     _c("kvtier_kv_tier_errors_total", "Tier failures (degraded to misses or skipped writes)", _T),
     _c("kvtier_kv_tier_corrupt_total", "Values that failed to decode (counted as misses)", _T),
     _c("kvtier_kv_tier_skipped_total", "Calls skipped while the tier backed off", _T),
@@ -139,24 +181,44 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_kv_tier_written_back_total", "Blocks written here on eviction above or flush", _T),
     _c("kvtier_kv_tier_write_queue_dropped_total", "Blocks dropped from a full write queue", _T),
     _c("kvtier_kv_tier_write_present_total", "Blocks not rewritten: the tier held them", _T),
-    _c("kvtier_kv_tier_placement_skipped_total",
-       "Blocks not demoted here: no prefix would be worth loading from it", _T),
-    _g("kvtier_kv_tier_write_queue_blocks", "Blocks waiting in this tier's write-through queue",
-       _T),
+    _c(
+        "kvtier_kv_tier_placement_skipped_total",
+        "Blocks not demoted here: no prefix would be worth loading from it",
+        _T,
+    ),
+    _g(
+        "kvtier_kv_tier_write_queue_blocks", "Blocks waiting in this tier's write-through queue", _T
+    ),
     _g("kvtier_kv_tier_mover_queue_batches", "Batches waiting in this tier's demotion queue", _T),
     _g("kvtier_kv_tier_consecutive_failures", "Consecutive failures (0: healthy)", _T),
     # The cost model's live estimates (cost-based decisions; no sample without offload).
-    _g("kvtier_kv_cost_model_tier_latency_seconds", "Estimated latency of one read", _T,
-       unit="seconds"),
-    _g("kvtier_kv_cost_model_tier_bandwidth_bytes_per_second", "Estimated read bandwidth", _T,
-       unit="bytes_per_second"),
-    _g("kvtier_kv_cost_model_prefill_fixed_seconds", "Estimated fixed cost of one prefill",
-       unit="seconds"),
-    _g("kvtier_kv_cost_model_prefill_per_token_seconds", "Estimated prefill cost per token",
-       unit="seconds"),
-    _c("kvtier_kv_cost_model_predicted_saved_seconds_total",
-       "Predicted seconds saved by the cost model's decisions against recomputing",
-       unit="seconds"),
+    _g(
+        "kvtier_kv_cost_model_tier_latency_seconds",
+        "Estimated latency of one read",
+        _T,
+        unit="seconds",
+    ),
+    _g(
+        "kvtier_kv_cost_model_tier_bandwidth_bytes_per_second",
+        "Estimated read bandwidth",
+        _T,
+        unit="bytes_per_second",
+    ),
+    _g(
+        "kvtier_kv_cost_model_prefill_fixed_seconds",
+        "Estimated fixed cost of one prefill",
+        unit="seconds",
+    ),
+    _g(
+        "kvtier_kv_cost_model_prefill_per_token_seconds",
+        "Estimated prefill cost per token",
+        unit="seconds",
+    ),
+    _c(
+        "kvtier_kv_cost_model_predicted_saved_seconds_total",
+        "Predicted seconds saved by the cost model's decisions against recomputing",
+        unit="seconds",
+    ),
 )
 
 ALL_FAMILIES = (*REQUEST_FAMILIES, *SNAPSHOT_FAMILIES)
@@ -164,8 +226,12 @@ BY_NAME = {f.name: f for f in ALL_FAMILIES}
 if len(BY_NAME) != len(ALL_FAMILIES):
     raise RuntimeError("duplicate metric family name")
 
-_SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum"),
-             "summary": ("_count", "_sum")}
+_SUFFIXES = {
+    "counter": ("",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_count", "_sum"),
+    "summary": ("_count", "_sum"),
+}
 
 
 def sample_names() -> frozenset[str]:

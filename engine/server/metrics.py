@@ -60,8 +60,9 @@ def _counter(name: str, registry: CollectorRegistry) -> Counter:
 
 def _histogram(name: str, registry: CollectorRegistry, buckets: tuple[float, ...]) -> Histogram:
     f = BY_NAME[name]
-    return Histogram(f.name, f.help, ["model_name", *f.labels], unit=f.unit, buckets=buckets,
-                     registry=registry)
+    return Histogram(
+        f.name, f.help, ["model_name", *f.labels], unit=f.unit, buckets=buckets, registry=registry
+    )
 
 
 class ServerMetrics:
@@ -75,16 +76,19 @@ class ServerMetrics:
         self.success = _counter("kvtier_request_success_total", r)
         for reason in FINISH_REASONS:  # every finish reason exported from the start (0)
             self.success.labels(m, reason)
-        self.ttft = _histogram("kvtier_time_to_first_token_seconds", r,
-                               _LATENCY_BUCKETS_S).labels(m)
-        self.inter_token = _histogram("kvtier_inter_token_latency_seconds", r,
-                                      _LATENCY_BUCKETS_S).labels(m)
+        self.ttft = _histogram("kvtier_time_to_first_token_seconds", r, _LATENCY_BUCKETS_S).labels(
+            m
+        )
+        self.inter_token = _histogram(
+            "kvtier_inter_token_latency_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
         self.e2e = _histogram("kvtier_e2e_request_latency_seconds", r, _LATENCY_BUCKETS_S).labels(m)
         phases = _histogram("kvtier_request_ttft_phase_seconds", r, _PHASE_BUCKETS_S)
         self.ttft_phases = {phase: phases.labels(m, phase) for phase in ALL_PHASES}
         self.prompt_tokens = _histogram("kvtier_request_prompt_tokens", r, _TOKEN_BUCKETS).labels(m)
-        self.generation_tokens = _histogram("kvtier_request_generation_tokens", r,
-                                            _TOKEN_BUCKETS).labels(m)
+        self.generation_tokens = _histogram(
+            "kvtier_request_generation_tokens", r, _TOKEN_BUCKETS
+        ).labels(m)
         self._model_name = m
 
     def record_request(self, endpoint: str, status: int) -> None:

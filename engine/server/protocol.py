@@ -62,8 +62,9 @@ class _Request(BaseModel):
         for name, value in self.texts():
             at = invalid_unicode(value)
             if at is not None:
-                raise ProtocolError(f"{name}: invalid Unicode (a lone surrogate at character "
-                                    f"{at})", name)
+                raise ProtocolError(
+                    f"{name}: invalid Unicode (a lone surrogate at character {at})", name
+                )
 
 
 class StreamOptions(_Request):
@@ -117,8 +118,11 @@ class SamplingRequest(_Request):
         if self.logit_bias:
             raise ProtocolError("logit_bias is not supported", "logit_bias")
         if self.best_of not in (None, self.n):
-            raise ProtocolError(f"best_of must equal n (no server-side ranking of samples), "
-                                f"got best_of={self.best_of}, n={self.n}", "best_of")
+            raise ProtocolError(
+                f"best_of must equal n (no server-side ranking of samples), "
+                f"got best_of={self.best_of}, n={self.n}",
+                "best_of",
+            )
 
     def grammar(self) -> tuple[str | None, bool]:
         """``response_format`` as (JSON schema text or None, json_object). Raises
@@ -138,18 +142,25 @@ class SamplingRequest(_Request):
         elif kind == "json_schema":
             spec = fmt.get("json_schema") if fmt else None
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ProtocolError("response_format json_schema needs "
-                                    "{'json_schema': {'name': ..., 'schema': {...}}}",
-                                    "response_format")
+                raise ProtocolError(
+                    "response_format json_schema needs "
+                    "{'json_schema': {'name': ..., 'schema': {...}}}",
+                    "response_format",
+                )
             schema = json.dumps(spec.get("schema", {}))
         else:
-            raise ProtocolError(f"response_format {kind!r} is not supported; use 'text', "
-                                "'json_object' or 'json_schema'", "response_format")
+            raise ProtocolError(
+                f"response_format {kind!r} is not supported; use 'text', "
+                "'json_object' or 'json_schema'",
+                "response_format",
+            )
         try:
             check_grammar(schema, schema is None)
         except ImportError as exc:
-            raise ProtocolError(f"response_format {kind!r} is not available on this server: "
-                                f"{exc}", "response_format") from None
+            raise ProtocolError(
+                f"response_format {kind!r} is not available on this server: {exc}",
+                "response_format",
+            ) from None
         except ValueError as exc:
             raise ProtocolError(f"response_format: {exc}", "response_format") from None
         return schema, schema is None
@@ -177,8 +188,9 @@ class SamplingRequest(_Request):
                 min_tokens=self.min_tokens,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if self.repetition_penalty is None
-                                    else self.repetition_penalty),
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 json_schema=schema,
@@ -221,8 +233,7 @@ class CompletionRequest(SamplingRequest):
         )
         for ids in prompts:
             if not isinstance(ids, str) and not all(0 <= t < TOKEN_ID_LIMIT for t in ids):
-                raise ProtocolError(f"prompt: token ids must be in [0, {TOKEN_ID_LIMIT})",
-                                    "prompt")
+                raise ProtocolError(f"prompt: token ids must be in [0, {TOKEN_ID_LIMIT})", "prompt")
         return prompts
 
     def texts(self) -> Iterator[tuple[str, str]]:
@@ -286,12 +297,16 @@ class ChatCompletionRequest(SamplingRequest):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
                     if part.type != "text":
-                        raise ProtocolError(f"messages.{i}.content.{j}: content parts of type "
-                                            f"{part.type!r} are not supported (text only)",
-                                            f"messages.{i}.content.{j}")
+                        raise ProtocolError(
+                            f"messages.{i}.content.{j}: content parts of type "
+                            f"{part.type!r} are not supported (text only)",
+                            f"messages.{i}.content.{j}",
+                        )
                     if part.text is None:
-                        raise ProtocolError(f"messages.{i}.content.{j}: a text part needs "
-                                            "'text'", f"messages.{i}.content.{j}")
+                        raise ProtocolError(
+                            f"messages.{i}.content.{j}: a text part needs 'text'",
+                            f"messages.{i}.content.{j}",
+                        )
 
     def texts(self) -> Iterator[tuple[str, str]]:
         yield from super().texts()

@@ -76,8 +76,13 @@ class ServingContext:
     ``chat_template`` when given, else the tokenizer's template) for the endpoint handlers
     (all used from the event-loop thread)."""
 
-    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics,
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        chat_template: str | None = None,
+    ):
         self.engine = engine
         self.served_model_name = served_model_name
         self.metrics = metrics
@@ -99,7 +104,9 @@ class ServingContext:
         return ProtocolError(
             f"prompt is at least {at_least} tokens long but this model's maximum context "
             f"length is {self.engine.max_model_len} tokens (prompt plus at least one "
-            "generated token)", param)
+            "generated token)",
+            param,
+        )
 
     def prepare(self, request: SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
         """Resolves ``max_tokens`` and enforces ``prompt + max_tokens <= max_model_len``.
@@ -135,7 +142,10 @@ class ServingContext:
         return PreparedPrompt(token_ids, max_tokens)
 
     async def start(
-        self, request_id: str, prompts: list[PreparedPrompt], request: SamplingRequest,
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        request: SamplingRequest,
         api_times: dict[str, float] | None = None,
     ) -> list[StartedRequest]:
         """Submits ``request.n`` samples of every prompt (choice ``index = prompt * n + j``)
@@ -148,8 +158,7 @@ class ServingContext:
         for the request log."""
         arrival = time.monotonic()
         n = request.n
-        params = [[request.to_sampling_params(p.max_tokens, j) for j in range(n)]
-                  for p in prompts]
+        params = [[request.to_sampling_params(p.max_tokens, j) for j in range(n)] for p in prompts]
         started: list[StartedRequest] = []
         try:
             waves = [[(i, 0) for i in range(len(prompts))]]
@@ -166,13 +175,22 @@ class ServingContext:
         return sorted(started, key=lambda s: s.index)
 
     async def _start_wave(
-        self, request_id: str, prompts: list[PreparedPrompt], params: list[list[SamplingParams]],
-        wave: list[tuple[int, int]], n: int, arrival: float, api_times: dict[str, float] | None,
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        params: list[list[SamplingParams]],
+        wave: list[tuple[int, int]],
+        n: int,
+        arrival: float,
+        api_times: dict[str, float] | None,
     ) -> list[StartedRequest]:
         iters = [
             self.engine.generate(
-                prompts[i].token_ids, params[i][j], f"{request_id}-{i * n + j}",
-                arrival_time=arrival, api_times=api_times,
+                prompts[i].token_ids,
+                params[i][j],
+                f"{request_id}-{i * n + j}",
+                arrival_time=arrival,
+                api_times=api_times,
             ).__aiter__()
             for i, j in wave
         ]
@@ -208,7 +226,9 @@ def usage_of(finals: list[RequestOutput], n: int = 1) -> UsageInfo:
         kvtier_cached_tokens_by_tier=by_tier,
     )
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
         prompt_tokens_details=details,
     )
 

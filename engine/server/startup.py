@@ -58,12 +58,16 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
         except FileNotFoundError as exc:
             raise UsageError(one_line(exc)) from None
     elif not os.path.exists(model):
-        raise UsageError(f"model {model}: no such directory (an HF model directory with "
-                         "config.json and *.safetensors, a .gguf file, or a Hugging Face "
-                         "model id ORG/NAME)")
+        raise UsageError(
+            f"model {model}: no such directory (an HF model directory with "
+            "config.json and *.safetensors, a .gguf file, or a Hugging Face "
+            "model id ORG/NAME)"
+        )
     elif not os.path.isdir(model):
-        raise UsageError(f"model {model}: not a directory (an HF model directory, a .gguf "
-                         "file or a Hugging Face model id)")
+        raise UsageError(
+            f"model {model}: not a directory (an HF model directory, a .gguf "
+            "file or a Hugging Face model id)"
+        )
     from engine.models import ModelArchConfig, get_model_class
     from engine.models.loader import read_hf_config, resolve_dtype, safetensors_files
 
@@ -79,8 +83,12 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
         torch_dtype = resolve_dtype(dtype, hf_config)
     except ValueError as exc:
         raise UsageError(f"--dtype {dtype}: {exc}") from None
-    info = {"path": model, "architecture": arch.architecture,
-            "dtype": str(torch_dtype).removeprefix("torch."), "layers": arch.num_layers}
+    info = {
+        "path": model,
+        "architecture": arch.architecture,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "layers": arch.num_layers,
+    }
     if model_dir != model:
         info["snapshot"] = model_dir
     return info

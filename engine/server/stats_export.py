@@ -95,8 +95,12 @@ _TIER_ROW = {
 }
 # Strategies always exported (0 until used), so rate() has a series from the start.
 _STRATEGIES = (Strategy.RECOMPUTE, Strategy.LOAD_PREFIX, Strategy.OVERLAP)
-_KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
-          "histogram": HistogramMetricFamily, "summary": SummaryMetricFamily}
+_KINDS = {
+    "counter": CounterMetricFamily,
+    "gauge": GaugeMetricFamily,
+    "histogram": HistogramMetricFamily,
+    "summary": SummaryMetricFamily,
+}
 Rows = list[tuple[tuple[str, ...], Any]]  # (label values after model_name, value)
 
 
@@ -136,27 +140,33 @@ def _rows(stats: Mapping[str, Any]) -> dict[str, Rows]:
     out["kvtier_prompt_tokens_cached_by_tier_total"] = cached
     decisions = {s: 0 for s in _STRATEGIES} | dict(kv.get("decisions", {}))
     out["kvtier_kv_decisions_total"] = [((str(k),), _num(v)) for k, v in decisions.items()]
-    out["kvtier_kv_load_seconds"] = [((), (_connector(stats, "num_loads"),
-                                           _connector(stats, "load_seconds")))]
+    out["kvtier_kv_load_seconds"] = [
+        ((), (_connector(stats, "num_loads"), _connector(stats, "load_seconds")))
+    ]
     store = kv.get("store", {})
     out["kvtier_kv_store_in_flight_blocks"] = [((), _num(store.get("in_flight_stores", 0)))]
     out["kvtier_kv_store_load_pins"] = [((), _num(store.get("load_pins", 0)))]
     for family, key in _TIER_ROW.items():
-        out[family] = [((str(r["name"]),), r[key] if isinstance(r.get(key), Mapping)
-                        else _num(r.get(key, 0))) for r in store_rows if key in r]
+        out[family] = [
+            ((str(r["name"]),), r[key] if isinstance(r.get(key), Mapping) else _num(r.get(key, 0)))
+            for r in store_rows
+            if key in r
+        ]
     cost = kv.get("cost_model", {})
     names = {str(r["name"]) for r in store_rows}
     priced = [(t, e) for t, e in cost.get("tiers", {}).items() if t in names]
     out["kvtier_kv_cost_model_tier_latency_seconds"] = [
-        ((t,), _num(e.get("latency_s"))) for t, e in priced]
+        ((t,), _num(e.get("latency_s"))) for t, e in priced
+    ]
     out["kvtier_kv_cost_model_tier_bandwidth_bytes_per_second"] = [
-        ((t,), _num(e.get("bandwidth_bytes_per_s"))) for t, e in priced]
+        ((t,), _num(e.get("bandwidth_bytes_per_s"))) for t, e in priced
+    ]
     prefill = cost.get("prefill", {})
     out["kvtier_kv_cost_model_prefill_fixed_seconds"] = [((), _num(prefill.get("fixed_s")))]
-    out["kvtier_kv_cost_model_prefill_per_token_seconds"] = [
-        ((), _num(prefill.get("per_token_s")))]
+    out["kvtier_kv_cost_model_prefill_per_token_seconds"] = [((), _num(prefill.get("per_token_s")))]
     out["kvtier_kv_cost_model_predicted_saved_seconds_total"] = [
-        ((), _num(cost.get("predicted_saved_s")))]
+        ((), _num(cost.get("predicted_saved_s")))
+    ]
     return out
 
 

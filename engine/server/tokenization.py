@@ -84,29 +84,40 @@ async def _parse(raw: Request, models: tuple[type[_Request], ...]) -> _Request:
         request = model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError(
-            [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]) from None
+            [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]
+        ) from None
     request.check_text()
     return request
 
 
 def _chat_text(ctx: ServingContext, request: TokenizeChatRequest) -> str:
     if request.chat_template is not None:
-        raise ProtocolError("a per-request chat_template is not supported; start the server "
-                            "with --chat-template", "chat_template")
+        raise ProtocolError(
+            "a per-request chat_template is not supported; start the server with --chat-template",
+            "chat_template",
+        )
     if request.continue_final_message and request.add_generation_prompt:
-        raise ProtocolError("continue_final_message and add_generation_prompt cannot both be "
-                            "true", "continue_final_message")
+        raise ProtocolError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
     for i, m in enumerate(request.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
-                raise ProtocolError(f"messages.{i}.content.{j}: content parts of type "
-                                    f"{part.type!r} are not supported (text only)",
-                                    f"messages.{i}.content.{j}")
+                raise ProtocolError(
+                    f"messages.{i}.content.{j}: content parts of type "
+                    f"{part.type!r} are not supported (text only)",
+                    f"messages.{i}.content.{j}",
+                )
     conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
     try:
-        return render_chat(ctx.engine.tokenizer, conversation, ctx.chat_tokens.chat_template,
-                           add_generation_prompt=request.add_generation_prompt,
-                           continue_final_message=request.continue_final_message)
+        return render_chat(
+            ctx.engine.tokenizer,
+            conversation,
+            ctx.chat_tokens.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
     except ValueError as exc:
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
 
@@ -123,13 +134,15 @@ async def tokenize(ctx: ServingContext, raw: Request) -> TokenizeResponse:
     tokenizer = ctx.engine.tokenizer
     max_len = ctx.engine.max_model_len
     try:
-        ids = encode_within(tokenizer, text, max_len,
-                            add_special_tokens=request.add_special_tokens)  # type: ignore[attr-defined]
+        ids = encode_within(tokenizer, text, max_len, add_special_tokens=request.add_special_tokens)  # type: ignore[attr-defined]
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, param) from None
     if len(ids) > max_len:
-        raise ProtocolError(f"the text is {len(ids)} tokens long, over this model's maximum "
-                            f"context length of {max_len} tokens", param)
+        raise ProtocolError(
+            f"the text is {len(ids)} tokens long, over this model's maximum "
+            f"context length of {max_len} tokens",
+            param,
+        )
     strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None  # type: ignore[attr-defined]
     return TokenizeResponse(count=len(ids), max_model_len=max_len, tokens=ids, token_strs=strs)
 
@@ -143,8 +156,12 @@ async def detokenize(ctx: ServingContext, raw: Request) -> DetokenizeResponse:
     vocab = len(tokenizer)
     bad = next((i for i, t in enumerate(request.tokens) if t >= vocab), None)
     if bad is not None:
-        raise ProtocolError(f"tokens.{bad}: token id {request.tokens[bad]} is outside the "
-                            f"vocabulary (size {vocab})", f"tokens.{bad}")
-    text = tokenizer.decode(request.tokens, skip_special_tokens=False,
-                            clean_up_tokenization_spaces=False)
+        raise ProtocolError(
+            f"tokens.{bad}: token id {request.tokens[bad]} is outside the "
+            f"vocabulary (size {vocab})",
+            f"tokens.{bad}",
+        )
+    text = tokenizer.decode(
+        request.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return DetokenizeResponse(prompt=text)

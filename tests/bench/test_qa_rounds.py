@@ -20,8 +20,9 @@ def test_later_rounds_are_compared_with_the_first_run(tmp_path: Path) -> None:
     off = write(tmp_path / "off.csv", [(1, 0.3), (2, 0.2), (3, 0.2), (4, 0.2)])
     on = write(tmp_path / "on.csv", [(1, 0.3), (2, 0.05), (3, 0.05), (4, 0.05)])
     out = tmp_path / "r.json"
-    assert main([f"off={off}", f"on={on}", f"gone={tmp_path / 'missing.csv'}",
-                 "--out", str(out)]) == 0
+    assert (
+        main([f"off={off}", f"on={on}", f"gone={tmp_path / 'missing.csv'}", "--out", str(out)]) == 0
+    )
     report = json.loads(out.read_text())
     assert report["runs"]["off"]["first_round"]["n"] == 1
     assert report["runs"]["on"]["later_rounds"] == {"n": 3, "p50_ms": 50.0, "p90_ms": 50.0}

@@ -20,13 +20,41 @@ pytestmark = pytest.mark.timeout(300)
 def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
     model = write_model(str(tmp_path / "model"), "tiny", "cpu", None)
     out = tmp_path / "report.json"
-    code = serving.main([
-        "--model", str(model), "--qps", "2,4", "--duration-s", "2", "--users", "2",
-        "--rounds", "2", "--system-words", "40", "--history-words", "40",
-        "--question-words", "5", "--answer-len", "4", "--pool-histories", "3",
-        "--host-capacity", "16MiB", "--max-model-len", "1024",
-        "--server-arg=--device=cpu", "--server-arg=--max-num-seqs=4",
-        "--concurrent", "--log-dir", str(tmp_path), "--out", str(out)])
+    code = serving.main(
+        [
+            "--model",
+            str(model),
+            "--qps",
+            "2,4",
+            "--duration-s",
+            "2",
+            "--users",
+            "2",
+            "--rounds",
+            "2",
+            "--system-words",
+            "40",
+            "--history-words",
+            "40",
+            "--question-words",
+            "5",
+            "--answer-len",
+            "4",
+            "--pool-histories",
+            "3",
+            "--host-capacity",
+            "16MiB",
+            "--max-model-len",
+            "1024",
+            "--server-arg=--device=cpu",
+            "--server-arg=--max-num-seqs=4",
+            "--concurrent",
+            "--log-dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert code == 0
     assert set(report["modes"]) == {"off", "offload", "lossless"}
@@ -54,15 +82,22 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
     assert "x quiet" in report["summary"] and "req/s processed" in report["summary"]
     # The request log splits into reused (later rounds) and fresh requests.
     groups = ttft_breakdown.breakdown(
-        [json.loads(x) for x in (tmp_path / "serving_offload.requests.jsonl").read_text()
-         .splitlines()], 0.5)
+        [
+            json.loads(x)
+            for x in (tmp_path / "serving_offload.requests.jsonl").read_text().splitlines()
+        ],
+        0.5,
+    )
     assert groups["reused"]["requests"] >= 1 and groups["fresh"]["requests"] >= 1
     assert groups["reused"]["cached_tokens_p50"] > 0
 
 
 def test_bad_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, msg in ((["--modes", "fast"], "--modes: unknown"), (["--qps", "1,x"], "--qps"),
-                      (["--qps", "0"], "must be > 0")):
+    for argv, msg in (
+        (["--modes", "fast"], "--modes: unknown"),
+        (["--qps", "1,x"], "--qps"),
+        (["--qps", "0"], "must be > 0"),
+    ):
         with pytest.raises(SystemExit):
             serving.main(["--model", "x", *argv])
         assert msg in capsys.readouterr().err

@@ -11,9 +11,25 @@ from bench.tiers import main
 
 
 def test_tiers_bench_reports_ratios_against_plain_baselines(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--tiers", "host,lmdb", "--sizes", "64KiB", "--total", "1MiB", "--batch", "8",
-                 "--repeats", "3"]) == 0
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(
+            [
+                "--tiers",
+                "host,lmdb",
+                "--sizes",
+                "64KiB",
+                "--total",
+                "1MiB",
+                "--batch",
+                "8",
+                "--repeats",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     report = json.loads(out[: out.rindex("summary")])
     assert report["machine"]["cpu_count"] > 0

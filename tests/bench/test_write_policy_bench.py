@@ -12,17 +12,35 @@ import pytest
 from bench.write_policy import main
 
 
-def test_write_policy_bench_reports_both_variants(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_write_policy_bench_reports_both_variants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "report.json"
-    assert main(["--requests", "4", "--concurrency", "2", "--max-tokens", "4", "--reps", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--max-tokens",
+                "4",
+                "--reps",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     runs = {r["policy"]: r for r in report["runs"]}
     assert set(runs) == {"write_back", "write_through"}
     assert runs["write_back"]["steps"] == runs["write_through"]["steps"] > 0
     assert runs["write_through"]["lmdb_written_through"] > 0
-    assert runs["write_back"]["lmdb_written_through"] == runs["write_back"]["lmdb_written_back"] == 0
+    assert (
+        runs["write_back"]["lmdb_written_through"] == runs["write_back"]["lmdb_written_back"] == 0
+    )
     assert runs["write_through"]["write_queue_dropped"] == 0
     figures = report["figures"]
     assert figures["write_through"]["step_ms_median"] > 0

@@ -55,8 +55,9 @@ class FakeClock:
         return self.now
 
 
-def make_store(tmp_path: Path, host_blocks: int = 4, lmdb_blocks: int = 6,
-               **config: Any) -> HierarchicalStore:
+def make_store(
+    tmp_path: Path, host_blocks: int = 4, lmdb_blocks: int = 6, **config: Any
+) -> HierarchicalStore:
     tiers = [HostTier(host_blocks * SIZE, SIZE), LmdbTier(tmp_path / "db", lmdb_blocks * SIZE)]
     return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX, **config))
 

@@ -47,7 +47,7 @@ def test_decode_is_zero_copy_and_encode_into_writes_in_place() -> None:
     slab = bytearray(encoded_size(META) + 100)
     written = encode_block_into(memoryview(slab)[50:], PAYLOAD, META)
     assert written == encoded_size(META)
-    view = memoryview(slab)[50:50 + written]
+    view = memoryview(slab)[50 : 50 + written]
     out = decode_block(view)
     assert bytes(out.payload) == PAYLOAD
     # The payload aliases the slab: a change there shows through the view.
@@ -144,8 +144,11 @@ def header_bytes_unpadded(meta: BlockMeta) -> bytes:
 
 
 def test_padding_after_the_shape_must_be_short_and_zero() -> None:
-    meta = next(m for m in (BlockMeta(META.dtype, META.shape, META.layout, "n" * i)
-                            for i in range(1, 17)) if len(header_bytes_unpadded(m)) % 16)
+    meta = next(
+        m
+        for m in (BlockMeta(META.dtype, META.shape, META.layout, "n" * i) for i in range(1, 17))
+        if len(header_bytes_unpadded(m)) % 16
+    )
     buf = bytearray(encode_block(bytes(meta.payload_bytes), meta))
     meta_len = struct.unpack_from("<I", buf, 8)[0]
     end = FIXED_HEADER_BYTES + meta_len
@@ -185,8 +188,8 @@ def test_header_bytes_prefix_and_seal_block_match_encode_block() -> None:
     assert header.endswith(bytes(len(header) - len(header_bytes_unpadded(META))))
     # Header + payload written in place, checksum last: byte-identical to encode_block.
     buf = bytearray(len(full))
-    buf[:len(header)] = header
-    buf[len(header):len(header) + len(PAYLOAD)] = PAYLOAD
+    buf[: len(header)] = header
+    buf[len(header) : len(header) + len(PAYLOAD)] = PAYLOAD
     seal_block(buf, len(full))
     assert bytes(buf) == full
     assert bytes(decode_block(buf, expected_namespace=NS).payload) == PAYLOAD
@@ -222,8 +225,8 @@ def test_keyed_block_carries_its_key_and_refuses_another() -> None:
     assert buf.startswith(header) and len(header) % PAYLOAD_ALIGN == 0
     assert len(header_bytes(META, other)) == len(header) and header_bytes(META, other) != header
     place = bytearray(len(buf))
-    place[:len(header)] = header
-    place[len(header):len(header) + len(PAYLOAD)] = PAYLOAD
+    place[: len(header)] = header
+    place[len(header) : len(header) + len(PAYLOAD)] = PAYLOAD
     seal_block(place, len(buf))
     assert bytes(place) == buf
 
@@ -241,8 +244,10 @@ def test_every_bit_flip_of_a_keyed_block_is_detected() -> None:
 def test_header_template_matches_header_bytes() -> None:
     from cachestore.codec import HeaderTemplate, header_bytes
 
-    metas = [META, *(BlockMeta("uint8", (n,), "test", "n" * i) for n, i in ((0, 1), (256, 7),
-                                                                           (1 << 20, 13)))]
+    metas = [
+        META,
+        *(BlockMeta("uint8", (n,), "test", "n" * i) for n, i in ((0, 1), (256, 7), (1 << 20, 13))),
+    ]
     for meta in metas:
         keyed, keyless = HeaderTemplate(meta, keyed=True), HeaderTemplate(meta, keyed=False)
         for key in ("", "a/b", f"{NS}/{3:032x}", "tenant/ns/ü"):

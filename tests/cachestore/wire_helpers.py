@@ -20,8 +20,9 @@ from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, TokenTable, pack
 from tiers.remote.zap import secure_client
 
 
-def zmq_ask(url: str, token: str, handshake_token: str | None = None, timeout_ms: int = 5000,
-            **header: Any) -> dict[str, Any]:
+def zmq_ask(
+    url: str, token: str, handshake_token: str | None = None, timeout_ms: int = 5000, **header: Any
+) -> dict[str, Any]:
     """One request over a fresh DEALER socket (its ZMTP handshake with ``handshake_token``,
     default ``token``); the reply's header."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -62,8 +63,9 @@ class RawFramed:
             return True
 
 
-def tenant_daemon(tokens: str, capacity: int, slot_bytes: int, url: str = "tcp://127.0.0.1:0",
-                  **config: Any) -> tuple[CacheServer, HierarchicalStore]:
+def tenant_daemon(
+    tokens: str, capacity: int, slot_bytes: int, url: str = "tcp://127.0.0.1:0", **config: Any
+) -> tuple[CacheServer, HierarchicalStore]:
     """A started daemon over one host tier, serving the tenants of ``tokens``; ``config`` goes
     to ``ServerConfig``. The caller stops it and closes the store."""
     store = HierarchicalStore([HostTier(capacity, slot_bytes, pin_memory=False)], StoreConfig())
@@ -71,8 +73,9 @@ def tenant_daemon(tokens: str, capacity: int, slot_bytes: int, url: str = "tcp:/
     return srv, store
 
 
-def attach_checked(address: str | tuple[str, int], secret: str, token: str,
-                   keys: list[str]) -> RawFramed:
+def attach_checked(
+    address: str | tuple[str, int], secret: str, token: str, keys: list[str]
+) -> RawFramed:
     """The attach rules of a doorbell or stream listener, asserted: a first message that is not
     an attach, or an attach with a wrong secret, is refused and the connection closed; the
     issued secret attaches. Returns that attached connection."""
@@ -95,8 +98,14 @@ def served(daemon: tuple[CacheServer, HierarchicalStore]) -> Iterator[CacheServe
     store.close()
 
 
-def check_restart(url: str, make: Callable[[str], tuple[CacheServer, HierarchicalStore]],
-                  tier: Any, key: str, block: bytes, transport: str) -> Doorbell | None:
+def check_restart(
+    url: str,
+    make: Callable[[str], tuple[CacheServer, HierarchicalStore]],
+    tier: Any,
+    key: str,
+    block: bytes,
+    transport: str,
+) -> Doorbell | None:
     """``tier`` stores ``block`` on the daemon ``make(url)`` over ``transport``; the daemon is
     stopped and made again (memory only): the next get is a miss within 4 s, not an error, and
     after a put it hits over ``transport`` again. Returns the new daemon's listener of that

@@ -11,9 +11,7 @@ from cachestore.analyze.cli import add_arguments, main
 from tests.connectors.offload.test_connector import host_lmdb, make_llm, run_conversations
 
 
-def test_request_log_is_analyzed_and_agrees_with_the_engine(
-    model_dir: str, tmp_path: Path
-) -> None:
+def test_request_log_is_analyzed_and_agrees_with_the_engine(model_dir: str, tmp_path: Path) -> None:
     log_path, out = tmp_path / "requests.jsonl", tmp_path / "analysis.json"
     config = {**host_lmdb(tmp_path, host_slots=64), "calibrate": False}
     with make_llm(model_dir, 24, config, request_log=str(log_path)) as llm:

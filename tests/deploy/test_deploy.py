@@ -26,14 +26,27 @@ from tiers.remote.protocol import ErrorCode
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 REQUIRED: dict[str, list[str]] = {  # kind -> dotted paths that must exist
     "Service": ["metadata.name", "spec.selector", "spec.ports"],
-    "StatefulSet": ["metadata.name", "spec.serviceName", "spec.selector.matchLabels",
-                    "spec.template.metadata.labels", "spec.template.spec.containers",
-                    "spec.volumeClaimTemplates"],
-    "Deployment": ["metadata.name", "spec.selector.matchLabels", "spec.template.metadata.labels",
-                   "spec.template.spec.containers"],
+    "StatefulSet": [
+        "metadata.name",
+        "spec.serviceName",
+        "spec.selector.matchLabels",
+        "spec.template.metadata.labels",
+        "spec.template.spec.containers",
+        "spec.volumeClaimTemplates",
+    ],
+    "Deployment": [
+        "metadata.name",
+        "spec.selector.matchLabels",
+        "spec.template.metadata.labels",
+        "spec.template.spec.containers",
+    ],
     "ConfigMap": ["metadata.name", "data"],
     "Secret": ["metadata.name"],
-    "PersistentVolumeClaim": ["metadata.name", "spec.accessModes", "spec.resources.requests.storage"],
+    "PersistentVolumeClaim": [
+        "metadata.name",
+        "spec.accessModes",
+        "spec.resources.requests.storage",
+    ],
     "Job": ["metadata.name", "spec.template.spec.containers", "spec.template.spec.restartPolicy"],
 }
 
@@ -63,9 +76,22 @@ def test_every_yaml_parses() -> None:
 def test_kubernetes_manifests_have_required_fields() -> None:
     docs = _manifests()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Job", "PersistentVolumeClaim", "Secret",
-                     "Secret", "Secret", "Service", "Service", "Service", "Service", "StatefulSet",
-                     "StatefulSet"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Deployment",
+        "Job",
+        "PersistentVolumeClaim",
+        "Secret",
+        "Secret",
+        "Secret",
+        "Service",
+        "Service",
+        "Service",
+        "Service",
+        "StatefulSet",
+        "StatefulSet",
+    ]
     for doc in docs:
         assert doc["apiVersion"] in ("v1", "apps/v1", "batch/v1"), doc["kind"]
         for path in REQUIRED[doc["kind"]]:
@@ -89,8 +115,11 @@ def test_kubernetes_manifests_have_required_fields() -> None:
     daemon = by_name[("StatefulSet", "kvtier-cache-server")]
     assert daemon["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     # Services select pods that exist.
-    pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs
-                  if d["kind"] in ("StatefulSet", "Deployment")]
+    pod_labels = [
+        d["spec"]["template"]["metadata"]["labels"]
+        for d in docs
+        if d["kind"] in ("StatefulSet", "Deployment")
+    ]
     for svc in (d for d in docs if d["kind"] == "Service"):
         assert any(svc["spec"]["selector"].items() <= lab.items() for lab in pod_labels)
 
@@ -102,8 +131,12 @@ def _refs(node: Any, found: dict[str, set[str]]) -> None:
             found["PersistentVolumeClaim"].add(node["claimName"])
         if "secretName" in node:
             found["Secret"].add(node["secretName"])
-        for key, kind in (("secretRef", "Secret"), ("secretKeyRef", "Secret"),
-                          ("configMapRef", "ConfigMap"), ("configMap", "ConfigMap")):
+        for key, kind in (
+            ("secretRef", "Secret"),
+            ("secretKeyRef", "Secret"),
+            ("configMapRef", "ConfigMap"),
+            ("configMap", "ConfigMap"),
+        ):
             if isinstance(node.get(key), dict) and "name" in node[key]:
                 found[kind].add(node[key]["name"])
         for value in node.values():
@@ -118,7 +151,11 @@ def test_kubernetes_manifests_define_what_they_reference() -> None:
     in Secrets, never in the ConfigMap."""
     docs = _manifests()
     defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    found: dict[str, set[str]] = {"PersistentVolumeClaim": set(), "Secret": set(), "ConfigMap": set()}
+    found: dict[str, set[str]] = {
+        "PersistentVolumeClaim": set(),
+        "Secret": set(),
+        "ConfigMap": set(),
+    }
     for doc in docs:
         _refs(doc, found)
     assert found["PersistentVolumeClaim"] and found["Secret"]
@@ -148,8 +185,11 @@ def test_every_flag_deploy_passes_exists_in_the_cli() -> None:
     commands = [compose["services"][s]["command"] for s in ("cache-server", "engine")]
     for doc in _manifests():
         if doc["kind"] in ("StatefulSet", "Deployment"):
-            commands += [c["args"] for c in doc["spec"]["template"]["spec"]["containers"]
-                         if c["image"].startswith("kvtier:")]
+            commands += [
+                c["args"]
+                for c in doc["spec"]["template"]["spec"]["containers"]
+                if c["image"].startswith("kvtier:")
+            ]
     for path in sorted((DEPLOY / "systemd").glob("*.service")):
         unit = configparser.ConfigParser(interpolation=None)
         unit.read_string(path.read_text())
@@ -168,7 +208,9 @@ def test_compose_pins_images_and_orders_start_by_health() -> None:
         for dep, cond in (svc.get("depends_on") or {}).items():
             assert cond["condition"] in ("service_healthy", "service_completed_successfully"), name
             wanted = "service_completed_successfully" if dep == "minio-init" else "service_healthy"
-            assert cond["condition"] == wanted and ("healthcheck" in services[dep]) == (dep != "minio-init")
+            assert cond["condition"] == wanted and ("healthcheck" in services[dep]) == (
+                dep != "minio-init"
+            )
     for name in ("redis", "minio", "cache-server", "engine"):
         assert "healthcheck" in services[name], name
     assert "mc mb" in " ".join(services["minio-init"]["command"])  # the tiers' bucket exists
@@ -180,8 +222,12 @@ def test_compose_pins_images_and_orders_start_by_health() -> None:
 
 def test_tier_yamls_parse_with_the_real_parser() -> None:
     configmap = next(d for d in _manifests() if d["kind"] == "ConfigMap")
-    texts = [(DEPLOY / "tiers.yaml").read_text(), (DEPLOY / "engine-tiers.yaml").read_text(),
-             configmap["data"]["tiers.yaml"], configmap["data"]["engine-tiers.yaml"]]
+    texts = [
+        (DEPLOY / "tiers.yaml").read_text(),
+        (DEPLOY / "engine-tiers.yaml").read_text(),
+        configmap["data"]["tiers.yaml"],
+        configmap["data"]["engine-tiers.yaml"],
+    ]
     kinds = [[t.kind for t in parse_tier_config(yaml.safe_load(x)).tiers] for x in texts]
     assert kinds == [["redis", "s3"], ["host", "remote"], ["redis", "s3"], ["host", "remote"]]
 
@@ -205,8 +251,11 @@ def test_compose_services_and_config() -> None:
     command = _compose_command()
     if command is None:
         pytest.skip("neither `docker compose` nor docker-compose is available")
-    result = subprocess.run([*command, "-f", str(DEPLOY / "docker-compose.yml"), "config",
-                             "--quiet"], capture_output=True, text=True)
+    result = subprocess.run(
+        [*command, "-f", str(DEPLOY / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -251,8 +300,9 @@ def test_grafana_queries_only_exported_metrics(tmp_path: Path) -> None:
 
 def test_prometheus_scrapes_the_admin_port() -> None:
     prom = yaml.safe_load((DEPLOY / "monitoring" / "prometheus.yml").read_text())
-    targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"]
-               for t in sc["targets"]]
+    targets = [
+        t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    ]
     assert "cache-server:5556" in targets
 
 
@@ -302,17 +352,23 @@ def test_kubernetes_files_and_secret_keys_exist() -> None:
                     names |= set(_ETC_PATH.findall(configmap["data"][Path(arg).name]))
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
             for path in names:
-                mount = max((m for m in mounts if path.startswith(m + "/") or path == m),
-                            key=len, default=None)
+                mount = max(
+                    (m for m in mounts if path.startswith(m + "/") or path == m),
+                    key=len,
+                    default=None,
+                )
                 assert mount is not None, (doc["metadata"]["name"], path, "not mounted")
                 kind, name = sources[mounts[mount]]
                 if kind == "PersistentVolumeClaim":
                     if mount != "/var/lib/kvtier":  # the daemon's own data directory
                         assert path in deploy_doc, (path, "user data not in docs/deploy.md")
                     continue
-                key = path[len(mount) + 1:]
-                assert key in _keys(by_name[(kind, name)]), (doc["metadata"]["name"], path,
-                                                            f"no key {key!r} in {kind} {name}")
+                key = path[len(mount) + 1 :]
+                assert key in _keys(by_name[(kind, name)]), (
+                    doc["metadata"]["name"],
+                    path,
+                    f"no key {key!r} in {kind} {name}",
+                )
             for env in c.get("env", []):
                 ref = (env.get("valueFrom") or {}).get("secretKeyRef")
                 if ref:
@@ -376,8 +432,9 @@ def test_systemd_files_hosts_and_ports_are_shipped_or_documented() -> None:
         unit = configparser.ConfigParser(interpolation=None)
         unit.read_string((DEPLOY / "systemd" / unit_name).read_text())
         service = unit["Service"]
-        named |= set(_ETC_PATH.findall(service["ExecStart"] + " "
-                                        + service.get("EnvironmentFile", "")))
+        named |= set(
+            _ETC_PATH.findall(service["ExecStart"] + " " + service.get("EnvironmentFile", ""))
+        )
     for source in ("tiers.yaml", "engine-tiers.yaml"):
         named |= set(_ETC_PATH.findall((DEPLOY / "systemd" / source).read_text()))
     named = {p for p in named if not p.startswith("/var/lib/kvtier/lmdb")}

@@ -58,7 +58,8 @@ def test_dashboard_has_the_engine_panels_operators_ask_for() -> None:
     assert {c: n for c, n in wanted.items() if n not in engine_used} == {}
     ttft = next(p for p in _dashboard()["panels"] if "time to first token" in p["title"])
     assert {"histogram_quantile(0.5", "histogram_quantile(0.99"} <= {
-        t["expr"].split(",")[0] for t in ttft["targets"]}
+        t["expr"].split(",")[0] for t in ttft["targets"]
+    }
     assert len({p["id"] for p in _dashboard()["panels"]}) == len(_dashboard()["panels"])
 
 
@@ -82,8 +83,9 @@ def test_compose_provisions_grafana_with_prometheus_and_the_dashboard() -> None:
     assert f"{port}:{port}" in " ".join(compose["services"][host]["ports"])
     (provider,) = yaml.safe_load(providers[0].read_text())["providers"]
     folder = provider["options"]["path"]
-    dashboards = [m for t, m in mounts.items()
-                  if t.startswith(folder + "/") and t.endswith(".json")]
+    dashboards = [
+        m for t, m in mounts.items() if t.startswith(folder + "/") and t.endswith(".json")
+    ]
     assert dashboards == [MONITORING / "grafana-dashboard.json"]
     assert grafana["ports"] == ["127.0.0.1:3000:3000"]  # loopback: anonymous viewers allowed
 

@@ -73,7 +73,9 @@ def build_tiny_hf_model(arch: str, seed: int = 0, **overrides: Any):  # -> PreTr
     return model.eval()
 
 
-def make_tiny_model(tmp_path: str | os.PathLike[str], arch: str, seed: int = 0, **overrides: Any) -> str:
+def make_tiny_model(
+    tmp_path: str | os.PathLike[str], arch: str, seed: int = 0, **overrides: Any
+) -> str:
     """Save a tiny model + tokenizer under ``tmp_path/<arch>-<seed>`` and return that path."""
     out = Path(tmp_path) / f"tiny-{arch}-{seed}"
     n = 0

@@ -74,8 +74,11 @@ def test_interleaved_users_system_prompts_and_edits(tok: Any) -> None:
     assert enc.token_ids == encode_chat(tok, edited)
     assert 0 < enc.num_reused_tokens < len(cache.encode(users[0][1]).token_ids)
     # A regenerated answer (same history, other last answer) reuses the shared prefix.
-    branch = [*users[1][4], {"role": "assistant", "content": "another answer"},
-              {"role": "user", "content": "and then?"}]
+    branch = [
+        *users[1][4],
+        {"role": "assistant", "content": "another answer"},
+        {"role": "user", "content": "and then?"},
+    ]
     enc = cache.encode(branch)
     assert enc.token_ids == encode_chat(tok, branch) and enc.num_reused_tokens > 0
     # The same request again: every id reused.
@@ -89,8 +92,11 @@ def test_unicode_at_every_boundary(tok: Any) -> None:
     conv = [{"role": "user", "content": "hello"}]
     endings = ["😀", "x\u0301", "   ", "\n", "日本", "don'", "ﬁ", "", "\U0010ffff", "é" * 40]
     for i, end in enumerate(endings * 3):
-        conv = [*conv, {"role": "assistant", "content": f"the cache {end}"},
-                {"role": "user", "content": f"{end}{i} wörld"}]
+        conv = [
+            *conv,
+            {"role": "assistant", "content": f"the cache {end}"},
+            {"role": "user", "content": f"{end}{i} wörld"},
+        ]
         assert cache.encode(conv).token_ids == encode_chat(tok, conv)
     assert cache.num_hits >= len(endings)
 
@@ -105,8 +111,10 @@ def _metaspace_tokenizer() -> Any:
     vocab = {"<unk>": 0, "<s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=False)
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", chat_template=template)
 
 
@@ -115,8 +123,10 @@ def test_guard_falls_back_when_a_cut_is_not_a_boundary() -> None:
     rng = random.Random(3)
     cache = ChatTokenCache(tok)
     for conv in _rounds(rng, "be brief", 5):
-        conv = [{"role": m["role"], "content": m["content"].encode("ascii", "ignore").decode()}
-                for m in conv]
+        conv = [
+            {"role": m["role"], "content": m["content"].encode("ascii", "ignore").decode()}
+            for m in conv
+        ]
         assert cache.encode(conv).token_ids == encode_chat(tok, conv)
     assert cache.num_hits == 0 and cache.num_guard_failures == 4
 
@@ -126,8 +136,7 @@ def test_length_bound_counts_the_reused_prefix(tok: Any) -> None:
     cache = ChatTokenCache(tok)
     conv = [{"role": "user", "content": _text(rng, 300, odd=False)}]
     n = len(cache.encode(conv).token_ids)
-    conv += [{"role": "assistant", "content": "ok"},
-             {"role": "user", "content": "the " * 20_000}]
+    conv += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "the " * 20_000}]
     with pytest.raises(TooManyTokens) as info:
         cache.encode(conv, max_tokens=n + 1000)
     assert info.value.at_least > n + 1000
@@ -152,4 +161,5 @@ def test_message_chain_is_prefix_stable() -> None:
     assert message_chain(a)[1] != message_chain(b)[1]
     # Field boundaries are length-prefixed: moving a character across them changes the key.
     assert message_chain([{"role": "ab", "content": "c"}]) != message_chain(
-        [{"role": "a", "content": "bc"}])
+        [{"role": "a", "content": "bc"}]
+    )

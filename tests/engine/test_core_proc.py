@@ -267,8 +267,9 @@ def test_shutdown_reports_a_core_that_died_first(model_dir: str) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     problem = engine.shutdown()
-    assert problem == ("the engine core died before shutdown (engine core process died (exit "
-                       "code -9))")
+    assert problem == (
+        "the engine core died before shutdown (engine core process died (exit code -9))"
+    )
 
 
 def test_startup_error_carries_the_core_message(model_dir: str) -> None:

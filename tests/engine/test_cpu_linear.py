@@ -60,5 +60,9 @@ def test_runner_on_cpu_packs_the_model_and_its_tied_head(tmp_path) -> None:
     plain = ModelRunner(config, model_dir, cpu_packed_linears=False)
     assert plain.num_packed_linears == 0
     hidden = torch.randn(3, runner.arch.hidden_size)
-    torch.testing.assert_close(runner.model.compute_logits(hidden),
-                               plain.model.compute_logits(hidden), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        runner.model.compute_logits(hidden),
+        plain.model.compute_logits(hidden),
+        atol=1e-5,
+        rtol=1e-5,
+    )

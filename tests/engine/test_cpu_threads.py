@@ -39,19 +39,30 @@ def test_explicit_count_and_bad_count() -> None:
 
 def test_omp_env_binds_one_core_per_thread() -> None:
     env = omp_env(CpuThreadPlan(2, (0, 2), "auto"))
-    assert env == {"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "0 2",
-                   "OMP_PLACES": "{0},{2}", "OMP_PROC_BIND": "true"}
+    assert env == {
+        "OMP_NUM_THREADS": "2",
+        "GOMP_CPU_AFFINITY": "0 2",
+        "OMP_PLACES": "{0},{2}",
+        "OMP_PROC_BIND": "true",
+    }
     assert omp_env(CpuThreadPlan(1, (), "env")) == {"OMP_NUM_THREADS": "1"}
 
 
 def _configure_in_child(env_extra: dict[str, str], before: str = "") -> str:
-    code = ("import torch\n" + before +
-            "from engine.runner.cpu_threads import configure_cpu_threads\n"
-            "p = configure_cpu_threads()\nprint(p.source, p.num_threads, torch.get_num_threads())")
+    code = (
+        "import torch\n" + before + "from engine.runner.cpu_threads import configure_cpu_threads\n"
+        "p = configure_cpu_threads()\nprint(p.source, p.num_threads, torch.get_num_threads())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(env_extra, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -67,10 +78,19 @@ def test_configure_sets_the_planned_count_and_keeps_earlier_choices() -> None:
 def test_an_explicit_count_survives_the_runners_later_call() -> None:
     cores = len(physical_cores(usable_cpus()))
     before = f"configure_cpu_threads({cores})\n"  # the core process's --engine-num-threads
-    code = ("import torch\nfrom engine.runner.cpu_threads import configure_cpu_threads\n" + before +
-            "p = configure_cpu_threads()\nprint(p.source, torch.get_num_threads())")
+    code = (
+        "import torch\nfrom engine.runner.cpu_threads import configure_cpu_threads\n"
+        + before
+        + "p = configure_cpu_threads()\nprint(p.source, torch.get_num_threads())"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = ROOT
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.strip() == f"explicit {cores}"

@@ -29,8 +29,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 16
 
 
-def make_case(seq_lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-              layers: int = 3, seed: int = 0):
+def make_case(
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    layers: int = 3,
+    seed: int = 0,
+):
     """A block-major cache [blocks, layers, 2, PAGE, kv_heads, dim] with each request's pages
     scattered over it, q as a strided view of a fused [B, heads + kv_heads, dim] row, and the
     CSR page table."""
@@ -41,7 +48,7 @@ def make_case(seq_lens: list[int], heads: int, kv_heads: int, dim: int, dtype: t
     order = torch.randperm(num_blocks, generator=g).tolist()
     indptr, indices = [0], []
     for n in pages_per:
-        indices += order[len(indices):len(indices) + n]
+        indices += order[len(indices) : len(indices) + n]
         indptr.append(len(indices))
     last = [n - (p - 1) * PAGE for n, p in zip(seq_lens, pages_per, strict=True)]
     fused = torch.randn(len(seq_lens), heads + kv_heads, dim, generator=g).to(dtype)
@@ -54,7 +61,7 @@ def reference(q, kv_layer, indices, indptr, seq_lens, scale):
     heads, kv_heads = q.shape[1], kv_layer.shape[3]
     outs = []
     for b, n in enumerate(seq_lens):
-        pages = indices[indptr[b]:indptr[b + 1]]
+        pages = indices[indptr[b] : indptr[b + 1]]
         kv = kv_layer[pages].float()  # [pages, 2, PAGE, Hkv, D]
         k = kv[:, 0].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
         v = kv[:, 1].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
@@ -69,12 +76,15 @@ def reference(q, kv_layer, indices, indptr, seq_lens, scale):
 def test_matches_torch_on_scattered_pages(dtype, heads, kv_heads, dim, num_splits, block_n) -> None:
     seq_lens = [1, 17, 64, 65, 200]
     cache, q, indptr, indices, last, idx_list, indptr_list = make_case(
-        seq_lens, heads, kv_heads, dim, dtype, seed=heads * dim + num_splits)
+        seq_lens, heads, kv_heads, dim, dtype, seed=heads * dim + num_splits
+    )
     layer = 1
     kv_layer = cache[:, layer]  # strided view, as the engine passes it
-    scale = dim ** -0.5
+    scale = dim**-0.5
     before = cache.clone()
-    out = paged_decode_attention(q, kv_layer, indptr, indices, last, scale, num_splits, block_n=block_n)
+    out = paged_decode_attention(
+        q, kv_layer, indptr, indices, last, scale, num_splits, block_n=block_n
+    )
     ref = reference(q, kv_layer, idx_list, indptr_list, seq_lens, scale)
     assert out.shape == (len(seq_lens), heads, dim) and out.dtype == dtype
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
@@ -127,13 +137,15 @@ def reference_multi(q, kv_layer, indices, indptr, seq_lens, q_lens, scale):
     heads, kv_heads = q.shape[1], kv_layer.shape[3]
     outs, row = [], 0
     for b, (n, lq) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        pages = indices[indptr[b]:indptr[b + 1]]
+        pages = indices[indptr[b] : indptr[b + 1]]
         kv = kv_layer[pages].float()
         k = kv[:, 0].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
         v = kv[:, 1].reshape(-1, kv_heads, kv.shape[-1])[:n].repeat_interleave(heads // kv_heads, 1)
         for i in range(lq):
             visible = n - lq + i + 1
-            w = torch.softmax(torch.einsum("hd,nhd->hn", q[row].float(), k[:visible]) * scale, dim=-1)
+            w = torch.softmax(
+                torch.einsum("hd,nhd->hn", q[row].float(), k[:visible]) * scale, dim=-1
+            )
             outs.append(torch.einsum("hn,nhd->hd", w, v[:visible]))
             row += 1
     return torch.stack(outs)
@@ -142,18 +154,34 @@ def reference_multi(q, kv_layer, indices, indptr, seq_lens, q_lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,q_lens", [(8, 2, [16, 1, 5, 3]), (7, 1, [9, 1, 4, 3])])
 @pytest.mark.parametrize("num_splits", [1, 8])
-def test_short_queries_over_long_contexts_are_causal(dtype, heads, kv_heads, q_lens, num_splits) -> None:
+def test_short_queries_over_long_contexts_are_causal(
+    dtype, heads, kv_heads, q_lens, num_splits
+) -> None:
     """Several query tokens per request (a short append over cached context, or a whole short
     prompt: q_len == seq_len): each token attends up to its own position."""
     seq_lens = [200, 1, 70, 3]
     cache, _, indptr, indices, last, idx_list, indptr_list = make_case(
-        seq_lens, heads, kv_heads, 32, dtype, seed=sum(q_lens) + num_splits)
+        seq_lens, heads, kv_heads, 32, dtype, seed=sum(q_lens) + num_splits
+    )
     g = torch.Generator().manual_seed(5)
     q = torch.randn(sum(q_lens), heads, 32, generator=g).to(dtype=dtype, device=DEVICE)
-    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    qo = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
     kv_layer = cache[:, 2]
-    out = paged_decode_attention(q, kv_layer, indptr, indices, last, 0.17, num_splits, block_n=32,
-                                 qo_indptr=qo, num_reqs=len(q_lens), max_q_len=max(q_lens))
+    out = paged_decode_attention(
+        q,
+        kv_layer,
+        indptr,
+        indices,
+        last,
+        0.17,
+        num_splits,
+        block_n=32,
+        qo_indptr=qo,
+        num_reqs=len(q_lens),
+        max_q_len=max(q_lens),
+    )
     ref = reference_multi(q, kv_layer, idx_list, indptr_list, seq_lens, q_lens, 0.17)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     if dtype == torch.float32 and DEVICE.type == "cuda":
@@ -167,10 +195,22 @@ def test_one_query_token_per_request_is_the_decode_case() -> None:
     cache, q, indptr, indices, last, *_ = make_case(seq_lens, 8, 2, 32, torch.float32, seed=3)
     qo = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
     decode = paged_decode_attention(q, cache[:, 0], indptr, indices, last, 0.2, 4, block_n=32)
-    multi = paged_decode_attention(q.contiguous(), cache[:, 0], indptr, indices, last, 0.2, 4,
-                                   block_n=32, qo_indptr=qo, num_reqs=2, max_q_len=1)
+    multi = paged_decode_attention(
+        q.contiguous(),
+        cache[:, 0],
+        indptr,
+        indices,
+        last,
+        0.2,
+        4,
+        block_n=32,
+        qo_indptr=qo,
+        num_reqs=2,
+        max_q_len=1,
+    )
     torch.testing.assert_close(multi, decode, rtol=1e-5, atol=1e-5)
     assert max_query_len(4) == 16 and max_query_len(7) == 9 and max_query_len(16) == 4
     with pytest.raises(ValueError, match="exceed 64 rows"):
-        paged_decode_attention(q, cache[:, 0], indptr, indices, last, 0.2, 1, qo_indptr=qo,
-                               num_reqs=2, max_q_len=17)
+        paged_decode_attention(
+            q, cache[:, 0], indptr, indices, last, 0.2, 1, qo_indptr=qo, num_reqs=2, max_q_len=17
+        )

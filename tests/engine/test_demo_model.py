@@ -40,8 +40,10 @@ def test_created_once_and_deterministic_across_directories(demo_dir, tmp_path) -
     # Two processes race to create it in a fresh directory: one wins, no temp dir is left.
     root = str(tmp_path / "race")
     code = f"from engine.models.demo_model import ensure_demo_model; print(ensure_demo_model({root!r}))"
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == [os.path.join(root, DEMO_SUBDIR)] * 2
@@ -65,13 +67,19 @@ def test_tokenizer_loads_and_round_trips(demo_dir) -> None:
     tok = AutoTokenizer.from_pretrained(demo_dir)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
     assert len(tok) == 512
-    for text in ["Hello world!", "the cache block is 16 tokens\n\ttabs  and  spaces", "~`{}|^ 0123 xyz"]:
+    for text in [
+        "Hello world!",
+        "the cache block is 16 tokens\n\ttabs  and  spaces",
+        "~`{}|^ 0123 xyz",
+    ]:
         ids = tok.encode(text)
         assert ids[0] == tok.bos_token_id
         assert tok.decode(ids, skip_special_tokens=True) == text
     # Learned merges make common words single tokens.
     assert len(tok.encode(" the", add_special_tokens=False)) == 1
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
 
 
@@ -80,12 +88,18 @@ def test_runs_through_the_runner_like_hf(demo_dir) -> None:
 
     tok = AutoTokenizer.from_pretrained(demo_dir)
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "what is a cache block?"}], add_generation_prompt=True,
-        tokenize=True, return_dict=False,
+        [{"role": "user", "content": "what is a cache block?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     assert isinstance(prompt, list) and isinstance(prompt[0], int)
     runner = ModelRunner(EngineConfig(device="cpu", cache=CacheConfig(num_gpu_blocks=8)), demo_dir)
-    assert runner.arch.num_layers == 4 and runner.dtype == torch.float32 and runner.eos_token_ids == (2,)
+    assert (
+        runner.arch.num_layers == 4
+        and runner.dtype == torch.float32
+        and runner.eos_token_ids == (2,)
+    )
     table = [5, 2, 7]
     params = SamplingParams(temperature=0.0)
     seq = list(prompt)
@@ -100,5 +114,7 @@ def test_runs_through_the_runner_like_hf(demo_dir) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0]
     n_prompt = len(prompt)
-    torch.testing.assert_close(torch.stack(rows), ref[n_prompt - 1 : n_prompt + 3], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(rows), ref[n_prompt - 1 : n_prompt + 3], atol=1e-4, rtol=0
+    )
     assert seq[n_prompt:] == ref[n_prompt - 1 : n_prompt + 3].argmax(-1).tolist()

@@ -21,8 +21,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,config", [(37, 300, (8, 128, 4, 3)), (64, 512, None),
-                                        (5, 1024, (4, 256, 4, 2)), (130, 96, (16, 64, 4, 3))])
+@pytest.mark.parametrize(
+    "n,k,config",
+    [
+        (37, 300, (8, 128, 4, 3)),
+        (64, 512, None),
+        (5, 1024, (4, 256, 4, 2)),
+        (130, 96, (16, 64, 4, 3)),
+    ],
+)
 def test_gemv_matches_torch(dtype, n, k, config) -> None:
     g = torch.Generator().manual_seed(n * k)
     x = torch.randn(1, k, generator=g).to(dtype=dtype, device=DEVICE)
@@ -60,4 +67,6 @@ def test_linear_equals_the_layer() -> None:
     for rows in (1, 3):
         x = torch.randn(rows, 48, device=DEVICE)
         torch.testing.assert_close(linear(x, layer), layer(x), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(linear(x, tied_head), x @ tied_head.weight.T, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            linear(x, tied_head), x @ tied_head.weight.T, rtol=1e-4, atol=1e-4
+        )

@@ -78,7 +78,10 @@ def test_the_fingerprint_covers_the_gguf_sha256_in_the_safetensors_header(tmp_pa
         d = tmp_path / digest[0]
         os.makedirs(d)
         (d / "config.json").write_text(json.dumps(DEMO_ARCH))
-        save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"),
-                  metadata={"format": "pt", "kvtier_gguf_sha256": digest})
+        save_file(
+            {"w": torch.zeros(2)},
+            str(d / "model.safetensors"),
+            metadata={"format": "pt", "kvtier_gguf_sha256": digest},
+        )
         fps.append(model_fingerprint(str(d), "float32"))
     assert fps[0] != fps[1]

@@ -23,12 +23,21 @@ from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from tests.engine.hf_models import make_tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 MAX_LEN = 40960
 # head_dim 128 and GQA group 4 (the kernels' real case), 3 layers: a 32K prefill is cheap.
-SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
-             num_hidden_layers=3, max_position_embeddings=MAX_LEN)
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_hidden_layers=3,
+    max_position_embeddings=MAX_LEN,
+)
 NUM_BLOCKS = 2 * MAX_LEN // 16 + 64  # a 32K sequence beside short ones, and the widest table
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -61,15 +70,22 @@ def test_plan_buffers_survive_a_host_that_runs_ahead() -> None:
     from engine.attention.base import AttentionMetadata
     from engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    backend = FlashInferAttentionBackend(32, 8, 128, 128 ** -0.5, small_query="flashinfer")
+    backend = FlashInferAttentionBackend(32, 8, 128, 128**-0.5, small_query="flashinfer")
     backend.bind(torch.bfloat16, torch.device("cuda"))
 
     def meta(q_len: int, kv_len: int) -> AttentionMetadata:
         pages = -(-kv_len // 16)
         i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
-        return AttentionMetadata(i32([0, q_len]), i32([kv_len]), i32([list(range(pages))]),
-                                 torch.zeros(q_len, dtype=torch.int64, device="cuda"), [q_len],
-                                 [kv_len], 16, [list(range(pages))])
+        return AttentionMetadata(
+            i32([0, q_len]),
+            i32([kv_len]),
+            i32([list(range(pages))]),
+            torch.zeros(q_len, dtype=torch.int64, device="cuda"),
+            [q_len],
+            [kv_len],
+            16,
+            [list(range(pages))],
+        )
 
     first, second = meta(2048, 2048), meta(904, 5000)
     assert backend._prefill is not None
@@ -108,7 +124,9 @@ def test_mixed_long_and_short_sequences_equal_eager(model_dir: str) -> None:
     the long ones prefill, then all decode together. The short ones outlast the long ones, so
     every decode-only step has 8 or 6 rows: the same kernel configuration as the size-8 graph."""
     prompts = [ids(1, 32768), ids(2, 9000)] + [ids(10 + i, 40 + 37 * i) for i in range(6)]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in [24, 24] + [160] * 6]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in [24, 24] + [160] * 6
+    ]
 
     def run(**kw) -> list[list[int]]:
         with llm(model_dir, small_query_attention="triton", **kw) as engine:
@@ -133,25 +151,42 @@ def test_first_token_logits_after_32k_match_hf(model_dir: str) -> None:
 
     n = 32768
     tokens = ids(5, n)
-    cfg = EngineConfig(dtype="bfloat16", device="cuda", cache=CacheConfig(num_gpu_blocks=n // 16 + 4),
-                       scheduler=SchedulerConfig(max_model_len=MAX_LEN))
+    cfg = EngineConfig(
+        dtype="bfloat16",
+        device="cuda",
+        cache=CacheConfig(num_gpu_blocks=n // 16 + 4),
+        scheduler=SchedulerConfig(max_model_len=MAX_LEN),
+    )
     runner = ModelRunner(cfg, model_dir)
     table = list(range(n // 16 + 4))[::-1]  # scattered: the highest block ids first
     out = None
     for start in range(0, n, 2048):
         end = min(n, start + 2048)
-        out = runner.execute_model(SchedulerOutput(
-            [ScheduledRequest("r", tokens[start:end], start, table, end == n, GREEDY, 0)], end - start),
-            return_logits=True)
+        out = runner.execute_model(
+            SchedulerOutput(
+                [ScheduledRequest("r", tokens[start:end], start, table, end == n, GREEDY, 0)],
+                end - start,
+            ),
+            return_logits=True,
+        )
     assert out is not None and out.logits is not None
     ours = out.logits["r"].float()
     del runner
     torch.cuda.empty_cache()
     refs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            .cuda()
+            .eval()
+        )
         with torch.inference_mode():
-            refs[dtype] = hf(torch.tensor([tokens], device="cuda"), logits_to_keep=1).logits[0, -1].float().cpu()
+            refs[dtype] = (
+                hf(torch.tensor([tokens], device="cuda"), logits_to_keep=1)
+                .logits[0, -1]
+                .float()
+                .cpu()
+            )
         del hf
         torch.cuda.empty_cache()
     ref = refs[torch.float32]
@@ -201,7 +236,7 @@ def test_decode_kernel_alone_at_long_contexts_eager_and_in_a_graph(context: int)
     kv_layer = cache[:, 1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = decode_config(1, 2, sms)
-    scale = 128 ** -0.5
+    scale = 128**-0.5
     table = torch.zeros(3 + len(order), dtype=torch.int32, device="cuda")
     indptr, last, indices = table[:2], table[2:3], table[3:]
     indices.copy_(torch.tensor(order, dtype=torch.int32))

@@ -56,13 +56,26 @@ def test_concurrent_streaming_clients_get_the_offline_tokens(model_dir: str) -> 
     from engine.llm import LLM
 
     kw = dict(dtype="float32", device="cuda", attention_backend="torch")
-    config = EngineConfig(model=model_dir, cache=CacheConfig(num_gpu_blocks=128),
-                          scheduler=SchedulerConfig(max_model_len=512), **kw)  # type: ignore[arg-type]
-    prompts = ["The cache keeps every block", "Redis holds the blocks", "a b c d e f g",
-               "S3 is slow but large", "one more prompt for the batch"]
+    config = EngineConfig(
+        model=model_dir,
+        cache=CacheConfig(num_gpu_blocks=128),
+        scheduler=SchedulerConfig(max_model_len=512),
+        **kw,
+    )  # type: ignore[arg-type]
+    prompts = [
+        "The cache keeps every block",
+        "Redis holds the blocks",
+        "a b c d e f g",
+        "S3 is slow but large",
+        "one more prompt for the batch",
+    ]
     with LLM(model_dir, num_gpu_blocks=128, max_model_len=512, **kw) as llm:  # type: ignore[arg-type]
-        refs = [o.text for o in llm.generate(
-            prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        refs = [
+            o.text
+            for o in llm.generate(
+                prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            )
+        ]
     with _serve(config) as (base_url, _engine):
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
 
@@ -81,17 +94,24 @@ def test_health_answers_while_a_long_prefill_runs_on_the_gpu(model_dir: str) -> 
     """A 3000-token prompt under a 16-token step budget keeps the core busy for ~190 steps;
     every /health poll meanwhile answers fast (the API process never waits on it)."""
     config = EngineConfig(
-        model=model_dir, dtype="bfloat16", device="cuda", attention_backend="flashinfer",
+        model=model_dir,
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="flashinfer",
         cache=CacheConfig(num_gpu_blocks=512),
-        scheduler=SchedulerConfig(max_model_len=8192, max_num_batched_tokens=16,
-                                  max_num_seqs=4),  # few graphs to capture at start-up
+        scheduler=SchedulerConfig(
+            max_model_len=8192, max_num_batched_tokens=16, max_num_seqs=4
+        ),  # few graphs to capture at start-up
     )
     with _serve(config) as (base_url, engine):
         before = engine.stats()["generation_tokens_total"]
         prompt = [1] + [3 + i % (TOKENIZER_VOCAB_SIZE - 3) for i in range(3000)]
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
-        request = threading.Thread(target=httpx.post, args=(f"{base_url}/v1/completions",),
-                                   kwargs={"json": body, "timeout": 120})
+        request = threading.Thread(
+            target=httpx.post,
+            args=(f"{base_url}/v1/completions",),
+            kwargs={"json": body, "timeout": 120},
+        )
         latencies: list[float] = []
         busy_polls = 0
         with httpx.Client(base_url=base_url, timeout=5) as http:

@@ -118,11 +118,15 @@ def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
     for fused in (False, True):
         runner.model.fused_kernels = fused  # what the runner's switch sets on CUDA
         rid = f"r{fused}"
-        out = runner.execute_model(SchedulerOutput(
-            [ScheduledRequest(rid, prompt, 0, [5, 1], True, greedy)], 21), return_logits=True)
+        out = runner.execute_model(
+            SchedulerOutput([ScheduledRequest(rid, prompt, 0, [5, 1], True, greedy)], 21),
+            return_logits=True,
+        )
         tok = out.sampled_token_ids[rid]
-        dec = runner.execute_model(SchedulerOutput(
-            [ScheduledRequest(rid, [tok], 21, [5, 1], True, greedy, 1)], 1), return_logits=True)
+        dec = runner.execute_model(
+            SchedulerOutput([ScheduledRequest(rid, [tok], 21, [5, 1], True, greedy, 1)], 1),
+            return_logits=True,
+        )
         logits[fused] = (out.logits[rid], dec.logits[rid])
         runner.execute_model(SchedulerOutput([], 0, frozenset({rid})))
     for a, b in zip(logits[False], logits[True], strict=True):
@@ -131,7 +135,9 @@ def test_fused_model_path_matches_the_torch_path(tmp_path, arch: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,dim", [(6, 64), (3, 128), (2, 48)])
-def test_rotary_matches_torch_on_a_strided_qkv_view(dtype: torch.dtype, heads: int, dim: int) -> None:
+def test_rotary_matches_torch_on_a_strided_qkv_view(
+    dtype: torch.dtype, heads: int, dim: int
+) -> None:
     from engine.kernels import rotary
     from engine.models.base import RopeConfig
     from engine.models.layers import RotaryEmbedding
@@ -151,8 +157,9 @@ def test_rotary_matches_torch_on_a_strided_qkv_view(dtype: torch.dtype, heads: i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 32), (6, 2, 48)])
-def test_rotary_and_cache_matches_rotary_plus_write_kv(dtype: torch.dtype, heads: int,
-                                                       kv_heads: int, dim: int) -> None:
+def test_rotary_and_cache_matches_rotary_plus_write_kv(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
     """One kernel = rotary on q and k + the torch path's write_kv into a block-major layer
     view; slots outside the written ones stay untouched."""
     from engine.kernels import rotary_and_cache
@@ -173,7 +180,7 @@ def test_rotary_and_cache_matches_rotary_plus_write_kv(dtype: torch.dtype, heads
     out = rotary_and_cache(qkv, cos, sin, heads, kv_heads, ours.attention_view(1), slots)
     qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     ref_qk = RotaryEmbedding.apply(qk.float(), cos.float(), sin.float())
-    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     write_kv(ref.attention_view(1), slots, ref_qk[:, heads:].to(dtype), v)
     assert out.shape == (tokens, heads + kv_heads, dim) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref_qk, **TOL[dtype])
@@ -202,7 +209,7 @@ def test_copy_layer_from_host_moves_exactly_one_layer_chunk_per_block() -> None:
     for src, row in ((100, 3), (4, 0), (520, 4)):
         for layer in (2, 0):
             lo = layer * chunk
-            expected[row, lo:lo + chunk] = torch.arange(src + lo, src + lo + chunk)
+            expected[row, lo : lo + chunk] = torch.arange(src + lo, src + lo + chunk)
     assert torch.equal(cache.cpu(), expected)
     with pytest.raises(ValueError):
         copy_layer_from_host(slab, src_offsets[:2], cache, dst_rows, 0, chunk)

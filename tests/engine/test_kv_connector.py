@@ -26,8 +26,11 @@ def test_unknown_name_is_one_clear_error():
 
 
 def test_importing_the_engine_side_loads_no_connector():
-    code = ("import sys, engine.kv_connector, engine.sched.scheduler, engine.llm_engine; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'connectors'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import sys, engine.kv_connector, engine.sched.scheduler, engine.llm_engine; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'connectors'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"

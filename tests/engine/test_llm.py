@@ -323,13 +323,14 @@ def test_engine_without_detokenization_gives_token_ids_only(models: dict, llama_
     assert (finals["t"].finish_reason, finals["t"].stop_reason) == ("stop", stop_tok)
 
 
-
 def test_enforce_eager_maps_from_llm_kwargs_and_the_serve_flag(models: dict) -> None:
     import argparse
 
     from engine.server.cli import add_arguments, engine_config_from_args
 
-    llm = LLM(models["llama"][0], num_gpu_blocks=8, dtype="float32", device="cpu", enforce_eager=True)
+    llm = LLM(
+        models["llama"][0], num_gpu_blocks=8, dtype="float32", device="cpu", enforce_eager=True
+    )
     assert llm.config.enforce_eager and llm.engine.runner.cuda_graphs is None
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -338,12 +339,17 @@ def test_enforce_eager_maps_from_llm_kwargs_and_the_serve_flag(models: dict) -> 
     assert not default.enforce_eager
     assert (default.attention_backend, default.graph_decode) == ("auto", "auto")
     assert default.cache.gpu_memory_utilization == 0.9
-    assert engine_config_from_args(parser.parse_args(
-        ["--gpu-memory-utilization", "0.5"])).cache.gpu_memory_utilization == 0.5
+    assert (
+        engine_config_from_args(
+            parser.parse_args(["--gpu-memory-utilization", "0.5"])
+        ).cache.gpu_memory_utilization
+        == 0.5
+    )
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         engine_config_from_args(parser.parse_args(["--gpu-memory-utilization", "1.5"]))
-    picked = engine_config_from_args(parser.parse_args(
-        ["--attention-backend", "flashinfer", "--graph-decode", "flashinfer"]))
+    picked = engine_config_from_args(
+        parser.parse_args(["--attention-backend", "flashinfer", "--graph-decode", "flashinfer"])
+    )
     assert (picked.attention_backend, picked.graph_decode) == ("flashinfer", "flashinfer")
     with pytest.raises(SystemExit):  # argparse refuses an unknown kernel
         parser.parse_args(["--graph-decode", "cuda"])

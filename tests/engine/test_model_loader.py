@@ -21,8 +21,9 @@ from tests.servers import python_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="a CUDA host imports Triton on purpose (the fused kernels)")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA host imports Triton on purpose (the fused kernels)"
+)
 def test_loading_on_cpu_imports_no_triton_and_prints_no_nanobind_leaks(tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path, "llama", seed=1)
     code = (
@@ -33,8 +34,14 @@ def test_loading_on_cpu_imports_no_triton_and_prints_no_nanobind_leaks(tmp_path:
         "llm.generate(['hello'], SamplingParams(max_tokens=2))\n"
         "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=python_env())
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=python_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert "nanobind" not in result.stderr
@@ -53,8 +60,9 @@ def test_weights_equal_the_checkpoint_with_init_switched_off(tmp_path: Path) -> 
     assert layer.weight.abs().sum() > 0 and torch.nn.init.normal_.__name__ == "normal_"
 
 
-def test_progress_logs_each_file_of_a_sharded_model(tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_progress_logs_each_file_of_a_sharded_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     out = tmp_path / "sharded"
     build_tiny_hf_model("llama", seed=2).save_pretrained(str(out), max_shard_size="200KB")
     files = safetensors_files(str(out))
@@ -69,9 +77,9 @@ def test_progress_logs_each_file_of_a_sharded_model(tmp_path: Path,
     assert lines[-1].startswith("loaded ") and f"from {len(files)} file(s) in " in lines[-1]
 
 
-def test_progress_draws_a_bar_on_a_terminal_and_logs_no_lines(tmp_path: Path,
-                                                              caplog: pytest.LogCaptureFixture
-                                                              ) -> None:
+def test_progress_draws_a_bar_on_a_terminal_and_logs_no_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True

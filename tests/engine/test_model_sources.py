@@ -54,8 +54,9 @@ def offline_cache(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatc
     return snapshot
 
 
-def test_a_model_id_resolves_to_its_snapshot_in_the_hf_cache(offline_cache: Path,
-                                                             tmp_path: Path) -> None:
+def test_a_model_id_resolves_to_its_snapshot_in_the_hf_cache(
+    offline_cache: Path, tmp_path: Path
+) -> None:
     assert hub_cache_dir() == str(tmp_path / "hf" / "hub")
     assert is_model_id("tiny-org/tiny-llama") and not is_model_id(str(offline_cache))
     assert resolve_model_dir("tiny-org/tiny-llama") == str(offline_cache)
@@ -65,31 +66,38 @@ def test_a_model_id_resolves_to_its_snapshot_in_the_hf_cache(offline_cache: Path
     assert checked.model_info["architecture"] == "LlamaForCausalLM"
 
 
-def test_a_model_id_nothing_provides_is_one_line_naming_the_cache(offline_cache: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_model_id_nothing_provides_is_one_line_naming_the_cache(
+    offline_cache: Path, tmp_path: Path
+) -> None:
     with pytest.raises(FileNotFoundError) as info:
         resolve_model_dir("tiny-org/absent")
     message = str(info.value)
-    assert message == (f"model tiny-org/absent: no such directory, and not in the Hugging Face "
-                       f"cache {tmp_path / 'hf' / 'hub'} (HF_HUB_OFFLINE is set: nothing "
-                       "downloaded)")
+    assert message == (
+        f"model tiny-org/absent: no such directory, and not in the Hugging Face "
+        f"cache {tmp_path / 'hf' / 'hub'} (HF_HUB_OFFLINE is set: nothing "
+        "downloaded)"
+    )
     with pytest.raises(UsageError, match="^model tiny-org/absent: no such directory, and not"):
         preflight(EngineConfig(model="tiny-org/absent"))
 
 
-def test_an_unknown_architecture_names_the_supported_ones(tmp_path: Path, model_dir: str
-                                                          ) -> None:
+def test_an_unknown_architecture_names_the_supported_ones(tmp_path: Path, model_dir: str) -> None:
     other = tmp_path / "gpt2"
     shutil.copytree(model_dir, other)
     config = json.loads((other / "config.json").read_text())
-    config = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2,
-              "vocab_size": config["vocab_size"]}  # GPT-2's own field names
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "n_embd": 64,
+        "n_layer": 2,
+        "vocab_size": config["vocab_size"],
+    }  # GPT-2's own field names
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError) as info:
         preflight(EngineConfig(model=str(other)))
     supported = ", ".join(supported_architectures())
-    assert str(info.value) == (f"model {other}: unsupported architecture 'GPT2LMHeadModel'; "
-                               f"supported: {supported}")
+    assert str(info.value) == (
+        f"model {other}: unsupported architecture 'GPT2LMHeadModel'; supported: {supported}"
+    )
     from engine.models.loader import load_model
 
     with pytest.raises(ValueError, match=f"supported: {supported}$"):
@@ -122,10 +130,11 @@ def test_a_gguf_is_converted_in_the_serving_dtype(tmp_path: Path) -> None:
         gguf.ensure_converted(str(src), str(cache), "int8")
 
 
-def _config(max_model_len: int | None = None, num_gpu_blocks: int | None = None
-            ) -> EngineConfig:
-    return EngineConfig(cache=CacheConfig(num_gpu_blocks=num_gpu_blocks),
-                        scheduler=SchedulerConfig(max_model_len=max_model_len))
+def _config(max_model_len: int | None = None, num_gpu_blocks: int | None = None) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(num_gpu_blocks=num_gpu_blocks),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
+    )
 
 
 def test_max_model_len_longer_than_the_pool_is_an_error_saying_what_to_change() -> None:
@@ -136,28 +145,33 @@ def test_max_model_len_longer_than_the_pool_is_an_error_saying_what_to_change() 
         "max_model_len 8192 (the model's context length (config.json)) needs 512 KV blocks, "
         "but the KV cache holds 364 blocks (5824 tokens): pass --max-model-len 5824 or less, "
         "or give the KV cache more memory (--gpu-memory-utilization (GPU) or "
-        "--cpu-kv-cache-bytes (CPU))")
-    with pytest.raises(ValueError, match=r"^max_model_len 4096 \(--max-model-len\) needs 256 "
-                                         r"KV blocks.*\(--num-gpu-blocks\)$"):
+        "--cpu-kv-cache-bytes (CPU))"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^max_model_len 4096 \(--max-model-len\) needs 256 "
+        r"KV blocks.*\(--num-gpu-blocks\)$",
+    ):
         check_max_model_len(_config(4096, 40), 4096, 40)
 
 
 def test_a_fixed_pool_under_a_derived_length_cuts_with_a_warning(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level("WARNING", logger="engine.llm_engine"):
         assert check_max_model_len(_config(num_gpu_blocks=40), 4096, 40) == 640
     assert "max_model_len cut from 4096 (the model's context length) to 640" in caplog.text
 
 
 def test_the_engine_refuses_a_pool_too_small_and_the_default_holds_the_context(
-        model_dir: str) -> None:
+    model_dir: str,
+) -> None:
     from engine.llm import LLM
 
     per_block = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head_dim x 16 x fp32
     with pytest.raises(ValueError, match=r"^max_model_len 512 .* pass --max-model-len 256 or"):
         LLM(model_dir, device="cpu", cpu_kv_cache_bytes=16 * per_block)
-    with LLM(model_dir, device="cpu", cpu_kv_cache_bytes=16 * per_block, max_model_len=256
-             ) as llm:
+    with LLM(model_dir, device="cpu", cpu_kv_cache_bytes=16 * per_block, max_model_len=256) as llm:
         assert llm.engine.max_model_len == 256
     with LLM(model_dir, device="cpu") as llm:  # default pool: 256 MiB, the context fits
         assert llm.engine.max_model_len == 512
@@ -169,18 +183,39 @@ def test_kvtier_serve_a_model_id_offline(offline_cache: Path, tmp_path: Path) ->
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "tiny-org/tiny-llama", "--port",
-           str(port), "--device", "cpu", "--num-gpu-blocks", "32", "--engine-num-threads", "1"]
-    env = python_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
-                     KVTIER_CACHE_DIR=str(tmp_path / "kv"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "tiny-org/tiny-llama",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "32",
+        "--engine-num-threads",
+        "1",
+    ]
+    env = python_env(
+        HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", KVTIER_CACHE_DIR=str(tmp_path / "kv")
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", proc, 120)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["tiny-org/tiny-llama"]
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
-            "model": "tiny-org/tiny-llama", "prompt": "hello", "max_tokens": 3,
-            "temperature": 0}, timeout=60).json()
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={
+                "model": "tiny-org/tiny-llama",
+                "prompt": "hello",
+                "max_tokens": 3,
+                "temperature": 0,
+            },
+            timeout=60,
+        ).json()
         assert reply["usage"]["completion_tokens"] == 3
     finally:
         proc.terminate()

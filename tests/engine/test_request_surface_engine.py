@@ -57,9 +57,14 @@ def test_token_logprobs_are_log_softmax_with_stable_top_k() -> None:
 
 
 def test_sampling_params_validate_the_new_fields() -> None:
-    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
-                {"repetition_penalty": 0.0}, {"logprobs": 21}, {"prompt_logprobs": -1},
-                {"json_schema": "{}", "json_object": True}):
+    for bad in (
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": float("nan")},
+        {"repetition_penalty": 0.0},
+        {"logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"json_schema": "{}", "json_object": True},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
     assert SamplingParams(frequency_penalty=0.1).needs_history
@@ -68,37 +73,61 @@ def test_sampling_params_validate_the_new_fields() -> None:
 
 def test_new_output_fields_cross_the_wire() -> None:
     entry = TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.25)))
-    out = CoreOutput("r", [7], False, None, None, 16, 1.0, 1.0, None, None,
-                     num_cached_tokens_by_tier={"gpu": 16}, prompt_logprobs=[None, entry.to_plain()],
-                     new_logprobs=[entry.to_plain()])
+    out = CoreOutput(
+        "r",
+        [7],
+        False,
+        None,
+        None,
+        16,
+        1.0,
+        1.0,
+        None,
+        None,
+        num_cached_tokens_by_tier={"gpu": 16},
+        prompt_logprobs=[None, entry.to_plain()],
+        new_logprobs=[entry.to_plain()],
+    )
     back = decode_event(encode_event(StepOutputs([out], {})))
     got = back.outputs[0]  # type: ignore[union-attr]
     assert got.num_cached_tokens_by_tier == {"gpu": 16}
     assert TokenLogprob.from_plain(got.new_logprobs[0]) == entry
     assert got.prompt_logprobs[0] is None
-    assert decode_event(encode_event(StepOutputs([CoreOutput("r", [1], False, None, None, 0,
-                                                             None, None, None)], {})))
+    assert decode_event(
+        encode_event(
+            StepOutputs([CoreOutput("r", [1], False, None, None, 0, None, None, None)], {})
+        )
+    )
 
 
 def test_response_format_without_xgrammar_is_a_400(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.server.protocol import ChatCompletionRequest, ProtocolError
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
-    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                                    response_format={"type": "json_object"})
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
+    )
     with pytest.raises(ProtocolError) as info:
         request.check_supported()
     assert info.value.param == "response_format" and "kvtier[structured]" in str(info.value)
-    ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
-                          response_format={"type": "text"}).check_supported()
+    ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], response_format={"type": "text"}
+    ).check_supported()
 
 
 @pytest.fixture(scope="module")
 def offload_llm(tmp_path_factory: pytest.TempPathFactory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("surface"), "qwen2", seed=3)
     config = {"decision": "load", "tiers": [{"kind": "host", "capacity": "4MiB"}]}
-    with LLM(model_dir, num_gpu_blocks=8, max_num_seqs=2, dtype="float32", device="cpu",
-             kv_offload=True, kv_offload_config=config) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=8,
+        max_num_seqs=2,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=config,
+    ) as llm:
         yield llm
 
 

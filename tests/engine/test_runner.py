@@ -39,7 +39,9 @@ def setup(request, tmp_path_factory) -> tuple[str, Ref]:
 
 def make_runner(model_dir: str, num_blocks: int = 16, **kw) -> ModelRunner:
     return ModelRunner(
-        EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=num_blocks), **kw),
+        EngineConfig(
+            dtype="float32", device="cpu", cache=CacheConfig(num_gpu_blocks=num_blocks), **kw
+        ),
         model_dir,
     )
 
@@ -48,14 +50,22 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def req(rid: str, tokens: list[int], start: int, table: list[int], sample: bool = True,
-        n_out: int = 0, sampling: SamplingParams = GREEDY) -> ScheduledRequest:
+def req(
+    rid: str,
+    tokens: list[int],
+    start: int,
+    table: list[int],
+    sample: bool = True,
+    n_out: int = 0,
+    sampling: SamplingParams = GREEDY,
+) -> ScheduledRequest:
     return ScheduledRequest(rid, tokens, start, table, sample, sampling, n_out)
 
 
 def step(runner: ModelRunner, *reqs: ScheduledRequest, finished: frozenset[str] = frozenset()):
     return runner.execute_model(
-        SchedulerOutput(list(reqs), sum(len(r.token_ids) for r in reqs), finished), return_logits=True
+        SchedulerOutput(list(reqs), sum(len(r.token_ids) for r in reqs), finished),
+        return_logits=True,
     )
 
 
@@ -99,21 +109,33 @@ def test_mixed_prefill_chunk_and_decodes_in_one_batch(setup) -> None:
     seqs["d"] = d_prompt[:18]
     record(step(runner, req("b", seqs["b"], 0, tables["b"]), req("c", seqs["c"], 0, tables["c"])))
     # b and c decode while d's first prefill chunk (no sample) runs in the same batch.
-    out = step(runner, req("b", seqs["b"][-1:], 20, tables["b"], n_out=1),
-               req("d", d_prompt[:18], 0, tables["d"], sample=False),
-               req("c", seqs["c"][-1:], 16, tables["c"], n_out=1))
+    out = step(
+        runner,
+        req("b", seqs["b"][-1:], 20, tables["b"], n_out=1),
+        req("d", d_prompt[:18], 0, tables["d"], sample=False),
+        req("c", seqs["c"][-1:], 16, tables["c"], n_out=1),
+    )
     assert sorted(out.sampled_token_ids) == ["b", "c"]
     record(out)
     seqs["d"] = d_prompt
-    record(step(runner, req("c", seqs["c"][-1:], 17, tables["c"], n_out=2),
-                req("d", d_prompt[18:], 18, tables["d"]),
-                req("b", seqs["b"][-1:], 21, tables["b"], n_out=2)))
+    record(
+        step(
+            runner,
+            req("c", seqs["c"][-1:], 17, tables["c"], n_out=2),
+            req("d", d_prompt[18:], 18, tables["d"]),
+            req("b", seqs["b"][-1:], 21, tables["b"], n_out=2),
+        )
+    )
     for rid in seqs:
         full = ref.logits(seqs[rid])
         assert got[rid], rid
         for pos, row in got[rid].items():
             torch.testing.assert_close(row, full[pos], atol=ATOL, rtol=0)
-    assert {k: sorted(v) for k, v in got.items()} == {"b": [19, 20, 21], "c": [15, 16, 17], "d": [29]}
+    assert {k: sorted(v) for k, v in got.items()} == {
+        "b": [19, 20, 21],
+        "c": [15, 16, 17],
+        "d": [29],
+    }
 
 
 def test_prefix_reuse_and_block_moves_through_gather_scatter(setup) -> None:
@@ -128,13 +150,22 @@ def test_prefix_reuse_and_block_moves_through_gather_scatter(setup) -> None:
     # Offload round trip: copy q's blocks out, wipe them, write them into other ids, continue.
     kv = runner.kv_cache
     saved = kv.gather_blocks([4, 6, 9])
-    assert saved.shape == (3, runner.arch.num_layers, 2, 16, runner.arch.num_kv_heads, runner.arch.head_dim)
+    assert saved.shape == (
+        3,
+        runner.arch.num_layers,
+        2,
+        16,
+        runner.arch.num_kv_heads,
+        runner.arch.head_dim,
+    )
     assert saved.is_contiguous() and saved[0].numel() * saved.element_size() == kv.bytes_per_block
     kv.scatter_blocks([4, 6, 9], torch.zeros_like(saved))
     kv.scatter_blocks([15, 0, 3], saved)
     nxt = out.sampled_token_ids["q"]
     out = step(runner, req("q", [nxt], 35, [15, 0, 3], n_out=1))
-    torch.testing.assert_close(out.logits["q"], ref.logits(shared + tail + [nxt])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        out.logits["q"], ref.logits(shared + tail + [nxt])[-1], atol=ATOL, rtol=0
+    )
 
 
 def test_layer_view_is_a_strided_view_of_one_block_major_tensor(tmp_path) -> None:
@@ -162,8 +193,14 @@ def test_runner_properties_and_cache_sizing(tmp_path) -> None:
     assert runner.eos_token_ids == (2,)
     assert runner.model_fingerprint.startswith("LlamaForCausalLM-")
     assert runner.attention_backend_name == "torch"
-    short = ModelRunner(EngineConfig(device="cpu", scheduler=SchedulerConfig(max_model_len=40),
-                                     cache=CacheConfig(num_gpu_blocks=4)), model_dir)
+    short = ModelRunner(
+        EngineConfig(
+            device="cpu",
+            scheduler=SchedulerConfig(max_model_len=40),
+            cache=CacheConfig(num_gpu_blocks=4),
+        ),
+        model_dir,
+    )
     assert short.max_model_len == 40
     with pytest.raises(ValueError, match="exceed max_model_len 40"):
         step(short, req("x", list(range(41)), 0, [0, 1, 2]))

@@ -22,7 +22,9 @@ def test_greedy_is_argmax_and_top_k1_equals_greedy() -> None:
     assert Sampler(0)(logits, greedy) == expected
     top1 = [SampleRequest(SamplingParams(temperature=1.5, top_k=1), n) for n in range(6)]
     assert Sampler(1)(logits, top1) == expected
-    top1_seeded = [SampleRequest(SamplingParams(temperature=0.7, top_k=1, seed=9), n) for n in range(6)]
+    top1_seeded = [
+        SampleRequest(SamplingParams(temperature=0.7, top_k=1, seed=9), n) for n in range(6)
+    ]
     assert Sampler(2)(logits, top1_seeded) == expected
 
 
@@ -40,7 +42,9 @@ def test_top_p_keeps_the_minimal_nucleus() -> None:
 
 def test_top_k_keeps_k_most_likely() -> None:
     row = logits_from_probs([0.1, 0.2, 0.3, 0.4]).unsqueeze(0)
-    seen = {Sampler(0)(row, [SampleRequest(SamplingParams(top_k=2, seed=s), 0)])[0] for s in range(300)}
+    seen = {
+        Sampler(0)(row, [SampleRequest(SamplingParams(top_k=2, seed=s), 0)])[0] for s in range(300)
+    }
     assert seen == {2, 3}
 
 

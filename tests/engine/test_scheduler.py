@@ -113,8 +113,9 @@ def test_chunked_prefill_splits_under_the_token_budget() -> None:
     assert [s.num_batched_tokens for s in steps] == [32, 32, 32, 25, 1, 1]
 
 
-def _first_token_steps(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, Request],
-                       max_steps: int = 100) -> tuple[dict[str, int], list[SchedulerOutput]]:
+def _first_token_steps(
+    sched: Scheduler, runner: FakeRunner, arrivals: dict[int, Request], max_steps: int = 100
+) -> tuple[dict[str, int], list[SchedulerOutput]]:
     """Steps (1-based) until every request is done, adding ``arrivals[k]`` before step k;
     returns the step of each request's first token, and the steps."""
     first: dict[str, int] = {}
@@ -138,8 +139,13 @@ def test_a_later_rounds_short_prefill_is_not_queued_behind_a_long_one() -> None:
     # prompt's last chunk); it gets its chunk, and its first token, in step 2.
     sched, runner = make(num_blocks=64, budget=64)
     first, steps = _first_token_steps(
-        sched, runner, {1: req("long", prompt(600), max_tokens=2),
-                        2: req("short", prompt(12, base=7), max_tokens=2)})
+        sched,
+        runner,
+        {
+            1: req("long", prompt(600), max_tokens=2),
+            2: req("short", prompt(12, base=7), max_tokens=2),
+        },
+    )
     assert first["short"] == 2
     assert slices(steps[1]) == [("long", 64, 52, False), ("short", 0, 12, True)]
     # The long prompt loses only the short one's 12 tokens: the reserve's rest came back.
@@ -150,8 +156,13 @@ def test_a_later_rounds_short_prefill_is_not_queued_behind_a_long_one() -> None:
 def test_decodes_are_not_starved_by_a_running_long_prefill() -> None:
     sched, runner = make(num_blocks=64, budget=32)
     first, steps = _first_token_steps(
-        sched, runner, {1: req("long", prompt(200), max_tokens=1),
-                        2: req("chat", prompt(4, base=3), max_tokens=4)})
+        sched,
+        runner,
+        {
+            1: req("long", prompt(200), max_tokens=1),
+            2: req("chat", prompt(4, base=3), max_tokens=4),
+        },
+    )
     assert first["chat"] == 2
     # Admitted behind the long prefill, the decode still gets its token every step.
     assert [any(r == "chat" for r, *_ in slices(s)) for s in steps[1:5]] == [True] * 4
@@ -165,7 +176,10 @@ def test_an_unused_reserve_goes_back_to_the_running_prefill() -> None:
     sched.add_request(req("b", prompt(8, base=2), max_tokens=1))
     _, steps = run_all(sched, runner)
     assert [slices(s) for s in steps[:3]] == [
-        [("a", 0, 32, False)], [("a", 32, 32, False)], [("a", 64, 32, True)]]
+        [("a", 0, 32, False)],
+        [("a", 32, 32, False)],
+        [("a", 64, 32, True)],
+    ]
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
@@ -403,8 +417,9 @@ class InStepConnector(FakeConnector):
         num_gpu_hit_tokens: int,
         num_external_tokens: int,
     ) -> None:
-        super().update_state_after_alloc(request, block_ids, num_gpu_hit_tokens,
-                                         num_external_tokens)
+        super().update_state_after_alloc(
+            request, block_ids, num_gpu_hit_tokens, num_external_tokens
+        )
         self.pending.clear()  # nothing to wait for: the tokens count as computed now
 
 
@@ -607,24 +622,28 @@ def test_loading_requests_give_their_blocks_to_running_work() -> None:
     assert sched.stats.num_released_loads_total >= 1 and conn.finished[:2] == ["a", "b"]
 
 
-def _make_with(config: SchedulerConfig, num_blocks: int, connector: SchedulerConnector | None = None
-               ) -> tuple[Scheduler, FakeRunner]:
+def _make_with(
+    config: SchedulerConfig, num_blocks: int, connector: SchedulerConnector | None = None
+) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(BlockPool(num_blocks), Namespace(model_fingerprint="fake"))
     sched = Scheduler(config, kv, max_model_len=1024, connector=connector, debug=True)
     return sched, FakeRunner(sched)
 
 
 def test_a_short_first_token_step_defers_the_long_chunks_and_changes_no_output() -> None:
-    """"long" (600 tokens) is prefilling 256 tokens a step when "short" (40 tokens) arrives:
+    """ "long" (600 tokens) is prefilling 256 tokens a step when "short" (40 tokens) arrives:
     the step that yields short's first token carries 40 + 24 prefill tokens (the cap, 64), not
     40 + 216; long goes on in full chunks afterwards. Outputs equal those without the cap."""
     outputs = []
     for cap in (64, 0):
-        config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
-                                 first_token_step_tokens=cap)
+        config = SchedulerConfig(
+            max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
+        )
         sched, runner = _make_with(config, 64)
-        long, short = req("long", prompt(600), max_tokens=3), req("short", prompt(40, base=7),
-                                                                      max_tokens=3)
+        long, short = (
+            req("long", prompt(600), max_tokens=3),
+            req("short", prompt(40, base=7), max_tokens=3),
+        )
         first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
         step = steps[first["short"] - 1]
         sizes = {s.req_id: len(s.token_ids) for s in step.requests}

@@ -361,10 +361,17 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
     nothing, so they are served (and answer as the plain request does)."""
     plain = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     want = httpx.post(f"{server.base_url}/v1/chat/completions", json=plain, timeout=60).json()
-    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
-    for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none", "tools": []},
-                  {"messages": parts}):
-        got = httpx.post(f"{server.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60)
+    parts = [
+        {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES
+    ]
+    for extra in (
+        {"response_format": {"type": "text"}},
+        {"tool_choice": "none", "tools": []},
+        {"messages": parts},
+    ):
+        got = httpx.post(
+            f"{server.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60
+        )
         assert got.status_code == 200, (extra, got.text)
         assert got.json()["choices"][0]["message"] == want["choices"][0]["message"], extra
 
@@ -372,25 +379,36 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
 def test_api_key_cors_version_and_model_card(server: Server) -> None:
     """``--api-key``: /v1/* needs the bearer key (401 otherwise, OpenAI-shaped), probes stay
     open; ``--allowed-origins``: CORS answers for that origin only."""
-    with run_server(server.engine, MODEL, api_key="sk-test-123",
-             allowed_origins=("https://app.example",)) as base:
+    with run_server(
+        server.engine, MODEL, api_key="sk-test-123", allowed_origins=("https://app.example",)
+    ) as base:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
         no_key = httpx.post(f"{base}/v1/completions", json=body)
-        assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+        assert (
+            no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+        )
         wrong = httpx.get(f"{base}/v1/models", headers={"authorization": "Bearer sk-nope"})
         assert wrong.status_code == 401
-        ok = httpx.post(f"{base}/v1/completions", json=body,
-                        headers={"authorization": "Bearer sk-test-123"}, timeout=60)
+        ok = httpx.post(
+            f"{base}/v1/completions",
+            json=body,
+            headers={"authorization": "Bearer sk-test-123"},
+            timeout=60,
+        )
         assert ok.status_code == 200
         assert openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-123").models.list().data
         assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
         assert httpx.get(f"{base}/version").json()["version"]
-        pre = httpx.options(f"{base}/v1/completions", headers={
-            "origin": "https://app.example", "access-control-request-method": "POST"})
+        pre = httpx.options(
+            f"{base}/v1/completions",
+            headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+        )
         assert pre.status_code == 200
         assert pre.headers["access-control-allow-origin"] == "https://app.example"
-        other = httpx.options(f"{base}/v1/completions", headers={
-            "origin": "https://evil.example", "access-control-request-method": "POST"})
+        other = httpx.options(
+            f"{base}/v1/completions",
+            headers={"origin": "https://evil.example", "access-control-request-method": "POST"},
+        )
         assert "access-control-allow-origin" not in other.headers
     card = httpx.get(f"{server.base_url}/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["max_model_len"] == MAX_MODEL_LEN
@@ -435,8 +453,9 @@ def test_invalid_unicode_and_huge_integers_are_400(
     import json
 
     content = json.dumps(body)  # ensure_ascii: the surrogate goes as a \\u escape
-    resp = httpx.post(f"{server.base_url}{path}", content=content,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{server.base_url}{path}", content=content, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
@@ -455,12 +474,19 @@ def test_invalid_unicode_and_huge_integers_are_400(
 def test_invalid_json_body_is_a_clear_400_naming_no_field(
     server: Server, content: bytes, message: str
 ) -> None:
-    resp = httpx.post(f"{server.base_url}/v1/completions", content=content,
-                      headers={"content-type": "application/json"})
+    resp = httpx.post(
+        f"{server.base_url}/v1/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error == {"message": message, "type": "invalid_request_error", "param": None,
-                     "code": None}
+    assert error == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
 
 
 def test_body_cap_and_length_bound_before_tokenization(server: Server) -> None:

@@ -157,5 +157,7 @@ def test_tokenizer_directory_problems_are_named(tmp_path: Path) -> None:
     assert tokenizer_dir_problem(str(tmp_path)).startswith("no tokenizer files there")
     save_demo_tokenizer(str(tmp_path))
     assert tokenizer_dir_problem(str(tmp_path)) is None
-    with pytest.raises(ValueError, match="cannot load a tokenizer from .*absent.*no such directory"):
+    with pytest.raises(
+        ValueError, match="cannot load a tokenizer from .*absent.*no such directory"
+    ):
         load_tokenizer(str(tmp_path / "absent"))

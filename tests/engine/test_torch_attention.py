@@ -13,7 +13,9 @@ from engine.attention.torch_backend import TorchAttentionBackend
 BS = 16
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [q_len, H, D] at the last q_len positions of keys/vals [seq, Hkv, D], float64."""
     q_len, heads, _ = q.shape
     seq, kv_heads, _ = keys.shape
@@ -36,7 +38,7 @@ def test_sdpa_backend_matches_softmax_attention(heads: int, kv_heads: int) -> No
     tables, used = [], 0
     for _, seq in shapes:
         n = -(-seq // BS)
-        tables.append(order[used:used + n])
+        tables.append(order[used : used + n])
         used += n
     width = max(len(t) for t in tables)
     q = torch.randn(sum(ql for ql, _ in shapes), heads, dim, generator=g)
@@ -45,10 +47,12 @@ def test_sdpa_backend_matches_softmax_attention(heads: int, kv_heads: int) -> No
         seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
-        query_lens_cpu=[ql for ql, _ in shapes], seq_lens_cpu=[s for _, s in shapes], block_size=BS,
+        query_lens_cpu=[ql for ql, _ in shapes],
+        seq_lens_cpu=[s for _, s in shapes],
+        block_size=BS,
         block_tables_cpu=tables,
     )
-    backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
+    backend = TorchAttentionBackend(heads, kv_heads, dim, dim**-0.5)
     backend.plan(meta)
     out = backend.forward(0, q, q[:, :kv_heads], q[:, :kv_heads], kv_layer, kv_written=True)
     start = 0
@@ -56,8 +60,8 @@ def test_sdpa_backend_matches_softmax_attention(heads: int, kv_heads: int) -> No
         kv = kv_layer[torch.tensor(table)]
         keys = kv[:, 0].reshape(-1, kv_heads, dim)[:seq]
         vals = kv[:, 1].reshape(-1, kv_heads, dim)[:seq]
-        want = reference(q[start:start + q_len], keys, vals, dim ** -0.5).float()
-        got = out[start:start + q_len].view(q_len, heads, dim)
+        want = reference(q[start : start + q_len], keys, vals, dim**-0.5).float()
+        got = out[start : start + q_len].view(q_len, heads, dim)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         start += q_len
 
@@ -74,7 +78,7 @@ def test_decode_batch_in_one_call_matches_per_request_attention(heads: int, kv_h
     tables, used = [], 0
     for seq in seqs:
         n = -(-seq // BS)
-        tables.append(order[used:used + n])
+        tables.append(order[used : used + n])
         used += n
     width = max(len(t) for t in tables)
     slots = [t[(s - 1) // BS] * BS + (s - 1) % BS for t, s in zip(tables, seqs, strict=True)]
@@ -86,9 +90,12 @@ def test_decode_batch_in_one_call_matches_per_request_attention(heads: int, kv_h
         seq_lens=torch.tensor(seqs, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_lens_cpu=[1] * len(seqs), seq_lens_cpu=seqs, block_size=BS, block_tables_cpu=tables,
+        query_lens_cpu=[1] * len(seqs),
+        seq_lens_cpu=seqs,
+        block_size=BS,
+        block_tables_cpu=tables,
     )
-    backend = TorchAttentionBackend(heads, kv_heads, dim, dim ** -0.5)
+    backend = TorchAttentionBackend(heads, kv_heads, dim, dim**-0.5)
     backend.plan(meta)
     out = backend.forward(0, q, k, v, kv_layer)
     for i, (seq, table) in enumerate(zip(seqs, tables, strict=True)):
@@ -98,5 +105,5 @@ def test_decode_batch_in_one_call_matches_per_request_attention(heads: int, kv_h
         kv = kv_layer[torch.tensor(table)]
         keys = kv[:, 0].reshape(-1, kv_heads, dim)[:seq]
         vals = kv[:, 1].reshape(-1, kv_heads, dim)[:seq]
-        want = reference(q[i:i + 1], keys, vals, dim ** -0.5).float()
+        want = reference(q[i : i + 1], keys, vals, dim**-0.5).float()
         torch.testing.assert_close(out[i].view(1, heads, dim), want, rtol=1e-5, atol=1e-5)

@@ -27,17 +27,21 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _generate(model_dir: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
-    with LLM(model_dir, num_gpu_blocks=48, dtype="float32", device="cpu",
-             tensor_parallel_size=tp) as llm:
+    with LLM(
+        model_dir, num_gpu_blocks=48, dtype="float32", device="cpu", tensor_parallel_size=tp
+    ) as llm:
         return [list(o.token_ids) for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}),
-    ("qwen2", {}),  # q/k/v biases, split with their heads
-    ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases: added once
-    ("qwen3", {}),  # per-head q/k norms, replicated
-])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # q/k/v biases, split with their heads
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases: added once
+        ("qwen3", {}),  # per-head q/k norms, replicated
+    ],
+)
 def test_tp2_greedy_equals_tp1(tmp_path, arch: str, overrides: dict) -> None:
     model_dir = make_tiny_model(tmp_path, arch, seed=4, **overrides)
     prompts = _prompts(1)
@@ -56,9 +60,17 @@ def test_tp_size_must_divide_the_heads(tmp_path) -> None:
 
 
 def test_local_arch_divides_heads_and_mlp() -> None:
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
-           "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 8,
-           "num_key_value_heads": 4, "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32,
+        "rms_norm_eps": 1e-6,
+    }
     arch = ModelArchConfig.from_hf(cfg)
     mine = local_arch(arch, TPShard(1, 4))
     assert (mine.num_heads, mine.num_kv_heads, mine.intermediate_size) == (2, 1, 32)
@@ -85,30 +97,42 @@ def test_tp2_penalties_logprobs_and_seeded_sampling_match_tp1(tmp_path) -> None:
     at TP=1 (the other ranks never see the sampling parameters)."""
     model_dir = make_tiny_model(tmp_path, "qwen2", seed=2)
     params = [
-        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                       frequency_penalty=0.5, logprobs=2, prompt_logprobs=1),
+        SamplingParams(
+            max_tokens=8,
+            temperature=0.0,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            logprobs=2,
+            prompt_logprobs=1,
+        ),
         SamplingParams(max_tokens=8, temperature=0.7, seed=11, ignore_eos=True),
     ]
     prompts = _prompts(5)[:2]
     outs = {}
     for tp in (1, 2):
-        with LLM(model_dir, num_gpu_blocks=32, dtype="float32", device="cpu",
-                 tensor_parallel_size=tp) as llm:
+        with LLM(
+            model_dir, num_gpu_blocks=32, dtype="float32", device="cpu", tensor_parallel_size=tp
+        ) as llm:
             outs[tp] = llm.generate(prompts, params)
     for one, two in zip(outs[1], outs[2], strict=True):
         assert two.token_ids == one.token_ids
     a, b = outs[1][0], outs[2][0]
-    assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
+    assert [e.logprob for e in b.logprobs] == pytest.approx(
+        [e.logprob for e in a.logprobs], abs=1e-4
+    )
     assert [e.logprob for e in b.prompt_logprobs[1:]] == pytest.approx(
-        [e.logprob for e in a.prompt_logprobs[1:]], abs=1e-4)
+        [e.logprob for e in a.prompt_logprobs[1:]], abs=1e-4
+    )
 
 
 def test_a_refused_step_leaves_the_ranks_in_step(tmp_path) -> None:
     from engine.core_types import ScheduledRequest, SchedulerOutput
 
     model_dir = make_tiny_model(tmp_path, "llama", seed=1)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu",
-             tensor_parallel_size=2) as llm:
+    with LLM(
+        model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", tensor_parallel_size=2
+    ) as llm:
         bad = SchedulerOutput([ScheduledRequest("x", [1, 2], 0, [99], True, GREEDY)], 2)
         with pytest.raises(ValueError, match="block id outside"):
             llm.engine.runner.execute_model(bad)

@@ -41,8 +41,15 @@ _ADDITIVE = [p for p in ENGINE_PHASES if p not in SUB_PHASES]
 
 
 def test_breakdown_of_a_timeline_adds_up() -> None:
-    t = RequestTimes(added=10.002, admitted=10.010, ready=10.030, hash_s=0.001,
-                     lookup_s=0.002, decide_s=0.0005, api={"api_template": 0.0001})
+    t = RequestTimes(
+        added=10.002,
+        admitted=10.010,
+        ready=10.030,
+        hash_s=0.001,
+        lookup_s=0.002,
+        decide_s=0.0005,
+        api={"api_template": 0.0001},
+    )
     t.on_step(10.031, 10.041)  # two chunks, a gap between them
     t.on_step(10.045, 10.055)
     b = t.breakdown(arrival=10.0, first_token=10.056)
@@ -99,8 +106,14 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
     from engine.llm import LLM
 
     log = tmp_path / "requests.jsonl"
-    llm = LLM(model_dir, device="cpu", num_gpu_blocks=64, max_model_len=256,
-              max_num_batched_tokens=32, request_log=str(log))
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        num_gpu_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        request_log=str(log),
+    )
     prompts = [list(range(3, 3 + 100)), list(range(5, 5 + 20))]
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     llm.engine.close()
@@ -122,8 +135,9 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
 
 
 @pytest.mark.parametrize("in_step", [True, False])
-def test_a_host_reload_shows_its_load_and_the_phases_add_up(model_dir: str, tmp_path: Path,
-                                                             in_step: bool) -> None:
+def test_a_host_reload_shows_its_load_and_the_phases_add_up(
+    model_dir: str, tmp_path: Path, in_step: bool
+) -> None:
     """A prefix reloaded from a real host tier through ``LLM``: the worker's measured copy
     time reaches the log as ``load_copy`` and ``load`` holds it (an in-step load's copy is taken
     out of ``prefill_compute``); the additive phases sum to the engine-side TTFT (within 5%,
@@ -131,15 +145,26 @@ def test_a_host_reload_shows_its_load_and_the_phases_add_up(model_dir: str, tmp_
     from engine.llm import LLM
 
     log = tmp_path / "requests.jsonl"
-    offload = {"decision": "load", "calibrate": False, "in_step_host_loads": in_step,
-               "tiers": [{"kind": "host", "capacity": "32MiB"}]}
+    offload = {
+        "decision": "load",
+        "calibrate": False,
+        "in_step_host_loads": in_step,
+        "tiers": [{"kind": "host", "capacity": "32MiB"}],
+    }
     prefix, other = list(range(3, 3 + 160)), list(range(200, 200 + 160))
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     plain = LLM(model_dir, device="cpu", num_gpu_blocks=16, max_model_len=256)
     want = plain.generate([prefix + [7]], greedy)[0].token_ids
     plain.engine.close()
-    llm = LLM(model_dir, device="cpu", num_gpu_blocks=16, max_model_len=256,
-              request_log=str(log), kv_offload=True, kv_offload_config=offload)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        num_gpu_blocks=16,
+        max_model_len=256,
+        request_log=str(log),
+        kv_offload=True,
+        kv_offload_config=offload,
+    )
     try:
         llm.generate([prefix + [5]], greedy)
         llm.generate([other], greedy)  # 16 blocks: evicts the prefix to the host tier
@@ -156,17 +181,28 @@ def test_a_host_reload_shows_its_load_and_the_phases_add_up(model_dir: str, tmp_
         assert b["prefill_compute"] > 0
 
 
-def test_breakdown_reaches_the_log_and_metrics_through_the_core(model_dir: str,
-                                                                 tmp_path: Path) -> None:
+def test_breakdown_reaches_the_log_and_metrics_through_the_core(
+    model_dir: str, tmp_path: Path
+) -> None:
     log = tmp_path / "core.jsonl"
-    config = EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(num_gpu_blocks=64),
-                          scheduler=SchedulerConfig(max_model_len=256), request_log=str(log))
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=256),
+        request_log=str(log),
+    )
     engine = EngineCoreClient.start(config, CoreProcConfig(num_threads=1))
     try:
         with run_server(engine, "m") as base:
             before = httpx.get(f"{base}/metrics").text
-            body = {"model": "m", "max_tokens": 4, "temperature": 0, "stream": True,
-                    "messages": [{"role": "user", "content": "where does a block go"}]}
+            body = {
+                "model": "m",
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": True,
+                "messages": [{"role": "user", "content": "where does a block go"}],
+            }
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
                 assert resp.status_code == 200
                 assert any(line == "data: [DONE]" for line in resp.iter_lines())

@@ -13,18 +13,37 @@ from sglang.srt.mem_cache.utils import get_hash_str
 
 from tests.sglang.host_pool import HostPoolStandIn
 
-EXTRA = {"backend_name": "kvtier", "module_path": "connectors.sglang",
-         "class_name": "KvtierHiCacheStorage", "interface_v1": 1}
+EXTRA = {
+    "backend_name": "kvtier",
+    "module_path": "connectors.sglang",
+    "class_name": "KvtierHiCacheStorage",
+    "interface_v1": 1,
+}
 
 
-def storage_config(tiers: list[dict[str, Any]], *, tp_rank: int = 0, tp_size: int = 1,
-                   mla: bool = False, layout: str = "page_first",
-                   model: str = "test/tiny-llama", **extra: Any) -> HiCacheStorageConfig:
+def storage_config(
+    tiers: list[dict[str, Any]],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    layout: str = "page_first",
+    model: str = "test/tiny-llama",
+    **extra: Any,
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
-        is_page_first_layout=layout == "page_first", model_name=model,
-        extra_config={**EXTRA, "tiers": tiers, **extra})
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=layout == "page_first",
+        model_name=model,
+        extra_config={**EXTRA, "tiers": tiers, **extra},
+    )
 
 
 def make_backend(tiers: list[dict[str, Any]], pool: HostPoolStandIn, **kw: Any) -> HiCacheStorage:
@@ -49,4 +68,6 @@ def indices(first_page: int, num_pages: int, page_size: int = 4) -> torch.Tensor
 
 
 def page_bytes(pool: HostPoolStandIn, page: int) -> bytes:
-    return pool.get_data_page(page * pool.page_size).contiguous().view(torch.uint8).numpy().tobytes()
+    return (
+        pool.get_data_page(page * pool.page_size).contiguous().view(torch.uint8).numpy().tobytes()
+    )

@@ -18,9 +18,18 @@ import torch
 
 
 class HostPoolStandIn:
-    def __init__(self, layout: str = "page_first", *, mla: bool = False, tokens: int = 64,
-                 page_size: int = 4, layers: int = 2, heads: int = 2, head_dim: int = 16,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        layout: str = "page_first",
+        *,
+        mla: bool = False,
+        tokens: int = 64,
+        page_size: int = 4,
+        layers: int = 2,
+        heads: int = 2,
+        head_dim: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self.layout, self.mla, self.size, self.page_size = layout, mla, tokens, page_size
         self.layer_num, self.dtype = layers, dtype
         self.head_num, self.head_dim, self.v_head_dim = (1 if mla else heads), head_dim, head_dim

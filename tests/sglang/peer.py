@@ -15,11 +15,14 @@ from tests.sglang.host_pool import HostPoolStandIn
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     pool = HostPoolStandIn(spec.get("layout", "page_first"))
-    backend = make_backend(spec["tiers"], pool, tp_rank=spec.get("tp_rank", 0),
-                           tp_size=spec.get("tp_size", 1))
+    backend = make_backend(
+        spec["tiers"], pool, tp_rank=spec.get("tp_rank", 0), tp_size=spec.get("tp_size", 1)
+    )
     keys = page_keys(spec["num_pages"], seed=spec["seed"])
-    out = {"exists": backend.batch_exists(keys),
-           "got": backend.batch_get_v1(keys, indices(0, len(keys)))}
+    out = {
+        "exists": backend.batch_exists(keys),
+        "got": backend.batch_get_v1(keys, indices(0, len(keys))),
+    }
     out["pages"] = [page_bytes(pool, p).hex() for p in range(len(keys))]
     backend.close()
     print(json.dumps(out))

@@ -43,8 +43,9 @@ def _round_trip(backend: HiCacheStorage, src: HostPoolStandIn, dst: HostPoolStan
         assert page_bytes(dst, 8 + p) == page_bytes(src, 2 + p)
 
 
-@pytest.mark.parametrize("layout,mla", [("page_first", False), ("layer_first", False),
-                                        ("page_first", True)])
+@pytest.mark.parametrize(
+    "layout,mla", [("page_first", False), ("layer_first", False), ("page_first", True)]
+)
 def test_pages_round_trip_byte_exact_through_lmdb(tmp_path, layout, mla):
     pool = HostPoolStandIn(layout, mla=mla)
     pool.fill_random(1)
@@ -68,8 +69,9 @@ def test_pages_round_trip_byte_exact_through_the_cache_server(tmp_path):
             keys = page_keys(N)
             assert writer.batch_set_v1(keys, indices(2, N)) == [True] * N
             assert reader.batch_get_v1(keys, indices(8, N)) == [True] * N
-            assert [page_bytes(dst, 8 + p) for p in range(N)] == \
-                [page_bytes(src, 2 + p) for p in range(N)]
+            assert [page_bytes(dst, 8 + p) for p in range(N)] == [
+                page_bytes(src, 2 + p) for p in range(N)
+            ]
             remote_row = next(t for t in reader.stats()["store"]["tiers"])
             assert remote_row["hits"] == N
         finally:
@@ -89,8 +91,9 @@ def test_the_generic_and_zero_copy_paths_store_the_same_bytes(tmp_path):
             flat = [pool.get_data_page(4 * (2 + p)) for p in range(N)]
             assert backend.batch_set(keys, flat) is True
             assert backend.batch_get_v1(keys, indices(8, N)) == [True] * N
-            assert [page_bytes(pool, 8 + p) for p in range(N)] == \
-                [page_bytes(pool, 2 + p) for p in range(N)]
+            assert [page_bytes(pool, 8 + p) for p in range(N)] == [
+                page_bytes(pool, 2 + p) for p in range(N)
+            ]
             targets = [pool.get_dummy_flat_data_page() for _ in keys]
             got = backend.batch_get(keys, targets)
             assert all(torch.equal(g, f) for g, f in zip(got, flat, strict=True))

@@ -36,9 +36,14 @@ def test_a_second_process_finds_what_the_first_stored(tmp_path):
             backend.close()
         spec = tmp_path / "peer.json"
         spec.write_text(json.dumps({"tiers": [_remote(port)], "num_pages": N, "seed": 11}))
-        proc = subprocess.run([sys.executable, "-m", "tests.sglang.peer", str(spec)], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                              text=True, timeout=240)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.sglang.peer", str(spec)],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["exists"] == N and out["got"] == [True] * N
@@ -67,8 +72,13 @@ def test_a_restarted_backend_finds_lmdbs_pages(tmp_path):
 
 
 def test_a_redis_that_dies_degrades_to_misses(redis_server, redis_url):
-    rds = {"kind": "redis", "url": redis_url, "socket_timeout_s": 0.5,
-           "connect_timeout_s": 0.5, "retries": 0}
+    rds = {
+        "kind": "redis",
+        "url": redis_url,
+        "socket_timeout_s": 0.5,
+        "connect_timeout_s": 0.5,
+        "retries": 0,
+    }
     pool = HostPoolStandIn()
     pool.fill_random(13)
     keys = page_keys(N, seed=13)
@@ -115,8 +125,9 @@ def test_tp_ranks_never_see_each_others_pages_and_mla_ranks_share(tmp_path):
         try:
             assert ranks[0].batch_set_v1(keys, indices(0, N)) == [True] * N
             assert ranks[1].batch_get_v1(keys, indices(0, N)) == [True] * N  # replicated KV
-            assert [page_bytes(mla[1], p) for p in range(N)] == \
-                [page_bytes(mla[0], p) for p in range(N)]
+            assert [page_bytes(mla[1], p) for p in range(N)] == [
+                page_bytes(mla[0], p) for p in range(N)
+            ]
         finally:
             for b in ranks:
                 b.close()

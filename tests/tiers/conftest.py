@@ -40,8 +40,11 @@ def _require_module(kind: str) -> None:
 
 def _base_config(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     if kind == "host":
-        return {"kind": "host", "capacity": f"{32 * HOST_SLOT_BYTES}B",
-                "slot_bytes": f"{HOST_SLOT_BYTES}B"}
+        return {
+            "kind": "host",
+            "capacity": f"{32 * HOST_SLOT_BYTES}B",
+            "slot_bytes": f"{HOST_SLOT_BYTES}B",
+        }
     if kind == "lmdb":
         return {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "128MiB"}
     if kind == "redis":
@@ -57,9 +60,7 @@ def tier_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_tier(
-    tier_kind: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[MakeTier]:
+def make_tier(tier_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTier]:
     from tiers import create_tier
     from tiers.config import parse_tier_entry
 

@@ -186,8 +186,10 @@ def test_eviction_at_capacity_returns_oldest_keys(make_tier: MakeTier, tier_kind
 
 def test_lookup_refreshes_recency_for_lru_tiers(make_tier: MakeTier, tier_kind: str) -> None:
     if tier_kind not in ("host", "redis"):
-        pytest.skip(f"{tier_kind}: exact LRU order is asserted for host and redis with capacity "
-                    "(lmdb: tests/tiers/test_lmdb)")
+        pytest.skip(
+            f"{tier_kind}: exact LRU order is asserted for host and redis with capacity "
+            "(lmdb: tests/tiers/test_lmdb)"
+        )
     tier = make_tier(capacity=f"{3 * HOST_SLOT_BYTES}B" if tier_kind == "host" else "3000B")
     keys = chain_keys(4)
     tier.put_many([(k, value(i, 1000)) for i, k in enumerate(keys[:3])])

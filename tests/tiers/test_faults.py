@@ -89,7 +89,8 @@ def plant(kind: str, make_tier: MakeTier, tier: Tier, bad: bytes, key: str = KEY
         s3 = tier._s3  # type: ignore[attr-defined]  # the same endpoint and credentials
         bucket, prefix = tier.config.bucket, tier.config.prefix  # type: ignore[attr-defined]
         pointer = msgpack.unpackb(
-            s3.get_object(Bucket=bucket, Key=f"{prefix}k/{key}")["Body"].read())
+            s3.get_object(Bucket=bucket, Key=f"{prefix}k/{key}")["Body"].read()
+        )
         s3.put_object(Bucket=bucket, Key=pointer["g"], Body=bad)
         if len(bad) != pointer["n"][0]:  # keep the manifest honest about the planted length
             pointer["n"] = [len(bad)]
@@ -125,8 +126,9 @@ def test_corrupt_values_are_detected_never_returned(
     assert seen == reason or (tier_kind == "s3" and corruption == "truncated" and seen == "miss")
 
 
-def _kill_restart_recover(tier: Tier, kill: Callable[[], None], restart: Callable[[], None],
-                          read_op: Callable[[], object]) -> None:
+def _kill_restart_recover(
+    tier: Tier, kill: Callable[[], None], restart: Callable[[], None], read_op: Callable[[], object]
+) -> None:
     """A backend killed under the tier: ``read_op`` and a put raise TierError; restarted
     (empty), the old key is a miss and a new put reads back through the codec."""
     good = encode_block(PAYLOAD, META)
@@ -143,13 +145,14 @@ def _kill_restart_recover(tier: Tier, kill: Callable[[], None], restart: Callabl
     tier.close()
 
 
-def test_redis_killed_and_restarted_tier_recovers(redis_server: RedisServer, redis_url: str) -> None:
+def test_redis_killed_and_restarted_tier_recovers(
+    redis_server: RedisServer, redis_url: str
+) -> None:
     if not redis_server.managed:
         pytest.skip("external Redis: cannot kill it")
     tier = RedisTier(RedisTierConfig(url=redis_url, retries=0))
     # No persistence: the restarted server is empty.
-    _kill_restart_recover(tier, redis_server.kill, redis_server.start,
-                          lambda: tier.get_many([KEY]))
+    _kill_restart_recover(tier, redis_server.kill, redis_server.start, lambda: tier.get_many([KEY]))
 
 
 def test_s3_killed_and_restarted_tier_recovers(s3_server: S3Server, s3_config: dict) -> None:
@@ -205,8 +208,10 @@ def test_store_reads_of_corrupt_values_are_misses(make_tier: MakeTier, tier_kind
 
 
 def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
-    redis_server: RedisServer, s3_server: S3Server,
-    redis_config: dict, s3_config: dict,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    redis_config: dict,
+    s3_config: dict,
 ) -> None:
     if not (redis_server.managed and s3_server.managed):
         pytest.skip("external servers: cannot kill them")
@@ -215,14 +220,26 @@ def test_store_survives_redis_killed_and_s3_stopped_then_recovers(
 
     clock = FakeClock(1000.0)
     backoff_s = 0.5
-    cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": f"{2 * SLOT}B", "slot_bytes": f"{SLOT}B"},
-        {**redis_config, "capacity": f"{2 * SLOT}B", "retries": 0, "socket_timeout_s": 1.0,
-         "connect_timeout_s": 0.5},
-        {**s3_config, "max_attempts": 1, "connect_timeout_s": 0.5, "timeout_s": 2.0},
-    ]})
-    store = HierarchicalStore(build_tiers(cfg), StoreConfig(
-        namespace=NS, backoff_initial_s=backoff_s, backoff_max_s=backoff_s), clock=clock)
+    cfg = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{2 * SLOT}B", "slot_bytes": f"{SLOT}B"},
+                {
+                    **redis_config,
+                    "capacity": f"{2 * SLOT}B",
+                    "retries": 0,
+                    "socket_timeout_s": 1.0,
+                    "connect_timeout_s": 0.5,
+                },
+                {**s3_config, "max_attempts": 1, "connect_timeout_s": 0.5, "timeout_s": 2.0},
+            ]
+        }
+    )
+    store = HierarchicalStore(
+        build_tiers(cfg),
+        StoreConfig(namespace=NS, backoff_initial_s=backoff_s, backoff_max_s=backoff_s),
+        clock=clock,
+    )
     host, redis_tier, s3_tier = store.tiers
     keys = store_keys(12, salt=1)
     payloads = [bytes([i]) * len(PAYLOAD) for i in range(12)]

@@ -90,8 +90,11 @@ def test_lmdb_reads_do_not_wait_for_the_writer(tmp_path: Path) -> None:
         tier.put_many([(k, value(i, 4 * KIB)) for i, k in enumerate(keys)])
         got: list[object] = []
         with tier._lock:  # what the writer holds through a whole write transaction
-            reader = threading.Thread(target=lambda: got.extend([
-                tier.get_many(keys[:1]), tier.get_many_into(keys[1:2], [bytearray(8 * KIB)])]))
+            reader = threading.Thread(
+                target=lambda: got.extend(
+                    [tier.get_many(keys[:1]), tier.get_many_into(keys[1:2], [bytearray(8 * KIB)])]
+                )
+            )
             reader.start()
             reader.join(timeout=10)
             assert not reader.is_alive(), "get_many waited for the index lock"

@@ -99,7 +99,7 @@ def test_reserve_commit_abort(tier: HostTier) -> None:
     assert tier.reserve("r", 8) is None
     assert tier.commit("r") and not tier.commit("r")
     assert bytes(tier.get_many(["r"])[0]) == b"12345678"
-    assert bytes(tier.slab_tensor()[res.offset:res.offset + 8].numpy()) == b"12345678"
+    assert bytes(tier.slab_tensor()[res.offset : res.offset + 8].numpy()) == b"12345678"
     res2 = tier.reserve("s", 4)
     assert res2 is not None
     tier.abort("s")
@@ -148,8 +148,13 @@ def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
 
 def test_locate_checks_size_and_header_and_pins_on_request(tier: HostTier) -> None:
     header = b"HDR1"
-    tier.put_many([("a", header + _val(1, SLOT - 4)), ("b", b"XXXX" + _val(2, SLOT - 4)),
-                   ("c", header + _val(3, 10))])
+    tier.put_many(
+        [
+            ("a", header + _val(1, SLOT - 4)),
+            ("b", b"XXXX" + _val(2, SLOT - 4)),
+            ("c", header + _val(3, 10)),
+        ]
+    )
     assert tier.reserve("d", SLOT) is not None  # reserved: invisible to locate
     assert tier.locate(["a", "b", "c", "d", "zz"], header, SLOT) == [0, None, None, None, None]
     # a's slot is slot 0 (first free); with pin=True it cannot be evicted or deleted.

@@ -74,11 +74,18 @@ def test_another_process_reads_the_slab(tier: HostTier) -> None:
     tier.put_many([("a", _val(5))])
     fd = os.dup(tier.shared_fd() or -1)
     os.set_inheritable(fd, True)
-    code = ("import os, sys; from tiers import host_memfd; "
-            f"m = host_memfd.map_readonly({fd}); sys.stdout.write(m[:{SLOT}].hex())")
-    out = subprocess.run([sys.executable, "-c", code], pass_fds=(fd,), capture_output=True,
-                         text=True, check=True, cwd=os.path.dirname(os.path.dirname(
-                             os.path.dirname(os.path.abspath(__file__)))))
+    code = (
+        "import os, sys; from tiers import host_memfd; "
+        f"m = host_memfd.map_readonly({fd}); sys.stdout.write(m[:{SLOT}].hex())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        pass_fds=(fd,),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     os.close(fd)
     assert bytes.fromhex(out.stdout) == _val(5)
 

@@ -29,8 +29,9 @@ def check(name: str, measure: Callable[[], dict[str, Any]]) -> None:
     second = measure()
     for op in ("get", "get_into"):
         best = max(first[op], second[op])
-        assert best >= MARGIN, (f"{name} {op}: {best:.2f}x its baseline; "
-                                f"runs {first['runs']} then {second['runs']}")
+        assert best >= MARGIN, (
+            f"{name} {op}: {best:.2f}x its baseline; runs {first['runs']} then {second['runs']}"
+        )
 
 
 def test_lmdb_reads_at_the_speed_of_a_plain_read_transaction() -> None:

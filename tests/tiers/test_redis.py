@@ -87,8 +87,13 @@ def test_dead_server_raises_tier_error_fast_then_recovers(private_redis: RedisSe
     tier.put_many([("a", b"1")])
     private_redis.kill()
     start = time.monotonic()
-    for op in (lambda: tier.lookup(["a"]), lambda: tier.get_many(["a"]),
-               lambda: tier.put_many([("b", b"2")]), lambda: tier.delete_many(["a"]), tier.usage):
+    for op in (
+        lambda: tier.lookup(["a"]),
+        lambda: tier.get_many(["a"]),
+        lambda: tier.put_many([("b", b"2")]),
+        lambda: tier.delete_many(["a"]),
+        tier.usage,
+    ):
         with pytest.raises(TierError):
             op()
     assert time.monotonic() - start < 2.0
@@ -133,7 +138,8 @@ def _meta(redis_server: RedisServer, prefix: str = "kvtier:") -> tuple[list[byte
 
 
 def test_capacity_evicts_least_recently_used_with_values(
-        redis_server: RedisServer, redis_url: str) -> None:
+    redis_server: RedisServer, redis_url: str
+) -> None:
     tier = RedisTier(RedisTierConfig(url=redis_url, capacity=300))
     assert tier.put_many([("a", b"a" * 100), ("b", b"b" * 100), ("c", b"c" * 100)]) == []
     assert tier.lookup(["a"]) == 1 and tier.get_many(["b", "zz"]) == [b"b" * 100, None]
@@ -144,7 +150,10 @@ def test_capacity_evicts_least_recently_used_with_values(
     assert tier.usage() == TierUsage(used_bytes=250, capacity_bytes=300, num_entries=2)
     # One call larger than what is left: oldest first, this call's own earlier values included.
     assert tier.put_many([("e", b"e" * 120), ("f", b"f" * 120), ("g", b"g" * 120)]) == [
-        Evicted("d", b"d" * 100), Evicted("a", b"A" * 150), Evicted("e", b"e" * 120)]
+        Evicted("d", b"d" * 100),
+        Evicted("a", b"A" * 150),
+        Evicted("e", b"e" * 120),
+    ]
     assert tier.put_many([("big", b"x" * 301)]) == [] and tier.num_oversize_skipped == 1
     assert tier.lookup(["f", "g", "e"]) == 2 and tier.get_many(["big"]) == [None]
     assert tier.delete_many(["f", "nope"]) == 1
@@ -154,7 +163,8 @@ def test_capacity_evicts_least_recently_used_with_values(
 
 
 def test_capacity_forgets_keys_gone_behind_its_back(
-        redis_server: RedisServer, redis_url: str) -> None:
+    redis_server: RedisServer, redis_url: str
+) -> None:
     tier = RedisTier(RedisTierConfig(url=redis_url, capacity=300))
     tier.put_many([("a", b"1" * 100), ("b", b"2" * 100), ("c", b"3" * 100)])
     raw = redis_server.client()
@@ -169,7 +179,8 @@ def test_capacity_forgets_keys_gone_behind_its_back(
 
 
 def test_capacity_is_shared_by_clients_and_survives_a_new_client(
-        redis_server: RedisServer, redis_url: str) -> None:
+    redis_server: RedisServer, redis_url: str
+) -> None:
     """Four threads on two client objects write 4 x 40 distinct keys into room for 10: the
     scripts are atomic, so every key is either still there or evicted exactly once."""
     clients = [RedisTier(RedisTierConfig(url=redis_url, capacity=1000)) for _ in range(2)]
@@ -214,12 +225,18 @@ def test_capacity_config_is_checked() -> None:
 
 
 def test_capacity_dead_server_raises_then_recovers_with_scripts_reloaded(
-        private_redis: RedisServer) -> None:
+    private_redis: RedisServer,
+) -> None:
     tier = RedisTier(RedisTierConfig(url=private_redis.url, capacity=200, retries=0))
     tier.put_many([("a", b"1" * 100)])
     private_redis.kill()
-    for op in (lambda: tier.lookup(["a"]), lambda: tier.get_many(["a"]),
-               lambda: tier.put_many([("b", b"2")]), lambda: tier.delete_many(["a"]), tier.usage):
+    for op in (
+        lambda: tier.lookup(["a"]),
+        lambda: tier.get_many(["a"]),
+        lambda: tier.put_many([("b", b"2")]),
+        lambda: tier.delete_many(["a"]),
+        tier.usage,
+    ):
         with pytest.raises(TierError):
             op()
     private_redis.start()  # empty, and without the cached scripts: EVALSHA falls back to EVAL
@@ -229,7 +246,8 @@ def test_capacity_dead_server_raises_then_recovers_with_scripts_reloaded(
 
 
 def test_capacity_large_calls_are_chunked_and_keep_lru_semantics(
-        redis_server: RedisServer, redis_url: str) -> None:
+    redis_server: RedisServer, redis_url: str
+) -> None:
     """75 items (more than one MULTI chunk) into room for 30, one key repeated, with a TTL: the
     result is what storing them one by one would give."""
     tier = RedisTier(RedisTierConfig(url=redis_url, capacity=300, ttl_s=30))

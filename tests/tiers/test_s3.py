@@ -110,14 +110,25 @@ def test_expired_group_or_damaged_pointer_is_a_miss(
 def test_dead_endpoint_raises_tier_error(s3_server: S3Server, s3_bucket: str) -> None:
     if not s3_server.managed:
         pytest.skip("external S3 endpoint: cannot stop it")
-    tier = S3Tier(S3TierConfig(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url,
-                               access_key_id="a", secret_access_key="b", max_attempts=1))
+    tier = S3Tier(
+        S3TierConfig(
+            bucket=s3_bucket,
+            endpoint_url=s3_server.endpoint_url,
+            access_key_id="a",
+            secret_access_key="b",
+            max_attempts=1,
+        )
+    )
     s3_server.kill()
     try:
         start = time.monotonic()
-        for op in (lambda: tier.lookup(["x"]), lambda: tier.get_many(["x"]),
-                   lambda: tier.put_many([("x", b"1")]), lambda: tier.delete_many(["x"]),
-                   tier.usage):
+        for op in (
+            lambda: tier.lookup(["x"]),
+            lambda: tier.get_many(["x"]),
+            lambda: tier.put_many([("x", b"1")]),
+            lambda: tier.delete_many(["x"]),
+            tier.usage,
+        ):
             with pytest.raises(TierError):
                 op()
         assert time.monotonic() - start < 5.0

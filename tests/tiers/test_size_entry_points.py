@@ -24,8 +24,9 @@ def test_yaml_tier_config(tmp_path: Path) -> None:
     bare.write_text("tiers:\n  - {kind: host, capacity: 4096}\n")  # a YAML int
     with pytest.raises(ConfigError) as info:
         load_tier_config(bare)
-    assert str(info.value).startswith(f"{bare}: tiers[0] (host): field 'capacity': 4096 has no "
-                                      "unit; write bytes as 4GiB")
+    assert str(info.value).startswith(
+        f"{bare}: tiers[0] (host): field 'capacity': 4096 has no unit; write bytes as 4GiB"
+    )
     assert "\n" not in str(info.value)
 
 
@@ -40,18 +41,24 @@ def _cache_server_args(*flags: str) -> argparse.Namespace:
 def test_cache_server_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from cachestore.server.cli import main, stack_configs
 
-    host, lmdb = stack_configs(_cache_server_args(
-        "--host-capacity", "4GiB", "--data-dir", str(tmp_path), "--lmdb-capacity", "4G"))
+    host, lmdb = stack_configs(
+        _cache_server_args(
+            "--host-capacity", "4GiB", "--data-dir", str(tmp_path), "--lmdb-capacity", "4G"
+        )
+    )
     assert (host.capacity, host.slot_bytes) == (FOUR_GIB, 4 * 2**20)
     assert lmdb.capacity == 4 * 10**9  # G is decimal, as in Kubernetes
     with pytest.raises(ValueError, match=f"^--host-capacity: {NO_UNIT}"):
         stack_configs(_cache_server_args("--host-capacity", "4096"))
     # The daemon itself: exit 2 with one line, before anything is bound or allocated.
-    assert main(_cache_server_args("--port", "0", "--admin-port", "-1",
-                                   "--host-capacity", "4096")) == 2
+    assert (
+        main(_cache_server_args("--port", "0", "--admin-port", "-1", "--host-capacity", "4096"))
+        == 2
+    )
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"kvtier cache-server: --host-capacity: {NO_UNIT} "
-                                "(Gi/GiB = 2^30, G/GB = 10^9)"]
+    assert err.splitlines() == [
+        f"kvtier cache-server: --host-capacity: {NO_UNIT} (Gi/GiB = 2^30, G/GB = 10^9)"
+    ]
 
 
 def test_serve_flags(capsys: pytest.CaptureFixture) -> None:
@@ -77,14 +84,18 @@ def test_analyze_tier_flag() -> None:
     assert "blocks as 1000blocks; tokens as 3Mtok; inf for unbounded" in str(info.value)
 
 
-def test_cache_server_resource_errors_name_the_tier_file(tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture) -> None:
+def test_cache_server_resource_errors_name_the_tier_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from cachestore.server.cli import main
 
     tiers = tmp_path / "tiers.yaml"
     tiers.write_text("tiers:\n  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n")
-    assert main(_cache_server_args("--port", "0", "--admin-port", "-1",
-                                   "--config", str(tiers))) == 2
+    assert (
+        main(_cache_server_args("--port", "0", "--admin-port", "-1", "--config", str(tiers))) == 2
+    )
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"kvtier cache-server: {tiers}: tiers[0] (lmdb): field 'path': "
-                           "cannot use '/proc/kvtier-no/lmdb' as the LMDB directory"), line
+    assert line.startswith(
+        f"kvtier cache-server: {tiers}: tiers[0] (lmdb): field 'path': "
+        "cannot use '/proc/kvtier-no/lmdb' as the LMDB directory"
+    ), line

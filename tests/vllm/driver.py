@@ -23,8 +23,14 @@ import time
 from typing import Any
 
 ENGINE_ARGS: dict[str, Any] = dict(
-    skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
-    gpu_memory_utilization=0.2, max_model_len=1024, max_num_seqs=4, disable_log_stats=False,
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    dtype="float32",
+    block_size=32,
+    gpu_memory_utilization=0.2,
+    max_model_len=1024,
+    max_num_seqs=4,
+    disable_log_stats=False,
 )
 
 
@@ -46,33 +52,48 @@ def run_one(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(ENGINE_ARGS)
     if run.get("extra") is not None:
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KvtierConnector", "kv_connector_module_path": "connectors.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": run["extra"]}
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": run["extra"],
+        }
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], **kwargs)
     t1 = time.perf_counter()
-    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0,
-                            ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
+    )
     ttft = []
     for ids in spec["prompts"]:  # one at a time: each prompt's TTFT alone
         s = time.perf_counter()
-        first = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
-            max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        first = llm.generate(
+            [{"prompt_token_ids": ids}],
+            SamplingParams(max_tokens=1, temperature=0.0, detokenize=False),
+            use_tqdm=False,
+        )
         ttft.append(time.perf_counter() - s)
         del first
     t2 = time.perf_counter()
     # Full generations (these prompts are now in vLLM's own prefix cache: that is vLLM's part).
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]], params,
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in spec["prompts"]], params, use_tqdm=False
+    )
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     t3 = time.perf_counter()
     metrics = _metrics(llm)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return {"outputs": outputs, "metrics": metrics, "ttft_s": ttft, "init_s": t1 - t0,
-            "first_tokens_s": t2 - t1, "generate_s": t3 - t2, "shutdown_s": time.perf_counter() - t3}
+    return {
+        "outputs": outputs,
+        "metrics": metrics,
+        "ttft_s": ttft,
+        "init_s": t1 - t0,
+        "first_tokens_s": t2 - t1,
+        "generate_s": t3 - t2,
+        "shutdown_s": time.perf_counter() - t3,
+    }
 
 
 def main(argv: list[str]) -> int:

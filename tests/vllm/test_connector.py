@@ -43,16 +43,27 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from tests.engine.hf_models import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("vllm")
-    model = make_tiny_model(tmp, "llama", hidden_size=128, num_attention_heads=2,
-                            num_key_value_heads=1, intermediate_size=256,
-                            max_position_embeddings=2048)
+    model = make_tiny_model(
+        tmp,
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        max_position_embeddings=2048,
+    )
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     redis = RedisServer()
     redis.start()
     lmdb = {"kind": "lmdb", "path": str(tmp / "lmdb"), "capacity": "256MiB"}
     host = {"kind": "host", "capacity": "64MiB"}
-    rds = {"kind": "redis", "url": f"redis://127.0.0.1:{redis.port}/0",
-           "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "retries": 0}
+    rds = {
+        "kind": "redis",
+        "url": f"redis://127.0.0.1:{redis.port}/0",
+        "socket_timeout_s": 0.5,
+        "connect_timeout_s": 0.5,
+        "retries": 0,
+    }
     try:
         with cache_server_process(tmp, TOKEN, "vllm") as port:
             remote = {"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": TOKEN}
@@ -60,19 +71,38 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             def extra(name: str, tiers: list[dict[str, Any]]) -> dict[str, Any]:
                 return {"tiers": tiers, "stats_file": str(tmp / f"{name}.stats.json")}
 
-            spec = {"model": model, "max_tokens": 8, "prompts": _prompts(vocab), "runs": [
-                {"name": "plain", "extra": None},
-                {"name": "first", "extra": extra("first", [host, lmdb, remote, rds])},
-                {"name": "lmdb", "extra": extra("lmdb", [host, lmdb])},
-                {"name": "remote", "extra": extra("remote", [host, rds, remote]),
-                 "kill": [redis.pid]},
-            ]}
+            spec = {
+                "model": model,
+                "max_tokens": 8,
+                "prompts": _prompts(vocab),
+                "runs": [
+                    {"name": "plain", "extra": None},
+                    {"name": "first", "extra": extra("first", [host, lmdb, remote, rds])},
+                    {"name": "lmdb", "extra": extra("lmdb", [host, lmdb])},
+                    {
+                        "name": "remote",
+                        "extra": extra("remote", [host, rds, remote]),
+                        "kill": [redis.pid],
+                    },
+                ],
+            }
             (tmp / "spec.json").write_text(json.dumps(spec))
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "tests.vllm.driver",
-                                   str(tmp / "spec.json"), str(tmp / "out.json")],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.vllm.driver",
+                    str(tmp / "spec.json"),
+                    str(tmp / "out.json"),
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             wall = time.perf_counter() - t0
             assert proc.returncode == 0, proc.stderr[-6000:]
     finally:
@@ -81,8 +111,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, run in out.items():
         stats = tmp / f"{name}.stats.json"
         run["stats"] = json.loads(stats.read_text()) if stats.exists() else None
-    print(f"vLLM driver: {wall:.1f}s for {len(out)} vLLM instances "
-          + ", ".join(f"{n} init {r['init_s']:.1f}s" for n, r in out.items()))
+    print(
+        f"vLLM driver: {wall:.1f}s for {len(out)} vLLM instances "
+        + ", ".join(f"{n} init {r['init_s']:.1f}s" for n, r in out.items())
+    )
     return out
 
 

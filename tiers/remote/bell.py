@@ -35,14 +35,24 @@ class Bell:
     ``slab``: a read-only view of the daemon's host slab when ``want_slab`` and it was given
     (leases), else None; ``leased``: the last call's replies hold leases not yet released."""
 
-    def __init__(self, address: str | tuple[str, int], secret: str, timeout_s: float,
-                 spin_s: float, want_slab: bool = False) -> None:
+    def __init__(
+        self,
+        address: str | tuple[str, int],
+        secret: str,
+        timeout_s: float,
+        spin_s: float,
+        want_slab: bool = False,
+    ) -> None:
         """``address``: the doorbell's socket path, or the TCP stream's (host, port)."""
         tcp = not isinstance(address, str)
         self.tcp = tcp
-        self.sock = (socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET,
-                                   socket.SOCK_STREAM)
-                     if tcp else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        self.sock = (
+            socket.socket(
+                socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM
+            )
+            if tcp
+            else socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        )
         self.slab: memoryview | None = None
         self._mapping: mmap.mmap | None = None
         self.leased = False

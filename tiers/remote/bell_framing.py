@@ -35,12 +35,18 @@ class BellClosed(ConnectionError):
     """The peer closed the connection (or sent something that is not a message)."""
 
 
-def send_message(sock: socket.socket, header: bytes, payloads: Sequence[Value] = (),
-                 fds: Sequence[int] = ()) -> None:
+def send_message(
+    sock: socket.socket, header: bytes, payloads: Sequence[Value] = (), fds: Sequence[int] = ()
+) -> None:
     """Send one framed message (one ``sendmsg`` in the common case), with ``fds`` attached
     to its first byte when given. Raises OSError."""
-    parts: list[Value] = [struct.pack(f"<II{len(payloads)}Q", len(header), len(payloads),
-                                      *(len(p) for p in payloads)), header, *payloads]
+    parts: list[Value] = [
+        struct.pack(
+            f"<II{len(payloads)}Q", len(header), len(payloads), *(len(p) for p in payloads)
+        ),
+        header,
+        *payloads,
+    ]
     total = sum(len(p) for p in parts)
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
     sent = sock.sendmsg(parts, ancillary if fds else [])
@@ -92,8 +98,13 @@ class MessageReader:
     raises BellClosed at EOF or for a message over ``limits``, OSError on socket errors.
     """
 
-    def __init__(self, sock: socket.socket, limits: ServerLimits | None = None,
-                 spin_s: float = 0.0, arena: int = 0) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        limits: ServerLimits | None = None,
+        spin_s: float = 0.0,
+        arena: int = 0,
+    ) -> None:
         """``arena``: up to this many bytes of payloads between two ``rewind`` calls are views
         of one buffer reused from rewind to rewind (no allocation, no page faults per
         payload; a client's replies are valid until its next call, a daemon's request
@@ -117,14 +128,16 @@ class MessageReader:
         self._fill(_PREFIX.size)
         header_len, count = _PREFIX.unpack_from(self._buf, self._start)
         lim = self._limits
-        if lim is not None and (header_len > lim.max_header_bytes
-                                or count > lim.max_keys_per_request):
+        if lim is not None and (
+            header_len > lim.max_header_bytes or count > lim.max_keys_per_request
+        ):
             raise BellClosed("message over the limits")
         head = _PREFIX.size + 8 * count + header_len
         self._fill(head)
         sizes = struct.unpack_from(f"<{count}Q", self._buf, self._start + _PREFIX.size)
-        if lim is not None and (any(s > lim.max_frame_bytes for s in sizes)
-                                or sum(sizes) > lim.max_request_bytes):
+        if lim is not None and (
+            any(s > lim.max_frame_bytes for s in sizes) or sum(sizes) > lim.max_request_bytes
+        ):
             raise BellClosed("payload over the limits")
         pos = self._start + head
         out: list[Any] = [bytes(self._view[pos - header_len : pos])]
@@ -197,5 +210,3 @@ class MessageReader:
                 raise BellClosed("connection closed")
             pos += got
         return out
-
-

@@ -81,9 +81,20 @@ class Conn:
 class Connections:
     """Per-thread connections to one daemon, with the hello/shm handshake."""
 
-    def __init__(self, url: str, token: str, timeout_s: float, use_shm: bool, shm_bytes: int,
-                 max_shm_bytes: int, retry_interval_s: float, use_doorbell: bool = True,
-                 spin_s: float = 0.0, use_leases: bool = True, use_stream: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        timeout_s: float,
+        use_shm: bool,
+        shm_bytes: int,
+        max_shm_bytes: int,
+        retry_interval_s: float,
+        use_doorbell: bool = True,
+        spin_s: float = 0.0,
+        use_leases: bool = True,
+        use_stream: bool = True,
+    ) -> None:
         self.url = url
         self.use_doorbell = use_doorbell
         self.use_stream = use_stream and url.startswith("tcp://")
@@ -166,12 +177,15 @@ class Connections:
         address: str | tuple[str, int] | None = None
         if conn.bell is None and conn.segment is not None and isinstance(offered, str):
             address, secret = offered, reply.get("doorbell_secret")
-        elif conn.bell is None and conn.segment is None and isinstance(port, int) and self.use_stream:
+        elif (
+            conn.bell is None and conn.segment is None and isinstance(port, int) and self.use_stream
+        ):
             address, secret = (url_host(self.url), port), reply.get("stream_secret")
         if address is not None:
             try:
-                conn.bell = Bell(address, str(secret), self.timeout_s, self.spin_s,
-                                 want_slab=self.use_leases)
+                conn.bell = Bell(
+                    address, str(secret), self.timeout_s, self.spin_s, want_slab=self.use_leases
+                )
             except OSError:
                 conn.bell = None  # another mount namespace, a firewall, refused: ZMQ it is
 
@@ -192,8 +206,7 @@ class Connections:
             return "stream"
         return "doorbell+slab" if conn.bell.slab is not None else "doorbell"
 
-    def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
-             ) -> _Replies:
+    def call(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]) -> _Replies:
         """Send every request, then collect every reply (pipelined), in request order; reply
         payloads are memoryviews valid until this thread's next call. Over the doorbell when
         the thread has one (a broken doorbell: over ZMQ). Raises TierError (ShmLost when the
@@ -203,8 +216,9 @@ class Connections:
                 return _check(conn, self._call_bell(conn, conn.bell, requests))
             except (BlockingIOError, TimeoutError):
                 self._reset(conn)
-                raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s"
-                                ) from None
+                raise TierError(
+                    f"cache server {self.url} timed out after {self.timeout_s}s"
+                ) from None
             except OSError:  # EOF, reset, refused: the daemon went away or restarted
                 if conn.bell.tcp:  # (a stream is only ever made without a segment)
                     conn.hello_done = False  # a stream costs one hello: ask again next call
@@ -212,8 +226,9 @@ class Connections:
                 conn.bell = None
         return _check(conn, self._call_zmq(conn, requests))
 
-    def _call_bell(self, conn: Conn, bell: Bell,
-                   requests: list[tuple[dict[str, Any], list[Value]]]) -> _Replies:
+    def _call_bell(
+        self, conn: Conn, bell: Bell, requests: list[tuple[dict[str, Any], list[Value]]]
+    ) -> _Replies:
         messages = []
         for header, payloads in requests:
             msg = {"v": PROTOCOL_VERSION, "id": conn.next_id, "token": self._token, **header}
@@ -231,29 +246,31 @@ class Connections:
             out.append((reply, [memoryview(f) for f in frames[1:]]))
         return out
 
-    def _call_zmq(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]
-                  ) -> _Replies:
+    def _call_zmq(self, conn: Conn, requests: list[tuple[dict[str, Any], list[Value]]]) -> _Replies:
         deadline = time.monotonic() + self.timeout_s
         ids: list[int] = []
         ops: dict[int, str] = {}
         # Spin for the replies only when no large message crosses either way: a reply behind
         # megabytes of frames is that transfer away, and spinning would take the CPU from
         # this process's ZMQ I/O thread that moves them (2 shared cores).
-        spin = (sum(len(p) for _, ps in requests for p in ps) <= SPIN_MAX_BYTES
-                and all(conn.reply_bytes.get(h.get("op", ""), 0) <= SPIN_MAX_BYTES
-                        for h, _ in requests))
+        spin = sum(len(p) for _, ps in requests for p in ps) <= SPIN_MAX_BYTES and all(
+            conn.reply_bytes.get(h.get("op", ""), 0) <= SPIN_MAX_BYTES for h, _ in requests
+        )
         heads: list[bytes] = []
         for header, _ in requests:  # all checked before any is sent: a local error
             request_id = conn.next_id
             conn.next_id += 1
             ids.append(request_id)
             ops[request_id] = str(header.get("op"))
-            heads.append(pack({"v": PROTOCOL_VERSION, "id": request_id, "token": self._token,
-                               **header}))
+            heads.append(
+                pack({"v": PROTOCOL_VERSION, "id": request_id, "token": self._token, **header})
+            )
             if len(heads[-1]) > ZMQ_FRAME_BYTES:  # the daemon would drop the connection
-                raise TierError(f"a {header.get('op')} header of {len(heads[-1])} bytes is over "
-                                f"ZMQ's {ZMQ_FRAME_BYTES}-byte frame; use fewer keys a "
-                                f"request (batch_keys)")
+                raise TierError(
+                    f"a {header.get('op')} header of {len(heads[-1])} bytes is over "
+                    f"ZMQ's {ZMQ_FRAME_BYTES}-byte frame; use fewer keys a "
+                    f"request (batch_keys)"
+                )
         try:
             for head, (_, payloads) in zip(heads, requests, strict=True):
                 parts = [head, *split_frames(payloads)]
@@ -307,7 +324,6 @@ class Connections:
         self._local.conn = None
         self._local.down_until = time.monotonic() + self.retry_interval_s
 
-
     def close(self) -> None:
         """Say bye for each shared segment, close every socket and the context. Idempotent."""
         with self._lock:
@@ -318,8 +334,13 @@ class Connections:
         for conn in conns:
             if conn.segment is not None:
                 try:  # let the daemon drop its mapping now rather than at LRU time
-                    msg = {"v": PROTOCOL_VERSION, "id": 0, "op": "bye", "token": self._token,
-                           "shm": conn.segment.name}
+                    msg = {
+                        "v": PROTOCOL_VERSION,
+                        "id": 0,
+                        "op": "bye",
+                        "token": self._token,
+                        "shm": conn.segment.name,
+                    }
                     conn.sock.send(pack(msg), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass

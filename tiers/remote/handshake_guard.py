@@ -54,8 +54,10 @@ def tcp_bytes(sock: socket.socket) -> tuple[int, int] | None:
         return None
     if len(info) < _BYTES_RECEIVED_OFF + 8:
         return None
-    return (struct.unpack_from("<Q", info, _BYTES_ACKED_OFF)[0],
-            struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFF)[0])
+    return (
+        struct.unpack_from("<Q", info, _BYTES_ACKED_OFF)[0],
+        struct.unpack_from("<Q", info, _BYTES_RECEIVED_OFF)[0],
+    )
 
 
 class HandshakeGuard:
@@ -72,11 +74,13 @@ class HandshakeGuard:
         self._max_pending = max_pending
         self._forget_s = handshake_s + 1.0
         self._monitor = router.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
         self._fds: dict[int, float] = {}  # fd -> when it was accepted
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-handshake-guard",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="kvtier-handshake-guard", daemon=True
+        )
         self.num_cut = 0
         self._logged_at = float("-inf")
         self.max_seen_pending = 0  # the most pending connections one sweep saw (tests)
@@ -126,8 +130,11 @@ class HandshakeGuard:
                 self.num_cut += 1
             self._fds.pop(fd, None)
         if now - self._logged_at >= 1.0:  # a flood would otherwise log every sweep
-            log.warning("cut %d ZMQ connections still in their handshake so far (over %d "
-                        "pending at once)", self.num_cut, self._max_pending)
+            log.warning(
+                "cut %d ZMQ connections still in their handshake so far (over %d pending at once)",
+                self.num_cut,
+                self._max_pending,
+            )
             self._logged_at = now
 
     def _pending_bytes(self, fd: int) -> int | None:
@@ -165,9 +172,11 @@ class HandshakeGuard:
             os.close(dup)
             return None
         try:
-            if (sock.type == socket.SOCK_STREAM
-                    and sock.family in (socket.AF_INET, socket.AF_INET6)
-                    and sock.getsockname()[1] == self._local_port):
+            if (
+                sock.type == socket.SOCK_STREAM
+                and sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.getsockname()[1] == self._local_port
+            ):
                 sock.getpeername()  # connected, not a listener
                 return sock
         except OSError:

@@ -69,7 +69,9 @@ class ErrorCode(enum.IntEnum):
     SHM_UNAVAILABLE = 11  # the named shared-memory segment is unknown: re-hello or use frames
     SHUTTING_DOWN = 12
     INTERNAL = 13  # a store failure; the client treats it as a miss
-    BAD_BLOCK = 14  # a put payload is not an encoded block (cachestore.codec) of its key's namespace
+    BAD_BLOCK = (
+        14  # a put payload is not an encoded block (cachestore.codec) of its key's namespace
+    )
     # Every key of a put was being written by a concurrent put of the same key: nothing of
     # this request was stored (the other writer's block is). Not a failure: the client goes on.
     PUT_RACED = 15
@@ -140,16 +142,18 @@ def join_frames(frames: Sequence[memoryview], sizes: Sequence[int]) -> list[memo
         while have < size or not parts:
             part = next(it, None)
             if part is None:
-                raise ProtocolError(ErrorCode.BAD_FRAME,
-                                    f"{len(frames)} payload frames for {len(sizes)} keys")
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"{len(frames)} payload frames for {len(sizes)} keys"
+                )
             parts.append(part)
             have += len(part)
         if have != size:
             raise ProtocolError(ErrorCode.BAD_FRAME, "payload frames do not add up to the sizes")
         out.append(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
     if next(it, None) is not None:
-        raise ProtocolError(ErrorCode.BAD_FRAME,
-                            f"{len(frames)} payload frames for {len(sizes)} keys")
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"{len(frames)} payload frames for {len(sizes)} keys"
+        )
     return out
 
 
@@ -201,7 +205,7 @@ def url_host(url: str) -> str:
     """The host of a ``tcp://HOST:PORT`` url, without IPv6 brackets ("" for ipc://)."""
     if not url.startswith("tcp://"):
         return ""
-    return url[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return url[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
 
 
 def is_loopback(url: str) -> bool:
@@ -315,7 +319,9 @@ class TokenTable:
             if len(token.encode()) > 255:  # the ZMTP PLAIN password carries it
                 raise ValueError(f"{source}:{lineno}: token longer than 255 bytes")
             if not TENANT_RE.fullmatch(name):
-                raise ValueError(f"{source}:{lineno}: namespace {name!r} must match [A-Za-z0-9._-]+")
+                raise ValueError(
+                    f"{source}:{lineno}: namespace {name!r} must match [A-Za-z0-9._-]+"
+                )
             if token in entries:
                 raise ValueError(f"{source}:{lineno}: duplicate token")
             entries[token] = Tenant(name, frozenset(prefixes))

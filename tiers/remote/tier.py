@@ -51,11 +51,21 @@ if TYPE_CHECKING:
 class RemoteTier(Tier):
     name = "remote"
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 5.0,
-                 batch_keys: int = 64, use_shm: bool = True, shm_bytes: int = 64 << 20,
-                 max_shm_bytes: int = 1 << 30, retry_interval_s: float = 0.5,
-                 use_doorbell: bool = True, spin_us: float = 250.0,
-                 use_leases: bool = True, use_stream: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        batch_keys: int = 64,
+        use_shm: bool = True,
+        shm_bytes: int = 64 << 20,
+        max_shm_bytes: int = 1 << 30,
+        retry_interval_s: float = 0.5,
+        use_doorbell: bool = True,
+        spin_us: float = 250.0,
+        use_leases: bool = True,
+        use_stream: bool = True,
+    ) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"remote tier url must be tcp://HOST:PORT or ipc://PATH, got {url!r}")
         self.url = url
@@ -70,9 +80,19 @@ class RemoteTier(Tier):
         # Values handed out as views of the daemon's slab (leased), all threads; unlocked
         # (may undercount under concurrent calls): tests and diagnostics.
         self.num_in_place = 0
-        self._net = Connections(url, self._token, timeout_s, self.use_shm, shm_bytes,
-                                max_shm_bytes, retry_interval_s, use_doorbell,
-                                spin_us * 1e-6, use_leases, use_stream)
+        self._net = Connections(
+            url,
+            self._token,
+            timeout_s,
+            self.use_shm,
+            shm_bytes,
+            max_shm_bytes,
+            retry_interval_s,
+            use_doorbell,
+            spin_us * 1e-6,
+            use_leases,
+            use_stream,
+        )
 
     @classmethod
     def from_config(cls, config: RemoteTierConfig) -> RemoteTier:
@@ -141,11 +161,12 @@ class RemoteTier(Tier):
             in_slab = header.get("slab_offsets")
             if in_slab is not None:  # leased: the daemon's slab, read in place
                 slab = conn.bell.slab if conn.bell is not None else None
-                if slab is None or any(o < 0 or o + n > len(slab)
-                                       for o, n in zip(in_slab, header["sizes"], strict=True)):
+                if slab is None or any(
+                    o < 0 or o + n > len(slab)
+                    for o, n in zip(in_slab, header["sizes"], strict=True)
+                ):
                     raise TierError("cache server answered slab offsets outside its slab")
-                out.extend(slab[o : o + n] for o, n in zip(in_slab, header["sizes"],
-                                                           strict=True))
+                out.extend(slab[o : o + n] for o, n in zip(in_slab, header["sizes"], strict=True))
                 self.num_in_place += len(in_slab)
                 continue
             offsets = header.get("shm_offsets")
@@ -171,7 +192,9 @@ class RemoteTier(Tier):
         offset = 0
         for chunk in _chunks(list(items), min(self.batch_keys, conn.max_keys)):
             header: dict[str, Any] = {
-                "op": "put", "keys": [k for k, _ in chunk], "sizes": [len(v) for _, v in chunk],
+                "op": "put",
+                "keys": [k for k, _ in chunk],
+                "sizes": [len(v) for _, v in chunk],
                 "checksums": [checksum(v) for _, v in chunk],
             }
             payloads: list[Value] = [v for _, v in chunk]

@@ -54,7 +54,9 @@ class ZapHandler:
     (its tenant name becomes the connection's User-Id), 400 for anything else.
     ``accept(password) -> tenant name | None`` must not raise and must be fast."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], accept: Callable[[bytes], str | None]) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], accept: Callable[[bytes], str | None]
+    ) -> None:
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(ZAP_ENDPOINT)
@@ -89,16 +91,20 @@ class ZapHandler:
             # version, request id, domain, address, routing id, mechanism, credentials...
             version, request_id = frames[0], frames[1] if len(frames) > 1 else b""
             tenant = None
-            if (len(frames) == 8 and frames[2] == ZAP_DOMAIN and frames[5] == b"PLAIN"
-                    and frames[6] == PLAIN_USERNAME):
+            if (
+                len(frames) == 8
+                and frames[2] == ZAP_DOMAIN
+                and frames[5] == b"PLAIN"
+                and frames[6] == PLAIN_USERNAME
+            ):
                 tenant = self._accept(frames[7])
             if tenant is None:
                 self.num_denied += 1
-                self._sock.send_multipart([version, request_id, b"400", b"unknown token",
-                                           b"", b""])
+                self._sock.send_multipart([version, request_id, b"400", b"unknown token", b"", b""])
             else:
-                self._sock.send_multipart([version, request_id, b"200", b"OK",
-                                           tenant.encode(), b""])
+                self._sock.send_multipart(
+                    [version, request_id, b"200", b"OK", tenant.encode(), b""]
+                )
 
 
 def secure_server(sock: zmq.Socket[bytes], handshake_s: float) -> None:

@@ -15,8 +15,15 @@ from bench.offload.parts import Setup, make_llm
 from bench.offload.qa import bench_qa, qa_order, qa_sizes, run_qa
 from engine.sampling_params import SamplingParams
 
-QA = {"users": 6, "rounds": 3, "concurrency": 2, "system": 32, "context": 160, "question": 16,
-      "answer": 4}
+QA = {
+    "users": 6,
+    "rounds": 3,
+    "concurrency": 2,
+    "system": 32,
+    "context": 160,
+    "question": 16,
+    "answer": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +36,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _setup(model_dir: str, workdir: Path, **qa: int) -> Setup:
     # decision "load": which prefixes reload must not hang on the cost model's timings of a
     # shared CI machine (the cost model's choices have tests of their own)
-    return Setup(model_dir, torch.device("cpu"), str(workdir), (256,), 16, {**QA, **qa}, (),
-                 2048, 60.0, dtype="float32", qa_decision="load")
+    return Setup(
+        model_dir,
+        torch.device("cpu"),
+        str(workdir),
+        (256,),
+        16,
+        {**QA, **qa},
+        (),
+        2048,
+        60.0,
+        dtype="float32",
+        qa_decision="load",
+    )
 
 
 def test_qa_order_is_round_robin_by_round() -> None:
@@ -58,7 +76,8 @@ def test_run_qa_rounds_are_sequential_per_user(model_dir: str, tmp_path: Path) -
     finally:
         llm.close()
     assert [rid.split("-")[1:3] for rid, _ in added] == [
-        [str(u), str(r)] for u, r in qa_order(2, 3)]
+        [str(u), str(r)] for u, r in qa_order(2, 3)
+    ]
     assert run.max_in_flight == 2 and run.generated_tokens == 18 and run.preemptions == 0
     assert history == [[10] * 40, [11] * 40]  # inputs untouched
     by_key = {(t.user, t.round): t for t in run.turns}
@@ -109,5 +128,6 @@ def test_bench_qa_offload_reloads_what_the_pool_evicted(model_dir: str, tmp_path
     assert on["loaded_tokens"] == on["kv_loaded_tokens"] > 0
     assert sum(on["decisions"].values()) >= 12
     assert res["ttft_p50_ratio"] == res["off"]["ttft_p50_s"] / on["ttft_p50_s"]
-    assert res["throughput_ratio"] == (on["output_tokens_per_s"]
-                                       / res["off"]["output_tokens_per_s"])
+    assert res["throughput_ratio"] == (
+        on["output_tokens_per_s"] / res["off"]["output_tokens_per_s"]
+    )

@@ -56,9 +56,19 @@ def test_bench_sweep_on_a_tiny_llama(tmp_path: Path) -> None:
     from tests.engine.hf_models import make_tiny_model
 
     model = make_tiny_model(tmp_path / "models", "llama", seed=7)
-    setup = Setup(model, torch.device("cpu"), str(tmp_path), (256,), 16, {},
-                  ((0.25, 0.0), (16.0, 0.5)), 2048, 60.0, dtype="float32",
-                  sweep_lengths=(256,))
+    setup = Setup(
+        model,
+        torch.device("cpu"),
+        str(tmp_path),
+        (256,),
+        16,
+        {},
+        ((0.25, 0.0), (16.0, 0.5)),
+        2048,
+        60.0,
+        dtype="float32",
+        sweep_lengths=(256,),
+    )
     res = bench_sweep(setup)
     points = res["points"]
     assert res["num_points"] == len(points) == 2
@@ -67,8 +77,12 @@ def test_bench_sweep_on_a_tiny_llama(tmp_path: Path) -> None:
     assert slow["nominal_latency_s"] == 0.0
     assert fast["nominal_latency_s"] == pytest.approx(0.5 * fast["recompute_s"])
     # The tiny Llama: 2 layers, 2 KV heads of 16, float32: 8 KiB per block.
-    slot = encoded_size(block_meta(KVCache(KVCacheSpec(2, 2, 16, torch.float32), 1,
-                                           torch.device("cpu")), "bench-sweep"), keyed=True)
+    slot = encoded_size(
+        block_meta(
+            KVCache(KVCacheSpec(2, 2, 16, torch.float32), 1, torch.device("cpu")), "bench-sweep"
+        ),
+        keyed=True,
+    )
     for p in points:
         assert p["prefix_tokens"] == 256
         assert [n for n, _ in p["calibration"]] == [2, 8, 16]
@@ -84,5 +98,6 @@ def test_bench_sweep_on_a_tiny_llama(tmp_path: Path) -> None:
     assert res["within_5pct"] == sum(p["ratio_to_best"] <= 1.05 for p in points)
     assert res["num_not_slower_than_both"] == sum(p["not_slower_than_both"] for p in points)
     assert res["worst_read_prediction_error"] == max(
-        abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points)
+        abs(p["predicted_read_all_s"] / p["read_all_s"] - 1) for p in points
+    )
     assert res["path_ceiling"]["block_bytes"] == 8192  # 2 layers x (K, V) x 16 x 2 x 16 x 4 B

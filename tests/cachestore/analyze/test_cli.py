@@ -51,14 +51,38 @@ def test_parse_capacity_units() -> None:
 
 def test_request_log_and_access_log_formats(tmp_path: Path) -> None:
     h = [f"{i:064x}" for i in range(5)]
-    log = _lines(tmp_path / "req.jsonl", [
-        {"ts": 2.0, "req_id": "b", "prompt_tokens": 40, "block_hashes": [h[0], h[1]],
-         "hit_tiers": ["gpu"], "decision": "load_prefix", "ttft_s": 0.01},
-        {"ts": 1.0, "req_id": "a", "prompt_tokens": 35, "block_hashes": [h[0], h[2]],
-         "hit_tiers": [], "decision": "recompute", "ttft_s": 0.02},
-        {"ts": 2.0, "req_id": "c", "prompt_tokens": 16, "block_hashes": [h[0], h[0]],
-         "hit_tiers": [], "decision": "recompute", "ttft_s": 0.02},
-    ])
+    log = _lines(
+        tmp_path / "req.jsonl",
+        [
+            {
+                "ts": 2.0,
+                "req_id": "b",
+                "prompt_tokens": 40,
+                "block_hashes": [h[0], h[1]],
+                "hit_tiers": ["gpu"],
+                "decision": "load_prefix",
+                "ttft_s": 0.01,
+            },
+            {
+                "ts": 1.0,
+                "req_id": "a",
+                "prompt_tokens": 35,
+                "block_hashes": [h[0], h[2]],
+                "hit_tiers": [],
+                "decision": "recompute",
+                "ttft_s": 0.02,
+            },
+            {
+                "ts": 2.0,
+                "req_id": "c",
+                "prompt_tokens": 16,
+                "block_hashes": [h[0], h[0]],
+                "hit_tiers": [],
+                "decision": "recompute",
+                "ttft_s": 0.02,
+            },
+        ],
+    )
     assert detect_format(log) == "request-log"
     t = read_trace(log)
     assert (t.format, t.block_tokens, t.num_unique_blocks) == ("request-log", 16, 3)
@@ -66,11 +90,14 @@ def test_request_log_and_access_log_formats(tmp_path: Path) -> None:
     assert t.input_tokens.tolist() == [35, 40, 16]
     assert np.diff(t.offsets).tolist() == [2, 2, 1]
     assert t.block_ids[t.offsets[0]] == t.block_ids[t.offsets[1]] == t.block_ids[t.offsets[2]]
-    acc = _lines(tmp_path / "acc.jsonl", [
-        {"ts": 1.0, "op": "put", "namespace": "n1", "keys": ["k1", "k2"]},
-        {"ts": 2.0, "op": "get", "namespace": "n1", "keys": ["k1", "k2"]},
-        {"ts": 3.0, "op": "lookup", "namespace": "n2", "keys": ["k1"]},
-    ])
+    acc = _lines(
+        tmp_path / "acc.jsonl",
+        [
+            {"ts": 1.0, "op": "put", "namespace": "n1", "keys": ["k1", "k2"]},
+            {"ts": 2.0, "op": "get", "namespace": "n1", "keys": ["k1", "k2"]},
+            {"ts": 3.0, "op": "lookup", "namespace": "n2", "keys": ["k1"]},
+        ],
+    )
     assert detect_format(acc) == "access-log"
     t = read_trace(acc)
     # put lines are skipped; the same key in two namespaces is two blocks.
@@ -85,10 +112,13 @@ def test_prompts_are_tokenized_and_hashed(tmp_path: Path) -> None:
     vocab = {w: i for i, w in enumerate(["[UNK]"] + [f"w{i}" for i in range(64)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tk")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
+        tmp_path / "tk"
+    )
     shared = " ".join(f"w{i}" for i in range(32))
-    prompts = _lines(tmp_path / "p.jsonl", [{"prompt": shared + " w40 w41"},
-                                            {"prompt": shared + " w50"}])
+    prompts = _lines(
+        tmp_path / "p.jsonl", [{"prompt": shared + " w40 w41"}, {"prompt": shared + " w50"}]
+    )
     assert detect_format(prompts) == "prompts"
     t = read_trace(prompts, tokenizer_dir=str(tmp_path / "tk"))
     # 34 and 33 tokens -> two full 16-token blocks each, both shared.
@@ -108,9 +138,27 @@ def test_cli_outputs_on_the_synthetic_trace(tmp_path: Path, capsys: pytest.Captu
     if not SYNTHETIC.exists():
         pytest.skip(f"{SYNTHETIC} absent")
     out_json, png, md = tmp_path / "a.json", tmp_path / "a.png", tmp_path / "a.md"
-    rc = kvtier(["analyze", str(SYNTHETIC), "--tier", "host=2000blocks", "--tier", "lmdb=6Mtok",
-                 "--model-profile", "llama-3-8b", "--sweep", "host=0blocks,1000blocks,inf",
-                 "--json", str(out_json), "--plot", str(png), "--report", str(md), "--quiet"])
+    rc = kvtier(
+        [
+            "analyze",
+            str(SYNTHETIC),
+            "--tier",
+            "host=2000blocks",
+            "--tier",
+            "lmdb=6Mtok",
+            "--model-profile",
+            "llama-3-8b",
+            "--sweep",
+            "host=0blocks,1000blocks,inf",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(png),
+            "--report",
+            str(md),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     doc = json.loads(out_json.read_text())
     trace = read_trace(SYNTHETIC)
@@ -127,7 +175,9 @@ def test_cli_outputs_on_the_synthetic_trace(tmp_path: Path, capsys: pytest.Captu
     assert doc["tiers"][0]["read_bytes"] == doc["tiers"][0]["hit_blocks"] * 512 * 131072
     rd = doc["reuse_distance"]
     assert rd["reuse_refs"] + rd["cold_refs"] == 121877 and rd["p50"] <= rd["p90"] <= rd["p99"]
-    assert 0 < doc["restore_seconds"] and 0 < doc["net_saved_seconds"] <= doc["saved_prefill_seconds"]
+    assert (
+        0 < doc["restore_seconds"] and 0 < doc["net_saved_seconds"] <= doc["saved_prefill_seconds"]
+    )
     sw = doc["sweep"]
     assert sw["method"] == "mattson" and sw["capacities_blocks"] == [0, 1000, None]
     assert sw["block_hit_ratio"][2] == doc["infinite_capacity"]["block_hit_ratio"]
@@ -139,16 +189,34 @@ def test_cli_outputs_on_the_synthetic_trace(tmp_path: Path, capsys: pytest.Captu
     assert "host" in table and "lmdb" in table and "reuse distance" in table
 
 
-def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture) -> None:
+def test_cli_replay_matches_mattson_and_reports_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     if not SYNTHETIC.exists():
         pytest.skip(f"{SYNTHETIC} absent")
     head = tmp_path / "head.jsonl"
-    head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
+    head.write_text(
+        "".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400])
+    )
     docs = []
     for extra in ([], ["--replay"]):
-        assert kvtier(["analyze", str(head), "--tier", "host=300blocks", "--tier", "s3=900blocks",
-                       "--json", "-", "--quiet"] + extra) == 0
+        assert (
+            kvtier(
+                [
+                    "analyze",
+                    str(head),
+                    "--tier",
+                    "host=300blocks",
+                    "--tier",
+                    "s3=900blocks",
+                    "--json",
+                    "-",
+                    "--quiet",
+                ]
+                + extra
+            )
+            == 0
+        )
         docs.append(json.loads(capsys.readouterr().out))
     assert (docs[0]["method"], docs[1]["method"]) == ("mattson", "replay")
     for key in ("hit_blocks", "hit_tokens", "tiers", "saved_prefill_seconds", "restore_seconds"):
@@ -156,15 +224,19 @@ def test_cli_replay_matches_mattson_and_reports_bad_input(tmp_path: Path,
     # Byte capacities without a profile use llama-3-8b's KV size, as --help says.
     same = []
     for extra in ([], ["--model-profile", "llama-3-8b"]):
-        assert kvtier(["analyze", str(head), "--tier", "host=64GiB", "--quiet", "--json", "-",
-                       *extra]) == 0
+        assert (
+            kvtier(["analyze", str(head), "--tier", "host=64GiB", "--quiet", "--json", "-", *extra])
+            == 0
+        )
         same.append(json.loads(capsys.readouterr().out))
     assert same[0] == same[1]
     assert kvtier(["analyze", str(head), "--tier", "tape=10blocks", "--quiet"]) == 2
     assert "no cost for tier 'tape'" in capsys.readouterr().err
 
 
-def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_prices_losslessly_compressed_tiers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """``--kv-compression lossless``: blocks take the hi4 format's bytes (the codec's own
     payload size for the profile's geometry), so a byte capacity holds more blocks, reads move
     fewer bytes and restores cost less; it needs the layer count of a model profile."""
@@ -173,12 +245,31 @@ def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.C
     from connectors.device.kv_compress import Hi4Codec
 
     head = tmp_path / "head.jsonl"
-    head.write_text("".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400]))
+    head.write_text(
+        "".join(gzip.open(SYNTHETIC, "rt", encoding="utf-8").read().splitlines(keepends=True)[:400])
+    )
     docs = []
     for compression in ("none", "lossless"):
-        assert kvtier(["analyze", str(head), "--tier", "host=20GiB", "--tier", "lmdb=inf",
-                       "--model-profile", "llama-3-8b", "--kv-compression", compression,
-                       "--json", "-", "--quiet"]) == 0
+        assert (
+            kvtier(
+                [
+                    "analyze",
+                    str(head),
+                    "--tier",
+                    "host=20GiB",
+                    "--tier",
+                    "lmdb=inf",
+                    "--model-profile",
+                    "llama-3-8b",
+                    "--kv-compression",
+                    compression,
+                    "--json",
+                    "-",
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
         docs.append(json.loads(capsys.readouterr().out))
     raw, packed = docs
     stored = Hi4Codec(2 * 32, 16 * 8 * 128).payload_bytes // 16  # a 16-token block, per token
@@ -189,8 +280,20 @@ def test_cli_prices_losslessly_compressed_tiers(tmp_path: Path, capsys: pytest.C
     assert packed["hit_blocks"] == raw["hit_blocks"]  # lmdb=inf: every reuse hits somewhere
     assert packed["tiers"][0]["hit_blocks"] >= raw["tiers"][0]["hit_blocks"]
     assert packed["restore_seconds"] < raw["restore_seconds"]
-    assert kvtier(["analyze", str(head), "--kv-bytes-per-token", "1000", "--kv-compression",
-                   "lossless", "--quiet"]) == 2
+    assert (
+        kvtier(
+            [
+                "analyze",
+                str(head),
+                "--kv-bytes-per-token",
+                "1000",
+                "--kv-compression",
+                "lossless",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert "needs --model-profile" in capsys.readouterr().err
 
 

@@ -42,7 +42,7 @@ def reference_lru(trace: Trace, capacity: int | None) -> tuple[int, int]:
     cache: OrderedDict[int, None] = OrderedDict()
     hit_blocks = hit_tokens = 0
     for r in range(trace.num_requests):
-        blocks = ids[offs[r]:offs[r + 1]]
+        blocks = ids[offs[r] : offs[r + 1]]
         h = 0
         for b in blocks:
             if b not in cache:
@@ -71,8 +71,9 @@ def test_full_trace_equals_reference_replay(name: str, capacity: int) -> None:
 
 
 @pytest.mark.parametrize("capacity", [1, 7, 64, 500, 3000, None])
-def test_prefix_curve_and_replay_equal_reference(conversation: Trace, synthetic: Trace,
-                                                 capacity: int | None) -> None:
+def test_prefix_curve_and_replay_equal_reference(
+    conversation: Trace, synthetic: Trace, capacity: int | None
+) -> None:
     for trace in (conversation.head(1500), synthetic.head(600)):
         expected = reference_lru(trace, capacity)
         cap = trace.num_block_refs if capacity is None else capacity
@@ -114,7 +115,9 @@ def test_hierarchy_conserves_hits_and_matches_its_shortcut(conversation: Trace) 
     assert np.array_equal(multi.hit_blocks, single.hit_blocks)
     assert sum(t.hit_blocks for t in multi.tiers) == single.tiers[0].hit_blocks
     # Demotions chain: what a tier evicts is what the next one receives.
-    assert [t.inserted_blocks for t in multi.tiers[1:]] == [t.evicted_blocks for t in multi.tiers[:-1]]
+    assert [t.inserted_blocks for t in multi.tiers[1:]] == [
+        t.evicted_blocks for t in multi.tiers[:-1]
+    ]
     assert multi.tiers[-1].evicted_blocks == single.tiers[0].evicted_blocks
     assert [t.resident_blocks for t in multi.tiers] == [400, 900, 1100]
     shortcut = lru_hierarchy(trace, stack_distances(trace), tiers)

@@ -25,24 +25,57 @@ IDS = {"a": 1, "b": 2, "c": 3, "d": 4}
 
 def _trace(tmp_path: Path) -> Path:
     path = tmp_path / "four.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 1,
-                                        "hash_ids": [IDS[k] for k in row]}) + "\n"
-                            for i, row in enumerate(ROWS)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": i,
+                    "input_length": 1024,
+                    "output_length": 1,
+                    "hash_ids": [IDS[k] for k in row],
+                }
+            )
+            + "\n"
+            for i, row in enumerate(ROWS)
+        )
+    )
     return path
 
 
 def _analyze(tmp_path: Path, *flags: str) -> dict:
     out = tmp_path / "doc.json"
-    assert kvtier(["analyze", str(_trace(tmp_path)), "--model-profile", "llama-3-8b",
-                   "--json", str(out), "--quiet", *flags]) == 0
+    assert (
+        kvtier(
+            [
+                "analyze",
+                str(_trace(tmp_path)),
+                "--model-profile",
+                "llama-3-8b",
+                "--json",
+                str(out),
+                "--quiet",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("replay", [False, True])
 def test_sweep_over_host_with_s3_inf_moves_the_host_share_not_the_total(
-        tmp_path: Path, replay: bool) -> None:
-    doc = _analyze(tmp_path, "--tier", "host=4blocks", "--tier", "s3=inf",
-                   "--sweep", "host=1blocks,3blocks,4blocks", *(["--replay"] if replay else []))
+    tmp_path: Path, replay: bool
+) -> None:
+    doc = _analyze(
+        tmp_path,
+        "--tier",
+        "host=4blocks",
+        "--tier",
+        "s3=inf",
+        "--sweep",
+        "host=1blocks,3blocks,4blocks",
+        *(["--replay"] if replay else []),
+    )
     sw = doc["sweep"]
     assert sw["method"] == ("replay" if replay else "mattson")
     assert sw["capacities_blocks"] == [1, 3, 4]
@@ -63,13 +96,24 @@ def test_sweep_over_host_with_s3_inf_moves_the_host_share_not_the_total(
 
 def test_report_and_table_define_net_saved(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     md = tmp_path / "r.md"
-    _analyze(tmp_path, "--tier", "host=3blocks", "--tier", "s3=inf", "--sweep",
-             "host=1blocks,4blocks", "--report", str(md))
+    _analyze(
+        tmp_path,
+        "--tier",
+        "host=3blocks",
+        "--tier",
+        "s3=inf",
+        "--sweep",
+        "host=1blocks,4blocks",
+        "--report",
+        str(md),
+    )
     report = md.read_text()
     assert f"Definition: {NET_SAVED_DEFINITION}." in report
     assert NET_SAVED_DEFINITION.startswith("net saved = sum over requests of max(saved - restore")
-    assert "| capacity | blocks | host hit | s3 hit | total blocks | total tokens | net saved s |" \
+    assert (
+        "| capacity | blocks | host hit | s3 hit | total blocks | total tokens | net saved s |"
         in report
+    )
     assert "| 1blocks | 1 | 0.00% | 50.00% | 50.00% | 50.00% |" in report
     assert "| 4blocks | 4 | 50.00% | 0.00% | 50.00% | 50.00% |" in report
     table = " ".join(capsys.readouterr().out.split())  # the terminal wraps the definition
@@ -86,21 +130,50 @@ def test_plot_has_one_axes_per_tier_marked_in_the_units_given(tmp_path: Path) ->
 
     png = tmp_path / "p.png"
     # 64 MiB a block (512 tokens x 128 KiB): host 128MiB = 2 blocks, lmdb 1024 tokens = 2.
-    doc = _analyze(tmp_path, "--tier", "host=128MiB", "--tier", "lmdb=1024tok",
-                   "--tier", "s3=inf", "--sweep", "host=64MiB,256MiB,inf", "--plot", str(png))
+    doc = _analyze(
+        tmp_path,
+        "--tier",
+        "host=128MiB",
+        "--tier",
+        "lmdb=1024tok",
+        "--tier",
+        "s3=inf",
+        "--sweep",
+        "host=64MiB,256MiB,inf",
+        "--plot",
+        str(png),
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [c["tier"] for c in doc["tier_curves"]] == ["host", "lmdb", "s3"]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args([str(tmp_path / "four.jsonl"), "--tier", "host=128MiB",
-                              "--tier", "lmdb=1024tok", "--tier", "s3=inf",
-                              "--model-profile", "llama-3-8b", "--sweep", "host=64MiB,inf"])
+    args = parser.parse_args(
+        [
+            str(tmp_path / "four.jsonl"),
+            "--tier",
+            "host=128MiB",
+            "--tier",
+            "lmdb=1024tok",
+            "--tier",
+            "s3=inf",
+            "--model-profile",
+            "llama-3-8b",
+            "--sweep",
+            "host=64MiB,inf",
+        ]
+    )
     trace = read_trace(args.trace)
     full = analyze(trace, build_config(args, trace), keep_distances=True, curves=True)
     fig = build_figure(full)
     axes = {ax.get_label(): ax for ax in fig.axes}
-    assert sorted(axes) == ["reuse_cdf", "sweep:hits", "sweep:net_saved", "tier:host",
-                            "tier:lmdb", "tier:s3"]
+    assert sorted(axes) == [
+        "reuse_cdf",
+        "sweep:hits",
+        "sweep:net_saved",
+        "tier:host",
+        "tier:lmdb",
+        "tier:s3",
+    ]
     host, lmdb, s3 = axes["tier:host"], axes["tier:lmdb"], axes["tier:s3"]
     assert "GiB" in host.get_xlabel() and "tokens" in lmdb.get_xlabel()
     assert "GiB" in s3.get_xlabel()  # inf borrows the stack's first unit
@@ -119,4 +192,9 @@ def test_plot_has_one_axes_per_tier_marked_in_the_units_given(tmp_path: Path) ->
     ticks = [t.get_text() for t in axes["sweep:hits"].get_xticklabels()]
     assert ticks == ["64MiB", "inf"]
     assert {ln.get_label() for ln in axes["sweep:hits"].get_lines()} == {
-        "host hits", "lmdb hits", "s3 hits", "total (blocks)", "total (tokens)"}
+        "host hits",
+        "lmdb hits",
+        "s3 hits",
+        "total (blocks)",
+        "total (tokens)",
+    }

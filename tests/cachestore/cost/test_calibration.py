@@ -54,8 +54,12 @@ def test_calibrate_prefill_rejects_too_few_sizes() -> None:
 
 def test_nonnegative_fit_where_plain_least_squares_goes_negative() -> None:
     # Superlinear-looking noise: the unconstrained fit wants a negative fixed cost.
-    samples = [PrefillSample(100, 0, 0.009), PrefillSample(200, 0, 0.020),
-               PrefillSample(400, 0, 0.042), PrefillSample(800, 0, 0.085)]
+    samples = [
+        PrefillSample(100, 0, 0.009),
+        PrefillSample(200, 0, 0.020),
+        PrefillSample(400, 0, 0.042),
+        PrefillSample(800, 0, 0.085),
+    ]
     plain = PrefillCost.fit(samples)
     assert plain.fixed_s < 0 or plain.attention_s < 0  # the case this guards against
     fitted = fit_prefill_nonnegative(samples)
@@ -66,7 +70,7 @@ def test_nonnegative_fit_where_plain_least_squares_goes_negative() -> None:
         return sum((p.time(s.num_tokens) - s.seconds) ** 2 for s in samples)
 
     # No worse than the best fit of the per-token term alone (one of the subsets it tries).
-    b = sum(s.num_tokens * s.seconds for s in samples) / sum(s.num_tokens ** 2 for s in samples)
+    b = sum(s.num_tokens * s.seconds for s in samples) / sum(s.num_tokens**2 for s in samples)
     assert sse(fitted) <= sse(PrefillCost(0.0, b, 0.0))
 
 
@@ -103,11 +107,17 @@ def test_calibrate_combines_measurements_and_priors(tmp_path) -> None:
     host = HostTier(64 * 4096, 4096, pin_memory=False)
     lmdb = LmdbTier(tmp_path / "lmdb", 16 << 20)
     try:
-        model = calibrate([host, lmdb, DownTier(name="redis")], 4096, 16,
-                          lambda n, c: 2 * TRUTH.time(n, c),
-                          host_to_gpu=lambda n: 1e-5 + n * 4096 / 1e10, priors=priors,
-                          prefill_sizes=[(16, 0), (512, 0), (2048, 1024)], num_blocks=8,
-                          progress=False)
+        model = calibrate(
+            [host, lmdb, DownTier(name="redis")],
+            4096,
+            16,
+            lambda n, c: 2 * TRUTH.time(n, c),
+            host_to_gpu=lambda n: 1e-5 + n * 4096 / 1e10,
+            priors=priors,
+            prefill_sizes=[(16, 0), (512, 0), (2048, 1024)],
+            num_blocks=8,
+            progress=False,
+        )
     finally:
         host.close()
         lmdb.close()
@@ -125,9 +135,15 @@ def test_calibrate_combines_measurements_and_priors(tmp_path) -> None:
 
 def test_calibrate_measures_the_host_hop_without_a_host_tier(tmp_path) -> None:
     with LmdbTier(tmp_path / "lmdb", 16 << 20) as lmdb:
-        model = calibrate([lmdb], 4096, 16, host_to_gpu=lambda n: 2e-5 + n * 4096 / 2e10,
-                          priors=CostPriors("t", {}, TRUTH, 4096), num_blocks=8,
-                          progress=False)
+        model = calibrate(
+            [lmdb],
+            4096,
+            16,
+            host_to_gpu=lambda n: 2e-5 + n * 4096 / 2e10,
+            priors=CostPriors("t", {}, TRUTH, 4096),
+            num_blocks=8,
+            progress=False,
+        )
     costs = model.tier_costs()
     assert costs["host"].bandwidth_bytes_per_s == pytest.approx(2e10, rel=1e-9)
     assert costs["host"].latency_s == pytest.approx(2e-5, rel=1e-9)
@@ -136,6 +152,5 @@ def test_calibrate_measures_the_host_hop_without_a_host_tier(tmp_path) -> None:
     d = model.decide(0, ["lmdb"], 32)
     (load,) = [o for o in (d.best, *d.alternatives) if o.strategy == "load_prefix"]
     lm = costs["lmdb"]
-    expected = (lm.latency_s + 2e-5 + 4096 / min(lm.bandwidth_bytes_per_s, 2e10)
-                + TRUTH.time(16, 16))
+    expected = lm.latency_s + 2e-5 + 4096 / min(lm.bandwidth_bytes_per_s, 2e10) + TRUTH.time(16, 16)
     assert load.predicted_s == pytest.approx(expected, rel=1e-12)

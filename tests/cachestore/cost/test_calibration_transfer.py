@@ -23,8 +23,9 @@ from tiers.lmdb import LmdbTier
 TRUTH = PrefillCost(fixed_s=0.002, per_token_s=1e-5, attention_s=3e-9)
 
 
-def _samples(latency: float, bandwidth: float, block_bytes: int,
-             sizes: tuple[int, ...]) -> list[TransferSample]:
+def _samples(
+    latency: float, bandwidth: float, block_bytes: int, sizes: tuple[int, ...]
+) -> list[TransferSample]:
     return [TransferSample(n, latency + n * block_bytes / bandwidth) for n in sizes]
 
 
@@ -59,13 +60,17 @@ def test_fit_transfer_flat_times_take_the_largest_size() -> None:
     assert cost.latency_s == pytest.approx(4.0 - 2 * 0.5, rel=1e-12)
 
 
-@pytest.mark.parametrize("samples, match", [
-    ([TransferSample(4, 1.0), TransferSample(4, 2.0)], "distinct sizes"),
-    ([TransferSample(0, 1.0), TransferSample(4, 2.0)], "sizes must be"),
-    ([TransferSample(1, 0.0), TransferSample(4, 2.0)], "times > 0"),
-])
-def test_fit_transfer_rejects_what_cannot_be_fitted(samples: list[TransferSample],
-                                                    match: str) -> None:
+@pytest.mark.parametrize(
+    "samples, match",
+    [
+        ([TransferSample(4, 1.0), TransferSample(4, 2.0)], "distinct sizes"),
+        ([TransferSample(0, 1.0), TransferSample(4, 2.0)], "sizes must be"),
+        ([TransferSample(1, 0.0), TransferSample(4, 2.0)], "times > 0"),
+    ],
+)
+def test_fit_transfer_rejects_what_cannot_be_fitted(
+    samples: list[TransferSample], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         fit_transfer(samples, 100, "x")
 
@@ -122,21 +127,34 @@ def test_calibrate_uses_transfer_timers_and_keeps_priors_when_they_fail() -> Non
     def broken(n: int) -> float:
         raise OSError("gone")
 
-    model = calibrate([], 4096, 16, priors=priors, progress=False, transfer_sizes=(8, 64),
-                      transfer_timers={"lmdb": lambda n: 2e-3 + n * 4096 / 5e8,
-                                       "redis": broken})
+    model = calibrate(
+        [],
+        4096,
+        16,
+        priors=priors,
+        progress=False,
+        transfer_sizes=(8, 64),
+        transfer_timers={"lmdb": lambda n: 2e-3 + n * 4096 / 5e8, "redis": broken},
+    )
     costs = model.tier_costs()
     assert set(costs) == {"lmdb", "redis"}  # no host hop: lmdb is priced as the whole path
     assert costs["lmdb"].latency_s == pytest.approx(2e-3, rel=1e-9)
     assert costs["lmdb"].bandwidth_bytes_per_s == pytest.approx(5e8, rel=1e-9)
     assert costs["redis"] == prior
     d = model.decide(0, ["lmdb"] * 4, 80)
-    (load_all,) = [o for o in (d.best, *d.alternatives)
-                   if o.strategy == "load_prefix" and o.load_end == 4]
+    (load_all,) = [
+        o for o in (d.best, *d.alternatives) if o.strategy == "load_prefix" and o.load_end == 4
+    ]
     assert load_all.predicted_s == pytest.approx(2e-3 + 4 * 4096 / 5e8 + TRUTH.time(16, 64))
     with pytest.raises(ValueError, match="no prior"):
-        calibrate([], 4096, 16, priors=CostPriors("t", {}, TRUTH, 4096), progress=False,
-                  transfer_timers={"s3": broken})
+        calibrate(
+            [],
+            4096,
+            16,
+            priors=CostPriors("t", {}, TRUTH, 4096),
+            progress=False,
+            transfer_timers={"s3": broken},
+        )
 
 
 def test_relative_prefill_fit_weighs_short_prefills_like_long_ones() -> None:
@@ -153,8 +171,9 @@ def test_relative_prefill_fit_weighs_short_prefills_like_long_ones() -> None:
     relative = fit_prefill_nonnegative(noisy, relative=True)
     short_err = [abs(f.time(16, 0) / TRUTH.time(16, 0) - 1) for f in (absolute, relative)]
     assert short_err[1] < short_err[0]
-    long_err = [abs(f.time(4096, 0) / (1.2 * TRUTH.time(4096, 0)) - 1)
-                for f in (absolute, relative)]
+    long_err = [
+        abs(f.time(4096, 0) / (1.2 * TRUTH.time(4096, 0)) - 1) for f in (absolute, relative)
+    ]
     assert long_err[0] < long_err[1]
     with pytest.raises(ValueError, match="> 0"):
         fit_prefill_nonnegative([*exact, PrefillSample(8, 0, 0.0)], relative=True)

@@ -40,8 +40,10 @@ def test_prior_reproduces_design_prefill_figures() -> None:
 
 def test_fit_recovers_known_coefficients_with_context() -> None:
     truth = PrefillCost(fixed_s=0.002, per_token_s=1e-5, attention_s=3e-9)
-    samples = [PrefillSample(n, c, truth.time(n, c))
-               for n, c in [(16, 0), (512, 0), (512, 4096), (2048, 1024), (8192, 0)]]
+    samples = [
+        PrefillSample(n, c, truth.time(n, c))
+        for n, c in [(16, 0), (512, 0), (512, 4096), (2048, 1024), (8192, 0)]
+    ]
     fitted = PrefillCost.fit(samples)
     assert fitted.fixed_s == pytest.approx(0.002, rel=1e-9)
     assert fitted.per_token_s == pytest.approx(1e-5, rel=1e-9)
@@ -66,8 +68,9 @@ def test_reload_time_pipelined_hops() -> None:
     hops = hops_to_gpu("redis", DEFAULT_TIER_COSTS)
     assert [h.name for h in hops] == ["redis", "host"]
     # Latencies add (500 us + 10 us); the slowest link (Redis, 2.5 GB/s) sets the rate.
-    assert reload_time(10, 2 << 20, hops) == pytest.approx(510e-6 + 10 * (2 << 20) / 2.5e9,
-                                                           rel=1e-15)
+    assert reload_time(10, 2 << 20, hops) == pytest.approx(
+        510e-6 + 10 * (2 << 20) / 2.5e9, rel=1e-15
+    )
     assert reload_time(0, 2 << 20, hops) == 0.0
     assert reload_time(5, 2 << 20, ()) == 0.0
     assert hops_to_gpu("gpu", DEFAULT_TIER_COSTS) == ()
@@ -152,8 +155,11 @@ def test_pipelined_host_loads_cost_the_longer_of_load_and_rest() -> None:
     host = (TierCost("host", 0.0, 2e6),)  # 2 MB/s: a 4096-byte block takes 2.048 ms
     plain = choose_split([host] * 4, 4, 4096, 20, prefill)
     piped = choose_split([host] * 4, 4, 4096, 20, prefill, pipelined_blocks=4, num_layers=8)
-    load_all = next(o for o in (plain.best, *plain.alternatives)
-                    if o.strategy == STRATEGY_LOAD_PREFIX and o.load_end == 4)
+    load_all = next(
+        o
+        for o in (plain.best, *plain.alternatives)
+        if o.strategy == STRATEGY_LOAD_PREFIX and o.load_end == 4
+    )
     assert abs(load_all.predicted_s - (4 * 2.048e-3 + 4e-3)) < 1e-9  # load, then the rest
     assert plain.best.strategy == STRATEGY_OVERLAP  # compute a block while three load: 10.1 ms
     assert piped.best.strategy == STRATEGY_LOAD_PREFIX and piped.best.load_end == 4
@@ -170,7 +176,9 @@ def test_overlap_must_win_by_the_margin() -> None:
     d = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=0.1)
     assert (d.best.strategy, d.best.load_end) == (STRATEGY_LOAD_PREFIX, 8)
     assert any(o.strategy == STRATEGY_OVERLAP for o in d.alternatives)
-    assert choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=0.02).best.strategy \
+    assert (
+        choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=0.02).best.strategy
         == STRATEGY_OVERLAP
+    )
     with pytest.raises(ValueError):
         choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=1.0)

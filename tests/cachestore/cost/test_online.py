@@ -24,8 +24,13 @@ S3 = TierCost("s3", latency_s=0.05, bandwidth_bytes_per_s=1e5)  # 10 ms per bloc
 
 
 def model(alpha: float = 0.5) -> OnlineCostModel:
-    return OnlineCostModel({"host": HOST, "lmdb": LMDB, "s3": S3}, LINEAR, block_bytes=1000,
-                           block_tokens=16, alpha=alpha)
+    return OnlineCostModel(
+        {"host": HOST, "lmdb": LMDB, "s3": S3},
+        LINEAR,
+        block_bytes=1000,
+        block_tokens=16,
+        alpha=alpha,
+    )
 
 
 def test_long_prefix_on_fast_tier_loads_with_exact_prediction() -> None:
@@ -87,7 +92,8 @@ def test_bandwidth_ewma_step_is_exact() -> None:
     # Faster than the latency alone: the whole time counts as copy: 10000 / 0.5 ms = 2e7.
     m.observe_transfer("host", 10_000, 0.0005)
     assert m.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
-        1.5e6 + 0.5 * (2e7 - 1.5e6), rel=1e-12)
+        1.5e6 + 0.5 * (2e7 - 1.5e6), rel=1e-12
+    )
     snap = m.snapshot()["tiers"]["host"]
     assert snap["num_samples"] == 2 and snap["prior_bandwidth_bytes_per_s"] == 1e6
 

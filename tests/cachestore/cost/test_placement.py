@@ -21,32 +21,51 @@ from tiers.lmdb import LmdbTier
 MB = 1 << 20
 # An 8B-like model: 128 KiB of KV per token, 16-token blocks of 2 MiB; ~26 us/token prefill.
 PREFILL = PrefillCost(fixed_s=0.005, per_token_s=26e-6, attention_s=1e-10)
-COSTS = {"host": TierCost("host", 1e-4, 55e9), "lmdb": TierCost("lmdb", 2e-3, 0.38e9),
-         "redis": TierCost("redis", 1e-3, 10e9)}
+COSTS = {
+    "host": TierCost("host", 1e-4, 55e9),
+    "lmdb": TierCost("lmdb", 2e-3, 0.38e9),
+    "redis": TierCost("redis", 1e-3, 10e9),
+}
 
 
 def test_a_tier_slower_than_recompute_at_its_best_case_is_unprofitable() -> None:
-    verdicts = {v.name: v for v in tier_verdicts(COSTS, PREFILL, block_bytes=2 * MB,
-                                                 block_tokens=16, max_prefix_tokens=16_400)}
+    verdicts = {
+        v.name: v
+        for v in tier_verdicts(
+            COSTS, PREFILL, block_bytes=2 * MB, block_tokens=16, max_prefix_tokens=16_400
+        )
+    }
     assert set(verdicts) == {"lmdb", "redis"}  # host is always worth it
     lmdb, redis = verdicts["lmdb"], verdicts["redis"]
     assert lmdb.prefix_tokens == redis.prefix_tokens == 16_400 // 16 * 16
     # 1025 blocks of 2 MiB at 0.38 GB/s: ~5.7 s, against ~0.45 s of prefill.
     assert lmdb.load_s == pytest.approx(2e-3 + 1e-4 + 1025 * 2 * MB / 0.38e9)
     assert not lmdb.pays and redis.pays
-    names = [v.name for v in unprofitable_tiers(COSTS, PREFILL, block_bytes=2 * MB,
-                                                block_tokens=16, max_prefix_tokens=16_400)]
+    names = [
+        v.name
+        for v in unprofitable_tiers(
+            COSTS, PREFILL, block_bytes=2 * MB, block_tokens=16, max_prefix_tokens=16_400
+        )
+    ]
     assert names == ["lmdb"]
     with pytest.raises(ValueError, match="block_tokens"):
         tier_verdicts(COSTS, PREFILL, block_bytes=2 * MB, block_tokens=16, max_prefix_tokens=8)
 
 
 def _store(tmp_path: Path, *policies: WritePolicy) -> HierarchicalStore:
-    tiers = [HostTier(2 * SIZE, SIZE), LmdbTier(tmp_path / "a", 64 * SIZE),
-             LmdbTier(tmp_path / "b", 64 * SIZE)]
+    tiers = [
+        HostTier(2 * SIZE, SIZE),
+        LmdbTier(tmp_path / "a", 64 * SIZE),
+        LmdbTier(tmp_path / "b", 64 * SIZE),
+    ]
     tiers[1].name, tiers[2].name = "lmdb", "disk"
-    return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX, write_policies=(
-        WritePolicy(), *(policies or (WritePolicy(), WritePolicy())))))
+    return HierarchicalStore(
+        tiers,
+        StoreConfig(
+            namespace=PREFIX,
+            write_policies=(WritePolicy(), *(policies or (WritePolicy(), WritePolicy()))),
+        ),
+    )
 
 
 def test_demotion_passes_a_skipped_tier_and_counts_it(tmp_path: Path) -> None:

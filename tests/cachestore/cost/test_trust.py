@@ -50,26 +50,35 @@ def samples_of(cost: PrefillCost) -> list[PrefillSample]:
 
 def test_check_prefill_accepts_a_real_fit() -> None:
     assert check_prefill(TRUE_PREFILL, samples_of(TRUE_PREFILL)) is None
-    assert check_prefill(default_priors("cpu").prefill, samples_of(default_priors("cpu").prefill)) is None
+    assert (
+        check_prefill(default_priors("cpu").prefill, samples_of(default_priors("cpu").prefill))
+        is None
+    )
 
 
-@pytest.mark.parametrize(("cost", "match"), [
-    (FLAT, "zero per-token cost"),
-    (PrefillCost(81.84e-3, 0.5e-6, 0.0), "flat fit"),  # 0.13 ms of 82 ms grows with length
-    (PrefillCost(5e-3, -1e-6, 0.0), "finite and >= 0"),
-    (PrefillCost(float("nan"), 30e-6, 0.0), "finite and >= 0"),
-    (PrefillCost(3.0, 30e-3, 0.0), "fixed cost"),
-    (PrefillCost(5e-3, 0.2, 0.0), "per-token cost"),
-])
+@pytest.mark.parametrize(
+    ("cost", "match"),
+    [
+        (FLAT, "zero per-token cost"),
+        (PrefillCost(81.84e-3, 0.5e-6, 0.0), "flat fit"),  # 0.13 ms of 82 ms grows with length
+        (PrefillCost(5e-3, -1e-6, 0.0), "finite and >= 0"),
+        (PrefillCost(float("nan"), 30e-6, 0.0), "finite and >= 0"),
+        (PrefillCost(3.0, 30e-3, 0.0), "fixed cost"),
+        (PrefillCost(5e-3, 0.2, 0.0), "per-token cost"),
+    ],
+)
 def test_check_prefill_rejects_impossible_fits(cost: PrefillCost, match: str) -> None:
     reason = check_prefill(cost, samples_of(cost))
     assert reason is not None and match in reason
 
 
 def test_check_prefill_rejects_wild_residuals_and_timings_out_of_bounds() -> None:
-    noisy = [PrefillSample(n, c, t * (3.0 if i % 2 else 0.3))
-             for i, (n, c, t) in enumerate((s.num_tokens, s.context_tokens, s.seconds)
-                                           for s in samples_of(TRUE_PREFILL))]
+    noisy = [
+        PrefillSample(n, c, t * (3.0 if i % 2 else 0.3))
+        for i, (n, c, t) in enumerate(
+            (s.num_tokens, s.context_tokens, s.seconds) for s in samples_of(TRUE_PREFILL)
+        )
+    ]
     assert "residuals" in (check_prefill(TRUE_PREFILL, noisy) or "")
     slow = [*samples_of(TRUE_PREFILL), PrefillSample(256, 0, 90.0)]
     assert "over 60 s" in (check_prefill(TRUE_PREFILL, slow) or "")
@@ -83,7 +92,8 @@ def test_check_tier_bounds() -> None:
 
 
 def test_checked_calibration_retries_then_falls_back_to_the_prior(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     calls = []
 
     def stalled_once(n: int, c: int) -> float:  # the first attempt stalls on every size
@@ -94,8 +104,9 @@ def test_checked_calibration_retries_then_falls_back_to_the_prior(
     assert ok.trusted and ok.cost.per_token_s == pytest.approx(30e-6, rel=0.05)
     prior = default_priors("cpu").prefill
     with caplog.at_level(logging.WARNING, logger="cachestore.cost.calibration"):
-        bad = calibrate_prefill_checked(flat_prefill, SIZES, fallback=prior, attempts=2,
-                                        progress=False)
+        bad = calibrate_prefill_checked(
+            flat_prefill, SIZES, fallback=prior, attempts=2, progress=False
+        )
     assert (bad.cost, bad.trusted) == (prior, False) and "per-token" in (bad.reason or "")
     assert sum("/2 rejected" in r.getMessage() for r in caplog.records) == 2
     no_prior = calibrate_prefill_checked(flat_prefill, SIZES, attempts=1, progress=False)
@@ -106,15 +117,23 @@ def test_checked_calibration_retries_then_falls_back_to_the_prior(
 
 def test_calibrate_rejects_an_impossible_tier_measurement() -> None:
     priors = default_priors("cpu")
-    model = calibrate([], BLOCK_BYTES, BLOCK_TOKENS, host_to_gpu=lambda n: 10.0 + n,
-                      priors=priors, progress=False, num_blocks=4)
+    model = calibrate(
+        [],
+        BLOCK_BYTES,
+        BLOCK_TOKENS,
+        host_to_gpu=lambda n: 10.0 + n,
+        priors=priors,
+        progress=False,
+        num_blocks=4,
+    )
     snap = model.snapshot()["tiers"]["host"]
     assert snap["latency_s"] == priors.tier_costs["host"].latency_s and not snap["trusted"]
     # An untrusted tier learns fast: its first sample weighs 1/2, not alpha = 0.2.
     model.observe_transfer("host", 10 << 20, 1e-3)
     bw = priors.tier_costs["host"].bandwidth_bytes_per_s
     assert model.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
-        bw + 0.5 * ((10 << 20) / (1e-3 - 5e-6) - bw), rel=1e-9)
+        bw + 0.5 * ((10 << 20) / (1e-3 - 5e-6) - bw), rel=1e-9
+    )
 
 
 def test_a_flat_curve_is_untrusted_whoever_passes_it_in() -> None:
@@ -137,8 +156,9 @@ def true_time(option: Option, prompt: int, num_cached: int) -> float:
     if option.strategy == STRATEGY_OVERLAP:
         m = option.load_begin
         head = TRUE_PREFILL.time(m * BLOCK_TOKENS, 0)
-        return (max(head, reload_time(num_cached - m, BLOCK_BYTES, hops))
-                + TRUE_PREFILL.time(prompt - cached_tokens, cached_tokens))
+        return max(head, reload_time(num_cached - m, BLOCK_BYTES, hops)) + TRUE_PREFILL.time(
+            prompt - cached_tokens, cached_tokens
+        )
     k = option.load_end * BLOCK_TOKENS
     return reload_time(option.load_end, BLOCK_BYTES, hops) + TRUE_PREFILL.time(prompt - k, k)
 
@@ -163,15 +183,22 @@ REQUESTS = [(60, 40), (40, 200), (90, 72), (24, 300), (120, 18), (8, 500), (3, 3
 def test_zero_cost_calibration_loads_within_five_requests() -> None:
     priors = default_priors("cpu")
     priors = type(priors)(priors.name, {**priors.tier_costs}, priors.prefill, BLOCK_BYTES)
-    model = calibrate([], BLOCK_BYTES, BLOCK_TOKENS, flat_prefill, priors=priors,
-                      prefill_sizes=SIZES, progress=False)
+    model = calibrate(
+        [],
+        BLOCK_BYTES,
+        BLOCK_TOKENS,
+        flat_prefill,
+        priors=priors,
+        prefill_sizes=SIZES,
+        progress=False,
+    )
     assert not model.trusted()
     for i, (num_cached, new) in enumerate(REQUESTS):
         prompt = num_cached * BLOCK_TOKENS + new
         chosen = serve(model, prompt, num_cached)
-        d_truth = OnlineCostModel({"lmdb": TRUE_LMDB, "host": TRUE_HOST}, TRUE_PREFILL,
-                                  BLOCK_BYTES, BLOCK_TOKENS).decide(0, ["lmdb"] * num_cached,
-                                                                    prompt)
+        d_truth = OnlineCostModel(
+            {"lmdb": TRUE_LMDB, "host": TRUE_HOST}, TRUE_PREFILL, BLOCK_BYTES, BLOCK_TOKENS
+        ).decide(0, ["lmdb"] * num_cached, prompt)
         best = true_time(d_truth.best, prompt, num_cached)
         # Within 5% of the best this machine could do, from the first request on (loading
         # what LMDB holds), and on its own judgement from the 5th on.
@@ -188,8 +215,9 @@ def test_trusted_but_wrong_slope_is_refit_from_live_samples() -> None:
     # Passes its checks, but prices a token at a tenth of what it costs: long prefixes look
     # cheaper to recompute than they are. A refit replaces it once live samples disagree.
     wrong = PrefillCost(fixed_s=1e-3, per_token_s=3e-6, attention_s=0.0)
-    model = OnlineCostModel({"lmdb": TRUE_LMDB, "host": TRUE_HOST}, wrong, BLOCK_BYTES,
-                            BLOCK_TOKENS)
+    model = OnlineCostModel(
+        {"lmdb": TRUE_LMDB, "host": TRUE_HOST}, wrong, BLOCK_BYTES, BLOCK_TOKENS
+    )
     assert model.trusted()
     for n in (32, 512, 64, 1024, 128, 256, 48, 768) * 2:
         model.observe_prefill(n, 0, TRUE_PREFILL.time(n, 0))

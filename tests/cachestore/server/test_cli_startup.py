@@ -25,14 +25,25 @@ STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.cli", "cache-server", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=python_env())
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", "cache-server", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=python_env(),
+    )
 
 
 def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", "cache-server", *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=python_env(**(env or {})))
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "cache-server", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=python_env(**(env or {})),
+    )
 
 
 def _one_error(result: subprocess.CompletedProcess[str]) -> str:
@@ -63,9 +74,11 @@ def _local(text: str, tmp_path: Path, redis_url: str, s3_endpoint: str, bucket: 
 
 def _s3_env(s3_server) -> dict[str, str]:  # type: ignore[no-untyped-def]
     creds = s3_server.credentials()
-    return {"AWS_ACCESS_KEY_ID": creds.get("aws_access_key_id", "testing"),
-            "AWS_SECRET_ACCESS_KEY": creds.get("aws_secret_access_key", "testing"),
-            "AWS_DEFAULT_REGION": creds.get("region_name", "us-east-1")}
+    return {
+        "AWS_ACCESS_KEY_ID": creds.get("aws_access_key_id", "testing"),
+        "AWS_SECRET_ACCESS_KEY": creds.get("aws_secret_access_key", "testing"),
+        "AWS_DEFAULT_REGION": creds.get("region_name", "us-east-1"),
+    }
 
 
 def _wait_health(port: int, proc: subprocess.Popen[str]) -> dict:  # type: ignore[type-arg]
@@ -79,19 +92,26 @@ def _wait_health(port: int, proc: subprocess.Popen[str]) -> dict:  # type: ignor
             time.sleep(0.1)
 
 
-def test_the_readme_tier_file_runs_in_the_daemon(tmp_path: Path, redis_url: str, s3_server,
-                                                 s3_bucket: str) -> None:
+def test_the_readme_tier_file_runs_in_the_daemon(
+    tmp_path: Path, redis_url: str, s3_server, s3_bucket: str
+) -> None:
     tiers = tmp_path / "tiers.yaml"
-    tiers.write_text("decision: cost\n" + _local(_readme_tier_file(), tmp_path, redis_url,
-                                                 s3_server.endpoint_url, s3_bucket))
+    tiers.write_text(
+        "decision: cost\n"
+        + _local(_readme_tier_file(), tmp_path, redis_url, s3_server.endpoint_url, s3_bucket)
+    )
     admin = free_port()
-    proc = _spawn("--port", "0", "--admin-port", str(admin), "--config", str(tiers),
-                  env=_s3_env(s3_server))
+    proc = _spawn(
+        "--port", "0", "--admin-port", str(admin), "--config", str(tiers), env=_s3_env(s3_server)
+    )
     try:
         assert proc.stdout is not None
         block = [proc.stdout.readline() for _ in range(6)]
-        assert re.match(STAMP + r"kvtier cache-server listening on tcp://127\.0\.0\.1:\d+, "
-                        rf"admin http://127\.0\.0\.1:{admin}$", block[0]), block
+        assert re.match(
+            STAMP + r"kvtier cache-server listening on tcp://127\.0\.0\.1:\d+, "
+            rf"admin http://127\.0\.0\.1:{admin}$",
+            block[0],
+        ), block
         assert re.match(STAMP + r"  tier 0  host   16MiB of memory, slots of 4MiB$", block[1])
         assert f"tier 1  lmdb   max 100GiB at {tmp_path / 'lmdb'}, write-through" in block[2]
         assert f"tier 2  redis  {redis_url}" in block[3]
@@ -99,8 +119,9 @@ def test_the_readme_tier_file_runs_in_the_daemon(tmp_path: Path, redis_url: str,
         assert block[5].endswith(f"{tiers}: engine settings ignored here: decision\n")
         health = _wait_health(admin, proc)
         assert health["status"] == "ok"
-        assert health["tiers"] == [{"name": n, "state": "up"}
-                                   for n in ("host", "lmdb", "redis", "s3")]
+        assert health["tiers"] == [
+            {"name": n, "state": "up"} for n in ("host", "lmdb", "redis", "s3")
+        ]
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
@@ -108,9 +129,9 @@ def test_the_readme_tier_file_runs_in_the_daemon(tmp_path: Path, redis_url: str,
     assert re.search(STAMP + r"kvtier cache-server stopped \(drained\)", out)
 
 
-def test_the_readme_tier_file_runs_in_the_engine(tmp_path: Path, redis_url: str, s3_server,
-                                                 s3_bucket: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_readme_tier_file_runs_in_the_engine(
+    tmp_path: Path, redis_url: str, s3_server, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from tests.engine.hf_models import make_tiny_model
@@ -118,11 +139,19 @@ def test_the_readme_tier_file_runs_in_the_engine(tmp_path: Path, redis_url: str,
     for key, value in _s3_env(s3_server).items():
         monkeypatch.setenv(key, value)
     tiers = tmp_path / "tiers.yaml"
-    tiers.write_text("calibrate: false\n" + _local(_readme_tier_file(), tmp_path, redis_url,
-                                                    s3_server.endpoint_url, s3_bucket))
+    tiers.write_text(
+        "calibrate: false\n"
+        + _local(_readme_tier_file(), tmp_path, redis_url, s3_server.endpoint_url, s3_bucket)
+    )
     model = make_tiny_model(tmp_path / "model", "llama", seed=3)
-    with LLM(model, device="cpu", num_gpu_blocks=32, max_model_len=256, kv_offload=True,
-             kv_offload_config=str(tiers)) as llm:
+    with LLM(
+        model,
+        device="cpu",
+        num_gpu_blocks=32,
+        max_model_len=256,
+        kv_offload=True,
+        kv_offload_config=str(tiers),
+    ) as llm:
         out = llm.generate(["hello " * 40], SamplingParams(max_tokens=2, temperature=0))
         assert len(out[0].token_ids) == 2
         stats = llm.kv_stats()
@@ -135,31 +164,53 @@ def test_taken_ports_and_bad_binds_are_one_line_exit_2(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        line = _one_error(_cli("--port", str(port), "--admin-port", "-1", "--data-dir",
-                               str(tmp_path)))
-        assert line == (f"kvtier cache-server: --port: cannot bind 127.0.0.1:{port}: Address "
-                        "already in use")
-        line = _one_error(_cli("--port", "0", "--admin-port", str(port), "--data-dir",
-                               str(tmp_path)))
-        assert line == (f"kvtier cache-server: --admin-port: cannot bind 127.0.0.1:{port}: "
-                        "Address already in use")
-    line = _one_error(_cli("--port", "0", "--admin-port", "-1", "--admin-host", "127.0.0.1",
-                           "--host", "192.0.2.1", "--tokens", "/dev/null",
-                           "--data-dir", str(tmp_path)))
-    assert line == ("kvtier cache-server: --port: cannot bind 192.0.2.1:0: Cannot assign "
-                    "requested address")
+        line = _one_error(
+            _cli("--port", str(port), "--admin-port", "-1", "--data-dir", str(tmp_path))
+        )
+        assert line == (
+            f"kvtier cache-server: --port: cannot bind 127.0.0.1:{port}: Address already in use"
+        )
+        line = _one_error(
+            _cli("--port", "0", "--admin-port", str(port), "--data-dir", str(tmp_path))
+        )
+        assert line == (
+            f"kvtier cache-server: --admin-port: cannot bind 127.0.0.1:{port}: "
+            "Address already in use"
+        )
+    line = _one_error(
+        _cli(
+            "--port",
+            "0",
+            "--admin-port",
+            "-1",
+            "--admin-host",
+            "127.0.0.1",
+            "--host",
+            "192.0.2.1",
+            "--tokens",
+            "/dev/null",
+            "--data-dir",
+            str(tmp_path),
+        )
+    )
+    assert line == (
+        "kvtier cache-server: --port: cannot bind 192.0.2.1:0: Cannot assign requested address"
+    )
     line = _one_error(_cli("--port", "70000"))
-    assert line == ("kvtier cache-server: error: argument --port: invalid port 70000: a number "
-                    "0..65535")
+    assert line == (
+        "kvtier cache-server: error: argument --port: invalid port 70000: a number 0..65535"
+    )
     assert not (tmp_path / "lmdb").exists()  # nothing built before the checks
 
 
 def test_health_says_degraded_while_redis_refuses(tmp_path: Path) -> None:
     dead = free_port()  # nothing listens there
     tiers = tmp_path / "tiers.yaml"
-    tiers.write_text("tiers:\n  - {kind: host, capacity: 8MiB}\n"
-                     f"  - {{kind: redis, url: 'redis://127.0.0.1:{dead}/0', "
-                     "connect_timeout_s: 0.2}\n")
+    tiers.write_text(
+        "tiers:\n  - {kind: host, capacity: 8MiB}\n"
+        f"  - {{kind: redis, url: 'redis://127.0.0.1:{dead}/0', "
+        "connect_timeout_s: 0.2}\n"
+    )
     admin = free_port()
     proc = _spawn("--port", "0", "--admin-port", str(admin), "--config", str(tiers))
     try:
@@ -171,18 +222,31 @@ def test_health_says_degraded_while_redis_refuses(tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         assert health["status"] == "degraded"
-        assert health["tiers"] == [{"name": "host", "state": "up"},
-                                   {"name": "redis", "state": "down"}]
+        assert health["tiers"] == [
+            {"name": "host", "state": "up"},
+            {"name": "redis", "state": "down"},
+        ]
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
 
 
 def test_help_shows_every_default() -> None:
-    out = subprocess.run([sys.executable, "-m", "engine.cli", "cache-server", "--help"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env=python_env()).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "cache-server", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=python_env(),
+    ).stdout
     flat = " ".join(out.split())
-    for default in ("(default: 5555)", "(default: 5556)", "(default: 127.0.0.1)",
-                    "(default: 10GiB)", "(default: 4MiB)", "(default: 64MiB)"):
+    for default in (
+        "(default: 5555)",
+        "(default: 5556)",
+        "(default: 127.0.0.1)",
+        "(default: 10GiB)",
+        "(default: 4MiB)",
+        "(default: 64MiB)",
+    ):
         assert default in flat, default

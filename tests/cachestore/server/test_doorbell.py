@@ -35,8 +35,7 @@ KEYS = [f"aaaa/{i:032x}" for i in range(5)]
 BLOCKS = [sized_block(k, 5000 + 300 * i) for i, k in enumerate(KEYS)]
 
 
-def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer,
-                                                                      HierarchicalStore]:
+def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer, HierarchicalStore]:
     return tenant_daemon(TOKENS, 8 << 20, 64 << 10, url, **config)
 
 
@@ -45,18 +44,21 @@ def daemon() -> Iterator[CacheServer]:
     yield from served(_daemon())
 
 
-def _offer(url: str, token: str, segment: shm.ShmSegment,
-           host_id: str | None = None) -> dict[str, Any]:
+def _offer(
+    url: str, token: str, segment: shm.ShmSegment, host_id: str | None = None
+) -> dict[str, Any]:
     """A raw ZMQ hello that attaches ``segment`` and asks for the doorbell."""
-    return zmq_ask(url, token, op="hello", host_id=host_id or shm.host_id(), shm=segment.name,
-                   doorbell=True)
+    return zmq_ask(
+        url, token, op="hello", host_id=host_id or shm.host_id(), shm=segment.name, doorbell=True
+    )
 
 
 RawBell = RawFramed  # a bare doorbell connection (its socket path)
 
 
-def test_round_trip_goes_through_the_doorbell(daemon: CacheServer,
-                                              remote: Callable[..., RemoteTier]) -> None:
+def test_round_trip_goes_through_the_doorbell(
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     bell = daemon.doorbell
     assert bell is not None and bell.path is not None
     mode = os.stat(bell.path).st_mode
@@ -78,8 +80,9 @@ def test_round_trip_goes_through_the_doorbell(daemon: CacheServer,
     assert daemon.handler.num_inline >= 4  # host-tier lookups/gets/puts still served inline
 
 
-def test_tenants_are_bound_to_their_connection(daemon: CacheServer,
-                                               remote: Callable[..., RemoteTier]) -> None:
+def test_tenants_are_bound_to_their_connection(
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     alice = remote(daemon.bound_url, token=ALICE)
     alice.put_many([(KEYS[0], BLOCKS[0])])
     bob = remote(daemon.bound_url, token=BOB)
@@ -109,13 +112,17 @@ def test_tenants_are_bound_to_their_connection(daemon: CacheServer,
         segment.close()
 
 
-@pytest.mark.parametrize("garbage", [
-    b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a header length over the limit
-    b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1",  # not msgpack
-    b"\x01\x00\x00\x00\x00\x00\x00\x00\x07",  # msgpack, not a map
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a header length over the limit
+        b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1",  # not msgpack
+        b"\x01\x00\x00\x00\x00\x00\x00\x00\x07",  # msgpack, not a map
+    ],
+)
 def test_garbage_on_the_doorbell_drops_the_connection_only(
-        daemon: CacheServer, remote: Callable[..., RemoteTier], garbage: bytes) -> None:
+    daemon: CacheServer, remote: Callable[..., RemoteTier], garbage: bytes
+) -> None:
     bell = daemon.doorbell
     assert bell is not None and bell.path is not None
     raw = RawBell(bell.path)
@@ -139,7 +146,8 @@ def test_falls_back_to_zmq_without_a_doorbell(remote: Callable[..., RemoteTier])
 
 
 def test_broken_doorbell_falls_back_to_zmq_transparently(
-        daemon: CacheServer, remote: Callable[..., RemoteTier]) -> None:
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     tier = remote(daemon.bound_url, token=ALICE)
     tier.put_many([(KEYS[1], BLOCKS[1])])
     assert tier.transport() == "doorbell"

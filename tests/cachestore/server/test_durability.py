@@ -20,10 +20,28 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def _start(port: int, data_dir: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(data_dir), "--lmdb-capacity", "256MiB",
-         "--host-capacity", "8MiB", "--host-slot-bytes", "300KiB"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--data-dir",
+            str(data_dir),
+            "--lmdb-capacity",
+            "256MiB",
+            "--host-capacity",
+            "8MiB",
+            "--host-slot-bytes",
+            "300KiB",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and "listening" in proc.stdout.readline()
     return proc
 
@@ -77,7 +95,10 @@ def test_sigkill_mid_put_keeps_every_acknowledged_block(tmp_path: Path) -> None:
         assert missing == []
         for key, value in zip(acked, got, strict=True):
             assert value is not None
-            assert bytes(value) == sized_block(key, len(value)) and len(value) in (48 << 10, 256 << 10)
+            assert bytes(value) == sized_block(key, len(value)) and len(value) in (
+                48 << 10,
+                256 << 10,
+            )
         for key, value in zip(in_flight, tier.get_many(in_flight), strict=True):
             if value is not None:  # committed before the kill but not acknowledged: whole
                 assert bytes(value) == sized_block(key, len(value))

@@ -50,11 +50,13 @@ print(json.dumps(out))
 """
 
 
-def _engine(model: str, offload: dict[str, Any] | None,
-            phases: list[tuple[list[int], int]]) -> list[dict[str, Any]]:
+def _engine(
+    model: str, offload: dict[str, Any] | None, phases: list[tuple[list[int], int]]
+) -> list[dict[str, Any]]:
     spec = json.dumps({"model": model, "offload": offload, "phases": phases})
-    proc = subprocess.run([sys.executable, "-c", ENGINE, spec], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE, spec], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

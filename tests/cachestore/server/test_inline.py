@@ -27,10 +27,12 @@ ALICE, BOB, CAROL = "tok-alice-0001", "tok-bob-000002", "tok-carol-0003"
 
 def _daemon(tmp_path: Path, inline: bool) -> tuple[CacheServer, HierarchicalStore, HostTier]:
     host = HostTier(4 << 20, 128 << 10, pin_memory=False)
-    store = HierarchicalStore([host, LmdbTier(tmp_path / "lmdb", 64 << 20)],
-                              StoreConfig(write_through_to=1))
-    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", inline_reads=inline), store,
-                      TokenTable.parse(TOKENS)).start()
+    store = HierarchicalStore(
+        [host, LmdbTier(tmp_path / "lmdb", 64 << 20)], StoreConfig(write_through_to=1)
+    )
+    srv = CacheServer(
+        ServerConfig(url="tcp://127.0.0.1:0", inline_reads=inline), store, TokenTable.parse(TOKENS)
+    ).start()
     return srv, store, host
 
 
@@ -51,8 +53,10 @@ BLOCKS = [sized_block(k, 3000 + 100 * i) for i, k in enumerate(KEYS)]
 
 @pytest.mark.parametrize("use_shm", [False, True])
 def test_gets_and_lookups_of_host_blocks_are_served_inline(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier], use_shm: bool,
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier],
+    use_shm: bool,
+    remote: Callable[..., RemoteTier],
+) -> None:
     srv, _, _ = daemon
     alice = remote(srv.bound_url, token=ALICE, use_shm=use_shm)
     alice.put_many(list(zip(KEYS[:1], BLOCKS[:1], strict=True)))
@@ -69,8 +73,8 @@ def test_gets_and_lookups_of_host_blocks_are_served_inline(
 
 
 def test_inline_path_keeps_tenants_and_refusals(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier], remote: Callable[..., RemoteTier]
+) -> None:
     srv, _, _ = daemon
     alice = remote(srv.bound_url, token=ALICE)
     alice.put_many([(KEYS[0], BLOCKS[0])])
@@ -81,7 +85,8 @@ def test_inline_path_keeps_tenants_and_refusals(
     carol = _ask(srv.bound_url, CAROL, op="get", keys=["bbbb/01"])
     assert carol["code"] == ErrorCode.FORBIDDEN_KEY
     assert _ask(srv.bound_url, "tok-mallory-9", ALICE, op="get", keys=[KEYS[0]])["code"] == (
-        ErrorCode.UNAUTHORIZED)
+        ErrorCode.UNAUTHORIZED
+    )
     assert _ask(srv.bound_url, ALICE, op="get", keys=KEYS[0])["code"] == ErrorCode.BAD_HEADER
     assert srv.handler.num_inline == before
     assert [bytes(v) for v in alice.get_many([KEYS[0]]) if v] == [BLOCKS[0]]  # still serving
@@ -91,8 +96,8 @@ def test_inline_path_keeps_tenants_and_refusals(
 
 
 def test_damaged_header_is_not_served_inline_and_is_a_miss(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier], remote: Callable[..., RemoteTier]
+) -> None:
     srv, store, host = daemon
     alice = remote(srv.bound_url, token=ALICE)
     alice.put_many([(KEYS[1], BLOCKS[1])])
@@ -111,8 +116,8 @@ def test_damaged_header_is_not_served_inline_and_is_a_miss(
 
 
 def test_blocks_promoted_from_lmdb_are_learned_then_inline(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier], remote: Callable[..., RemoteTier]
+) -> None:
     srv, store, host = daemon
     ikey = f"alice/{KEYS[2]}"
     store.tiers[1].put_many([(ikey, BLOCKS[2])])  # as a previous run left it on disk
@@ -127,7 +132,8 @@ def test_blocks_promoted_from_lmdb_are_learned_then_inline(
 
 
 def test_inline_reads_off_gives_the_same_answers(
-        tmp_path: Path, remote: Callable[..., RemoteTier]) -> None:
+    tmp_path: Path, remote: Callable[..., RemoteTier]
+) -> None:
     srv, store, _ = _daemon(tmp_path, inline=False)
     try:
         alice = remote(srv.bound_url, token=ALICE)
@@ -152,8 +158,8 @@ def _pins(host: HostTier, ikeys: list[str]) -> list[int]:
 
 
 def test_tcp_inline_gets_lend_host_blocks_and_unpin_after_the_send(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier], remote: Callable[..., RemoteTier]
+) -> None:
     """Over ZMQ frames, inline host hits leave zero copy: lent (pinned) while ZMQ holds them,
     unpinned once sent; the client gets the exact bytes, also for a key asked twice."""
     srv, _, host = daemon
@@ -177,8 +183,8 @@ def test_tcp_inline_gets_lend_host_blocks_and_unpin_after_the_send(
 
 
 def test_lend_pins_until_the_view_goes_and_respects_its_budget(
-        daemon: tuple[CacheServer, HierarchicalStore, HostTier],
-        remote: Callable[..., RemoteTier]) -> None:
+    daemon: tuple[CacheServer, HierarchicalStore, HostTier], remote: Callable[..., RemoteTier]
+) -> None:
     srv, store, host = daemon
     alice = remote(srv.bound_url, token=ALICE, use_shm=False)
     alice.put_many(list(zip(BIG_KEYS, BIG, strict=True)))

@@ -28,8 +28,9 @@ from tiers.remote import shm
 from tiers.remote.protocol import TokenTable
 from tiers.remote.tier import RemoteTier
 
-pytestmark = pytest.mark.skipif(not (shm.available() and host_memfd.available()),
-                                reason="no /dev/shm or memfd seals")
+pytestmark = pytest.mark.skipif(
+    not (shm.available() and host_memfd.available()), reason="no /dev/shm or memfd seals"
+)
 ROOT = Path(__file__).resolve().parents[3]
 SLOT = 64 << 10
 SIZE = 60_000  # every block of these tests: one namespace, one size
@@ -41,12 +42,20 @@ TWO_TENANTS = "tok-alice-0001 alice\ntok-bob-000002 bob\n"
 class Daemon:
     """A daemon thread over a shared-slab host tier of ``slots`` slots."""
 
-    def __init__(self, slots: int = 32, tokens: str | None = None, url: str = "tcp://127.0.0.1:0",
-                 **config: Any) -> None:
+    def __init__(
+        self,
+        slots: int = 32,
+        tokens: str | None = None,
+        url: str = "tcp://127.0.0.1:0",
+        **config: Any,
+    ) -> None:
         self.host = HostTier(slots * SLOT, SLOT, shared=True)
         self.store = HierarchicalStore([self.host], StoreConfig())
-        self.srv = CacheServer(ServerConfig(url=url, **config), self.store,
-                               TokenTable.parse(tokens) if tokens else None).start()
+        self.srv = CacheServer(
+            ServerConfig(url=url, **config),
+            self.store,
+            TokenTable.parse(tokens) if tokens else None,
+        ).start()
         self.url = self.srv.bound_url
 
     def held_bytes(self) -> int:
@@ -87,8 +96,9 @@ def _fill(tier: RemoteTier) -> None:
     tier.put_many(list(zip(KEYS, BLOCKS, strict=True)))
 
 
-def test_in_place_gets_return_the_right_bytes(daemon: Daemon,
-                                              remote: Callable[..., RemoteTier]) -> None:
+def test_in_place_gets_return_the_right_bytes(
+    daemon: Daemon, remote: Callable[..., RemoteTier]
+) -> None:
     tier = remote(daemon.url, batch_keys=2)  # 3 pipelined requests per 6-key get
     _fill(tier)
     assert tier.transport() == "doorbell+slab"
@@ -99,9 +109,15 @@ def test_in_place_gets_return_the_right_bytes(daemon: Daemon,
     assert daemon.held_bytes() == 6 * SIZE and daemon.host.num_pins() == 6
     from cachestore.server.admin import _LiveCollector
 
-    gauges = {m.samples[0].name: m.samples[0].value for m in _LiveCollector(lambda: daemon.srv).collect()
-              if m.name.startswith("kvtier_server_leased")}
-    assert gauges == {"kvtier_server_leased_bytes": 6 * SIZE, "kvtier_server_leased_blocks_total": 6}
+    gauges = {
+        m.samples[0].name: m.samples[0].value
+        for m in _LiveCollector(lambda: daemon.srv).collect()
+        if m.name.startswith("kvtier_server_leased")
+    }
+    assert gauges == {
+        "kvtier_server_leased_bytes": 6 * SIZE,
+        "kvtier_server_leased_blocks_total": 6,
+    }
     # A request with a miss takes the copy path (whole request), the others stay leased.
     missing = "aaaa/" + "f" * 32
     got = tier.get_many([KEYS[0], KEYS[1], KEYS[2], missing])
@@ -110,7 +126,8 @@ def test_in_place_gets_return_the_right_bytes(daemon: Daemon,
 
 
 def test_leases_are_released_on_the_next_call_and_on_close(
-        daemon: Daemon, remote: Callable[..., RemoteTier]) -> None:
+    daemon: Daemon, remote: Callable[..., RemoteTier]
+) -> None:
     tier = remote(daemon.url)
     _fill(tier)
     tier.get_many(KEYS[:4])
@@ -126,7 +143,8 @@ def test_leases_are_released_on_the_next_call_and_on_close(
 
 
 def test_a_leased_view_stays_intact_while_other_clients_churn(
-        remote: Callable[..., RemoteTier]) -> None:
+    remote: Callable[..., RemoteTier],
+) -> None:
     d = Daemon(slots=8)
     try:
         reader = remote(d.url)
@@ -186,8 +204,9 @@ def test_caps_fall_back_to_copies(remote: Callable[..., RemoteTier]) -> None:
         d.close()
 
 
-def test_a_killed_client_gives_its_leases_back(daemon: Daemon,
-                                               remote: Callable[..., RemoteTier]) -> None:
+def test_a_killed_client_gives_its_leases_back(
+    daemon: Daemon, remote: Callable[..., RemoteTier]
+) -> None:
     _fill(remote(daemon.url))
     script = textwrap.dedent(f"""
         import sys, time
@@ -197,8 +216,9 @@ def test_a_killed_client_gives_its_leases_back(daemon: Daemon,
         print(tier.num_in_place, sum(len(v) for v in views), flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().split() == ["6", str(6 * SIZE)]
@@ -225,8 +245,19 @@ def _attach_reply(url: str, token: str) -> tuple[dict[str, Any], list[int]]:
     secure_client(sock, token)
     sock.connect(url)
     try:
-        sock.send(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "hello", "token": token,
-                        "host_id": shm.host_id(), "shm": segment.name, "doorbell": True}))
+        sock.send(
+            pack(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "id": 1,
+                    "op": "hello",
+                    "token": token,
+                    "host_id": shm.host_id(),
+                    "shm": segment.name,
+                    "doorbell": True,
+                }
+            )
+        )
         assert sock.poll(5000)
         hello = msgpack.unpackb(sock.recv_multipart()[0])
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bell:
@@ -234,8 +265,18 @@ def _attach_reply(url: str, token: str) -> tuple[dict[str, Any], list[int]]:
             bell.connect(hello["doorbell"])
             from tiers.remote.bell_framing import send_message
 
-            send_message(bell, pack({"v": PROTOCOL_VERSION, "id": 2, "op": "attach",
-                                     "secret": hello["doorbell_secret"], "lease": True}))
+            send_message(
+                bell,
+                pack(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "id": 2,
+                        "op": "attach",
+                        "secret": hello["doorbell_secret"],
+                        "lease": True,
+                    }
+                ),
+            )
             data, fds, _, _ = socket.recv_fds(bell, 1 << 16, 4)
         return msgpack.unpackb(data[8:]), fds
     finally:
@@ -261,10 +302,13 @@ def test_two_tenants_never_see_the_slab(remote: Callable[..., RemoteTier]) -> No
         d.close()
 
 
-@pytest.mark.parametrize("tokens, offered", [
-    ("tok-alice-0001 alice\ntok-alice-0002 alice\n", True),  # one tenant, two tokens
-    ("tok-alice-0001 alice aaaa\n", False),  # one tenant, but restricted key prefixes
-])
+@pytest.mark.parametrize(
+    "tokens, offered",
+    [
+        ("tok-alice-0001 alice\ntok-alice-0002 alice\n", True),  # one tenant, two tokens
+        ("tok-alice-0001 alice aaaa\n", False),  # one tenant, but restricted key prefixes
+    ],
+)
 def test_one_namespace_rule(tokens: str, offered: bool) -> None:
     d = Daemon(tokens=tokens)
     try:
@@ -298,16 +342,31 @@ def _cli(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--host-capacity", "512KiB", "--host-slot-bytes", "64KiB",
-         *extra], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--host-capacity",
+            "512KiB",
+            "--host-slot-bytes",
+            "64KiB",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and "listening" in proc.stdout.readline()
     return proc, f"tcp://127.0.0.1:{port}"
 
 
 @pytest.mark.parametrize("tokens", [None, TWO_TENANTS])
-def test_cli_daemon(tmp_path: Path, remote: Callable[..., RemoteTier],
-                    tokens: str | None) -> None:
+def test_cli_daemon(tmp_path: Path, remote: Callable[..., RemoteTier], tokens: str | None) -> None:
     """``kvtier cache-server``: a shared slab, leased gets and churn in open mode; copies
     only with two tenants."""
     extra: list[str] = []
@@ -353,7 +412,8 @@ def test_daemon_restart_is_misses_then_hits_in_place(remote: Callable[..., Remot
 
 
 def test_concurrent_readers_and_writers_never_see_wrong_bytes(
-        remote: Callable[..., RemoteTier]) -> None:
+    remote: Callable[..., RemoteTier],
+) -> None:
     """Four threads for ~2 s over a 12-slot slab: each reads a random batch (leased where the
     blocks are host hits, copied otherwise), checks every byte before its next call, and
     writes new blocks that keep evicting. No wrong byte, no error; the pins all come back."""

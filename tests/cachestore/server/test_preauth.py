@@ -45,10 +45,26 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int,
     (tmp / "tokens").write_text(TOKENS)
     port, stream_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--host-capacity", "64MiB", "--tokens", str(tmp / "tokens"),
-         "--stream-port", str(stream_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--host-capacity",
+            "64MiB",
+            "--tokens",
+            str(tmp / "tokens"),
+            "--stream-port",
+            str(stream_port),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         yield proc.pid, port, stream_port
@@ -117,8 +133,9 @@ def _stream_huge_first_message(port: int) -> int:
     """A first message declaring 4096 payloads of 64 MiB, then the payload bytes."""
     with _connect(port) as sock:
         header = pack({"v": PROTOCOL_VERSION, "id": 1, "op": "attach", "secret": "0" * 32})
-        sock.sendall(struct.pack("<II", len(header), 4096) + struct.pack("<Q", MIB64) * 4096
-                     + header)
+        sock.sendall(
+            struct.pack("<II", len(header), 4096) + struct.pack("<Q", MIB64) * 4096 + header
+        )
         return _flood(sock, 1 << 30)
 
 
@@ -133,8 +150,7 @@ def _stream_refused_then_flood(port: int) -> int:
 
 
 def _zmtp_greeting(mechanism: bytes) -> bytes:
-    return (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0")
-            + b"\0" * 32)
+    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0") + b"\0" * 32
 
 
 def _flood_frames(sock: socket.socket, frames: int) -> int:
@@ -175,31 +191,37 @@ def _zmq_plain_wrong_token(port: int) -> int:
     with _connect(port) as sock:
         sock.sendall(_zmtp_greeting(b"PLAIN"))
         password = b"tok-mallory-99"
-        hello = (b"\x05HELLO" + bytes([len(PLAIN_USERNAME)]) + PLAIN_USERNAME
-                 + bytes([len(password)]) + password)
+        hello = (
+            b"\x05HELLO"
+            + bytes([len(PLAIN_USERNAME)])
+            + PLAIN_USERNAME
+            + bytes([len(password)])
+            + password
+        )
         sock.sendall(bytes([0x04, len(hello)]) + hello)
         return _flood_frames(sock, 16)
 
 
 @pytest.mark.parametrize("attack", [_stream_huge_first_message, _stream_refused_then_flood])
-def test_stream_buffers_nothing_before_attach(daemon: tuple[int, int, int],
-                                              attack: Callable[[int], int]) -> None:
+def test_stream_buffers_nothing_before_attach(
+    daemon: tuple[int, int, int], attack: Callable[[int], int]
+) -> None:
     pid, _, stream_port = daemon
     sent, conns, growth = _attack(pid, lambda: attack(stream_port))
-    print(f"{attack.__name__}: {sent >> 20} MiB over {conns} connections, "
-          f"RSS +{growth >> 20} MiB")
+    print(f"{attack.__name__}: {sent >> 20} MiB over {conns} connections, RSS +{growth >> 20} MiB")
     assert sent >= TOTAL_BYTES and growth < MAX_GROWTH_BYTES, (sent, conns, growth)
     assert conns > 4 * (sent // (1 << 30))  # each connection was cut off, not served 1 GiB
 
 
-@pytest.mark.parametrize("attack", [_zmq_null_multipart, _zmq_plain_huge_hello,
-                                    _zmq_plain_wrong_token])
-def test_zmq_buffers_nothing_before_the_handshake(daemon: tuple[int, int, int],
-                                                  attack: Callable[[int], int]) -> None:
+@pytest.mark.parametrize(
+    "attack", [_zmq_null_multipart, _zmq_plain_huge_hello, _zmq_plain_wrong_token]
+)
+def test_zmq_buffers_nothing_before_the_handshake(
+    daemon: tuple[int, int, int], attack: Callable[[int], int]
+) -> None:
     pid, port, _ = daemon
     sent, conns, growth = _attack(pid, lambda: attack(port))
-    print(f"{attack.__name__}: {sent >> 20} MiB over {conns} connections, "
-          f"RSS +{growth >> 20} MiB")
+    print(f"{attack.__name__}: {sent >> 20} MiB over {conns} connections, RSS +{growth >> 20} MiB")
     assert sent >= TOTAL_BYTES and growth < MAX_GROWTH_BYTES, (sent, conns, growth)
     assert conns > 4 * (sent // (1 << 30))
     # The daemon still serves a client with the token.
@@ -209,8 +231,15 @@ def test_zmq_buffers_nothing_before_the_handshake(daemon: tuple[int, int, int],
 @pytest.fixture
 def quick_daemon() -> Iterator[CacheServer]:
     """In-process daemon with a short attach deadline and a 64 MiB request cap."""
-    yield from served(tenant_daemon(TOKENS, 8 << 20, 1 << 20, attach_timeout_s=0.3,
-                                    limits=ServerLimits(max_request_bytes=64 << 20)))
+    yield from served(
+        tenant_daemon(
+            TOKENS,
+            8 << 20,
+            1 << 20,
+            attach_timeout_s=0.3,
+            limits=ServerLimits(max_request_bytes=64 << 20),
+        )
+    )
 
 
 def test_stream_deadline_and_request_cap(quick_daemon: CacheServer) -> None:
@@ -226,14 +255,14 @@ def test_stream_deadline_and_request_cap(quick_daemon: CacheServer) -> None:
     assert slow.closed_by_peer() and time.monotonic() - t0 < 2
     # Attached, a message whose declared payloads add up past max_request_bytes (each one
     # within max_frame_bytes) closes the connection before a payload byte is read.
-    hello = zmq_ask(quick_daemon.bound_url, TOKEN, op="hello", host_id="elsewhere",
-                    stream=True)
+    hello = zmq_ask(quick_daemon.bound_url, TOKEN, op="hello", host_id="elsewhere", stream=True)
     raw = RawFramed(address)
     assert raw.ask(op="attach", secret=hello["stream_secret"])["code"] == ErrorCode.OK
     assert raw.ask(op="stats", token=TOKEN)["code"] == ErrorCode.OK
     header = pack({"v": PROTOCOL_VERSION, "id": 4, "op": "put", "token": TOKEN})
-    raw.sock.sendall(struct.pack("<II", len(header), 2) + struct.pack("<QQ", 40 << 20, 40 << 20)
-                     + header)
+    raw.sock.sendall(
+        struct.pack("<II", len(header), 2) + struct.pack("<QQ", 40 << 20, 40 << 20) + header
+    )
     assert raw.closed_by_peer()
 
 
@@ -265,11 +294,18 @@ def test_large_blocks_cross_zmq_in_small_frames(big_slot_daemon: CacheServer) ->
 
     quick_daemon = big_slot_daemon
     tier = RemoteTier(quick_daemon.bound_url, token=TOKEN, use_shm=False, use_stream=False)
-    bad = RemoteTier(quick_daemon.bound_url, token="tok-mallory-99", use_shm=False,
-                     use_stream=False, timeout_s=0.5)
+    bad = RemoteTier(
+        quick_daemon.bound_url,
+        token="tok-mallory-99",
+        use_shm=False,
+        use_stream=False,
+        timeout_s=0.5,
+    )
     try:
-        blocks = {f"ns/{i:02x}": sized_block(f"ns/{i:02x}", n)
-                  for i, n in enumerate((9 << 20, (4 << 20) + 1, 4 << 20, 100))}
+        blocks = {
+            f"ns/{i:02x}": sized_block(f"ns/{i:02x}", n)
+            for i, n in enumerate((9 << 20, (4 << 20) + 1, 4 << 20, 100))
+        }
         tier.put_many(list(blocks.items()))
         assert tier.transport() == "zmq"
         got = tier.get_many(list(blocks))
@@ -294,8 +330,7 @@ def test_stream_request_arenas_are_bounded(quick_daemon: CacheServer) -> None:
     assert stream is not None and stream.port is not None
     conns = []
     for _ in range(MAX_ARENA_BYTES // REQUEST_ARENA_BYTES + 2):
-        hello = zmq_ask(quick_daemon.bound_url, TOKEN, op="hello", host_id="elsewhere",
-                        stream=True)
+        hello = zmq_ask(quick_daemon.bound_url, TOKEN, op="hello", host_id="elsewhere", stream=True)
         raw = RawFramed(("127.0.0.1", stream.port))
         assert raw.ask(op="attach", secret=hello["stream_secret"])["code"] == ErrorCode.OK
         assert raw.ask(op="stats", token=TOKEN)["code"] == ErrorCode.OK

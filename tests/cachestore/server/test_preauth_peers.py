@@ -38,10 +38,26 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]
     (tmp / "tokens").write_text(f"{TOKEN} alice\n")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--host-capacity", "64MiB", "--tokens", str(tmp / "tokens"),
-         "--no-stream", "--no-doorbell"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--host-capacity",
+            "64MiB",
+            "--tokens",
+            str(tmp / "tokens"),
+            "--no-stream",
+            "--no-doorbell",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         yield proc.pid, port
@@ -58,12 +74,12 @@ def rss_bytes(pid: int) -> int:
 
 
 def greeting(mechanism: bytes) -> bytes:
-    return (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0")
-            + b"\0" * 32)
+    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0") + b"\0" * 32
 
 
-def big_hello_peer(port: int, declared: int, results: list[float],
-                   start: threading.Barrier) -> None:
+def big_hello_peer(
+    port: int, declared: int, results: list[float], start: threading.Barrier
+) -> None:
     """A PLAIN HELLO command of ``declared`` bytes, all but its last byte sent; then waits
     for the daemon to close the connection. Appends how long the daemon kept it (s)."""
     body = b"\x05HELLO" + bytes(declared - 7)
@@ -71,8 +87,7 @@ def big_hello_peer(port: int, declared: int, results: list[float],
     t0 = time.monotonic()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared)
-                         + body[:-1])
+            sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared) + body[:-1])
             while sock.recv(4096):
                 pass
     except OSError:
@@ -86,8 +101,10 @@ def attack(pid: int, port: int, num_peers: int, declared: int) -> tuple[int, lis
     peak = baseline
     results: list[float] = []
     start = threading.Barrier(num_peers)
-    peers = [threading.Thread(target=big_hello_peer, args=(port, declared, results, start))
-             for _ in range(num_peers)]
+    peers = [
+        threading.Thread(target=big_hello_peer, args=(port, declared, results, start))
+        for _ in range(num_peers)
+    ]
     for p in peers:
         p.start()
     while any(p.is_alive() for p in peers):
@@ -105,8 +122,10 @@ def test_parallel_unauthenticated_peers_are_bounded_in_total(daemon: tuple[int, 
     declared = zmq_max_msg_bytes(ServerLimits()) - 64
     growth, held = attack(pid, port, NUM_PEERS, declared)
     cut = sum(t < 0.5 for t in held)  # the handshake deadline is 1 s
-    print(f"{NUM_PEERS} peers x {declared >> 10} KiB: RSS +{growth / (1 << 20):.1f} MiB, "
-          f"{cut} cut early, longest held {max(held):.2f} s")
+    print(
+        f"{NUM_PEERS} peers x {declared >> 10} KiB: RSS +{growth / (1 << 20):.1f} MiB, "
+        f"{cut} cut early, longest held {max(held):.2f} s"
+    )
     assert len(held) == NUM_PEERS and max(held) < 5.0
     assert growth < MAX_GROWTH_BYTES, growth
     # How many overlap, and so are cut before the 1 s deadline, depends on the machine's load.
@@ -137,8 +156,14 @@ def test_a_header_over_the_zmq_frame_is_refused_by_the_client() -> None:
     from tiers.remote.tier import RemoteTier
 
     for srv in served(tenant_daemon(f"{TOKEN} alice\n", 8 << 20, 1 << 20)):
-        tier = RemoteTier(srv.bound_url, token=TOKEN, use_shm=False, use_stream=False,
-                          batch_keys=4096, timeout_s=5.0)
+        tier = RemoteTier(
+            srv.bound_url,
+            token=TOKEN,
+            use_shm=False,
+            use_stream=False,
+            batch_keys=4096,
+            timeout_s=5.0,
+        )
         try:
             keys = [f"ns/{i:0250x}" for i in range(2048)]  # ~520 KiB of keys in one header
             t0 = time.monotonic()
@@ -156,16 +181,20 @@ def test_the_guard_cuts_pending_handshakes_past_its_cap() -> None:
     its authenticated clients."""
     from tests.cachestore.wire_helpers import served, tenant_daemon
 
-    for srv in served(tenant_daemon(f"{TOKEN} alice\n", 8 << 20, 1 << 20,
-                                    max_pending_handshakes=4, zmq_handshake_s=5.0)):
+    for srv in served(
+        tenant_daemon(
+            f"{TOKEN} alice\n", 8 << 20, 1 << 20, max_pending_handshakes=4, zmq_handshake_s=5.0
+        )
+    ):
         url = str(srv.bound_url)
         port = int(url.rsplit(":", 1)[1])
         assert zmq_ask(url, TOKEN, op="stats")["code"] == ErrorCode.OK
         peers = [socket.create_connection(("127.0.0.1", port), timeout=3) for _ in range(16)]
         try:
             for i, sock in enumerate(peers):  # the later ones sent more: they go first
-                sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", 200 << 10)
-                             + bytes(1000 * i))
+                sock.sendall(
+                    greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", 200 << 10) + bytes(1000 * i)
+                )
             t0 = time.monotonic()
             closed = []
             for sock in peers:

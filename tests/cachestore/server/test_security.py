@@ -44,15 +44,15 @@ tok-alice-0001 alice
 tok-bob-000002 bob
 tok-carol-0003 carol aaaa bbbb
 """
-LIMITS = ServerLimits(max_keys_per_request=32, max_frame_bytes=1 << 20,
-                      max_namespace_bytes=4 << 20)
+LIMITS = ServerLimits(max_keys_per_request=32, max_frame_bytes=1 << 20, max_namespace_bytes=4 << 20)
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[CacheServer]:
     backend = HierarchicalStore([LmdbTier(tmp_path / "lmdb", 64 << 20)], StoreConfig())
-    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", limits=LIMITS), backend,
-                      TokenTable.parse(TOKENS)).start()
+    srv = CacheServer(
+        ServerConfig(url="tcp://127.0.0.1:0", limits=LIMITS), backend, TokenTable.parse(TOKENS)
+    ).start()
     yield srv
     srv.stop()
     backend.close()
@@ -67,7 +67,9 @@ class Raw:
         secure_client(self.sock, token)  # the connection's token; each request has its own
         self.sock.connect(url)
 
-    def ask(self, frames: list[bytes], timeout_ms: int = 5000) -> tuple[dict[str, Any], list[bytes]]:
+    def ask(
+        self, frames: list[bytes], timeout_ms: int = 5000
+    ) -> tuple[dict[str, Any], list[bytes]]:
         self.sock.send_multipart(frames)
         assert self.sock.poll(timeout_ms), "no reply"
         reply = self.sock.recv_multipart()
@@ -86,31 +88,90 @@ def _block(key: str, payload: bytes) -> bytes:
 
 
 def _put(raw: Raw, token: str, keys: list[str], values: list[bytes]) -> dict[str, Any]:
-    return raw.op(values, op="put", token=token, keys=keys, sizes=[len(v) for v in values],
-                  checksums=[checksum(v) for v in values])
+    return raw.op(
+        values,
+        op="put",
+        token=token,
+        keys=keys,
+        sizes=[len(v) for v in values],
+        checksums=[checksum(v) for v in values],
+    )
 
 
-@pytest.mark.parametrize("frames, code, needle", [
-    ([b"\xc1garbage"], ErrorCode.BAD_HEADER, "not msgpack"),
-    ([msgpack.packb([1, 2, 3])], ErrorCode.BAD_HEADER, "must be a msgpack map"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "get"})], ErrorCode.BAD_HEADER, "'id'"),
-    ([msgpack.packb({"v": 99, "id": 1, "op": "get"})], ErrorCode.BAD_VERSION, "version"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "drop_all"})], ErrorCode.UNKNOWN_OP,
-     "drop_all"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get", "token": "tok-alice-0001",
-                     "keys": "ns/01"})], ErrorCode.BAD_HEADER, "'keys'"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get", "token": "tok-alice-0001",
-                     "keys": ["ns/01"]}), b"extra"], ErrorCode.BAD_FRAME, "no payload"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "put", "token": "tok-alice-0001",
-                     "keys": ["ns/01"], "sizes": [1], "checksums": [0]}), b"a", b"b"],
-     ErrorCode.BAD_FRAME, "2 payload frames for 1 keys"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})]
-     + [b"x"] * zmq_max_frames(LIMITS),
-     ErrorCode.BAD_FRAME, "too many"),
-    ([b""], ErrorCode.BAD_HEADER, "not msgpack"),
-])
-def test_malformed_frames_get_clear_errors(server: CacheServer, frames: list[bytes],
-                                           code: ErrorCode, needle: str) -> None:
+@pytest.mark.parametrize(
+    "frames, code, needle",
+    [
+        ([b"\xc1garbage"], ErrorCode.BAD_HEADER, "not msgpack"),
+        ([msgpack.packb([1, 2, 3])], ErrorCode.BAD_HEADER, "must be a msgpack map"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "get"})], ErrorCode.BAD_HEADER, "'id'"),
+        ([msgpack.packb({"v": 99, "id": 1, "op": "get"})], ErrorCode.BAD_VERSION, "version"),
+        (
+            [msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "drop_all"})],
+            ErrorCode.UNKNOWN_OP,
+            "drop_all",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "id": 1,
+                        "op": "get",
+                        "token": "tok-alice-0001",
+                        "keys": "ns/01",
+                    }
+                )
+            ],
+            ErrorCode.BAD_HEADER,
+            "'keys'",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "id": 1,
+                        "op": "get",
+                        "token": "tok-alice-0001",
+                        "keys": ["ns/01"],
+                    }
+                ),
+                b"extra",
+            ],
+            ErrorCode.BAD_FRAME,
+            "no payload",
+        ),
+        (
+            [
+                msgpack.packb(
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "id": 1,
+                        "op": "put",
+                        "token": "tok-alice-0001",
+                        "keys": ["ns/01"],
+                        "sizes": [1],
+                        "checksums": [0],
+                    }
+                ),
+                b"a",
+                b"b",
+            ],
+            ErrorCode.BAD_FRAME,
+            "2 payload frames for 1 keys",
+        ),
+        (
+            [msgpack.packb({"v": PROTOCOL_VERSION, "id": 1, "op": "get"})]
+            + [b"x"] * zmq_max_frames(LIMITS),
+            ErrorCode.BAD_FRAME,
+            "too many",
+        ),
+        ([b""], ErrorCode.BAD_HEADER, "not msgpack"),
+    ],
+)
+def test_malformed_frames_get_clear_errors(
+    server: CacheServer, frames: list[bytes], code: ErrorCode, needle: str
+) -> None:
     raw = Raw(server.bound_url)
     reply, payloads = raw.ask(frames)
     assert reply["code"] == code and needle in reply["error"] and payloads == []
@@ -156,8 +217,15 @@ def test_put_of_anything_but_an_encoded_block_is_refused(server: CacheServer) ->
 
 def test_frame_over_zmq_limit_drops_peer_not_daemon(server: CacheServer) -> None:
     raw = Raw(server.bound_url)
-    head = {"v": PROTOCOL_VERSION, "id": 1, "op": "put", "token": "tok-alice-0001",
-            "keys": ["ns/x"], "sizes": [3 << 20], "checksums": [0]}
+    head = {
+        "v": PROTOCOL_VERSION,
+        "id": 1,
+        "op": "put",
+        "token": "tok-alice-0001",
+        "keys": ["ns/x"],
+        "sizes": [3 << 20],
+        "checksums": [0],
+    }
     raw.sock.send_multipart([msgpack.packb(head), b"\0" * (3 << 20)])
     assert not raw.sock.poll(500)  # disconnected by ZMQ's MAXMSGSIZE: no reply, no buffering
     assert Raw(server.bound_url).op(op="lookup", keys=["ns/x"])["count"] == 0
@@ -172,10 +240,24 @@ def test_no_cross_tenant_reads_and_quota(server: CacheServer) -> None:
     assert bob_get["sizes"] == [-1]
     assert raw.op(op="delete", keys=["ns/secret"], token="tok-bob-000002")["deleted"] == 0
     assert raw.op(op="stats", token="tok-bob-000002")["stats"] == {
-        "namespace": "bob", "bytes": 0, "keys": 0}
+        "namespace": "bob",
+        "bytes": 0,
+        "keys": 0,
+    }
     assert _put(raw, "tok-bob-000002", ["ns/secret"], [bob_block])["code"] == 0
-    alice = raw.ask([msgpack.packb({"v": PROTOCOL_VERSION, "id": 9, "op": "get",
-                                    "token": "tok-alice-0001", "keys": ["ns/secret"]})])
+    alice = raw.ask(
+        [
+            msgpack.packb(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "id": 9,
+                    "op": "get",
+                    "token": "tok-alice-0001",
+                    "keys": ["ns/secret"],
+                }
+            )
+        ]
+    )
     assert alice[1] == [alice_block]
     # Quota: 4 MiB per namespace. Three 1 MiB blocks fit (plus a small one), a fifth does not.
     mib = _block("ns/q", b"q" * ((1 << 20) - 100))
@@ -198,11 +280,24 @@ def test_shm_segments_are_tenant_bound(server: CacheServer) -> None:
         hello = raw.op(op="hello", host_id=shm.host_id(), shm=seg.name)
         assert hello["shm"] is True
         seg.buf[:5] = b"hello"
-        reply = raw.op(op="put", token="tok-bob-000002", keys=["ns/s"], sizes=[5],
-                       checksums=[checksum(b"hello")], shm=seg.name, shm_offsets=[0])
+        reply = raw.op(
+            op="put",
+            token="tok-bob-000002",
+            keys=["ns/s"],
+            sizes=[5],
+            checksums=[checksum(b"hello")],
+            shm=seg.name,
+            shm_offsets=[0],
+        )
         assert reply["code"] == ErrorCode.SHM_UNAVAILABLE  # bob cannot use alice's segment
-        reply = raw.op(op="put", keys=["ns/s"], sizes=[5], checksums=[checksum(b"hello")],
-                       shm=seg.name, shm_offsets=[(1 << 16) - 2])
+        reply = raw.op(
+            op="put",
+            keys=["ns/s"],
+            sizes=[5],
+            checksums=[checksum(b"hello")],
+            shm=seg.name,
+            shm_offsets=[(1 << 16) - 2],
+        )
         assert reply["code"] == ErrorCode.BAD_HEADER  # offsets past the segment
         for name in ("../../etc/passwd", "kvtier-c-1-zz", "psm_1234"):
             assert raw.op(op="hello", host_id=shm.host_id(), shm=name)["shm"] is False
@@ -223,10 +318,30 @@ def test_sixteen_clients_memory_bounded(tmp_path: Path, server_soak_s: float) ->
     port = free_port()
     (tmp_path / "tokens").write_text(TOKENS)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(tmp_path / "data"), "--lmdb-capacity", "48MiB",
-         "--tokens", str(tmp_path / "tokens"), "--max-keys", "64", "--max-frame-bytes", "1MiB"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--lmdb-capacity",
+            "48MiB",
+            "--tokens",
+            str(tmp_path / "tokens"),
+            "--max-keys",
+            "64",
+            "--max-frame-bytes",
+            "1MiB",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         url = f"tcp://127.0.0.1:{port}"

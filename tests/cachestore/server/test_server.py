@@ -32,13 +32,16 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[CacheServer]:
-    backend = HierarchicalStore([HostTier(8 << 20, 256 << 10, pin_memory=False),
-                                 LmdbTier(tmp_path / "lmdb", 64 << 20)],
-                                StoreConfig(write_through_to=1))
+    backend = HierarchicalStore(
+        [HostTier(8 << 20, 256 << 10, pin_memory=False), LmdbTier(tmp_path / "lmdb", 64 << 20)],
+        StoreConfig(write_through_to=1),
+    )
     metrics = AdminMetrics()
-    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0",
-                                   access_log_path=str(tmp_path / "access.jsonl")),
-                      backend, on_request=metrics.record)
+    srv = CacheServer(
+        ServerConfig(url="tcp://127.0.0.1:0", access_log_path=str(tmp_path / "access.jsonl")),
+        backend,
+        on_request=metrics.record,
+    )
     metrics.bind(srv)
     srv.metrics = metrics  # type: ignore[attr-defined]
     srv.start()
@@ -78,7 +81,9 @@ def test_round_trip_lookup_delete_stats(server: CacheServer, use_shm: bool) -> N
 
 def test_shm_segment_grows_for_large_batches(server: CacheServer) -> None:
     tier = RemoteTier(server.bound_url, use_shm=True, shm_bytes=1 << 20, timeout_s=5)
-    items = [(k, sized_block(k, 200_000)) for k in (f"ns0/{i:04x}" for i in range(12))]  # 2.4 MB > 1 MiB
+    items = [
+        (k, sized_block(k, 200_000)) for k in (f"ns0/{i:04x}" for i in range(12))
+    ]  # 2.4 MB > 1 MiB
     tier.put_many(items)
     first = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # partly over frames
     second = [bytes(v) for v in tier.get_many([k for k, _ in items])]  # grown: all via shm
@@ -94,7 +99,9 @@ def test_access_log_is_jsonl(server: CacheServer, tmp_path: Path) -> None:
     server.stop()
     lines = [json.loads(x) for x in (tmp_path / "access.jsonl").read_text().splitlines()]
     assert [(r["op"], r["namespace"], r["keys"]) for r in lines] == [
-        ("put", "default", ["ns1/aa"]), ("get", "default", ["ns1/aa", "ns1/bb"])]
+        ("put", "default", ["ns1/aa"]),
+        ("get", "default", ["ns1/aa", "ns1/bb"]),
+    ]
     assert lines[1]["hits"] == 1 and all(isinstance(r["ts"], float) for r in lines)
 
 
@@ -103,7 +110,9 @@ def test_admin_endpoints(server: CacheServer) -> None:
     admin = AdminServer(create_app(server, server.metrics), "127.0.0.1", port).start()  # type: ignore[attr-defined]
     try:
         tier = RemoteTier(server.bound_url, use_shm=False)
-        tier.put_many([("ns2/01", sized_block("ns2/01", 100)), ("ns2/02", sized_block("ns2/02", 250))])
+        tier.put_many(
+            [("ns2/01", sized_block("ns2/01", 100)), ("ns2/02", sized_block("ns2/02", 250))]
+        )
         tier.get_many(["ns2/01", "ns2/99"])
         tier.close()
         base = f"http://127.0.0.1:{port}"
@@ -135,8 +144,15 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
     secure_client(sock, None)
     sock.connect(server.bound_url)
     blk = sized_block("p/01", 100)
-    header = {"v": PROTOCOL_VERSION, "id": 41, "op": "put", "token": "", "keys": ["p/01"],
-              "sizes": [100], "checksums": [checksum(blk)]}
+    header = {
+        "v": PROTOCOL_VERSION,
+        "id": 41,
+        "op": "put",
+        "token": "",
+        "keys": ["p/01"],
+        "sizes": [100],
+        "checksums": [checksum(blk)],
+    }
     sock.send_multipart([msgpack.packb(header), blk])
     assert sock.poll(5000)
     reply = msgpack.unpackb(sock.recv_multipart()[0])
@@ -149,13 +165,19 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", "cache-server", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "cache-server", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_cli_refuses_public_bind_without_tokens(tmp_path: Path) -> None:
-    proc = _spawn(["--host", "0.0.0.0", "--port", "0", "--admin-port", "-1",
-                   "--data-dir", str(tmp_path)])
+    proc = _spawn(
+        ["--host", "0.0.0.0", "--port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path)]
+    )
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "without --tokens" in err
@@ -205,23 +227,45 @@ def test_loop_cpu_pins_the_loop_thread_only(tmp_path: Path) -> None:
         store.close()
 
 
-def test_admin_port_loopback_by_default_and_token_when_exposed(server: CacheServer,
-                                                                tmp_path: Path) -> None:
+def test_admin_port_loopback_by_default_and_token_when_exposed(
+    server: CacheServer, tmp_path: Path
+) -> None:
     """Issue 16 F6: the admin port binds loopback unless told otherwise, refuses another
     address without a token, and with one answers tenant data only to its bearer."""
-    cli = [sys.executable, "-m", "engine.cli", "cache-server", "--port", "0",
-           "--host-capacity", "4MiB", "--no-stream", "--no-doorbell"]
-    exposed = subprocess.run([*cli, "--admin-host", "0.0.0.0", "--admin-port", str(free_port())],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    cli = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "cache-server",
+        "--port",
+        "0",
+        "--host-capacity",
+        "4MiB",
+        "--no-stream",
+        "--no-doorbell",
+    ]
+    exposed = subprocess.run(
+        [*cli, "--admin-host", "0.0.0.0", "--admin-port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert exposed.returncode == 2 and "--admin-token-file" in exposed.stderr
     short = tmp_path / "short"
     short.write_text("abc\n")
-    refused = subprocess.run([*cli, "--admin-token-file", str(short)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [*cli, "--admin-token-file", str(short)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and "at least 16" in refused.stderr
     port = free_port()
-    proc = subprocess.Popen([*cli, "--admin-port", str(port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*cli, "--admin-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         assert f"admin http://127.0.0.1:{port}" in proc.stdout.readline()
@@ -230,8 +274,11 @@ def test_admin_port_loopback_by_default_and_token_when_exposed(server: CacheServ
         proc.wait(30)
     port = free_port()
     token = "t0k-admin-0123456789"
-    admin = AdminServer(create_app(server, server.metrics, token),  # type: ignore[attr-defined]
-                        "127.0.0.1", port).start()
+    admin = AdminServer(
+        create_app(server, server.metrics, token),  # type: ignore[attr-defined]
+        "127.0.0.1",
+        port,
+    ).start()
     try:
         deadline = time.monotonic() + 10
         while not admin.started and time.monotonic() < deadline:
@@ -267,8 +314,15 @@ def test_put_race_is_counted_not_internal(server: CacheServer) -> None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         secure_client(sock, None)
         sock.connect(server.bound_url)
-        header = {"v": PROTOCOL_VERSION, "id": 5, "op": "put", "token": "", "keys": ["ns9/aa"],
-                  "sizes": [300], "checksums": [checksum(blocks[0])]}
+        header = {
+            "v": PROTOCOL_VERSION,
+            "id": 5,
+            "op": "put",
+            "token": "",
+            "keys": ["ns9/aa"],
+            "sizes": [300],
+            "checksums": [checksum(blocks[0])],
+        }
         sock.send_multipart([msgpack.packb(header), blocks[0]])
         assert sock.poll(5000)
         reply = msgpack.unpackb(sock.recv_multipart()[0])

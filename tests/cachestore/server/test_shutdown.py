@@ -28,11 +28,30 @@ KEYS = [f"ns/{i:02x}" for i in range(24)]
 def _start(data_dir: Path) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--data-dir", str(data_dir), "--lmdb-capacity", "64MiB",
-         "--host-capacity", "4MiB", "--host-slot-bytes", "64KiB"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)  # its own process group, as under a supervisor
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--data-dir",
+            str(data_dir),
+            "--lmdb-capacity",
+            "64MiB",
+            "--host-capacity",
+            "4MiB",
+            "--host-slot-bytes",
+            "64KiB",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # its own process group, as under a supervisor
     assert proc.stdout is not None and "listening on" in proc.stdout.readline()
     return proc, port
 
@@ -66,7 +85,8 @@ def test_group_sigterm_drains_exits_0_and_a_restart_serves_every_block(tmp_path:
     finally:
         _stop_group(proc)
     assert [bytes(v) if v is not None else None for v in got] == [
-        sized_block(k, 3000) for k in KEYS]
+        sized_block(k, 3000) for k in KEYS
+    ]
 
 
 class _SlowLmdb(LmdbTier):
@@ -83,8 +103,9 @@ def test_a_drain_past_its_timeout_is_reported(tmp_path: Path) -> None:
     store = HierarchicalStore([_SlowLmdb(tmp_path / "lmdb", 64 << 20)], StoreConfig())
     server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", drain_timeout_s=0.2), store)
     server.start()
-    tier = RemoteTier(server.bound_url, timeout_s=10, use_shm=False, use_doorbell=False,
-                      use_stream=False)
+    tier = RemoteTier(
+        server.bound_url, timeout_s=10, use_shm=False, use_doorbell=False, use_stream=False
+    )
     try:
         put = threading.Thread(target=tier.put_many, args=([("ns/01", sized_block("ns/01", 500))],))
         put.start()

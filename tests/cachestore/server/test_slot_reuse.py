@@ -106,15 +106,17 @@ def test_get_many_pinned_skips_a_host_entry_it_did_not_pin() -> None:
 def daemon() -> Iterator[tuple[CacheServer, InterleavedHost]]:
     host = InterleavedHost(1)
     store = HierarchicalStore([host], StoreConfig())
-    srv = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", inline_reads=False), store,
-                      TokenTable.parse(TOKENS)).start()
+    srv = CacheServer(
+        ServerConfig(url="tcp://127.0.0.1:0", inline_reads=False), store, TokenTable.parse(TOKENS)
+    ).start()
     yield srv, host
     srv.stop()
     store.close()
 
 
-def test_pool_get_never_serves_a_reused_slot(daemon: tuple[CacheServer, InterleavedHost],
-                                             remote: Callable[..., RemoteTier]) -> None:
+def test_pool_get_never_serves_a_reused_slot(
+    daemon: tuple[CacheServer, InterleavedHost], remote: Callable[..., RemoteTier]
+) -> None:
     """The daemon's pool-path get: the requested key appears in the host tier after the
     get's pins were taken (a concurrent put), and a second put evicts it and reuses its slot
     for another key (bob's, here) before the reply is copied out. Before the fix the client
@@ -152,8 +154,9 @@ def test_store_read_of_a_block_under_another_key_is_a_counted_miss() -> None:
     host = HostTier(4 * SLOT, SLOT, pin_memory=False)
     store = HierarchicalStore([host], StoreConfig())
     try:
-        store.put_many([("ns/a", _keyed("ns/b")), ("ns/c", _keyed("ns/c")),
-                        ("ns/d", _block("ns/d"))])
+        store.put_many(
+            [("ns/a", _keyed("ns/b")), ("ns/c", _keyed("ns/c")), ("ns/d", _block("ns/d"))]
+        )
         got = store.get_many_encoded(["ns/a", "ns/c", "ns/d"])
         assert got[0] is None and bytes(got[1]) == _keyed("ns/c")  # type: ignore[arg-type]
         assert bytes(got[2]) == _block("ns/d")  # type: ignore[arg-type]
@@ -167,10 +170,10 @@ def test_store_read_of_a_block_under_another_key_is_a_counted_miss() -> None:
         store.close()
 
 
-@pytest.mark.parametrize("inline,transport", [(True, "zmq"), (False, "zmq"),
-                                              (True, "doorbell")])
+@pytest.mark.parametrize("inline,transport", [(True, "zmq"), (False, "zmq"), (True, "doorbell")])
 def test_daemon_never_serves_a_block_under_another_key(
-        inline: bool, transport: str, remote: Callable[..., RemoteTier]) -> None:
+    inline: bool, transport: str, remote: Callable[..., RemoteTier]
+) -> None:
     """The daemon's reads of a host slot holding another key's block (bob's block for
     alice's key, as the F1 race served): a miss on every path (the inline header check names
     the key; the pool path's decode counts it ``wrong_key``). Its puts of a block under
@@ -180,8 +183,7 @@ def test_daemon_never_serves_a_block_under_another_key(
     srv, store = tenant_daemon(TOKENS, 8 * SLOT, SLOT, inline_reads=inline)
     try:
         key, bobs = "aaaa/" + "0" * 31 + "1", "aaaa/" + "0" * 31 + "2"
-        tier = remote(srv.bound_url, token=ALICE, use_shm=transport == "doorbell",
-                      use_stream=False)
+        tier = remote(srv.bound_url, token=ALICE, use_shm=transport == "doorbell", use_stream=False)
         tier.put_many([(bobs, _keyed(bobs))])  # learns the namespace's header (hint)
         assert bytes(tier.get_many([bobs])[0]) == _keyed(bobs)  # type: ignore[arg-type]
         assert tier.transport().startswith(transport)

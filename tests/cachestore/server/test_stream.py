@@ -35,10 +35,10 @@ KEYS = [f"aaaa/{i:032x}" for i in range(6)]
 BLOCKS = [sized_block(k, (3 << 20) + 4099 * i) for i, k in enumerate(KEYS)]
 
 
-def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer,
-                                                                      HierarchicalStore]:
-    return tenant_daemon(TOKENS, 64 << 20, 4 << 20, url,
-                         limits=ServerLimits(max_frame_bytes=8 << 20), **config)
+def _daemon(url: str = "tcp://127.0.0.1:0", **config: Any) -> tuple[CacheServer, HierarchicalStore]:
+    return tenant_daemon(
+        TOKENS, 64 << 20, 4 << 20, url, limits=ServerLimits(max_frame_bytes=8 << 20), **config
+    )
 
 
 @pytest.fixture
@@ -55,8 +55,9 @@ def RawStream(port: int) -> RawFramed:  # noqa: N802 (reads as the class it retu
     return RawFramed(("127.0.0.1", port))
 
 
-def test_round_trip_goes_through_the_stream(daemon: CacheServer,
-                                            remote: Callable[..., RemoteTier]) -> None:
+def test_round_trip_goes_through_the_stream(
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     stream = daemon.stream
     assert stream is not None and stream.port is not None
     tier = remote(daemon.bound_url, token=ALICE, use_shm=False, batch_keys=4)
@@ -92,7 +93,8 @@ def test_stream_binds_the_daemons_host_and_the_given_port() -> None:
 
 
 def test_stream_secrets_bind_a_connection_to_one_tenant(
-        daemon: CacheServer, remote: Callable[..., RemoteTier]) -> None:
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     alice = remote(daemon.bound_url, token=ALICE, use_shm=False)
     alice.put_many([(KEYS[0], BLOCKS[0])])
     bob = remote(daemon.bound_url, token=BOB, use_shm=False)
@@ -107,32 +109,51 @@ def test_stream_secrets_bind_a_connection_to_one_tenant(
         assert raw.ask(op="get", token=token, keys=KEYS[:1])["code"] == ErrorCode.UNAUTHORIZED
     # A put with a torn payload (wrong checksum) is refused and stores nothing.
     key = KEYS[1]
-    reply = raw.ask((BLOCKS[1],), op="put", token=ALICE, keys=[key], sizes=[len(BLOCKS[1])],
-                    checksums=[checksum(BLOCKS[1]) ^ 1])
+    reply = raw.ask(
+        (BLOCKS[1],),
+        op="put",
+        token=ALICE,
+        keys=[key],
+        sizes=[len(BLOCKS[1])],
+        checksums=[checksum(BLOCKS[1]) ^ 1],
+    )
     assert reply["code"] != ErrorCode.OK and alice.lookup([key]) == 0
     assert RawStream(port).ask(op="attach", secret=secret)["code"] == ErrorCode.UNAUTHORIZED
     # No stream for a client that does not ask for one, nor with a bad token.
     assert "stream_port" not in _hello(daemon.bound_url, ALICE, stream=False)
-    assert zmq_ask(daemon.bound_url, "nope", handshake_token=ALICE, op="hello",
-                   host_id="elsewhere", stream=True)["code"] == ErrorCode.UNAUTHORIZED
+    assert (
+        zmq_ask(
+            daemon.bound_url,
+            "nope",
+            handshake_token=ALICE,
+            op="hello",
+            host_id="elsewhere",
+            stream=True,
+        )["code"]
+        == ErrorCode.UNAUTHORIZED
+    )
     with pytest.raises(AssertionError, match="no reply"):  # refused in the ZMTP handshake
         zmq_ask(daemon.bound_url, "nope", timeout_ms=500, op="hello")
 
 
 def test_oversize_and_garbage_drop_the_connection_only(
-        daemon: CacheServer, remote: Callable[..., RemoteTier]) -> None:
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     stream = daemon.stream
     assert stream is not None and stream.port is not None
-    for garbage in (b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a header length over the limit
-                    b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1"):  # not msgpack
+    for garbage in (
+        b"\xff\xff\xff\x7f\x00\x00\x00\x00",  # a header length over the limit
+        b"\x03\x00\x00\x00\x00\x00\x00\x00\xc1\xc1\xc1",
+    ):  # not msgpack
         raw = RawStream(stream.port)
         raw.sock.sendall(garbage)
         assert raw.closed_by_peer()
     raw = RawStream(stream.port)
     raw.ask(op="attach", secret=_hello(daemon.bound_url, ALICE)["stream_secret"])
     # A payload frame declared over max_frame_bytes (8 MiB): dropped before it is read.
-    raw.sock.sendall(b"\x10\x00\x00\x00\x01\x00\x00\x00" + (9 << 20).to_bytes(8, "little")
-                     + b"\x80" * 16)  # the 16 header bytes announced; no payload follows
+    raw.sock.sendall(
+        b"\x10\x00\x00\x00\x01\x00\x00\x00" + (9 << 20).to_bytes(8, "little") + b"\x80" * 16
+    )  # the 16 header bytes announced; no payload follows
     assert raw.closed_by_peer()
     tier = remote(daemon.bound_url, token=ALICE, use_shm=False)
     tier.put_many([(KEYS[3], BLOCKS[3])])
@@ -140,7 +161,8 @@ def test_oversize_and_garbage_drop_the_connection_only(
 
 
 def test_zmq_without_a_stream_and_after_it_breaks(
-        daemon: CacheServer, remote: Callable[..., RemoteTier]) -> None:
+    daemon: CacheServer, remote: Callable[..., RemoteTier]
+) -> None:
     off = remote(daemon.bound_url, token=ALICE, use_shm=False, use_stream=False)
     off.put_many([(KEYS[1], BLOCKS[1])])
     assert off.transport() == "zmq"
@@ -163,7 +185,8 @@ def test_zmq_without_a_stream_and_after_it_breaks(
 
 
 def test_daemon_restart_is_misses_then_hits_on_a_new_stream(
-        remote: Callable[..., RemoteTier]) -> None:
+    remote: Callable[..., RemoteTier],
+) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     tier = remote(url, token=ALICE, use_shm=False, timeout_s=5)
     stream = check_restart(url, _daemon, tier, KEYS[2], BLOCKS[2], "stream")
@@ -174,13 +197,33 @@ def test_cli_stream_flags(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     port, stream_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", "--port", str(port),
-         "--admin-port", "-1", "--host-capacity", "8MiB", "--host-slot-bytes", "4MiB",
-         "--stream-port", str(stream_port), "--data-dir", str(tmp_path)],
-        cwd=root, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "cache-server",
+            "--port",
+            str(port),
+            "--admin-port",
+            "-1",
+            "--host-capacity",
+            "8MiB",
+            "--host-slot-bytes",
+            "4MiB",
+            "--stream-port",
+            str(stream_port),
+            "--data-dir",
+            str(tmp_path),
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and "listening" in proc.stdout.readline()
         offer = _hello(f"tcp://127.0.0.1:{port}", "")
@@ -196,8 +239,7 @@ def test_reader_arena_reuses_its_buffer_and_caps_it() -> None:
     import threading
 
     a, b = socket.socketpair()
-    one, two, big, w = (b"x" * (1 << 20), b"y" * (1 << 20), b"z" * (4 << 20),
-                        b"w" * (2 << 20))
+    one, two, big, w = (b"x" * (1 << 20), b"y" * (1 << 20), b"z" * (4 << 20), b"w" * (2 << 20))
     messages = [(b"h1", [one, two]), (b"h2", [w]), (b"h3", [two]), (b"h4", [big])]
     sender = threading.Thread(target=lambda: [send_message(a, h, p) for h, p in messages])
     sender.start()

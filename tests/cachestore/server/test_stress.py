@@ -17,8 +17,14 @@ from typing import Any
 
 from bench.server_stress import TRANSPORTS, StressConfig, run_stress
 
-BASE = {"processes": 2, "threads": 8, "block_bytes": 1 << 20, "host_capacity": 12 << 20,
-        "host_slot_bytes": 1100 << 10, "keys": 24}
+BASE = {
+    "processes": 2,
+    "threads": 8,
+    "block_bytes": 1 << 20,
+    "host_capacity": 12 << 20,
+    "host_slot_bytes": 1100 << 10,
+    "keys": 24,
+}
 # What ``RemoteTier.transport()`` says for each of bench.server_stress's transports.
 SEEN = {"shm": "doorbell", "shm-zmq": "zmq", "stream": "stream", "zmq": "zmq"}
 
@@ -36,7 +42,9 @@ def _check(report: dict[str, Any], seen: dict[str, str]) -> None:
     for name, row in report["per_transport"].items():
         assert row["hits"] > 0, (name, row)  # every transport served verified blocks
         assert row.get(f"seen:{seen[name]}") == BASE["threads"] * BASE["processes"] // 4, (
-            name, row)
+            name,
+            row,
+        )
 
 
 def test_two_tenants_all_transports_no_wrong_reads() -> None:

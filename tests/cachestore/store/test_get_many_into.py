@@ -51,10 +51,11 @@ def test_byte_identical_to_get_many_encoded_for_every_buffer_kind(tmp_path: Path
     want = [None if v is None else bytes(v) for v in store.get_many_encoded(keys)]
     staging = bytearray(len(keys) * (SIZE + 16))
     rows = np.zeros((len(keys), SIZE + 8), dtype=np.uint8)
-    for out in (bufs(len(keys)),
-                [memoryview(staging)[j * (SIZE + 16):(j + 1) * (SIZE + 16)]
-                 for j in range(len(keys))],
-                list(rows)):
+    for out in (
+        bufs(len(keys)),
+        [memoryview(staging)[j * (SIZE + 16) : (j + 1) * (SIZE + 16)] for j in range(len(keys))],
+        list(rows),
+    ):
         lengths = store.get_many_into(keys, out)
         assert lengths == [None if w is None else SIZE for w in want]
         for buf, n, w in zip(out, lengths, want, strict=True):
@@ -68,7 +69,11 @@ def test_counts_hits_and_misses_per_tier(tmp_path: Path) -> None:
     store = filled(tmp_path, promote_on_get=False)
     out = bufs(4)
     assert store.get_many_into([KEYS[5], KEYS[1], KEYS[14], KEYS[0]], out) == [
-        SIZE, SIZE, None, SIZE]
+        SIZE,
+        SIZE,
+        None,
+        SIZE,
+    ]
     # host: 1 hit, 3 misses (absent at pin time); lmdb: asked for those 3, 2 hits.
     assert counters(store, "hits") == [1, 2] and counters(store, "misses") == [3, 1]
     assert counters(store, "bytes_read") == [SIZE, 2 * SIZE]
@@ -156,8 +161,9 @@ class GatedHost(HostTier):
 
 def gated_store(tmp_path: Path, lmdb_cls: type[LmdbTier] = LmdbTier) -> HierarchicalStore:
     host = GatedHost(8 * SIZE, SIZE)
-    store = HierarchicalStore([host, lmdb_cls(tmp_path / "db", 8 * SIZE)],
-                              StoreConfig(namespace=PREFIX))
+    store = HierarchicalStore(
+        [host, lmdb_cls(tmp_path / "db", 8 * SIZE)], StoreConfig(namespace=PREFIX)
+    )
     store.tiers[1].put_many([(KEYS[i], kblock(i)) for i in range(4)])
     return store
 
@@ -189,7 +195,8 @@ class CopyingLmdb(LmdbTier):
 
 @pytest.mark.parametrize(("lmdb_cls", "kind"), [(LmdbTier, memoryview), (CopyingLmdb, bytes)])
 def test_get_many_promotes_owned_views_without_a_copy(
-        tmp_path: Path, lmdb_cls: type[LmdbTier], kind: type) -> None:
+    tmp_path: Path, lmdb_cls: type[LmdbTier], kind: type
+) -> None:
     store = gated_store(tmp_path, lmdb_cls)
     host = store.tiers[0]
     got = store.get_many_encoded([KEYS[1], KEYS[2]])
@@ -206,11 +213,15 @@ def test_get_many_promotes_owned_views_without_a_copy(
 
 
 def test_redis_below_lmdb(tmp_path: Path, redis_config: dict[str, Any]) -> None:
-    cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": f"{4 * SIZE}B", "slot_bytes": f"{SIZE}B"},
-        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": f"{8 * SIZE}B"},
-        {**redis_config, "read_connections": 2},
-    ]})
+    cfg = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{4 * SIZE}B", "slot_bytes": f"{SIZE}B"},
+                {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": f"{8 * SIZE}B"},
+                {**redis_config, "read_connections": 2},
+            ]
+        }
+    )
     store = HierarchicalStore(build_tiers(cfg), StoreConfig(namespace=PREFIX))
     host, lmdb, redis = store.tiers
     redis.put_many([(KEYS[i], kblock(i)) for i in range(6)])
@@ -219,8 +230,9 @@ def test_redis_below_lmdb(tmp_path: Path, redis_config: dict[str, Any]) -> None:
     redis.put_many([(KEYS[5], bytes(bad))])
     lmdb.put_many([(KEYS[0], kblock(0))])
     keys = [KEYS[0], KEYS[1], KEYS[4], KEYS[5], KEYS[9]]
-    want = [None if v is None else bytes(v)
-            for v in store.get_many_encoded(keys)]  # reads KEYS[5] first: corrupt, deleted
+    want = [
+        None if v is None else bytes(v) for v in store.get_many_encoded(keys)
+    ]  # reads KEYS[5] first: corrupt, deleted
     assert want == [kblock(0), kblock(1), kblock(4), None, None]
     redis.put_many([(KEYS[5], bytes(bad))])
     store.flush()

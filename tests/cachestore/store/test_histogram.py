@@ -12,8 +12,11 @@ def test_buckets_are_le_with_an_overflow_bucket_and_a_sum() -> None:
     h = LatencyHistogram((0.001, 0.01))
     for seconds in (0.0005, 0.001, 0.002, 0.01, 5.0, -1.0):
         h.observe(seconds)
-    assert h.snapshot() == {"bounds": [0.001, 0.01], "counts": [3, 2, 1],
-                            "sum": pytest.approx(0.0005 + 0.001 + 0.002 + 0.01 + 5.0)}
+    assert h.snapshot() == {
+        "bounds": [0.001, 0.01],
+        "counts": [3, 2, 1],
+        "sum": pytest.approx(0.0005 + 0.001 + 0.002 + 0.01 + 5.0),
+    }
     assert h.count == 6
 
 

@@ -26,8 +26,10 @@ def blob(i: int, key: str | None = None) -> bytes:
 
 @pytest.fixture()
 def store(tmp_path: Path) -> Iterator[HierarchicalStore]:
-    s = HierarchicalStore([HostTier(4 * SIZE, SIZE), LmdbTier(str(tmp_path / "l"), 1 << 20)],
-                          StoreConfig(namespace="ns", promote_on_get=False))
+    s = HierarchicalStore(
+        [HostTier(4 * SIZE, SIZE), LmdbTier(str(tmp_path / "l"), 1 << 20)],
+        StoreConfig(namespace="ns", promote_on_get=False),
+    )
     yield s
     s.close()
 
@@ -37,7 +39,8 @@ def host_pins(store: HierarchicalStore) -> dict[str, int]:
 
 
 def test_prepare_load_locates_the_host_run_and_complete_releases_everything(
-        store: HierarchicalStore) -> None:
+    store: HierarchicalStore,
+) -> None:
     store.put_many([(KEYS[i], blob(i)) for i in (0, 1, 3)])
     store.tiers[1].put_many([(KEYS[2], blob(2))])
     spec = store.prepare_load(KEYS[:4], CHECK)
@@ -46,7 +49,8 @@ def test_prepare_load_locates_the_host_run_and_complete_releases_everything(
     slab = store.host_slab()
     assert slab is not None
     assert slab.locate(KEYS[:2], [CHECK.header_for(k) for k in KEYS[:2]], SIZE) == list(
-        spec.host_offsets)
+        spec.host_offsets
+    )
     # Claims pin 0, 1, 3 in the host tier and 2 in LMDB; the located run is pinned again.
     assert host_pins(store) == {KEYS[0]: 2, KEYS[1]: 2, KEYS[3]: 1}
     assert store.stats()["load_pins"] == 4
@@ -56,8 +60,7 @@ def test_prepare_load_locates_the_host_run_and_complete_releases_everything(
     assert host_pins(store) == {}
 
 
-def test_a_header_mismatch_ends_the_run_and_its_pin_is_not_kept(
-        store: HierarchicalStore) -> None:
+def test_a_header_mismatch_ends_the_run_and_its_pin_is_not_kept(store: HierarchicalStore) -> None:
     store.put_many([(KEYS[0], blob(0)), (KEYS[1], blob(1, key="ns/other"))])
     spec = store.prepare_load(KEYS[:2], CHECK, claim=False)
     assert spec.num_pinned == 1 and len(spec.host_offsets) == 1

@@ -26,16 +26,16 @@ class Clock:
 
 
 def _redis(url: str) -> RedisTier:
-    return RedisTier(RedisTierConfig(url=url, socket_timeout_s=0.5, connect_timeout_s=0.5,
-                                     retries=0))
+    return RedisTier(
+        RedisTierConfig(url=url, socket_timeout_s=0.5, connect_timeout_s=0.5, retries=0)
+    )
 
 
 def test_probe_idle_pings_idle_tiers_and_skips_backing_off_ones() -> None:
     pytest.importorskip("redis")
     clock = Clock()
     dead = _redis(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
-    tiers = GuardedTiers([HostTier(1 << 20, 4096), dead],
-                         StoreConfig(backoff_initial_s=1.0), clock)
+    tiers = GuardedTiers([HostTier(1 << 20, 4096), dead], StoreConfig(backoff_initial_s=1.0), clock)
     try:
         assert tiers.probe_idle(5.0) == []  # just made: not idle yet
         clock.now += 5.0
@@ -66,8 +66,10 @@ def test_store_prober_follows_a_killed_and_restarted_redis(redis_server) -> None
     redis_server.ensure_running()
     store = HierarchicalStore(
         [HostTier(1 << 20, 4096), _redis(redis_server.url)],
-        StoreConfig(probe_interval_s=0.1, backoff_initial_s=0.2, backoff_max_s=0.2))
+        StoreConfig(probe_interval_s=0.1, backoff_initial_s=0.2, backoff_max_s=0.2),
+    )
     try:
+
         def failures() -> int:
             return store.stats()["tiers"][1]["consecutive_failures"]
 
@@ -83,8 +85,7 @@ def test_store_prober_follows_a_killed_and_restarted_redis(redis_server) -> None
 
 
 def test_no_prober_without_an_interval() -> None:
-    store = HierarchicalStore([HostTier(1 << 20, 4096)],
-                              StoreConfig(probe_interval_s=0))
+    store = HierarchicalStore([HostTier(1 << 20, 4096)], StoreConfig(probe_interval_s=0))
     try:
         assert store._prober is None
     finally:

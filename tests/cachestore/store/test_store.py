@@ -135,8 +135,10 @@ def test_prepare_load_pins_with_one_call_per_tier(tmp_path: Path) -> None:
     assert host.lru_keys() == [KEYS[2], KEYS[3], KEYS[7], KEYS[8]]  # pinned 2, 3 stayed
     calls.clear()
     store.complete_load(spec)
-    assert calls == [("host", "unpin", [KEYS[2], KEYS[3], KEYS[3]]),
-                     ("lmdb", "unpin", [KEYS[0], KEYS[1]])]
+    assert calls == [
+        ("host", "unpin", [KEYS[2], KEYS[3], KEYS[3]]),
+        ("lmdb", "unpin", [KEYS[0], KEYS[1]]),
+    ]
     assert store.stats()["load_pins"] == 0 and store.prepare_load([]).num_pinned == 0
     store.put_many([(KEYS[9], block(9))])
     assert host.lru_keys() == [KEYS[3], KEYS[7], KEYS[8], KEYS[9]]  # 2 unpinned: evicted
@@ -151,27 +153,36 @@ def test_prometheus_export(tmp_path: Path) -> None:
     store.get_many([KEYS[0], KEYS[1]])
     assert registry.get_sample_value("kvtier_store_hits_total", {"tier": "host"}) == 1.0
     assert registry.get_sample_value("kvtier_store_misses_total", {"tier": "host"}) == 1.0
-    assert registry.get_sample_value("kvtier_store_bytes_written_total",
-                                     {"tier": "host"}) == float(SIZE)
+    assert registry.get_sample_value("kvtier_store_bytes_written_total", {"tier": "host"}) == float(
+        SIZE
+    )
     store.close()
     assert registry.get_sample_value("kvtier_store_hits_total", {"tier": "host"}) is None
 
 
-def _four_tiers(tmp_path: Path, redis_config: dict[str, Any],
-                s3_config: dict[str, Any]) -> list[Any]:
+def _four_tiers(
+    tmp_path: Path, redis_config: dict[str, Any], s3_config: dict[str, Any]
+) -> list[Any]:
     """host 2 blocks -> LMDB 3 blocks -> Redis 2 blocks (tier-side LRU) -> S3 (unbounded)."""
-    cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
-        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": f"{3 * SIZE}B"},
-        {**redis_config, "capacity": f"{2 * SIZE}B"}, dict(s3_config),
-    ]})
+    cfg = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
+                {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": f"{3 * SIZE}B"},
+                {**redis_config, "capacity": f"{2 * SIZE}B"},
+                dict(s3_config),
+            ]
+        }
+    )
     return build_tiers(cfg)
 
 
 def test_four_tiers_demote_in_order_and_promote_from_s3(
-        tmp_path: Path, redis_config: dict[str, Any], s3_config: dict[str, Any]) -> None:
-    store = HierarchicalStore(_four_tiers(tmp_path, redis_config, s3_config),
-                              StoreConfig(namespace=PREFIX))
+    tmp_path: Path, redis_config: dict[str, Any], s3_config: dict[str, Any]
+) -> None:
+    store = HierarchicalStore(
+        _four_tiers(tmp_path, redis_config, s3_config), StoreConfig(namespace=PREFIX)
+    )
     host, lmdb, redis, s3 = store.tiers
     for i in range(10):
         assert store.put_many([(KEYS[i], block(i))]) == 1
@@ -208,14 +219,20 @@ def test_four_tiers_demote_in_order_and_promote_from_s3(
 
 
 def test_failing_tier_degrades_to_misses_with_backoff(
-        tmp_path: Path, redis_server: Any, redis_config: dict[str, Any]) -> None:
+    tmp_path: Path, redis_server: Any, redis_config: dict[str, Any]
+) -> None:
     clock = FakeClock()
-    cfg = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
-        {**redis_config, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "retries": 0},
-    ]})
-    store = HierarchicalStore(build_tiers(cfg), StoreConfig(namespace=PREFIX,
-                              backoff_initial_s=10.0), clock=clock)
+    cfg = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{2 * SIZE}B", "slot_bytes": f"{SIZE}B"},
+                {**redis_config, "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "retries": 0},
+            ]
+        }
+    )
+    store = HierarchicalStore(
+        build_tiers(cfg), StoreConfig(namespace=PREFIX, backoff_initial_s=10.0), clock=clock
+    )
     store.tiers[1].put_many([(KEYS[0], block(0))])
     redis_server.stop()
     try:
@@ -253,8 +270,9 @@ def test_write_through_commits_to_the_durable_tier_before_returning(tmp_path: Pa
     assert [bytes(v) for v in reopened.get_many(KEYS[:3])] == [block(i) for i in range(3)]
     reopened.close()
     # A durable tier that fails: 0 written (not durable), though the top tier took it.
-    broken = HierarchicalStore([HostTier(4 * SIZE, SIZE), DownTier()],
-                               StoreConfig(namespace=PREFIX, write_through_to=1))
+    broken = HierarchicalStore(
+        [HostTier(4 * SIZE, SIZE), DownTier()], StoreConfig(namespace=PREFIX, write_through_to=1)
+    )
     assert broken.put_many([(KEYS[5], block(5))]) == 0
     assert counters(broken, "errors") == [0, 1] and broken.tiers[0].lookup([KEYS[5]]) == 1
     broken.close()
@@ -301,8 +319,10 @@ def test_stage_host_places_and_pins_only_what_fits(tmp_path) -> None:
     meta = BlockMeta(dtype="uint8", shape=(64,), layout="t", namespace="ns")
     size = encoded_size(meta)
     host = HostTier(3 * size, size)
-    store = HierarchicalStore([host, LmdbTier(str(tmp_path / "l"), 1 << 20)],
-                              StoreConfig(namespace="ns", promote_on_get=False))
+    store = HierarchicalStore(
+        [host, LmdbTier(str(tmp_path / "l"), 1 << 20)],
+        StoreConfig(namespace="ns", promote_on_get=False),
+    )
     try:
         blocks = {f"ns/{i}": encode_block(bytes([i]) * 64, meta) for i in range(5)}
         store.tiers[1].put_many(list(blocks.items()))

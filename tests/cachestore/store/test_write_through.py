@@ -35,8 +35,9 @@ from tiers.lmdb import LmdbTier
 
 def _store(tmp_path: Path, policy: WritePolicy, host_blocks: int = 16) -> HierarchicalStore:
     tiers = [HostTier(host_blocks * SIZE, SIZE), LmdbTier(tmp_path / "db", 64 * SIZE)]
-    return HierarchicalStore(tiers, StoreConfig(namespace=PREFIX,
-                                                write_policies=(WritePolicy(), policy)))
+    return HierarchicalStore(
+        tiers, StoreConfig(namespace=PREFIX, write_policies=(WritePolicy(), policy))
+    )
 
 
 def _lmdb_keys(store: HierarchicalStore) -> list[str]:
@@ -55,8 +56,9 @@ def test_write_through_copies_every_saved_block_without_an_eviction(tmp_path: Pa
         assert counters(store, "write_queue_depth") == [0, 0]
         # What LMDB holds is the whole encoded block: it decodes, checksum and all.
         values = store.tiers[1].get_many(KEYS[:5])
-        assert [decode_block(v, PREFIX).payload for v in values] == \
-            [decode_block(block(i), PREFIX).payload for i in range(5)]
+        assert [decode_block(v, PREFIX).payload for v in values] == [
+            decode_block(block(i), PREFIX).payload for i in range(5)
+        ]
         # A block LMDB already holds is not written again.
         store.tiers[0].delete_many(KEYS[:2])
         store.put_many([(k, block(i)) for i, k in enumerate(KEYS[:2])])
@@ -91,8 +93,12 @@ def test_write_back_moves_blocks_on_eviction_and_at_shutdown_only(tmp_path: Path
         assert _lmdb_keys(store) == sorted(KEYS[:2])  # the two the host tier evicted
         assert counters(store, "written_back") == [0, 2]
         report = store.shutdown_writes(5.0)
-        assert (report.flush_tier, report.flushed, report.flush_present, report.flush_left) == \
-            ("lmdb", 4, 0, 0)
+        assert (report.flush_tier, report.flushed, report.flush_present, report.flush_left) == (
+            "lmdb",
+            4,
+            0,
+            0,
+        )
         assert (report.drained, report.dropped) == (0, 0)
         assert _lmdb_keys(store) == sorted(KEYS[:6])
         assert counters(store, "written_back") == [0, 6]
@@ -126,8 +132,11 @@ def test_a_full_queue_drops_copies_and_never_stalls_a_put(redis_url: str, redis_
     redis = RedisTier(RedisTierConfig(url=redis_url, socket_timeout_s=5.0))
     store = HierarchicalStore(
         [HostTier(32 * SIZE, SIZE), redis],
-        StoreConfig(namespace=PREFIX,
-                    write_policies=(WritePolicy(), WritePolicy(WRITE_THROUGH, queue_blocks=4))))
+        StoreConfig(
+            namespace=PREFIX,
+            write_policies=(WritePolicy(), WritePolicy(WRITE_THROUGH, queue_blocks=4)),
+        ),
+    )
     pid = redis_server._proc.pid  # noqa: SLF001 - the test freezes its own child server
     try:
         os.kill(pid, signal.SIGSTOP)  # a stalled tier: every call to it hangs
@@ -163,26 +172,49 @@ def test_a_full_queue_drops_copies_and_never_stalls_a_put(redis_url: str, redis_
 
 
 def test_write_policy_fields_parse_with_write_through_defaults(tmp_path: Path) -> None:
-    stack = parse_tier_config({"tiers": [
-        {"kind": "host", "capacity": "1MiB"},
-        {"kind": "lmdb", "path": str(tmp_path), "capacity": "1MiB"},
-        {"kind": "redis", "url": "redis://h:1/0", "write_policy": "write_back"},
-        {"kind": "s3", "bucket": "b", "write_policy": "write_through_selective",
-         "write_through_hits": 3, "write_queue_blocks": 8},
-        {"kind": "remote", "url": "tcp://h:1"},
-    ]})
+    stack = parse_tier_config(
+        {
+            "tiers": [
+                {"kind": "host", "capacity": "1MiB"},
+                {"kind": "lmdb", "path": str(tmp_path), "capacity": "1MiB"},
+                {"kind": "redis", "url": "redis://h:1/0", "write_policy": "write_back"},
+                {
+                    "kind": "s3",
+                    "bucket": "b",
+                    "write_policy": "write_through_selective",
+                    "write_through_hits": 3,
+                    "write_queue_blocks": 8,
+                },
+                {"kind": "remote", "url": "tcp://h:1"},
+            ]
+        }
+    )
     assert write_policies(stack) == (
-        WritePolicy(WRITE_BACK), WritePolicy(WRITE_THROUGH), WritePolicy(WRITE_BACK),
-        WritePolicy(WRITE_THROUGH_SELECTIVE, hits=3, queue_blocks=8), WritePolicy(WRITE_THROUGH))
-    with pytest.raises(ConfigError, match=r"tiers\[1\] \(lmdb\): field 'write_policy': expected one"):
-        parse_tier_config({"tiers": [{"kind": "host", "capacity": "1MiB"}, {
-            "kind": "lmdb", "path": "x", "capacity": "1MiB", "write_policy": "through"}]})
+        WritePolicy(WRITE_BACK),
+        WritePolicy(WRITE_THROUGH),
+        WritePolicy(WRITE_BACK),
+        WritePolicy(WRITE_THROUGH_SELECTIVE, hits=3, queue_blocks=8),
+        WritePolicy(WRITE_THROUGH),
+    )
+    with pytest.raises(
+        ConfigError, match=r"tiers\[1\] \(lmdb\): field 'write_policy': expected one"
+    ):
+        parse_tier_config(
+            {
+                "tiers": [
+                    {"kind": "host", "capacity": "1MiB"},
+                    {"kind": "lmdb", "path": "x", "capacity": "1MiB", "write_policy": "through"},
+                ]
+            }
+        )
     with pytest.raises(ConfigError, match="write_queue_blocks"):
-        parse_tier_config({"tiers": [{"kind": "remote", "url": "tcp://h:1",
-                                      "write_queue_blocks": 0}]})
+        parse_tier_config(
+            {"tiers": [{"kind": "remote", "url": "tcp://h:1", "write_queue_blocks": 0}]}
+        )
     with pytest.raises(ConfigError, match="unknown field"):
-        parse_tier_config({"tiers": [{"kind": "host", "capacity": "1MiB",
-                                      "write_policy": "write_back"}]})
+        parse_tier_config(
+            {"tiers": [{"kind": "host", "capacity": "1MiB", "write_policy": "write_back"}]}
+        )
 
 
 def test_shutdown_is_bounded_when_the_tier_below_hangs(redis_url: str, redis_server) -> None:
@@ -193,7 +225,8 @@ def test_shutdown_is_bounded_when_the_tier_below_hangs(redis_url: str, redis_ser
     redis = RedisTier(RedisTierConfig(url=redis_url, socket_timeout_s=1.0, retries=0))
     store = HierarchicalStore(
         [HostTier(32 * SIZE, SIZE), redis],
-        StoreConfig(namespace=PREFIX, write_policies=(WritePolicy(), WritePolicy(WRITE_THROUGH))))
+        StoreConfig(namespace=PREFIX, write_policies=(WritePolicy(), WritePolicy(WRITE_THROUGH))),
+    )
     pid = redis_server._proc.pid  # noqa: SLF001 - the test freezes its own child server
     try:
         os.kill(pid, signal.SIGSTOP)

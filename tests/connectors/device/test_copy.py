@@ -50,7 +50,7 @@ def test_coalesced_copies_equal_per_block_copies(monkeypatch, staging_blocks: in
     rows = got.tensor.reshape(32, -1).view(torch.uint8)  # bytes: random bits make NaNs
     assert torch.equal(rows, expected.tensor.reshape(32, -1).view(torch.uint8))
     for b, o in zip(block_ids, offsets, strict=True):  # and each block is its payload
-        assert torch.equal(rows[b], host[o:o + N])
+        assert torch.equal(rows[b], host[o : o + N])
     untouched = sorted(set(range(32)) - set(block_ids))
     assert not rows[untouched].any()  # headers never land anywhere
 

@@ -31,7 +31,9 @@ def kv_like(n: int, codec: Hi4Codec, seed: int = 0) -> torch.Tensor:
     """``n`` whole blocks of bf16 values shaped like KV (Gaussian, per-segment scales from
     1e-3 to 30) plus the awkward ones: zeros of both signs, inf, nan, subnormals."""
     gen = torch.Generator().manual_seed(seed)
-    scale = torch.logspace(-3, 1.5, codec.num_segments)[torch.randperm(codec.num_segments, generator=gen)]
+    scale = torch.logspace(-3, 1.5, codec.num_segments)[
+        torch.randperm(codec.num_segments, generator=gen)
+    ]
     x = torch.randn(n, codec.num_segments, codec.segment_values, generator=gen) * scale[:, None]
     flat = x.view(n, -1)
     flat[0, :6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40])
@@ -90,7 +92,7 @@ def test_overflow_is_reported_and_a_damaged_index_stays_in_its_segment() -> None
     off = codec.offsets
     bad = ok.clone()
     bad[0, 0:2] = torch.tensor([1, 0], dtype=torch.uint8)  # segment 0: one escape...
-    bad[0, off["idx"]:off["idx"] + 2] = torch.tensor([0xFF, 0xFF], dtype=torch.uint8)  # at 65535
+    bad[0, off["idx"] : off["idx"] + 2] = torch.tensor([0xFF, 0xFF], dtype=torch.uint8)  # at 65535
     cache = torch.zeros(2, codec.raw_bytes, dtype=torch.uint8)
     codec.decode_into(bad.reshape(-1), [0], cache, [0])
     assert cache[1].eq(0).all()
@@ -108,9 +110,12 @@ def test_codec_needs_a_two_byte_cache_and_config_names_its_choices() -> None:
     codec = Hi4Codec.for_cache(KVCache(bf16, 4, "cpu"))
     assert (codec.num_segments, codec.segment_values) == (4, 16 * 2 * 8)
     with pytest.raises(ConfigError, match="compression"):
-        parse_offload_config({"tiers": [{"kind": "host", "capacity": "1MiB"}], "compression": "zstd"})
-    cfg = parse_offload_config({"tiers": [{"kind": "host", "capacity": "1MiB"}],
-                                "compression": "lossless"})
+        parse_offload_config(
+            {"tiers": [{"kind": "host", "capacity": "1MiB"}], "compression": "zstd"}
+        )
+    cfg = parse_offload_config(
+        {"tiers": [{"kind": "host", "capacity": "1MiB"}], "compression": "lossless"}
+    )
     assert cfg.compression == "lossless"
 
 
@@ -142,9 +147,14 @@ def bf16_llm(model_dir: str, offload: dict | None = None) -> LLM:
 
 
 def tiers(tmp_path: Path, compression: str) -> dict:
-    return {"decision": "load", "compression": compression, "tiers": [
-        {"kind": "host", "capacity": f"{12 * 3400}B"},  # ~12 slots of a compressed block
-        {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    return {
+        "decision": "load",
+        "compression": compression,
+        "tiers": [
+            {"kind": "host", "capacity": f"{12 * 3400}B"},  # ~12 slots of a compressed block
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ],
+    }
 
 
 def test_compressed_blocks_keep_outputs_across_tiers_and_a_restart(
@@ -186,13 +196,15 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
     assert meta.payload_bytes == codec.payload_bytes and meta.layout.endswith("+hi4")
     blocks = kv_like(2, codec, seed=5)
     spread = torch.logspace(-30, 30, codec.segment_values).bfloat16().view(torch.uint8)
-    blocks[1, :2 * codec.segment_values] = spread  # segment 0: far too many escapes
+    blocks[1, : 2 * codec.segment_values] = spread  # segment 0: far too many escapes
     cache.tensor[:2].view(2, -1).view(torch.uint8).copy_(blocks)
 
     def stack(tiers: list[dict]) -> HierarchicalStore:
         slot = pad16(encoded_size(meta, keyed=True))
-        return HierarchicalStore(build_tiers(parse_tier_config({"tiers": tiers}), host_slot_bytes=slot),
-                                 StoreConfig(namespace="ns"))
+        return HierarchicalStore(
+            build_tiers(parse_tier_config({"tiers": tiers}), host_slot_bytes=slot),
+            StoreConfig(namespace="ns"),
+        )
 
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}
     store = stack([{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"}, lmdb])
@@ -207,11 +219,16 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
     store.close()
     # LMDB alone (no host slab): the load reads through the store and decodes the payloads.
     store = stack([lmdb])
-    worker = OffloadWorker(cache, store, meta, load_timeout_s=5.0, stats=OffloadStats(), codec=codec)
+    worker = OffloadWorker(
+        cache, store, meta, load_timeout_s=5.0, stats=OffloadStats(), codec=codec
+    )
     try:
         cache.tensor.zero_()
-        worker.start_load_kv(KVConnectorMetadata(
-            loads=(BlockLoad("r", (4,), ("ns/00",), 0, ("lmdb",)),), num_scheduled_requests=0))
+        worker.start_load_kv(
+            KVConnectorMetadata(
+                loads=(BlockLoad("r", (4,), ("ns/00",), 0, ("lmdb",)),), num_scheduled_requests=0
+            )
+        )
         [result] = worker.take_report().finished_loads
         assert result.num_loaded_blocks == 1
         assert torch.equal(cache.tensor[4].reshape(-1).view(torch.uint8), blocks[0])
@@ -247,12 +264,17 @@ def test_cuda_compressed_offload_keeps_outputs(model_dir: str, mode: str) -> Non
     tier."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    kw: dict[str, Any] = dict(num_gpu_blocks=24, dtype="bfloat16", device="cuda",
-                              attention_backend="torch")
+    kw: dict[str, Any] = dict(
+        num_gpu_blocks=24, dtype="bfloat16", device="cuda", attention_backend="torch"
+    )
     reference = run_conversations(LLM(model_dir, **kw))
-    config = {"decision": "load", "compression": "lossless", "in_step_host_loads": mode != "async",
-              **({} if mode == "in_step_layered" else {"layered_loads": False}),
-              "tiers": [{"kind": "host", "capacity": "64MiB"}]}
+    config = {
+        "decision": "load",
+        "compression": "lossless",
+        "in_step_host_loads": mode != "async",
+        **({} if mode == "in_step_layered" else {"layered_loads": False}),
+        "tiers": [{"kind": "host", "capacity": "64MiB"}],
+    }
     with LLM(model_dir, kv_offload=True, kv_offload_config=config, **kw) as llm:
         layered = llm.engine.offload.worker.layered_loads  # type: ignore[union-attr]
         assert layered == (mode == "in_step_layered")
@@ -268,7 +290,9 @@ def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
     n, stride, cap = 100, 112, 1000
     slots = [9, 8, 7, 6, 5, 4, 3, 20, 0, 1, 2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 12]
     offsets = [s * stride + 16 for s in slots]
-    host = torch.randint(0, 255, (40 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    host = torch.randint(
+        0, 255, (40 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     seen: list[int] = []
     chunks = staging_plan(offsets, n, cap)
     assert len(chunks) > 2
@@ -276,16 +300,17 @@ def test_staging_plan_covers_every_payload_once_within_the_buffer() -> None:
         staging = torch.zeros(cap, dtype=torch.uint8)
         for dst, src, span in copies:
             assert dst % 16 == 0 and dst + span <= cap
-            staging[dst:dst + span] = host[src:src + span]
+            staging[dst : dst + span] = host[src : src + span]
         for at, j in entries:
-            assert torch.equal(staging[at:at + n], host[offsets[j]:offsets[j] + n])
+            assert torch.equal(staging[at : at + n], host[offsets[j] : offsets[j] + n])
             seen.append(j)
     assert sorted(seen) == list(range(len(offsets)))
     assert sum(len(c) for c, _ in chunks) < len(offsets)  # runs moved as one copy
 
 
-def llama_slab(device: str, seed: int) -> tuple[KVCache, Hi4Codec, torch.Tensor, torch.Tensor,
-                                                list[int], list[int]]:
+def llama_slab(
+    device: str, seed: int
+) -> tuple[KVCache, Hi4Codec, torch.Tensor, torch.Tensor, list[int], list[int]]:
     """48 Llama-3-8B-shaped cache blocks on ``device``, 40 KV-like blocks encoded in a slab
     (pinned on CUDA) in a descending run of slots and scattered ones, and 40 scattered block
     ids: (cache, codec, the blocks' bytes, slab, payload offsets, ids)."""
@@ -301,7 +326,7 @@ def llama_slab(device: str, seed: int) -> tuple[KVCache, Hi4Codec, torch.Tensor,
     assert len(set(slots)) == 40
     offsets = [s * stride + 160 for s in slots]
     for i, o in enumerate(offsets):
-        host[o:o + codec.payload_bytes] = enc[i]
+        host[o : o + codec.payload_bytes] = enc[i]
     ids = torch.randperm(48, generator=torch.Generator().manual_seed(seed))[:40].tolist()
     return cache, codec, rows, host, offsets, ids
 
@@ -329,7 +354,7 @@ def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
     dst = torch.zeros(64, dtype=torch.uint8)
     copy2d(dst, 4, 10, src, 3, 50, 6, 3)  # rows at 3, 53, 103 -> 4, 14, 24
     for r in range(3):
-        assert dst[4 + 10 * r:10 + 10 * r].tolist() == list(range(3 + 50 * r, 9 + 50 * r))
+        assert dst[4 + 10 * r : 10 + 10 * r].tolist() == list(range(3 + 50 * r, 9 + 50 * r))
     assert dst[:4].eq(0).all() and dst[10:14].eq(0).all()
     with pytest.raises(ValueError, match="past the end of src"):
         copy2d(dst, 0, 10, src, 150, 50, 6, 2)
@@ -338,14 +363,18 @@ def test_copy2d_moves_strided_rows_and_checks_bounds() -> None:
 
 
 @pytest.mark.parametrize("layer_bytes", [1 << 20, 3 * 512 * 3])  # one row group; 1-3 rows
-@pytest.mark.parametrize("per_copy, groups", [
-    (0, [(0, 5)]),  # automatic: all 5 small layers at once
-    (1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
-    (2, [(0, 1), (1, 3), (3, 5)]),  # the remainder first
-    (-1, [(0, 1), (1, 3), (3, 4), (4, 5)]),  # automatic, rows of 4 layers tapered to 1
-])
-def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, layer_bytes: int,
-                                             per_copy: int, groups: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize(
+    "per_copy, groups",
+    [
+        (0, [(0, 5)]),  # automatic: all 5 small layers at once
+        (1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+        (2, [(0, 1), (1, 3), (3, 5)]),  # the remainder first
+        (-1, [(0, 1), (1, 3), (3, 4), (4, 5)]),  # automatic, rows of 4 layers tapered to 1
+    ],
+)
+def test_layer_wise_decode_lands_every_layer(
+    monkeypatch: pytest.MonkeyPatch, layer_bytes: int, per_copy: int, groups: list[tuple[int, int]]
+) -> None:
     """``to_device_layers``' staging (metadata first, then each group of layers' codes and low
     bytes by 2-D copies per run, two layer buffers in turn, rows per buffer by group width)
     run on the CPU: every block comes back, whatever the groups."""
@@ -364,10 +393,11 @@ def test_layer_wise_decode_lands_every_layer(monkeypatch: pytest.MonkeyPatch, la
     slots = [7, 6, 5, 4, 0, 9, 10, 2]  # a descending run, one alone, an ascending pair, one
     enc = codec.encode(blocks)
     for i, slot in enumerate(slots):
-        host[slot * stride + 16:slot * stride + 16 + codec.payload_bytes] = enc[i]
+        host[slot * stride + 16 : slot * stride + 16 + codec.payload_bytes] = enc[i]
     rows = cache.tensor.reshape(10, -1).view(torch.uint8)
-    decoder = od.StagedDecoder(codec, rows, host, spec.num_layers, force_layers=True,
-                               layers_per_copy=max(per_copy, 0))
+    decoder = od.StagedDecoder(
+        codec, rows, host, spec.num_layers, force_layers=True, layers_per_copy=max(per_copy, 0)
+    )
     assert decoder.layer_groups() == groups
     ids = [3, 9, 0, 5, 1, 8, 2, 6]
     assert decoder.to_device_layers(ids, [s * stride + 16 for s in slots]) == []
@@ -395,8 +425,9 @@ def test_layer_wise_decode_refuses_what_would_leave_its_bounds() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_copy, stages", [(1, 32), (0, 6), (5, 7)])
-def test_cuda_layer_wise_decode_across_groups(monkeypatch: pytest.MonkeyPatch, per_copy: int,
-                                              stages: int) -> None:
+def test_cuda_layer_wise_decode_across_groups(
+    monkeypatch: pytest.MonkeyPatch, per_copy: int, stages: int
+) -> None:
     """On CUDA (driver 2-D copies, decode stream, one event per group of layers), Llama-sized
     blocks in several row groups (1 MiB layer buffers: 21 rows a buffer for 1 layer a copy,
     2, 5 and 10 for the automatic groups of 8, 4 and 2, 4 for 5): byte for byte, and every

@@ -16,8 +16,15 @@ import json
 import sys
 from typing import Any
 
-KV_KEYS = ("gpu_hit_tokens", "loaded_tokens", "recomputed_tokens", "saved_blocks",
-           "loaded_blocks", "failed_loads", "tiers")
+KV_KEYS = (
+    "gpu_hit_tokens",
+    "loaded_tokens",
+    "recomputed_tokens",
+    "saved_blocks",
+    "loaded_blocks",
+    "failed_loads",
+    "tiers",
+)
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -40,8 +47,14 @@ def main(spec: dict[str, Any]) -> None:
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             (res,) = llm.generate([prompt], params)
             kv = llm.kv_stats()
-            _emit({"engine": e, "phase": p, "ids": list(res.token_ids),
-                   "kv": {k: kv.get(k) for k in KV_KEYS}})
+            _emit(
+                {
+                    "engine": e,
+                    "phase": p,
+                    "ids": list(res.token_ids),
+                    "kv": {k: kv.get(k) for k in KV_KEYS},
+                }
+            )
         if engine.get("hold"):
             held.append(llm)
         else:

@@ -22,8 +22,11 @@ def histories(n: int = 8, length: int = 300) -> list[list[int]]:
 
 
 def offload() -> dict:
-    return {"decision": "load", "calibrate": False,
-            "tiers": [{"kind": "host", "capacity": f"{256 * SLOT}B"}]}
+    return {
+        "decision": "load",
+        "calibrate": False,
+        "tiers": [{"kind": "host", "capacity": f"{256 * SLOT}B"}],
+    }
 
 
 def test_eight_queued_reloads_look_each_block_up_at_most_twice(model_dir: str) -> None:
@@ -76,10 +79,20 @@ def test_every_request_that_finds_blocks_below_gets_exactly_one_decision(
     is decided once, and every one of the 20 x 18 blocks is loaded."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(289)] for _ in range(20)]
-    config = {"decision": "load", "calibrate": False, "prefetch": False,
-              "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"},
-                        {"kind": "lmdb", "path": str(tmp_path / "db"), "capacity": "64MiB",
-                         "write_policy": "write_through"}]}
+    config = {
+        "decision": "load",
+        "calibrate": False,
+        "prefetch": False,
+        "tiers": [
+            {"kind": "host", "capacity": f"{64 * SLOT}B"},
+            {
+                "kind": "lmdb",
+                "path": str(tmp_path / "db"),
+                "capacity": "64MiB",
+                "write_policy": "write_through",
+            },
+        ],
+    }
     with make_llm(model_dir, 80, config) as first:
         reference = [list(o.token_ids) for o in first.generate(prompts, GEN)]
     with make_llm(model_dir, 80, config) as llm:

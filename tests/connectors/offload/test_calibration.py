@@ -56,13 +56,18 @@ def test_calibrate_false_keeps_the_default_priors(model_dir: str, tmp_path: Path
     with make_llm(model_dir, 24, config) as llm:
         cost = llm.kv_stats()["cost_model"]
     cpu = default_priors("cpu")
-    assert cost["tiers"]["host"]["bandwidth_bytes_per_s"] == cpu.tier_costs["host"].bandwidth_bytes_per_s
+    assert (
+        cost["tiers"]["host"]["bandwidth_bytes_per_s"]
+        == cpu.tier_costs["host"].bandwidth_bytes_per_s
+    )
     assert cost["prefill"]["fixed_s"] == cpu.prefill.fixed_s
 
 
 def test_calibrate_knob_is_a_strict_bool() -> None:
     assert parse_offload_config({"tiers": [{"kind": "host", "capacity": "1MiB"}]}).calibrate
-    config = parse_offload_config({"calibrate": False, "tiers": [{"kind": "host", "capacity": "1MiB"}]})
+    config = parse_offload_config(
+        {"calibrate": False, "tiers": [{"kind": "host", "capacity": "1MiB"}]}
+    )
     assert config.calibrate is False
     with pytest.raises(ConfigError, match="calibrate must be true or false"):
         parse_offload_config({"calibrate": "yes", "tiers": [{"kind": "host", "capacity": "1MiB"}]})

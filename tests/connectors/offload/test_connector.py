@@ -165,8 +165,13 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
     assert lines[0]["kv_load_s"] == {"read": 0.0, "copy": 0.0}  # nothing loaded
     assert lines[0]["prefill_step_tokens"] >= 85  # its steps carried its own prompt at least
     # The planned split of the reload: 2 blocks from the GPU, 3 loaded, the last 5 recomputed.
-    assert lines[2]["kv_plan"] == {"gpu_tokens": 32, "head_tokens": 0, "load_tokens": 48,
-                                   "recompute_tokens": 5, "predicted_s": 0.0}
+    assert lines[2]["kv_plan"] == {
+        "gpu_tokens": 32,
+        "head_tokens": 0,
+        "load_tokens": 48,
+        "recompute_tokens": 5,
+        "predicted_s": 0.0,
+    }
     assert lines[2]["kv_load_s"]["copy"] > 0 and lines[2]["kv_load_s"]["read"] == 0.0
 
 
@@ -182,7 +187,9 @@ def test_default_config_uses_host_and_lmdb_in_the_cache_dir(
         host = store.tiers[0]
         meta = llm.engine.offload.worker.meta  # type: ignore[union-attr]
         assert meta.payload_bytes == llm.engine.runner.kv_cache.bytes_per_block == 8192
-        assert host.slot_bytes == -(-encoded_size(meta, keyed=True) // 16) * 16 > 8192  # 16-byte aligned slots
+        assert (
+            host.slot_bytes == -(-encoded_size(meta, keyed=True) // 16) * 16 > 8192
+        )  # 16-byte aligned slots
         assert 1 << 20 <= host.num_slots * host.slot_bytes <= 8 << 30
 
 

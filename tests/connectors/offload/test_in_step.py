@@ -21,13 +21,19 @@ ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 def prompts() -> tuple[list[int], list[int]]:
     rng = random.Random(2)
-    return ([rng.randrange(3, VOCAB) for _ in range(85)],
-            [rng.randrange(3, VOCAB) for _ in range(120)])
+    return (
+        [rng.randrange(3, VOCAB) for _ in range(85)],
+        [rng.randrange(3, VOCAB) for _ in range(120)],
+    )
 
 
 def offload(in_step: bool) -> dict:
-    return {"decision": "load", "calibrate": False, "in_step_host_loads": in_step,
-            "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
+    return {
+        "decision": "load",
+        "calibrate": False,
+        "in_step_host_loads": in_step,
+        "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}],
+    }
 
 
 def evict_p_to_host(llm: LLM) -> list[int]:
@@ -141,8 +147,7 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
     config = {**offload(True), flag: True}
-    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config,
-             **kw) as llm:
+    with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config, **kw) as llm:
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
         assert copier is not None
         assert copier.layered if flag == "layered_loads" else copier.coalesce

@@ -33,10 +33,17 @@ N = 11  # 4 chunks of 3 blocks, the last one short
 
 def _store(tmp_path: Path, slot: int, host_slots: int) -> HierarchicalStore:
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": f"{host_slots * slot}B"},
-                   {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "16MiB"}]})
-    return HierarchicalStore(build_tiers(config, host_slot_bytes=slot),
-                             StoreConfig(namespace=PREFIX, promote_on_get=False))
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{host_slots * slot}B"},
+                {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "16MiB"},
+            ]
+        }
+    )
+    return HierarchicalStore(
+        build_tiers(config, host_slot_bytes=slot),
+        StoreConfig(namespace=PREFIX, promote_on_get=False),
+    )
 
 
 @pytest.fixture()
@@ -48,23 +55,38 @@ def lmdb_blocks(tmp_path: Path) -> Iterator[tuple[HierarchicalStore, KVCache, li
     store = _store(tmp_path, encoded_size(meta, keyed=True), host_slots=2)
     gen = torch.Generator().manual_seed(5)
     keys = [f"{PREFIX}/{i:02x}" for i in range(N)]
-    store.tiers[1].put_many([
-        (k, encode_block(torch.randn(spec.block_shape, generator=gen).numpy().tobytes(), meta,
-                         key=k)) for k in keys])
+    store.tiers[1].put_many(
+        [
+            (
+                k,
+                encode_block(
+                    torch.randn(spec.block_shape, generator=gen).numpy().tobytes(), meta, key=k
+                ),
+            )
+            for k in keys
+        ]
+    )
     yield store, cache, keys
     store.close()
 
 
-def _worker(store: HierarchicalStore, cache: KVCache, chunk_blocks: int,
-            timeout_s: float = 5.0) -> OffloadWorker:
-    return OffloadWorker(cache, store, block_meta(cache, PREFIX), load_timeout_s=timeout_s,
-                         stats=OffloadStats(),
-                         load_chunk_bytes=chunk_blocks * cache.bytes_per_block,
-                         load_pipeline_depth=2)
+def _worker(
+    store: HierarchicalStore, cache: KVCache, chunk_blocks: int, timeout_s: float = 5.0
+) -> OffloadWorker:
+    return OffloadWorker(
+        cache,
+        store,
+        block_meta(cache, PREFIX),
+        load_timeout_s=timeout_s,
+        stats=OffloadStats(),
+        load_chunk_bytes=chunk_blocks * cache.bytes_per_block,
+        load_pipeline_depth=2,
+    )
 
 
-def _load(worker: OffloadWorker, store: HierarchicalStore, keys: list[str],
-          block_ids: tuple[int, ...]) -> tuple[int, float, float]:
+def _load(
+    worker: OffloadWorker, store: HierarchicalStore, keys: list[str], block_ids: tuple[int, ...]
+) -> tuple[int, float, float]:
     """One async load through an idle engine step: (blocks loaded, copy_s, read_s)."""
     spec = store.prepare_load(keys)
     load = BlockLoad("r", block_ids, tuple(keys), 0, ("lmdb",) * len(keys), spec=spec)
@@ -74,7 +96,8 @@ def _load(worker: OffloadWorker, store: HierarchicalStore, keys: list[str],
 
 
 def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
-        lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]]) -> None:
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+) -> None:
     store, cache, keys = lmdb_blocks
     ids = tuple(random.Random(3).sample(range(2 * N + 2), N))
     landed = {}
@@ -95,7 +118,8 @@ def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
 
 
 def test_a_pipelined_load_stops_at_the_first_missing_block(
-        lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]]) -> None:
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+) -> None:
     store, cache, keys = lmdb_blocks
     store.tiers[1].delete_many([keys[7]])  # in the third chunk
     worker = _worker(store, cache, 3)
@@ -114,7 +138,8 @@ class _SlowPipeline(LoadPipeline):
 
 
 def test_a_cancelled_pipelined_load_stops_copying_and_releases_its_pins(
-        lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]]) -> None:
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+) -> None:
     store, cache, keys = lmdb_blocks
     worker = _worker(store, cache, 1)
     loader = worker._loader
@@ -124,8 +149,9 @@ def test_a_cancelled_pipelined_load_stops_copying_and_releases_its_pins(
         load = BlockLoad("r", tuple(range(N)), tuple(keys), 0, ("lmdb",) * N, spec=spec)
         worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
         time.sleep(0.12)  # two or three chunks read
-        worker.start_load_kv(KVConnectorMetadata(cancelled_loads=frozenset({"r"}),
-                                                 num_scheduled_requests=1))
+        worker.start_load_kv(
+            KVConnectorMetadata(cancelled_loads=frozenset({"r"}), num_scheduled_requests=1)
+        )
         snapshot = cache.tensor.clone()  # no copy after the cancel returned
         time.sleep(0.2)
         assert torch.equal(snapshot, cache.tensor)
@@ -141,8 +167,7 @@ def test_pipeline_knobs_are_checked() -> None:
     assert chunk_blocks_for(16 << 20, 2 << 20) == 8
     tiers = [{"kind": "host", "capacity": "1MiB"}]
     assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 16 << 20
-    for bad in ({"load_chunk_bytes": -1}, {"load_pipeline_depth": 0},
-                {"load_chunk_bytes": "big"}):
+    for bad in ({"load_chunk_bytes": -1}, {"load_pipeline_depth": 0}, {"load_chunk_bytes": "big"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_offload_config({"tiers": tiers, **bad})
 
@@ -152,16 +177,23 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 @pytest.mark.parametrize("chunk_bytes", [0, 2 * 8192])
 def test_greedy_tokens_with_a_pipelined_lmdb_reload_equal_those_without_offload(
-        model_dir: str, tmp_path: Path, chunk_bytes: int) -> None:
+    model_dir: str, tmp_path: Path, chunk_bytes: int
+) -> None:
     """One engine writes a prompt's blocks down to LMDB (closing flushes them); a restarted one
     (an empty host tier above the same LMDB) reloads them through the pipeline in chunks of 2
     blocks (0: unpipelined) and gives the tokens of an engine without offload."""
     rng = random.Random(9)
     prompt = [rng.randrange(3, VOCAB) for _ in range(120)]
     want = list(make_llm(model_dir, 10).generate([prompt], GREEDY)[0].token_ids)
-    config = {"decision": "load", "calibrate": False, "load_chunk_bytes": chunk_bytes,
-              "tiers": [{"kind": "host", "capacity": f"{16 * SLOT}B"},
-                        {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    config = {
+        "decision": "load",
+        "calibrate": False,
+        "load_chunk_bytes": chunk_bytes,
+        "tiers": [
+            {"kind": "host", "capacity": f"{16 * SLOT}B"},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ],
+    }
     with make_llm(model_dir, 10, config) as llm:
         assert list(llm.generate([prompt], GREEDY)[0].token_ids) == want
     log = tmp_path / "requests.jsonl"
@@ -186,10 +218,10 @@ def test_a_pipelined_load_on_cuda_lands_the_bytes_and_times_its_copies(tmp_path:
     store = _store(tmp_path, encoded_size(meta, keyed=True), host_slots=2)
     gen = torch.Generator().manual_seed(6)
     keys = [f"{PREFIX}/{i:02x}" for i in range(N)]
-    payload = torch.randint(0, 255, (N, cache.bytes_per_block), generator=gen,
-                            dtype=torch.uint8)
-    store.tiers[1].put_many([(k, encode_block(payload[i].numpy().tobytes(), meta, key=k))
-                             for i, k in enumerate(keys)])
+    payload = torch.randint(0, 255, (N, cache.bytes_per_block), generator=gen, dtype=torch.uint8)
+    store.tiers[1].put_many(
+        [(k, encode_block(payload[i].numpy().tobytes(), meta, key=k)) for i, k in enumerate(keys)]
+    )
     ids = tuple(range(1, 2 * N + 1, 2))
     try:
         for chunk in (0, 3):

@@ -22,9 +22,15 @@ GEN = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
 def config(lmdb: Path, placement: str) -> dict:
-    return {"decision": "cost", "calibrate": False, "placement": placement,
-            "tiers": [{"kind": "host", "capacity": f"{8 * SLOT}B"},
-                      {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB"}]}
+    return {
+        "decision": "cost",
+        "calibrate": False,
+        "placement": placement,
+        "tiers": [
+            {"kind": "host", "capacity": f"{8 * SLOT}B"},
+            {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB"},
+        ],
+    }
 
 
 def prompts() -> list[list[int]]:

@@ -14,10 +14,20 @@ GEN = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
 def config(lmdb: Path, prefetch: bool = True) -> dict:
-    return {"decision": "load", "calibrate": False, "prefetch": prefetch,
-            "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"},
-                      {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB",
-                       "write_policy": "write_through"}]}
+    return {
+        "decision": "load",
+        "calibrate": False,
+        "prefetch": prefetch,
+        "tiers": [
+            {"kind": "host", "capacity": f"{64 * SLOT}B"},
+            {
+                "kind": "lmdb",
+                "path": str(lmdb),
+                "capacity": "64MiB",
+                "write_policy": "write_through",
+            },
+        ],
+    }
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:

@@ -40,7 +40,9 @@ def qa_rounds(llm: LLM) -> list[list[int]]:
         engine.flush_kv()
         for i in range(USERS):
             replies.append(done[f"r{r}-{i}"])
-            history[i] = prompts[i] + done[f"r{r}-{i}"] + [rng.randrange(3, VOCAB) for _ in range(8)]
+            history[i] = (
+                prompts[i] + done[f"r{r}-{i}"] + [rng.randrange(3, VOCAB) for _ in range(8)]
+            )
     return replies
 
 

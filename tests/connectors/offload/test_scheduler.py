@@ -171,8 +171,9 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert cfg.layered_loads == "auto" and not cfg.layer_wise  # auto: with compression only
     assert load_offload_config({"tiers": host, "compression": "lossless"}).layer_wise
     assert load_offload_config({"tiers": host, "layered_loads": True}).layer_wise
-    assert not load_offload_config({"tiers": host, "compression": "lossless",
-                                    "layered_loads": False}).layer_wise
+    assert not load_offload_config(
+        {"tiers": host, "compression": "lossless", "layered_loads": False}
+    ).layer_wise
     for bad in (1, "yes"):
         with pytest.raises(ConfigError, match="layered_loads must be true, false or auto"):
             load_offload_config({"tiers": host, "layered_loads": bad})

@@ -30,15 +30,25 @@ def _llm(model_dir: str, tp: int, blocks: int, offload: dict | None = None) -> L
     kw: dict[str, Any] = {}
     if offload is not None:
         kw = {"kv_offload": True, "kv_offload_config": offload}
-    return LLM(model_dir, num_gpu_blocks=blocks, dtype="float32", device="cpu",
-               tensor_parallel_size=tp, **kw)
+    return LLM(
+        model_dir,
+        num_gpu_blocks=blocks,
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=tp,
+        **kw,
+    )
 
 
 def _offload(tmp_path: Path, group: int = 0, host_blocks: int = 8) -> dict:
     return {
-        "decision": "load", "calibrate": False, "kv_head_group": group,
-        "tiers": [{"kind": "host", "capacity": f"{host_blocks * 20000}B"},
-                  {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}],
+        "decision": "load",
+        "calibrate": False,
+        "kv_head_group": group,
+        "tiers": [
+            {"kind": "host", "capacity": f"{host_blocks * 20000}B"},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ],
     }
 
 
@@ -95,7 +105,10 @@ def test_keys_name_the_head_range_not_the_chain() -> None:
     ns = Namespace(model_fingerprint="m")
     half = slice_namespace(ns, (1, 2), total=2)
     assert slice_namespace(ns, (0, 2), total=2) == ns  # all heads: today's keys
-    assert half.key_prefix() == f"{ns.store_prefix()}.h1-2" and half.store_prefix() == ns.store_prefix()
+    assert (
+        half.key_prefix() == f"{ns.store_prefix()}.h1-2"
+        and half.store_prefix() == ns.store_prefix()
+    )
     assert hash_request_tokens(half, list(range(32))) == hash_request_tokens(ns, list(range(32)))
     assert head_groups(8, 1, 2, 0) == [(4, 8)] and head_groups(8, 1, 2, 2) == [(4, 6), (6, 8)]
     with pytest.raises(ValueError, match="kv_head_group 3 does not divide the 4 KV heads"):

@@ -37,21 +37,28 @@ class RecordingCostModel(OnlineCostModel):
 
 
 @pytest.fixture()
-def parts(tmp_path: Path) -> Iterator[tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel]]:
+def parts(
+    tmp_path: Path,
+) -> Iterator[tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel]]:
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     cache = KVCache(spec, 8, "cpu")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
-                   {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"}]}
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
+                {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "8MiB"},
+            ]
+        }
     )
     store = HierarchicalStore(
         build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
         StoreConfig(namespace=PREFIX, promote_on_get=False),
     )
     model = RecordingCostModel()
-    worker = OffloadWorker(cache, store, meta, load_timeout_s=5.0, stats=OffloadStats(),
-                           cost_model=model)
+    worker = OffloadWorker(
+        cache, store, meta, load_timeout_s=5.0, stats=OffloadStats(), cost_model=model
+    )
     yield worker, store, cache, model
     worker.close()
     store.close()
@@ -68,8 +75,10 @@ def test_a_load_from_two_tiers_reports_each_hop(
     size = cache.bytes_per_block
     keys = [f"{PREFIX}/{i:02x}" for i in range(3)]
     blobs = [block(float(i + 1), cache) for i in range(3)]
-    encoded = [(k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
-               for k, b in zip(keys, blobs, strict=True)]
+    encoded = [
+        (k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
+        for k, b in zip(keys, blobs, strict=True)
+    ]
     store.tiers[1].put_many(encoded[2:])  # the third block lives only in LMDB
     store.put_many(encoded[:2])
     assert store.lookup(keys).served_by == (0, 0, 1)
@@ -94,8 +103,9 @@ def test_a_short_read_stops_at_the_first_missing_block(
     worker, store, cache, model = parts
     keys = [f"{PREFIX}/{i:02x}" for i in range(3)]
     blob = block(7.0, cache)
-    store.tiers[1].put_many([(keys[0], encode_block(blob.numpy().tobytes(), worker.meta,
-                                                      key=keys[0]))])
+    store.tiers[1].put_many(
+        [(keys[0], encode_block(blob.numpy().tobytes(), worker.meta, key=keys[0]))]
+    )
     load = BlockLoad("r", (1, 2, 4), tuple(keys), 0, ("lmdb", "lmdb", "lmdb"))
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
     [result] = worker.take_report().finished_loads
@@ -104,12 +114,17 @@ def test_a_short_read_stops_at_the_first_missing_block(
     assert torch.equal(cache.tensor[1], blob) and bool((cache.tensor[2] == 0).all())
 
 
-def _host_blocks(worker: OffloadWorker, store: HierarchicalStore, cache: KVCache,
-                 n: int) -> tuple[list[str], list[torch.Tensor]]:
+def _host_blocks(
+    worker: OffloadWorker, store: HierarchicalStore, cache: KVCache, n: int
+) -> tuple[list[str], list[torch.Tensor]]:
     keys = [f"{PREFIX}/{i:02x}" for i in range(n)]
     blobs = [block(float(i + 2), cache) for i in range(n)]
-    store.put_many([(k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
-                    for k, b in zip(keys, blobs, strict=True)])
+    store.put_many(
+        [
+            (k, encode_block(b.numpy().tobytes(), worker.meta, key=k))
+            for k, b in zip(keys, blobs, strict=True)
+        ]
+    )
     return keys, blobs
 
 
@@ -186,9 +201,15 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
     assert worker.take_report().finished_loads == ()
     # The host tier (4 slots) fills up: the two entries being copied must survive.
-    filler = [(f"{PREFIX}/f{i}", encode_block(block(50.0 + i, cache).numpy().tobytes(),
-                                              worker.meta, key=f"{PREFIX}/f{i}"))
-              for i in range(4)]
+    filler = [
+        (
+            f"{PREFIX}/f{i}",
+            encode_block(
+                block(50.0 + i, cache).numpy().tobytes(), worker.meta, key=f"{PREFIX}/f{i}"
+            ),
+        )
+        for i in range(4)
+    ]
     store.put_many(filler)
     assert store.tiers[0].lookup(keys) == 2
     in_flight[0] = False
@@ -225,13 +246,13 @@ def test_saves_land_in_host_slots_and_demote_with_valid_checksums(
     # 4 host slots: the two oldest saves were evicted by later reserves and demoted to LMDB.
     assert host.lru_keys() == [s.key for s in saves[2:]]
     for s in saves:
-        value = (host.get_many([s.key])[0] if s.key in host.lru_keys()
-                 else lmdb.get_many([s.key])[0])
+        value = host.get_many([s.key])[0] if s.key in host.lru_keys() else lmdb.get_many([s.key])[0]
         assert value is not None, s.key
         payload = decode_block(value, PREFIX).payload  # checksum verified
         expected = block(100.0 + s.block_id, cache)
-        assert torch.equal(torch.frombuffer(bytearray(payload), dtype=torch.float32)
-                           .view(expected.shape), expected)
+        assert torch.equal(
+            torch.frombuffer(bytearray(payload), dtype=torch.float32).view(expected.shape), expected
+        )
     assert lmdb.lookup([saves[0].key]) == 1 and lmdb.lookup([saves[1].key]) == 1
     assert worker.stats.snapshot()["saved_blocks"] == 6
 
@@ -246,21 +267,31 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
     cache = KVCache(spec, 16, "cuda")
     meta = block_meta(cache, PREFIX)
     config = parse_tier_config(
-        {"tiers": [{"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
-                   {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]})
-    store = HierarchicalStore(build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
-                              StoreConfig(namespace=PREFIX, promote_on_get=False))
+        {
+            "tiers": [
+                {"kind": "host", "capacity": f"{4 * encoded_size(meta, keyed=True)}B"},
+                {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+            ]
+        }
+    )
+    store = HierarchicalStore(
+        build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
+        StoreConfig(namespace=PREFIX, promote_on_get=False),
+    )
     assert store.tiers[0].pinned_memory
     worker = OffloadWorker(cache, store, meta, load_timeout_s=30.0, stats=OffloadStats())
     try:
-        blobs = [torch.full(spec.block_shape, float(b + 1), dtype=spec.dtype, device="cuda")
-                 for b in range(6)]
+        blobs = [
+            torch.full(spec.block_shape, float(b + 1), dtype=spec.dtype, device="cuda")
+            for b in range(6)
+        ]
         for b in range(6):
             cache.tensor[b] = blobs[b]
         saves = tuple(BlockSave(b, f"{PREFIX}/c{b}") for b in range(6))
         for step in (saves[:3], saves[3:]):
-            worker.start_load_kv(KVConnectorMetadata(saves=step, num_scheduled_requests=1,
-                                                     saves_reuse_blocks=True))
+            worker.start_load_kv(
+                KVConnectorMetadata(saves=step, num_scheduled_requests=1, saves_reuse_blocks=True)
+            )
             for s in step:  # reuse: the compute stream waited for the gather
                 cache.tensor[s.block_id] = -7.0
             worker.wait_for_save()

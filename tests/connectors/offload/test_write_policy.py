@@ -47,8 +47,13 @@ def offload(*tiers: dict[str, Any]) -> dict[str, Any]:
 
 def spawn(model: str, engines: list[dict[str, Any]]) -> subprocess.Popen[str]:
     spec = json.dumps({"model": model, "engines": engines})
-    return subprocess.Popen([sys.executable, "-m", "tests.connectors.offload.engine_child", spec],
-                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.connectors.offload.engine_child", spec],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def read_until(proc: subprocess.Popen[str], key: str) -> list[dict[str, Any]]:
@@ -95,28 +100,42 @@ def reference(model_dir: str) -> list[list[int]]:
 def cache_server(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A ``kvtier cache-server`` process; yields its remote tier config."""
     with cache_server_process(tmp_path, "tok-wp-17", "wp", data_subdir="server") as port:
-        yield {"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "tok-wp-17",
-               "timeout_s": 10}
+        yield {
+            "kind": "remote",
+            "url": f"tcp://127.0.0.1:{port}",
+            "token": "tok-wp-17",
+            "timeout_s": 10,
+        }
 
 
 def test_a_second_process_loads_what_the_first_computed_behind_a_256mib_host_tier(
-    model_dir: str, reference: list[list[int]], tmp_path: Path, cache_server: dict[str, Any],
-    redis_config: dict[str, Any], s3_config: dict[str, Any],
+    model_dir: str,
+    reference: list[list[int]],
+    tmp_path: Path,
+    cache_server: dict[str, Any],
+    redis_config: dict[str, Any],
+    s3_config: dict[str, Any],
 ) -> None:
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}
-    a = spawn(model_dir, [
-        {"offload": offload(lmdb), "phases": phases()},
-        {"offload": offload(redis_config, s3_config), "phases": phases(), "hold": True},
-        {"offload": offload(cache_server), "phases": phases(max_disagg=1), "hold": True},
-    ])
+    a = spawn(
+        model_dir,
+        [
+            {"offload": offload(lmdb), "phases": phases()},
+            {"offload": offload(redis_config, s3_config), "phases": phases(), "hold": True},
+            {"offload": offload(cache_server), "phases": phases(max_disagg=1), "hold": True},
+        ],
+    )
     try:
         a_lines = read_until(a, "held")  # A's last two engines keep running meanwhile
-        b_lines = run(model_dir, [
-            {"offload": offload(lmdb), "phases": phases()},
-            {"offload": offload(redis_config), "phases": phases()},
-            {"offload": offload(s3_config), "phases": phases()},
-            {"offload": offload(cache_server), "phases": phases(max_disagg=MAX_TOKENS)},
-        ])
+        b_lines = run(
+            model_dir,
+            [
+                {"offload": offload(lmdb), "phases": phases()},
+                {"offload": offload(redis_config), "phases": phases()},
+                {"offload": offload(s3_config), "phases": phases()},
+                {"offload": offload(cache_server), "phases": phases(max_disagg=MAX_TOKENS)},
+            ],
+        )
         assert a.stdin is not None
         a.stdin.write("close\n")
         a.stdin.flush()
@@ -134,35 +153,50 @@ def test_a_second_process_loads_what_the_first_computed_behind_a_256mib_host_tie
         assert last["kv"]["tiers"][shared]["written_through"] >= 28
         assert last["kv"]["tiers"][shared]["written_back"] == 0
     assert [m["ids"] for m in a_lines if m["engine"] == 0] == reference[:4]
-    assert [m["ids"] for m in a_lines if m["engine"] == 2] == \
-        reference[:4] + [r[:1] for r in reference[4:]]
+    assert [m["ids"] for m in a_lines if m["engine"] == 2] == reference[:4] + [
+        r[:1] for r in reference[4:]
+    ]
     # B: every full prompt block loaded from the one shared tier it has, nothing recomputed.
     for e, shared in enumerate(("lmdb", "redis", "s3", "remote")):
         mine = [m for m in b_lines if m["engine"] == e]
         kv = mine[len(PROMPTS) - 1]["kv"]
-        assert [m["ids"] for m in mine[:len(PROMPTS)]] == reference[:4], shared
+        assert [m["ids"] for m in mine[: len(PROMPTS)]] == reference[:4], shared
         assert kv["loaded_tokens"] == FULL_BLOCK_TOKENS, shared
         assert kv["recomputed_tokens"] == 0 and kv["failed_loads"] == 0, shared
         assert kv["tiers"][shared]["hit_blocks"] == FULL_BLOCK_TOKENS // 16, shared
     # Disaggregation: B decodes the prompts A only prefilled, from A's KV, as one engine would.
     b_remote = [m for m in b_lines if m["engine"] == 3]
-    assert [m["ids"] for m in b_remote[len(PROMPTS):]] == reference[4:]
+    assert [m["ids"] for m in b_remote[len(PROMPTS) :]] == reference[4:]
     before, after = b_remote[len(PROMPTS) - 1]["kv"], b_remote[-1]["kv"]
-    assert after["loaded_tokens"] - before["loaded_tokens"] == sum(len(p) // 16 * 16
-                                                                   for p in DISAGG)
+    assert after["loaded_tokens"] - before["loaded_tokens"] == sum(
+        len(p) // 16 * 16 for p in DISAGG
+    )
     assert after["recomputed_tokens"] == 0 and after["gpu_hit_tokens"] == 0
 
 
 def test_selective_write_through_copies_only_blocks_reloaded_from_host(
-    model_dir: str, reference: list[list[int]], tmp_path: Path,
+    model_dir: str,
+    reference: list[list[int]],
+    tmp_path: Path,
 ) -> None:
     """``write_through_selective`` with one hit: a block goes to LMDB once an engine reloads it
     from the host tier, not when it is saved (in this process; the host tier never evicts)."""
-    lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB",
-            "write_policy": "write_through_selective", "write_through_hits": 1}
+    lmdb = {
+        "kind": "lmdb",
+        "path": str(tmp_path / "lmdb"),
+        "capacity": "64MiB",
+        "write_policy": "write_through_selective",
+        "write_through_hits": 1,
+    }
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
-             kv_offload_config=offload(lmdb)) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=16,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload(lmdb),
+    ) as llm:
         # PROMPTS[1:] push PROMPTS[0]'s blocks out of the 16 GPU blocks; the rerun reloads them.
         ids = [list(llm.generate([p], params)[0].token_ids) for p in PROMPTS + PROMPTS[:1]]
         kv = llm.kv_stats()

@@ -63,18 +63,27 @@ def lmdb_blocks(path: Path) -> tuple[int, int]:
         tier.close()
 
 
-def restart_loads(model_dir: str, lmdb: dict[str, Any], prompts: list[list[int]]
-                  ) -> tuple[list[list[int]], dict[str, Any]]:
+def restart_loads(
+    model_dir: str, lmdb: dict[str, Any], prompts: list[list[int]]
+) -> tuple[list[list[int]], dict[str, Any]]:
     """A fresh engine over ``lmdb``: its tokens for ``prompts`` (one at a time) and kv_stats."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
-             kv_offload_config=offload(lmdb)) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=16,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload(lmdb),
+    ) as llm:
         ids = [list(llm.generate([p], params)[0].token_ids) for p in prompts]
         return ids, llm.kv_stats()
 
 
 def test_sigkill_keeps_every_acknowledged_block_and_shows_no_torn_one(
-    model_dir: str, reference: list[list[int]], tmp_path: Path  # noqa: F811
+    model_dir: str,
+    reference: list[list[int]],  # noqa: F811
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     lmdb = lmdb_config(tmp_path / "lmdb")
     steps = phases()
@@ -100,7 +109,9 @@ def test_sigkill_keeps_every_acknowledged_block_and_shows_no_torn_one(
 
 
 def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
-    model_dir: str, reference: list[list[int]], tmp_path: Path,  # noqa: F811
+    model_dir: str,
+    reference: list[list[int]],  # noqa: F811
+    tmp_path: Path,  # noqa: F811
     cache_server: dict[str, Any],  # noqa: F811
 ) -> None:
     """``kvtier serve`` A (host 256 MiB, LMDB write-back, the cache server write-through) serves
@@ -110,17 +121,43 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
     lmdb = lmdb_config(tmp_path / "lmdb", write_policy="write_back")
     (tmp_path / "offload.json").write_text(json.dumps(offload(lmdb, cache_server)))
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "16",
-           "--dtype", "float32", "--log-level", "warning", "--engine-num-threads", "1",
-           "--kv-offload", "--kv-offload-config", str(tmp_path / "offload.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "16",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
+        "--engine-num-threads",
+        "1",
+        "--kv-offload",
+        "--kv-offload-config",
+        str(tmp_path / "offload.json"),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=python_env())
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_healthy(base, proc, 60)
         for prompt, max_tokens in phases(max_disagg=1):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0.0, "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
         decoded, loaded = decode_elsewhere(model_dir, cache_server)
@@ -148,8 +185,12 @@ def test_kvtier_serve_prefills_for_a_decode_engine_and_drains_on_sigterm(
 def written_through(base: str, tier: str, at_least: int, timeout_s: float = 10.0) -> float:
     """``kvtier_kv_tier_written_through_total{tier=...}`` from ``base``'s /metrics, polled until
     it reaches ``at_least`` or ``timeout_s`` passed (then its last value)."""
-    pattern = re.compile(r'^kvtier_kv_tier_written_through_total\{[^}]*tier="' + re.escape(tier)
-                         + r'"[^}]*\} (\S+)$', re.M)
+    pattern = re.compile(
+        r'^kvtier_kv_tier_written_through_total\{[^}]*tier="'
+        + re.escape(tier)
+        + r'"[^}]*\} (\S+)$',
+        re.M,
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         found = pattern.search(httpx.get(f"{base}/metrics", timeout=5).text)
@@ -163,8 +204,14 @@ def decode_elsewhere(model_dir: str, remote: dict[str, Any]) -> tuple[list[list[
     """Engine B: waits (up to 20 s) until the cache server holds every full block of the
     DISAGG prompts (A copies them after its replies), then decodes them; (tokens, loaded)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
-             kv_offload_config=offload(remote)) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=16,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload(remote),
+    ) as llm:
         ns = llm.engine.namespace
         keys = [[block_key(ns, h) for h in hash_request_tokens(ns, p)] for p in DISAGG]
         store = llm.engine.offload.store  # type: ignore[union-attr]

@@ -45,8 +45,10 @@ class Req:  # the attributes of vLLM's Request the scheduler side reads
 
 def _caches(num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.attn": torch.randn(num_blocks, HEADS, BS, 2 * HEAD, generator=g)
-            for i in range(LAYERS)}  # vLLM 0.32's CPU layout
+    return {
+        f"layers.{i}.attn": torch.randn(num_blocks, HEADS, BS, 2 * HEAD, generator=g)
+        for i in range(LAYERS)
+    }  # vLLM 0.32's CPU layout
 
 
 def _worker(stack_dict: dict, caches: dict[str, torch.Tensor]) -> VllmWorker:
@@ -54,17 +56,21 @@ def _worker(stack_dict: dict, caches: dict[str, torch.Tensor]) -> VllmWorker:
     layout = KvLayout.from_caches(caches, next(iter(caches.values())).shape[0])
     meta = layout.block_meta(NS.key_prefix(), LAYOUT)
     stack = config.offload.tiers
-    store = HierarchicalStore(build_tiers(stack, host_slot_bytes=64 << 10),
-                              StoreConfig(namespace=NS.key_prefix(),
-                                          write_policies=write_policies(stack)))
+    store = HierarchicalStore(
+        build_tiers(stack, host_slot_bytes=64 << 10),
+        StoreConfig(namespace=NS.key_prefix(), write_policies=write_policies(stack)),
+    )
     return VllmWorker(store, layout, meta, Counters(), BS)
 
 
 def _scheduler(stack_dict: dict, decision: str = "load") -> VllmScheduler:
     config = parse_connector_config(stack_dict)
     base = default_priors("cpu")
-    cost = OnlineCostModel.from_priors(CostPriors("cpu", dict(base.tier_costs), base.prefill,
-                                                  LAYERS * HEADS * BS * 2 * HEAD * 4, BS))
+    cost = OnlineCostModel.from_priors(
+        CostPriors(
+            "cpu", dict(base.tier_costs), base.prefill, LAYERS * HEADS * BS * 2 * HEAD * 4, BS
+        )
+    )
     store = build_lookup_store(config.offload.tiers, NS.key_prefix())
     return VllmScheduler(store, NS, cost, decision, Counters())
 
@@ -76,34 +82,47 @@ def test_keys_chain_token_ids_under_a_namespace_of_everything_incompatible():
     five = keys.first(tokens, 9)  # at most the full blocks
     assert len(five) == 5 and five[:2] == keys.first(tokens, 2)
     assert [k.split("/")[1] for k in five] == [h.hex() for h in hash_request_tokens(NS, tokens)]
-    others = [make_namespace("LlamaForCausalLM-test", LAYOUT, BS, tp_rank=1, tp_size=2),
-              make_namespace("LlamaForCausalLM-test", layout_name("bfloat16", 2, 1, 64, 32), BS),
-              make_namespace("LlamaForCausalLM-other", LAYOUT, BS),
-              make_namespace("LlamaForCausalLM-test", LAYOUT, 64)]
+    others = [
+        make_namespace("LlamaForCausalLM-test", LAYOUT, BS, tp_rank=1, tp_size=2),
+        make_namespace("LlamaForCausalLM-test", layout_name("bfloat16", 2, 1, 64, 32), BS),
+        make_namespace("LlamaForCausalLM-other", LAYOUT, BS),
+        make_namespace("LlamaForCausalLM-test", LAYOUT, 64),
+    ]
     assert len({NS.key_prefix(), *(o.key_prefix() for o in others)}) == 5
     assert RequestKeys(NS, ("salt=a",)).first(tokens, 1) != five[:1]
 
 
 def test_config_takes_the_offload_yaml_inline_or_as_a_file(tmp_path):
-    tiers = [{"kind": "host", "capacity": "1MiB"},
-             {"kind": "lmdb", "path": str(tmp_path / "l"), "capacity": "8MiB"}]
+    tiers = [
+        {"kind": "host", "capacity": "1MiB"},
+        {"kind": "lmdb", "path": str(tmp_path / "l"), "capacity": "8MiB"},
+    ]
     inline = parse_connector_config({"tiers": tiers, "decision": "cost", "stats_file": "/x"})
     path = tmp_path / "tiers.yaml"
-    path.write_text(f"decision: load\ntiers:\n  - {{kind: lmdb, path: {tmp_path}, capacity: 8MiB}}\n")
+    path.write_text(
+        f"decision: load\ntiers:\n  - {{kind: lmdb, path: {tmp_path}, capacity: 8MiB}}\n"
+    )
     from_file = parse_connector_config({"kvtier_config": str(path)})
     assert inline.has_host_tier and inline.stats_file == "/x" and inline.decision == "cost"
     assert from_file.decision == "load" and not from_file.has_host_tier
-    for bad, msg in [({}, "kvtier_config"), ({"tiers": tiers[:1]}, "below 'host'"),
-                     ({"tiers": tiers, "decision": "overlap"}, "prefix"),
-                     ({"tiers": tiers, "compression": "lossless"}, "compression"),
-                     ({"kvtier_config": str(path), "x": 1}, "unknown")]:
+    for bad, msg in [
+        ({}, "kvtier_config"),
+        ({"tiers": tiers[:1]}, "below 'host'"),
+        ({"tiers": tiers, "decision": "overlap"}, "prefix"),
+        ({"tiers": tiers, "compression": "lossless"}, "compression"),
+        ({"kvtier_config": str(path), "x": 1}, "unknown"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             parse_connector_config(bad)
 
 
 def test_saved_blocks_load_back_into_other_blocks_and_misses_are_load_errors(tmp_path):
-    stack = {"tiers": [{"kind": "host", "capacity": "4MiB"},
-                       {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}]}
+    stack = {
+        "tiers": [
+            {"kind": "host", "capacity": "4MiB"},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ]
+    }
     src = _caches(8, seed=1)
     keys = RequestKeys(NS).first(list(range(3, 3 + 3 * BS)), 3)
     from connectors.vllm.metadata import LoadJob, SaveJob
@@ -130,13 +149,22 @@ def test_scheduler_plans_loads_of_the_leading_run_another_process_wrote(tmp_path
     keys = RequestKeys(NS).first(tokens, 4)
     # Another process holds the writable LMDB tier (as vLLM's worker does) and wrote 3 blocks.
     writer = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys; from tiers.lmdb import LmdbTier; from cachestore.codec import *\n"
-            f"t = LmdbTier({lmdb!r}, 64 << 20)\n"
-            f"m = BlockMeta('float32', (4,), 'x', {NS.key_prefix()!r})\n"
-            f"t.put_many([(k, encode_block(bytes(16), m, key=k)) for k in {keys[:3]!r}])\n"
-            "print('ready', flush=True); sys.stdin.readline()")],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from tiers.lmdb import LmdbTier; from cachestore.codec import *\n"
+                f"t = LmdbTier({lmdb!r}, 64 << 20)\n"
+                f"m = BlockMeta('float32', (4,), 'x', {NS.key_prefix()!r})\n"
+                f"t.put_many([(k, encode_block(bytes(16), m, key=k)) for k in {keys[:3]!r}])\n"
+                "print('ready', flush=True); sys.stdin.readline()"
+            ),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         sched = _scheduler({"tiers": [{"kind": "lmdb", "path": lmdb, "capacity": "64MiB"}]})
@@ -144,21 +172,26 @@ def test_scheduler_plans_loads_of_the_leading_run_another_process_wrote(tmp_path
         assert sched.matched_tokens(req, 0) == 3 * BS
         assert sched.matched_tokens(req, BS) == 2 * BS  # past vLLM's own hit of one block
         sched.after_alloc(req, [10, 11, 12, 13, 14], 2 * BS)
-        plan = sched.build_step([ScheduledRequest("r1", 3 * BS, len(tokens) - 3 * BS,
-                                                  [10, 11, 12, 13, 14])])
+        plan = sched.build_step(
+            [ScheduledRequest("r1", 3 * BS, len(tokens) - 3 * BS, [10, 11, 12, 13, 14])]
+        )
         assert [(j.keys, j.block_ids, j.tiers) for j in plan.loads] == [
-            (tuple(keys[1:3]), (11, 12), ("lmdb", "lmdb"))]
+            (tuple(keys[1:3]), (11, 12), ("lmdb", "lmdb"))
+        ]
         # Saves: the blocks this step fills, not the loaded nor vLLM's hit ones; once each.
         assert [(s.keys, s.block_ids) for s in plan.saves] == [((keys[3],), (13,))]
-        assert sched.build_step([ScheduledRequest("r1", len(tokens), 1, [10, 11, 12, 13, 14])
-                                 ]).saves == ()
+        assert (
+            sched.build_step([ScheduledRequest("r1", len(tokens), 1, [10, 11, 12, 13, 14])]).saves
+            == ()
+        )
         assert sched.matched_tokens(Req("r3", tokens[: 3 * BS]), 0) == 2 * BS  # >= 1 computed
         assert sched.matched_tokens(Req("r4", tokens, mm_features=["img"]), 0) == 0
         sched.store.close()  # one LMDB environment per path and process
         for decision, expect in (("recompute", 0), ("cost", 3 * BS)):
             # CPU priors: a 32 KiB block reads from LMDB faster than 32 tokens compute
-            other = _scheduler({"tiers": [{"kind": "lmdb", "path": lmdb, "capacity": "64MiB"}]},
-                               decision)
+            other = _scheduler(
+                {"tiers": [{"kind": "lmdb", "path": lmdb, "capacity": "64MiB"}]}, decision
+            )
             assert other.matched_tokens(Req("r5", tokens), 0) == expect, decision
             other.store.close()
     finally:

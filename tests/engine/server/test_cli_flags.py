@@ -20,8 +20,14 @@ TRACE = ROOT / "tests" / "data" / "traces" / "conversation_trace.jsonl.gz"
 
 
 def _kvtier(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=90, env=python_env())
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=python_env(),
+    )
 
 
 @pytest.mark.parametrize("name", ["serve", "cache-server", "analyze", "demo"])
@@ -33,22 +39,38 @@ def test_every_flag_has_help(name: str) -> None:
 
 def test_help_shows_the_defaults() -> None:
     flat = " ".join(_kvtier("serve", "--help").stdout.split())
-    for text in ("HTTP port (1..65535) (default: 8000)", "(default: 2048)", "(default: 64)",
-                 "(default: 127.0.0.1)", "(default: auto)", "(default: info)"):
+    for text in (
+        "HTTP port (1..65535) (default: 8000)",
+        "(default: 2048)",
+        "(default: 64)",
+        "(default: 127.0.0.1)",
+        "(default: auto)",
+        "(default: info)",
+    ):
         assert text in flat, text
     flat = " ".join(_kvtier("analyze", "--help").stdout.split())
     assert "(default: llama-3-8b, unless --kv-bytes-per-token is given)" in flat
     assert "(default: lru)" in flat
 
 
-@pytest.mark.parametrize(("argv", "line"), [
-    (["serve", "--port", "70000"],
-     "kvtier serve: error: argument --port: invalid port 70000: a number 1..65535"),
-    (["serve", "--bogus"], "kvtier serve: error: unrecognized arguments: --bogus"),
-    (["cache-server", "--admin-port", "99999"],
-     "kvtier cache-server: error: argument --admin-port: invalid port 99999: a number 0..65535"),
-    (["analyze", str(TRACE), "--nope"], "kvtier analyze: error: unrecognized arguments: --nope"),
-])
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["serve", "--port", "70000"],
+            "kvtier serve: error: argument --port: invalid port 70000: a number 1..65535",
+        ),
+        (["serve", "--bogus"], "kvtier serve: error: unrecognized arguments: --bogus"),
+        (
+            ["cache-server", "--admin-port", "99999"],
+            "kvtier cache-server: error: argument --admin-port: invalid port 99999: a number 0..65535",
+        ),
+        (
+            ["analyze", str(TRACE), "--nope"],
+            "kvtier analyze: error: unrecognized arguments: --nope",
+        ),
+    ],
+)
 def test_bad_flags_are_one_line_under_the_subcommand(argv: list[str], line: str) -> None:
     result = _kvtier(*argv)
     assert result.returncode == 2
@@ -59,9 +81,17 @@ def test_bad_flags_are_one_line_under_the_subcommand(argv: list[str], line: str)
 
 
 def test_analyze_output_into_a_missing_directory(tmp_path: Path) -> None:
-    result = _kvtier("analyze", str(TRACE), "--tier", "host=64GiB", "--quiet",
-                     "--plot", str(tmp_path / "missing" / "x.png"))
+    result = _kvtier(
+        "analyze",
+        str(TRACE),
+        "--tier",
+        "host=64GiB",
+        "--quiet",
+        "--plot",
+        str(tmp_path / "missing" / "x.png"),
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"kvtier analyze: --plot {tmp_path / 'missing' / 'x.png'}: no such directory "
-        f"{tmp_path / 'missing'}"]
+        f"{tmp_path / 'missing'}"
+    ]

@@ -39,23 +39,51 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def offload_config(lmdb: Path, drain_timeout_s: float = 5.0) -> dict[str, Any]:
-    return {"decision": "load", "calibrate": False, "drain_timeout_s": drain_timeout_s,
-            "tiers": [{"kind": "host", "capacity": "256MiB"},
-                      {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB",
-                       "write_policy": "write_back"}]}
+    return {
+        "decision": "load",
+        "calibrate": False,
+        "drain_timeout_s": drain_timeout_s,
+        "tiers": [
+            {"kind": "host", "capacity": "256MiB"},
+            {"kind": "lmdb", "path": str(lmdb), "capacity": "64MiB", "write_policy": "write_back"},
+        ],
+    }
 
 
-def start_serve(model_dir: str, tmp_path: Path, config: dict[str, Any]
-                ) -> tuple[subprocess.Popen[str], str]:
+def start_serve(
+    model_dir: str, tmp_path: Path, config: dict[str, Any]
+) -> tuple[subprocess.Popen[str], str]:
     """``kvtier serve`` in a new session (its own process group), up and healthy; stderr piped."""
     (tmp_path / "offload.json").write_text(json.dumps(config))
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", "tiny", "--device", "cpu", "--num-gpu-blocks", "16",
-           "--dtype", "float32", "--log-level", "info", "--engine-num-threads", "1",
-           "--kv-offload", "--kv-offload-config", str(tmp_path / "offload.json")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=python_env(), stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "16",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "info",
+        "--engine-num-threads",
+        "1",
+        "--kv-offload",
+        "--kv-offload-config",
+        str(tmp_path / "offload.json"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=python_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(base, proc, 90)
@@ -67,8 +95,13 @@ def start_serve(model_dir: str, tmp_path: Path, config: dict[str, Any]
 
 def complete(base: str, prompts: list[list[int]]) -> None:
     for prompt in prompts:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
 
@@ -100,8 +133,14 @@ def engine_core_pid(pid: int) -> int:
 def loaded_after_restart(model_dir: str, lmdb: Path) -> dict[str, Any]:
     """kv_stats of a fresh engine over ``lmdb`` (a restart) after it ran every prompt."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu", kv_offload=True,
-             kv_offload_config=offload_config(lmdb)) as llm:
+    with LLM(
+        model_dir,
+        num_gpu_blocks=16,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload_config(lmdb),
+    ) as llm:
         for prompt in PROMPTS:
             llm.generate([prompt], params)
         return llm.kv_stats()

@@ -22,24 +22,42 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _row(name: str, failures: int = 0, **counters: int) -> dict[str, object]:
-    return {"name": name, "consecutive_failures": failures, "errors": failures, "skipped": 0,
-            "hits": 0, "misses": 0, "write_queue_depth": 0, "bytes_read": 0, **counters}
+    return {
+        "name": name,
+        "consecutive_failures": failures,
+        "errors": failures,
+        "skipped": 0,
+        "hits": 0,
+        "misses": 0,
+        "write_queue_depth": 0,
+        "bytes_read": 0,
+        **counters,
+    }
 
 
 def test_body_lists_tiers_and_says_degraded_while_one_fails() -> None:
     assert health_body({}) == {"status": "ok", "tiers": []}  # no offload
     stats = {"kv": {"store": {"tiers": [_row("host"), _row("redis", failures=3)]}}}
-    assert health_body(stats) == {"status": "degraded", "tiers": [
-        {"name": "host", "state": "up"}, {"name": "redis", "state": "down"}]}
+    assert health_body(stats) == {
+        "status": "degraded",
+        "tiers": [{"name": "host", "state": "up"}, {"name": "redis", "state": "down"}],
+    }
     verbose = health_body(stats, verbose=True, model={"name": "m"})
     assert verbose["tiers"][1]["consecutive_failures"] == 3 and verbose["model"] == {"name": "m"}
     assert "bytes_read" not in verbose["tiers"][1]  # the details named in TIER_DETAILS only
     assert [is_verbose(v) for v in (None, "", "1", "true", "0", "false")] == [
-        False, True, True, True, False, False]
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
-def _wait_for(check: Callable[[], bool], what: str, timeout_s: float, poke: Callable[[], None]
-              ) -> None:
+def _wait_for(
+    check: Callable[[], bool], what: str, timeout_s: float, poke: Callable[[], None]
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -53,16 +71,27 @@ def test_health_reports_redis_down_then_back_with_a_real_server(redis_server, tm
     redis_server.ensure_running()
     redis_server.flush()
     model_dir = make_tiny_model(tmp_path, "llama", seed=2)
-    offload = {"calibrate": False, "health_probe_s": 0.5, "tiers": [
-        {"kind": "host", "capacity": "4MiB"},
-        {"kind": "redis", "url": redis_server.url, "socket_timeout_s": 1.0}]}
-    config = EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(num_gpu_blocks=32),
-                          scheduler=SchedulerConfig(max_model_len=128), kv_offload=True,
-                          kv_offload_config=offload)
+    offload = {
+        "calibrate": False,
+        "health_probe_s": 0.5,
+        "tiers": [
+            {"kind": "host", "capacity": "4MiB"},
+            {"kind": "redis", "url": redis_server.url, "socket_timeout_s": 1.0},
+        ],
+    }
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=32),
+        scheduler=SchedulerConfig(max_model_len=128),
+        kv_offload=True,
+        kv_offload_config=offload,
+    )
     engine = EngineCoreClient.start(config, CoreProcConfig(num_threads=1))
     prompts = iter(range(1000))
     try:
         with run_server(engine, "tiny") as base:
+
             def complete() -> int:
                 prompt = [3 + next(prompts) % 200] * 40  # a new prefix each time: lookups
                 body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
@@ -77,12 +106,15 @@ def test_health_reports_redis_down_then_back_with_a_real_server(redis_server, tm
                 return {t["name"]: t["state"] for t in health()["tiers"]}["redis"]
 
             assert complete() == 200
-            assert health() == {"status": "ok", "tiers": [
-                {"name": "host", "state": "up"}, {"name": "redis", "state": "up"}]}
+            assert health() == {
+                "status": "ok",
+                "tiers": [{"name": "host", "state": "up"}, {"name": "redis", "state": "up"}],
+            }
 
             redis_server.kill()
-            _wait_for(lambda: redis_state() == "down", "redis down in /health", 30,
-                      lambda: complete())
+            _wait_for(
+                lambda: redis_state() == "down", "redis down in /health", 30, lambda: complete()
+            )
             body = health(verbose=True)
             assert body["status"] == "degraded"
             host, redis = body["tiers"]
@@ -92,18 +124,21 @@ def test_health_reports_redis_down_then_back_with_a_real_server(redis_server, tm
             assert complete() == 200  # degraded: served by recomputing, not refused
 
             redis_server.start()
-            _wait_for(lambda: redis_state() == "up", "redis up again in /health", 60,
-                      lambda: complete())
+            _wait_for(
+                lambda: redis_state() == "up", "redis up again in /health", 60, lambda: complete()
+            )
             assert health()["status"] == "ok"
 
             # An idle engine: no request touches the tiers, yet /health follows Redis (the
             # store pings idle tiers; the core resends its stats while idle).
             redis_server.kill()
-            _wait_for(lambda: redis_state() == "down", "idle redis down in /health", 30,
-                      lambda: None)
+            _wait_for(
+                lambda: redis_state() == "down", "idle redis down in /health", 30, lambda: None
+            )
             redis_server.start()
-            _wait_for(lambda: redis_state() == "up", "idle redis up again in /health", 60,
-                      lambda: None)
+            _wait_for(
+                lambda: redis_state() == "up", "idle redis up again in /health", 60, lambda: None
+            )
     finally:
         engine.shutdown()
         redis_server.ensure_running()

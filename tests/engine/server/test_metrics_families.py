@@ -51,16 +51,24 @@ def _value(families: Families, sample: str, **labels: str) -> float:
 
 
 def _scrape(model_dir: str, kv_offload: bool) -> Families:
-    config = EngineConfig(model=model_dir, device="cpu", cache=CacheConfig(num_gpu_blocks=24),
-                          scheduler=SchedulerConfig(max_model_len=128))
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=24),
+        scheduler=SchedulerConfig(max_model_len=128),
+    )
     if kv_offload:
         config = replace(config, kv_offload=True, kv_offload_config=OFFLOAD)
     engine = EngineCoreClient.start(config, CoreProcConfig(num_threads=1))
     try:
         with run_server(engine, MODEL) as url:
             for prompt in SENT:
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                        "ignore_eos": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True,
+                }
                 assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
             text = httpx.get(f"{url}/metrics").text
     finally:
@@ -98,14 +106,16 @@ def test_values_match_what_was_sent(scraped) -> None:
         assert _value(f, "kvtier_request_success_total", finished_reason="stop") == 0
         assert _value(f, "kvtier_request_prompt_tokens_sum") == sent_tokens
         assert _value(f, "kvtier_e2e_request_latency_seconds_count") == len(SENT)
-        assert _value(f, "kvtier_requests_total", endpoint="/v1/completions",
-                      status="200") == len(SENT)
+        assert _value(f, "kvtier_requests_total", endpoint="/v1/completions", status="200") == len(
+            SENT
+        )
         for phase in ALL_PHASES:
             assert _value(f, "kvtier_request_ttft_phase_seconds_count", phase=phase) == len(SENT)
         assert _value(f, "kvtier_gpu_cache_blocks") == 24
         assert _value(f, "kvtier_num_requests_running") == 0
-        assert _value(f, "kvtier_prompt_tokens_cached_by_tier_total", tier="gpu") == \
-            _value(f, "kvtier_prefix_cache_hits_total")
+        assert _value(f, "kvtier_prompt_tokens_cached_by_tier_total", tier="gpu") == _value(
+            f, "kvtier_prefix_cache_hits_total"
+        )
 
 
 def test_offload_counters_are_zero_without_offload_and_count_the_reload_with_it(scraped) -> None:
@@ -114,22 +124,24 @@ def test_offload_counters_are_zero_without_offload_and_count_the_reload_with_it(
     assert _value(offload, "kvtier_kv_offload_enabled") == 1
     assert _value(plain, "kvtier_kv_loaded_tokens_total") == 0
     assert _value(offload, "kvtier_kv_loaded_tokens_total") == 6 * 16
-    for fam in ("kvtier_kv_tier_hits", "kvtier_kv_tier_read_seconds",
-                "kvtier_kv_cost_model_tier_latency_seconds"):
+    for fam in (
+        "kvtier_kv_tier_hits",
+        "kvtier_kv_tier_read_seconds",
+        "kvtier_kv_cost_model_tier_latency_seconds",
+    ):
         assert plain[fam][1] == {}  # per-tier families: no tier, no sample
     host = {"tier": "host"}
     assert _value(offload, "kvtier_kv_tier_hits_total", **host) == 6
     assert _value(offload, "kvtier_prompt_tokens_cached_by_tier_total", **host) == 6 * 16
-    reads = _value(offload, "kvtier_kv_tier_read_seconds_count",
-                   **host)
+    reads = _value(offload, "kvtier_kv_tier_read_seconds_count", **host)
     assert reads >= 1
-    assert _value(offload, "kvtier_kv_tier_read_seconds_bucket",
-                  le="+Inf", **host) == reads
+    assert _value(offload, "kvtier_kv_tier_read_seconds_bucket", le="+Inf", **host) == reads
     assert _value(offload, "kvtier_kv_load_seconds_count") == 1
     assert _value(offload, "kvtier_kv_saved_bytes_total") > 0
     for mode, families in scraped.items():
-        decisions = {dict(lb)["decision"]: val for (_, lb), val in
-                     families["kvtier_kv_decisions"][1].items()}
+        decisions = {
+            dict(lb)["decision"]: val for (_, lb), val in families["kvtier_kv_decisions"][1].items()
+        }
         assert decisions == {"recompute": 0, "overlap": 0, "load_prefix": int(mode)}
 
 

@@ -74,7 +74,10 @@ def test_cached_tokens_zero_then_the_engines_count(served: Served) -> None:
     engine's own prefix-hit counter moved by exactly that; streamed usage says the same."""
     messages = [{"role": "user", "content": "A first turn that nobody asked before " * 3}]
     first = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=3, temperature=0  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,  # type: ignore[arg-type]
     )
     details = first.usage.prompt_tokens_details  # type: ignore[union-attr]
     assert details.cached_tokens == 0
@@ -82,7 +85,10 @@ def test_cached_tokens_zero_then_the_engines_count(served: Served) -> None:
     _wait_idle(served)  # type: ignore[arg-type]
     before = served.engine.stats()["prefix_cache_hit_tokens_total"]
     second = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=3, temperature=0  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,  # type: ignore[arg-type]
     )
     prompt_tokens = second.usage.prompt_tokens  # type: ignore[union-attr]
     expected = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -92,8 +98,12 @@ def test_cached_tokens_zero_then_the_engines_count(served: Served) -> None:
     assert expected > 0 and details.cached_tokens == expected == engine_count
     assert details.model_extra["kvtier_cached_tokens_by_tier"] == {"gpu": expected}
     stream = served.client.completions.create(
-        model=MODEL, prompt=second_prompt_ids(served, messages), max_tokens=2, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        prompt=second_prompt_ids(served, messages),
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     usage = [c.usage for c in stream if c.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == expected
@@ -110,8 +120,13 @@ def test_chat_top_logprobs_match_transformers(served: Served) -> None:
     logprob and top 5 equal HF's log_softmax within 1e-3, streamed or not."""
     messages = [{"role": "user", "content": "Which tier holds the block?"}]
     resp = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
-        logprobs=True, top_logprobs=5, extra_body=AS_IDS,
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=5,
+        extra_body=AS_IDS,
     )
     content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
     assert len(content) == resp.usage.completion_tokens == 6  # type: ignore[union-attr]
@@ -126,8 +141,14 @@ def test_chat_top_logprobs_match_transformers(served: Served) -> None:
         assert [_token_id(served, t.token) for t in entry.top_logprobs] == top_ids.tolist()
         assert entry.bytes is not None
     stream = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
-        logprobs=True, top_logprobs=5, stream=True, extra_body=AS_IDS,
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=5,
+        stream=True,
+        extra_body=AS_IDS,
     )
     streamed = [e for c in stream for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
@@ -182,7 +203,8 @@ def test_completion_logprobs_k(served: Served) -> None:
     for step, top in enumerate(lp.top_logprobs):  # type: ignore[union-attr]
         vals, top_ids = ref[len(ids) - 1 + step].topk(3)
         assert {_token_id(served, t): v for t, v in top.items()} == pytest.approx(
-            dict(zip(top_ids.tolist(), vals.tolist(), strict=True)), abs=1e-3)
+            dict(zip(top_ids.tolist(), vals.tolist(), strict=True)), abs=1e-3
+        )
     assert lp.text_offset[0] == 0  # type: ignore[union-attr]
 
 
@@ -211,8 +233,12 @@ def test_n_samples_share_the_prompt(served: Served) -> None:
     assert [c.text for c in again.choices] == [c.text for c in resp.choices]
     assert len({c.text for c in resp.choices}) > 1
     chat = served.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=3, n=2,
-        stream=True, seed=1,
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=3,
+        n=2,
+        stream=True,
+        seed=1,
     )
     finished = {ch.index for c in chat for ch in c.choices if ch.finish_reason}
     assert finished == {0, 1}
@@ -227,7 +253,7 @@ def _hf_greedy(served: Served, ids: list[int], steps: int, processors: list) -> 
         with torch.no_grad():
             logits = served.hf(torch.tensor([seq])).logits[:, -1, :].float()
         seq.append(int(procs(torch.tensor([seq]), logits).argmax(-1)))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 class _OpenAIPenalties:
@@ -244,8 +270,11 @@ class _OpenAIPenalties:
 
 @pytest.mark.parametrize(
     "penalties",
-    [{"repetition_penalty": 1.8}, {"frequency_penalty": 1.5, "presence_penalty": 0.5},
-     {"repetition_penalty": 1.3, "frequency_penalty": 0.7}],
+    [
+        {"repetition_penalty": 1.8},
+        {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.7},
+    ],
 )
 def test_penalties_follow_transformers(served: Served, penalties: dict[str, float]) -> None:
     """Greedy with penalties equals HF greedy with ``RepetitionPenaltyLogitsProcessor``
@@ -257,14 +286,24 @@ def test_penalties_follow_transformers(served: Served, penalties: dict[str, floa
     procs: list = []
     if "repetition_penalty" in penalties:
         procs.append(RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"]))
-    procs.append(_OpenAIPenalties(len(ids), penalties.get("frequency_penalty", 0.0),
-                                  penalties.get("presence_penalty", 0.0)))
+    procs.append(
+        _OpenAIPenalties(
+            len(ids),
+            penalties.get("frequency_penalty", 0.0),
+            penalties.get("presence_penalty", 0.0),
+        )
+    )
     want = _hf_greedy(served, ids, 24, procs)
     extra = {k: v for k, v in penalties.items() if k == "repetition_penalty"}
     openai_args = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
     resp = served.client.completions.create(
-        model=MODEL, prompt=ids, max_tokens=24, temperature=0, logprobs=0,
-        extra_body={**extra, **AS_IDS, "ignore_eos": True}, **openai_args,
+        model=MODEL,
+        prompt=ids,
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        extra_body={**extra, **AS_IDS, "ignore_eos": True},
+        **openai_args,
     )
     got = [_token_id(served, t) for t in resp.choices[0].logprobs.tokens]  # type: ignore[union-attr]
     assert got == want
@@ -273,8 +312,15 @@ def test_penalties_follow_transformers(served: Served, penalties: dict[str, floa
 
 
 def test_same_seed_same_result_with_penalties(served: Served) -> None:
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0.9, seed=1234,
-                frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2})
+    args = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.9,
+        seed=1234,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.2},
+    )
     a = served.client.completions.create(**args)  # type: ignore[arg-type]
     b = served.client.completions.create(**args)  # type: ignore[arg-type]
     c = served.client.completions.create(**{**args, "seed": 4321})  # type: ignore[arg-type]
@@ -296,10 +342,15 @@ SCHEMA = {
 @pytest.mark.parametrize("seed", [0, 1])
 def test_json_schema_response_parses_and_validates(served: Served, seed: int) -> None:
     resp = served.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Report the tier."}],  # type: ignore[arg-type]
-        max_tokens=80, temperature=1.0, seed=seed,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "report", "schema": SCHEMA}},  # type: ignore[typeddict-item]
+        model=MODEL,
+        messages=[{"role": "user", "content": "Report the tier."}],  # type: ignore[arg-type]
+        max_tokens=80,
+        temperature=1.0,
+        seed=seed,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "report", "schema": SCHEMA},
+        },  # type: ignore[typeddict-item]
     )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
@@ -313,7 +364,11 @@ def test_json_object_output_stays_json(served: Served) -> None:
     import xgrammar as xgr
 
     resp = served.client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0.0, logprobs=0,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=30,
+        temperature=0.0,
+        logprobs=0,
         extra_body={"response_format": {"type": "json_object"}, **AS_IDS},
     )
     choice = resp.choices[0]
@@ -322,8 +377,9 @@ def test_json_object_output_stays_json(served: Served) -> None:
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_builtin_json_grammar())
     tokens = [_token_id(served, t) for t in choice.logprobs.tokens]  # type: ignore[union-attr]
     assert len(tokens) == 30 and all(matcher.accept_token(t) for t in tokens)
-    plain = served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
-                                             temperature=0.0)
+    plain = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0.0
+    )
     assert not plain.choices[0].text.startswith("{")
 
 
@@ -332,8 +388,11 @@ def test_streamed_echo_equals_non_streamed(served: Served) -> None:
     choice's first chunk; joined, the chunks equal the non-streamed choice."""
     args = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
     whole = served.client.completions.create(**args).choices[0]  # type: ignore[arg-type]
-    chunks = [c.choices[0] for c in served.client.completions.create(**args, stream=True)  # type: ignore[arg-type]
-              if c.choices]
+    chunks = [
+        c.choices[0]
+        for c in served.client.completions.create(**args, stream=True)  # type: ignore[arg-type]
+        if c.choices
+    ]
     assert "".join(c.text for c in chunks) == whole.text
     streamed = [c.logprobs for c in chunks if c.logprobs is not None]
     assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens  # type: ignore[union-attr]

@@ -36,12 +36,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(*argv: str, env: dict[str, str] | None = None, timeout: float = 120
-           ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(_free_port()),
-           "--device", "cpu", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=python_env(**(env or {})))
+def _serve(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--port",
+        str(_free_port()),
+        "--device",
+        "cpu",
+        *argv,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=python_env(**(env or {})),
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -58,8 +74,12 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
 
     checked = preflight(EngineConfig(model=model_dir), "{{ messages[0]['content'] }}")
     assert checked.chat_template == "{{ messages[0]['content'] }}"
-    assert checked.model_info == {"path": model_dir, "architecture": "LlamaForCausalLM",
-                                  "dtype": "float32", "layers": 2}
+    assert checked.model_info == {
+        "path": model_dir,
+        "architecture": "LlamaForCausalLM",
+        "dtype": "float32",
+        "layers": 2,
+    }
     missing = str(tmp_path / "absent")
     assert refused(EngineConfig(model=missing)).startswith(f"model {missing}: no such directory")
     assert "no such GGUF file" in refused(EngineConfig(model=str(tmp_path / "m.gguf")))
@@ -70,13 +90,18 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
     odd = tmp_path / "odd"
     odd.mkdir()
     assert refused(EngineConfig(model=str(odd))) == (
-        f"model {odd}: no config.json in model directory {str(odd)!r}")
+        f"model {odd}: no config.json in model directory {str(odd)!r}"
+    )
     (odd / "model.safetensors").write_bytes(Path(model_dir, "model.safetensors").read_bytes())
-    (odd / "config.json").write_text(json.dumps(
-        {**json.loads(Path(model_dir, "config.json").read_text()), "dtype": "int4"}))
-    assert refused(EngineConfig(model=str(odd))).startswith("--dtype auto: config.json dtype 'int4'")
+    (odd / "config.json").write_text(
+        json.dumps({**json.loads(Path(model_dir, "config.json").read_text()), "dtype": "int4"})
+    )
+    assert refused(EngineConfig(model=str(odd))).startswith(
+        "--dtype auto: config.json dtype 'int4'"
+    )
     assert refused(EngineConfig(model=model_dir, tokenizer=missing)) == (
-        f"--tokenizer {missing}: no such directory")
+        f"--tokenizer {missing}: no such directory"
+    )
     assert refused(EngineConfig(model=model_dir), "{% if %}").startswith("--chat-template: line 1:")
     bad = tmp_path / "tiers.yaml"
     bad.write_text("tiers:\n  - {kind: host, capacity: 4MiB\n")
@@ -90,11 +115,15 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
     message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
     assert message.startswith(f"--kv-offload-config {bad}: tiers[0] (host): field 'capacity': ")
     assert "memory available" in message
-    bad.write_text("tiers:\n  - {kind: host, capacity: 1MiB}\n"
-                   "  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n")
+    bad.write_text(
+        "tiers:\n  - {kind: host, capacity: 1MiB}\n"
+        "  - {kind: lmdb, path: /proc/kvtier-no/lmdb, capacity: 1MiB}\n"
+    )
     message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
-    assert message.startswith(f"--kv-offload-config {bad}: tiers[1] (lmdb): field 'path': "
-                              "cannot use '/proc/kvtier-no/lmdb'"), message
+    assert message.startswith(
+        f"--kv-offload-config {bad}: tiers[1] (lmdb): field 'path': "
+        "cannot use '/proc/kvtier-no/lmdb'"
+    ), message
     assert one_line("a\n  b\n\nc") == "a | b | c"
 
 
@@ -112,7 +141,9 @@ def test_tokenizer_and_chat_template_flags(tmp_path: Path) -> None:
     cfg.write_text("tokenizer: /models/t2\nchat-template: '{{ messages }}'\n")
     args = parse("--config", str(cfg))
     assert (engine_config_from_args(args).tokenizer, args.chat_template) == (
-        "/models/t2", "{{ messages }}")
+        "/models/t2",
+        "{{ messages }}",
+    )
 
 
 def test_bad_yaml_in_config_is_one_line_with_the_file_and_the_line(tmp_path: Path) -> None:
@@ -140,7 +171,8 @@ def test_usage_errors_exit_2_before_loading(model_dir: str, tmp_path: Path) -> N
 
 
 def test_an_engine_core_failure_is_one_line_and_its_traceback_needs_debug(
-        model_dir: str, tmp_path: Path) -> None:
+    model_dir: str, tmp_path: Path
+) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in os.listdir(model_dir):
@@ -153,17 +185,34 @@ def test_an_engine_core_failure_is_one_line_and_its_traceback_needs_debug(
     (line,) = _error_lines(result.stderr)
     assert "engine core failed to start" in line
     assert "Traceback" not in result.stderr
-    debug = _serve(str(broken), "--num-gpu-blocks", "16", "--engine-num-threads", "1",
-                   "--log-level", "debug")
+    debug = _serve(
+        str(broken), "--num-gpu-blocks", "16", "--engine-num-threads", "1", "--log-level", "debug"
+    )
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
 def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
-        model_dir: str, tmp_path: Path) -> None:
+    model_dir: str, tmp_path: Path
+) -> None:
     port = _free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "serve", model_dir, "--port", str(port),
-           "--device", "cpu", "--num-gpu-blocks", "40", "--kv-offload", "--engine-num-threads",
-           "1", "--served-model-name", "tiny"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "40",
+        "--kv-offload",
+        "--engine-num-threads",
+        "1",
+        "--served-model-name",
+        "tiny",
+    ]
     env = python_env(KVTIER_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -172,7 +221,7 @@ def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
         proc.terminate()
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
-    block = stderr[stderr.index("kvtier engine ready"):]
+    block = stderr[stderr.index("kvtier engine ready") :]
     assert f"model       {model_dir} (LlamaForCausalLM, float32, 2 layers, cpu)" in block
     assert "KV cache    40 blocks x 16 tokens = 640 tokens" in block
     lmdb = re.search(r"tier 1    lmdb  max 32GiB at (\S+), write_through", block)

@@ -41,9 +41,13 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def engine(dirs: tuple[str, str]) -> Iterator[AsyncEngine]:
     model_dir, tok_dir = dirs
-    config = EngineConfig(model=model_dir, tokenizer=tok_dir, device="cpu",
-                          cache=CacheConfig(num_gpu_blocks=32),
-                          scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN))
+    config = EngineConfig(
+        model=model_dir,
+        tokenizer=tok_dir,
+        device="cpu",
+        cache=CacheConfig(num_gpu_blocks=32),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+    )
     engine = AsyncEngine.from_config(config)
     yield engine
     engine.shutdown()
@@ -79,11 +83,16 @@ def test_tokenize_a_prompt_and_back(base: str, dirs: tuple[str, str]) -> None:
     r = _post(base, "/tokenize", {"model": MODEL, "prompt": text})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body == {"count": len(tok.encode(text)), "max_model_len": MAX_MODEL_LEN,
-                    "tokens": tok.encode(text), "token_strs": None}
+    assert body == {
+        "count": len(tok.encode(text)),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": tok.encode(text),
+        "token_strs": None,
+    }
     assert body["tokens"][0] == tok.bos_token_id  # add_special_tokens defaults to true
-    plain = _post(base, "/tokenize", {"prompt": text, "add_special_tokens": False,
-                                      "return_token_strs": True}).json()
+    plain = _post(
+        base, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    ).json()
     assert plain["tokens"] == tok.encode(text, add_special_tokens=False)
     assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
     back = _post(base, "/detokenize", {"model": MODEL, "tokens": plain["tokens"]})
@@ -97,8 +106,11 @@ def test_tokenize_messages_uses_the_servers_chat_template(base: str, dirs: tuple
     assert body["tokens"] == tok.encode(rendered, add_special_tokens=False)
     assert _post(base, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": rendered}
     # The chat endpoint renders with the same template: its prompt is those tokens.
-    chat = _post(base, "/v1/chat/completions",
-                 {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0})
+    chat = _post(
+        base,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0},
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == body["count"]
 
@@ -108,8 +120,12 @@ def test_tokenize_and_detokenize_refuse_bad_requests(base: str) -> None:
         ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
         ("/tokenize", {"promt": "x"}, 400, "prompt"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
-        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400,
-         "continue_final_message"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
         ("/tokenize", {"prompt": "word " * 4 * MAX_MODEL_LEN}, 400, "prompt"),
         ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens.1"),
         ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),

@@ -77,7 +77,9 @@ def test_threads_share_one_tier(served: tuple[CacheServer, int]) -> None:
         for _ in range(5):
             tier.put_many([(k, sized_block(k, 3000)) for k in keys])
             got = tier.get_many(keys)
-            if [None if v is None else bytes(v) for v in got] != [sized_block(k, 3000) for k in keys]:
+            if [None if v is None else bytes(v) for v in got] != [
+                sized_block(k, 3000) for k in keys
+            ]:
                 errors.append(f"thread {t}: wrong values")
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
@@ -128,7 +130,9 @@ def test_daemon_restart_renegotiates_shm(tmp_path: Path) -> None:
         except TierError:
             assert time.monotonic() < deadline
             time.sleep(0.2)
-    assert bytes(got[0]) == sized_block("ns/02", 5000)  # the daemon forgot the segment: hello again, retried
+    assert bytes(got[0]) == sized_block(
+        "ns/02", 5000
+    )  # the daemon forgot the segment: hello again, retried
     tier.close()
     server.stop()
     backend.close()
@@ -148,12 +152,19 @@ def test_built_from_tier_config(served: tuple[CacheServer, int]) -> None:
 
 def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
     store = HierarchicalStore([LmdbTier(tmp_path / "lmdb", 16 << 20)], StoreConfig())
-    server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0"), store,
-                         TokenTable.parse("tok-from-file-1 team\n")).start()
+    server = CacheServer(
+        ServerConfig(url="tcp://127.0.0.1:0"), store, TokenTable.parse("tok-from-file-1 team\n")
+    ).start()
     try:
         (tmp_path / "token").write_text("  tok-from-file-1\n")
-        cfg = parse_tier_entry({"kind": "remote", "url": server.bound_url,
-                                "token_file": str(tmp_path / "token"), "timeout_ms": 1500})
+        cfg = parse_tier_entry(
+            {
+                "kind": "remote",
+                "url": server.bound_url,
+                "token_file": str(tmp_path / "token"),
+                "timeout_ms": 1500,
+            }
+        )
         tier = create_tier(cfg)
         assert isinstance(tier, RemoteTier) and tier.timeout_s == 1.5
         tier.put_many([("ns/04", sized_block("ns/04", 90))])  # accepted: the file's token is valid
@@ -161,8 +172,9 @@ def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
         tier.close()
         (tmp_path / "empty").write_text("\n")
         for path, needle in ((tmp_path / "empty", "is empty"), (tmp_path / "nope", "cannot read")):
-            bad = parse_tier_entry({"kind": "remote", "url": server.bound_url,
-                                    "token_file": str(path)})
+            bad = parse_tier_entry(
+                {"kind": "remote", "url": server.bound_url, "token_file": str(path)}
+            )
             with pytest.raises(TierError, match=needle):
                 create_tier(bad)
     finally:
@@ -171,7 +183,8 @@ def test_token_file_and_timeout_ms_reach_the_tier(tmp_path: Path) -> None:
 
 
 def test_zmq_replies_are_spun_for_only_after_small_messages(
-        served: tuple[CacheServer, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    served: tuple[CacheServer, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A loopback ZMQ call polls before it blocks, but not while a large message crosses:
     not after sending large put frames, and not for a get whose last reply was large."""
     from tiers.remote import conn as remote_conn
