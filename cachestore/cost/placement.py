@@ -54,13 +54,15 @@ def tier_verdicts(
         )
     blocks = max_prefix_tokens // block_tokens
     tokens = blocks * block_tokens
-    out = []
-    for name in costs:
-        if name in ("host", "gpu"):
-            continue
-        load = reload_time(blocks, block_bytes, hops_to_gpu(name, dict(costs)))
-        out.append(TierVerdict(name, tokens, load, prefill.time(tokens, 0)))
-    return out
+    recompute = prefill.time(tokens, 0)  # the same prefix for every tier
+    table = dict(costs)
+    return [
+        TierVerdict(
+            name, tokens, reload_time(blocks, block_bytes, hops_to_gpu(name, table)), recompute
+        )
+        for name in table
+        if name not in ("host", "gpu")
+    ]
 
 
 def unprofitable_tiers(
