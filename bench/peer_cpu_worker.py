@@ -126,6 +126,9 @@ def _vllm(model_dir: str) -> tuple[Generate, dict[str, Any], None]:
         max_num_batched_tokens=2048,
         enable_prefix_caching=False,
         seed=0,
+        # On CPU this is the share of host memory vLLM requires free at start-up (its KV space
+        # is VLLM_CPU_KVCACHE_SPACE); the default 0.92 refuses to start beside anything else.
+        gpu_memory_utilization=0.5,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
