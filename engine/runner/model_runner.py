@@ -267,8 +267,9 @@ class ModelRunner:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls
         ``worker.start_load_kv(meta)`` before the forward pass (loads into this step's blocks
         must be issued first) and ``worker.wait_for_save()`` then ``worker.after_step(meta)``
-        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``. Empty steps call
-        them too, so a connector can make progress while nothing is scheduled."""
+        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step``
+        returns rides ``ModelRunnerOutput.kv_connector_output``. Empty steps call them too, so a
+        connector can make progress while nothing is scheduled."""
         self._kv_connector = worker
 
     def _num_blocks_for(self, spec: KVCacheSpec, max_capture_size: int) -> int:
@@ -358,11 +359,12 @@ class ModelRunner:
             self._grammars.drop(out.finished_req_ids)
         connector = self._kv_connector
         if out.is_empty:
+            result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
             if connector is not None:
                 connector.start_load_kv(out.kv_connector_metadata)
                 connector.wait_for_save()
-                connector.after_step(out.kv_connector_metadata)
-            return ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
+                result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
+            return result
         host = self._host_batch(out)
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
@@ -382,7 +384,7 @@ class ModelRunner:
                 self._prompt_logprobs(hidden, out, result)
         if connector is not None:
             connector.wait_for_save()
-            connector.after_step(out.kv_connector_metadata)
+            result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
         for r in out.requests:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
         return result
