@@ -44,7 +44,7 @@ _READY_TIMEOUT_S = 600.0
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config rank ``rank`` runs with: on CUDA, GPU ``rank`` (each rank one GPU)."""
-    from engine.runner.model_runner import resolve_device
+    from engine.runner.model_setup import resolve_device
 
     device = resolve_device(config.device)
     if device.type != "cuda":
@@ -60,7 +60,8 @@ class TPDriver:
         from engine.models.base import ModelArchConfig
         from engine.models.loader import read_hf_config
         from engine.models.parallel import check_tp_size
-        from engine.runner.model_runner import ModelRunner, resolve_device
+        from engine.runner.model_runner import ModelRunner
+        from engine.runner.model_setup import resolve_device
 
         size = config.tensor_parallel_size
         # A degree that cannot split the model: one clear error before any process starts.
@@ -231,7 +232,8 @@ def worker_main(
 ) -> None:
     """Rank ``rank``'s process: join the group, build its runner, obey the driver until
     ``stop``."""
-    from engine.runner.model_runner import ModelRunner, resolve_device
+    from engine.runner.model_runner import ModelRunner
+    from engine.runner.model_setup import resolve_device
 
     try:
         device = resolve_device(config.device)
