@@ -1,11 +1,16 @@
 """Frozen configuration dataclasses, one per component, mapped one-to-one from CLI flags.
 
 Components receive these explicitly; nothing reads a global config or the environment here.
+``check_max_model_len`` and ``check_token_budget`` hold a config against what the model and
+the KV pool turned out to be, once they are built.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_offload: bool = False
     kv_offload_config: str | dict | None = None  # YAML path or the same dict (tiers issue)
+    # The registered KV connector (engine/kv_connector.py) ``kv_offload`` builds, with
+    # ``kv_offload_config`` as its config.
+    kv_connector: str = "offload"
     request_log: str | None = None
     # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
     enforce_eager: bool = False
@@ -104,3 +112,48 @@ class EngineConfig:
                 f"small_query_attention must be one of {SMALL_QUERY_CHOICES}, "
                 f"got {self.small_query_attention!r}"
             )
+
+
+def check_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The engine's ``max_model_len``: ``max_model_len`` (explicit, or the model's context
+    length) when the pool of ``num_blocks`` holds one sequence that long. A sequence needing
+    more blocks than the whole pool could never run, so a longer one is a ValueError saying
+    what to change (as vLLM's start-up check), except for a pool fixed by ``num_gpu_blocks``
+    under a derived length: tests and benchmarks size tiny pools on purpose, and there the
+    length is cut to the pool with a warning. Never cut silently."""
+    bs = config.cache.block_size
+    pool_tokens = num_blocks * bs
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    explicit = config.scheduler.max_model_len is not None
+    if not explicit and config.cache.num_gpu_blocks is not None:
+        _log.warning(
+            "max_model_len cut from %d (the model's context length) to %d: "
+            "--num-gpu-blocks %d holds no longer sequence; pass --max-model-len to "
+            "choose",
+            max_model_len,
+            pool_tokens,
+            num_blocks,
+        )
+        return pool_tokens
+    source = "--max-model-len" if explicit else "the model's context length (config.json)"
+    more = (
+        "--num-gpu-blocks"
+        if config.cache.num_gpu_blocks is not None
+        else "--gpu-memory-utilization (GPU) or --cpu-kv-cache-bytes (CPU)"
+    )
+    raise ValueError(
+        f"max_model_len {max_model_len} ({source}) needs {-(-max_model_len // bs)} KV blocks, "
+        f"but the KV cache holds {num_blocks} blocks ({pool_tokens} tokens): pass "
+        f"--max-model-len {pool_tokens} or less, or give the KV cache more memory ({more})"
+    )
+
+
+def check_token_budget(config: SchedulerConfig, max_model_len: int) -> None:
+    """Without chunked prefill a prompt runs in one step: the token budget must hold the
+    longest. Raises ValueError saying so."""
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            "without chunked prefill max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})"
+        )

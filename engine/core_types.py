@@ -1,7 +1,9 @@
 """The contract between the scheduler (torch-free, decides) and the model runner (moves tensors).
 
 One ``SchedulerOutput`` per step is all the runner sees; one ``ModelRunnerOutput`` is all it
-returns. Names follow vLLM / FlashAttention: ``block_table``, ``num_computed_tokens``.
+returns. A KV connector's traffic rides them both ways (vLLM's ``KVConnectorMetadata`` and
+``KVConnectorOutput``): its scheduler side's orders in ``SchedulerOutput.kv_connector_metadata``,
+its worker side's report in ``ModelRunnerOutput.kv_connector_output``. Names follow vLLM / FlashAttention: ``block_table``, ``num_computed_tokens``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.ttft import LoadTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +48,26 @@ class SchedulerOutput:
     num_batched_tokens: int
     # Requests that finished or were preempted since the last step: the runner drops their state.
     finished_req_ids: frozenset[str] = frozenset()
-    # Filled by the KV connector's scheduler side (offload issue); None when no connector.
+    # Filled by the KV connector's scheduler side (``build_connector_meta``), opaque here; None
+    # when no connector.
     kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True, slots=True)
+class KVConnectorOutput:
+    """The worker side's report of one step, built by its ``after_step`` and consumed by the
+    scheduler side (``SchedulerConnector.update_connector_output``) in
+    ``Scheduler.update_from_output``, before the step's requests advance. ``report``: the
+    connector's own (opaque here, as ``kv_connector_metadata``); ``load_timings``: the measured
+    copy time of each load that finished in this step (the TTFT breakdown's ``load``,
+    engine/ttft.py), which the scheduler stamps on its requests."""
+
+    report: object | None = None
+    load_timings: tuple[LoadTiming, ...] = ()
 
 
 @dataclass(slots=True)
@@ -65,3 +82,5 @@ class ModelRunnerOutput:
     # req_id -> (first prompt position covered, entries): prompt logprobs of this step's
     # chunk, for requests with ``sampling.prompt_logprobs`` set.
     prompt_logprobs: dict[str, tuple[int, list[object]]] = field(default_factory=dict)
+    # The KV connector's worker-side report of this step (empty steps too); None without one.
+    kv_connector_output: KVConnectorOutput | None = None

@@ -15,8 +15,11 @@ like ``engine.attention``), and everything else it knows of a connector is here:
 - ``KVConnector`` is the whole connector as ``LLMEngine`` holds it: both sides, and the calls
   between steps. ``CalibrationTarget`` is what the engine offers it for start-up calibration.
 
-The metadata crossing from one side to the other is the connector's own (opaque here: it rides
-in ``SchedulerOutput.kv_connector_metadata``). Protocols and frozen values only; torch-free.
+What crosses between the sides rides the step's own values, as in vLLM: the scheduler side's
+metadata in ``SchedulerOutput.kv_connector_metadata`` (opaque here), the worker side's report
+back in ``ModelRunnerOutput.kv_connector_output`` (``KVConnectorOutput``: opaque report, typed
+load timings), which ``Scheduler.update_from_output`` hands to ``update_connector_output``.
+The engine never calls a connector by its kind. Protocols and frozen values only; torch-free.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.core_types import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
 
 if TYPE_CHECKING:
-    from cachestore.hashing import Namespace
+    from cachestore.cost.online import OnlineCostModel
+    from cachestore.hashing import BlockHash, Namespace
+    from cachestore.store.hierarchical import HierarchicalStore
     from engine.kv_cache import KVCache
-    from engine.ttft import LoadTiming
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +96,12 @@ class SchedulerConnector(Protocol):
         scheduler recomputes from there). Each id is reported once."""
         ...
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker side's report of the step just run (``ModelRunnerOutput``'s
+        ``kv_connector_output``, empty steps included), before that step's requests advance:
+        its finished loads become ``get_finished_loading``'s answer at the next step."""
+        ...
+
     def build_connector_meta(self, output: SchedulerOutput) -> object:
         """The per-step metadata handed to the worker side via ``kv_connector_metadata``.
         Called for every step, empty ones included."""
@@ -101,6 +111,26 @@ class SchedulerConnector(Protocol):
         """A request finished or was aborted, or gives its blocks up while its load is in
         flight (preempted while overlapping, released for running work): its blocks are freed
         right after this call, so any load of it must be cancelled."""
+        ...
+
+
+class ConnectorScheduler(SchedulerConnector, Protocol):
+    """The scheduler side as ``LLMEngine`` wires it: the scheduler's connector and the block
+    pool's listener (``engine.sched.block_pool.BlockPoolListener``'s two hooks, spelled here:
+    this module sits below ``sched/``)."""
+
+    def on_block_freed(self, block_id: int, block_hash: BlockHash) -> None: ...
+
+    def on_block_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
+
+
+class ConnectorCounters(Protocol):
+    """The connector's counters as the engine's metrics read them."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy as plain values: ``gpu_hit_tokens``, ``loaded_tokens``,
+        ``recomputed_tokens``, ``saved_bytes``, ``loaded_bytes``, ``failed_loads``,
+        ``load_seconds`` at least."""
         ...
 
 
@@ -119,28 +149,37 @@ class KVConnectorWorker(Protocol):
         """After the forward pass: make this step's saves durable in the top tier."""
         ...
 
-    def after_step(self, metadata: object | None) -> None:
-        """End of step bookkeeping."""
+    def after_step(self, metadata: object | None) -> KVConnectorOutput | None:
+        """End of step: this step's report (its finished loads), which the runner attaches to
+        ``ModelRunnerOutput.kv_connector_output``; None: nothing to report."""
+        ...
+
+
+class RankedKVConnectorWorker(KVConnectorWorker, Protocol):
+    """Rank 0's worker side under tensor parallelism (``engine.runner.tp_worker.TPDriver``)."""
+
+    def join_ranks(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput | None:
+        """Every rank's report of one step (rank order, rank 0's first; None: none) joined
+        into the one report the scheduler side takes."""
         ...
 
 
 class KVConnector(Protocol):
     """A connector as ``LLMEngine`` holds it. ``scheduler`` also listens to the block pool
-    (``BlockPool.set_listener``); ``cost_model`` takes clean prefill timings
-    (``observe_prefill``); ``counters.snapshot()`` is the counters' dict; ``store`` is the
-    ``HierarchicalStore`` (its ``drain_report`` says what ``close`` flushed). The calls between
-    steps run on the engine thread."""
+    (``BlockPool.set_listener``); ``cost_model`` prices loads against recomputes;
+    ``counters.snapshot()`` is the counters' dict; ``store`` is the ``HierarchicalStore`` (its
+    ``drain_report`` says what ``close`` flushed). The calls between steps run on the engine
+    thread."""
 
-    scheduler: Any  # SchedulerConnector and BlockPoolListener
+    scheduler: ConnectorScheduler
     worker: KVConnectorWorker
-    cost_model: Any
-    counters: Any
-    store: Any
+    cost_model: OnlineCostModel
+    counters: ConnectorCounters
+    store: HierarchicalStore
 
-    def after_step(self) -> Sequence[LoadTiming]:
-        """After every step: hand the worker side's report to the scheduler side; return the
-        measured copy time of each load that finished in this step (the TTFT breakdown's
-        ``load``, engine/ttft.py)."""
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Step ``output`` ran in ``seconds`` (the runner's wall time): a sample the connector
+        may learn from (a prefill alone in its step, for its cost model)."""
         ...
 
     def save_pending(self) -> None:

@@ -131,5 +131,5 @@ def describe_engine(engine: Any) -> str:
         f"tokens ({human_size(kv_bytes)}), max_model_len {engine.max_model_len}, "
         f"prefix caching {caching}"
     )
-    lines += describe_offload(engine.offload)
+    lines += describe_offload(engine.kv_connector)
     return "\n".join(lines)

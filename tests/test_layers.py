@@ -113,7 +113,7 @@ ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
     "sched": (2, ("engine.sched",)),
     "models": (3, ("engine.models",)),
     "runner": (4, ("engine.runner",)),
-    "llm": (5, ("engine.llm_engine", "engine.llm")),
+    "llm": (5, ("engine.llm_engine", "engine.llm", "engine.llm_requests", "engine.llm_stats")),
     "core": (6, ("engine.core",)),
     "server": (7, ("engine.server",)),
     "top": (8, ("engine", "engine.demo")),

@@ -184,11 +184,7 @@ class StagedDecoder:
         """Like ``to_device``, a group of layers at a time (``layer_groups``); returns one CUDA
         event per layer, recorded after its group's decode (the last one with timing; CPU:
         ``[]``, done on return)."""
-        if not self._layers_ok:
-            raise ValueError(
-                "layer-wise loads of compressed blocks need CUDA, Triton, the "
-                "driver's 2-D copies and a pinned slab"
-            )
+        self._require_layer_loads()
         codec = self.codec
         n, m, meta = len(block_ids), codec.segment_values, codec.offsets["codes"]
         if n == 0:
@@ -241,6 +237,14 @@ class StagedDecoder:
         if decoder is not None:
             current.wait_stream(decoder)  # type: ignore[union-attr]  # staging reused next load
         return events
+
+    def _require_layer_loads(self) -> None:
+        """Raises ValueError unless this engine can load layer by layer."""
+        if not self._layers_ok:
+            raise ValueError(
+                "layer-wise loads of compressed blocks need CUDA, Triton, the "
+                "driver's 2-D copies and a pinned slab"
+            )
 
     def _whole_payloads(
         self, block_ids: Sequence[int], offsets: Sequence[int], current: object

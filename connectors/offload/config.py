@@ -36,6 +36,7 @@ environment (``KVTIER_CACHE_DIR``, ``HOME``); /proc/meminfo is read by
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -188,51 +189,18 @@ def parse_offload_config(data: object) -> OffloadConfig:
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"kv offload config must be a mapping, got {data!r}")
-    known = {
-        "tiers",
-        "decision",
-        "load_timeout_s",
-        "calibrate",
-        "in_step_host_loads",
-        "layered_loads",
-        "layers_per_copy",
-        "coalesced_loads",
-        "compression",
-        "drain_timeout_s",
-        "health_probe_s",
-        "prefetch",
-        "prefetch_budget_blocks",
-        "load_chunk_bytes",
-        "load_pipeline_depth",
-        "placement",
-        "kv_head_group",
-    }
+    known = {f.name for f in dataclasses.fields(OffloadConfig)}
     extra = sorted(str(k) for k in data if k not in known)
     if extra:
         raise ConfigError(f"kv offload config: unknown field(s) {extra}; known: {sorted(known)}")
-    numbers = {}
-    for name in ("load_timeout_s", "drain_timeout_s", "health_probe_s"):
-        numbers[name] = data.get(name, 5.0)
-        if isinstance(numbers[name], bool) or not isinstance(numbers[name], (int, float)):
-            raise ConfigError(f"kv offload config: {name} must be a number, got {numbers[name]!r}")
-    flags = {}
-    for name, default in (
-        ("calibrate", True),
-        ("in_step_host_loads", True),
-        ("coalesced_loads", False),
-        ("prefetch", True),
-    ):
-        flags[name] = data.get(name, default)
-        if not isinstance(flags[name], bool):
-            raise ConfigError(
-                f"kv offload config: {name} must be true or false, got {flags[name]!r}"
-            )
+    numbers = _numbers(data)
+    flags = _flags(data)
     return OffloadConfig(
         tiers=parse_tier_config({"tiers": data.get("tiers")}),
         decision=str(data.get("decision", "cost")),
-        load_timeout_s=float(numbers["load_timeout_s"]),
-        drain_timeout_s=float(numbers["drain_timeout_s"]),
-        health_probe_s=float(numbers["health_probe_s"]),
+        load_timeout_s=numbers["load_timeout_s"],
+        drain_timeout_s=numbers["drain_timeout_s"],
+        health_probe_s=numbers["health_probe_s"],
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
@@ -246,6 +214,33 @@ def parse_offload_config(data: object) -> OffloadConfig:
         placement=str(data.get("placement", "all")),
         kv_head_group=data.get("kv_head_group", 0),  # type: ignore[arg-type]
     )
+
+
+def _numbers(data: Mapping[str, object]) -> dict[str, float]:
+    """The config's durations (seconds, 5 by default). Raises ConfigError for a non-number."""
+    numbers: dict[str, float] = {}
+    for name in ("load_timeout_s", "drain_timeout_s", "health_probe_s"):
+        value = data.get(name, 5.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"kv offload config: {name} must be a number, got {value!r}")
+        numbers[name] = float(value)
+    return numbers
+
+
+def _flags(data: Mapping[str, object]) -> dict[str, bool]:
+    """The config's switches, with their defaults. Raises ConfigError for a non-boolean."""
+    flags: dict[str, bool] = {}
+    for name, default in (
+        ("calibrate", True),
+        ("in_step_host_loads", True),
+        ("coalesced_loads", False),
+        ("prefetch", True),
+    ):
+        value = data.get(name, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"kv offload config: {name} must be true or false, got {value!r}")
+        flags[name] = value
+    return flags
 
 
 def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -> OffloadConfig:

@@ -4,7 +4,9 @@
 defaults), sizes the host tier's slots to the encoded block (codec header + ``bytes_per_block``),
 and wires the two sides: ``scheduler`` (``OffloadScheduler``: the block pool's listener and the
 scheduler's connector) and ``worker`` (``OffloadWorker``: the model runner's connector). The
-engine hands the worker's report to the scheduler side after each step (``after_step``).
+worker's report of each step rides the runner's output to the scheduler side
+(``KVConnectorOutput``, taken in ``Scheduler.update_from_output``); ``observe_step`` feeds the
+cost model each step that was one prefill chunk alone.
 
 Start-up calibration (``calibrate: true`` in the config, the default): before the connector is
 attached, the cost model's priors are replaced by measurements (``cachestore.cost.calibration``):
@@ -40,13 +42,13 @@ from connectors.device.kv_compress import Hi4Codec
 from connectors.offload import calibration as cal
 from connectors.offload import tp as tp_offload  # builds on this class, handed to it
 from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
-from connectors.offload.metadata import WorkerReport
+from connectors.offload.metadata import KVConnectorMetadata
 from connectors.offload.scheduler import OffloadScheduler
 from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
+from engine.core_types import SchedulerOutput
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
-from engine.ttft import LoadTiming
 from tiers import build_tiers
 
 log = logging.getLogger(__name__)
@@ -171,12 +173,15 @@ class OffloadConnector:
 
         check_resources(load_offload_config(source).tiers)
 
-    def after_step(self, report: WorkerReport | None = None) -> tuple[LoadTiming, ...]:
-        """Hand the worker's report of this step to the scheduler side; return its loads'
-        measured copy times (for the engine's TTFT breakdown)."""
-        report = report or self.worker.take_report()
-        self.scheduler.update_from_worker(report)
-        return report.load_timings()
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
+        meta = output.kv_connector_metadata
+        if isinstance(meta, KVConnectorMetadata) and meta.loads:
+            return  # an in-step load's copies ran inside this step: not a pure prefill
+        if len(output.requests) == 1:
+            r = output.requests[0]
+            if len(r.token_ids) > 1:
+                self.cost_model.observe_prefill(len(r.token_ids), r.num_computed_tokens, seconds)
 
     def save_pending(self) -> None:
         """Write every block freed since the last step to the host tier now, without waiting

@@ -5,8 +5,8 @@ is ``engine.kv_connector``; these are the offload connector's own values:
 - ``KVConnectorMetadata`` (frozen) is the only thing that crosses from the scheduler side to the
   worker side, through ``SchedulerOutput.kv_connector_metadata``: the step's ``saves``
   (``BlockSave``), ``loads`` (``BlockLoad``) and cancelled loads. The worker's answer crosses
-  back as one ``WorkerReport`` per step (its ``LoadResult``s), handed over by the connector
-  (``OffloadScheduler.update_from_worker``).
+  back as one ``WorkerReport`` per step (its ``LoadResult``s), riding the runner's output
+  (``KVConnectorOutput.report``) to ``OffloadScheduler.update_connector_output``.
 
 Ownership (why a free never races a copy):
 - A block listed in ``saves`` is copied out at the START of the step whose metadata lists it,
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from cachestore.hashing import BlockKey
 from cachestore.store.loads import LoadSpec
+from engine.core_types import KVConnectorOutput
 from engine.ttft import LoadTiming
 
 
@@ -110,7 +111,7 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
-    """What the worker side tells the scheduler side after a step (via the engine)."""
+    """What the worker side tells the scheduler side after a step (via the runner's output)."""
 
     finished_loads: tuple[LoadResult, ...] = ()
 
@@ -119,6 +120,10 @@ class WorkerReport:
         return tuple(
             LoadTiming(r.req_id, r.copy_s, r.in_step, r.read_s) for r in self.finished_loads
         )
+
+    def as_output(self) -> KVConnectorOutput:
+        """This report as it rides ``ModelRunnerOutput.kv_connector_output``."""
+        return KVConnectorOutput(report=self, load_timings=self.load_timings())
 
 
 EMPTY_REPORT = WorkerReport()

@@ -99,20 +99,7 @@ class HostSaver:
         self.stats.add(save_skipped_blocks=len(saves) - len(todo))
         if not todo:
             return
-        slotted: list[tuple[str, memoryview]] = []
-        offsets: list[int] = []
-        rows: list[int] = []
-        spill: list[tuple[int, str]] = []
-        hsize = self._headers.size
-        for row, key in enumerate(todo):
-            res = self.store.reserve_host(key, self._total) if self._copier is not None else None
-            if res is None:
-                spill.append((row, key))
-                continue
-            res.view[:hsize] = self._headers.for_key(key)
-            slotted.append((key, res.view))
-            offsets.append(res.offset + hsize)
-            rows.append(row)
+        slotted, offsets, rows, spill = self._reserve(list(todo))
         ids = list(todo.values())
         event = None
         spilled: list[tuple[str, torch.Tensor]] = []
@@ -144,6 +131,28 @@ class HostSaver:
             gathered.record_stream(self._side)  # type: ignore[arg-type]
             payloads.record_stream(self._side)  # type: ignore[arg-type]
         self._pending = _Batch(slotted, spilled, event, t0)
+
+    def _reserve(
+        self, keys: list[str]
+    ) -> tuple[list[tuple[str, memoryview]], list[int], list[int], list[tuple[int, str]]]:
+        """A host slot for each of ``keys`` (row ``i`` of the batch), its header written: the
+        slotted keys and their slot views, each payload's slab offset and batch row, and the
+        ``(row, key)`` of every key that got no slot (no host tier, or full: it spills)."""
+        slotted: list[tuple[str, memoryview]] = []
+        offsets: list[int] = []
+        rows: list[int] = []
+        spill: list[tuple[int, str]] = []
+        hsize = self._headers.size
+        for row, key in enumerate(keys):
+            res = self.store.reserve_host(key, self._total) if self._copier is not None else None
+            if res is None:
+                spill.append((row, key))
+                continue
+            res.view[:hsize] = self._headers.for_key(key)
+            slotted.append((key, res.view))
+            offsets.append(res.offset + hsize)
+            rows.append(row)
+        return slotted, offsets, rows, spill
 
     def _encode(self, blocks: torch.Tensor) -> torch.Tensor:
         """Whole blocks (any shape with a leading block dim) -> the stored payload rows."""

@@ -21,7 +21,8 @@
 - Pins: each load's ``LoadSpec`` holds them; it is completed (``store.complete_load``) by the
   worker after the copies, or here when the plan is dropped (asked again, not used, request
   finished) or its load was never sent.
-- Completion comes back from the worker (``update_from_worker``) and is handed to the scheduler
+- Completion comes back from the worker (``update_connector_output``: its ``WorkerReport``
+  riding the runner's output) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
   only: an in-step load was counted at admission).
 - Keys: ``cachestore.hashing.block_key`` of each block hash (``BlockKey``).
@@ -36,41 +37,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachestore.codec import BlockMeta
-from cachestore.cost.model import Decision, Option, Strategy
+from cachestore.cost.model import Option, Strategy
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
-from cachestore.store.loads import HostCheck, LoadSpec
+from cachestore.store.loads import HostCheck
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
+from connectors.offload.plans import Plan, decide, record_plan
 from connectors.offload.prefetch import PENDING, Prefetcher
 from connectors.offload.stats import OffloadStats
-from engine.core_types import SchedulerOutput
+from engine.core_types import KVConnectorOutput, SchedulerOutput
 from engine.kv_connector import ExternalHit
 from engine.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """The answer of ``get_num_new_matched_tokens`` for one request, kept for the allocation."""
-
-    num_computed_tokens: int
-    keys: tuple[BlockKey, ...]  # every available block's key past the GPU hit
-    tiers: tuple[str, ...]  # the tier serving each of them
-    num_head_blocks: int  # computed while the load runs (overlap), else 0
-    num_load_blocks: int  # loaded after the head
-    decision: Strategy
-    # In-step: the prepared load holding the located (pinned) slots of the first
-    # num_load_blocks keys.
-    spec: LoadSpec | None = None
-    num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
-    predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
-
-    @property
-    def slab_offsets(self) -> tuple[int, ...]:
-        """In-step: the slab offset of each of the first num_load_blocks keys' slots."""
-        return self.spec.host_offsets if self.spec is not None else ()
 
 
 @dataclass(slots=True)
@@ -110,7 +90,7 @@ class OffloadScheduler:
         self.stats = stats
         self._pending_saves: dict[int, BlockKey] = {}  # block id -> key, freed since the last step
         self._reused = False
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._new_loads: list[BlockLoad] = []
         self._inflight: dict[str, _Inflight] = {}
         self._cancelled: set[str] = set()
@@ -189,7 +169,7 @@ class OffloadScheduler:
             spec = self.store.prepare_load(keys[:num_load], self._check, claim=False)
             offsets = spec.host_offsets
             unlocated, num_load = num_load - len(offsets), len(offsets)
-        self._plans[request.req_id] = _Plan(
+        self._plans[request.req_id] = Plan(
             num_computed_tokens,
             tuple(keys[: found.num_blocks]),
             tiers,
@@ -213,18 +193,7 @@ class OffloadScheduler:
             self.store.complete_load(plan.spec)
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
-        if self.decision == "load":
-            return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
-        if self.decision == "recompute":
-            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
-        try:
-            decision = self.cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
-        except ValueError as exc:  # a tier the model has no price for: do the safe thing
-            log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
-            return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
-        if self.decision == "overlap":
-            return _cheapest_overlap(decision, len(tiers))
-        return decision.best
+        return decide(self.decision, self.cost_model, num_gpu_blocks, tiers, num_tokens)
 
     def update_state_after_alloc(
         self,
@@ -277,7 +246,7 @@ class OffloadScheduler:
             # Located but not loaded: release those.
             self.store.complete_load(plan.spec, plan.keys[len(offsets) : len(plan.slab_offsets)])
         if record:
-            _record_plan(request, plan, num_gpu_hit_tokens, head * bs, num_load * bs)
+            record_plan(request, plan, num_gpu_hit_tokens, head * bs, num_load * bs)
         if num_load:
             self._start_load(
                 request,
@@ -292,7 +261,7 @@ class OffloadScheduler:
     def _start_load(
         self,
         request: Request,
-        plan: _Plan,
+        plan: Plan,
         block_ids: list[int],
         first: int,
         loaded: slice,
@@ -329,8 +298,13 @@ class OffloadScheduler:
             tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
         self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record)
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker's report of the step just run (``Scheduler.update_from_output``)."""
+        if isinstance(output.report, WorkerReport):
+            self.update_from_worker(output.report)
+
     def update_from_worker(self, report: WorkerReport) -> None:
-        """Take the worker's finished loads (the engine calls this after every step)."""
+        """Take the worker's finished loads (after every step)."""
         bs = self.block_size
         for result in report.finished_loads:
             inflight = self._inflight.pop(result.req_id, None)
@@ -403,27 +377,3 @@ class OffloadScheduler:
     @property
     def num_loads_in_flight(self) -> int:
         return len(self._inflight)
-
-
-def _cheapest_overlap(decision: Decision, num_cached: int) -> Option:
-    """The forced ``overlap`` policy: the cheapest overlap split the model priced; with fewer
-    than two cached blocks there is none, and everything is loaded."""
-    splits = [o for o in (decision.best, *decision.alternatives) if o.strategy == Strategy.OVERLAP]
-    if not splits:
-        return Option(Strategy.LOAD_PREFIX, 0, num_cached, 0.0)
-    return min(splits, key=lambda o: (o.predicted_s, o.num_load_blocks))
-
-
-def _record_plan(
-    request: Request, plan: _Plan, num_gpu_tokens: int, num_head_tokens: int, num_load_tokens: int
-) -> None:
-    """The planned split, for the request log (measured parts come later)."""
-    if num_load_tokens:
-        request.kv_decision = plan.decision
-    request.kv_plan = {
-        "gpu_tokens": num_gpu_tokens,
-        "head_tokens": num_head_tokens,
-        "load_tokens": num_load_tokens,
-        "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
-        "predicted_s": round(plan.predicted_s, 6),
-    }

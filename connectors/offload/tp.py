@@ -32,6 +32,7 @@ from connectors.device.kv_compress import Hi4Codec
 from connectors.offload.config import ConfigError, OffloadConfig
 from connectors.offload.metadata import BlockSave, KVConnectorMetadata, LoadResult, WorkerReport
 from connectors.offload.worker import OffloadWorker, block_meta
+from engine.core_types import KVConnectorOutput
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
 
@@ -111,7 +112,8 @@ class GroupedWorker:
         self._prefixes = prefixes
         self._shadows = shadows
         self._groups = LoadMerger(len(workers))
-        self.mergers: list[LoadMerger] = [self._groups]  # rank 0 adds the ranks' merger
+        self._ranks: LoadMerger | None = None  # rank 0 under TP: ``add_ranks``
+        self.mergers: list[LoadMerger] = [self._groups]
         self._targets: dict[str, tuple[int, ...]] = {}  # req_id -> its load's blocks
 
     def _rename(self, key: str, g: int) -> str:
@@ -149,8 +151,25 @@ class GroupedWorker:
         for worker in self.workers:
             worker.wait_for_save()
 
-    def after_step(self, metadata: object | None) -> None:
-        return None
+    def after_step(self, metadata: object | None) -> KVConnectorOutput:
+        """This rank's report (``take_report``): rank 0's joins the others' (``join_ranks``)."""
+        return self.take_report().as_output()
+
+    def add_ranks(self, size: int) -> None:
+        """Rank 0 of ``size`` ranks: ``join_ranks`` merges every rank's report."""
+        self._ranks = LoadMerger(size)
+        self.mergers.append(self._ranks)
+
+    def join_ranks(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """Every rank's report of one step (rank order): a load counts once every rank
+        finished it, as the fewest blocks any of them loaded."""
+        if self._ranks is None:
+            raise RuntimeError("join_ranks on a worker that was not given its ranks (add_ranks)")
+        parts = [o.report if o is not None else None for o in outputs]
+        merged = self._ranks.merge(
+            [r.finished_loads if isinstance(r, WorkerReport) else () for r in parts]
+        )
+        return WorkerReport(finished_loads=merged).as_output()
 
     def take_report(self) -> WorkerReport:
         """This rank's finished loads (every group landed; shadows copied into the cache)."""
@@ -263,20 +282,12 @@ class TPOffloadConnector:
     def __init__(self, inner: Any, grouped: GroupedWorker, tp: Any) -> None:
         self.inner = inner
         self._tp = tp
-        self._ranks = LoadMerger(tp.size) if tp is not None else None
-        if self._ranks is not None:
-            grouped.mergers.append(self._ranks)
+        if tp is not None:  # the driver hands every rank's report to ``join_ranks``
+            grouped.add_ranks(tp.size)
         self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)
-
-    def after_step(self, report: WorkerReport | None = None) -> Any:
-        if self._tp is None or self._ranks is None:
-            return self.inner.after_step(report)
-        reports, self._tp.reports = self._tp.reports, []
-        merged = self._ranks.merge([r.finished_loads if r is not None else () for r in reports])
-        return self.inner.after_step(WorkerReport(finished_loads=merged))
 
     def _everywhere(self, what: str) -> tuple[BlockSave, ...]:
         saves = self.inner.scheduler.take_pending_saves()

@@ -13,8 +13,9 @@ Per step (``ModelRunner`` calls, engine thread):
    by this forward), then loads.
 2. ``wait_for_save()``, after the forward: the save batch is sealed (checksum, commit) by the
    saver's thread (CUDA) or at once (CPU).
-3. ``take_report()``: every load whose copies completed, reported in the step they landed in:
-   an in-step load in its own step, an async one so that its request runs in the next step.
+3. ``after_step(meta)``: ``take_report()`` as the runner's ``kv_connector_output``: every load
+   whose copies completed, reported in the step they landed in: an in-step load in its own
+   step, an async one so that its request runs in the next step.
 
 Not thread-safe: the engine thread drives it.
 """
@@ -32,6 +33,7 @@ from connectors.offload.metadata import BlockSave, KVConnectorMetadata, WorkerRe
 from connectors.offload.pipeline import chunk_blocks_for
 from connectors.offload.saves import HostSaver
 from connectors.offload.stats import OffloadStats
+from engine.core_types import KVConnectorOutput
 from engine.kv_cache import KVCache
 
 KV_LAYOUT = "block_major_v1"  # [num_layers, 2, block_size, kv_heads, head_dim] per block
@@ -142,8 +144,9 @@ class OffloadWorker:
     def wait_for_save(self) -> None:
         self._saver.end_step()
 
-    def after_step(self, metadata: object | None) -> None:
-        return None
+    def after_step(self, metadata: object | None) -> KVConnectorOutput:
+        """The loads that landed by now, reported to the scheduler side (``take_report``)."""
+        return self.take_report().as_output()
 
     def take_report(self) -> WorkerReport:
         return WorkerReport(finished_loads=tuple(self._loader.take_finished()))

@@ -46,6 +46,7 @@ import torch
 from flashinfer import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.page_tables import csr_offsets, graph_table, page_table, pinned
 from engine.attention.staging import StagingFence
 from engine.config import GRAPH_DECODE_CHOICES, SMALL_QUERY_CHOICES
 
@@ -54,40 +55,6 @@ _WORKSPACE_BYTES = (
 )  # FlashInfer's split-k scratch; 128 MiB recommended, long prefills use more
 _DECODE_KERNEL_GROUP_SIZES = (1, 2, 3, 4, 8)  # DISPATCH_GQA_GROUP_SIZE of the CUDA-core decode
 SMALL_QUERY_AUTO_MIN_CONTEXT = 8192  # small_query="auto": the Triton kernel from this context on
-
-
-def page_table(
-    metadata: AttentionMetadata, page_size: int
-) -> tuple[list[int], list[int], list[int]]:
-    """``(indptr, indices, last_page_len)`` of FlashInfer's CSR page table, on the host.
-
-    Request ``i`` owns pages ``indices[indptr[i]:indptr[i+1]]`` = the first
-    ``ceil(seq_lens[i] / page_size)`` entries of its block table; its last page holds
-    ``last_page_len[i]`` (1..page_size) tokens. Raises ValueError without host block tables."""
-    tables = metadata.block_tables_cpu
-    if tables is None:
-        raise ValueError("FlashInfer planning needs AttentionMetadata.block_tables_cpu")
-    indptr = [0]
-    indices: list[int] = []
-    last_page_len: list[int] = []
-    for row, seq_len in zip(tables, metadata.seq_lens_cpu, strict=True):
-        num_pages = -(-seq_len // page_size)
-        indices.extend(row[:num_pages])
-        indptr.append(len(indices))
-        last_page_len.append(seq_len - (num_pages - 1) * page_size)
-    return indptr, indices, last_page_len
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    """``[0, l0, l0 + l1, ...]``: CSR offsets of consecutive lengths."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def _pinned(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).pin_memory()
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -201,7 +168,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         ):
             self._plan_small_query(metadata, indptr, indices, last_page_len)
             return
-        indices_gpu = _pinned(indices).to(self._device, non_blocking=True)
+        indices_gpu = pinned(indices).to(self._device, non_blocking=True)
         if self._decode is not None and metadata.max_query_len == 1:
             self._plan_decode(self._decode, indptr, indices_gpu, last_page_len, metadata.block_size)
             self.last_wrapper = "decode"
@@ -210,10 +177,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             fence = self._fence(self._prefill)
             fence.wait()
             self._prefill.plan(
-                _pinned(_offsets(metadata.query_lens_cpu)),
-                _pinned(indptr),
+                pinned(csr_offsets(metadata.query_lens_cpu)),
+                pinned(indptr),
                 indices_gpu,
-                _pinned(last_page_len),
+                pinned(last_page_len),
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
@@ -239,8 +206,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         """An eager step for the Triton kernel: one pinned copy of [indptr | last_page_len |
         qo_indptr | indices]."""
         n = metadata.num_reqs
-        qo_indptr = _offsets(metadata.query_lens_cpu)
-        table = _pinned(indptr + last_page_len + qo_indptr + indices).to(
+        qo_indptr = csr_offsets(metadata.query_lens_cpu)
+        table = pinned(indptr + last_page_len + qo_indptr + indices).to(
             self._device, non_blocking=True
         )
         self._triton_call = (
@@ -273,20 +240,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         indptr, indices, last_page_len = page_table(metadata, metadata.block_size)
         if len(indices) > max_pages:
             raise ValueError(f"{len(indices)} pages exceed the graph buffer of {max_pages}")
-        # One pinned int32 buffer per size, [indptr (P+1) | last_page_len (P) | indices],
-        # refilled in place (no pinned allocation per step) once its fence says the copies
-        # of the last refill have run.
+        # One pinned buffer per size (``graph_table``), refilled in place once its fence says
+        # the copies of the last refill have run.
         host_fence = self._fence(("graph", batch_size))
         host_fence.wait()  # the last replay's copies of this buffer have run
-        host = self._graph_host.get(batch_size)
-        if host is None:
-            host = torch.empty(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
-            self._graph_host[batch_size] = host
+        host = graph_table(self._graph_host, batch_size, max_pages, indptr, last_page_len, indices)
         head = 2 * batch_size + 1
-        rows = host.numpy()
-        rows[: batch_size + 1] = indptr
-        rows[batch_size + 1 : head] = last_page_len
-        rows[head : head + len(indices)] = indices
         self._slot_mapping = metadata.slot_mapping
         self._triton_call = None
         self.last_wrapper = "graph_decode"
@@ -343,9 +302,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # indptr/last_page_len stay on the (pinned) host: plan reads them there without a
         # device sync and copies them into the wrapper's buffers asynchronously.
         if isinstance(indptr, list):
-            indptr = _pinned(indptr)
+            indptr = pinned(indptr)
         if isinstance(last_page_len, list):
-            last_page_len = _pinned(last_page_len)
+            last_page_len = pinned(last_page_len)
         fence = self._fence(wrapper)
         fence.wait()
         wrapper.plan(

@@ -32,7 +32,7 @@ def close_and_judge(engine: Any) -> int:
     except Exception:  # noqa: BLE001 - exiting anyway; the exit code and the log say why
         logger.exception("closing the engine failed: its KV offload may not have drained")
         return EXIT_FAILED
-    report = None if engine.offload is None else engine.offload.store.drain_report
+    report = None if engine.kv_connector is None else engine.kv_connector.store.drain_report
     if report is None:
         return EXIT_OK  # no KV offload: nothing to drain
     where = f" to {report.flush_tier}" if report.flush_tier else ""

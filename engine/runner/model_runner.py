@@ -16,9 +16,7 @@ sampled token ids back to the host. Pinned buffers that are refilled every step 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 
@@ -39,85 +37,20 @@ from engine.runner.inputs import (  # noqa: F401  (HostBatch/BatchInputs re-expo
     build_host_batch,
     to_device,
 )
-from engine.runner.logits_processors import PenaltyRow, apply_penalties, token_logprobs
 from engine.runner.memory_profile import KVBudget, kv_budget_from, log_budget, measure_profile
-from engine.runner.sampler import Sampler, SampleRequest
+from engine.runner.model_setup import (
+    read_eos_token_ids,
+    resolve_device,
+    resolve_fused_kernels,
+    resolve_max_model_len,
+)
+from engine.runner.sampler import Sampler
+from engine.runner.sampling_step import prompt_logprobs, sample_tokens
 from engine.runner.structured_output import RequestGrammars
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> cuda if available else cpu. Raises ValueError for cuda without CUDA."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
-
-
-def read_eos_token_ids(model_dir: str, hf_config: dict) -> tuple[int, ...]:
-    """EOS ids from generation_config.json (preferred, may be a list) and config.json."""
-    ids: list[int] = []
-    sources = [hf_config]
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        with open(gen_path, encoding="utf-8") as f:
-            sources.insert(0, json.load(f))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for tok in eos if isinstance(eos, list) else [eos]:
-            if tok is not None and int(tok) not in ids:
-                ids.append(int(tok))
-    return tuple(ids)
-
-
-def _resolve_fused(wanted: bool | None, model: torch.nn.Module, device: torch.device) -> bool:
-    """Decide and apply the fused-kernel switch (see ModelRunner). Raises ValueError when
-    ``wanted`` is True and the kernels or the model cannot do it."""
-    from engine.kernels import fused_kernels_available
-
-    supported = hasattr(model, "fused_kernels")
-    if wanted is False or (wanted is None and not supported):
-        enabled = False
-    elif not supported:
-        raise ValueError(f"{type(model).__name__} has no fused-kernel path")
-    else:
-        enabled = fused_kernels_available(device)
-        if wanted and not enabled:
-            raise ValueError(
-                f"fused kernels requested but unavailable on {device} (they need CUDA and triton)"
-            )
-    if supported:
-        model.fused_kernels = enabled
-    return enabled
-
-
-def resolve_max_model_len(requested: int | None, loaded: LoadedModel) -> int:
-    """``requested`` (``--max-model-len``) or the model config's context length
-    (``ModelArchConfig.max_context_len``); the tokenizer's ``model_max_length`` plays no part.
-    Raises ValueError when the model's rotary table does not cover it (every position a step
-    may hold is checked against ``max_model_len``, so the table bounds every gather)."""
-    derived = loaded.arch.max_context_len
-    max_len = requested or derived
-    if max_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_len}")
-    if requested and requested > derived:
-        logger.warning(
-            "max_model_len %d exceeds the model's context length %d (config.json); positions past "
-            "it were never trained",
-            requested,
-            derived,
-        )
-    table = getattr(getattr(loaded.model, "_rotary", None), "max_positions", None)
-    if table is not None and table < max_len:
-        raise ValueError(
-            f"the model's rotary table holds {table} positions, fewer than max_model_len {max_len}"
-        )
-    return max_len
 
 
 class ModelRunner:
@@ -230,7 +163,7 @@ class ModelRunner:
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer kernels are fp16/bf16 only
         self.attention_backend_name = resolve_backend_name(backend, device.type)
-        self.fused_kernels = _resolve_fused(fused_kernels, self.model, device)
+        self.fused_kernels = resolve_fused_kernels(fused_kernels, self.model, device)
         arch = loaded.arch
         self.attn_backend = create_attention_backend(
             self.attention_backend_name,
@@ -267,8 +200,9 @@ class ModelRunner:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls
         ``worker.start_load_kv(meta)`` before the forward pass (loads into this step's blocks
         must be issued first) and ``worker.wait_for_save()`` then ``worker.after_step(meta)``
-        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``. Empty steps call
-        them too, so a connector can make progress while nothing is scheduled."""
+        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step``
+        returns rides ``ModelRunnerOutput.kv_connector_output``. Empty steps call them too, so a
+        connector can make progress while nothing is scheduled."""
         self._kv_connector = worker
 
     def _num_blocks_for(self, spec: KVCacheSpec, max_capture_size: int) -> int:
@@ -358,11 +292,12 @@ class ModelRunner:
             self._grammars.drop(out.finished_req_ids)
         connector = self._kv_connector
         if out.is_empty:
+            result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
             if connector is not None:
                 connector.start_load_kv(out.kv_connector_metadata)
                 connector.wait_for_save()
-                connector.after_step(out.kv_connector_metadata)
-            return ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
+                result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
+            return result
         host = self._host_batch(out)
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
@@ -374,78 +309,18 @@ class ModelRunner:
                 logits = self.model.compute_logits(rows)
                 by_id = {r.req_id: r for r in out.requests}
                 sliced = [by_id[rid] for rid in host.sample_req_ids]
-                self._sample(logits, sliced, result)
+                sample_tokens(logits, sliced, result, self.sampler, self._grammar_state)
                 if result.logits is not None:
                     cpu_rows = logits.cpu()
                     result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
             if self.samples:
-                self._prompt_logprobs(hidden, out, result)
+                prompt_logprobs(self.model.compute_logits, hidden, out, result)
         if connector is not None:
             connector.wait_for_save()
-            connector.after_step(out.kv_connector_metadata)
+            result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
         for r in out.requests:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
         return result
-
-    def _sample(
-        self, logits: torch.Tensor, sliced: list[ScheduledRequest], result: ModelRunnerOutput
-    ) -> None:
-        """Penalties, grammar masks, sampling, then logprobs of the raw ``logits``; fills
-        ``result``. The one host sync of a plain step is the sampled ids' copy."""
-        processed = apply_penalties(
-            logits,
-            [
-                PenaltyRow(s.sampling, s.all_token_ids, s.num_output_tokens)
-                if s.sampling.has_penalties
-                else None
-                for s in sliced
-            ],
-        )
-        grammar_rows = [
-            (s.req_id, s.sampling, s.all_token_ids[len(s.all_token_ids) - s.num_output_tokens :])
-            if s.sampling.has_grammar
-            else None
-            for s in sliced
-        ]
-        if any(r is not None for r in grammar_rows):
-            processed = self._grammar_state().mask(processed, grammar_rows)
-        requests = [SampleRequest(s.sampling, s.num_output_tokens) for s in sliced]
-        tokens = self.sampler.sample(processed, requests).tolist()  # the step's one sync
-        result.sampled_token_ids = {s.req_id: t for s, t in zip(sliced, tokens, strict=True)}
-        if self._grammars is not None:
-            for s, token in zip(sliced, tokens, strict=True):
-                if s.sampling.has_grammar:
-                    self._grammars.accept(s.req_id, token)
-        wanted = [i for i, s in enumerate(sliced) if s.sampling.logprobs is not None]
-        if wanted:
-            index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
-            entries = token_logprobs(
-                logits.index_select(0, index),
-                [tokens[i] for i in wanted],
-                [sliced[i].sampling.logprobs or 0 for i in wanted],
-            )
-            result.logprobs = {sliced[i].req_id: e for i, e in zip(wanted, entries, strict=True)}
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, out: SchedulerOutput, result: ModelRunnerOutput
-    ) -> None:
-        """Logprobs of the prompt tokens this step's chunks predict: the row of position
-        ``p`` gives token ``p + 1``'s. Such requests bypass the prefix cache (scheduler), so
-        every prompt position passes through here once (again after a preemption)."""
-        offset = 0
-        for r in out.requests:
-            k = r.sampling.prompt_logprobs
-            start, n = r.num_computed_tokens, len(r.token_ids)
-            end = min(start + n, r.num_prompt_tokens - 1)  # the last prompt row samples
-            if k is not None and start < end:
-                rows = hidden[offset : offset + end - start]
-                entries = token_logprobs(
-                    self.model.compute_logits(rows),
-                    r.all_token_ids[start + 1 : end + 1],
-                    [k] * (end - start),
-                )
-                result.prompt_logprobs[r.req_id] = (start + 1, list(entries))
-            offset += n
 
     def _grammar_state(self) -> RequestGrammars:
         if self._grammars is None:

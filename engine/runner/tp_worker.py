@@ -5,8 +5,10 @@ The driver starts ranks ``1..N-1`` (``spawn``), joins the group as rank 0 and bu
 ``ModelRunner`` over its slice. Every step, ``execute_model`` broadcasts the ``SchedulerOutput``
 (the runner inputs are derived from it identically on every rank, the offload connector's
 metadata riding along) over the control group, then runs rank 0's share; the model's
-all-reduces keep the ranks in lock step and only rank 0 samples. With an offload connector each
-rank's worker side reports its finished loads after the step (``gather``): ``TPDriver.reports``.
+all-reduces keep the ranks in lock step and only rank 0 samples. With a KV connector on every
+rank, each rank's report of the step (``ModelRunnerOutput.kv_connector_output``) is gathered
+and joined by rank 0's worker side (``RankedKVConnectorWorker.join_ranks``) into the one
+report rank 0's output carries to the scheduler.
 
 Commands a worker obeys, in the order the driver broadcasts them: ``step``, ``offload`` (build
 this rank's connector), ``offload_call`` (save / flush / close its connector, then acknowledge),
@@ -24,7 +26,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,13 +35,16 @@ from engine.core_types import ModelRunnerOutput, SchedulerOutput
 from engine.runner.distributed import TPGroup, free_port, init_tp_group
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.kv_connector import RankedKVConnectorWorker
+
 logger = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 600.0
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config rank ``rank`` runs with: on CUDA, GPU ``rank`` (each rank one GPU)."""
-    from engine.runner.model_runner import resolve_device
+    from engine.runner.model_setup import resolve_device
 
     device = resolve_device(config.device)
     if device.type != "cuda":
@@ -55,7 +60,8 @@ class TPDriver:
         from engine.models.base import ModelArchConfig
         from engine.models.loader import read_hf_config
         from engine.models.parallel import check_tp_size
-        from engine.runner.model_runner import ModelRunner, resolve_device
+        from engine.runner.model_runner import ModelRunner
+        from engine.runner.model_setup import resolve_device
 
         size = config.tensor_parallel_size
         # A degree that cannot split the model: one clear error before any process starts.
@@ -100,7 +106,6 @@ class TPDriver:
             self._kill()
             raise
         self.offload_ranks = False  # the ranks have connectors: gather their reports
-        self.reports: list[Any] = []  # the last step's worker reports, rank order
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["runner"], name)
@@ -110,16 +115,22 @@ class TPDriver:
         return self.group.size
 
     def execute_model(self, out: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
-        """Send the step to every rank, run rank 0's share; rank 0's sampled tokens."""
+        """Send the step to every rank, run rank 0's share; rank 0's sampled tokens, and
+        every rank's connector report joined."""
         self.group.broadcast(("step", _for_workers(out)))
         try:
-            return self.runner.execute_model(out, return_logits)
-        finally:  # a step refused on every rank (a bad SchedulerOutput) still gathers
-            if self.offload_ranks:  # before the connector is attached (calibration): None
-                worker = self.runner._kv_connector
-                self.reports = (
-                    self.group.gather(worker.take_report() if worker is not None else None) or []
-                )  # type: ignore[attr-defined]
+            result = self.runner.execute_model(out, return_logits)
+        except BaseException:
+            if self.offload_ranks:  # a step refused on every rank still gathers
+                self.group.gather(None)
+            raise
+        if self.offload_ranks:
+            parts = self.group.gather(result.kv_connector_output) or []
+            worker = self.runner._kv_connector  # None before it is attached (calibration)
+            if worker is not None:
+                ranked = cast("RankedKVConnectorWorker", worker)
+                result.kv_connector_output = ranked.join_ranks(parts)
+        return result
 
     def command(self, name: str, arg: object = None) -> list[Any]:
         """Broadcast a command to the workers (``offload``, ``offload_call``); each answers,
@@ -221,7 +232,8 @@ def worker_main(
 ) -> None:
     """Rank ``rank``'s process: join the group, build its runner, obey the driver until
     ``stop``."""
-    from engine.runner.model_runner import ModelRunner, resolve_device
+    from engine.runner.model_runner import ModelRunner
+    from engine.runner.model_setup import resolve_device
 
     try:
         device = resolve_device(config.device)
@@ -240,12 +252,13 @@ def worker_main(
     while True:
         name, arg = group.broadcast()
         if name == "step":
+            report = None  # this step's connector report, for rank 0 to join
             try:
-                runner.execute_model(arg)
+                report = runner.execute_model(arg).kv_connector_output
             except Exception:  # rank 0 raises the same error to its caller; stay in step
                 logger.exception("tensor-parallel rank %d: step failed", rank)
             if ranked is not None:
-                group.gather(ranked.worker.take_report())
+                group.gather(report)
         elif name == "offload":
             from engine.kv_connector import kv_connector_class
 

@@ -344,10 +344,11 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Advance progress after the runner executed ``output``: cache newly full blocks,
-        append sampled tokens, finish requests on token-level stops. Returns the requests that
-        got exactly one new token this step (the last of ``output_token_ids``), finished ones
-        included. Raises RuntimeError if the runner skipped a request that had to sample."""
+        """Advance progress after the runner executed ``output``: hand the connector's report
+        over (``_update_from_kv``), cache newly full blocks, append sampled tokens, finish
+        requests on token-level stops. Returns the requests that got exactly one new token this
+        step, finished ones included. RuntimeError: a request that had to sample got no token."""
+        self._update_from_kv(runner_output)
         updated: list[Request] = []
         for sliced in output.requests:
             request = self.requests.get(sliced.req_id)
@@ -368,6 +369,25 @@ class Scheduler:
                 self._finish(request, stop)
             updated.append(request)
         return updated
+
+    def _update_from_kv(self, runner_output: ModelRunnerOutput) -> None:
+        """The connector's report (``kv_connector_output``) to its scheduler side, and each
+        finished load's measured copy time to its request (the TTFT breakdown's ``load``)."""
+        kv_output = runner_output.kv_connector_output
+        if kv_output is None:
+            return
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        for timing in kv_output.load_timings:
+            request = self.requests.get(timing.req_id)
+            if request is not None:
+                request.times.on_load(timing)
+
+    def wait_pending(self, timeout_s: float) -> bool:
+        """A step scheduled nothing: wait up to ``timeout_s`` for the connector's off-step work
+        (a prefetch) to end, so that an engine whose only waiting requests are "not yet" does
+        not spin. False at once without a connector or when none runs."""
+        return self.connector is not None and self.connector.wait_pending(timeout_s)
 
     @property
     def num_running(self) -> int:

@@ -94,13 +94,13 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
     return info
 
 
-def _check_offload(source: str | dict | None) -> None:
+def _check_offload(source: str | dict | None, connector: str) -> None:
     if source is None:
         return
     from engine.kv_connector import check_kv_connector_config
 
     try:
-        check_kv_connector_config("offload", source)
+        check_kv_connector_config(connector, source)
     except ValueError as exc:  # ConfigError: "[FILE: ]tiers[0] (host): field ..."
         message = one_line(exc)
         # Parse errors name the file already; the machine checks (host memory, LMDB path)
@@ -122,7 +122,7 @@ def preflight(config: EngineConfig, chat_template: str | None = None) -> Checked
             template = load_chat_template(chat_template)
         except ValueError as exc:
             raise UsageError(f"--chat-template: {exc}") from None
-    _check_offload(config.kv_offload_config)
+    _check_offload(config.kv_offload_config, config.kv_connector)
     info = _check_model(config.model, config.dtype)
     if config.tokenizer is not None:
         from engine.tokenizer import tokenizer_dir_problem

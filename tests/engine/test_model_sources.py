@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import check_max_model_len
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, check_max_model_len
 from engine.models import gguf, supported_architectures
 from engine.models.sources import gguf_dtype, hub_cache_dir, is_model_id, resolve_model_dir
 from engine.server.startup import UsageError, preflight
