@@ -114,6 +114,7 @@ class _Hierarchy:
         "depth_of",
         "inserted",
         "evicted",
+        "value",
     )
 
     def __init__(self, tiers: Sequence[TierSpec], vpb: Sequence[float] | None) -> None:
@@ -132,16 +133,7 @@ class _Hierarchy:
         self.depth_of: dict[int, int] = {}  # block -> depth at its last reference (cost)
         self.inserted = [0] * len(tiers)
         self.evicted = [0] * len(tiers)
-
-    def value(self, tier: int, block: int) -> float:
-        """What ``tier``'s policy keeps ``block`` by: its references (LFU) or the prefill
-        time per byte its depth saves (cost); 0 for the others."""
-        if self.kinds[tier] == "lfu":
-            return float(self.refs[block])
-        if self.kinds[tier] == "cost":
-            d = self.depth_of[block]
-            return self.vpb[d] if d < len(self.vpb) else self.vpb[-1]
-        return 0.0
+        self.value = _value_of(self.kinds, self.refs, self.depth_of, self.vpb)
 
     def lookup(self, ids: list[int], start: int, end: int, served: list[int]) -> int:
         """The leading blocks of ``ids[start:end]`` held anywhere; their tiers go to
@@ -213,6 +205,24 @@ class _Hierarchy:
             for i, t in enumerate(self.tiers)
         )
         return ReplayResult(hits_arr, tier_hits, counts)
+
+
+def _value_of(
+    kinds: list[str], refs: dict[int, int], depth_of: dict[int, int], vpb: list[float]
+) -> Callable[[int, int], float]:
+    """``value(tier, block)``: what ``tier``'s policy keeps ``block`` by: its references (LFU)
+    or the prefill time per byte its depth saves (cost); 0 for the others. A closure over the
+    replay's state, not a method: it runs once per touched block of an LFU or cost tier."""
+
+    def value(tier: int, block: int) -> float:
+        if kinds[tier] == "lfu":
+            return float(refs[block])
+        if kinds[tier] == "cost":
+            d = depth_of[block]
+            return vpb[d] if d < len(vpb) else vpb[-1]
+        return 0.0
+
+    return value
 
 
 def lru_hierarchy(
