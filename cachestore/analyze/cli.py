@@ -88,6 +88,14 @@ def parse_tier_cost(text: str) -> TierCost:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Mutates ``parser``: adds every ``kvtier analyze`` argument, each with help text."""
+    _add_trace_arguments(parser)
+    _add_hierarchy_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace: its file, format, tokenizer and block size."""
     parser.add_argument(
         "trace", help="trace file (Mooncake JSONL, kvtier request/access log, or prompts)"
     )
@@ -106,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per block (default 512 for Mooncake traces, else 16)",
     )
+
+
+def _add_hierarchy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated tiers and the cost model that prices them."""
     parser.add_argument(
         "--tier",
         action="append",
@@ -147,6 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=LATENCY_S,BYTES_PER_S",
         help="override a tier's cost; repeatable (default: the built-in costs)",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to run beyond the one hierarchy (a sweep, replays) and where results go."""
     parser.add_argument(
         "--sweep",
         metavar="TIER=CAP1,CAP2,...",

@@ -168,23 +168,28 @@ def write_markdown(
             f"{t['evicted_blocks']:,} |"
         )
     if "sweep" in doc:
-        sw = doc["sweep"]
-        others = _others(doc, sw["tier"])
-        head, rows = _sweep_rows(doc)
-        out += [
-            "",
-            f"## Sweep of tier `{sw['tier']}` ({sw['method']})",
-            "",
-            f"The other tiers fixed ({others or 'none'}); a tier's hit is its share of the "
-            "block references, net saved as defined above.",
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + " ---: |" * len(head),
-        ]
-        out += ["| " + " | ".join(r) + " |" for r in rows]
+        out += _sweep_section(doc)
     if plot_path:
         out += ["", f"![hit ratio per tier, sweep and reuse distance]({Path(plot_path).name})"]
     Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
+
+
+def _sweep_section(doc: dict[str, Any]) -> list[str]:
+    """The Markdown report's sweep: one row per capacity of the swept tier."""
+    sw = doc["sweep"]
+    others = _others(doc, sw["tier"])
+    head, rows = _sweep_rows(doc)
+    return [
+        "",
+        f"## Sweep of tier `{sw['tier']}` ({sw['method']})",
+        "",
+        f"The other tiers fixed ({others or 'none'}); a tier's hit is its share of the "
+        "block references, net saved as defined above.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + " ---: |" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
 
 
 def write_plot(doc: dict[str, Any], path: str) -> None:

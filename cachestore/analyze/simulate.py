@@ -81,39 +81,64 @@ def replay(
     """
     if not tiers:
         raise ValueError("need at least one tier")
-    num_tiers = len(tiers)
-    pols = [make_policy(t.policy) for t in tiers]
-    caps = [math.inf if t.capacity_blocks is None else t.capacity_blocks for t in tiers]
-    use_counts = any(t.policy == "lfu" for t in tiers)
-    use_cost = any(t.policy == "cost" for t in tiers)
-    if use_cost and value_per_byte_by_depth is None:
-        raise ValueError("the cost policy needs value_per_byte_by_depth")
-    vpb = list(value_per_byte_by_depth or [])
-    kinds = [t.policy for t in tiers]
-
+    hierarchy = _Hierarchy(tiers, value_per_byte_by_depth)
     ids = trace.block_ids.tolist()
     offsets = trace.offsets.tolist()
     num_req = trace.num_requests
-    loc: dict[int, int] = {}  # block -> index of the tier that holds it
-    refs: dict[int, int] = {}  # block -> references so far (LFU)
-    depth_of: dict[int, int] = {}  # block -> depth at its last reference (cost policy)
     hits = [0] * num_req
     served: list[int] = []  # per leading hit, in order: the serving tier
-    inserted = [0] * num_tiers
-    evicted = [0] * num_tiers
-    top, cap0 = pols[0], caps[0]
-    plain = not (use_counts or use_cost)
-
-    def value(tier: int, block: int) -> float:
-        if kinds[tier] == "lfu":
-            return float(refs[block])
-        if kinds[tier] == "cost":
-            d = depth_of[block]
-            return vpb[d] if d < len(vpb) else vpb[-1]
-        return 0.0
-
     for r in range(num_req):
         start, end = offsets[r], offsets[r + 1]
+        hits[r] = hierarchy.lookup(ids, start, end, served)
+        hierarchy.touch(ids, start, end)
+        if progress is not None and (r + 1) % progress_every == 0:
+            progress(progress_every)
+    if progress is not None and num_req % progress_every:
+        progress(num_req % progress_every)
+    return hierarchy.result(hits, served)
+
+
+class _Hierarchy:
+    """The simulated tiers during a replay: which tier holds each block, each tier's policy
+    and counters. ``lookup`` and ``touch`` are steps 2 and 3-4 of the module docstring."""
+
+    __slots__ = (
+        "tiers",
+        "pols",
+        "caps",
+        "kinds",
+        "vpb",
+        "plain",
+        "loc",
+        "refs",
+        "depth_of",
+        "inserted",
+        "evicted",
+        "value",
+    )
+
+    def __init__(self, tiers: Sequence[TierSpec], vpb: Sequence[float] | None) -> None:
+        self.tiers = tiers
+        self.pols = [make_policy(t.policy) for t in tiers]
+        self.caps = [math.inf if t.capacity_blocks is None else t.capacity_blocks for t in tiers]
+        use_counts = any(t.policy == "lfu" for t in tiers)
+        use_cost = any(t.policy == "cost" for t in tiers)
+        if use_cost and vpb is None:
+            raise ValueError("the cost policy needs value_per_byte_by_depth")
+        self.vpb = list(vpb or [])
+        self.kinds = [t.policy for t in tiers]
+        self.plain = not (use_counts or use_cost)  # no policy needs a block's value
+        self.loc: dict[int, int] = {}  # block -> index of the tier that holds it
+        self.refs: dict[int, int] = {}  # block -> references so far (LFU)
+        self.depth_of: dict[int, int] = {}  # block -> depth at its last reference (cost)
+        self.inserted = [0] * len(tiers)
+        self.evicted = [0] * len(tiers)
+        self.value = _value_of(self.kinds, self.refs, self.depth_of, self.vpb)
+
+    def lookup(self, ids: list[int], start: int, end: int, served: list[int]) -> int:
+        """The leading blocks of ``ids[start:end]`` held anywhere; their tiers go to
+        ``served``. Changes nothing else."""
+        loc = self.loc
         h = 0
         for j in range(start, end):
             t = loc.get(ids[j])
@@ -121,7 +146,15 @@ def replay(
                 break
             served.append(t)
             h += 1
-        hits[r] = h
+        return h
+
+    def touch(self, ids: list[int], start: int, end: int) -> None:
+        """Refresh, promote or insert each block of ``ids[start:end]`` at the top, in order,
+        each overflow cascading one victim down per level (module docstring, steps 3-4)."""
+        # Locals: this loop runs once per block reference of the trace.
+        loc, pols, plain, refs, depth_of = self.loc, self.pols, self.plain, self.refs, self.depth_of
+        caps, value, inserted, evicted = self.caps, self.value, self.inserted, self.evicted
+        top, cap0, num_tiers = pols[0], caps[0], len(pols)
         for j in range(start, end):
             b = ids[j]
             if not plain:
@@ -139,8 +172,8 @@ def replay(
             inserted[0] += 1
             if len(top) <= cap0:
                 continue
-            i = 0
-            while len(pols[i]) > caps[i]:  # cascade one victim down per level
+            i = 0  # over capacity: cascade one victim down per level, the last tier drops it
+            while len(pols[i]) > caps[i]:
                 victim = pols[i].pop_victim()
                 evicted[i] += 1
                 if i + 1 == num_tiers:
@@ -150,28 +183,46 @@ def replay(
                 pols[i].insert(victim, 0.0 if plain else value(i, victim))
                 loc[victim] = i
                 inserted[i] += 1
-        if progress is not None and (r + 1) % progress_every == 0:
-            progress(progress_every)
-    if progress is not None and num_req % progress_every:
-        progress(num_req % progress_every)
-    hits_arr = np.asarray(hits, np.int64)
-    req_of_hit = np.repeat(np.arange(num_req, dtype=np.int64), hits_arr)
-    flat = req_of_hit * num_tiers + np.asarray(served, np.int64)
-    tier_hits = np.bincount(flat, minlength=num_req * num_tiers).reshape(num_req, num_tiers)
-    per_tier_hits = tier_hits.sum(axis=0)
-    counts = tuple(
-        TierCounts(
-            t.name,
-            t.capacity_blocks,
-            t.policy,
-            int(per_tier_hits[i]),
-            inserted[i],
-            evicted[i],
-            len(pols[i]),
+
+    def result(self, hits: list[int], served: list[int]) -> ReplayResult:
+        """Per-request hits, per-request hits by tier, and each tier's counts."""
+        num_req, num_tiers = len(hits), len(self.tiers)
+        hits_arr = np.asarray(hits, np.int64)
+        req_of_hit = np.repeat(np.arange(num_req, dtype=np.int64), hits_arr)
+        flat = req_of_hit * num_tiers + np.asarray(served, np.int64)
+        tier_hits = np.bincount(flat, minlength=num_req * num_tiers).reshape(num_req, num_tiers)
+        per_tier_hits = tier_hits.sum(axis=0)
+        counts = tuple(
+            TierCounts(
+                t.name,
+                t.capacity_blocks,
+                t.policy,
+                int(per_tier_hits[i]),
+                self.inserted[i],
+                self.evicted[i],
+                len(self.pols[i]),
+            )
+            for i, t in enumerate(self.tiers)
         )
-        for i, t in enumerate(tiers)
-    )
-    return ReplayResult(hits_arr, tier_hits, counts)
+        return ReplayResult(hits_arr, tier_hits, counts)
+
+
+def _value_of(
+    kinds: list[str], refs: dict[int, int], depth_of: dict[int, int], vpb: list[float]
+) -> Callable[[int, int], float]:
+    """``value(tier, block)``: what ``tier``'s policy keeps ``block`` by: its references (LFU)
+    or the prefill time per byte its depth saves (cost); 0 for the others. A closure over the
+    replay's state, not a method: it runs once per touched block of an LFU or cost tier."""
+
+    def value(tier: int, block: int) -> float:
+        if kinds[tier] == "lfu":
+            return float(refs[block])
+        if kinds[tier] == "cost":
+            d = depth_of[block]
+            return vpb[d] if d < len(vpb) else vpb[-1]
+        return 0.0
+
+    return value
 
 
 def lru_hierarchy(

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from cachestore.analyze.config import AnalyzeConfig, as_written
-from cachestore.analyze.simulate import ProgressFn
-from cachestore.analyze.stack_distance import COLD, lru_hit_curve, stack_distances
+from cachestore.analyze.simulate import ProgressFn, ReplayResult
+from cachestore.analyze.stack_distance import COLD, StackDistances, lru_hit_curve, stack_distances
 from cachestore.analyze.sweeps import NET_SAVED_DEFINITION, run_stack, savings, sweep, tier_curves
 from cachestore.analyze.traces import Trace
 from cachestore.cost.model import hops_to_gpu
+from tiers.sizes import Size
 
 __all__ = ["AnalyzeConfig", "analyze"]
 PERCENTILES = (50, 90, 99)
@@ -68,64 +69,84 @@ def analyze(
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "kv_compression": cfg.kv_compression,
         "block_bytes": block_bytes,
-        "tiers": [
-            {
-                "name": t.name,
-                "policy": t.policy,
-                "capacity_blocks": t.capacity_blocks,
-                "capacity_text": w.text,
-                "capacity_unit": w.unit,
-                "hit_blocks": t.hit_blocks,
-                "read_bytes": t.hit_blocks * block_bytes,
-                "write_bytes": t.inserted_blocks * block_bytes,
-                "inserted_blocks": t.inserted_blocks,
-                "evicted_blocks": t.evicted_blocks,
-                "resident_blocks": t.resident_blocks,
-            }
-            for t, w in zip(res.tiers, written, strict=True)
-        ],
+        "tiers": _tier_rows(res, written, block_bytes),
         "reuse_distance": {f"p{p}": _nearest_rank(reuse, p) for p in PERCENTILES}
         | {"reuse_refs": int(len(reuse)), "cold_refs": int(trace.num_block_refs - len(reuse))},
-        "cost_model": {
-            "prefill": {
-                "fixed_s": cfg.prefill.fixed_s,
-                "per_token_s": cfg.prefill.per_token_s,
-                "attention_s": cfg.prefill.attention_s,
-            },
-            "tiers": {
-                t.name: [
-                    {
-                        "name": h.name,
-                        "latency_s": h.latency_s,
-                        "bandwidth_bytes_per_s": h.bandwidth_bytes_per_s,
-                    }
-                    for h in hops_to_gpu(t.name, cfg.tier_costs)
-                ]
-                for t in cfg.tiers
-            },
-        },
+        "cost_model": _cost_model(cfg),
     }
     doc |= savings(trace, cfg, res)
     doc["net_saved_definition"] = NET_SAVED_DEFINITION
     # The exact single-LRU curve at log-spaced capacities up to every block fitting: free once
     # the distances exist, and what the plot and the Mooncake comparison read.
-    top = max(trace.num_unique_blocks, 1)
-    caps = np.unique(np.round(np.logspace(0, np.log10(top), 48)).astype(np.int64))
-    curve = lru_hit_curve(trace, caps, sd)
-    doc["lru_curve"] = {
-        "capacities_blocks": caps.tolist(),
-        "block_hit_ratio": curve.block_hit_ratio.tolist(),
-        "token_hit_ratio": curve.token_hit_ratio.tolist(),
-    }
+    doc["lru_curve"] = _lru_curve(trace, sd)
     if cfg.sweep_tier is not None:
-        sw = sweep(trace, cfg, sd)
-        pts = as_written(cfg.sweep_sizes, sw["capacities_blocks"])  # type: ignore[arg-type]
-        doc["sweep"] = sw | {
-            "capacities_text": [p.text for p in pts],
-            "capacities_unit": [p.unit for p in pts],
-        }
+        doc["sweep"] = _sweep(trace, cfg, sd)
     if curves:
         doc["tier_curves"] = tier_curves(trace, cfg, sd)
     if keep_distances:
         doc["_reuse_distances"] = reuse  # for the CDF plot; not written to JSON
     return doc
+
+
+def _sweep(trace: Trace, cfg: AnalyzeConfig, sd: StackDistances) -> dict[str, object]:
+    """The document's ``sweep`` (``sweeps.sweep``), each capacity as written too."""
+    sw = sweep(trace, cfg, sd)
+    pts = as_written(cfg.sweep_sizes, sw["capacities_blocks"])  # type: ignore[arg-type]
+    return sw | {
+        "capacities_text": [p.text for p in pts],
+        "capacities_unit": [p.unit for p in pts],
+    }
+
+
+def _tier_rows(res: ReplayResult, written: list[Size], block_bytes: int) -> list[dict[str, object]]:
+    """The document's ``tiers``: what each tier did, in blocks and bytes."""
+    return [
+        {
+            "name": t.name,
+            "policy": t.policy,
+            "capacity_blocks": t.capacity_blocks,
+            "capacity_text": w.text,
+            "capacity_unit": w.unit,
+            "hit_blocks": t.hit_blocks,
+            "read_bytes": t.hit_blocks * block_bytes,
+            "write_bytes": t.inserted_blocks * block_bytes,
+            "inserted_blocks": t.inserted_blocks,
+            "evicted_blocks": t.evicted_blocks,
+            "resident_blocks": t.resident_blocks,
+        }
+        for t, w in zip(res.tiers, written, strict=True)
+    ]
+
+
+def _cost_model(cfg: AnalyzeConfig) -> dict[str, object]:
+    """The document's ``cost_model``: the prefill model and each tier's hops to the GPU."""
+    return {
+        "prefill": {
+            "fixed_s": cfg.prefill.fixed_s,
+            "per_token_s": cfg.prefill.per_token_s,
+            "attention_s": cfg.prefill.attention_s,
+        },
+        "tiers": {
+            t.name: [
+                {
+                    "name": h.name,
+                    "latency_s": h.latency_s,
+                    "bandwidth_bytes_per_s": h.bandwidth_bytes_per_s,
+                }
+                for h in hops_to_gpu(t.name, cfg.tier_costs)
+            ]
+            for t in cfg.tiers
+        },
+    }
+
+
+def _lru_curve(trace: Trace, sd: StackDistances) -> dict[str, object]:
+    """The single-LRU hit curve at 48 log-spaced capacities up to every block fitting."""
+    top = max(trace.num_unique_blocks, 1)
+    caps = np.unique(np.round(np.logspace(0, np.log10(top), 48)).astype(np.int64))
+    curve = lru_hit_curve(trace, caps, sd)
+    return {
+        "capacities_blocks": caps.tolist(),
+        "block_hit_ratio": curve.block_hit_ratio.tolist(),
+        "token_hit_ratio": curve.token_hit_ratio.tolist(),
+    }

@@ -5,16 +5,8 @@ Torch-free: the engine passes callbacks that do the device work.
 - ``calibrate_prefill(run_prefill)`` times ``run_prefill(num_tokens, context_tokens)`` (it returns
   seconds) at a few sizes after one warm-up call, keeps the fastest of ``repeats`` runs per size
   and fits ``PrefillCost`` by least squares with non-negative coefficients.
-- ``calibrate_copy(copy_blocks, block_bytes)`` fits a ``TierCost`` to the time
-  ``copy_blocks(n)`` takes for 1 and for ``num_blocks`` blocks: two sizes separate the fixed
-  latency from the bandwidth. The host -> GPU hop is measured this way with a torch callback.
-- ``calibrate_tier(tier, block_bytes)`` does the same through a real tier's ``get_many`` on
-  blocks it first writes with ``put_many`` under a private key prefix, and deletes them after.
-- ``calibrate_transfer(load_blocks, block_bytes, name, sizes)`` times a whole caller-supplied
-  transfer path (e.g. a lower tier -> host slab -> device load) at realistic batch sizes and
-  fits latency + bandwidth by least squares over them (``fit_transfer``), so per-block costs
-  (Python, page faults, checksums) show up in the bandwidth rather than vanishing in a small
-  batch.
+- ``calibrate_copy``, ``calibrate_tier``, ``calibrate_transfer``: one hop timed and fitted
+  (``cachestore.cost.transfer``, re-exported here).
 - ``calibrate_prefill_checked(...)`` measures until ``cachestore.cost.checks.check_prefill``
   accepts the fit (a bounded number of attempts), else falls back to a prior, untrusted.
 - ``calibrate(...)`` runs all of them, checks every measurement (a tier that fails
@@ -27,10 +19,7 @@ removes its own keys (a random prefix), which may evict others' blocks from a fu
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -40,12 +29,29 @@ from cachestore.cost.checks import check_prefill, check_tier
 from cachestore.cost.fit import fit_prefill_nonnegative
 from cachestore.cost.model import PrefillCost, PrefillSample, TierCost
 from cachestore.cost.online import CostPriors, OnlineCostModel
+from cachestore.cost.transfer import (
+    TransferFit,
+    TransferSample,
+    calibrate_copy,
+    calibrate_tier,
+    calibrate_transfer,
+    fit_transfer,
+)
 from tiers.base import Tier
 
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-__all__ = ["fit_prefill_nonnegative"]  # re-exported: its home is cachestore.cost.fit
+# Re-exported: their homes are cachestore.cost.fit and cachestore.cost.transfer.
+__all__ = [
+    "TransferFit",
+    "TransferSample",
+    "calibrate_copy",
+    "calibrate_tier",
+    "calibrate_transfer",
+    "fit_prefill_nonnegative",
+    "fit_transfer",
+]
 log = logging.getLogger(__name__)
 # Measurements of a size are repeated up to this many times when checks reject the fit.
 CALIBRATION_ATTEMPTS = 3
@@ -161,142 +167,6 @@ def calibrate_prefill_checked(
     return PrefillCalibration(fit, False, reason)
 
 
-def calibrate_copy(
-    copy_blocks: Callable[[int], float],
-    block_bytes: int,
-    name: str,
-    *,
-    num_blocks: int = 32,
-    repeats: int = 3,
-) -> TierCost:
-    """Fit one hop from ``copy_blocks(n)`` (moves ``n`` blocks, returns seconds; the fastest of
-    ``repeats`` counts) at ``n = 1`` and ``n = num_blocks``: ``B = (N-1)*b / (t_N - t_1)``,
-    ``L = t_1 - b/B`` clamped at 0. When noise makes ``t_N <= t_1`` the bandwidth is taken as
-    ``N*b / t_N``. Raises ValueError for ``num_blocks < 2`` or a non-positive time."""
-    if num_blocks < 2 or block_bytes <= 0:
-        raise ValueError(
-            f"need num_blocks >= 2 and block_bytes > 0, got {num_blocks}, {block_bytes}"
-        )
-    copy_blocks(1)  # warm-up
-    t1 = min(copy_blocks(1) for _ in range(repeats))
-    tn = min(copy_blocks(num_blocks) for _ in range(repeats))
-    if not (t1 > 0 and tn > 0):
-        raise ValueError(f"{name}: copy times must be > 0, got {t1}, {tn}")
-    if tn > t1:
-        bandwidth = (num_blocks - 1) * block_bytes / (tn - t1)
-    else:
-        bandwidth = num_blocks * block_bytes / tn
-    return TierCost(name, max(t1 - block_bytes / bandwidth, 0.0), bandwidth)
-
-
-def calibrate_tier(
-    tier: Tier, block_bytes: int, num_blocks: int = 32, *, repeats: int = 3
-) -> TierCost:
-    """Time ``get_many`` of real blocks through ``tier`` (see ``calibrate_copy``). Writes
-    ``num_blocks`` random blocks under a private prefix first and deletes them in any case.
-    Raises TierError when the tier fails, ValueError when it did not keep the blocks."""
-    prefix = f"kvtier-calibration-{uuid.uuid4().hex}/"
-    keys = [f"{prefix}{i:08x}" for i in range(num_blocks)]
-    payload = os.urandom(block_bytes)
-    try:
-        tier.put_many([(k, payload) for k in keys])
-        if tier.lookup(keys) != num_blocks:
-            raise ValueError(
-                f"tier {tier.name!r} kept fewer than {num_blocks} blocks of "
-                f"{block_bytes} bytes; give it more capacity or fewer blocks"
-            )
-
-        def read(n: int) -> float:
-            t0 = time.perf_counter()
-            values = tier.get_many(keys[:n])
-            for v in values:
-                if v is None or len(v) != block_bytes:
-                    raise ValueError(f"tier {tier.name!r} lost a calibration block")
-                if isinstance(v, memoryview):  # a zero-copy view is read only when copied out
-                    bytes(v)
-            return time.perf_counter() - t0
-
-        return calibrate_copy(read, block_bytes, tier.name, num_blocks=num_blocks, repeats=repeats)
-    finally:
-        tier.delete_many(keys)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferSample:
-    """``num_blocks`` blocks moved in ``seconds`` (the fastest of a size's repeats)."""
-
-    num_blocks: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class TransferFit:
-    """A fitted transfer path and the samples it was fitted to."""
-
-    cost: TierCost
-    samples: tuple[TransferSample, ...]
-
-    def predict(self, num_blocks: int, block_bytes: int) -> float:
-        """Seconds the fit gives for ``num_blocks`` blocks of ``block_bytes``."""
-        return self.cost.latency_s + num_blocks * block_bytes / self.cost.bandwidth_bytes_per_s
-
-
-def fit_transfer(samples: Sequence[TransferSample], block_bytes: int, name: str) -> TierCost:
-    """Least squares of ``t = L + n * block_bytes / B`` with ``L >= 0``, ``B > 0``: a free fit;
-    a negative intercept refits through the origin; a slope <= 0 (noise, or a fixed cost that
-    dwarfs the bytes) takes ``B`` from the largest size alone and ``L`` from the smallest, as
-    ``calibrate_copy`` does. Pure. Raises ValueError with fewer than 2 distinct sizes, a size
-    < 1, a time <= 0 or ``block_bytes <= 0``."""
-    if block_bytes <= 0 or len({s.num_blocks for s in samples}) < 2:
-        raise ValueError(
-            f"need block_bytes > 0 and >= 2 distinct sizes, got {block_bytes}, "
-            f"{[s.num_blocks for s in samples]}"
-        )
-    if any(s.num_blocks < 1 or not s.seconds > 0 for s in samples):
-        raise ValueError(f"{name}: sizes must be >= 1 and times > 0, got {list(samples)}")
-    ns = [float(s.num_blocks) for s in samples]
-    ts = [s.seconds for s in samples]
-    n_mean, t_mean = sum(ns) / len(ns), sum(ts) / len(ts)
-    slope = sum((n - n_mean) * (t - t_mean) for n, t in zip(ns, ts, strict=True)) / sum(
-        (n - n_mean) ** 2 for n in ns
-    )  # seconds per block
-    latency = t_mean - slope * n_mean
-    if slope > 0 and latency < 0:
-        slope, latency = (
-            sum(n * t for n, t in zip(ns, ts, strict=True)) / sum(n * n for n in ns),
-            0.0,
-        )
-    if not slope > 0:
-        big = max(samples, key=lambda s: s.num_blocks)
-        small = min(samples, key=lambda s: s.num_blocks)
-        slope = big.seconds / big.num_blocks
-        latency = max(small.seconds - small.num_blocks * slope, 0.0)
-    return TierCost(name, latency, block_bytes / slope)
-
-
-def calibrate_transfer(
-    load_blocks: Callable[[int], float],
-    block_bytes: int,
-    name: str,
-    *,
-    sizes: Sequence[int] = (16, 128),
-    repeats: int = 2,
-) -> TransferFit:
-    """Fit one whole transfer path from ``load_blocks(n)`` (moves ``n`` blocks the way the
-    caller's real loads do and returns the seconds; each call must start from the same state,
-    e.g. cold: that reset is the callback's job and is not timed). One warm-up call at the
-    smallest size, then the fastest of ``repeats`` per size; ``fit_transfer`` over them.
-    Raises ValueError for ``repeats < 1`` or what ``fit_transfer`` refuses."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    load_blocks(min(sizes))  # warm-up: first-call allocations, imports, page mappings
-    samples = tuple(
-        TransferSample(n, min(float(load_blocks(n)) for _ in range(repeats)))
-        for n in sorted(set(sizes))
-    )
-    return TransferFit(fit_transfer(samples, block_bytes, name), samples)
-
-
 def calibrate(
     tiers: Sequence[Tier],
     block_bytes: int,
@@ -336,48 +206,17 @@ def calibrate(
             untrusted,
         )
         tiers = [t for t in tiers if t.name != "host"]
-    with _progress(len(tiers), "calibrate tiers", progress) as bar:
-        for tier in tiers:
-            try:
-                _checked(
-                    partial(calibrate_tier, tier, tier_block_bytes or block_bytes, num_blocks),
-                    tier.name,
-                    costs,
-                    untrusted,
-                )
-            except Exception as exc:  # a failing tier must not stop the engine from starting
-                if tier.name not in costs:
-                    raise ValueError(
-                        f"tier {tier.name!r}: calibration failed ({exc}) and no prior is given"
-                    ) from exc
-            bar.update(1)
+    moved_bytes = tier_block_bytes or block_bytes
+    _measure_tiers(tiers, moved_bytes, num_blocks, progress, costs, untrusted)
     for name, timer in (transfer_timers or {}).items():
-        try:
-            _checked(
-                partial(
-                    _transfer_cost, timer, tier_block_bytes or block_bytes, name, transfer_sizes
-                ),
-                name,
-                costs,
-                untrusted,
-            )
-        except Exception as exc:  # as for a tier: a prior, if any, stands in
-            if name not in costs:
-                raise ValueError(
-                    f"transfer {name!r}: calibration failed ({exc}) and no prior is given"
-                ) from exc
-    if run_prefill is not None:
-        checked = calibrate_prefill_checked(
-            run_prefill,
-            prefill_sizes,
-            fallback=priors.prefill if priors else None,
-            progress=progress,
+        _checked_or_prior(
+            partial(_transfer_cost, timer, moved_bytes, name, transfer_sizes),
+            f"transfer {name!r}",
+            name,
+            costs,
+            untrusted,
         )
-        prefill, trusted = checked.cost, checked.trusted
-    elif priors is not None:
-        prefill, trusted = priors.prefill, True
-    else:
-        raise ValueError("calibrate needs run_prefill or priors for the prefill model")
+    prefill, trusted = _prefill_model(run_prefill, priors, prefill_sizes, progress)
     return OnlineCostModel(
         costs,
         prefill,
@@ -387,6 +226,64 @@ def calibrate(
         prefill_trusted=trusted,
         untrusted_tiers=untrusted,
     )
+
+
+def _measure_tiers(
+    tiers: Sequence[Tier],
+    block_bytes: int,
+    num_blocks: int,
+    progress: bool,
+    costs: dict[str, TierCost],
+    untrusted: set[str],
+) -> None:
+    """``calibrate_tier`` of each tier into ``costs`` (``_checked_or_prior``)."""
+    with _progress(len(tiers), "calibrate tiers", progress) as bar:
+        for tier in tiers:
+            _checked_or_prior(
+                partial(calibrate_tier, tier, block_bytes, num_blocks),
+                f"tier {tier.name!r}",
+                tier.name,
+                costs,
+                untrusted,
+            )
+            bar.update(1)
+
+
+def _prefill_model(
+    run_prefill: Callable[[int, int], float] | None,
+    priors: CostPriors | None,
+    sizes: Sequence[tuple[int, int]],
+    progress: bool,
+) -> tuple[PrefillCost, bool]:
+    """The prefill model ``calibrate`` starts from and whether it is trusted: measured when
+    ``run_prefill`` is given (``calibrate_prefill_checked``), else the prior."""
+    if run_prefill is not None:
+        checked = calibrate_prefill_checked(
+            run_prefill,
+            sizes,
+            fallback=priors.prefill if priors else None,
+            progress=progress,
+        )
+        return checked.cost, checked.trusted
+    if priors is not None:
+        return priors.prefill, True
+    raise ValueError("calibrate needs run_prefill or priors for the prefill model")
+
+
+def _checked_or_prior(
+    measure: Callable[[], TierCost],
+    what: str,
+    name: str,
+    costs: dict[str, TierCost],
+    untrusted: set[str],
+) -> None:
+    """``_checked``; a measurement that fails keeps the prior, and without one raises
+    ValueError naming ``what``: a failing tier must not stop the engine from starting."""
+    try:
+        _checked(measure, name, costs, untrusted)
+    except Exception as exc:
+        if name not in costs:
+            raise ValueError(f"{what}: calibration failed ({exc}) and no prior is given") from exc
 
 
 def _transfer_cost(

@@ -300,13 +300,8 @@ def choose_split(
     loading everything was a few percent (docs/offload.md).
     """
     num_cached = len(hops_per_block)
-    if block_tokens <= 0 or computed_tokens < 0:
-        raise ValueError(f"bad block_tokens={block_tokens} or computed_tokens={computed_tokens}")
-    if computed_tokens + num_cached * block_tokens > prompt_tokens:
-        raise ValueError(
-            f"{num_cached} cached blocks of {block_tokens} after {computed_tokens} tokens exceed "
-            f"the prompt ({prompt_tokens} tokens)"
-        )
+    _check_prompt(num_cached, block_tokens, prompt_tokens, computed_tokens)
+    _check_overlap(pipelined_blocks, num_layers, overlap_margin)
     c0 = computed_tokens
 
     def rest(k: int) -> float:
@@ -315,8 +310,6 @@ def choose_split(
 
     head_load = _run_load_times(hops_per_block, block_bytes, reverse=False)
     tail_load = _run_load_times(hops_per_block, block_bytes, reverse=True)
-    if num_layers < 1 or pipelined_blocks < 0:
-        raise ValueError(f"bad num_layers={num_layers} or pipelined_blocks={pipelined_blocks}")
 
     def load_then_rest(k: int) -> float:
         load, compute = head_load[k], rest(k)
@@ -326,19 +319,46 @@ def choose_split(
 
     # Times first, Options only for the few that are returned: K is 1024 for a 16K prompt and
     # this runs on the scheduler's path (2K dataclasses and rank calls cost ~2 ms there).
-    # Ties go to fewer loaded blocks: (time, blocks) pairs order exactly that way.
     prefix_t = [load_then_rest(k) for k in range(num_cached + 1)]
     tail_rest = rest(num_cached)
     overlap_t = [
         max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest
         for m in range(1, num_cached)
     ]
+    return _cheapest(prefix_t, overlap_t, overlap_margin)
+
+
+def _check_prompt(
+    num_cached: int, block_tokens: int, prompt_tokens: int, computed_tokens: int
+) -> None:
+    """The cached blocks fit in the prompt after the computed tokens, or ValueError."""
+    if block_tokens <= 0 or computed_tokens < 0:
+        raise ValueError(f"bad block_tokens={block_tokens} or computed_tokens={computed_tokens}")
+    if computed_tokens + num_cached * block_tokens > prompt_tokens:
+        raise ValueError(
+            f"{num_cached} cached blocks of {block_tokens} after {computed_tokens} tokens exceed "
+            f"the prompt ({prompt_tokens} tokens)"
+        )
+
+
+def _check_overlap(pipelined_blocks: int, num_layers: int, overlap_margin: float) -> None:
+    """``choose_split``'s pipelining and overlap arguments are in range, or ValueError."""
+    if num_layers < 1 or pipelined_blocks < 0:
+        raise ValueError(f"bad num_layers={num_layers} or pipelined_blocks={pipelined_blocks}")
+    if not 0.0 <= overlap_margin < 1.0:
+        raise ValueError(f"overlap_margin must be in [0, 1), got {overlap_margin}")
+
+
+def _cheapest(prefix_t: list[float], overlap_t: list[float], overlap_margin: float) -> Decision:
+    """The cheapest of the priced options: ``prefix_t[k]`` loads ``[0, k)`` then computes the
+    rest (k = 0..K), ``overlap_t[m - 1]`` computes ``[0, m)`` while ``[m, K)`` loads. Ties go
+    to fewer loaded blocks: (time, blocks) pairs order exactly that way. The alternatives:
+    recompute, load all, the best prefix and the best overlap, less the chosen one."""
+    num_cached = len(prefix_t) - 1
 
     def prefix_option(k: int) -> Option:
         return Option(Strategy.RECOMPUTE if k == 0 else Strategy.LOAD_PREFIX, 0, k, prefix_t[k])
 
-    if not 0.0 <= overlap_margin < 1.0:
-        raise ValueError(f"overlap_margin must be in [0, 1), got {overlap_margin}")
     best_prefix = prefix_option(min(zip(prefix_t, range(num_cached + 1), strict=True))[1])
     best = best_prefix
     families = [prefix_option(0), prefix_option(num_cached), best_prefix]

@@ -65,6 +65,7 @@ __all__ = ["CacheServer", "RequestRecord", "ServerConfig", "is_loopback"]
 # The loop spins (``spin_us``) for the next request only after passes that moved at most this
 # many payload bytes (see ``_loop``).
 SPIN_MAX_BYTES = 256 << 10
+_SHUTTING_DOWN = pack(error_header(-1, ErrorCode.SHUTTING_DOWN, "daemon is shutting down"))
 
 
 class CacheServer:
@@ -94,43 +95,8 @@ class CacheServer:
         store.scope_block_keys(1)
         self._segments = shm.AttachedSegments(config.max_shm_attached, config.max_shm_segment_bytes)
         shm_on = config.shm_enabled and shm.available()
-        bell_on = shm_on and config.doorbell
-        one_namespace = tokens is None or tokens.one_open_namespace()
-        self._leases = (
-            LeaseOffer.build(
-                store, one_namespace, config.max_leased_bytes, config.max_leased_conn_bytes
-            )
-            if bell_on and config.leases and config.inline_reads
-            else None
-        )
         self._tokens = tokens
-        self._bell = (
-            Doorbell(
-                config.limits,
-                config.max_doorbell_conns,
-                config.doorbell_dir,
-                config.inline_reads,
-                config.spin_us * 1e-6,
-                self._leases,
-                attach_timeout_s=config.attach_timeout_s,
-            )
-            if bell_on
-            else None
-        )
-        stream_host = config.stream_host() if config.stream else None
-        self._stream = (
-            Doorbell(
-                config.limits,
-                config.max_doorbell_conns,
-                None,
-                config.inline_reads,
-                config.spin_us * 1e-6,
-                tcp=(stream_host, config.stream_port),
-                attach_timeout_s=config.attach_timeout_s,
-            )
-            if stream_host is not None
-            else None
-        )
+        self._open_listeners(shm_on, tokens is None or tokens.one_open_namespace())
         self.zap: ZapHandler | None = None  # while serving: the ZMQ handshake's token check
         self._handler = OpHandler(
             store=store,
@@ -151,6 +117,26 @@ class CacheServer:
         self.inflight = 0
         # Once serve_forever returned: None after a clean drain, else why it was not.
         self.drain_problem: str | None = None
+
+    def _open_listeners(self, shm_on: bool, one_namespace: bool) -> None:
+        """The same-host doorbell (with shared memory), its leases (a slab of one namespace)
+        and the TCP stream, as ``config`` turns them on; each None when off."""
+        config = self.config
+        bell_on = shm_on and config.doorbell
+        self._leases = (
+            LeaseOffer.build(
+                self.store, one_namespace, config.max_leased_bytes, config.max_leased_conn_bytes
+            )
+            if bell_on and config.leases and config.inline_reads
+            else None
+        )
+        self._bell = _listener(config, config.doorbell_dir, self._leases) if bell_on else None
+        stream_host = config.stream_host() if config.stream else None
+        self._stream = (
+            _listener(config, None, None, tcp=(stream_host, config.stream_port))
+            if stream_host is not None
+            else None
+        )
 
     @property
     def handler(self) -> OpHandler:
@@ -293,14 +279,7 @@ class CacheServer:
         while True:
             if self._stop.is_set() and drain_deadline is None:
                 drain_deadline = time.monotonic() + self.config.drain_timeout_s
-            if drain_deadline is not None and (
-                self.inflight == 0 or time.monotonic() > drain_deadline
-            ):
-                if self.inflight:  # the pool still finishes them; their clients may be gone
-                    self.drain_problem = (
-                        f"{self.inflight} requests still in flight after "
-                        f"drain_timeout_s ({self.config.drain_timeout_s} s)"
-                    )
+            if drain_deadline is not None and self._drained(drain_deadline):
                 return
             if time.perf_counter() < busy_until:
                 events = dict(poller.poll(0))
@@ -317,47 +296,62 @@ class CacheServer:
                     pass
                 moved += self._flush(router, replies)
             if router in events:
-                for _ in range(64):  # bounded batch so replies keep flowing under load
-                    try:
-                        frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    identity = frames[0].bytes
-                    moved += sum(len(f) for f in frames[2:])
-                    if drain_deadline is not None:
-                        router.send_multipart(
-                            [
-                                identity,
-                                pack(
-                                    error_header(
-                                        -1, ErrorCode.SHUTTING_DOWN, "daemon is shutting down"
-                                    )
-                                ),
-                            ]
-                        )
-                        continue
-                    parsed = self._handler.parse(frames[1:])
-                    if isinstance(parsed, Reply):  # refused: no store work to hand off
-                        _send(router, identity, parsed, copy=False)
-                        continue
-
-                    def send(reply: Reply, ident: bytes = identity) -> None:
-                        nonlocal moved
-                        moved += _send(router, ident, reply, copy=False)
-
-                    # Host blocks leave zero copy, lent (pinned) until ZMQ has sent them.
-                    if self.config.inline_reads and self._handler.serve_inline(
-                        parsed, send, lend=True
-                    ):
-                        continue
-                    self.inflight += 1
-                    fut = pool.submit(self._handler.run, parsed)
-                    fut.add_done_callback(partial(finish, identity))
+                moved += self._receive(router, pool, drain_deadline is not None, finish)
             if events:
                 # Spin for the next request only after small messages: one that follows a
                 # large transfer is at least that transfer away, and the spin would take the
                 # CPU from the ZMQ I/O thread still moving the bytes (2 shared cores).
                 busy_until = time.perf_counter() + spin_s if moved <= SPIN_MAX_BYTES else 0.0
+
+    def _drained(self, drain_deadline: float) -> bool:
+        """Whether a drain is over: nothing in flight, or past ``drain_deadline`` (then the
+        requests left are ``drain_problem``; the pool still finishes them)."""
+        if self.inflight and time.monotonic() <= drain_deadline:
+            return False
+        if self.inflight:  # their clients may be gone
+            self.drain_problem = (
+                f"{self.inflight} requests still in flight after "
+                f"drain_timeout_s ({self.config.drain_timeout_s} s)"
+            )
+        return True
+
+    def _receive(
+        self,
+        router: zmq.Socket[bytes],
+        pool: ThreadPoolExecutor,
+        draining: bool,
+        finish: Callable[[bytes, Any], None],
+    ) -> int:
+        """Take up to 64 requests off ``router`` (a bounded batch, so replies keep flowing
+        under load): each refused while ``draining``, answered inline when it can be, else
+        handed to ``pool`` (``finish`` queues its reply). Returns the payload bytes moved."""
+        moved = 0
+        for _ in range(64):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            identity = frames[0].bytes
+            moved += sum(len(f) for f in frames[2:])
+            if draining:
+                router.send_multipart([identity, _SHUTTING_DOWN])
+                continue
+            parsed = self._handler.parse(frames[1:])
+            if isinstance(parsed, Reply):  # refused: no store work to hand off
+                _send(router, identity, parsed, copy=False)
+                continue
+
+            def send(reply: Reply, ident: bytes = identity) -> None:
+                nonlocal moved
+                moved += _send(router, ident, reply, copy=False)
+
+            # Host blocks leave zero copy, lent (pinned) until ZMQ has sent them.
+            if self.config.inline_reads and self._handler.serve_inline(parsed, send, lend=True):
+                continue
+            self.inflight += 1
+            fut = pool.submit(self._handler.run, parsed)
+            fut.add_done_callback(partial(finish, identity))
+        return moved
 
     def _flush(
         self, router: zmq.Socket[bytes], replies: queue.SimpleQueue[tuple[bytes, Reply]]
@@ -371,6 +365,26 @@ class CacheServer:
                 return moved
             self.inflight -= 1
             moved += _send(router, identity, reply, copy=False)
+
+
+def _listener(
+    config: ServerConfig,
+    path_dir: str | None,
+    leases: LeaseOffer | None,
+    tcp: tuple[str, int] | None = None,
+) -> Doorbell:
+    """A framed-connection listener of ``config``'s limits: the doorbell (a Unix socket in
+    ``path_dir``) or, with ``tcp``, the stream."""
+    return Doorbell(
+        config.limits,
+        config.max_doorbell_conns,
+        path_dir,
+        config.inline_reads,
+        config.spin_us * 1e-6,
+        leases,
+        tcp=tcp,
+        attach_timeout_s=config.attach_timeout_s,
+    )
 
 
 def _send(router: zmq.Socket[bytes], identity: bytes, reply: Reply, copy: bool) -> int:

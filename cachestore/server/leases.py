@@ -29,6 +29,7 @@ from typing import Any
 
 from cachestore.server.reads import HostReads
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import LoadSpec
 from tiers.host import HostTier
 from tiers.remote.protocol import Request
 
@@ -57,15 +58,15 @@ class LeaseBudget:
 
 
 class ConnLeases:
-    """One doorbell connection's leases: the host keys pinned for its client, released
-    together. Not thread-safe: used by its connection's thread only. Never raises for a store
+    """One doorbell connection's leases: the prepared loads (``LoadSpec``) pinning host
+    blocks for its client, completed together. Not thread-safe: used by its connection's thread only. Never raises for a store
     failure (a grant that fails is a copy-path get)."""
 
     def __init__(self, store: HierarchicalStore, budget: LeaseBudget, max_conn_bytes: int) -> None:
         self._store = store
         self._budget = budget
         self._max_conn_bytes = max_conn_bytes
-        self._keys: list[str] = []
+        self._specs: list[LoadSpec] = []
         self.held_bytes = 0
 
     def grant(self, reads: HostReads, req: Request) -> dict[str, Any] | None:
@@ -82,25 +83,28 @@ class ConnLeases:
         ):
             return None
         located = reads.locate(req.tenant, keys, req.ikeys)
-        if located is None or located[1] * len(keys) != nbytes:  # the hint moved meanwhile
+        if located is None or located.block_bytes * len(keys) != nbytes:  # the hint moved
             if located is not None:
-                self._store.unpin_host(req.ikeys)
+                self._store.complete_load(located.spec)
             self._budget.give(nbytes)
             return None
-        offsets, size = located
-        self._keys.extend(req.ikeys)
+        self._specs.append(located.spec)
         self.held_bytes += nbytes
         req.rec.update(num_hits=len(keys), bytes_out=nbytes, path="shm")
-        return {"sizes": [size] * len(keys), "slab_offsets": offsets}
+        return {
+            "sizes": [located.block_bytes] * len(keys),
+            "slab_offsets": list(located.spec.host_offsets),
+        }
 
     def release(self) -> None:
         """Give back every lease of this connection (unpin, budget). Idempotent."""
-        if not self._keys:
+        if not self._specs:
             return
-        keys, self._keys = self._keys, []
+        specs, self._specs = self._specs, []
         nbytes, self.held_bytes = self.held_bytes, 0
         try:
-            self._store.unpin_host(keys)
+            for spec in specs:
+                self._store.complete_load(spec)
         finally:
             self._budget.give(nbytes)
 

@@ -161,6 +161,31 @@ class PutClaims:
                     self._keys.discard(k)
 
 
+def check_payloads(
+    reads: HostReads | None, header: dict[str, Any], tenant: str, views: list[memoryview]
+) -> list[Hint]:
+    """``check_payload`` of every payload of a put, against its namespace's hint; the header
+    templates and sizes of the blocks it had to decode (to remember once stored). Raises
+    ``ProtocolError`` at the first bad payload."""
+    metas = []
+    for i, (view, size, digest, key) in enumerate(
+        zip(views, header["sizes"], header["checksums"], header["keys"], strict=True)
+    ):
+        prefix = key.split("/", 1)[0]
+        block = check_payload(
+            i,
+            view,
+            size,
+            digest,
+            prefix,
+            reads.hint(tenant, prefix) if reads is not None else None,
+            key,
+        )
+        if block is not None:
+            metas.append((HeaderTemplate.of_block(block.meta, block.key_digest), size))
+    return metas
+
+
 def store_put(
     store: HierarchicalStore,
     usage: NamespaceUsage,
@@ -179,22 +204,7 @@ def store_put(
     ``PUT_RACED`` when every key raced, ``INTERNAL`` when the store wrote nothing: the client
     must not believe the blocks are kept."""
     sizes: list[int] = header["sizes"]
-    metas = []
-    for i, (view, size, digest, key) in enumerate(
-        zip(views, sizes, header["checksums"], header["keys"], strict=True)
-    ):
-        prefix = key.split("/", 1)[0]
-        block = check_payload(
-            i,
-            view,
-            size,
-            digest,
-            prefix,
-            reads.hint(tenant, prefix) if reads is not None else None,
-            key,
-        )
-        if block is not None:
-            metas.append((HeaderTemplate.of_block(block.meta, block.key_digest), size))
+    metas = check_payloads(reads, header, tenant, views)
     mine = claims.claim(ikeys)
     try:
         repeats = len(ikeys) - len(set(ikeys))

@@ -4,14 +4,15 @@
 holds on the daemon's loop thread, with no worker-pool hand-off and no second xxh3 pass over
 blocks this daemon already verified (put payloads are checksummed and decoded before they are
 stored; lower-tier blocks are checksummed before they are promoted). What is still checked per
-block is its stored codec header and size (``HierarchicalStore.locate_host``), as the engine's
-host fast path does (docs/offload_design.md); the header of a keyed block (codec version 2)
+block is its stored codec header and size (``HierarchicalStore.prepare_load`` with a host check),
+as the engine's host fast path does (docs/offload_design.md); the header of a keyed block (codec version 2)
 names its key, so a block lying under another key is a miss there.
 
 Over ZMQ frames the blocks are lent rather than copied (``HostReads.lend``): the reply frames
 are the pinned slab views themselves, sent zero copy, and each block's pin is released when
-ZMQ lets go of its frame (a ``weakref.finalize`` on the view, run by pyzmq's garbage thread
-once the bytes are on the wire). That saves a 2 MiB memcpy on the loop thread per block.
+ZMQ lets go of its frame (its pin handed to a spec of its own, ``split_load``, completed by a
+``weakref.finalize`` on the view, run by pyzmq's garbage thread once the bytes are on the
+wire). Every pin taken here is a prepared load's, released by ``complete_load`` only. That saves a 2 MiB memcpy on the loop thread per block.
 """
 
 from __future__ import annotations
@@ -19,13 +20,32 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cachestore.codec import HeaderTemplate, decode_block
 from cachestore.store.hierarchical import HierarchicalStore
+from cachestore.store.loads import HostCheck, LoadSpec
 from tiers.base import Tier, Value
 from tiers.remote import shm
 from tiers.remote.protocol import ErrorCode, ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class HostRun:
+    """Every key of a get located in the host slab: ``spec`` holds the pins (its
+    ``host_offsets``: one per key), ``block_bytes`` each block's encoded size."""
+
+    spec: LoadSpec
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedViews:
+    """Every key's host block as a slab view, pinned by ``spec`` (``complete_load``)."""
+
+    views: list[Value]
+    spec: LoadSpec
 
 
 class HostReads:
@@ -33,8 +53,9 @@ class HostReads:
 
     Remembers, per (tenant, key prefix), the codec header template (``HeaderTemplate``: the
     header for each key) and size of the blocks last seen (puts, pool-path gets): one
-    namespace is one model, layout and block size, so its blocks share them. ``pinned_views`` checks each block's stored header and size against that
-    (``HierarchicalStore.locate_host``, which also pins the hits and counts them as host
+    namespace is one model, layout and block size, so its blocks share them. ``locate`` and
+    ``pinned_views`` check each block's stored header and size against that
+    (``HierarchicalStore.prepare_load``, which also pins the hits and counts them as host
     reads) -- never the xxh3 checksum, which this daemon verified when the block came in.
     Thread-safe (dict operations are atomic; the tier locks itself); never raises.
     """
@@ -93,12 +114,10 @@ class HostReads:
         except Exception:
             return 0
 
-    def locate(
-        self, tenant: str, keys: list[str], ikeys: list[str]
-    ) -> tuple[list[int], int] | None:
-        """Slab offsets of every key's host block, each pinned (balance with
-        ``store.unpin_host``), and the blocks' size; or None (nothing pinned) unless all of
-        them are there with the expected header (for a keyed block: naming that very key)."""
+    def locate(self, tenant: str, keys: list[str], ikeys: list[str]) -> HostRun | None:
+        """Every key's host block located in the slab, pinned (balance with
+        ``store.complete_load(run.spec)``); or None (nothing pinned) unless all of them are
+        there with the expected header (for a keyed block: naming that very key)."""
         prefix = keys[0].split("/", 1)[0]
         hint = self._hints.get((tenant, prefix))
         if hint is None or not all(k.startswith(prefix) and k[len(prefix)] == "/" for k in keys):
@@ -107,37 +126,45 @@ class HostReads:
         if self.lookup(ikeys) < len(ikeys):
             return None
         template, nbytes = hint
-        offsets = self._store.locate_host(ikeys, [template.for_key(k) for k in keys], nbytes)
-        hits = [k for k, o in zip(ikeys, offsets, strict=True) if o is not None]
-        if len(hits) < len(ikeys):
-            self._store.unpin_host(hits)
+        cut = len(tenant) + 1  # an internal key is ``tenant/`` + the client's key
+        check = HostCheck(lambda ikey: template.for_key(ikey[cut:]), nbytes)
+        spec = self._store.prepare_load(ikeys, check, claim=False)
+        if len(spec.host_offsets) < len(ikeys):
+            self._store.complete_load(spec)
             return None
-        return offsets, nbytes  # type: ignore[return-value]
+        return HostRun(spec, nbytes)
 
-    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]) -> list[Value] | None:
-        """Views of every key's host block, each pinned (balance with ``store.unpin_host``),
-        or None (nothing pinned) unless all of them are there with the expected header."""
+    def pinned_views(self, tenant: str, keys: list[str], ikeys: list[str]) -> PinnedViews | None:
+        """Views of every key's host block, pinned (balance with ``store.complete_load`` of
+        the result's spec), or None (nothing pinned) unless all of them are there with the
+        expected header."""
         located = self.locate(tenant, keys, ikeys)
         if located is None:
             return None
-        nbytes = located[1]
         try:
             views = self._slab.get_many(ikeys)
         except Exception:
             views = []
-        if len(views) != len(ikeys) or any(v is None or len(v) != nbytes for v in views):
-            self._store.unpin_host(ikeys)  # cannot happen to pinned entries; belt and braces
+        if len(views) != len(ikeys) or any(
+            v is None or len(v) != located.block_bytes for v in views
+        ):
+            self._store.complete_load(located.spec)  # cannot happen to pinned entries
             return None
-        return views  # type: ignore[return-value]
+        return PinnedViews(views, located.spec)  # type: ignore[arg-type]
 
     def lend(
-        self, ikeys: Sequence[str], views: Sequence[Value], payloads: Sequence[Value]
+        self,
+        spec: LoadSpec,
+        ikeys: Sequence[str],
+        views: Sequence[Value],
+        payloads: Sequence[Value],
     ) -> list[bool]:
-        """Hand the pins of ``views`` (pinned by ``pinned_views``, in ``ikeys`` order) that
-        are also reply ``payloads`` (by identity) over to the views themselves: each one's key
-        is unpinned when the last reference to its view goes (the caller sends it zero copy
-        and drops it). Returns, per key, whether it was lent (the caller unpins the others).
-        Thread-safe; the release may run on any thread."""
+        """Hand the pins of ``views`` (pinned by ``spec``, in ``ikeys`` order) that are also
+        reply ``payloads`` (by identity) over to the views themselves: each one's pin moves to
+        a spec of its own (``split_load``), completed when the last reference to its view goes
+        (the caller sends it zero copy and drops it). Returns, per key, whether it was lent;
+        ``spec`` keeps the others' pins (the caller completes it). Thread-safe; the release
+        may run on any thread."""
         frames = {id(p) for p in payloads}
         out = []
         for ikey, view in zip(ikeys, views, strict=True):
@@ -150,13 +177,13 @@ class HostReads:
                         self.lent_bytes += size
                         self.num_lent += 1
             if lent:
-                weakref.finalize(view, self._give_back, ikey, size)
+                weakref.finalize(view, self._give_back, self._store.split_load(spec, [ikey]), size)
             out.append(lent)
         return out
 
-    def _give_back(self, ikey: str, size: int) -> None:
+    def _give_back(self, spec: LoadSpec, size: int) -> None:
         try:
-            self._store.unpin_host([ikey])
+            self._store.complete_load(spec)
         finally:
             with self._lent_lock:
                 self.lent_bytes -= size

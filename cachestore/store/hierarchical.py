@@ -23,12 +23,10 @@
   tier below, or at their N-th hit for a selective one; write-back tiers get them on eviction.
   ``shutdown_writes`` drains those queues (bounded) and flushes host-only blocks down to the
   first tier below the top: a graceful shutdown keeps what the host tier held.
-- Host fast path (``*_host``, when the top tier is a ``SlabTier``): in-place reads and writes
-  of the host slab for the offload connector (``cachestore.store.host``).
-- Loads (``prepare_load`` -> ``LoadSpec``, ``stage_load``, ``complete_load``: the one owner of a
-  load's pins, ``cachestore.store.loads``) and in-flight stores (``prepare_store``/
-  ``complete_store``): ``cachestore.store.pins``. ``put_many`` skips a key another ``put_many`` is
-  writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
+- Pins (``cachestore.store.host_loads``): the host fast path (``*_host``), prepared loads
+  (``prepare_load`` -> ``LoadSpec`` ... ``complete_load``, the one owner of a load's pins) and
+  in-flight stores (``prepare_store``/``complete_store``). ``put_many`` skips a key another
+  ``put_many`` is writing; a concurrent ``get_many`` of a key being stored MISSES; it never waits.
 - Failures: a TierError (or any exception) from a tier is a miss or a skipped write plus an
   ``errors`` count, never an exception to the caller (``cachestore.store.guarded_tiers``); a
   CodecError is a miss plus ``corrupt``, and the bad value is deleted; a keyed block read
@@ -51,12 +49,13 @@ from typing import Any
 from cachestore.store.demotion import TierMovers
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
-from cachestore.store.loads import HostCheck, LoadLeases, LoadSpec, StagedRun
+from cachestore.store.host_loads import HostLoads
+from cachestore.store.loads import LoadLeases
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
 from cachestore.store.reads import StoreReads, lookup_chain
-from cachestore.store.types import LookupResult, SlabTier, StoreConfig, TierLookup, WritePolicy
+from cachestore.store.types import LookupResult, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.write_through import DrainReport, WriteThrough
 from cachestore.store.writes import TierWrites, flush_on_shutdown
 from tiers.base import Tier, TierUsage, Value
@@ -64,7 +63,7 @@ from tiers.base import Tier, TierUsage, Value
 __all__ = ["HierarchicalStore", "LookupResult", "StoreConfig", "TierLookup"]  # old import paths
 
 
-class HierarchicalStore:
+class HierarchicalStore(HostLoads):
     def __init__(
         self,
         tiers: Sequence[Tier],
@@ -87,38 +86,8 @@ class HierarchicalStore:
         self._stats = self._tiers.stats
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
-        self._writes = TierWrites(self._tiers, lambda i, evicted: self._movers.demote(i, evicted))
-        self._write = self._writes.write
-        self._movers = TierMovers(
-            self._stats, self._tiers.health, config.queue_batches, self._writes.write_back, on_drop
-        )
-        policies = list(config.write_policies[: len(tiers)])
-        policies += [WritePolicy()] * (len(tiers) - len(policies))
-        self._through = WriteThrough(
-            self._tiers,
-            policies,
-            self._write,
-            read_lower=lambda keys: self._read(
-                keys, decoded=False, promote_hits=False, first_tier=1, count_hits=False
-            ),
-        )
-        self._host = HostFastPath(
-            self._tiers,
-            read_lower=lambda keys: self._read(
-                keys, decoded=False, promote_hits=False, first_tier=1, owned=True
-            ),
-            write_top=lambda items: self._write(0, items),
-            demote=lambda evicted: self._movers.demote(0, evicted),
-        )
-        self._loads = LoadLeases(
-            self._pins,
-            self._host.unpin,
-            self.locate_host_run,
-            stage=lambda keys: self.stage_host(keys),
-        )
-        self._reads = StoreReads(
-            self._tiers, self._host, lambda: self.config, self._movers.promote, self._through.hit
-        )
+        self._start_writers(on_drop)
+        self._start_readers()
         self._collector = None
         if registry is not None:
             self._collector = register_prometheus(registry, self._tier_rows)
@@ -130,6 +99,51 @@ class HierarchicalStore:
         self._closed = False
         # What ``shutdown_writes`` did, once it ran: the engine core's exit code reports it.
         self.drain_report: DrainReport | None = None
+
+    def _start_writers(self, on_drop: Callable[[list[str]], None] | None) -> None:
+        """The write side: one tier's write, the movers (promotions up, evictions one tier
+        down, ``on_drop`` below the last) and the write-through lanes of each tier's policy."""
+        self._writes = TierWrites(self._tiers, lambda i, evicted: self._movers.demote(i, evicted))
+        self._write = self._writes.write
+        self._movers = TierMovers(
+            self._stats,
+            self._tiers.health,
+            self.config.queue_batches,
+            self._writes.write_back,
+            on_drop,
+        )
+        num_tiers = len(self.tiers)
+        policies = list(self.config.write_policies[:num_tiers])
+        policies += [WritePolicy()] * (num_tiers - len(policies))
+        self._through = WriteThrough(
+            self._tiers,
+            policies,
+            self._write,
+            read_lower=lambda keys: self._read(
+                keys, decoded=False, promote_hits=False, first_tier=1, count_hits=False
+            ),
+        )
+
+    def _start_readers(self) -> None:
+        """The read side: the host fast path, the prepared loads over it, and the reads."""
+        self._host = HostFastPath(
+            self._tiers,
+            read_lower=lambda keys: self._read(
+                keys, decoded=False, promote_hits=False, first_tier=1, owned=True
+            ),
+            write_top=lambda items: self._write(0, items),
+            demote=lambda evicted: self._movers.demote(0, evicted),
+        )
+        self._loads = LoadLeases(
+            self._pins,
+            self._host.unpin,
+            self._locate_host_run,
+            # Through the method, so a test may replace ``stage_host`` on the store.
+            stage=lambda keys: self.stage_host(keys),
+        )
+        self._reads = StoreReads(
+            self._tiers, self._host, lambda: self.config, self._movers.promote, self._through.hit
+        )
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -165,7 +179,8 @@ class HierarchicalStore:
     ) -> tuple[list[Value | None], list[str]]:
         """``get_many_encoded`` (``decoded``: ``get_many``) whose values stay valid while
         other threads write: returns (values, pinned) where ``pinned`` are the keys this call
-        pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values.
+        pinned in the host tier; balance with ``unpin_host(pinned)`` once done with the values
+        (``read_pinned`` does).
 
         A key is read from the host tier only when this call pinned it there first (one
         ``pin_each``): a key the host tier lacked at that moment is read from the lower tiers
@@ -238,53 +253,6 @@ class HierarchicalStore:
         if self.config.block_key_skip != skip:
             self.config = dataclasses.replace(self.config, block_key_skip=skip)
 
-    # -- host fast path (cachestore.store.host) --------------------------------------------
-
-    def host_slab(self) -> SlabTier | None:
-        """The top tier when it is a slab tier (``locate``/``reserve``/``commit``), else None."""
-        return self._host.slab
-
-    def locate_host(
-        self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
-    ) -> list[int | None]:
-        """Slab offsets of ``keys``' host blocks, hits pinned: ``HostFastPath.locate``."""
-        out = self._host.locate(keys, header, nbytes)
-        self._through.hit([k for k, o in zip(keys, out, strict=True) if o is not None])
-        return out
-
-    def locate_host_run(
-        self, keys: Sequence[str], header: bytes | Sequence[bytes], nbytes: int
-    ) -> tuple[int, ...]:
-        """Slab offsets of the leading run of ``keys`` whose host blocks pass the header
-        check, pinned (hits past it unpinned): ``locate_host``, then ``HostFastPath.keep_run``.
-        Balance with ``unpin_host(keys[:len(result)])``."""
-        return self._host.keep_run(keys, self.locate_host(keys, header, nbytes))
-
-    def stage_host(self, keys: Sequence[str]) -> int:
-        """Pin ``keys`` in the host tier, placing lower-tier blocks there when all fit; the
-        number of leading keys pinned: ``HostFastPath.stage``. For a background thread."""
-        return self._host.stage(keys)
-
-    def unpin_host(self, keys: Sequence[str]) -> None:
-        """Undo ``stage_host``'s, ``locate_host``'s and ``get_many_pinned``'s pins."""
-        self._host.unpin(keys)
-
-    def reserve_host(self, key: str, nbytes: int) -> Any:
-        """A host slot to write ``key`` in place, or None: ``HostFastPath.reserve``."""
-        return self._host.reserve(key, nbytes)
-
-    def commit_host(self, key: str, nbytes: int) -> bool:
-        """Make a reserved slot visible (its bytes must be a whole encoded block); queued for
-        the write-through tiers."""
-        ok = self._host.commit(key, nbytes)
-        if ok:
-            self._through.saved([key])
-        return ok
-
-    def abort_host(self, key: str) -> None:
-        """Free a reserved slot (the copy into it failed)."""
-        self._host.abort(key)
-
     # -- writes --------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> int:
@@ -326,41 +294,6 @@ class HierarchicalStore:
             i for i, t in enumerate(self.tiers) if t.name in names and i > 0 and i != durable
         )
         self._writes.skipped = self._through.skipped = skipped
-
-    # -- pins (cachestore.store.pins) ----------------------------------------------------------
-
-    def prepare_store(self, keys: Sequence[str]) -> list[str]:
-        """The keys this caller should store: not at the top tier and not being stored by
-        someone else. They stay reserved until ``complete_store``."""
-        return self._pins.prepare_store(keys)
-
-    def complete_store(self, keys: Sequence[str], success: bool) -> None:
-        """Release keys from ``prepare_store``; ``success`` is for the caller's bookkeeping:
-        the bytes are visible as soon as ``put_many`` (or a host ``commit``) returned."""
-        self._pins.complete_store(keys)
-
-    def prepare_load(
-        self, keys: Sequence[str], host: HostCheck | None = None, *, claim: bool = True
-    ) -> LoadSpec:
-        """Pin a load's blocks and say where they are (``cachestore.store.loads``). ``claim``:
-        pin each key in every pin-capable tier holding it (one ``pin_each`` call per tier;
-        ``num_pinned``: leading keys pinned somewhere). ``host``: also the slab offsets of the
-        leading run of keys whose host blocks pass ``host``'s check, pinned (``host_offsets``).
-        Balance with ``complete_load(spec)``. Never raises for tier failures."""
-        return self._loads.prepare(keys, host, claim)
-
-    def stage_load(
-        self, spec: LoadSpec, keys: Sequence[str], host: HostCheck | None = None
-    ) -> StagedRun:
-        """``stage_host(keys)`` for a prepared load, its pins held by ``spec`` until
-        ``complete_load(spec)``; with ``host``, the slab offsets of the leading run of the
-        staged blocks that pass its check. For a background thread."""
-        return self._loads.stage(spec, keys, host)
-
-    def complete_load(self, spec: LoadSpec, keys: Sequence[str] | None = None) -> None:
-        """Release the pins ``spec`` holds (of ``keys`` only, when given), one ``unpin`` call
-        per tier. The one release of ``prepare_load``'s and ``stage_load``'s pins."""
-        self._loads.release(spec.lease, keys)
 
     # -- lifecycle and stats -------------------------------------------------------------
 

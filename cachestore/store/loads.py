@@ -15,7 +15,9 @@ releases what the lease holds, and nothing else releases them. So a caller never
 ``complete_load(spec, keys)`` releases the lease's pins of those keys only (a plan that loads
 fewer blocks than it located); ``complete_load(spec)`` releases the rest and closes the lease.
 Completing a closed lease does nothing; pins recorded on a closed lease (a staging that ended
-after its load was completed) are released at once.
+after its load was completed) are released at once. ``split_load(spec, keys)`` hands one pin of
+each of ``keys`` over to a new spec, completed on its own (a block lent to a reply outlives the
+request that pinned it).
 
 Thread-safe: one lock guards the leases; tier calls are made outside it. Torch-free.
 """
@@ -82,18 +84,18 @@ class LoadLeases:
     def __init__(
         self,
         pins: StorePins,
-        unpin_host: Callable[[Sequence[str]], None],
+        unpin: Callable[[Sequence[str]], None],
         locate_run: LocateRun,
         *,
         stage: Callable[[Sequence[str]], int],
     ) -> None:
-        """``pins``: the store's claim accounting; ``unpin_host(keys)``: undo one host pin per
+        """``pins``: the store's claim accounting; ``unpin(keys)``: undo one host pin per
         key; ``locate_run(keys, headers, nbytes)``: the slab offsets of the leading run of
-        ``keys`` whose host blocks pass the header check, pinned (``locate_host_run``);
+        ``keys`` whose host blocks pass the header check, pinned (the store's host locate);
         ``stage(keys)``: pin keys in the host tier, placing lower-tier blocks there, the number
-        of leading keys pinned (``stage_host``)."""
+        of leading keys pinned (``HostFastPath.stage``)."""
         self._pins = pins
-        self._unpin_host = unpin_host
+        self._unpin = unpin
         self._locate_run = locate_run
         self._stage = stage
         self._lock = threading.Lock()
@@ -130,7 +132,7 @@ class LoadLeases:
             if held is not None:
                 held.host.extend(host)
                 return
-        self._unpin_host(host)
+        self._unpin(host)
 
     def release(self, lease: int, keys: Sequence[str] | None = None) -> None:
         """Release the lease's pins (of ``keys`` only, when given; else all, closing it)."""
@@ -150,8 +152,34 @@ class LoadLeases:
         if claims:
             self._pins.complete_load(claims)
         if host:
-            self._unpin_host(host)
+            self._unpin(host)
+
+    def split(self, spec: LoadSpec, keys: Sequence[str]) -> LoadSpec:
+        """``HierarchicalStore.split_load``: move one claim and one host pin of each entry of
+        ``keys`` (those ``spec``'s lease holds) to a new lease; the new spec's ``num_pinned``
+        is the leading run of ``keys`` that had a pin to move."""
+        moved = _Lease()
+        with self._lock:
+            held = self._open.get(spec.lease)
+            found = [held is not None and _move(key, held, moved) for key in keys]
+            lease = next(self._ids)
+            if held is not None:  # a closed lease's split is closed too
+                self._open[lease] = moved
+        num_pinned = next((i for i, f in enumerate(found) if not f), len(found))
+        return LoadSpec(tuple(keys), num_pinned, (), lease)
 
     def num_open(self) -> int:
         with self._lock:
             return len(self._open)
+
+
+def _move(key: str, held: _Lease, moved: _Lease) -> bool:
+    """Move one claim and one host pin of ``key`` from ``held`` to ``moved``; whether any was
+    there."""
+    found = False
+    for have, take in ((held.claims, moved.claims), (held.host, moved.host)):
+        if key in have:
+            have.remove(key)
+            take.append(key)
+            found = True
+    return found

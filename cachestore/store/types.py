@@ -131,7 +131,8 @@ class PinningTier(Protocol):
 @runtime_checkable
 class SlabTier(Protocol):
     """A tier over one fixed memory slab (the host tier): in-place reads and writes for the
-    store's host fast path (``HierarchicalStore.locate_host``/``reserve_host``)."""
+    store's host fast path (``HierarchicalStore.prepare_load`` with a host check,
+    ``reserve_host``)."""
 
     def locate(
         self,

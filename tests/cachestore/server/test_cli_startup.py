@@ -17,16 +17,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cachestore.server.daemon_procs import CACHE_SERVER, ROOT, spawn_daemon
 from tests.servers import free_port, python_env
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[3]
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", "cache-server", *args],
+        [*CACHE_SERVER, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,14 +36,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def _spawn(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=python_env(**(env or {})),
-    )
+    return spawn_daemon(*args, env=python_env(**(env or {})))
 
 
 def _one_error(result: subprocess.CompletedProcess[str]) -> str:

@@ -5,45 +5,23 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.cachestore.server.daemon_procs import start_daemon
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.remote.tier import RemoteTier
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 def _start(port: int, data_dir: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "cache-server",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
-            "--data-dir",
-            str(data_dir),
-            "--lmdb-capacity",
-            "256MiB",
-            "--host-capacity",
-            "8MiB",
-            "--host-slot-bytes",
-            "300KiB",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
+    return start_daemon(
+        *("--port", str(port), "--admin-port", "-1", "--data-dir", str(data_dir)),
+        *("--lmdb-capacity", "256MiB", "--host-capacity", "8MiB", "--host-slot-bytes", "300KiB"),
+        stderr=False,
     )
-    assert proc.stdout is not None and "listening" in proc.stdout.readline()
-    return proc
 
 
 def test_sigkill_mid_put_keeps_every_acknowledged_block(tmp_path: Path) -> None:

@@ -196,23 +196,24 @@ def test_lend_pins_until_the_view_goes_and_respects_its_budget(
     deadline = time.monotonic() + 5
     while host.num_pins() and time.monotonic() < deadline:
         time.sleep(0.01)
-    views = reads.pinned_views("alice", BIG_KEYS[:2], ikeys)
-    assert views is not None and _pins(host, ikeys[:2]) == [1, 1]
+    pinned = reads.pinned_views("alice", BIG_KEYS[:2], ikeys)
+    assert pinned is not None and _pins(host, ikeys[:2]) == [1, 1]
+    views, spec = pinned.views, pinned.spec
     # Instance attributes: first too small to lend, then 96 KiB blocks lent, one at a time.
     reads.MIN_LENT_BYTES = len(BIG[0]) + 1
-    assert reads.lend(ikeys, views, views) == [False, False] and reads.lent_bytes == 0
+    assert reads.lend(spec, ikeys, views, views) == [False, False] and reads.lent_bytes == 0
     reads.MIN_LENT_BYTES = 64 << 10
     reads.MAX_LENT_BYTES = len(BIG[0]) + 1
-    assert reads.lend(ikeys[1:], views[1:], []) == [False]  # not a frame: never lent
+    assert reads.lend(spec, ikeys[1:], views[1:], []) == [False]  # not a frame: never lent
     # Both views are frames here, but the budget takes one.
-    assert reads.lend(ikeys, views, [views[1], views[0]]) == [True, False]
+    assert reads.lend(spec, ikeys, views, [views[1], views[0]]) == [True, False]
     assert reads.lent_bytes == len(BIG[0])
-    store.unpin_host(ikeys[1:2])  # the caller's share: what was not lent
+    store.complete_load(spec)  # the caller's share: what was not lent
     assert _pins(host, ikeys[:2]) == [1, 0]
     # A lent block survives a flood of puts that evicts everything else.
     flood = [(f"aaaa/{i:032x}", sized_block(f"aaaa/{i:032x}", 96 << 10)) for i in range(200, 260)]
     alice.put_many(flood)
     assert host.lookup(ikeys[:1]) == 1 and host.lookup(ikeys[1:2]) == 0
-    del views
+    del views, pinned
     assert reads.lent_bytes == 0 and _pins(host, ikeys[:1]) == [0]
     alice.close()

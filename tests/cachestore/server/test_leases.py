@@ -21,6 +21,7 @@ import pytest
 
 from cachestore.server.daemon import CacheServer, ServerConfig
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from tests.cachestore.server.daemon_procs import ROOT, start_daemon
 from tests.cachestore.store_helpers import sized_block
 from tiers import host_memfd
 from tiers.host import HostTier
@@ -31,7 +32,6 @@ from tiers.remote.tier import RemoteTier
 pytestmark = pytest.mark.skipif(
     not (shm.available() and host_memfd.available()), reason="no /dev/shm or memfd seals"
 )
-ROOT = Path(__file__).resolve().parents[3]
 SLOT = 64 << 10
 SIZE = 60_000  # every block of these tests: one namespace, one size
 KEYS = [f"aaaa/{i:032x}" for i in range(6)]
@@ -341,27 +341,11 @@ def _cli(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     from tests.servers import free_port
 
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "cache-server",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
-            "--host-capacity",
-            "512KiB",
-            "--host-slot-bytes",
-            "64KiB",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
+    proc = start_daemon(
+        *("--port", str(port), "--admin-port", "-1"),
+        *("--host-capacity", "512KiB", "--host-slot-bytes", "64KiB", *extra),
+        stderr=False,
     )
-    assert proc.stdout is not None and "listening" in proc.stdout.readline()
     return proc, f"tcp://127.0.0.1:{port}"
 
 

@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from cachestore.server.daemon import CacheServer
+from tests.cachestore.server.daemon_procs import rss_bytes, running_daemon, zmtp_greeting
 from tests.cachestore.wire_helpers import RawFramed, served, tenant_daemon, zmq_ask
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.remote.protocol import PROTOCOL_VERSION, ErrorCode, ServerLimits, pack
 from tiers.remote.zap import PLAIN_USERNAME
 
-ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "tok-alice-0001"
 TOKENS = f"{TOKEN} alice\n"
 TOTAL_BYTES = 3 << 30  # unauthenticated traffic per transport
@@ -44,40 +41,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int,
     tmp = tmp_path_factory.mktemp("preauth")
     (tmp / "tokens").write_text(TOKENS)
     port, stream_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "cache-server",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
-            "--host-capacity",
-            "64MiB",
-            "--tokens",
-            str(tmp / "tokens"),
-            "--stream-port",
-            str(stream_port),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    with running_daemon(
+        *("--port", str(port), "--admin-port", "-1", "--host-capacity", "64MiB"),
+        *("--tokens", str(tmp / "tokens"), "--stream-port", str(stream_port)),
+    ) as proc:
         yield proc.pid, port, stream_port
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def _flood(sock: socket.socket, nbytes: int) -> int:
@@ -95,7 +63,7 @@ def _attack(pid: int, one: Callable[[], int], threads: int = 4) -> tuple[int, in
     """Run ``one`` (an attack connection; returns the bytes it got out) from ``threads``
     threads until TOTAL_BYTES went out, sampling the daemon's RSS. Returns (bytes sent,
     connections, RSS growth)."""
-    baseline = _rss_bytes(pid)
+    baseline = rss_bytes(pid)
     peak = baseline
     lock = threading.Lock()
     totals = [0, 0]
@@ -115,11 +83,11 @@ def _attack(pid: int, one: Callable[[], int], threads: int = 4) -> tuple[int, in
         w.start()
     deadline = time.monotonic() + 60
     while not done.wait(0.01) and time.monotonic() < deadline:
-        peak = max(peak, _rss_bytes(pid))
+        peak = max(peak, rss_bytes(pid))
     done.set()
     for w in workers:
         w.join(30)
-    peak = max(peak, _rss_bytes(pid))
+    peak = max(peak, rss_bytes(pid))
     return totals[0], totals[1], peak - baseline
 
 
@@ -149,10 +117,6 @@ def _stream_refused_then_flood(port: int) -> int:
         return _flood(sock, 1 << 30)
 
 
-def _zmtp_greeting(mechanism: bytes) -> bytes:
-    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0") + b"\0" * 32
-
-
 def _flood_frames(sock: socket.socket, frames: int) -> int:
     """ZMTP long frames of 64 MiB (``frames`` of them declared), each streamed as it is
     read; returns the bytes the daemon took before it closed the connection."""
@@ -172,7 +136,7 @@ def _flood_frames(sock: socket.socket, frames: int) -> int:
 def _zmq_null_multipart(port: int) -> int:
     """No token (ZMTP NULL mechanism), then a multipart message of 64 MiB frames."""
     with _connect(port) as sock:
-        sock.sendall(_zmtp_greeting(b"NULL"))
+        sock.sendall(zmtp_greeting(b"NULL"))
         ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
         sock.sendall(bytes([0x04, len(ready)]) + ready)
         return _flood_frames(sock, 16)
@@ -181,7 +145,7 @@ def _zmq_null_multipart(port: int) -> int:
 def _zmq_plain_huge_hello(port: int) -> int:
     """A PLAIN handshake whose HELLO command declares 3 GiB (a command is buffered whole)."""
     with _connect(port) as sock:
-        sock.sendall(_zmtp_greeting(b"PLAIN"))
+        sock.sendall(zmtp_greeting(b"PLAIN"))
         sock.sendall(b"\x06" + struct.pack(">Q", 3 << 30) + b"\x05HELLO")
         return _flood(sock, 1 << 30)
 
@@ -189,7 +153,7 @@ def _zmq_plain_huge_hello(port: int) -> int:
 def _zmq_plain_wrong_token(port: int) -> int:
     """A well-formed PLAIN handshake with an unknown token, then a 1 GiB multipart anyway."""
     with _connect(port) as sock:
-        sock.sendall(_zmtp_greeting(b"PLAIN"))
+        sock.sendall(zmtp_greeting(b"PLAIN"))
         password = b"tok-mallory-99"
         hello = (
             b"\x05HELLO"
@@ -270,7 +234,7 @@ def test_zmq_handshake_deadline(quick_daemon: CacheServer) -> None:
     """A ZMQ peer that starts the handshake and stalls is dropped at the deadline."""
     port = int(str(quick_daemon.bound_url).rsplit(":", 1)[1])
     with _connect(port) as sock:
-        sock.sendall(_zmtp_greeting(b"PLAIN"))
+        sock.sendall(zmtp_greeting(b"PLAIN"))
         t0 = time.monotonic()
         got = b""
         while True:

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.cachestore.server.daemon_procs import rss_bytes, running_daemon, zmtp_greeting
 from tests.cachestore.wire_helpers import zmq_ask
 from tests.servers import free_port
 from tiers.remote.protocol import ErrorCode, ServerLimits, zmq_max_msg_bytes
 
-ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "tok-alice-0001"
 NUM_PEERS = 256
 MAX_GROWTH_BYTES = 128 << 20
@@ -37,44 +34,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]
     tmp = tmp_path_factory.mktemp("preauth-peers")
     (tmp / "tokens").write_text(f"{TOKEN} alice\n")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "cache-server",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
-            "--host-capacity",
-            "64MiB",
-            "--tokens",
-            str(tmp / "tokens"),
-            "--no-stream",
-            "--no-doorbell",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    with running_daemon(
+        *("--port", str(port), "--admin-port", "-1", "--host-capacity", "64MiB"),
+        *("--tokens", str(tmp / "tokens"), "--no-stream", "--no-doorbell"),
+    ) as proc:
         yield proc.pid, port
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def greeting(mechanism: bytes) -> bytes:
-    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\0") + b"\0" * 32
 
 
 def big_hello_peer(
@@ -87,7 +51,9 @@ def big_hello_peer(
     t0 = time.monotonic()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared) + body[:-1])
+            sock.sendall(
+                zmtp_greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared) + body[:-1]
+            )
             while sock.recv(4096):
                 pass
     except OSError:
@@ -140,7 +106,7 @@ def test_a_declared_command_over_the_limit_is_dropped_at_once(daemon: tuple[int,
     declared = zmq_max_msg_bytes(ServerLimits()) + 1
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         t0 = time.monotonic()
-        sock.sendall(greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared) + b"\x05HELLO")
+        sock.sendall(zmtp_greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", declared) + b"\x05HELLO")
         got = b""
         while chunk := sock.recv(4096):
             got += chunk
@@ -193,7 +159,10 @@ def test_the_guard_cuts_pending_handshakes_past_its_cap() -> None:
         try:
             for i, sock in enumerate(peers):  # the later ones sent more: they go first
                 sock.sendall(
-                    greeting(b"PLAIN") + b"\x06" + struct.pack(">Q", 200 << 10) + bytes(1000 * i)
+                    zmtp_greeting(b"PLAIN")
+                    + b"\x06"
+                    + struct.pack(">Q", 200 << 10)
+                    + bytes(1000 * i)
                 )
             t0 = time.monotonic()
             closed = []

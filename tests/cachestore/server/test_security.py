@@ -22,6 +22,7 @@ import zmq
 from cachestore.codec import BlockMeta, encode_block
 from cachestore.server.daemon import CacheServer, ServerConfig
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from tests.cachestore.server.daemon_procs import ROOT, proc_status_kib
 from tests.servers import free_port
 from tiers.base import TierError
 from tiers.lmdb import LmdbTier
@@ -38,7 +39,6 @@ from tiers.remote.protocol import (
 from tiers.remote.tier import RemoteTier
 from tiers.remote.zap import secure_client
 
-ROOT = Path(__file__).resolve().parents[3]
 TOKENS = """# token namespace [key prefixes]
 tok-alice-0001 alice
 tok-bob-000002 bob
@@ -306,13 +306,6 @@ def test_shm_segments_are_tenant_bound(server: CacheServer) -> None:
         seg.close()
 
 
-def _rss_anon_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError("no RssAnon")
-
-
 def test_sixteen_clients_memory_bounded(tmp_path: Path, server_soak_s: float) -> None:
     seconds = server_soak_s
     port = free_port()
@@ -377,12 +370,12 @@ def test_sixteen_clients_memory_bounded(tmp_path: Path, server_soak_s: float) ->
         for t in threads:
             t.start()
         time.sleep(min(2.0, seconds / 3))
-        baseline = _rss_anon_kib(proc.pid)
+        baseline = proc_status_kib(proc.pid, "RssAnon")
         peak = baseline
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(0.25)
-            peak = max(peak, _rss_anon_kib(proc.pid))
+            peak = max(peak, proc_status_kib(proc.pid, "RssAnon"))
         stop.set()
         for t in threads:
             t.join(30)

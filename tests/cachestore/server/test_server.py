@@ -19,6 +19,7 @@ import zmq
 from cachestore.server.admin import METRIC_NAMES, AdminMetrics, AdminServer, create_app
 from cachestore.server.daemon import CacheServer, ServerConfig
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from tests.cachestore.server.daemon_procs import ROOT, spawn_daemon
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.host import HostTier
@@ -26,8 +27,6 @@ from tiers.lmdb import LmdbTier
 from tiers.remote.protocol import PROTOCOL_VERSION, checksum
 from tiers.remote.tier import RemoteTier
 from tiers.remote.zap import secure_client
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -165,13 +164,7 @@ def test_raw_protocol_reply_shape(server: CacheServer) -> None:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "cache-server", *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_daemon(*args)
 
 
 def test_cli_refuses_public_bind_without_tokens(tmp_path: Path) -> None:

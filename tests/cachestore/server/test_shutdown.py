@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -16,43 +15,23 @@ from pathlib import Path
 
 from cachestore.server.daemon import CacheServer, ServerConfig
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from tests.cachestore.server.daemon_procs import start_daemon
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
 from tiers.lmdb import LmdbTier
 from tiers.remote.tier import RemoteTier
 
-ROOT = Path(__file__).resolve().parents[3]
 KEYS = [f"ns/{i:02x}" for i in range(24)]
 
 
 def _start(data_dir: Path) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "cache-server",
-            "--port",
-            str(port),
-            "--admin-port",
-            "-1",
-            "--data-dir",
-            str(data_dir),
-            "--lmdb-capacity",
-            "64MiB",
-            "--host-capacity",
-            "4MiB",
-            "--host-slot-bytes",
-            "64KiB",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )  # its own process group, as under a supervisor
-    assert proc.stdout is not None and "listening on" in proc.stdout.readline()
+    proc = start_daemon(
+        *("--port", str(port), "--admin-port", "-1", "--data-dir", str(data_dir)),
+        *("--lmdb-capacity", "64MiB", "--host-capacity", "4MiB", "--host-slot-bytes", "64KiB"),
+        expect="listening on",
+        start_new_session=True,  # its own process group, as under a supervisor
+    )
     return proc, port
 
 

@@ -79,6 +79,21 @@ def test_a_partial_complete_releases_only_those_keys(store: HierarchicalStore) -
     assert host_pins(store) == {}
 
 
+def test_split_load_hands_one_pin_per_listed_key_to_a_spec_of_its_own(
+    store: HierarchicalStore,
+) -> None:
+    store.put_many([(KEYS[i], blob(i)) for i in range(2)])
+    spec = store.prepare_load([KEYS[0], KEYS[1], KEYS[0]], CHECK, claim=False)
+    assert len(spec.host_offsets) == 3 and host_pins(store) == {KEYS[0]: 2, KEYS[1]: 1}
+    lent = store.split_load(spec, [KEYS[0], KEYS[2]])  # KEYS[2]: no pin there to move
+    assert lent.num_pinned == 1
+    store.complete_load(spec)  # the rest: one pin of KEYS[0], KEYS[1]'s
+    assert host_pins(store) == {KEYS[0]: 1}
+    store.complete_load(lent)
+    assert host_pins(store) == {}
+    assert store.split_load(spec, [KEYS[0]]).num_pinned == 0  # a completed spec has none
+
+
 def test_staged_blocks_are_held_by_the_spec_and_located(store: HierarchicalStore) -> None:
     store.tiers[1].put_many([(KEYS[i], blob(i)) for i in range(2)])
     spec = store.prepare_load(KEYS[:2], claim=False)
