@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine-under-load and tiers-that-pay figures on one CUDA host, in stages that each fit a
 # 10-minute call (bench/gpu_suite.sh runs the broad suite; this one the user-shaped runs).
-# Usage: STAGES=qa,pressure,offload,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
+# Usage: STAGES=qa,offload,pressure,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
 # - qa: the vLLM production-stack multi-round QA client (bench/third_party_qa.sh; its files in
 #   .qa-client/, fetched for the run, git-excluded), issue 15's shape, 1200 GPU blocks, offload
 #   off then on (48 GiB host tier); the client summary, the engine breakdown and the counters.
@@ -56,19 +56,20 @@ if [[ "$STAGES" == *,qa,* ]]; then
   done
   "$PY" -m bench.qa_rounds "${runs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
 fi
+if [[ "$STAGES" == *,offload,* ]]; then
+  stamp "offload ttft"
+  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
+    --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
+  tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
+fi
 if [[ "$STAGES" == *,pressure,* ]]; then
   stamp "pressure (${PRESSURE_MODES:-offload})"
   timeout -k 5 "${T_PRESSURE:-560}" "$PY" -m bench.serving --model "$MODEL_DIR" --modes "${PRESSURE_MODES:-offload}" \
     --users 8 --rounds 5 --system-words 200 --history-words 10200 --question-words 20 --answer-len 100 \
     --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity 64GiB --qps 1 \
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
-    --out "$OUT_DIR/pressure.json" 2>&1 | tail -n 1 | tee -a "$S"
-fi
-if [[ "$STAGES" == *,offload,* ]]; then
-  stamp "offload ttft"
-  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
-    --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
-  tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
+    --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1
+  tail -n 2 "$OUT_DIR/pressure.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
   stamp "gpu tests"

@@ -122,9 +122,13 @@ def _install_random_loader() -> None:
     real = ml.load_model
     cache: dict[tuple[Any, ...], Any] = {}
 
-    def load(model_dir: str, dtype: str, device: Any, max_positions: int | None = None) -> Any:
-        if not os.path.exists(os.path.join(model_dir, RANDOM_MARKER)):
-            return real(model_dir, dtype, device, max_positions)
+    def load(
+        model_dir: str, dtype: str, device: Any, max_positions: int | None = None, tp: Any = None
+    ) -> Any:
+        # A tensor-parallel rank loads its own slice: only the whole model is built here.
+        sharded = tp is not None and getattr(tp, "size", 1) > 1
+        if sharded or not os.path.exists(os.path.join(model_dir, RANDOM_MARKER)):
+            return real(model_dir, dtype, device, max_positions, tp)
         key = (model_dir, dtype, str(device), max_positions)
         if key not in cache:
             from engine.models import ModelArchConfig
