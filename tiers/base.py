@@ -42,6 +42,9 @@ class TierError(Exception):
 class Evicted:
     key: str
     value: Value | None  # None where the tier could not hand the bytes over
+    # The tier below already held it, so no bytes were copied out (``HostTier.held_below``):
+    # nothing to demote, nothing lost.
+    held_below: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,12 @@ class Tier(ABC):
     # store queues them for promotion without a copy). False: a view may be valid only until
     # the next call on the same thread (the contract above); ``bytes`` values always are.
     owns_read_values: bool = False
+
+    def holds_hint(self, key: str) -> bool:
+        """True when this tier surely holds ``key`` now, answered from memory without I/O or
+        a lock (a tier above asks it under its own lock: ``HostTier.held_below``). May be
+        stale by a concurrent write; False when unknown (the default: no index in memory)."""
+        return False
 
     @abstractmethod
     def lookup(self, keys: Sequence[str]) -> int:

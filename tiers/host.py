@@ -31,7 +31,7 @@ Thread-safe: one lock guards the index; copies into the slab happen under it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from threading import Lock
 from typing import Any
@@ -90,6 +90,11 @@ class HostTier(Tier):
         self._used_bytes = 0
         self.num_oversize_skipped = 0
         self.num_full_skipped = 0  # every slot pinned or reserved
+        # ``held_below(key)``: True when the tier below already holds ``key`` (its
+        # ``Tier.holds_hint``; the store sets it). Such an entry is evicted without
+        # copying its bytes out: the copy would only be dropped there as already present,
+        # and it ran on the caller's thread (the engine's, for a save's ``reserve``).
+        self.held_below: Callable[[str], bool] | None = None
         self._lock = Lock()
 
     @classmethod
@@ -327,12 +332,23 @@ class HostTier(Tier):
     def _evict_one(self, evicted: list[Evicted]) -> bool:
         for key, entry in self._entries.items():
             if entry.committed and not entry.pins:
-                start = entry.slot * self.slot_bytes
-                # Copied out: the slot is about to be reused for the incoming block.
-                evicted.append(Evicted(key, bytes(self._slab[start : start + entry.nbytes])))
+                if self._is_held_below(key):
+                    evicted.append(Evicted(key, None, held_below=True))
+                else:
+                    start = entry.slot * self.slot_bytes
+                    # Copied out: the slot is about to be reused for the incoming block.
+                    evicted.append(Evicted(key, bytes(self._slab[start : start + entry.nbytes])))
                 self._drop(key, entry)
                 return True
         return False
+
+    def _is_held_below(self, key: str) -> bool:
+        if self.held_below is None:
+            return False
+        try:
+            return self.held_below(key)
+        except Exception:  # the tier below failing: copy the bytes out as without it
+            return False
 
     def _drop(self, key: str, entry: _Entry) -> None:
         del self._entries[key]

@@ -142,6 +142,11 @@ class LmdbTier(LmdbWriter, Tier):
                 self._touch(key)
             return len(keys)
 
+    def holds_hint(self, key: str) -> bool:
+        """From the in-memory index without the lock (the writer holds it for a whole write
+        transaction): one dict lookup, atomic under the GIL, stale by at most that write."""
+        return key in self._index
+
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """From the in-memory index (committed entries only); recency is not refreshed."""
         with self._lock:

@@ -62,8 +62,11 @@ class TierMovers:
                 self._on_drop([e.key for e in evicted])
             return
         batch = [(e.key, e.value) for e in evicted if e.value is not None]
-        if len(batch) < len(evicted):
-            stats.add("demotions_dropped", len(evicted) - len(batch))
+        present = sum(e.held_below for e in evicted)
+        if present:  # the tier below holds them already: nothing to write
+            self._stats[i + 1].add("write_present", present)
+        if len(batch) + present < len(evicted):
+            stats.add("demotions_dropped", len(evicted) - len(batch) - present)
         if batch:
             try:
                 self._queues[i + 1].put_nowait(batch)

@@ -86,6 +86,10 @@ class HierarchicalStore(HostLoads):
         self._stats = self._tiers.stats
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
+        if len(self.tiers) > 1 and hasattr(self.tiers[0], "held_below"):
+            # The host tier evicts what the tier below already holds (write-through) without
+            # copying it out: ``tiers.host.HostTier.held_below``.
+            self.tiers[0].held_below = self.tiers[1].holds_hint
         self._start_writers(on_drop)
         self._start_readers()
         self._collector = None

@@ -20,6 +20,4 @@ def test_the_wrapper_takes_the_loaders_parameters(monkeypatch: pytest.MonkeyPatc
     _install_random_loader()
     wrapper = ml.load_model
     assert wrapper is not real and mr.load_model is wrapper
-    assert list(inspect.signature(wrapper).parameters) == list(
-        inspect.signature(real).parameters
-    )
+    assert list(inspect.signature(wrapper).parameters) == list(inspect.signature(real).parameters)

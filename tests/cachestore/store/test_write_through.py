@@ -250,3 +250,33 @@ def test_shutdown_is_bounded_when_the_tier_below_hangs(redis_url: str, redis_ser
         assert elapsed < 4.0
     finally:
         store.close()
+
+
+def test_host_evicts_what_lmdb_holds_without_copying_it_out(tmp_path: Path) -> None:
+    """Write-through put every block in LMDB already: evicting it from the host tier copies
+    nothing (no bytes on the evicting thread), demotes nothing, loses nothing. A block LMDB
+    lacks (write-back) is still copied out and demoted."""
+    for policy, held in ((WritePolicy(WRITE_THROUGH), True), (WritePolicy(WRITE_BACK), False)):
+        store = _store(tmp_path / policy.policy, policy, host_blocks=2)
+        host = store.tiers[0]
+        try:
+            store.put_many([(k, block(i)) for i, k in enumerate(KEYS[:2])])
+            assert store.wait_writes(10.0)
+            res = store.reserve_host(KEYS[2], SIZE)  # a save's slot: evicts KEYS[0]
+            assert res is not None and [e.key for e in res.evicted] == [KEYS[0]]
+            assert res.evicted[0].held_below is held
+            assert (res.evicted[0].value is None) is held
+            store.abort_host(KEYS[2])
+            assert store.wait_writes(10.0)
+            assert host.lookup(KEYS[:1]) == 0
+            assert store.tiers[1].lookup(KEYS[:1]) == 1  # LMDB serves it either way
+            value = store.tiers[1].get_many(KEYS[:1])[0]
+            assert decode_block(value, PREFIX).payload == decode_block(block(0), PREFIX).payload
+            present, written_back = (
+                counters(store, "write_present"),
+                counters(store, "written_back"),
+            )
+            assert (present[1], written_back[1]) == ((1, 0) if held else (0, 1))
+            assert counters(store, "demotions_dropped") == [0, 0]
+        finally:
+            store.close()
