@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
+
+import numpy as np
 
 _ALIGN = 1 << 21  # sizes round up to 2 MiB, so batches of similar size share buffers
 
@@ -72,3 +75,18 @@ class ReadBuffers:
         """Bytes held by buffers no value refers to (tests, metrics)."""
         with self._lock:
             return sum(len(b) for b in self._buffers if sys.getrefcount(b) <= 3)
+
+
+# Below this a plain slice assignment is as fast; above it numpy's copy, which releases the GIL,
+# lets other threads (the engine's step loop, a parallel stage) run during the memcpy.
+_NOGIL_COPY_MIN = 64 << 10
+
+
+def copy_into(dest: memoryview, src: Any) -> None:
+    """Copy the bytes of buffer ``src`` to the front of writable byte view ``dest`` (which is
+    at least as long), without holding the GIL for a large copy."""
+    n = memoryview(src).nbytes
+    if n < _NOGIL_COPY_MIN:
+        dest[:n] = src
+        return
+    np.copyto(np.frombuffer(dest, np.uint8, count=n), np.frombuffer(src, np.uint8, count=n))

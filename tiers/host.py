@@ -277,13 +277,21 @@ class HostTier(Tier):
             offset = entry.slot * self.slot_bytes
             return Reservation(self._slab[offset : offset + nbytes], offset, evicted)
 
-    def commit(self, key: str) -> bool:
-        """Make a reserved entry visible (most recently used). False if it was not reserved."""
+    def commit(self, key: str, nbytes: int | None = None, *, pin: bool = False) -> bool:
+        """Make a reserved entry visible (most recently used). False if it was not reserved.
+        ``nbytes``: the block written is that long (at most the reservation's); ``pin``: pin
+        it in the same step, so no concurrent write can evict it before its reader pins it."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.committed:
                 return False
+            if nbytes is not None and nbytes != entry.nbytes:
+                if not 0 < nbytes <= self.slot_bytes:
+                    return False
+                self._used_bytes += nbytes - entry.nbytes
+                entry.nbytes = nbytes
             entry.committed = True
+            entry.pins += pin
             self._entries.move_to_end(key)
             return True
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tiers.base import Evicted, Tier, TierUsage, Value, writable_views
-from tiers.buffers import ReadBuffers
+from tiers.buffers import ReadBuffers, copy_into
 from tiers.lmdb_writer import SEQ, STOP, LmdbWriter, WriteOp, guard
 
 _DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if the lock is free)
@@ -183,7 +183,7 @@ class LmdbTier(LmdbWriter, Tier):
                     lengths.append(None)
                     continue
                 if len(buf) <= view.nbytes:
-                    view[: len(buf)] = buf
+                    copy_into(view, buf)
                 lengths.append(len(buf))
         self._note_hits(keys, lengths)
         return lengths

@@ -132,10 +132,9 @@ class HierarchicalStore(HostLoads):
         """The read side: the host fast path, the prepared loads over it, and the reads."""
         self._host = HostFastPath(
             self._tiers,
-            read_lower=lambda keys: self._read(
-                keys, decoded=False, promote_hits=False, first_tier=1, owned=True
+            read_lower_into=lambda keys, views: self._reads.read_into(
+                keys, views, first_tier=1, promote=False
             ),
-            write_top=lambda items: self._write(0, items),
             demote=lambda evicted: self._movers.demote(0, evicted),
         )
         self._loads = LoadLeases(
@@ -358,6 +357,7 @@ class HierarchicalStore(HostLoads):
         self._closed = True
         if self._prober is not None:
             self._prober.stop()
+        self._host.close()
         self._through.stop()
         self._movers.stop()
         if self._collector is not None:

@@ -4,8 +4,10 @@ Active when the store's top tier is a ``SlabTier`` (the pinned host tier); other
 answers "nothing" (None, False, 0). What the offload connector uses:
 - ``locate``: slab offsets of host blocks whose codec header matches (no checksum: this process
   wrote them), each hit pinned, so the caller copies payloads straight out of the slab.
-- ``stage``: reads the blocks the host tier lacks from the lower tiers (checksummed, no
-  promotion) into the slab and pins them there, but only when they all fit.
+- ``stage``: reads the blocks the host tier lacks from the lower tiers straight into reserved
+  slab slots (one copy, checksummed in place, no promotion) and pins them there, but only
+  when they all fit; a large batch is read in chunks by a few threads at once (the tiers'
+  copies and the checksum run without the GIL).
 - ``pin`` / ``unpin``: pins on the host tier alone (not counted as ``prepare_load`` pins).
 - ``reserve`` / ``commit`` / ``abort``: a device copy lands in a host slot in place; the slot's
   evictions go to the demotion queue, as for ``put_many``.
@@ -16,32 +18,39 @@ for a background thread. Never raises for tier failures. Torch-free.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.types import SlabTier
-from tiers.base import Evicted, Value
+from tiers.base import Evicted
 
-ReadFn = Callable[[Sequence[str]], list[Value | None]]  # encoded blocks or None, in key order
-WriteFn = Callable[[Sequence[tuple[str, Value]]], int]  # count written, -1 on failure
+# Read keys into the caller's buffers (``HierarchicalStore.get_many_into`` from the tier below
+# the top, no promotion): each value's length, or None for a miss.
+ReadIntoFn = Callable[[Sequence[str], Sequence[memoryview]], list[int | None]]
+# Blocks per chunk of a parallel stage (2 MiB blocks: 32 MiB), and its threads at most.
+STAGE_CHUNK_BLOCKS = 16
+STAGE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 class HostFastPath:
     def __init__(
         self,
         tiers: GuardedTiers,
-        read_lower: ReadFn,
-        write_top: WriteFn,
+        read_lower_into: ReadIntoFn,
         demote: Callable[[list[Evicted]], None],
+        stage_threads: int = STAGE_THREADS,
     ) -> None:
-        """``read_lower(keys)``: checksummed, encoded reads from the tiers below the top, no
-        promotion, values valid while held (``bytes`` or owned views, ``reads.owned_value``); ``write_top(items)``: a store write to the top tier (evictions demoted);
+        """``read_lower_into(keys, views)``: checksummed reads from the tiers below the top
+        straight into ``views``, no promotion; ``stage_threads``: readers of a large stage;
         ``demote(evicted)``: queue what the top tier evicted for the tier below."""
         self._tiers = tiers
-        self._read_lower = read_lower
-        self._write_top = write_top
+        self._read_lower_into = read_lower_into
+        self._stage_threads = stage_threads
+        self._pool: cf.ThreadPoolExecutor | None = None  # started by the first large stage
         self._demote = demote
         top = tiers.tiers[0]
         self.slab: SlabTier | None = top if isinstance(top, SlabTier) else None
@@ -84,16 +93,60 @@ class HostFastPath:
         missing = [j for j, f in enumerate(flags) if not f]
         room = self._tiers.call(0, lambda t: t.available_slots(), 0) if missing else 0  # type: ignore[attr-defined]
         if missing and len(missing) <= room:  # else they would evict each other: caller reads
-            values = self._read_lower([keys[j] for j in missing])
-            got = [(keys[j], v) for j, v in zip(missing, values, strict=True) if v is not None]
-            if got:
-                self._write_top(got)  # owned values: no copy before the slab's
-                again = self.pin([k for k, _ in got])
-                pinned = {k for (k, _), f in zip(got, again, strict=True) if f}
-                flags = [f or keys[j] in pinned for j, f in enumerate(flags)]
+            pinned = self._place_lower([keys[j] for j in missing])
+            flags = [f or keys[j] in pinned for j, f in enumerate(flags)]
         n = next((j for j, f in enumerate(flags) if not f), len(keys))
         self.unpin([k for k, f in zip(keys[n:], flags[n:], strict=True) if f])
         return n
+
+    def _place_lower(self, keys: Sequence[str]) -> set[str]:
+        """Reserve a slot per key (stopping at the first refused), read the lower tiers into
+        the slots, commit each block read whole and pinned; the keys now pinned here."""
+        slab = self.slab
+        assert slab is not None
+        slots: list[tuple[str, Any]] = []
+        for key in keys:
+            res = self.reserve(key, slab.slot_bytes)
+            if res is None:
+                break
+            slots.append((key, res))
+        chunks = [
+            slots[i : i + STAGE_CHUNK_BLOCKS] for i in range(0, len(slots), STAGE_CHUNK_BLOCKS)
+        ]
+        if len(chunks) > 1 and self._stage_threads > 1:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self._stage_threads, "kvtier-store-stage")
+            placed = set().union(*self._pool.map(self._place_chunk, chunks))
+        else:
+            placed = set().union(*map(self._place_chunk, chunks)) if chunks else set()
+        return placed
+
+    def _place_chunk(self, slots: Sequence[tuple[str, Any]]) -> set[str]:
+        """One chunk of ``_place_lower``: read into its reserved slots, then commit or abort."""
+        slab = self.slab
+        assert slab is not None
+        try:
+            lengths = self._read_lower_into([k for k, _ in slots], [r.view for _, r in slots])
+        except Exception:  # never raises for tier failures; anything else: nothing placed
+            lengths = [None] * len(slots)
+        placed: set[str] = set()
+        t0 = time.perf_counter()
+        nbytes = 0
+        for (key, res), n in zip(slots, lengths, strict=True):
+            if n is not None and n <= res.view.nbytes and slab.commit(key, n, pin=True):
+                placed.add(key)
+                nbytes += n
+            else:
+                self.abort(key)
+        if nbytes:
+            self._tiers.stats[0].record_write(nbytes, time.perf_counter() - t0)
+        return placed
+
+    def close(self) -> None:
+        """Stop the stage threads (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def pin(self, keys: Sequence[str]) -> list[bool]:
         """Pin each of ``keys`` the host tier holds (``pin_each``); True where pinned. All False

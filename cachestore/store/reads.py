@@ -154,16 +154,24 @@ class StoreReads:
                 out[j] = v
         return out, [keys[j] for j in mine]
 
-    def read_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
-        """``HierarchicalStore.get_many_into`` (its docstring is the contract). Raises
-        ValueError (one line) for bad buffers, before any tier is asked."""
+    def read_into(
+        self,
+        keys: Sequence[str],
+        out: Sequence[Any],
+        first_tier: int = 0,
+        promote: bool = True,
+    ) -> list[int | None]:
+        """``HierarchicalStore.get_many_into`` (its docstring is the contract); from
+        ``first_tier`` down (the host fast path's stage reads the tiers below it), hits from
+        lower tiers promoted unless ``promote`` is False. Raises ValueError (one line) for bad
+        buffers, before any tier is asked."""
         views = writable_views(keys, out)
         config = self._config()
         lengths: list[int | None] = [None] * len(keys)
         lower: list[int] = []  # indices whose verified block came from below the top
         remaining = list(range(len(keys)))
-        first = 0
-        if self._host.slab is not None and keys:
+        first = first_tier
+        if first_tier == 0 and self._host.slab is not None and keys:
             # A host value is copied out of the slab: only under a pin taken for this call,
             # so a concurrent put cannot reuse its slot in the middle of the copy.
             flags = self._host.pin(keys)
@@ -184,7 +192,7 @@ class StoreReads:
             corrupt = []
             remaining = self._tier_into(i, keys, views, remaining, lengths, config, lower, corrupt)
             self._delete(i, corrupt)
-        if lower and config.promote_on_get:
+        if lower and promote and config.promote_on_get:
             self._promote(self._copy(keys, views, lengths, lower))
         hits = [keys[j] for j, n in enumerate(lengths) if n is not None and n <= views[j].nbytes]
         if hits:

@@ -150,8 +150,11 @@ class SlabTier(Protocol):
         """A slot to write in place (with ``offset`` and ``evicted``), or None."""
         ...
 
-    def commit(self, key: str) -> bool:
-        """Make a reserved slot visible."""
+    slot_bytes: int
+
+    def commit(self, key: str, nbytes: int | None = None, *, pin: bool = False) -> bool:
+        """Make a reserved slot visible (``nbytes``: the block's size when it differs from
+        the reservation's; ``pin``: pinned as it becomes visible)."""
         ...
 
     def abort(self, key: str) -> None:

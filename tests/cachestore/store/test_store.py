@@ -340,3 +340,52 @@ def test_stage_host_places_and_pins_only_what_fits(tmp_path) -> None:
         assert all(e.pins == 0 for e in host._entries.values())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_stage_host_reads_straight_into_slots_in_chunks(tmp_path, threads: int) -> None:
+    """A stage of many blocks: each is read from LMDB into its reserved slot (checked there),
+    committed at its own size and pinned; chunks run on ``threads`` readers. A corrupt block
+    stays out, its slot freed, and the stage stops before it; nothing is promoted or re-written."""
+    from cachestore.codec import BlockMeta, encode_block, encoded_size
+    from cachestore.store import host as host_path
+    from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+    from tiers.host import HostTier
+    from tiers.lmdb import LmdbTier
+
+    meta = BlockMeta(dtype="uint8", shape=(96,), layout="t", namespace="ns")
+    small = BlockMeta(dtype="uint8", shape=(40,), layout="t", namespace="ns")
+    size = encoded_size(meta)
+    n = 3 * host_path.STAGE_CHUNK_BLOCKS + 5
+    host = HostTier((n + 2) * size, size)
+    store = HierarchicalStore(
+        [host, LmdbTier(str(tmp_path / "l"), 64 << 20)], StoreConfig(namespace="ns")
+    )
+    store._host._stage_threads = threads
+    try:
+        keys = [f"ns/{i}" for i in range(n)]
+        blocks = {
+            k: encode_block(bytes([i % 251]) * (96 if i % 7 else 40), meta if i % 7 else small)
+            for i, k in enumerate(keys)
+        }
+        store.tiers[1].put_many(list(blocks.items()))
+        assert store.stage_host(keys) == n
+        assert [bytes(v) for v in host.get_many(keys)] == [blocks[k] for k in keys]
+        assert all(e.pins == 1 for e in host._entries.values())
+        host.check_integrity()
+        store.unpin_host(keys)
+        store.flush()
+        assert counters(store, "written_back") == [0, 0] and counters(store, "promotions") == [0, 0]
+
+        bad = bytearray(blocks[keys[-3]])
+        bad[-5] ^= 0x01
+        store.tiers[1].put_many([(keys[-3], bytes(bad))])
+        host.delete_many(keys)
+        assert store.stage_host(keys) == n - 3
+        assert host.lookup(keys) == n - 3
+        assert sorted(host.lru_keys()) == sorted(keys[:-3] + keys[-2:])
+        assert host.num_pins() == n - 3  # the two good blocks after it: placed, then unpinned
+        host.check_integrity()
+        store.unpin_host(keys[: n - 3])
+    finally:
+        store.close()
