@@ -12,7 +12,10 @@
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
-# FlashInfer JIT cache back as fi-cache.tgz; carried in as .fi-cache.tgz it skips the warm-up.
+# FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
+# the warm-up. Durations seen on one H200 (limits to set): a QA mode ~90 s past start-up with
+# --time 55 (the first of a fresh machine ~60 s more), offload ttft at 4K+16K with LMDB > 130 s,
+# pressure > 200 s.
 # Writes at most 8 files into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
 set -uo pipefail
@@ -25,6 +28,10 @@ if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.kvtier ]; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-cache}"
+# Triton's JIT cache (the fused kernels) beside FlashInfer's, so fi-cache.tgz carries both: on a
+# fresh machine the first server start otherwise compiles them (the first QA mode of a run ran
+# past a 145-175 s limit where later modes took ~90 s).
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$FLASHINFER_WORKSPACE_BASE/.cache/triton}"
 MODEL_DIR="${MODEL_DIR:-/tmp/kvtier-llama-3-8b}"
 STAGES=",${STAGES:-qa},"
 S="$OUT_DIR/summary.txt"
