@@ -123,7 +123,7 @@ def lmdb_backend(block: int, num: int, scratch: str, staging: Staging) -> Backen
 
     tier = LmdbTier(os.path.join(scratch, "lmdb"), capacity_bytes=2 * num * block + (64 << 20))
     raw = lmdb.open(os.path.join(scratch, "raw"), map_size=4 * num * block + (64 << 20),
-                    sync=False, metasync=False, readahead=False)  # fmt: skip
+                    sync=False, metasync=False, readahead=False, writemap=True)  # fmt: skip
 
     def put(items: Items) -> None:
         with raw.begin(write=True) as txn:
