@@ -36,7 +36,11 @@ def test_write_policy_bench_reports_both_variants(
     report = json.loads(out.read_text())
     runs = {r["policy"]: r for r in report["runs"]}
     assert set(runs) == {"write_back", "write_through"}
-    assert runs["write_back"]["steps"] == runs["write_through"]["steps"] > 0
+    # The same workload takes the same steps, give or take the empty steps a prefetch still
+    # running adds (each waits at most 5 ms for it, so their number depends on the machine's
+    # load); a connector that spins while a job runs adds hundreds.
+    steps = runs["write_back"]["steps"], runs["write_through"]["steps"]
+    assert min(steps) > 0 and abs(steps[0] - steps[1]) <= 2, steps
     assert runs["write_through"]["lmdb_written_through"] > 0
     assert (
         runs["write_back"]["lmdb_written_through"] == runs["write_back"]["lmdb_written_back"] == 0
