@@ -51,6 +51,7 @@ class HostFastPath:
         self._read_lower_into = read_lower_into
         self._stage_threads = stage_threads
         self._pool: cf.ThreadPoolExecutor | None = None  # started by the first large stage
+        self._closed = False  # after close: stages run on the caller's thread
         self._demote = demote
         top = tiers.tiers[0]
         self.slab: SlabTier | None = top if isinstance(top, SlabTier) else None
@@ -113,7 +114,7 @@ class HostFastPath:
         chunks = [
             slots[i : i + STAGE_CHUNK_BLOCKS] for i in range(0, len(slots), STAGE_CHUNK_BLOCKS)
         ]
-        if len(chunks) > 1 and self._stage_threads > 1:
+        if len(chunks) > 1 and self._stage_threads > 1 and not self._closed:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self._stage_threads, "kvtier-store-stage")
             placed = set().union(*self._pool.map(self._place_chunk, chunks))
@@ -144,6 +145,7 @@ class HostFastPath:
 
     def close(self) -> None:
         """Stop the stage threads (idempotent)."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
