@@ -114,13 +114,20 @@ class HostFastPath:
         chunks = [
             slots[i : i + STAGE_CHUNK_BLOCKS] for i in range(0, len(slots), STAGE_CHUNK_BLOCKS)
         ]
+        pool = self._pool
         if len(chunks) > 1 and self._stage_threads > 1 and not self._closed:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self._stage_threads, "kvtier-store-stage")
-            placed = set().union(*self._pool.map(self._place_chunk, chunks))
-        else:
-            placed = set().union(*map(self._place_chunk, chunks)) if chunks else set()
-        return placed
+            if pool is None:
+                pool = self._pool = cf.ThreadPoolExecutor(self._stage_threads, "kvtier-store-stage")
+            futures: list[cf.Future[set[str]]] = []
+            for chunk in chunks:
+                try:
+                    futures.append(pool.submit(self._place_chunk, chunk))
+                except RuntimeError:  # closed meanwhile: the rest on this thread
+                    break
+            done = [f.result() for f in futures]
+            rest = [self._place_chunk(chunk) for chunk in chunks[len(futures) :]]
+            return set().union(*done, *rest)
+        return set().union(*map(self._place_chunk, chunks)) if chunks else set()
 
     def _place_chunk(self, slots: Sequence[tuple[str, Any]]) -> set[str]:
         """One chunk of ``_place_lower``: read into its reserved slots, then commit or abort."""
