@@ -173,7 +173,7 @@ class LmdbTier(LmdbWriter, Tier):
             for i, buf in enumerate(found):
                 if buf is not None:
                     end = pos + len(buf)
-                    dest[pos:end] = buf
+                    copy_into(dest[pos:end], buf)
                     out[i] = dest[pos:end]
                     pos = end
             del found  # the map's buffers die with the transaction

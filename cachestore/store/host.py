@@ -131,23 +131,16 @@ class HostFastPath:
 
     def _place_chunk(self, slots: Sequence[tuple[str, Any]]) -> set[str]:
         """One chunk of ``_place_lower``: read into its reserved slots, then commit or abort."""
-        slab = self.slab
-        assert slab is not None
         try:
             lengths = self._read_lower_into([k for k, _ in slots], [r.view for _, r in slots])
         except Exception:  # never raises for tier failures; anything else: nothing placed
             lengths = [None] * len(slots)
         placed: set[str] = set()
-        t0 = time.perf_counter()
-        nbytes = 0
         for (key, res), n in zip(slots, lengths, strict=True):
-            if n is not None and n <= res.view.nbytes and slab.commit(key, n, pin=True):
+            if n is not None and n <= res.view.nbytes and self.commit(key, n, pin=True):
                 placed.add(key)
-                nbytes += n
             else:
                 self.abort(key)
-        if nbytes:
-            self._tiers.stats[0].record_write(nbytes, time.perf_counter() - t0)
         return placed
 
     def close(self) -> None:
@@ -182,12 +175,16 @@ class HostFastPath:
             self._demote(res.evicted)
         return res
 
-    def commit(self, key: str, nbytes: int) -> bool:
-        """Make a reserved slot visible (its bytes must be a whole encoded block); counted as a
-        write of ``nbytes``. False when it failed."""
+    def commit(self, key: str, nbytes: int, pin: bool = False) -> bool:
+        """Make a reserved slot visible (its bytes must be a whole encoded block of ``nbytes``,
+        at most the reservation's; ``pin``: pinned as it becomes visible); counted as a write of
+        ``nbytes``. False when it failed."""
         slab = self.slab
         t0 = time.perf_counter()
-        ok = bool(slab is not None and self._tiers.call(0, lambda t: slab.commit(key), False))
+        ok = bool(
+            slab is not None
+            and self._tiers.call(0, lambda t: slab.commit(key, nbytes, pin=pin), False)
+        )
         if ok:
             self._tiers.stats[0].record_write(nbytes, time.perf_counter() - t0)
         return ok
