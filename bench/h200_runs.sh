@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The engine-under-load and tiers-that-pay figures on one CUDA host, in stages that each fit a
 # 10-minute call (bench/gpu_suite.sh runs the broad suite; this one the user-shaped runs).
-# Usage: STAGES=qa,offload,pressure,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
+# Usage: STAGES=qa,offload,lone,engine,pressure,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
 # - qa: the vLLM production-stack multi-round QA client (bench/third_party_qa.sh; its files in
 #   .qa-client/, fetched for the run, git-excluded), issue 15's shape, 1200 GPU blocks, offload
 #   off then on (48 GiB host tier); the client summary, the engine breakdown and the counters.
 # - pressure: bench/serving.py at ~24K-token histories, a pool of 4096 blocks (under three
 #   histories), qps 1, offload on (PRESSURE_MODES to add off), with the idle-ITL yardstick.
-# - offload: python -m bench.offload ttft at 4K and 16K with LMDB (pipelined, serial, cost,
-#   overlap) beside recompute and the host tier.
+# - offload: python -m bench.offload ttft at 4K and 16K (OFFLOAD_LENGTHS) with LMDB (pipelined,
+#   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES).
+# - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
+# - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
@@ -37,7 +39,10 @@ STAGES=",${STAGES:-qa},"
 S="$OUT_DIR/summary.txt"
 START=$(date +%s)
 stamp() { echo "== [$(( $(date +%s) - START )) s] $*" | tee -a "$S"; }
-[ -f "$MODEL_DIR/config.json" ] || { stamp "model"; "$PY" -m bench.random_model "$MODEL_DIR" >/dev/null; }
+# only the served stages read a model directory (bench.offload and bench.engine build on the GPU)
+if [[ "$STAGES" =~ ,(qa|pressure), ]] && [ ! -f "$MODEL_DIR/config.json" ]; then
+  stamp "model"; "$PY" -m bench.random_model "$MODEL_DIR" >/dev/null
+fi
 if [ -f .fi-cache.tgz ] && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar -xzf .fi-cache.tgz -C "$FLASHINFER_WORKSPACE_BASE"
 fi
@@ -67,9 +72,27 @@ if [[ "$STAGES" == *,qa,* ]]; then
 fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"
-  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths 4096,16384 \
+  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths "${OFFLOAD_LENGTHS:-4096,16384}" \
+    --ttft-modes "${TTFT_MODES:-host,lmdb,lmdb_serial,lmdb_overlap,lmdb_cost}" \
     --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
-  tail -n 3 "$OUT_DIR/offload.log" | tee -a "$S"
+  tail -n 1 "$OUT_DIR/offload.log" | tee -a "$S"
+fi
+if [[ "$STAGES" == *,lone,* ]]; then
+  # A lone host reload of a reused QA request's shape (~6.3K cached, ~230 computed): the
+  # yardstick of the QA run's engine-side TTFT of reused requests.
+  stamp "lone reload (QA shape)"
+  mkdir -p "$OUT_DIR/lone"
+  timeout -k 5 "${T_LONE:-150}" "$PY" -m bench.offload --sections ttft --ttft-modes host \
+    --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
+    > /tmp/lone.log 2>&1
+  tail -n 1 /tmp/lone.log | tee -a "$S"
+fi
+if [[ "$STAGES" == *,engine,* ]]; then
+  # the engine against HF transformers on the same weights (no-regression yardstick)
+  stamp "bench.engine (quick, Llama-3-8B shape)"
+  timeout -k 5 "${T_ENGINE:-200}" "$PY" -m bench.engine --quick --models llama3-8b \
+    --variants "${ENGINE_VARIANTS:-fused}" --out "$OUT_DIR/engine.json" > /tmp/engine.log 2>&1
+  tail -n 1 /tmp/engine.log | tee -a "$S"
 fi
 if [[ "$STAGES" == *,pressure,* ]]; then
   stamp "pressure (${PRESSURE_MODES:-offload})"

@@ -398,7 +398,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     num_blocks = (max_len + 64) // 16 + 4
     rows: dict[str, dict[str, Any]] = {}
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    for mode in _modes(TTFT_MODES, setup):
+    for mode in _modes(setup.ttft_modes or TTFT_MODES, setup):
         llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode))
         try:
             run_requests(
@@ -411,7 +411,8 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                 ttfts, cached, warm = [], [], []
                 for i in range(setup.warmup_reps + setup.reps):
                     prefix = _prefix_in_tiers_only(llm, rng, length, setup)
-                    t, c = _ttft_once(llm, prefix + random_tokens(rng, 16), setup.request_timeout_s)
+                    question = random_tokens(rng, setup.ttft_suffix)
+                    t, c = _ttft_once(llm, prefix + question, setup.request_timeout_s)
                     if i < setup.warmup_reps:  # this length's first kernels: not measured
                         warm.append(t)
                         continue
@@ -594,9 +595,13 @@ def _targets(res: dict[str, Any], setup: Setup) -> dict[str, Any]:
 
     def check(name: str, section: str, get: Callable[[dict[str, Any]], float], goal: float) -> None:
         sec = res.get(section, {})
-        if "error" not in sec and sec:
+        if "error" in sec or not sec:
+            return
+        try:
             value = get(sec)
-            t[name] = {"value": value, "target": goal, "met": value >= goal}
+        except KeyError:  # a mode or length this run left out (--ttft-modes, --lengths)
+            return
+        t[name] = {"value": value, "target": goal, "met": value >= goal}
 
     check("d2h_ratio", "transfer", lambda s: s["device_to_host"]["ratio"], 0.9)
     check("h2d_ratio", "transfer", lambda s: s["host_to_device"]["ratio"], 0.9)
@@ -670,13 +675,10 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
             key=lambda k: int(k[5:]),
             default=None,
         )
-        lm_txt = f"lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else "lmdb -"
-        hl = s.get(f"host_lossless_{top}")
-        hl_txt = f"host lossless {hl:.1f}x, " if hl else ""
-        parts.append(
-            f"TTFT {top} tok vs recompute: host {s[f'host_{top}']:.1f}x, {hl_txt}{lm_txt}, "
-            f"cost {s[f'cost_{top}']:.1f}x;"
-        )
+        lm_txt = f", lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else ""
+        named = (("host", "host"), ("host_lossless", "host lossless"), ("cost", "cost"))
+        txt = ", ".join(f"{label} {s[f'{m}_{top}']:.1f}x" for m, label in named if f"{m}_{top}" in s)
+        parts.append(f"TTFT {top} tok vs recompute: {txt or '-'}{lm_txt};")
     for row in tt.get("lmdb", {}).values():
         parts.append(
             f"LMDB {row['length']} tok TTFT ms: recompute {row['recompute_ms']:.1f}, "
@@ -761,6 +763,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
     ap.add_argument(
+        "--ttft-modes",
+        default=",".join(TTFT_MODES),
+        help=f"ttft modes, comma-separated, from {list(TTFT_MODES)} (recompute always runs)",
+    )
+    ap.add_argument(
+        "--suffix-tokens",
+        type=int,
+        help="ttft: new tokens after the reloaded prefix (default 16; a QA turn computes ~250)",
+    )
+    ap.add_argument(
         "--reload-modes",
         default=",".join(DEFAULT_RELOAD_MODES),
         help=f"reload_steps modes, comma-separated, from {sorted(RELOAD_MODES)}",
@@ -786,10 +798,23 @@ def main(argv: list[str] | None = None) -> int:
             f"unknown reload modes {sorted(set(modes) - set(RELOAD_MODES))}; choose "
             f"from {sorted(RELOAD_MODES)}"
         )
+    ttft_modes = [m.strip() for m in args.ttft_modes.split(",") if m.strip()]
+    if set(ttft_modes) - set(TTFT_MODES):
+        ap.error(
+            f"unknown ttft modes {sorted(set(ttft_modes) - set(TTFT_MODES))}; choose "
+            f"from {list(TTFT_MODES)}"
+        )
+    if args.suffix_tokens is not None and args.suffix_tokens < 1:
+        ap.error("--suffix-tokens must be at least 1")
+    # recompute first: every other mode's speedup is over it
+    ttft_modes = ["recompute", *(m for m in ttft_modes if m != "recompute")]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
         mode = "quick" if args.quick else "tiny" if args.tiny else "full"
         setup = dataclasses.replace(
-            build_setup(mode, workdir, args), reload_modes=modes, qa_lossless=args.qa_lossless
+            build_setup(mode, workdir, args),
+            reload_modes=modes,
+            qa_lossless=args.qa_lossless,
+            ttft_modes=tuple(ttft_modes),
         )
         res: dict[str, Any] = {
             "bench": "offload",

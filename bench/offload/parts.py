@@ -91,6 +91,10 @@ class Setup:
     reload_modes: tuple[str, ...] = ()  # bench/offload/main.py's reload_steps modes (RELOAD_MODES)
     qa_lossless: bool = False  # the QA section also runs offload with compression: lossless
     qa_decision: str = "cost"  # the QA section's offload decision (tests: "load", timing-free)
+    ttft_modes: tuple[str, ...] = ()  # the ttft section's modes (() = every one of TTFT_MODES)
+    # New tokens after the reloaded prefix: 16 is a short question; a multi-round QA turn
+    # (question + the previous answer) computes a few hundred.
+    ttft_suffix: int = 16
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
@@ -239,6 +243,8 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
             over["warmup_reps"] = args.warmup_reps
         if args.lmdb_max_len:
             over["lmdb_max_len"] = args.lmdb_max_len
+        if getattr(args, "suffix_tokens", None):
+            over["ttft_suffix"] = args.suffix_tokens
         qa = {**setup.qa}
         if args.qa_users:
             qa["users"] = args.qa_users
