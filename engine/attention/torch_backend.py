@@ -57,7 +57,9 @@ def causal_gemm_attention(
     num_keys, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     offset = num_keys - num_q
-    qs = q.reshape(num_q, num_kv_heads, group, dim)
+    # Each KV head's query rows contiguous ([Hkv, T * group, D]): one copy, not one a chunk.
+    qh = torch.empty(num_kv_heads, num_q, group, dim, dtype=q.dtype)
+    qh.copy_(q.reshape(num_q, num_kv_heads, group, dim).transpose(0, 1))
     kh = torch.empty(num_kv_heads, num_keys, dim, dtype=k.dtype)
     torch.mul(k.transpose(0, 1), scale, out=kh)
     vh = v.transpose(0, 1).contiguous()
@@ -66,10 +68,11 @@ def causal_gemm_attention(
     rows = out.view(num_q, num_kv_heads, group, dim)
     above = torch.full((chunk, chunk), float("-inf"), dtype=q.dtype).triu_(1).unsqueeze(1)
     for h in range(num_kv_heads):
+        q_rows = qh[h].view(num_q * group, dim)
         for s in range(0, num_q, chunk):
             e = min(s + chunk, num_q)
             n, last = e - s, offset + e  # keys [0, last) for this chunk
-            scores = torch.mm(qs[s:e, h].reshape(n * group, dim), kh[h, :last].t())
+            scores = torch.mm(q_rows[s * group : e * group], kh[h, :last].t())
             scores.view(n, group, last)[:, :, last - n :].add_(above[:n, :, :n])
             probs = torch.softmax(scores, -1)
             rows[s:e, h] = torch.mm(probs, vh[h, :last]).view(n, group, dim)
