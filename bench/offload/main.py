@@ -681,7 +681,9 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
         )
         lm_txt = f", lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else ""
         named = (("host", "host"), ("host_lossless", "host lossless"), ("cost", "cost"))
-        txt = ", ".join(f"{label} {s[f'{m}_{top}']:.1f}x" for m, label in named if f"{m}_{top}" in s)
+        txt = ", ".join(
+            f"{label} {s[f'{m}_{top}']:.1f}x" for m, label in named if f"{m}_{top}" in s
+        )
         parts.append(f"TTFT {top} tok vs recompute: {txt or '-'}{lm_txt};")
     for row in tt.get("lmdb", {}).values():
         parts.append(

@@ -28,7 +28,7 @@ GRID = ((4, 2), (8, 2), (16, 2), (32, 2), (16, 3))
 
 
 def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
-    from cachestore.codec import encode_block, encoded_size
+    from cachestore.codec import HeaderTemplate, encode_block, encoded_size
     from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
     from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
     from connectors.offload.pipeline import LoadPipeline
@@ -70,10 +70,13 @@ def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
     variants: dict[str, OffloadWorker] = {"serial": _worker(kv, store, meta, 0, 2)}
     for chunk, depth in GRID:
         variants[f"pipelined_c{chunk}_d{depth}"] = _worker(kv, store, meta, chunk, depth)
-    probe = LoadPipeline(kv, store, None, chunk_blocks=n, depth=1)
-    staging = torch.empty(
-        (n, spec.bytes_per_block), dtype=torch.uint8, pin_memory=dev.type == "cuda"
+    # the worker's read step: whole encoded blocks read in place (the payload copied out after)
+    probe = LoadPipeline(
+        kv, store, None, chunk_blocks=n, depth=1, headers=HeaderTemplate(meta, keyed=True)
     )
+    staging = torch.empty((n, slot), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    head = HeaderTemplate(meta, keyed=True).size
+    payloads = staging[:, head : head + spec.bytes_per_block]
     rows = kv.byte_rows()
 
     parts: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
@@ -92,7 +95,7 @@ def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:
 
     cases = {
         "read": lambda: probe.read_chunk(keys, staging),
-        "copy": lambda: rows[:n].copy_(staging, non_blocking=dev.type == "cuda"),
+        "copy": lambda: rows[:n].copy_(payloads, non_blocking=dev.type == "cuda"),
         **{name: (lambda name=name: load(name)) for name in variants},
     }
     times: dict[str, list[float]] = {name: [] for name in cases}

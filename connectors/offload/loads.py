@@ -100,7 +100,14 @@ class HostLoader:
         self._copies = SlabToCache(kv_cache, self._copier, side_stream, self._headers.size)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._pipeline = (
-            LoadPipeline(kv_cache, store, side_stream, chunk_blocks=chunk_blocks, depth=depth)
+            LoadPipeline(
+                kv_cache,
+                store,
+                side_stream,
+                chunk_blocks=chunk_blocks,
+                depth=depth,
+                headers=self._headers,
+            )
             if chunk_blocks > 0 and codec is None
             else None
         )

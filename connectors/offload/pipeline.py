@@ -6,9 +6,13 @@ splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring o
 staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
 ``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
 
-- The read step is one method, ``read_chunk(keys, rows)``: today the store's ``read_pinned``
-  (checksummed; hits promoted into the host tier as usual) and one copy of each payload into
-  its staging row. A tier that can read into a caller's buffer replaces exactly that method.
+- The read step is one method, ``read_chunk(keys, rows)``. Given the blocks' ``headers``
+  (``HeaderTemplate``; the worker's), the staging rows are whole encoded blocks and the read is
+  the store's ``get_many_into``: each tier copies its value straight into the row (LMDB from
+  its map), checked there (checksum, key; the header against the template: dtype and shape),
+  so a block is copied once on its way to the staging row; the copies into the cache take the
+  payload out of each row. Without ``headers``: the store's ``read_pinned`` (checksummed; hits
+  promoted into the host tier as usual) and one more copy of each payload into its row.
 - The copy step: CUDA, ``non_blocking`` copies of runs of consecutive blocks on the worker's
   side stream, bracketed by timing events (the first waits for the load's ``ready`` event: the
   blocks' previous owner's forwards); CPU, the same copies on a copy thread (a plain memcpy
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,11 +43,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cachestore.codec import HeaderTemplate, encoded_size
 from cachestore.hashing import BlockKey
 from cachestore.store.hierarchical import HierarchicalStore
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
+READ_THREADS = 4  # reader threads a chunk is split over, at most (one per core)
 
 
 class CpuCopyDone:
@@ -102,9 +109,12 @@ class LoadPipeline:
         *,
         chunk_blocks: int,
         depth: int,
+        headers: HeaderTemplate | None = None,
     ) -> None:
         """Raises ValueError unless ``chunk_blocks`` >= 1 and ``depth`` >= 1. The staging ring
-        (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread."""
+        (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread.
+        ``headers``: the stored blocks' header template; reads go straight into the staging
+        rows (module docstring)."""
         if chunk_blocks < 1 or depth < 1:
             raise ValueError(
                 f"load pipeline: chunk_blocks={chunk_blocks} and depth={depth} must be >= 1"
@@ -116,8 +126,21 @@ class LoadPipeline:
         self._side = side_stream
         self._rows = kv_cache.byte_rows()
         self._nbytes = kv_cache.bytes_per_block
+        self._headers = headers
+        # A staging row: a whole encoded block (header, payload, checksum) read in place, or the
+        # payload alone; the payload starts at ``_offset``.
+        self._offset = headers.size if headers is not None else 0
+        self._row_bytes = (
+            encoded_size(headers.meta, keyed=headers.keyed) if headers is not None else self._nbytes
+        )
         self._ring: torch.Tensor | None = None
         self._slot_done: list[object | None] = [None] * depth
+        self._reader_threads = max(1, min(READ_THREADS, os.cpu_count() or 1))
+        self._readers = (
+            cf.ThreadPoolExecutor(self._reader_threads, thread_name_prefix="kvtier-load-read")
+            if headers is not None and self._reader_threads > 1
+            else None
+        )
         self._copier = (
             cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load-copy")
             if side_stream is None
@@ -150,6 +173,7 @@ class LoadPipeline:
                 if job.cancelled or n == 0:
                     break
                 ids = job.block_ids[start : start + n]
+                rows = rows[:, self._offset : self._offset + self._nbytes]  # the payloads
                 if self._side is None:
                     future = self._copier.submit(self._copy_cpu, ids, rows[:n])  # type: ignore[union-attr]
                     cpu_copy.append(future)
@@ -168,8 +192,12 @@ class LoadPipeline:
         return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
 
     def read_chunk(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
-        """THE read step: the payloads of ``keys`` into ``rows`` (``[len(keys), bytes_per_block]``
-        uint8 staging); how many leading keys were read (a miss or a short value ends it)."""
+        """THE read step: ``keys`` into ``rows`` (uint8 staging, one row per key: whole encoded
+        blocks when the rows are that wide and ``headers`` were given, else
+        ``[len(keys), bytes_per_block]`` payloads); how many leading keys were read (a miss, a
+        short value or another layout ends it)."""
+        if self._headers is not None and rows.shape[1] == self._row_bytes:
+            return self._read_encoded(keys, rows)
         with self.store.read_pinned(keys, decoded=True) as values:
             out = rows.numpy()
             for i, value in enumerate(values):
@@ -178,17 +206,43 @@ class LoadPipeline:
                 out[i] = np.frombuffer(value, dtype=np.uint8)
             return len(values)
 
+    def _read_encoded(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
+        out = rows.numpy()
+        bufs = [out[i] for i in range(len(keys))]
+        # Parts of the chunk on reader threads: a tier's copy into the row (LMDB's
+        # ``copy_into``, numpy) and the checksum (xxh3) release the GIL, so the reads add up
+        # across cores instead of one core's memcpy rate bounding the load.
+        step = -(-len(keys) // self._reader_threads)
+        if self._readers is None or step >= len(keys):
+            lengths = self.store.get_many_into(keys, bufs)
+        else:
+            parts = [
+                self._readers.submit(
+                    self.store.get_many_into, keys[i : i + step], bufs[i : i + step]
+                )
+                for i in range(0, len(keys), step)
+            ]
+            lengths = [n for part in parts for n in part.result()]
+        head = self._offset
+        for i, (key, n) in enumerate(zip(keys, lengths, strict=True)):
+            # the store checked checksum, namespace and key; the template checks the layout
+            if n != self._row_bytes or out[i, :head].tobytes() != self._headers.for_key(key):  # type: ignore[union-attr]
+                return i
+        return len(keys)
+
     def close(self) -> None:
         """Stop the CPU copy thread (after its copies). Idempotent."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
 
     # -- copies ------------------------------------------------------------------------
 
     def _staging(self) -> torch.Tensor:
         if self._ring is None:
             self._ring = torch.empty(
-                (self.depth * self.chunk_blocks, self._nbytes),
+                (self.depth * self.chunk_blocks, self._row_bytes),
                 dtype=torch.uint8,
                 pin_memory=self._side is not None,
             )
@@ -208,8 +262,12 @@ class LoadPipeline:
             if ready is not None:  # the blocks' previous owner's forwards wrote them first
                 self._side.wait_event(ready)  # type: ignore[attr-defined]
             begin.record(self._side)  # type: ignore[arg-type]
-            for dst, src, n in _runs(ids):
-                self._rows[dst : dst + n].copy_(rows[src : src + n], non_blocking=True)
+            if rows.is_contiguous():
+                for dst, src, n in _runs(ids):
+                    self._rows[dst : dst + n].copy_(rows[src : src + n], non_blocking=True)
+            else:  # payloads inside encoded rows: one contiguous copy each (a strided
+                for j, dst in enumerate(ids):  # host source would be gathered unpinned first)
+                    self._rows[dst].copy_(rows[j], non_blocking=True)
             end.record(self._side)  # type: ignore[arg-type]
         return begin, end
 

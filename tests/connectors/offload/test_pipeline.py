@@ -131,6 +131,33 @@ def test_a_pipelined_load_stops_at_the_first_missing_block(
     assert bool((cache.tensor[7:N] == 0).all()) and not bool((cache.tensor[6] == 0).all())
 
 
+@pytest.mark.parametrize("bad", ["layout", "corrupt"])
+def test_a_block_read_in_place_ends_the_load_when_its_layout_or_checksum_is_wrong(
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]], bad: str
+) -> None:
+    """The pipeline reads whole encoded blocks into its staging rows (``get_many_into``) on
+    several reader threads; a block stored with another layout of the same size (dtype/shape
+    in its header) or with a flipped byte ends the load there: never a wrong block copied."""
+    store, cache, keys = lmdb_blocks
+    if bad == "layout":  # the same bytes per block, another shape
+        other = KVCache(KVCacheSpec(1, 4, 8, torch.float32), 2, "cpu")
+        meta = block_meta(other, PREFIX)
+        assert encoded_size(meta, keyed=True) == encoded_size(block_meta(cache, PREFIX), keyed=True)
+        value = encode_block(bytes(cache.bytes_per_block), meta, key=keys[5])
+    else:
+        raw = bytearray(store.tiers[1].get_many([keys[5]])[0])  # type: ignore[arg-type]
+        raw[len(raw) // 2] ^= 0xFF
+        value = bytes(raw)
+    store.tiers[1].put_many([(keys[5], value)])
+    worker = _worker(store, cache, 4)  # blocks 4-7 in one chunk, split over reader threads
+    try:
+        n, _, _ = _load(worker, store, keys, tuple(range(N)))
+    finally:
+        worker.close()
+    assert n == 5
+    assert bool((cache.tensor[5:N] == 0).all()) and not bool((cache.tensor[4] == 0).all())
+
+
 class _SlowPipeline(LoadPipeline):
     def read_chunk(self, keys: tuple[str, ...], rows: torch.Tensor) -> int:
         time.sleep(0.05)
