@@ -11,6 +11,7 @@ Torch-free. Pure functions only; nothing here mutates shared state.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,15 @@ class Namespace:
         """The namespace without the head range: what a stored block's header names and what
         its store checks, the same for every slice of one model's blocks."""
         return self._seed.hex()[:16]
+
+
+_HEAD_RANGE = re.compile(r"\.h\d+-\d+$")
+
+
+def store_prefix_of(key_prefix: str) -> str:
+    """``Namespace.store_prefix`` from a key's prefix (the part before ``/``): without its
+    ``.h<lo>-<hi>`` head range, the namespace a stored block's header names. Pure."""
+    return _HEAD_RANGE.sub("", key_prefix)
 
 
 def _pack_int32(token_ids: Sequence[int]) -> bytes:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from cachestore.codec import CHECKSUM_BYTES, CodecError, DecodedBlock, HeaderTemplate, decode_block
+from cachestore.hashing import store_prefix_of
 from tiers.remote import shm
 from tiers.remote.protocol import (
     ErrorCode,
@@ -177,7 +178,7 @@ def check_payloads(
             view,
             size,
             digest,
-            prefix,
+            store_prefix_of(prefix),  # a head slice's block names its model's namespace
             reads.hint(tenant, prefix) if reads is not None else None,
             key,
         )

@@ -17,6 +17,7 @@ from cachestore.hashing import (
     hash_block_tokens,
     hash_request_tokens,
     sha256,
+    store_prefix_of,
     xxh128,
 )
 
@@ -143,3 +144,13 @@ def test_keys_identical_in_a_fresh_interpreter() -> None:
         ns = Namespace(model_fingerprint="llama-tiny:abc:float16", cache_salt="s", hash_name=name)
         assert child[name] == [block_key(ns, h) for h in hash_request_tokens(ns, TOKENS)]
         assert len(child[name]) == 5
+
+
+def test_a_key_prefix_without_its_head_range_is_the_store_prefix() -> None:
+    """What the cache daemon checks a head slice's block against: its model's namespace, the
+    same for every slice (a TP=2 rank's block names ``ns``, its key ``ns.h0-1/...``)."""
+    sliced = dataclasses.replace(BASE, kv_heads=(2, 4))
+    assert sliced.key_prefix() == BASE.key_prefix() + ".h2-4"
+    assert store_prefix_of(sliced.key_prefix()) == sliced.store_prefix() == BASE.key_prefix()
+    assert store_prefix_of(BASE.key_prefix()) == BASE.key_prefix()
+    assert store_prefix_of("tenant.h1x") == "tenant.h1x"  # not a head range: left alone

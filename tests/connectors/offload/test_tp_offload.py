@@ -140,3 +140,33 @@ def test_a_bad_head_group_fails_the_engine_and_a_next_one_starts(
     gc.collect()  # the failed engine's ranks and group go with it
     with _llm(model_dir, 2, 16, _offload(tmp_path)) as llm:
         assert len(_run(llm, [_prompts(4, 1, 20)])[0]) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_the_cache_server_serves_head_slices_to_either_degree(
+    model_dir: str, tmp_path: Path, first: int, second: int
+) -> None:
+    """The same exchange through ``kvtier cache-server`` (a real daemon process): every rank of
+    the storing engine puts its head slices there, and fresh engines at both degrees (their
+    host tiers empty) load the whole prefix from it."""
+    from tests.servers import cache_server_process
+
+    prompt = _prompts(4, 1, 70)  # 4 full blocks
+    with cache_server_process(tmp_path, "tok-tp-01", "tp") as port:
+        remote = {"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "tok-tp-01"}
+        config = {
+            "decision": "load",
+            "calibrate": False,
+            "kv_head_group": 1,
+            "tiers": [{"kind": "host", "capacity": f"{8 * 20000}B"}, {**remote, "timeout_s": 10}],
+        }
+        with _llm(model_dir, first, 16, config) as llm:
+            want = _run(llm, [prompt])
+            assert llm.kv_stats()["loaded_tokens"] == 0
+        for tp in (second, first):
+            with _llm(model_dir, tp, 16, config) as llm:
+                got = _run(llm, [prompt])
+                kv = llm.kv_stats()
+            assert got == want, f"TP={tp}"
+            assert kv["loaded_tokens"] == 64 and kv["recomputed_tokens"] == 0, (tp, kv)
+            assert kv["tiers"]["remote"]["hit_blocks"] > 0, kv
