@@ -14,7 +14,9 @@ token-id prompts, greedy, ``ignore_eos``, prefix caching off. Per round:
 
 kvtier's worker also reports where a decode step's time goes (``host``: ``LLMEngine.step``
 minus the model's forward, logits and sampling, i.e. scheduling, input building, output
-handling: the per-step Python/bookkeeping cost) and its thread settings
+handling: the per-step Python/bookkeeping cost), where a prefill's time goes
+(``kvtier_prefill_split``: its steps, the compute inside them, the rest of ``generate``, page
+faults and context switches of the call), and its thread settings
 (``engine/runner/cpu_threads.py``). Ratios are kvtier / vLLM time (lower is better; the target on
 a quiet machine is <= 1.2 for decode, <= 1.1 for prefill). Medians over rounds. The greedy
 tokens of both are compared too (``same_tokens``: the share of identical tokens).
@@ -145,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     host: list[dict[str, float]] = []
+    splits: list[dict[str, float]] = []
     tokens: dict[str, list[list[int]]] = {}
     rng = random.Random(0)
     try:
@@ -160,6 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples[n].setdefault(_key(task), []).append(res["value"])
                     if n == "kvtier" and "host" in res:
                         host.append(res["host"])
+                    if n == "kvtier" and "split" in res:
+                        splits.append(res["split"])
                     if task["task"] == "decode" and len(task["prompts"]) == 8:
                         tokens[n] = res["token_ids"]
         infos = {n: w.info for n, w in workers.items()}
@@ -180,6 +185,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if host:
         report["kvtier_decode_step_ms"] = {
             k: statistics.median(h[k] for h in host) for k in host[0]
+        }
+    if splits:
+        report["kvtier_prefill_split"] = {
+            k: statistics.median(sp[k] for sp in splits) for k in splits[0]
         }
     if len(names) == 2 and "kvtier" in names and "vllm" in names:
         report["ratio_kvtier_over_vllm"] = {
@@ -209,6 +218,13 @@ def _summary(report: dict[str, Any], names: list[str]) -> str:
     if "kvtier_decode_step_ms" in report:
         h = report["kvtier_decode_step_ms"]
         line += f" | kvtier b1 step host {h['host_ms']:.2f} of {h['step_ms']:.1f} ms"
+    if "kvtier_prefill_split" in report:
+        sp = report["kvtier_prefill_split"]
+        line += (
+            f" | kvtier prefill: compute {sp['compute_ms'] / 1e3:.2f} s, outside it "
+            f"{sp['steps_ms'] - sp['compute_ms'] + sp['outside_steps_ms']:.0f} ms, "
+            f"{sp['minor_faults']:.0f} faults"
+        )
     return (
         f"{line} | {report['rounds']} rounds, medians, {mach['cpu_model']} x"
         f"{mach['cpu_count']}, torch {mach['torch']}"

@@ -6,7 +6,9 @@ Reads one JSON task per line on stdin, answers one ``RESULT_PREFIX`` + JSON line
 the engine is loaded, describes it. Tasks:
 
 - ``{"task": "prefill", "prompt": [ids]}`` -> ``value``: seconds of ``generate`` with
-  ``max_tokens=1``;
+  ``max_tokens=1``; kvtier's also ``split``: ms of its steps, of the compute inside them
+  (forward, logits, sampling), of the rest of ``generate``, and the page faults, voluntary and
+  involuntary context switches of the call (``resource.getrusage``), read after the clock stops;
 - ``{"task": "decode", "prompts": [[ids], ...], "new_tokens": N}`` -> ``value``: ms per
   decode step, (t(N + 1 tokens) - t(1 token)) / N, and the ``token_ids`` generated.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -70,6 +73,12 @@ class _StepTimer:
             return out
 
         return timed
+
+    def totals(self) -> dict[str, float]:
+        """Sums (ms) over the steps since the last call; then forgets them."""
+        steps, compute = sum(self.steps), sum(self.compute)
+        self.steps, self.compute = [], []
+        return {"steps_ms": 1e3 * steps, "compute_ms": 1e3 * compute}
 
     def take(self) -> dict[str, float]:
         """Medians (ms) over the steps since the last call; then forgets them."""
@@ -139,6 +148,23 @@ def _vllm(model_dir: str) -> tuple[Generate, dict[str, Any], None]:
     return generate, {"vllm": vllm.__version__, "torch": torch.__version__}, None
 
 
+def _prefill_split(
+    wall: float, steps: dict[str, float], before: resource.struct_rusage
+) -> dict[str, float]:
+    """Where a kvtier prefill's wall time went: the engine's steps (of which the compute),
+    ``generate`` outside its steps, and what the process waited on (faults, switches)."""
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        **steps,
+        "outside_steps_ms": 1e3 * wall - steps["steps_ms"],
+        "minor_faults": after.ru_minflt - before.ru_minflt,
+        "major_faults": after.ru_majflt - before.ru_majflt,
+        "voluntary_switches": after.ru_nvcsw - before.ru_nvcsw,
+        "involuntary_switches": after.ru_nivcsw - before.ru_nivcsw,
+        "system_s": after.ru_stime - before.ru_stime,
+    }
+
+
 def main() -> int:
     name, model_dir = sys.argv[1], sys.argv[2]
     start = time.perf_counter()
@@ -147,9 +173,16 @@ def main() -> int:
     for line in sys.stdin:
         task = json.loads(line)
         if task["task"] == "prefill":
+            if timer is not None:
+                timer.totals()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             generate([task["prompt"]], 1)
-            _answer({"value": time.perf_counter() - start})
+            wall = time.perf_counter() - start
+            answer: dict[str, Any] = {"value": wall}
+            if timer is not None:
+                answer["split"] = _prefill_split(wall, timer.totals(), before)
+            _answer(answer)
             continue
         prompts, n = task["prompts"], task["new_tokens"]
         start = time.perf_counter()
