@@ -432,8 +432,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
                 k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()
             }
             rows[mode] = per_len
-            # each mode as it ends: a run killed at its time limit keeps the modes done
-            print(f"[offload] ttft {mode}: {json.dumps(per_len, default=str)}", file=sys.stderr)
+            _log_row("ttft", mode, per_len)
         finally:
             close_llm(llm)
     speedups = {
@@ -444,6 +443,12 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
         if str(length) in rows[mode]
     }
     return {"modes": rows, "speedup_vs_recompute": speedups, "lmdb": _lmdb_rows(rows)}
+
+
+def _log_row(section: str, mode: str, row: dict[str, Any]) -> None:
+    """One mode's row on stderr as it ends: a run killed at its time limit keeps the modes
+    done (the JSON is written only once a section ends)."""
+    print(f"[offload] {section} {mode}: {json.dumps(row, default=str)}", file=sys.stderr)
 
 
 def _lmdb_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -569,8 +574,7 @@ def bench_reload_steps(setup: Setup) -> dict[str, Any]:
                     "warmup_ttft_s": [f.ttft_s for f in warm],
                 }
             rows[mode] = per_len
-            # each mode as it ends: a run killed at its time limit keeps the modes done
-            print(f"[offload] ttft {mode}: {json.dumps(per_len, default=str)}", file=sys.stderr)
+            _log_row("reload_steps", mode, per_len)
         finally:
             close_llm(llm)
     ratios: dict[str, dict[str, float]] = {}

@@ -95,6 +95,16 @@ def _load(
     return result.num_loaded_blocks, result.copy_s, result.read_s
 
 
+def _load_all(store: HierarchicalStore, cache: KVCache, keys: list[str], chunk_blocks: int) -> int:
+    """``keys`` into blocks ``0..N-1`` by a fresh worker with that chunk size (closed after):
+    how many leading blocks it loaded."""
+    worker = _worker(store, cache, chunk_blocks)
+    try:
+        return _load(worker, store, keys, tuple(range(N)))[0]
+    finally:
+        worker.close()
+
+
 def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
     lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
 ) -> None:
@@ -122,12 +132,7 @@ def test_a_pipelined_load_stops_at_the_first_missing_block(
 ) -> None:
     store, cache, keys = lmdb_blocks
     store.tiers[1].delete_many([keys[7]])  # in the third chunk
-    worker = _worker(store, cache, 3)
-    try:
-        n, _, _ = _load(worker, store, keys, tuple(range(N)))
-    finally:
-        worker.close()
-    assert n == 7
+    assert _load_all(store, cache, keys, 3) == 7
     assert bool((cache.tensor[7:N] == 0).all()) and not bool((cache.tensor[6] == 0).all())
 
 
@@ -149,12 +154,8 @@ def test_a_block_read_in_place_ends_the_load_when_its_layout_or_checksum_is_wron
         raw[len(raw) // 2] ^= 0xFF
         value = bytes(raw)
     store.tiers[1].put_many([(keys[5], value)])
-    worker = _worker(store, cache, 4)  # blocks 4-7 in one chunk, split over reader threads
-    try:
-        n, _, _ = _load(worker, store, keys, tuple(range(N)))
-    finally:
-        worker.close()
-    assert n == 5
+    # blocks 4-7 in one chunk, split over reader threads
+    assert _load_all(store, cache, keys, 4) == 5
     assert bool((cache.tensor[5:N] == 0).all()) and not bool((cache.tensor[4] == 0).all())
 
 

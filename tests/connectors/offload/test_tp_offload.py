@@ -83,19 +83,25 @@ def test_tp2_with_offload_equals_tp1_and_reloads(
 def test_head_slices_stored_at_one_degree_load_at_another(
     model_dir: str, tmp_path: Path, first: int, second: int
 ) -> None:
-    prompt = _prompts(3, 1, 70)  # 4 full blocks
-    config = _offload(tmp_path, group=1)
+    _exchange(model_dir, _offload(tmp_path, group=1), "lmdb", _prompts(3, 1, 70), first, second)
+
+
+def _exchange(
+    model_dir: str, config: dict, tier: str, prompt: list[list[int]], first: int, second: int
+) -> None:
+    """An engine at TP=``first`` computes ``prompt`` (4 full blocks) and stores its head
+    slices; fresh engines (empty host tiers) at ``second`` and ``first`` load the whole prefix
+    from ``tier``, every head slice of it, with the same greedy tokens."""
     with _llm(model_dir, first, 16, config) as llm:
         want = _run(llm, [prompt])
         assert llm.kv_stats()["loaded_tokens"] == 0
-    # A fresh engine (empty host tier): the prefix comes from LMDB, every head slice of it.
     for tp in (second, first):
         with _llm(model_dir, tp, 16, config) as llm:
             got = _run(llm, [prompt])
             kv = llm.kv_stats()
         assert got == want, f"TP={tp}"
         assert kv["loaded_tokens"] == 64 and kv["recomputed_tokens"] == 0, (tp, kv)
-        assert kv["tiers"]["lmdb"]["hit_blocks"] > 0
+        assert kv["tiers"][tier]["hit_blocks"] > 0, kv
 
 
 def test_keys_name_the_head_range_not_the_chain() -> None:
@@ -151,7 +157,6 @@ def test_the_cache_server_serves_head_slices_to_either_degree(
     host tiers empty) load the whole prefix from it."""
     from tests.servers import cache_server_process
 
-    prompt = _prompts(4, 1, 70)  # 4 full blocks
     with cache_server_process(tmp_path, "tok-tp-01", "tp") as port:
         remote = {"kind": "remote", "url": f"tcp://127.0.0.1:{port}", "token": "tok-tp-01"}
         config = {
@@ -160,13 +165,4 @@ def test_the_cache_server_serves_head_slices_to_either_degree(
             "kv_head_group": 1,
             "tiers": [{"kind": "host", "capacity": f"{8 * 20000}B"}, {**remote, "timeout_s": 10}],
         }
-        with _llm(model_dir, first, 16, config) as llm:
-            want = _run(llm, [prompt])
-            assert llm.kv_stats()["loaded_tokens"] == 0
-        for tp in (second, first):
-            with _llm(model_dir, tp, 16, config) as llm:
-                got = _run(llm, [prompt])
-                kv = llm.kv_stats()
-            assert got == want, f"TP={tp}"
-            assert kv["loaded_tokens"] == 64 and kv["recomputed_tokens"] == 0, (tp, kv)
-            assert kv["tiers"]["remote"]["hit_blocks"] > 0, kv
+        _exchange(model_dir, config, "remote", _prompts(4, 1, 70), first, second)
