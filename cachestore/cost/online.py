@@ -8,11 +8,11 @@ move the estimates by an exponentially weighted moving average (EWMA) with weigh
 - transfer of ``n`` bytes in ``t`` s on a tier with estimates ``(L, B)``: a sample whose
   predicted copy time ``n/B`` is below ``L`` (or ``n == 0``) is latency-dominated and moves
   the latency only: ``L += alpha * (max(t - n/B, 0) - L)``. Otherwise it moves the bandwidth
-  only: ``B += alpha * (n / (t - L) - B)``, with ``t`` in place of ``t - L`` when ``t <= L``
-  (the latency estimate alone cannot explain the sample). Each sample informs the term that
-  dominates it, holding the other fixed.
-  A tier whose calibration was rejected (``untrusted_tiers``) learns faster at first: its
-  k-th sample weighs ``max(alpha, 1 / (k + 1))``.
+  only, averaged in seconds per byte: ``1/B += alpha * ((t - L) / n - 1/B)``, with ``t`` in
+  place of ``t - L`` when ``t <= L`` (the latency estimate alone cannot explain the sample).
+  Each sample informs the term that dominates it, holding the other fixed.
+  A tier below host memory, and one whose calibration was rejected (``untrusted_tiers``),
+  learns faster at first: its k-th sample weighs ``max(alpha, 1 / (k + 1))``.
 - prefill of ``n`` tokens after ``c`` in ``t`` s: ``cachestore.cost.prefill_learner`` (a scale
   EWMA on the calibrated curve, and refits of the curve's shape from live samples of
   different lengths, so a wrong per-token slope is corrected too).
@@ -243,7 +243,11 @@ class OnlineCostModel:
                 first = TierCost(tier, 0.0, nbytes / seconds)
                 self._tiers[tier] = _TierState(first, first, 1)
                 return
-            alpha = self.alpha if state.trusted else max(self.alpha, 1.0 / (state.num_samples + 2))
+            # A tier below host memory, or one whose calibration was rejected, learns fast at
+            # first: its start-up figure counts as one sample (a short read of a few blocks,
+            # which the live loads of whole prefixes may not match).
+            fast = not state.trusted or tier != "host"
+            alpha = max(self.alpha, 1.0 / (state.num_samples + 2)) if fast else self.alpha
             state.cost = update_tier_cost(state.cost, nbytes, seconds, alpha)
             state.num_samples += 1
 
@@ -301,10 +305,12 @@ def update_tier_cost(cost: TierCost, nbytes: int, seconds: float, alpha: float) 
         sample = max(seconds - copy_s, 0.0)
         return replace(cost, latency_s=cost.latency_s + alpha * (sample - cost.latency_s))
     transfer_s = seconds - cost.latency_s if seconds > cost.latency_s else seconds
-    bandwidth = cost.bandwidth_bytes_per_s
-    return replace(
-        cost, bandwidth_bytes_per_s=bandwidth + alpha * (nbytes / transfer_s - bandwidth)
-    )
+    # The average runs in seconds per byte, the quantity a load's time is the sum of: a tier
+    # that reads at a ninth of its calibrated rate is priced that slow within a few samples,
+    # where an average of rates would hold it near the fast figure for many loads.
+    per_byte = 1.0 / cost.bandwidth_bytes_per_s
+    per_byte += alpha * (transfer_s / nbytes - per_byte)
+    return replace(cost, bandwidth_bytes_per_s=1.0 / per_byte)
 
 
 def _load_all(decision: Decision, num_cached: int) -> Decision:

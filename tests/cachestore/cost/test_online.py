@@ -83,16 +83,16 @@ def test_decide_rejects_unknown_tier_and_oversized_chain() -> None:
 
 def test_bandwidth_ewma_step_is_exact() -> None:
     m = model(alpha=0.5)
-    # 10000 B predicted at 10 ms > 1 ms latency: bandwidth-dominated. Sample 10000 / (6 - 1 ms)
-    # = 2e6 B/s; B = 1e6 + 0.5 * (2e6 - 1e6).
+    # 10000 B predicted at 10 ms > 1 ms latency: bandwidth-dominated. Sample (6 - 1 ms) / 10000
+    # = 5e-7 s/B; 1/B = 1e-6 + 0.5 * (5e-7 - 1e-6) = 7.5e-7 s/B.
     m.observe_transfer("host", 10_000, 0.006)
     host = m.tier_costs()["host"]
-    assert host.bandwidth_bytes_per_s == pytest.approx(1.5e6, rel=1e-12)
+    assert host.bandwidth_bytes_per_s == pytest.approx(1 / 7.5e-7, rel=1e-12)
     assert host.latency_s == 1e-3
-    # Faster than the latency alone: the whole time counts as copy: 10000 / 0.5 ms = 2e7.
+    # Faster than the latency alone: the whole time counts as copy: 0.5 ms / 10000 = 5e-8 s/B.
     m.observe_transfer("host", 10_000, 0.0005)
     assert m.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
-        1.5e6 + 0.5 * (2e7 - 1.5e6), rel=1e-12
+        1 / (7.5e-7 + 0.5 * (5e-8 - 7.5e-7)), rel=1e-12
     )
     snap = m.snapshot()["tiers"]["host"]
     assert snap["num_samples"] == 2 and snap["prior_bandwidth_bytes_per_s"] == 1e6
@@ -189,3 +189,35 @@ def test_concurrent_observe_and_decide_lose_no_update() -> None:
     for _ in range(2400):
         expected = update_tier_cost(expected, 10_000, 0.006, 0.1)
     assert m.tier_costs()["host"] == expected
+
+
+def test_a_lower_tier_slower_than_its_calibration_is_priced_slow_within_three_loads() -> None:
+    # LMDB calibrated at 5e6 B/s (0.2 ms per 1000-byte block) really reads at 1e5 B/s (10 ms per
+    # block), the H200 case; a 0.25 ms/token prefill recomputes 30 blocks (480 tokens) in 120 ms.
+    fast = TierCost("lmdb", latency_s=0.0, bandwidth_bytes_per_s=5e6)
+    m = OnlineCostModel(
+        {"host": TierCost("host", latency_s=0.0, bandwidth_bytes_per_s=1e9), "lmdb": fast},
+        PrefillCost(fixed_s=0.0, per_token_s=2.5e-4, attention_s=0.0),
+        block_bytes=1000,
+        block_tokens=16,
+        alpha=0.2,
+    )
+    def load_all_s() -> float:
+        d = m.decide(0, ["lmdb"] * 30, 480)
+        options = (d.best, *d.alternatives)
+        return next(o for o in options if o.strategy == STRATEGY_LOAD_PREFIX).predicted_s
+
+    assert load_all_s() == pytest.approx(30_000 / 5e6, rel=1e-6)
+    for _ in range(3):
+        m.observe_transfer("lmdb", 30_000, 0.3)  # 30 blocks in 300 ms: 1e5 B/s
+    # Seconds per byte: 2e-7 -> 5.1e-6 (weight 1/2) -> 6.73e-6 (1/3) -> 7.55e-6 (1/4), within
+    # 1.33x of the truth; an average of rates at 0.2 would still say 2.6e6 B/s (11.5 ms).
+    assert m.tier_costs()["lmdb"].bandwidth_bytes_per_s == pytest.approx(1 / 7.55e-6, rel=0.01)
+    # Loading all 30 blocks now prices at ~227 ms against 120 ms of recompute.
+    assert load_all_s() == pytest.approx(30_000 * 7.55e-6, rel=0.01)
+    assert m.decide(0, ["lmdb"] * 30, 480).best.strategy != STRATEGY_LOAD_PREFIX
+    # The host tier keeps its steadier average: one slow sample weighs alpha.
+    m.observe_transfer("host", 10_000, 1e-4)
+    assert m.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
+        1 / (1e-9 + 0.2 * (1e-8 - 1e-9)), rel=1e-9
+    )

@@ -131,8 +131,9 @@ def test_calibrate_rejects_an_impossible_tier_measurement() -> None:
     # An untrusted tier learns fast: its first sample weighs 1/2, not alpha = 0.2.
     model.observe_transfer("host", 10 << 20, 1e-3)
     bw = priors.tier_costs["host"].bandwidth_bytes_per_s
+    per_byte = 1 / bw + 0.5 * ((1e-3 - 5e-6) / (10 << 20) - 1 / bw)
     assert model.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
-        bw + 0.5 * ((10 << 20) / (1e-3 - 5e-6) - bw), rel=1e-9
+        1 / per_byte, rel=1e-9
     )
 
 
