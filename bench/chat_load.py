@@ -44,6 +44,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    end_s: float | None = None  # since the load started: the last byte of the response
 
 
 @dataclass(frozen=True, slots=True)

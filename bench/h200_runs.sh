@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine-under-load and tiers-that-pay figures on one CUDA host, in stages that each fit a
 # 10-minute call (bench/gpu_suite.sh runs the broad suite; this one the user-shaped runs).
-# Usage: STAGES=qa,offload,lone,engine,pressure,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
+# Usage: STAGES=qa,offload,lone,mixed,engine,pressure,tests bench/h200_runs.sh [OUT_DIR]   (default $OUT)
 # - qa: the vLLM production-stack multi-round QA client (bench/third_party_qa.sh; its files in
 #   .qa-client/, fetched for the run, git-excluded), issue 15's shape, 1200 GPU blocks, offload
 #   off then on (48 GiB host tier); the client summary, the engine breakdown and the counters.
@@ -10,6 +10,8 @@
 # - offload: python -m bench.offload ttft at 4K and 16K (OFFLOAD_LENGTHS) with LMDB (pipelined,
 #   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES).
 # - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
+# - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
+#   the pair alone, one alone; step times, breakdowns, kernels (mixed.json).
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB) and the client's TTFT by
@@ -87,6 +89,15 @@ if [[ "$STAGES" == *,lone,* ]]; then
     --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
     > /tmp/lone.log 2>&1
   tail -n 1 /tmp/lone.log | tee -a "$S"
+fi
+if [[ "$STAGES" == *,mixed,* ]]; then
+  # the QA run's reused step reproduced offline: a pair of host reloads of the lone shape
+  # arriving while 8 requests decode, then the pair alone, then one alone (bench.profile_gpu)
+  stamp "mixed step (QA shape)"
+  timeout -k 5 "${T_MIXED:-200}" "$PY" -m bench.profile_gpu --sections mixed \
+    --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/mixed.json" \
+    > /tmp/mixed.log 2>&1
+  tail -n 1 /tmp/mixed.log | tee -a "$S"
 fi
 if [[ "$STAGES" == *,engine,* ]]; then
   # the engine against HF transformers on the same weights (no-regression yardstick)

@@ -1,6 +1,7 @@
 """Where a decode step and a host-tier reload spend their time, on a CUDA host (diagnostics).
 
-    python -m bench.profile_gpu [--sections decode,reload] [--out FILE] [--length 16384]
+    python -m bench.profile_gpu [--sections decode,reload,mixed] [--out FILE] [--length 16384]
+        [--suffix 224 --decoders 8 --pair 2]
 
 - ``decode`` (Llama-3-8B shape, random bf16 weights, batch 1 after a 512-token prompt):
   the engine step (``ModelRunner.execute_model``), the decode graph's replay alone (GPU time
@@ -10,6 +11,10 @@
 - ``reload``: an in-step host reload of a ``--length`` prefix (+16 tokens), through the engine
   (``LLM``): wall time per step, a cProfile of the reload step (top cumulative Python
   functions) and torch.profiler's CPU-side view of it (synchronizations and copies).
+- ``mixed``: the QA run's reused step: ``--pair`` requests whose ``--length``-token prefixes
+  sit in the host tier only arrive together (``--suffix`` new tokens each) while ``--decoders``
+  requests decode; then the pair alone, and one alone. Step times and batch sizes, each
+  request's TTFT and breakdown, and the kernels of one mixed arrival.
 
 Prints JSON and a one-line summary. A measurement tool, not a target: bench/engine.py and
 bench/offload/main.py hold the targets.
@@ -304,22 +309,149 @@ def profile_reload(length: int) -> dict[str, Any]:
     return res
 
 
+def _step_until_first_tokens(eng: Any, rids: set[str], timeout_s: float) -> dict[str, Any]:
+    """Step ``eng`` until every request in ``rids`` has its first token: each step's wall time
+    and batch size, and each request's TTFT and breakdown (ms)."""
+    steps: list[dict[str, Any]] = []
+    sched = eng.scheduler
+    seen: dict[str, Any] = {}
+    last: list[Any] = [None]
+    schedule = sched.schedule
+
+    def scheduled() -> Any:
+        last[0] = schedule()
+        return last[0]
+
+    sched.schedule = scheduled  # this call only
+    t0 = time.perf_counter()
+    try:
+        while len(seen) < len(rids):
+            s0 = time.perf_counter()
+            outs = eng.step()
+            wall = time.perf_counter() - s0
+            tokens = getattr(last[0], "num_batched_tokens", None)
+            steps.append({"ms": round(wall * 1e3, 2), "tokens": tokens})
+            _first_tokens(outs, rids, seen)
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"no first tokens after {len(steps)} steps")
+    finally:
+        del sched.schedule  # the class's method again
+    return {"steps": steps, "requests": list(seen.values())}
+
+
+def _first_tokens(outs: list[Any], rids: set[str], seen: dict[str, Any]) -> None:
+    for o in outs:
+        if o.req_id in rids and o.req_id not in seen:
+            m = o.metrics
+            seen[o.req_id] = {
+                "ttft_ms": round((m.ttft_s or 0.0) * 1e3, 2),
+                "cached": o.num_cached_tokens,
+                "breakdown_ms": {
+                    k: round(v * 1e3, 2) for k, v in (m.ttft_breakdown or {}).items() if v
+                },
+            }
+
+
+def profile_mixed(
+    length: int, suffix: int, decoders: int, pair: int, mode: str = "full"
+) -> dict[str, Any]:
+    """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
+    sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
+    requests of the same length decode; then the same pair with nothing else running, and one
+    request alone (bench.offload's lone reload). Step times, TTFTs and breakdowns, and the
+    kernels of one mixed arrival."""
+    from bench.offload.main import _prefix_in_tiers_only
+    from bench.offload.parts import build_setup, close_llm, make_llm, random_tokens
+    from engine.sampling_params import SamplingParams
+
+    workdir = tempfile.mkdtemp(prefix="kvtier-prof-")
+    setup = build_setup(mode, workdir)
+    offload = {"tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
+    reps = 3
+    per_req = (length + suffix + 512) // 16 + 2
+    blocks = per_req * (decoders + pair * (reps + 1) + 2) + 64
+    llm = make_llm(setup, blocks, offload)
+    eng = llm.engine
+    rng = random.Random(11)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    res: dict[str, Any] = {"length": length, "suffix": suffix, "decoders": decoders, "pair": pair}
+    ids = iter(range(10**6))
+    try:
+        # every prefix the runs reload, each in the host tier only (needs an idle pool)
+        groups = [
+            [_prefix_in_tiers_only(llm, rng, length, setup) for _ in range(pair)]
+            for _ in range(reps + 1)
+        ]
+        lone = _prefix_in_tiers_only(llm, rng, length, setup)
+        long = SamplingParams(max_tokens=100_000 // 100, temperature=0.0, ignore_eos=True)
+        drs = {f"dec-{next(ids)}" for _ in range(decoders)}
+        for rid in drs:
+            eng.add_request(rid, random_tokens(rng, length), long)
+        _step_until_first_tokens(eng, drs, setup.request_timeout_s)
+        quiet = []
+        for _ in range(8):
+            s0 = time.perf_counter()
+            eng.step()
+            quiet.append((time.perf_counter() - s0) * 1e3)
+        res["decode_step_ms"] = round(statistics.median(quiet), 2)
+
+        def arrive(prefixes: list[list[int]]) -> dict[str, Any]:
+            rids = set()
+            for prefix in prefixes:
+                rid = f"re-{next(ids)}"
+                eng.add_request(rid, prefix + random_tokens(rng, suffix), one)
+                rids.add(rid)
+            return _step_until_first_tokens(eng, rids, setup.request_timeout_s)
+
+        res["mixed"] = [arrive(g) for g in groups[: reps - 1]]
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            res["mixed"].append(arrive(groups[reps - 1]))
+            if cuda:
+                torch.cuda.synchronize()
+        res["mixed_kernels"] = _kernel_table(prof, 1, top=20)
+        res["mixed_cpu"] = _cpu_table(
+            prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel", "aten::copy_", "plan")
+        )
+        for rid in drs:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        res["alone_pair"] = arrive(groups[reps])
+        res["alone_one"] = arrive([lone])
+    finally:
+        close_llm(llm)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="decode,reload")
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--suffix", type=int, default=224, help="mixed: new tokens per request")
+    ap.add_argument("--decoders", type=int, default=8, help="mixed: requests decoding meanwhile")
+    ap.add_argument("--pair", type=int, default=2, help="mixed: requests arriving together")
+    ap.add_argument("--setup", default="full", help="mixed: tiny runs anywhere (a smoke run)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.profile_gpu needs CUDA")
+    if not torch.cuda.is_available() and args.setup == "full":
+        raise SystemExit("bench.profile_gpu needs CUDA (or --sections mixed --setup tiny)")
     res: dict[str, Any] = {"machine": machine_info(), "argv": sys.argv[1:]}
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
-            res[name] = (
-                profile_decode(args.quick) if name == "decode" else profile_reload(args.length)
-            )
+            if name == "decode":
+                res[name] = profile_decode(args.quick)
+            elif name == "mixed":
+                res[name] = profile_mixed(
+                    args.length, args.suffix, args.decoders, args.pair, args.setup
+                )
+            else:
+                res[name] = profile_reload(args.length)
         except Exception as exc:  # report and go on
             import traceback
 

@@ -131,6 +131,7 @@ async def drive(base_url: str, shape: Shape, qps: float, seed: int) -> dict[str,
             )
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             rec.error, answer = f"{type(exc).__name__}: {exc}"[:200], ""
+        rec.end_s = time.perf_counter() - t0
         records.append(rec)
         s.messages.append({"role": "assistant", "content": answer})
         s.round += 1
@@ -324,8 +325,26 @@ def summarize(run: dict[str, Any], qps: float, log: dict[str, dict[str, Any]]) -
         "requests_per_s": round(len(ok) / max(run["wall_s"], 1e-9), 3),
         "offered_qps": qps,
         "processed_req_per_s": round(len(ok) / max(run["wall_s"], 1e-9), 3),
+        **steady_rates(recs),
         "engine": engine_side(ok, log),
     }
+
+
+def steady_rates(recs: list[Record]) -> dict[str, float | None]:
+    """The rate requests were sent and the rate they completed, each over the span between its
+    first and last event ((n - 1) / span): in a finite run ``processed_req_per_s`` also pays
+    the drain (the last request's whole latency) and so reads below the offered rate even when
+    the engine keeps up; the completion rate falls below the send rate only when the engine
+    falls behind (its completions spread out) or fails requests. None with fewer than 2."""
+    sends = sorted(r.start_s for r in recs)
+    ends = sorted(r.end_s for r in recs if r.ok and r.end_s is not None)
+
+    def rate(ts: list[float]) -> float | None:
+        return (
+            round((len(ts) - 1) / (ts[-1] - ts[0]), 3) if len(ts) > 1 and ts[-1] > ts[0] else None
+        )
+
+    return {"send_rate_req_per_s": rate(sends), "completion_rate_req_per_s": rate(ends)}
 
 
 def offload_config(mode: str, host_capacity: str, log_dir: str) -> list[str]:
@@ -365,7 +384,8 @@ def _summary_line(modes: dict[str, Any]) -> str:
             f"{mode}: qps {lv['qps']:g} TTFT p50 {lv['ttft_ms']['p50'] or 0:.1f} ms (later rounds "
             f"{lv['ttft_later_rounds_ms']['p50'] or 0:.1f}, engine {eng or 0:.1f}), ITL p50 "
             f"{lv['itl_ms']['p50'] or 0:.1f} ms{vs}, {lv['output_tokens_per_s']:.0f} tok/s, "
-            f"{lv['processed_req_per_s']:.2f} req/s processed, "
+            f"{lv['processed_req_per_s']:.2f} req/s processed (completion rate "
+            f"{lv.get('completion_rate_req_per_s')} vs sent {lv.get('send_rate_req_per_s')}), "
             f"{lv['failed']} failed, best qps (p90 < 1 s) {res['best_qps_p90_under_1s']}"
         )
     base = modes.get("off", {}).get("levels", [{}])[0].get("ttft_later_rounds_ms", {}).get("p50")

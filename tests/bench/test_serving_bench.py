@@ -68,6 +68,7 @@ def test_serving_bench_runs_every_mode_and_level(tmp_path: Path) -> None:
             assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0
             assert lv["output_tokens_per_s"] > 0
             assert lv["offered_qps"] == lv["qps"] and lv["processed_req_per_s"] > 0
+            assert lv["completion_rate_req_per_s"] > 0 and lv["send_rate_req_per_s"] > 0
             server = lv["server"]  # /metrics deltas over the level
             assert server["steps"] > 0 and server["scheduler_ms_per_step"] > 0
             eng = lv["engine"]
@@ -101,3 +102,33 @@ def test_bad_flags_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> No
         with pytest.raises(SystemExit):
             serving.main(["--model", "x", *argv])
         assert msg in capsys.readouterr().err
+
+
+def test_the_completion_rate_leaves_out_the_drain_but_not_falling_behind() -> None:
+    from bench.serving import Record, steady_rates
+
+    def recs(latencies: list[float]) -> list[Record]:
+        out = []
+        for i, lat in enumerate(latencies):  # one request a second
+            r = Record(i, 1, float(i), ok=True)
+            r.end_s = i + lat
+            out.append(r)
+        return out
+
+    # Keeping up: 11 requests, each 3 s: sent and completed at 1/s, though 11 requests over a
+    # 13 s wall clock read 0.85/s.
+    assert steady_rates(recs([3.0] * 11)) == {
+        "send_rate_req_per_s": 1.0,
+        "completion_rate_req_per_s": 1.0,
+    }
+    # Falling behind: each request waits 0.5 s longer than the one before.
+    assert steady_rates(recs([1.0 + 0.5 * i for i in range(11)]))[
+        "completion_rate_req_per_s"
+    ] == pytest.approx(10 / 15, abs=1e-3)
+    failed = recs([1.0, 1.0, 1.0])
+    failed[2].ok = False  # a failed request is not processed
+    assert steady_rates(failed)["completion_rate_req_per_s"] == 1.0
+    assert steady_rates(failed[:1]) == {
+        "send_rate_req_per_s": None,
+        "completion_rate_req_per_s": None,
+    }
