@@ -327,6 +327,9 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
         "kind": "lmdb",
         "path": os.path.join(setup.workdir, f"lmdb-{tag}"),
         "capacity": "48GiB" if setup.model_dir else "1GiB",
+        # a 16K prefix is 1,024+ blocks written through at once: the default queue (1,024)
+        # dropped its tail, so the reload measured found only part of it in LMDB
+        "write_queue_blocks": 4096,
     }
     host_cap = f"{setup.host_capacity}B"
     if mode == "recompute":
