@@ -378,9 +378,10 @@ def profile_mixed(
     ids = iter(range(10**6))
     try:
         # every prefix the runs reload, each in the host tier only (needs an idle pool)
+        variants = (16, 32, 64)  # the layer copy kernel's programs (0: one per tile)
         groups = [
             [_prefix_in_tiers_only(llm, rng, length, setup) for _ in range(pair)]
-            for _ in range(reps + 1)
+            for _ in range(reps + 1 + len(variants))
         ]
         lone = _prefix_in_tiers_only(llm, rng, length, setup)
         long = SamplingParams(max_tokens=100_000 // 100, temperature=0.0, ignore_eos=True)
@@ -416,6 +417,13 @@ def profile_mixed(
         res["mixed_cpu"] = _cpu_table(
             prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel", "aten::copy_", "plan")
         )
+        copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
+        if copier is not None and copier.layered:
+            res["mixed_by_copy_programs"] = {}
+            for v, g in zip(variants, groups[reps + 1 :], strict=True):
+                copier.layer_copy_programs = v
+                res["mixed_by_copy_programs"][str(v)] = arrive(g)
+            copier.layer_copy_programs = 0
         for rid in drs:
             eng.abort_request(rid)
         while eng.has_unfinished_requests():

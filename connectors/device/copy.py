@@ -85,6 +85,9 @@ class SlabCopier:
             if codec is not None
             else None
         )
+        # The layer kernel's programs (``engine.kernels.copy_layer_from_host``): 0, one per
+        # 8 KiB tile; > 0, that many looping over the tiles. Settable (bench/profile_gpu.py).
+        self.layer_copy_programs = 0
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
         if (
             layered
@@ -134,7 +137,15 @@ class SlabCopier:
         events: list[object] = []
         last = self._num_layers - 1
         for layer in range(self._num_layers):
-            copy_layer_from_host(self._host, index[1], self._words, index[0], layer * chunk, chunk)
+            copy_layer_from_host(
+                self._host,
+                index[1],
+                self._words,
+                index[0],
+                layer * chunk,
+                chunk,
+                self.layer_copy_programs,
+            )
             event = torch.cuda.Event(enable_timing=layer == last)  # the last one times the load
             event.record()
             events.append(event)

@@ -109,6 +109,7 @@ def copy_layer_from_host(
     dst_rows: torch.Tensor,
     chunk_start: int,
     chunk_words: int,
+    programs: int = 0,
 ) -> None:
     """Copy one layer's chunk of many blocks from host memory into the cache, as one kernel
     that reads the (pinned, device-mapped) host bytes directly: for each i, words
@@ -117,11 +118,13 @@ def copy_layer_from_host(
     ``dst_words`` (the cache as ``[rows, words_per_block]`` int32). What lets a reload land
     layer by layer (a DMA copy per block and layer would be thousands of calls). Asynchronous
     on the current stream: ``src`` must stay untouched until it ran. Payloads must be 16-byte
-    aligned (their offsets multiples of 4 words). Raises ValueError on a bad argument and
-    ImportError without Triton."""
+    aligned (their offsets multiples of 4 words). ``programs`` > 0: at most that many
+    programs, each looping over its share (a copy that leaves the SMs to the forward beside
+    it); 0: one program per 8 KiB tile. Raises ValueError on a bad argument and ImportError
+    without Triton."""
     from engine.kernels.triton_ops import copy_layer_from_host as _copy
 
-    _copy(src, src_word_offsets, dst_words, dst_rows, chunk_start, chunk_words)
+    _copy(src, src_word_offsets, dst_words, dst_rows, chunk_start, chunk_words, programs)
 
 
 def _self_check(device: torch.device) -> None:

@@ -334,6 +334,37 @@ def _copy_layer_kernel(
     tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
 
 
+@triton.jit
+def _copy_layer_kernel_looped(
+    src_base,
+    src_offsets_ptr,
+    dst_ptr,
+    dst_rows_ptr,
+    chunk_start,
+    chunk_words,
+    row_words,
+    num_tiles,
+    tiles_per_row,
+    BLOCK: tl.constexpr,
+):
+    # The same copy from a fixed number of programs, each looping over tiles (pid, pid + P,
+    # ...): a load's copy then holds a few SMs for its whole length instead of thousands of
+    # programs queued beside the forward's kernels on the compute stream.
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    for t in range(pid, num_tiles, step):
+        i = t // tiles_per_row
+        j = t % tiles_per_row
+        src_word = tl.load(src_offsets_ptr + i)
+        row = tl.load(dst_rows_ptr + i)
+        offs = j * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < chunk_words
+        src = (src_base + (src_word + chunk_start) * 4).to(tl.pointer_type(tl.int32))
+        src = tl.multiple_of(src, 16)
+        vals = tl.load(src + offs, mask=mask)
+        tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
+
+
 def copy_layer_from_host(
     src: torch.Tensor,
     src_word_offsets: torch.Tensor,
@@ -341,6 +372,7 @@ def copy_layer_from_host(
     dst_rows: torch.Tensor,
     chunk_start: int,
     chunk_words: int,
+    programs: int = 0,
 ) -> None:
     """See ``engine.kernels.copy_layer_from_host``."""
     if src.device.type != "cpu" or (dst_words.is_cuda and not src.is_pinned()):
@@ -355,7 +387,23 @@ def copy_layer_from_host(
     if src_word_offsets.shape[0] != n:
         raise ValueError(f"{src_word_offsets.shape[0]} source offsets for {n} rows")
     block = 2048
-    _copy_layer_kernel[(n, triton.cdiv(chunk_words, block))](
+    tiles_per_row = triton.cdiv(chunk_words, block)
+    if 0 < programs < n * tiles_per_row:
+        _copy_layer_kernel_looped[(programs,)](
+            src.data_ptr(),
+            src_word_offsets,
+            dst_words,
+            dst_rows,
+            chunk_start,
+            chunk_words,
+            dst_words.shape[1],
+            n * tiles_per_row,
+            tiles_per_row,
+            BLOCK=block,
+            num_warps=4,
+        )
+        return
+    _copy_layer_kernel[(n, tiles_per_row)](
         src.data_ptr(),
         src_word_offsets,
         dst_words,

@@ -190,9 +190,11 @@ def test_rotary_and_cache_matches_rotary_plus_write_kv(
         rotary_and_cache(qkv[:, :-dim], cos, sin, heads, kv_heads, ours.attention_view(1), slots)
 
 
-def test_copy_layer_from_host_moves_exactly_one_layer_chunk_per_block() -> None:
+@pytest.mark.parametrize("programs", [0, 2])
+def test_copy_layer_from_host_moves_exactly_one_layer_chunk_per_block(programs: int) -> None:
     """Blocks of a block-major cache filled layer by layer from a host slab at arbitrary
-    (aligned) offsets: each call writes only its chunk of the listed rows."""
+    (aligned) offsets: each call writes only its chunk of the listed rows; with 2 programs
+    for 3 tiles, one program loops over two of them."""
     from engine.kernels import copy_layer_from_host
 
     rows, words, layers = 5, 48, 3  # a block = 3 layers x 16 words
@@ -204,7 +206,7 @@ def test_copy_layer_from_host_moves_exactly_one_layer_chunk_per_block() -> None:
     src_offsets = torch.tensor([100, 4, 520], device=DEVICE)  # words, multiples of 4
     dst_rows = torch.tensor([3, 0, 4], device=DEVICE)
     for layer in (2, 0):
-        copy_layer_from_host(slab, src_offsets, cache, dst_rows, layer * chunk, chunk)
+        copy_layer_from_host(slab, src_offsets, cache, dst_rows, layer * chunk, chunk, programs)
     expected = torch.zeros(rows, words, dtype=torch.int32)
     for src, row in ((100, 3), (4, 0), (520, 4)):
         for layer in (2, 0):
