@@ -21,7 +21,10 @@ with ``enable_gqa``.
 On the CPU in float32, a prompt chunk of ``GEMM_MIN_QUERIES`` to ``GEMM_MAX_KEYS`` tokens goes
 through ``causal_gemm_attention`` instead of torch's flash kernel (one thread, SmolLM2's
 shapes, a layer of a 512-token prompt 6.4 against 8.6 ms, 1,024 tokens 20.7 against 22.5;
-equal at 2,048, where a chunk's scores no longer fit the core's cache).
+equal at 2,048, where a chunk's scores no longer fit the core's cache). Its GEMMs go through
+oneDNN where it is built in (``_linear_pointwise``, the key or value rows as the weight): on
+this AMD core MKL's sgemm reaches ~65 GFLOP/s on these thin products, oneDNN ~75-85; a
+1,024-token layer 24.7 against 26.2 ms (medians, interleaved, busy machine).
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 GEMM_MIN_QUERIES = 128
 GEMM_MAX_KEYS = 1536
 GEMM_CHUNK = 128  # query positions per pair of GEMMs
+# From this many keys on, a chunk's two products go through oneDNN, below it through MKL, whose
+# small products can be faster (one thread, 384 x 256 scores once 80 against 66 GFLOP/s); a
+# 1,024-token SmolLM2 layer took within 2% with a bound of 0, 256 or 512.
+ONEDNN_MIN_KEYS = 256
+# The softmax written over its input (the lastdim kernel reads each row before it writes it).
+_softmax_out = torch.ops.aten._softmax.out
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _mm_nt(a: torch.Tensor, b: torch.Tensor, onednn: bool) -> torch.Tensor:
+    """``a @ b.T`` for float32 CPU matrices. ``onednn``: as a oneDNN inner product (``b`` is
+    its weight, reordered per call), whose AVX-512 kernels run this VM's AMD core at ~85
+    GFLOP/s on the attention's shapes where MKL's sgemm reaches ~65 (module docstring)."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return torch.mm(a, b.t())
 
 
 def causal_gemm_attention(
@@ -44,19 +66,24 @@ def causal_gemm_attention(
     scale: float,
     out: torch.Tensor | None = None,
     chunk: int = GEMM_CHUNK,
+    onednn: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``T`` positions ``q [T, H, D]`` over keys/values
     ``[S, Hkv, D]`` (``S >= T``: query row ``r`` sits at ``S - T + r`` and sees keys up to
-    it), returned as ``[T, H * D]``, by two BLAS GEMMs and a softmax per ``chunk`` of query
+    it), returned as ``[T, H * D]``, by two GEMMs and a softmax per ``chunk`` of query
     positions and KV head: the chunk's ``H // Hkv`` query heads are rows of one GEMM against
     their keys (no GQA expansion), the keys stop at the chunk's last position (no work above
     the diagonal but inside the chunk's own block, which a ``-inf`` triangle masks), and the
-    scale is folded into the keys (one multiply over ``Hkv`` heads, not ``H``). ``out``: a
-    contiguous ``[T, H, D]`` or ``[T, H * D]`` tensor to write into (returned, viewed)."""
+    scale is folded into the keys (one multiply over ``Hkv`` heads, not ``H``); the softmax
+    runs in place on the scores. ``out``: a contiguous ``[T, H, D]`` or ``[T, H * D]`` tensor
+    to write into (returned, viewed). ``onednn``: the GEMMs through oneDNN when the product
+    has at least ``ONEDNN_MIN_KEYS`` keys (None: wherever oneDNN is built in), else MKL."""
     num_q, num_heads, dim = q.shape
     num_keys, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     offset = num_keys - num_q
+    if onednn is None:
+        onednn = _onednn_available()
     # Each KV head's query rows contiguous ([Hkv, T * group, D]): one copy, not one a chunk.
     qh = torch.empty(num_kv_heads, num_q, group, dim, dtype=q.dtype)
     qh.copy_(q.reshape(num_q, num_kv_heads, group, dim).transpose(0, 1))
@@ -72,10 +99,14 @@ def causal_gemm_attention(
         for s in range(0, num_q, chunk):
             e = min(s + chunk, num_q)
             n, last = e - s, offset + e  # keys [0, last) for this chunk
-            scores = torch.mm(q_rows[s * group : e * group], kh[h, :last].t())
+            dnn = onednn and last >= ONEDNN_MIN_KEYS
+            scores = _mm_nt(q_rows[s * group : e * group], kh[h, :last], dnn)
             scores.view(n, group, last)[:, :, last - n :].add_(above[:n, :, :n])
-            probs = torch.softmax(scores, -1)
-            rows[s:e, h] = torch.mm(probs, vh[h, :last]).view(n, group, dim)
+            _softmax_out(scores, -1, False, out=scores)
+            # oneDNN's weight is [D, last] with strides (1, D): a prefix of rows of a [D, S]
+            # copy instead (strides (S, 1)) took it 250x longer.
+            vals = _mm_nt(scores, vh[h, :last].t(), True) if dnn else torch.mm(scores, vh[h, :last])
+            rows[s:e, h] = vals.view(n, group, dim)
     return out.view(num_q, num_heads * dim)
 
 

@@ -39,9 +39,11 @@ class RMSNorm(nn.Module):
 def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm for float32 on the CPU in three passes over ``x``: torch's ``rms_norm`` there is
     its decomposition (pow, mean, add, rsqrt, mul, mul: a 1,024 x 576 activation 0.4-0.7 ms
-    against 0.25, 61 of them per forward). The HF order: ``(x * rsqrt(mean(x^2) + eps)) * w``;
-    ``vecdot`` sums the squares as accurately as ``mean`` (within 1.3e-6 of float64)."""
-    rstd = torch.linalg.vecdot(x, x).unsqueeze(-1).div_(x.shape[-1]).add_(eps).rsqrt_()
+    against 0.2, 61 of them per forward). The HF order: ``(x * rsqrt(mean(x^2) + eps)) * w``;
+    the sum of squares as ``vector_norm``'s square (one reduction pass, where ``vecdot`` is a
+    multiply into a temporary then a sum: 0.07 against 0.15 ms), within 1e-6 of float64."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    rstd = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
     return torch.mul(x, rstd).mul_(weight)
 
 
