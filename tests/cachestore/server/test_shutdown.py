@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cachestore.server.daemon import CacheServer, ServerConfig
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
@@ -73,13 +74,19 @@ class _SlowLmdb(LmdbTier):
 
     delay_s = 1.5
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.writing = threading.Event()  # a put reached the tier
+
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> object:  # type: ignore[override]
+        self.writing.set()
         time.sleep(self.delay_s)
         return super().put_many(items)
 
 
 def test_a_drain_past_its_timeout_is_reported(tmp_path: Path) -> None:
-    store = HierarchicalStore([_SlowLmdb(tmp_path / "lmdb", 64 << 20)], StoreConfig())
+    slow = _SlowLmdb(tmp_path / "lmdb", 64 << 20)
+    store = HierarchicalStore([slow], StoreConfig())
     server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", drain_timeout_s=0.2), store)
     server.start()
     tier = RemoteTier(
@@ -88,10 +95,10 @@ def test_a_drain_past_its_timeout_is_reported(tmp_path: Path) -> None:
     try:
         put = threading.Thread(target=tier.put_many, args=([("ns/01", sized_block("ns/01", 500))],))
         put.start()
-        deadline = time.monotonic() + 5
-        while server.inflight == 0:  # the put reached the worker pool
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # The put itself in flight (not any request: a connection's first exchange also
+        # counts in ``inflight``, and stopping on that one let the put arrive too late).
+        assert slow.writing.wait(5)
+        assert server.inflight >= 1
         server.request_stop()
         assert server.wait(10)
         put.join(10)
