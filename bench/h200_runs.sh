@@ -19,8 +19,11 @@
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
 # the warm-up. Durations seen on one H200 (limits to set): a QA mode ~90 s past start-up with
 # --time 55 (the first of a fresh machine ~60 s more: it gets T_QA_FIRST_EXTRA [90] on top of
-# T_QA; a T_QA of 115 left two of three modes unfinished), offload ttft with 6 modes at 4K+16K
-# > 280 s (at 4K alone, 5 modes: 140 s), lone ~30 s, engine ~45 s, pressure ~350 s.
+# T_QA; a T_QA of 115 left two of three modes unfinished; with --time 60, T_QA 125 and an
+# extra 50 s, off (first) and on (its 48 GiB pinned tier) were both cut at their limits and
+# only small, ~105 s, finished: keep the default 240), offload ttft with 6 modes at 4K+16K
+# > 280 s (at 4K alone, 5 modes: 140 s; 5 modes at 4K+16K with LMDB reads at ~0.7 GB/s did
+# not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s.
 # Writes at most 8 files into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
 set -uo pipefail

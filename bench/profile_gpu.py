@@ -359,17 +359,23 @@ def profile_mixed(
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
     requests of the same length decode; then the same pair with nothing else running, and one
     request alone (bench.offload's lone reload). Step times, TTFTs and breakdowns, and the
-    kernels of one mixed arrival."""
+    kernels of one mixed arrival. Every run's ``cached`` must equal ``length`` (the prefix was
+    loaded, not recomputed) for its figures to mean anything."""
     from bench.offload.main import _prefix_in_tiers_only
-    from bench.offload.parts import build_setup, close_llm, make_llm, random_tokens
+    from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
 
     workdir = tempfile.mkdtemp(prefix="kvtier-prof-")
     setup = build_setup(mode, workdir)
-    offload = {"tiers": [{"kind": "host", "capacity": f"{setup.host_capacity}B"}]}
-    reps = 3
+    reps, variants = 3, (16, 32, 64)  # variants: the layer copy kernel's programs
+    num_prefixes = pair * (reps + 1 + len(variants)) + 1
+    # The host tier holds every prefix the runs reload (all are written before the first
+    # arrival): the bench's default 8 GiB held under half of them, so the first runs found
+    # their prefixes evicted and recomputed them.
+    host_bytes = (num_prefixes * (length // 16 + 2) + 64) * (bytes_per_block(setup) + (64 << 10))
+    offload = {"tiers": [{"kind": "host", "capacity": f"{host_bytes}B"}]}
     per_req = (length + suffix + 512) // 16 + 2
-    blocks = per_req * (decoders + pair * (reps + 1) + 2) + 64
+    blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
     rng = random.Random(11)
@@ -378,7 +384,6 @@ def profile_mixed(
     ids = iter(range(10**6))
     try:
         # every prefix the runs reload, each in the host tier only (needs an idle pool)
-        variants = (16, 32, 64)  # the layer copy kernel's programs (0: one per tile)
         groups = [
             [_prefix_in_tiers_only(llm, rng, length, setup) for _ in range(pair)]
             for _ in range(reps + 1 + len(variants))
@@ -430,6 +435,9 @@ def profile_mixed(
             eng.step()
         res["alone_pair"] = arrive(groups[reps])
         res["alone_one"] = arrive([lone])
+        runs = [*res["mixed"], *res.get("mixed_by_copy_programs", {}).values()]
+        runs += [res["alone_pair"], res["alone_one"]]
+        res["all_loaded"] = all(q["cached"] == length for r in runs for q in r["requests"])
     finally:
         close_llm(llm)
     return res
