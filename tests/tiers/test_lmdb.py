@@ -137,3 +137,19 @@ def test_from_config_and_open_error(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises((TierError, OSError)):
         LmdbTier(blocker / "db", capacity_bytes=1000)
+
+
+def test_lookup_answers_while_a_write_transaction_holds_the_lock(tier: LmdbTier) -> None:
+    """The engine looks up on its step path: it must not wait for the writer, which holds the
+    tier's lock for a whole write transaction (here held by the test instead)."""
+    import threading
+
+    tier.put_many([(k, _val(i)) for i, k in enumerate("abc")])
+    got: list[int] = []
+    with tier._lock:  # a write transaction in progress
+        t = threading.Thread(target=lambda: got.append(tier.lookup(["c", "a", "zz", "b"])))
+        t.start()
+        t.join(5)
+        assert not t.is_alive() and got == [2]
+    # the hits were queued, and count once the lock is free: c and a are now most recent
+    assert tier.lru_keys() == ["b", "c", "a"]
