@@ -49,7 +49,7 @@ from cachestore.store.hierarchical import HierarchicalStore
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-READ_THREADS = 8  # reader threads a chunk is split over, at most (one per core)
+READ_THREADS = 4  # reader threads a chunk is split over, at most (one per core)
 
 
 class CpuCopyDone:
