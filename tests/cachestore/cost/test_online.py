@@ -202,6 +202,7 @@ def test_a_lower_tier_slower_than_its_calibration_is_priced_slow_within_three_lo
         block_tokens=16,
         alpha=0.2,
     )
+
     def load_all_s() -> float:
         d = m.decide(0, ["lmdb"] * 30, 480)
         options = (d.best, *d.alternatives)

@@ -132,9 +132,7 @@ def test_calibrate_rejects_an_impossible_tier_measurement() -> None:
     model.observe_transfer("host", 10 << 20, 1e-3)
     bw = priors.tier_costs["host"].bandwidth_bytes_per_s
     per_byte = 1 / bw + 0.5 * ((1e-3 - 5e-6) / (10 << 20) - 1 / bw)
-    assert model.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(
-        1 / per_byte, rel=1e-9
-    )
+    assert model.tier_costs()["host"].bandwidth_bytes_per_s == pytest.approx(1 / per_byte, rel=1e-9)
 
 
 def test_a_flat_curve_is_untrusted_whoever_passes_it_in() -> None:
