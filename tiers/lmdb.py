@@ -85,9 +85,10 @@ class LmdbTier(LmdbWriter, Tier):
             )
             self._blocks = self._env.open_db(b"blocks")
             self._recency = self._env.open_db(b"recency")
-        self._lock = threading.Lock()  # guards the index, pins, dirty recency and _seq
+        self._lock = threading.Lock()  # guards the index, dirty recency and _seq (pins: _pin_lock)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._pins: dict[str, int] = {}
+        self._pin_lock = threading.Lock()  # guards _pins' counts (see pin)
         self._dirty: dict[str, int] = {}  # key -> seq not yet written to ``recency``
         self._used_bytes = 0
         self._seq = 0
@@ -241,10 +242,14 @@ class LmdbTier(LmdbWriter, Tier):
 
     # -- pins ----------------------------------------------------------------------------
 
+    # Pins take their own lock, not the writer's (held for a whole write transaction): the
+    # engine pins a load's blocks on its step path. The writer reads ``_pins`` without it, so a
+    # key pinned while a write transaction runs may still be evicted by that one write; the
+    # load's read then misses there and the rest is recomputed.
+
     def pin(self, keys: Sequence[str]) -> int:
         """Pin the leading present keys; return how many (stops at the first absent key)."""
-        with self._lock:
-            self._apply_hits()
+        with self._pin_lock:
             for i, key in enumerate(keys):
                 if key not in self._index:
                     return i
@@ -254,7 +259,7 @@ class LmdbTier(LmdbWriter, Tier):
     def pin_each(self, keys: Sequence[str]) -> list[bool]:
         """Pin every present key, past an absent one too; True where pinned (see HostTier)."""
         out: list[bool] = []
-        with self._lock:
+        with self._pin_lock:
             for key in keys:
                 if key in self._index:
                     self._pins[key] = self._pins.get(key, 0) + 1
@@ -262,7 +267,7 @@ class LmdbTier(LmdbWriter, Tier):
         return out
 
     def unpin(self, keys: Sequence[str]) -> None:
-        with self._lock:
+        with self._pin_lock:
             for key in keys:
                 n = self._pins.get(key, 0)
                 if n > 1:

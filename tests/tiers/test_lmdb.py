@@ -139,17 +139,27 @@ def test_from_config_and_open_error(tmp_path: Path) -> None:
         LmdbTier(blocker / "db", capacity_bytes=1000)
 
 
-def test_lookup_answers_while_a_write_transaction_holds_the_lock(tier: LmdbTier) -> None:
-    """The engine looks up on its step path: it must not wait for the writer, which holds the
-    tier's lock for a whole write transaction (here held by the test instead)."""
+def test_lookup_and_pin_answer_while_a_write_transaction_holds_the_lock(tier: LmdbTier) -> None:
+    """The engine looks up and pins on its step path: neither may wait for the writer, which
+    holds the tier's lock for a whole write transaction (here held by the test instead)."""
     import threading
 
     tier.put_many([(k, _val(i)) for i, k in enumerate("abc")])
     got: list[int] = []
+
+    def step_path() -> None:  # what the engine does for a request: look up, then pin
+        got.append(tier.lookup(["c", "a", "zz", "b"]))
+        got.append(tier.pin(["c", "a"]))
+
     with tier._lock:  # a write transaction in progress
-        t = threading.Thread(target=lambda: got.append(tier.lookup(["c", "a", "zz", "b"])))
+        t = threading.Thread(target=step_path)
         t.start()
         t.join(5)
-        assert not t.is_alive() and got == [2]
+        assert not t.is_alive() and got == [2, 2]
     # the hits were queued, and count once the lock is free: c and a are now most recent
     assert tier.lru_keys() == ["b", "c", "a"]
+    # and the pins hold: full at d, e evicts the least recent unpinned block, b
+    assert tier.put_many([("d", _val(3))]) == []
+    assert [e.key for e in tier.put_many([("e", _val(4))])] == ["b"]
+    tier.unpin(["c", "a"])
+    assert [e.key for e in tier.put_many([("f", _val(5))])] == ["c"]
