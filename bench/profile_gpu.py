@@ -389,7 +389,7 @@ def profile_mixed(
             for _ in range(reps + 1 + len(variants))
         ]
         lone = _prefix_in_tiers_only(llm, rng, length, setup)
-        long = SamplingParams(max_tokens=100_000 // 100, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
         drs = {f"dec-{next(ids)}" for _ in range(decoders)}
         for rid in drs:
             eng.add_request(rid, random_tokens(rng, length), long)

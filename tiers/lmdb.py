@@ -155,7 +155,7 @@ class LmdbTier(LmdbWriter, Tier):
             if key not in index:  # one dict lookup: atomic under the GIL
                 break
             n += 1
-        self._note_hits(keys[:n], [True] * n)
+        self._queue_hits(keys[:n])
         return n
 
     def holds_hint(self, key: str) -> bool:
@@ -205,8 +205,12 @@ class LmdbTier(LmdbWriter, Tier):
         return lengths
 
     def _note_hits(self, keys: Sequence[str], found: Sequence[object]) -> None:
-        """Queue the hits' recency refresh; apply the queue here only if nobody holds the lock."""
-        self._hits.extend(k for k, v in zip(keys, found, strict=True) if v is not None)
+        """``_queue_hits`` of the keys whose value was found."""
+        self._queue_hits([k for k, v in zip(keys, found, strict=True) if v is not None])
+
+    def _queue_hits(self, keys: Sequence[str]) -> None:
+        """Queue the keys' recency refresh; apply the queue here only if nobody holds the lock."""
+        self._hits.extend(keys)
         if len(self._hits) > _DRAIN_AT and self._lock.acquire(blocking=False):
             try:
                 self._apply_hits()

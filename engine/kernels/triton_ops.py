@@ -310,6 +310,31 @@ def rotary_and_cache(
 
 
 @triton.jit
+def _copy_tile(
+    src_base,
+    src_offsets_ptr,
+    dst_ptr,
+    dst_rows_ptr,
+    chunk_start,
+    chunk_words,
+    row_words,
+    i,
+    j,
+    BLOCK: tl.constexpr,
+):
+    # Words [j * BLOCK, (j + 1) * BLOCK) of block i's layer chunk, read from host memory
+    # through its device-mapped (UVA) address and written into cache row i.
+    src_word = tl.load(src_offsets_ptr + i)  # int64: the block's payload, in 4-byte words
+    row = tl.load(dst_rows_ptr + i)
+    offs = j * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < chunk_words
+    src = (src_base + (src_word + chunk_start) * 4).to(tl.pointer_type(tl.int32))
+    src = tl.multiple_of(src, 16)
+    vals = tl.load(src + offs, mask=mask)
+    tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
+
+
+@triton.jit
 def _copy_layer_kernel(
     src_base,
     src_offsets_ptr,
@@ -320,18 +345,19 @@ def _copy_layer_kernel(
     row_words,
     BLOCK: tl.constexpr,
 ):
-    # Program (i, j): words [j * BLOCK, (j + 1) * BLOCK) of block i's layer chunk, read from
-    # host memory through its device-mapped (UVA) address and written into cache row i.
-    i = tl.program_id(0)
-    j = tl.program_id(1)
-    src_word = tl.load(src_offsets_ptr + i)  # int64: the block's payload, in 4-byte words
-    row = tl.load(dst_rows_ptr + i)
-    offs = j * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < chunk_words
-    src = (src_base + (src_word + chunk_start) * 4).to(tl.pointer_type(tl.int32))
-    src = tl.multiple_of(src, 16)
-    vals = tl.load(src + offs, mask=mask)
-    tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
+    # Program (i, j): tile j of block i.
+    _copy_tile(
+        src_base,
+        src_offsets_ptr,
+        dst_ptr,
+        dst_rows_ptr,
+        chunk_start,
+        chunk_words,
+        row_words,
+        tl.program_id(0),
+        tl.program_id(1),
+        BLOCK,
+    )
 
 
 @triton.jit
@@ -350,19 +376,19 @@ def _copy_layer_kernel_looped(
     # The same copy from a fixed number of programs, each looping over tiles (pid, pid + P,
     # ...): a load's copy then holds a few SMs for its whole length instead of thousands of
     # programs queued beside the forward's kernels on the compute stream.
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    for t in range(pid, num_tiles, step):
-        i = t // tiles_per_row
-        j = t % tiles_per_row
-        src_word = tl.load(src_offsets_ptr + i)
-        row = tl.load(dst_rows_ptr + i)
-        offs = j * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < chunk_words
-        src = (src_base + (src_word + chunk_start) * 4).to(tl.pointer_type(tl.int32))
-        src = tl.multiple_of(src, 16)
-        vals = tl.load(src + offs, mask=mask)
-        tl.store(dst_ptr + row * row_words + chunk_start + offs, vals, mask=mask)
+    for t in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        _copy_tile(
+            src_base,
+            src_offsets_ptr,
+            dst_ptr,
+            dst_rows_ptr,
+            chunk_start,
+            chunk_words,
+            row_words,
+            t // tiles_per_row,
+            t % tiles_per_row,
+            BLOCK,
+        )
 
 
 def copy_layer_from_host(
