@@ -11,10 +11,13 @@
 #   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES).
 # - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
-#   the pair alone, one alone; step times, breakdowns, kernels (mixed.json).
+#   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
+#   with layer-wise in-step loads (mixed_layered.json; MIXED_VARIANTS="plain layered").
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
+# - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values (~20 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
-# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB) and the client's TTFT by
+# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "layered": on, with
+# in-step loads landing layer by layer) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
 # the warm-up. Durations seen on one H200 (limits to set): a QA mode ~90 s past start-up with
@@ -61,6 +64,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
       on) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml ;;
+      layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
     esac
@@ -96,11 +100,14 @@ fi
 if [[ "$STAGES" == *,mixed,* ]]; then
   # the QA run's reused step reproduced offline: a pair of host reloads of the lone shape
   # arriving while 8 requests decode, then the pair alone, then one alone (bench.profile_gpu)
-  stamp "mixed step (QA shape)"
-  timeout -k 5 "${T_MIXED:-200}" "$PY" -m bench.profile_gpu --sections mixed \
-    --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/mixed.json" \
-    > /tmp/mixed.log 2>&1
-  tail -n 1 /tmp/mixed.log | tee -a "$S"
+  for variant in ${MIXED_VARIANTS:-plain layered}; do
+    stamp "mixed step (QA shape, $variant)"
+    flag=(); name=mixed; [ "$variant" = layered ] && { flag=(--layered); name=mixed_layered; }
+    timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
+      --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \
+      > /tmp/mixed.log 2>&1
+    tail -n 1 /tmp/mixed.log | tee -a "$S"
+  done
 fi
 if [[ "$STAGES" == *,engine,* ]]; then
   # the engine against HF transformers on the same weights (no-regression yardstick)
@@ -117,6 +124,13 @@ if [[ "$STAGES" == *,pressure,* ]]; then
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
     --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1
   tail -n 2 "$OUT_DIR/pressure.log" | tee -a "$S"
+fi
+if [[ "$STAGES" == *,lmdbprobe,* ]]; then
+  # the first read of freshly written LMDB values against warm and plain reads (issue 28)
+  stamp "lmdb first read"
+  timeout -k 5 "${T_PROBE:-90}" "$PY" -m bench.lmdb_first_read --dir "${PROBE_DIR:-/tmp}" \
+    > "$OUT_DIR/lmdb_first_read.log" 2>&1
+  tail -n 1 "$OUT_DIR/lmdb_first_read.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
   stamp "gpu tests"

@@ -353,14 +353,16 @@ def _first_tokens(outs: list[Any], rids: set[str], seen: dict[str, Any]) -> None
 
 
 def profile_mixed(
-    length: int, suffix: int, decoders: int, pair: int, mode: str = "full"
+    length: int, suffix: int, decoders: int, pair: int, mode: str = "full", layered: bool = False
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
     requests of the same length decode; then the same pair with nothing else running, and one
     request alone (bench.offload's lone reload). Step times, TTFTs and breakdowns, and the
     kernels of one mixed arrival. Every run's ``cached`` must equal ``length`` (the prefix was
-    loaded, not recomputed) for its figures to mean anything."""
+    loaded, not recomputed) for its figures to mean anything. ``layered``: in-step loads land
+    layer by layer (``layered_loads: true``), and the mixed arrival is also run with the layer
+    copy kernel on a fixed number of looping programs."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -369,18 +371,28 @@ def profile_mixed(
     setup = build_setup(mode, workdir)
     reps, variants = 3, (16, 32, 64)  # variants: the layer copy kernel's programs
     num_prefixes = pair * (reps + 1 + len(variants)) + 1
-    # The host tier holds every prefix the runs reload (all are written before the first
-    # arrival): the bench's default 8 GiB held under half of them, so the first runs found
-    # their prefixes evicted and recomputed them.
-    host_bytes = (num_prefixes * (length // 16 + 2) + 64) * (bytes_per_block(setup) + (64 << 10))
-    offload = {"tiers": [{"kind": "host", "capacity": f"{host_bytes}B"}]}
     per_req = (length + suffix + 512) // 16 + 2
+    # The host tier holds every prefix the runs reload (all are written before the first
+    # arrival) and the decoders' blocks, saved when they are aborted before the alone runs:
+    # the bench's default 8 GiB held under half of the prefixes, and a tier without room for
+    # the decoders' blocks lost the alone runs' prefixes to them.
+    host_blocks = num_prefixes * (length // 16 + 2) + decoders * (per_req + 1000 // 16) + 64
+    host_bytes = host_blocks * (bytes_per_block(setup) + (64 << 10))
+    offload: dict[str, Any] = {"tiers": [{"kind": "host", "capacity": f"{host_bytes}B"}]}
+    if layered:
+        offload["layered_loads"] = True
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
     rng = random.Random(11)
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    res: dict[str, Any] = {"length": length, "suffix": suffix, "decoders": decoders, "pair": pair}
+    res: dict[str, Any] = {
+        "length": length,
+        "suffix": suffix,
+        "decoders": decoders,
+        "pair": pair,
+        "layered": layered,
+    }
     ids = iter(range(10**6))
     try:
         # every prefix the runs reload, each in the host tier only (needs an idle pool)
@@ -433,6 +445,7 @@ def profile_mixed(
             eng.abort_request(rid)
         while eng.has_unfinished_requests():
             eng.step()
+        eng.flush_kv()  # the decoders' saves land now, not in the alone runs' steps
         res["alone_pair"] = arrive(groups[reps])
         res["alone_one"] = arrive([lone])
         runs = [*res["mixed"], *res.get("mixed_by_copy_programs", {}).values()]
@@ -441,6 +454,28 @@ def profile_mixed(
     finally:
         close_llm(llm)
     return res
+
+
+def _mixed_summary(m: dict[str, Any]) -> str:
+    """One line: the median TTFT and step of each run of ``profile_mixed``."""
+    if "error" in m:
+        return f"mixed: {m['error']}"
+
+    def med(runs: list[dict[str, Any]]) -> str:
+        ttft = statistics.median(q["ttft_ms"] for r in runs for q in r["requests"])
+        step = statistics.median(s["ms"] for r in runs for s in r["steps"])
+        return f"TTFT {ttft:.1f} ms (step {step:.1f})"
+
+    by = m.get("mixed_by_copy_programs", {})
+    parts = [f"mixed {med(m['mixed'])}"]
+    parts += [f"{k} programs {med([r])}" for k, r in by.items()]
+    parts += [f"pair alone {med([m['alone_pair']])}", f"one alone {med([m['alone_one']])}"]
+    return (
+        f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
+        f"{m['layered']}, decode step {m['decode_step_ms']} ms): "
+        + "; ".join(parts)
+        + f"; all loaded {m['all_loaded']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decoders", type=int, default=8, help="mixed: requests decoding meanwhile")
     ap.add_argument("--pair", type=int, default=2, help="mixed: requests arriving together")
     ap.add_argument("--setup", default="full", help="mixed: tiny runs anywhere (a smoke run)")
+    ap.add_argument(
+        "--layered", action="store_true", help="mixed: in-step loads land layer by layer"
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.setup == "full":
@@ -464,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                 res[name] = profile_decode(args.quick)
             elif name == "mixed":
                 res[name] = profile_mixed(
-                    args.length, args.suffix, args.decoders, args.pair, args.setup
+                    args.length, args.suffix, args.decoders, args.pair, args.setup, args.layered
                 )
             else:
                 res[name] = profile_reload(args.length)
@@ -482,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     d = res.get("decode", {})
     r = res.get("reload", {})
     print(json.dumps(res, indent=1))
+    if "mixed" in res:
+        print(_mixed_summary(res["mixed"]))
+        return 0
     print(
         f"decode b1: step {d.get('step_ms')} ms, replay {d.get('replay_gpu_ms')} ms, host before "
         f"replay {d.get('host_before_replay_ms')} ms | reload {r.get('length')}: "

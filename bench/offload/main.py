@@ -355,7 +355,8 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
             "tiers": [{"kind": "host", "capacity": host_cap}],
         }
     return {
-        "decision": "load" if mode == "host" else "cost",
+        "decision": "cost" if mode == "cost" else "load",
+        **({"layered_loads": True} if mode == "host_layered" else {}),
         "tiers": [{"kind": "host", "capacity": host_cap}],
     }
 
@@ -372,10 +373,12 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
 
 
 # lmdb: the pipelined lower-tier load (the default); lmdb_serial: read all, then copy;
-# lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack.
+# lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack;
+# host_layered: the host reload with in-step loads landing layer by layer (raw blocks).
 TTFT_MODES = (
     "recompute",
     "host",
+    "host_layered",
     "host_lossless",
     "host_lossless_whole",
     "lmdb",
@@ -687,7 +690,12 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
             default=None,
         )
         lm_txt = f", lmdb {s[lm]:.1f}x at {lm[5:]}" if lm else ""
-        named = (("host", "host"), ("host_lossless", "host lossless"), ("cost", "cost"))
+        named = (
+            ("host", "host"),
+            ("host_layered", "host layered"),
+            ("host_lossless", "host lossless"),
+            ("cost", "cost"),
+        )
         txt = ", ".join(
             f"{label} {s[f'{m}_{top}']:.1f}x" for m, label in named if f"{m}_{top}" in s
         )
@@ -757,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the full code path on a tiny random Llama (CPU-friendly)",
     )
+    ap.add_argument(
+        "--tiny-wide",
+        action="store_true",
+        help="--tiny with KV blocks of a real size (16 layers of Llama-3-8B's KV heads: 1 MiB)",
+    )
     ap.add_argument("--lengths", help="TTFT prefix lengths, comma-separated (multiples of 16)")
     ap.add_argument("--sweep-lengths", help="sweep prefix lengths (default: the mode's)")
     ap.add_argument("--reps", type=int, help="TTFT repetitions per point (median reported)")
@@ -822,7 +835,15 @@ def main(argv: list[str] | None = None) -> int:
     # recompute first: every other mode's speedup is over it
     ttft_modes = ["recompute", *(m for m in ttft_modes if m != "recompute")]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-offload-") as workdir:
-        mode = "quick" if args.quick else "tiny" if args.tiny else "full"
+        mode = (
+            "quick"
+            if args.quick
+            else "tiny"
+            if args.tiny
+            else "tiny_wide"
+            if args.tiny_wide
+            else "full"
+        )
         setup = dataclasses.replace(
             build_setup(mode, workdir, args),
             reload_modes=modes,

@@ -61,6 +61,16 @@ TINY = {
     "head_dim": 32,
     "max_position_embeddings": 32768,
 }  # room for 16K prefixes on CPU
+# The tiny model with Llama-3-8B's KV layout per layer over 16 layers: blocks of a real size
+# (1 MiB at float32), so CPU runs of LMDB reloads move bytes as the GPU runs do, per block.
+TINY_WIDE = {
+    **TINY,
+    "hidden_size": 256,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
 TOKEN_RANGE = (10, 500)
 
 
@@ -149,7 +159,8 @@ def _install_random_loader() -> None:
 
 
 def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None) -> Setup:
-    """``quick``: the demo model; ``tiny``: the full path on a tiny random Llama; ``full``: the
+    """``quick``: the demo model; ``tiny``: the full path on a tiny random Llama (``tiny_wide``:
+    its KV blocks of a real size, ``TINY_WIDE``); ``full``: the
     Llama-3-8B shape (CUDA only). ``args`` overrides sizes (see main's flags)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -175,10 +186,10 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
             2048,
             60.0,
         )
-    elif mode == "tiny":
+    elif mode in ("tiny", "tiny_wide"):
         _install_random_loader()
         setup = Setup(
-            _random_model_dir(workdir, TINY),
+            _random_model_dir(workdir, TINY if mode == "tiny" else TINY_WIDE),
             device,
             workdir,
             (256, 1024),

@@ -206,7 +206,9 @@ class HierarchicalStore(HostLoads):
         finally:
             self._host.unpin(pinned)
 
-    def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
+    def get_many_into(
+        self, keys: Sequence[str], out: Sequence[Any], *, promote: bool = True
+    ) -> list[int | None]:
         """Read each of ``keys`` straight into ``out[i]``, the caller's buffer (writable,
         C-contiguous: a bytearray, a memoryview slice of one staging buffer, a numpy row of a
         pinned tensor); the same read as ``get_many_encoded`` otherwise. Returns per key:
@@ -230,11 +232,13 @@ class HierarchicalStore(HostLoads):
         remote through their ``get_many``). A value failing the codec is a miss of that tier,
         counted ``corrupt`` and deleted from it, and the next tier is asked. Hits below the
         top are promoted to the top tier asynchronously (``promote_on_get``) from one copy
-        the store makes (the caller may reuse ``out`` as soon as this returns). Counters as
+        the store makes (the caller may reuse ``out`` as soon as this returns); ``promote``
+        False skips that copy (a caller that puts the blocks back into the top tier itself,
+        as the offload connector's saves do once the GPU frees them). Counters as
         ``get_many``. Raises ValueError (one line) when ``out`` and ``keys`` differ in length
         or a buffer is read-only or not contiguous; never raises for tier failures.
         Thread-safe; concurrent calls must not share buffers."""
-        return self._reads.read_into(keys, out)
+        return self._reads.read_into(keys, out, promote=promote)
 
     def _read(
         self,

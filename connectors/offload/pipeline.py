@@ -11,7 +11,10 @@ staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the ca
   the store's ``get_many_into``: each tier copies its value straight into the row (LMDB from
   its map), checked there (checksum, key; the header against the template: dtype and shape),
   so a block is copied once on its way to the staging row; the copies into the cache take the
-  payload out of each row. Without ``headers``: the store's ``read_pinned`` (checksummed; hits
+  payload out of each row. These reads promote nothing into the host tier: the store's
+  promotion copied each block once more on the reader threads (on the 2-core CPU it doubled
+  a 2K-token LMDB reload's load time), and the blocks reach the host tier anyway once the GPU
+  frees them (the saves store every block the top tier lacks). Without ``headers``: the store's ``read_pinned`` (checksummed; hits
   promoted into the host tier as usual) and one more copy of each payload into its row.
 - The copy step: CUDA, ``non_blocking`` copies of runs of consecutive blocks on the worker's
   side stream, bracketed by timing events (the first waits for the load's ``ready`` event: the
@@ -214,11 +217,11 @@ class LoadPipeline:
         # across cores instead of one core's memcpy rate bounding the load.
         step = -(-len(keys) // self._reader_threads)
         if self._readers is None or step >= len(keys):
-            lengths = self.store.get_many_into(keys, bufs)
+            lengths = self.store.get_many_into(keys, bufs, promote=False)
         else:
             parts = [
                 self._readers.submit(
-                    self.store.get_many_into, keys[i : i + step], bufs[i : i + step]
+                    self.store.get_many_into, keys[i : i + step], bufs[i : i + step], promote=False
                 )
                 for i in range(0, len(keys), step)
             ]

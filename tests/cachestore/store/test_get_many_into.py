@@ -187,6 +187,20 @@ def test_promotion_copies_once_and_survives_buffer_reuse(tmp_path: Path) -> None
     store.close()
 
 
+def test_a_read_asked_not_to_promote_leaves_the_top_tier_alone(tmp_path: Path) -> None:
+    store = filled(tmp_path)
+    out = bufs(2)
+    assert store.get_many_into([KEYS[0], KEYS[3]], out, promote=False) == [SIZE, SIZE]
+    assert [bytes(b) for b in out] == [kblock(0), kblock(3)]
+    store.flush()
+    assert counters(store, "promotions") == [0, 0]
+    assert store.tiers[0].lru_keys() == KEYS[4:8]  # nothing evicted to make room
+    assert store.get_many_into([KEYS[0]], bufs(1)) == [SIZE]  # the default still promotes
+    store.flush()
+    assert counters(store, "promotions") == [1, 0] and KEYS[0] in store.tiers[0].lru_keys()
+    store.close()
+
+
 class CopyingLmdb(LmdbTier):
     """An LMDB tier claiming its views die at its next call (as the remote tier's do)."""
 

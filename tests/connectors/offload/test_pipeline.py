@@ -209,7 +209,8 @@ def test_greedy_tokens_with_a_pipelined_lmdb_reload_equal_those_without_offload(
 ) -> None:
     """One engine writes a prompt's blocks down to LMDB (closing flushes them); a restarted one
     (an empty host tier above the same LMDB) reloads them through the pipeline in chunks of 2
-    blocks (0: unpipelined) and gives the tokens of an engine without offload."""
+    blocks (0: unpipelined) and gives the tokens of an engine without offload. The pipelined
+    read promotes nothing, and the blocks are in the host tier once the request is done."""
     rng = random.Random(9)
     prompt = [rng.randrange(3, VOCAB) for _ in range(120)]
     want = list(make_llm(model_dir, 10).generate([prompt], GREEDY)[0].token_ids)
@@ -227,7 +228,17 @@ def test_greedy_tokens_with_a_pipelined_lmdb_reload_equal_those_without_offload(
     log = tmp_path / "requests.jsonl"
     with make_llm(model_dir, 10, config, request_log=str(log)) as llm:
         assert list(llm.generate([prompt], GREEDY)[0].token_ids) == want
+        store = llm.engine.kv_connector.store
+        promoted = store.stats()
+        llm.engine.flush_kv()
         kv = llm.kv_stats()
+        host_keys = set(store.tiers[0].lru_keys())
+    host_stats = next(t for t in promoted["tiers"] if t["name"] == "host")
+    if chunk_bytes:
+        # The pipelined read promotes nothing (no second copy of each block on the read path);
+        # the blocks reach the host tier through the saves once the request frees them.
+        assert host_stats["promotions"] == 0
+    assert len(host_keys) == 7
     assert kv["tiers"]["lmdb"]["hit_blocks"] == 7 and kv["failed_loads"] == 0
     assert kv["loaded_tokens"] == 7 * 16
     row = json.loads(log.read_text().splitlines()[-1])  # the load's measured parts

@@ -1,0 +1,147 @@
+"""Where a page-cached LMDB read loses its speed: the first read of freshly written values.
+
+An engine reloads blocks it wrote moments ago (write-through), so every LMDB reload maps those
+map pages into the process for the first time; ``bench/tiers.py`` times warm passes. This one
+writes ``--blocks`` values of ``--block-bytes`` through ``LmdbTier`` (its writer thread), then
+reads them in the same process, each line the same bytes, in this order:
+
+    tier_first      LmdbTier.get_many_into, first touch of the map pages, into the destination
+    tier_again      the same, the pages now mapped
+    plain_again     a plain read transaction (buffers=True) copying into the same destination
+    plain_fresh     a plain read transaction in a fresh subprocess (first touch there)
+
+The destination is pinned host memory when CUDA is present (as the load pipeline's staging),
+else a numpy buffer. Prints JSON (GB/s per line, machine, file system of the path) and a
+one-line summary.
+
+    python -m bench.lmdb_first_read [--dir /tmp] [--blocks 256] [--block-bytes 2MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_info  # noqa: E402
+from tiers.config import parse_size  # noqa: E402
+from tiers.lmdb import LmdbTier  # noqa: E402
+
+
+def _dest(nbytes: int) -> tuple[np.ndarray, str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return t.numpy(), "pinned"
+    except ImportError:
+        pass
+    return np.empty(nbytes, np.uint8), "pageable"
+
+
+def _plain_read(path: str, keys: list[str], dest: np.ndarray, block: int) -> float:
+    import lmdb
+
+    env = lmdb.open(path, readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        db = env.open_db(b"blocks", create=False)
+        t0 = time.perf_counter()
+        with env.begin(db=db, buffers=True) as txn:
+            for i, key in enumerate(keys):
+                buf = txn.get(key.encode())
+                dest[i * block : i * block + len(buf)] = np.frombuffer(buf, np.uint8)
+        return time.perf_counter() - t0
+    finally:
+        env.close()
+
+
+def _fs_type(path: str) -> str:
+    best, kind = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and path.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return f"{kind} ({best})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--block-bytes", default="2MiB")
+    ap.add_argument("--fresh-child", nargs=3, help=argparse.SUPPRESS)  # path, blocks, block
+    args = ap.parse_args(argv)
+    if args.fresh_child:
+        path, n, block = args.fresh_child[0], int(args.fresh_child[1]), int(args.fresh_child[2])
+        dest, _ = _dest(n * block)
+        dest[:] = 0  # fault the destination in first: only the map's first touch is timed
+        print(_plain_read(path, [f"k{i}" for i in range(n)], dest, block))
+        return 0
+    block = parse_size(args.block_bytes)
+    n = args.blocks
+    work = tempfile.mkdtemp(prefix="kvtier-lmdb-first-", dir=args.dir)
+    path = os.path.join(work, "db")
+    tier = LmdbTier(path, 2 * n * block + (64 << 20))
+    rng = np.random.default_rng(0)
+    keys = [f"k{i}" for i in range(n)]
+    payload = rng.integers(0, 255, block, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    for i in range(0, n, 32):
+        tier.put_many([(k, payload) for k in keys[i : i + 32]])
+    write_s = time.perf_counter() - t0
+    dest, kind = _dest(n * block)
+    dest[:] = 0
+    rows = [dest[i * block : (i + 1) * block] for i in range(n)]
+    res: dict[str, float] = {}
+    for name in ("tier_first", "tier_again"):
+        t0 = time.perf_counter()
+        got = tier.get_many_into(keys, rows)
+        res[name] = time.perf_counter() - t0
+        assert all(g == block for g in got), "a value went missing"
+    tier.close()
+    res["plain_again"] = _plain_read(path, keys, dest, block)
+    child = [
+        sys.executable,
+        "-m",
+        "bench.lmdb_first_read",
+        "--fresh-child",
+        path,
+        str(n),
+        str(block),
+    ]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(child, capture_output=True, text=True, cwd=root, check=True)
+    res["plain_fresh"] = float(out.stdout.strip().splitlines()[-1])
+    total = n * block
+    gbps = {k: round(total / v / 1e9, 2) for k, v in res.items()}
+    doc = {
+        "machine": machine_info(),
+        "path": path,
+        "file_system": _fs_type(work),
+        "destination": kind,
+        "blocks": n,
+        "block_bytes": block,
+        "write_gbps": round(total / write_s / 1e9, 2),
+        "read_gbps": gbps,
+    }
+    print(json.dumps(doc, indent=1))
+    print(
+        f"lmdb_first_read ({doc['file_system']}, {n} x {block} B into {kind}): "
+        + ", ".join(f"{k} {v} GB/s" for k, v in gbps.items())
+        + f"; write {doc['write_gbps']} GB/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
