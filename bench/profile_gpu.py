@@ -353,7 +353,13 @@ def _first_tokens(outs: list[Any], rids: set[str], seen: dict[str, Any]) -> None
 
 
 def profile_mixed(
-    length: int, suffix: int, decoders: int, pair: int, mode: str = "full", layered: bool = False
+    length: int,
+    suffix: int,
+    decoders: int,
+    pair: int,
+    mode: str = "full",
+    layered: bool = False,
+    in_step_per_step: int | None = None,
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -362,7 +368,8 @@ def profile_mixed(
     kernels of one mixed arrival. Every run's ``cached`` must equal ``length`` (the prefix was
     loaded, not recomputed) for its figures to mean anything. ``layered``: in-step loads land
     layer by layer (``layered_loads: true``), and the mixed arrival is also run with the layer
-    copy kernel on a fixed number of looping programs."""
+    copy kernel on a fixed number of looping programs. ``in_step_per_step``: the connector's
+    ``in_step_loads_per_step`` (None: its default)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -381,6 +388,8 @@ def profile_mixed(
     offload: dict[str, Any] = {"tiers": [{"kind": "host", "capacity": f"{host_bytes}B"}]}
     if layered:
         offload["layered_loads"] = True
+    if in_step_per_step is not None:
+        offload["in_step_loads_per_step"] = in_step_per_step
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
@@ -392,6 +401,7 @@ def profile_mixed(
         "decoders": decoders,
         "pair": pair,
         "layered": layered,
+        "in_step_loads_per_step": offload.get("in_step_loads_per_step", 1),
     }
     ids = iter(range(10**6))
     try:
@@ -457,14 +467,17 @@ def profile_mixed(
 
 
 def _mixed_summary(m: dict[str, Any]) -> str:
-    """One line: the median TTFT and step of each run of ``profile_mixed``."""
+    """One line: each run's TTFTs (the medians over repetitions of the first, second, ...
+    request to get its token, and their mean) and its step."""
     if "error" in m:
         return f"mixed: {m['error']}"
 
     def med(runs: list[dict[str, Any]]) -> str:
-        ttft = statistics.median(q["ttft_ms"] for r in runs for q in r["requests"])
+        ranks = [sorted(q["ttft_ms"] for q in r["requests"]) for r in runs]
+        by_rank = [statistics.median(x) for x in zip(*ranks, strict=False)]
         step = statistics.median(s["ms"] for r in runs for s in r["steps"])
-        return f"TTFT {ttft:.1f} ms (step {step:.1f})"
+        mean = statistics.fmean(by_rank)
+        return f"TTFT {'/'.join(f'{t:.1f}' for t in by_rank)} ms (mean {mean:.1f}; step {step:.1f})"
 
     by = m.get("mixed_by_copy_programs", {})
     parts = [f"mixed {med(m['mixed'])}"]
@@ -472,9 +485,8 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     parts += [f"pair alone {med([m['alone_pair']])}", f"one alone {med([m['alone_one']])}"]
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
-        f"{m['layered']}, decode step {m['decode_step_ms']} ms): "
-        + "; ".join(parts)
-        + f"; all loaded {m['all_loaded']}"
+        f"{m['layered']}, in-step loads a step {m.get('in_step_loads_per_step')}, decode step "
+        f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
 
 
@@ -490,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--layered", action="store_true", help="mixed: in-step loads land layer by layer"
     )
+    ap.add_argument(
+        "--in-step-loads-per-step",
+        type=int,
+        help="mixed: the connector's in_step_loads_per_step (default: its own, 1)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.setup == "full":
@@ -502,7 +519,13 @@ def main(argv: list[str] | None = None) -> int:
                 res[name] = profile_decode(args.quick)
             elif name == "mixed":
                 res[name] = profile_mixed(
-                    args.length, args.suffix, args.decoders, args.pair, args.setup, args.layered
+                    args.length,
+                    args.suffix,
+                    args.decoders,
+                    args.pair,
+                    args.setup,
+                    args.layered,
+                    args.in_step_loads_per_step,
                 )
             else:
                 res[name] = profile_reload(args.length)

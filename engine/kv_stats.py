@@ -57,6 +57,7 @@ class KVStats(_KVStatsRequired, total=False):
     prefetched_blocks: int
     prefetch_used_blocks: int
     prefetch_wasted_blocks: int
+    in_step_deferred_loads: int
     store: dict[str, Any]
     cost_model: dict[str, Any]
     decision_policy: str

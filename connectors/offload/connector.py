@@ -80,6 +80,7 @@ class OffloadConnector:
             stats=self.counters,
             block_meta=meta,
             in_step=config.in_step_host_loads,
+            in_step_per_step=config.in_step_loads_per_step,
             prefetch_budget_blocks=_prefetch_budget(config, store),
         )
         self.worker = OffloadWorker(

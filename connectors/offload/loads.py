@@ -131,10 +131,15 @@ class HostLoader:
         request scheduled): wait for the first staging and for the copies."""
         self.cancel(cancelled)
         in_step: list[PendingLoad] = []
-        for load in loads:
+        # In-step loads first: this step's forward waits for their copies, so the copy stream
+        # takes them before any async load's (which then run under the forward).
+        for load in sorted(loads, key=lambda ld: not ld.in_step):
             if load.req_id in cancelled:  # its blocks may be reused at once
                 self._release_unsent(load)
                 continue
+            if not load.in_step and in_step:
+                self._copies.copy_in_step(in_step)  # before the first async load's copies
+                in_step = []
             pending = self._begin(load)
             self._loads[load.req_id] = pending
             if load.in_step:

@@ -15,7 +15,12 @@
   the codec header checked, the slots pinned) and offered as ``ExternalHit(load_async=False)``:
   the scheduler counts those tokens as computed at admission, and the worker copies the slots
   in before that same step's forward. A slot that fails its header check (or is gone) ends the
-  load there: the rest is recomputed, decided before anything was promised.
+  load there: the rest is recomputed, decided before anything was promised. At most
+  ``in_step_per_step`` such loads a step: a step's forward waits for all of its in-step copies,
+  so a second reload admitted in the same step would hold the first one's first token behind
+  its own copy. Past the limit a host hit is an async load instead (counted
+  ``in_step_deferred_loads``): the worker issues its copies behind the in-step ones, they run
+  under this step's forward, and the request computes in the next step.
 - Async loads: ``store.prepare_load`` at allocation claims and pins the blocks in every tier and
   (``block_meta`` given) locates the leading host-tier run, so the worker copies it at once.
 - Pins: each load's ``LoadSpec`` holds them; it is completed (``store.complete_load``) by the
@@ -73,10 +78,12 @@ class OffloadScheduler:
         stats: OffloadStats,
         block_meta: BlockMeta | None = None,
         in_step: bool = True,
+        in_step_per_step: int = 1,
         prefetch_budget_blocks: int = 0,
     ) -> None:
         """``block_meta``: the codec metadata of a block; given, loads find their host-tier
-        blocks when prepared, and with ``in_step`` host-tier hits load in-step.
+        blocks when prepared, and with ``in_step`` host-tier hits load in-step, at most
+        ``in_step_per_step`` of them a step (0: no limit).
         ``prefetch_budget_blocks`` > 0 with tiers below a host slab: prefetch on arrival
         (``connectors.offload.prefetch``), at most that many blocks pinned at once."""
         self.store = store
@@ -84,6 +91,9 @@ class OffloadScheduler:
         # Blocks carry their key (codec version 2): the header check names it.
         self._check = HostCheck.for_meta(block_meta) if block_meta is not None else None
         self._in_step = in_step and self._check is not None and store.host_slab() is not None
+        self._in_step_per_step = in_step_per_step
+        self._in_step_this_step = 0  # in-step loads handed to this step's metadata so far
+        self._deferred: set[str] = set()  # plans made async by that limit, not yet admitted
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -164,7 +174,8 @@ class OffloadScheduler:
         offsets: tuple[int, ...] = ()
         unlocated = 0
         spec = None
-        if self._in_step and head == 0 and num_load and all(t == "host" for t in tiers[:num_load]):
+        host_only = head == 0 and num_load and all(t == "host" for t in tiers[:num_load])
+        if host_only and self._in_step and not self._step_has_its_in_step_loads():
             # Located and pinned now, the pins held until the plan is used or dropped.
             spec = self.store.prepare_load(keys[:num_load], self._check, claim=False)
             offsets = spec.host_offsets
@@ -181,13 +192,20 @@ class OffloadScheduler:
             option.predicted_s,
         )
         in_step = bool(offsets) or unlocated > 0
+        if host_only and self._in_step and not in_step:
+            self._deferred.add(request.req_id)  # counted if admitted so
         return ExternalHit(
             num_tokens=num_load * bs,
             load_async=num_load > 0 and not in_step,
             num_head_tokens=head * bs,
         )
 
+    def _step_has_its_in_step_loads(self) -> bool:
+        limit = self._in_step_per_step
+        return limit > 0 and self._in_step_this_step >= limit
+
     def _drop_plan(self, req_id: str) -> None:
+        self._deferred.discard(req_id)
         plan = self._plans.pop(req_id, None)
         if plan is not None and plan.spec is not None:
             self.store.complete_load(plan.spec)
@@ -292,6 +310,11 @@ class OffloadScheduler:
             spec,
         )
         self._new_loads.append(load)
+        if offsets:
+            self._in_step_this_step += 1
+        elif request.req_id in self._deferred:
+            self._deferred.discard(request.req_id)
+            self.stats.add(in_step_deferred_loads=1)
         tiers = plan.tiers[loaded]
         if self.prefetcher is not None:  # count a prefetched block where its data lived
             origin = self.prefetcher.origins(request.req_id)
@@ -345,6 +368,7 @@ class OffloadScheduler:
         )
         self._pending_saves = {}
         self._new_loads = []
+        self._in_step_this_step = 0
         self._cancelled = set()
         self._reused = False
         return meta

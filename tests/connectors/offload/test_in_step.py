@@ -159,3 +159,43 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
         assert llm.engine.runner.kv_cache._layer_ready is None
     assert kv["loaded_tokens"] == 48 and kv["recomputed_tokens"] == 0
     assert kv["failed_loads"] == 0 and kv["loaded_blocks"] == 3
+
+
+@pytest.mark.parametrize(
+    ("limit", "first_token_steps", "deferred"), [(1, (1, 2), 1), (0, (1, 1), 0)]
+)
+def test_two_host_reloads_admitted_together_take_one_in_step_load_a_step(
+    model_dir: str, limit: int, first_token_steps: tuple[int, int], deferred: int
+) -> None:
+    """``in_step_loads_per_step``: two prompts whose prefixes only the host tier holds arrive
+    together. With the default (1) the first loads in-step and yields its token in the
+    admitting step; the second loads asynchronously (its copies issued behind the first's,
+    under that step's forward) and yields its token one step later, so the first request's
+    token never waits for the second's copy. 0: both in-step, both in the first step. The
+    tokens are those of an engine without offload either way."""
+    rng = random.Random(7)
+    a, b = ([rng.randrange(3, VOCAB) for _ in range(70)] for _ in range(2))
+    plain = make_llm(model_dir, 20)
+    want = [list(plain.generate([p], ONE)[0].token_ids) for p in (a, b)]
+    config = {**offload(True), "in_step_loads_per_step": limit}
+    with make_llm(model_dir, 20, config) as llm:
+        engine = llm.engine
+        for p in (a, b):  # each prefix into the host tier only
+            llm.generate([p], ONE)
+            engine.flush_kv()
+            assert engine.pool.reset_prefix_cache()
+        engine.add_request("a", a, ONE)
+        engine.add_request("b", b, ONE)
+        got: dict[str, tuple[int, list[int]]] = {}
+        for step in range(1, 6):
+            for out in engine.step():
+                got[out.req_id] = (step, list(out.token_ids))
+            if len(got) == 2:
+                break
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0 and kv["store"]["load_pins"] == 0
+    assert (got["a"][0], got["b"][0]) == first_token_steps
+    assert [got["a"][1], got["b"][1]] == want
+    assert kv["in_step_deferred_loads"] == deferred
+    assert kv["loaded_tokens"] == 2 * 64 and kv["recomputed_tokens"] == 0
+    assert kv["failed_loads"] == 0 and kv["num_loads"] == 2

@@ -319,3 +319,41 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
     finally:
         worker.close()
         store.close()
+
+
+def test_in_step_copies_are_issued_before_an_async_load_listed_first(
+    parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
+) -> None:
+    """A step's forward waits for its in-step loads only: their copies must reach the copy
+    stream before an async load's, whatever order the metadata lists them in (an async load
+    listed first would otherwise hold the forward behind its own copies)."""
+    worker, store, cache, _ = parts
+    keys, blobs = _host_blocks(worker, store, cache, 2)
+    check = HostCheck.for_meta(worker.meta)
+    async_spec = store.prepare_load(keys[:1], check)
+    in_step_spec = store.prepare_load(keys[1:], check, claim=False)
+    loads = (
+        BlockLoad("async", (4,), (keys[0],), 0, ("host",), spec=async_spec),
+        BlockLoad(
+            "in-step", (6,), (keys[1],), 0, ("host",), in_step_spec.host_offsets, in_step_spec
+        ),
+    )
+    copies = worker._loader._copies  # type: ignore[attr-defined]
+    order: list[str] = []
+    real_copy = copies.copy
+
+    def recording_copy(pending, offsets, forward_reads=False):  # type: ignore[no-untyped-def]
+        if offsets:
+            order.append(pending.load.req_id)
+        return real_copy(pending, offsets, forward_reads)
+
+    copies.copy = recording_copy
+    worker.start_load_kv(KVConnectorMetadata(loads=loads, num_scheduled_requests=1))
+    report = worker.take_report()
+    assert order == ["in-step", "async"]
+    assert sorted((r.req_id, r.num_loaded_blocks) for r in report.finished_loads) == [
+        ("async", 1),
+        ("in-step", 1),
+    ]
+    assert torch.equal(cache.tensor[4], blobs[0]) and torch.equal(cache.tensor[6], blobs[1])
+    assert store.stats()["load_pins"] == 0
