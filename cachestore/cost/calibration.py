@@ -182,6 +182,7 @@ def calibrate(
     tier_block_bytes: int | None = None,
     transfer_timers: Mapping[str, Callable[[int], float]] | None = None,
     transfer_sizes: Sequence[int] = (16, 128),
+    tier_readers: int = 1,
 ) -> OnlineCostModel:
     """Measure what can be measured and start an ``OnlineCostModel`` from it.
 
@@ -189,7 +190,8 @@ def calibrate(
     ``host_to_gpu(n)`` when given (whether or not a host tier is in ``tiers``), else by reading
     the host tier if there is one (on a CPU engine that copy is the hop). Every other tier is
     timed with ``calibrate_tier`` on blocks of ``tier_block_bytes`` (default ``block_bytes``;
-    pass the encoded size, codec header included, to move what a real load moves).
+    pass the encoded size, codec header included, to move what a real load moves), its reads
+    split over ``tier_readers`` threads (the load pipeline's readers).
     ``transfer_timers[name](n)``, when given, times tier ``name`` through a whole load path
     instead (``calibrate_transfer`` at ``transfer_sizes``; the fit then prices that path as
     one hop when no ``host`` entry is measured or given). ``run_prefill`` (optional) fits the
@@ -207,7 +209,7 @@ def calibrate(
         )
         tiers = [t for t in tiers if t.name != "host"]
     moved_bytes = tier_block_bytes or block_bytes
-    _measure_tiers(tiers, moved_bytes, num_blocks, progress, costs, untrusted)
+    _measure_tiers(tiers, moved_bytes, num_blocks, progress, costs, untrusted, tier_readers)
     for name, timer in (transfer_timers or {}).items():
         _checked_or_prior(
             partial(_transfer_cost, timer, moved_bytes, name, transfer_sizes),
@@ -235,12 +237,13 @@ def _measure_tiers(
     progress: bool,
     costs: dict[str, TierCost],
     untrusted: set[str],
+    readers: int = 1,
 ) -> None:
     """``calibrate_tier`` of each tier into ``costs`` (``_checked_or_prior``)."""
     with _progress(len(tiers), "calibrate tiers", progress) as bar:
         for tier in tiers:
             _checked_or_prior(
-                partial(calibrate_tier, tier, block_bytes, num_blocks),
+                partial(calibrate_tier, tier, block_bytes, num_blocks, readers=readers),
                 f"tier {tier.name!r}",
                 tier.name,
                 costs,

@@ -43,6 +43,7 @@ from connectors.offload import calibration as cal
 from connectors.offload import tp as tp_offload  # builds on this class, handed to it
 from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
 from connectors.offload.metadata import KVConnectorMetadata
+from connectors.offload.pipeline import pipeline_readers
 from connectors.offload.scheduler import OffloadScheduler
 from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
@@ -318,6 +319,7 @@ def _calibrate(
             prefill_sizes=sizes,
             num_blocks=max(num_blocks, 2),
             tier_block_bytes=encoded_block_bytes,
+            tier_readers=pipeline_readers(),
         )
     finally:
         if target is not None:

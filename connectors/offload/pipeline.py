@@ -138,7 +138,7 @@ class LoadPipeline:
         )
         self._ring: torch.Tensor | None = None
         self._slot_done: list[object | None] = [None] * depth
-        self._reader_threads = max(1, min(READ_THREADS, os.cpu_count() or 1))
+        self._reader_threads = pipeline_readers()
         self._readers = (
             cf.ThreadPoolExecutor(self._reader_threads, thread_name_prefix="kvtier-load-read")
             if headers is not None and self._reader_threads > 1
@@ -285,6 +285,11 @@ def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
         else:
             out.append((b, i, 1))
     return out
+
+
+def pipeline_readers() -> int:
+    """Reader threads a chunk is split over: ``READ_THREADS``, at most one per core."""
+    return max(1, min(READ_THREADS, os.cpu_count() or 1))
 
 
 def chunk_blocks_for(chunk_bytes: int, bytes_per_block: int) -> int:

@@ -154,3 +154,21 @@ def test_calibrate_measures_the_host_hop_without_a_host_tier(tmp_path) -> None:
     lm = costs["lmdb"]
     expected = lm.latency_s + 2e-5 + 4096 / min(lm.bandwidth_bytes_per_s, 2e10) + TRUTH.time(16, 16)
     assert load.predicted_s == pytest.approx(expected, rel=1e-12)
+
+
+class _IntoOnlyLmdb(LmdbTier):
+    """An LMDB tier whose ``get_many`` fails: only the read loads make reaches its blocks."""
+
+    def get_many(self, keys):  # type: ignore[no-untyped-def]
+        raise AssertionError("calibration must time get_many_into, the read a load makes")
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_calibrate_tier_times_the_read_a_load_makes_over_its_readers(tmp_path, readers) -> None:
+    with _IntoOnlyLmdb(tmp_path / "lmdb", 64 << 20) as tier:
+        tier.put_many([("ns/keep", b"x" * 100)])
+        cost = calibrate_tier(tier, 64 << 10, num_blocks=8, readers=readers)
+        assert cost.name == "lmdb" and cost.bandwidth_bytes_per_s > 0 and cost.latency_s >= 0
+        assert tier.usage().num_entries == 1 and tier.contains("ns/keep")
+    with pytest.raises(ValueError, match="readers must be >= 1"):
+        calibrate_tier(tier, 4096, num_blocks=2, readers=0)
