@@ -143,15 +143,14 @@ class OffloadConfig:
             raise ConfigError(
                 f"kv offload: layered_loads must be true, false or auto, got {self.layered_loads!r}"
             )
-        if (
-            isinstance(self.layers_per_copy, bool)
-            or not isinstance(self.layers_per_copy, int)
-            or self.layers_per_copy < 0
+        for name, low in (
+            ("layers_per_copy", 0),
+            ("load_chunk_bytes", 0),
+            ("load_pipeline_depth", 1),
+            ("kv_head_group", 0),
+            ("in_step_loads_per_step", 0),
+            ("prefetch_budget_blocks", 0),
         ):
-            raise ConfigError(
-                f"kv offload: layers_per_copy must be an integer >= 0, got {self.layers_per_copy!r}"
-            )
-        for name, low in (("load_chunk_bytes", 0), ("load_pipeline_depth", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"kv offload: {name} must be an integer >= {low}, got {value!r}")
@@ -166,32 +165,6 @@ class OffloadConfig:
         if self.placement not in PLACEMENTS:
             raise ConfigError(
                 f"kv offload: placement {self.placement!r}; choose one of {PLACEMENTS}"
-            )
-        if (
-            isinstance(self.kv_head_group, bool)
-            or not isinstance(self.kv_head_group, int)
-            or self.kv_head_group < 0
-        ):
-            raise ConfigError(
-                f"kv offload: kv_head_group must be an integer >= 0, got {self.kv_head_group!r}"
-            )
-        if (
-            isinstance(self.in_step_loads_per_step, bool)
-            or not isinstance(self.in_step_loads_per_step, int)
-            or self.in_step_loads_per_step < 0
-        ):
-            raise ConfigError(
-                f"kv offload: in_step_loads_per_step must be an integer >= 0, "
-                f"got {self.in_step_loads_per_step!r}"
-            )
-        if (
-            isinstance(self.prefetch_budget_blocks, bool)
-            or not isinstance(self.prefetch_budget_blocks, int)
-            or self.prefetch_budget_blocks < 0
-        ):
-            raise ConfigError(
-                f"kv offload: prefetch_budget_blocks must be an integer >= 0, "
-                f"got {self.prefetch_budget_blocks!r}"
             )
 
 

@@ -14,8 +14,9 @@ staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the ca
   payload out of each row. These reads promote nothing into the host tier: the store's
   promotion copied each block once more on the reader threads (on the 2-core CPU it doubled
   a 2K-token LMDB reload's load time), and the blocks reach the host tier anyway once the GPU
-  frees them (the saves store every block the top tier lacks). Without ``headers``: the store's ``read_pinned`` (checksummed; hits
-  promoted into the host tier as usual) and one more copy of each payload into its row.
+  frees them (the saves store every block the top tier lacks). Without ``headers``: the
+  store's ``read_pinned`` (checksummed; hits promoted into the host tier as usual) and one
+  more copy of each payload into its row.
 - The copy step: CUDA, ``non_blocking`` copies of runs of consecutive blocks on the worker's
   side stream, bracketed by timing events (the first waits for the load's ``ready`` event: the
   blocks' previous owner's forwards); CPU, the same copies on a copy thread (a plain memcpy

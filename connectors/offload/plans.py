@@ -43,6 +43,8 @@ class Plan:
     spec: LoadSpec | None = None
     num_unlocated: int = 0  # chosen blocks whose slot failed its header check or was gone
     predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
+    # A host-only load made async because its step already had its in-step loads.
+    deferred: bool = False
 
     @property
     def slab_offsets(self) -> tuple[int, ...]:

@@ -93,7 +93,6 @@ class OffloadScheduler:
         self._in_step = in_step and self._check is not None and store.host_slab() is not None
         self._in_step_per_step = in_step_per_step
         self._in_step_this_step = 0  # in-step loads handed to this step's metadata so far
-        self._deferred: set[str] = set()  # plans made async by that limit, not yet admitted
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -180,6 +179,7 @@ class OffloadScheduler:
             spec = self.store.prepare_load(keys[:num_load], self._check, claim=False)
             offsets = spec.host_offsets
             unlocated, num_load = num_load - len(offsets), len(offsets)
+        in_step = bool(offsets) or unlocated > 0
         self._plans[request.req_id] = Plan(
             num_computed_tokens,
             tuple(keys[: found.num_blocks]),
@@ -190,10 +190,8 @@ class OffloadScheduler:
             spec,
             unlocated,
             option.predicted_s,
+            deferred=bool(host_only and self._in_step and not in_step),
         )
-        in_step = bool(offsets) or unlocated > 0
-        if host_only and self._in_step and not in_step:
-            self._deferred.add(request.req_id)  # counted if admitted so
         return ExternalHit(
             num_tokens=num_load * bs,
             load_async=num_load > 0 and not in_step,
@@ -205,7 +203,6 @@ class OffloadScheduler:
         return limit > 0 and self._in_step_this_step >= limit
 
     def _drop_plan(self, req_id: str) -> None:
-        self._deferred.discard(req_id)
         plan = self._plans.pop(req_id, None)
         if plan is not None and plan.spec is not None:
             self.store.complete_load(plan.spec)
@@ -312,8 +309,7 @@ class OffloadScheduler:
         self._new_loads.append(load)
         if offsets:
             self._in_step_this_step += 1
-        elif request.req_id in self._deferred:
-            self._deferred.discard(request.req_id)
+        elif plan.deferred:
             self.stats.add(in_step_deferred_loads=1)
         tiers = plan.tiers[loaded]
         if self.prefetcher is not None:  # count a prefetched block where its data lived
