@@ -15,7 +15,8 @@
 #   with every reload of a step in-step (the old default: mixed_allinstep.json) or layer-wise
 #   in-step loads (mixed_layered.json); MIXED_VARIANTS="plain allinstep" by default.
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
-# - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values (~20 s).
+# - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
+#   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "layered": on, with
 # in-step loads landing layer by layer; "allinstep": on, every reload of a step in-step) and the client's TTFT by
@@ -28,7 +29,7 @@
 # only small, ~105 s, finished: keep the default 240), offload ttft with 6 modes at 4K+16K
 # > 280 s (at 4K alone, 5 modes: 140 s; 5 modes at 4K+16K with LMDB reads at ~0.7 GB/s did
 # not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s.
-# Writes at most 8 files into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
+# Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,13 @@ fi
 if [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   stamp "warm FlashInfer"; "$PY" -m bench.engine --warm --warm-parts prefill,decode,sampling >/dev/null 2>&1
 fi
+if [[ "$STAGES" == *,lmdbprobe,* ]]; then
+  # the first read of freshly written LMDB values against warm and plain reads (issue 28)
+  stamp "lmdb first read"
+  timeout -k 5 "${T_PROBE:-90}" "$PY" -m bench.lmdb_first_read --dir "${PROBE_DIR:-/tmp}" \
+    --threads "${PROBE_THREADS:-1,2,4,8}" > "$OUT_DIR/lmdb_first_read.log" 2>&1
+  tail -n 1 "$OUT_DIR/lmdb_first_read.log" | tee -a "$S"
+fi
 if [[ "$STAGES" == *,qa,* ]]; then
   runs=()
   for mode in ${QA_MODES:-off on}; do
@@ -77,7 +85,8 @@ if [[ "$STAGES" == *,qa,* ]]; then
     PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
-    [ "$mode" != off ] && cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
+    cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
+    cp "/tmp/qa_$mode.csv" "$OUT_DIR/qa_${mode}.csv" 2>/dev/null
     runs+=("$mode=/tmp/qa_$mode.csv")
   done
   "$PY" -m bench.qa_rounds "${runs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
@@ -130,13 +139,6 @@ if [[ "$STAGES" == *,pressure,* ]]; then
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
     --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1
   tail -n 2 "$OUT_DIR/pressure.log" | tee -a "$S"
-fi
-if [[ "$STAGES" == *,lmdbprobe,* ]]; then
-  # the first read of freshly written LMDB values against warm and plain reads (issue 28)
-  stamp "lmdb first read"
-  timeout -k 5 "${T_PROBE:-90}" "$PY" -m bench.lmdb_first_read --dir "${PROBE_DIR:-/tmp}" \
-    > "$OUT_DIR/lmdb_first_read.log" 2>&1
-  tail -n 1 "$OUT_DIR/lmdb_first_read.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
   stamp "gpu tests"

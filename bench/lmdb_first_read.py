@@ -10,16 +10,26 @@ reads them in the same process, each line the same bytes, in this order:
     plain_again     a plain read transaction (buffers=True) copying into the same destination
     plain_fresh     a plain read transaction in a fresh subprocess (first touch there)
 
+then, for each thread count of ``--threads`` (the load pipeline splits a chunk over reader
+threads), the same blocks in chunks of ``--chunk-blocks`` split over T threads (``threads``):
+
+    tier_tT         LmdbTier.get_many_into per part, as the pipeline's readers
+    tier_xxh_tT     the same plus the xxh3 checksum of each block (the store's check)
+    memcpy_tT       np.copyto from anonymous memory into the same destination (the medium-free
+                    ceiling of a CPU copy on this machine)
+
 The destination is pinned host memory when CUDA is present (as the load pipeline's staging),
 else a numpy buffer. Prints JSON (GB/s per line, machine, file system of the path) and a
 one-line summary.
 
     python -m bench.lmdb_first_read [--dir /tmp] [--blocks 256] [--block-bytes 2MiB]
+        [--threads 1,2,4,8] [--chunk-blocks 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -64,6 +74,53 @@ def _plain_read(path: str, keys: list[str], dest: np.ndarray, block: int) -> flo
         env.close()
 
 
+def _split_reads(
+    pool: cf.ThreadPoolExecutor, threads: int, keys: list[str], rows: list, chunk: int, part_fn
+) -> float:
+    """Seconds to run ``part_fn(keys, rows)`` over ``chunk``-block chunks, each chunk split into
+    ``threads`` parts run at once (the load pipeline's reader split)."""
+    t0 = time.perf_counter()
+    for c in range(0, len(keys), chunk):
+        ks, rs = keys[c : c + chunk], rows[c : c + chunk]
+        step = -(-len(ks) // threads)
+        parts = [
+            pool.submit(part_fn, ks[i : i + step], rs[i : i + step]) for i in range(0, len(ks), step)
+        ]
+        for p in parts:
+            p.result()
+    return time.perf_counter() - t0
+
+
+def _thread_scaling(
+    tier: LmdbTier, keys: list[str], rows: list, block: int, threads: list[int], chunk: int
+) -> dict[str, float]:
+    import xxhash
+
+    src = np.random.default_rng(1).integers(0, 255, len(keys) * block, dtype=np.uint8)
+    srcs = {k: src[i * block : (i + 1) * block] for i, k in enumerate(keys)}
+
+    def tier_part(ks: list[str], rs: list) -> None:
+        got = tier.get_many_into(ks, rs)
+        assert all(g == block for g in got), "a value went missing"
+
+    def tier_xxh_part(ks: list[str], rs: list) -> None:
+        tier_part(ks, rs)
+        for r in rs:
+            xxhash.xxh3_64_intdigest(r)
+
+    def memcpy_part(ks: list[str], rs: list) -> None:
+        for k, r in zip(ks, rs):
+            np.copyto(r, srcs[k])
+
+    res: dict[str, float] = {}
+    for t in threads:
+        with cf.ThreadPoolExecutor(t) as pool:
+            for name, fn in (("tier", tier_part), ("tier_xxh", tier_xxh_part), ("memcpy", memcpy_part)):
+                _split_reads(pool, t, keys, rows, chunk, fn)  # warm
+                res[f"{name}_t{t}"] = _split_reads(pool, t, keys, rows, chunk, fn)
+    return res
+
+
 def _fs_type(path: str) -> str:
     best, kind = "", "?"
     with open("/proc/mounts") as f:
@@ -79,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--block-bytes", default="2MiB")
+    ap.add_argument("--threads", default="1,2,4,8", help="reader thread counts (comma list)")
+    ap.add_argument("--chunk-blocks", type=int, default=8, help="blocks a pipeline chunk reads")
     ap.add_argument("--fresh-child", nargs=3, help=argparse.SUPPRESS)  # path, blocks, block
     args = ap.parse_args(argv)
     if args.fresh_child:
@@ -108,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         got = tier.get_many_into(keys, rows)
         res[name] = time.perf_counter() - t0
         assert all(g == block for g in got), "a value went missing"
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    res.update(_thread_scaling(tier, keys, rows, block, threads, args.chunk_blocks))
     tier.close()
     res["plain_again"] = _plain_read(path, keys, dest, block)
     child = [

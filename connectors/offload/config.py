@@ -15,6 +15,7 @@ One YAML file (or the same dict) holds both::
     load_chunk_bytes: 16777216  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
     load_pipeline_depth: 2  # staging slots of that pipeline (chunks in flight)
+    load_read_threads: 0    # reader threads a chunk is split over (0: one per core, at most 8)
     compression: none       # lossless: bf16/fp16 blocks stored in 12 bits a value (kv_compress)
     drain_timeout_s: 5.0    # shutdown: time to drain write-through queues, then as much to
                             # flush host-only blocks down to the tier below the host
@@ -106,6 +107,9 @@ class OffloadConfig:
     # least one) through this many staging slots; 0 bytes: read everything, then copy.
     load_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     load_pipeline_depth: int = DEFAULT_DEPTH
+    # Reader threads each chunk's tier reads are split over (each a copy out of the medium into
+    # pinned staging plus a checksum, both outside the GIL); 0: one per core, at most 8.
+    load_read_threads: int = 0
     # Graceful shutdown (close): at most this long draining the write-through queues, and as
     # long again flushing host-only blocks down (HierarchicalStore.shutdown_writes).
     drain_timeout_s: float = 5.0
@@ -147,6 +151,7 @@ class OffloadConfig:
             ("layers_per_copy", 0),
             ("load_chunk_bytes", 0),
             ("load_pipeline_depth", 1),
+            ("load_read_threads", 0),
             ("kv_head_group", 0),
             ("in_step_loads_per_step", 0),
             ("prefetch_budget_blocks", 0),
@@ -174,7 +179,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
     "layers_per_copy": ...,
     "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
     "prefetch": ..., "prefetch_budget_blocks": ..., "load_chunk_bytes": ...,
-    "load_pipeline_depth": ..., "placement": ..., "kv_head_group": ...}``
+    "load_pipeline_depth": ..., "load_read_threads": ..., "placement": ..., "kv_head_group": ...}``
     -> OffloadConfig.
     Raises ConfigError naming the bad field."""
     if not isinstance(data, Mapping):
@@ -202,6 +207,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
         load_chunk_bytes=data.get("load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
         load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
+        load_read_threads=data.get("load_read_threads", 0),  # type: ignore[arg-type]
         placement=str(data.get("placement", "all")),
         kv_head_group=data.get("kv_head_group", 0),  # type: ignore[arg-type]
     )

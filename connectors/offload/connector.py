@@ -97,6 +97,7 @@ class OffloadConnector:
             codec=codec,
             load_chunk_bytes=config.load_chunk_bytes,
             load_pipeline_depth=config.load_pipeline_depth,
+            load_read_threads=config.load_read_threads,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.
@@ -147,7 +148,13 @@ class OffloadConnector:
         try:
             if config.calibrate:
                 cost_model = _calibrate(
-                    store, kv_cache, priors, encoded_size(meta, keyed=True), calibration, codec
+                    store,
+                    kv_cache,
+                    priors,
+                    encoded_size(meta, keyed=True),
+                    calibration,
+                    codec,
+                    readers=pipeline_readers(config.load_read_threads),
                 )
             else:
                 cost_model = OnlineCostModel.from_priors(priors)
@@ -295,6 +302,7 @@ def _calibrate(
     encoded_block_bytes: int,
     target: CalibrationTarget | None,
     codec: Hi4Codec | None = None,
+    readers: int = 1,
 ) -> OnlineCostModel:
     """Measure prefill (when ``target`` is given), every tier but host, and the host hop;
     log the result. Leaves the scratch blocks zeroed and the runner without state."""
@@ -319,7 +327,7 @@ def _calibrate(
             prefill_sizes=sizes,
             num_blocks=max(num_blocks, 2),
             tier_block_bytes=encoded_block_bytes,
-            tier_readers=pipeline_readers(),
+            tier_readers=readers,
         )
     finally:
         if target is not None:

@@ -66,13 +66,15 @@ class HostLoader:
         layers_per_copy: int = 0,
         chunk_blocks: int = 0,
         depth: int = 2,
+        readers: int = 0,
     ) -> None:
         """``layered``: in-step loads land layer by layer when the copier can (CUDA;
         ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
         ``codec``: stored payloads are encoded (decoded into the blocks on arrival);
         ``chunk_blocks`` > 0 (raw blocks only): lower-tier loads are pipelined in chunks of that
-        many blocks through ``depth`` staging slots."""
+        many blocks through ``depth`` staging slots, each chunk's reads split over ``readers``
+        threads (0: ``pipeline_readers``' default)."""
         self.kv_cache = kv_cache
         self.codec = codec
         self.store = store
@@ -107,6 +109,7 @@ class HostLoader:
                 chunk_blocks=chunk_blocks,
                 depth=depth,
                 headers=self._headers,
+                readers=readers,
             )
             if chunk_blocks > 0 and codec is None
             else None

@@ -53,7 +53,7 @@ from cachestore.store.hierarchical import HierarchicalStore
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-READ_THREADS = 4  # reader threads a chunk is split over, at most (one per core)
+READ_THREADS = 8  # reader threads a chunk is split over by default, at most (one per core)
 
 
 class CpuCopyDone:
@@ -114,11 +114,13 @@ class LoadPipeline:
         chunk_blocks: int,
         depth: int,
         headers: HeaderTemplate | None = None,
+        readers: int = 0,
     ) -> None:
         """Raises ValueError unless ``chunk_blocks`` >= 1 and ``depth`` >= 1. The staging ring
         (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread.
         ``headers``: the stored blocks' header template; reads go straight into the staging
-        rows (module docstring)."""
+        rows (module docstring). ``readers``: threads a chunk's reads are split over
+        (``pipeline_readers``)."""
         if chunk_blocks < 1 or depth < 1:
             raise ValueError(
                 f"load pipeline: chunk_blocks={chunk_blocks} and depth={depth} must be >= 1"
@@ -139,7 +141,7 @@ class LoadPipeline:
         )
         self._ring: torch.Tensor | None = None
         self._slot_done: list[object | None] = [None] * depth
-        self._reader_threads = pipeline_readers()
+        self._reader_threads = pipeline_readers(readers)
         self._readers = (
             cf.ThreadPoolExecutor(self._reader_threads, thread_name_prefix="kvtier-load-read")
             if headers is not None and self._reader_threads > 1
@@ -288,8 +290,11 @@ def _runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return out
 
 
-def pipeline_readers() -> int:
-    """Reader threads a chunk is split over: ``READ_THREADS``, at most one per core."""
+def pipeline_readers(requested: int = 0) -> int:
+    """Reader threads a chunk is split over: ``requested`` (``load_read_threads``), or for 0
+    one per core, at most ``READ_THREADS``."""
+    if requested > 0:
+        return requested
     return max(1, min(READ_THREADS, os.cpu_count() or 1))
 
 

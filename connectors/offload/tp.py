@@ -253,6 +253,7 @@ def _build(
                 codec=_codec(config, cache),
                 load_chunk_bytes=config.load_chunk_bytes,
                 load_pipeline_depth=config.load_pipeline_depth,
+                load_read_threads=config.load_read_threads,
             )
         )
     first = head_groups(total, 0, size, config.kv_head_group)[0]

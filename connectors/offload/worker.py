@@ -75,11 +75,12 @@ class OffloadWorker:
         codec: Hi4Codec | None = None,
         load_chunk_bytes: int = 0,
         load_pipeline_depth: int = 2,
+        load_read_threads: int = 0,
     ) -> None:
         """``load_chunk_bytes`` > 0: lower-tier loads of raw blocks are pipelined (tier read,
         pinned staging and the copy overlap in chunks of that many bytes, rounded to whole
-        blocks, through ``load_pipeline_depth`` staging slots: connectors/offload/pipeline.py);
-        0: read all, then copy."""
+        blocks, through ``load_pipeline_depth`` staging slots, each chunk's reads split over
+        ``load_read_threads`` threads: connectors/offload/pipeline.py); 0: read all, then copy."""
         self.kv_cache = kv_cache
         self.store = store
         self.meta = meta
@@ -106,6 +107,7 @@ class OffloadWorker:
             layers_per_copy=layers_per_copy,
             chunk_blocks=chunk_blocks_for(load_chunk_bytes, kv_cache.bytes_per_block),
             depth=load_pipeline_depth,
+            readers=load_read_threads,
         )
 
     @property

@@ -18,7 +18,7 @@ from cachestore.codec import encode_block, encoded_size
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import parse_offload_config
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
-from connectors.offload.pipeline import LoadPipeline, chunk_blocks_for
+from connectors.offload.pipeline import READ_THREADS, LoadPipeline, chunk_blocks_for, pipeline_readers
 from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
 from engine import SamplingParams
@@ -71,7 +71,11 @@ def lmdb_blocks(tmp_path: Path) -> Iterator[tuple[HierarchicalStore, KVCache, li
 
 
 def _worker(
-    store: HierarchicalStore, cache: KVCache, chunk_blocks: int, timeout_s: float = 5.0
+    store: HierarchicalStore,
+    cache: KVCache,
+    chunk_blocks: int,
+    timeout_s: float = 5.0,
+    readers: int = 0,
 ) -> OffloadWorker:
     return OffloadWorker(
         cache,
@@ -81,6 +85,7 @@ def _worker(
         stats=OffloadStats(),
         load_chunk_bytes=chunk_blocks * cache.bytes_per_block,
         load_pipeline_depth=2,
+        load_read_threads=readers,
     )
 
 
@@ -105,15 +110,17 @@ def _load_all(store: HierarchicalStore, cache: KVCache, keys: list[str], chunk_b
         worker.close()
 
 
+@pytest.mark.parametrize("readers", [1, 3])
 def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
-    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]], readers: int
 ) -> None:
+    """Whatever the chunking and however many reader threads split each chunk."""
     store, cache, keys = lmdb_blocks
     ids = tuple(random.Random(3).sample(range(2 * N + 2), N))
     landed = {}
     for chunk in (0, 3, 1, N):  # unpipelined, 4 chunks, one block a chunk, one chunk
         cache.tensor.zero_()
-        worker = _worker(store, cache, chunk)
+        worker = _worker(store, cache, chunk, readers=readers)
         try:
             n, copy_s, read_s = _load(worker, store, keys, ids)
         finally:
@@ -195,7 +202,15 @@ def test_pipeline_knobs_are_checked() -> None:
     assert chunk_blocks_for(16 << 20, 2 << 20) == 8
     tiers = [{"kind": "host", "capacity": "1MiB"}]
     assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 16 << 20
-    for bad in ({"load_chunk_bytes": -1}, {"load_pipeline_depth": 0}, {"load_chunk_bytes": "big"}):
+    assert parse_offload_config({"tiers": tiers}).load_read_threads == 0
+    assert parse_offload_config({"tiers": tiers, "load_read_threads": 3}).load_read_threads == 3
+    assert pipeline_readers(3) == 3 and 1 <= pipeline_readers() <= READ_THREADS
+    for bad in (
+        {"load_chunk_bytes": -1},
+        {"load_pipeline_depth": 0},
+        {"load_chunk_bytes": "big"},
+        {"load_read_threads": -1},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             parse_offload_config({"tiers": tiers, **bad})
 
