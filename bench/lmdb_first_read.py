@@ -84,7 +84,8 @@ def _split_reads(
         ks, rs = keys[c : c + chunk], rows[c : c + chunk]
         step = -(-len(ks) // threads)
         parts = [
-            pool.submit(part_fn, ks[i : i + step], rs[i : i + step]) for i in range(0, len(ks), step)
+            pool.submit(part_fn, ks[i : i + step], rs[i : i + step])
+            for i in range(0, len(ks), step)
         ]
         for p in parts:
             p.result()
@@ -109,13 +110,17 @@ def _thread_scaling(
             xxhash.xxh3_64_intdigest(r)
 
     def memcpy_part(ks: list[str], rs: list) -> None:
-        for k, r in zip(ks, rs):
+        for k, r in zip(ks, rs, strict=True):
             np.copyto(r, srcs[k])
 
     res: dict[str, float] = {}
     for t in threads:
         with cf.ThreadPoolExecutor(t) as pool:
-            for name, fn in (("tier", tier_part), ("tier_xxh", tier_xxh_part), ("memcpy", memcpy_part)):
+            for name, fn in (
+                ("tier", tier_part),
+                ("tier_xxh", tier_xxh_part),
+                ("memcpy", memcpy_part),
+            ):
                 _split_reads(pool, t, keys, rows, chunk, fn)  # warm
                 res[f"{name}_t{t}"] = _split_reads(pool, t, keys, rows, chunk, fn)
     return res

@@ -18,7 +18,12 @@ from cachestore.codec import encode_block, encoded_size
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import parse_offload_config
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
-from connectors.offload.pipeline import READ_THREADS, LoadPipeline, chunk_blocks_for, pipeline_readers
+from connectors.offload.pipeline import (
+    READ_THREADS,
+    LoadPipeline,
+    chunk_blocks_for,
+    pipeline_readers,
+)
 from connectors.offload.stats import OffloadStats
 from connectors.offload.worker import OffloadWorker, block_meta
 from engine import SamplingParams
