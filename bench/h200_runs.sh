@@ -8,7 +8,8 @@
 # - pressure: bench/serving.py at ~24K-token histories, a pool of 4096 blocks (under three
 #   histories), qps 1, offload on (PRESSURE_MODES to add off), with the idle-ITL yardstick.
 # - offload: python -m bench.offload ttft at 4K and 16K (OFFLOAD_LENGTHS) with LMDB (pipelined,
-#   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES).
+#   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES); OFFLOAD_SECTIONS
+#   adds sections (e.g. "pipeline,ttft"), OFFLOAD_LOGS=1 keeps each mode's request log.
 # - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
 #   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
@@ -93,7 +94,8 @@ if [[ "$STAGES" == *,qa,* ]]; then
 fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"
-  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections ttft --lengths "${OFFLOAD_LENGTHS:-4096,16384}" \
+  timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections "${OFFLOAD_SECTIONS:-ttft}" \
+    --lengths "${OFFLOAD_LENGTHS:-4096,16384}" ${OFFLOAD_LOGS:+--request-log-dir "$OUT_DIR"} \
     --ttft-modes "${TTFT_MODES:-host,lmdb,lmdb_serial,lmdb_overlap,lmdb_cost}" \
     --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
   tail -n 1 "$OUT_DIR/offload.log" | tee -a "$S"

@@ -17,6 +17,10 @@ threads), the same blocks in chunks of ``--chunk-blocks`` split over T threads (
     tier_xxh_tT     the same plus the xxh3 checksum of each block (the store's check)
     memcpy_tT       np.copyto from anonymous memory into the same destination (the medium-free
                     ceiling of a CPU copy on this machine)
+    pipe_tT         the load pipeline's read step itself (``LoadPipeline.read_chunk`` with T
+                    readers): encoded blocks of the Llama-3-8B shape read through a
+                    ``HierarchicalStore`` (a 2-slot host tier over LMDB), checked, into pinned
+                    staging rows; no engine around it
 
 The destination is pinned host memory when CUDA is present (as the load pipeline's staging),
 else a numpy buffer. Prints JSON (GB/s per line, machine, file system of the path) and a
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import gc
 import json
 import os
 import subprocess
@@ -126,6 +131,63 @@ def _thread_scaling(
     return res
 
 
+def _pipeline_reads(work: str, n: int, threads: list[int], chunk: int) -> dict[str, float]:
+    """``pipe_tT`` (module docstring): seconds per thread count."""
+    import torch
+
+    from cachestore.codec import HeaderTemplate, encode_block, encoded_size
+    from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+    from connectors.offload.pipeline import LoadPipeline
+    from connectors.offload.worker import block_meta
+    from engine.kv_cache import KVCache, KVCacheSpec
+    from tiers import build_tiers
+    from tiers.config import parse_tier_config
+
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    kv = KVCache(spec, 2, torch.device("cpu"))  # the rows' shape only: nothing is copied in
+    meta = block_meta(kv, "bench-first-read")
+    slot = encoded_size(meta, keyed=True)
+    tiers = {
+        "tiers": [
+            {"kind": "host", "capacity": f"{2 * slot}B"},
+            {"kind": "lmdb", "path": os.path.join(work, "pipe"), "capacity": f"{(n + 8) * slot}B"},
+        ]
+    }
+    store = HierarchicalStore(
+        build_tiers(parse_tier_config(tiers), host_slot_bytes=slot),
+        StoreConfig(namespace=meta.namespace, promote_on_get=False),
+    )
+    headers = HeaderTemplate(meta, keyed=True)
+    keys = [f"{meta.namespace}/{i:064x}" for i in range(n)]
+    payload = np.random.default_rng(2).integers(0, 255, meta.payload_bytes, np.uint8).tobytes()
+    lmdb = store.tiers[1]
+    for i in range(0, n, 32):
+        lmdb.put_many([(k, encode_block(payload, meta, key=k)) for k in keys[i : i + 32]])
+    rows = torch.empty((chunk, slot), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    res: dict[str, float] = {}
+    gc.collect()
+    gc.freeze()  # as the engine does once loaded: no full collection of torch's objects mid-read
+    try:
+        for t in threads:
+            pipe = LoadPipeline(
+                kv, store, None, chunk_blocks=chunk, depth=1, headers=headers, readers=t
+            )
+            try:
+                for name in ("warm", f"pipe_t{t}"):
+                    t0 = time.perf_counter()
+                    for c in range(0, n, chunk):
+                        ks = tuple(keys[c : c + chunk])
+                        got = pipe.read_chunk(ks, rows[: len(ks)])
+                        assert got == len(ks), f"the pipeline read {got} of {len(ks)} blocks"
+                    res[name] = time.perf_counter() - t0
+            finally:
+                pipe.close()
+    finally:
+        store.close()
+    res.pop("warm", None)
+    return res
+
+
 def _fs_type(path: str) -> str:
     best, kind = "", "?"
     with open("/proc/mounts") as f:
@@ -175,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     res.update(_thread_scaling(tier, keys, rows, block, threads, args.chunk_blocks))
     tier.close()
+    pipe = _pipeline_reads(work, n, threads, args.chunk_blocks)
     res["plain_again"] = _plain_read(path, keys, dest, block)
     child = [
         sys.executable,
@@ -190,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     res["plain_fresh"] = float(out.stdout.strip().splitlines()[-1])
     total = n * block
     gbps = {k: round(total / v / 1e9, 2) for k, v in res.items()}
+    gbps.update({k: round(n * (2 << 20) / v / 1e9, 2) for k, v in pipe.items()})
     doc = {
         "machine": machine_info(),
         "path": path,

@@ -337,11 +337,14 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
     if mode.startswith("lmdb"):  # everything demoted to LMDB: a 4-slot host tier above it
         decision = {
             "lmdb": "load",
+            "lmdb_1reader": "load",
             "lmdb_serial": "load",
             "lmdb_cost": "cost",
             "lmdb_overlap": "overlap",
         }[mode]
         serial = {"load_chunk_bytes": 0} if mode == "lmdb_serial" else {}
+        if mode == "lmdb_1reader":  # the pipelined load with one reader thread (no split)
+            serial = {"load_read_threads": 1}
         return {
             "decision": decision,
             **serial,
@@ -372,7 +375,8 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
     return prefix
 
 
-# lmdb: the pipelined lower-tier load (the default); lmdb_serial: read all, then copy;
+# lmdb: the pipelined lower-tier load (the default; lmdb_1reader: its chunks read by one
+# thread, not split over load_read_threads); lmdb_serial: read all, then copy;
 # lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack;
 # host_layered: the host reload with in-step loads landing layer by layer (raw blocks).
 TTFT_MODES = (
@@ -382,6 +386,7 @@ TTFT_MODES = (
     "host_lossless",
     "host_lossless_whole",
     "lmdb",
+    "lmdb_1reader",
     "lmdb_serial",
     "lmdb_cost",
     "lmdb_overlap",
@@ -404,8 +409,14 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     num_blocks = (max_len + setup.ttft_suffix + 64) // 16 + 4  # the prompt, its question, room
     rows: dict[str, dict[str, Any]] = {}
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    for mode in _modes(setup.ttft_modes or TTFT_MODES, setup):
-        llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode))
+    default = tuple(m for m in TTFT_MODES if m != "lmdb_1reader")  # a diagnostic: asked by name
+    for mode in _modes(setup.ttft_modes or default, setup):
+        log = (
+            {"request_log": os.path.join(setup.request_log_dir, f"ttft_{mode}.jsonl")}
+            if setup.request_log_dir
+            else {}
+        )
+        llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode), **log)
         try:
             run_requests(
                 llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s
@@ -780,6 +791,9 @@ def main(argv: list[str] | None = None) -> int:
         "full run, 0 for --quick/--tiny)",
     )
     ap.add_argument("--lmdb-max-len", type=int, help="LMDB TTFT mode only up to this length")
+    ap.add_argument(
+        "--request-log-dir", help="ttft: each engine's request log here (ttft_<mode>.jsonl)"
+    )
     ap.add_argument("--qa-users", type=int, help="multi-round QA users")
     ap.add_argument("--qa-concurrency", type=int, help="multi-round QA requests in flight at most")
     ap.add_argument(
@@ -790,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
     ap.add_argument(
         "--ttft-modes",
-        default=",".join(TTFT_MODES),
+        default=",".join(m for m in TTFT_MODES if m != "lmdb_1reader"),
         help=f"ttft modes, comma-separated, from {list(TTFT_MODES)} (recompute always runs)",
     )
     ap.add_argument(

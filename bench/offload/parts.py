@@ -105,6 +105,9 @@ class Setup:
     # New tokens after the reloaded prefix: 16 is a short question; a multi-round QA turn
     # (question + the previous answer) computes a few hundred.
     ttft_suffix: int = 16
+    # The ttft section's engines write their request logs here (``ttft_<mode>.jsonl``: each
+    # request's phases, plan and load read/copy seconds); None: no log.
+    request_log_dir: str | None = None
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
@@ -256,6 +259,9 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
             over["lmdb_max_len"] = args.lmdb_max_len
         if getattr(args, "suffix_tokens", None):
             over["ttft_suffix"] = args.suffix_tokens
+        if getattr(args, "request_log_dir", None):
+            os.makedirs(args.request_log_dir, exist_ok=True)
+            over["request_log_dir"] = args.request_log_dir
         qa = {**setup.qa}
         if args.qa_users:
             qa["users"] = args.qa_users
