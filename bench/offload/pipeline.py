@@ -24,7 +24,7 @@ import torch
 
 from bench.offload.parts import Setup, sync
 
-GRID = ((4, 2), (8, 2), (16, 2), (32, 2), (16, 3))
+GRID = ((8, 2), (16, 2), (32, 2), (64, 2), (32, 3))
 
 
 def bench_pipeline(setup: Setup, reps: int = 5) -> dict[str, Any]:

@@ -12,7 +12,7 @@ One YAML file (or the same dict) holds both::
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
-    load_chunk_bytes: 16777216  # lower-tier loads: read and copy overlap in chunks this big
+    load_chunk_bytes: 67108864  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
     load_pipeline_depth: 2  # staging slots of that pipeline (chunks in flight)
     load_read_threads: 0    # reader threads a chunk is split over (0: one per core, at most 8)
@@ -59,12 +59,14 @@ from tiers.config import (
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
-# Lower-tier load pipeline (connectors/offload/pipeline.py): 8 blocks of Llama-3-8B a chunk,
-# two chunks in flight. bench/offload/pipeline.py on the 2-core CPU machine (busy, 48 LMDB
-# blocks of 2 MiB, interleaved medians): 4-32 blocks a chunk all 2-4x faster than the serial
-# load, within run-to-run noise of each other; smaller chunks fill and drain the pipe sooner.
-# To be confirmed on the H200 (``--sections pipeline``).
-DEFAULT_CHUNK_BYTES = 16 << 20
+# Lower-tier load pipeline (connectors/offload/pipeline.py): 32 blocks of Llama-3-8B a chunk,
+# two chunks in flight. bench/offload/pipeline.py (``--sections pipeline``: 128 page-cached
+# LMDB blocks of 2 MiB into the GPU cache, 8 reader threads): on one H200, 4 / 8 / 16 / 32
+# blocks a chunk took 53.8 / 52.2 / 41.5 / 32.5 ms (8.2 GB/s at 32; a chunk's reads wait for
+# the slowest of its readers, and the readers idle while the load thread issues the chunk's
+# copies, so more blocks a chunk amortise both); on the 2-core CPU machine 8-32 blocks were
+# within noise of each other (23.6-27.8 ms for 48 blocks).
+DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_DEPTH = 2
 PLACEMENTS = ("all", "worth_loading")
 

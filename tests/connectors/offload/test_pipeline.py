@@ -206,7 +206,7 @@ def test_pipeline_knobs_are_checked() -> None:
     assert chunk_blocks_for(0, 1024) == 0 and chunk_blocks_for(100, 1024) == 1
     assert chunk_blocks_for(16 << 20, 2 << 20) == 8
     tiers = [{"kind": "host", "capacity": "1MiB"}]
-    assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 16 << 20
+    assert parse_offload_config({"tiers": tiers}).load_chunk_bytes == 64 << 20
     assert parse_offload_config({"tiers": tiers}).load_read_threads == 0
     assert parse_offload_config({"tiers": tiers, "load_read_threads": 3}).load_read_threads == 3
     assert pipeline_readers(3) == 3 and 1 <= pipeline_readers() <= READ_THREADS
