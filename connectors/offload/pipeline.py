@@ -5,6 +5,9 @@ then staged them all, then copied them all would take the sum of the three. ``Lo
 splits the blocks into chunks of ``chunk_blocks`` and runs them through a ring of ``depth``
 staging slots (pinned host memory on CUDA): while chunk ``i``'s copy into the cache runs, chunk
 ``i + 1`` is read into the next slot, so a reload takes about max(read, copy) plus one chunk.
+With two slots or more that read runs on a read-ahead thread, started before the load thread
+issues chunk ``i``'s copies (which it otherwise did with the readers idle); each chunk's reads
+are split over ``readers`` threads (``load_read_threads``).
 
 - The read step is one method, ``read_chunk(keys, rows)``. Given the blocks' ``headers``
   (``HeaderTemplate``; the worker's), the staging rows are whole encoded blocks and the read is
@@ -152,29 +155,39 @@ class LoadPipeline:
             if side_stream is None
             else None
         )
+        # Read-ahead (two slots or more): chunk i + 1's reads start on this thread before the
+        # load thread issues chunk i's copies, so the readers do not idle meanwhile.
+        self._ahead = (
+            cf.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load-ahead") if depth > 1 else None
+        )
 
     def run(self, job: PipeJob) -> PipedLoad:
         """Load thread: read and copy ``job`` chunk by chunk until done, a miss or a cancel.
-        Never raises (a failed read ends the load there)."""
+        With two slots or more, chunk ``i + 1`` is read (into the next slot, once that slot's
+        previous copy completed) while chunk ``i``'s copies are issued. Never raises (a failed
+        read ends the load there); returns only once no read writes into the ring."""
         t0 = time.perf_counter()
         read_s = 0.0
         cpu_copy: list[cf.Future[float]] = []
         timings: list[tuple[object, object, int]] = []
         ring = self._staging()
-        for c, start in enumerate(range(0, len(job.keys), self.chunk_blocks)):
+        starts = range(0, len(job.keys), self.chunk_blocks)
+        ahead: cf.Future[tuple[int, float]] | None = None
+        for c, start in enumerate(starts):
             keys = job.keys[start : start + self.chunk_blocks]
             k = c % self.depth
-            done = self._slot_done[k]
-            if done is not None:  # the slot's previous copy must have read it
-                done.synchronize()  # type: ignore[attr-defined]
             rows = ring[k * self.chunk_blocks : (k + 1) * self.chunk_blocks]
-            t1 = time.perf_counter()
-            try:
-                n = self.read_chunk(keys, rows)
-            except Exception:
-                log.exception("kv read of %d blocks failed", len(keys))
-                n = 0
-            read_s += time.perf_counter() - t1
+            if ahead is not None:  # read while the previous chunk's copies were issued
+                n, seconds = ahead.result()
+                ahead = None
+            else:
+                n, seconds = self._read_slot(k, keys, rows)
+            read_s += seconds
+            if n == len(keys) and self._ahead is not None and c + 1 < len(starts):
+                nxt = (c + 1) % self.depth
+                nxt_keys = job.keys[starts[c + 1] : starts[c + 1] + self.chunk_blocks]
+                nxt_rows = ring[nxt * self.chunk_blocks : (nxt + 1) * self.chunk_blocks]
+                ahead = self._ahead.submit(self._read_slot, nxt, nxt_keys, nxt_rows)
             with job.lock:
                 if job.cancelled or n == 0:
                     break
@@ -191,11 +204,29 @@ class LoadPipeline:
                 job.copied, job.last = start + n, done
             if n < len(keys):
                 break
+        if ahead is not None:  # the load ended early: its read-ahead must not outlive it
+            ahead.result()
         with job.lock:
             copied, last = job.copied, job.last
         # A CPU copy's wall time is known once it ran; wait for ours here, off the engine thread.
         cpu_s = sum(f.result() for f in cpu_copy)
         return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
+
+    def _read_slot(
+        self, k: int, keys: tuple[BlockKey, ...], rows: torch.Tensor
+    ) -> tuple[int, float]:
+        """Slot ``k``'s previous copy waited for, then ``keys`` read into ``rows`` (a slot of
+        the ring): (leading blocks read, seconds reading). Never raises: a failed read is 0."""
+        done = self._slot_done[k]
+        if done is not None:  # the slot's previous copy must have read it
+            done.synchronize()  # type: ignore[attr-defined]
+        t1 = time.perf_counter()
+        try:
+            n = self.read_chunk(keys, rows)
+        except Exception:
+            log.exception("kv read of %d blocks failed", len(keys))
+            n = 0
+        return n, time.perf_counter() - t1
 
     def read_chunk(self, keys: tuple[BlockKey, ...], rows: torch.Tensor) -> int:
         """THE read step: ``keys`` into ``rows`` (uint8 staging, one row per key: whole encoded
@@ -242,6 +273,8 @@ class LoadPipeline:
             self._copier.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
 
     # -- copies ------------------------------------------------------------------------
 

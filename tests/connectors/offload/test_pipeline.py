@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cachestore.codec import encode_block, encoded_size
+from cachestore.codec import HeaderTemplate, encode_block, encoded_size
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import parse_offload_config
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
 from connectors.offload.pipeline import (
     READ_THREADS,
     LoadPipeline,
+    PipeJob,
     chunk_blocks_for,
     pipeline_readers,
 )
@@ -169,6 +171,50 @@ def test_a_block_read_in_place_ends_the_load_when_its_layout_or_checksum_is_wron
     # blocks 4-7 in one chunk, split over reader threads
     assert _load_all(store, cache, keys, 4) == 5
     assert bool((cache.tensor[5:N] == 0).all()) and not bool((cache.tensor[4] == 0).all())
+
+
+class _ThreadNoting(LoadPipeline):
+    """Notes the thread each chunk is read on."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.read_on: list[str] = []
+
+    def read_chunk(self, keys: tuple[str, ...], rows: torch.Tensor) -> int:
+        self.read_on.append(threading.current_thread().name)
+        return super().read_chunk(keys, rows)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_with_two_slots_the_next_chunk_is_read_ahead_and_a_miss_stops_the_reads(
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]], depth: int
+) -> None:
+    """With two staging slots, chunk i + 1 is read on the read-ahead thread while chunk i's
+    copies are issued (with one slot there is nowhere to read it into: every chunk is read
+    on the load thread). The bytes are those of the unpipelined load either way; a missing
+    block ends the load and the reads at its chunk."""
+    store, cache, keys = lmdb_blocks
+    cache.tensor.zero_()
+    assert _load_all(store, cache, keys, 0) == N
+    expected = cache.tensor.clone()
+    headers = HeaderTemplate(block_meta(cache, PREFIX), keyed=True)
+    for missing in (None, 7):
+        if missing is not None:
+            store.tiers[1].delete_many([keys[missing]])  # in the third chunk
+        cache.tensor.zero_()
+        pipe = _ThreadNoting(cache, store, None, chunk_blocks=3, depth=depth, headers=headers)
+        try:
+            piped = pipe.run(PipeJob(tuple(range(N)), tuple(keys)))
+        finally:
+            pipe.close()
+        loaded = N if missing is None else missing
+        assert piped.num_blocks == loaded and piped.read_s > 0
+        assert torch.equal(cache.tensor[:loaded], expected[:loaded])
+        assert bool((cache.tensor[loaded:] == 0).all())
+        chunks = -(-(loaded + (missing is not None)) // 3)  # the chunk holding the miss is read
+        assert len(pipe.read_on) == chunks, pipe.read_on
+        ahead = [name.startswith("kvtier-load-ahead") for name in pipe.read_on]
+        assert ahead == [False] + [depth > 1] * (chunks - 1), pipe.read_on
 
 
 class _SlowPipeline(LoadPipeline):
