@@ -279,6 +279,7 @@ def choose_split(
     pipelined_blocks: int = 0,
     num_layers: int = 1,
     overlap_margin: float = 0.0,
+    overlap: bool = True,
 ) -> Decision:
     """Price every load/compute split of a prompt and return the cheapest.
 
@@ -297,7 +298,9 @@ def choose_split(
     by at least this fraction. An overlap plan runs in more engine steps than the others and
     leans on two predictions at once (the head's compute and the tail's load); on the H200
     its measured time came out well above the prediction while the prediction's gain over
-    loading everything was a few percent (docs/offload.md).
+    loading everything was a few percent (docs/offload.md). ``overlap`` False: no overlap
+    option is priced (the engine's step is shared with other prefills: the head's compute
+    would not run at the modelled rate).
     """
     num_cached = len(hops_per_block)
     _check_prompt(num_cached, block_tokens, prompt_tokens, computed_tokens)
@@ -323,7 +326,7 @@ def choose_split(
     tail_rest = rest(num_cached)
     overlap_t = [
         max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest
-        for m in range(1, num_cached)
+        for m in range(1, num_cached if overlap else 1)
     ]
     return _cheapest(prefix_t, overlap_t, overlap_margin)
 

@@ -172,14 +172,19 @@ class OnlineCostModel:
             return self._prefill.trusted
 
     def decide(
-        self, num_gpu_hit_blocks: int, source_tiers: list[str], num_prompt_tokens: int
+        self,
+        num_gpu_hit_blocks: int,
+        source_tiers: list[str],
+        num_prompt_tokens: int,
+        overlap: bool = True,
     ) -> Decision:
         """Price a prompt of ``num_prompt_tokens`` whose first ``num_gpu_hit_blocks`` blocks
         are on the GPU and whose next ``len(source_tiers)`` blocks are served by the named
         tiers (``source_tiers[i]`` for the i-th block after the GPU hit). A ``host`` block
         costs the host -> GPU hop; any other tier's block costs that tier -> host and
-        host -> GPU, pipelined. Records the decision in the counters. Raises ValueError for
-        an unknown tier or block counts that exceed the prompt."""
+        host -> GPU, pipelined. ``overlap`` False prices no overlap split (``choose_split``).
+        Records the decision in the counters. Raises ValueError for an unknown tier or block
+        counts that exceed the prompt."""
         if num_gpu_hit_blocks < 0:
             raise ValueError(f"num_gpu_hit_blocks must be >= 0, got {num_gpu_hit_blocks}")
         with self._lock:
@@ -198,6 +203,7 @@ class OnlineCostModel:
             pipelined_blocks=lead_host if self.pipelined_layers else 0,
             num_layers=max(self.pipelined_layers, 1),
             overlap_margin=self.overlap_margin,
+            overlap=overlap,
         )
         if not trusted and source_tiers:
             decision = _load_all(decision, len(source_tiers))

@@ -58,16 +58,20 @@ def decide(
     num_gpu_blocks: int,
     tiers: tuple[str, ...],
     num_tokens: int,
+    overlap: bool = True,
 ) -> Option:
     """The option ``policy`` takes for a request of ``num_tokens`` tokens whose first
     ``num_gpu_blocks`` blocks hit on the GPU and whose next ``len(tiers)`` blocks the tiers
-    hold (``tiers[i]`` serving block ``i``)."""
+    hold (``tiers[i]`` serving block ``i``). ``overlap`` False: ``cost`` prices no overlap
+    split (the forced ``overlap`` policy still takes one)."""
     if policy == "load":
         return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
     if policy == "recompute":
         return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
     try:
-        decision = cost_model.decide(num_gpu_blocks, list(tiers), num_tokens)
+        decision = cost_model.decide(
+            num_gpu_blocks, list(tiers), num_tokens, overlap=overlap or policy == "overlap"
+        )
     except ValueError as exc:  # a tier the model has no price for: do the safe thing
         log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
         return Option(Strategy.RECOMPUTE, 0, 0, 0.0)

@@ -9,7 +9,8 @@
   online cost model; ``load``; ``recompute``; ``overlap``: the cost model's cheapest overlap
   split, forced) picks what to load. A ``load_prefix`` loads blocks ``[0, k)`` while the request
   waits; an ``overlap`` with split ``m`` (Cake) loads ``[m, K)`` while the request computes its
-  head ``[0, m)`` (``ExternalHit.num_head_tokens``).
+  head ``[0, m)`` (``ExternalHit.num_head_tokens``). ``cost`` offers no overlap while the last
+  step computed other requests' prompt chunks (``SHARED_STEP_TOKENS``).
 - In-step loads (``block_meta`` given, ``in_step``): a ``load_prefix`` whose blocks all sit in
   the host tier is located in the slab now (``store.prepare_load`` with a host check, no claim:
   the codec header checked, the slots pinned) and offered as ``ExternalHit(load_async=False)``:
@@ -56,6 +57,13 @@ from engine.kv_connector import ExternalHit
 from engine.request import Request
 
 log = logging.getLogger(__name__)
+# ``decision: cost`` prices no overlap (Cake) split while the last step computed at least this
+# many prompt tokens of other requests (the engine's short-step size, first_token_step_tokens):
+# the split's head would then be computed in steps shared with those chunks, not at the rate
+# the model prices alone. On one H200 (QA client, 2 GiB host tier over LMDB, docs/offload.md)
+# every reused request took the split, predicted ~78 ms, and computed its ~2.3K-token head in
+# steps carrying 4.6K tokens: 150-290 ms, against ~250 ms for recomputing all of it.
+SHARED_STEP_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -93,6 +101,9 @@ class OffloadScheduler:
         self._in_step = in_step and self._check is not None and store.host_slab() is not None
         self._in_step_per_step = in_step_per_step
         self._in_step_this_step = 0  # in-step loads handed to this step's metadata so far
+        # Whether the last step computed other requests' prefill chunks (``build_connector_meta``):
+        # then an overlap split's head would share steps with them (SHARED_STEP_TOKENS).
+        self._shared_steps = False
         self.block_size = namespace.block_size
         self.decision = decision
         self.cost_model = cost_model
@@ -208,7 +219,14 @@ class OffloadScheduler:
             self.store.complete_load(plan.spec)
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
-        return decide(self.decision, self.cost_model, num_gpu_blocks, tiers, num_tokens)
+        return decide(
+            self.decision,
+            self.cost_model,
+            num_gpu_blocks,
+            tiers,
+            num_tokens,
+            overlap=not self._shared_steps,
+        )
 
     def update_state_after_alloc(
         self,
@@ -362,6 +380,8 @@ class OffloadScheduler:
             saves_reuse_blocks=self._reused,
             num_scheduled_requests=len(output.requests),
         )
+        prefill = sum(len(r.token_ids) for r in output.requests if len(r.token_ids) > 1)
+        self._shared_steps = prefill >= SHARED_STEP_TOKENS
         self._pending_saves = {}
         self._new_loads = []
         self._in_step_this_step = 0

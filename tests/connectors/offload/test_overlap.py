@@ -7,8 +7,11 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel
+from connectors.offload import scheduler as offload_scheduler
 from engine import SamplingParams
 from tests.connectors.offload.test_connector import (
     SLOT,
@@ -69,3 +72,49 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     assert kv["tiers"]["host"]["hit_blocks"] == 1 and kv["failed_loads"] == 0
     last = json.loads(log_path.read_text().splitlines()[-1])
     assert last["decision"] == "overlap" and last["hit_tiers"] == ["gpu", "gpu"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_cost_offers_no_overlap_while_other_prompts_share_the_step(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """The prices and P of the test above; R (120 tokens, one output token) evicts P's tail to
+    the host tier in the step before P arrives. When that step's prompt tokens count as a
+    shared step (threshold 40 < 120), P's head would be computed beside others' chunks:
+    ``cost`` prices no overlap and recomputes (3.3 ms, under loading all: 4.8 ms); with the
+    threshold above 120 the same P takes the overlap. Tokens as without offload either way."""
+    monkeypatch.setattr(offload_scheduler, "SHARED_STEP_TOKENS", 40 if shared else 10_000)
+    rng = random.Random(2)
+    p = [rng.randrange(3, VOCAB) for _ in range(85)]
+    r = [rng.randrange(3, VOCAB) for _ in range(120)]
+    three = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    reference = make_llm(model_dir, 10).generate([p], three)[0].token_ids
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
+    with make_llm(model_dir, 10, config) as llm:
+        offload = llm.engine.offload
+        assert offload is not None
+        model = OnlineCostModel(
+            {"host": TierCost("host", 0.0, 8192 / 1.5e-3)},
+            PrefillCost(0.0, 1e-3 / 16, 0.0),
+            block_bytes=8192,
+            block_tokens=16,
+            alpha=1e-12,
+        )
+        offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
+        assert llm.generate([p], three)[0].token_ids == reference
+        engine = llm.engine
+        engine.add_request("r", r, one)
+        assert [o.finished for o in engine.step()] == [True]  # R's prompt, one step
+        engine.add_request("p", p, three)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens = list(out.token_ids)
+        kv = llm.kv_stats()
+    assert tokens == reference
+    if shared:
+        assert kv["decisions"] == {"recompute": 1} and kv["num_overlaps"] == 0
+    else:
+        assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
