@@ -114,6 +114,8 @@ class HostLoader:
             if chunk_blocks > 0 and codec is None
             else None
         )
+        if self._pipeline is not None:  # its staging ring, off the first load's path
+            self._pool.submit(self._pipeline.prepare)
         self._loads: dict[str, PendingLoad] = {}
         self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []

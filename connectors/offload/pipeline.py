@@ -120,7 +120,8 @@ class LoadPipeline:
         readers: int = 0,
     ) -> None:
         """Raises ValueError unless ``chunk_blocks`` >= 1 and ``depth`` >= 1. The staging ring
-        (``depth * chunk_blocks`` blocks) is allocated on the first load, by the load thread.
+        (``depth * chunk_blocks`` blocks) is allocated by the load thread: ``prepare``, or the
+        first load.
         ``headers``: the stored blocks' header template; reads go straight into the staging
         rows (module docstring). ``readers``: threads a chunk's reads are split over
         (``pipeline_readers``)."""
@@ -277,6 +278,14 @@ class LoadPipeline:
             self._ahead.shutdown(wait=True)
 
     # -- copies ------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Allocate the staging ring now, its pages touched (pinned memory is resident once
+        allocated; pageable is zeroed), so the first load does not pay for it. For the load
+        thread, before its first ``run``."""
+        ring = self._staging()
+        if not ring.is_pinned():
+            ring.zero_()
 
     def _staging(self) -> torch.Tensor:
         if self._ring is None:

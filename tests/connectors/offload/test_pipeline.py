@@ -340,3 +340,23 @@ def test_a_pipelined_load_on_cuda_lands_the_bytes_and_times_its_copies(tmp_path:
             assert torch.equal(cache.byte_rows()[list(ids)].cpu(), payload), chunk
     finally:
         store.close()
+
+
+def test_the_staging_ring_is_ready_before_the_first_load(
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+) -> None:
+    """The load thread allocates (and on CPU touches) the ring when the worker starts, so the
+    first lower-tier reload of an engine (e.g. right after a restart) does not pay for it."""
+    store, cache, keys = lmdb_blocks
+    worker = _worker(store, cache, 3)
+    try:
+        loader = worker._loader
+        loader._pool.submit(lambda: None).result()  # the load thread's queue so far
+        ring = loader._pipeline._ring  # type: ignore[union-attr]
+        assert ring is not None and tuple(ring.shape)[0] == 2 * 3
+        assert not bool(ring.any())
+        before = ring.data_ptr()
+        assert _load(worker, store, keys, tuple(range(N)))[0] == N
+        assert loader._pipeline._ring.data_ptr() == before  # type: ignore[union-attr]
+    finally:
+        worker.close()
