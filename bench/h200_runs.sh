@@ -31,7 +31,10 @@
 # > 280 s (at 4K alone, 5 modes: 140 s; 5 modes at 4K+16K with LMDB reads at ~0.7 GB/s did
 # not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s.
 # Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
-# per stage. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
+# per stage. The device tool hands back only about 8 files a call (the rest are left out as
+# "count"): pick stages so that what matters fits, e.g. QA_MODES of two modes (4 files each).
+# A QA mode with a 48 GiB host tier took 200+ s with --time 75 (the server's shutdown frees
+# the pinned tier): T_QA=200 cut it before its breakdown and CSV; keep T_QA at 240 there. Env: MODEL_DIR (written once, Llama-3-8B shape, random weights) [/tmp/kvtier-llama-3-8b].
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-h200-out}}"; mkdir -p "$OUT_DIR"
