@@ -58,6 +58,7 @@ class KVStats(_KVStatsRequired, total=False):
     prefetch_used_blocks: int
     prefetch_wasted_blocks: int
     in_step_deferred_loads: int
+    shared_step_decisions: int
     store: dict[str, Any]
     cost_model: dict[str, Any]
     decision_policy: str

@@ -180,6 +180,8 @@ class OffloadScheduler:
             return ExternalHit()
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)
         option = self._decide(start, tiers, request.num_tokens)
+        if self._shared_steps and self.decision == "cost":
+            self.stats.add(shared_step_decisions=1)
         head, num_load = option.load_begin, option.num_load_blocks
         offsets: tuple[int, ...] = ()
         unlocated = 0

@@ -147,6 +147,10 @@ SNAPSHOT_FAMILIES = (
         "kvtier_kv_in_step_deferred_loads_total",
         "Host loads made async because their step already had its in-step loads",
     ),
+    _c(
+        "kvtier_kv_shared_step_decisions_total",
+        "Cost decisions made with no overlap split offered: the last step computed other prompts",
+    ),
     _c("kvtier_kv_saved_blocks_total", "KV blocks saved to the tiers"),
     _c("kvtier_kv_saved_bytes_total", "KV payload bytes saved to the tiers", unit="bytes"),
     _c("kvtier_kv_save_seconds_total", "Seconds spent saving KV batches", unit="seconds"),

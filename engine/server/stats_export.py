@@ -68,6 +68,7 @@ _CONNECTOR = {
     "kvtier_kv_prefetch_used_blocks_total": "prefetch_used_blocks",
     "kvtier_kv_prefetch_wasted_blocks_total": "prefetch_wasted_blocks",
     "kvtier_kv_in_step_deferred_loads_total": "in_step_deferred_loads",
+    "kvtier_kv_shared_step_decisions_total": "shared_step_decisions",
 }
 # Families read from one key of each store tier row (``HierarchicalStore.stats()["tiers"]``).
 _TIER_ROW = {

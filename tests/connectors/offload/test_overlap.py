@@ -118,3 +118,4 @@ def test_cost_offers_no_overlap_while_other_prompts_share_the_step(
         assert kv["decisions"] == {"recompute": 1} and kv["num_overlaps"] == 0
     else:
         assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
+    assert kv["shared_step_decisions"] == int(shared)
