@@ -393,6 +393,7 @@ TTFT_MODES = (
     "cost",
     "cost_lossless",
 )
+DEFAULT_TTFT_MODES = tuple(m for m in TTFT_MODES if m != "lmdb_1reader")  # a diagnostic
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
@@ -409,8 +410,7 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
     num_blocks = (max_len + setup.ttft_suffix + 64) // 16 + 4  # the prompt, its question, room
     rows: dict[str, dict[str, Any]] = {}
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    default = tuple(m for m in TTFT_MODES if m != "lmdb_1reader")  # a diagnostic: asked by name
-    for mode in _modes(setup.ttft_modes or default, setup):
+    for mode in _modes(setup.ttft_modes or DEFAULT_TTFT_MODES, setup):
         log = (
             {"request_log": os.path.join(setup.request_log_dir, f"ttft_{mode}.jsonl")}
             if setup.request_log_dir
@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="transfer,load_path,reload_steps,ttft,qa,sweep")
     ap.add_argument(
         "--ttft-modes",
-        default=",".join(m for m in TTFT_MODES if m != "lmdb_1reader"),
+        default=",".join(DEFAULT_TTFT_MODES),
         help=f"ttft modes, comma-separated, from {list(TTFT_MODES)} (recompute always runs)",
     )
     ap.add_argument(

@@ -171,24 +171,19 @@ class LoadPipeline:
         read_s = 0.0
         cpu_copy: list[cf.Future[float]] = []
         timings: list[tuple[object, object, int]] = []
-        ring = self._staging()
-        starts = range(0, len(job.keys), self.chunk_blocks)
+        num_chunks = -(-len(job.keys) // self.chunk_blocks)
         ahead: cf.Future[tuple[int, float]] | None = None
-        for c, start in enumerate(starts):
-            keys = job.keys[start : start + self.chunk_blocks]
-            k = c % self.depth
-            rows = ring[k * self.chunk_blocks : (k + 1) * self.chunk_blocks]
+        for c in range(num_chunks):
+            start = c * self.chunk_blocks
+            k, keys, rows = self._chunk(job, c)
             if ahead is not None:  # read while the previous chunk's copies were issued
                 n, seconds = ahead.result()
                 ahead = None
             else:
                 n, seconds = self._read_slot(k, keys, rows)
             read_s += seconds
-            if n == len(keys) and self._ahead is not None and c + 1 < len(starts):
-                nxt = (c + 1) % self.depth
-                nxt_keys = job.keys[starts[c + 1] : starts[c + 1] + self.chunk_blocks]
-                nxt_rows = ring[nxt * self.chunk_blocks : (nxt + 1) * self.chunk_blocks]
-                ahead = self._ahead.submit(self._read_slot, nxt, nxt_keys, nxt_rows)
+            if n == len(keys) and self._ahead is not None and c + 1 < num_chunks:
+                ahead = self._ahead.submit(self._read_slot, *self._chunk(job, c + 1))
             with job.lock:
                 if job.cancelled or n == 0:
                     break
@@ -212,6 +207,13 @@ class LoadPipeline:
         # A CPU copy's wall time is known once it ran; wait for ours here, off the engine thread.
         cpu_s = sum(f.result() for f in cpu_copy)
         return PipedLoad(copied, read_s, time.perf_counter() - t0, last, cpu_s, tuple(timings))
+
+    def _chunk(self, job: PipeJob, c: int) -> tuple[int, tuple[BlockKey, ...], torch.Tensor]:
+        """``job``'s chunk ``c``: its ring slot, its keys and that slot's staging rows."""
+        k = c % self.depth
+        start = c * self.chunk_blocks
+        rows = self._staging()[k * self.chunk_blocks : (k + 1) * self.chunk_blocks]
+        return k, job.keys[start : start + self.chunk_blocks], rows
 
     def _read_slot(
         self, k: int, keys: tuple[BlockKey, ...], rows: torch.Tensor

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,21 @@ from tests.connectors.offload.test_connector import (
     make_llm,
     run_conversations,
 )
+
+
+def _freeze_prices(llm: Any) -> None:
+    """The engine's cost model replaced by fixed prices (alpha ~ 0): 1.5 ms to load a block
+    from the host tier, 1 ms to compute one (16 tokens)."""
+    offload = llm.engine.offload
+    assert offload is not None
+    model = OnlineCostModel(
+        {"host": TierCost("host", 0.0, 8192 / 1.5e-3)},
+        PrefillCost(0.0, 1e-3 / 16, 0.0),
+        block_bytes=8192,
+        block_tokens=16,
+        alpha=1e-12,
+    )
+    offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
 
 
 def test_forced_overlap_keeps_outputs_identical(model_dir: str, tmp_path: Path) -> None:
@@ -51,16 +67,7 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     log_path = tmp_path / "requests.jsonl"
     config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
     with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
-        offload = llm.engine.offload
-        assert offload is not None
-        model = OnlineCostModel(
-            {"host": TierCost("host", 0.0, 8192 / 1.5e-3)},
-            PrefillCost(0.0, 1e-3 / 16, 0.0),
-            block_bytes=8192,
-            block_tokens=16,
-            alpha=1e-12,
-        )
-        offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
+        _freeze_prices(llm)
         assert llm.generate([p], one)[0].token_ids == reference
         llm.generate([q], one)
         assert llm.generate([p], one)[0].token_ids == reference
@@ -92,16 +99,7 @@ def test_cost_offers_no_overlap_while_other_prompts_share_the_step(
     reference = make_llm(model_dir, 10).generate([p], three)[0].token_ids
     config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
     with make_llm(model_dir, 10, config) as llm:
-        offload = llm.engine.offload
-        assert offload is not None
-        model = OnlineCostModel(
-            {"host": TierCost("host", 0.0, 8192 / 1.5e-3)},
-            PrefillCost(0.0, 1e-3 / 16, 0.0),
-            block_bytes=8192,
-            block_tokens=16,
-            alpha=1e-12,
-        )
-        offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
+        _freeze_prices(llm)
         assert llm.generate([p], three)[0].token_ids == reference
         engine = llm.engine
         engine.add_request("r", r, one)
