@@ -199,3 +199,55 @@ def test_two_host_reloads_admitted_together_take_one_in_step_load_a_step(
     assert kv["in_step_deferred_loads"] == deferred
     assert kv["loaded_tokens"] == 2 * 64 and kv["recomputed_tokens"] == 0
     assert kv["failed_loads"] == 0 and kv["num_loads"] == 2
+
+
+def test_the_second_reloads_copies_are_issued_after_the_first_ones_forward(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two host reloads admitted together, one in-step: the other's copies are held back until
+    the step's forward was enqueued, so on a GPU they never sit on the copy engine ahead of the
+    forward's inputs (a step that uploads after them waits for them). The order of the step's
+    work: the in-step copies, the forward, then the async load's copies; tokens unchanged."""
+    from connectors.device.copy import SlabCopier
+    from engine.runner.model_runner import ModelRunner
+
+    rng = random.Random(7)
+    a, b = ([rng.randrange(3, VOCAB) for _ in range(70)] for _ in range(2))
+    plain = make_llm(model_dir, 20)
+    want = [list(plain.generate([p], ONE)[0].token_ids) for p in (a, b)]
+    with make_llm(model_dir, 20, {**offload(True), "in_step_loads_per_step": 1}) as llm:
+        engine = llm.engine
+        for p in (a, b):
+            llm.generate([p], ONE)
+            engine.flush_kv()
+            assert engine.pool.reset_prefix_cache()
+        order: list[str] = []
+        to_device, forward = SlabCopier.to_device, ModelRunner._forward
+
+        def spy_copy(self, block_ids, offsets):  # type: ignore[no-untyped-def]
+            order.append(f"copy{len(block_ids)}")
+            return to_device(self, block_ids, offsets)
+
+        def spy_forward(self, host):  # type: ignore[no-untyped-def]
+            order.append("forward")
+            return forward(self, host)
+
+        monkeypatch.setattr(SlabCopier, "to_device", spy_copy)
+        monkeypatch.setattr(ModelRunner, "_forward", spy_forward)
+        engine.add_request("a", a, ONE)
+        engine.add_request("b", b, ONE)
+        got: dict[str, list[int]] = {}
+        first = engine.step()
+        first_order = list(order)
+        for out in first:
+            got[out.req_id] = list(out.token_ids)
+        for _ in range(4):
+            for out in engine.step():
+                got[out.req_id] = list(out.token_ids)
+            if len(got) == 2:
+                break
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0 and kv["store"]["load_pins"] == 0
+    assert first_order == ["copy4", "forward", "copy4"]
+    assert [got["a"], got["b"]] == want and list(got) == ["a", "b"]
+    assert kv["in_step_deferred_loads"] == 1 and kv["failed_loads"] == 0
