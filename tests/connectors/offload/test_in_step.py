@@ -251,3 +251,38 @@ def test_the_second_reloads_copies_are_issued_after_the_first_ones_forward(
     assert first_order == ["copy4", "forward", "copy4"]
     assert [got["a"], got["b"]] == want and list(got) == ["a", "b"]
     assert kv["in_step_deferred_loads"] == 1 and kv["failed_loads"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_a_held_async_reload_lands_before_its_step(model_dir: str) -> None:
+    """On CUDA the held copies of the second reload wait for an event of the step's start,
+    not for the forward: they run under it and have landed when the request computes in the
+    next step. Tokens as without offload; the first request's token in the admitting step."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = random.Random(7)
+    a, b = ([rng.randrange(3, VOCAB) for _ in range(70)] for _ in range(2))
+    kw = dict(dtype="bfloat16", device="cuda", attention_backend="torch")
+    plain = LLM(model_dir, num_gpu_blocks=20, **kw)
+    want = [list(plain.generate([p], ONE)[0].token_ids) for p in (a, b)]
+    config = {**offload(True), "in_step_loads_per_step": 1}
+    with LLM(model_dir, num_gpu_blocks=20, kv_offload=True, kv_offload_config=config, **kw) as llm:
+        engine = llm.engine
+        for p in (a, b):
+            llm.generate([p], ONE)
+            engine.flush_kv()
+            assert engine.pool.reset_prefix_cache()
+        engine.add_request("a", a, ONE)
+        engine.add_request("b", b, ONE)
+        got: dict[str, tuple[int, list[int]]] = {}
+        for step in range(1, 6):
+            for out in engine.step():
+                got[out.req_id] = (step, list(out.token_ids))
+            if len(got) == 2:
+                break
+        kv = llm.kv_stats()
+        assert host_pins(llm) == 0
+    assert got["a"] == (1, want[0]) and got["b"][1] == want[1] and got["b"][0] <= 3
+    assert kv["in_step_deferred_loads"] == 1 and kv["loaded_tokens"] == 2 * 64
