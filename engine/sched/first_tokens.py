@@ -1,6 +1,7 @@
 """Short steps for first tokens: a step that yields a request's first token from a short
-prefill trims the step's other, unfinished prefill chunks, so that first token is not held
-behind another request's 2K-token chunk. Pure: works on the step's scheduled slices only.
+prefill trims the step's other prefill chunks (unfinished ones, and the last chunk of a long
+prompt), so that first token is not held behind another request's 2K-token chunk. Pure: works
+on the step's scheduled slices only.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from engine.core_types import ScheduledRequest
 
 def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
     """If ``scheduled`` yields a first token from a short prefill (at most ``cap`` tokens),
-    cut its unfinished prefill chunks so the step carries at most ``cap`` prefill tokens (the
-    unfinished ones at least a quarter of it); a chunk cut to nothing is dropped from the step
-    (its request stays RUNNING with its blocks). Decodes are never cut. Mutates ``scheduled``;
-    returns the tokens given back (0 when ``cap`` <= 0)."""
+    cut its other prefill chunks so the step carries at most ``cap`` prefill tokens (the others
+    at least a quarter of it): unfinished chunks, and the last chunk of a longer prefill too
+    (it then samples nothing this step: its first token is one step later, where the short
+    one's would have waited for the whole chunk). A chunk cut to nothing is dropped from the
+    step (its request stays RUNNING with its blocks). Decodes are never cut. Mutates
+    ``scheduled``; returns the tokens given back (0 when ``cap`` <= 0)."""
     if cap <= 0:
         return 0
     first = [
@@ -25,7 +28,8 @@ def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int
     ]
     if not first:
         return 0
-    others = [i for i, s in enumerate(scheduled) if not s.sample and len(s.token_ids) > 1]
+    short = {id(s) for s in first}
+    others = [i for i, s in enumerate(scheduled) if len(s.token_ids) > 1 and id(s) not in short]
     # Long prompts always advance by at least a quarter of the cap.
     room = max(cap - sum(len(s.token_ids) for s in first), cap // 4)
     deferred = 0
@@ -40,7 +44,7 @@ def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int
         if keep == 0:
             drop.append(i)
         else:
-            scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep])
+            scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep], sample=False)
     for i in reversed(drop):
         del scheduled[i]
     return deferred

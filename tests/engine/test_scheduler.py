@@ -658,6 +658,35 @@ def test_a_short_first_token_step_defers_the_long_chunks_and_changes_no_output()
     assert outputs[0] == outputs[1]
 
 
+def test_a_short_first_token_step_cuts_a_long_prompts_last_chunk_too() -> None:
+    """ "long" (400 tokens) has its last 144 to compute, a finishing chunk, when "short" (40)
+    arrives: that chunk is cut to the cap's rest (24 tokens, sampling nothing), so short's
+    first token does not wait for 144 tokens of someone else's prefill; long's first token
+    comes one step later. Without the cap both finish in step 2. Outputs unchanged."""
+    outputs = []
+    for cap in (64, 0):
+        config = SchedulerConfig(
+            max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
+        )
+        sched, runner = _make_with(config, 64)
+        long, short = (
+            req("long", prompt(400), max_tokens=3),
+            req("short", prompt(40, base=7), max_tokens=3),
+        )
+        first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+        assert first["short"] == 2
+        step = {s.req_id: (len(s.token_ids), s.sample) for s in steps[1].requests}
+        if cap:
+            assert step == {"short": (40, True), "long": (24, False)}
+            assert first["long"] == 3
+            assert sched.stats.num_first_token_deferred_tokens == 120
+        else:
+            assert step == {"short": (40, True), "long": (144, True)}
+            assert first["long"] == 2
+        outputs.append((long.output_token_ids, short.output_token_ids))
+    assert outputs[0] == outputs[1]
+
+
 class CountingConnector(FakeConnector):
     def __init__(self) -> None:
         super().__init__()
