@@ -58,9 +58,11 @@ from engine.request import Request
 
 log = logging.getLogger(__name__)
 # ``decision: cost`` prices no overlap (Cake) split while the last step computed at least this
-# many prompt tokens of other requests (the engine's short-step size, first_token_step_tokens):
-# the split's head would then be computed in steps shared with those chunks, not at the rate
-# the model prices alone. On one H200 (QA client, 2 GiB host tier over LMDB, docs/offload.md)
+# many prompt tokens of other requests in chunks that go on in the next step (unfinished
+# prefills; the engine's short-step size, first_token_step_tokens): the split's head would then
+# be computed in steps shared with those chunks, not at the rate the model prices alone. A
+# prompt that finished in that step does not count: an engine gone idle after it (a lone
+# request after another, bench.offload) is not shared. On one H200 (QA client, 2 GiB host tier over LMDB, docs/offload.md)
 # every reused request took the split, predicted ~78 ms, and computed its ~2.3K-token head in
 # steps carrying 4.6K tokens: 150-290 ms, against ~250 ms for recomputing all of it.
 SHARED_STEP_TOKENS = 512
@@ -101,8 +103,9 @@ class OffloadScheduler:
         self._in_step = in_step and self._check is not None and store.host_slab() is not None
         self._in_step_per_step = in_step_per_step
         self._in_step_this_step = 0  # in-step loads handed to this step's metadata so far
-        # Whether the last step computed other requests' prefill chunks (``build_connector_meta``):
-        # then an overlap split's head would share steps with them (SHARED_STEP_TOKENS).
+        # Whether the last step computed other requests' unfinished prefill chunks
+        # (``build_connector_meta``): then an overlap split's head would share steps with their
+        # next ones (SHARED_STEP_TOKENS).
         self._shared_steps = False
         self.block_size = namespace.block_size
         self.decision = decision
@@ -382,7 +385,9 @@ class OffloadScheduler:
             saves_reuse_blocks=self._reused,
             num_scheduled_requests=len(output.requests),
         )
-        prefill = sum(len(r.token_ids) for r in output.requests if len(r.token_ids) > 1)
+        prefill = sum(
+            len(r.token_ids) for r in output.requests if len(r.token_ids) > 1 and not r.sample
+        )
         self._shared_steps = prefill >= SHARED_STEP_TOKENS
         self._pending_saves = {}
         self._new_loads = []

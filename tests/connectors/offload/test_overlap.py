@@ -81,39 +81,52 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     assert last["decision"] == "overlap" and last["hit_tiers"] == ["gpu", "gpu"]
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize(
+    ("threshold", "busy", "decision"),
+    [(40, True, "recompute"), (40, False, "overlap"), (10_000, True, "overlap")],
+)
 def test_cost_offers_no_overlap_while_other_prompts_share_the_step(
-    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+    model_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    threshold: int,
+    busy: bool,
+    decision: str,
 ) -> None:
-    """The prices and P of the test above; R (120 tokens, one output token) evicts P's tail to
-    the host tier in the step before P arrives. When that step's prompt tokens count as a
-    shared step (threshold 40 < 120), P's head would be computed beside others' chunks:
-    ``cost`` prices no overlap and recomputes (3.3 ms, under loading all: 4.8 ms); with the
-    threshold above 120 the same P takes the overlap. Tokens as without offload either way."""
-    monkeypatch.setattr(offload_scheduler, "SHARED_STEP_TOKENS", 40 if shared else 10_000)
+    """The prices of the test above; P (85 tokens) sits in the host tier only. L (240 tokens)
+    is prefilled 64 tokens a step. When P arrives while L is mid-prefill (busy) and L's
+    unfinished chunk counts as a shared step (threshold 40 < 64), P's head would be computed
+    beside L's next chunks: ``cost`` prices no overlap and recomputes (5.3 ms, under loading all:
+    7.8 ms). When P arrives after L finished (the engine idle, though L's last chunk of 48 was
+    above the threshold too), or with the threshold above L's chunks, the same P takes the
+    overlap (3.3 ms). Tokens as without offload either way."""
+    monkeypatch.setattr(offload_scheduler, "SHARED_STEP_TOKENS", threshold)
     rng = random.Random(2)
     p = [rng.randrange(3, VOCAB) for _ in range(85)]
-    r = [rng.randrange(3, VOCAB) for _ in range(120)]
+    long = [rng.randrange(3, VOCAB) for _ in range(240)]  # chunks of 64, 64, 64, 48
     three = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    reference = make_llm(model_dir, 10).generate([p], three)[0].token_ids
+    reference = make_llm(model_dir, 40).generate([p], three)[0].token_ids
     config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
-    with make_llm(model_dir, 10, config) as llm:
+    with make_llm(model_dir, 40, config, max_num_batched_tokens=64) as llm:
         _freeze_prices(llm)
-        assert llm.generate([p], three)[0].token_ids == reference
         engine = llm.engine
-        engine.add_request("r", r, one)
-        assert [o.finished for o in engine.step()] == [True]  # R's prompt, one step
+        assert llm.generate([p], three)[0].token_ids == reference
+        engine.flush_kv()
+        assert engine.pool.reset_prefix_cache()  # P in the host tier only
+        engine.add_request("l", long, one)
+        assert engine.step() == []  # L's first chunk: its prefill goes on
+        if not busy:
+            while engine.has_unfinished_requests():
+                engine.step()
         engine.add_request("p", p, three)
         tokens: list[int] = []
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
+                if out.finished and out.req_id == "p":
                     tokens = list(out.token_ids)
         kv = llm.kv_stats()
     assert tokens == reference
-    if shared:
-        assert kv["decisions"] == {"recompute": 1} and kv["num_overlaps"] == 0
-    else:
-        assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
-    assert kv["shared_step_decisions"] == int(shared)
+    assert kv["decisions"] == {decision: 1}
+    assert kv["num_overlaps"] == int(decision == "overlap")
+    assert kv["shared_step_decisions"] == int(decision == "recompute")
