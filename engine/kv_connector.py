@@ -188,6 +188,11 @@ class KVConnector(Protocol):
         may learn from (a prefill alone in its step, for its cost model)."""
         ...
 
+    def observe_first_token(self, request: Request, phases: Mapping[str, float]) -> None:
+        """``request`` got its first token; ``phases`` is its TTFT breakdown
+        (``engine.ttft``): what its plan took, for the connector's cost model."""
+        ...
+
     def save_pending(self) -> None:
         """Save every block freed since the last step now (the engine goes idle)."""
         ...

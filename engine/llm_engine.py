@@ -251,6 +251,8 @@ class LLMEngine:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             metrics.ttft_breakdown = request.times.breakdown(metrics.arrival_time, now)
+            if self.kv_connector is not None:
+                self.kv_connector.observe_first_token(request, metrics.ttft_breakdown)
             self._prompt_tokens_total += request.num_prompt_tokens
         metrics.last_token_time = now
         self._generation_tokens_total += 1

@@ -44,6 +44,7 @@ from cachestore.cost.model import (
     get_model_profile,
     hops_to_gpu,
 )
+from cachestore.cost.outcomes import OutcomeRatios, length_bucket, rerank
 from cachestore.cost.prefill_learner import PrefillLearner
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class _TierState:
 class _Counts:
     transfers_ignored: int = 0
     prefills_ignored: int = 0
+    outcomes_ignored: int = 0
     decisions: dict[str, int] = field(default_factory=dict)
     predicted_saved_s: float = 0.0  # sum over decisions of (recompute - best) predicted
 
@@ -141,6 +143,8 @@ class OnlineCostModel:
         flat = prefill.per_token_s <= 0 and prefill.attention_s <= 0
         self._prefill = PrefillLearner(prefill, alpha, trusted=prefill_trusted and not flat)
         self._counts = _Counts()
+        # Measured against priced time per kind of decision (cachestore.cost.outcomes).
+        self._outcomes = OutcomeRatios()
         self._lock = threading.Lock()
 
     @classmethod
@@ -207,6 +211,13 @@ class OnlineCostModel:
         )
         if not trusted and source_tiers:
             decision = _load_all(decision, len(source_tiers))
+        else:  # each option's price times what its kind took against its price
+            bucket = length_bucket(num_prompt_tokens, self.block_tokens)
+            with self._lock:
+                outcomes = self._outcomes
+                decision = rerank(
+                    decision, lambda o: outcomes.ratio(o.strategy, bucket), self.overlap_margin
+                )
         recompute = next(
             o.predicted_s
             for o in (decision.best, *decision.alternatives)
@@ -257,6 +268,21 @@ class OnlineCostModel:
             state.cost = update_tier_cost(state.cost, nbytes, seconds, alpha)
             state.num_samples += 1
 
+    def observe_outcome(
+        self, strategy: str, num_prompt_tokens: int, predicted_s: float, measured_s: float
+    ) -> None:
+        """A served request: its decision's ``strategy``, the price ``decide`` gave it and the
+        time its load, wait and compute took (the TTFT less queueing). Later decisions rank
+        that strategy's options at that length by price times the ratio (``outcomes``)."""
+        with self._lock:
+            if not self._outcomes.observe(
+                strategy,
+                length_bucket(num_prompt_tokens, self.block_tokens),
+                predicted_s,
+                measured_s,
+            ):
+                self._counts.outcomes_ignored += 1
+
     def observe_prefill(self, num_tokens: int, context_tokens: int, seconds: float) -> None:
         """One measured prefill of ``num_tokens`` new tokens after ``context_tokens`` cached
         ones, alone in its step. Raises ValueError for negative counts."""
@@ -299,7 +325,12 @@ class OnlineCostModel:
                 },
                 "decisions": dict(c.decisions),
                 "predicted_saved_s": c.predicted_saved_s,
-                "ignored": {"transfers": c.transfers_ignored, "prefills": c.prefills_ignored},
+                "ignored": {
+                    "transfers": c.transfers_ignored,
+                    "prefills": c.prefills_ignored,
+                    "outcomes": c.outcomes_ignored,
+                },
+                "outcome_ratios": self._outcomes.snapshot(),
             }
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from cachestore.codec import PAYLOAD_ALIGN, encoded_size
 from cachestore.cost.calibration import calibrate
+from cachestore.cost.model import Strategy
 from cachestore.cost.online import CostPriors, OnlineCostModel, default_priors
 from cachestore.cost.placement import unprofitable_tiers
 from cachestore.hashing import Namespace
@@ -50,6 +51,7 @@ from connectors.offload.worker import OffloadWorker, block_meta
 from engine.core_types import SchedulerOutput
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
+from engine.request import Request
 from tiers import build_tiers
 
 log = logging.getLogger(__name__)
@@ -191,6 +193,22 @@ class OffloadConnector:
             r = output.requests[0]
             if len(r.token_ids) > 1:
                 self.cost_model.observe_prefill(len(r.token_ids), r.num_computed_tokens, seconds)
+
+    def observe_first_token(self, request: Request, phases: Mapping[str, float]) -> None:
+        """A priced plan's outcome for the cost model (``observe_outcome``): its load, wait
+        and compute phases against the price (queueing and scheduling are not priced). Only
+        a plan that ran as planned: one whose load was dropped (recomputed instead) is not
+        its strategy's outcome."""
+        plan = request.kv_plan
+        if not plan or plan.get("predicted_s", 0.0) <= 0.0:
+            return
+        loaded = plan.get("load_tokens", 0) > 0
+        if loaded != (request.kv_decision != Strategy.RECOMPUTE):
+            return
+        measured = sum(phases.get(k, 0.0) for k in ("load", "prefill_wait", "prefill_compute"))
+        self.cost_model.observe_outcome(
+            request.kv_decision, request.num_prompt_tokens, plan["predicted_s"], measured
+        )
 
     def save_pending(self) -> None:
         """Write every block freed since the last step to the host tier now, without waiting

@@ -125,7 +125,7 @@ def test_unknown_tier_starts_from_first_sample_and_bad_samples() -> None:
     assert m.tier_costs()["redis"] == TierCost("redis", 0.0, 5e5)
     m.observe_transfer("host", 1000, 0.0)  # clock resolution: no information
     m.observe_prefill(16, 0, -1.0)
-    assert m.snapshot()["ignored"] == {"transfers": 1, "prefills": 1}
+    assert m.snapshot()["ignored"] == {"transfers": 1, "prefills": 1, "outcomes": 0}
     assert m.tier_costs()["host"] == HOST
     with pytest.raises(ValueError):
         m.observe_transfer("host", -1, 0.1)

@@ -23,14 +23,14 @@ from tests.connectors.offload.test_connector import (
 )
 
 
-def _freeze_prices(llm: Any) -> None:
+def _freeze_prices(llm: Any, scale: float = 1.0) -> None:
     """The engine's cost model replaced by fixed prices (alpha ~ 0): 1.5 ms to load a block
-    from the host tier, 1 ms to compute one (16 tokens)."""
+    from the host tier, 1 ms to compute one (16 tokens); both times ``scale``."""
     offload = llm.engine.offload
     assert offload is not None
     model = OnlineCostModel(
-        {"host": TierCost("host", 0.0, 8192 / 1.5e-3)},
-        PrefillCost(0.0, 1e-3 / 16, 0.0),
+        {"host": TierCost("host", 0.0, 8192 / (1.5e-3 * scale))},
+        PrefillCost(0.0, 1e-3 * scale / 16, 0.0),
         block_bytes=8192,
         block_tokens=16,
         alpha=1e-12,
@@ -79,6 +79,35 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     assert kv["tiers"]["host"]["hit_blocks"] == 1 and kv["failed_loads"] == 0
     last = json.loads(log_path.read_text().splitlines()[-1])
     assert last["decision"] == "overlap" and last["hit_tiers"] == ["gpu", "gpu"]
+
+
+def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """The scenario and prices of the test above, 100x smaller: the overlap is priced at 23 us
+    and recompute at 33 us. The first reload of P takes the overlap; its load, wait and
+    compute take far longer than that (a sample is clamped at 4x its price). The next reload
+    of P ranks the overlap at 4x its price (92 us) and takes another plan (which one depends
+    on what the CPU's other requests taught the model). Tokens unchanged."""
+    rng = random.Random(2)
+    p = [rng.randrange(3, VOCAB) for _ in range(85)]
+    q = [rng.randrange(3, VOCAB) for _ in range(120)]
+    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
+    log_path = tmp_path / "requests.jsonl"
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
+    with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
+        _freeze_prices(llm, scale=0.01)
+        assert llm.generate([p], one)[0].token_ids == reference
+        for _ in range(2):
+            llm.generate([q], one)  # evicts P's last three blocks to the host tier
+            assert llm.generate([p], one)[0].token_ids == reference
+        ratios = llm.engine.offload.cost_model.snapshot()["outcome_ratios"]
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    reloads = [r for r in rows if r["prompt_tokens"] == len(p)][1:]
+    assert reloads[0]["decision"] == "overlap" and reloads[1]["decision"] != "overlap"
+    assert reloads[0]["kv_plan"]["predicted_s"] == pytest.approx(23e-6, rel=0.01)
+    assert ratios["overlap"]["all"] == 4.0
 
 
 @pytest.mark.parametrize(

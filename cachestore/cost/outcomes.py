@@ -1,0 +1,108 @@
+"""What each kind of decision took against what it was priced at, and the ranking that uses it.
+
+The cost model prices an option from its parts (tier reads, copies, a prefill curve learned on
+clean steps). What a user sees can differ by a factor the parts do not show: an overlap split's
+tail copies slow down beside its head's compute, a load shares its step with others' chunks.
+On one H200 (bench.offload, 4K tokens from LMDB) the overlap split was priced at 55 ms and took
+87-97 ms while loading everything was priced at 50-63 ms and took 74-80 ms, so ``cost`` chose
+the slower plan.
+
+``OutcomeRatios`` keeps, per strategy and per prompt-length bucket (powers of two of blocks),
+a running ratio of the measured time (the request's load, wait and compute phases: what the
+price covers) to the price. The first sample of a key sets it; later ones move it by ``alpha``
+(an EWMA), each sample clamped to [1/4, 4]. A key never seen falls back to its strategy's
+ratio over every length, and a strategy never seen to 1 (its price as is).
+
+``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
+times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price
+beats the best other option's by that fraction. The options keep their raw prices, so each
+observation compares a measurement with the model's own price, never with an adjusted one.
+Pure (the ranking) and not thread-safe (the ratios: the cost model holds its lock). No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cachestore.cost.model import Decision, Option, Strategy
+
+OUTCOME_ALPHA = 0.3  # weight of a new sample once a key has one
+RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
+
+
+def length_bucket(num_prompt_tokens: int, block_tokens: int) -> int:
+    """Powers of two of the prompt's blocks: 4K and 16K tokens fall in different buckets."""
+    return max(0, math.ceil(math.log2(max(1, num_prompt_tokens // max(1, block_tokens)))))
+
+
+@dataclass(slots=True)
+class _Ratio:
+    value: float
+    num_samples: int
+
+
+class OutcomeRatios:
+    def __init__(self, alpha: float = OUTCOME_ALPHA) -> None:
+        """Raises ValueError for ``alpha`` outside (0, 1]."""
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._by_key: dict[tuple[str, int], _Ratio] = {}
+        self._by_strategy: dict[str, _Ratio] = {}
+
+    def observe(self, strategy: str, bucket: int, predicted_s: float, measured_s: float) -> bool:
+        """One outcome; False (ignored) without a positive price and measurement."""
+        if not (predicted_s > 0 and measured_s > 0):
+            return False
+        r = min(max(measured_s / predicted_s, 1.0 / RATIO_CLAMP), RATIO_CLAMP)
+        self._update(self._by_key, (str(strategy), bucket), r)
+        self._update(self._by_strategy, str(strategy), r)
+        return True
+
+    def _update(self, table: dict, key: object, r: float) -> None:  # type: ignore[type-arg]
+        cur = table.get(key)
+        if cur is None:
+            table[key] = _Ratio(r, 1)
+        else:
+            cur.value += self.alpha * (r - cur.value)
+            cur.num_samples += 1
+
+    def ratio(self, strategy: str, bucket: int) -> float:
+        """The adjustment for an option of ``strategy`` at this length (1: none known)."""
+        hit = self._by_key.get((str(strategy), bucket)) or self._by_strategy.get(str(strategy))
+        return hit.value if hit is not None else 1.0
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{strategy: {"all": ratio, "<bucket>": ratio, ...}}``, for logs and /metrics."""
+        out: dict[str, dict[str, float]] = {
+            s: {"all": round(r.value, 4)} for s, r in self._by_strategy.items()
+        }
+        for (s, b), r in self._by_key.items():
+            out.setdefault(s, {})[str(b)] = round(r.value, 4)
+        return out
+
+
+def rerank(
+    decision: Decision, factor: Callable[[Option], float], overlap_margin: float
+) -> Decision:
+    """``decision``'s options ordered by ``predicted_s * factor(option)``: the cheapest
+    non-overlap option (ties: fewer loaded blocks), replaced by the cheapest overlap split when
+    that is at least ``overlap_margin`` cheaper. With every factor 1 this is ``choose_split``'s
+    own choice. Pure."""
+    options = list(dict.fromkeys((decision.best, *decision.alternatives)))
+
+    def key(o: Option) -> tuple[float, int]:
+        return (o.predicted_s * factor(o), o.num_load_blocks)
+
+    plain = [o for o in options if o.strategy != Strategy.OVERLAP]
+    splits = [o for o in options if o.strategy == Strategy.OVERLAP]
+    if not plain:
+        return decision
+    best = min(plain, key=key)
+    if splits:
+        split = min(splits, key=key)
+        if key(split) < key(best) and key(split)[0] <= (1.0 - overlap_margin) * key(best)[0]:
+            best = split
+    return Decision(best=best, alternatives=tuple(o for o in options if o != best))

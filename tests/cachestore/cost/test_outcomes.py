@@ -1,0 +1,56 @@
+"""Outcome ratios: what a kind of decision took against its price, and the ranking using it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachestore.cost.model import Decision, Option, Strategy
+from cachestore.cost.outcomes import OutcomeRatios, length_bucket, rerank
+
+LOAD = Option(Strategy.LOAD_PREFIX, 0, 256, 0.060)
+SPLIT = Option(Strategy.OVERLAP, 64, 256, 0.050)
+NONE = Option(Strategy.RECOMPUTE, 0, 0, 0.105)
+
+
+def test_first_sample_sets_a_key_later_ones_move_it_and_unknown_keys_fall_back() -> None:
+    r = OutcomeRatios(alpha=0.5)
+    assert r.ratio(Strategy.OVERLAP, 8) == 1.0  # never seen: the price as is
+    assert r.observe(Strategy.OVERLAP, 8, 0.050, 0.090)
+    assert r.ratio(Strategy.OVERLAP, 8) == pytest.approx(1.8)
+    r.observe(Strategy.OVERLAP, 8, 0.050, 0.050)
+    assert r.ratio(Strategy.OVERLAP, 8) == pytest.approx(1.4)
+    # another length: the strategy's ratio over every length, until it has its own
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(1.4)
+    r.observe(Strategy.OVERLAP, 10, 0.200, 0.100)
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(0.5)
+    assert r.ratio(Strategy.LOAD_PREFIX, 8) == 1.0
+    assert not r.observe(Strategy.LOAD_PREFIX, 8, 0.0, 0.1)  # an unpriced plan teaches nothing
+    assert r.observe(Strategy.LOAD_PREFIX, 8, 0.010, 10.0)  # a stall: clamped to 4x
+    assert r.ratio(Strategy.LOAD_PREFIX, 8) == 4.0
+    snap = r.snapshot()
+    assert snap["overlap"]["8"] == pytest.approx(1.4) and snap["load_prefix"]["all"] == 4.0
+
+
+def test_buckets_are_powers_of_two_of_blocks() -> None:
+    assert length_bucket(4096, 16) == 8 and length_bucket(16384, 16) == 10
+    assert length_bucket(4112, 16) == 9 and length_bucket(0, 16) == 0
+
+
+def test_rerank_with_no_knowledge_keeps_the_models_choice() -> None:
+    d = Decision(best=SPLIT, alternatives=(LOAD, NONE))
+    assert rerank(d, lambda o: 1.0, 0.15) == Decision(best=SPLIT, alternatives=(LOAD, NONE))
+    # 50 ms is not 15% under 60: the margin keeps the load
+    assert rerank(d, lambda o: 1.0, 0.2).best == LOAD
+
+
+def test_a_split_measured_slow_loses_to_the_load_it_was_priced_under() -> None:
+    """The H200's 4K LMDB reload: the split priced 50 ms took ~1.8x that, the load 1.25x its
+    price. Adjusted, the load (75 ms) wins over the split (90 ms); both keep raw prices."""
+    ratios = {Strategy.OVERLAP: 1.8, Strategy.LOAD_PREFIX: 1.25, Strategy.RECOMPUTE: 1.0}
+    d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
+    assert d.best == LOAD and d.best.predicted_s == 0.060
+    assert set(d.alternatives) == {SPLIT, NONE}
+    # a load measured at 2x its price loses to recomputing (105 ms against 120)
+    ratios[Strategy.LOAD_PREFIX] = 2.0
+    d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
+    assert d.best == NONE
