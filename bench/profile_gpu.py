@@ -360,7 +360,7 @@ def profile_mixed(
     mode: str = "full",
     layered: bool = False,
     in_step_per_step: int | None = None,
-    hold_async: bool = True,
+    hold_async: bool = False,
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -370,9 +370,9 @@ def profile_mixed(
     loaded, not recomputed) for its figures to mean anything. ``layered``: in-step loads land
     layer by layer (``layered_loads: true``), and the mixed arrival is also run with the layer
     copy kernel on a fixed number of looping programs. ``in_step_per_step``: the connector's
-    ``in_step_loads_per_step`` (None: its default). ``hold_async`` False: async loads' copies
-    are issued before the forward (``HostLoader.hold_async``; the default holds them until the
-    forward is enqueued)."""
+    ``in_step_loads_per_step`` (None: its default). ``hold_async``: async loads' copies
+    are held until the forward is enqueued (``HostLoader.hold_async``; by default they are
+    issued before it)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -493,7 +493,7 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
         f"{m['layered']}, in-step loads a step {m.get('in_step_loads_per_step')}, async copies "
-        f"{'held' if m.get('hold_async', True) else 'first'}, decode step "
+        f"{'held' if m.get('hold_async') else 'first'}, decode step "
         f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
 
@@ -516,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         help="mixed: the connector's in_step_loads_per_step (default: its own, 1)",
     )
     ap.add_argument(
-        "--issue-async-first",
+        "--hold-async",
         action="store_true",
-        help="mixed: issue async loads' copies before the forward (the old order)",
+        help="mixed: hold async loads' copies until the forward is enqueued",
     )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.setup,
                     args.layered,
                     args.in_step_loads_per_step,
-                    not args.issue_async_first,
+                    args.hold_async,
                 )
             else:
                 res[name] = profile_reload(args.length)

@@ -7,10 +7,8 @@
   compute stream waits on, since this step's forward reads them).
 - async loads: the load's ``LoadSpec`` says where its leading host-tier blocks are (header
   checked, not the checksum: this process wrote them; located by the scheduler side's
-  ``prepare_load``), copied the same way; a load the host tier serves whole is copied only
-  once the step's forward was enqueued (``forward_launched``: queued on the copy engine ahead
-  of it, its 2 MiB copies held back the forward's own uploads, so the in-step request's first
-  token waited for the other's load too); the rest (lower tiers) goes through one background
+  ``prepare_load``), copied the same way (``hold_async``: a load the host tier serves whole is
+  copied only once the step's forward was enqueued, ``forward_launched``; off by default); the rest (lower tiers) goes through one background
   thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by chunk, each chunk
   read into a pinned staging slot and its copy into the cache issued by that thread while it
   reads the next (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
@@ -124,7 +122,10 @@ class HostLoader:
         # (``forward_launched``), and the compute stream's event their copies start after.
         self._held: list[tuple[PendingLoad, list[int]]] = []
         self._held_after: object | None = None
-        self.hold_async = True  # settable: False issues them before the forward (the bench's A/B)
+        # Settable (the bench's A/B): True holds them until ``forward_launched``. Off: on the
+        # H200 it gained nothing measurable and its copies, issued once the host had waited
+        # for the step's inputs, often landed after the step's end (the load seen a step late).
+        self.hold_async = False
         self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
 
@@ -141,10 +142,9 @@ class HostLoader:
     def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
-        request scheduled): wait for the first staging and for the copies. A busy step holds
-        back the copies of async loads that only the host tier serves until
-        ``forward_launched``: they must not queue on the copy engine ahead of this step's
-        in-step copies and its forward's own uploads."""
+        request scheduled): wait for the first staging and for the copies. With
+        ``hold_async`` a busy step holds back the copies of async loads that only the host
+        tier serves until ``forward_launched``."""
         self.forward_launched()  # a step whose forward never ran
         self.cancel(cancelled)
         in_step: list[PendingLoad] = []

@@ -204,9 +204,8 @@ def test_two_host_reloads_admitted_together_take_one_in_step_load_a_step(
 def test_the_second_reloads_copies_are_issued_after_the_first_ones_forward(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two host reloads admitted together, one in-step: the other's copies are held back until
-    the step's forward was enqueued, so on a GPU they never sit on the copy engine ahead of the
-    forward's inputs (a step that uploads after them waits for them). The order of the step's
+    """``hold_async`` (off by default): two host reloads admitted together, one in-step: the
+    other's copies are held back until the step's forward was enqueued. The order of the step's
     work: the in-step copies, the forward, then the async load's copies; tokens unchanged."""
     from connectors.device.copy import SlabCopier
     from engine.runner.model_runner import ModelRunner
@@ -217,6 +216,7 @@ def test_the_second_reloads_copies_are_issued_after_the_first_ones_forward(
     want = [list(plain.generate([p], ONE)[0].token_ids) for p in (a, b)]
     with make_llm(model_dir, 20, {**offload(True), "in_step_loads_per_step": 1}) as llm:
         engine = llm.engine
+        engine.offload.worker._loader.hold_async = True  # type: ignore[union-attr]
         for p in (a, b):
             llm.generate([p], ONE)
             engine.flush_kv()
@@ -270,6 +270,7 @@ def test_cuda_a_held_async_reload_lands_before_its_step(model_dir: str) -> None:
     config = {**offload(True), "in_step_loads_per_step": 1}
     with LLM(model_dir, num_gpu_blocks=20, kv_offload=True, kv_offload_config=config, **kw) as llm:
         engine = llm.engine
+        engine.offload.worker._loader.hold_async = True  # type: ignore[union-attr]
         for p in (a, b):
             llm.generate([p], ONE)
             engine.flush_kv()

@@ -327,9 +327,8 @@ def test_in_step_copies_are_issued_before_an_async_load_listed_first(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
 ) -> None:
     """A step's forward waits for its in-step loads only: their copies must reach the copy
-    stream before an async load's, whatever order the metadata lists them in, and the async
-    load's copies come only once the forward is enqueued (``forward_launched``): issued
-    earlier, they would hold the forward's own uploads behind them on the copy engine."""
+    stream before an async load's, whatever order the metadata lists them in; the async
+    load's follow before the forward (``hold_async`` off, the default)."""
     worker, store, cache, _ = parts
     keys, blobs = _host_blocks(worker, store, cache, 2)
     check = HostCheck.for_meta(worker.meta)
@@ -355,7 +354,7 @@ def test_in_step_copies_are_issued_before_an_async_load_listed_first(
     order.append("forward")
     worker.forward_launched()
     report = worker.take_report()
-    assert order == ["in-step", "forward", "async"]
+    assert order == ["in-step", "async", "forward"]
     assert sorted((r.req_id, r.num_loaded_blocks) for r in report.finished_loads) == [
         ("async", 1),
         ("in-step", 1),
