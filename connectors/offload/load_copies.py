@@ -56,10 +56,21 @@ class PendingLoad:
     # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
     shared: tuple[object, object] | None = None
     issuing: bool = True  # more copies may follow (staging pending)
+    # The pipeline's staging -> cache copies (``connectors.offload.pipeline``), apart: their
+    # event spans also hold the load thread's pace of issuing them between its reads, so they
+    # are no measure of the host -> device link (``host_copy_time``).
+    piped_timings: list[tuple[object, object, int]] = field(default_factory=list)
+    piped_cpu_s: float = 0.0
+    piped_blocks: int = 0
 
     def copy_time(self) -> float:
         """The load's copy time: CUDA events (all completed: the last one has) and CPU wall
-        time. Reading a completed event's time never waits."""
+        time, the pipeline's copies included. Reading a completed event's time never waits."""
+        piped = sum(b.elapsed_time(e) for b, e, _ in self.piped_timings) / 1e3  # type: ignore[attr-defined]
+        return self.host_copy_time() + piped + self.piped_cpu_s
+
+    def host_copy_time(self) -> float:
+        """The copies from the host tier's slab (or staged host slots) alone."""
         pairs = [self.shared] if self.shared is not None else [(b, e) for b, e, _ in self.timings]
         device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
         return device + self.copy_seconds

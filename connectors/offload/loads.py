@@ -20,7 +20,8 @@
   scheduled) waits for the first staging and for the copies, so the load is reported now.
 ``poll``: a load whose copies completed becomes a ``LoadResult`` (reported in the step it
 landed in) and its spec is completed (``store.complete_load``: every pin it holds released).
-Cost model: lower-tier staging is observed under its tier, each load's copies under ``host``.
+Cost model: lower-tier staging is observed under its tier, each load's copies from host memory
+under ``host`` (not the pipeline's: their spans hold the load thread's issuing pace).
 
 Not thread-safe: the engine thread drives it; the load thread only runs ``_stage`` and touches
 nothing but the store and its own result.
@@ -323,8 +324,9 @@ class HostLoader:
         pending.staging, pending.job, pending.issuing = None, None, False
         pending.copied += piped.num_blocks
         pending.event = piped.last if piped.last is not None else pending.event
-        pending.timings.extend(piped.timings)
-        pending.copy_seconds += piped.cpu_copy_s
+        pending.piped_timings.extend(piped.timings)
+        pending.piped_cpu_s += piped.cpu_copy_s
+        pending.piped_blocks += piped.num_blocks
         pending.read_seconds += piped.read_s
         tiers = pending.load.source_tiers
         tier = tiers[first] if first < len(tiers) else ""
@@ -340,6 +342,7 @@ class HostLoader:
             return
         n, last = job.cancel()
         pending.copied += n
+        pending.piped_blocks += n
         pending.event = last if last is not None else pending.event
 
     def _copy_staged(self, pending: PendingLoad, staged: Staged) -> None:
@@ -395,7 +398,7 @@ class HostLoader:
                 load_seconds=seconds,
             )
             copy_s = pending.copy_time()
-            self._observe_host(pending, copy_s)
+            self._observe_host(pending)
             self._finished.append(
                 LoadResult(
                     req_id, n, len(load.keys), seconds, copy_s, pending.read_seconds, load.in_step
@@ -418,16 +421,18 @@ class HostLoader:
             return
         self.store.complete_load(pending.spec)
 
-    def _observe_host(self, pending: PendingLoad, copy_s: float) -> None:
-        if self.cost_model is None or not pending.copied:
+    def _observe_host(self, pending: PendingLoad) -> None:
+        """The host -> device hop's sample: the load's copies from host memory only (the
+        pipeline's copies are paced by its reads, observed under their tier)."""
+        if self.cost_model is None or pending.copied <= pending.piped_blocks:
             return
         if pending.timings:
             nbytes = sum(n for _, _, n in pending.timings)
         elif pending.copy_seconds:
-            nbytes = pending.copied * self.kv_cache.bytes_per_block
+            nbytes = (pending.copied - pending.piped_blocks) * self.kv_cache.bytes_per_block
         else:
             return  # its blocks moved in another load's transfer, observed there
-        self.cost_model.observe_transfer("host", nbytes, max(copy_s, 1e-9))
+        self.cost_model.observe_transfer("host", nbytes, max(pending.host_copy_time(), 1e-9))
 
 
 def _done(event: object | None) -> bool:

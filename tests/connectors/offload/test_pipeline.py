@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cachestore.codec import HeaderTemplate, encode_block, encoded_size
+from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import parse_offload_config
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
@@ -83,6 +84,7 @@ def _worker(
     chunk_blocks: int,
     timeout_s: float = 5.0,
     readers: int = 0,
+    cost_model: OnlineCostModel | None = None,
 ) -> OffloadWorker:
     return OffloadWorker(
         cache,
@@ -90,6 +92,7 @@ def _worker(
         block_meta(cache, PREFIX),
         load_timeout_s=timeout_s,
         stats=OffloadStats(),
+        cost_model=cost_model,
         load_chunk_bytes=chunk_blocks * cache.bytes_per_block,
         load_pipeline_depth=2,
         load_read_threads=readers,
@@ -139,6 +142,34 @@ def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
         assert torch.equal(landed[chunk].view(torch.uint8), landed[0].view(torch.uint8)), chunk
     others = [b for b in range(2 * N + 2) if b not in ids]
     assert bool((landed[3][others] == 0).all())
+
+
+class _Transfers(OnlineCostModel):
+    def __init__(self) -> None:
+        p = default_priors("cpu")
+        super().__init__(dict(p.tier_costs), p.prefill, 1024, 16)
+        self.seen: list[tuple[str, int]] = []
+
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
+        self.seen.append((tier, nbytes))
+        super().observe_transfer(tier, nbytes, seconds)
+
+
+def test_a_pipelined_load_teaches_its_tier_and_not_the_host_link(
+    lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
+) -> None:
+    """The pipeline's staging -> cache copies are paced by its reads (on CUDA their event
+    spans hold the load thread's issuing gaps): the cost model learns the LMDB read from the
+    load, and nothing about the host -> device hop; the load still reports its copy time."""
+    store, cache, keys = lmdb_blocks
+    model = _Transfers()
+    worker = _worker(store, cache, 3, cost_model=model)
+    try:
+        n, copy_s, read_s = _load(worker, store, keys, tuple(range(N)))
+    finally:
+        worker.close()
+    assert n == N and copy_s > 0 and read_s > 0
+    assert model.seen == [("lmdb", N * cache.bytes_per_block)]
 
 
 def test_a_pipelined_load_stops_at_the_first_missing_block(
