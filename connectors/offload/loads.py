@@ -7,11 +7,12 @@
   compute stream waits on, since this step's forward reads them).
 - async loads: the load's ``LoadSpec`` says where its leading host-tier blocks are (header
   checked, not the checksum: this process wrote them; located by the scheduler side's
-  ``prepare_load``), copied the same way (``hold_async``: a load the host tier serves whole is
-  copied only once the step's forward was enqueued, ``forward_launched``; off by default); the rest (lower tiers) goes through one background
-  thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by chunk, each chunk
-  read into a pinned staging slot and its copy into the cache issued by that thread while it
-  reads the next (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
+  ``prepare_load``), copied the same way (``hold_async``, off by default: a load the host
+  tier serves whole is copied only once the step's forward was enqueued, ``forward_launched``);
+  the rest (lower tiers) goes through one background thread. Pipelined (``pipeline`` given,
+  raw blocks: the default): chunk by chunk, each chunk read into a pinned staging slot and its
+  copy into the cache issued by that thread while it reads the next
+  (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
   checksummed reads into pinned host slots, which it locates), then copied at a later step
   start; blocks the slab cannot take are read into one tensor and scattered. A load whose
   staging runs past ``load_timeout_s`` ends with what was copied.
@@ -124,8 +125,8 @@ class HostLoader:
         self._held: list[tuple[PendingLoad, list[int]]] = []
         self._held_after: object | None = None
         # Settable (the bench's A/B): True holds them until ``forward_launched``. Off: on the
-        # H200 it gained nothing measurable and its copies, issued once the host had waited
-        # for the step's inputs, often landed after the step's end (the load seen a step late).
+        # H200 it gained nothing measurable, and in the QA run such loads were often seen done
+        # a step later than when issued before the forward (docs/scheduling.md).
         self.hold_async = False
         self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
