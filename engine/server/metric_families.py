@@ -213,6 +213,11 @@ SNAPSHOT_FAMILIES = (
         unit="bytes_per_second",
     ),
     _g(
+        "kvtier_kv_cost_model_outcome_ratio",
+        "Measured over priced time of served plans, by strategy (1: priced as is)",
+        "decision",
+    ),
+    _g(
         "kvtier_kv_cost_model_prefill_fixed_seconds",
         "Estimated fixed cost of one prefill",
         unit="seconds",

@@ -163,6 +163,9 @@ def _rows(stats: Mapping[str, Any]) -> dict[str, Rows]:
     out["kvtier_kv_cost_model_tier_bandwidth_bytes_per_second"] = [
         ((t,), _num(e.get("bandwidth_bytes_per_s"))) for t, e in priced
     ]
+    out["kvtier_kv_cost_model_outcome_ratio"] = [
+        ((str(s),), _num(r.get("all"))) for s, r in cost.get("outcome_ratios", {}).items()
+    ]
     prefill = cost.get("prefill", {})
     out["kvtier_kv_cost_model_prefill_fixed_seconds"] = [((), _num(prefill.get("fixed_s")))]
     out["kvtier_kv_cost_model_prefill_per_token_seconds"] = [((), _num(prefill.get("per_token_s")))]

@@ -156,3 +156,12 @@ def test_an_empty_snapshot_still_exports_every_family_and_unknown_keys_are_dropp
             samples = families[f.name.removesuffix("_total")][1]
             if not f.labels and f.kind in ("counter", "gauge"):
                 assert list(samples.values()) == [0.0], f.name
+
+
+def test_outcome_ratios_are_exported_by_decision() -> None:
+    """The cost model's measured-over-priced ratio of each strategy served so far, labelled
+    by decision; a strategy never served has no sample."""
+    stats = {"kv": {"cost_model": {"outcome_ratios": {"overlap": {"all": 1.8, "8": 1.9}}}}}
+    families = _parse(ServerMetrics(lambda: stats, MODEL).exposition().decode())
+    samples = families["kvtier_kv_cost_model_outcome_ratio"][1]
+    assert samples == {("kvtier_kv_cost_model_outcome_ratio", (("decision", "overlap"),)): 1.8}
