@@ -128,6 +128,19 @@ class HostTier(Tier):
                 self._entries.move_to_end(key)
             return len(keys)
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One lock hold for the batch; a present key's recency is refreshed, as ``lookup``
+        does (a block about to be saved again was just in use)."""
+        out: list[bool] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                here = entry is not None and entry.committed
+                if here:
+                    self._entries.move_to_end(key)
+                out.append(here)
+        return out
+
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         out: list[Value | None] = []
         with self._lock:

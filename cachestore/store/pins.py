@@ -71,7 +71,8 @@ class StorePins:
                 k for k in dict.fromkeys(keys) if k not in self._storing and k not in self._writing
             ]
             self._storing.update(fresh)
-        present = {k for k in fresh if self._tiers.call(0, _contains(k), False)}
+        flags = self._tiers.call(0, _contains_many(fresh), None) if fresh else []
+        present = {k for k, here in zip(fresh, flags or [], strict=False) if here}
         if present:
             with self._lock:
                 self._storing.difference_update(present)
@@ -134,8 +135,8 @@ class StorePins:
 
 # A tier call's function per key list, built outside the caller's loop (the loop variable is
 # bound here, once per call).
-def _contains(key: str) -> Callable[[Tier], bool]:
-    return lambda tier: tier.contains(key)
+def _contains_many(keys: Sequence[str]) -> Callable[[Tier], list[bool]]:
+    return lambda tier: tier.contains_many(keys)
 
 
 def _pin_each(keys: Sequence[str]) -> Callable[[Tier], list[bool] | None]:

@@ -72,6 +72,20 @@ def test_pin_each_pins_past_a_miss_and_counts_repeats(tier: HostTier) -> None:
     assert [e.key for e in tier.put_many([("h", _val(7))])] == ["a"]
 
 
+def test_contains_many_answers_past_a_miss_refreshes_hits_and_skips_reservations(
+    tier: HostTier,
+) -> None:
+    """One lock hold for the batch (the store's prepare_store asks it for every save):
+    a committed key is present and refreshed as ``lookup`` refreshes it; a reserved one is not
+    present until committed."""
+    tier.put_many([(k, _val(i)) for i, k in enumerate("abc")])
+    assert tier.reserve("r", 8) is not None
+    assert tier.contains_many(["a", "x", "c", "r"]) == [True, False, True, False]
+    assert tier.contains_many([]) == []
+    assert tier.lru_keys() == ["b", "a", "c"]  # a then c refreshed; the reservation unlisted
+    assert tier.commit("r") and tier.contains_many(["r"]) == [True]
+
+
 def test_pinned_entries_survive_and_what_cannot_be_placed_is_handed_back(tier: HostTier) -> None:
     tier.put_many([(k, _val(i)) for i, k in enumerate("abcd")])
     assert tier.pin(["a", "b", "x", "c"]) == 2
