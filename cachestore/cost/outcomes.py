@@ -4,7 +4,7 @@ The cost model prices an option from its parts (tier reads, copies, a prefill cu
 clean steps). What a user sees can differ by a factor the parts do not show: an overlap split's
 tail copies slow down beside its head's compute, a load shares its step with others' chunks.
 On one H200 (bench.offload, 4K tokens from LMDB) the overlap split was priced at 55 ms and took
-87-97 ms while loading everything was priced at 50-63 ms and took 74-80 ms, so ``cost`` chose
+87-97 ms while loading everything was priced at 50-63 ms and took 76-93 ms, so ``cost`` chose
 the slower plan.
 
 ``OutcomeRatios`` keeps, per strategy and per prompt-length bucket (powers of two of blocks),
