@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cachestore.cost.model import Decision, Option, Strategy
 
@@ -61,7 +62,7 @@ class OutcomeRatios:
         self._update(self._by_strategy, str(strategy), r)
         return True
 
-    def _update(self, table: dict, key: object, r: float) -> None:  # type: ignore[type-arg]
+    def _update(self, table: dict[Any, _Ratio], key: object, r: float) -> None:
         cur = table.get(key)
         if cur is None:
             table[key] = _Ratio(r, 1)
