@@ -122,7 +122,6 @@ if [[ "$STAGES" == *,mixed,* ]]; then
     case "$variant" in
       layered) flag=(--layered); name=mixed_layered ;;
       allinstep) flag=(--in-step-loads-per-step 0); name=mixed_allinstep ;;  # the old default
-      held) flag=(--hold-async); name=mixed_held ;;  # async copies after the forward's launch
     esac
     timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
       --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \

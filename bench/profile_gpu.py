@@ -360,7 +360,6 @@ def profile_mixed(
     mode: str = "full",
     layered: bool = False,
     in_step_per_step: int | None = None,
-    hold_async: bool = False,
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -370,9 +369,7 @@ def profile_mixed(
     loaded, not recomputed) for its figures to mean anything. ``layered``: in-step loads land
     layer by layer (``layered_loads: true``), and the mixed arrival is also run with the layer
     copy kernel on a fixed number of looping programs. ``in_step_per_step``: the connector's
-    ``in_step_loads_per_step`` (None: its default). ``hold_async``: async loads' copies
-    are held until the forward is enqueued (``HostLoader.hold_async``; by default they are
-    issued before it)."""
+    ``in_step_loads_per_step`` (None: its default)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -396,9 +393,6 @@ def profile_mixed(
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
-    loader = getattr(eng.offload.worker, "_loader", None)
-    if loader is not None:
-        loader.hold_async = hold_async
     rng = random.Random(11)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     res: dict[str, Any] = {
@@ -408,7 +402,6 @@ def profile_mixed(
         "pair": pair,
         "layered": layered,
         "in_step_loads_per_step": offload.get("in_step_loads_per_step", 1),
-        "hold_async": hold_async,
     }
     ids = iter(range(10**6))
     try:
@@ -451,7 +444,7 @@ def profile_mixed(
         res["mixed_cpu"] = _cpu_table(
             prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel", "aten::copy_", "plan")
         )
-        copier = getattr(loader, "_copier", None)
+        copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
         if copier is not None and copier.layered:
             res["mixed_by_copy_programs"] = {}
             for v, g in zip(variants, groups[reps + 1 :], strict=True):
@@ -492,8 +485,7 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     parts += [f"pair alone {med([m['alone_pair']])}", f"one alone {med([m['alone_one']])}"]
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
-        f"{m['layered']}, in-step loads a step {m.get('in_step_loads_per_step')}, async copies "
-        f"{'held' if m.get('hold_async') else 'first'}, decode step "
+        f"{m['layered']}, in-step loads a step {m.get('in_step_loads_per_step')}, decode step "
         f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
 
@@ -515,11 +507,6 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="mixed: the connector's in_step_loads_per_step (default: its own, 1)",
     )
-    ap.add_argument(
-        "--hold-async",
-        action="store_true",
-        help="mixed: hold async loads' copies until the forward is enqueued",
-    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.setup == "full":
@@ -539,7 +526,6 @@ def main(argv: list[str] | None = None) -> int:
                     args.setup,
                     args.layered,
                     args.in_step_loads_per_step,
-                    args.hold_async,
                 )
             else:
                 res[name] = profile_reload(args.length)

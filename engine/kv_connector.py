@@ -138,17 +138,11 @@ class KVConnectorWorker(Protocol):
     """The worker side as the runner calls it (``ModelRunner.set_kv_connector``).
 
     Called from the engine thread only, once per step, in this order: ``start_load_kv``
-    before the forward pass, ``forward_launched`` once it is enqueued (before sampling waits
-    for it), ``wait_for_save`` and ``after_step`` after it."""
+    before the forward pass, ``wait_for_save`` and ``after_step`` after it."""
 
     def start_load_kv(self, metadata: object | None) -> None:
         """Before the forward pass: copy out this step's saves, copy this step's in-step loads
         (the forward reads them), then scatter completed async loads."""
-        ...
-
-    def forward_launched(self) -> None:
-        """The forward pass is enqueued (on CUDA, not yet run): issue transfers that this
-        forward does not read and that must not queue ahead of it (async loads' copies)."""
         ...
 
     def wait_for_save(self) -> None:

@@ -3,8 +3,8 @@
 ``PendingLoad`` is one load in progress: how many leading blocks' copies were issued, the
 event of the last one, its timings, and the store's ``LoadSpec`` that holds its pins. ``SlabToCache`` issues the copies:
 - ``copy``: the next blocks of a load from their slab offsets (CPU: a synchronous memcpy;
-  CUDA: ``non_blocking`` on the side stream, after the compute stream's queued work or a given
-  event of it, an event recorded after them);
+  CUDA: ``non_blocking`` on the side stream, after the compute stream's queued work, an event
+  recorded after them);
 - ``copy_in_step``: the in-step loads of one step, which this step's forward reads: with the
   layer kernel one copy per layer for all of them, each layer's attention waiting for its own
   layer only (``KVCache.set_layer_ready``); otherwise per-block copies the forward waits for;
@@ -129,17 +129,9 @@ class SlabToCache:
         # One transfer: observed once (by the first load), with all its bytes.
         loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
-    def copy(
-        self,
-        pending: PendingLoad,
-        offsets: list[int],
-        forward_reads: bool = False,
-        after: object | None = None,
-    ) -> None:
+    def copy(self, pending: PendingLoad, offsets: list[int], forward_reads: bool = False) -> None:
         """Issue the slab -> cache copies of the next ``len(offsets)`` blocks of ``pending``.
-        ``forward_reads``: this step's forward reads them (CUDA: the compute stream waits).
-        ``after`` (CUDA): an event of the compute stream the copies wait for, instead of all
-        of its queued work."""
+        ``forward_reads``: this step's forward reads them (CUDA: the compute stream waits)."""
         if not offsets or self.copier is None:
             return
         start = pending.copied
@@ -155,10 +147,7 @@ class SlabToCache:
         compute = torch.cuda.current_stream(self.kv_cache.device)
         with torch.cuda.stream(self._side):  # type: ignore[arg-type]
             # The blocks' previous owner may still have forwards queued that write them.
-            if after is not None:
-                self._side.wait_event(after)  # type: ignore[attr-defined]
-            else:
-                self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            self._side.wait_stream(compute)  # type: ignore[attr-defined]
             begin.record(self._side)  # type: ignore[arg-type]
             self.copier.to_device(ids, payload)
             end.record(self._side)  # type: ignore[arg-type]

@@ -7,12 +7,10 @@
   compute stream waits on, since this step's forward reads them).
 - async loads: the load's ``LoadSpec`` says where its leading host-tier blocks are (header
   checked, not the checksum: this process wrote them; located by the scheduler side's
-  ``prepare_load``), copied the same way (``hold_async``, off by default: a load the host
-  tier serves whole is copied only once the step's forward was enqueued, ``forward_launched``);
-  the rest (lower tiers) goes through one background thread. Pipelined (``pipeline`` given,
-  raw blocks: the default): chunk by chunk, each chunk read into a pinned staging slot and its
-  copy into the cache issued by that thread while it reads the next
-  (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
+  ``prepare_load``), copied the same way; the rest (lower tiers) goes through one background
+  thread. Pipelined (``pipeline`` given, raw blocks: the default): chunk by chunk, each chunk
+  read into a pinned staging slot and its copy into the cache issued by that thread while it
+  reads the next (``connectors.offload.pipeline``). Otherwise: staged (``store.stage_load``:
   checksummed reads into pinned host slots, which it locates), then copied at a later step
   start; blocks the slab cannot take are read into one tensor and scattered. A load whose
   staging runs past ``load_timeout_s`` ends with what was copied.
@@ -120,14 +118,6 @@ class HostLoader:
         if self._pipeline is not None:  # its staging ring, off the first load's path
             self._pool.submit(self._pipeline.prepare)
         self._loads: dict[str, PendingLoad] = {}
-        # Async host loads whose copies wait until this step's forward was enqueued
-        # (``forward_launched``), and the compute stream's event their copies start after.
-        self._held: list[tuple[PendingLoad, list[int]]] = []
-        self._held_after: object | None = None
-        # Settable (the bench's A/B): True holds them until ``forward_launched``. Off: on the
-        # H200 it gained nothing measurable, and in the QA run such loads were often seen done
-        # a step later than when issued before the forward (docs/scheduling.md).
-        self.hold_async = False
         self._draining: list[PendingLoad] = []  # cancelled or timed out: pins released when idle
         self._finished: list[LoadResult] = []
 
@@ -144,10 +134,7 @@ class HostLoader:
     def start(self, loads: tuple[BlockLoad, ...], cancelled: frozenset[str], idle: bool) -> None:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
-        request scheduled): wait for the first staging and for the copies. With
-        ``hold_async`` a busy step holds back the copies of async loads that only the host
-        tier serves until ``forward_launched``."""
-        self.forward_launched()  # a step whose forward never ran
+        request scheduled): wait for the first staging and for the copies."""
         self.cancel(cancelled)
         in_step: list[PendingLoad] = []
         # In-step loads first: this step's forward waits for their copies, so the copy stream
@@ -159,7 +146,7 @@ class HostLoader:
             if not load.in_step and in_step:
                 self._copies.copy_in_step(in_step)  # before the first async load's copies
                 in_step = []
-            pending = self._begin(load, hold=self.hold_async and not idle)
+            pending = self._begin(load)
             self._loads[load.req_id] = pending
             if load.in_step:
                 in_step.append(pending)
@@ -175,22 +162,10 @@ class HostLoader:
                     pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
 
-    def forward_launched(self) -> None:
-        """This step's forward was enqueued: issue the held copies (``start``). On CUDA they
-        wait for the compute stream's work up to the step's start only (the blocks' previous
-        owner's forwards), so they run under this forward and land before the next step."""
-        held, self._held = self._held, []
-        for pending, offsets in held:
-            pending.issuing = False
-            self._copies.copy(pending, offsets, after=self._held_after)
-        self._held_after = None
-
     def cancel(self, cancelled: frozenset[str]) -> None:
         """Drop these loads: no copy into their blocks is issued after this returns, and this
         step's work (saves of those blocks, the forward) is ordered after the issued ones.
         Idempotent (``start`` calls it too)."""
-        if self._held:  # never issued: nothing to wait for before its blocks are reused
-            self._held = [(p, o) for p, o in self._held if p.load.req_id not in cancelled]
         for req_id in cancelled:
             pending = self._loads.pop(req_id, None)
             if pending is not None:
@@ -211,11 +186,6 @@ class HostLoader:
     def close(self) -> None:
         """Drop pending loads (releasing their pins once their copies ended), stop the load
         thread. Idempotent."""
-        held = {id(p) for p, _ in self._held}
-        self._held = []
-        for pending in self._loads.values():
-            if id(pending) in held:  # no copy was issued: only its pins to release
-                pending.issuing = False
         self._draining.extend(self._loads.values())
         self._loads.clear()
         for pending in self._draining:
@@ -231,7 +201,7 @@ class HostLoader:
 
     # -- issuing -------------------------------------------------------------------------
 
-    def _begin(self, load: BlockLoad, hold: bool = False) -> PendingLoad:
+    def _begin(self, load: BlockLoad) -> PendingLoad:
         now = time.monotonic()
         # A load prepared without the store (none given) gets an empty spec: its staging's pins.
         spec = (
@@ -242,12 +212,6 @@ class HostLoader:
             pending.issuing = False
             return pending
         lead = len(spec.host_offsets)
-        if hold and 0 < lead == len(load.keys):  # host only: copied once the forward is queued
-            if self._held_after is None and self._side is not None:
-                self._held_after = torch.cuda.Event()
-                self._held_after.record(torch.cuda.current_stream(self.kv_cache.device))
-            self._held.append((pending, list(spec.host_offsets)))
-            return pending  # still issuing: not reported before its copies are
         self._copies.copy(pending, list(spec.host_offsets))
         if lead < len(load.keys) and self._pipeline is not None:
             ready = None

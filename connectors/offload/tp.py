@@ -147,10 +147,6 @@ class GroupedWorker:
                 self._meta(metadata, g) if isinstance(metadata, KVConnectorMetadata) else metadata
             )
 
-    def forward_launched(self) -> None:
-        for worker in self.workers:
-            worker.forward_launched()
-
     def wait_for_save(self) -> None:
         for worker in self.workers:
             worker.wait_for_save()

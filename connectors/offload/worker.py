@@ -143,10 +143,6 @@ class OffloadWorker:
             metadata.loads, metadata.cancelled_loads, idle=metadata.num_scheduled_requests == 0
         )
 
-    def forward_launched(self) -> None:
-        """The step's forward is enqueued: issue the async host loads' copies held back."""
-        self._loader.forward_launched()
-
     def wait_for_save(self) -> None:
         self._saver.end_step()
 

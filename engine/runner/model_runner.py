@@ -297,7 +297,6 @@ class ModelRunner:
             result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
             if connector is not None:
                 connector.start_load_kv(out.kv_connector_metadata)
-                connector.forward_launched()
                 connector.wait_for_save()
                 result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
             return result
@@ -307,8 +306,6 @@ class ModelRunner:
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host)
-            if connector is not None:
-                connector.forward_launched()
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)

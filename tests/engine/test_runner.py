@@ -232,9 +232,6 @@ class RecordingConnector:
         self.calls.append(("start_load_kv", metadata))
         self.cache_sum_at_load = float(self.runner.kv_cache.tensor.abs().sum())
 
-    def forward_launched(self) -> None:
-        self.calls.append(("forward_launched", None))
-
     def wait_for_save(self) -> None:
         self.calls.append(("wait_for_save", None))
 
@@ -249,22 +246,12 @@ def test_kv_connector_hooks_run_around_the_forward_pass(tmp_path) -> None:
     meta = object()
     r = req("x", [5, 6, 7], 0, [1])
     out = runner.execute_model(SchedulerOutput([r], 3, kv_connector_metadata=meta))
-    assert conn.calls == [
-        ("start_load_kv", meta),
-        ("forward_launched", None),
-        ("wait_for_save", None),
-        ("after_step", meta),
-    ]
+    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
     assert conn.cache_sum_at_load == 0.0 and runner.kv_cache.tensor.abs().sum() > 0
     assert list(out.sampled_token_ids) == ["x"]
     conn.calls.clear()
     runner.execute_model(SchedulerOutput([], 0, kv_connector_metadata=meta))
-    assert conn.calls == [
-        ("start_load_kv", meta),
-        ("forward_launched", None),
-        ("wait_for_save", None),
-        ("after_step", meta),
-    ]
+    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
     runner.set_kv_connector(None)
     conn.calls.clear()
     runner.execute_model(SchedulerOutput([req("x", [8], 3, [1], n_out=1)], 1))

@@ -155,7 +155,6 @@ def test_host_tier_loads_skip_the_checksum_and_copy_the_exact_bytes(
     spec = store.prepare_load(keys, HostCheck.for_meta(worker.meta))
     load = BlockLoad("r", (6, 1, 3), tuple(keys), 0, ("host",) * 3, spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
-    worker.forward_launched()  # the runner's order: an async load's copies follow the forward
     [result] = worker.take_report().finished_loads  # reported in the step it landed
     assert (result.num_loaded_blocks, counter.calls) == (3, 0)
     for block_id, expected in zip((6, 1, 3), blobs, strict=True):
@@ -200,7 +199,6 @@ def test_slab_entries_stay_pinned_until_the_copy_completes(
     spec = store.prepare_load(keys, HostCheck.for_meta(worker.meta))
     load = BlockLoad("r", (0, 5), tuple(keys), 0, ("host", "host"), spec=spec)
     worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
-    worker.forward_launched()
     assert worker.take_report().finished_loads == ()
     # The host tier (4 slots) fills up: the two entries being copied must survive.
     filler = [
@@ -327,8 +325,8 @@ def test_in_step_copies_are_issued_before_an_async_load_listed_first(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
 ) -> None:
     """A step's forward waits for its in-step loads only: their copies must reach the copy
-    stream before an async load's, whatever order the metadata lists them in; the async
-    load's follow before the forward (``hold_async`` off, the default)."""
+    stream before an async load's, whatever order the metadata lists them in (an async load
+    listed first would otherwise hold the forward behind its own copies)."""
     worker, store, cache, _ = parts
     keys, blobs = _host_blocks(worker, store, cache, 2)
     check = HostCheck.for_meta(worker.meta)
@@ -344,17 +342,15 @@ def test_in_step_copies_are_issued_before_an_async_load_listed_first(
     order: list[str] = []
     real_copy = copies.copy
 
-    def recording_copy(pending, offsets, forward_reads=False, after=None):  # type: ignore[no-untyped-def]
+    def recording_copy(pending, offsets, forward_reads=False):  # type: ignore[no-untyped-def]
         if offsets:
             order.append(pending.load.req_id)
-        return real_copy(pending, offsets, forward_reads, after)
+        return real_copy(pending, offsets, forward_reads)
 
     copies.copy = recording_copy
     worker.start_load_kv(KVConnectorMetadata(loads=loads, num_scheduled_requests=1))
-    order.append("forward")
-    worker.forward_launched()
     report = worker.take_report()
-    assert order == ["in-step", "async", "forward"]
+    assert order == ["in-step", "async"]
     assert sorted((r.req_id, r.num_loaded_blocks) for r in report.finished_loads) == [
         ("async", 1),
         ("in-step", 1),
