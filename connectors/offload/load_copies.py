@@ -66,14 +66,18 @@ class PendingLoad:
     def copy_time(self) -> float:
         """The load's copy time: CUDA events (all completed: the last one has) and CPU wall
         time, the pipeline's copies included. Reading a completed event's time never waits."""
-        piped = sum(b.elapsed_time(e) for b, e, _ in self.piped_timings) / 1e3  # type: ignore[attr-defined]
+        piped = _event_seconds([(b, e) for b, e, _ in self.piped_timings])
         return self.host_copy_time() + piped + self.piped_cpu_s
 
     def host_copy_time(self) -> float:
         """The copies from the host tier's slab (or staged host slots) alone."""
         pairs = [self.shared] if self.shared is not None else [(b, e) for b, e, _ in self.timings]
-        device = sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
-        return device + self.copy_seconds
+        return _event_seconds(pairs) + self.copy_seconds
+
+
+def _event_seconds(pairs: list[tuple[object, object]]) -> float:
+    """Seconds between each (begin, end) pair of completed CUDA events, summed."""
+    return sum(b.elapsed_time(e) for b, e in pairs) / 1e3  # type: ignore[attr-defined]
 
 
 class SlabToCache:

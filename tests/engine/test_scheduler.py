@@ -630,21 +630,29 @@ def _make_with(
     return sched, FakeRunner(sched)
 
 
+def _long_then_short(
+    cap: int, long_tokens: int
+) -> tuple[Scheduler, dict[str, int], list[SchedulerOutput], Request, Request]:
+    """A 256-token budget with ``first_token_step_tokens=cap``: "long" (``long_tokens``)
+    arrives before step 1, "short" (40 tokens) before step 2, both to the end: (the
+    scheduler, each one's first-token step, the steps, long, short)."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
+    )
+    sched, runner = _make_with(config, 64)
+    long = req("long", prompt(long_tokens), max_tokens=3)
+    short = req("short", prompt(40, base=7), max_tokens=3)
+    first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+    return sched, first, steps, long, short
+
+
 def test_a_short_first_token_step_defers_the_long_chunks_and_changes_no_output() -> None:
     """ "long" (600 tokens) is prefilling 256 tokens a step when "short" (40 tokens) arrives:
     the step that yields short's first token carries 40 + 24 prefill tokens (the cap, 64), not
     40 + 216; long goes on in full chunks afterwards. Outputs equal those without the cap."""
     outputs = []
     for cap in (64, 0):
-        config = SchedulerConfig(
-            max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
-        )
-        sched, runner = _make_with(config, 64)
-        long, short = (
-            req("long", prompt(600), max_tokens=3),
-            req("short", prompt(40, base=7), max_tokens=3),
-        )
-        first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+        sched, first, steps, long, short = _long_then_short(cap, 600)
         step = steps[first["short"] - 1]
         sizes = {s.req_id: len(s.token_ids) for s in step.requests}
         if cap:
@@ -665,15 +673,7 @@ def test_a_short_first_token_step_cuts_a_long_prompts_last_chunk_too() -> None:
     comes one step later. Without the cap both finish in step 2. Outputs unchanged."""
     outputs = []
     for cap in (64, 0):
-        config = SchedulerConfig(
-            max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
-        )
-        sched, runner = _make_with(config, 64)
-        long, short = (
-            req("long", prompt(400), max_tokens=3),
-            req("short", prompt(40, base=7), max_tokens=3),
-        )
-        first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+        sched, first, steps, long, short = _long_then_short(cap, 400)
         assert first["short"] == 2
         step = {s.req_id: (len(s.token_ids), s.sample) for s in steps[1].requests}
         if cap:

@@ -50,6 +50,34 @@ def test_forced_overlap_keeps_outputs_identical(model_dir: str, tmp_path: Path) 
     assert kv["recomputed_tokens"] >= kv["overlap_head_tokens"]
 
 
+P_TOKENS = 85
+
+
+def _reload_p_after_q(
+    model_dir: str, tmp_path: Path, reloads: int, scale: float = 1.0
+) -> tuple[dict, dict, list[dict]]:
+    """P (85 tokens) once, then ``reloads`` times Q (120 tokens: evicts P's last three blocks
+    to the host tier) and P again, each P's tokens those of an engine without offload, under
+    ``_freeze_prices(scale)``: (kv stats, the cost model's snapshot, the request log's rows)."""
+    rng = random.Random(2)
+    p = [rng.randrange(3, VOCAB) for _ in range(P_TOKENS)]
+    q = [rng.randrange(3, VOCAB) for _ in range(120)]
+    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
+    log_path = tmp_path / "requests.jsonl"
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
+    with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
+        _freeze_prices(llm, scale)
+        assert llm.generate([p], one)[0].token_ids == reference
+        for _ in range(reloads):
+            llm.generate([q], one)
+            assert llm.generate([p], one)[0].token_ids == reference
+        kv = llm.kv_stats()
+        snapshot = llm.engine.offload.cost_model.snapshot()
+    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
+    return kv, snapshot, rows
+
+
 def test_cost_model_picks_overlap_and_the_engine_executes_it(
     model_dir: str, tmp_path: Path
 ) -> None:
@@ -59,26 +87,13 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     max(1, 3) + 0.3; m=2: max(2, 1.5) + 0.3 ms: the head (2 blocks) is computed while the tail
     (1 block) loads. (Equal load and compute prices tie m=1 with m=2, and the live prefill
     scale, which moves by 1e-12 with the machine's load, broke the tie either way.)"""
-    rng = random.Random(2)
-    p = [rng.randrange(3, VOCAB) for _ in range(85)]
-    q = [rng.randrange(3, VOCAB) for _ in range(120)]
-    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
-    log_path = tmp_path / "requests.jsonl"
-    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
-    with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
-        _freeze_prices(llm)
-        assert llm.generate([p], one)[0].token_ids == reference
-        llm.generate([q], one)
-        assert llm.generate([p], one)[0].token_ids == reference
-        kv = llm.kv_stats()
+    kv, _, rows = _reload_p_after_q(model_dir, tmp_path, reloads=1)
     assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
     assert kv["gpu_hit_tokens"] == 32
     assert kv["overlap_head_tokens"] == 32 and kv["loaded_tokens"] == 16
     assert kv["recomputed_tokens"] == 32 and kv["loaded_blocks"] == 1
     assert kv["tiers"]["host"]["hit_blocks"] == 1 and kv["failed_loads"] == 0
-    last = json.loads(log_path.read_text().splitlines()[-1])
-    assert last["decision"] == "overlap" and last["hit_tiers"] == ["gpu", "gpu"]
+    assert rows[-1]["decision"] == "overlap" and rows[-1]["hit_tiers"] == ["gpu", "gpu"]
 
 
 def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
@@ -89,22 +104,9 @@ def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
     compute take far longer than that (a sample is clamped at 4x its price). The next reload
     of P ranks the overlap at 4x its price (92 us) and takes another plan (which one depends
     on what the CPU's other requests taught the model). Tokens unchanged."""
-    rng = random.Random(2)
-    p = [rng.randrange(3, VOCAB) for _ in range(85)]
-    q = [rng.randrange(3, VOCAB) for _ in range(120)]
-    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    reference = make_llm(model_dir, 10).generate([p], one)[0].token_ids
-    log_path = tmp_path / "requests.jsonl"
-    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
-    with make_llm(model_dir, 10, config, request_log=str(log_path)) as llm:
-        _freeze_prices(llm, scale=0.01)
-        assert llm.generate([p], one)[0].token_ids == reference
-        for _ in range(2):
-            llm.generate([q], one)  # evicts P's last three blocks to the host tier
-            assert llm.generate([p], one)[0].token_ids == reference
-        ratios = llm.engine.offload.cost_model.snapshot()["outcome_ratios"]
-    rows = [json.loads(line) for line in log_path.read_text().splitlines()]
-    reloads = [r for r in rows if r["prompt_tokens"] == len(p)][1:]
+    _, snapshot, rows = _reload_p_after_q(model_dir, tmp_path, reloads=2, scale=0.01)
+    ratios = snapshot["outcome_ratios"]
+    reloads = [r for r in rows if r["prompt_tokens"] == P_TOKENS][1:]
     assert reloads[0]["decision"] == "overlap" and reloads[1]["decision"] != "overlap"
     assert reloads[0]["kv_plan"]["predicted_s"] == pytest.approx(23e-6, rel=0.01)
     assert ratios["overlap"]["all"] == 4.0

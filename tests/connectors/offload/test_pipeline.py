@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cachestore.codec import HeaderTemplate, encode_block, encoded_size
-from cachestore.cost.online import OnlineCostModel, default_priors
+from cachestore.cost.online import OnlineCostModel
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import parse_offload_config
 from connectors.offload.metadata import BlockLoad, KVConnectorMetadata
@@ -32,6 +32,7 @@ from connectors.offload.worker import OffloadWorker, block_meta
 from engine import SamplingParams
 from engine.kv_cache import KVCache, KVCacheSpec
 from tests.connectors.offload.test_connector import SLOT, VOCAB, make_llm
+from tests.connectors.offload.test_worker import RecordingCostModel
 from tiers import build_tiers
 from tiers.config import ConfigError, parse_tier_config
 
@@ -144,17 +145,6 @@ def test_a_multi_chunk_lmdb_load_lands_the_bytes_of_the_unpipelined_path(
     assert bool((landed[3][others] == 0).all())
 
 
-class _Transfers(OnlineCostModel):
-    def __init__(self) -> None:
-        p = default_priors("cpu")
-        super().__init__(dict(p.tier_costs), p.prefill, 1024, 16)
-        self.seen: list[tuple[str, int]] = []
-
-    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
-        self.seen.append((tier, nbytes))
-        super().observe_transfer(tier, nbytes, seconds)
-
-
 def test_a_pipelined_load_teaches_its_tier_and_not_the_host_link(
     lmdb_blocks: tuple[HierarchicalStore, KVCache, list[str]],
 ) -> None:
@@ -162,14 +152,14 @@ def test_a_pipelined_load_teaches_its_tier_and_not_the_host_link(
     spans hold the load thread's issuing gaps): the cost model learns the LMDB read from the
     load, and nothing about the host -> device hop; the load still reports its copy time."""
     store, cache, keys = lmdb_blocks
-    model = _Transfers()
+    model = RecordingCostModel()
     worker = _worker(store, cache, 3, cost_model=model)
     try:
         n, copy_s, read_s = _load(worker, store, keys, tuple(range(N)))
     finally:
         worker.close()
     assert n == N and copy_s > 0 and read_s > 0
-    assert model.seen == [("lmdb", N * cache.bytes_per_block)]
+    assert model.transfers == [("lmdb", N * cache.bytes_per_block)]
 
 
 def test_a_pipelined_load_stops_at_the_first_missing_block(
