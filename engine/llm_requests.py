@@ -26,17 +26,21 @@ class RequestState:
     arrival_unix_s: float
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token
-    # cached_tokens_by_tier, kept while (num_cached_tokens, len(kv_hit_tiers)) stays the same
-    by_tier: tuple[tuple[int, int], dict[str, int]] | None = None
+    # cached_tokens_by_tier, kept while (num_cached_tokens and the two tier lists' lengths)
+    # stay the same
+    by_tier: tuple[tuple[int, int, int], dict[str, int]] | None = None
 
 
 def cached_tokens_by_tier(request: Request, block_size: int, offload: bool) -> dict[str, int]:
-    """``request.num_cached_tokens`` split by the tier that served each leading block: the
-    offload connector records one tier per block (``kv_hit_tiers``); without it every hit is
-    a GPU prefix hit. Blocks are counted in order up to the cached total, so a load cut short
+    """``request.num_cached_tokens`` split by the tier that served each cached block: the
+    offload connector records one tier per block (``kv_hit_tiers``, then an overlap's loaded
+    tail, ``kv_tail_tiers``); without it every hit is a GPU prefix hit. Blocks are counted in order up to the cached total, so a load cut short
     (or the last prompt token, always recomputed) is not counted."""
     remaining = max(request.num_cached_tokens, 0)
-    tiers = request.kv_hit_tiers if offload else ["gpu"] * -(-remaining // block_size)
+    if offload:
+        tiers = [*request.kv_hit_tiers, *request.kv_tail_tiers]
+    else:
+        tiers = ["gpu"] * -(-remaining // block_size)
     split: dict[str, int] = {}
     for tier in tiers:
         if remaining <= 0:
@@ -82,7 +86,7 @@ def request_output(
 
 def _by_tier(state: RequestState, block_size: int, offload: bool) -> dict[str, int]:
     request = state.request
-    key = (request.num_cached_tokens, len(request.kv_hit_tiers))
+    key = (request.num_cached_tokens, len(request.kv_hit_tiers), len(request.kv_tail_tiers))
     if state.by_tier is None or state.by_tier[0] != key:
         state.by_tier = (key, cached_tokens_by_tier(request, block_size, offload))
     return state.by_tier[1]

@@ -76,6 +76,9 @@ class Request:
     # Set by the KV offload connector at admission, for the request log: the tier that served
     # each leading cached block ("gpu", "host", "lmdb", ...) and the reload decision.
     kv_hit_tiers: list[str] = field(default_factory=list)
+    # The tier of each block an overlap loaded behind its computed head (not leading: the
+    # request log's hit_tiers leave them out; the API's cached tokens by tier count them).
+    kv_tail_tiers: list[str] = field(default_factory=list)
     kv_decision: str = "recompute"
     # The connector's planned split at admission (tokens from the GPU hit, computed as an
     # overlap's head, loaded, recomputed; the cost model's predicted TTFT), or None.

@@ -75,6 +75,7 @@ class _Inflight:
     tiers: tuple[str, ...]
     # Extend the request log's leading hit: first admission, and not an overlap's tail.
     record: bool = True
+    tail: bool = False  # an overlap's tail at the first admission (``Request.kv_tail_tiers``)
 
 
 class OffloadScheduler:
@@ -265,6 +266,7 @@ class OffloadScheduler:
         record = request.num_preemptions == 0
         if record:  # leading blocks only (an overlap's head is computed; its tail is not)
             request.kv_hit_tiers = ["gpu"] * (num_gpu_hit_tokens // bs)
+            request.kv_tail_tiers = []
             request.kv_decision = Strategy.RECOMPUTE
         if plan is None or plan.num_computed_tokens != num_gpu_hit_tokens:
             if plan is not None:  # planned for another GPU hit: unused
@@ -294,6 +296,7 @@ class OffloadScheduler:
                 slice(head, head + num_load),
                 offsets,
                 record=record and head == 0,
+                tail=record and head > 0,
             )
 
     def _start_load(
@@ -306,6 +309,7 @@ class OffloadScheduler:
         offsets: tuple[int, ...],
         *,
         record: bool,
+        tail: bool = False,
     ) -> None:
         """Hand the worker the load of ``plan.keys[loaded]`` into the request's blocks from
         block ``first`` on (in-step when ``offsets``, its slots located at planning)."""
@@ -338,7 +342,7 @@ class OffloadScheduler:
         if self.prefetcher is not None:  # count a prefetched block where its data lived
             origin = self.prefetcher.origins(request.req_id)
             tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
-        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record)
+        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record, tail=tail)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker's report of the step just run (``Scheduler.update_from_output``)."""
@@ -362,6 +366,8 @@ class OffloadScheduler:
                 request.kv_hit_tiers = [*request.kv_hit_tiers, *inflight.tiers[:n]]
                 if n == 0:
                     request.kv_decision = Strategy.RECOMPUTE
+            elif inflight.tail:
+                request.kv_tail_tiers = list(inflight.tiers[:n])
             if inflight.load.in_step:  # counted as computed at admission: nothing to hand over
                 if n < result.num_requested_blocks:  # cannot happen: its slots were pinned
                     log.error(

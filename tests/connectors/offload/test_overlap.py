@@ -55,10 +55,11 @@ P_TOKENS = 85
 
 def _reload_p_after_q(
     model_dir: str, tmp_path: Path, reloads: int, scale: float = 1.0
-) -> tuple[dict, dict, list[dict]]:
+) -> tuple[dict, dict, list[dict], dict[str, int]]:
     """P (85 tokens) once, then ``reloads`` times Q (120 tokens: evicts P's last three blocks
     to the host tier) and P again, each P's tokens those of an engine without offload, under
-    ``_freeze_prices(scale)``: (kv stats, the cost model's snapshot, the request log's rows)."""
+    ``_freeze_prices(scale)``: (kv stats, the cost model's snapshot, the request log's rows,
+    the last P's cached tokens by tier)."""
     rng = random.Random(2)
     p = [rng.randrange(3, VOCAB) for _ in range(P_TOKENS)]
     q = [rng.randrange(3, VOCAB) for _ in range(120)]
@@ -71,11 +72,12 @@ def _reload_p_after_q(
         assert llm.generate([p], one)[0].token_ids == reference
         for _ in range(reloads):
             llm.generate([q], one)
-            assert llm.generate([p], one)[0].token_ids == reference
+            [out] = llm.generate([p], one)
+            assert out.token_ids == reference
         kv = llm.kv_stats()
         snapshot = llm.engine.offload.cost_model.snapshot()
     rows = [json.loads(line) for line in log_path.read_text().splitlines()]
-    return kv, snapshot, rows
+    return kv, snapshot, rows, out.num_cached_tokens_by_tier
 
 
 def test_cost_model_picks_overlap_and_the_engine_executes_it(
@@ -87,13 +89,16 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     max(1, 3) + 0.3; m=2: max(2, 1.5) + 0.3 ms: the head (2 blocks) is computed while the tail
     (1 block) loads. (Equal load and compute prices tie m=1 with m=2, and the live prefill
     scale, which moves by 1e-12 with the machine's load, broke the tie either way.)"""
-    kv, _, rows = _reload_p_after_q(model_dir, tmp_path, reloads=1)
+    kv, _, rows, by_tier = _reload_p_after_q(model_dir, tmp_path, reloads=1)
     assert kv["decisions"] == {"overlap": 1} and kv["num_overlaps"] == 1
     assert kv["gpu_hit_tokens"] == 32
     assert kv["overlap_head_tokens"] == 32 and kv["loaded_tokens"] == 16
     assert kv["recomputed_tokens"] == 32 and kv["loaded_blocks"] == 1
     assert kv["tiers"]["host"]["hit_blocks"] == 1 and kv["failed_loads"] == 0
     assert rows[-1]["decision"] == "overlap" and rows[-1]["hit_tiers"] == ["gpu", "gpu"]
+    # the API's cached tokens: the GPU hit and the tail loaded from the host tier (the
+    # computed head is not cached)
+    assert by_tier == {"gpu": 32, "host": 16}
 
 
 def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
@@ -104,7 +109,7 @@ def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
     compute take far longer than that (a sample is clamped at 4x its price). The next reload
     of P ranks the overlap at 4x its price (92 us) and takes another plan (which one depends
     on what the CPU's other requests taught the model). Tokens unchanged."""
-    _, snapshot, rows = _reload_p_after_q(model_dir, tmp_path, reloads=2, scale=0.01)
+    _, snapshot, rows, _ = _reload_p_after_q(model_dir, tmp_path, reloads=2, scale=0.01)
     ratios = snapshot["outcome_ratios"]
     reloads = [r for r in rows if r["prompt_tokens"] == P_TOKENS][1:]
     assert reloads[0]["decision"] == "overlap" and reloads[1]["decision"] != "overlap"
