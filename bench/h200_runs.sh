@@ -19,7 +19,8 @@
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
-# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "layered": on, with
+# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "on256": on with
+# --first-token-step-tokens 256; "layered": on, with
 # in-step loads landing layer by layer; "allinstep": on, every reload of a step in-step) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
@@ -72,11 +73,13 @@ if [[ "$STAGES" == *,lmdbprobe,* ]]; then
   tail -n 1 "$OUT_DIR/lmdb_first_read.log" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,qa,* ]]; then
-  runs=()
+  runs=(); logs=()
   for mode in ${QA_MODES:-off on}; do
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
       on) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml ;;
+      on256) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on256.yaml
+        flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256) ;;
       layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
@@ -88,12 +91,20 @@ if [[ "$STAGES" == *,qa,* ]]; then
     limit=$(( ${T_QA:-240} + (${#runs[@]} == 0 ? ${T_QA_FIRST_EXTRA:-90} : 0) ))
     PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
+    # the API side of the client's TTFT (template, tokenize, core -> first chunk): sums, counts
+    grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|to_core)"' \
+      "/tmp/qa_$mode.metrics.txt" 2>/dev/null | sed 's/model_name="qa",//' | tr '\n' ' ' | tee -a "$S"; echo | tee -a "$S"
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.csv" "$OUT_DIR/qa_${mode}.csv" 2>/dev/null
-    runs+=("$mode=/tmp/qa_$mode.csv")
+    runs+=("$mode=/tmp/qa_$mode.csv"); logs+=(--request-log "$mode=/tmp/qa_$mode.requests.jsonl")
   done
-  "$PY" -m bench.qa_rounds "${runs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
+  "$PY" -m bench.qa_rounds "${runs[@]}" "${logs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
+  # QA_TAR=1: the client CSVs and request logs as one file (the device hands back ~8 files)
+  if [ -n "${QA_TAR:-}" ]; then
+    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl 2>/dev/null) \
+      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_breakdown.json
+  fi
 fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"

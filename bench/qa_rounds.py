@@ -1,18 +1,23 @@
 """Client-side TTFT by round from the vLLM production-stack multi-round QA client's CSV
 (``--output``: one row per request, ``question_id`` its round, ``ttft`` in seconds).
 
-Usage: python -m bench.qa_rounds NAME=CSV [NAME=CSV ...] [--out FILE]
+Usage: python -m bench.qa_rounds NAME=CSV [NAME=CSV ...] [--request-log NAME=LOG ...] [--out FILE]
 
 Per run: requests, TTFT p50/p90 of the first round (a fresh history) and of later rounds (the
 history a cache can serve), and where more than one run is given, each later run's later-round
-p50 and p90 against the first run's (``speedup``: first / this, so above 1 is faster). Prints
-JSON, then a one-line summary.
+p50 and p90 against the first run's (``speedup``: first / this, so above 1 is faster). With a
+run's engine request log (``kvtier serve --request-log``), each later-round row is matched to
+its engine entry (same prompt tokens, the nearest arrival at or after the client's launch) and
+``client_minus_engine_ms`` gives the client's TTFT less the engine's, p50/p90: the time the
+client sees outside the engine (HTTP, template and tokenizer, the first chunk's way back, the
+client itself), which a TTFT ratio pays on both sides. Prints JSON, then a one-line summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
@@ -37,20 +42,56 @@ def read_rounds(path: str) -> dict[str, Any]:
     }
 
 
+def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[str, Any]:
+    """Later-round client rows of ``csv_path`` against their entries in the request log."""
+    with open(csv_path, encoding="utf-8", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if int(float(r["question_id"])) > 1]
+    with open(log_path, encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    free = [e for e in entries if e.get("ttft_s") is not None]
+    gaps, engine = [], []
+    for r in sorted(rows, key=lambda r: float(r["launch_time"])):
+        launch, tokens = float(r["launch_time"]), int(float(r["prompt_tokens"]))
+        cands = [e for e in free if e["prompt_tokens"] == tokens and e["ts"] >= launch - slack_s]
+        if not cands:
+            continue
+        e = min(cands, key=lambda e: e["ts"])
+        free.remove(e)
+        gaps.append(float(r["ttft"]) - e["ttft_s"])
+        engine.append(e["ttft_s"])
+    return {
+        "matched": len(gaps),
+        "later_rounds": len(rows),
+        "engine_ttft_ms": {"p50": _ms(engine, 50), "p90": _ms(engine, 90)},
+        "client_minus_engine_ms": {"p50": _ms(gaps, 50), "p90": _ms(gaps, 90)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="NAME=CSV, the baseline first")
+    ap.add_argument("--request-log", action="append", default=[], metavar="NAME=LOG")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs: dict[str, dict[str, Any]] = {}
+    args_csv: dict[str, str] = {}
     for spec in args.runs:
         name, sep, path = spec.partition("=")
         if not sep:
             ap.error(f"expected NAME=CSV, got {spec!r}")
+        args_csv[name] = path
         try:
             runs[name] = read_rounds(path)
         except (OSError, KeyError, ValueError) as exc:
             runs[name] = {"error": f"{path}: {exc}"}
+    for spec in args.request_log:
+        name, sep, path = spec.partition("=")
+        if not sep or name not in runs or "error" in runs[name]:
+            continue
+        try:
+            runs[name]["engine"] = match_engine(args_csv[name], path)
+        except (OSError, KeyError, ValueError) as exc:
+            runs[name]["engine"] = {"error": f"{path}: {exc}"}
     names = list(runs)
     base = runs[names[0]].get("later_rounds", {})
     speedup: dict[str, dict[str, float | None]] = {}
@@ -72,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name in speedup:
             s += f", later p50 {speedup[name]['p50_ms']}x faster than {names[0]}"
+        eng = r.get("engine", {})
+        if eng.get("matched"):
+            s += (
+                f" [engine p50 {eng['engine_ttft_ms']['p50']} ms, client - engine p50 "
+                f"{eng['client_minus_engine_ms']['p50']} ms]"
+            )
         return s
 
     report = {
