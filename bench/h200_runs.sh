@@ -92,7 +92,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
     # the API side of the client's TTFT (template, tokenize, core -> first chunk): sums, counts
-    grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|to_core)"' \
+    grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|first_text|to_core)"' \
       "/tmp/qa_$mode.metrics.txt" 2>/dev/null | sed 's/model_name="qa",//' | tr '\n' ' ' | tee -a "$S"; echo | tee -a "$S"
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null

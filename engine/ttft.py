@@ -37,7 +37,10 @@ of ``schedule`` and of ``load`` (``SUB_PHASES``) aside:
 
 and, from the API process (sent with the request): ``api_template``, ``api_tokenize``; and,
 measured only there once the token arrives: ``return`` (core's first-token time -> the API
-hands the first chunk to the HTTP response). Not thread-safe: the engine thread owns it.
+hands the first chunk to the HTTP response) and ``first_text`` (core's first-token time -> the
+first chunk that carries text, which a client such as the production-stack QA client takes as
+its first token; the finishing chunk if none does: longer than ``return`` by the decode steps
+of leading tokens that detokenize to nothing). Not thread-safe: the engine thread owns it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ ENGINE_PHASES = (
     "first_sample",
 )
 RETURN_PHASE = "return"
-ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE)
+FIRST_TEXT_PHASE = "first_text"
+ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE, FIRST_TEXT_PHASE)
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
 LOAD_PARTS = ("load_copy",)

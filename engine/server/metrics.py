@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from engine.outputs import RequestOutput
 from engine.server.metric_families import BY_NAME
 from engine.server.stats_export import snapshot_families
-from engine.ttft import ALL_PHASES, RETURN_PHASE
+from engine.ttft import ALL_PHASES, FIRST_TEXT_PHASE, RETURN_PHASE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -123,22 +123,31 @@ class RequestTimer:
     """Per-request latency bookkeeping; feed it each output's arrival. Not thread-safe (one
     request is consumed by one coroutine)."""
 
-    __slots__ = ("_metrics", "_arrival_s", "_last_token_s", "_breakdown_done")
+    __slots__ = ("_metrics", "_arrival_s", "_last_token_s", "_breakdown_done", "_text_done")
 
     def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._last_token_s: float | None = None
         self._breakdown_done = False
+        self._text_done = False
 
     def on_output(self, output: RequestOutput, now_s: float) -> None:
         """Records the TTFT phases once, from the output that carries the first token (the
-        return phase, the core's first-token time to ``now_s``, is measured here), and the
-        finish reason and token counts from the last output."""
+        return phase, the core's first-token time to ``now_s``, is measured here), the first
+        output with text (``first_text``; the finishing one if none has any), and the finish
+        reason and token counts from the last output."""
         if output.finished:
             self._metrics.record_finished(output)
         m = output.metrics
-        if self._breakdown_done or m is None or m.first_token_time is None:
+        if m is None or m.first_token_time is None:
+            return
+        if not self._text_done and (output.new_text or output.finished):
+            self._text_done = True
+            self._metrics.ttft_phases[FIRST_TEXT_PHASE].observe(
+                max(0.0, now_s - m.first_token_time)
+            )
+        if self._breakdown_done:
             return
         self._breakdown_done = True
         phases = self._metrics.ttft_phases

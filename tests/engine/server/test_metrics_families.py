@@ -165,3 +165,25 @@ def test_outcome_ratios_are_exported_by_decision() -> None:
     families = _parse(ServerMetrics(lambda: stats, MODEL).exposition().decode())
     samples = families["kvtier_kv_cost_model_outcome_ratio"][1]
     assert samples == {("kvtier_kv_cost_model_outcome_ratio", (("decision", "overlap"),)): 1.8}
+
+
+def test_first_text_waits_for_the_first_output_that_carries_text() -> None:
+    """``first_text`` is the core's first token to the first output with text (what a client
+    that skips empty chunks sees), ``return`` to the first output: a first token that
+    detokenizes to nothing leaves ``return`` alone and moves ``first_text`` one output on."""
+    from engine.outputs import RequestMetrics, RequestOutput
+    from engine.server.metrics import RequestTimer
+
+    metrics = ServerMetrics(lambda: {}, MODEL)
+    m = RequestMetrics(arrival_time=10.0, first_token_time=10.5, ttft_breakdown={"queue": 0.1})
+    timer = RequestTimer(metrics, 10.0)
+    for now, text in ((10.52, ""), (10.57, "a"), (10.6, "b")):
+        timer.on_output(RequestOutput("r", [1], new_text=text, metrics=m), now)
+    families = _parse(metrics.exposition().decode())
+
+    def total(phase: str) -> float:
+        return _value(families, "kvtier_request_ttft_phase_seconds_sum", phase=phase)
+
+    assert total("return") == pytest.approx(0.02)
+    assert total("first_text") == pytest.approx(0.07)
+    assert total("queue") == pytest.approx(0.1)
