@@ -13,6 +13,15 @@ price covers) to the price. The first sample of a key sets it; later ones move i
 (an EWMA), each sample clamped to [1/4, 4]. A key never seen falls back to its strategy's
 ratio over every length, and a strategy never seen to 1 (its price as is).
 
+A ratio above 1 steers decisions away from its strategy, so it would never be measured again:
+one slow outlier (a length's first request meeting kernels not yet compiled, a cold page
+cache) or a slowdown that has since gone would stick. So each outcome observed at a length
+relaxes the other strategies' ratios above 1 at that length toward 1 (by ``relax``: 1 + (r - 1)
+* relax), a key not yet seen there starting from its strategy's ratio: a strategy that lost
+on its measured ratio is tried again after a few requests, and keeps losing if it measured
+slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 it is
+retried after about five requests of that length that took something else.
+
 ``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
 times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price
 beats the best other option's by that fraction. The options keep their raw prices, so each
@@ -30,6 +39,7 @@ from typing import Any
 from cachestore.cost.model import Decision, Option, Strategy
 
 OUTCOME_ALPHA = 0.3  # weight of a new sample once a key has one
+OUTCOME_RELAX = 0.8  # a ratio above 1 of a strategy not taken, per outcome of another
 RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
 
 
@@ -45,11 +55,14 @@ class _Ratio:
 
 
 class OutcomeRatios:
-    def __init__(self, alpha: float = OUTCOME_ALPHA) -> None:
-        """Raises ValueError for ``alpha`` outside (0, 1]."""
+    def __init__(self, alpha: float = OUTCOME_ALPHA, relax: float = OUTCOME_RELAX) -> None:
+        """Raises ValueError for ``alpha`` outside (0, 1] or ``relax`` outside [0, 1]."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0.0 <= relax <= 1.0:
+            raise ValueError(f"relax must be in [0, 1], got {relax}")
         self.alpha = alpha
+        self.relax = relax
         self._by_key: dict[tuple[str, int], _Ratio] = {}
         self._by_strategy: dict[str, _Ratio] = {}
 
@@ -58,13 +71,27 @@ class OutcomeRatios:
         if not (predicted_s > 0 and measured_s > 0):
             return False
         r = min(max(measured_s / predicted_s, 1.0 / RATIO_CLAMP), RATIO_CLAMP)
+        self._relax_others(str(strategy), bucket)
         self._update(self._by_key, (str(strategy), bucket), r)
         self._update(self._by_strategy, str(strategy), r)
         return True
 
+    def _relax_others(self, strategy: str, bucket: int) -> None:
+        """Another strategy's pessimistic ratio at ``bucket`` moves toward 1 (docstring)."""
+        for other, whole in self._by_strategy.items():
+            if other == strategy:
+                continue
+            cur = self._by_key.get((other, bucket))
+            if cur is None:
+                if whole.value <= 1.0:
+                    continue
+                cur = self._by_key[(other, bucket)] = _Ratio(whole.value, 0)  # a prior only
+            if cur.value > 1.0:
+                cur.value = 1.0 + (cur.value - 1.0) * self.relax
+
     def _update(self, table: dict[Any, _Ratio], key: object, r: float) -> None:
         cur = table.get(key)
-        if cur is None:
+        if cur is None or cur.num_samples == 0:  # the first sample sets it
             table[key] = _Ratio(r, 1)
         else:
             cur.value += self.alpha * (r - cur.value)

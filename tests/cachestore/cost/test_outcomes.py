@@ -28,7 +28,8 @@ def test_first_sample_sets_a_key_later_ones_move_it_and_unknown_keys_fall_back()
     assert r.observe(Strategy.LOAD_PREFIX, 8, 0.010, 10.0)  # a stall: clamped to 4x
     assert r.ratio(Strategy.LOAD_PREFIX, 8) == 4.0
     snap = r.snapshot()
-    assert snap["overlap"]["8"] == pytest.approx(1.4) and snap["load_prefix"]["all"] == 4.0
+    # the load's outcome at 8 relaxed the split's ratio there: 1 + 0.4 * 0.8
+    assert snap["overlap"]["8"] == pytest.approx(1.32) and snap["load_prefix"]["all"] == 4.0
 
 
 def test_buckets_are_powers_of_two_of_blocks() -> None:
@@ -54,3 +55,37 @@ def test_a_split_measured_slow_loses_to_the_load_it_was_priced_under() -> None:
     ratios[Strategy.LOAD_PREFIX] = 2.0
     d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
     assert d.best == NONE
+
+
+def test_a_strategy_that_lost_on_its_ratio_is_tried_again_after_a_few_other_outcomes() -> None:
+    """A split measured once at 1.8x its price (a length's first request, kernels compiling)
+    loses to the load; each load served at that length relaxes the split's ratio toward 1, so
+    the split is chosen again after a few, and measured slow again it loses again. A ratio
+    under 1 is never relaxed (its strategy keeps being chosen and measured)."""
+    r = OutcomeRatios(alpha=0.3, relax=0.8)
+    r.observe(Strategy.OVERLAP, 8, 0.050, 0.090)
+
+    def choice() -> Option:
+        d = Decision(best=SPLIT, alternatives=(LOAD, NONE))
+        return rerank(d, lambda o: r.ratio(o.strategy, 8), 0.0).best
+
+    served = []
+    while choice() == LOAD:
+        r.observe(Strategy.LOAD_PREFIX, 8, 0.060, 0.060)
+        served.append("load")
+    # 1 + 0.8 * 0.8^n: under 1.2 (50 ms * r against the load's 60) after n = 7 loads
+    assert len(served) == 7
+    assert r.ratio(Strategy.OVERLAP, 8) * 0.050 < 0.060
+    r.observe(Strategy.OVERLAP, 8, 0.050, 0.090)  # slow again: back above the load
+    assert choice() == LOAD
+    # another length starts from the strategy's ratio over every length, and relaxes the same
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(r.ratio(Strategy.OVERLAP, 12))
+    before = r.ratio(Strategy.OVERLAP, 10)
+    r.observe(Strategy.LOAD_PREFIX, 10, 0.200, 0.200)
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(1 + (before - 1) * 0.8)
+    r.observe(Strategy.OVERLAP, 10, 0.200, 0.100)  # its first own sample sets it
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(0.5)
+    r.observe(Strategy.LOAD_PREFIX, 10, 0.200, 0.200)
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(0.5)  # under 1: left alone
+    with pytest.raises(ValueError):
+        OutcomeRatios(relax=1.5)
