@@ -7,7 +7,9 @@ The scheduler decides; this class never allocates blocks: it trusts the block ta
 given after checking they cover the positions and lie inside the cache.
 
 On CUDA: the KV cache size comes from a start-up memory profile (engine/runner/memory_profile.py)
-unless ``num_gpu_blocks`` is set; decode-only steps replay CUDA graphs (engine/runner/cuda_graphs.py)
+unless ``num_gpu_blocks`` is set, in which case the same step still runs once, unmeasured, so
+that the kernels a first batch of prompts needs (JIT-compiled ones included) are built before
+the engine serves rather than inside a user's first request; decode-only steps replay CUDA graphs (engine/runner/cuda_graphs.py)
 when the attention backend supports them; per-step inputs go through ONE pinned host buffer
 and one non-blocking copy; the only device synchronization of a step is the copy of the
 sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
@@ -17,6 +19,8 @@ sampled token ids back to the host. Pinned buffers that are refilled every step 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -210,6 +214,8 @@ class ModelRunner:
     def _num_blocks_for(self, spec: KVCacheSpec, max_capture_size: int) -> int:
         cache_cfg = self.config.cache
         if cache_cfg.num_gpu_blocks is not None:
+            if self.device.type == "cuda":
+                self._warm_up(spec)
             return cache_cfg.num_gpu_blocks
         if self.device.type == "cuda":
             self.kv_budget = self._profile_kv_budget(spec, max_capture_size)
@@ -226,9 +232,31 @@ class ModelRunner:
             )
         return num_blocks
 
+    def _warm_up(self, spec: KVCacheSpec) -> None:
+        """The profile step, unmeasured (a cache size given): on a fresh machine one H200's
+        first batch of prompts otherwise waited ~105 s inside its first requests' TTFT."""
+        t0 = time.perf_counter()
+        run_step, _ = self._profile_step(spec)
+        run_step()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the step's activations back before the cache is allocated
+        logger.info("warm-up step: %.1f s", time.perf_counter() - t0)
+
     def _profile_kv_budget(self, spec: KVCacheSpec, max_capture_size: int) -> KVBudget:
         """Profile one eager step of ``max_num_batched_tokens`` tokens spread over up to
         ``max_num_seqs`` sampling requests, on a throw-away cache just big enough."""
+        run_step, num_tokens = self._profile_step(spec)
+        profile = measure_profile(self.device, run_step, num_tokens)
+        return kv_budget_from(
+            profile,
+            self.config.cache.gpu_memory_utilization,
+            spec.bytes_per_block,
+            max_capture_size,
+        )
+
+    def _profile_step(self, spec: KVCacheSpec) -> tuple[Callable[[], int], int]:
+        """The profile step (``run_step``: it builds its throw-away cache, runs, frees it and
+        returns the cache's bytes) and its number of tokens."""
         sched = self.config.scheduler
         num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self._max_model_len)
         num_reqs = min(sched.max_num_seqs, num_tokens)
@@ -256,13 +284,7 @@ class ModelRunner:
             self._num_tokens_written.clear()
             return nbytes
 
-        profile = measure_profile(self.device, run_step, num_tokens)
-        return kv_budget_from(
-            profile,
-            self.config.cache.gpu_memory_utilization,
-            spec.bytes_per_block,
-            max_capture_size,
-        )
+        return run_step, num_tokens
 
     @property
     def num_gpu_blocks(self) -> int:
