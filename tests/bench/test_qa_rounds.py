@@ -29,3 +29,39 @@ def test_later_rounds_are_compared_with_the_first_run(tmp_path: Path) -> None:
     assert report["later_round_speedup"]["on"]["p50_ms"] == 4.0
     assert report["later_round_speedup"]["gone"]["p50_ms"] is None
     assert "missing.csv" in report["runs"]["gone"]["error"]
+
+
+def test_later_rounds_are_matched_to_the_engines_request_log(tmp_path: Path) -> None:
+    """Each later-round row meets the engine entry with its prompt length that arrived first at
+    or after its launch (two users with equal prompt lengths, launched 1 s apart, each take
+    their own); the client's TTFT less the engine's is reported, round 1 left out."""
+    rows = [  # prompt_tokens, ttft, question_id, launch_time
+        (6000, 0.300, 1, 10.0),
+        (6300, 0.080, 2, 20.0),
+        (6300, 0.100, 2, 21.0),
+        (6500, 0.090, 3, 30.0),
+    ]
+    csv_path = tmp_path / "on.csv"
+    csv_path.write_text(
+        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
+    )
+    entries = [  # ts (arrival, after the API's tokenizing), prompt_tokens, ttft_s
+        (10.01, 6000, 0.29),
+        (21.01, 6300, 0.06),  # the second user's, logged first
+        (20.01, 6300, 0.05),
+        (30.02, 6500, 0.07),
+        (40.0, 7000, 0.05),  # nobody's later round
+    ]
+    log = tmp_path / "on.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({"ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n" for ts, p, t in entries
+        )
+    )
+    out = tmp_path / "r.json"
+    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    engine = json.loads(out.read_text())["runs"]["on"]["engine"]
+    assert engine["matched"] == 3 and engine["later_rounds"] == 3
+    # gaps 30, 40 and 20 ms; engine TTFTs 50, 60, 70 ms
+    assert engine["client_minus_engine_ms"]["p50"] == 30.0
+    assert engine["engine_ttft_ms"]["p50"] == 60.0
