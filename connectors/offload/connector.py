@@ -54,6 +54,11 @@ from engine.kv_connector import CalibrationTarget
 from engine.request import Request
 from tiers import build_tiers
 
+# The cost model learns a plan's outcome only from a request whose prefill steps carried at
+# most this many other tokens, or this share of its own (observe_first_token).
+SHARED_OUTCOME_TOKENS = 64
+SHARED_OUTCOME_FRACTION = 0.25
+
 log = logging.getLogger(__name__)
 
 
@@ -198,12 +203,22 @@ class OffloadConnector:
         """A priced plan's outcome for the cost model (``observe_outcome``): its load, wait
         and compute phases against the price (queueing and scheduling are not priced). Only
         a plan that ran as planned: one whose load was dropped (recomputed instead) is not
-        its strategy's outcome."""
+        its strategy's outcome. Only a plan that computed in steps of its own (others'
+        tokens in them at most ``SHARED_OUTCOME_TOKENS`` or a ``SHARED_OUTCOME_FRACTION`` of
+        its own: a few decodes): a price is for the plan alone, and a step carrying others'
+        prompt chunks slows whichever plan meets it. Taught from shared steps, a strategy
+        that is often taken reads slow against one never taken (the QA client on an H200
+        with a 256-token first-token step: load-all at 3.0x its price, recompute at 1)."""
         plan = request.kv_plan
         if not plan or plan.get("predicted_s", 0.0) <= 0.0:
             return
         loaded = plan.get("load_tokens", 0) > 0
         if loaded != (request.kv_decision != Strategy.RECOMPUTE):
+            return
+        own = plan.get("head_tokens", 0) + plan.get("recompute_tokens", 0)
+        others = request.times.prefill_step_tokens - own
+        if others > max(SHARED_OUTCOME_TOKENS, SHARED_OUTCOME_FRACTION * own):
+            self.counters.add(shared_step_outcomes=1)
             return
         measured = sum(phases.get(k, 0.0) for k in ("load", "prefill_wait", "prefill_compute"))
         self.cost_model.observe_outcome(

@@ -12,6 +12,7 @@ import pytest
 
 from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel
+from connectors.offload import connector as offload_connector
 from connectors.offload import scheduler as offload_scheduler
 from engine import SamplingParams
 from tests.connectors.offload.test_connector import (
@@ -115,6 +116,46 @@ def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
     assert reloads[0]["decision"] == "overlap" and reloads[1]["decision"] != "overlap"
     assert reloads[0]["kv_plan"]["predicted_s"] == pytest.approx(23e-6, rel=0.01)
     assert ratios["overlap"]["all"] == 4.0
+
+
+def test_a_reload_that_shared_its_step_with_another_prompt_teaches_no_outcome(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P reloaded together with a fresh 30-token prompt R: P's few new tokens compute in R's
+    step, so what P took is not its plan's price's to answer for, and the cost model learns
+    nothing from it (counted); P reloaded alone afterwards is learned. The bound is lowered
+    to 8 other tokens to fit the 10-block pool (by default 64, or a quarter of its own)."""
+    monkeypatch.setattr(offload_connector, "SHARED_OUTCOME_TOKENS", 8)
+    rng = random.Random(2)
+    p = [rng.randrange(3, VOCAB) for _ in range(P_TOKENS)]
+    q = [rng.randrange(3, VOCAB) for _ in range(120)]
+    r = [rng.randrange(3, VOCAB) for _ in range(30)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    config = {"calibrate": False, "tiers": [{"kind": "host", "capacity": f"{64 * SLOT}B"}]}
+    with make_llm(model_dir, 10, config) as llm:
+        offload = llm.engine.offload
+        assert offload is not None
+        model = OnlineCostModel(  # fixed prices: a host block loads 10x faster than computed
+            {"host": TierCost("host", 0.0, 8192 / 1e-4)},
+            PrefillCost(0.0, 1e-3 / 16, 0.0),
+            block_bytes=8192,
+            block_tokens=16,
+            alpha=1e-12,
+        )
+        offload.cost_model = offload.scheduler.cost_model = offload.worker.cost_model = model
+        llm.generate([p], one)
+        llm.generate([q], one)  # P's last blocks go to the host tier
+        llm.generate([p, r], one)  # P's reload computes in R's step
+        shared = llm.kv_stats()
+        assert shared["loaded_tokens"] > 0 and shared["shared_step_outcomes"] == 1
+        assert model.snapshot()["outcome_ratios"] == {}
+        llm.generate([q], one)  # Q's own reload, alone: taught
+        before = model.snapshot()["outcome_ratios"]
+        assert before
+        llm.generate([p], one)  # alone this time (the plan the ratios now rank first)
+        alone = llm.kv_stats()
+    assert alone["shared_step_outcomes"] == 1 and alone["loaded_tokens"] > shared["loaded_tokens"]
+    assert model.snapshot()["outcome_ratios"] != before  # P's outcome was taught
 
 
 @pytest.mark.parametrize(
