@@ -19,8 +19,9 @@ cache) or a slowdown that has since gone would stick. So each outcome observed a
 relaxes the other strategies' ratios above 1 at that length toward 1 (by ``relax``: 1 + (r - 1)
 * relax), a key not yet seen there starting from its strategy's ratio: a strategy that lost
 on its measured ratio is tried again after a few requests, and keeps losing if it measured
-slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 it is
-retried after about five requests of that length that took something else.
+slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
+at 1.8x, priced 20% under the load it lost to, is tried again after seven loads of that length
+(1 + 0.8 * 0.8^n under 1.2).
 
 ``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
 times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price

@@ -9,10 +9,10 @@ given after checking they cover the positions and lie inside the cache.
 On CUDA: the KV cache size comes from a start-up memory profile (engine/runner/memory_profile.py)
 unless ``num_gpu_blocks`` is set, in which case the same step still runs once, unmeasured, so
 that the kernels a first batch of prompts needs (JIT-compiled ones included) are built before
-the engine serves rather than inside a user's first request; decode-only steps replay CUDA graphs (engine/runner/cuda_graphs.py)
-when the attention backend supports them; per-step inputs go through ONE pinned host buffer
-and one non-blocking copy; the only device synchronization of a step is the copy of the
-sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
+the engine serves rather than inside a user's first request; decode-only steps replay CUDA
+graphs (engine/runner/cuda_graphs.py) when the attention backend supports them; per-step
+inputs go through ONE pinned host buffer and one non-blocking copy; the only device
+synchronization of a step is the copy of the sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
 (engine/attention/staging.py), so a step that samples nothing may run ahead safely.
 """
 
