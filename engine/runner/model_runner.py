@@ -12,8 +12,9 @@ that the kernels a first batch of prompts needs (JIT-compiled ones included) are
 the engine serves rather than inside a user's first request; decode-only steps replay CUDA
 graphs (engine/runner/cuda_graphs.py) when the attention backend supports them; per-step
 inputs go through ONE pinned host buffer and one non-blocking copy; the only device
-synchronization of a step is the copy of the sampled token ids back to the host. Pinned buffers that are refilled every step are fenced
-(engine/attention/staging.py), so a step that samples nothing may run ahead safely.
+synchronization of a step is the copy of the sampled token ids back to the host. Pinned
+buffers that are refilled every step are fenced (engine/attention/staging.py), so a step that
+samples nothing may run ahead safely.
 """
 
 from __future__ import annotations
