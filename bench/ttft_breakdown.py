@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
-from engine.ttft import ENGINE_PHASES, SUB_PHASES
+from engine.ttft import ENGINE_PHASES, STEP_PARTS, SUB_PHASES
 
 BLOCK_TOKENS = 16
 # Phases that add up to the engine TTFT (the parts of ``schedule`` and ``load`` aside).
@@ -64,6 +64,13 @@ def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
             d: sum(r.get("decision") == d for r in rows)
             for d in sorted({r.get("decision", "") for r in rows})
         },
+        # Where its prefill steps' time went in the model runner (engine/ttft.py STEP_PARTS).
+        "step_parts_p50_ms": {
+            k: _p([(r.get("prefill_step_parts_s") or {}).get(k, 0.0) for r in rows], 50)
+            for k in STEP_PARTS
+        }
+        if any(r.get("prefill_step_parts_s") for r in rows)
+        else None,
     }
 
 
@@ -87,6 +94,11 @@ def _line(name: str, g: dict[str, Any]) -> str:
         f"(p90 {g['ttft_ms']['p90']:.1f}); p50 phases {parts} ms; "
         f"phase sum within {100 * (g['phase_sum_error_max'] or 0):.1f}%; "
         f"its prefill steps carried {g['prefill_step_tokens_p50']} tokens (p50)"
+        + (
+            "; in the runner " + ", ".join(f"{k} {v:.1f}" for k, v in sp.items()) + " ms"
+            if (sp := g.get("step_parts_p50_ms"))
+            else ""
+        )
     )
 
 

@@ -84,3 +84,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[object]]] = field(default_factory=dict)
     # The KV connector's worker-side report of this step (empty steps too); None without one.
     kv_connector_output: KVConnectorOutput | None = None
+    # Where the step's wall time went in the runner (seconds; ``STEP_PARTS``): building the
+    # inputs, the connector's pre-forward hook (its copies issued), the forward (its kernels
+    # enqueued on CUDA, computed on the CPU), logits and sampling (on CUDA: waiting for the
+    # device), the connector's post-forward hooks. Empty for an empty step.
+    step_parts: dict[str, float] = field(default_factory=dict)

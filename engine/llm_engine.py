@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
@@ -220,7 +221,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         step_start = time.monotonic()
         runner_out = self.runner.execute_model(sched_out)
-        self._stamp_prefill(sched_out, step_start, time.monotonic())
+        self._stamp_prefill(sched_out, step_start, time.monotonic(), runner_out.step_parts)
         if self.kv_connector is not None:
             self.kv_connector.observe_step(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
@@ -231,13 +232,19 @@ class LLMEngine:
             outputs.append(self._process_token(request, now, entry))  # type: ignore[arg-type]
         return outputs
 
-    def _stamp_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
+    def _stamp_prefill(
+        self,
+        out: SchedulerOutput,
+        start: float,
+        end: float,
+        parts: Mapping[str, float] | None = None,
+    ) -> None:
         """Every request that computed a prompt chunk in this step, before its first token."""
         requests = self.scheduler.requests
         for sliced in out.requests:
             request = requests.get(sliced.req_id)
             if request is not None and not request.output_token_ids:
-                request.times.on_step(start, end, out.num_batched_tokens)
+                request.times.on_step(start, end, out.num_batched_tokens, parts)
 
     def _process_token(
         self, request: Request, now: float, logprob: TokenLogprob | None = None

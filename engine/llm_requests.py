@@ -116,6 +116,7 @@ def log_entry(state: RequestState, block_size: int, offload: bool) -> RequestLog
         kv_plan=request.kv_plan,
         load_read_s=request.times.load_read_s,
         load_copy_s=request.times.load_copy_s,
+        prefill_step_parts_s=dict(request.times.prefill_step_parts_s),
     )
 
 

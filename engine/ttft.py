@@ -68,6 +68,11 @@ ENGINE_PHASES = (
 RETURN_PHASE = "return"
 FIRST_TEXT_PHASE = "first_text"
 ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE, FIRST_TEXT_PHASE)
+# Where a step's time went in the model runner (``ModelRunnerOutput.step_parts``): summed
+# over a request's prefill steps, they are what its ``prefill_compute`` (before an in-step
+# copy is moved to ``load``) was made of, the rest being the engine's own between the
+# runner's return and the step's end stamp (``RequestTimes.prefill_step_parts_s``).
+STEP_PARTS = ("inputs", "hook", "forward", "sample", "after")
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
 LOAD_PARTS = ("load_copy",)
@@ -103,15 +108,25 @@ class RequestTimes:
     load_read_s: float = 0.0  # lower-tier reads (``LoadTiming.read_s``), for the request log
     num_prefill_steps: int = 0
     prefill_step_tokens: int = 0  # every token of the steps that computed its prompt
+    prefill_step_parts_s: dict[str, float] = field(default_factory=dict)  # STEP_PARTS, summed
     api: dict[str, float] = field(default_factory=dict)
 
-    def on_step(self, start: float, end: float, step_tokens: int = 0) -> None:
+    def on_step(
+        self,
+        start: float,
+        end: float,
+        step_tokens: int = 0,
+        parts: Mapping[str, float] | None = None,
+    ) -> None:
         """A step from ``start`` to ``end`` (``step_tokens`` tokens in all, other requests'
-        included) computed one of this request's prefill chunks."""
+        included; ``parts``: the runner's ``step_parts``) computed one of this request's
+        prefill chunks."""
         self.prefill_compute_s += end - start
         self.num_prefill_steps += 1
         self.prefill_step_tokens += step_tokens
         self.last_prefill_end = end
+        for name, seconds in (parts or {}).items():
+            self.prefill_step_parts_s[name] = self.prefill_step_parts_s.get(name, 0.0) + seconds
 
     def on_load(self, timing: LoadTiming) -> None:
         """The connector reported one of this request's loads done."""

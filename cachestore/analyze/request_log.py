@@ -9,7 +9,8 @@ reads it (``cachestore.analyze.traces``, format ``request-log``, which needs onl
      "decision": "load_prefix", "ttft_s": 0.0123,
      "ttft_breakdown_s": {"api_template": 0.0001, "to_core": 0.0003, "queue": 0.0, ...},
      "num_prefill_steps": 1, "kv_load_s": {"read": 0.0, "copy": 0.0009},
-     "prefill_step_tokens": 85, "kv_plan": {"gpu_tokens": 0, ...}}
+     "prefill_step_tokens": 85, "prefill_step_parts_s": {"inputs": 0.0002, ...},
+     "kv_plan": {"gpu_tokens": 0, ...}}
 
 - ``ts``: the Unix time the request arrived; ``block_hashes``: the hex chained hashes of every
   full block of the prompt; ``hit_tiers``: the tier that served each leading cached block;
@@ -18,7 +19,10 @@ reads it (``cachestore.analyze.traces``, format ``request-log``, which needs onl
   copy of its KV load into the GPU cache); null for a request ended before its first token.
 - ``num_prefill_steps``: the steps that computed its prompt; ``prefill_step_tokens``: every
   token of those steps (other requests' chunks and decodes included: what its
-  ``prefill_compute`` paid for).
+  ``prefill_compute`` paid for); ``prefill_step_parts_s``: where those steps' time went in
+  the model runner, summed over them (engine/ttft.py ``STEP_PARTS``: ``inputs``, ``hook`` the
+  KV connector's pre-forward work, ``forward`` (on CUDA its kernels enqueued), ``sample``
+  (on CUDA the wait for the device), ``after``); empty when not measured.
 - ``kv_load_s``: the measured parts of its KV loads: ``read`` from tiers below the host (wall
   time of the load thread, chunks overlapping the copies when pipelined) and ``copy`` into the
   GPU cache (``load_copy``). With ``decision`` ``overlap`` the head's compute is
@@ -47,6 +51,7 @@ TTFT_BREAKDOWN_S = "ttft_breakdown_s"
 NUM_PREFILL_STEPS = "num_prefill_steps"
 KV_LOAD_S = "kv_load_s"
 PREFILL_STEP_TOKENS = "prefill_step_tokens"
+PREFILL_STEP_PARTS_S = "prefill_step_parts_s"
 KV_PLAN = "kv_plan"
 
 
@@ -67,6 +72,7 @@ class RequestLogEntry:
     load_copy_s: float = 0.0
     prefill_step_tokens: int = 0
     kv_plan: dict[str, float] | None = None
+    prefill_step_parts_s: dict[str, float] | None = None
 
     def to_json(self) -> str:
         """The entry as one compact JSON line (no newline); seconds rounded to 0.1 us."""
@@ -86,6 +92,9 @@ class RequestLogEntry:
                 NUM_PREFILL_STEPS: self.num_prefill_steps,
                 KV_LOAD_S: {"read": round(self.load_read_s, 7), "copy": round(self.load_copy_s, 7)},
                 PREFILL_STEP_TOKENS: self.prefill_step_tokens,
+                PREFILL_STEP_PARTS_S: {
+                    k: round(v, 7) for k, v in (self.prefill_step_parts_s or {}).items()
+                },
                 KV_PLAN: self.kv_plan,
             },
             separators=(",", ":"),

@@ -53,6 +53,7 @@ from engine.runner.sampler import Sampler
 from engine.runner.sampling_step import prompt_logprobs, sample_tokens
 from engine.runner.structured_output import RequestGrammars
 from engine.sampling_params import SamplingParams
+from engine.ttft import STEP_PARTS
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
@@ -323,12 +324,16 @@ class ModelRunner:
                 connector.wait_for_save()
                 result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
             return result
+        t0 = time.perf_counter()
         host = self._host_batch(out)
+        t1 = time.perf_counter()
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
+        t2 = time.perf_counter()
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host)
+            t3 = time.perf_counter()
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
@@ -340,11 +345,14 @@ class ModelRunner:
                     result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
             if self.samples:
                 prompt_logprobs(self.model.compute_logits, hidden, out, result)
+        t4 = time.perf_counter()
         if connector is not None:
             connector.wait_for_save()
             result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
         for r in out.requests:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
+        spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
+        result.step_parts = dict(zip(STEP_PARTS, spans, strict=True))
         return result
 
     def _grammar_state(self) -> RequestGrammars:

@@ -29,6 +29,7 @@ from engine.ttft import (
     API_PHASES,
     ENGINE_PHASES,
     SCHEDULE_PARTS,
+    STEP_PARTS,
     SUB_PHASES,
     LoadTiming,
     RequestTimes,
@@ -131,6 +132,13 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
     # Its two steps were shared with the long prompt's chunks: 32 tokens each.
     assert rows[20]["prefill_step_tokens"] == 2 * 32
     assert rows[100]["kv_plan"] is None  # no connector, no plan
+    # Where its steps' time went in the runner: every part, adding up to a little under the
+    # engine's stamp of those steps (its compute: no in-step load moved out of it here).
+    for row in rows.values():
+        parts = row["prefill_step_parts_s"]
+        assert set(parts) == set(STEP_PARTS) and parts["forward"] > 0
+        compute = row["ttft_breakdown_s"]["prefill_compute"]
+        assert 0.9 * compute <= sum(parts.values()) <= compute + 1e-6
     assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
 
 
