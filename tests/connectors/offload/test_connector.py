@@ -160,6 +160,7 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
         "num_prefill_steps",
         "kv_load_s",
         "prefill_step_tokens",
+        "prefill_step_parts_s",
         "kv_plan",
     }
     assert lines[0]["kv_load_s"] == {"read": 0.0, "copy": 0.0}  # nothing loaded
