@@ -77,9 +77,8 @@ if [[ "$STAGES" == *,qa,* ]]; then
   for mode in ${QA_MODES:-off on}; do
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
-      on) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on.yaml ;;
-      on256) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_on256.yaml
-        flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256) ;;
+      on|on256) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > "/tmp/qa_$mode.yaml"
+        if [ "$mode" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi ;;
       layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB

@@ -478,7 +478,8 @@ def _lmdb_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not length.isdigit() or any(length not in rows.get(m, {}) for m in names):
             continue
         serial = length in rows.get("lmdb_serial", {})
-        ms = {m: rows[m][length]["ttft_s"] * 1e3 for m in (*names, "lmdb_serial")[: 4 + serial]}
+        measured = (*names, "lmdb_serial") if serial else names
+        ms = {m: rows[m][length]["ttft_s"] * 1e3 for m in measured}
         best = min(ms["recompute"], ms["lmdb"], ms["lmdb_overlap"])
         out[length] = {
             "length": int(length),
