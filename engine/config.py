@@ -50,12 +50,17 @@ class SchedulerConfig:
     # tokens in all, so that token is not held behind another request's long chunk; long
     # prompts still advance by what is left. 0: off (every step fills the budget).
     first_token_step_tokens: int = 512
+    # Other prompts' chunks in such a step: -1 fills it up to first_token_step_tokens (at least
+    # a quarter of it); N >= 0 lets them carry at most N tokens (docs/scheduling.md).
+    first_token_step_others: int = -1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.first_token_step_tokens < 0:
             raise ValueError("first_token_step_tokens must be >= 0")
+        if self.first_token_step_others < -1:
+            raise ValueError("first_token_step_others must be -1 (fill to the cap) or >= 0")
 
 
 # Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).

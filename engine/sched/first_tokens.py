@@ -11,10 +11,13 @@ import dataclasses
 from engine.core_types import ScheduledRequest
 
 
-def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
+def shorten_for_first_tokens(
+    scheduled: list[ScheduledRequest], cap: int, others_cap: int = -1
+) -> int:
     """If ``scheduled`` yields a first token from a short prefill (at most ``cap`` tokens),
     cut its other prefill chunks so the step carries at most ``cap`` prefill tokens (the others
-    at least a quarter of it): unfinished chunks, and the last chunk of a longer prefill too
+    at least a quarter of it; with ``others_cap`` >= 0, the others carry at most that many tokens
+    whatever room the cap leaves): unfinished chunks, and the last chunk of a longer prefill too
     (it then samples nothing this step: its first token is one step later, where the short
     one's would have waited for the whole chunk). A chunk cut to nothing is dropped from the
     step (its request stays RUNNING with its blocks). Decodes are never cut. Mutates
@@ -31,7 +34,9 @@ def shorten_for_first_tokens(scheduled: list[ScheduledRequest], cap: int) -> int
     short = {id(s) for s in first}
     others = [i for i, s in enumerate(scheduled) if len(s.token_ids) > 1 and id(s) not in short]
     # Long prompts always advance by at least a quarter of the cap.
-    room = max(cap - sum(len(s.token_ids) for s in first), cap // 4)
+    room = (
+        max(cap - sum(len(s.token_ids) for s in first), cap // 4) if others_cap < 0 else others_cap
+    )
     deferred = 0
     drop: list[int] = []
     for i in others:

@@ -239,7 +239,9 @@ class Scheduler:
         ``scheduled``; returns the tokens given back."""
         if not self.config.enable_chunked_prefill:
             return 0
-        deferred = shorten_for_first_tokens(scheduled, self.config.first_token_step_tokens)
+        deferred = shorten_for_first_tokens(
+            scheduled, self.config.first_token_step_tokens, self.config.first_token_step_others
+        )
         self.stats.num_first_token_deferred_tokens += deferred
         return deferred
 

@@ -100,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "most N prefill tokens; 0: off (docs/scheduling.md)",
     )
     parser.add_argument(
+        "--first-token-step-others",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="other prompts' chunks in such a step carry at most N tokens; -1: fill the "
+        "step up to --first-token-step-tokens (docs/scheduling.md)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,

@@ -8,6 +8,8 @@ preemption show up as assertion errors or as outputs that differ from a referenc
 
 from __future__ import annotations
 
+import pytest
+
 from cachestore.hashing import Namespace
 from engine.config import SchedulerConfig
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
@@ -631,13 +633,16 @@ def _make_with(
 
 
 def _long_then_short(
-    cap: int, long_tokens: int
+    cap: int, long_tokens: int, others: int = -1
 ) -> tuple[Scheduler, dict[str, int], list[SchedulerOutput], Request, Request]:
     """A 256-token budget with ``first_token_step_tokens=cap``: "long" (``long_tokens``)
     arrives before step 1, "short" (40 tokens) before step 2, both to the end: (the
     scheduler, each one's first-token step, the steps, long, short)."""
     config = SchedulerConfig(
-        max_num_batched_tokens=256, max_num_seqs=8, first_token_step_tokens=cap
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        first_token_step_tokens=cap,
+        first_token_step_others=others,
     )
     sched, runner = _make_with(config, 64)
     long = req("long", prompt(long_tokens), max_tokens=3)
@@ -685,6 +690,28 @@ def test_a_short_first_token_step_cuts_a_long_prompts_last_chunk_too() -> None:
             assert first["long"] == 2
         outputs.append((long.output_token_ids, short.output_token_ids))
     assert outputs[0] == outputs[1]
+
+
+def test_first_token_step_others_bounds_the_other_chunks_below_the_caps_room() -> None:
+    """With ``first_token_step_others=8`` the step that yields short's first token carries
+    40 + 8 prefill tokens, though the 64-token cap leaves 24 (and the default's quarter-cap
+    floor would be 16); long goes on in full chunks after. Outputs unchanged."""
+    base = _long_then_short(64, 600)
+    sched, first, steps, long, short = _long_then_short(64, 600, others=8)
+    step = steps[first["short"] - 1]
+    assert {s.req_id: len(s.token_ids) for s in step.requests} == {"short": 40, "long": 8}
+    assert sched.stats.num_first_token_deferred_tokens == 208
+    # the next step: long's full chunk beside short's decode
+    assert {s.req_id: len(s.token_ids) for s in steps[first["short"]].requests} == {
+        "short": 1,
+        "long": 255,
+    }
+    assert (long.output_token_ids, short.output_token_ids) == (
+        base[3].output_token_ids,
+        base[4].output_token_ids,
+    )
+    with pytest.raises(ValueError, match="first_token_step_others"):
+        SchedulerConfig(first_token_step_others=-2)
 
 
 class CountingConnector(FakeConnector):
