@@ -25,7 +25,14 @@ at 1.8x, priced 20% under the load it lost to, is tried again after seven loads 
 
 ``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
 times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price
-beats the best other option's by that fraction. The options keep their raw prices, so each
+beats the best other option's by that fraction. Ratios break near-ties only: an option priced
+more than ``OUTCOME_SPAN`` times the cheapest is never chosen on them. A ratio also carries
+what the price leaves out and no plan controls (a step shared with other prompts, a wait
+behind another request's load), so every strategy measured under load reads slow, the one
+taken most the most often; and one stall sets a key's first ratio. With the production-stack
+QA client on an H200 (a 48 GiB host tier) two stalled host loads put load-all at 4x its 18 ms
+price, and recompute, never measured and priced at 41-65 ms for ~4.3K tokens that took 130-400,
+won for the next 26 requests: later-round TTFT fell from ~2.7x better than no offload to 1.06x. The options keep their raw prices, so each
 observation compares a measurement with the model's own price, never with an adjusted one.
 Pure (the ranking) and not thread-safe (the ratios: the cost model holds its lock). No torch.
 """
@@ -42,6 +49,7 @@ from cachestore.cost.model import Decision, Option, Strategy
 OUTCOME_ALPHA = 0.3  # weight of a new sample once a key has one
 OUTCOME_RELAX = 0.8  # a ratio above 1 of a strategy not taken, per outcome of another
 RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
+OUTCOME_SPAN = 1.5  # ratios choose only among options priced within this of the cheapest
 
 
 def length_bucket(num_prompt_tokens: int, block_tokens: int) -> int:
@@ -114,13 +122,20 @@ class OutcomeRatios:
 
 
 def rerank(
-    decision: Decision, factor: Callable[[Option], float], overlap_margin: float
+    decision: Decision,
+    factor: Callable[[Option], float],
+    overlap_margin: float,
+    span: float | None = None,
 ) -> Decision:
     """``decision``'s options ordered by ``predicted_s * factor(option)``: the cheapest
     non-overlap option (ties: fewer loaded blocks), replaced by the cheapest overlap split when
-    that is at least ``overlap_margin`` cheaper. With every factor 1 this is ``choose_split``'s
-    own choice. Pure."""
-    options = list(dict.fromkeys((decision.best, *decision.alternatives)))
+    that is at least ``overlap_margin`` cheaper. Only options priced at most ``span`` (default
+    ``OUTCOME_SPAN``) times the cheapest price compete (the model's own choice always does). With every factor 1 this is
+    ``choose_split``'s own choice. Pure."""
+    span = OUTCOME_SPAN if span is None else span
+    everything = list(dict.fromkeys((decision.best, *decision.alternatives)))
+    floor = min(o.predicted_s for o in everything)
+    options = [o for o in everything if o == decision.best or o.predicted_s <= span * floor]
 
     def key(o: Option) -> tuple[float, int]:
         return (o.predicted_s * factor(o), o.num_load_blocks)
@@ -134,4 +149,4 @@ def rerank(
         split = min(splits, key=key)
         if key(split) < key(best) and key(split)[0] <= (1.0 - overlap_margin) * key(best)[0]:
             best = split
-    return Decision(best=best, alternatives=tuple(o for o in options if o != best))
+    return Decision(best=best, alternatives=tuple(o for o in everything if o != best))

@@ -51,10 +51,34 @@ def test_a_split_measured_slow_loses_to_the_load_it_was_priced_under() -> None:
     d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
     assert d.best == LOAD and d.best.predicted_s == 0.060
     assert set(d.alternatives) == {SPLIT, NONE}
-    # a load measured at 2x its price loses to recomputing (105 ms against 120)
+    # a load measured at 2x its price loses to recomputing when that is priced near the
+    # cheapest plan (70 ms against the split's 90 and the load's 120) ...
     ratios[Strategy.LOAD_PREFIX] = 2.0
+    near = Option(Strategy.RECOMPUTE, 0, 0, 0.070)
+    d = rerank(Decision(best=SPLIT, alternatives=(LOAD, near)), lambda o: ratios[o.strategy], 0.15)
+    assert d.best == near
+    # ... but not when recomputing is priced more than 1.5x the cheapest plan (105 ms against
+    # the split's 50: the split's 90 is then the cheapest): ratios break near-ties, they do not overturn the model
     d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
-    assert d.best == NONE
+    assert d.best == SPLIT and set(d.alternatives) == {LOAD, NONE}
+
+
+def test_stalled_loads_do_not_hand_the_qa_run_to_a_recompute_priced_far_above() -> None:
+    """The QA client on an H200: stalled host loads (223 and 150 ms against an 18.4 ms price)
+    and overlap splits computed beside other prompts put both at their 4x clamp; recompute,
+    never measured, priced at 65 ms for ~4.3K tokens (it took 130-400), stays out: it is 3.5x
+    the cheapest price. Without the span it won (65 < 4 x 17.4), as it did in that run."""
+    load = Option(Strategy.LOAD_PREFIX, 126, 380, 0.0186)
+    split = Option(Strategy.OVERLAP, 154, 380, 0.0174)
+    scratch = Option(Strategy.RECOMPUTE, 0, 0, 0.065)
+    ratios = {Strategy.LOAD_PREFIX: 4.0, Strategy.OVERLAP: 4.0, Strategy.RECOMPUTE: 1.0}
+    d = Decision(best=split, alternatives=(load, scratch))
+
+    def pick(span: float) -> Option:
+        return rerank(d, lambda o: ratios[o.strategy], 0.05, span).best
+
+    assert pick(span=10.0) == scratch
+    assert pick(span=1.5) == split  # 4 x 17.4 is 6.5% under 4 x 18.6
 
 
 def test_a_strategy_that_lost_on_its_ratio_is_tried_again_after_a_few_other_outcomes() -> None:

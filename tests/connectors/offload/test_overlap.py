@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cachestore.cost import outcomes
 from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel
 from connectors.offload import connector as offload_connector
@@ -102,20 +103,29 @@ def test_cost_model_picks_overlap_and_the_engine_executes_it(
     assert by_tier == {"gpu": 32, "host": 16}
 
 
-def test_an_overlap_that_took_longer_than_priced_is_not_taken_again(
-    model_dir: str, tmp_path: Path
+def test_outcome_ratios_reach_the_engines_decisions_within_their_span(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The scenario and prices of the test above, 100x smaller: the overlap is priced at 23 us
-    and recompute at 33 us. The first reload of P takes the overlap; its load, wait and
-    compute take far longer than that (a sample is clamped at 4x its price). The next reload
-    of P ranks the overlap at 4x its price (92 us) and takes another plan (which one depends
-    on what the CPU's other requests taught the model). Tokens unchanged."""
-    _, snapshot, rows, _ = _reload_p_after_q(model_dir, tmp_path, reloads=2, scale=0.01)
-    ratios = snapshot["outcome_ratios"]
-    reloads = [r for r in rows if r["prompt_tokens"] == P_TOKENS][1:]
-    assert reloads[0]["decision"] == "overlap" and reloads[1]["decision"] != "overlap"
-    assert reloads[0]["kv_plan"]["predicted_s"] == pytest.approx(23e-6, rel=0.01)
-    assert ratios["overlap"]["all"] == 4.0
+    """The scenario and prices of the test above, 100x smaller: the overlap is priced at 23 us,
+    recompute at 33 us and loading all of it at 48 us. On CPU every plan takes far longer than
+    that (a sample is clamped at 4x its price): the first reload of P takes the overlap and
+    measures 4x, Q's recompute 4x too. The next reload of P keeps the overlap: every measured
+    plan reads 4x, and load-all, never measured (ratio 1), is priced 2.1x the cheapest, past
+    ``OUTCOME_SPAN`` (1.5): an unmeasured plan priced far above is not taken on the others'
+    inflated ratios (the QA client's collapse into recompute on an H200). With the span at 3
+    the ratios reach the engine's decision and load-all is taken. Tokens unchanged."""
+    for span, second in ((outcomes.OUTCOME_SPAN, "overlap"), (3.0, "load_prefix")):
+        monkeypatch.setattr(outcomes, "OUTCOME_SPAN", span)
+        run_dir = tmp_path / f"span{span}"
+        run_dir.mkdir()
+        _, snapshot, rows, _ = _reload_p_after_q(model_dir, run_dir, reloads=2, scale=0.01)
+        ratios = snapshot["outcome_ratios"]
+        reloads = [r for r in rows if r["prompt_tokens"] == P_TOKENS][1:]
+        assert [r["decision"] for r in reloads] == ["overlap", second]
+        assert reloads[0]["kv_plan"]["predicted_s"] == pytest.approx(23e-6, rel=0.01)
+        assert ratios["overlap"]["all"] == 4.0
+        # load-all is measured only once it is taken
+        assert ("load_prefix" in ratios) == (second == "load_prefix")
 
 
 def test_a_reload_that_shared_its_step_with_another_prompt_teaches_no_outcome(
