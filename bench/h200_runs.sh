@@ -20,7 +20,7 @@
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "on256": on with
-# --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "layered": on, with
+# --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "fill": on with -1 (the old fill); "layered": on, with
 # in-step loads landing layer by layer; "allinstep": on, every reload of a step in-step) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
@@ -77,9 +77,10 @@ if [[ "$STAGES" == *,qa,* ]]; then
   for mode in ${QA_MODES:-off on}; do
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
-      on|on256|lean) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > "/tmp/qa_$mode.yaml"
+      on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > "/tmp/qa_$mode.yaml"
         if [ "$mode" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
-        if [ "$mode" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi ;;
+        if [ "$mode" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi
+        if [ "$mode" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
       layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB

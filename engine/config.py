@@ -50,9 +50,10 @@ class SchedulerConfig:
     # tokens in all, so that token is not held behind another request's long chunk; long
     # prompts still advance by what is left. 0: off (every step fills the budget).
     first_token_step_tokens: int = 512
-    # Other prompts' chunks in such a step: -1 fills it up to first_token_step_tokens (at least
-    # a quarter of it); N >= 0 lets them carry at most N tokens (docs/scheduling.md).
-    first_token_step_others: int = -1
+    # Other prompts' chunks in such a step carry at most this many tokens (long prompts still
+    # advance by it); -1 fills the step up to first_token_step_tokens, at least a quarter of
+    # it (the default before the ninth session; docs/scheduling.md).
+    first_token_step_others: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -190,13 +190,17 @@ class OffloadConnector:
         check_resources(load_offload_config(source).tiers)
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """Feed the cost model a step that was one prefill chunk alone (a clean sample)."""
+        """Feed the cost model a step that was one prefill chunk alone (a clean sample) and
+        sampled: on CUDA a step's only synchronization is the copy of its sampled tokens, so a
+        chunk that samples nothing (a long prompt's first chunks) returns once its kernels are
+        enqueued, and its wall time is not its compute time. On an H200 such chunks taught the
+        prefill model ~2x too fast a rate (4.3K tokens priced at 41 ms that took ~90 alone)."""
         meta = output.kv_connector_metadata
         if isinstance(meta, KVConnectorMetadata) and meta.loads:
             return  # an in-step load's copies ran inside this step: not a pure prefill
         if len(output.requests) == 1:
             r = output.requests[0]
-            if len(r.token_ids) > 1:
+            if len(r.token_ids) > 1 and r.sample:
                 self.cost_model.observe_prefill(len(r.token_ids), r.num_computed_tokens, seconds)
 
     def observe_first_token(self, request: Request, phases: Mapping[str, float]) -> None:

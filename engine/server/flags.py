@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-token-step-others",
         type=int,
-        default=-1,
+        default=64,
         metavar="N",
         help="other prompts' chunks in such a step carry at most N tokens; -1: fill the "
         "step up to --first-token-step-tokens (docs/scheduling.md)",

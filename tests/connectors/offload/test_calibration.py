@@ -80,3 +80,24 @@ def test_prefill_sizes_fit_the_engine() -> None:
     assert len(set(prefill_sizes(32))) >= 3
     with pytest.raises(ValueError, match="32 tokens"):
         prefill_sizes(31)
+
+
+def test_only_a_lone_chunk_that_samples_teaches_the_prefill_model(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """A 100-token prompt alone in 32-token steps: its first three chunks sample nothing (on
+    CUDA such a step returns once its kernels are enqueued, so its wall time is not its
+    compute), its last one samples: one prefill sample, not four. Then a 50-token prompt in one
+    step: one more."""
+    long = [(5 * i) % (VOCAB - 3) + 3 for i in range(100)]
+    short = [(11 * i) % (VOCAB - 3) + 3 for i in range(50)]
+    config = {"calibrate": False, "tiers": tiers(tmp_path)}
+    with make_llm(model_dir, 24, config, max_num_batched_tokens=32) as llm:
+        samples = lambda: llm.kv_stats()["cost_model"]["prefill"]["num_samples"]  # noqa: E731
+        before = samples()
+        llm.generate([long], GREEDY)
+        assert samples() == before + 1
+    with make_llm(model_dir, 24, config) as llm:
+        before = samples()
+        llm.generate([short], GREEDY)
+        assert samples() == before + 1
