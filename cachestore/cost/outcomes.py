@@ -25,15 +25,21 @@ at 1.8x, priced 20% under the load it lost to, is tried again after seven loads 
 
 ``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
 times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price
-beats the best other option's by that fraction. Ratios break near-ties only: an option priced
-more than ``OUTCOME_SPAN`` times the cheapest is never chosen on them. A ratio also carries
-what the price leaves out and no plan controls (a step shared with other prompts, a wait
-behind another request's load), so every strategy measured under load reads slow, the one
-taken most the most often; and one stall sets a key's first ratio. With the production-stack
-QA client on an H200 (a 48 GiB host tier) two stalled host loads put load-all at 4x its 18 ms
-price, and recompute, never measured and priced at 41-65 ms for ~4.3K tokens that took 130-400,
-won for the next 26 requests: later-round TTFT fell from ~2.7x better than no offload to 1.06x. The options keep their raw prices, so each
+beats the best other option's by that fraction. The options keep their raw prices, so each
 observation compares a measurement with the model's own price, never with an adjusted one.
+
+Ratios correct a price by a factor; they do not choose a plan the model prices at several
+times another: an option priced more than ``OUTCOME_SPAN`` (2.5) times the cheapest is never
+chosen on them. A ratio also carries what the price leaves out and no plan controls (a step
+shared with other prompts, a wait behind another request's load), so every strategy measured
+under load reads slow, and an unmeasured one (ratio 1) wins on that alone. With the
+production-stack QA client on an H200 (48 GiB host tier) stalled host loads put load-all at 4x
+its 18 ms price, and recompute, never measured and priced at 41-65 ms for ~4.3K tokens (a
+prefill model taught by chunks timed before their kernels ran) won for the next 26 requests:
+later-round TTFT fell from ~2.7x better than no offload to 1.06x. Correctly priced (~130 ms)
+it is 7x the load and stays out. With a 2 GiB host tier over LMDB in the same run, loads
+measured 1.9-2.2x their prices beside a recompute priced 1.9x the cheapest split: the span
+lets that correction through.
 Pure (the ranking) and not thread-safe (the ratios: the cost model holds its lock). No torch.
 """
 
@@ -49,7 +55,7 @@ from cachestore.cost.model import Decision, Option, Strategy
 OUTCOME_ALPHA = 0.3  # weight of a new sample once a key has one
 OUTCOME_RELAX = 0.8  # a ratio above 1 of a strategy not taken, per outcome of another
 RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
-OUTCOME_SPAN = 1.5  # ratios choose only among options priced within this of the cheapest
+OUTCOME_SPAN = 2.5  # ratios choose only among options priced within this of the cheapest
 
 
 def length_bucket(num_prompt_tokens: int, block_tokens: int) -> int:

@@ -57,9 +57,11 @@ def test_a_split_measured_slow_loses_to_the_load_it_was_priced_under() -> None:
     near = Option(Strategy.RECOMPUTE, 0, 0, 0.070)
     d = rerank(Decision(best=SPLIT, alternatives=(LOAD, near)), lambda o: ratios[o.strategy], 0.15)
     assert d.best == near
-    # ... but not when recomputing is priced more than 1.5x the cheapest plan (105 ms against
-    # the split's 50: the split's 90 is then the cheapest): ratios break near-ties, they do not overturn the model
-    d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
+    # ... but not when recomputing is priced more than the span times the cheapest plan (105
+    # ms against the split's 50, span 1.5: the split's 90 is then the cheapest)
+    d = rerank(
+        Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15, 1.5
+    )
     assert d.best == SPLIT and set(d.alternatives) == {LOAD, NONE}
 
 
@@ -78,6 +80,7 @@ def test_stalled_loads_do_not_hand_the_qa_run_to_a_recompute_priced_far_above() 
         return rerank(d, lambda o: ratios[o.strategy], 0.05, span).best
 
     assert pick(span=10.0) == scratch
+    assert rerank(d, lambda o: ratios[o.strategy], 0.05).best == split  # the default span, 2.5
     assert pick(span=1.5) == split  # 4 x 17.4 is 6.5% under 4 x 18.6
 
 
