@@ -9,8 +9,9 @@ from the engine's own parts:
   cached or hashed). The request id is dropped from the runner afterwards (``finish``).
 - ``host_to_gpu_timer(kv_cache, ...)``: the host -> device hop every load ends with, timed on
   ``kv_cache.scatter_blocks`` from a (pinned on CUDA) host tensor into the same scratch blocks.
-- ``prefill_sizes(max_tokens)``: a few (new, context) shapes that fit the pool, the model's
-  length and the step's token budget, varied in length and context so the fit is determined.
+- ``prefill_sizes(max_tokens, max_new_tokens)``: a few (new, context) shapes that fit the
+  pool and the model's length, with new tokens within the step's token budget, varied in
+  length and context so the fit is determined.
 
 The scratch blocks are zeroed again afterwards (the cache starts zeroed). Not thread-safe: the
 engine thread calls it once, at construction.
@@ -36,26 +37,44 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 _CPU_MAX_PREFILL_TOKENS = 256  # keeps start-up calibration well under a second on CPU
 
 
-def prefill_sizes(max_tokens: int) -> tuple[tuple[int, int], ...]:
-    """``DEFAULT_PREFILL_SIZES`` when they fit in ``max_tokens`` (new + context), else the same
-    five shapes scaled down: ``(m/8, 0), (m/2, 0), (m, 0), (m/4, 3m/4), (m/8, m/2)`` with ``m``
-    the largest multiple of 16 that fits. Raises ValueError below 32 tokens (no 3 shapes)."""
-    if all(n + c <= max_tokens for n, c in DEFAULT_PREFILL_SIZES):
+def prefill_sizes(
+    max_tokens: int, max_new_tokens: int | None = None
+) -> tuple[tuple[int, int], ...]:
+    """``DEFAULT_PREFILL_SIZES`` when they fit (new + context within ``max_tokens``, new
+    tokens within ``max_new_tokens``, the step's budget; default ``max_tokens``), else the same
+    five shapes with their new tokens scaled down: ``(m/8, 0), (m/2, 0), (m, 0), (m/4, c1),
+    (m/8, c2)`` with ``m`` the largest multiple of 16 within both caps and the contexts the
+    defaults' (3,072, 4,096) where ``max_tokens`` leaves room for them, never under ``3m/4``
+    and ``m/2``. A small step budget thus still measures long contexts: `kvtier serve`'s
+    2,048-token steps used to calibrate at contexts of 1.5K at most, and the attention term
+    fit to them (0 in one run on an H200, 5.3-6.0 ns in others) decided reloads at 6K.
+    Raises ValueError below 32 tokens (no 3 shapes)."""
+    max_new = max_tokens if max_new_tokens is None else min(max_new_tokens, max_tokens)
+    if all(n <= max_new and n + c <= max_tokens for n, c in DEFAULT_PREFILL_SIZES):
         return DEFAULT_PREFILL_SIZES
-    m = max_tokens // 16 * 16
+    m = max_new // 16 * 16
     if m < 32:
-        raise ValueError(f"prefill calibration needs room for 32 tokens, got {max_tokens}")
-    sizes = ((m // 8, 0), (m // 2, 0), (m, 0), (m // 4, 3 * m // 4), (m // 8, m // 2))
+        raise ValueError(f"prefill calibration needs room for 32 tokens, got {max_new}")
+    c1 = max(3 * m // 4, min(3072, max_tokens - m // 4))
+    c2 = max(m // 2, min(4096, max_tokens - m // 8))
+    sizes = ((m // 8, 0), (m // 2, 0), (m, 0), (m // 4, c1), (m // 8, c2))
     return tuple(dict.fromkeys((max(n, 1), c) for n, c in sizes))
 
 
 def max_prefill_tokens(kv_cache: KVCache, max_model_len: int, token_budget: int) -> int:
     """The largest calibration prefill (new + context tokens) this engine can run: the pool,
     the model's length (one token short) and the step budget; capped on CPU for speed."""
-    cap = min(kv_cache.num_blocks * kv_cache.block_size, max_model_len - 1, token_budget)
+    return max_prefill_shape(kv_cache, max_model_len, token_budget)[1]
+
+
+def max_prefill_shape(kv_cache: KVCache, max_model_len: int, token_budget: int) -> tuple[int, int]:
+    """``(new + context, new)``: the largest calibration prefill and the most new tokens in
+    it. New tokens are bounded by the step budget; the context only by the pool and the
+    model's length (one token short). Both capped on CPU for speed."""
+    total = min(kv_cache.num_blocks * kv_cache.block_size, max_model_len - 1)
     if kv_cache.device.type == "cpu":
-        cap = min(cap, _CPU_MAX_PREFILL_TOKENS)
-    return cap
+        total = min(total, _CPU_MAX_PREFILL_TOKENS)
+    return total, min(total, token_budget)
 
 
 def prefill_timer(

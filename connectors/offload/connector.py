@@ -348,9 +348,9 @@ def _calibrate(
     host_to_gpu = cal.host_to_gpu_timer(kv_cache, num_blocks, codec) if num_blocks >= 2 else None
     run_prefill, sizes, scratch = None, cal.DEFAULT_PREFILL_SIZES, num_blocks
     if target is not None:
-        cap = cal.max_prefill_tokens(kv_cache, target.max_model_len, target.token_budget)
-        if cap >= 32:
-            sizes = cal.prefill_sizes(cap)
+        total, new = cal.max_prefill_shape(kv_cache, target.max_model_len, target.token_budget)
+        if new >= 32:
+            sizes = cal.prefill_sizes(total, new)
             run_prefill = cal.prefill_timer(target.execute, kv_cache.block_size, target.vocab_size)
             scratch = max(scratch, -(-max(n + c for n, c in sizes) // kv_cache.block_size))
     try:

@@ -75,11 +75,25 @@ def test_calibrate_knob_is_a_strict_bool() -> None:
 
 def test_prefill_sizes_fit_the_engine() -> None:
     assert prefill_sizes(8192)[0] == (256, 0)  # the defaults fit
-    assert prefill_sizes(256) == ((32, 0), (128, 0), (256, 0), (64, 192), (32, 128))
+    assert prefill_sizes(256) == ((32, 0), (128, 0), (256, 0), (64, 192), (32, 224))
     assert all(n + c <= 100 for n, c in prefill_sizes(100))
     assert len(set(prefill_sizes(32))) >= 3
     with pytest.raises(ValueError, match="32 tokens"):
         prefill_sizes(31)
+    # `kvtier serve`'s 2,048-token steps over a 1,200-block pool: new tokens within the
+    # budget, contexts as long as the defaults'
+    assert prefill_sizes(19200, 2048) == (
+        (256, 0),
+        (1024, 0),
+        (2048, 0),
+        (512, 3072),
+        (256, 4096),
+    )
+    # a pool that leaves less room: contexts shrink to fit it, not under the scaled ones
+    assert prefill_sizes(3000, 2048)[3:] == ((512, 2488), (256, 2744))
+    assert prefill_sizes(2048, 2048) == prefill_sizes(2048)
+    with pytest.raises(ValueError, match="32 tokens"):
+        prefill_sizes(4096, 16)
 
 
 def test_only_a_lone_chunk_that_samples_teaches_the_prefill_model(
