@@ -13,15 +13,16 @@
 # - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
 #   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
-#   with every reload of a step in-step (the old default: mixed_allinstep.json) or layer-wise
-#   in-step loads (mixed_layered.json); MIXED_VARIANTS="plain allinstep" by default.
+#   with at most one in-step reload a step (the sixth to eighth sessions' default:
+#   mixed_onestep.json) or layer-wise in-step loads (mixed_layered.json); MIXED_VARIANTS="plain
+#   onestep" by default.
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "on256": on with
 # --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "fill": on with -1 (the old fill); "layered": on, with
-# in-step loads landing layer by layer; "allinstep": on, every reload of a step in-step) and the client's TTFT by
+# in-step loads landing layer by layer; "allinstep": on, every reload of a step in-step, the default since the ninth session; "onestep": at most one in-step load a step, the sixth to eighth sessions' default) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
 # the warm-up. Durations seen on one H200 (limits to set): a QA mode ~90 s past start-up with
@@ -83,6 +84,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
         if [ "$mode" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
       layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
+      onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
     esac
@@ -128,12 +130,13 @@ fi
 if [[ "$STAGES" == *,mixed,* ]]; then
   # the QA run's reused step reproduced offline: a pair of host reloads of the lone shape
   # arriving while 8 requests decode, then the pair alone, then one alone (bench.profile_gpu)
-  for variant in ${MIXED_VARIANTS:-plain allinstep}; do
+  for variant in ${MIXED_VARIANTS:-plain onestep}; do
     stamp "mixed step (QA shape, $variant)"
     flag=(); name=mixed
     case "$variant" in
       layered) flag=(--layered); name=mixed_layered ;;
-      allinstep) flag=(--in-step-loads-per-step 0); name=mixed_allinstep ;;  # the old default
+      allinstep) flag=(--in-step-loads-per-step 0); name=mixed_allinstep ;;  # the default
+      onestep) flag=(--in-step-loads-per-step 1); name=mixed_onestep ;;
     esac
     timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
       --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \

@@ -401,7 +401,7 @@ def profile_mixed(
         "decoders": decoders,
         "pair": pair,
         "layered": layered,
-        "in_step_loads_per_step": offload.get("in_step_loads_per_step", 1),
+        "in_step_loads_per_step": offload.get("in_step_loads_per_step", 0),
     }
     ids = iter(range(10**6))
     try:
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--in-step-loads-per-step",
         type=int,
-        help="mixed: the connector's in_step_loads_per_step (default: its own, 1)",
+        help="mixed: the connector's in_step_loads_per_step (default: its own, 0)",
     )
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -6,8 +6,8 @@ One YAML file (or the same dict) holds both::
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
     calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
-    in_step_loads_per_step: 1  # at most this many in-step loads a step (0: no limit); the
-                               # step's later host hits load async, behind them, under its forward
+    in_step_loads_per_step: 0  # at most this many in-step loads a step (0, the default: no
+                               # limit); past it a host hit loads async and computes a step later
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
@@ -81,11 +81,14 @@ class OffloadConfig:
     # request runs at once); false: they wait in WAITING_FOR_KV like lower-tier loads (the
     # old behaviour, one more engine step; kept as the benchmark's baseline).
     in_step_host_loads: bool = True
-    # A step's in-step loads all land before its forward, so a request admitted with another's
-    # reload waits for both copies; past this many, a step's host hits load asynchronously on
-    # the same copy stream, behind the in-step ones and under the forward, and compute in the
-    # next step. 0: no limit (every host hit in-step, as before).
-    in_step_loads_per_step: int = 1
+    # A step's in-step loads all land before its forward; past this many, a step's host hits
+    # load asynchronously on the same copy stream, behind the in-step ones, and compute in the
+    # next step. 0 (the default since the ninth session): no limit. A limit of 1 (the sixth to
+    # eighth sessions' default) did not spare the first request the second's copy on a GPU:
+    # the forward's own input uploads queue on the copy engine behind the async copies issued
+    # before it (H200 QA, docs/scheduling.md), so the first still waited for both and the
+    # second lost a step.
+    in_step_loads_per_step: int = 0
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
     # layer's attention waiting only for its layer (with compression: groups of layers' parts
     # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
@@ -200,7 +203,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         health_probe_s=numbers["health_probe_s"],
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
-        in_step_loads_per_step=data.get("in_step_loads_per_step", 1),  # type: ignore[arg-type]
+        in_step_loads_per_step=data.get("in_step_loads_per_step", 0),  # type: ignore[arg-type]
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
         layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],

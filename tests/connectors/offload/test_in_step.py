@@ -168,10 +168,9 @@ def test_two_host_reloads_admitted_together_take_one_in_step_load_a_step(
     model_dir: str, limit: int, first_token_steps: tuple[int, int], deferred: int
 ) -> None:
     """``in_step_loads_per_step``: two prompts whose prefixes only the host tier holds arrive
-    together. With the default (1) the first loads in-step and yields its token in the
-    admitting step; the second loads asynchronously (its copies issued behind the first's,
-    under that step's forward) and yields its token one step later, so the first request's
-    token never waits for the second's copy. 0: both in-step, both in the first step. The
+    together. With a limit of 1 the first loads in-step and yields its token in the admitting
+    step; the second loads asynchronously (its copies issued behind the first's) and yields
+    its token one step later. 0 (the default): both in-step, both in the first step. The
     tokens are those of an engine without offload either way."""
     rng = random.Random(7)
     a, b = ([rng.randrange(3, VOCAB) for _ in range(70)] for _ in range(2))

@@ -168,10 +168,10 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     assert not load_offload_config({"tiers": host, "in_step_host_loads": False}).in_step_host_loads
     with pytest.raises(ConfigError, match="in_step_host_loads must be true or false"):
         load_offload_config({"tiers": host, "in_step_host_loads": "yes"})
-    assert cfg.in_step_loads_per_step == 1
+    assert cfg.in_step_loads_per_step == 0
     assert (
-        load_offload_config({"tiers": host, "in_step_loads_per_step": 0}).in_step_loads_per_step
-        == 0
+        load_offload_config({"tiers": host, "in_step_loads_per_step": 1}).in_step_loads_per_step
+        == 1
     )
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="in_step_loads_per_step must be an integer >= 0"):
