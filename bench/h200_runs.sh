@@ -17,6 +17,8 @@
 #   mixed_onestep.json) or layer-wise in-step loads (mixed_layered.json); MIXED_VARIANTS="plain
 #   onestep" by default.
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
+# - copyorder: bench.copy_order, a small upload issued after / before a 512 MiB copy on another
+#   stream (~10 s).
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
@@ -66,6 +68,12 @@ fi
 if [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   stamp "warm FlashInfer"; "$PY" -m bench.engine --warm --warm-parts prefill,decode,sampling >/dev/null 2>&1
 fi
+if [[ "$STAGES" == *,copyorder,* ]]; then
+  # does a small upload wait behind a large copy issued before it on another stream?
+  stamp "copy order"
+  timeout -k 5 60 "$PY" -m bench.copy_order > "$OUT_DIR/copy_order.json" 2>&1
+  tail -n 1 "$OUT_DIR/copy_order.json" | tee -a "$S"
+fi
 if [[ "$STAGES" == *,lmdbprobe,* ]]; then
   # the first read of freshly written LMDB values against warm and plain reads (issue 28)
   stamp "lmdb first read"
@@ -85,6 +93,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
       layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;
+      oldorder) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: false\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_oldorder.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
     esac

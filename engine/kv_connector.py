@@ -138,11 +138,18 @@ class KVConnectorWorker(Protocol):
     """The worker side as the runner calls it (``ModelRunner.set_kv_connector``).
 
     Called from the engine thread only, once per step, in this order: ``start_load_kv``
-    before the forward pass, ``wait_for_save`` and ``after_step`` after it."""
+    before the forward pass (its inputs are uploaded by then), ``forward_queued`` once the
+    step's GPU work is queued (before its one host sync; a step with nothing scheduled has
+    none), ``wait_for_save`` and ``after_step`` after it."""
 
     def start_load_kv(self, metadata: object | None) -> None:
         """Before the forward pass: copy out this step's saves, copy this step's in-step loads
         (the forward reads them), then scatter completed async loads."""
+        ...
+
+    def forward_queued(self) -> None:
+        """The step's forward and sampling are queued: copies that nothing in this step reads
+        may be issued now, beside its compute instead of ahead of its uploads."""
         ...
 
     def wait_for_save(self) -> None:

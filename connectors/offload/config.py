@@ -8,6 +8,8 @@ One YAML file (or the same dict) holds both::
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     in_step_loads_per_step: 0  # at most this many in-step loads a step (0, the default: no
                                # limit); past it a host hit loads async and computes a step later
+    async_copies_after_forward: true  # CUDA: an async load's host copies are issued once the
+                               # step's forward is queued (false: before it, the old order)
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
@@ -89,6 +91,11 @@ class OffloadConfig:
     # before it (H200 QA, docs/scheduling.md), so the first still waited for both and the
     # second lost a step.
     in_step_loads_per_step: int = 0
+    # CUDA: the host-tier copies of a step's async loads are issued once its forward (and
+    # sampling) are queued, so the forward's input uploads do not wait behind them on the copy
+    # engine and they run beside its compute; false: issued before the forward (the order up
+    # to the tenth session, kept for the A/B).
+    async_copies_after_forward: bool = True
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
     # layer's attention waiting only for its layer (with compression: groups of layers' parts
     # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
@@ -180,7 +187,8 @@ class OffloadConfig:
 
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
-    "in_step_host_loads": ..., "in_step_loads_per_step": ..., "layered_loads": ...,
+    "in_step_host_loads": ..., "in_step_loads_per_step": ..., "async_copies_after_forward": ...,
+    "layered_loads": ...,
     "layers_per_copy": ...,
     "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
     "prefetch": ..., "prefetch_budget_blocks": ..., "load_chunk_bytes": ...,
@@ -204,6 +212,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         calibrate=flags["calibrate"],
         in_step_host_loads=flags["in_step_host_loads"],
         in_step_loads_per_step=data.get("in_step_loads_per_step", 0),  # type: ignore[arg-type]
+        async_copies_after_forward=flags["async_copies_after_forward"],
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
         layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],
@@ -237,6 +246,7 @@ def _flags(data: Mapping[str, object]) -> dict[str, bool]:
         ("in_step_host_loads", True),
         ("coalesced_loads", False),
         ("prefetch", True),
+        ("async_copies_after_forward", True),
     ):
         value = data.get(name, default)
         if not isinstance(value, bool):

@@ -105,6 +105,7 @@ class OffloadConnector:
             load_chunk_bytes=config.load_chunk_bytes,
             load_pipeline_depth=config.load_pipeline_depth,
             load_read_threads=config.load_read_threads,
+            hold_async_copies=config.async_copies_after_forward,
         )
         if config.in_step_host_loads and self.worker.layered_loads:
             # In-step host loads land layer by layer under the forward: price them so.

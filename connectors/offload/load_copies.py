@@ -4,7 +4,8 @@
 event of the last one, its timings, and the store's ``LoadSpec`` that holds its pins. ``SlabToCache`` issues the copies:
 - ``copy``: the next blocks of a load from their slab offsets (CPU: a synchronous memcpy;
   CUDA: ``non_blocking`` on the side stream, after the compute stream's queued work, an event
-  recorded after them);
+  recorded after them); ``hold`` / ``release_held``: the same, issued once this step's forward
+  is queued (an async load's copies then run beside the forward, not ahead of its uploads);
 - ``copy_in_step``: the in-step loads of one step, which this step's forward reads: with the
   layer kernel one copy per layer for all of them, each layer's attention waiting for its own
   layer only (``KVCache.set_layer_ready``); otherwise per-block copies the forward waits for;
@@ -56,6 +57,7 @@ class PendingLoad:
     # Layer-wise in-step: the step's one transfer of every in-step load (each waited for all).
     shared: tuple[object, object] | None = None
     issuing: bool = True  # more copies may follow (staging pending)
+    held: int = 0  # copies held until this step's forward is queued (``SlabToCache.hold``)
     # The pipeline's staging -> cache copies (``connectors.offload.pipeline``), apart: their
     # event spans also hold the load thread's pace of issuing them between its reads, so they
     # are no measure of the host -> device link (``host_copy_time``).
@@ -94,6 +96,8 @@ class SlabToCache:
         self.copier = copier
         self._side = side_stream
         self._header_size = header_size
+        self._held: list[tuple[PendingLoad, list[int], list[int]]] = []  # ``hold``
+        self._held_after: object | None = None  # the compute stream when the first was held
 
     @property
     def layered(self) -> bool:
@@ -138,27 +142,72 @@ class SlabToCache:
         ``forward_reads``: this step's forward reads them (CUDA: the compute stream waits)."""
         if not offsets or self.copier is None:
             return
+        ids, payload = self._take(pending, offsets)
+        self._issue(pending, ids, payload, forward_reads, None)
+
+    def hold(self, pending: PendingLoad, offsets: list[int]) -> None:
+        """As ``copy``, but issued by ``release_held`` (CUDA; at once on CPU): an async load's
+        copies wait until this step's forward is queued, so the forward's own host -> device
+        uploads never queue behind them on the copy engine, and they run beside its compute.
+        They are ordered after the compute stream's work queued before this call (the blocks'
+        previous owner), not after this step's forward, which does not touch them."""
+        if not offsets or self.copier is None:
+            return
+        if self._side is None:
+            self.copy(pending, offsets)
+            return
+        if self._held_after is None:
+            self._held_after = torch.cuda.Event()
+            self._held_after.record(torch.cuda.current_stream(self.kv_cache.device))
+        ids, payload = self._take(pending, offsets)
+        pending.held += 1
+        self._held.append((pending, ids, payload))
+
+    def release_held(self) -> None:
+        """Issue every held copy (``hold``). Idempotent; a load's ``held`` count drops as its
+        copies are issued, so it is not reported before."""
+        held, self._held = self._held, []
+        after, self._held_after = self._held_after, None
+        for pending, ids, payload in held:
+            self._issue(pending, ids, payload, False, after)
+            pending.held -= 1
+
+    def _take(self, pending: PendingLoad, offsets: list[int]) -> tuple[list[int], list[int]]:
+        """The cache blocks and slab payload offsets of ``pending``'s next ``len(offsets)``
+        blocks, counted as copied."""
         start = pending.copied
         ids = pending.load.block_ids[start : start + len(offsets)]
-        payload = [o + self._header_size for o in offsets]
         pending.copied += len(offsets)
+        return ids, [o + self._header_size for o in offsets]
+
+    def _issue(
+        self,
+        pending: PendingLoad,
+        ids: list[int],
+        payload: list[int],
+        forward_reads: bool,
+        after: object | None,
+    ) -> None:
         if self._side is None:
             t0 = time.perf_counter()
-            self.copier.to_device(ids, payload)
+            self.copier.to_device(ids, payload)  # type: ignore[union-attr]
             pending.copy_seconds += time.perf_counter() - t0
             return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.kv_cache.device)
         with torch.cuda.stream(self._side):  # type: ignore[arg-type]
             # The blocks' previous owner may still have forwards queued that write them.
-            self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            if after is None:
+                self._side.wait_stream(compute)  # type: ignore[attr-defined]
+            else:
+                self._side.wait_event(after)  # type: ignore[attr-defined]
             begin.record(self._side)  # type: ignore[arg-type]
-            self.copier.to_device(ids, payload)
+            self.copier.to_device(ids, payload)  # type: ignore[union-attr]
             end.record(self._side)  # type: ignore[arg-type]
         if forward_reads:
             compute.wait_event(end)
         pending.event = end
-        pending.timings.append((begin, end, len(offsets) * self.kv_cache.bytes_per_block))
+        pending.timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
     def fence(self, done: object | None) -> None:
         """Nothing may touch the blocks before ``done`` (the last issued copy) completed:

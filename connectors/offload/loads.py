@@ -68,8 +68,11 @@ class HostLoader:
         chunk_blocks: int = 0,
         depth: int = 2,
         readers: int = 0,
+        hold_async: bool = True,
     ) -> None:
-        """``layered``: in-step loads land layer by layer when the copier can (CUDA;
+        """``hold_async`` (CUDA): an async load's copies from the host tier are issued once the
+        step's forward is queued (``release_held``), not before it;
+        ``layered``: in-step loads land layer by layer when the copier can (CUDA;
         ``layers_per_copy``: see ``StagedDecoder``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
         ``codec``: stored payloads are encoded (decoded into the blocks on arrival);
@@ -84,6 +87,7 @@ class HostLoader:
         self.cost_model = cost_model
         self.load_timeout_s = load_timeout_s
         self._side = side_stream
+        self._hold_async = hold_async and side_stream is not None
         self._headers = HeaderTemplate(meta, keyed=True)  # a block's header names its key
         self._check = HostCheck.for_meta(meta)  # how staged host blocks are located
         slab = store.host_slab()
@@ -135,6 +139,7 @@ class HostLoader:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
         request scheduled): wait for the first staging and for the copies."""
+        self.release_held()
         self.cancel(cancelled)
         in_step: list[PendingLoad] = []
         # In-step loads first: this step's forward waits for their copies, so the copy stream
@@ -146,7 +151,7 @@ class HostLoader:
             if not load.in_step and in_step:
                 self._copies.copy_in_step(in_step)  # before the first async load's copies
                 in_step = []
-            pending = self._begin(load)
+            pending = self._begin(load, hold=self._hold_async and not idle)
             self._loads[load.req_id] = pending
             if load.in_step:
                 in_step.append(pending)
@@ -162,10 +167,16 @@ class HostLoader:
                     pending.event.synchronize()  # type: ignore[attr-defined]
         self.poll()
 
+    def release_held(self) -> None:
+        """Issue the async loads' copies held by ``start`` (the runner calls this once the
+        step's forward is queued: ``OffloadWorker.forward_queued``). Idempotent."""
+        self._copies.release_held()
+
     def cancel(self, cancelled: frozenset[str]) -> None:
         """Drop these loads: no copy into their blocks is issued after this returns, and this
         step's work (saves of those blocks, the forward) is ordered after the issued ones.
         Idempotent (``start`` calls it too)."""
+        self.release_held()
         for req_id in cancelled:
             pending = self._loads.pop(req_id, None)
             if pending is not None:
@@ -186,6 +197,7 @@ class HostLoader:
     def close(self) -> None:
         """Drop pending loads (releasing their pins once their copies ended), stop the load
         thread. Idempotent."""
+        self.release_held()
         self._draining.extend(self._loads.values())
         self._loads.clear()
         for pending in self._draining:
@@ -201,7 +213,7 @@ class HostLoader:
 
     # -- issuing -------------------------------------------------------------------------
 
-    def _begin(self, load: BlockLoad) -> PendingLoad:
+    def _begin(self, load: BlockLoad, hold: bool = False) -> PendingLoad:
         now = time.monotonic()
         # A load prepared without the store (none given) gets an empty spec: its staging's pins.
         spec = (
@@ -212,7 +224,10 @@ class HostLoader:
             pending.issuing = False
             return pending
         lead = len(spec.host_offsets)
-        self._copies.copy(pending, list(spec.host_offsets))
+        if hold:
+            self._copies.hold(pending, list(spec.host_offsets))
+        else:
+            self._copies.copy(pending, list(spec.host_offsets))
         if lead < len(load.keys) and self._pipeline is not None:
             ready = None
             if self._side is not None:  # the blocks' previous owner's queued forwards
@@ -349,7 +364,7 @@ class HostLoader:
     def poll(self) -> None:
         """Report loads whose copies completed; release pins of drained ones."""
         for req_id, pending in list(self._loads.items()):
-            if pending.issuing or not _done(pending.event):
+            if pending.issuing or pending.held or not _done(pending.event):
                 continue
             del self._loads[req_id]
             self._release(pending)

@@ -147,6 +147,10 @@ class GroupedWorker:
                 self._meta(metadata, g) if isinstance(metadata, KVConnectorMetadata) else metadata
             )
 
+    def forward_queued(self) -> None:
+        for worker in self.workers:
+            worker.forward_queued()
+
     def wait_for_save(self) -> None:
         for worker in self.workers:
             worker.wait_for_save()
@@ -254,6 +258,7 @@ def _build(
                 load_chunk_bytes=config.load_chunk_bytes,
                 load_pipeline_depth=config.load_pipeline_depth,
                 load_read_threads=config.load_read_threads,
+                hold_async_copies=config.async_copies_after_forward,
             )
         )
     first = head_groups(total, 0, size, config.kv_head_group)[0]

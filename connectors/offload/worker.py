@@ -10,10 +10,12 @@ it owns two side streams (CUDA), one per direction, so saves and loads overlap:
 
 Per step (``ModelRunner`` calls, engine thread):
 1. ``start_load_kv(meta)``, before the forward pass: saves first (their blocks may be rewritten
-   by this forward), then loads.
-2. ``wait_for_save()``, after the forward: the save batch is sealed (checksum, commit) by the
+   by this forward), then loads: in-step ones issued now, async ones' host copies held until
+2. ``forward_queued()``, once the forward's kernels (and sampling's) are queued: so the copy
+   engine takes the forward's input uploads first and the async copies run beside its compute.
+3. ``wait_for_save()``, after the forward: the save batch is sealed (checksum, commit) by the
    saver's thread (CUDA) or at once (CPU).
-3. ``after_step(meta)``: ``take_report()`` as the runner's ``kv_connector_output``: every load
+4. ``after_step(meta)``: ``take_report()`` as the runner's ``kv_connector_output``: every load
    whose copies completed, reported in the step they landed in: an in-step load in its own
    step, an async one so that its request runs in the next step.
 
@@ -76,6 +78,7 @@ class OffloadWorker:
         load_chunk_bytes: int = 0,
         load_pipeline_depth: int = 2,
         load_read_threads: int = 0,
+        hold_async_copies: bool = True,
     ) -> None:
         """``load_chunk_bytes`` > 0: lower-tier loads of raw blocks are pipelined (tier read,
         pinned staging and the copy overlap in chunks of that many bytes, rounded to whole
@@ -108,6 +111,7 @@ class OffloadWorker:
             chunk_blocks=chunk_blocks_for(load_chunk_bytes, kv_cache.bytes_per_block),
             depth=load_pipeline_depth,
             readers=load_read_threads,
+            hold_async=hold_async_copies,
         )
 
     @property
@@ -142,6 +146,10 @@ class OffloadWorker:
         self._loader.start(
             metadata.loads, metadata.cancelled_loads, idle=metadata.num_scheduled_requests == 0
         )
+
+    def forward_queued(self) -> None:
+        """The step's forward is queued: issue the async loads' copies ``start_load_kv`` held."""
+        self._loader.release_held()
 
     def wait_for_save(self) -> None:
         self._saver.end_step()

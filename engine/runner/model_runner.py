@@ -56,6 +56,12 @@ from engine.sampling_params import SamplingParams
 from engine.ttft import STEP_PARTS
 
 logger = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    """A no-op hook (no connector, or its ``forward_queued`` already called this step)."""
+
+
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
 
 
@@ -207,8 +213,9 @@ class ModelRunner:
     def set_kv_connector(self, worker: KVConnectorWorker | None) -> None:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls
         ``worker.start_load_kv(meta)`` before the forward pass (loads into this step's blocks
-        must be issued first) and ``worker.wait_for_save()`` then ``worker.after_step(meta)``
-        after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step``
+        must be issued first; the step's inputs are uploaded before it), ``worker.forward_queued()``
+        once the forward and sampling are queued (before the step's host sync), and
+        ``worker.wait_for_save()`` then ``worker.after_step(meta)`` after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step``
         returns rides ``ModelRunnerOutput.kv_connector_output``. Empty steps call them too, so a
         connector can make progress while nothing is scheduled."""
         self._kv_connector = worker
@@ -321,28 +328,38 @@ class ModelRunner:
             result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
             if connector is not None:
                 connector.start_load_kv(out.kv_connector_metadata)
+                connector.forward_queued()
                 connector.wait_for_save()
                 result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
             return result
         t0 = time.perf_counter()
         host = self._host_batch(out)
+        # The step's inputs go up (and the attention is planned) before the connector issues
+        # KV copies: on the copy engine they come first, so the forward never waits behind a
+        # load it does not read.
+        batch = self._prepare_forward(host)
         t1 = time.perf_counter()
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
         t2 = time.perf_counter()
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
+        queued = connector.forward_queued if connector is not None else _nothing
         with torch.inference_mode():
-            hidden, logits_indices = self._forward(host)
+            hidden, logits_indices = self._forward(host, batch)
             t3 = time.perf_counter()
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
                 by_id = {r.req_id: r for r in out.requests}
                 sliced = [by_id[rid] for rid in host.sample_req_ids]
-                sample_tokens(logits, sliced, result, self.sampler, self._grammar_state)
+                sample_tokens(
+                    logits, sliced, result, self.sampler, self._grammar_state, before_sync=queued
+                )
                 if result.logits is not None:
                     cpu_rows = logits.cpu()
                     result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
+            else:
+                queued()
             if self.samples:
                 prompt_logprobs(self.model.compute_logits, hidden, out, result)
         t4 = time.perf_counter()
@@ -363,11 +380,30 @@ class ModelRunner:
             self._grammars = RequestGrammars(tokenizer, self.vocab_size, self._eos_token_ids)
         return self._grammars
 
-    def _forward(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of the step, and the rows to take logits from (None: all rows)."""
+    def _graph_size(self, host: HostBatch) -> int | None:
+        """The CUDA graph this step replays (decode only, a captured size), else None."""
         graphs = self.cuda_graphs
-        size = graphs.padded_size(len(host.query_lens)) if graphs is not None else None
-        if graphs is not None and size is not None and host.is_decode_only:
+        if graphs is None or not host.is_decode_only:
+            return None
+        return graphs.padded_size(len(host.query_lens))
+
+    def _prepare_forward(self, host: HostBatch) -> BatchInputs | None:
+        """An eager step's device inputs, uploaded, and its attention planned (None: a graph
+        replay, whose inputs go up with it). Touches no KV block."""
+        if self._graph_size(host) is not None:
+            return None
+        batch = self._device_batch(host)
+        self.attn_backend.plan(batch.metadata)
+        return batch
+
+    def _forward(
+        self, host: HostBatch, batch: BatchInputs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the step, and the rows to take logits from (None: all rows).
+        ``batch``: ``_prepare_forward``'s (None: prepared here)."""
+        graphs = self.cuda_graphs
+        size = self._graph_size(host)
+        if graphs is not None and size is not None:
             n = len(host.input_ids)
             scratch_slot = self.kv_cache.scratch_block_id * self.kv_cache.block_size
             io = graphs.host_io(size)  # pinned, reused: no allocation per step
@@ -379,8 +415,9 @@ class ModelRunner:
             if host.logits_rows == list(range(n)):
                 return hidden, None
             return hidden, self._to_device(host.logits_rows, torch.int64)
-        batch = self._device_batch(host)
-        self.attn_backend.plan(batch.metadata)
+        if batch is None:
+            batch = self._prepare_forward(host)
+            assert batch is not None
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
         finally:

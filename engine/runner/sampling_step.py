@@ -25,10 +25,13 @@ def sample_tokens(
     result: ModelRunnerOutput,
     sampler: Sampler,
     grammars: Callable[[], RequestGrammars],
+    before_sync: Callable[[], None] | None = None,
 ) -> None:
     """Penalties, grammar masks, sampling, then logprobs of the raw ``logits``; fills
     ``result``. The one host sync of a plain step is the sampled ids' copy. ``grammars``:
-    the runner's grammar state, built on the first constrained request."""
+    the runner's grammar state, built on the first constrained request; ``before_sync``:
+    called once the sampling is queued, before that copy (the connector's
+    ``forward_queued``)."""
     processed = apply_penalties(
         logits,
         [
@@ -48,7 +51,10 @@ def sample_tokens(
     if state is not None:
         processed = state.mask(processed, grammar_rows)
     requests = [SampleRequest(s.sampling, s.num_output_tokens) for s in sliced]
-    tokens = sampler.sample(processed, requests).tolist()  # the step's one sync
+    sampled = sampler.sample(processed, requests)
+    if before_sync is not None:
+        before_sync()
+    tokens = sampled.tolist()  # the step's one sync
     result.sampled_token_ids = {s.req_id: t for s, t in zip(sliced, tokens, strict=True)}
     if state is not None:
         for s, token in zip(sliced, tokens, strict=True):

@@ -232,6 +232,10 @@ class RecordingConnector:
         self.calls.append(("start_load_kv", metadata))
         self.cache_sum_at_load = float(self.runner.kv_cache.tensor.abs().sum())
 
+    def forward_queued(self) -> None:
+        self.calls.append(("forward_queued", None))
+        self.cache_sum_at_queued = float(self.runner.kv_cache.tensor.abs().sum())
+
     def wait_for_save(self) -> None:
         self.calls.append(("wait_for_save", None))
 
@@ -246,12 +250,19 @@ def test_kv_connector_hooks_run_around_the_forward_pass(tmp_path) -> None:
     meta = object()
     r = req("x", [5, 6, 7], 0, [1])
     out = runner.execute_model(SchedulerOutput([r], 3, kv_connector_metadata=meta))
-    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
-    assert conn.cache_sum_at_load == 0.0 and runner.kv_cache.tensor.abs().sum() > 0
+    hooks = [
+        ("start_load_kv", meta),
+        ("forward_queued", None),
+        ("wait_for_save", None),
+        ("after_step", meta),
+    ]
+    assert conn.calls == hooks
+    # loads are issued before this step's KV is written; held copies once the forward is queued
+    assert conn.cache_sum_at_load == 0.0 and conn.cache_sum_at_queued > 0
     assert list(out.sampled_token_ids) == ["x"]
     conn.calls.clear()
     runner.execute_model(SchedulerOutput([], 0, kv_connector_metadata=meta))
-    assert conn.calls == [("start_load_kv", meta), ("wait_for_save", None), ("after_step", meta)]
+    assert conn.calls == hooks
     runner.set_kv_connector(None)
     conn.calls.clear()
     runner.execute_model(SchedulerOutput([req("x", [8], 3, [1], n_out=1)], 1))
