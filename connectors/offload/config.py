@@ -8,8 +8,9 @@ One YAML file (or the same dict) holds both::
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     in_step_loads_per_step: 0  # at most this many in-step loads a step (0, the default: no
                                # limit); past it a host hit loads async and computes a step later
-    async_copies_after_forward: true  # CUDA: an async load's host copies are issued once the
-                               # step's forward is queued (false: before it, the old order)
+    async_copies_after_forward: false  # CUDA: an async load's host copies wait until the
+                               # step's forward is queued (false, the default: issued before it,
+                               # behind the step's input uploads)
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
                             # (auto: with compression only; true | false)
     layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
@@ -91,11 +92,14 @@ class OffloadConfig:
     # before it (H200 QA, docs/scheduling.md), so the first still waited for both and the
     # second lost a step.
     in_step_loads_per_step: int = 0
-    # CUDA: the host-tier copies of a step's async loads are issued once its forward (and
-    # sampling) are queued, so the forward's input uploads do not wait behind them on the copy
-    # engine and they run beside its compute; false: issued before the forward (the order up
-    # to the tenth session, kept for the A/B).
-    async_copies_after_forward: bool = True
+    # CUDA: the host-tier copies of a step's async loads wait until its forward and sampling
+    # are queued. Host -> device copies run in issue order whatever their stream (H200:
+    # bench/copy_order.py, a 64 KiB upload issued after a 512 MiB copy finished 9.8 ms later),
+    # so the runner uploads a step's inputs before the connector issues any copy; holding the
+    # async copies past the forward's launch as well cost the held load a step or more on the
+    # H200 QA run (its copy starts only once the CPU has queued the forward, 15-40 ms), so it
+    # is off by default (docs/scheduling.md, tenth session).
+    async_copies_after_forward: bool = False
     # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
     # layer's attention waiting only for its layer (with compression: groups of layers' parts
     # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
@@ -246,7 +250,7 @@ def _flags(data: Mapping[str, object]) -> dict[str, bool]:
         ("in_step_host_loads", True),
         ("coalesced_loads", False),
         ("prefetch", True),
-        ("async_copies_after_forward", True),
+        ("async_copies_after_forward", False),
     ):
         value = data.get(name, default)
         if not isinstance(value, bool):

@@ -68,7 +68,7 @@ class HostLoader:
         chunk_blocks: int = 0,
         depth: int = 2,
         readers: int = 0,
-        hold_async: bool = True,
+        hold_async: bool = False,
     ) -> None:
         """``hold_async`` (CUDA): an async load's copies from the host tier are issued once the
         step's forward is queued (``release_held``), not before it;

@@ -78,7 +78,7 @@ class OffloadWorker:
         load_chunk_bytes: int = 0,
         load_pipeline_depth: int = 2,
         load_read_threads: int = 0,
-        hold_async_copies: bool = True,
+        hold_async_copies: bool = False,
     ) -> None:
         """``load_chunk_bytes`` > 0: lower-tier loads of raw blocks are pipelined (tier read,
         pinned staging and the copy overlap in chunks of that many bytes, rounded to whole

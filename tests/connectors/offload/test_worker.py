@@ -279,7 +279,9 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
         StoreConfig(namespace=PREFIX, promote_on_get=False),
     )
     assert store.tiers[0].pinned_memory
-    worker = OffloadWorker(cache, store, meta, load_timeout_s=30.0, stats=OffloadStats())
+    worker = OffloadWorker(
+        cache, store, meta, load_timeout_s=30.0, stats=OffloadStats(), hold_async_copies=True
+    )
     try:
         blobs = [
             torch.full(spec.block_shape, float(b + 1), dtype=spec.dtype, device="cuda")
@@ -315,10 +317,13 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
         assert res.num_loaded_blocks == 2
         torch.cuda.synchronize()
         assert torch.equal(cache.tensor[13], blobs[0]) and torch.equal(cache.tensor[14], blobs[1])
-        # A busy step holds an async load's host copies until its forward is queued.
+        # With hold_async_copies, a busy step holds an async load's host copies until its
+        # forward is queued.
         cache.tensor[10] = 0.0
-        spec = store.prepare_load(keys[2:3], HostCheck.for_meta(meta))
-        load = BlockLoad("held", (10,), keys[2:3], 0, ("host",), spec=spec)
+        # (keys[0] is in the host tier again: the lmdb load above promoted it)
+        spec = store.prepare_load(keys[:1], HostCheck.for_meta(meta))
+        assert len(spec.host_offsets) == 1
+        load = BlockLoad("held", (10,), keys[:1], 0, ("host",), spec=spec)
         worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=1))
         torch.cuda.synchronize()
         assert worker.take_report().finished_loads == ()
@@ -327,7 +332,7 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
         torch.cuda.synchronize()
         [res] = worker.take_report().finished_loads
         assert (res.req_id, res.num_loaded_blocks) == ("held", 1)
-        assert torch.equal(cache.tensor[10], blobs[2])
+        assert torch.equal(cache.tensor[10], blobs[0])
         assert all(e.pins == 0 for e in store.tiers[0]._entries.values())
     finally:
         worker.close()
