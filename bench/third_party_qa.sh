@@ -39,5 +39,9 @@ grep -E '^kvtier_(scheduler_[a-z_]+|kv_lookup[a-z_]*|kv_loaded_blocks|num_preemp
 # cost model's read-rate estimate (why a held prefix was recomputed).
 grep -E '^kvtier_kv_(tier_(hits|evictions|demotions_dropped|written_back|written_through|write_queue_dropped|write_present|placement_skipped)_total|cost_model_tier_bandwidth_bytes_per_second|cost_model_outcome_ratio|recomputed_tokens_total|loaded_tokens_total|decisions_total)[{ ]' \
   "$out.metrics.txt" | sed 's/model_name="qa",\?//' | tr '\n' ' '; echo
+if [ "$server_rc" != 0 ] || [ "$health" != 200 ]; then  # why the server went down
+  echo "third_party_qa: server log (last lines but requests):"
+  grep -v '"POST /v1/' "$out.server.log" | tail -n 25
+fi
 statuses=$(grep -o '"POST /v1/chat/completions HTTP/1.1" [0-9]*' "$out.server.log" | awk '{print $NF}' | sort | uniq -c | awk '{printf "%s%s:%s", (NR>1?", ":""), $2, $1}')
 echo "third_party_qa: responses by status {$statuses}, health $health, client rc $client_rc, server rc $server_rc"

@@ -161,13 +161,7 @@ class DecodeGraphs:
         (``host_io(P)``, or any pinned buffer of that shape) with
         ``P = padded_size(len(seq_lens))``. Returns hidden states ``[n, hidden]`` (a view into
         the graph's output)."""
-        return self.replay(self.stage(io_host, seq_lens, block_tables), len(seq_lens))
-
-    def stage(
-        self, io_host: torch.Tensor, seq_lens: list[int], block_tables: list[list[int]]
-    ) -> int:
-        """``run``'s first half: the inputs' copy to the graph's buffers and the attention
-        plan, queued (touches no KV block). Returns the graph's size, for ``replay``."""
+        n = len(seq_lens)
         size = io_host.shape[1]
         g = self._graphs[size]
         g.io.copy_(io_host, non_blocking=True)
@@ -175,11 +169,5 @@ class DecodeGraphs:
             g.fence.record()
         meta = self.padded_metadata(g.io, g.placeholders, seq_lens, block_tables, size)
         self.attn.plan_cuda_graph(meta, size, self.max_pages(size))
-        return size
-
-    def replay(self, size: int, n: int) -> torch.Tensor:
-        """``run``'s second half: replay the graph of ``size`` staged last; its first ``n``
-        rows of hidden states (a view into the graph's output)."""
-        g = self._graphs[size]
         g.graph.replay()
         return g.hidden[:n]

@@ -387,10 +387,20 @@ class ModelRunner:
             return None
         return graphs.padded_size(len(host.query_lens))
 
-    def _prepare_forward(self, host: HostBatch) -> BatchInputs | int:
-        """The step's inputs uploaded and its attention planned, touching no KV block: an eager
-        step's ``BatchInputs``; for a CUDA-graph replay, the graph's size (its inputs staged
-        into the graph's buffers)."""
+    def _prepare_forward(self, host: HostBatch) -> BatchInputs | None:
+        """An eager step's device inputs, uploaded, and its attention planned (None: a graph
+        replay, whose inputs go up with it). Touches no KV block."""
+        if self._graph_size(host) is not None:
+            return None
+        batch = self._device_batch(host)
+        self.attn_backend.plan(batch.metadata)
+        return batch
+
+    def _forward(
+        self, host: HostBatch, batch: BatchInputs | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the step, and the rows to take logits from (None: all rows).
+        ``batch``: ``_prepare_forward``'s (None: prepared here)."""
         graphs = self.cuda_graphs
         size = self._graph_size(host)
         if graphs is not None and size is not None:
@@ -400,27 +410,14 @@ class ModelRunner:
             rows = io.numpy()
             rows[0, :n], rows[1, :n], rows[2, :n] = host.input_ids, host.positions, host.slots
             rows[0, n:], rows[1, n:], rows[2, n:] = 0, 0, scratch_slot
-            return graphs.stage(io, host.seq_lens, host.block_tables)
-        batch = self._device_batch(host)
-        self.attn_backend.plan(batch.metadata)
-        return batch
-
-    def _forward(
-        self, host: HostBatch, prepared: BatchInputs | int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Hidden states of the step, and the rows to take logits from (None: all rows).
-        ``prepared``: ``_prepare_forward``'s (None: prepared here)."""
-        if prepared is None:
-            prepared = self._prepare_forward(host)
-        if isinstance(prepared, int):
-            assert self.cuda_graphs is not None
-            n = len(host.input_ids)
             self.kv_cache.wait_all_layers()  # a replay cannot wait layer by layer
-            hidden = self.cuda_graphs.replay(prepared, n)
+            hidden = graphs.run(io, host.seq_lens, host.block_tables)
             if host.logits_rows == list(range(n)):
                 return hidden, None
             return hidden, self._to_device(host.logits_rows, torch.int64)
-        batch = prepared
+        if batch is None:
+            batch = self._prepare_forward(host)
+            assert batch is not None
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
         finally:
