@@ -267,3 +267,24 @@ def test_kv_connector_hooks_run_around_the_forward_pass(tmp_path) -> None:
     conn.calls.clear()
     runner.execute_model(SchedulerOutput([req("x", [8], 3, [1], n_out=1)], 1))
     assert conn.calls == []
+
+
+def test_a_steps_inputs_go_up_before_the_connector_issues_copies(tmp_path, monkeypatch) -> None:
+    """Host-to-device copies run in issue order whatever their stream (bench/copy_order.py),
+    so an eager step's inputs and attention plan must be queued before ``start_load_kv``
+    issues any KV copy, or the forward waits for loads it does not read."""
+    runner = make_runner(make_tiny_model(tmp_path, "llama"), num_blocks=4)
+    conn = RecordingConnector(runner)
+    runner.set_kv_connector(conn)
+    real_plan = runner.attn_backend.plan
+
+    def plan(metadata):  # type: ignore[no-untyped-def]
+        conn.calls.append(("plan", None))
+        return real_plan(metadata)
+
+    monkeypatch.setattr(runner.attn_backend, "plan", plan)
+    meta = object()
+    runner.execute_model(
+        SchedulerOutput([req("x", [5, 6, 7], 0, [1])], 3, kv_connector_metadata=meta)
+    )
+    assert [name for name, _ in conn.calls][:3] == ["plan", "start_load_kv", "forward_queued"]
