@@ -139,8 +139,7 @@ class HostLoader:
         """Before the forward: drop ``cancelled`` loads, issue the copies of in-step loads and
         of every host-resident block of new loads, copy in finished stagings. ``idle`` (no
         request scheduled): wait for the first staging and for the copies."""
-        self.release_held()
-        self.cancel(cancelled)
+        self.cancel(cancelled)  # issues any copies still held first
         in_step: list[PendingLoad] = []
         # In-step loads first: this step's forward waits for their copies, so the copy stream
         # takes them before any async load's (which then run under the forward).

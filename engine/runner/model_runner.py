@@ -58,10 +58,6 @@ from engine.ttft import STEP_PARTS
 logger = logging.getLogger(__name__)
 
 
-def _nothing() -> None:
-    """A no-op hook (no connector, or its ``forward_queued`` already called this step)."""
-
-
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20  # the CPU pool when CacheConfig sets none
 
 
@@ -213,10 +209,11 @@ class ModelRunner:
     def set_kv_connector(self, worker: KVConnectorWorker | None) -> None:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls
         ``worker.start_load_kv(meta)`` before the forward pass (loads into this step's blocks
-        must be issued first; the step's inputs are uploaded before it), ``worker.forward_queued()``
-        once the forward and sampling are queued (before the step's host sync), and
-        ``worker.wait_for_save()`` then ``worker.after_step(meta)`` after it, ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step``
-        returns rides ``ModelRunnerOutput.kv_connector_output``. Empty steps call them too, so a
+        must be issued first; the step's inputs are uploaded before it),
+        ``worker.forward_queued()`` once the forward and sampling are queued (before the step's
+        host sync), and ``worker.wait_for_save()`` then ``worker.after_step(meta)`` after it,
+        ``meta`` being ``SchedulerOutput.kv_connector_metadata``; what ``after_step`` returns
+        rides ``ModelRunnerOutput.kv_connector_output``. Empty steps call them too, so a
         connector can make progress while nothing is scheduled."""
         self._kv_connector = worker
 
@@ -343,7 +340,6 @@ class ModelRunner:
             connector.start_load_kv(out.kv_connector_metadata)
         t2 = time.perf_counter()
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
-        queued = connector.forward_queued if connector is not None else _nothing
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host, batch)
             t3 = time.perf_counter()
@@ -353,13 +349,18 @@ class ModelRunner:
                 by_id = {r.req_id: r for r in out.requests}
                 sliced = [by_id[rid] for rid in host.sample_req_ids]
                 sample_tokens(
-                    logits, sliced, result, self.sampler, self._grammar_state, before_sync=queued
+                    logits,
+                    sliced,
+                    result,
+                    self.sampler,
+                    self._grammar_state,
+                    before_sync=connector.forward_queued if connector is not None else None,
                 )
                 if result.logits is not None:
                     cpu_rows = logits.cpu()
                     result.logits = {rid: cpu_rows[i] for i, rid in enumerate(host.sample_req_ids)}
-            else:
-                queued()
+            elif connector is not None:
+                connector.forward_queued()
             if self.samples:
                 prompt_logprobs(self.model.compute_logits, hidden, out, result)
         t4 = time.perf_counter()
@@ -397,13 +398,13 @@ class ModelRunner:
         return batch
 
     def _forward(
-        self, host: HostBatch, batch: BatchInputs | None = None
+        self, host: HostBatch, batch: BatchInputs | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states of the step, and the rows to take logits from (None: all rows).
-        ``batch``: ``_prepare_forward``'s (None: prepared here)."""
-        graphs = self.cuda_graphs
-        size = self._graph_size(host)
-        if graphs is not None and size is not None:
+        ``batch``: ``_prepare_forward``'s (None: a CUDA-graph replay)."""
+        if batch is None:
+            graphs, size = self.cuda_graphs, self._graph_size(host)
+            assert graphs is not None and size is not None
             n = len(host.input_ids)
             scratch_slot = self.kv_cache.scratch_block_id * self.kv_cache.block_size
             io = graphs.host_io(size)  # pinned, reused: no allocation per step
@@ -415,9 +416,6 @@ class ModelRunner:
             if host.logits_rows == list(range(n)):
                 return hidden, None
             return hidden, self._to_device(host.logits_rows, torch.int64)
-        if batch is None:
-            batch = self._prepare_forward(host)
-            assert batch is not None
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.attn_backend, self.kv_cache)
         finally:
