@@ -10,13 +10,16 @@
 # - offload: python -m bench.offload ttft at 4K and 16K (OFFLOAD_LENGTHS) with LMDB (pipelined,
 #   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES); OFFLOAD_SECTIONS
 #   adds sections (e.g. "pipeline,ttft"), OFFLOAD_LOGS=1 keeps each mode's request log.
-# - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens).
+# - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens);
+#   LONE_MODES [host] (e.g. host,host_layered).
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
 #   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
 #   with at most one in-step reload a step (the sixth to eighth sessions' default:
 #   mixed_onestep.json) or layer-wise in-step loads (mixed_layered.json); MIXED_VARIANTS="plain
 #   onestep" by default.
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
+# - h2d: bench.h2d_pieces, a pair of QA reloads' copies per block (torch, driver) and layer-wise
+#   by the driver (16/8/4/2 layers a copy) beside one contiguous copy (~15 s).
 # - copyorder: bench.copy_order, a small upload issued after / before a 512 MiB copy on another
 #   stream (~10 s).
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
@@ -73,6 +76,12 @@ if [[ "$STAGES" == *,copyorder,* ]]; then
   stamp "copy order"
   timeout -k 5 60 "$PY" -m bench.copy_order > "$OUT_DIR/copy_order.json" 2>&1
   tail -n 1 "$OUT_DIR/copy_order.json" | tee -a "$S"
+fi
+if [[ "$STAGES" == *,h2d,* ]]; then
+  # a pair of QA reloads' copies issued per block (torch, driver) and a group of layers at a time
+  stamp "h2d pieces"
+  timeout -k 5 60 "$PY" -m bench.h2d_pieces > "$OUT_DIR/h2d_pieces.json" 2>&1
+  tail -n 1 "$OUT_DIR/h2d_pieces.json" | tee -a "$S"
 fi
 if [[ "$STAGES" == *,lmdbprobe,* ]]; then
   # the first read of freshly written LMDB values against warm and plain reads (issue 28)
@@ -131,7 +140,7 @@ if [[ "$STAGES" == *,lone,* ]]; then
   # yardstick of the QA run's engine-side TTFT of reused requests.
   stamp "lone reload (QA shape)"
   mkdir -p "$OUT_DIR/lone"
-  timeout -k 5 "${T_LONE:-150}" "$PY" -m bench.offload --sections ttft --ttft-modes host \
+  timeout -k 5 "${T_LONE:-150}" "$PY" -m bench.offload --sections ttft --ttft-modes "${LONE_MODES:-host}" \
     --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
     > /tmp/lone.log 2>&1
   tail -n 1 /tmp/lone.log | tee -a "$S"

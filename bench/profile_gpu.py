@@ -445,7 +445,7 @@ def profile_mixed(
             prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel", "aten::copy_", "plan")
         )
         copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
-        if copier is not None and copier.layered:
+        if copier is not None and copier.layered and copier._words is not None:  # the kernel
             res["mixed_by_copy_programs"] = {}
             for v, g in zip(variants, groups[reps + 1 :], strict=True):
                 copier.layer_copy_programs = v

@@ -19,6 +19,16 @@ where one large copy plus a device scatter reached 0.96x (``KVCache.scatter_bloc
 offload.md "Session 3"); whether the runs get the same is for bench/offload/main.py "load_path"
 (``coalesced`` row) to show, so it is off by default.
 
+``layered`` with raw blocks on CUDA: ``to_device_layers`` moves each block in groups of
+``layers_per_copy`` layers (0: ``RAW_LAYERS_PER_COPY``), one driver copy per block and group
+(``copy2d.copy_h2d_many``), group after group, with an event per group; the forward's layers
+wait only for their group (``KVCache.set_layer_ready``), so a step's compute runs under the
+rest of its load. A block is layer-major (``[layers, 2, block_size, heads, dim]``), so a
+group of layers is one contiguous run in the slot and in the cache row. Without the driver
+library, the Triton kernel ``engine.kernels.copy_layer_from_host`` (SMs reading pinned memory;
+slower: docs/scheduling.md, fourth session). Per-block copies on CUDA go through the driver
+too (``copy_h2d_many``), a few microseconds of host time each instead of ~10.
+
 ``codec`` (``compression: lossless``, ``connectors.device.kv_compress``): the slab holds encoded
 payloads of ``codec.payload_bytes``. ``to_host`` encodes before copying out (callers that gather
 themselves encode with the codec); ``to_device`` and ``to_device_layers`` hand the payloads to
@@ -31,12 +41,14 @@ from collections.abc import Sequence
 
 import torch
 
+from connectors.device.copy2d import copy_h2d_many, copy_many_available
 from connectors.device.decode import StagedDecoder
 from connectors.device.kv_compress import Hi4Codec
 from connectors.device.slab_runs import ascending_runs
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
+RAW_LAYERS_PER_COPY = 8  # layer-wise loads of raw blocks: layers one copy moves (0 in config)
 
 
 class SlabCopier:
@@ -88,9 +100,18 @@ class SlabCopier:
         # The layer kernel's programs (``engine.kernels.copy_layer_from_host``): 0, one per
         # 8 KiB tile; > 0, that many looping over the tiles. Settable (bench/profile_gpu.py).
         self.layer_copy_programs = 0
+        # Host -> device copies through the driver (module docstring); ``use_driver`` False
+        # falls back to torch copies (bench/h2d_pieces.py compares the two).
+        self._driver = (
+            self._non_blocking and codec is None and host.is_pinned() and copy_many_available()
+        )
+        self.use_driver = True
+        self.layers_per_copy = layers_per_copy or RAW_LAYERS_PER_COPY
+        self._driver_layers = layered and self._driver
         self._words = None  # [num_blocks, words_per_block] int32 view: the layer kernel's target
         if (
             layered
+            and not self._driver_layers
             and codec is None
             and self._non_blocking
             and self.nbytes % (4 * spec.num_layers) == 0
@@ -108,15 +129,24 @@ class SlabCopier:
         with a codec, also the driver's 2-D copies)."""
         if self._decoder is not None:
             return self._decoder.layered
-        return self._words is not None
+        return self._driver_layers or self._words is not None
 
     @property
     def load_stages(self) -> int:
-        """How many events ``to_device_layers``' layers become ready in (one per layer, or
-        per group of layers with a codec)."""
+        """How many events ``to_device_layers``' layers become ready in (one per group of
+        layers: ``layer_groups``; one per layer with the Triton kernel)."""
         if self._decoder is not None:
             return len(self._decoder.layer_groups())
+        if self._driver_layers:
+            return len(self.layer_groups())
         return self._num_layers
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """Raw blocks: the ``[first, end)`` layers each driver copy of a block moves."""
+        if self._decoder is not None:
+            return self._decoder.layer_groups()
+        n, per = self._num_layers, max(1, self.layers_per_copy)
+        return [(a, min(n, a + per)) for a in range(0, n, per)]
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
         """Like ``to_device``, as one kernel per layer on the current stream (see
@@ -127,6 +157,8 @@ class SlabCopier:
 
         if self._decoder is not None:
             return self._decoder.to_device_layers(block_ids, offsets)
+        if self._driver_layers:
+            return self._driver_to_device_layers(block_ids, offsets)
         if self._words is None:
             raise ValueError("layer-wise copies need CUDA, Triton and a pinned aligned slab")
         if any(o % 16 for o in offsets):
@@ -168,7 +200,47 @@ class SlabCopier:
             else:
                 self._run(ids, first, stride)
 
+    def _addresses(
+        self, block_ids: Sequence[int], offsets: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """Device addresses of the blocks' rows and host addresses of the payloads, checked
+        against both buffers (ValueError)."""
+        if len(block_ids) != len(offsets):
+            raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
+        if not block_ids:
+            return [], []
+        rows, n = self._rows, self.nbytes
+        if min(block_ids) < 0 or max(block_ids) >= rows.shape[0]:
+            raise ValueError(f"block id out of range [0, {rows.shape[0]})")
+        if min(offsets) < 0 or max(offsets) + n > self._host.numel():
+            raise ValueError("a payload runs outside the host buffer")
+        base, stride, src = rows.data_ptr(), rows.stride(0), self._host.data_ptr()
+        return [base + b * stride for b in block_ids], [src + o for o in offsets]
+
+    def _driver_to_device_layers(
+        self, block_ids: Sequence[int], offsets: Sequence[int]
+    ) -> list[object]:
+        """``to_device_layers`` by driver copies: group after group (``layer_groups``), every
+        block's slice of the group, then the group's event."""
+        dsts, srcs = self._addresses(block_ids, offsets)
+        per_layer = self.nbytes // self._num_layers
+        device = self._rows.device
+        events: list[object] = []
+        for a, b in self.layer_groups():
+            skip = a * per_layer
+            copy_h2d_many(
+                [d + skip for d in dsts], [s + skip for s in srcs], (b - a) * per_layer, device
+            )
+            event = torch.cuda.Event(enable_timing=b == self._num_layers)  # the last times it
+            event.record()
+            events.extend([event] * (b - a))
+        return events
+
     def _per_block(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        if self._driver and self.use_driver:
+            dsts, srcs = self._addresses(block_ids, offsets)
+            copy_h2d_many(dsts, srcs, self.nbytes, self._rows.device)
+            return
         rows, host, n, nb = self._rows, self._host, self.nbytes, self._non_blocking
         for block_id, offset in zip(block_ids, offsets, strict=True):
             rows[block_id].copy_(host[offset : offset + n], non_blocking=nb)

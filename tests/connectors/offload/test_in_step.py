@@ -135,8 +135,9 @@ def test_scheduler_keys_equal_block_key(model_dir: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("flag", ["layered_loads", "coalesced_loads"])
 def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, flag: str) -> None:
-    """On CUDA, ``layered_loads``: the in-step copies are one kernel per layer reading the
-    pinned slab, each layer's attention waiting for its own layer; ``coalesced_loads``: the
+    """On CUDA, ``layered_loads``: the in-step copies move each block a group of layers at a
+    time (driver copies; without the driver library, one kernel per layer reading the pinned
+    slab), each layer's attention waiting for its own group; ``coalesced_loads``: the
     host blocks move as runs (one pinned copy per run into the device staging, one word
     scatter). Either way: same tokens as without offload, all three blocks loaded."""
     import torch
@@ -151,6 +152,10 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
         assert copier is not None
         assert copier.layered if flag == "layered_loads" else copier.coalesce
+        if flag == "layered_loads":
+            from connectors.device.copy2d import copy_many_available
+
+            assert copier._driver_layers == copy_many_available()
         assert evict_p_to_host(llm) == reference
         assert steps_to_first_token(llm, p) == (1, reference)
         assert flag == "layered_loads" or copier._staging is not None  # the run path ran
