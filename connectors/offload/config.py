@@ -12,8 +12,8 @@ One YAML file (or the same dict) holds both::
                                # step's forward is queued (false, the default: issued before it,
                                # behind the step's input uploads)
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
-                            # (auto: with compression only; true | false)
-    layers_per_copy: 0      # compressed layer-wise loads: layers a copy moves (0: automatic)
+                            # (auto: on; true | false)
+    layers_per_copy: 0      # layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     load_chunk_bytes: 67108864  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
@@ -100,16 +100,19 @@ class OffloadConfig:
     # H200 QA run (its copy starts only once the CPU has queued the forward, 15-40 ms), so it
     # is off by default (docs/scheduling.md, tenth session).
     async_copies_after_forward: bool = False
-    # CUDA + Triton: in-step loads as one copy kernel per layer reading the pinned slab, each
-    # layer's attention waiting only for its layer (with compression: groups of layers' parts
-    # of every block by driver 2-D copies, then decoded; connectors/device/decode.py).
-    # "auto" (the default): on with compression, where the H200 measured it faster (a 16K
-    # prefix in 38-39 ms against 42-46 whole, docs/offload.md), off for raw blocks,
-    # where it did not beat whole-block copies.
+    # CUDA: in-step loads land a group of layers at a time, each layer's attention waiting only
+    # for its group, so the forward runs under the rest of the load (raw blocks: a driver copy
+    # per block and group, connectors/device/copy.py; with compression: groups of layers' parts
+    # of every block by driver 2-D copies, then decoded, connectors/device/decode.py). "auto"
+    # (the default): on. With compression the H200 measured it faster since the third
+    # session (a 16K prefix in 38-39 ms against 42-46 whole, docs/offload.md); raw blocks
+    # since the eleventh, once their pieces were driver copies (the QA shape's lone reload
+    # 25.7 against 39.8 ms, a pair 70.8 against 90.3; docs/scheduling.md).
     layered_loads: bool | str = "auto"
-    # Compressed layer-wise loads move this many layers per 2-D copy (0: automatic, rows of at
-    # least 128 KiB; connectors/device/decode.py). Fewer layers a copy overlap more of the
-    # forward but narrow the DMA rows.
+    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 8,
+    # connectors/device/copy.py RAW_LAYERS_PER_COPY; compressed: rows of at least 128 KiB,
+    # connectors/device/decode.py). Fewer layers a copy overlap more of the forward but make
+    # more, smaller copies (bench/h2d_pieces.py).
     layers_per_copy: int = 0
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device
     # scatter instead of one copy per block (connectors/device/copy.py). Off by default
@@ -149,7 +152,7 @@ class OffloadConfig:
     def layer_wise(self) -> bool:
         """Whether in-step loads should land layer by layer (``layered_loads`` resolved)."""
         if self.layered_loads == "auto":
-            return self.compression != "none"
+            return True
         return bool(self.layered_loads)
 
     def __post_init__(self) -> None:
