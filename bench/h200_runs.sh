@@ -27,7 +27,7 @@
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "on256": on with
 # --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "fill": on with -1 (the old fill); "layered": on, with
-# in-step loads landing layer by layer (the default since the eleventh session); "perblock": on with whole-block in-step copies (layered_loads: false); "allinstep": on, every reload of a step in-step, the default since the ninth session; "onestep": at most one in-step load a step, the sixth to eighth sessions' default; "onestephold": that, with async copies held until the forward is queued) and the client's TTFT by
+# in-step loads landing layer by layer (LAYERS_PER_COPY [0: automatic]); "perblock": on with whole-block in-step copies (layered_loads: false, the default for raw blocks); "allinstep": on, every reload of a step in-step, the default since the ninth session; "onestep": at most one in-step load a step, the sixth to eighth sessions' default; "onestephold": that, with async copies held until the forward is queued) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
 # FlashInfer and Triton JIT caches back as fi-cache.tgz; carried in as .fi-cache.tgz it skips
 # the warm-up. Durations seen on one H200 (limits to set): a QA mode ~90 s past start-up with
@@ -99,7 +99,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
         if [ "$mode" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
         if [ "$mode" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi
         if [ "$mode" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
-      layered) printf 'layered_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_layered.yaml ;;
+      layered) printf 'layered_loads: true\nlayers_per_copy: %s\ntiers:\n  - {kind: host, capacity: 48GiB}\n' "${LAYERS_PER_COPY:-0}" > /tmp/qa_layered.yaml ;;
       perblock) printf 'layered_loads: false\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_perblock.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;

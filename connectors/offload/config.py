@@ -12,7 +12,7 @@ One YAML file (or the same dict) holds both::
                                # step's forward is queued (false, the default: issued before it,
                                # behind the step's input uploads)
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
-                            # (auto: on; true | false)
+                            # (auto: with compression only; true | false)
     layers_per_copy: 0      # layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     load_chunk_bytes: 67108864  # lower-tier loads: read and copy overlap in chunks this big
@@ -104,12 +104,13 @@ class OffloadConfig:
     # for its group, so the forward runs under the rest of the load (raw blocks: a driver copy
     # per block and group, connectors/device/copy.py; with compression: groups of layers' parts
     # of every block by driver 2-D copies, then decoded, connectors/device/decode.py). "auto"
-    # (the default): on. With compression the H200 measured it faster since the third
-    # session (a 16K prefix in 38-39 ms against 42-46 whole, docs/offload.md); raw blocks
-    # since the eleventh, once their pieces were driver copies (the QA shape's lone reload
-    # 25.7 against 39.8 ms, a pair 70.8 against 90.3; docs/scheduling.md).
+    # (the default): on with compression, where the H200 measured it faster (a 16K prefix in
+    # 38-39 ms against 42-46 whole, docs/offload.md), off for raw blocks: with 8 layers a copy
+    # a lone reload of the QA shape gained (25.7 against 39.8 ms) but the QA run lost (later
+    # rounds 87.3 against 72.6 ms in one run): a pair's 2,032 copies fill the driver's queue
+    # and its issue held the engine thread ~14 ms (docs/scheduling.md, eleventh session).
     layered_loads: bool | str = "auto"
-    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 8,
+    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 16,
     # connectors/device/copy.py RAW_LAYERS_PER_COPY; compressed: rows of at least 128 KiB,
     # connectors/device/decode.py). Fewer layers a copy overlap more of the forward but make
     # more, smaller copies (bench/h2d_pieces.py).
@@ -152,7 +153,7 @@ class OffloadConfig:
     def layer_wise(self) -> bool:
         """Whether in-step loads should land layer by layer (``layered_loads`` resolved)."""
         if self.layered_loads == "auto":
-            return True
+            return self.compression != "none"
         return bool(self.layered_loads)
 
     def __post_init__(self) -> None:

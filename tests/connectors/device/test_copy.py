@@ -72,7 +72,7 @@ def test_raw_layer_groups_cover_every_layer_once() -> None:
         (i, i + 1) for i in range(6)
     ]
     default = SlabCopier(cache, host).layer_groups()
-    assert default == [(0, 6)]  # RAW_LAYERS_PER_COPY (8) >= 6 layers: one group
+    assert default == [(0, 6)]  # RAW_LAYERS_PER_COPY (16) >= 6 layers: one group
     assert not SlabCopier(cache, host, layered=True).layered  # CPU: no layer-wise loads
 
 

@@ -147,8 +147,7 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
     p, _ = prompts()
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
-    whole = {"layered_loads": False} if flag == "coalesced_loads" else {}  # layered: default
-    config = {**offload(True), flag: True, **whole}
+    config = {**offload(True), flag: True}
     with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config, **kw) as llm:
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
         assert copier is not None
