@@ -73,6 +73,11 @@ ALL_PHASES = (*API_PHASES, *ENGINE_PHASES, RETURN_PHASE, FIRST_TEXT_PHASE)
 # copy is moved to ``load``) was made of, the rest being the engine's own between the
 # runner's return and the step's end stamp (``RequestTimes.prefill_step_parts_s``).
 STEP_PARTS = ("inputs", "hook", "forward", "sample", "after")
+# Beside them, not part of the sum: the engine thread's own CPU time (``time.thread_time``)
+# over ``forward``. Well under ``forward``, the thread was waiting there (another thread
+# holding the GIL, a full driver queue, a call that blocks on the device), not launching:
+# what the H200 QA run's 12-47 ms launches of the same ~500-token step need to tell apart.
+STEP_CPU_PARTS = ("forward_cpu",)
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
 LOAD_PARTS = ("load_copy",)

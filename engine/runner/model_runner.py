@@ -53,7 +53,7 @@ from engine.runner.sampler import Sampler
 from engine.runner.sampling_step import prompt_logprobs, sample_tokens
 from engine.runner.structured_output import RequestGrammars
 from engine.sampling_params import SamplingParams
-from engine.ttft import STEP_PARTS
+from engine.ttft import STEP_CPU_PARTS, STEP_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -339,10 +339,12 @@ class ModelRunner:
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
         t2 = time.perf_counter()
+        c2 = time.thread_time()
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host, batch)
             t3 = time.perf_counter()
+            c3 = time.thread_time()
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
@@ -371,6 +373,7 @@ class ModelRunner:
             self._num_tokens_written[r.req_id] = r.num_computed_tokens + len(r.token_ids)
         spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
         result.step_parts = dict(zip(STEP_PARTS, spans, strict=True))
+        result.step_parts[STEP_CPU_PARTS[0]] = c3 - c2  # the thread's CPU time in ``forward``
         return result
 
     def _grammar_state(self) -> RequestGrammars:
