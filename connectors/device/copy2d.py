@@ -53,28 +53,27 @@ class _Memcpy2D(ctypes.Structure):
 _HOST, _DEVICE = 1, 2  # CUmemorytype
 
 
-@cache
-def _driver_copy() -> object | None:
+def _driver_fn(name: str, argtypes: list[object]) -> object | None:
+    """``name`` from the driver library (returns CUresult), or None where there is none."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemcpy2DAsync_v2
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
+
+
+@cache
+def _driver_copy() -> object | None:
+    return _driver_fn("cuMemcpy2DAsync_v2", [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p])
 
 
 @cache
 def _driver_copy1d() -> object | None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemcpyHtoDAsync_v2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _driver_fn(
+        "cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    )
 
 
 def copy_many_available() -> bool:
