@@ -93,10 +93,13 @@ def copy_h2d_many(
     if fn is None:
         raise RuntimeError("copy_h2d_many needs the CUDA driver library")
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    for dst, src in zip(dst_addrs, src_addrs, strict=True):
-        rc = fn(dst, src, nbytes, stream)  # type: ignore[operator]
-        if rc != 0:
-            raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUresult {rc}")
+    # The driver copies in the thread's current context: ``device``'s (torch's guards leave
+    # the thread's device where it was, and an engine on cuda:1 would otherwise be in cuda:0's).
+    with torch.cuda.device(device):
+        for dst, src in zip(dst_addrs, src_addrs, strict=True):
+            rc = fn(dst, src, nbytes, stream)  # type: ignore[operator]
+            if rc != 0:
+                raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUresult {rc}")
 
 
 def copy2d_available() -> bool:
@@ -146,7 +149,8 @@ def copy2d(
             Height=height,
         )
         stream = torch.cuda.current_stream(dst.device).cuda_stream
-        rc = fn(ctypes.byref(p), ctypes.c_void_p(stream))  # type: ignore[operator]
+        with torch.cuda.device(dst.device):  # the driver copies in the current context
+            rc = fn(ctypes.byref(p), ctypes.c_void_p(stream))  # type: ignore[operator]
         if rc != 0:
             raise RuntimeError(f"cuMemcpy2DAsync failed with CUresult {rc}")
         return
