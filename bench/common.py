@@ -73,6 +73,16 @@ def cuda_graph_us(fn: Any, reps: int) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def cuda_missing(bench: str) -> str | None:
+    """Why ``bench`` (a CUDA-only benchmark) cannot run here, as its one-line error; None when
+    torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return f"{bench}: needs torch with CUDA"
+    return None if torch.cuda.is_available() else f"{bench}: needs CUDA"
+
+
 def emit_report(report: dict[str, Any], out: str | None) -> None:
     """Print a benchmark's JSON report, write it to ``out`` if given, then its one-line
     ``report["summary"]``."""

@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 
-from bench.common import machine_info
+from bench.common import cuda_missing, machine_info
 
 
 def _run(big_mib: int, small_kib: int, reps: int) -> dict[str, object]:
@@ -81,14 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-kib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("copy_order: needs CUDA", file=sys.stderr)
-            return 2
-    except ImportError:
-        print("copy_order: needs torch with CUDA", file=sys.stderr)
+    if (missing := cuda_missing("copy_order")) is not None:
+        print(missing, file=sys.stderr)
         return 2
     res = _run(args.big_mib, args.small_kib, args.reps)
     after, alone = res["after"], res["alone"]

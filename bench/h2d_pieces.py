@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 
-from bench.common import machine_info
+from bench.common import cuda_missing, machine_info
 
 HEADER = 64  # bytes before each payload in a slot, as the host tier's codec header
 
@@ -98,14 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=508, help="a pair of QA reloads: 2 x 254")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("h2d_pieces: needs CUDA", file=sys.stderr)
-            return 2
-    except ImportError:
-        print("h2d_pieces: needs torch with CUDA", file=sys.stderr)
+    if (missing := cuda_missing("h2d_pieces")) is not None:
+        print(missing, file=sys.stderr)
         return 2
     res = _run(args.blocks, args.reps)
     report = {

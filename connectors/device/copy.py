@@ -139,9 +139,7 @@ class SlabCopier:
     def load_stages(self) -> int:
         """How many events ``to_device_layers``' layers become ready in (one per group of
         layers: ``layer_groups``; one per layer with the Triton kernel)."""
-        if self._decoder is not None:
-            return len(self._decoder.layer_groups())
-        if self._driver_layers:
+        if self._decoder is not None or self._driver_layers:
             return len(self.layer_groups())
         return self._num_layers
 
@@ -153,10 +151,11 @@ class SlabCopier:
         return [(a, min(n, a + per)) for a in range(0, n, per)]
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
-        """Like ``to_device``, as one kernel per layer on the current stream (see
-        ``engine.kernels.copy_layer_from_host``); returns one CUDA event per layer, recorded
-        after that layer's copy (the last one with timing). Offsets must be multiples of 16.
-        Raises ValueError otherwise or when not ``layered``."""
+        """Like ``to_device``, layer group by layer group on the current stream: driver copies
+        (``layer_groups``), or without the driver one kernel per layer (see
+        ``engine.kernels.copy_layer_from_host``; offsets must then be multiples of 16).
+        Returns one CUDA event per layer, recorded after its group's copy (the last one with
+        timing). Raises ValueError for offsets the path cannot take or when not ``layered``."""
         from engine.kernels import copy_layer_from_host
 
         if self._decoder is not None:
