@@ -43,5 +43,6 @@ if [ "$server_rc" != 0 ] || [ "$health" != 200 ]; then  # why the server went do
   echo "third_party_qa: server log (last lines but requests):"
   grep -v '"POST /v1/' "$out.server.log" | tail -n 25
 fi
+grep -h "other threads' CPU seconds" "$out.server.log" | tail -n 1 | sed 's/.*other threads/other threads/'
 statuses=$(grep -o '"POST /v1/chat/completions HTTP/1.1" [0-9]*' "$out.server.log" | awk '{print $NF}' | sort | uniq -c | awk '{printf "%s%s:%s", (NR>1?", ":""), $2, $1}')
 echo "third_party_qa: responses by status {$statuses}, health $health, client rc $client_rc, server rc $server_rc"

@@ -334,6 +334,9 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        busiest = self.runner.busiest_threads()
+        if busiest:  # which threads competed with the steps for the GIL (``others_cpu``)
+            logger.info("other threads' CPU seconds: %s", ", ".join(f"{n} {c}" for n, c in busiest))
         try:
             if self.kv_connector is not None:
                 self.kv_connector.close()

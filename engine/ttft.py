@@ -77,7 +77,10 @@ STEP_PARTS = ("inputs", "hook", "forward", "sample", "after")
 # over ``forward``. Well under ``forward``, the thread was waiting there (another thread
 # holding the GIL, a full driver queue, a call that blocks on the device), not launching:
 # what the H200 QA run's 12-47 ms launches of the same ~500-token step need to tell apart.
-STEP_CPU_PARTS = ("forward_cpu",)
+# ``others_cpu``: the CPU time the process's other Python threads ran for meanwhile (a save's
+# seal thread, a load thread, a tier's writer): each of them holding the GIL delays every
+# torch call of the launches (engine/runner/thread_cpu.py).
+STEP_CPU_PARTS = ("forward_cpu", "others_cpu")
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
 LOAD_PARTS = ("load_copy",)

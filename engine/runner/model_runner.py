@@ -52,6 +52,7 @@ from engine.runner.model_setup import (
 from engine.runner.sampler import Sampler
 from engine.runner.sampling_step import prompt_logprobs, sample_tokens
 from engine.runner.structured_output import RequestGrammars
+from engine.runner.thread_cpu import OtherThreadsCpu
 from engine.sampling_params import SamplingParams
 from engine.ttft import STEP_CPU_PARTS, STEP_PARTS
 
@@ -187,6 +188,7 @@ class ModelRunner:
         self.attn_backend.bind(self.dtype, device)
         self.sampler = Sampler(config.seed, device)
         self._grammars: RequestGrammars | None = None  # built on the first constrained request
+        self._others: OtherThreadsCpu | None = None  # the other threads' CPU clocks (first step)
         spec = KVCacheSpec(
             num_layers=arch.num_layers,
             num_kv_heads=arch.num_kv_heads,
@@ -339,12 +341,15 @@ class ModelRunner:
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
         t2 = time.perf_counter()
+        others = self._other_threads()
+        o2 = others.total()
         c2 = time.thread_time()
         result = ModelRunnerOutput(sampled_token_ids={}, logits={} if return_logits else None)
         with torch.inference_mode():
             hidden, logits_indices = self._forward(host, batch)
             t3 = time.perf_counter()
             c3 = time.thread_time()
+            o3 = others.total()
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
@@ -374,7 +379,19 @@ class ModelRunner:
         spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
         result.step_parts = dict(zip(STEP_PARTS, spans, strict=True))
         result.step_parts[STEP_CPU_PARTS[0]] = c3 - c2  # the thread's CPU time in ``forward``
+        result.step_parts[STEP_CPU_PARTS[1]] = max(o3 - o2, 0.0)  # other threads', meanwhile
         return result
+
+    def _other_threads(self) -> OtherThreadsCpu:
+        """The CPU clocks of the other Python threads, as seen from the stepping thread (built
+        on the first step: an engine may be built on one thread and stepped on another)."""
+        if self._others is None:
+            self._others = OtherThreadsCpu()
+        return self._others
+
+    def busiest_threads(self) -> list[tuple[str, float]]:
+        """The other Python threads with the most CPU seconds so far (empty before a step)."""
+        return self._others.busiest() if self._others is not None else []
 
     def _grammar_state(self) -> RequestGrammars:
         if self._grammars is None:

@@ -137,8 +137,10 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
     for row in rows.values():
         parts = dict(row["prefill_step_parts_s"])
         cpu = parts.pop("forward_cpu")  # the thread's CPU time inside ``forward``: not summed
+        others = parts.pop("others_cpu")  # other Python threads' meanwhile: not summed either
         assert set(parts) == set(STEP_PARTS) and parts["forward"] > 0
         assert 0 < cpu <= parts["forward"] + 2e-3  # one thread: no more CPU than wall time
+        assert others >= 0.0
         compute = row["ttft_breakdown_s"]["prefill_compute"]
         assert 0.9 * compute <= sum(parts.values()) <= compute + 1e-6
     assert read_request_log(log, 16).num_requests == 2  # kvtier analyze still reads it
