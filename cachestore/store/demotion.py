@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cachestore.launch_gate import STEP_LAUNCHES
 from cachestore.store.metrics import TierHealth, TierStats
 from tiers.base import Evicted, Value
 
@@ -106,6 +107,7 @@ class TierMovers:
             try:
                 if batch is _STOP:
                     return
+                STEP_LAUNCHES.wait_turn()  # not while the engine launches a step
                 if i > 0 and not self._health[i].available():
                     # A tier backing off passes its demotions further down instead.
                     self._stats[i].add("skipped")

@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cachestore.launch_gate import STEP_LAUNCHES
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.types import PinningTier, WritePolicy
 from tiers.base import Value
@@ -299,6 +300,7 @@ class WriteThrough:
                 batch = [lane.keys.popleft() for _ in range(min(BATCH_BLOCKS, len(lane.keys)))]
                 lane.busy = True
             try:
+                STEP_LAUNCHES.wait_turn()  # not while the engine launches a step
                 self.copy_down(lane.tier, batch, "written_through")
             except Exception:  # a lane must survive anything; the batch is lost, counted
                 log.exception("write-through to tier %d", lane.tier)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cachestore.codec import BlockMeta, HeaderTemplate, encode_block, encoded_size, seal_block
+from cachestore.launch_gate import STEP_LAUNCHES
 from cachestore.store.hierarchical import HierarchicalStore
 from connectors.device.copy import SlabCopier
 from connectors.device.kv_compress import Hi4Codec
@@ -201,6 +202,7 @@ class HostSaver:
                 batch.event.synchronize()  # type: ignore[attr-defined]
             hsize = self._headers.size
             for key, view in batch.slotted:
+                STEP_LAUNCHES.wait_turn()  # a block at a time, not while a step launches
                 if not self._storable(view[hsize:]):
                     self.store.abort_host(key)
                     dropped += 1
@@ -210,15 +212,11 @@ class HostSaver:
             spilled = [(k, t) for k, t in batch.spilled if self._storable(t)]
             dropped += len(batch.spilled) - len(spilled)
             if spilled:
-                items = [
-                    (
-                        k,
-                        encode_block(
-                            memoryview(t.contiguous().view(torch.uint8).numpy()), self.meta, key=k
-                        ),
-                    )
-                    for k, t in spilled
-                ]
+                items = []
+                for k, t in spilled:
+                    STEP_LAUNCHES.wait_turn()
+                    raw = memoryview(t.contiguous().view(torch.uint8).numpy())
+                    items.append((k, encode_block(raw, self.meta, key=k)))
                 written += self.store.put_many(items)
         except Exception:
             log.exception("kv save of %d blocks failed", len(keys))

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from cachestore.launch_gate import STEP_LAUNCHES
 from engine.attention import create_attention_backend, resolve_backend_name
 from engine.config import EngineConfig
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -189,6 +190,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self._grammars: RequestGrammars | None = None  # built on the first constrained request
         self._others: OtherThreadsCpu | None = None  # the other threads' CPU clocks (first step)
+        self._holding_launches = False  # this runner holds STEP_LAUNCHES (cachestore.launch_gate)
         spec = KVCacheSpec(
             num_layers=arch.num_layers,
             num_kv_heads=arch.num_kv_heads,
@@ -332,6 +334,20 @@ class ModelRunner:
                 result.kv_connector_output = connector.after_step(out.kv_connector_metadata)
             return result
         t0 = time.perf_counter()
+        STEP_LAUNCHES.hold()  # the KV store's background threads wait until the forward is queued
+        self._holding_launches = True
+        try:
+            return self._launch_and_sample(out, connector, return_logits, t0)
+        finally:
+            self._launches_queued()
+
+    def _launch_and_sample(
+        self,
+        out: SchedulerOutput,
+        connector: KVConnectorWorker | None,
+        return_logits: bool,
+        t0: float,
+    ) -> ModelRunnerOutput:
         host = self._host_batch(out)
         # The step's inputs go up (and the attention is planned) before the connector issues
         # KV copies: on the copy engine they come first, so the forward never waits behind a
@@ -350,6 +366,7 @@ class ModelRunner:
             t3 = time.perf_counter()
             c3 = time.thread_time()
             o3 = others.total()
+            self._launches_queued()  # what follows mostly waits for the GPU
             if host.sample_req_ids and self.samples:
                 rows = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(rows)
@@ -381,6 +398,12 @@ class ModelRunner:
         result.step_parts[STEP_CPU_PARTS[0]] = c3 - c2  # the thread's CPU time in ``forward``
         result.step_parts[STEP_CPU_PARTS[1]] = max(o3 - o2, 0.0)  # other threads', meanwhile
         return result
+
+    def _launches_queued(self) -> None:
+        """Open the launch gate this step holds (once: ``hold`` and ``release`` nest)."""
+        if self._holding_launches:
+            self._holding_launches = False
+            STEP_LAUNCHES.release()
 
     def _other_threads(self) -> OtherThreadsCpu:
         """The CPU clocks of the other Python threads, as seen from the stepping thread (built

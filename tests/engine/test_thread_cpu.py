@@ -39,3 +39,30 @@ def test_a_busy_thread_is_counted_and_named_and_an_idle_one_is_not() -> None:
         idle.join()
     # Ended threads drop out of the list; reading again does not fail.
     assert "busy-one" not in others.by_thread()
+
+
+def test_a_step_holds_the_launch_gate_only_until_its_forward_is_queued(tmp_path) -> None:
+    """The model runner holds ``STEP_LAUNCHES`` while it launches (a background KV worker
+    calling ``wait_turn`` then waits) and leaves it open after every step."""
+    from cachestore.launch_gate import STEP_LAUNCHES
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.engine.hf_models import make_tiny_model
+
+    llm = LLM(make_tiny_model(tmp_path, "llama"), device="cpu", num_gpu_blocks=32)
+    runner = llm.engine.runner
+    seen: list[bool] = []
+    forward = runner._forward
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(STEP_LAUNCHES.held)
+        return forward(*args, **kwargs)
+
+    runner._forward = watched
+    try:
+        out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(out[0].token_ids) == 3
+        assert seen and all(seen)  # held during every step's launches
+        assert not STEP_LAUNCHES.held  # and open between steps and after the last
+    finally:
+        llm.engine.close()
