@@ -41,4 +41,3 @@ def test_a_waiting_worker_goes_on_when_the_step_releases_and_holds_nest() -> Non
     finally:
         gate.release()
         worker.join(10.0)
-
