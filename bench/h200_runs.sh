@@ -36,7 +36,11 @@
 # extra 50 s, off (first) and on (its 48 GiB pinned tier) were both cut at their limits and
 # only small, ~105 s, finished: keep the default 240), offload ttft with 6 modes at 4K+16K
 # > 280 s (at 4K alone, 5 modes: 140 s; 5 modes at 4K+16K with LMDB reads at ~0.7 GB/s did
-# not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s.
+# not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s (on
+# 2026-12-04 a fresh machine's pressure stage ran past T_PRESSURE=420 and printed nothing:
+# give it the whole call, 560; it now prints each level as it ends). A first QA mode with a
+# host tier (on, small) on a fresh machine did not finish in T_QA 150 + 45 (twice): put off
+# first, or give the first mode 240.
 # Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. The device tool hands back only about 8 files a call (the rest are left out as
 # "count"): pick stages so that what matters fits, e.g. QA_MODES of two modes (4 files each).
@@ -177,7 +181,12 @@ if [[ "$STAGES" == *,pressure,* ]]; then
     --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity 64GiB --qps 1 \
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
     --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1
-  tail -n 2 "$OUT_DIR/pressure.log" | tee -a "$S"
+  rc=$?
+  grep -E '^serving: ' "$OUT_DIR/pressure.log" | tail -n 6 | tee -a "$S"
+  if [ "$rc" != 0 ]; then  # cut at its limit: what the server got through, from its request log
+    echo "pressure: rc $rc; $(wc -l < /tmp/kvtier-pressure/serving_offload.requests.jsonl 2>/dev/null || echo 0) requests logged" | tee -a "$S"
+    grep -v '"POST /v1/' /tmp/kvtier-pressure/serving_offload.log 2>/dev/null | tail -n 5 | tee -a "$S"
+  fi
 fi
 if [[ "$STAGES" == *,tests,* ]]; then
   stamp "gpu tests"

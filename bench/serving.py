@@ -373,6 +373,16 @@ def best_qps(levels: list[dict[str, Any]], limit_ms: float = 1000.0) -> float | 
     return max(good) if good else None
 
 
+def _level_line(lv: dict[str, Any]) -> str:
+    """One level's figures, for the progress lines."""
+    return (
+        f"{lv['requests']} requests ({lv['failed']} failed) in {lv['wall_s']} s, "
+        f"{lv['processed_req_per_s']} req/s processed (offered {lv['offered_qps']:g}), TTFT p50 "
+        f"{lv['ttft_ms']['p50']} ms (later rounds {lv['ttft_later_rounds_ms']['p50']}), ITL p50 "
+        f"{lv['itl_ms']['p50']} ms"
+    )
+
+
 def _summary_line(modes: dict[str, Any]) -> str:
     parts = []
     for mode, res in modes.items():
@@ -511,11 +521,16 @@ def main(argv: list[str] | None = None) -> int:
                     level = summarize(run, qps, entries)
                     level["server"] = counter_deltas(before[m], server_counters(servers[m][1]))
                     results[m]["levels"].append(level)
+                    # at once, flushed: a run cut at its time limit keeps its finished levels
+                    print(f"serving: {m} done: {_level_line(level)}", flush=True)
         if args.quiet_batch > 0:
             for m in modes:
+                print(f"serving: {m}: ITL of a quiet batch of {args.quiet_batch}", flush=True)
                 results[m]["quiet"] = asyncio.run(
                     quiet_itl(servers[m][1], shape, args.quiet_batch, seed=997)
                 )
+                quiet_p50 = results[m]["quiet"].get("itl_ms", {}).get("p50")
+                print(f"serving: {m} quiet ITL p50 {quiet_p50} ms", flush=True)
     finally:
         for m, (proc, _) in servers.items():
             results[m]["server_exit"] = stop_server(proc, 30)
