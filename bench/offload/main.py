@@ -364,12 +364,21 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
     }
 
 
+WRITES_TIMEOUT_S = 120.0
+
+
 def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setup) -> list[int]:
     """A random ``length``-token prefix, prefilled once, written to the tiers (``flush_kv``) and
     dropped from the GPU prefix cache, so the next request can only load or recompute it."""
     prefix = random_tokens(rng, length)
     run_requests(llm, [prefix + random_tokens(rng, 16)], GREEDY1, setup.request_timeout_s)
     llm.engine.flush_kv()
+    # The connector's flush waits for the write-through copies for drain_timeout_s (5 s); a
+    # 16K prefix is 2 GiB of LMDB writes, which may take longer: the timed reload must not
+    # run beside its own prefix's writes (the H200's 16K LMDB reloads spread 265-412 ms).
+    store = getattr(llm.engine.kv_connector, "store", None)
+    if store is not None and not store.wait_writes(WRITES_TIMEOUT_S):
+        raise RuntimeError(f"the prefix's writes to the tiers took over {WRITES_TIMEOUT_S} s")
     if not llm.engine.pool.reset_prefix_cache():
         raise RuntimeError("GPU blocks still in use after generate")
     return prefix
