@@ -55,6 +55,10 @@ Sections (JSON keys):
   measured parts (an ``overlap`` choice combines its measured parts with max(), as it would
   run).
 
+``--interleave`` (ttft): every mode's engine is built first and each repetition runs the modes
+in turn, rotating the order, so drift (page cache, clocks, neighbours) weighs on each alike;
+each timed reload first waits for its prefix's writes to the tiers to finish.
+
 Every TTFT point (``ttft``, ``reload_steps``) runs ``--warmup-reps`` unmeasured repetitions first
 (1 on the full run): a length's first reload meets kernels the 64-token warm-up did not.
 
@@ -413,54 +417,95 @@ def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
 
 def bench_ttft(setup: Setup) -> dict[str, Any]:
     """For each mode, one engine; for each length: prefill prefix+q1, flush to the tiers, drop
-    the GPU prefix cache, then time prefix+q2 (TTFT, median of 3 prefixes)."""
+    the GPU prefix cache, then time prefix+q2 (TTFT, median of ``reps`` prefixes).
+    ``setup.interleave``: every mode's engine is built first and each repetition runs the
+    modes in turn, the order rotating from one repetition to the next, so a machine that
+    drifts (page cache, clocks, a neighbour) weighs on every mode alike; otherwise one mode
+    after the other, each engine closed before the next is built."""
     rng = random.Random(1)
     max_len = max(setup.lengths)
     num_blocks = (max_len + setup.ttft_suffix + 64) // 16 + 4  # the prompt, its question, room
-    rows: dict[str, dict[str, Any]] = {}
     slot = bytes_per_block(setup) + (64 << 10)  # an encoded block: a header over the bytes
-    for mode in _modes(setup.ttft_modes or DEFAULT_TTFT_MODES, setup):
+    modes = _modes(setup.ttft_modes or DEFAULT_TTFT_MODES, setup)
+
+    def build(mode: str) -> Any:
         log = (
             {"request_log": os.path.join(setup.request_log_dir, f"ttft_{mode}.jsonl")}
             if setup.request_log_dir
             else {}
         )
         llm = make_llm(setup, num_blocks, _offload_config(setup, mode, slot, mode), **log)
-        try:
-            run_requests(
-                llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s
-            )  # warm-up: kernels, allocator
-            per_len: dict[str, Any] = {}
-            for length in setup.lengths:
-                if mode.startswith("lmdb") and length > setup.lmdb_max_len:
-                    continue  # a 16K prefix is 2 GiB of LMDB writes per repetition
-                ttfts, cached, warm = [], [], []
-                for i in range(setup.warmup_reps + setup.reps):
-                    prefix = _prefix_in_tiers_only(llm, rng, length, setup)
-                    question = random_tokens(rng, setup.ttft_suffix)
-                    t, c = _ttft_once(llm, prefix + question, setup.request_timeout_s)
-                    if i < setup.warmup_reps:  # this length's first kernels: not measured
-                        warm.append(t)
-                        continue
-                    ttfts.append(t)
-                    cached.append(c)
-                ttfts.sort()
-                mid = len(ttfts) // 2
-                per_len[str(length)] = {
-                    "ttft_s": ttfts[mid],
-                    "cached_tokens": sorted(cached)[mid],
-                    "all_ttft_s": ttfts,
-                    "warmup_ttft_s": warm,
-                }
-            stats = llm.kv_stats()
-            per_len["decisions"] = stats.get("decisions", {})
-            per_len["tier_hit_blocks"] = {
-                k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()
+        run_requests(llm, [random_tokens(rng, 64)], GREEDY1, setup.request_timeout_s)  # warm-up
+        return llm
+
+    def measure(llm: Any, mode: str, length: int, point: dict[str, list[Any]], i: int) -> None:
+        prefix = _prefix_in_tiers_only(llm, rng, length, setup)
+        question = random_tokens(rng, setup.ttft_suffix)
+        t, c = _ttft_once(llm, prefix + question, setup.request_timeout_s)
+        if i < setup.warmup_reps:  # this length's first kernels: not measured
+            point["warm"].append(t)
+        else:
+            point["ttfts"].append(t)
+            point["cached"].append(c)
+
+    def finish(llm: Any, points: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
+        per_len: dict[str, Any] = {}
+        for length, point in points.items():
+            ttfts = sorted(point["ttfts"])
+            mid = len(ttfts) // 2
+            per_len[length] = {
+                "ttft_s": ttfts[mid],
+                "cached_tokens": sorted(point["cached"])[mid],
+                "all_ttft_s": ttfts,
+                "warmup_ttft_s": point["warm"],
             }
-            rows[mode] = per_len
-            _log_row("ttft", mode, per_len)
+        stats = llm.kv_stats()
+        per_len["decisions"] = stats.get("decisions", {})
+        per_len["tier_hit_blocks"] = {
+            k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()
+        }
+        return per_len
+
+    def lengths_of(mode: str) -> list[int]:
+        # a 16K prefix is 2 GiB of LMDB writes per repetition
+        return [
+            n for n in setup.lengths if not (mode.startswith("lmdb") and n > setup.lmdb_max_len)
+        ]
+
+    def empty() -> dict[str, list[Any]]:
+        return {"ttfts": [], "cached": [], "warm": []}
+
+    rows: dict[str, dict[str, Any]] = {}
+    if setup.interleave:
+        llms: dict[str, Any] = {}
+        try:
+            for mode in modes:
+                llms[mode] = build(mode)
+            points = {m: {str(n): empty() for n in lengths_of(m)} for m in modes}
+            for length in setup.lengths:
+                for i in range(setup.warmup_reps + setup.reps):
+                    turn = i % len(modes)
+                    for mode in modes[turn:] + modes[:turn]:
+                        if str(length) in points[mode]:
+                            measure(llms[mode], mode, length, points[mode][str(length)], i)
+            for mode in modes:
+                rows[mode] = finish(llms[mode], points[mode])
+                _log_row("ttft", mode, rows[mode])
         finally:
-            close_llm(llm)
+            for llm in llms.values():
+                close_llm(llm)
+    else:
+        for mode in modes:
+            llm = build(mode)
+            try:
+                points = {str(n): empty() for n in lengths_of(mode)}
+                for length in lengths_of(mode):
+                    for i in range(setup.warmup_reps + setup.reps):
+                        measure(llm, mode, length, points[str(length)], i)
+                rows[mode] = finish(llm, points)
+                _log_row("ttft", mode, rows[mode])
+            finally:
+                close_llm(llm)
     speedups = {
         f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"]
         / rows[mode][str(length)]["ttft_s"]
@@ -468,7 +513,12 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
         for length in setup.lengths
         if str(length) in rows[mode]
     }
-    return {"modes": rows, "speedup_vs_recompute": speedups, "lmdb": _lmdb_rows(rows)}
+    return {
+        "modes": rows,
+        "interleaved": setup.interleave,
+        "speedup_vs_recompute": speedups,
+        "lmdb": _lmdb_rows(rows),
+    }
 
 
 def _log_row(section: str, mode: str, row: dict[str, Any]) -> None:
@@ -805,6 +855,11 @@ def main(argv: list[str] | None = None) -> int:
         "full run, 0 for --quick/--tiny)",
     )
     ap.add_argument("--lmdb-max-len", type=int, help="LMDB TTFT mode only up to this length")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="ttft: every mode's engine alive at once, the modes taking turns each repetition",
+    )
     ap.add_argument(
         "--request-log-dir", help="ttft: each engine's request log here (ttft_<mode>.jsonl)"
     )

@@ -108,6 +108,7 @@ class Setup:
     # The ttft section's engines write their request logs here (``ttft_<mode>.jsonl``: each
     # request's phases, plan and load read/copy seconds); None: no log.
     request_log_dir: str | None = None
+    interleave: bool = False  # ttft: the modes' engines alive at once, taking turns each rep
 
 
 def _random_model_dir(workdir: str, config: dict[str, Any]) -> str:
@@ -259,6 +260,8 @@ def build_setup(mode: str, workdir: str, args: argparse.Namespace | None = None)
             over["lmdb_max_len"] = args.lmdb_max_len
         if getattr(args, "suffix_tokens", None):
             over["ttft_suffix"] = args.suffix_tokens
+        if getattr(args, "interleave", False):
+            over["interleave"] = True
         if getattr(args, "request_log_dir", None):
             os.makedirs(args.request_log_dir, exist_ok=True)
             over["request_log_dir"] = args.request_log_dir

@@ -54,3 +54,36 @@ def test_the_lmdb_comparison_needs_no_serial_mode() -> None:
     assert _lmdb_rows(rows)["4096"]["pipelined_over_serial"] == pytest.approx(2.0)
     del rows["lmdb_overlap"]
     assert _lmdb_rows(rows) == {}  # no comparison without every plan measured
+
+
+def test_interleaved_modes_take_turns_on_engines_alive_at_once(tmp_path: Path) -> None:
+    """``--interleave``: every mode's engine is built first and the repetitions alternate
+    between them, so the modes' requests interleave in time (their request logs' time spans
+    overlap); without it one mode's requests all come before the next mode's."""
+
+    def spans(interleave: bool) -> dict[str, tuple[float, float]]:
+        out = tmp_path / ("on" if interleave else "off")
+        argv = ["--tiny", "--sections", "ttft", "--ttft-modes", "host,lmdb", "--lengths", "256"]
+        argv += ["--reps", "2", "--request-log-dir", str(out / "logs"), "--out", str(out)]
+        assert main([*argv, *(["--interleave"] if interleave else [])]) == 0
+        res = json.loads((out / "offload.json").read_text())["ttft"]
+        assert res["interleaved"] is interleave
+        for mode in ("recompute", "host", "lmdb"):
+            assert len(res["modes"][mode]["256"]["all_ttft_s"]) == 2
+        assert res["modes"]["lmdb"]["256"]["cached_tokens"] == 256
+        found = {}
+        for mode in ("recompute", "host", "lmdb"):
+            lines = (out / "logs" / f"ttft_{mode}.jsonl").read_text().splitlines()
+            ts = [json.loads(line)["ts"] for line in lines]
+            found[mode] = (min(ts), max(ts))
+        return found
+
+    def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return a[0] < b[1] and b[0] < a[1]
+
+    together = spans(True)
+    assert overlap(together["recompute"], together["host"])
+    assert overlap(together["host"], together["lmdb"])
+    apart = spans(False)
+    assert not overlap(apart["recompute"], apart["host"])
+    assert not overlap(apart["host"], apart["lmdb"])
