@@ -476,35 +476,24 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
         return {"ttfts": [], "cached": [], "warm": []}
 
     rows: dict[str, dict[str, Any]] = {}
-    if setup.interleave:
+    # Interleaved: one group of every mode, alive at once; otherwise a group per mode.
+    for group in [modes] if setup.interleave else [[m] for m in modes]:
         llms: dict[str, Any] = {}
         try:
-            for mode in modes:
+            for mode in group:
                 llms[mode] = build(mode)
-            points = {m: {str(n): empty() for n in lengths_of(m)} for m in modes}
+            points = {m: {str(n): empty() for n in lengths_of(m)} for m in group}
             for length in setup.lengths:
                 for i in range(setup.warmup_reps + setup.reps):
-                    turn = i % len(modes)
-                    for mode in modes[turn:] + modes[:turn]:
+                    turn = i % len(group)
+                    for mode in group[turn:] + group[:turn]:
                         if str(length) in points[mode]:
                             measure(llms[mode], mode, length, points[mode][str(length)], i)
-            for mode in modes:
+            for mode in group:
                 rows[mode] = finish(llms[mode], points[mode])
                 _log_row("ttft", mode, rows[mode])
         finally:
             for llm in llms.values():
-                close_llm(llm)
-    else:
-        for mode in modes:
-            llm = build(mode)
-            try:
-                points = {str(n): empty() for n in lengths_of(mode)}
-                for length in lengths_of(mode):
-                    for i in range(setup.warmup_reps + setup.reps):
-                        measure(llm, mode, length, points[str(length)], i)
-                rows[mode] = finish(llm, points)
-                _log_row("ttft", mode, rows[mode])
-            finally:
                 close_llm(llm)
     speedups = {
         f"{mode}_{length}": rows["recompute"][str(length)]["ttft_s"]
