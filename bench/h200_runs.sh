@@ -181,16 +181,42 @@ if [[ "$STAGES" == *,engine,* ]]; then
 fi
 if [[ "$STAGES" == *,pressure,* ]]; then
   stamp "pressure (${PRESSURE_MODES:-offload})"
-  timeout -k 5 "${T_PRESSURE:-560}" "$PY" -m bench.serving --model "$MODEL_DIR" --modes "${PRESSURE_MODES:-offload}" \
+  T_P="${T_PRESSURE:-560}"
+  rm -rf /tmp/kvtier-pressure
+  timeout -k 5 "$T_P" "$PY" -m bench.serving --model "$MODEL_DIR" --modes "${PRESSURE_MODES:-offload}" \
     --users 8 --rounds 5 --system-words 200 --history-words 10200 --question-words 20 --answer-len 100 \
-    --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity 64GiB --qps 1 \
+    --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity "${PRESSURE_HOST:-64GiB}" --qps 1 \
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
-    --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1
-  rc=$?
+    --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1 &
+  ppid=$!
+  # progress every 30 s (requests the servers logged), and 30 s before the limit every thread's
+  # stack of each server and engine core (SIGUSR1, faulthandler) into the servers' logs
+  t0=$(date +%s); dumped=""
+  while kill -0 "$ppid" 2>/dev/null; do
+    sleep 5
+    el=$(( $(date +%s) - t0 ))
+    if (( el % 30 < 5 )); then
+      echo "pressure: [$el s] $(cat /tmp/kvtier-pressure/*.requests.jsonl 2>/dev/null | wc -l) requests logged" >> "$OUT_DIR/pressure.log"
+    fi
+    if [ -z "$dumped" ] && (( el >= T_P - 30 )); then
+      dumped=1
+      for pid in $(pgrep -f "engine.cli serve") $(pgrep -f spawn_main | while read -r c; do
+          grep -q resource_tracker /proc/"$c"/cmdline 2>/dev/null || echo "$c"; done); do
+        kill -USR1 "$pid" 2>/dev/null
+      done
+      echo "pressure: [$el s] stacks dumped into the server logs" >> "$OUT_DIR/pressure.log"
+    fi
+  done
+  wait "$ppid"; rc=$?
   grep -E '^serving: ' "$OUT_DIR/pressure.log" | tail -n 6 | tee -a "$S"
-  if [ "$rc" != 0 ]; then  # cut at its limit: what the server got through, from its request log
-    echo "pressure: rc $rc; $(wc -l < /tmp/kvtier-pressure/serving_offload.requests.jsonl 2>/dev/null || echo 0) requests logged" | tee -a "$S"
-    grep -v '"POST /v1/' /tmp/kvtier-pressure/serving_offload.log 2>/dev/null | tail -n 5 | tee -a "$S"
+  if [ "$rc" != 0 ]; then  # cut at its limit: what the server got through, and where it stood
+    echo "pressure: rc $rc; $(cat /tmp/kvtier-pressure/*.requests.jsonl 2>/dev/null | wc -l) requests logged" | tee -a "$S"
+    grep -E '^pressure: \[' "$OUT_DIR/pressure.log" | tail -n 20 | tee -a "$S"
+    for f in /tmp/kvtier-pressure/serving_*.log; do
+      grep -v '"POST /v1/' "$f" | tail -n 400 > "$OUT_DIR/pressure_$(basename "$f")"
+    done
+    cp /tmp/kvtier-pressure/*.requests.jsonl "$OUT_DIR/" 2>/dev/null
+    pkill -9 -f "engine.cli serve"  # the bench was killed: its servers are orphans now
   fi
 fi
 if [[ "$STAGES" == *,tests,* ]]; then

@@ -21,6 +21,7 @@ until the API process, which got it too, has let its HTTP requests finish and se
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -91,6 +92,9 @@ def run_engine_core(
     # decides when the core stops (Shutdown after draining HTTP; its death), so both are ignored.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # ``kill -USR1``: every thread's Python stack to stderr (the server's log), the engine
+    # going on; what a stuck step or a slow tier is doing, without a debugger on the host.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(addresses.requests)

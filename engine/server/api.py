@@ -35,7 +35,7 @@ from engine.server.health import health_body, is_verbose
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import ModelCard, ModelList
-from engine.server.serving import ServingContext
+from engine.server.serving import ClientDisconnected, ServingContext
 from engine.server.tokenization import detokenize, tokenize
 
 _ENDPOINTS = frozenset(
@@ -135,8 +135,11 @@ class _RequestCounter:
 
         try:
             await self.app(scope, receive, send_and_record)
+        except ClientDisconnected:
+            # The client went away before a response started (nginx's "client closed"): its
+            # engine requests are aborted; no traceback in the log for every such client.
+            self.metrics.record_request(endpoint, 499)
         except asyncio.CancelledError:
-            # The client went away before a response started (nginx's "client closed").
             self.metrics.record_request(endpoint, status[0] if status else 499)
             raise
         except BaseException:

@@ -122,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
     """Runs ``kvtier serve``. Exit codes: 0 once a SIGTERM/SIGINT stopped the server and the
     engine's KV offload drained; 1 when the engine died first, was killed, or its drain lost
     blocks (or any start-up failure); 2 for a usage or configuration error."""
+    import faulthandler
     import signal
 
     import uvicorn
@@ -160,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
     signal.signal(signal.SIGTERM, raise_terminated)
+    # ``kill -USR1`` dumps every thread's stack to stderr and goes on (the core does too).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     watchdog: EngineWatchdog | None = None
     try:
         app = build_app(

@@ -281,9 +281,14 @@ async def merge(started: list[StartedRequest]) -> AsyncIterator[tuple[int, Reque
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class ClientDisconnected(Exception):  # noqa: N818 - named for what happened, as nginx's 499
+    """The client went away before its response started: nothing to send, nothing to log
+    beyond the count (the ``_RequestCounter`` records it as 499 and ends the request)."""
+
+
 async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
     """Runs ``work``; if the client disconnects first, cancels it (aborting its engine
-    requests) and raises asyncio.CancelledError."""
+    requests) and raises ``ClientDisconnected``."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_wait_disconnect(raw.receive))
     try:
@@ -292,7 +297,7 @@ async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
             return work_task.result()
         work_task.cancel()
         await asyncio.gather(work_task, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected("client disconnected")
     finally:
         watch_task.cancel()
         if not work_task.done():

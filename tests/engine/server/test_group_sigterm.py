@@ -184,3 +184,24 @@ def test_exit_code_is_non_zero_when_the_drain_left_blocks_behind(
     code, err = stop_group(proc, signal.SIGTERM)
     assert code == 1, err
     assert "KV drain incomplete" in err and "host-only blocks not flushed" in err, err
+
+
+def test_sigusr1_dumps_every_threads_stack_and_the_server_goes_on(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """``kill -USR1 -PGID``: the API process and the engine core each write their threads'
+    stacks to stderr (the core's step loop among them) and keep serving."""
+    proc, base = start_serve(model_dir, tmp_path, offload_config(tmp_path / "lmdb"))
+    complete(base, PROMPTS[:1])
+    core = engine_core_pid(proc.pid)
+    os.kill(proc.pid, signal.SIGUSR1)
+    os.kill(core, signal.SIGUSR1)
+    time.sleep(0.5)
+    complete(base, PROMPTS[1:])  # both still serve
+    assert proc.poll() is None
+    code, err = stop_group(proc, signal.SIGTERM)
+    assert code == 0, err
+    # one "Current thread" header per dumping process: the API's and the core's
+    assert err.count("Current thread 0x") + err.count("Thread 0x") >= 2, err
+    assert "engine/core/proc.py" in err, err  # the core's stack: its step loop
+    assert "uvicorn" in err, err  # the API process's
