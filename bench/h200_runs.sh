@@ -215,7 +215,7 @@ if [[ "$STAGES" == *,pressure,* ]]; then
     for f in /tmp/kvtier-pressure/serving_*.log; do
       grep -v '"POST /v1/' "$f" | tail -n 400 > "$OUT_DIR/pressure_$(basename "$f")"
     done
-    cp /tmp/kvtier-pressure/*.requests.jsonl "$OUT_DIR/" 2>/dev/null
+    for f in /tmp/kvtier-pressure/*.requests.jsonl; do gzip -c "$f" > "$OUT_DIR/$(basename "$f").gz"; done
     pkill -9 -f "engine.cli serve"  # the bench was killed: its servers are orphans now
   fi
 fi
