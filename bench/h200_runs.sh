@@ -111,6 +111,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
       onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;
       onestephold) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestephold.yaml ;;
+      lossless) printf 'compression: lossless\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_lossless.yaml ;;
       small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
     esac
