@@ -183,12 +183,12 @@ fi
 if [[ "$STAGES" == *,pressure,* ]]; then
   stamp "pressure (${PRESSURE_MODES:-offload})"
   T_P="${T_PRESSURE:-560}"
-  rm -rf /tmp/kvtier-pressure
+  rm -rf /tmp/kvtier-pressure; : > "$OUT_DIR/pressure.log"
   timeout -k 5 "$T_P" "$PY" -m bench.serving --model "$MODEL_DIR" --modes "${PRESSURE_MODES:-offload}" \
     --users 8 --rounds 5 --system-words 200 --history-words 10200 --question-words 20 --answer-len 100 \
     --num-gpu-blocks 4096 --max-model-len 32768 --host-capacity "${PRESSURE_HOST:-64GiB}" --qps 1 \
     --duration-s "${PRESSURE_S:-90}" --quiet-batch 2 --log-dir /tmp/kvtier-pressure \
-    --out "$OUT_DIR/pressure.json" > "$OUT_DIR/pressure.log" 2>&1 &
+    --out "$OUT_DIR/pressure.json" >> "$OUT_DIR/pressure.log" 2>&1 &  # appends: beside the lines below
   ppid=$!
   # progress every 30 s (requests the servers logged), and 30 s before the limit every thread's
   # stack of each server and engine core (SIGUSR1, faulthandler) into the servers' logs
