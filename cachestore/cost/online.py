@@ -213,11 +213,14 @@ class OnlineCostModel:
             decision = _load_all(decision, len(source_tiers))
         else:  # each option's price times what its kind took against its price
             bucket = length_bucket(num_prompt_tokens, self.block_tokens)
+            priced = decision.best.strategy
             with self._lock:
                 outcomes = self._outcomes
                 decision = rerank(
                     decision, lambda o: outcomes.ratio(o.strategy, bucket), self.overlap_margin
                 )
+                if decision.best.strategy != priced:  # lost on its ratio: retried in a while
+                    outcomes.passed_over(priced, bucket)
         recompute = next(
             o.predicted_s
             for o in (decision.best, *decision.alternatives)

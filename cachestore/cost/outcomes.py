@@ -17,9 +17,11 @@ A ratio above 1 steers decisions away from its strategy, so it would never be me
 one slow outlier (a length's first request meeting kernels not yet compiled, a cold page
 cache) or a slowdown that has since gone would stick. So each outcome observed at a length
 relaxes the other strategies' ratios above 1 at that length toward 1 (by ``relax``: 1 + (r - 1)
-* relax), a key not yet seen there starting from its strategy's ratio: a strategy that lost
-on its measured ratio is tried again after a few requests, and keeps losing if it measured
-slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
+* relax), a key not yet seen there starting from its strategy's ratio, and so does each
+decision that went against a strategy the prices alone would have chosen (``passed_over``:
+the chosen plan's own outcome may never be measured, when its steps carry other prompts): a
+strategy that lost on its measured ratio is tried again after a few requests, and keeps
+losing if it measured slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
 at 1.8x, priced 20% under the load it lost to, is tried again after seven loads of that length
 (1 + 0.8 * 0.8^n under 1.2).
 
@@ -97,6 +99,23 @@ class OutcomeRatios:
         self._update(self._by_key, (str(strategy), bucket), r)
         self._update(self._by_strategy, str(strategy), r)
         return True
+
+    def passed_over(self, strategy: str, bucket: int) -> None:
+        """A decision at ``bucket`` went against ``strategy`` although it was the cheapest on
+        its price: its ratio there moves toward 1 as if another strategy's outcome had been
+        measured (docstring). What keeps a strategy from being shut out for good when the
+        outcomes of the one chosen instead are never measured (every such request shared its
+        steps with other prompts: the QA client on an H200 with compressed blocks, where one
+        first reload at 8.7x its price made the next 44 reused requests recompute)."""
+        strategy = str(strategy)
+        cur = self._by_key.get((strategy, bucket))
+        if cur is None:
+            whole = self._by_strategy.get(strategy)
+            if whole is None or whole.value <= 1.0:
+                return
+            cur = self._by_key[(strategy, bucket)] = _Ratio(whole.value, 0)  # a prior only
+        if cur.value > 1.0:
+            cur.value = 1.0 + (cur.value - 1.0) * self.relax
 
     def _relax_others(self, strategy: str, bucket: int) -> None:
         """Another strategy's pessimistic ratio at ``bucket`` moves toward 1 (docstring)."""

@@ -300,6 +300,24 @@ class Hi4Codec:
         out[..., 0] = src[low_at : low_at + count * m].view(count, m)
         out[..., 1] = wide[:, :m]
 
+    def warm(self, device: torch.device | str) -> bool:
+        """Compile the decode kernels for this format now, on ``device``: Triton compiles them
+        on first use, and on an H200 that first reload then took 322 ms where later ones took
+        ~11 (the QA client, a 4K-token prefix): a first request pays it, and the cost model,
+        measuring that outcome, refused loads for the rest of the run. Encodes one zero block
+        and decodes it whole and a segment at a time (the layer-wise path). True when kernels
+        ran; False off CUDA or without Triton (torch decoding: nothing to compile)."""
+        if torch.device(device).type != "cuda" or _triton_decode() is None:
+            return False
+        rows = torch.zeros((1, self.raw_bytes), dtype=torch.uint8, device=device)
+        payload = self.encode(rows).view(-1)
+        out = torch.empty_like(rows)
+        self.decode_into(payload, [0], out, [0])
+        bases = self.payload_bases([0])
+        self.decode_segments(payload, bases, out, [0], 1, 1)
+        torch.cuda.synchronize(device)
+        return True
+
     def overflowed(self, payload: memoryview | bytes) -> bool:
         """Whether an encoded payload lost escapes (a segment had more than ``E``): such a
         block must not be stored. Reads only the ``2 * S`` count bytes."""

@@ -300,8 +300,13 @@ def _prefetch_budget(config: OffloadConfig, store: HierarchicalStore) -> int:
 
 
 def _codec(config: OffloadConfig, kv_cache: KVCache) -> Hi4Codec | None:
-    """The stored block format the config asks for (None: raw blocks)."""
-    return Hi4Codec.for_cache(kv_cache) if config.compression == "lossless" else None
+    """The stored block format the config asks for (None: raw blocks), its decode kernels
+    compiled on the cache's device before the first reload needs them (``Hi4Codec.warm``)."""
+    if config.compression != "lossless":
+        return None
+    codec = Hi4Codec.for_cache(kv_cache)
+    codec.warm(kv_cache.device)
+    return codec
 
 
 def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace:

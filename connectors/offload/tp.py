@@ -211,7 +211,11 @@ class GroupedWorker:
 
 
 def _codec(config: OffloadConfig, cache: KVCache) -> Hi4Codec | None:
-    return Hi4Codec.for_cache(cache) if config.compression == "lossless" else None
+    if config.compression != "lossless":
+        return None
+    codec = Hi4Codec.for_cache(cache)
+    codec.warm(cache.device)  # the first reload must not pay the kernels' compilation
+    return codec
 
 
 def _stored_namespace(namespace: Namespace, codec: Hi4Codec | None) -> Namespace:
