@@ -11,6 +11,7 @@ id names. Raises ImportError without Triton.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,8 +20,19 @@ import triton.language as tl
 
 _BLOCK = 2048  # value pairs (32-bit words) per program of the value kernel
 
+# Triton compiles a kernel again for every new pattern of its integer arguments (== 1, a
+# multiple of 16) and pointer alignments (16 bytes). A layer-wise load passes a column slice
+# of its decode index (any stride, any 8-byte alignment) and a group's first segment, so the
+# loads of one run met new patterns one after another: on an H200, 363 ms and 490 ms of
+# compilation inside two of the QA client's reloads, after ``Hi4Codec.warm`` had compiled the
+# whole-payload pattern. Those arguments only index a few int64 words a program: one kernel
+# for all of them, which ``warm`` compiles before the first load.
+_ONE_VARIANT: dict[str, Any] = {"do_not_specialize": ["idx_ptr", "idx_stride", "S0"]}
+if "do_not_specialize_on_alignment" in inspect.signature(triton.JITFunction.__init__).parameters:
+    _ONE_VARIANT["do_not_specialize_on_alignment"] = ["idx_ptr"]
 
-@triton.jit
+
+@triton.jit(**_ONE_VARIANT)
 def _values_kernel(
     src_ptr, idx_ptr, idx_stride, dst_ptr, row_words, M: tl.constexpr, BOOK, S0, BLOCK: tl.constexpr
 ):
@@ -48,7 +60,7 @@ def _values_kernel(
     tl.store(dst_ptr + row.to(tl.int64) * row_words + seg * (M // 2) + pair, word, mask=mask)
 
 
-@triton.jit
+@triton.jit(**_ONE_VARIANT)
 def _escapes_kernel(
     src_ptr,
     idx_ptr,
