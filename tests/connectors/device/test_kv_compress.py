@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import (CPU kernels)
 
 from connectors.device.copy import SlabCopier  # noqa: E402
-from connectors.device.kv_compress import Hi4Codec  # noqa: E402
+from connectors.device.kv_compress import DecodeBases, Hi4Codec  # noqa: E402
 from connectors.device.slab_runs import pad16  # noqa: E402
 from connectors.offload.config import parse_offload_config  # noqa: E402
 from engine import LLM  # noqa: E402
@@ -237,6 +237,31 @@ def test_worker_drops_incompressible_blocks_and_decodes_read_through_loads(tmp_p
         store.close()
 
 
+def segment_bases(codec: Hi4Codec, offsets: list[int], first: int) -> DecodeBases:
+    """Bases of whole payloads at ``offsets`` for decoding from segment ``first`` on: the
+    codes and low bytes of that segment (what a layer-wise load's staging holds)."""
+    whole = codec.payload_bases(offsets)
+    m = codec.segment_values
+    return DecodeBases(
+        whole.meta, [c + first * m // 2 for c in whole.codes], [lo + first * m for lo in whole.low]
+    )
+
+
+def test_segment_bases_decode_the_segments_they_name() -> None:
+    """The pattern the CUDA warm test decodes, through torch: a column slice of a wider index
+    and segments from the sixth on rewrite the same bytes."""
+    codec = Hi4Codec(8, 512)
+    rows = kv_like(3, codec, seed=5)
+    enc = codec.encode(rows).reshape(-1)
+    offsets = [i * codec.payload_bytes for i in range(3)]
+    cache = torch.zeros(3, codec.raw_bytes, dtype=torch.uint8)
+    codec.decode_into(enc, offsets, cache, [0, 1, 2])
+    cache[:, 5 * 2 * 512 :] = 0  # segments 5.. gone, then decoded again on their own
+    wide = codec.decode_index(segment_bases(codec, [0, *offsets], 5), [0, 0, 1, 2], "cpu")
+    codec.decode_indexed(enc, wide[:, 1:], cache, 5, 3)
+    assert torch.equal(cache, rows)
+
+
 def test_warm_compiles_nothing_off_cuda() -> None:
     """On the CPU blocks decode through torch: nothing to compile, nothing run."""
     assert Hi4Codec(4, 512).warm("cpu") is False
@@ -262,7 +287,7 @@ def test_cuda_warm_compiles_the_decoder_so_a_first_decode_is_fast() -> None:
     codec.decode_into(enc, offsets, cache, [0, 1, 2, 3])
     # a layer-wise load's pattern: a column slice of a wider index (odd stride, 8-byte
     # aligned start) and a group's first segment other than 0
-    wide = codec.decode_index(codec.payload_bases([0, *offsets]), [0, 0, 1, 2, 3], "cuda")
+    wide = codec.decode_index(segment_bases(codec, [0, *offsets], 5), [0, 0, 1, 2, 3], "cuda")
     codec.decode_indexed(enc, wide[:, 1:], cache, 5, 3)
     torch.cuda.synchronize()
     assert time.perf_counter() - t0 < 0.05  # no compilation (~0.3 s a pattern) after warm
