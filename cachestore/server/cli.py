@@ -22,6 +22,7 @@ disk), and freed payload buffers go back to the OS every ``TRIM_INTERVAL_S``
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
@@ -201,6 +202,8 @@ def _start(
             return None, f"--admin-port: cannot serve http://{args.admin_host}:{args.admin_port}"
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_stop())
+    # ``kill -USR1``: every thread's stack to stderr, serving on (as ``kvtier serve``)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         server.start()
     except RuntimeError as exc:  # the ZMQ bind, taken since check_binds

@@ -69,6 +69,22 @@ def test_group_sigterm_drains_exits_0_and_a_restart_serves_every_block(tmp_path:
     ]
 
 
+def test_sigusr1_dumps_the_daemons_stacks_and_it_serves_on(tmp_path: Path) -> None:
+    proc, port = _start(tmp_path)
+    try:
+        tier = RemoteTier(f"tcp://127.0.0.1:{port}", timeout_s=5)
+        tier.put_many([(k, sized_block(k, 3000)) for k in KEYS[:4]])
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        got = tier.get_many(KEYS[:4])  # still serving
+        tier.close()
+    finally:
+        code, _, err = _stop_group(proc)
+    assert [bytes(v) for v in got] == [sized_block(k, 3000) for k in KEYS[:4]]
+    assert code == 0, err
+    assert "Thread 0x" in err and "cachestore/server" in err, err
+
+
 class _SlowLmdb(LmdbTier):
     """LMDB whose writes take ``delay_s`` (a slow disk), to keep a put in flight."""
 
