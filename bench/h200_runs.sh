@@ -38,7 +38,11 @@
 # > 280 s (at 4K alone, 5 modes: 140 s; 5 modes at 4K+16K with LMDB reads at ~0.7 GB/s did
 # not reach lmdb_cost in 280 s), lone ~30 s, mixed ~45 s, engine ~45 s, pressure ~350 s (on
 # 2026-12-04 a fresh machine's pressure stage ran past T_PRESSURE=420 and printed nothing:
-# give it the whole call, 560; it now prints each level as it ends). A first QA mode with a
+# give it the whole call, 560; it now prints each level as it ends; on 2026-12-04, later, with
+# PRESSURE_S=75 the stage took 418 s on a fresh machine, the 75 s level included: most of the
+# rest is the 64 GiB pinned tier's start and release). lone needs more than 60 s on a fresh
+# machine (cut at T_LONE=60 once). Three QA modes (off on lossless) with T_QA=140 and
+# T_QA_FIRST_EXTRA=45: 412-468 s with the model written. A first QA mode with a
 # host tier (on, small) on a fresh machine did not finish in T_QA 150 + 45 (twice): put off
 # first, or give the first mode 240.
 # Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
