@@ -219,8 +219,8 @@ class OnlineCostModel:
                 decision = rerank(
                     decision, lambda o: outcomes.ratio(o.strategy, bucket), self.overlap_margin
                 )
-                if decision.best.strategy != priced:  # lost on its ratio: retried in a while
-                    outcomes.passed_over(priced, bucket)
+                lost = priced if decision.best.strategy != priced else None
+                outcomes.decided(bucket, lost)  # lost on its ratio: retried in a while
         recompute = next(
             o.predicted_s
             for o in (decision.best, *decision.alternatives)

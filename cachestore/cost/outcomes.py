@@ -17,13 +17,18 @@ A ratio above 1 steers decisions away from its strategy, so it would never be me
 one slow outlier (a length's first request meeting kernels not yet compiled, a cold page
 cache) or a slowdown that has since gone would stick. So each outcome observed at a length
 relaxes the other strategies' ratios above 1 at that length toward 1 (by ``relax``: 1 + (r - 1)
-* relax), a key not yet seen there starting from its strategy's ratio, and so does each
-decision that went against a strategy the prices alone would have chosen (``passed_over``:
-the chosen plan's own outcome may never be measured, when its steps carry other prompts): a
-strategy that lost on its measured ratio is tried again after a few requests, and keeps
-losing if it measured slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
+* relax), a key not yet seen there starting from its strategy's ratio: a strategy that lost
+on its measured ratio is tried again after a few requests, and keeps losing if it measured
+slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
 at 1.8x, priced 20% under the load it lost to, is tried again after seven loads of that length
-(1 + 0.8 * 0.8^n under 1.2).
+(1 + 0.8 * 0.8^n under 1.2). The plans chosen instead may teach nothing, though: a request
+whose steps carry other prompts is not measured (the connector's ``observe_first_token``).
+So ``decided`` counts the decisions at a length since its last measured outcome, and once
+more than ``UNMEASURED_DECISIONS`` went by, each decision that goes against the strategy the
+prices alone chose relaxes that strategy's ratio the same way. On the H200 QA run with
+compressed blocks one first reload at 8.7x its price (kept as 4x), with every recompute after
+it unmeasured, made the next 44 reused requests recompute; now the load is tried again after
+eight.
 
 ``rerank`` orders a ``Decision``'s options (the best and the best of each family) by price
 times ratio, keeping the overlap margin: an overlap split is taken only when its adjusted price
@@ -65,6 +70,7 @@ OUTCOME_ALPHA = 0.3  # weight of a new sample once a key has one
 OUTCOME_RELAX = 0.8  # a ratio above 1 of a strategy not taken, per outcome of another
 RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
 OUTCOME_SPAN = 2.5  # ratios choose only among options priced within this of the cheapest
+UNMEASURED_DECISIONS = 3  # decisions at a length without an outcome before ``decided`` relaxes
 
 
 def length_bucket(num_prompt_tokens: int, block_tokens: int) -> int:
@@ -89,25 +95,28 @@ class OutcomeRatios:
         self.relax = relax
         self._by_key: dict[tuple[str, int], _Ratio] = {}
         self._by_strategy: dict[str, _Ratio] = {}
+        self._unmeasured: dict[int, int] = {}  # bucket -> decisions since its last outcome
 
     def observe(self, strategy: str, bucket: int, predicted_s: float, measured_s: float) -> bool:
         """One outcome; False (ignored) without a positive price and measurement."""
         if not (predicted_s > 0 and measured_s > 0):
             return False
         r = min(max(measured_s / predicted_s, 1.0 / RATIO_CLAMP), RATIO_CLAMP)
+        self._unmeasured[bucket] = 0
         self._relax_others(str(strategy), bucket)
         self._update(self._by_key, (str(strategy), bucket), r)
         self._update(self._by_strategy, str(strategy), r)
         return True
 
-    def passed_over(self, strategy: str, bucket: int) -> None:
-        """A decision at ``bucket`` went against ``strategy`` although it was the cheapest on
-        its price: its ratio there moves toward 1 as if another strategy's outcome had been
-        measured (docstring). What keeps a strategy from being shut out for good when the
-        outcomes of the one chosen instead are never measured (every such request shared its
-        steps with other prompts: the QA client on an H200 with compressed blocks, where one
-        first reload at 8.7x its price made the next 44 reused requests recompute)."""
-        strategy = str(strategy)
+    def decided(self, bucket: int, passed_over: str | None = None) -> None:
+        """A decision at ``bucket``; ``passed_over``: the strategy its prices chose, when the
+        ratios chose another. Past ``UNMEASURED_DECISIONS`` decisions there without a measured
+        outcome, that strategy's ratio moves toward 1 (module docstring)."""
+        count = self._unmeasured.get(bucket, 0) + 1
+        self._unmeasured[bucket] = count
+        if passed_over is None or count <= UNMEASURED_DECISIONS:
+            return
+        strategy = str(passed_over)
         cur = self._by_key.get((strategy, bucket))
         if cur is None:
             whole = self._by_strategy.get(strategy)

@@ -230,8 +230,9 @@ def test_a_load_shut_out_by_one_outlier_is_tried_again_though_recomputes_are_nev
     """The H200 QA run with compressed blocks: the first reload met kernels not yet compiled
     (8.7x its price, kept as 4x), and every recompute chosen after it shared its steps with
     other prompts, so no outcome was measured to relax the load's ratio: 44 reused requests
-    recomputed. Each decision that goes against the load the prices alone choose now relaxes
-    its ratio, so it is chosen again after a few; measured slow again, it loses again."""
+    recomputed. Past three decisions at a length without a measured outcome, each decision
+    that goes against the load the prices alone choose relaxes its ratio, so it is chosen
+    again after a few; measured slow again, it loses again."""
     # 100 tokens, 6 blocks on a 1 ms + 1 ms/block host tier: load 7 ms + 4 tokens = 7.64 ms;
     # recompute 16 ms (2.09x: within the span where ratios choose, as the QA run's 37 / 76)
     prefill = PrefillCost(fixed_s=0.0, per_token_s=1.6e-4, attention_s=0.0)
@@ -244,9 +245,25 @@ def test_a_load_shut_out_by_one_outlier_is_tried_again_though_recomputes_are_nev
     assert d.best.strategy == STRATEGY_LOAD_PREFIX
     assert d.predicted_s == pytest.approx(0.00764, rel=1e-9)
     m.observe_outcome(STRATEGY_LOAD_PREFIX, 100, d.predicted_s, 8.7 * d.predicted_s)  # kept 4x
-    # recomputes whose outcomes are never observed; 7.64 x (1 + 3 x 0.8^n) < 16 from n = 5
-    assert [decide() for _ in range(6)] == [STRATEGY_RECOMPUTE] * 5 + [STRATEGY_LOAD_PREFIX]
+    # recomputes whose outcomes are never observed: three without relaxing, then
+    # 7.64 x (1 + 3 x 0.8^n) < 16 from n = 5 relaxed decisions on
+    assert [decide() for _ in range(9)] == [STRATEGY_RECOMPUTE] * 8 + [STRATEGY_LOAD_PREFIX]
     # measured slow again: back to 4x, and recompute again
     m.observe_outcome(STRATEGY_LOAD_PREFIX, 100, d.predicted_s, 10 * d.predicted_s)
     assert decide() == STRATEGY_RECOMPUTE
-    assert m.snapshot()["decisions"][STRATEGY_RECOMPUTE] == 6
+    assert m.snapshot()["decisions"][STRATEGY_RECOMPUTE] == 9
+
+
+def test_decisions_whose_outcomes_are_measured_relax_no_faster_than_before() -> None:
+    """Where the plans chosen instead are measured, their outcomes relax the pessimistic
+    ratio (one step each) and the decisions between them add nothing."""
+    prefill = PrefillCost(fixed_s=0.0, per_token_s=1.6e-4, attention_s=0.0)
+    m = OnlineCostModel({"host": HOST}, prefill, block_bytes=1000, block_tokens=16, alpha=0.5)
+    d = m.decide(0, ["host"] * 6, 100, overlap=False)
+    m.observe_outcome(STRATEGY_LOAD_PREFIX, 100, d.predicted_s, 8.7 * d.predicted_s)
+    for _ in range(3):  # each recompute measured as priced: one relaxation each
+        r = m.decide(0, ["host"] * 6, 100, overlap=False)
+        assert r.best.strategy == STRATEGY_RECOMPUTE
+        m.observe_outcome(STRATEGY_RECOMPUTE, 100, r.predicted_s, r.predicted_s)
+    ratios = m.snapshot()["outcome_ratios"][STRATEGY_LOAD_PREFIX]
+    assert ratios["3"] == pytest.approx(1 + 3 * 0.8**3)
