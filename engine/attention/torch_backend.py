@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kernels import cpu_decode
 
 # The prompt chunks causal_gemm_attention takes on the CPU (module docstring).
 GEMM_MIN_QUERIES = 128
@@ -121,6 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets)
         # Decode-only batches of > 1 request: [B, max_blocks] block ids, [B, 1, 1, S] mask.
         self._batch_decode: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The same on the CPU for engine/kernels/cpu_decode.py: tables, lengths, scratch.
+        self._cpu_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor | None:
@@ -138,6 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = [-(-n // bs) for n in metadata.seq_lens_cpu]
         self._blocks = [tables[i, :n] for i, n in enumerate(num_blocks)]
         self._batch_decode = None
+        self._cpu_decode = None
         if all(q == 1 for q in metadata.query_lens_cpu):
             width = max(num_blocks)
             seq_lens = metadata.seq_lens.to(torch.int64).view(-1, 1, 1, 1)
@@ -147,6 +151,12 @@ class TorchAttentionBackend(AttentionBackend):
             past = keys_pos >= seq_lens  # [B, 1, 1, keys]
             additive = torch.zeros(past.shape, device=device).masked_fill_(past, float("-inf"))
             self._batch_decode = (tables[:, :width], additive)
+            if device.type == "cpu" and cpu_decode.enabled():
+                self._cpu_decode = (
+                    tables[:, :width].contiguous(),
+                    metadata.seq_lens.to(torch.int64).contiguous(),
+                    torch.empty(self.num_heads * width * bs),
+                )
             return
         for q_len, seq_len in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True):
             if q_len == 1 or q_len == seq_len:
@@ -169,6 +179,32 @@ class TorchAttentionBackend(AttentionBackend):
         meta = self._meta
         if meta is None or self._write_at is None:
             raise RuntimeError("TorchAttentionBackend.forward called before plan()")
+        if (
+            self._cpu_decode is not None
+            and q.dtype == kv_layer.dtype == torch.float32
+            and kv_layer[0].is_contiguous()
+        ):
+            # the paged cache read in place, this step's keys and values written by the same
+            # call (engine/kernels/cpu_decode.py)
+            c_tables, lens, scratch = self._cpu_decode
+            num_reqs = c_tables.shape[0]
+            new_kv = None
+            if not kv_written:
+                shape = (num_reqs, self.num_kv_heads, self.head_dim)
+                new_kv = (
+                    k.reshape(shape).float().contiguous(),
+                    v.reshape(shape).float().contiguous(),
+                    meta.slot_mapping.to(torch.int64).contiguous(),
+                )
+            return cpu_decode.decode_attention(
+                q.reshape(num_reqs, self.num_heads, self.head_dim).contiguous(),
+                kv_layer,
+                c_tables,
+                lens,
+                self.scale,
+                scratch,
+                new_kv,
+            )
         if not kv_written:
             blocks, offsets = self._write_at
             # One scatter for k and v: [T, 2, Hkv, D] at (block, :, offset).
