@@ -122,8 +122,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # (blocks, offsets)
         # Decode-only batches of > 1 request: [B, max_blocks] block ids, [B, 1, 1, S] mask.
         self._batch_decode: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The same on the CPU for engine/kernels/cpu_decode.py: tables, lengths, scratch.
-        self._cpu_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The same on the CPU for engine/kernels/cpu_decode.py: tables, lengths, the new
+        # tokens' slots, scratch.
+        self._cpu_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
+            None
+        )
 
     def bind(self, kv_dtype: torch.dtype, device: torch.device) -> None:
         """A float32 cache on the CPU: the C decode kernel is compiled now (~0.5 s, once a
@@ -150,7 +153,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._cpu_decode = None
         if all(q == 1 for q in metadata.query_lens_cpu):
             width = max(num_blocks)
-            seq_lens = metadata.seq_lens.to(torch.int64).view(-1, 1, 1, 1)
+            lens = metadata.seq_lens.to(torch.int64).contiguous()
+            seq_lens = lens.view(-1, 1, 1, 1)
             keys_pos = torch.arange(width * bs, device=device).view(1, 1, 1, -1)
             # Additive, in float32 (the SDPA below runs in float32): a boolean mask is turned
             # into this inside every layer's call (SmolLM2's batch-8 decode: ~9 us a layer).
@@ -160,7 +164,8 @@ class TorchAttentionBackend(AttentionBackend):
             if device.type == "cpu" and cpu_decode.enabled():
                 self._cpu_decode = (
                     tables[:, :width].contiguous(),
-                    metadata.seq_lens.to(torch.int64).contiguous(),
+                    lens,
+                    slots.to(torch.int64).contiguous(),
                     torch.empty(self.num_heads * width * bs),
                 )
             return
@@ -192,7 +197,7 @@ class TorchAttentionBackend(AttentionBackend):
         ):
             # the paged cache read in place, this step's keys and values written by the same
             # call (engine/kernels/cpu_decode.py)
-            c_tables, lens, scratch = self._cpu_decode
+            c_tables, lens, c_slots, scratch = self._cpu_decode
             num_reqs = c_tables.shape[0]
             new_kv = None
             if not kv_written:
@@ -200,7 +205,7 @@ class TorchAttentionBackend(AttentionBackend):
                 new_kv = (
                     k.reshape(shape).float().contiguous(),
                     v.reshape(shape).float().contiguous(),
-                    meta.slot_mapping.to(torch.int64).contiguous(),
+                    c_slots,
                 )
             return cpu_decode.decode_attention(
                 q.reshape(num_reqs, self.num_heads, self.head_dim).contiguous(),

@@ -5,10 +5,10 @@ layer (two ``index_select`` copies of K and V), then runs SDPA over it: about te
 and a second copy of every key and value a layer. On SmolLM2-135M, one thread, a batch of 8
 at ~64 tokens of context, that was ~0.38 ms a layer inside the engine (11 ms of a ~65 ms
 step), where vLLM's CPU kernel reads the paged cache in place (~0.06 ms a layer on two
-threads). This is that kernel in C: for each request and KV head, the ``group`` query heads
-that share it score every cached key of the request's blocks in place, then sum the values
-with the softmax weights (two passes over the keys and values, the scores in a scratch row);
-one call a layer, no copies.
+threads). This is that kernel in C: one call a layer writes the step's keys and values into
+their slots, then for each request every query head scores the cached keys of the request's
+blocks where they lie (a token's whole row, every KV head, at once), and the values are
+summed with the softmax weights (the scores in a scratch row a head): no copies.
 
 The C source is compiled on first use with the system's C compiler into the user's cache
 (``~/.cache/kvtier/cpu_kernels``, keyed by the source and the flags) and loaded with ctypes:
@@ -180,9 +180,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """``q [B, H, D]`` float32 against the cached keys and values of each request's first
     ``lens[b]`` positions in the blocks ``tables[b]`` of ``kv_layer [blocks, 2, BS, Hkv, D]``
-    (float32, each block contiguous; any stride between blocks); query head ``h`` reads KV head ``h // (H // Hkv)``. Returns ``[B,
-    H * D]``. ``scratch``: float32 with at least ``H * max(lens)`` elements. Call
-    only when ``available()``; raises ValueError on a tensor it cannot read in place.
+    (float32, each block contiguous; any stride between blocks); query head ``h`` reads KV
+    head ``h // (H // Hkv)``. Returns ``[B, H * D]``. ``scratch``: float32 with at least
+    ``H * max(lens)`` elements. Call only when ``available()``; raises ValueError on a tensor
+    it cannot read in place.
     ``new_kv``: ``(k [B, Hkv, D], v [B, Hkv, D], slots [B])``, this step's keys and values,
     written into the cache at ``slots`` (block * BS + offset) first (None: already there)."""
     fn = _function()
