@@ -159,6 +159,18 @@ if [[ "$STAGES" == *,lone,* ]]; then
     --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
     > /tmp/lone.log 2>&1
   tail -n 1 /tmp/lone.log | tee -a "$S"
+  # the milliseconds in the summary: the device may leave lone/offload.json out (its file count)
+  "$PY" - "$OUT_DIR/lone/offload.json" <<'PYEOF' 2>&1 | tee -a "$S"
+import json, sys
+modes = json.load(open(sys.argv[1]))["ttft"]["modes"]
+parts = []
+for mode, by_len in modes.items():
+    for n, v in by_len.items():
+        if isinstance(v, dict) and "ttft_s" in v:
+            runs = ", ".join("%.1f" % (x * 1e3) for x in v["all_ttft_s"])
+            parts.append("%s %s: %.1f (runs %s)" % (mode, n, v["ttft_s"] * 1e3, runs))
+print("lone TTFT ms: " + "; ".join(parts))
+PYEOF
 fi
 if [[ "$STAGES" == *,mixed,* ]]; then
   # the QA run's reused step reproduced offline: a pair of host reloads of the lone shape

@@ -10,10 +10,8 @@ their slots, then for each request every query head scores the cached keys of th
 blocks where they lie (a token's whole row, every KV head, at once), and the values are
 summed with the softmax weights (the scores in a scratch row a head): no copies.
 
-The C source is compiled on first use with the system's C compiler into the user's cache
-(``~/.cache/kvtier/cpu_kernels``, keyed by the source and the flags) and loaded with ctypes:
-no build step, no Python headers. Flags follow torch's CPU capability (AVX-512, AVX2 or the
-baseline). Where no compiler runs, ``available()`` is False and the torch path stays.
+The C source is compiled on first use (``engine/kernels/cpu_build.py``); where no compiler
+runs, ``available()`` is False and the torch path stays.
 
 Float32 sums in another order than SDPA's: within ~1e-6 relative of it (tested against it).
 """
@@ -21,17 +19,10 @@ Float32 sums in another order than SDPA's: within ~1e-6 relative of it (tested a
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+from engine.kernels.cpu_build import CKernel
 
 _SOURCE = r"""
 #include <math.h>
@@ -98,75 +89,29 @@ void kvtier_decode_attention(
 }
 """
 
-_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
-_lock = threading.Lock()
-_fn: object = None  # the loaded function, or False once building it failed
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvtier", "cpu_kernels")
-
-
-def _build() -> object:
-    """The compiled function (compiling it if its cache file is missing); False on failure."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: CPU decode attention stays in torch")
-        return False
-    # -ffast-math: the dot products vectorized (sums in another order) and expf through
-    # glibc's vector math; the kernel starts its maxima from a score, not from -inf
-    flags = ["-O3", "-ffast-math", "-shared", "-fPIC"]
-    flags += _FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    digest = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"decode_attention-{digest}.so")
-    try:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                src = os.path.join(tmp, "decode_attention.c")
-                with open(src, "w", encoding="utf-8") as f:
-                    f.write(_SOURCE)
-                built = os.path.join(tmp, "out.so")
-                subprocess.run(
-                    [cc, *flags, src, "-o", built, "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(built, path)  # atomic: a concurrent builder never loads half a file
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.info("CPU decode attention stays in torch: building it failed (%s)", exc)
-        return False
-    fn = lib.kvtier_decode_attention
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
-    fn.restype = None
-    return fn
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_KERNEL = CKernel(
+    "decode_attention",
+    _SOURCE,
+    "kvtier_decode_attention",
+    [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p],
+    "KVTIER_CPU_DECODE_KERNEL",
+)
 
 
 def _function() -> object:
-    global _fn
-    if _fn is None:
-        with _lock:
-            if _fn is None:
-                _fn = _build()
-    return _fn
+    return _KERNEL.function()
 
 
 def enabled() -> bool:
     """Whether the engine uses the kernel: built here, and not turned off with
     ``KVTIER_CPU_DECODE_KERNEL=0`` (the torch path, for comparison)."""
-    return os.environ.get("KVTIER_CPU_DECODE_KERNEL", "1") != "0" and available()
+    return _KERNEL.enabled()
 
 
 def available() -> bool:
     """Whether the kernel is built (or can be) here; builds it on the first call."""
-    return bool(_function())
+    return _KERNEL.available()
 
 
 def decode_attention(
