@@ -22,7 +22,10 @@ to refuse a load: until a live refit replaces it, ``decide`` loads every block a
 (the data is there; the pricing is still reported).
 
 Samples with ``seconds <= 0`` (clock resolution) carry no information and are counted as
-ignored. Thread-safe: one lock guards the estimates; ``decide`` prices outside it on a
+ignored, and so is a transfer sample faster than ``MAX_PLAUSIBLE_RATE`` (1 TB/s: no hop
+into host memory or from it to a GPU comes near it; a timing artifact, such as copies timed
+by events that do not span them, reading as near-zero seconds: samples like that once moved
+the host hop's learned rate from 50 GB/s to 5.6 TB/s, pricing every load as nearly free). Thread-safe: one lock guards the estimates; ``decide`` prices outside it on a
 consistent copy. Torch-free, no I/O. See docs/cost_model.md.
 """
 
@@ -81,6 +84,10 @@ def default_priors(kind: str) -> CostPriors:
             kind, dict(TIER_COST_PRIORS["cpu"]), _CPU_DEMO_PREFILL, _DEMO_KV_BYTES_PER_TOKEN * 16
         )
     raise ValueError(f"unknown cost prior {kind!r}; choose 'h200-llama-3-8b' or 'cpu'")
+
+
+# Bytes per second above which a transfer sample is a timing artifact (module docstring).
+MAX_PLAUSIBLE_RATE = 1e12
 
 
 @dataclass(slots=True)
@@ -252,7 +259,7 @@ class OnlineCostModel:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
-            if not seconds > 0:
+            if not seconds > 0 or nbytes / seconds > MAX_PLAUSIBLE_RATE:
                 self._counts.transfers_ignored += 1
                 return
             state = self._tiers.get(tier)

@@ -411,7 +411,10 @@ class HostLoader:
             nbytes = (pending.copied - pending.piped_blocks) * self.kv_cache.bytes_per_block
         else:
             return  # its blocks moved in another load's transfer, observed there
-        self.cost_model.observe_transfer("host", nbytes, max(pending.host_copy_time(), 1e-9))
+        # events that span nothing (or out of order) give no sample, not an infinite rate
+        seconds = pending.host_copy_time()
+        if seconds > 0:
+            self.cost_model.observe_transfer("host", nbytes, seconds)
 
 
 def _done(event: object | None) -> bool:

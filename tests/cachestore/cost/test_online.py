@@ -267,3 +267,24 @@ def test_decisions_whose_outcomes_are_measured_relax_no_faster_than_before() -> 
         m.observe_outcome(STRATEGY_RECOMPUTE, 100, r.predicted_s, r.predicted_s)
     ratios = m.snapshot()["outcome_ratios"][STRATEGY_LOAD_PREFIX]
     assert ratios["3"] == pytest.approx(1 + 3 * 0.8**3)
+
+
+def test_a_transfer_faster_than_any_hop_is_ignored_not_learned() -> None:
+    """Copies timed by events that span nothing read as ~1 ns: 36 such samples once moved a
+    host hop of 50 GB/s to 5.6 TB/s. They are counted as ignored; a fast real one still
+    teaches."""
+    gib = 1 << 30
+    m = OnlineCostModel(
+        {"host": TierCost("host", latency_s=1e-5, bandwidth_bytes_per_s=5e10)},
+        LINEAR,
+        block_bytes=2 << 20,
+        block_tokens=16,
+        alpha=0.2,
+    )
+    for _ in range(36):
+        m.observe_transfer("host", gib // 2, 1e-9)
+    assert m.tier_costs()["host"].bandwidth_bytes_per_s == 5e10
+    assert m.snapshot()["ignored"]["transfers"] == 36
+    m.observe_transfer("host", gib, gib / 2e11)  # 200 GB/s: fast, but a hop can be
+    assert m.tier_costs()["host"].bandwidth_bytes_per_s > 5.5e10
+    assert m.snapshot()["ignored"]["transfers"] == 36
