@@ -169,8 +169,9 @@ class OffloadScheduler:
     ) -> ExternalHit | None:
         """Asks the store (a lookup; tiers refresh LRU) and the policy. Memoizes the plan. An
         in-step plan pins its host slots until it is used or dropped (asked again, finished).
-        None ("not yet") while the request's prefetch runs."""
-        if self.prefetcher is not None and self.prefetcher.state(request.req_id) == PENDING:
+        None ("not yet") while the request's prefetch reads (its lookup is waited for, up to
+        ``prefetch.LOOKUP_WAIT_S``)."""
+        if self.prefetcher is not None and self.prefetcher.wait_lookup(request.req_id) == PENDING:
             return None
         bs = self.block_size
         start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs

@@ -70,7 +70,7 @@ def test_a_prefetch_whose_request_is_aborted_is_counted_wasted_and_unpinned(
         engine = llm.engine
         engine.add_request("gone", p, GEN)
         prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
-        prefetcher._pool.submit(lambda: None).result()  # the job (queued first) has ended
+        prefetcher._jobs["gone"].future.result(timeout=30)  # the job (its read) has ended
         engine.abort_request("gone")
         kv = llm.kv_stats()
         pins = host_pins(llm)
@@ -139,3 +139,64 @@ def test_a_prefix_the_host_tier_holds_whole_starts_no_prefetch(
             engine.step()
         kv = llm.kv_stats()
     assert kv["prefetched_blocks"] == 0 and kv["tiers"]["host"]["hit_blocks"] > 0
+
+
+def test_a_new_prompt_with_nothing_below_is_admitted_in_its_first_step(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """Its prefetch job looks it up, finds nothing to read and ends while the scheduler waits
+    for the lookup: the first step computes it (before, "not yet" cost it that step). The
+    lookup takes 2 ms here, as under a busy engine: the step's question comes before it ends."""
+    import time
+
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
+        engine = llm.engine
+        prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
+        store = engine.offload.store  # type: ignore[union-attr]
+        lookup = store.lookup
+
+        def slow_lookup(keys):  # type: ignore[no-untyped-def]
+            time.sleep(0.002)
+            return lookup(keys)
+
+        store.lookup = slow_lookup
+        engine.add_request("new", prompt(7), GEN)
+        assert prefetcher.state("new") is not None  # a job was started for it
+        outs = engine.step()
+        kv = llm.kv_stats()
+    first = [o for o in outs if o.req_id == "new"]
+    assert first and len(first[0].token_ids) == 1
+    assert kv["prefetched_blocks"] == 0
+
+
+def test_a_job_that_reads_is_not_waited_for_past_its_lookup(model_dir: str, tmp_path: Path) -> None:
+    """A job with blocks to read from LMDB: the scheduler waits for its lookup only, answers
+    "not yet" while the read runs (held up 0.3 s here), and loads from host once it ended."""
+    import time
+
+    p = prompt(8)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
+        reference = list(first.generate([p], GEN)[0].token_ids)
+    with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
+        engine = llm.engine
+        store = engine.offload.store  # type: ignore[union-attr]
+        stage = store.stage_host
+
+        def slow_stage(keys):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            return stage(keys)
+
+        store.stage_host = slow_stage
+        engine.add_request("slow", p, GEN)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        assert time.perf_counter() - t0 < 0.25  # not held for the read
+        assert all(o.req_id != "slow" for o in outs)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.req_id == "slow":
+                    tokens = list(o.token_ids)
+        kv = llm.kv_stats()
+    assert tokens == reference
+    assert kv["prefetched_blocks"] == 12 and kv["prefetch_used_blocks"] == 12
