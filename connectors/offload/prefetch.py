@@ -53,6 +53,7 @@ class _Job:
     keys: tuple[BlockKey, ...]
     future: Future[None] = field(default_factory=Future)  # resolved when the job ended
     looked_up: threading.Event = field(default_factory=threading.Event)  # decided, or ended
+    waited: bool = False  # the scheduler waited for the lookup once (it never waits twice)
     pinned: tuple[str, ...] = ()  # keys this job holds pinned in the host tier (by the thread)
     spec: LoadSpec | None = None  # the prepared load holding those pins (set by the thread)
     placed: dict[str, str] = field(default_factory=dict)  # read up from a lower tier -> its name
@@ -152,11 +153,14 @@ class Prefetcher:
 
     def wait_lookup(self, req_id: str, timeout_s: float = LOOKUP_WAIT_S) -> str | None:
         """``state`` after waiting up to ``timeout_s`` for the job's lookup (not its read): a
-        job that finds nothing to read is ``DONE`` by then (module docstring)."""
+        job that finds nothing to read is ``DONE`` by then (module docstring). Only the first
+        call for a job waits: a slow remote lookup stalls one step once, not every step."""
         job = self._jobs.get(req_id)
         if job is None:
             return None
-        job.looked_up.wait(timeout_s)
+        if not job.waited:
+            job.waited = True
+            job.looked_up.wait(timeout_s)
         return self.state(req_id)
 
     def state(self, req_id: str) -> str | None:
