@@ -217,6 +217,7 @@ _KERNEL = CKernel(
     "KVTIER_CPU_PREFILL_KERNEL",
 )
 _pool: ThreadPoolExecutor | None = None
+MIN_PART_QUERIES = 32
 
 
 def enabled() -> bool:
@@ -248,7 +249,9 @@ def _parts(
     cut into ranges of equal causal work (query ``t`` reads ``num_keys - num_q + t + 1`` keys)."""
     # two parts a worker (a pool thread takes the next as it finishes: 3 heads on 2 threads)
     per_head = max(1, math.ceil(2 * threads / num_kv_heads)) if threads > 1 else 1
-    per_head = min(per_head, num_q)
+    # each part packs its head's keys again: a short chunk over a long context is split by
+    # heads only (at least MIN_PART_QUERIES queries a part)
+    per_head = max(1, min(per_head, num_q // MIN_PART_QUERIES))
     offset = num_keys - num_q
     total = num_q * (offset + 1) + num_q * (num_q - 1) / 2
     cuts = [0]

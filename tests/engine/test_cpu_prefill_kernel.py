@@ -89,6 +89,10 @@ def test_parts_split_the_causal_work_evenly() -> None:
         work = [sum(t + 1 for t in range(a, b)) for a, b in ranges]
         assert max(work) / min(work) < 1.1
     assert cpu_prefill._parts(4, 10, 10, 1) == [(h, 0, 10) for h in range(4)]
+    # a short chunk over a long context on many threads: split by heads only (each part
+    # packs its head's 8K keys again)
+    assert cpu_prefill._parts(8, 20, 8192, 64) == [(h, 0, 20) for h in range(8)]
+    assert len(cpu_prefill._parts(8, 256, 8192, 64)) == 8 * 8
 
 
 def test_refuses_what_it_cannot_read() -> None:
