@@ -93,9 +93,11 @@ def attach_checked(
 def served(daemon: tuple[CacheServer, HierarchicalStore]) -> Iterator[CacheServer]:
     """Fixture body: yield the daemon, then stop it and close its store."""
     srv, store = daemon
-    yield srv
-    srv.stop()
-    store.close()
+    try:
+        yield srv
+    finally:  # also when the test's body raised: a failed test leaves no daemon running
+        srv.stop()
+        store.close()
 
 
 def check_restart(
