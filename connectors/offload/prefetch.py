@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
         self._reads = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch-read")
+        self._wait_left = LOOKUP_WAIT_S  # this scheduling pass's lookup waits (new_step)
         self._closed = False
 
     def start(
@@ -154,14 +156,23 @@ class Prefetcher:
     def wait_lookup(self, req_id: str, timeout_s: float = LOOKUP_WAIT_S) -> str | None:
         """``state`` after waiting up to ``timeout_s`` for the job's lookup (not its read): a
         job that finds nothing to read is ``DONE`` by then (module docstring). Only the first
-        call for a job waits: a slow remote lookup stalls one step once, not every step."""
+        call for a job waits, and one scheduling pass's calls wait ``LOOKUP_WAIT_S`` in all
+        (``new_step``): a slow remote lookup stalls one step once, by that much at most."""
         job = self._jobs.get(req_id)
         if job is None:
             return None
-        if not job.waited:
+        if not job.waited and self._wait_left > 0:
             job.waited = True
-            job.looked_up.wait(timeout_s)
+            t0 = time.monotonic()
+            job.looked_up.wait(min(timeout_s, self._wait_left))
+            self._wait_left -= time.monotonic() - t0
         return self.state(req_id)
+
+    def new_step(self) -> None:
+        """A scheduling pass ended: the next one may again wait ``LOOKUP_WAIT_S`` in all (a
+        burst of arrivals over a slow remote tier stalls a step by that much, not by that
+        much per request)."""
+        self._wait_left = LOOKUP_WAIT_S
 
     def state(self, req_id: str) -> str | None:
         """``PENDING`` while the request's job runs, ``DONE`` after, None without a job."""

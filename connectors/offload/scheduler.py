@@ -396,6 +396,8 @@ class OffloadScheduler:
             len(r.token_ids) for r in output.requests if len(r.token_ids) > 1 and not r.sample
         )
         self._shared_steps = prefill >= SHARED_STEP_TOKENS
+        if self.prefetcher is not None:
+            self.prefetcher.new_step()
         self._pending_saves = {}
         self._new_loads = []
         self._in_step_this_step = 0

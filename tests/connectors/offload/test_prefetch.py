@@ -200,3 +200,41 @@ def test_a_job_that_reads_is_not_waited_for_past_its_lookup(model_dir: str, tmp_
         kv = llm.kv_stats()
     assert tokens == reference
     assert kv["prefetched_blocks"] == 12 and kv["prefetch_used_blocks"] == 12
+
+
+def test_a_burst_over_a_slow_lookup_stalls_a_step_once_not_per_request(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """40 new prompts at once while each prefetch lookup takes 20 ms (a remote tier's round
+    trip; the admission's own lookup, later, is left fast here): the step they arrive in waits
+    ``LOOKUP_WAIT_S`` in all, not 5 ms per request (200 ms), and every one is answered."""
+    import threading
+    import time
+
+    from connectors.offload.prefetch import LOOKUP_WAIT_S
+
+    cfg = config(tmp_path / "db")
+    cfg["prefetch_budget_blocks"] = 128  # a job for every one of them
+    with make_llm(model_dir, 40, cfg) as llm:
+        engine = llm.engine
+        store = engine.offload.store  # type: ignore[union-attr]
+        lookup = store.lookup
+
+        def slow_lookup(keys):  # type: ignore[no-untyped-def]
+            if threading.current_thread().name.startswith("kvtier-prefetch"):
+                time.sleep(0.02)
+            return lookup(keys)
+
+        store.lookup = slow_lookup
+        for i in range(40):
+            engine.add_request(f"r{i}", prompt(100 + i, 40), GEN)
+        prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
+        assert all(prefetcher.state(f"r{i}") is not None for i in range(40))
+        t0 = time.perf_counter()
+        engine.step()
+        first = time.perf_counter() - t0
+        done = set()
+        while engine.has_unfinished_requests():
+            done |= {o.req_id for o in engine.step() if o.finished}
+    assert first < LOOKUP_WAIT_S * 2 + 0.07, first  # the budget, an empty step's wait, slack
+    assert done == {f"r{i}" for i in range(40)}
