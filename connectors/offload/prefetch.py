@@ -14,8 +14,10 @@ nothing to read (a new prompt, or a prefix too large for the budget), and the sc
 about a request in the very step it arrived, before a background lookup could answer. "Not
 yet" then cost that request a whole step: in the QA run with a 2 GiB host tier over LMDB, new
 prompts waited 31 ms (p50) in the queue against 3 ms without a lower tier. Reads run on their
-own thread, so a job's lookup never queues behind another job's read. The pins are released (``complete_load``) when the request's plan has
-made its own (``release``), or when it finishes first.
+own thread, so a job's lookup never queues behind another job's read.
+
+The pins are released (``complete_load``) when the request's plan has made its own
+(``release``), or when it finishes first.
 
 Bounded: at most ``budget_blocks`` blocks are pinned by prefetches at once; a request whose
 blocks would pass that bound is not prefetched (its admission reads them itself, as before).
