@@ -44,7 +44,9 @@
 # machine (cut at T_LONE=60 once). Three QA modes (off on lossless) with T_QA=140 and
 # T_QA_FIRST_EXTRA=45: 412-468 s with the model written. A first QA mode with a
 # host tier (on, small) on a fresh machine did not finish in T_QA 150 + 45 (twice): put off
-# first, or give the first mode 240.
+# first, or give the first mode 240. On 2026-12-04 (fourteenth session) "off on onestep" with
+# T_QA=140 cut `on` (its 48 GiB tier) before the client's CSV; "off on small" with T_QA=155
+# finished in 432 s: two modes beside off, T_QA >= 155, or two modes with T_QA 200.
 # Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. The device tool hands back only about 8 files a call (the rest are left out as
 # "count"): pick stages so that what matters fits, e.g. QA_MODES of two modes (4 files each).
