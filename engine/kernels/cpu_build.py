@@ -50,6 +50,7 @@ class CKernel:
         self._lock = threading.Lock()
         self._fn: object = None  # the loaded function, or False once building it failed
         self._lib: ctypes.CDLL | None = None
+        self._symbols: dict[str, object] = {}  # symbol_of's typed functions
 
     def _build(self) -> object:
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -95,11 +96,16 @@ class CKernel:
         return self._fn
 
     def symbol_of(self, symbol: str, argtypes: Sequence[object], restype: object) -> object:
-        """Another function of the same library (None where the library is not built)."""
+        """Another function of the same library (None where the library is not built),
+        looked up and typed once (callers may ask on every call)."""
+        fn = self._symbols.get(symbol)
+        if fn is not None:
+            return fn
         if not self.function() or self._lib is None:
             return None
         fn = getattr(self._lib, symbol)
         fn.argtypes, fn.restype = list(argtypes), restype
+        self._symbols[symbol] = fn
         return fn
 
     def available(self) -> bool:

@@ -302,9 +302,10 @@ def prefill_attention(
     workers = torch.get_num_threads() if threads is None else threads
     parts = _parts(num_kv_heads, num_q, num_keys, workers)
 
-    def run(part: tuple[int, int, int]) -> None:
+    def run(part: tuple[int, int, int], scratch: torch.Tensor | None = None) -> None:
         head, first, end = part
-        scratch = torch.empty(floats, dtype=torch.float32)
+        if scratch is None:
+            scratch = torch.empty(floats, dtype=torch.float32)
         fn(  # type: ignore[operator]
             q.data_ptr(),
             q.stride(0),
@@ -327,8 +328,9 @@ def prefill_attention(
         )
 
     if workers <= 1 or len(parts) == 1:
+        scratch = torch.empty(floats, dtype=torch.float32)  # one for the parts in turn
         for part in parts:
-            run(part)
+            run(part, scratch)
     else:
         global _pool
         if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
