@@ -5,7 +5,10 @@ the one credited; pins are all released; a request that leaves first wastes its 
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from engine import SamplingParams
 from tests.connectors.offload.test_connector import SLOT, VOCAB, make_llm
@@ -33,6 +36,19 @@ def config(lmdb: Path, prefetch: bool = True) -> dict:
 def prompt(seed: int, n: int = 200) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def slow_down(store: Any, method: str, seconds: float, thread_prefix: str = "") -> None:
+    """``store.<method>`` takes ``seconds`` longer, on threads whose name starts with
+    ``thread_prefix`` (every thread by default)."""
+    real = getattr(store, method)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith(thread_prefix):
+            time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    setattr(store, method, slow)
 
 
 def host_pins(llm) -> int:  # type: ignore[no-untyped-def]
@@ -97,21 +113,12 @@ def test_a_step_waits_for_a_slow_prefetch_instead_of_spinning(
 ) -> None:
     """While the only waiting request's prefetch runs (LMDB reads held up 0.3 s), the engine's
     empty steps wait on it: a handful of steps, not thousands of spins."""
-    import time
-
     p = prompt(4)
     with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
         first.generate([p], GEN)
     with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
         engine = llm.engine
-        store = engine.offload.store  # type: ignore[union-attr]
-        stage = store.stage_host
-
-        def slow_stage(keys):  # type: ignore[no-untyped-def]
-            time.sleep(0.3)
-            return stage(keys)
-
-        store.stage_host = slow_stage
+        slow_down(engine.offload.store, "stage_host", 0.3)  # type: ignore[union-attr]
         engine.add_request("slow", p, GEN)
         steps, t0 = 0, time.perf_counter()
         while engine.has_unfinished_requests():
@@ -147,19 +154,10 @@ def test_a_new_prompt_with_nothing_below_is_admitted_in_its_first_step(
     """Its prefetch job looks it up, finds nothing to read and ends while the scheduler waits
     for the lookup: the first step computes it (before, "not yet" cost it that step). The
     lookup takes 2 ms here, as under a busy engine: the step's question comes before it ends."""
-    import time
-
     with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
         engine = llm.engine
         prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
-        store = engine.offload.store  # type: ignore[union-attr]
-        lookup = store.lookup
-
-        def slow_lookup(keys):  # type: ignore[no-untyped-def]
-            time.sleep(0.002)
-            return lookup(keys)
-
-        store.lookup = slow_lookup
+        slow_down(engine.offload.store, "lookup", 0.002)  # type: ignore[union-attr]
         engine.add_request("new", prompt(7), GEN)
         assert prefetcher.state("new") is not None  # a job was started for it
         outs = engine.step()
@@ -172,21 +170,12 @@ def test_a_new_prompt_with_nothing_below_is_admitted_in_its_first_step(
 def test_a_job_that_reads_is_not_waited_for_past_its_lookup(model_dir: str, tmp_path: Path) -> None:
     """A job with blocks to read from LMDB: the scheduler waits for its lookup only, answers
     "not yet" while the read runs (held up 0.3 s here), and loads from host once it ended."""
-    import time
-
     p = prompt(8)
     with make_llm(model_dir, 40, config(tmp_path / "db")) as first:
         reference = list(first.generate([p], GEN)[0].token_ids)
     with make_llm(model_dir, 40, config(tmp_path / "db")) as llm:
         engine = llm.engine
-        store = engine.offload.store  # type: ignore[union-attr]
-        stage = store.stage_host
-
-        def slow_stage(keys):  # type: ignore[no-untyped-def]
-            time.sleep(0.3)
-            return stage(keys)
-
-        store.stage_host = slow_stage
+        slow_down(engine.offload.store, "stage_host", 0.3)  # type: ignore[union-attr]
         engine.add_request("slow", p, GEN)
         t0 = time.perf_counter()
         outs = engine.step()
@@ -208,24 +197,13 @@ def test_a_burst_over_a_slow_lookup_stalls_a_step_once_not_per_request(
     """40 new prompts at once while each prefetch lookup takes 20 ms (a remote tier's round
     trip; the admission's own lookup, later, is left fast here): the step they arrive in waits
     ``LOOKUP_WAIT_S`` in all, not 5 ms per request (200 ms), and every one is answered."""
-    import threading
-    import time
-
     from connectors.offload.prefetch import LOOKUP_WAIT_S
 
     cfg = config(tmp_path / "db")
     cfg["prefetch_budget_blocks"] = 128  # a job for every one of them
     with make_llm(model_dir, 40, cfg) as llm:
         engine = llm.engine
-        store = engine.offload.store  # type: ignore[union-attr]
-        lookup = store.lookup
-
-        def slow_lookup(keys):  # type: ignore[no-untyped-def]
-            if threading.current_thread().name.startswith("kvtier-prefetch"):
-                time.sleep(0.02)
-            return lookup(keys)
-
-        store.lookup = slow_lookup
+        slow_down(engine.offload.store, "lookup", 0.02, "kvtier-prefetch")  # type: ignore[union-attr]
         for i in range(40):
             engine.add_request(f"r{i}", prompt(100 + i, 40), GEN)
         prefetcher = engine.offload.scheduler.prefetcher  # type: ignore[union-attr]
