@@ -155,18 +155,18 @@ class Prefetcher:
             self.stats.add(prefetched_blocks=len(placed))
         job.future.set_result(None)
 
-    def wait_lookup(self, req_id: str, timeout_s: float = LOOKUP_WAIT_S) -> str | None:
-        """``state`` after waiting up to ``timeout_s`` for the job's lookup (not its read): a
-        job that finds nothing to read is ``DONE`` by then (module docstring). Only the first
-        call for a job waits, and one scheduling pass's calls wait ``LOOKUP_WAIT_S`` in all
-        (``new_step``): a slow remote lookup stalls one step once, by that much at most."""
+    def wait_lookup(self, req_id: str) -> str | None:
+        """``state`` after waiting for the job's lookup (not its read): a job that finds
+        nothing to read is ``DONE`` by then (module docstring). Only the first call for a job
+        waits, and one scheduling pass's calls wait ``LOOKUP_WAIT_S`` in all (``new_step``):
+        a slow remote lookup stalls one step once, by that much at most."""
         job = self._jobs.get(req_id)
         if job is None:
             return None
         if not job.waited and self._wait_left > 0:
             job.waited = True
             t0 = time.monotonic()
-            job.looked_up.wait(min(timeout_s, self._wait_left))
+            job.looked_up.wait(self._wait_left)
             self._wait_left -= time.monotonic() - t0
         return self.state(req_id)
 
