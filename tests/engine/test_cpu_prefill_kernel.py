@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.kernels import cpu_prefill
 from tests.engine.hf_models import make_tiny_model
+from tests.engine.kernel_ab import greedy_on_and_off
 
 pytestmark = pytest.mark.skipif(not cpu_prefill.enabled(), reason="no C compiler here")
 
@@ -117,22 +118,16 @@ def test_an_engines_greedy_tokens_are_the_same_without_it(
     prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (3, 40, 90)]
     prompts.append([rng.randrange(3, 500) for _ in range(70)])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    calls = []
-    kernel = cpu_prefill.prefill_attention
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_prefill, "prefill_attention", counted)
-    runs, used = [], []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KVTIER_CPU_PREFILL_KERNEL", flag)
-        calls.clear()
-        with LLM(
-            model_dir, device="cpu", dtype="float32", num_gpu_blocks=64, max_num_batched_tokens=32
-        ) as llm:
-            runs.append([list(o.token_ids) for o in llm.generate(prompts, params)])
-        used.append(len(calls))
+    runs, used = greedy_on_and_off(
+        monkeypatch,
+        cpu_prefill,
+        "prefill_attention",
+        "KVTIER_CPU_PREFILL_KERNEL",
+        model_dir,
+        prompts,
+        params,
+        num_gpu_blocks=64,
+        max_num_batched_tokens=32,
+    )
     assert runs[0] == runs[1]
     assert used[0] > 0 and used[1] == 0
