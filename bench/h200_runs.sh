@@ -106,6 +106,8 @@ if [[ "$STAGES" == *,qa,* ]]; then
   # caches, a pinned tier) did not finish within T_QA + T_QA_FIRST_EXTRA twice
   qa_modes=$(for m in ${QA_MODES:-off on}; do echo "$m"; done | awk '$0=="off"{print; next} {rest=rest" "$0} END{print rest}' | xargs)
   for mode in $qa_modes; do
+    # QA_PYSPY_MODES: the modes py-spy samples (QA_PYSPY_S seconds each, third_party_qa.sh)
+    spy_s=""; [[ " ${QA_PYSPY_MODES:-} " == *" $mode "* ]] && spy_s=${QA_PYSPY_S:-40}
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
       on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > "/tmp/qa_$mode.yaml"
@@ -125,7 +127,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     stamp "qa $mode"
     # The first server start of a machine compiles and reads what later ones find cached.
     limit=$(( ${T_QA:-240} + (${#runs[@]} == 0 ? ${T_QA_FIRST_EXTRA:-90} : 0) ))
-    PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
+    QA_PYSPY_S=$spy_s PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
     # the API side of the client's TTFT (template, tokenize, core -> first chunk): sums, counts
     grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|first_text|to_core)"' \
@@ -133,13 +135,15 @@ if [[ "$STAGES" == *,qa,* ]]; then
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.csv" "$OUT_DIR/qa_${mode}.csv" 2>/dev/null
+    cp "/tmp/qa_$mode.pyspy.txt" "$OUT_DIR/qa_${mode}_pyspy.txt" 2>/dev/null
+    tail -n 2 "/tmp/qa_$mode.pyspy.log" 2>/dev/null | tee -a "$S"
     runs+=("$mode=/tmp/qa_$mode.csv"); logs+=(--request-log "$mode=/tmp/qa_$mode.requests.jsonl")
   done
   "$PY" -m bench.qa_rounds "${runs[@]}" "${logs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
   # QA_TAR=1: the client CSVs and request logs as one file (the device hands back ~8 files)
   if [ -n "${QA_TAR:-}" ]; then
-    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl 2>/dev/null) \
-      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_breakdown.json
+    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl qa_*_pyspy.txt 2>/dev/null) \
+      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_breakdown.json "$OUT_DIR"/qa_*_pyspy.txt
   fi
 fi
 if [[ "$STAGES" == *,offload,* ]]; then

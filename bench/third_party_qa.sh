@@ -24,6 +24,14 @@ for _ in $(seq 600); do
   kill -0 $server 2>/dev/null || { echo "third_party_qa: server exited during start-up"; tail -20 "$out.server.log"; exit 1; }
   sleep 1
 done
+# QA_PYSPY_S=N: py-spy (carried in as a wheel; /tmp/site/bin) samples the server and its
+# subprocesses for N seconds, every thread, idle ones too, without pausing them (raw stacks in
+# OUT_PREFIX.pyspy.txt): where the engine's threads spend a run.
+spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
+if [ -n "${QA_PYSPY_S:-}" ] && [ -n "$spy" ]; then
+  (sleep "${QA_PYSPY_DELAY_S:-10}"; "$spy" record --pid $server --subprocesses --threads --idle --nonblocking \
+    --rate 200 --format raw --duration "$QA_PYSPY_S" -o "$out.pyspy.txt" >"$out.pyspy.log" 2>&1) &
+fi
 # shellcheck disable=SC2086
 (cd "$client" && "$PY" multi-round-qa.py $qa_args --model qa --base-url "http://127.0.0.1:$port/v1" \
   --output "$out.csv") >"$out.client.log" 2>&1
