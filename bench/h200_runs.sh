@@ -136,14 +136,19 @@ if [[ "$STAGES" == *,qa,* ]]; then
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.csv" "$OUT_DIR/qa_${mode}.csv" 2>/dev/null
     cp "/tmp/qa_$mode.pyspy.txt" "$OUT_DIR/qa_${mode}_pyspy.txt" 2>/dev/null
+    # the whole /metrics and the server's warnings (a tier's failures, queue drops) for the tarball
+    cp "/tmp/qa_$mode.metrics.txt" "$OUT_DIR/qa_${mode}_metrics.txt" 2>/dev/null
+    grep -E "WARNING|ERROR|Traceback" "/tmp/qa_$mode.server.log" 2>/dev/null | grep -v '"POST /v1/' | head -n 200 \
+      > "$OUT_DIR/qa_${mode}_warnings.txt"
     tail -n 2 "/tmp/qa_$mode.pyspy.log" 2>/dev/null | tee -a "$S"
     runs+=("$mode=/tmp/qa_$mode.csv"); logs+=(--request-log "$mode=/tmp/qa_$mode.requests.jsonl")
   done
   "$PY" -m bench.qa_rounds "${runs[@]}" "${logs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
   # QA_TAR=1: the client CSVs and request logs as one file (the device hands back ~8 files)
   if [ -n "${QA_TAR:-}" ]; then
-    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl qa_*_pyspy.txt 2>/dev/null) \
-      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_breakdown.json "$OUT_DIR"/qa_*_pyspy.txt
+    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl qa_*_pyspy.txt qa_*_metrics.txt qa_*_warnings.txt 2>/dev/null) \
+      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_breakdown.json "$OUT_DIR"/qa_*_pyspy.txt \
+        "$OUT_DIR"/qa_*_metrics.txt "$OUT_DIR"/qa_*_warnings.txt
   fi
 fi
 if [[ "$STAGES" == *,offload,* ]]; then
