@@ -46,7 +46,9 @@
 # host tier (on, small) on a fresh machine did not finish in T_QA 150 + 45 (twice): put off
 # first, or give the first mode 240. On 2026-12-04 (fourteenth session) "off on onestep" with
 # T_QA=140 cut `on` (its 48 GiB tier) before the client's CSV; "off on small" with T_QA=155
-# finished in 432 s: two modes beside off, T_QA >= 155, or two modes with T_QA 200.
+# finished in 432 s: two modes beside off, T_QA >= 155, or two modes with T_QA 200. Fifteenth
+# session: with no JIT cache carried in, the FlashInfer warm-up took 237 s of a fresh machine
+# (carry .fi-cache.tgz); with it, "off on small" at T_QA=165 plus lone ran 466 s.
 # Writes a dozen files at most into OUT_DIR: summary.txt (every stage's last lines) and a JSON or log
 # per stage. The device tool hands back only about 8 files a call (the rest are left out as
 # "count"): pick stages so that what matters fits, e.g. QA_MODES of two modes (4 files each).

@@ -231,10 +231,11 @@ class OffloadConnector:
         )
 
     def save_pending(self) -> None:
-        """Write every block freed since the last step to the host tier now, without waiting
-        for the copies down (an engine going idle: no next step would save them). Call only
-        between steps."""
-        self.worker.save_now(self.scheduler.take_pending_saves())
+        """Write every block freed since the last step to the host tier now, waiting neither
+        for their seals nor for the copies down (an engine going idle: no next step would save
+        them; they are visible once the seal thread is through them). Call only between
+        steps."""
+        self.worker.save_now(self.scheduler.take_pending_saves(), wait=False)
 
     def flush(self) -> None:
         """Write out every block freed since the last step, then wait for demotions and for

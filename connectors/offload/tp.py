@@ -36,6 +36,9 @@ from engine.core_types import KVConnectorOutput
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
 
+# The idle save (``save_pending``) as every rank runs it: copies issued, seals not waited for.
+SAVE_SOON = "save_soon"
+
 
 def head_groups(total: int, rank: int, size: int, group: int) -> list[tuple[int, int]]:
     """The head ranges rank ``rank`` of ``size`` stores, ``group`` heads each (0: its whole
@@ -183,10 +186,10 @@ class GroupedWorker:
             self._from_shadows(list(ids))
         return WorkerReport(finished_loads=merged)
 
-    def save_now(self, saves: tuple[BlockSave, ...]) -> None:
+    def save_now(self, saves: tuple[BlockSave, ...], wait: bool = True) -> None:
         self._to_shadows([s.block_id for s in saves])
         for g, worker in enumerate(self.workers):
-            worker.save_now(self._saves(saves, g))
+            worker.save_now(self._saves(saves, g), wait)
 
     def close(self) -> None:
         for worker in self.workers:
@@ -303,11 +306,11 @@ class TPOffloadConnector:
         saves = self.inner.scheduler.take_pending_saves()
         if self._tp is not None:
             self._tp.command("offload_call", (what, saves))
-        self.inner.worker.save_now(saves)
+        self.inner.worker.save_now(saves, wait=what != SAVE_SOON)
         return saves
 
     def save_pending(self) -> None:
-        self._everywhere("save_now")
+        self._everywhere(SAVE_SOON)
 
     def flush(self) -> None:
         self._everywhere("flush")
@@ -331,7 +334,7 @@ class RankConnector:
         self.worker = inner.worker
 
     def call(self, what: str, saves: tuple[BlockSave, ...]) -> None:
-        self.worker.save_now(saves)
+        self.worker.save_now(saves, wait=what != SAVE_SOON)
         if what == "flush":
             self.inner.store.flush(self.inner.config.drain_timeout_s)
         elif what == "close":

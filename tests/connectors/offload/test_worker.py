@@ -339,6 +339,64 @@ def test_cuda_saves_and_host_fast_path_loads_round_trip(tmp_path: Path) -> None:
         store.close()
 
 
+def test_an_idle_save_on_the_cpu_is_visible_when_it_returns(parts) -> None:
+    """``save_now(wait=False)`` (the engine going idle) seals on the caller's thread on the CPU:
+    the blocks are in the host tier, with valid checksums, when it returns."""
+    from connectors.offload.metadata import BlockSave
+
+    worker, store, cache, _ = parts
+    for b in range(3):
+        cache.tensor[b] = float(b + 2)
+    keys = tuple(f"{PREFIX}/idle{b}" for b in range(3))
+    worker.save_now(tuple(BlockSave(b, k) for b, k in enumerate(keys)), wait=False)
+    assert store.lookup(keys).served_by == (0, 0, 0)
+    assert all(v is not None for v in store.get_many(keys))
+
+
+@pytest.mark.gpu
+def test_an_idle_save_on_cuda_does_not_wait_for_the_seals(tmp_path: Path) -> None:
+    """On CUDA the idle save issues the copies and hands the checksums to the seal thread: it
+    returns before the blocks are sealed (the seal thread steps aside, up to 20 ms a block,
+    while a step's launches hold the gate: held here throughout), and a drain makes them all
+    visible with the bytes the cache held."""
+    from cachestore.launch_gate import STEP_LAUNCHES
+    from connectors.offload.metadata import BlockSave
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    n = 24
+    cache = KVCache(spec, n, "cuda")
+    meta = block_meta(cache, PREFIX)
+    config = parse_tier_config(
+        {"tiers": [{"kind": "host", "capacity": f"{(n + 4) * encoded_size(meta, keyed=True)}B"}]}
+    )
+    store = HierarchicalStore(
+        build_tiers(config, host_slot_bytes=encoded_size(meta, keyed=True)),
+        StoreConfig(namespace=PREFIX, promote_on_get=False),
+    )
+    worker = OffloadWorker(cache, store, meta, load_timeout_s=30.0, stats=OffloadStats())
+    try:
+        for b in range(n):
+            cache.tensor[b] = float(b + 1)
+        keys = tuple(f"{PREFIX}/idle{b}" for b in range(n))
+        STEP_LAUNCHES.hold()
+        try:
+            worker.save_now(tuple(BlockSave(b, k) for b, k in enumerate(keys)), wait=False)
+            visible = len(store.lookup(keys).served_by)
+        finally:
+            STEP_LAUNCHES.release()
+        assert visible < n, visible  # sealing ~20 ms a block behind the held gate
+        worker.save_now((), wait=True)
+        assert store.lookup(keys).served_by == (0,) * n
+        expected = [cache.tensor[b].cpu() for b in range(n)]
+        for b, value in enumerate(store.get_many(keys)):
+            assert value is not None
+            got = torch.frombuffer(bytearray(value), dtype=spec.dtype).view(spec.block_shape)
+            assert torch.equal(got, expected[b])
+    finally:
+        worker.close()
+        store.close()
+
+
 def test_in_step_copies_are_issued_before_an_async_load_listed_first(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
 ) -> None:
