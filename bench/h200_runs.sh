@@ -15,8 +15,8 @@
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
 #   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
 #   with at most one in-step reload a step (the sixth to eighth sessions' default:
-#   mixed_onestep.json) or layer-wise in-step loads (mixed_layered.json); MIXED_VARIANTS="plain
-#   onestep" by default.
+#   mixed_onestep.json) or layer-wise in-step loads (mixed_layered.json) or coalesced loads
+#   (mixed_coalesced.json); MIXED_VARIANTS="plain onestep" by default.
 # - engine: python -m bench.engine --quick on the Llama-3-8B shape beside HF (no regression).
 # - h2d: bench.h2d_pieces, a pair of QA reloads' copies per block (torch, driver) and layer-wise
 #   by the driver (16/8/4/2 layers a copy) beside one contiguous copy (~15 s).
@@ -196,6 +196,7 @@ if [[ "$STAGES" == *,mixed,* ]]; then
       layered) flag=(--layered); name=mixed_layered ;;
       allinstep) flag=(--in-step-loads-per-step 0); name=mixed_allinstep ;;  # the default
       onestep) flag=(--in-step-loads-per-step 1); name=mixed_onestep ;;
+      coalesced) flag=(--coalesced); name=mixed_coalesced ;;  # runs of host slots whole
     esac
     timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
       --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \

@@ -360,6 +360,7 @@ def profile_mixed(
     mode: str = "full",
     layered: bool = False,
     in_step_per_step: int | None = None,
+    coalesced: bool = False,
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -369,7 +370,9 @@ def profile_mixed(
     loaded, not recomputed) for its figures to mean anything. ``layered``: in-step loads land
     layer by layer (``layered_loads: true``), and the mixed arrival is also run with the layer
     copy kernel on a fixed number of looping programs. ``in_step_per_step``: the connector's
-    ``in_step_loads_per_step`` (None: its default)."""
+    ``in_step_loads_per_step`` (None: its default). ``coalesced``: ``coalesced_loads: true``
+    (a run of consecutive host slots moves as one copy into device staging and one scatter, a
+    few copy commands a load where per-block copies queue one a block)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -390,6 +393,8 @@ def profile_mixed(
         offload["layered_loads"] = True
     if in_step_per_step is not None:
         offload["in_step_loads_per_step"] = in_step_per_step
+    if coalesced:
+        offload["coalesced_loads"] = True
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
@@ -401,6 +406,7 @@ def profile_mixed(
         "decoders": decoders,
         "pair": pair,
         "layered": layered,
+        "coalesced": coalesced,
         "in_step_loads_per_step": offload.get("in_step_loads_per_step", 0),
     }
     ids = iter(range(10**6))
@@ -485,7 +491,8 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     parts += [f"pair alone {med([m['alone_pair']])}", f"one alone {med([m['alone_one']])}"]
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
-        f"{m['layered']}, in-step loads a step {m.get('in_step_loads_per_step')}, decode step "
+        f"{m['layered']}, coalesced {m.get('coalesced', False)}, in-step loads a step "
+        f"{m.get('in_step_loads_per_step')}, decode step "
         f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
 
@@ -501,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setup", default="full", help="mixed: tiny runs anywhere (a smoke run)")
     ap.add_argument(
         "--layered", action="store_true", help="mixed: in-step loads land layer by layer"
+    )
+    ap.add_argument(
+        "--coalesced", action="store_true", help="mixed: coalesced_loads (runs of slots whole)"
     )
     ap.add_argument(
         "--in-step-loads-per-step",
@@ -526,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.setup,
                     args.layered,
                     args.in_step_loads_per_step,
+                    args.coalesced,
                 )
             else:
                 res[name] = profile_reload(args.length)
