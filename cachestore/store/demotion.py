@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachestore.launch_gate import STEP_LAUNCHES
+from cachestore.store.inflight import InFlight
 from cachestore.store.metrics import TierHealth, TierStats
 from tiers.base import Evicted, Value
 
@@ -38,9 +39,12 @@ class TierMovers:
         queue_batches: int,
         write: WriteFn,
         on_drop: Callable[[list[str]], None] | None,
+        inflight: InFlight | None = None,
     ) -> None:
-        """Start one worker per tier (``stats[i].name`` names its thread)."""
+        """Start one worker per tier (``stats[i].name`` names its thread). ``inflight``: where
+        queued demotions stay readable until written (``cachestore.store.inflight``)."""
         self._stats = stats
+        self._inflight = inflight
         self._health = health
         self._write = write
         self._on_drop = on_drop
@@ -69,10 +73,14 @@ class TierMovers:
         if len(batch) + present < len(evicted):
             stats.add("demotions_dropped", len(evicted) - len(batch) - present)
         if batch:
+            if self._inflight is not None:  # readable before it can be taken off the queue
+                self._inflight.add(i + 1, batch)
             try:
                 self._queues[i + 1].put_nowait(batch)
             except queue.Full:
                 stats.add("demotions_dropped", len(batch))
+                if self._inflight is not None:
+                    self._inflight.discard(i + 1, batch)
 
     def promote(self, items: list[tuple[str, Value]]) -> None:
         """Queue hits from lower tiers for the top tier. Never blocks. The queue holds the
@@ -119,4 +127,7 @@ class TierMovers:
                 log.exception("store worker for tier %d", i)
                 self._stats[i].add("errors")
             finally:
+                # Written, or passed further down (queued there first): no longer in flight here.
+                if i > 0 and self._inflight is not None and batch is not _STOP:
+                    self._inflight.discard(i, batch)
                 q.task_done()

@@ -50,6 +50,7 @@ from cachestore.store.demotion import TierMovers
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
 from cachestore.store.host_loads import HostLoads
+from cachestore.store.inflight import InFlight
 from cachestore.store.loads import LoadLeases
 from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
@@ -90,6 +91,8 @@ class HierarchicalStore(HostLoads):
             # The host tier evicts what the tier below already holds (write-through) without
             # copying it out: ``tiers.host.HostTier.held_below``.
             self.tiers[0].held_below = self.tiers[1].holds_hint
+        # Demoted blocks queued for a tier and not yet written: read as that tier's.
+        self._inflight = InFlight(len(self.tiers))
         self._start_writers(on_drop)
         self._start_readers()
         self._collector = None
@@ -115,6 +118,7 @@ class HierarchicalStore(HostLoads):
             self.config.queue_batches,
             self._writes.write_back,
             on_drop,
+            self._inflight,
         )
         num_tiers = len(self.tiers)
         policies = list(self.config.write_policies[:num_tiers])
@@ -145,7 +149,12 @@ class HierarchicalStore(HostLoads):
             stage=lambda keys: self.stage_host(keys),
         )
         self._reads = StoreReads(
-            self._tiers, self._host, lambda: self.config, self._movers.promote, self._through.hit
+            self._tiers,
+            self._host,
+            lambda: self.config,
+            self._movers.promote,
+            self._through.hit,
+            self._inflight,
         )
 
     # -- reads ---------------------------------------------------------------------------
@@ -158,7 +167,7 @@ class HierarchicalStore(HostLoads):
         holds the whole prefix, LMDB, Redis and S3 are not asked at all (a lookup sits on the
         scheduler's step path). ``per_tier[i].num_leading`` is what tier i answered to its
         first question (0 when it was never asked)."""
-        return lookup_chain(self._tiers, keys)
+        return lookup_chain(self._tiers, keys, self._inflight)
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Decoded payloads (``None`` = miss), top tier first. Never raises for tier failures.

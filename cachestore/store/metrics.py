@@ -59,6 +59,7 @@ class _Counters:
     # Write policies (cachestore.store.write_through), counted on the tier written to:
     written_through: int = 0  # blocks copied here by a write-through lane
     written_back: int = 0  # blocks demoted here (evicted above) or flushed here at shutdown
+    inflight_hits: int = 0  # reads answered by blocks queued for this tier, not yet written
     write_queue_dropped: int = 0  # blocks not copied: write-through queue full, or shutdown
     write_present: int = 0  # blocks not rewritten: this tier already held them
     placement_skipped: int = 0  # blocks not written here: never worth loading (skip_tiers)
@@ -196,6 +197,9 @@ _EXPORTED = [
     _Metric("promotions", "blocks promoted from this tier to the top", True),
     _Metric("written_through", "blocks copied to this tier by its write-through queue", True),
     _Metric("written_back", "blocks written to this tier on eviction above or at shutdown", True),
+    _Metric(
+        "inflight_hits", "reads answered by blocks queued for this tier, not yet written", True
+    ),
     _Metric("write_queue_dropped", "blocks dropped from a full write-through queue", True),
     _Metric("write_present", "blocks not rewritten because this tier held them", True),
     _Metric("write_queue_depth", "blocks waiting in this tier's write-through queue", False),

@@ -36,9 +36,10 @@ from typing import Any
 from cachestore.codec import CodecError, DecodedBlock, block_key_of, decode_block
 from cachestore.store.guarded_tiers import GuardedTiers
 from cachestore.store.host import HostFastPath
+from cachestore.store.inflight import InFlight
 from cachestore.store.types import LookupResult, StoreConfig, TierLookup
 from tiers.base import Tier, Value, writable_views
-from tiers.buffers import ReadBuffers
+from tiers.buffers import ReadBuffers, copy_into
 
 log = logging.getLogger(__name__)
 _SKIP: Any = object()  # a tier call that did not happen or failed
@@ -63,11 +64,14 @@ class StoreReads:
         config: Callable[[], StoreConfig],
         promote: Promote,
         hit: Callable[[list[str]], None],
+        inflight: InFlight | None = None,
     ) -> None:
         """``config()``: the store's current config (namespace, key scope, promote_on_get);
         ``promote(items)``: queue (key, encoded block) pairs for the top tier, never blocking;
-        ``hit(keys)``: the selective write-through's hit count."""
+        ``hit(keys)``: the selective write-through's hit count; ``inflight``: blocks queued for
+        a tier and not yet written, read as that tier's (``cachestore.store.inflight``)."""
         self._tiers = tiers
+        self._inflight = inflight
         self._host = host
         self._config = config
         self._promote = promote
@@ -98,8 +102,10 @@ class StoreReads:
             wanted = [keys[j] for j in remaining]
             t0 = time.perf_counter()
             values = self._tiers.call(i, _get_many(wanted), _SKIP)
-            if values is _SKIP:
-                continue
+            skipped = values is _SKIP
+            values = self._with_inflight(i, wanted, [] if skipped else values)
+            if skipped and not any(v is not None for v in values):
+                continue  # the tier backs off and nothing is on its way to it
             seconds = time.perf_counter() - t0
             still, corrupt, nbytes, wrong_key = [], [], 0, 0
             for j, value in zip(remaining, values, strict=False):  # a tier's answer
@@ -219,8 +225,10 @@ class StoreReads:
         bufs = [views[j] for j in idx]
         t0 = time.perf_counter()
         got = self._tiers.call(i, lambda t: t.get_many_into(wanted, bufs), _SKIP)
-        if got is _SKIP:
-            return idx
+        skipped = got is _SKIP
+        got = self._into_from_inflight(i, wanted, bufs, [] if skipped else got)
+        if skipped and not any(n is not None for n in got):
+            return idx  # the tier backs off and nothing is on its way to it
         seconds = time.perf_counter() - t0
         still, nbytes, wrong_key, too_big = [], 0, 0, 0
         for j, n in zip(idx, got, strict=False):
@@ -244,6 +252,53 @@ class StoreReads:
         misses = len(still) + too_big
         self._account(i, len(idx) - misses, misses, nbytes, seconds, len(corrupt), wrong_key)
         return still
+
+    def _with_inflight(
+        self, i: int, keys: Sequence[str], values: Sequence[Value | None]
+    ) -> list[Value | None]:
+        """``values`` (tier i's answer) with its misses answered by the blocks queued for tier
+        i (counted ``inflight_hits``); a short answer is padded with misses first."""
+        out = list(values) + [None] * (len(keys) - len(values))
+        if i == 0 or self._inflight is None or not self._inflight.count(i):
+            return out
+        queued = self._inflight.get_many(
+            i, [k for k, v in zip(keys, out, strict=True) if v is None]
+        )
+        found = 0
+        it = iter(queued)
+        for j, v in enumerate(out):
+            if v is None:
+                q = next(it)
+                if q is not None:
+                    out[j] = q
+                    found += 1
+        if found:
+            self._tiers.stats[i].add("inflight_hits", found)
+        return out
+
+    def _into_from_inflight(
+        self, i: int, keys: Sequence[str], bufs: Sequence[memoryview], got: Sequence[int | None]
+    ) -> list[int | None]:
+        """``get_many_into``'s answer of tier i with its misses copied from the blocks queued
+        for tier i, where they fit (a longer one reports its length, as a tier does)."""
+        out = list(got) + [None] * (len(keys) - len(got))
+        if i == 0 or self._inflight is None or not self._inflight.count(i):
+            return out
+        found = 0
+        for j, n in enumerate(out):
+            if n is not None:
+                continue
+            value = self._inflight.get(i, keys[j])
+            if value is None:
+                continue
+            src = memoryview(value).cast("B")
+            if src.nbytes <= bufs[j].nbytes:
+                copy_into(bufs[j], src)
+                found += 1
+            out[j] = src.nbytes
+        if found:
+            self._tiers.stats[i].add("inflight_hits", found)
+        return out
 
     def _copy(
         self,
@@ -303,11 +358,13 @@ def _get_many(keys: Sequence[str]) -> Callable[[Tier], list[Value | None]]:
     return lambda tier: tier.get_many(keys)
 
 
-def lookup_chain(tiers: GuardedTiers, keys: Sequence[str]) -> LookupResult:
+def lookup_chain(
+    tiers: GuardedTiers, keys: Sequence[str], inflight: InFlight | None = None
+) -> LookupResult:
     """``HierarchicalStore.lookup``: which tier serves each block of the longest prefix of
     ``keys`` the tiers hold, each tier asked only from the first block the tiers above it
     lack (``per_tier[i].num_leading``: tier i's answer to its first question, 0 if never
-    asked)."""
+    asked). A block queued for tier i and not yet written (``inflight``) counts as tier i's."""
     num_tiers = len(tiers)
     # known[i] = (start, n): tier i holds keys[start:start+n] and not keys[start+n].
     known: list[tuple[int, int] | None] = [None] * num_tiers
@@ -317,7 +374,7 @@ def lookup_chain(tiers: GuardedTiers, keys: Sequence[str]) -> LookupResult:
         for i in range(num_tiers):
             span = known[i]
             if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
-                n = tiers.call(i, _lookup(keys[p:]), 0)
+                n = _leading(tiers, i, keys, p, inflight)
                 if span is None:
                     first[i] = n
                 span = known[i] = (p, n)
@@ -328,6 +385,24 @@ def lookup_chain(tiers: GuardedTiers, keys: Sequence[str]) -> LookupResult:
             break
     per = tuple(TierLookup(s.name, n) for s, n in zip(tiers.stats, first, strict=True))
     return LookupResult(per_tier=per, served_by=tuple(served))
+
+
+def _leading(
+    tiers: GuardedTiers, i: int, keys: Sequence[str], p: int, inflight: InFlight | None
+) -> int:
+    """How many of ``keys[p:]`` tier i holds from ``p`` on, its queued blocks included."""
+    if i == 0 or inflight is None or not inflight.count(i):
+        return tiers.call(i, _lookup(keys[p:]), 0)
+    n = 0
+    while p + n < len(keys):
+        queued = inflight.leading(i, keys, p + n)
+        held = (
+            tiers.call(i, _lookup(keys[p + n + queued :]), 0) if p + n + queued < len(keys) else 0
+        )
+        if not queued and not held:
+            break
+        n += queued + held
+    return n
 
 
 def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:

@@ -187,6 +187,7 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_kv_tier_promotions_dropped_total", "Promotions dropped (queue full)", _T),
     _c("kvtier_kv_tier_written_through_total", "Blocks copied here by write-through", _T),
     _c("kvtier_kv_tier_written_back_total", "Blocks written here on eviction above or flush", _T),
+    _c("kvtier_kv_tier_inflight_hits_total", "Reads of blocks queued here, not yet written", _T),
     _c("kvtier_kv_tier_write_queue_dropped_total", "Blocks dropped from a full write queue", _T),
     _c("kvtier_kv_tier_write_present_total", "Blocks not rewritten: the tier held them", _T),
     _c(

@@ -86,6 +86,7 @@ _TIER_ROW = {
     "kvtier_kv_tier_promotions_dropped_total": "promotions_dropped",
     "kvtier_kv_tier_written_through_total": "written_through",
     "kvtier_kv_tier_written_back_total": "written_back",
+    "kvtier_kv_tier_inflight_hits_total": "inflight_hits",
     "kvtier_kv_tier_write_queue_dropped_total": "write_queue_dropped",
     "kvtier_kv_tier_write_present_total": "write_present",
     "kvtier_kv_tier_placement_skipped_total": "placement_skipped",
