@@ -97,6 +97,35 @@ def test_a_load_from_two_tiers_reports_each_hop(
     assert bool((cache.tensor[[0, 1, 2, 4, 7]] == 0).all())
 
 
+def test_blocks_on_their_way_to_lmdb_load_into_the_cache(
+    parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
+) -> None:
+    """Saved blocks the 4-slot host tier evicted while LMDB's writer is held: queued for LMDB,
+    written nowhere yet. The scheduler finds them (as LMDB's) and the worker loads them with
+    the bytes that were saved."""
+    from connectors.offload.metadata import BlockSave
+
+    worker, store, cache, _ = parts
+    lmdb = store.tiers[1]
+    keys = [f"{PREFIX}/w{i}" for i in range(7)]
+    blobs = [block(float(i + 1), cache) for i in range(7)]
+    with lmdb._lock:  # LMDB's writer waits
+        for i in range(7):
+            cache.tensor[i] = blobs[i]
+            worker.save_now((BlockSave(i, keys[i]),))
+        assert not any(k in lmdb._index for k in keys)
+        assert store.lookup(keys).served_by == (1, 1, 1, 0, 0, 0, 0)
+        cache.tensor[:7] = 0.0
+        spec = store.prepare_load(keys[:3], HostCheck.for_meta(worker.meta))
+        load = BlockLoad("w", (5, 6, 7), tuple(keys[:3]), 0, ("lmdb",) * 3, spec=spec)
+        worker.start_load_kv(KVConnectorMetadata(loads=(load,), num_scheduled_requests=0))
+        [res] = worker.take_report().finished_loads
+    assert (res.req_id, res.num_loaded_blocks) == ("w", 3)
+    for block_id, expected in zip((5, 6, 7), blobs[:3], strict=True):
+        assert torch.equal(cache.tensor[block_id], expected)
+    assert store.stats()["tiers"][1]["inflight_hits"] >= 3
+
+
 def test_a_short_read_stops_at_the_first_missing_block(
     parts: tuple[OffloadWorker, HierarchicalStore, KVCache, RecordingCostModel],
 ) -> None:
