@@ -10,7 +10,11 @@ run's engine request log (``kvtier serve --request-log``), each later-round row 
 its engine entry (same prompt tokens, the nearest arrival at or after the client's launch) and
 ``client_minus_engine_ms`` gives the client's TTFT less the engine's, p50/p90: the time the
 client sees outside the engine (HTTP, template and tokenizer, the first chunk's way back, the
-client itself), which a TTFT ratio pays on both sides. Prints JSON, then a one-line summary.
+client itself), which a TTFT ratio pays on both sides. ``by_burst`` splits the matched rows by
+whether a first-round request (a new user's whole history to prefill) was sent within
+``BURST_S`` of them: the client sends its users' turns in bursts, and a turn whose first token
+decodes to no text waits for the next step, which in such a burst carries that prompt's long
+chunk. Prints JSON, then a one-line summary.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
+
+BURST_S = 0.05  # a later-round turn and a first round sent this close together: one burst
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -45,11 +51,16 @@ def read_rounds(path: str) -> dict[str, Any]:
 def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[str, Any]:
     """Later-round client rows of ``csv_path`` against their entries in the request log."""
     with open(csv_path, encoding="utf-8", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(float(r["question_id"])) > 1]
+        every = list(csv.DictReader(f))
+    rows = [r for r in every if int(float(r["question_id"])) > 1]
+    firsts = [float(r["launch_time"]) for r in every if int(float(r["question_id"])) == 1]
     with open(log_path, encoding="utf-8") as f:
         entries = [json.loads(line) for line in f if line.strip()]
     free = [e for e in entries if e.get("ttft_s") is not None]
     gaps, engine = [], []
+    split: dict[str, dict[str, list[float]]] = {
+        g: {"client": [], "engine": [], "gap": []} for g in ("with_first_round", "alone")
+    }
     for r in sorted(rows, key=lambda r: float(r["launch_time"])):
         launch, tokens = float(r["launch_time"]), int(float(r["prompt_tokens"]))
         cands = [e for e in free if e["prompt_tokens"] == tokens and e["ts"] >= launch - slack_s]
@@ -59,11 +70,25 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
         free.remove(e)
         gaps.append(float(r["ttft"]) - e["ttft_s"])
         engine.append(e["ttft_s"])
+        burst = any(abs(t - launch) <= BURST_S for t in firsts)
+        group = split["with_first_round" if burst else "alone"]
+        group["client"].append(float(r["ttft"]))
+        group["engine"].append(e["ttft_s"])
+        group["gap"].append(float(r["ttft"]) - e["ttft_s"])
     return {
         "matched": len(gaps),
         "later_rounds": len(rows),
         "engine_ttft_ms": {"p50": _ms(engine, 50), "p90": _ms(engine, 90)},
         "client_minus_engine_ms": {"p50": _ms(gaps, 50), "p90": _ms(gaps, 90)},
+        "by_burst": {
+            g: {
+                "n": len(v["client"]),
+                "client_p50_ms": _ms(v["client"], 50),
+                "engine_p50_ms": _ms(v["engine"], 50),
+                "client_minus_engine_p50_ms": _ms(v["gap"], 50),
+            }
+            for g, v in split.items()
+        },
     }
 
 
@@ -117,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         if eng.get("matched"):
             s += (
                 f" [engine p50 {eng['engine_ttft_ms']['p50']} ms, client - engine p50 "
-                f"{eng['client_minus_engine_ms']['p50']} ms]"
+                f"{eng['client_minus_engine_ms']['p50']} ms"
             )
+            w, a = eng["by_burst"]["with_first_round"], eng["by_burst"]["alone"]
+            if w["n"]:
+                s += (
+                    f"; sent with a first round: n={w['n']} client p50 {w['client_p50_ms']} / "
+                    f"engine {w['engine_p50_ms']} ms, alone: n={a['n']} client p50 "
+                    f"{a['client_p50_ms']} / engine {a['engine_p50_ms']} ms"
+                )
+            s += "]"
         return s
 
     report = {

@@ -65,3 +65,44 @@ def test_later_rounds_are_matched_to_the_engines_request_log(tmp_path: Path) -> 
     # gaps 30, 40 and 20 ms; engine TTFTs 50, 60, 70 ms
     assert engine["client_minus_engine_ms"]["p50"] == 30.0
     assert engine["engine_ttft_ms"]["p50"] == 60.0
+    # no first round was sent near any of them
+    assert engine["by_burst"]["with_first_round"]["n"] == 0
+    assert engine["by_burst"]["alone"]["n"] == 3
+
+
+def test_later_rounds_sent_with_a_first_round_are_reported_apart(tmp_path: Path) -> None:
+    """Two bursts: a pair of later rounds alone, and a pair with a new user's first round sent
+    3 ms after it; each group gets its client and engine p50 and the gap."""
+    rows = [  # prompt_tokens, ttft, question_id, launch_time
+        (6300, 0.060, 2, 10.000),
+        (6310, 0.062, 2, 10.002),
+        (6320, 0.130, 3, 12.000),
+        (6330, 0.134, 3, 12.002),
+        (6086, 0.190, 1, 12.005),
+    ]
+    csv_path = tmp_path / "on.csv"
+    csv_path.write_text(
+        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
+    )
+    entries = [(10.01, 6300, 0.048), (10.01, 6310, 0.050), (12.01, 6320, 0.064)]
+    entries += [(12.01, 6330, 0.066), (12.02, 6086, 0.17)]
+    log = tmp_path / "on.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({"ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n" for ts, p, t in entries
+        )
+    )
+    out = tmp_path / "r.json"
+    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    burst = report["runs"]["on"]["engine"]["by_burst"]
+    assert burst["alone"] == {
+        "n": 2,
+        "client_p50_ms": 60.0,
+        "engine_p50_ms": 48.0,
+        "client_minus_engine_p50_ms": 12.0,
+    }
+    assert burst["with_first_round"]["n"] == 2
+    assert burst["with_first_round"]["engine_p50_ms"] == 64.0
+    assert burst["with_first_round"]["client_minus_engine_p50_ms"] == 66.0
+    assert "sent with a first round: n=2" in report["summary"]
