@@ -86,6 +86,28 @@ def test_head_slices_stored_at_one_degree_load_at_another(
     _exchange(model_dir, _offload(tmp_path, group=1), "lmdb", _prompts(3, 1, 70), first, second)
 
 
+def test_the_idle_save_at_tp2_stores_every_ranks_slice(model_dir: str, tmp_path: Path) -> None:
+    """An engine going idle saves the last request's blocks on every rank (``save_kv``: the
+    copies issued, the seals not waited for); a fresh TP=1 engine then loads the whole prefix,
+    which needs both ranks' head slices."""
+    prompt = _prompts(4, 1, 70)
+    config = _offload(tmp_path, group=1)
+    with _llm(model_dir, 2, 16, config) as llm:
+        engine = llm.engine
+        engine.add_request("r", prompt[0], GREEDY)
+        want: list[list[int]] = []
+        while engine.has_unfinished_requests():
+            want += [list(o.token_ids) for o in engine.step() if o.finished]
+        before = llm.kv_stats()["saved_blocks"]  # the freed blocks wait for a next step
+        engine.save_kv()
+        assert llm.kv_stats()["saved_blocks"] >= before + 4
+    with _llm(model_dir, 1, 16, config) as llm:
+        got = _run(llm, [prompt])
+        kv = llm.kv_stats()
+    assert got == want
+    assert kv["loaded_tokens"] == 64 and kv["recomputed_tokens"] == 0, kv
+
+
 def _exchange(
     model_dir: str, config: dict, tier: str, prompt: list[list[int]], first: int, second: int
 ) -> None:
