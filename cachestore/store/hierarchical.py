@@ -296,6 +296,7 @@ class HierarchicalStore(HostLoads):
         Returns the largest count any one tier reported. Never raises for tier failures."""
         if not keys:
             return 0
+        self._inflight.drop(keys)  # a queued demotion is no longer read (its write may still land)
         return max(self._call(i, lambda t: t.delete_many(keys), 0) for i in range(len(self.tiers)))
 
     def skip_tiers(self, names: Sequence[str]) -> None:

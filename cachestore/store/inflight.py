@@ -43,6 +43,13 @@ class InFlight:
                 if held.get(key) is value:
                     del held[key]
 
+    def drop(self, keys: Sequence[str]) -> None:
+        """Stop reading ``keys`` from any queue (the store deleted them)."""
+        with self._lock:
+            for held in self._by_tier:
+                for key in keys:
+                    held.pop(key, None)
+
     def get(self, tier: int, key: str) -> Value | None:
         with self._lock:
             return self._by_tier[tier].get(key)

@@ -6,6 +6,7 @@ missed it and the engine recomputed a prefix whose bytes were in this process's 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -67,4 +68,30 @@ def test_a_demotion_the_full_queue_dropped_is_not_read(tmp_path: Path) -> None:
     store.flush()
     assert lmdb.lru_keys() == KEYS[:2]
     assert store._inflight.count(1) == 0
+    store.close()
+
+
+def test_a_deleted_block_is_not_read_from_the_queue(tmp_path: Path) -> None:
+    """Deleted from the store while its demotion waits: no longer read from the queue (the
+    queued write itself may still land, as before)."""
+    store = make_store(tmp_path, host_blocks=4, lmdb_blocks=16, promote_on_get=False)
+    _, lmdb = store.tiers
+    gate = threading.Event()
+    put_many = lmdb.put_many
+
+    def held_put_many(items):  # the demotion worker waits here; LMDB itself stays free
+        gate.wait(10)
+        return put_many(items)
+
+    lmdb.put_many = held_put_many
+    try:
+        for i in range(6):
+            store.put_many([(KEYS[i], block(i))])
+        assert store.lookup(KEYS[:2]).served_by == (1, 1)
+        store.delete_many(KEYS[1:2])
+        assert store.lookup(KEYS[:2]).served_by == (1,)
+        assert store.get_many(KEYS[1:2]) == [None]
+    finally:
+        gate.set()
+    store.flush()
     store.close()
