@@ -57,7 +57,6 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
     with open(log_path, encoding="utf-8") as f:
         entries = [json.loads(line) for line in f if line.strip()]
     free = [e for e in entries if e.get("ttft_s") is not None]
-    gaps, engine = [], []
     split: dict[str, dict[str, list[float]]] = {
         g: {"client": [], "engine": [], "gap": []} for g in ("with_first_round", "alone")
     }
@@ -68,13 +67,13 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
             continue
         e = min(cands, key=lambda e: e["ts"])
         free.remove(e)
-        gaps.append(float(r["ttft"]) - e["ttft_s"])
-        engine.append(e["ttft_s"])
         burst = any(abs(t - launch) <= BURST_S for t in firsts)
         group = split["with_first_round" if burst else "alone"]
         group["client"].append(float(r["ttft"]))
         group["engine"].append(e["ttft_s"])
         group["gap"].append(float(r["ttft"]) - e["ttft_s"])
+    gaps = [g for v in split.values() for g in v["gap"]]
+    engine = [t for v in split.values() for t in v["engine"]]
     return {
         "matched": len(gaps),
         "later_rounds": len(rows),

@@ -39,7 +39,7 @@ class TierMovers:
         queue_batches: int,
         write: WriteFn,
         on_drop: Callable[[list[str]], None] | None,
-        inflight: InFlight | None = None,
+        inflight: InFlight,
     ) -> None:
         """Start one worker per tier (``stats[i].name`` names its thread). ``inflight``: where
         queued demotions stay readable until written (``cachestore.store.inflight``)."""
@@ -73,14 +73,12 @@ class TierMovers:
         if len(batch) + present < len(evicted):
             stats.add("demotions_dropped", len(evicted) - len(batch) - present)
         if batch:
-            if self._inflight is not None:  # readable before it can be taken off the queue
-                self._inflight.add(i + 1, batch)
+            self._inflight.add(i + 1, batch)  # readable before it can be taken off the queue
             try:
                 self._queues[i + 1].put_nowait(batch)
             except queue.Full:
                 stats.add("demotions_dropped", len(batch))
-                if self._inflight is not None:
-                    self._inflight.discard(i + 1, batch)
+                self._inflight.discard(i + 1, batch)
 
     def promote(self, items: list[tuple[str, Value]]) -> None:
         """Queue hits from lower tiers for the top tier. Never blocks. The queue holds the
@@ -128,6 +126,6 @@ class TierMovers:
                 self._stats[i].add("errors")
             finally:
                 # Written, or passed further down (queued there first): no longer in flight here.
-                if i > 0 and self._inflight is not None and batch is not _STOP:
+                if i > 0 and batch is not _STOP:  # queue 0 holds promotions
                     self._inflight.discard(i, batch)
                 q.task_done()

@@ -54,11 +54,6 @@ class InFlight:
         with self._lock:
             return self._by_tier[tier].get(key)
 
-    def get_many(self, tier: int, keys: Sequence[str]) -> list[Value | None]:
-        with self._lock:
-            held = self._by_tier[tier]
-            return [held.get(k) for k in keys] if held else [None] * len(keys)
-
     def leading(self, tier: int, keys: Sequence[str], start: int) -> int:
         """How many of ``keys[start:]`` are queued for ``tier``, from ``start`` on."""
         with self._lock:

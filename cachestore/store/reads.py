@@ -64,7 +64,7 @@ class StoreReads:
         config: Callable[[], StoreConfig],
         promote: Promote,
         hit: Callable[[list[str]], None],
-        inflight: InFlight | None = None,
+        inflight: InFlight,
     ) -> None:
         """``config()``: the store's current config (namespace, key scope, promote_on_get);
         ``promote(items)``: queue (key, encoded block) pairs for the top tier, never blocking;
@@ -259,19 +259,13 @@ class StoreReads:
         """``values`` (tier i's answer) with its misses answered by the blocks queued for tier
         i (counted ``inflight_hits``); a short answer is padded with misses first."""
         out = list(values) + [None] * (len(keys) - len(values))
-        if i == 0 or self._inflight is None or not self._inflight.count(i):
+        if not self._inflight.count(i):
             return out
-        queued = self._inflight.get_many(
-            i, [k for k, v in zip(keys, out, strict=True) if v is None]
-        )
         found = 0
-        it = iter(queued)
         for j, v in enumerate(out):
             if v is None:
-                q = next(it)
-                if q is not None:
-                    out[j] = q
-                    found += 1
+                out[j] = self._inflight.get(i, keys[j])
+                found += out[j] is not None
         if found:
             self._tiers.stats[i].add("inflight_hits", found)
         return out
@@ -282,7 +276,7 @@ class StoreReads:
         """``get_many_into``'s answer of tier i with its misses copied from the blocks queued
         for tier i, where they fit (a longer one reports its length, as a tier does)."""
         out = list(got) + [None] * (len(keys) - len(got))
-        if i == 0 or self._inflight is None or not self._inflight.count(i):
+        if not self._inflight.count(i):
             return out
         found = 0
         for j, n in enumerate(out):
@@ -358,9 +352,7 @@ def _get_many(keys: Sequence[str]) -> Callable[[Tier], list[Value | None]]:
     return lambda tier: tier.get_many(keys)
 
 
-def lookup_chain(
-    tiers: GuardedTiers, keys: Sequence[str], inflight: InFlight | None = None
-) -> LookupResult:
+def lookup_chain(tiers: GuardedTiers, keys: Sequence[str], inflight: InFlight) -> LookupResult:
     """``HierarchicalStore.lookup``: which tier serves each block of the longest prefix of
     ``keys`` the tiers hold, each tier asked only from the first block the tiers above it
     lack (``per_tier[i].num_leading``: tier i's answer to its first question, 0 if never
@@ -387,11 +379,9 @@ def lookup_chain(
     return LookupResult(per_tier=per, served_by=tuple(served))
 
 
-def _leading(
-    tiers: GuardedTiers, i: int, keys: Sequence[str], p: int, inflight: InFlight | None
-) -> int:
+def _leading(tiers: GuardedTiers, i: int, keys: Sequence[str], p: int, inflight: InFlight) -> int:
     """How many of ``keys[p:]`` tier i holds from ``p`` on, its queued blocks included."""
-    if i == 0 or inflight is None or not inflight.count(i):
+    if not inflight.count(i):
         return tiers.call(i, _lookup(keys[p:]), 0)
     n = 0
     while p + n < len(keys):

@@ -16,6 +16,29 @@ def write(path: Path, ttfts: list[tuple[int, float]]) -> str:
     return str(path)
 
 
+def run_with_log(
+    tmp_path: Path,
+    rows: list[tuple[int, float, int, float]],
+    entries: list[tuple[float, int, float]],
+) -> Path:
+    """``main`` over one run ``on``: its CSV from ``rows`` (prompt_tokens, ttft, question_id,
+    launch_time) and its request log from ``entries`` (ts, prompt_tokens, ttft_s); the report's
+    path."""
+    csv_path = tmp_path / "on.csv"
+    csv_path.write_text(
+        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
+    )
+    log = tmp_path / "on.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps({"ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n" for ts, p, t in entries
+        )
+    )
+    out = tmp_path / "r.json"
+    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    return out
+
+
 def test_later_rounds_are_compared_with_the_first_run(tmp_path: Path) -> None:
     off = write(tmp_path / "off.csv", [(1, 0.3), (2, 0.2), (3, 0.2), (4, 0.2)])
     on = write(tmp_path / "on.csv", [(1, 0.3), (2, 0.05), (3, 0.05), (4, 0.05)])
@@ -41,10 +64,6 @@ def test_later_rounds_are_matched_to_the_engines_request_log(tmp_path: Path) -> 
         (6300, 0.100, 2, 21.0),
         (6500, 0.090, 3, 30.0),
     ]
-    csv_path = tmp_path / "on.csv"
-    csv_path.write_text(
-        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
-    )
     entries = [  # ts (arrival, after the API's tokenizing), prompt_tokens, ttft_s
         (10.01, 6000, 0.29),
         (21.01, 6300, 0.06),  # the second user's, logged first
@@ -52,14 +71,7 @@ def test_later_rounds_are_matched_to_the_engines_request_log(tmp_path: Path) -> 
         (30.02, 6500, 0.07),
         (40.0, 7000, 0.05),  # nobody's later round
     ]
-    log = tmp_path / "on.jsonl"
-    log.write_text(
-        "".join(
-            json.dumps({"ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n" for ts, p, t in entries
-        )
-    )
-    out = tmp_path / "r.json"
-    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    out = run_with_log(tmp_path, rows, entries)
     engine = json.loads(out.read_text())["runs"]["on"]["engine"]
     assert engine["matched"] == 3 and engine["later_rounds"] == 3
     # gaps 30, 40 and 20 ms; engine TTFTs 50, 60, 70 ms
@@ -80,20 +92,9 @@ def test_later_rounds_sent_with_a_first_round_are_reported_apart(tmp_path: Path)
         (6330, 0.134, 3, 12.002),
         (6086, 0.190, 1, 12.005),
     ]
-    csv_path = tmp_path / "on.csv"
-    csv_path.write_text(
-        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
-    )
     entries = [(10.01, 6300, 0.048), (10.01, 6310, 0.050), (12.01, 6320, 0.064)]
     entries += [(12.01, 6330, 0.066), (12.02, 6086, 0.17)]
-    log = tmp_path / "on.jsonl"
-    log.write_text(
-        "".join(
-            json.dumps({"ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n" for ts, p, t in entries
-        )
-    )
-    out = tmp_path / "r.json"
-    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    out = run_with_log(tmp_path, rows, entries)
     report = json.loads(out.read_text())
     burst = report["runs"]["on"]["engine"]["by_burst"]
     assert burst["alone"] == {
