@@ -124,6 +124,11 @@ def describe_engine(engine: Any) -> str:
     if tp > 1:  # docs/tp.md; the KV cache line below is one rank's
         lines.append(
             f"  tensor par. {tp} ranks, {arch.num_kv_heads} KV heads and the KV cache below on each"
+            + (
+                " (and the host and LMDB capacities: each rank's share)"
+                if engine.kv_connector is not None
+                else ""
+            )
         )
     caching = "on" if engine.config.cache.enable_prefix_caching else "off"
     lines.append(

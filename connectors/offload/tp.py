@@ -14,6 +14,8 @@ What runs where:
 - every other rank (``RankConnector``, built by ``create_rank_connector`` from what rank 0
   sends): its own store (its own host slab, the lower tiers shared) and a worker per group,
   renaming each key to its group's prefix.
+- Capacities are the machine's: each rank's host slab and LMDB bound are ``1/size`` of the
+  config's (``tiers.config.process_share``), as its slices are ``1/size`` of a block.
 - A load counts once every rank and group finished it, as the fewest blocks any of them
   loaded (``LoadMerger``): a block is present only when all its slices are. Host loads are
   asynchronous here (no in-step loads: their slab offsets are rank 0's), and no prefetch.
@@ -35,6 +37,7 @@ from connectors.offload.worker import OffloadWorker, block_meta
 from engine.core_types import KVConnectorOutput
 from engine.kv_cache import KVCache
 from engine.kv_connector import CalibrationTarget
+from tiers.config import process_share
 
 # The idle save (``save_pending``) as every rank runs it: copies issued, seals not waited for.
 SAVE_SOON = "save_soon"
@@ -281,10 +284,16 @@ def _build(
     return inner, grouped
 
 
-def _tp_config(config: OffloadConfig, rank: int) -> OffloadConfig:
-    # Only rank 0 calibrates (its prefills run on every rank through the driver).
+def _tp_config(config: OffloadConfig, rank: int, size: int) -> OffloadConfig:
+    """Rank ``rank``'s config: its share of the machine's host memory and LMDB capacity
+    (``tiers.config.process_share``: each rank holds its own slices, so the machine holds
+    what the file says); only rank 0 calibrates (its prefills run on every rank)."""
     return dataclasses.replace(
-        config, in_step_host_loads=False, prefetch=False, calibrate=config.calibrate and rank == 0
+        config,
+        tiers=process_share(config.tiers, size),
+        in_step_host_loads=False,
+        prefetch=False,
+        calibrate=config.calibrate and rank == 0,
     )
 
 
@@ -362,7 +371,7 @@ def create_tp_connector(
         tp.command("offload", ("offload", (config, namespace, total)))
         tp.offload_ranks = True
     inner, grouped = _build(
-        cls, _tp_config(config, 0), kv_cache, namespace, calibration, 0, size, total
+        cls, _tp_config(config, 0, size), kv_cache, namespace, calibration, 0, size, total
     )
     return TPOffloadConnector(inner, grouped, tp)
 
@@ -371,5 +380,7 @@ def create_rank_connector(
     cls: Any, spec: tuple[OffloadConfig, Namespace, int], kv_cache: KVCache, rank: int, size: int
 ) -> RankConnector:
     config, namespace, total = spec
-    inner, _ = _build(cls, _tp_config(config, rank), kv_cache, namespace, None, rank, size, total)
+    inner, _ = _build(
+        cls, _tp_config(config, rank, size), kv_cache, namespace, None, rank, size, total
+    )
     return RankConnector(inner)

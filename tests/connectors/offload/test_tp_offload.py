@@ -1,6 +1,7 @@
 """The offload connector under tensor parallelism, on CPU (gloo, 2 ranks): outputs at TP=2 with
 offload equal TP=1 without, and KV blocks stored as head slices (``kv_head_group: 1``) are
-loaded, not recomputed, by an engine at the other degree, through LMDB."""
+loaded, not recomputed, by an engine at the other degree, through LMDB; the ranks split the
+machine's host and LMDB capacity."""
 
 from __future__ import annotations
 
@@ -188,3 +189,66 @@ def test_the_cache_server_serves_head_slices_to_either_degree(
             "tiers": [{"kind": "host", "capacity": f"{8 * 20000}B"}, {**remote, "timeout_s": 10}],
         }
         _exchange(model_dir, config, "remote", _prompts(4, 1, 70), first, second)
+
+
+def test_the_ranks_of_a_machine_split_its_host_and_lmdb_capacity(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """At TP=2 the config's capacities are the machine's: each rank's host slab is half the
+    host capacity and holds as many blocks as the TP=1 slab (its slices are half a block),
+    and the LMDB directory both ranks write stays within the LMDB capacity, both ranks'
+    slices together (before, each rank took the whole of both: twice the memory and disk)."""
+    lmdb_cap = 200_000
+    config = _offload(tmp_path, host_blocks=12)
+    config["tiers"][1]["capacity"] = f"{lmdb_cap}B"
+    host_cap = 12 * 20000
+    slots = {}
+    for tp in (1, 2):
+        with _llm(model_dir, tp, 16, config) as llm:
+            host = llm.engine.kv_connector.store.tiers[0]  # rank 0's
+            slots[tp] = host.num_slots
+            assert host.usage().capacity_bytes <= host_cap // tp
+            if tp == 2:
+                # Ten 4-block prompts: 80 slices of ~4.2 kB, more than the LMDB capacity.
+                for seed in range(10):
+                    _run(llm, [_prompts(100 + seed, 1, 70)])
+                llm.engine.flush_kv()
+    assert slots[2] == slots[1], slots
+    import lmdb
+
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, readonly=True, lock=False)
+    try:
+        blocks = env.open_db(b"blocks", create=False)
+        with env.begin(db=blocks) as txn:
+            sizes = [len(v) for _, v in txn.cursor()]
+            heads = {k.split(b"/")[0] for k, _ in txn.cursor()}
+    finally:
+        env.close()
+    assert len(heads) == 2, heads  # both ranks' slices are there
+    assert sum(sizes) <= lmdb_cap, (sum(sizes), lmdb_cap)
+
+
+def test_the_share_of_a_tier_stack() -> None:
+    from tiers.config import (
+        HostTierConfig,
+        LmdbTierConfig,
+        RedisTierConfig,
+        TierStackConfig,
+        process_share,
+    )
+
+    stack = TierStackConfig(
+        tiers=(
+            HostTierConfig(capacity=48 << 30),
+            LmdbTierConfig(path="/tmp/x", capacity=64 << 30),
+            RedisTierConfig(capacity=8 << 30),
+        )
+    )
+    assert process_share(stack, 1) is stack
+    host, lmdb_cfg, redis = process_share(stack, 4).tiers
+    assert isinstance(host, HostTierConfig) and host.capacity == 12 << 30
+    assert isinstance(lmdb_cfg, LmdbTierConfig) and lmdb_cfg.capacity == 16 << 30
+    # The shared directory's map still holds the whole capacity (LmdbTier's map size).
+    whole = (64 << 30) * 1.25
+    assert lmdb_cfg.capacity * (1 + lmdb_cfg.map_headroom) >= whole - 1
+    assert redis == stack.tiers[2]  # one server bounds every rank's entries
