@@ -8,6 +8,9 @@ happens afterwards, so a full tier never fragments and never grows.
 - LRU: ``lookup``, ``get_many`` and ``put_many`` refresh recency. When no slot is free, ``put_many``
   evicts the least recently used *unpinned, committed* entry and returns it (with a copy of its
   bytes, since the slot is reused at once) so the store can demote it.
+- Re-saves: an entry the tier below held when it came in is marked, and so is any entry read
+  since (``get_many``, ``locate``); ``resave_outcomes`` counts the marked entries evicted and
+  those of them never read (``cachestore.store.resave`` turns re-saving off on it).
 - Pins: ``pin``/``unpin`` are counted; a pinned entry is never evicted, deleted or overwritten.
   The store pins between ``prepare_load`` and ``complete_load``.
 - Zero copy: ``get_many`` returns memoryviews into the slab. A view stays valid while its entry
@@ -46,6 +49,8 @@ class _Entry:
     nbytes: int
     pins: int = 0
     committed: bool = True
+    below: bool = False  # the tier below held it when it came in (a re-save)
+    read: bool = False  # read since (get_many, locate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,8 @@ class HostTier(Tier):
         # copying its bytes out: the copy would only be dropped there as already present,
         # and it ran on the caller's thread (the engine's, for a save's ``reserve``).
         self.held_below: Callable[[str], bool] | None = None
+        self._resaved_evicted = 0  # ``resave_outcomes``
+        self._resaved_unread = 0
         self._lock = Lock()
 
     @classmethod
@@ -150,6 +157,7 @@ class HostTier(Tier):
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
+                entry.read = True
                 start = entry.slot * self.slot_bytes
                 out.append(self._slab[start : start + entry.nbytes])
         return out
@@ -275,6 +283,7 @@ class HostTier(Tier):
                     continue
                 self._entries.move_to_end(key)
                 entry.pins += pin
+                entry.read = True
                 out.append(start)
         return out
 
@@ -305,6 +314,7 @@ class HostTier(Tier):
                 entry.nbytes = nbytes
             entry.committed = True
             entry.pins += pin
+            entry.below = entry.below and not pin  # pinned: a load staging it, not a save
             self._entries.move_to_end(key)
             return True
 
@@ -319,6 +329,12 @@ class HostTier(Tier):
         """Pins held over all entries (tests and diagnostics: 0 when no reader holds one)."""
         with self._lock:
             return sum(e.pins for e in self._entries.values())
+
+    def resave_outcomes(self) -> tuple[int, int]:
+        """Entries evicted so far that the tier below held when they came in (re-saves), and
+        how many of them were never read here (``cachestore.store.resave``)."""
+        with self._lock:
+            return self._resaved_evicted, self._resaved_unread
 
     def available_slots(self) -> int:
         """Slots a write could take now: free ones plus committed, unpinned entries."""
@@ -345,7 +361,8 @@ class HostTier(Tier):
         if not self._free and not self._evict_one(evicted):
             self.num_full_skipped += 1
             return None
-        entry = _Entry(slot=self._free.pop(), nbytes=nbytes, committed=committed)
+        below = self._is_held_below(key)
+        entry = _Entry(slot=self._free.pop(), nbytes=nbytes, committed=committed, below=below)
         self._entries[key] = entry
         self._used_bytes += nbytes
         return entry
@@ -353,6 +370,9 @@ class HostTier(Tier):
     def _evict_one(self, evicted: list[Evicted]) -> bool:
         for key, entry in self._entries.items():
             if entry.committed and not entry.pins:
+                if entry.below:
+                    self._resaved_evicted += 1
+                    self._resaved_unread += not entry.read
                 if self._is_held_below(key):
                     evicted.append(Evicted(key, None, held_below=True))
                 else:

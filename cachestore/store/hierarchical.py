@@ -57,6 +57,7 @@ from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
 from cachestore.store.reads import StoreReads, lookup_chain
 from cachestore.store.types import LookupResult, StoreConfig, TierLookup, WritePolicy
+from cachestore.store.resave import ResaveGate
 from cachestore.store.write_through import DrainReport, WriteThrough
 from cachestore.store.writes import TierWrites, flush_on_shutdown
 from tiers.base import Tier, TierUsage, Value
@@ -87,10 +88,14 @@ class HierarchicalStore(HostLoads):
         self._stats = self._tiers.stats
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
+        self._resave: ResaveGate | None = None
         if len(self.tiers) > 1 and hasattr(self.tiers[0], "held_below"):
             # The host tier evicts what the tier below already holds (write-through) without
             # copying it out: ``tiers.host.HostTier.held_below``.
             self.tiers[0].held_below = self.tiers[1].holds_hint
+            outcomes = getattr(self.tiers[0], "resave_outcomes", None)
+            if callable(outcomes):
+                self._resave = ResaveGate(outcomes)
         # Demoted blocks queued for a tier and not yet written: read as that tier's.
         self._inflight = InFlight(len(self.tiers))
         self._start_writers(on_drop)
@@ -290,6 +295,19 @@ class HierarchicalStore(HostLoads):
             return max(written, 0)
         finally:
             self._pins.release_writes(mine)
+
+    def worth_saving(self, keys: Sequence[str]) -> list[str]:
+        """``keys`` less the blocks a lower tier holds while the top tier evicts such re-saved
+        blocks unread (``cachestore.store.resave``): saving those again into the top tier
+        costs a copy and a checksum and evicts another block for nothing. Counted
+        ``resave_bypassed`` on the top tier. Order kept."""
+        if self._resave is None or not keys:
+            return list(keys)
+        lower = self.tiers[1:]
+        out = self._resave.filter(keys, lambda k: any(t.holds_hint(k) for t in lower))
+        if len(out) < len(keys):
+            self._stats[0].add("resave_bypassed", len(keys) - len(out))
+        return out
 
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete ``keys`` from every tier (pinned entries stay where a tier keeps pins).

@@ -38,6 +38,7 @@ COUNTERS = (
     "write_queue_dropped",
     "write_present",
     "placement_skipped",
+    "resave_bypassed",
 )
 
 
@@ -63,6 +64,7 @@ class _Counters:
     write_queue_dropped: int = 0  # blocks not copied: write-through queue full, or shutdown
     write_present: int = 0  # blocks not rewritten: this tier already held them
     placement_skipped: int = 0  # blocks not written here: never worth loading (skip_tiers)
+    resave_bypassed: int = 0  # blocks a lower tier held not saved here again (store.resave)
     read_latency_s: float = 0.0  # EWMA of one get_many call
     read_bandwidth_bps: float = 0.0  # EWMA of bytes / second of get_many calls that moved bytes
     write_bandwidth_bps: float = 0.0
@@ -202,6 +204,9 @@ _EXPORTED = [
     ),
     _Metric("write_queue_dropped", "blocks dropped from a full write-through queue", True),
     _Metric("write_present", "blocks not rewritten because this tier held them", True),
+    _Metric(
+        "resave_bypassed", "blocks a lower tier held, not saved here again (evicted unread)", True
+    ),
     _Metric("write_queue_depth", "blocks waiting in this tier's write-through queue", False),
     _Metric("read_latency_s", "EWMA latency of one batched read, seconds", False),
     _Metric("read_bandwidth_bps", "EWMA read bandwidth, bytes per second", False),

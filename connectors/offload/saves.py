@@ -1,7 +1,8 @@
 """The offload worker's save path: GPU blocks straight into host-tier slots.
 
 Per step (engine thread): ``start(saves, reuse)`` before the forward drops keys the store holds
-or another caller is storing (``prepare_store``), reserves one host slot per block
+or another caller is storing (``prepare_store``), and blocks a lower tier holds while saving
+them again does not pay (``worth_saving``: ``cachestore.store.resave``), reserves one host slot per block
 (``store.reserve_host``: evictions go to the demotion queue), writes each slot's codec header
 (``header_bytes``, a few dozen bytes) on the CPU, and copies the payloads into the slots:
 CUDA: one ``index_select`` of the blocks on a side stream (after the compute stream's earlier
@@ -92,7 +93,9 @@ class HostSaver:
         if self._pending is not None:  # the last step raised before end_step: finish it
             self.end_step()
         t0 = time.perf_counter()
-        fresh = set(self.store.prepare_store([s.key for s in saves]))
+        # Blocks a lower tier holds may not be worth saving again (cachestore.store.resave).
+        wanted = self.store.worth_saving([s.key for s in saves])
+        fresh = set(self.store.prepare_store(wanted))
         todo: dict[str, int] = {}
         for s in saves:
             if s.key in fresh and s.key not in todo:

@@ -191,6 +191,11 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_kv_tier_write_queue_dropped_total", "Blocks dropped from a full write queue", _T),
     _c("kvtier_kv_tier_write_present_total", "Blocks not rewritten: the tier held them", _T),
     _c(
+        "kvtier_kv_tier_resave_bypassed_total",
+        "Blocks a lower tier held, not saved here again: such re-saves were evicted unread",
+        _T,
+    ),
+    _c(
         "kvtier_kv_tier_placement_skipped_total",
         "Blocks not demoted here: no prefix would be worth loading from it",
         _T,

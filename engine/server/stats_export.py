@@ -90,6 +90,7 @@ _TIER_ROW = {
     "kvtier_kv_tier_write_queue_dropped_total": "write_queue_dropped",
     "kvtier_kv_tier_write_present_total": "write_present",
     "kvtier_kv_tier_placement_skipped_total": "placement_skipped",
+    "kvtier_kv_tier_resave_bypassed_total": "resave_bypassed",
     "kvtier_kv_tier_write_queue_blocks": "write_queue_depth",
     "kvtier_kv_tier_mover_queue_batches": "queue_batches",
     "kvtier_kv_tier_consecutive_failures": "consecutive_failures",

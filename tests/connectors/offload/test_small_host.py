@@ -56,3 +56,31 @@ def test_a_small_host_tier_over_lmdb_serves_later_turns_from_lmdb(
     # LMDB held every evicted block already (write-through): nothing copied down or dropped.
     assert lmdb["written_back"] == 0 and host["demotions_dropped"] == 0
     assert lmdb["write_present"] >= host["evictions"]
+
+
+def test_blocks_reloaded_from_lmdb_are_not_saved_into_the_small_host_tier_again(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """The engine frees each reloaded history's blocks after the turn; LMDB holds them, and
+    the host tier (about two histories) would evict them before that user's next turn. Once
+    a window of such re-saves went out unread, they are no longer saved (the copies, the
+    checksums, the evictions of fresher blocks), counted ``resave_bypassed``; every new block
+    is still saved, and the outputs and loads are those of the engine without offload."""
+    want = take_turns(make_llm(model_dir, 16))
+    config = {
+        "decision": "load",
+        "calibrate": False,
+        "tiers": [
+            {"kind": "host", "capacity": f"{16 * SLOT}B"},
+            {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"},
+        ],
+    }
+    with make_llm(model_dir, 16, config) as llm:
+        got = take_turns(llm)
+        llm.engine.flush_kv()
+        kv = llm.kv_stats()
+    assert got == want
+    rows = {r["name"]: r for r in kv["store"]["tiers"]}
+    host, lmdb = rows["host"], rows["lmdb"]
+    assert host["resave_bypassed"] > 0
+    assert lmdb["written_through"] > 0 and kv["recomputed_tokens"] == 0
