@@ -56,8 +56,8 @@ from cachestore.store.metrics import register_prometheus
 from cachestore.store.pins import StorePins
 from cachestore.store.prober import TierProber
 from cachestore.store.reads import StoreReads, lookup_chain
-from cachestore.store.types import LookupResult, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.resave import ResaveGate
+from cachestore.store.types import LookupResult, StoreConfig, TierLookup, WritePolicy
 from cachestore.store.write_through import DrainReport, WriteThrough
 from cachestore.store.writes import TierWrites, flush_on_shutdown
 from tiers.base import Tier, TierUsage, Value
