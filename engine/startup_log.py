@@ -125,7 +125,7 @@ def describe_engine(engine: Any) -> str:
         lines.append(
             f"  tensor par. {tp} ranks, {arch.num_kv_heads} KV heads and the KV cache below on each"
             + (
-                " (and the host and LMDB capacities: each rank's share)"
+                " (and the host tier's capacity: each rank's share)"
                 if engine.kv_connector is not None
                 else ""
             )

@@ -197,29 +197,21 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
 def process_share(config: TierStackConfig, processes: int) -> TierStackConfig:
     """``config`` as one of ``processes`` processes of one machine that split it between them
     (the ranks of a tensor-parallel engine, each storing its own head slice of every block):
-    the tiers each process holds apart get ``1/processes`` of their ``capacity``, so the
-    machine holds what the file says, not ``processes`` times it.
-
-    - host: its pinned slab is ``capacity / processes`` (its slices are that much smaller, so
-      it holds as many blocks as the whole capacity at one process);
-    - lmdb: each process's LRU is bounded at ``capacity / processes`` of the one shared
-      directory, whose map stays sized for the whole capacity (``map_headroom`` scaled);
-    - redis, s3, remote: unchanged (one server bounds everyone's entries).
-    """
+    the host tier, which each process allocates for itself, gets ``1/processes`` of its
+    ``capacity``; its slices being that much smaller, it holds as many blocks as the whole
+    capacity at one process, and the machine holds what the file says, not ``processes``
+    times it. The other tiers are unchanged: an LMDB directory counts every process's bytes
+    against its one capacity (``tiers.lmdb``), and Redis, S3 and the cache server are bounded
+    by their server."""
     if processes <= 1:
         return config
-    out: list[TierConfig] = []
-    for cfg in config.tiers:
-        if isinstance(cfg, HostTierConfig):
-            cfg = dataclasses.replace(cfg, capacity=cfg.capacity // processes)
-        elif isinstance(cfg, LmdbTierConfig):
-            # map = share * (1 + h') + 64 MiB >= capacity * (1 + h) + 64 MiB
-            headroom = processes * (1.0 + cfg.map_headroom) - 1.0
-            cfg = dataclasses.replace(
-                cfg, capacity=cfg.capacity // processes, map_headroom=headroom
-            )
-        out.append(cfg)
-    return TierStackConfig(tiers=tuple(out))
+    tiers = tuple(
+        dataclasses.replace(cfg, capacity=cfg.capacity // processes)
+        if isinstance(cfg, HostTierConfig)
+        else cfg
+        for cfg in config.tiers
+    )
+    return TierStackConfig(tiers=tiers)
 
 
 def check_resources(

@@ -18,7 +18,18 @@
   memoryviews valid for as long as the caller holds them. ``get_many_into`` copies straight
   from the map into the caller's buffers. ``lookup`` answers from the in-memory index.
 - Pins (``pin``/``unpin``, counted) keep entries from eviction, as in the host tier.
-- Every ``lmdb.Error`` becomes ``TierError``. One process per ``path``: the index is per process.
+- Several processes (engines of one machine on the default directory, the ranks of a
+  tensor-parallel engine) may open one ``path``. The capacity is the directory's: its byte
+  count (``meta`` sub-database, key ``USED``) changes in the same write transactions as the
+  blocks, and a writer evicts its own least recent entries until the directory, every
+  process's blocks together, fits (a victim another process already deleted frees nothing and
+  leaves the index; a writer with no victim left takes the blocks others wrote since it opened
+  in as its least recent). Each process's index holds what it wrote, what was there when it opened,
+  and what it found since: ``lookup`` and ``contains_many`` ask the directory for the keys the
+  index lacks (one read transaction), so an engine finds another's blocks without a restart;
+  a read that misses an indexed key (another process evicted it) drops it from the index.
+  Recency sequences are per process, so the order rebuilt on open mixes them.
+- Every ``lmdb.Error`` becomes ``TierError``.
 
 Thread-safe.
 """
@@ -34,7 +45,7 @@ from typing import Any
 
 from tiers.base import Evicted, Tier, TierUsage, Value, writable_views
 from tiers.buffers import ReadBuffers, copy_into
-from tiers.lmdb_writer import SEQ, STOP, LmdbWriter, WriteOp, guard
+from tiers.lmdb_writer import SEQ, STOP, USED, LmdbWriter, WriteOp, guard
 
 _DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if the lock is free)
 
@@ -76,7 +87,7 @@ class LmdbTier(LmdbWriter, Tier):
             self._env = lmdb.open(
                 self.path,
                 map_size=map_size,
-                max_dbs=2,
+                max_dbs=3,
                 sync=sync,
                 metasync=sync,
                 readahead=False,
@@ -85,12 +96,17 @@ class LmdbTier(LmdbWriter, Tier):
             )
             self._blocks = self._env.open_db(b"blocks")
             self._recency = self._env.open_db(b"recency")
+            self._meta = self._env.open_db(b"meta")  # the directory's byte count (USED)
         self._lock = threading.Lock()  # guards the index, dirty recency and _seq (pins: _pin_lock)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._pins: dict[str, int] = {}
         self._pin_lock = threading.Lock()  # guards _pins' counts (see pin)
         self._dirty: dict[str, int] = {}  # key -> seq not yet written to ``recency``
-        self._used_bytes = 0
+        self._used_bytes = 0  # the directory's value bytes, every process's (meta USED)
+        # Keys another process wrote, found on disk by a lock-free ``lookup`` (key -> size):
+        # answered at once, folded into the index by the writer, which holds the lock.
+        self._adopted: dict[str, int] = {}
+        self._gone: deque[str] = deque()  # indexed keys a read found missing (another process)
         self._seq = 0
         self._hits: deque[str] = deque()  # read hits not yet applied to the index (lock-free)
         self._buffers = ReadBuffers(max_idle_bytes=read_buffer_bytes)
@@ -137,8 +153,15 @@ class LmdbTier(LmdbWriter, Tier):
         for seq, key in sorted(missing + order):
             if key in sizes:
                 self._index[key] = sizes[key]
-                self._used_bytes += sizes[key]
                 self._seq = max(self._seq, seq)
+        with guard("open", self.path), self._env.begin(write=True, buffers=True) as txn:
+            raw = txn.get(USED, db=self._meta)
+            if raw is None:  # a directory from before the counter: count it once
+                used = sum(len(v) for _, v in txn.cursor(db=self._blocks))
+                txn.put(USED, SEQ.pack(used), db=self._meta)
+            else:
+                used = SEQ.unpack(raw)[0]
+        self._used_bytes = used
 
     # -- Tier protocol -------------------------------------------------------------------
 
@@ -149,24 +172,54 @@ class LmdbTier(LmdbWriter, Tier):
         the write in progress: a key it evicts may still count, and its read then misses
         (that block and the rest are recomputed). Recency is refreshed through the hit queue,
         which the writer applies before it chooses what to evict."""
-        index = self._index
+        index, adopted = self._index, self._adopted
         n = 0
         for key in keys:
-            if key not in index:  # one dict lookup: atomic under the GIL
+            if key not in index and key not in adopted:  # dict lookups: atomic under the GIL
                 break
             n += 1
+        if n < len(keys):  # another process may have written the rest: one read transaction
+            n += self._adopt_from_disk(keys[n:])
         self._queue_hits(keys[:n])
         return n
 
+    def _adopt_from_disk(self, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` the directory holds though this process's index does not
+        (another process wrote them); they are answered from ``_adopted`` from now on."""
+        n = 0
+        with guard("lookup", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key in keys:
+                buf = txn.get(key.encode())
+                if buf is None:
+                    break
+                self._adopted[key] = len(buf)
+                n += 1
+        return n
+
     def holds_hint(self, key: str) -> bool:
-        """From the in-memory index without the lock (the writer holds it for a whole write
-        transaction): one dict lookup, atomic under the GIL, stale by at most that write."""
-        return key in self._index
+        """From memory without the lock (the writer holds it for a whole write transaction):
+        dict lookups, atomic under the GIL, stale by at most that write (and by what another
+        process wrote since this one last looked)."""
+        return key in self._index or key in self._adopted
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """From the in-memory index (committed entries only); recency is not refreshed."""
+        """From the in-memory index, then the directory for the keys it lacks (another
+        process's writes, adopted into the index); recency is not refreshed."""
         with self._lock:
-            return [key in self._index for key in keys]
+            self._fold_adopted()
+            out = [key in self._index for key in keys]
+            absent = [i for i, here in enumerate(out) if not here]
+            if absent:
+                with (
+                    guard("contains", self.path),
+                    self._env.begin(db=self._blocks, buffers=True) as txn,
+                ):
+                    for i in absent:
+                        buf = txn.get(keys[i].encode())
+                        if buf is not None:
+                            self._index[keys[i]] = len(buf)
+                            out[i] = True
+            return out
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Memoryviews into one recycled buffer per call (one copy out of the map), valid for
@@ -205,8 +258,15 @@ class LmdbTier(LmdbWriter, Tier):
         return lengths
 
     def _note_hits(self, keys: Sequence[str], found: Sequence[object]) -> None:
-        """``_queue_hits`` of the keys whose value was found."""
+        """``_queue_hits`` of the keys whose value was found; indexed keys that were not (another
+        process deleted them) leave the index at the next write."""
         self._queue_hits([k for k, v in zip(keys, found, strict=True) if v is not None])
+        index, adopted = self._index, self._adopted
+        self._gone.extend(
+            k
+            for k, v in zip(keys, found, strict=True)
+            if v is None and (k in index or k in adopted)
+        )
 
     def _queue_hits(self, keys: Sequence[str]) -> None:
         """Queue the keys' recency refresh; apply the queue here only if nobody holds the lock."""
@@ -216,6 +276,16 @@ class LmdbTier(LmdbWriter, Tier):
                 self._apply_hits()
             finally:
                 self._lock.release()
+
+    def _fold_adopted(self) -> None:  # lock held
+        """Keys ``lookup`` found on disk join the index (most recent: about to be read), and
+        keys a read found gone leave it. Neither changes the directory's byte count."""
+        for _ in range(len(self._adopted)):
+            key, size = self._adopted.popitem()
+            if key not in self._index:
+                self._index[key] = size
+        for _ in range(len(self._gone)):
+            self._index.pop(self._gone.popleft(), None)
 
     def _apply_hits(self) -> None:  # lock held
         for _ in range(len(self._hits)):
@@ -232,8 +302,14 @@ class LmdbTier(LmdbWriter, Tier):
         return self._submit(WriteOp(deletes=keys)).num_deleted if keys else 0
 
     def usage(self) -> TierUsage:
+        """The directory's bytes (every process's: read now) and this process's entries."""
         with self._lock:
-            return TierUsage(self._used_bytes, self.capacity_bytes, len(self._index))
+            entries, used = len(self._index), self._used_bytes
+        with guard("usage", self.path), self._env.begin(db=self._meta, buffers=True) as txn:
+            raw = txn.get(USED)
+            if raw is not None:
+                used = SEQ.unpack(raw)[0]
+        return TierUsage(used, self.capacity_bytes, entries)
 
     def close(self) -> None:
         """Finish queued writes, persist recency, close the environment. Idempotent."""
@@ -255,7 +331,7 @@ class LmdbTier(LmdbWriter, Tier):
         """Pin the leading present keys; return how many (stops at the first absent key)."""
         with self._pin_lock:
             for i, key in enumerate(keys):
-                if key not in self._index:
+                if not self.holds_hint(key):
                     return i
                 self._pins[key] = self._pins.get(key, 0) + 1
             return len(keys)
@@ -265,9 +341,10 @@ class LmdbTier(LmdbWriter, Tier):
         out: list[bool] = []
         with self._pin_lock:
             for key in keys:
-                if key in self._index:
+                here = self.holds_hint(key)
+                if here:
                     self._pins[key] = self._pins.get(key, 0) + 1
-                out.append(key in self._index)
+                out.append(here)
         return out
 
     def unpin(self, keys: Sequence[str]) -> None:
@@ -282,6 +359,7 @@ class LmdbTier(LmdbWriter, Tier):
     def lru_keys(self) -> list[str]:
         """Keys, least recently used first (tests, debugging)."""
         with self._lock:
+            self._fold_adopted()
             self._apply_hits()
             return list(self._index)
 

@@ -19,6 +19,7 @@ from tiers.shared import backend_errors
 
 SEQ = struct.Struct("<Q")
 STOP = object()
+USED = b"used_bytes"  # key in the ``meta`` sub-database: the directory's value bytes (u64 LE)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class LmdbWriter:
     _env: Any
     _blocks: Any
     _recency: Any
+    _meta: Any
     _lock: threading.Lock
     _index: OrderedDict[str, int]
     _pins: dict[str, int]
@@ -55,6 +57,7 @@ class LmdbWriter:
     _closed: bool
     _rebuild_index: Callable[[], None]  # reset the index from disk after an aborted write
     _apply_hits: Callable[[], None]  # fold queued read hits into the index (lock held)
+    _fold_adopted: Callable[[], None]  # keys found on disk in, keys found gone out (lock held)
 
     def _submit(self, op: WriteOp) -> WriteOp:
         if self._closed:
@@ -85,52 +88,95 @@ class LmdbWriter:
         """One write transaction: commits on success, aborts on error (then the in-memory
         index, which the transaction already changed, is rebuilt from disk to stay exact)."""
         with self._lock:
+            self._fold_adopted()
             self._apply_hits()  # reads so far count before any eviction is chosen
             try:
-                with guard("write", self.path), self._env.begin(write=True) as txn:
+                with guard("write", self.path), self._env.begin(write=True, buffers=True) as txn:
+                    # Several processes may write this directory (engines of one machine, the
+                    # ranks of a tensor-parallel engine): the byte count is the directory's,
+                    # kept in the same transactions as the blocks, so the capacity bounds
+                    # everyone's blocks together.
+                    raw = txn.get(USED, db=self._meta)
+                    self._used_bytes = 0 if raw is None else SEQ.unpack(raw)[0]
+                    before = self._used_bytes
                     for key, seq in self._dirty.items():
                         if key in self._index:
                             txn.put(key.encode(), SEQ.pack(seq), db=self._recency)
                     if op is not None:
                         for key in op.deletes:
                             if key in self._index and key not in self._pins:
-                                self._delete(txn, key)
-                                op.num_deleted += 1
+                                op.num_deleted += self._delete(txn, key) > 0
                         for key, value in op.puts:
                             self._put_one(txn, key, memoryview(value).cast("B"), op)
+                    if self._used_bytes != before or raw is None:
+                        txn.put(USED, SEQ.pack(self._used_bytes), db=self._meta)
                 self._dirty.clear()
             except BaseException:
                 self._rebuild_index()
                 raise
 
     def _put_one(self, txn: Any, key: str, value: memoryview, op: WriteOp) -> None:
-        # Lock held, inside the write transaction.
+        # Lock held, inside the write transaction. Victims are this process's least recent
+        # entries (those of another process it has looked up count as its own); one another
+        # process already deleted is dropped from the index and frees nothing.
         if value.nbytes > self.capacity_bytes:
             return
-        old = self._index.get(key)
-        room = self.capacity_bytes - self._used_bytes + (old or 0)
-        victims: list[str] = []
-        for victim in self._index:
-            if room >= value.nbytes:
+        held = txn.get(key.encode(), db=self._blocks)
+        old = 0 if held is None else len(held)
+        room = self.capacity_bytes - self._used_bytes + old
+        victims: list[tuple[str, bytes]] = []
+        for attempt in range(2):
+            gone: list[str] = []
+            chosen = {v for v, _ in victims}
+            for victim in self._index:
+                if room >= value.nbytes:
+                    break
+                if victim == key or victim in self._pins or victim in chosen:
+                    continue
+                raw = txn.get(victim.encode(), db=self._blocks)
+                if raw is None:
+                    gone.append(victim)
+                    continue
+                victims.append((victim, bytes(raw)))  # before any write: a buffer dies with it
+                room += len(raw)
+            for victim in gone:
+                del self._index[victim]
+            # Out of victims of its own while the directory is full of blocks another process
+            # wrote since this one opened: take them in as the least recent, once.
+            if room >= value.nbytes or attempt or not self._adopt_all(txn):
                 break
-            if victim != key and victim not in self._pins:
-                victims.append(victim)
-                room += self._index[victim]
         if room < value.nbytes:
-            return  # everything else is pinned: skip, keep any old copy
-        for victim in victims:
-            raw = txn.get(victim.encode(), db=self._blocks)
-            op.evicted.append(Evicted(victim, None if raw is None else bytes(raw)))
+            return  # everything else is pinned or another process's: skip, keep any old copy
+        for victim, raw in victims:
+            op.evicted.append(Evicted(victim, raw))
             self._delete(txn, victim)
-        if old is not None:
-            self._used_bytes -= self._index.pop(key)
         self._seq += 1
         txn.put(key.encode(), value, db=self._blocks)
         txn.put(key.encode(), SEQ.pack(self._seq), db=self._recency)
+        self._index.pop(key, None)
         self._index[key] = value.nbytes
-        self._used_bytes += value.nbytes
+        self._used_bytes += value.nbytes - old
 
-    def _delete(self, txn: Any, key: str) -> None:  # lock held
+    def _adopt_all(self, txn: Any) -> bool:  # lock held, inside the write transaction
+        """Put every block the directory holds that the index lacks at its least recent end;
+        whether there was any."""
+        added = False
+        for raw_key, raw in txn.cursor(db=self._blocks):
+            key = bytes(raw_key).decode()
+            if key not in self._index:
+                self._index[key] = len(raw)
+                self._index.move_to_end(key, last=False)
+                added = True
+        return added
+
+    def _delete(self, txn: Any, key: str) -> int:  # lock held
+        """Delete ``key`` here and from the index; the bytes it freed (0: already gone)."""
+        self._index.pop(key, None)
+        raw = txn.get(key.encode(), db=self._blocks)
+        if raw is None:
+            return 0
+        size = len(raw)
         txn.delete(key.encode(), db=self._blocks)
         txn.delete(key.encode(), db=self._recency)
-        self._used_bytes -= self._index.pop(key)
+        self._used_bytes -= size
+        return size

@@ -14,8 +14,9 @@ What runs where:
 - every other rank (``RankConnector``, built by ``create_rank_connector`` from what rank 0
   sends): its own store (its own host slab, the lower tiers shared) and a worker per group,
   renaming each key to its group's prefix.
-- Capacities are the machine's: each rank's host slab and LMDB bound are ``1/size`` of the
-  config's (``tiers.config.process_share``), as its slices are ``1/size`` of a block.
+- Capacities are the machine's: each rank's host slab is ``1/size`` of the config's
+  (``tiers.config.process_share``), as its slices are ``1/size`` of a block; the LMDB
+  directory the ranks share counts all their bytes against its capacity (``tiers.lmdb``).
 - A load counts once every rank and group finished it, as the fewest blocks any of them
   loaded (``LoadMerger``): a block is present only when all its slices are. Host loads are
   asynchronous here (no in-step loads: their slab offsets are rank 0's), and no prefetch.
@@ -285,7 +286,7 @@ def _build(
 
 
 def _tp_config(config: OffloadConfig, rank: int, size: int) -> OffloadConfig:
-    """Rank ``rank``'s config: its share of the machine's host memory and LMDB capacity
+    """Rank ``rank``'s config: its share of the machine's host memory
     (``tiers.config.process_share``: each rank holds its own slices, so the machine holds
     what the file says); only rank 0 calibrates (its prefills run on every rank)."""
     return dataclasses.replace(

@@ -163,3 +163,97 @@ def test_lookup_and_pin_answer_while_a_write_transaction_holds_the_lock(tier: Lm
     assert [e.key for e in tier.put_many([("e", _val(4))])] == ["b"]
     tier.unpin(["c", "a"])
     assert [e.key for e in tier.put_many([("f", _val(5))])] == ["c"]
+
+
+def _in_another_process(path: Path, capacity: int, code: str) -> None:
+    """Run ``code`` with ``tier`` an LmdbTier on ``path`` in a fresh Python process (the way a
+    second engine, or another rank, opens the same directory)."""
+    import subprocess
+    import sys
+
+    prog = (
+        "from tiers.lmdb import LmdbTier\n"
+        f"tier = LmdbTier({str(path)!r}, capacity_bytes={capacity})\n"
+        "v = lambda i, n=100: bytes([i % 256]) * n\n"
+        f"{code}\n"
+        "tier.close()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", prog], check=True, cwd=root, timeout=60)
+
+
+def _directory_bytes(tier: LmdbTier) -> tuple[int, int]:
+    """(sum of the stored values' sizes, the directory's own count of them), read afresh
+    through ``tier``'s environment (a process opens one environment once)."""
+    from tiers.lmdb_writer import SEQ, USED
+
+    with tier._env.begin() as txn:
+        total = sum(len(v) for _, v in txn.cursor(db=tier._blocks))
+        counted = SEQ.unpack(txn.get(USED, db=tier._meta))[0]
+    return total, counted
+
+
+def test_blocks_another_process_writes_are_found_while_both_are_open(tmp_path: Path) -> None:
+    """Two engines of one machine share the default LMDB directory: what one stores, the
+    other finds without a restart (its index was built when it opened)."""
+    path = tmp_path / "db"
+    tier = LmdbTier(path, capacity_bytes=10 * VAL)
+    try:
+        tier.put_many([("mine", _val(9))])
+        _in_another_process(
+            path, 10 * VAL, "tier.put_many([(k, v(i)) for i, k in enumerate('abcd')])"
+        )
+        assert tier.lookup(["a", "b", "c", "d", "zz"]) == 4
+        assert tier.holds_hint("c") and tier.pin(["a", "b"]) == 2
+        tier.unpin(["a", "b"])
+        assert tier.get_many(["b", "d"]) == [_val(1), _val(3)]
+        assert tier.contains_many(["d", "zz", "mine"]) == [True, False, True]
+        assert set(tier.lru_keys()) == {"mine", "a", "b", "c", "d"}
+        assert tier.usage().used_bytes == 5 * VAL
+    finally:
+        tier.close()
+
+
+def test_the_capacity_bounds_every_process_s_blocks_together(tmp_path: Path) -> None:
+    """Each process evicts its own least recent blocks until the directory's count, not its
+    own, is within the capacity. Before, each counted only its own writes: two engines held
+    twice the capacity, and past the map's size every write failed with MDB_MAP_FULL."""
+    path = tmp_path / "db"
+    tier = LmdbTier(path, capacity_bytes=4 * VAL)
+    try:
+        tier.put_many([("a", _val(0)), ("b", _val(1))])
+        # The other process opens (its index has a and b) and writes three more: it evicts
+        # the least recent block it knows, a, to stay within the 4 values.
+        _in_another_process(
+            path, 4 * VAL, "tier.put_many([(k, v(i)) for i, k in enumerate('cde')])"
+        )
+        assert _directory_bytes(tier) == (4 * VAL, 4 * VAL)
+        assert tier.get_many(["a"]) == [None]  # gone under this process's index
+        # This process writes two more: it evicts what it knows (b; a was already gone) and
+        # then the blocks it found the other process wrote.
+        assert tier.lookup(["c", "d", "e"]) == 3
+        evicted = tier.put_many([("f", _val(5)), ("g", _val(6))])
+        assert [e.key for e in evicted] == ["b", "c"]
+        assert "a" not in tier.lru_keys()
+        assert _directory_bytes(tier) == (4 * VAL, 4 * VAL)
+        assert tier.usage().used_bytes == 4 * VAL
+    finally:
+        tier.close()
+
+
+def test_a_process_that_never_saw_the_other_s_blocks_still_makes_room(tmp_path: Path) -> None:
+    """B opened an empty directory; A filled it since. B's own index has no victim, so it
+    takes in A's blocks as its least recent ones and evicts them (before, its put was
+    dropped: nothing of its own to evict)."""
+    path = tmp_path / "db"
+    tier = LmdbTier(path, capacity_bytes=4 * VAL)
+    try:
+        _in_another_process(
+            path, 4 * VAL, "tier.put_many([(k, v(i)) for i, k in enumerate('abcd')])"
+        )
+        evicted = tier.put_many([("mine", _val(9))])
+        assert len(evicted) == 1 and evicted[0].key in "abcd"
+        assert tier.lookup(["mine"]) == 1 and tier.get_many(["mine"]) == [_val(9)]
+        assert _directory_bytes(tier) == (4 * VAL, 4 * VAL)
+    finally:
+        tier.close()

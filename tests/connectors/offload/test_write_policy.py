@@ -204,3 +204,31 @@ def test_selective_write_through_copies_only_blocks_reloaded_from_host(
     assert kv["tiers"]["host"]["hit_blocks"] == len(PROMPTS[0]) // 16 == 5
     assert kv["tiers"]["lmdb"]["written_through"] == 5
     assert kv["loaded_tokens"] == 80 and kv["recomputed_tokens"] == 0
+
+
+def test_a_running_engine_loads_what_another_engine_process_stores_in_its_lmdb_directory(
+    model_dir: str, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """Two engines of one machine on one LMDB directory (what the default config gives two
+    engines of one model): B is already running when A, another process, computes the prompts;
+    B then loads every full block A stored, without a restart, and writes none of them again.
+    Before, B's index was the directory as B opened it: it recomputed everything."""
+    lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(
+        model_dir,
+        num_gpu_blocks=16,
+        dtype="float32",
+        device="cpu",
+        kv_offload=True,
+        kv_offload_config=offload(lmdb),
+    ) as b:
+        a = run(model_dir, [{"offload": offload(lmdb), "phases": phases()}])
+        assert [line["ids"] for line in a] == reference[:4]
+        got = [list(b.generate([p], params)[0].token_ids) for p in PROMPTS]
+        b.engine.flush_kv()
+        kv = b.kv_stats()
+    assert got == reference[:4]
+    assert kv["loaded_tokens"] == FULL_BLOCK_TOKENS and kv["recomputed_tokens"] == 0, kv
+    assert kv["tiers"]["lmdb"]["hit_blocks"] == FULL_BLOCK_TOKENS // 16
+    assert kv["tiers"]["lmdb"]["written_through"] == 0  # A's blocks are not written again
