@@ -362,14 +362,27 @@ def lookup_chain(tiers: GuardedTiers, keys: Sequence[str], inflight: InFlight) -
     known: list[tuple[int, int] | None] = [None] * num_tiers
     first: list[int] = [0] * num_tiers
     served: list[int] = []
+    # The top tier's holdings past the first key it lacks, from one contains_many: a host tier
+    # that evicted a history would otherwise be asked again for every block a lower tier
+    # serves (277 calls for one 6.5K-token reload from LMDB under a small host tier, ~2 ms).
+    top: list[bool] | None = None
+    top_from = 0
     for p in range(len(keys)):
         for i in range(num_tiers):
+            if i == 0 and top is not None:
+                if p - top_from < len(top) and top[p - top_from]:
+                    served.append(0)
+                    break
+                continue
             span = known[i]
             if span is None or p > span[0] + span[1]:  # not asked yet, or past what we know
                 n = _leading(tiers, i, keys, p, inflight)
                 if span is None:
                     first[i] = n
                 span = known[i] = (p, n)
+                if i == 0 and n == 0 and num_tiers > 1 and p + 1 < len(keys):
+                    top = tiers.call(0, _contains(keys[p + 1 :]), None)
+                    top_from = p + 1
             if p < span[0] + span[1]:
                 served.append(i)
                 break
@@ -398,3 +411,7 @@ def _leading(tiers: GuardedTiers, i: int, keys: Sequence[str], p: int, inflight:
 def _lookup(keys: Sequence[str]) -> Callable[[Tier], int]:
     """A tier call's function, built outside the caller's loop."""
     return lambda tier: tier.lookup(keys)
+
+
+def _contains(keys: Sequence[str]) -> Callable[[Tier], list[bool]]:
+    return lambda tier: tier.contains_many(keys)
