@@ -14,7 +14,10 @@ client itself), which a TTFT ratio pays on both sides. ``by_burst`` splits the m
 whether a first-round request (a new user's whole history to prefill) was sent within
 ``BURST_S`` of them: the client sends its users' turns in bursts, and a turn whose first token
 decodes to no text waits for the next step, which in such a burst carries that prompt's long
-chunk. Prints JSON, then a one-line summary.
+chunk. ``history_missed`` counts the matched later rounds that found under half of their
+blocks anywhere (the GPU or a tier: the request log's ``hit_tiers`` and ``kv_plan``), with when they were sent
+(seconds after the run's first request): a history recomputed although it was saved a round
+before. Prints JSON, then a one-line summary.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ def read_rounds(path: str) -> dict[str, Any]:
     }
 
 
+def _found_under_half(entry: dict[str, Any]) -> bool:
+    """Whether a request log entry found under half its blocks cached: on the GPU, or in a tier
+    (loaded, or an overlap's head: its ``kv_plan``, which ``hit_tiers`` does not cover)."""
+    blocks, hits = entry.get("block_hashes"), entry.get("hit_tiers")
+    if not blocks or hits is None:
+        return False
+    plan = entry.get("kv_plan") or {}
+    cached = sum(plan.get(k, 0) for k in ("gpu_tokens", "head_tokens", "load_tokens")) // 16
+    return 2 * max(len(hits), cached) < len(blocks)
+
+
 def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[str, Any]:
     """Later-round client rows of ``csv_path`` against their entries in the request log."""
     with open(csv_path, encoding="utf-8", newline="") as f:
@@ -60,6 +74,8 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
     split: dict[str, dict[str, list[float]]] = {
         g: {"client": [], "engine": [], "gap": []} for g in ("with_first_round", "alone")
     }
+    start = min((float(r["launch_time"]) for r in every), default=0.0)
+    missed: list[float] = []  # when later rounds that found under half their blocks were sent
     for r in sorted(rows, key=lambda r: float(r["launch_time"])):
         launch, tokens = float(r["launch_time"]), int(float(r["prompt_tokens"]))
         cands = [e for e in free if e["prompt_tokens"] == tokens and e["ts"] >= launch - slack_s]
@@ -67,6 +83,8 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
             continue
         e = min(cands, key=lambda e: e["ts"])
         free.remove(e)
+        if _found_under_half(e):
+            missed.append(round(launch - start, 1))
         burst = any(abs(t - launch) <= BURST_S for t in firsts)
         group = split["with_first_round" if burst else "alone"]
         group["client"].append(float(r["ttft"]))
@@ -79,6 +97,7 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
         "later_rounds": len(rows),
         "engine_ttft_ms": {"p50": _ms(engine, 50), "p90": _ms(engine, 90)},
         "client_minus_engine_ms": {"p50": _ms(gaps, 50), "p90": _ms(gaps, 90)},
+        "history_missed": {"n": len(missed), "sent_at_s": missed},
         "by_burst": {
             g: {
                 "n": len(v["client"]),
@@ -149,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"; sent with a first round: n={w['n']} client p50 {w['client_p50_ms']} / "
                     f"engine {w['engine_p50_ms']} ms, alone: n={a['n']} client p50 "
                     f"{a['client_p50_ms']} / engine {a['engine_p50_ms']} ms"
+                )
+            missed = eng["history_missed"]["sent_at_s"]
+            if missed:
+                s += (
+                    f"; {len(missed)} later rounds found under half their blocks (sent at "
+                    f"{missed[0]}-{missed[-1]} s)"
                 )
             s += "]"
         return s

@@ -107,3 +107,38 @@ def test_later_rounds_sent_with_a_first_round_are_reported_apart(tmp_path: Path)
     assert burst["with_first_round"]["engine_p50_ms"] == 64.0
     assert burst["with_first_round"]["client_minus_engine_p50_ms"] == 66.0
     assert "sent with a first round: n=2" in report["summary"]
+
+
+def test_later_rounds_that_found_their_history_nowhere_are_counted(tmp_path: Path) -> None:
+    """A later round whose engine entry hit under half its blocks (GPU or tiers) recomputed a
+    history saved a round before: counted, with when it was sent after the run's start."""
+    csv_path = tmp_path / "on.csv"
+    csv_path.write_text(
+        HEADER
+        + "6000,100,0.3,1.0,0,1,10.0,11.0\n"
+        + "6300,100,0.2,1.0,0,2,22.0,23.0\n"
+        + "6400,100,0.06,1.0,0,3,32.0,33.0\n"
+    )
+    entry = lambda ts, p, t, hits: {  # noqa: E731
+        "ts": ts,
+        "prompt_tokens": p,
+        "ttft_s": t,
+        "block_hashes": ["h"] * (p // 16),
+        "hit_tiers": hits,
+    }
+    log = tmp_path / "on.jsonl"
+    log.write_text(
+        "".join(
+            json.dumps(e) + "\n"
+            for e in (
+                entry(10.01, 6000, 0.29, []),
+                entry(22.01, 6300, 0.19, ["gpu"] * 126),  # only the shared prompt: missed
+                entry(32.01, 6400, 0.05, ["gpu"] * 126 + ["host"] * 270),
+            )
+        )
+    )
+    out = tmp_path / "r.json"
+    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["runs"]["on"]["engine"]["history_missed"] == {"n": 1, "sent_at_s": [12.0]}
+    assert "1 later rounds found under half their blocks (sent at 12.0-12.0 s)" in report["summary"]
