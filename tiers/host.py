@@ -7,7 +7,9 @@ happens afterwards, so a full tier never fragments and never grows.
 
 - LRU: ``lookup``, ``get_many`` and ``put_many`` refresh recency. When no slot is free, ``put_many``
   evicts the least recently used *unpinned, committed* entry and returns it (with a copy of its
-  bytes, since the slot is reused at once) so the store can demote it.
+  bytes, since the slot is reused at once) so the store can demote it; clean first: an entry
+  the tier below already holds (``held_below``) among the ``CLEAN_FIRST`` least recent goes
+  before them, with nothing copied.
 - Re-saves: an entry the tier below held when it came in is marked, and so is any entry read
   since (``get_many``, ``locate``); ``resave_outcomes`` counts the marked entries evicted and
   those of them never read (``cachestore.store.resave`` turns re-saving off on it).
@@ -41,6 +43,9 @@ from typing import Any
 
 from tiers.base import Evicted, Tier, TierUsage, Value
 from tiers.host_memfd import SharedSlab
+
+# Evictions look this many least recent entries deep for one the tier below holds.
+CLEAN_FIRST = 32
 
 
 @dataclass(slots=True)
@@ -100,6 +105,9 @@ class HostTier(Tier):
         # copying its bytes out: the copy would only be dropped there as already present,
         # and it ran on the caller's thread (the engine's, for a save's ``reserve``).
         self.held_below: Callable[[str], bool] | None = None
+        self.num_copied_out = (
+            0  # evictions whose bytes were copied out (the tier below lacked them)
+        )
         self._resaved_evicted = 0  # ``resave_outcomes``
         self._resaved_unread = 0
         self._lock = Lock()
@@ -368,20 +376,39 @@ class HostTier(Tier):
         return entry
 
     def _evict_one(self, evicted: list[Evicted]) -> bool:
+        """Evict the least recently used evictable entry, preferring, among the
+        ``CLEAN_FIRST`` least recent, one the tier below already holds (clean-first LRU): a
+        block the tier below lacks is copied out here, on the caller's thread (the engine's,
+        for a save's ``reserve``), and demoted, while the write-through lane may be about to
+        write it anyway."""
+        victim: tuple[str, _Entry] | None = None
+        clean, seen = False, 0
         for key, entry in self._entries.items():
-            if entry.committed and not entry.pins:
-                if entry.below:
-                    self._resaved_evicted += 1
-                    self._resaved_unread += not entry.read
-                if self._is_held_below(key):
-                    evicted.append(Evicted(key, None, held_below=True))
-                else:
-                    start = entry.slot * self.slot_bytes
-                    # Copied out: the slot is about to be reused for the incoming block.
-                    evicted.append(Evicted(key, bytes(self._slab[start : start + entry.nbytes])))
-                self._drop(key, entry)
-                return True
-        return False
+            if not entry.committed or entry.pins:
+                continue
+            if self._is_held_below(key):
+                victim, clean = (key, entry), True
+                break
+            if victim is None:
+                victim = (key, entry)
+            seen += 1
+            if seen >= CLEAN_FIRST or self.held_below is None:
+                break
+        if victim is None:
+            return False
+        key, entry = victim
+        if entry.below:
+            self._resaved_evicted += 1
+            self._resaved_unread += not entry.read
+        if clean:
+            evicted.append(Evicted(key, None, held_below=True))
+        else:
+            start = entry.slot * self.slot_bytes
+            # Copied out: the slot is about to be reused for the incoming block.
+            evicted.append(Evicted(key, bytes(self._slab[start : start + entry.nbytes])))
+            self.num_copied_out += 1
+        self._drop(key, entry)
+        return True
 
     def _is_held_below(self, key: str) -> bool:
         if self.held_below is None:

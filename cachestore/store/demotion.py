@@ -73,6 +73,7 @@ class TierMovers:
         if len(batch) + present < len(evicted):
             stats.add("demotions_dropped", len(evicted) - len(batch) - present)
         if batch:
+            stats.add("demoted", len(batch))  # copied out of tier i, queued for the tier below
             self._inflight.add(i + 1, batch)  # readable before it can be taken off the queue
             try:
                 self._queues[i + 1].put_nowait(batch)

@@ -29,6 +29,7 @@ COUNTERS = (
     "corrupt",
     "skipped",
     "evictions",
+    "demoted",
     "demotions_dropped",
     "dropped_at_bottom",
     "promotions",
@@ -53,6 +54,7 @@ class _Counters:
     wrong_key: int = 0  # of those, blocks that carry another key than the one read (misses)
     skipped: int = 0  # calls not made because the tier was backing off
     evictions: int = 0
+    demoted: int = 0  # evictions copied out and queued for the tier below (it lacked them)
     demotions_dropped: int = 0  # evictions not demoted (queue full, or no bytes handed over)
     dropped_at_bottom: int = 0  # evictions of the last tier: gone for good
     promotions: int = 0  # blocks queued for promotion into the top tier from this tier
@@ -195,6 +197,7 @@ _EXPORTED = [
     _Metric("wrong_key", "blocks read under a key other than the one they carry", True),
     _Metric("skipped", "calls skipped while the tier backed off", True),
     _Metric("evictions", "entries evicted", True),
+    _Metric("demoted", "evictions copied out and queued for the tier below", True),
     _Metric("demotions_dropped", "evictions not demoted to the next tier", True),
     _Metric("promotions", "blocks promoted from this tier to the top", True),
     _Metric("written_through", "blocks copied to this tier by its write-through queue", True),

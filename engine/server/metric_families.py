@@ -181,6 +181,7 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_kv_tier_corrupt_total", "Values that failed to decode (counted as misses)", _T),
     _c("kvtier_kv_tier_skipped_total", "Calls skipped while the tier backed off", _T),
     _c("kvtier_kv_tier_evictions_total", "Entries evicted from this tier", _T),
+    _c("kvtier_kv_tier_demoted_total", "Evictions copied out and queued for the tier below", _T),
     _c("kvtier_kv_tier_demotions_dropped_total", "Evictions not demoted to the next tier", _T),
     _c("kvtier_kv_tier_dropped_at_bottom_total", "Evictions of the last tier: gone for good", _T),
     _c("kvtier_kv_tier_promotions_total", "Blocks queued for promotion from this tier", _T),

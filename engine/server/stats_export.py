@@ -80,6 +80,7 @@ _TIER_ROW = {
     "kvtier_kv_tier_corrupt_total": "corrupt",
     "kvtier_kv_tier_skipped_total": "skipped",
     "kvtier_kv_tier_evictions_total": "evictions",
+    "kvtier_kv_tier_demoted_total": "demoted",
     "kvtier_kv_tier_demotions_dropped_total": "demotions_dropped",
     "kvtier_kv_tier_dropped_at_bottom_total": "dropped_at_bottom",
     "kvtier_kv_tier_promotions_total": "promotions",

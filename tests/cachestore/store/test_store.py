@@ -409,3 +409,26 @@ def test_a_host_tier_lacking_a_history_is_asked_once_not_per_block(tmp_path: Pat
     assert calls == ["lookup", "contains_many"]
     assert [t.num_leading for t in res.per_tier] == [0, 12]
     store.close()
+
+
+def test_the_host_tier_evicts_a_block_lmdb_holds_before_one_it_would_copy_out(
+    tmp_path: Path,
+) -> None:
+    """Clean-first LRU: among its least recent entries the host tier evicts one LMDB already
+    holds (nothing to copy or demote) before an older one LMDB lacks (2 MiB copied out on the
+    saving thread and queued, in no tier a lookup sees until LMDB writes it). With none
+    within ``CLEAN_FIRST``, the least recent goes, copied out and demoted."""
+    store = make_store(tmp_path, host_blocks=4, lmdb_blocks=16)
+    host, lmdb = store.tiers
+    lmdb.put_many([(KEYS[2], block(2))])
+    host.put_many([(KEYS[i], block(i)) for i in range(4)])  # 0, 1, 3 only here; 2 in LMDB too
+    store.put_many([(KEYS[4], block(4))])
+    store.flush()
+    assert host.lru_keys() == [KEYS[0], KEYS[1], KEYS[3], KEYS[4]]
+    assert counters(store, "demoted") == [0, 0] and lmdb.lru_keys() == [KEYS[2]]
+    store.put_many([(KEYS[5], block(5))])  # nothing clean left: the least recent, copied out
+    store.flush()
+    assert host.lru_keys() == [KEYS[1], KEYS[3], KEYS[4], KEYS[5]]
+    assert counters(store, "demoted") == [1, 0] and KEYS[0] in lmdb.lru_keys()
+    assert host.num_copied_out == 1
+    store.close()
