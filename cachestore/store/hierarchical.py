@@ -89,10 +89,13 @@ class HierarchicalStore(HostLoads):
         self._call = self._tiers.call
         self._pins = StorePins(self._tiers)
         self._resave: ResaveGate | None = None
-        if len(self.tiers) > 1 and hasattr(self.tiers[0], "held_below"):
+        below = self.tiers[1] if len(self.tiers) > 1 else None
+        if below is not None and hasattr(self.tiers[0], "held_below"):
             # The host tier evicts what the tier below already holds (write-through) without
-            # copying it out: ``tiers.host.HostTier.held_below``.
-            self.tiers[0].held_below = self.tiers[1].holds_hint
+            # copying it out, and first: ``tiers.host.HostTier.held_below``. Only a tier that
+            # answers from memory (the default ``holds_hint`` always says no).
+            if type(below).holds_hint is not Tier.holds_hint:
+                self.tiers[0].held_below = below.holds_hint
             outcomes = getattr(self.tiers[0], "resave_outcomes", None)
             if callable(outcomes):
                 self._resave = ResaveGate(outcomes)
