@@ -154,13 +154,14 @@ class LmdbTier(LmdbWriter, Tier):
             if key in sizes:
                 self._index[key] = sizes[key]
                 self._seq = max(self._seq, seq)
+        # The directory's byte count, recounted under the write lock (no other process writes
+        # meanwhile): exact however the directory was written before (an older kvtier kept no
+        # count), at the cost of a second pass over the value sizes.
         with guard("open", self.path), self._env.begin(write=True, buffers=True) as txn:
+            used = sum(len(v) for _, v in txn.cursor(db=self._blocks))
             raw = txn.get(USED, db=self._meta)
-            if raw is None:  # a directory from before the counter: count it once
-                used = sum(len(v) for _, v in txn.cursor(db=self._blocks))
+            if raw is None or SEQ.unpack(raw)[0] != used:
                 txn.put(USED, SEQ.pack(used), db=self._meta)
-            else:
-                used = SEQ.unpack(raw)[0]
         self._used_bytes = used
 
     # -- Tier protocol -------------------------------------------------------------------

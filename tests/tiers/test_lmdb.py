@@ -257,3 +257,29 @@ def test_a_process_that_never_saw_the_other_s_blocks_still_makes_room(tmp_path: 
         assert _directory_bytes(tier) == (4 * VAL, 4 * VAL)
     finally:
         tier.close()
+
+
+def test_the_directory_s_count_is_recounted_on_open(tmp_path: Path) -> None:
+    """A directory written without the count (an older kvtier), or with one that drifted, is
+    counted afresh when a tier opens it, so the capacity bounds what is really there."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "db"
+    prog = (
+        "import lmdb\n"
+        f"env = lmdb.open({str(path)!r}, max_dbs=3, map_size=1 << 24)\n"
+        "blocks, meta = env.open_db(b'blocks'), env.open_db(b'meta')\n"
+        "with env.begin(write=True) as txn:\n"
+        "    for k in (b'a', b'b', b'c'):\n"
+        "        txn.put(k, bytes(100), db=blocks)\n"
+        "    txn.put(b'used_bytes', (0).to_bytes(8, 'little'), db=meta)\n"  # a stale count
+        "env.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", prog], check=True, timeout=60)
+    tier = LmdbTier(path, capacity_bytes=4 * VAL)
+    try:
+        assert tier.usage().used_bytes == 3 * VAL and _directory_bytes(tier) == (300, 300)
+        assert [e.key for e in tier.put_many([("d", _val(3)), ("e", _val(4))])] == ["a"]
+    finally:
+        tier.close()
