@@ -18,6 +18,7 @@ updates build new frozen values on top of these types; nothing here mutates.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -254,18 +255,16 @@ def _run_load_times(
     one after another (conservative: they may share the host->GPU link). O(K), with one
     ``reload_time`` pricing per run.
     """
-    order = list(reversed(hops_per_block)) if reverse else list(hops_per_block)
+    order = reversed(hops_per_block) if reverse else hops_per_block
     out = [0.0]
-    closed, i = 0.0, 0
-    while i < len(order):
-        hops, j = order[i], i + 1
-        while j < len(order) and (order[j] is hops or order[j] == hops):
-            j += 1
+    closed = 0.0
+    for hops, run in itertools.groupby(order):
+        count = sum(1 for _ in run)
         one = reload_time(1, block_bytes, hops)  # latency + one block's bytes
         per_block = one - reload_time(1, 0, hops) if hops else 0.0
-        out.extend(closed + one + (n - 1) * per_block for n in range(1, j - i + 1))
-        closed += reload_time(j - i, block_bytes, hops)
-        i = j
+        base = closed + one
+        out += [base + n * per_block for n in range(count)]
+        closed += reload_time(count, block_bytes, hops)
     return out
 
 
@@ -305,28 +304,37 @@ def choose_split(
     num_cached = len(hops_per_block)
     _check_prompt(num_cached, block_tokens, prompt_tokens, computed_tokens)
     _check_overlap(pipelined_blocks, num_layers, overlap_margin)
-    c0 = computed_tokens
-
-    def rest(k: int) -> float:
-        done = c0 + k * block_tokens
-        return prefill.time(prompt_tokens - done, done)
-
+    c0, bt = computed_tokens, block_tokens
     head_load = _run_load_times(hops_per_block, block_bytes, reverse=False)
     tail_load = _run_load_times(hops_per_block, block_bytes, reverse=True)
-
-    def load_then_rest(k: int) -> float:
-        load, compute = head_load[k], rest(k)
-        if 0 < k <= pipelined_blocks:
-            return max(load, compute) + min(load, compute) / num_layers
-        return load + compute
-
     # Times first, Options only for the few that are returned: K is 1024 for a 16K prompt and
-    # this runs on the scheduler's path (2K dataclasses and rank calls cost ~2 ms there).
-    prefix_t = [load_then_rest(k) for k in range(num_cached + 1)]
-    tail_rest = rest(num_cached)
+    # this runs on the scheduler's path (2K dataclasses and rank calls cost ~2 ms there). The
+    # prefill times are ``PrefillCost.time``'s formula written out (same operations, same
+    # results), a call per option being most of the rest.
+    f, pt, at = prefill.fixed_s, prefill.per_token_s, prefill.attention_s
+    if type(prefill) is PrefillCost:
+        rests = [
+            f + pt * n + at * n * (d + n / 2) if n else 0.0
+            for d, n in (
+                (d, float(prompt_tokens - d)) for d in range(c0, c0 + (num_cached + 1) * bt, bt)
+            )
+        ]
+    else:  # a subclass may price otherwise
+        rests = [
+            prefill.time(prompt_tokens - d, d) for d in range(c0, c0 + (num_cached + 1) * bt, bt)
+        ]
+    prefix_t = [load + compute for load, compute in zip(head_load, rests, strict=True)]
+    for k in range(1, min(pipelined_blocks, num_cached) + 1):
+        load, compute = head_load[k], rests[k]
+        prefix_t[k] = max(load, compute) + min(load, compute) / num_layers
+    tail_rest = rests[num_cached]
+    last = num_cached if overlap else 1
+    if type(prefill) is PrefillCost:
+        heads = [f + pt * n + at * n * (c0 + n / 2) for n in map(float, range(bt, last * bt, bt))]
+    else:
+        heads = [prefill.time(m * bt, c0) for m in range(1, last)]
     overlap_t = [
-        max(prefill.time(m * block_tokens, c0), tail_load[num_cached - m]) + tail_rest
-        for m in range(1, num_cached if overlap else 1)
+        max(head, tail_load[num_cached - m]) + tail_rest for m, head in enumerate(heads, start=1)
     ]
     return _cheapest(prefix_t, overlap_t, overlap_margin)
 
