@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from tests.connectors.offload.test_connector import make_llm
 from tests.servers import cache_server_process
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -92,7 +93,7 @@ def phases(max_disagg: int | None = None) -> list[tuple[list[int], int]]:
 def reference(model_dir: str) -> list[list[int]]:
     """Greedy tokens of every prompt (the disaggregated ones too) without offload."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, num_gpu_blocks=16, dtype="float32", device="cpu") as llm:
+    with make_llm(model_dir, 16) as llm:
         return [list(llm.generate([p], params)[0].token_ids) for p in PROMPTS + DISAGG]
 
 
@@ -189,14 +190,7 @@ def test_selective_write_through_copies_only_blocks_reloaded_from_host(
         "write_through_hits": 1,
     }
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model_dir,
-        num_gpu_blocks=16,
-        dtype="float32",
-        device="cpu",
-        kv_offload=True,
-        kv_offload_config=offload(lmdb),
-    ) as llm:
+    with make_llm(model_dir, 16, offload(lmdb)) as llm:
         # PROMPTS[1:] push PROMPTS[0]'s blocks out of the 16 GPU blocks; the rerun reloads them.
         ids = [list(llm.generate([p], params)[0].token_ids) for p in PROMPTS + PROMPTS[:1]]
         kv = llm.kv_stats()
@@ -215,14 +209,7 @@ def test_a_running_engine_loads_what_another_engine_process_stores_in_its_lmdb_d
     Before, B's index was the directory as B opened it: it recomputed everything."""
     lmdb = {"kind": "lmdb", "path": str(tmp_path / "lmdb"), "capacity": "64MiB"}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model_dir,
-        num_gpu_blocks=16,
-        dtype="float32",
-        device="cpu",
-        kv_offload=True,
-        kv_offload_config=offload(lmdb),
-    ) as b:
+    with make_llm(model_dir, 16, offload(lmdb)) as b:
         a = run(model_dir, [{"offload": offload(lmdb), "phases": phases()}])
         assert [line["ids"] for line in a] == reference[:4]
         got = [list(b.generate([p], params)[0].token_ids) for p in PROMPTS]

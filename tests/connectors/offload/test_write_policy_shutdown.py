@@ -24,7 +24,8 @@ import httpx
 
 from cachestore.codec import CodecError, decode_block
 from cachestore.hashing import block_key, hash_request_tokens
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from tests.connectors.offload.test_connector import make_llm
 from tests.connectors.offload.test_write_policy import (
     DISAGG,
     MAX_TOKENS,
@@ -68,14 +69,7 @@ def restart_loads(
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """A fresh engine over ``lmdb``: its tokens for ``prompts`` (one at a time) and kv_stats."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model_dir,
-        num_gpu_blocks=16,
-        dtype="float32",
-        device="cpu",
-        kv_offload=True,
-        kv_offload_config=offload(lmdb),
-    ) as llm:
+    with make_llm(model_dir, 16, offload(lmdb)) as llm:
         ids = [list(llm.generate([p], params)[0].token_ids) for p in prompts]
         return ids, llm.kv_stats()
 
@@ -204,14 +198,7 @@ def decode_elsewhere(model_dir: str, remote: dict[str, Any]) -> tuple[list[list[
     """Engine B: waits (up to 20 s) until the cache server holds every full block of the
     DISAGG prompts (A copies them after its replies), then decodes them; (tokens, loaded)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model_dir,
-        num_gpu_blocks=16,
-        dtype="float32",
-        device="cpu",
-        kv_offload=True,
-        kv_offload_config=offload(remote),
-    ) as llm:
+    with make_llm(model_dir, 16, offload(remote)) as llm:
         ns = llm.engine.namespace
         keys = [[block_key(ns, h) for h in hash_request_tokens(ns, p)] for p in DISAGG]
         store = llm.engine.offload.store  # type: ignore[union-attr]

@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from tests.connectors.offload.test_connector import make_llm
 from tests.engine.hf_models import make_tiny_model
 from tests.servers import free_port, python_env, wait_until_healthy
 
@@ -133,14 +134,7 @@ def engine_core_pid(pid: int) -> int:
 def loaded_after_restart(model_dir: str, lmdb: Path) -> dict[str, Any]:
     """kv_stats of a fresh engine over ``lmdb`` (a restart) after it ran every prompt."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    with LLM(
-        model_dir,
-        num_gpu_blocks=16,
-        dtype="float32",
-        device="cpu",
-        kv_offload=True,
-        kv_offload_config=offload_config(lmdb),
-    ) as llm:
+    with make_llm(model_dir, 16, offload_config(lmdb)) as llm:
         for prompt in PROMPTS:
             llm.generate([prompt], params)
         return llm.kv_stats()
