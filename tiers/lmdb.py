@@ -138,14 +138,21 @@ class LmdbTier(LmdbWriter, Tier):
         """Reset the in-memory index from disk (at open, and after an aborted write)."""
         self._index.clear()
         self._dirty.clear()
-        self._used_bytes = 0
         order: list[tuple[int, str]] = []
         sizes: dict[str, int] = {}
-        with guard("open", self.path), self._env.begin(buffers=True) as txn:
+        # One write transaction, so no other process writes meanwhile: the byte count it
+        # stores is the sum of the sizes read here, exact however the directory was written
+        # before (an older kvtier kept no count).
+        with guard("open", self.path), self._env.begin(write=True, buffers=True) as txn:
             for raw_key, raw_seq in txn.cursor(db=self._recency):
                 order.append((SEQ.unpack(raw_seq)[0], bytes(raw_key).decode()))
             for raw_key, raw_value in txn.cursor(db=self._blocks):
                 sizes[bytes(raw_key).decode()] = len(raw_value)
+            used = sum(sizes.values())
+            raw = txn.get(USED, db=self._meta)
+            if raw is None or SEQ.unpack(raw)[0] != used:
+                txn.put(USED, SEQ.pack(used), db=self._meta)
+        self._used_bytes = used
         # A block without a recency record (crash between the two puts cannot happen: both go
         # in one transaction; kept defensive) counts as least recently used.
         seen = {key for _, key in order}
@@ -154,15 +161,6 @@ class LmdbTier(LmdbWriter, Tier):
             if key in sizes:
                 self._index[key] = sizes[key]
                 self._seq = max(self._seq, seq)
-        # The directory's byte count, recounted under the write lock (no other process writes
-        # meanwhile): exact however the directory was written before (an older kvtier kept no
-        # count), at the cost of a second pass over the value sizes.
-        with guard("open", self.path), self._env.begin(write=True, buffers=True) as txn:
-            used = sum(len(v) for _, v in txn.cursor(db=self._blocks))
-            raw = txn.get(USED, db=self._meta)
-            if raw is None or SEQ.unpack(raw)[0] != used:
-                txn.put(USED, SEQ.pack(used), db=self._meta)
-        self._used_bytes = used
 
     # -- Tier protocol -------------------------------------------------------------------
 

@@ -124,30 +124,15 @@ class LmdbWriter:
         held = txn.get(key.encode(), db=self._blocks)
         old = 0 if held is None else len(held)
         room = self.capacity_bytes - self._used_bytes + old
-        victims: list[tuple[str, bytes]] = []
-        for attempt in range(2):
-            gone: list[str] = []
-            chosen = {v for v, _ in victims}
-            for victim in self._index:
-                if room >= value.nbytes:
-                    break
-                if victim == key or victim in self._pins or victim in chosen:
-                    continue
-                raw = txn.get(victim.encode(), db=self._blocks)
-                if raw is None:
-                    gone.append(victim)
-                    continue
-                victims.append((victim, bytes(raw)))  # before any write: a buffer dies with it
-                room += len(raw)
-            for victim in gone:
-                del self._index[victim]
-            # Out of victims of its own while the directory is full of blocks another process
-            # wrote since this one opened: take them in as the least recent, once.
-            if room >= value.nbytes or attempt or not self._adopt_all(txn):
-                break
+        victims: dict[str, bytes] = {}
+        room = self._choose_victims(txn, key, value.nbytes, room, victims)
+        # Out of victims of its own while the directory is full of blocks another process
+        # wrote since this one opened: take them in as the least recent, once.
+        if room < value.nbytes and self._adopt_all(txn):
+            room = self._choose_victims(txn, key, value.nbytes, room, victims)
         if room < value.nbytes:
             return  # everything else is pinned or another process's: skip, keep any old copy
-        for victim, raw in victims:
+        for victim, raw in victims.items():
             op.evicted.append(Evicted(victim, raw))
             self._delete(txn, victim)
         self._seq += 1
@@ -156,6 +141,28 @@ class LmdbWriter:
         self._index.pop(key, None)
         self._index[key] = value.nbytes
         self._used_bytes += value.nbytes - old
+
+    def _choose_victims(
+        self, txn: Any, key: str, need: int, room: int, victims: dict[str, bytes]
+    ) -> int:  # lock held, inside the write transaction
+        """Add the least recent unpinned entries (not ``key``, not already chosen) to
+        ``victims`` with their bytes until ``room`` reaches ``need``; entries another process
+        already deleted leave the index. Returns the room then."""
+        gone: list[str] = []
+        for victim in self._index:
+            if room >= need:
+                break
+            if victim == key or victim in self._pins or victim in victims:
+                continue
+            raw = txn.get(victim.encode(), db=self._blocks)
+            if raw is None:
+                gone.append(victim)
+                continue
+            victims[victim] = bytes(raw)  # before any write: a buffer dies with it
+            room += len(raw)
+        for victim in gone:
+            del self._index[victim]
+        return room
 
     def _adopt_all(self, txn: Any) -> bool:  # lock held, inside the write transaction
         """Put every block the directory holds that the index lacks at its least recent end;
