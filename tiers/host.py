@@ -105,9 +105,8 @@ class HostTier(Tier):
         # copying its bytes out: the copy would only be dropped there as already present,
         # and it ran on the caller's thread (the engine's, for a save's ``reserve``).
         self.held_below: Callable[[str], bool] | None = None
-        self.num_copied_out = (
-            0  # evictions whose bytes were copied out (the tier below lacked them)
-        )
+        # Evictions whose bytes were copied out (the tier below lacked them).
+        self.num_copied_out = 0
         self._resaved_evicted = 0  # ``resave_outcomes``
         self._resaved_unread = 0
         self._lock = Lock()
