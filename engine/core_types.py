@@ -40,6 +40,9 @@ class ScheduledRequest:
     # during the step only.
     all_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    # A decode of a request whose outputs show no text yet (``Request.awaits_text``): its step
+    # is kept short like a first token's (``engine/sched/first_tokens.py``).
+    awaits_text: bool = False
 
 
 @dataclass(frozen=True, slots=True)

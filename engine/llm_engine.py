@@ -33,7 +33,12 @@ from engine.sampling_params import SamplingParams
 from engine.sched.block_pool import BlockPool
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.scheduler import Scheduler
-from engine.tokenizer import IncrementalDetokenizer, encode_prompt, load_tokenizer
+from engine.tokenizer import (
+    IncrementalDetokenizer,
+    encode_prompt,
+    load_tokenizer,
+    textless_token_ids,
+)
 from engine.ttft import clean_api_times
 
 if TYPE_CHECKING:
@@ -99,6 +104,13 @@ class LLMEngine:
         eos = self.runner.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset(int(t) for t in eos if t is not None)
         self._vocab_size = self.runner.vocab_size
+        # Outputs that show no text alone: a request of only those keeps its steps short
+        # (engine/sched/first_tokens.py); without first-token steps nothing reads them.
+        self.textless_token_ids = (
+            textless_token_ids(self.tokenizer, self._vocab_size)
+            if sched_cfg.first_token_step_tokens > 0
+            else frozenset()
+        )
         self._states: dict[str, RequestState] = {}
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens_total = 0
@@ -180,7 +192,14 @@ class LLMEngine:
             )
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
-        request = Request(req_id, prompt_ids, params, self.eos_token_ids, arrival_time=arrival)
+        request = Request(
+            req_id,
+            prompt_ids,
+            params,
+            self.eos_token_ids,
+            arrival_time=arrival,
+            textless_token_ids=self.textless_token_ids,
+        )
         request.times.added = now
         request.times.api = clean_api_times(api_times)
         detok = None

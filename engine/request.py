@@ -85,6 +85,10 @@ class Request:
     kv_plan: dict[str, float] | None = None
     # Stamps for the TTFT breakdown (engine/ttft.py), until the first token.
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Tokens that decode alone to no text (``engine.tokenizer.textless_token_ids``); whether
+    # an output outside them was sampled (``awaits_text``).
+    textless_token_ids: frozenset[int] = frozenset()
+    has_text: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -112,6 +116,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if not self.has_text and token_id not in self.textless_token_ids:
+            self.has_text = True
+
+    @property
+    def awaits_text(self) -> bool:
+        """It has sampled tokens, none of which decodes to text yet (``textless_token_ids``):
+        its user has seen no first token."""
+        return not self.has_text and bool(self.output_token_ids)
 
     def check_token_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status implied by the last generated token, or None to continue.

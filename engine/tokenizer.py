@@ -200,6 +200,32 @@ def eos_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset() if eos is None else frozenset({int(eos)})
 
 
+# Vocabularies above this size are checked in batches of this many single-token decodes.
+TEXTLESS_BATCH = 8192
+
+
+def textless_token_ids(tokenizer: Any, vocab_size: int) -> frozenset[int]:
+    """Ids below ``vocab_size`` that decode alone to no text: special tokens (skipped, as the
+    detokenizer skips them) and pieces of a UTF-8 character (byte-level and byte-fallback
+    vocabularies), which the detokenizer holds back until the character is whole. A request
+    whose outputs are all such tokens has shown its user nothing yet: the scheduler keeps its
+    next step short (``engine/sched/first_tokens.py``). Alone is an approximation: two such
+    pieces may complete a character, and then the request is counted one step late."""
+    size = min(vocab_size, len(tokenizer))
+    out: set[int] = set()
+    for start in range(0, size, TEXTLESS_BATCH):
+        ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
+        texts = tokenizer.batch_decode(
+            [[t] for t in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+    return frozenset(out)
+
+
+def _textless(text: str) -> bool:
+    return not text or text.strip(_REPLACEMENT_CHAR) == ""
+
+
 @dataclass(frozen=True, slots=True)
 class DetokenizerUpdate:
     """Text added by one ``update`` call; ``stop_string`` is set when a stop string ended it

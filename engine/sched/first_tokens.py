@@ -1,7 +1,9 @@
 """Short steps for first tokens: a step that yields a request's first token from a short
 prefill trims the step's other prefill chunks (unfinished ones, and the last chunk of a long
-prompt), so that first token is not held behind another request's 2K-token chunk. Pure: works
-on the step's scheduled slices only.
+prompt), so that first token is not held behind another request's 2K-token chunk. The same
+holds for a decode whose request has sampled only tokens that show no text yet (a piece of a
+UTF-8 character, a skipped special token: ``ScheduledRequest.awaits_text``): its user's first
+token is the first one with text. Pure: works on the step's scheduled slices only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from engine.core_types import ScheduledRequest
 def shorten_for_first_tokens(
     scheduled: list[ScheduledRequest], cap: int, others_cap: int = -1
 ) -> int:
-    """If ``scheduled`` yields a first token from a short prefill (at most ``cap`` tokens),
+    """If ``scheduled`` yields a first token from a short prefill (at most ``cap`` tokens) or
+    decodes a request that shows no text yet (``awaits_text``),
     cut its other prefill chunks so the step carries at most ``cap`` prefill tokens (the others
     at least a quarter of it; with ``others_cap`` >= 0, the others carry at most that many tokens
     whatever room the cap leaves): unfinished chunks, and the last chunk of a longer prefill too
@@ -27,7 +30,11 @@ def shorten_for_first_tokens(
     first = [
         s
         for s in scheduled
-        if s.sample and s.num_output_tokens == 0 and 1 < len(s.token_ids) <= cap
+        if s.sample
+        and (
+            (s.num_output_tokens == 0 and 1 < len(s.token_ids) <= cap)
+            or (s.awaits_text and len(s.token_ids) == 1)
+        )
     ]
     if not first:
         return 0

@@ -152,6 +152,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             all_token_ids=request.all_token_ids if request.sampling_params.needs_history else [],
             num_prompt_tokens=request.num_prompt_tokens,
+            awaits_text=request.awaits_text,
         )
 
     def schedule(self) -> SchedulerOutput:

@@ -714,6 +714,36 @@ def test_first_token_step_others_bounds_the_other_chunks_below_the_caps_room() -
         SchedulerConfig(first_token_step_others=-2)
 
 
+def test_a_decode_that_shows_no_text_yet_keeps_its_step_short() -> None:
+    """short's first token decodes to no text (say a piece of a UTF-8 character): its user has
+    seen nothing, so the next step, its decode, is kept short as a first token's is (long
+    advances 8 tokens, not 255); once short's output shows text, long's chunks are whole
+    again. Outputs unchanged."""
+    base = _long_then_short(64, 600, others=8)
+    textless = frozenset({base[4].output_token_ids[0]})
+    assert base[4].output_token_ids[1] not in textless
+    config = SchedulerConfig(
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        first_token_step_tokens=64,
+        first_token_step_others=8,
+    )
+    sched, runner = _make_with(config, 64)
+    long = req("long", prompt(600), max_tokens=3)
+    short = req("short", prompt(40, base=7), max_tokens=3)
+    short.textless_token_ids = textless
+    first, steps = _first_token_steps(sched, runner, {1: long, 2: short})
+    k = first["short"]  # its first token came out of step k; step k + 1 decodes it
+    sizes = [{s.req_id: len(s.token_ids) for s in step.requests} for step in steps[k : k + 2]]
+    assert sizes == [{"short": 1, "long": 8}, {"short": 1, "long": 255}]
+    assert [s.awaits_text for s in steps[k].requests if s.req_id == "short"] == [True]
+    assert sched.stats.num_first_token_deferred_tokens == 208 + 247
+    assert (long.output_token_ids, short.output_token_ids) == (
+        base[3].output_token_ids,
+        base[4].output_token_ids,
+    )
+
+
 class CountingConnector(FakeConnector):
     def __init__(self) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ from engine.tokenizer import (
     encode_prompt,
     eos_token_ids,
     load_tokenizer,
+    textless_token_ids,
 )
 
 
@@ -161,3 +162,24 @@ def test_tokenizer_directory_problems_are_named(tmp_path: Path) -> None:
         ValueError, match="cannot load a tokenizer from .*absent.*no such directory"
     ):
         load_tokenizer(str(tmp_path / "absent"))
+
+
+def test_textless_tokens_are_the_ones_a_stream_emits_nothing_for(tok: Any, monkeypatch) -> None:
+    """A token is textless when the detokenizer, fed it alone after a prompt, emits nothing:
+    checked against the streaming detokenizer for every token of the demo vocabulary, in
+    batches smaller than the vocabulary. ASCII letters show text; the special tokens and the
+    lone bytes of a multi-byte character do not."""
+    monkeypatch.setattr("engine.tokenizer.TEXTLESS_BATCH", 100)
+    textless = textless_token_ids(tok, 10**6)
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    emits_nothing = {
+        t
+        for t in range(len(tok))
+        if IncrementalDetokenizer(tok, prompt).update([t]).new_text == ""
+    }
+    assert textless == emits_nothing
+    assert not textless & set(tok.encode("abc xyz", add_special_tokens=False))
+    assert tok.eos_token_id in textless
+    first_byte = tok.encode("\u00e9", add_special_tokens=False)  # é: two bytes
+    assert len(first_byte) == 2 and first_byte[0] in textless
+    assert textless_token_ids(tok, 10) == {t for t in textless if t < 10}
