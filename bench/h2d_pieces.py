@@ -9,8 +9,11 @@ Usage: python -m bench.h2d_pieces [--blocks 508] [--reps 5]   (CUDA only)
 Llama-3-8B's block (32 layers, 8 KV heads, 128 dims, bf16, 16 tokens: 2 MiB). ``--blocks``
 payloads in consecutive slots of a pinned slab (with a header, as the host tier keeps them) go
 to random blocks of a 1,200-block cache through ``SlabCopier``: per block by torch ``copy_``
-(the old path), per block by the driver, and layer-wise by the driver with 16, 8, 4 and 2
-layers a copy; beside them the plain use of the link: one contiguous copy of the same bytes.
+(the old path), per block by the driver, layer-wise by one driver copy per block and group
+with 16, 8, 4 and 2 layers a copy (``staged_layers`` False), and layer-wise staged
+(``connectors/device/raw_layers.py``: one 2-D copy per run of slots and group into device
+staging, then a scatter on a second stream) with 8 and 4 layers a copy; beside them the plain
+use of the link: one contiguous copy of the same bytes.
 Per variant (median of ``--reps``): host time to issue, GPU time from the first copy to the
 last, GB/s, and the ratio to the contiguous copy. Prints JSON, then a one-line summary.
 """
@@ -70,7 +73,12 @@ def _run(blocks: int, reps: int) -> dict[str, object]:
         variants["driver_per_block"] = lambda: driver.to_device(ids, offsets)
         for per in (16, 8, 4, 2):
             c = SlabCopier(cache, host, layered=True, layers_per_copy=per)
+            c.staged_layers = False  # one driver copy per block and group
             variants[f"driver_layers_{per}"] = lambda c=c: c.to_device_layers(ids, offsets)
+        for per in (8, 4):
+            c = SlabCopier(cache, host, layered=True, layers_per_copy=per)
+            if c._staged is not None:  # the driver's 2-D copies
+                variants[f"staged_layers_{per}"] = lambda c=c: c.to_device_layers(ids, offsets)
     check = cache.byte_rows()
     out: dict[str, object] = {}
     for name, issue in variants.items():

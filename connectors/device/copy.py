@@ -19,12 +19,18 @@ where one large copy plus a device scatter reached 0.96x (``KVCache.scatter_bloc
 offload.md "Session 3"); whether the runs get the same is for bench/offload/main.py "load_path"
 (``coalesced`` row) to show, so it is off by default.
 
-``layered`` with raw blocks on CUDA: ``to_device_layers`` moves each block in groups of
-``layers_per_copy`` layers (0: ``RAW_LAYERS_PER_COPY``), one driver copy per block and group
-(``copy2d.copy_h2d_many``), group after group, with an event per group; the forward's layers
-wait only for their group (``KVCache.set_layer_ready``), so a step's compute runs under the
-rest of its load. A block is layer-major (``[layers, 2, block_size, heads, dim]``), so a
-group of layers is one contiguous run in the slot and in the cache row. Without the driver
+``layered`` with raw blocks on CUDA: ``to_device_layers`` moves the blocks a group of layers
+at a time with an event per group; the forward's layers wait only for their group
+(``KVCache.set_layer_ready``), so a step's compute runs under the rest of its load. A block is
+layer-major (``[layers, 2, block_size, heads, dim]``), so a group of layers is one contiguous
+run in the slot and in the cache row. With the driver's 2-D copies (the default),
+``connectors.device.raw_layers.StagedLayers``: per group, one 2-D copy per run of consecutive
+slots into device staging, then a word scatter into the cache rows on a second stream, groups
+of ``STAGED_LAYERS_PER_COPY`` (8) layers unless ``layers_per_copy`` says. Copies per group =
+runs, not blocks: the path before it (``staged_layers`` False; kept for bench/h2d_pieces.py)
+makes one driver copy per block and group (``copy2d.copy_h2d_many``, groups of
+``RAW_LAYERS_PER_COPY`` by default), and a pair of QA reloads at 8 layers a copy, 2,032 copies,
+filled the driver's queue and held the engine thread 12.5 ms to issue. Without the driver
 library, the Triton kernel ``engine.kernels.copy_layer_from_host`` (SMs reading pinned memory;
 slower: docs/scheduling.md, fourth session). Per-block copies on CUDA go through the driver
 too (``copy_h2d_many``), a few microseconds of host time each instead of ~10.
@@ -44,14 +50,17 @@ import torch
 from connectors.device.copy2d import copy_h2d_many, copy_many_available
 from connectors.device.decode import StagedDecoder
 from connectors.device.kv_compress import Hi4Codec
+from connectors.device.raw_layers import StagedLayers
 from connectors.device.slab_runs import ascending_runs
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
-# Layer-wise loads of raw blocks: layers one copy moves (0 in config). Copies past ~1,000 in
-# flight on a stream fill the driver's queue and the issue waits for the copy engine
-# (bench/h2d_pieces.py on an H200: 508 blocks in 1,016 copies issued in 2.4 ms, in 2,032 copies
-# in 12.5 ms), so a pair of QA reloads (~254 blocks each) gets two groups of a 32-layer model.
+# Layer-wise loads of raw blocks by one driver copy per block and group (``staged_layers``
+# False; the staged path's automatic size is raw_layers.STAGED_LAYERS_PER_COPY): layers one
+# copy moves (0 in config). Copies past ~1,000 in flight on a stream fill the driver's queue
+# and the issue waits for the copy engine (bench/h2d_pieces.py on an H200: 508 blocks in 1,016
+# copies issued in 2.4 ms, in 2,032 copies in 12.5 ms), so a pair of QA reloads (~254 blocks
+# each) gets two groups of a 32-layer model.
 RAW_LAYERS_PER_COPY = 16
 
 
@@ -65,10 +74,12 @@ class SlabCopier:
         coalesce: bool = False,
         codec: Hi4Codec | None = None,
         layers_per_copy: int = 0,
+        force_layers: bool = False,
     ) -> None:
         """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
         where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
-        copy each. ``codec``: the slab holds its payloads (module docstring). Raises
+        copy each. ``codec``: the slab holds its payloads (module docstring).
+        ``force_layers``: run the staged layer-wise path on the CPU too (tests). Raises
         ValueError for anything else."""
         if host.dtype != torch.uint8 or host.dim() != 1:
             raise ValueError("host buffer must be a 1-D uint8 tensor")
@@ -96,11 +107,28 @@ class SlabCopier:
                 host,
                 spec.num_layers,
                 layers=layered,
+                force_layers=force_layers,
                 layers_per_copy=layers_per_copy,
             )
             if codec is not None
             else None
         )
+        # Raw blocks, layer-wise: the staged 2-D copies where they can run (``_staged_path``).
+        staged = (
+            StagedLayers(
+                self._rows,
+                host,
+                spec.num_layers,
+                self._per_block,
+                layers=layered,
+                force_layers=force_layers,
+                layers_per_copy=layers_per_copy,
+            )
+            if codec is None and (layered or force_layers)
+            else None
+        )
+        self._staged = staged if staged is not None and staged.layered else None
+        self.staged_layers = True  # False: the per-block driver copies (bench/h2d_pieces.py)
         # The layer kernel's programs (``engine.kernels.copy_layer_from_host``): 0, one per
         # 8 KiB tile; > 0, that many looping over the tiles. Settable (bench/profile_gpu.py).
         self.layer_copy_programs = 0
@@ -129,37 +157,52 @@ class SlabCopier:
 
     @property
     def layered(self) -> bool:
-        """Whether ``to_device_layers`` can run (CUDA, Triton, a pinned 16-byte aligned slab;
-        with a codec, also the driver's 2-D copies)."""
+        """Whether ``to_device_layers`` can run (CUDA and a pinned slab; the driver library,
+        or for raw blocks without it Triton and a 16-byte aligned slab; with a codec, the
+        driver's 2-D copies and Triton). With ``force_layers``, on the CPU too."""
         if self._decoder is not None:
             return self._decoder.layered
+        if (staged := self._staged_path()) is not None:
+            return staged.layered  # False once the driver refused a 2-D copy
         return self._driver_layers or self._words is not None
+
+    def _staged_path(self) -> StagedLayers | None:
+        """Raw blocks' staged layer-wise loads, where they can run and ``staged_layers``."""
+        return self._staged if self.staged_layers else None
 
     @property
     def load_stages(self) -> int:
         """How many events ``to_device_layers``' layers become ready in (one per group of
         layers: ``layer_groups``; one per layer with the Triton kernel)."""
-        if self._decoder is not None or self._driver_layers:
+        if self._decoder is not None or self._staged_path() is not None or self._driver_layers:
             return len(self.layer_groups())
         return self._num_layers
 
     def layer_groups(self) -> list[tuple[int, int]]:
-        """Raw blocks: the ``[first, end)`` layers each driver copy of a block moves."""
+        """The ``[first, end)`` layers each layer-wise copy moves (raw blocks without the
+        staged path: each driver copy of a block; ``layers_per_copy`` of them, 0:
+        ``RAW_LAYERS_PER_COPY``)."""
         if self._decoder is not None:
             return self._decoder.layer_groups()
+        if (staged := self._staged_path()) is not None:
+            return staged.layer_groups()
         n, per = self._num_layers, max(1, self.layers_per_copy)
         return [(a, min(n, a + per)) for a in range(0, n, per)]
 
     def to_device_layers(self, block_ids: Sequence[int], offsets: Sequence[int]) -> list[object]:
-        """Like ``to_device``, layer group by layer group on the current stream: driver copies
-        (``layer_groups``), or without the driver one kernel per layer (see
-        ``engine.kernels.copy_layer_from_host``; offsets must then be multiples of 16).
-        Returns one CUDA event per layer, recorded after its group's copy (the last one with
-        timing). Raises ValueError for offsets the path cannot take or when not ``layered``."""
+        """Like ``to_device``, layer group by layer group on the current stream: staged 2-D
+        copies (``raw_layers.StagedLayers``; on the CPU with ``force_layers``, synchronous,
+        returning ``[]``), per-block driver copies (``layer_groups``), or without the driver
+        one kernel per layer (see ``engine.kernels.copy_layer_from_host``; offsets must then
+        be multiples of 16). Returns one CUDA event per layer, recorded after its group's
+        copy (the last one with timing). Raises ValueError for offsets the path cannot take
+        or when not ``layered``."""
         from engine.kernels import copy_layer_from_host
 
         if self._decoder is not None:
             return self._decoder.to_device_layers(block_ids, offsets)
+        if (staged := self._staged_path()) is not None:
+            return staged.to_device_layers(block_ids, offsets)
         if self._driver_layers:
             return self._driver_to_device_layers(block_ids, offsets)
         if self._words is None:

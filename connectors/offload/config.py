@@ -101,19 +101,22 @@ class OffloadConfig:
     # is off by default (docs/scheduling.md, tenth session).
     async_copies_after_forward: bool = False
     # CUDA: in-step loads land a group of layers at a time, each layer's attention waiting only
-    # for its group, so the forward runs under the rest of the load (raw blocks: a driver copy
-    # per block and group, connectors/device/copy.py; with compression: groups of layers' parts
-    # of every block by driver 2-D copies, then decoded, connectors/device/decode.py). "auto"
-    # (the default): on with compression, where the H200 measured it faster (a 16K prefix in
-    # 38-39 ms against 42-46 whole, docs/offload.md), off for raw blocks: with 8 layers a copy
-    # a lone reload of the QA shape gained (25.7 against 39.8 ms) but the QA run lost (later
-    # rounds 87.3 against 72.6 ms in one run): a pair's 2,032 copies fill the driver's queue
-    # and its issue held the engine thread ~14 ms (docs/scheduling.md, eleventh session).
+    # for its group, so the forward runs under the rest of the load (raw blocks: per group, a
+    # driver 2-D copy per run of slots into device staging, then a scatter into the blocks,
+    # connectors/device/raw_layers.py; with compression: groups of layers' parts of every block
+    # by driver 2-D copies, then decoded, connectors/device/decode.py). "auto" (the default):
+    # on with compression, where the H200 measured it faster (a 16K prefix in 38-39 ms against
+    # 42-46 whole, docs/offload.md), off for raw blocks: by the path before the staged one (a
+    # driver copy per block and group), with 8 layers a copy a lone reload of the QA shape
+    # gained (25.7 against 39.8 ms) but the QA run lost (later rounds 87.3 against 72.6 ms in
+    # one run): a pair's 2,032 copies fill the driver's queue and its issue held the engine
+    # thread ~14 ms (docs/scheduling.md, eleventh session). The staged path, copies per group =
+    # runs instead of blocks, is not measured in the QA run yet.
     layered_loads: bool | str = "auto"
-    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 16,
-    # connectors/device/copy.py RAW_LAYERS_PER_COPY; compressed: rows of at least 128 KiB,
-    # connectors/device/decode.py). Fewer layers a copy overlap more of the forward but make
-    # more, smaller copies (bench/h2d_pieces.py).
+    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 8,
+    # connectors/device/raw_layers.py STAGED_LAYERS_PER_COPY; compressed: rows of at least
+    # 128 KiB, connectors/device/decode.py). Fewer layers a copy overlap more of the forward
+    # but make more, smaller copies (bench/h2d_pieces.py).
     layers_per_copy: int = 0
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device
     # scatter instead of one copy per block (connectors/device/copy.py). Off by default

@@ -1,5 +1,6 @@
-"""SlabCopier's coalesced host -> cache copies (connectors/device/copy.py) against its
-per-block copies, on the CPU (the same code path as CUDA, synchronous)."""
+"""SlabCopier's coalesced and staged layer-wise host -> cache copies (connectors/device/copy.py,
+raw_layers.py) against its per-block copies, on the CPU (the same code paths as CUDA,
+synchronous)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from connectors.device import copy as offload_copy
+from connectors.device import raw_layers
 from connectors.device.copy import SlabCopier
-from connectors.device.slab_runs import MAX_SLOT_GAP, slot_runs
+from connectors.device.copy2d import copy2d
+from connectors.device.slab_runs import MAX_SLOT_GAP, ascending_runs, slot_runs
 from engine.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)  # 2 KiB blocks
@@ -79,8 +82,8 @@ def test_raw_layer_groups_cover_every_layer_once() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("per", [0, 1, 3])
 def test_cuda_driver_copies_equal_torch_copies(per: int) -> None:
-    """On CUDA, per-block copies through the driver and layer-wise ones (groups of ``per``
-    layers, one event per layer, each layer's bytes in place once its event completed) land
+    """On CUDA, per-block copies through the driver and layer-wise ones by per-block driver
+    copies (``staged_layers`` False; groups of ``per`` layers, one event per layer, each layer's bytes in place once its event completed) land
     exactly what torch's per-block copies land, and nothing else."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -103,6 +106,7 @@ def test_cuda_driver_copies_equal_torch_copies(per: int) -> None:
     SlabCopier(per_block, host).to_device(ids, offsets)
     layered_cache = KVCache(spec, 32, "cuda")
     layered = SlabCopier(layered_cache, host, layered=True, layers_per_copy=per)
+    layered.staged_layers = False  # the per-block driver copies (the staged path: below)
     assert layered.layered and layered._driver_layers
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -120,3 +124,159 @@ def test_cuda_driver_copies_equal_torch_copies(per: int) -> None:
         SlabCopier(per_block, host).to_device([32], [48])
     with pytest.raises(ValueError, match="outside the host buffer"):
         SlabCopier(per_block, host).to_device([0], [blocks * slot - n + 1])
+
+
+# Staged layer-wise loads of raw blocks (raw_layers.StagedLayers): 10 layers of 4 KiB, so a
+# slot gap of 64 KiB (MAX_SLOT_GAP) spans under 3 slots and slots 3 or more apart are no run.
+LAYERED_SPEC = KVCacheSpec(num_layers=10, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+N_LAYERED = LAYERED_SPEC.bytes_per_block
+HEADER = 64  # bytes before each payload in a slot, as the host tier's codec header
+LAYOUTS = {
+    "ascending": [3, 4, 5, 6, 7, 8, 9, 10],
+    "descending": [12, 11, 10, 9, 8, 7, 6, 5],  # a prefix saved tail first
+    "shuffled": [9, 0, 4, 12, 1, 7, 15, 11],  # runs of one
+    "mixed": [0, 1, 2, 9, 8, 7, 13, 4],  # up 3, down 3, two alone
+}
+LAYER_IDS = [17, 3, 8, 0, 22, 11, 4, 30]  # not consecutive; the other rows stay untouched
+
+
+def layered_slab(
+    spec: KVCacheSpec, slots: list[int], device: str = "cpu"
+) -> tuple[KVCache, torch.Tensor, list[int], torch.Tensor]:
+    """A cache of 32 blocks holding random bytes, a slab of random bytes (headers included)
+    with the payloads at ``slots``, their offsets, and the cache rows per-block ``copy_``s
+    of them into ``LAYER_IDS`` land (the reference)."""
+    n = spec.bytes_per_block
+    slot = n + HEADER
+    gen = torch.Generator().manual_seed(len(slots) + slots[0])
+    host = torch.randint(0, 256, ((max(slots) + 1) * slot,), generator=gen, dtype=torch.uint8)
+    offsets = [s * slot + HEADER for s in slots]
+    cache = KVCache(spec, 32, device)
+    rows = cache.byte_rows()
+    rows.copy_(torch.randint(0, 256, tuple(rows.shape), generator=gen, dtype=torch.uint8))
+    want = rows.cpu().clone()
+    for b, o in zip(LAYER_IDS, offsets, strict=True):
+        want[b].copy_(host[o : o + n])
+    return cache, host, offsets, want
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    ("per", "groups"),
+    [
+        (1, [(i, i + 1) for i in range(10)]),
+        (3, [(0, 3), (3, 6), (6, 9), (9, 10)]),  # the last group short
+        (0, [(0, 8), (8, 10)]),  # automatic: STAGED_LAYERS_PER_COPY (8)
+    ],
+)
+@pytest.mark.parametrize("small_buffers", [False, True])
+def test_staged_layer_copies_equal_per_block_copies(
+    monkeypatch: pytest.MonkeyPatch,
+    layout: str,
+    per: int,
+    groups: list[tuple[int, int]],
+    small_buffers: bool,
+) -> None:
+    """Layer-wise loads of raw blocks through the staging buffers (one 2-D copy per run of
+    slots and group of layers, then a word scatter) land exactly what per-block copies land,
+    whatever the slots' order, and nothing else. ``small_buffers``: staging buffers of one
+    block, so a group's rows go in several chunks (3 rows of 3 layers, 1 row of 8), cutting
+    runs."""
+    if small_buffers:
+        monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1)
+    slots = LAYOUTS[layout]
+    cache, host, offsets, want = layered_slab(LAYERED_SPEC, slots)
+    if layout == "shuffled":
+        assert all(len(js) == 1 for _, _, js in ascending_runs(offsets, N_LAYERED))
+    copies: list[tuple[object, ...]] = []
+
+    def counted(*args: object) -> None:
+        copies.append(args)
+        copy2d(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(raw_layers, "copy2d", counted)
+    copier = SlabCopier(cache, host, layered=True, layers_per_copy=per, force_layers=True)
+    assert copier.layered and copier._staged is not None
+    assert copier.layer_groups() == groups and copier.load_stages == len(groups)
+    assert copier.to_device_layers(LAYER_IDS, offsets) == []  # CPU: done on return
+    if not small_buffers:  # one 2-D copy per run of slots and group of layers
+        assert len(copies) == len(ascending_runs(offsets, N_LAYERED)) * len(groups)
+    staging = copier._staged._staging
+    assert staging is not None
+    assert staging.numel() == 2 * (N_LAYERED if small_buffers else raw_layers.LAYER_BYTES)
+    assert torch.equal(cache.byte_rows(), want)
+
+
+def test_staged_layer_copies_refuse_what_would_leave_their_bounds() -> None:
+    """A block id outside the cache or a payload outside the slab is a ValueError before
+    anything is copied; layers that are not whole 8-byte words get no staged path; without
+    ``force_layers`` a CPU copier has none either."""
+    cache, host, offsets, _ = layered_slab(LAYERED_SPEC, LAYOUTS["ascending"])
+    before = cache.byte_rows().clone()
+    copier = SlabCopier(cache, host, layered=True, force_layers=True)
+    with pytest.raises(ValueError, match="block id out of range"):
+        copier.to_device_layers([*LAYER_IDS[:-1], 32], offsets)
+    with pytest.raises(ValueError, match="block id out of range"):
+        copier.to_device_layers([-1, *LAYER_IDS[1:]], offsets)
+    with pytest.raises(ValueError, match="outside the host buffer"):
+        copier.to_device_layers(LAYER_IDS, [*offsets[:-1], host.numel() - N_LAYERED + 1])
+    with pytest.raises(ValueError, match="8 blocks for 7 offsets"):
+        copier.to_device_layers(LAYER_IDS, offsets[:-1])
+    assert torch.equal(cache.byte_rows(), before)
+    assert copier.to_device_layers([], []) == []
+    assert not SlabCopier(cache, host, layered=True).layered  # CPU: no layer-wise loads
+    odd = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=1, dtype=torch.float16, block_size=1)
+    odd_cache = KVCache(odd, 4, "cpu")  # 4 bytes a layer
+    odd_host = torch.zeros(4 * odd.bytes_per_block, dtype=torch.uint8)
+    staged = SlabCopier(odd_cache, odd_host, layered=True, force_layers=True)
+    assert not staged.layered and staged._staged is None
+    with pytest.raises(ValueError, match="layers_per_copy must be >= 0"):
+        SlabCopier(cache, host, layered=True, force_layers=True, layers_per_copy=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per", [0, 1, 3])
+@pytest.mark.parametrize("layout", ["descending", "mixed"])
+def test_cuda_staged_layer_copies_equal_torch_copies(
+    monkeypatch: pytest.MonkeyPatch, per: int, layout: str
+) -> None:
+    """On CUDA, ``SlabCopier(layered=True)`` over a pinned slab takes the staged path (driver
+    2-D copies on the side stream, the scatter on a second one; staging buffers of one block,
+    so groups go in several chunks through both buffers in turn): one event per layer, one
+    distinct event per group, and once the last completed the cache holds exactly what torch's
+    per-block copies land. A 2-D copy the driver refuses: whole blocks, one event for every
+    layer, and no more layer-wise loads on that copier."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from connectors.device.copy2d import copy2d_available
+
+    if not copy2d_available():
+        pytest.skip("no CUDA driver library")
+    monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1)
+    cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS[layout], "cuda")
+    host = host.pin_memory()
+    start = cache.byte_rows().clone()
+    copier = SlabCopier(cache, host, layered=True, layers_per_copy=per)
+    assert copier.layered and copier._staged is not None
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.default_stream())  # the cache's random fill
+        events = copier.to_device_layers(LAYER_IDS, offsets)
+    cuda_events = [e for e in events if isinstance(e, torch.cuda.Event)]
+    assert len(cuda_events) == len(events) == LAYERED_SPEC.num_layers
+    assert len(set(map(id, events))) == copier.load_stages == len(copier.layer_groups())
+    cuda_events[-1].synchronize()
+    assert all(e.query() for e in cuda_events)
+    assert torch.equal(cache.byte_rows().cpu(), want)
+
+    def refused(*args: object) -> None:
+        raise RuntimeError("cuMemcpy2DAsync failed with CUresult 1")
+
+    cache.byte_rows().copy_(start)
+    monkeypatch.setattr(raw_layers, "copy2d", refused)
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.default_stream())
+        events = copier.to_device_layers(LAYER_IDS, offsets)
+    assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
+    torch.cuda.synchronize()
+    assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
