@@ -173,9 +173,7 @@ def test_textless_tokens_are_the_ones_a_stream_emits_nothing_for(tok: Any, monke
     textless = textless_token_ids(tok, 10**6)
     prompt = tok.encode("Q:", add_special_tokens=False)
     emits_nothing = {
-        t
-        for t in range(len(tok))
-        if IncrementalDetokenizer(tok, prompt).update([t]).new_text == ""
+        t for t in range(len(tok)) if IncrementalDetokenizer(tok, prompt).update([t]).new_text == ""
     }
     assert textless == emits_nothing
     assert not textless & set(tok.encode("abc xyz", add_special_tokens=False))
