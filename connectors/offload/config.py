@@ -12,7 +12,7 @@ One YAML file (or the same dict) holds both::
                                # step's forward is queued (false, the default: issued before it,
                                # behind the step's input uploads)
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
-                            # (auto: with compression only; true | false)
+                            # (auto: on, as true; false: whole blocks)
     layers_per_copy: 0      # layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     load_chunk_bytes: 67108864  # lower-tier loads: read and copy overlap in chunks this big
@@ -105,13 +105,12 @@ class OffloadConfig:
     # driver 2-D copy per run of slots into device staging, then a scatter into the blocks,
     # connectors/device/raw_layers.py; with compression: groups of layers' parts of every block
     # by driver 2-D copies, then decoded, connectors/device/decode.py). "auto" (the default):
-    # on with compression, where the H200 measured it faster (a 16K prefix in 38-39 ms against
-    # 42-46 whole, docs/offload.md), off for raw blocks: by the path before the staged one (a
-    # driver copy per block and group), with 8 layers a copy a lone reload of the QA shape
-    # gained (25.7 against 39.8 ms) but the QA run lost (later rounds 87.3 against 72.6 ms in
-    # one run): a pair's 2,032 copies fill the driver's queue and its issue held the engine
-    # thread ~14 ms (docs/scheduling.md, eleventh session). The staged path, copies per group =
-    # runs instead of blocks, is not measured in the QA run yet.
+    # on, raw blocks included since the staged path (H200, seventeenth session,
+    # docs/scheduling.md: a pair of QA reloads' copies issued in 1.8 ms and run at 0.965x of
+    # one contiguous copy, where whole-block copies ran at 0.925x; a lone reload of the QA
+    # shape 21.9 against 32.5 ms; QA reused requests 49.0 against 55.1 ms engine-side). The
+    # path before it (a driver copy per block and group) lost in the QA run: a pair's 2,032
+    # copies filled the driver's queue (eleventh session). false: whole blocks.
     layered_loads: bool | str = "auto"
     # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 8,
     # connectors/device/raw_layers.py STAGED_LAYERS_PER_COPY; compressed: rows of at least
@@ -155,9 +154,7 @@ class OffloadConfig:
     @property
     def layer_wise(self) -> bool:
         """Whether in-step loads should land layer by layer (``layered_loads`` resolved)."""
-        if self.layered_loads == "auto":
-            return self.compression != "none"
-        return bool(self.layered_loads)
+        return self.layered_loads == "auto" or bool(self.layered_loads)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:

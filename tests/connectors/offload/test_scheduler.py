@@ -176,7 +176,8 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="in_step_loads_per_step must be an integer >= 0"):
             load_offload_config({"tiers": host, "in_step_loads_per_step": bad})
-    assert cfg.layered_loads == "auto" and not cfg.layer_wise  # auto: with compression only
+    assert cfg.layered_loads == "auto" and cfg.layer_wise  # raw blocks too (staged 2-D copies)
+    assert not load_offload_config({"tiers": host, "layered_loads": False}).layer_wise
     assert load_offload_config({"tiers": host, "compression": "lossless"}).layer_wise
     assert load_offload_config({"tiers": host, "layered_loads": True}).layer_wise
     assert not load_offload_config(
