@@ -26,7 +26,7 @@ layer-major (``[layers, 2, block_size, heads, dim]``), so a group of layers is o
 run in the slot and in the cache row. With the driver's 2-D copies (the default),
 ``connectors.device.raw_layers.StagedLayers``: per group, one 2-D copy per run of consecutive
 slots into device staging, then a word scatter into the cache rows on a second stream, groups
-of ``STAGED_LAYERS_PER_COPY`` (8) layers unless ``layers_per_copy`` says. Copies per group =
+of ``STAGED_LAYERS_PER_COPY`` (4) layers unless ``layers_per_copy`` says. Copies per group =
 runs, not blocks: the path before it (``staged_layers`` False; kept for bench/h2d_pieces.py)
 makes one driver copy per block and group (``copy2d.copy_h2d_many``, groups of
 ``RAW_LAYERS_PER_COPY`` by default), and a pair of QA reloads at 8 layers a copy, 2,032 copies,

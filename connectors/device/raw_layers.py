@@ -40,10 +40,12 @@ from connectors.device.slab_runs import ascending_runs, pad16
 log = logging.getLogger(__name__)
 
 LAYER_BYTES = 128 << 20  # each of the two staging buffers
-# Automatic ``layers_per_copy``: with a copy per run instead of per block, 8 layers a copy
-# (4 groups of a 32-layer model, 512 KiB rows for Llama-3-8B) cost a pair of QA reloads in
-# consecutive slots a few copies a group, not 508.
-STAGED_LAYERS_PER_COPY = 8
+# Automatic ``layers_per_copy``: with a copy per run instead of per block, the group count
+# costs a few copies each, not one per block: a pair of QA reloads (508 blocks in consecutive
+# slots) issues in ~1.8 ms and copies at 0.965x of one contiguous copy at 8 and at 4 layers a
+# copy alike (H200, bench/h2d_pieces.py). 4 (256 KiB rows for Llama-3-8B): the forward's
+# last layers, which wait for the last group, start sooner after the link is done.
+STAGED_LAYERS_PER_COPY = 4
 
 Runs = list[tuple[int, int, list[int]]]  # ``ascending_runs``: (lowest offset, pitch, indices)
 Streams = tuple[torch.cuda.Stream, torch.cuda.Stream]  # CUDA: (the current one, the scatter one)

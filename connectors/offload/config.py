@@ -112,7 +112,7 @@ class OffloadConfig:
     # path before it (a driver copy per block and group) lost in the QA run: a pair's 2,032
     # copies filled the driver's queue (eleventh session). false: whole blocks.
     layered_loads: bool | str = "auto"
-    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 8,
+    # Layer-wise loads move this many layers per copy (0: automatic; raw blocks 4,
     # connectors/device/raw_layers.py STAGED_LAYERS_PER_COPY; compressed: rows of at least
     # 128 KiB, connectors/device/decode.py). Fewer layers a copy overlap more of the forward
     # but make more, smaller copies (bench/h2d_pieces.py).

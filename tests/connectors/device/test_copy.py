@@ -166,7 +166,7 @@ def layered_slab(
     [
         (1, [(i, i + 1) for i in range(10)]),
         (3, [(0, 3), (3, 6), (6, 9), (9, 10)]),  # the last group short
-        (0, [(0, 8), (8, 10)]),  # automatic: STAGED_LAYERS_PER_COPY (8)
+        (0, [(0, 4), (4, 8), (8, 10)]),  # automatic: STAGED_LAYERS_PER_COPY (4)
     ],
 )
 @pytest.mark.parametrize("small_buffers", [False, True])
