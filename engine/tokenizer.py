@@ -10,10 +10,13 @@ of a stop string until it is known not to be one. Not thread-safe (one per reque
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Tokens of the prompt decoded along with the output, so that decoders which depend on the
 # left context (SentencePiece's leading space, byte-level merges) produce the same text.
@@ -211,14 +214,18 @@ def textless_token_ids(tokenizer: Any, vocab_size: int) -> frozenset[int]:
     whose outputs are all such tokens has shown its user nothing yet: the scheduler keeps its
     next step short (``engine/sched/first_tokens.py``). Alone is an approximation: two such
     pieces may complete a character, and then the request is counted one step late."""
-    size = min(vocab_size, len(tokenizer))
     out: set[int] = set()
-    for start in range(0, size, TEXTLESS_BATCH):
-        ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
-        texts = tokenizer.batch_decode(
-            [[t] for t in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-        out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+    try:
+        size = min(vocab_size, len(tokenizer))
+        for start in range(0, size, TEXTLESS_BATCH):
+            ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
+            texts = tokenizer.batch_decode(
+                [[t] for t in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+            out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+    except Exception:  # a tokenizer that cannot: no step is kept short for text, as before
+        log.warning("could not find the tokens that decode to no text", exc_info=True)
+        return frozenset()
     return frozenset(out)
 
 

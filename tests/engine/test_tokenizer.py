@@ -181,3 +181,16 @@ def test_textless_tokens_are_the_ones_a_stream_emits_nothing_for(tok: Any, monke
     first_byte = tok.encode("\u00e9", add_special_tokens=False)  # é: two bytes
     assert len(first_byte) == 2 and first_byte[0] in textless
     assert textless_token_ids(tok, 10) == {t for t in textless if t < 10}
+
+
+def test_a_tokenizer_that_cannot_decode_alone_gives_no_textless_tokens() -> None:
+    """Finding them is an optimisation: a tokenizer that fails gives none (steps as before)."""
+
+    class Broken:
+        def __len__(self) -> int:
+            return 10
+
+        def batch_decode(self, *args: object, **kwargs: object) -> list[str]:
+            raise RuntimeError("no")
+
+    assert textless_token_ids(Broken(), 10) == frozenset()
