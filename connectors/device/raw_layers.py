@@ -20,8 +20,9 @@ group's (``KVCache.set_layer_ready``). The block ids go to the device once, befo
 data copy: host -> device copies run in issue order on the H200 whatever their stream, so a
 small upload issued after the big copies would wait for all of them.
 
-If the driver refuses a 2-D copy, that load and every later one of this engine move whole
-blocks (``whole_blocks``, given by ``SlabCopier``), one event for every layer. On the CPU
+If the driver refuses a 2-D copy or the staging cannot be allocated (CUDA out of memory: it
+comes out of what ``gpu_memory_utilization`` leaves beside the KV cache), that load and every
+later one of this engine move whole blocks (``whole_blocks``, given by ``SlabCopier``), one event for every layer. On the CPU
 (tests, ``force_layers``) the same staging steps run synchronously. Not thread-safe: one
 caller (the engine thread).
 """
@@ -116,15 +117,16 @@ class StagedLayers:
             return []
         device = self._rows.device
         index = index_to_device(torch.tensor(ids, dtype=torch.int64), device)  # before the data
-        staging = self._buffers()
         streams = None
         if self._cuda:
             streams = (torch.cuda.current_stream(device), self._scatter_stream())
             streams[1].wait_stream(streams[0])  # the upload, the blocks' previous owner
             index.record_stream(streams[1])
         try:
-            events = self._copy_groups(runs, index, staging, streams)
-        except RuntimeError:  # the driver refused a 2-D copy: whole blocks from now on
+            # The staging comes out of the memory the KV budget left (gpu_memory_utilization's
+            # rest); an engine without room for it loads whole blocks instead of failing.
+            events = self._copy_groups(runs, index, self._buffers(), streams)
+        except RuntimeError:  # a 2-D copy refused, or no memory for the staging: whole blocks
             if streams is None:
                 raise
             return self._whole_blocks(block_ids, offsets, streams)

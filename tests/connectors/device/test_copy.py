@@ -280,3 +280,27 @@ def test_cuda_staged_layer_copies_equal_torch_copies(
     assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
     torch.cuda.synchronize()
     assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
+
+
+@pytest.mark.gpu
+def test_cuda_staged_layer_copies_without_memory_for_the_staging_load_whole_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Staging buffers the device cannot hold (CUDA out of memory): the load lands whole, one
+    event for every layer, the same bytes, and the copier loads whole blocks from then on."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from connectors.device.copy2d import copy2d_available
+
+    if not copy2d_available():
+        pytest.skip("no CUDA driver library")
+    monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1 << 50)
+    cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS["mixed"], "cuda")
+    copier = SlabCopier(cache, host.pin_memory(), layered=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.default_stream())
+        events = copier.to_device_layers(LAYER_IDS, offsets)
+    assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
+    torch.cuda.synchronize()
+    assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
