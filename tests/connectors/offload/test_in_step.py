@@ -135,9 +135,9 @@ def test_scheduler_keys_equal_block_key(model_dir: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("flag", ["layered_loads", "coalesced_loads"])
 def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, flag: str) -> None:
-    """On CUDA, ``layered_loads``: the in-step copies move each block a group of layers at a
-    time (driver copies; without the driver library, one kernel per layer reading the pinned
-    slab), each layer's attention waiting for its own group; ``coalesced_loads``: the
+    """On CUDA, ``layered_loads`` (the default): the in-step copies move a group of layers of
+    every block at a time (driver 2-D copies per run of slots into device staging, then a
+    scatter), each layer's attention waiting for its own group; ``coalesced_loads``: the
     host blocks move as runs (one pinned copy per run into the device staging, one word
     scatter). Either way: same tokens as without offload, all three blocks loaded."""
     import torch
@@ -147,7 +147,8 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
     p, _ = prompts()
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
-    config = {**offload(True), flag: True}
+    # coalesced runs are the whole-block path: layer-wise loads (the default) off for them
+    config = {**offload(True), flag: True, "layered_loads": flag == "layered_loads"}
     with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config, **kw) as llm:
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
         assert copier is not None
@@ -156,6 +157,7 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
             from connectors.device.copy2d import copy_many_available
 
             assert copier._driver_layers == copy_many_available()
+            assert copier._staged is not None  # the staged 2-D copies (raw_layers)
         assert evict_p_to_host(llm) == reference
         assert steps_to_first_token(llm, p) == (1, reference)
         assert flag == "layered_loads" or copier._staging is not None  # the run path ran
