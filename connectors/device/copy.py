@@ -51,7 +51,7 @@ from connectors.device.copy2d import copy_h2d_many, copy_many_available
 from connectors.device.decode import StagedDecoder
 from connectors.device.kv_compress import Hi4Codec
 from connectors.device.raw_layers import StagedLayers
-from connectors.device.slab_runs import ascending_runs
+from connectors.device.slab_runs import ascending_runs, check_payloads
 from engine.kv_cache import KVCache
 
 STAGING_BYTES = 32 << 20  # device staging of a coalesced run, copied in chunks of this size
@@ -251,15 +251,8 @@ class SlabCopier:
     ) -> tuple[list[int], list[int]]:
         """Device addresses of the blocks' rows and host addresses of the payloads, checked
         against both buffers (ValueError)."""
-        if len(block_ids) != len(offsets):
-            raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
-        if not block_ids:
-            return [], []
-        rows, n = self._rows, self.nbytes
-        if min(block_ids) < 0 or max(block_ids) >= rows.shape[0]:
-            raise ValueError(f"block id out of range [0, {rows.shape[0]})")
-        if min(offsets) < 0 or max(offsets) + n > self._host.numel():
-            raise ValueError("a payload runs outside the host buffer")
+        rows = self._rows
+        check_payloads(block_ids, offsets, rows.shape[0], self.nbytes, self._host.numel())
         base, stride, src = rows.data_ptr(), rows.stride(0), self._host.data_ptr()
         return [base + b * stride for b in block_ids], [src + o for o in offsets]
 

@@ -36,7 +36,7 @@ import torch
 
 from connectors.device.copy2d import copy2d, copy2d_available
 from connectors.device.kv_compress import index_to_device
-from connectors.device.slab_runs import ascending_runs, pad16
+from connectors.device.slab_runs import ascending_runs, check_payloads, pad16
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +140,8 @@ class StagedLayers:
         """The payloads' runs of slots (``ascending_runs``) and the block id of each staging
         row (the payloads in run order), after checking both against the cache and the slab
         (ValueError)."""
-        if len(block_ids) != len(offsets):
-            raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
         num_blocks, n = self._rows.shape
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
-            raise ValueError(f"block id out of range [0, {num_blocks})")
-        if offsets and (min(offsets) < 0 or max(offsets) + n > self._host.numel()):
-            raise ValueError("a payload runs outside the host buffer")
+        check_payloads(block_ids, offsets, num_blocks, n, self._host.numel())
         runs = ascending_runs(offsets, n)
         return runs, [block_ids[j] for _, _, js in runs for j in js]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from cachestore.kv_format import pad16
 
-__all__ = ["MAX_SLOT_GAP", "ascending_runs", "pad16", "slot_runs"]
+__all__ = ["MAX_SLOT_GAP", "ascending_runs", "check_payloads", "pad16", "slot_runs"]
 
 MAX_SLOT_GAP = 64 << 10  # slot bytes besides the payload a run may carry along (headers, pad)
 
@@ -48,3 +48,17 @@ def ascending_runs(offsets: Sequence[int], nbytes: int) -> list[tuple[int, int, 
         else:  # descending slots: the run starts at its last block's payload
             out.append((offsets[end - 1], -stride, list(range(end - 1, start - 1, -1))))
     return out
+
+
+def check_payloads(
+    block_ids: Sequence[int], offsets: Sequence[int], num_blocks: int, nbytes: int, host_bytes: int
+) -> None:
+    """Raises ValueError unless every ``block_ids[i]`` is a row of a ``num_blocks``-row cache
+    and every payload of ``nbytes`` at ``offsets[i]`` lies inside a ``host_bytes`` slab (one
+    offset per block)."""
+    if len(block_ids) != len(offsets):
+        raise ValueError(f"{len(block_ids)} blocks for {len(offsets)} offsets")
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= num_blocks):
+        raise ValueError(f"block id out of range [0, {num_blocks})")
+    if offsets and (min(offsets) < 0 or max(offsets) + nbytes > host_bytes):
+        raise ValueError("a payload runs outside the host buffer")

@@ -234,6 +234,34 @@ def test_staged_layer_copies_refuse_what_would_leave_their_bounds() -> None:
         SlabCopier(cache, host, layered=True, force_layers=True, layers_per_copy=-1)
 
 
+def _skip_without_2d_copies() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from connectors.device.copy2d import copy2d_available
+
+    if not copy2d_available():
+        pytest.skip("no CUDA driver library")
+
+
+def _load_on_side_stream(copier: SlabCopier, offsets: list[int]) -> list[object]:
+    """``to_device_layers`` of ``LAYER_IDS`` on a side stream, after the cache's random fill."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.default_stream())
+        return copier.to_device_layers(LAYER_IDS, offsets)
+
+
+def _assert_whole_block_fallback(
+    copier: SlabCopier, offsets: list[int], cache: KVCache, want: torch.Tensor
+) -> None:
+    """The load lands whole (one event for every layer, the same bytes) and the copier loads
+    whole blocks from then on."""
+    events = _load_on_side_stream(copier, offsets)
+    assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
+    torch.cuda.synchronize()
+    assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("per", [0, 1, 3])
 @pytest.mark.parametrize("layout", ["descending", "mixed"])
@@ -246,22 +274,14 @@ def test_cuda_staged_layer_copies_equal_torch_copies(
     distinct event per group, and once the last completed the cache holds exactly what torch's
     per-block copies land. A 2-D copy the driver refuses: whole blocks, one event for every
     layer, and no more layer-wise loads on that copier."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from connectors.device.copy2d import copy2d_available
-
-    if not copy2d_available():
-        pytest.skip("no CUDA driver library")
+    _skip_without_2d_copies()
     monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1)
     cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS[layout], "cuda")
     host = host.pin_memory()
     start = cache.byte_rows().clone()
     copier = SlabCopier(cache, host, layered=True, layers_per_copy=per)
     assert copier.layered and copier._staged is not None
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        side.wait_stream(torch.cuda.default_stream())  # the cache's random fill
-        events = copier.to_device_layers(LAYER_IDS, offsets)
+    events = _load_on_side_stream(copier, offsets)
     cuda_events = [e for e in events if isinstance(e, torch.cuda.Event)]
     assert len(cuda_events) == len(events) == LAYERED_SPEC.num_layers
     assert len(set(map(id, events))) == copier.load_stages == len(copier.layer_groups())
@@ -274,12 +294,7 @@ def test_cuda_staged_layer_copies_equal_torch_copies(
 
     cache.byte_rows().copy_(start)
     monkeypatch.setattr(raw_layers, "copy2d", refused)
-    with torch.cuda.stream(side):
-        side.wait_stream(torch.cuda.default_stream())
-        events = copier.to_device_layers(LAYER_IDS, offsets)
-    assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
-    torch.cuda.synchronize()
-    assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
+    _assert_whole_block_fallback(copier, offsets, cache, want)
 
 
 @pytest.mark.gpu
@@ -288,19 +303,8 @@ def test_cuda_staged_layer_copies_without_memory_for_the_staging_load_whole_bloc
 ) -> None:
     """Staging buffers the device cannot hold (CUDA out of memory): the load lands whole, one
     event for every layer, the same bytes, and the copier loads whole blocks from then on."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from connectors.device.copy2d import copy2d_available
-
-    if not copy2d_available():
-        pytest.skip("no CUDA driver library")
+    _skip_without_2d_copies()
     monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1 << 50)
     cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS["mixed"], "cuda")
     copier = SlabCopier(cache, host.pin_memory(), layered=True)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        side.wait_stream(torch.cuda.default_stream())
-        events = copier.to_device_layers(LAYER_IDS, offsets)
-    assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
-    torch.cuda.synchronize()
-    assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
+    _assert_whole_block_fallback(copier, offsets, cache, want)
