@@ -20,7 +20,9 @@ its Content-Length says so, else as soon as the bytes received pass it (chunked 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -163,9 +165,15 @@ def build_app(
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
     ``chat_template`` as the module docstring says; ``model_info`` (path, dtype, layers) is
     shown by ``/health?verbose=1``."""
-    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.stats, served_model_name)
     ctx = ServingContext(engine, served_model_name, metrics, chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        ctx.close()
+
+    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)

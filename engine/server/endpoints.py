@@ -58,9 +58,9 @@ def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> Enc
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
 
 
-def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+def _encode_prompts(ctx: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
     try:
-        return encode_prompt(ctx.engine.tokenizer, prompt, ctx.engine.max_model_len)
+        return [encode_prompt(ctx.engine.tokenizer, p, ctx.engine.max_model_len) for p in prompts]
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, "prompt") from None
 
@@ -108,7 +108,8 @@ async def create_completion(
     request.check_supported()
     t0 = time.perf_counter()
     raw_prompts = request.prompts()
-    prompts = [ctx.prepare(request, _encode_prompt(ctx, p)) for p in raw_prompts]
+    encoded = await ctx.run_tokenizer(_encode_prompts, ctx, raw_prompts)
+    prompts = [ctx.prepare(request, ids) for ids in encoded]
     times = api_times(0.0, time.perf_counter() - t0)
     echoes = [
         _echo_text(ctx, p, prepared.token_ids) if request.echo else None
@@ -198,7 +199,7 @@ async def create_chat_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    encoded = _encode_chat(ctx, request.conversation())
+    encoded = await ctx.run_tokenizer(_encode_chat, ctx, request.conversation())
     prompts = [ctx.prepare(request, encoded.token_ids)]
     times = api_times(encoded.template_s, encoded.tokenize_s)
     request_id = new_request_id("chatcmpl")

@@ -134,7 +134,13 @@ async def tokenize(ctx: ServingContext, raw: Request) -> TokenizeResponse:
     tokenizer = ctx.engine.tokenizer
     max_len = ctx.engine.max_model_len
     try:
-        ids = encode_within(tokenizer, text, max_len, add_special_tokens=request.add_special_tokens)  # type: ignore[attr-defined]
+        ids = await ctx.run_tokenizer(
+            encode_within,
+            tokenizer,
+            text,
+            max_len,
+            request.add_special_tokens,  # type: ignore[attr-defined]
+        )
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, param) from None
     if len(ids) > max_len:

@@ -51,12 +51,18 @@ class Server:
 def run_server(engine: EngineClient, served_model_name: str, **app_options: Any) -> Iterator[str]:
     """uvicorn serving ``engine`` on a free loopback port from a thread; yields the base URL.
     Leaves the engine running (its owner shuts it down). ``app_options`` go to build_app."""
+    with run_app(build_app(engine, served_model_name, **app_options)) as base_url:
+        yield base_url
+
+
+@contextmanager
+def run_app(app: Any) -> Iterator[str]:
+    """uvicorn serving ``app`` on a free loopback port from a thread; yields the base URL."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
     port = sock.getsockname()[1]
-    app = build_app(engine, served_model_name, **app_options)
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -197,6 +203,42 @@ def test_chat_matches_llm_streamed_and_not(server: Server) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.total_tokens == len(ref.prompt_token_ids) + 12
+
+
+def test_tokenizing_a_chat_leaves_the_event_loop_free(server: Server) -> None:
+    """The chat's template and tokenizer run on the API's tokenizer thread: while they are
+    held there, the event loop still answers (other streams' chunks would go on too); once
+    released, the answer is the reference's."""
+    app = build_app(server.engine, MODEL)
+    ctx = app.state.ctx
+    release, threads = threading.Event(), []
+    real = ctx.chat_tokens.encode
+
+    def held(conversation: Any, max_tokens: int | None = None) -> Any:
+        threads.append(threading.current_thread().name)
+        release.wait(20)
+        return real(conversation, max_tokens)
+
+    ctx.chat_tokens.encode = held
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with run_app(app) as base_url, ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, f"{base_url}/v1/chat/completions", json=body, timeout=30)
+        deadline = time.monotonic() + 10
+        while not threads:
+            assert time.monotonic() < deadline, "the chat request never reached its tokenizer"
+            time.sleep(0.01)
+        try:
+            assert httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 200
+            assert not chat.done()
+        finally:
+            release.set()
+        response = chat.result(30)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = server.llm.chat(MESSAGES, sp)[0]  # type: ignore[attr-defined]
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == ref.text
+    assert [name.startswith("kvtier-api-tokenize") for name in threads] == [True]
 
 
 def test_default_max_tokens(server: Server) -> None:
