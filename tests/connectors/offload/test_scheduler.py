@@ -12,7 +12,7 @@ import pytest
 from cachestore.codec import BlockMeta, encode_block
 from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel, default_priors
-from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.hashing import BlockKey, Namespace, block_key, hash_request_tokens
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import (
     default_cache_dir,
@@ -174,7 +174,7 @@ def other_request(n: int, req_id: str) -> Request:
     return r
 
 
-def store_in_lmdb(store: HierarchicalStore, r: Request, num: int) -> list[str]:
+def store_in_lmdb(store: HierarchicalStore, r: Request, num: int) -> list[BlockKey]:
     """The first ``num`` blocks of ``r``, written to the LMDB tier only."""
     keys = [block_key(NS, h) for h in r.block_hashes[:num]]
     store.tiers[1].put_many([(k, encode_block(PAYLOAD, META)) for k in keys])
