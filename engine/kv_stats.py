@@ -59,6 +59,8 @@ class KVStats(_KVStatsRequired, total=False):
     prefetch_wasted_blocks: int
     in_step_deferred_loads: int
     shared_step_decisions: int
+    backlog_decisions: int
+    load_backlog_blocks: int
     store: dict[str, Any]
     cost_model: dict[str, Any]
     decision_policy: str

@@ -29,7 +29,8 @@ reads it (``cachestore.analyze.traces``, format ``request-log``, which needs onl
   ``prefill_compute`` and the tail's load these parts.
 - ``kv_plan``: the offload connector's planned split at admission (``gpu_tokens``,
   ``head_tokens`` computed beside the load, ``load_tokens``, ``recompute_tokens``,
-  ``predicted_s`` the cost model's TTFT); null without a connector.
+  ``predicted_s`` the cost model's TTFT, ``backlog_s`` the seconds of other loads' reads
+  queued on the load thread that it was priced behind); null without a connector.
 
 Pure: no I/O here.
 """

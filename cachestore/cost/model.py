@@ -11,6 +11,11 @@ below the GPU: load ``[0, k)`` and recompute the rest, for every ``k``, or compu
 ``[0, m)`` while the tail ``[m, K)`` loads concurrently (Cake, arXiv 2410.03065: computing block
 ``j`` needs every block before it, loading needs nothing).
 
+A load backlog (``backlog_s``): reads below the host tier run on one load thread, one load
+after another, so an option that reads there starts those reads only once the reads already
+queued ahead of it are done; its price grows by their time. Recompute and host-only loads
+(copied without that thread) are priced as before.
+
 Torch-free, no I/O; every function is pure and thread-safe. Calibration and online (EWMA)
 updates build new frozen values on top of these types; nothing here mutates.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -236,10 +242,13 @@ class Option:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The cheapest option and the best of each other family (recompute, load all, ...)."""
+    """The cheapest option and the best of each other family (recompute, load all, ...).
+    ``backlog_s``: the seconds of queued lower-tier reads the options were priced behind
+    (``choose_split``), kept so that a request log can show why a load lost."""
 
     best: Option
     alternatives: tuple[Option, ...]
+    backlog_s: float = 0.0
 
     @property
     def predicted_s(self) -> float:
@@ -279,6 +288,8 @@ def choose_split(
     num_layers: int = 1,
     overlap_margin: float = 0.0,
     overlap: bool = True,
+    backlog_s: float = 0.0,
+    queued: Sequence[bool] | None = None,
 ) -> Decision:
     """Price every load/compute split of a prompt and return the cheapest.
 
@@ -300,10 +311,19 @@ def choose_split(
     loading everything was a few percent (docs/offload.md). ``overlap`` False: no overlap
     option is priced (the engine's step is shared with other prefills: the head's compute
     would not run at the modelled rate).
+
+    ``backlog_s``: seconds of reads already queued on the load thread (other requests' loads
+    from tiers below the host, not yet done). ``queued[i]``: block ``i`` is read through that
+    thread (it sits below the host tier; None: every block is). A load that reads any queued
+    block cannot start those reads before the backlog is read, so ``load [0, k)`` costs
+    ``backlog_s`` more when ``[0, k)`` holds a queued block, and an overlap's tail ``[m, K)``
+    lands ``backlog_s`` later when it holds one. Recomputing is unaffected. With
+    ``backlog_s`` 0 every price is the same as without it.
     """
     num_cached = len(hops_per_block)
     _check_prompt(num_cached, block_tokens, prompt_tokens, computed_tokens)
     _check_overlap(pipelined_blocks, num_layers, overlap_margin)
+    first_q, last_q = _queued_span(num_cached, backlog_s, queued)
     c0, bt = computed_tokens, block_tokens
     head_load = _run_load_times(hops_per_block, block_bytes, reverse=False)
     tail_load = _run_load_times(hops_per_block, block_bytes, reverse=True)
@@ -327,6 +347,9 @@ def choose_split(
     for k in range(1, min(pipelined_blocks, num_cached) + 1):
         load, compute = head_load[k], rests[k]
         prefix_t[k] = max(load, compute) + min(load, compute) / num_layers
+    if backlog_s > 0:  # [0, k) holds a queued block for every k past the first one
+        for k in range(first_q + 1, num_cached + 1):
+            prefix_t[k] += backlog_s
     tail_rest = rests[num_cached]
     last = num_cached if overlap else 1
     if type(prefill) is PrefillCost:
@@ -334,9 +357,28 @@ def choose_split(
     else:
         heads = [prefill.time(m * bt, c0) for m in range(1, last)]
     overlap_t = [
-        max(head, tail_load[num_cached - m]) + tail_rest for m, head in enumerate(heads, start=1)
+        max(head, tail_load[num_cached - m] + (backlog_s if m < last_q else 0.0)) + tail_rest
+        for m, head in enumerate(heads, start=1)
     ]
-    return _cheapest(prefix_t, overlap_t, overlap_margin)
+    return _cheapest(prefix_t, overlap_t, overlap_margin, backlog_s)
+
+
+def _queued_span(
+    num_cached: int, backlog_s: float, queued: Sequence[bool] | None
+) -> tuple[int, int]:
+    """``(first, last)``: the index of the first block read through the load thread and one
+    past the last (``(K, 0)`` when none is). A prefix ``[0, k)`` reads one of them when
+    ``k > first``, a tail ``[m, K)`` when ``m < last``. Raises ValueError for a negative
+    ``backlog_s`` or a ``queued`` whose length is not the number of cached blocks."""
+    if not (backlog_s >= 0.0 and math.isfinite(backlog_s)):
+        raise ValueError(f"backlog_s must be finite and >= 0, got {backlog_s}")
+    if queued is None:
+        return 0, num_cached
+    if len(queued) != num_cached:
+        raise ValueError(f"queued has {len(queued)} entries for {num_cached} cached blocks")
+    first = next((i for i, q in enumerate(queued) if q), num_cached)
+    last = next((num_cached - i for i, q in enumerate(reversed(queued)) if q), 0)
+    return first, last
 
 
 def _check_prompt(
@@ -360,7 +402,9 @@ def _check_overlap(pipelined_blocks: int, num_layers: int, overlap_margin: float
         raise ValueError(f"overlap_margin must be in [0, 1), got {overlap_margin}")
 
 
-def _cheapest(prefix_t: list[float], overlap_t: list[float], overlap_margin: float) -> Decision:
+def _cheapest(
+    prefix_t: list[float], overlap_t: list[float], overlap_margin: float, backlog_s: float = 0.0
+) -> Decision:
     """The cheapest of the priced options: ``prefix_t[k]`` loads ``[0, k)`` then computes the
     rest (k = 0..K), ``overlap_t[m - 1]`` computes ``[0, m)`` while ``[m, K)`` loads. Ties go
     to fewer loaded blocks: (time, blocks) pairs order exactly that way. The alternatives:
@@ -382,4 +426,4 @@ def _cheapest(prefix_t: list[float], overlap_t: list[float], overlap_margin: flo
             best = best_overlap
         families.append(best_overlap)
     alternatives = tuple(dict.fromkeys(o for o in families if o != best))
-    return Decision(best=best, alternatives=alternatives)
+    return Decision(best=best, alternatives=alternatives, backlog_s=backlog_s)

@@ -2,7 +2,8 @@
 
 ``OnlineCostModel`` holds one ``TierCost`` per tier (the hop from that tier into pinned host
 memory; for ``host`` the hop host -> GPU) and one ``PrefillCost`` times a learned scale factor.
-``decide`` prices a request with ``choose_split``; ``observe_transfer`` / ``observe_prefill``
+``decide`` prices a request with ``choose_split``, behind the reads other loads have queued on
+the load thread when the caller passes them (``backlog``); ``observe_transfer`` / ``observe_prefill``
 move the estimates by an exponentially weighted moving average (EWMA) with weight ``alpha``:
 
 - transfer of ``n`` bytes in ``t`` s on a tier with estimates ``(L, B)``: a sample whose
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +48,7 @@ from cachestore.cost.model import (
     choose_split,
     get_model_profile,
     hops_to_gpu,
+    reload_time,
 )
 from cachestore.cost.outcomes import OutcomeRatios, length_bucket, rerank
 from cachestore.cost.prefill_learner import PrefillLearner
@@ -182,18 +185,31 @@ class OnlineCostModel:
         with self._lock:
             return self._prefill.trusted
 
+    def backlog_seconds(self, backlog: Mapping[str, int]) -> float:
+        """Seconds the load thread needs to read ``backlog`` (blocks per tier) at the current
+        estimates: what ``decide`` adds to an option that reads below the host tier."""
+        with self._lock:
+            costs = {name: s.cost for name, s in self._tiers.items()}
+        return _backlog_seconds(backlog, costs, self.block_bytes)
+
     def decide(
         self,
         num_gpu_hit_blocks: int,
         source_tiers: list[str],
         num_prompt_tokens: int,
         overlap: bool = True,
+        *,
+        backlog: Mapping[str, int] | None = None,
     ) -> Decision:
         """Price a prompt of ``num_prompt_tokens`` whose first ``num_gpu_hit_blocks`` blocks
         are on the GPU and whose next ``len(source_tiers)`` blocks are served by the named
         tiers (``source_tiers[i]`` for the i-th block after the GPU hit). A ``host`` block
         costs the host -> GPU hop; any other tier's block costs that tier -> host and
         host -> GPU, pipelined. ``overlap`` False prices no overlap split (``choose_split``).
+        ``backlog``: blocks per tier that loads already started still have to read below the
+        host tier; they run on the one load thread ahead of this request's lower-tier reads,
+        so every option reading a non-host block is priced that much later
+        (``backlog_seconds``; the decision's ``backlog_s``). None or empty: no backlog.
         Records the decision in the counters. Raises ValueError for an unknown tier or block
         counts that exceed the prompt."""
         if num_gpu_hit_blocks < 0:
@@ -204,6 +220,7 @@ class OnlineCostModel:
             trusted = self._prefill.trusted
         hops = {name: hops_to_gpu(name, costs) for name in set(source_tiers)}
         lead_host = next((i for i, t in enumerate(source_tiers) if t != "host"), len(source_tiers))
+        backlog_s = _backlog_seconds(backlog or {}, costs, self.block_bytes)
         decision = choose_split(
             [hops[t] for t in source_tiers],
             self.block_tokens,
@@ -215,6 +232,8 @@ class OnlineCostModel:
             num_layers=max(self.pipelined_layers, 1),
             overlap_margin=self.overlap_margin,
             overlap=overlap,
+            backlog_s=backlog_s,
+            queued=[t != "host" for t in source_tiers] if backlog_s else None,
         )
         if not trusted and source_tiers:
             decision = _load_all(decision, len(source_tiers))
@@ -238,7 +257,8 @@ class OnlineCostModel:
             d[decision.best.strategy] = d.get(decision.best.strategy, 0) + 1
             self._counts.predicted_saved_s += recompute - decision.predicted_s
         log.debug(
-            "cost decision: gpu_hit=%d cached=%d prompt=%d -> %s [%d, %d) %.6fs (recompute %.6fs)",
+            "cost decision: gpu_hit=%d cached=%d prompt=%d -> %s [%d, %d) %.6fs (recompute %.6fs"
+            ", backlog %.6fs)",
             num_gpu_hit_blocks,
             len(source_tiers),
             num_prompt_tokens,
@@ -247,6 +267,7 @@ class OnlineCostModel:
             decision.best.load_end,
             decision.predicted_s,
             recompute,
+            backlog_s,
         )
         return decision
 
@@ -360,6 +381,21 @@ def update_tier_cost(cost: TierCost, nbytes: int, seconds: float, alpha: float) 
     return replace(cost, bandwidth_bytes_per_s=1.0 / per_byte)
 
 
+def _backlog_seconds(
+    backlog: Mapping[str, int], costs: dict[str, TierCost], block_bytes: int
+) -> float:
+    """Seconds to read ``backlog`` (blocks per tier), each tier's blocks priced as a load of
+    them is (``reload_time`` over ``hops_to_gpu``: that tier's hop and the host hop, one
+    latency each). Host blocks are not read by the load thread, and a tier without a price
+    cannot be priced: both count 0 (an unknown tier is already the safe choice, recompute,
+    for the request that names it)."""
+    return sum(
+        reload_time(n, block_bytes, hops_to_gpu(tier, costs))
+        for tier, n in backlog.items()
+        if n > 0 and tier != "host" and tier in costs
+    )
+
+
 def _load_all(decision: Decision, num_cached: int) -> Decision:
     """``decision`` with loading every cached block as its best option (``choose_split``
     always prices that option: it is the best or among the alternatives)."""
@@ -367,4 +403,4 @@ def _load_all(decision: Decision, num_cached: int) -> Decision:
     load = next(
         o for o in options if o.strategy == Strategy.LOAD_PREFIX and o.load_end == num_cached
     )
-    return Decision(best=load, alternatives=tuple(o for o in options if o != load))
+    return replace(decision, best=load, alternatives=tuple(o for o in options if o != load))

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cachestore.cost.model import Decision, Option, Strategy
@@ -192,4 +192,4 @@ def rerank(
         split = min(splits, key=key)
         if key(split) < key(best) and key(split)[0] <= (1.0 - overlap_margin) * key(best)[0]:
             best = split
-    return Decision(best=best, alternatives=tuple(o for o in everything if o != best))
+    return replace(decision, best=best, alternatives=tuple(o for o in everything if o != best))

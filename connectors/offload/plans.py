@@ -9,6 +9,8 @@ hold, then ``decide`` picks how much of that run to load under the configured po
   split: Cake's head computed while the tail loads);
 - ``overlap``: the cheapest overlap split the cost model priced, forced (``cheapest_overlap``).
 
+``cost`` prices its options behind the load backlog when given one (blocks per tier that loads
+already started still read on the one load thread: ``OnlineCostModel.decide``'s ``backlog``).
 A tier the cost model has no price for makes the safe choice: recompute. The answer is kept as
 a ``Plan`` until the request's blocks are allocated; ``record_plan`` writes the chosen split to
 the request for the request log. Torch-free (the scheduler thread).
@@ -17,6 +19,7 @@ the request for the request log. Torch-free (the scheduler thread).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachestore.cost.model import Decision, Option, Strategy
@@ -45,11 +48,23 @@ class Plan:
     predicted_s: float = 0.0  # the cost model's TTFT for the chosen option (0: not priced)
     # A host-only load made async because its step already had its in-step loads.
     deferred: bool = False
+    # Seconds of lower-tier reads queued on the load thread that the options were priced
+    # behind (0: none, or not priced).
+    backlog_s: float = 0.0
 
     @property
     def slab_offsets(self) -> tuple[int, ...]:
         """In-step: the slab offset of each of the first num_load_blocks keys' slots."""
         return self.spec.host_offsets if self.spec is not None else ()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What ``decide`` picked, and the load backlog it was priced behind (seconds; 0 when
+    there was none or the policy prices nothing)."""
+
+    option: Option
+    backlog_s: float = 0.0
 
 
 def decide(
@@ -59,25 +74,32 @@ def decide(
     tiers: tuple[str, ...],
     num_tokens: int,
     overlap: bool = True,
-) -> Option:
+    backlog: Mapping[str, int] | None = None,
+) -> Choice:
     """The option ``policy`` takes for a request of ``num_tokens`` tokens whose first
     ``num_gpu_blocks`` blocks hit on the GPU and whose next ``len(tiers)`` blocks the tiers
     hold (``tiers[i]`` serving block ``i``). ``overlap`` False: ``cost`` prices no overlap
-    split (the forced ``overlap`` policy still takes one)."""
+    split (the forced ``overlap`` policy still takes one). ``backlog``: blocks per tier still
+    to be read on the load thread by loads already started (``cost`` and ``overlap`` price
+    behind them)."""
     if policy == "load":
-        return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
+        return Choice(Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0))
     if policy == "recompute":
-        return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
+        return Choice(Option(Strategy.RECOMPUTE, 0, 0, 0.0))
     try:
         decision = cost_model.decide(
-            num_gpu_blocks, list(tiers), num_tokens, overlap=overlap or policy == "overlap"
+            num_gpu_blocks,
+            list(tiers),
+            num_tokens,
+            overlap=overlap or policy == "overlap",
+            backlog=backlog,
         )
     except ValueError as exc:  # a tier the model has no price for: do the safe thing
         log.warning("cost model cannot price %s: %s; recomputing", tiers, exc)
-        return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
+        return Choice(Option(Strategy.RECOMPUTE, 0, 0, 0.0))
     if policy == "overlap":
-        return cheapest_overlap(decision, len(tiers))
-    return decision.best
+        return Choice(cheapest_overlap(decision, len(tiers)), decision.backlog_s)
+    return Choice(decision.best, decision.backlog_s)
 
 
 def cheapest_overlap(decision: Decision, num_cached: int) -> Option:
@@ -101,4 +123,5 @@ def record_plan(
         "load_tokens": num_load_tokens,
         "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
         "predicted_s": round(plan.predicted_s, 6),
+        "backlog_s": round(plan.backlog_s, 6),
     }

@@ -31,6 +31,16 @@
   riding the runner's output) and is handed to the scheduler
   by ``get_finished_loading`` as the number of leading tokens that hold valid KV (async loads
   only: an in-step load was counted at admission).
+- Load backlog (``load_backlog``): the worker reads every block below the host tier on ONE load
+  thread (``loads.HostLoader``), a load after the one before it, so a load decided now reads
+  there only after the loads already started have. The backlog is the blocks per tier below
+  the host that async loads handed out (``_start_load``) still hold: derived from the loads in
+  flight, it drops a load when the worker reports it finished (failed, short or timed out
+  too) and when its request finishes or is aborted (``request_finished``), so it cannot leak.
+  ``decision: cost`` prices every option behind it (``OnlineCostModel.decide``'s
+  ``backlog``); ``load_backlog_blocks`` is its gauge, ``backlog_decisions`` counts decisions
+  priced behind a non-empty one, and the request log's ``kv_plan`` has its seconds
+  (``backlog_s``). Host-tier blocks are copied without that thread and do not count.
 - Keys: ``cachestore.hashing.block_key`` of each block hash (``BlockKey``).
 
 Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked part).
@@ -39,17 +49,18 @@ Not thread-safe: the scheduler thread owns it (``stats`` is the shared, locked p
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cachestore.codec import BlockMeta
-from cachestore.cost.model import Option, Strategy
+from cachestore.cost.model import Strategy
 from cachestore.cost.online import OnlineCostModel
 from cachestore.hashing import BlockHash, BlockKey, Namespace, block_key
 from cachestore.store.hierarchical import HierarchicalStore
 from cachestore.store.loads import HostCheck
 from connectors.offload.metadata import BlockLoad, BlockSave, KVConnectorMetadata, WorkerReport
-from connectors.offload.plans import Plan, decide, record_plan
+from connectors.offload.plans import Choice, Plan, decide, record_plan
 from connectors.offload.prefetch import PENDING, Prefetcher
 from connectors.offload.stats import OffloadStats
 from engine.core_types import KVConnectorOutput, SchedulerOutput
@@ -76,6 +87,8 @@ class _Inflight:
     # Extend the request log's leading hit: first admission, and not an overlap's tail.
     record: bool = True
     tail: bool = False  # an overlap's tail at the first admission (``Request.kv_tail_tiers``)
+    # Blocks per tier this load reads on the worker's load thread (below the host tier).
+    backlog: tuple[tuple[str, int], ...] = ()
 
 
 class OffloadScheduler:
@@ -160,8 +173,9 @@ class OffloadScheduler:
 
     def _num_to_load(self, first_block: int, tiers: tuple[str, ...], num_tokens: int) -> int:
         """For the prefetch thread: blocks [0, n) of ``tiers``' run that the policy would load
-        (an overlap's tail included)."""
-        option = self._decide(first_block, tiers, num_tokens)
+        (an overlap's tail included). Priced without the load backlog: the prefetch reads on
+        a thread of its own, and the admission then loads from the host tier."""
+        option = self._decide(first_block, tiers, num_tokens).option
         return option.load_begin + option.num_load_blocks
 
     def get_num_new_matched_tokens(
@@ -184,9 +198,12 @@ class OffloadScheduler:
         if found.num_blocks == 0:
             return ExternalHit()
         tiers = tuple(self.store.tiers[i].name for i in found.served_by)
-        option = self._decide(start, tiers, request.num_tokens)
+        choice = self._decide(start, tiers, request.num_tokens, self.load_backlog())
+        option = choice.option
         if self._shared_steps and self.decision == "cost":
             self.stats.add(shared_step_decisions=1)
+        if choice.backlog_s > 0:
+            self.stats.add(backlog_decisions=1)
         head, num_load = option.load_begin, option.num_load_blocks
         offsets: tuple[int, ...] = ()
         unlocated = 0
@@ -209,6 +226,7 @@ class OffloadScheduler:
             unlocated,
             option.predicted_s,
             deferred=bool(host_only and self._in_step and not in_step),
+            backlog_s=choice.backlog_s,
         )
         return ExternalHit(
             num_tokens=num_load * bs,
@@ -225,7 +243,13 @@ class OffloadScheduler:
         if plan is not None and plan.spec is not None:
             self.store.complete_load(plan.spec)
 
-    def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
+    def _decide(
+        self,
+        num_gpu_blocks: int,
+        tiers: tuple[str, ...],
+        num_tokens: int,
+        backlog: Mapping[str, int] | None = None,
+    ) -> Choice:
         return decide(
             self.decision,
             self.cost_model,
@@ -233,7 +257,21 @@ class OffloadScheduler:
             tiers,
             num_tokens,
             overlap=not self._shared_steps,
+            backlog=backlog,
         )
+
+    def load_backlog(self) -> dict[str, int]:
+        """Blocks per tier below the host that the async loads in flight read on the
+        worker's load thread: what a load decided now queues behind (module docstring)."""
+        out: Counter[str] = Counter()
+        for inflight in self._inflight.values():
+            for tier, n in inflight.backlog:
+                out[tier] += n
+        return dict(out)
+
+    def _publish_backlog(self) -> None:
+        """The gauge ``load_backlog_blocks``: the backlog's blocks now (all tiers)."""
+        self.stats.set(load_backlog_blocks=sum(self.load_backlog().values()))
 
     def update_state_after_alloc(
         self,
@@ -343,7 +381,10 @@ class OffloadScheduler:
         if self.prefetcher is not None:  # count a prefetched block where its data lived
             origin = self.prefetcher.origins(request.req_id)
             tiers = tuple(origin.get(k, t) for k, t in zip(plan.keys[loaded], tiers, strict=True))
-        self._inflight[request.req_id] = _Inflight(request, load, tiers, record=record, tail=tail)
+        self._inflight[request.req_id] = _Inflight(
+            request, load, tiers, record=record, tail=tail, backlog=_queued_blocks(load)
+        )
+        self._publish_backlog()
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker's report of the step just run (``Scheduler.update_from_output``)."""
@@ -379,6 +420,8 @@ class OffloadScheduler:
                     )
                 continue
             self._finished[result.req_id] = inflight.load.first_token + n * bs
+        if report.finished_loads:
+            self._publish_backlog()
 
     def get_finished_loading(self) -> Mapping[str, int]:
         done, self._finished = self._finished, {}
@@ -429,7 +472,18 @@ class OffloadScheduler:
                 if mine.spec is not None:
                     self.store.complete_load(mine.spec)
             self._new_loads = unsent
+        if inflight is not None:
+            self._publish_backlog()
 
     @property
     def num_loads_in_flight(self) -> int:
         return len(self._inflight)
+
+
+def _queued_blocks(load: BlockLoad) -> tuple[tuple[str, int], ...]:
+    """Blocks per tier that ``load`` reads on the worker's load thread: every block below the
+    host tier of an async load (an in-step load is copied from host slots before its step's
+    forward; a host block is copied without the thread)."""
+    if load.in_step:
+        return ()
+    return tuple(Counter(t for t in load.source_tiers if t != "host").items())

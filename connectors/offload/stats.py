@@ -8,6 +8,10 @@ Token counters (per admission of a request, a preempted request counting again):
 - ``overlap_head_tokens``: of those, the heads computed while an overlap's tail loaded
   (``num_overlaps`` such requests).
 
+One gauge (``set``, not ``add``): ``load_backlog_blocks``, the blocks below the host tier that
+async loads in flight still hold on the worker's one load thread (the scheduler side's
+``load_backlog``); ``backlog_decisions`` counts the decisions priced behind a non-empty one.
+
 Thread-safe (one lock): the worker side updates transfer counters from its load thread.
 """
 
@@ -45,6 +49,8 @@ class OffloadStats:
     in_step_deferred_loads: int = 0  # host loads made async: their step had its in-step loads
     shared_step_decisions: int = 0  # cost decisions with no overlap offered (a shared step)
     shared_step_outcomes: int = 0  # first tokens not taught to the cost model: shared steps
+    backlog_decisions: int = 0  # cost decisions priced behind other loads' queued reads
+    load_backlog_blocks: int = 0  # gauge: lower-tier blocks of async loads in flight
     prefetched_blocks: int = 0  # read up into the host tier while their request waited
     prefetch_used_blocks: int = 0  # of those, loaded by their request
     prefetch_wasted_blocks: int = 0  # of those, released unused
@@ -59,6 +65,14 @@ class OffloadStats:
                 if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
                     raise AttributeError(name)
                 setattr(self, name, getattr(self, name) + delta)
+
+    def set(self, **values: float) -> None:
+        """Set named gauges atomically. Raises AttributeError on an unknown name (slots)."""
+        with self._lock:
+            for name, value in values.items():
+                if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
+                    raise AttributeError(name)
+                setattr(self, name, value)
 
     def count_decision(self, decision: Strategy) -> None:
         with self._lock:

@@ -151,6 +151,14 @@ SNAPSHOT_FAMILIES = (
         "kvtier_kv_shared_step_decisions_total",
         "Cost decisions made with no overlap split offered: the last step computed other prompts",
     ),
+    _c(
+        "kvtier_kv_backlog_decisions_total",
+        "Cost decisions priced behind other loads' reads queued on the load thread",
+    ),
+    _g(
+        "kvtier_kv_load_backlog_blocks",
+        "Blocks below the host tier that async loads in flight still read on the load thread",
+    ),
     _c("kvtier_kv_saved_blocks_total", "KV blocks saved to the tiers"),
     _c("kvtier_kv_saved_bytes_total", "KV payload bytes saved to the tiers", unit="bytes"),
     _c("kvtier_kv_save_seconds_total", "Seconds spent saving KV batches", unit="seconds"),

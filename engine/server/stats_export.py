@@ -46,7 +46,7 @@ _ENGINE = {
     "kvtier_scheduler_blocked_skips_total": "num_blocked_skips",
     "kvtier_scheduler_first_token_deferred_tokens_total": "num_first_token_deferred_tokens",
 }
-# Families read from one connector counter (kv_<key>_total, or kv[key]).
+# Families read from one connector counter or gauge (kv_<key>_total, or kv[key]).
 _CONNECTOR = {
     "kvtier_kv_loaded_tokens_total": "loaded_tokens",
     "kvtier_kv_recomputed_tokens_total": "recomputed_tokens",
@@ -69,6 +69,8 @@ _CONNECTOR = {
     "kvtier_kv_prefetch_wasted_blocks_total": "prefetch_wasted_blocks",
     "kvtier_kv_in_step_deferred_loads_total": "in_step_deferred_loads",
     "kvtier_kv_shared_step_decisions_total": "shared_step_decisions",
+    "kvtier_kv_backlog_decisions_total": "backlog_decisions",
+    "kvtier_kv_load_backlog_blocks": "load_backlog_blocks",  # a gauge, read the same way
 }
 # Families read from one key of each store tier row (``HierarchicalStore.stats()["tiers"]``).
 _TIER_ROW = {

@@ -11,6 +11,7 @@ from cachestore.cost.model import (
     STRATEGY_LOAD_PREFIX,
     STRATEGY_OVERLAP,
     STRATEGY_RECOMPUTE,
+    Decision,
     Option,
     PrefillCost,
     PrefillSample,
@@ -182,3 +183,65 @@ def test_overlap_must_win_by_the_margin() -> None:
     )
     with pytest.raises(ValueError):
         choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, overlap_margin=1.0)
+
+
+def _options(d: Decision) -> dict[tuple[str, int, int], float]:
+    """Every option of a decision by (strategy, load_begin, load_end) -> predicted seconds."""
+    return {
+        (o.strategy, o.load_begin, o.load_end): o.predicted_s for o in (d.best, *d.alternatives)
+    }
+
+
+def test_a_load_backlog_delays_every_queued_load_until_a_split_or_recompute_wins() -> None:
+    """The overlap test's prompt (8 FAST blocks, 100 tokens) behind queued reads: each load
+    and each overlap's tail lands that much later; recompute does not move."""
+    # 50 ms queued: load all 13 + 50 + 20 = 83 ms; the best split computes 5 blocks (50 ms)
+    # while 3 load (5 + 3 + 50 = 58 ms), then 20 tokens: 78 ms.
+    d = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.050)
+    assert d.best == Option(STRATEGY_OVERLAP, 5, 8, pytest.approx(0.078))
+    assert _options(d) == {
+        (STRATEGY_OVERLAP, 5, 8): pytest.approx(0.078),
+        (STRATEGY_RECOMPUTE, 0, 0): pytest.approx(0.100),
+        (STRATEGY_LOAD_PREFIX, 0, 8): pytest.approx(0.083),
+    }
+    assert d.backlog_s == 0.050
+    # 100 ms queued: every load or split costs more than computing the 100 tokens.
+    d = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.100)
+    assert d.best == Option(STRATEGY_RECOMPUTE, 0, 0, pytest.approx(0.100))
+    assert _options(d)[(STRATEGY_LOAD_PREFIX, 0, 8)] == pytest.approx(0.133)
+
+
+def test_no_backlog_prices_exactly_as_before() -> None:
+    plain = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR)
+    assert choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.0) == plain
+    zero = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.0, queued=[True] * 8)
+    assert zero == plain and zero.backlog_s == 0.0
+
+
+def test_a_backlog_leaves_loads_of_blocks_off_the_load_thread_alone() -> None:
+    plain = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR)
+    host = choose_split([(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=1.0, queued=[False] * 8)
+    assert (host.best, host.alternatives) == (plain.best, plain.alternatives)
+    # Host blocks ahead of the queued ones: loading only them is not delayed (5 + 4 + 60 ms);
+    # every tail holds a queued block, so every split is.
+    head = choose_split(
+        [(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.050, queued=[False] * 4 + [True] * 4
+    )
+    assert head.best == Option(STRATEGY_LOAD_PREFIX, 0, 4, pytest.approx(0.069))
+    assert _options(head)[(STRATEGY_OVERLAP, 5, 8)] == pytest.approx(0.078)
+    # Queued blocks ahead of host ones: a split whose tail is all host loads at once: compute
+    # 4 blocks (40 ms) while 4 load (9 ms), then 20 tokens.
+    tail = choose_split(
+        [(FAST,)] * 8, 10, 100, 100, LINEAR, backlog_s=0.050, queued=[True] * 4 + [False] * 4
+    )
+    assert tail.best == Option(STRATEGY_OVERLAP, 4, 8, pytest.approx(0.060))
+    assert _options(tail)[(STRATEGY_LOAD_PREFIX, 0, 8)] == pytest.approx(0.083)
+
+
+def test_choose_split_rejects_a_bad_backlog() -> None:
+    with pytest.raises(ValueError, match="backlog_s"):
+        choose_split([(FAST,)] * 2, 10, 100, 30, LINEAR, backlog_s=-1.0)
+    with pytest.raises(ValueError, match="backlog_s"):
+        choose_split([(FAST,)] * 2, 10, 100, 30, LINEAR, backlog_s=float("nan"))
+    with pytest.raises(ValueError, match="queued has 1 entries for 2"):
+        choose_split([(FAST,)] * 2, 10, 100, 30, LINEAR, backlog_s=0.1, queued=[True])

@@ -71,6 +71,47 @@ def test_gpu_hit_counts_as_context_and_mixed_sources() -> None:
     assert recompute.predicted_s == pytest.approx(0.032, rel=1e-12)
 
 
+def test_a_backlog_on_the_load_thread_turns_an_lmdb_load_into_recompute() -> None:
+    """30 lmdb blocks queued ahead (3 ms + 30 x 2 ms = 63 ms at lmdb's price): loading the
+    4 lmdb blocks (27 ms alone) now takes 90 ms, over the 80 ms of recomputing them."""
+    assert model().decide(0, ["lmdb"] * 4, 80).best.strategy == STRATEGY_LOAD_PREFIX
+    d = model().decide(0, ["lmdb"] * 4, 80, backlog={"lmdb": 30})
+    assert d.best.strategy == STRATEGY_RECOMPUTE
+    assert d.predicted_s == pytest.approx(0.080, rel=1e-12)
+    assert d.backlog_s == pytest.approx(0.063, rel=1e-12)
+    (load,) = [o for o in d.alternatives if o.strategy == STRATEGY_LOAD_PREFIX]
+    assert load.predicted_s == pytest.approx(0.027 + 0.063, rel=1e-12)
+
+
+def test_the_backlog_is_priced_at_the_tiers_learned_rate() -> None:
+    m = model(alpha=1.0)
+    assert m.backlog_seconds({"lmdb": 30, "s3": 1}) == pytest.approx(0.063 + 0.061, rel=1e-12)
+    m.observe_transfer("lmdb", 4000, 0.002 + 0.004)  # lmdb turns out twice as fast: 1e6 B/s
+    # Both hops now run at 1e6 B/s: 30 blocks take 3 ms + 30 ms.
+    assert m.backlog_seconds({"lmdb": 30}) == pytest.approx(0.033, rel=1e-12)
+
+
+def test_no_backlog_decides_exactly_as_before() -> None:
+    plain = model().decide(0, ["lmdb"] * 4, 80)
+    assert model().decide(0, ["lmdb"] * 4, 80, backlog=None) == plain
+    assert model().decide(0, ["lmdb"] * 4, 80, backlog={}) == plain
+    # Host blocks are not read by the load thread; a tier without a price is not priced.
+    assert model().decide(0, ["lmdb"] * 4, 80, backlog={"host": 500, "redis": 9}) == plain
+    assert plain.backlog_s == 0.0
+
+
+def test_a_host_only_load_ignores_the_backlog() -> None:
+    plain = model().decide(0, ["host"] * 4, 80)
+    d = model().decide(0, ["host"] * 4, 80, backlog={"lmdb": 100})
+    assert (d.best, d.alternatives) == (plain.best, plain.alternatives)
+    assert d.backlog_s == pytest.approx(0.203, rel=1e-12)
+    # A host block ahead of an lmdb one still loads; the lmdb block (5 ms + 31 ms queued) is
+    # recomputed: 2 ms + 16 ms against 38 ms for both and 32 ms for neither.
+    d = model().decide(2, ["host", "lmdb"], 64, backlog={"lmdb": 14})
+    assert (d.best.strategy, d.best.load_begin, d.best.load_end) == (STRATEGY_LOAD_PREFIX, 0, 1)
+    assert d.predicted_s == pytest.approx(0.018, rel=1e-12)
+
+
 def test_decide_rejects_unknown_tier_and_oversized_chain() -> None:
     m = model()
     with pytest.raises(ValueError, match="redis"):

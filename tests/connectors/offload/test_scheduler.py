@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from cachestore.codec import BlockMeta, encode_block
+from cachestore.cost.model import PrefillCost, TierCost
 from cachestore.cost.online import OnlineCostModel, default_priors
-from cachestore.hashing import Namespace, block_key, hash_request_tokens
+from cachestore.hashing import BlockKey, Namespace, block_key, hash_request_tokens
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import (
     default_cache_dir,
@@ -35,6 +36,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.block_pool import BlockPool
 from tiers.config import ConfigError, HostTierConfig, LmdbTierConfig
 from tiers.host import HostTier
+from tiers.lmdb import LmdbTier
 
 NS = Namespace(model_fingerprint="test-base")
 META = BlockMeta(
@@ -152,6 +154,117 @@ def test_load_lifecycle_pins_reports_and_cancels(store: HierarchicalStore) -> No
     side.update_from_worker(WorkerReport((LoadResult("r3", 3, 3, 0.01),)))
     assert side.get_finished_loading() == {}
     assert side.stats.snapshot()["cancelled_loads"] == 2
+
+
+@pytest.fixture
+def below(tmp_path: Path) -> Iterator[HierarchicalStore]:
+    """A host tier over an LMDB tier."""
+    s = HierarchicalStore(
+        [HostTier(64 * 9000, 9000, pin_memory=False), LmdbTier(tmp_path / "lmdb", 64 << 20)],
+        StoreConfig(namespace=NS.key_prefix()),
+    )
+    yield s
+    s.close()
+
+
+def other_request(n: int, req_id: str) -> Request:
+    """A prompt of ``n`` tokens sharing no block with ``request``'s."""
+    r = Request(req_id, [5 + i % 300 for i in range(n)], SamplingParams(max_tokens=1))
+    r.block_hashes = hash_request_tokens(NS, r.all_token_ids)
+    return r
+
+
+def store_in_lmdb(store: HierarchicalStore, r: Request, num: int) -> list[BlockKey]:
+    """The first ``num`` blocks of ``r``, written to the LMDB tier only."""
+    keys = [block_key(NS, h) for h in r.block_hashes[:num]]
+    store.tiers[1].put_many([(k, encode_block(PAYLOAD, META)) for k in keys])
+    return keys
+
+
+def backlog_gauge(side: OffloadScheduler) -> int:
+    return int(side.stats.snapshot()["load_backlog_blocks"])
+
+
+def test_the_load_backlog_holds_a_lower_tier_load_until_the_worker_reports_it(
+    below: HierarchicalStore,
+) -> None:
+    side = make_side(below)
+    r = request(70)
+    keys = store_in_lmdb(below, r, 3)
+    assert side.get_num_new_matched_tokens(r, 0) == ExternalHit(48, True)
+    assert side.load_backlog() == {} and backlog_gauge(side) == 0  # decided, not started
+    side.update_state_after_alloc(r, [7, 8, 9, 10, 11], 0, 48)
+    assert side.load_backlog() == {"lmdb": 3} and backlog_gauge(side) == 3
+    meta = side.build_connector_meta(SchedulerOutput([], 0))
+    assert [(ld.keys, ld.source_tiers) for ld in meta.loads] == [(tuple(keys), ("lmdb",) * 3)]
+    # A host-tier load is copied without the load thread: it adds nothing.
+    h = other_request(40, "h")
+    store_blocks(below, h, 2)
+    assert side.get_num_new_matched_tokens(h, 0) == ExternalHit(32, True)
+    side.update_state_after_alloc(h, [1, 2, 3], 0, 32)
+    assert side.load_backlog() == {"lmdb": 3} and backlog_gauge(side) == 3
+    # Reported (short, here: one block missing): the load left the thread.
+    side.update_from_worker(WorkerReport((LoadResult("r", 2, 3, 0.01),)))
+    assert side.load_backlog() == {} and backlog_gauge(side) == 0
+    assert side.get_finished_loading() == {"r": 32}
+
+
+def test_an_aborted_load_leaves_the_backlog_whether_or_not_it_was_sent(
+    below: HierarchicalStore,
+) -> None:
+    side = make_side(below)
+    r, r2 = request(70), request(70, "r2")
+    store_in_lmdb(below, r, 3)
+    # Sent to the worker, then aborted mid-load: out at once, before the worker drops it.
+    side.get_num_new_matched_tokens(r, 0)
+    side.update_state_after_alloc(r, [7, 8, 9, 10, 11], 0, 48)
+    side.build_connector_meta(SchedulerOutput([], 0))
+    assert side.load_backlog() == {"lmdb": 3}
+    side.request_finished(r, [7, 8, 9, 10, 11])
+    assert side.load_backlog() == {} and backlog_gauge(side) == 0
+    assert side.build_connector_meta(SchedulerOutput([], 0)).cancelled_loads == {"r"}
+    side.update_from_worker(WorkerReport((LoadResult("r", 3, 3, 0.01),)))  # the late report
+    assert side.load_backlog() == {} and backlog_gauge(side) == 0
+    # Aborted before its metadata went out.
+    side.get_num_new_matched_tokens(r2, 0)
+    side.update_state_after_alloc(r2, [1, 2, 3, 4, 5], 0, 48)
+    assert backlog_gauge(side) == 3
+    side.request_finished(r2, [1, 2, 3, 4, 5])
+    assert side.load_backlog() == {} and backlog_gauge(side) == 0
+
+
+def test_a_cost_decision_behind_a_backlog_recomputes_and_logs_it(
+    below: HierarchicalStore,
+) -> None:
+    """LMDB at 0.2 ms a block, prefill 5 ms + 60 us a token. A 3-block reload of a 70-token
+    prompt loads alone (0.6 + 6.3 ms against 9.2 ms); behind another request's 40 queued
+    blocks (8 ms) it costs 14.9 ms, and recomputing wins."""
+    lmdb_rate = META.payload_bytes / 2e-4
+    model = OnlineCostModel(
+        {"host": TierCost("host", 0.0, 1e12), "lmdb": TierCost("lmdb", 0.0, lmdb_rate)},
+        PrefillCost(5e-3, 60e-6, 0.0),
+        META.payload_bytes,
+        16,
+    )
+    side = OffloadScheduler(below, NS, decision="cost", cost_model=model, stats=OffloadStats())
+    long, short = request(650, "long"), other_request(70, "short")
+    store_in_lmdb(below, long, 40)
+    store_in_lmdb(below, short, 3)
+    assert side.get_num_new_matched_tokens(long, 0) == ExternalHit(640, True)
+    side.update_state_after_alloc(long, list(range(41)), 0, 640)
+    assert side.load_backlog() == {"lmdb": 40}
+    assert side.get_num_new_matched_tokens(short, 0) == ExternalHit()
+    side.update_state_after_alloc(short, [50, 51, 52, 53, 54], 0, 0)
+    assert short.kv_decision == "recompute" and short.kv_plan is not None
+    assert short.kv_plan["backlog_s"] == pytest.approx(0.008)
+    assert short.kv_plan["predicted_s"] == pytest.approx(5e-3 + 70 * 60e-6)
+    assert long.kv_plan is not None and long.kv_plan["backlog_s"] == 0.0
+    assert side.stats.snapshot()["backlog_decisions"] == 1
+    # The long load reported: the same prompt loads again.
+    side.update_from_worker(WorkerReport((LoadResult("long", 40, 40, 0.01),)))
+    again = other_request(70, "again")
+    assert side.get_num_new_matched_tokens(again, 0) == ExternalHit(48, True)
+    assert side.stats.snapshot()["backlog_decisions"] == 1
 
 
 def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
