@@ -11,6 +11,13 @@ and answers in plain values; ``connectors.vllm.connector`` adapts it.
   the best prefix option), ``load`` takes the whole run, ``recompute`` none. At most
   ``num_tokens - 1`` tokens (vLLM computes at least one). No side effect but the memo of the
   plan (asked again, it is recomputed) and the tiers' LRU refreshes.
+- No load backlog is priced (unlike ``connectors.offload``, whose async loads queue on one
+  load thread across steps: ``OnlineCostModel.decide``'s ``backlog``). Here every load is
+  synchronous: it is answered ``load_async=False``, and the worker reads a step's jobs in one
+  ``read_pinned`` in ``start_load_kv``, before that step's forward, so no load outlives its
+  step. The only reads a load decided now waits for are the same step's earlier jobs, and
+  the forward waits for them too: recomputing pays the same delay, so adding it to the load
+  options alone would only bias the decision towards recompute.
 - ``after_alloc`` (``update_state_after_alloc``): the request is tracked; a planned load
   becomes a ``LoadJob`` into the blocks vLLM allocated for it.
 - ``build_step`` (``build_connector_meta``): this step's loads, and a ``SaveJob`` for every
