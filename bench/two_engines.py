@@ -56,6 +56,44 @@ def _ask(base: str, messages: list[dict[str, str]]) -> str:
     return reply.choices[0].message.content or ""
 
 
+DURABLE_WAIT_S = 60.0
+
+
+def _full_blocks(log: Path, timeout_s: float = 10.0) -> int:
+    """Full blocks of the prompt of the last request in ``log`` (written when it finishes,
+    which may trail the answer by a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while not log.exists() or not log.read_text().strip():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"two_engines: no request in {log} after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return int(_last_request(log)["prompt_tokens"]) // 16
+
+
+def _lmdb_blocks(base: str) -> float:
+    """Blocks the engine's LMDB tier got by write-through or already held (its /metrics)."""
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in _DURABLE_COUNTERS and 'tier="lmdb"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+_DURABLE_COUNTERS = ("kvtier_kv_tier_written_through_total", "kvtier_kv_tier_write_present_total")
+
+
+def _wait_durable(base: str, blocks: int, timeout_s: float) -> None:
+    """Until the engine at ``base`` has ``blocks`` blocks in its LMDB tier (at most
+    ``timeout_s``; then B is asked anyway and the report shows what it found)."""
+    deadline = time.monotonic() + timeout_s
+    while _lmdb_blocks(base) < blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _last_request(log: Path) -> dict[str, Any]:
     row = [json.loads(line) for line in log.read_text().splitlines()][-1]
     return {
@@ -91,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
             for (proc, base), log in zip(engines, logs, strict=True):
                 wait_healthy(proc, base, f"{log}.out")
             answer_a = _ask(engines[0][1], messages)
-            time.sleep(2.0)  # A's copy to LMDB runs off its request path
+            # A's copy to LMDB runs off its request path: B asks once A's prompt blocks are
+            # there (a fixed wait lost the race on a busy 2-core machine).
+            _wait_durable(engines[0][1], _full_blocks(logs[0]), DURABLE_WAIT_S)
             answer_b = _ask(engines[1][1], messages)
             a, b = _last_request(logs[0]), _last_request(logs[1])
         finally:
