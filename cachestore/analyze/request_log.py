@@ -30,7 +30,10 @@ reads it (``cachestore.analyze.traces``, format ``request-log``, which needs onl
 - ``kv_plan``: the offload connector's planned split at admission (``gpu_tokens``,
   ``head_tokens`` computed beside the load, ``load_tokens``, ``recompute_tokens``,
   ``predicted_s`` the cost model's TTFT, ``backlog_s`` the seconds of other loads' reads
-  queued on the load thread that it was priced behind); null without a connector.
+  queued on the load thread that it was priced behind, ``options``: ``{strategy: [raw price
+  s, ratio]}`` of what ``decision: cost`` weighed, the chosen one first, each ranked by price
+  times its kind's measured-to-priced ratio; empty when nothing was priced); null without a
+  connector.
 
 Pure: no I/O here.
 """
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 # The JSON field names; the reader needs the first three and sniffs the format by the third.
 TS = "ts"
@@ -72,7 +76,7 @@ class RequestLogEntry:
     load_read_s: float = 0.0
     load_copy_s: float = 0.0
     prefill_step_tokens: int = 0
-    kv_plan: dict[str, float] | None = None
+    kv_plan: dict[str, Any] | None = None
     prefill_step_parts_s: dict[str, float] | None = None
 
     def to_json(self) -> str:

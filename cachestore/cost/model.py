@@ -249,6 +249,18 @@ class Decision:
     best: Option
     alternatives: tuple[Option, ...]
     backlog_s: float = 0.0
+    # (strategy, ratio) the options were ranked with: each price times its strategy's
+    # measured-to-priced ratio (``cachestore.cost.outcomes``); empty: ranked on raw prices.
+    ratios: tuple[tuple[str, float], ...] = ()
+
+    def priced(self) -> tuple[tuple[str, float, float], ...]:
+        """(strategy, raw price in seconds, ratio) of the chosen option, then of the best
+        of each other family: what a request log shows to say why a plan won."""
+        ratio = dict(self.ratios)
+        return tuple(
+            (str(o.strategy), o.predicted_s, ratio.get(str(o.strategy), 1.0))
+            for o in (self.best, *self.alternatives)
+        )
 
     @property
     def predicted_s(self) -> float:

@@ -245,6 +245,12 @@ class OnlineCostModel:
                 decision = rerank(
                     decision, lambda o: outcomes.ratio(o.strategy, bucket), self.overlap_margin
                 )
+                kinds = dict.fromkeys(
+                    str(o.strategy) for o in (decision.best, *decision.alternatives)
+                )
+                decision = replace(
+                    decision, ratios=tuple((k, outcomes.ratio(k, bucket)) for k in kinds)
+                )
                 lost = priced if decision.best.strategy != priced else None
                 outcomes.decided(bucket, lost)  # lost on its ratio: retried in a while
         recompute = next(

@@ -51,6 +51,9 @@ class Plan:
     # Seconds of lower-tier reads queued on the load thread that the options were priced
     # behind (0: none, or not priced).
     backlog_s: float = 0.0
+    # (strategy, raw price s, ratio) of the options ``cost`` weighed, chosen first (empty:
+    # not priced): the request log's ``kv_plan.options``.
+    options: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def slab_offsets(self) -> tuple[int, ...]:
@@ -65,6 +68,7 @@ class Choice:
 
     option: Option
     backlog_s: float = 0.0
+    options: tuple[tuple[str, float, float], ...] = ()  # ``Decision.priced``: what it weighed
 
 
 def decide(
@@ -99,7 +103,7 @@ def decide(
         return Choice(Option(Strategy.RECOMPUTE, 0, 0, 0.0))
     if policy == "overlap":
         return Choice(cheapest_overlap(decision, len(tiers)), decision.backlog_s)
-    return Choice(decision.best, decision.backlog_s)
+    return Choice(decision.best, decision.backlog_s, decision.priced())
 
 
 def cheapest_overlap(decision: Decision, num_cached: int) -> Option:
@@ -124,4 +128,16 @@ def record_plan(
         "recompute_tokens": request.num_prompt_tokens - num_gpu_tokens - num_load_tokens,
         "predicted_s": round(plan.predicted_s, 6),
         "backlog_s": round(plan.backlog_s, 6),
+        # why the plan won: each option's raw price and the measured-to-priced ratio of its
+        # kind that ranked it (the first is the chosen one's)
+        "options": _options(plan.options),
     }
+
+
+def _options(priced: tuple[tuple[str, float, float], ...]) -> dict[str, list[float]]:
+    """``{strategy: [raw price s, ratio]}``, the first option of each strategy (the chosen
+    one comes first)."""
+    out: dict[str, list[float]] = {}
+    for kind, price, ratio in priced:
+        out.setdefault(kind, [round(price, 6), round(ratio, 4)])
+    return out

@@ -227,6 +227,7 @@ class OffloadScheduler:
             option.predicted_s,
             deferred=bool(host_only and self._in_step and not in_step),
             backlog_s=choice.backlog_s,
+            options=choice.options,
         )
         return ExternalHit(
             num_tokens=num_load * bs,

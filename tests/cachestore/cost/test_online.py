@@ -83,6 +83,24 @@ def test_a_backlog_on_the_load_thread_turns_an_lmdb_load_into_recompute() -> Non
     assert load.predicted_s == pytest.approx(0.027 + 0.063, rel=1e-12)
 
 
+def test_a_decision_shows_each_options_raw_price_and_the_ratio_that_ranked_it() -> None:
+    """Behind 10 queued lmdb blocks (23 ms) loading 4 lmdb blocks is priced 50 ms against
+    recompute's 80. One load measured at 3x its price: the next decision of that length
+    recomputes, and says why in its own terms: load's raw price (unchanged, the cheaper)
+    times 3 against recompute's times 1."""
+    m, queued = model(), {"lmdb": 10}
+    before = m.decide(0, ["lmdb"] * 4, 80, backlog=queued)
+    assert before.best.strategy == STRATEGY_LOAD_PREFIX
+    assert {r for _, _, r in before.priced()} == {1.0}  # nothing measured yet
+    m.observe_outcome(STRATEGY_LOAD_PREFIX, 80, 0.050, 3 * 0.050)
+    after = m.decide(0, ["lmdb"] * 4, 80, backlog=queued)
+    assert after.best.strategy == STRATEGY_RECOMPUTE
+    priced = {k: (price, r) for k, price, r in after.priced()}
+    assert priced[STRATEGY_RECOMPUTE] == (pytest.approx(0.080, rel=1e-12), 1.0)
+    assert priced[STRATEGY_LOAD_PREFIX] == (pytest.approx(0.050, rel=1e-12), pytest.approx(3.0))
+    assert after.priced()[0][0] == STRATEGY_RECOMPUTE  # the chosen option first
+
+
 def test_the_backlog_is_priced_at_the_tiers_learned_rate() -> None:
     m = model(alpha=1.0)
     assert m.backlog_seconds({"lmdb": 30, "s3": 1}) == pytest.approx(0.063 + 0.061, rel=1e-12)

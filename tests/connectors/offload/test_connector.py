@@ -173,6 +173,7 @@ def test_kv_stats_are_exact_for_one_evicted_and_reloaded_prompt(
         "recompute_tokens": 5,
         "predicted_s": 0.0,
         "backlog_s": 0.0,
+        "options": {},  # the ``load`` policy weighs nothing
     }
     assert lines[2]["kv_load_s"]["copy"] > 0 and lines[2]["kv_load_s"]["read"] == 0.0
 

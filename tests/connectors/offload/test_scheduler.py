@@ -258,6 +258,11 @@ def test_a_cost_decision_behind_a_backlog_recomputes_and_logs_it(
     assert short.kv_decision == "recompute" and short.kv_plan is not None
     assert short.kv_plan["backlog_s"] == pytest.approx(0.008)
     assert short.kv_plan["predicted_s"] == pytest.approx(5e-3 + 70 * 60e-6)
+    # What it weighed, the chosen option first: recompute against a load behind the backlog.
+    options = short.kv_plan["options"]
+    assert list(options)[0] == "recompute"
+    assert options["recompute"] == [pytest.approx(5e-3 + 70 * 60e-6), 1.0]
+    assert options["load_prefix"][0] == pytest.approx(0.008 + 3 * 2e-4 + 5e-3 + 22 * 60e-6)
     assert long.kv_plan is not None and long.kv_plan["backlog_s"] == 0.0
     assert side.stats.snapshot()["backlog_decisions"] == 1
     # The long load reported: the same prompt loads again.
