@@ -6,7 +6,10 @@ Usage: python -m bench.ttft_breakdown LOG [--reused 0.5] [--skip 0] [--out FILE]
 
 Per group: how many, engine TTFT p50/p90, each phase's p50 (ms), and how far the phases'
 sum strays from the TTFT (they should add up: engine/ttft.py). ``--skip N`` drops the first N
-entries (a warm-up request). Prints JSON, then a one-line summary.
+entries (a warm-up request). Over every entry, ``cost_options``: per strategy that ``decision:
+cost`` weighed (the request log's ``kv_plan.options``), how often it was chosen and weighed,
+and the p50 of its raw price and of the ratio that ranked it. Prints JSON, then a one-line
+summary.
 """
 
 from __future__ import annotations
@@ -74,6 +77,38 @@ def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def cost_options(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Over every entry whose ``kv_plan`` has ``options`` (what ``decision: cost`` weighed):
+    per strategy, how often it was chosen, how often weighed, and the p50 of its raw price
+    (ms) and of the ratio that ranked it. Shows whether a price or a ratio decided a run."""
+    weighed: dict[str, list[tuple[float, float]]] = {}
+    chosen: dict[str, int] = {}
+    for r in lines:
+        options = (r.get("kv_plan") or {}).get("options") or {}
+        for i, (kind, (price, ratio)) in enumerate(options.items()):
+            weighed.setdefault(kind, []).append((price, ratio))
+            if i == 0:
+                chosen[kind] = chosen.get(kind, 0) + 1
+    return {
+        kind: {
+            "chosen": chosen.get(kind, 0),
+            "weighed": len(v),
+            "price_p50_ms": _p([price for price, _ in v], 50),
+            "ratio_p50": round(percentile(sorted(ratio for _, ratio in v), 50), 3),
+        }
+        for kind, v in sorted(weighed.items())
+    }
+
+
+def _options_line(options: dict[str, dict[str, Any]]) -> str:
+    if not options:
+        return ""
+    return "; cost options (chosen/weighed, p50 price x ratio): " + ", ".join(
+        f"{k} {o['chosen']}/{o['weighed']} {o['price_p50_ms']:.1f} ms x{o['ratio_p50']:.2f}"
+        for k, o in options.items()
+    )
+
+
 def breakdown(lines: list[dict[str, Any]], reused: float) -> dict[str, Any]:
     rows = [r for r in lines if r.get("ttft_s") is not None and r.get("ttft_breakdown_s")]
     hit = [
@@ -112,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.log, encoding="utf-8") as f:
         lines = [json.loads(x) for x in f if x.strip()][args.skip :]
     groups = breakdown(lines, args.reused)
+    options = cost_options(lines)
     report = {
         "machine": machine_info(),
         "params": vars(args),
         **groups,
-        "summary": "ttft_breakdown: " + "; ".join(_line(k, v) for k, v in groups.items()),
+        "cost_options": options,
+        "summary": "ttft_breakdown: "
+        + "; ".join(_line(k, v) for k, v in groups.items())
+        + _options_line(options),
     }
     emit_report(report, args.out)
     return 0
