@@ -131,7 +131,7 @@ class VllmScheduler:
 
     def _decide(self, num_gpu_blocks: int, tiers: tuple[str, ...], num_tokens: int) -> Option:
         if self.decision == "load":
-            return Option("load_prefix", 0, len(tiers), 0.0)
+            return Option(Strategy.LOAD_PREFIX, 0, len(tiers), 0.0)
         if self.decision == "recompute":
             return Option(Strategy.RECOMPUTE, 0, 0, 0.0)
         try:
