@@ -12,7 +12,9 @@ its engine entry (same prompt tokens, the nearest arrival at or after the client
 client sees outside the engine (HTTP, template and tokenizer, the first chunk's way back, the
 client itself), which a TTFT ratio pays on both sides. ``by_burst`` splits the matched rows by
 whether a first-round request (a new user's whole history to prefill) was sent within
-``BURST_S`` of them: the client sends its users' turns in bursts, and a turn whose first token
+``BURST_S`` of them; where the API's return log lies beside the request log
+(``engine.server.return_log``), each group also gets the p50 of the time before the engine's
+arrival stamp (the client's send, HTTP), of ``return`` and of ``first_text``: the client sends its users' turns in bursts, and a turn whose first token
 decodes to no text waits for the next step, which in such a burst carries that prompt's long
 chunk. ``history_missed`` counts the matched later rounds that found under half of their
 blocks anywhere (the GPU or a tier: the request log's ``hit_tiers`` and ``kv_plan``), with when they were sent
@@ -28,6 +30,7 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
+from engine.server.return_log import return_log_path
 
 BURST_S = 0.05  # a later-round turn and a first round sent this close together: one burst
 
@@ -62,6 +65,17 @@ def _found_under_half(entry: dict[str, Any]) -> bool:
     return 2 * max(len(hits), cached) < len(blocks)
 
 
+def _api_times(log_path: str) -> dict[str, dict[str, float]]:
+    """The API's return log beside the request log (``engine.server.return_log``), by
+    engine request id; empty when there is none (a run before it existed)."""
+    path = return_log_path(log_path)
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return {line["req_id"]: line for line in lines}
+
+
 def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[str, Any]:
     """Later-round client rows of ``csv_path`` against their entries in the request log."""
     with open(csv_path, encoding="utf-8", newline="") as f:
@@ -72,8 +86,10 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
         entries = [json.loads(line) for line in f if line.strip()]
     free = [e for e in entries if e.get("ttft_s") is not None]
     split: dict[str, dict[str, list[float]]] = {
-        g: {"client": [], "engine": [], "gap": []} for g in ("with_first_round", "alone")
+        g: {"client": [], "engine": [], "gap": [], "pre": [], "return": [], "first_text": []}
+        for g in ("with_first_round", "alone")
     }
+    api = _api_times(log_path)
     start = min((float(r["launch_time"]) for r in every), default=0.0)
     missed: list[float] = []  # when later rounds that found under half their blocks were sent
     for r in sorted(rows, key=lambda r: float(r["launch_time"])):
@@ -90,6 +106,11 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
         group["client"].append(float(r["ttft"]))
         group["engine"].append(e["ttft_s"])
         group["gap"].append(float(r["ttft"]) - e["ttft_s"])
+        times = api.get(e.get("req_id", ""))
+        if times is not None:  # the client's TTFT split: before arrival, engine, return, text
+            group["pre"].append(e["ts"] - launch)
+            group["return"].append(times["return_s"])
+            group["first_text"].append(times["first_text_s"])
     gaps = [g for v in split.values() for g in v["gap"]]
     engine = [t for v in split.values() for t in v["engine"]]
     return {
@@ -104,6 +125,11 @@ def match_engine(csv_path: str, log_path: str, slack_s: float = 0.05) -> dict[st
                 "client_p50_ms": _ms(v["client"], 50),
                 "engine_p50_ms": _ms(v["engine"], 50),
                 "client_minus_engine_p50_ms": _ms(v["gap"], 50),
+                # with the API's return log (``kvtier serve --request-log``): client send ->
+                # the engine's arrival stamp, the first token's way back, the wait for text
+                "before_arrival_p50_ms": _ms(v["pre"], 50),
+                "return_p50_ms": _ms(v["return"], 50),
+                "first_text_p50_ms": _ms(v["first_text"], 50),
             }
             for g, v in split.items()
         },
@@ -169,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"engine {w['engine_p50_ms']} ms, alone: n={a['n']} client p50 "
                     f"{a['client_p50_ms']} / engine {a['engine_p50_ms']} ms"
                 )
+            for g, label in ((w, "with a first round"), (a, "alone")):
+                if g["n"] and g["return_p50_ms"] is not None:
+                    s += (
+                        f"; {label}: before arrival {g['before_arrival_p50_ms']}, return "
+                        f"{g['return_p50_ms']}, first text {g['first_text_p50_ms']} ms p50"
+                    )
             missed = eng["history_missed"]["sent_at_s"]
             if missed:
                 s += (

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,8 +38,11 @@ from engine.server.health import health_body, is_verbose
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import ModelCard, ModelList
+from engine.server.return_log import ReturnLog
 from engine.server.serving import ClientDisconnected, ServingContext
 from engine.server.tokenization import detokenize, tokenize
+
+logger = logging.getLogger(__name__)
 
 _ENDPOINTS = frozenset(
     (
@@ -151,6 +155,16 @@ class _RequestCounter:
             self.metrics.record_request(endpoint, status[0] if status else 500)
 
 
+def _open_return_log(path: str | None) -> ReturnLog | None:
+    if not path:
+        return None
+    try:
+        return ReturnLog(path)
+    except OSError as exc:
+        logger.warning("cannot write the API's return log %s: %s; going on without it", path, exc)
+        return None
+
+
 def build_app(
     engine: EngineClient,
     served_model_name: str,
@@ -160,13 +174,17 @@ def build_app(
     allowed_origins: tuple[str, ...] = (),
     chat_template: str | None = None,
     model_info: dict[str, Any] | None = None,
+    return_log: str | None = None,
 ) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
     ``chat_template`` as the module docstring says; ``model_info`` (path, dtype, layers) is
-    shown by ``/health?verbose=1``."""
+    shown by ``/health?verbose=1``; ``return_log``: a file for each request's return and
+    first-text times (``engine.server.return_log``; ``kvtier serve --request-log`` sets it;
+    one that cannot be opened is logged and left out: it never stops the server)."""
     metrics = ServerMetrics(engine.stats, served_model_name)
-    ctx = ServingContext(engine, served_model_name, metrics, chat_template)
+    log = _open_return_log(return_log)
+    ctx = ServingContext(engine, served_model_name, metrics, chat_template, log)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

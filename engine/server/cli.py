@@ -129,6 +129,7 @@ def main(args: argparse.Namespace) -> int:
 
     from engine.server.api import build_app
     from engine.server.lifecycle import EngineWatchdog, Terminated, raise_terminated
+    from engine.server.return_log import return_log_path
     from engine.server.startup import FAILURE_EXIT, USAGE_EXIT, UsageError, one_line, preflight
 
     logging.basicConfig(
@@ -173,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
             allowed_origins=origins_from(args),
             chat_template=checked.chat_template,
             model_info=checked.model_info,
+            return_log=str(return_log_path(args.request_log)) if args.request_log else None,
         )
         # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
         # its whole life: keep them out of the collector's full passes, as the engine does.

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
 from engine.server.metric_families import BY_NAME
+from engine.server.return_log import ReturnLog
 from engine.server.stats_export import snapshot_families
 from engine.ttft import ALL_PHASES, FIRST_TEXT_PHASE, RETURN_PHASE
 
@@ -123,14 +124,33 @@ class RequestTimer:
     """Per-request latency bookkeeping; feed it each output's arrival. Not thread-safe (one
     request is consumed by one coroutine)."""
 
-    __slots__ = ("_metrics", "_arrival_s", "_last_token_s", "_breakdown_done", "_text_done")
+    __slots__ = (
+        "_metrics",
+        "_arrival_s",
+        "_last_token_s",
+        "_breakdown_done",
+        "_text_done",
+        "_return_s",
+        "_req_id",
+        "_log",
+    )
 
-    def __init__(self, metrics: ServerMetrics, arrival_s: float) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        arrival_s: float,
+        req_id: str = "",
+        log: ReturnLog | None = None,
+    ) -> None:
+        """``log``: where the request's ``return`` and ``first_text`` go, as ``req_id``."""
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._last_token_s: float | None = None
         self._breakdown_done = False
         self._text_done = False
+        self._return_s = 0.0
+        self._req_id = req_id
+        self._log = log
 
     def on_output(self, output: RequestOutput, now_s: float) -> None:
         """Records the TTFT phases once, from the output that carries the first token (the
@@ -142,20 +162,21 @@ class RequestTimer:
         m = output.metrics
         if m is None or m.first_token_time is None:
             return
+        since_first = max(0.0, now_s - m.first_token_time)
+        if not self._breakdown_done:
+            self._breakdown_done = True
+            phases = self._metrics.ttft_phases
+            for phase, seconds in (m.ttft_breakdown or {}).items():
+                histogram = phases.get(phase)
+                if histogram is not None:
+                    histogram.observe(seconds)
+            phases[RETURN_PHASE].observe(since_first)
+            self._return_s = since_first
         if not self._text_done and (output.new_text or output.finished):
             self._text_done = True
-            self._metrics.ttft_phases[FIRST_TEXT_PHASE].observe(
-                max(0.0, now_s - m.first_token_time)
-            )
-        if self._breakdown_done:
-            return
-        self._breakdown_done = True
-        phases = self._metrics.ttft_phases
-        for phase, seconds in (m.ttft_breakdown or {}).items():
-            histogram = phases.get(phase)
-            if histogram is not None:
-                histogram.observe(seconds)
-        phases[RETURN_PHASE].observe(max(0.0, now_s - m.first_token_time))
+            self._metrics.ttft_phases[FIRST_TEXT_PHASE].observe(since_first)
+            if self._log is not None:
+                self._log.write(self._req_id, self._return_s, since_first)
 
     def on_tokens(self, num_new_tokens: int, now_s: float) -> None:
         if num_new_tokens <= 0:

@@ -27,6 +27,7 @@ from engine.server.logprobs import LogprobFormatter
 from engine.server.metrics import RequestTimer, ServerMetrics
 from engine.server.protocol import ProtocolError, SamplingRequest
 from engine.server.responses import PromptTokensDetails, UsageInfo
+from engine.server.return_log import ReturnLog
 
 T = TypeVar("T")
 DONE_LINE = "data: [DONE]\n\n"
@@ -91,8 +92,12 @@ class ServingContext:
         served_model_name: str,
         metrics: ServerMetrics,
         chat_template: str | None = None,
+        return_log: ReturnLog | None = None,
     ):
+        """``return_log``: each request's ``return`` and ``first_text`` times, by engine
+        request id (``engine.server.return_log``)."""
         self.engine = engine
+        self.return_log = return_log
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.chat_tokens = ChatTokenCache(engine.tokenizer, chat_template=chat_template)
@@ -105,8 +110,10 @@ class ServingContext:
         return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
 
     def close(self) -> None:
-        """Stops the tokenizer thread (once its queued work ran)."""
+        """Stops the tokenizer thread (once its queued work ran); closes the return log."""
         self._tokenizer_thread.shutdown(wait=False)
+        if self.return_log is not None:
+            self.return_log.close()
 
     def check_model(self, request: Any) -> None:
         """Raises APIError (404) unless ``request.model`` is unset or the served name."""
@@ -224,7 +231,12 @@ class ServingContext:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         return [
-            StartedRequest(i * n + j, first, it, RequestTimer(self.metrics, arrival))
+            StartedRequest(
+                i * n + j,
+                first,
+                it,
+                RequestTimer(self.metrics, arrival, f"{request_id}-{i * n + j}", self.return_log),
+            )
             for (i, j), first, it in zip(wave, firsts, iters, strict=True)
         ]
 

@@ -102,6 +102,10 @@ def test_later_rounds_sent_with_a_first_round_are_reported_apart(tmp_path: Path)
         "client_p50_ms": 60.0,
         "engine_p50_ms": 48.0,
         "client_minus_engine_p50_ms": 12.0,
+        # no API return log beside this request log
+        "before_arrival_p50_ms": None,
+        "return_p50_ms": None,
+        "first_text_p50_ms": None,
     }
     assert burst["with_first_round"]["n"] == 2
     assert burst["with_first_round"]["engine_p50_ms"] == 64.0
@@ -142,3 +146,41 @@ def test_later_rounds_that_found_their_history_nowhere_are_counted(tmp_path: Pat
     report = json.loads(out.read_text())
     assert report["runs"]["on"]["engine"]["history_missed"] == {"n": 1, "sent_at_s": [12.0]}
     assert "1 later rounds found under half their blocks (sent at 12.0-12.0 s)" in report["summary"]
+
+
+def test_the_apis_return_log_splits_what_the_client_saw_past_the_engine(tmp_path: Path) -> None:
+    """With the API's return log beside the request log (``run.api.jsonl`` by ``run.jsonl``),
+    each matched later round's client TTFT splits into the time before the engine's arrival
+    stamp, the engine's TTFT, the first token's return and the wait for text."""
+    csv_path = tmp_path / "on.csv"
+    rows = [(6300, 0.080, 2, 20.0), (6400, 0.100, 2, 30.0), (6500, 0.090, 3, 40.0)]
+    csv_path.write_text(
+        HEADER + "".join(f"{p},100,{t},1.0,0,{q},{at},{at + 1}\n" for p, t, q, at in rows)
+    )
+    log = tmp_path / "run.jsonl"  # (req_id, ts, prompt_tokens, ttft_s)
+    entries = [
+        ("a-0", 20.008, 6300, 0.05),
+        ("b-0", 30.010, 6400, 0.06),
+        ("c-0", 40.012, 6500, 0.05),
+    ]
+    log.write_text(
+        "".join(
+            json.dumps({"req_id": r, "ts": ts, "prompt_tokens": p, "ttft_s": t}) + "\n"
+            for r, ts, p, t in entries
+        )
+    )
+    api = [("a-0", 0.004, 0.004), ("b-0", 0.005, 0.025), ("c-0", 0.006, 0.006), ("x-0", 1, 1)]
+    (tmp_path / "run.api.jsonl").write_text(
+        "".join(
+            json.dumps({"req_id": r, "return_s": a, "first_text_s": b}) + "\n" for r, a, b in api
+        )
+    )
+    out = tmp_path / "r.json"
+    assert main([f"on={csv_path}", "--request-log", f"on={log}", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    alone = report["runs"]["on"]["engine"]["by_burst"]["alone"]
+    assert alone["n"] == 3
+    assert alone["before_arrival_p50_ms"] == 10.0
+    assert alone["return_p50_ms"] == 5.0
+    assert alone["first_text_p50_ms"] == 6.0
+    assert "alone: before arrival 10.0, return 5.0, first text 6.0 ms p50" in report["summary"]

@@ -5,6 +5,7 @@ disconnects and OpenAI-shaped 4xx errors."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -239,6 +240,28 @@ def test_tokenizing_a_chat_leaves_the_event_loop_free(server: Server) -> None:
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == ref.text
     assert [name.startswith("kvtier-api-tokenize") for name in threads] == [True]
+
+
+def test_the_return_log_has_each_requests_return_and_first_text(
+    server: Server, tmp_path: Any
+) -> None:
+    """``return_log``: one line per request, by engine request id, once its first chunk with
+    text went out; the first chunk never after the first text."""
+    path = tmp_path / "run.api.jsonl"
+    app = build_app(server.engine, MODEL, return_log=str(path))
+    with run_app(app) as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )  # fmt: skip
+        full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["req_id"] for line in lines] == [f"{chunks[0].id}-0", f"{full.id}-0"]
+    for line in lines:
+        assert 0.0 <= line["return_s"] <= line["first_text_s"] < 10.0
 
 
 def test_default_max_tokens(server: Server) -> None:
