@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -81,6 +82,20 @@ def cuda_missing(bench: str) -> str | None:
     except ImportError:
         return f"{bench}: needs torch with CUDA"
     return None if torch.cuda.is_available() else f"{bench}: needs CUDA"
+
+
+def metric_sums(text: str, names: Iterable[str], where: str = "") -> dict[str, float]:
+    """Per name, the sum of its samples in a Prometheus text page (0 where absent); with
+    ``where``, only the sample lines that contain it (a label, e.g. ``tier="lmdb"``)."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or where not in line:
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in out:
+            out[name] += float(value)
+    return out
 
 
 def emit_report(report: dict[str, Any], out: str | None) -> None:

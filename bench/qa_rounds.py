@@ -12,11 +12,11 @@ its engine entry (same prompt tokens, the nearest arrival at or after the client
 client sees outside the engine (HTTP, template and tokenizer, the first chunk's way back, the
 client itself), which a TTFT ratio pays on both sides. ``by_burst`` splits the matched rows by
 whether a first-round request (a new user's whole history to prefill) was sent within
-``BURST_S`` of them; where the API's return log lies beside the request log
-(``engine.server.return_log``), each group also gets the p50 of the time before the engine's
-arrival stamp (the client's send, HTTP), of ``return`` and of ``first_text``: the client sends its users' turns in bursts, and a turn whose first token
+``BURST_S`` of them: the client sends its users' turns in bursts, and a turn whose first token
 decodes to no text waits for the next step, which in such a burst carries that prompt's long
-chunk. ``history_missed`` counts the matched later rounds that found under half of their
+chunk. Where the API's return log lies beside the request log (``engine.server.return_log``),
+each group also gets the p50 of the time before the engine's arrival stamp (the client's
+send, HTTP), of ``return`` and of ``first_text``. ``history_missed`` counts the matched later rounds that found under half of their
 blocks anywhere (the GPU or a tier: the request log's ``hit_tiers`` and ``kv_plan``), with when they were sent
 (seconds after the run's first request): a history recomputed although it was saved a round
 before. Prints JSON, then a one-line summary.

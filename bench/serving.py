@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from bench import chat_load
-from bench.common import emit_report, machine_info, percentile
+from bench.common import emit_report, machine_info, metric_sums, percentile
 from bench.soak import spawn_server, stop_server, wait_healthy
 from engine.models.demo_model import _CORPUS
 from engine.ttft import API_PHASES, ENGINE_PHASES
@@ -205,19 +205,11 @@ def server_counters(base_url: str) -> dict[str, float]:
         "kvtier_num_preemptions_total",
         "kvtier_scheduler_first_token_deferred_tokens_total",
     )
-    out = dict.fromkeys(names, 0.0)
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=30).text
     except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0]
-        if name in out:
-            out[name] += float(value)
-    return out
+        return dict.fromkeys(names, 0.0)
+    return metric_sums(text, names)
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit_report, machine_info
+from bench.common import emit_report, machine_info, metric_sums
 from bench.soak import spawn_server, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,12 +75,7 @@ def _lmdb_blocks(base: str) -> float:
     import httpx
 
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in _DURABLE_COUNTERS and 'tier="lmdb"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(metric_sums(text, _DURABLE_COUNTERS, 'tier="lmdb"').values())
 
 
 _DURABLE_COUNTERS = ("kvtier_kv_tier_written_through_total", "kvtier_kv_tier_write_present_total")

@@ -27,9 +27,13 @@ class RequestLog:
 
     def write(self, entry: RequestLogEntry) -> None:
         """Append one line and flush. A closed log ignores the entry."""
+        self.write_line(entry.to_json())
+
+    def write_line(self, line: str) -> None:
+        """Append ``line`` (one JSON object, no newline) and flush; ignored once closed."""
         if self._fh is None:
             return
-        self._fh.write(entry.to_json() + "\n")
+        self._fh.write(line + "\n")
         self._fh.flush()
         self.num_written += 1
 

@@ -62,17 +62,13 @@ class OffloadStats:
         """Add to named counters atomically. Raises AttributeError on an unknown name."""
         with self._lock:
             for name, delta in deltas.items():
-                if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
-                    raise AttributeError(name)
-                setattr(self, name, getattr(self, name) + delta)
+                setattr(self, _scalar(name), getattr(self, name) + delta)
 
     def set(self, **values: float) -> None:
         """Set named gauges atomically. Raises AttributeError on an unknown name (slots)."""
         with self._lock:
             for name, value in values.items():
-                if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
-                    raise AttributeError(name)
-                setattr(self, name, value)
+                setattr(self, _scalar(name), value)
 
     def count_decision(self, decision: Strategy) -> None:
         with self._lock:
@@ -93,3 +89,11 @@ class OffloadStats:
             out["decisions"] = dict(self.decisions)
             out["tiers"] = {name: {"hit_blocks": n} for name, n in self.tier_hit_blocks.items()}
         return out
+
+
+def _scalar(name: str) -> str:
+    """``name`` when it names one of the plain counters or gauges ``add`` and ``set`` may
+    touch (not the lock, not the per-key Counters); AttributeError otherwise."""
+    if name.startswith("_") or name in ("decisions", "tier_hit_blocks"):
+        raise AttributeError(name)
+    return name

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO
+
+from engine.request_log import RequestLog
 
 SUFFIX = ".api.jsonl"
 
@@ -30,28 +31,23 @@ def return_log_path(request_log: str | Path) -> Path:
 
 
 class ReturnLog:
-    """Appends one line per request to ``path`` (its directory created). Raises OSError at
-    construction when the file cannot be opened."""
+    """Appends one line per request to ``path`` (through ``engine.request_log.RequestLog``:
+    its directory created, each line flushed). Raises OSError at construction when the file
+    cannot be opened."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._file = RequestLog(path)
+        self.path = self._file.path
 
     def write(self, req_id: str, return_s: float, first_text_s: float) -> None:
         """One request's line. A closed log ignores it."""
-        if self._fh is None:
-            return
         line = {
             "req_id": req_id,
             "return_s": round(return_s, 7),
             "first_text_s": round(first_text_s, 7),
         }
-        self._fh.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self._fh.flush()
+        self._file.write_line(json.dumps(line, separators=(",", ":")))
 
     def close(self) -> None:
         """Idempotent."""
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._file.close()
