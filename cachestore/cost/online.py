@@ -192,6 +192,19 @@ class OnlineCostModel:
             costs = {name: s.cost for name, s in self._tiers.items()}
         return _backlog_seconds(backlog, costs, self.block_bytes)
 
+    def step_share_s(self, num_tokens: int) -> float:
+        """Seconds ``num_tokens`` of other requests add to a step that computes a plan: the
+        prefill model's price of that many tokens less its fixed per-step part (the plan's
+        own price has it). Their contexts are not known, so they are priced as one chunk
+        from an empty context, a lower bound: a decode or a chunk after cached tokens attends
+        to more. What a shared step's outcome is measured against on top of its plan's price
+        (the offload connector's ``observe_first_token``)."""
+        if num_tokens <= 0:
+            return 0.0
+        with self._lock:
+            prefill = self._prefill.cost()
+        return max(prefill.time(num_tokens) - prefill.fixed_s, 0.0)
+
     def decide(
         self,
         num_gpu_hit_blocks: int,

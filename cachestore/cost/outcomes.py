@@ -21,8 +21,8 @@ relaxes the other strategies' ratios above 1 at that length toward 1 (by ``relax
 on its measured ratio is tried again after a few requests, and keeps losing if it measured
 slow again. On the H200 the 4K overlap measured 1.6-1.8x its price; with ``relax`` 0.8 a split
 at 1.8x, priced 20% under the load it lost to, is tried again after seven loads of that length
-(1 + 0.8 * 0.8^n under 1.2). The plans chosen instead may teach nothing, though: a request
-whose steps carry other prompts is not measured (the connector's ``observe_first_token``).
+(1 + 0.8 * 0.8^n under 1.2). The plans chosen instead may teach nothing, though (an engine
+whose connector reports no outcome, one whose loads are dropped: recomputed, not measured).
 So ``decided`` counts the decisions at a length since its last measured outcome, and once
 more than ``UNMEASURED_DECISIONS`` went by, each decision that goes against the strategy the
 prices alone chose relaxes that strategy's ratio the same way. On the H200 QA run with

@@ -54,11 +54,6 @@ from engine.kv_connector import CalibrationTarget
 from engine.request import Request
 from tiers import build_tiers
 
-# The cost model learns a plan's outcome only from a request whose prefill steps carried at
-# most this many other tokens, or this share of its own (observe_first_token).
-SHARED_OUTCOME_TOKENS = 64
-SHARED_OUTCOME_FRACTION = 0.25
-
 log = logging.getLogger(__name__)
 
 
@@ -208,12 +203,18 @@ class OffloadConnector:
         """A priced plan's outcome for the cost model (``observe_outcome``): its load, wait
         and compute phases against the price (queueing and scheduling are not priced). Only
         a plan that ran as planned: one whose load was dropped (recomputed instead) is not
-        its strategy's outcome. Only a plan that computed in steps of its own (others'
-        tokens in them at most ``SHARED_OUTCOME_TOKENS`` or a ``SHARED_OUTCOME_FRACTION`` of
-        its own: a few decodes): a price is for the plan alone, and a step carrying others'
-        prompt chunks slows whichever plan meets it. Taught from shared steps, a strategy
-        that is often taken reads slow against one never taken (the QA client on an H200
-        with a 256-token first-token step: load-all at 3.0x its price, recompute at 1)."""
+        its strategy's outcome.
+
+        The price is for the plan alone, and its steps may have carried other requests'
+        tokens (decodes, others' prompt chunks), which slow whichever plan meets them. So the
+        price it is measured against is the plan's plus the prefill model's price of those
+        tokens (``OnlineCostModel.step_share_s``): every strategy is measured, each against
+        the steps it actually ran in. Before, an outcome whose steps carried more than 64
+        other tokens taught nothing: on an H200 with the QA client and a 2 GiB host tier over
+        LMDB, recompute's chunks always shared their steps and it was never measured (priced
+        85 ms for ~4.3K tokens, it took 166-497 ms), while a load's short step of its own
+        was: one cold first load at 3.0x its price made 41 of the next 45 reused requests
+        recompute."""
         plan = request.kv_plan
         if not plan or plan.get("predicted_s", 0.0) <= 0.0:
             return
@@ -221,13 +222,15 @@ class OffloadConnector:
         if loaded != (request.kv_decision != Strategy.RECOMPUTE):
             return
         own = plan.get("head_tokens", 0) + plan.get("recompute_tokens", 0)
-        others = request.times.prefill_step_tokens - own
-        if others > max(SHARED_OUTCOME_TOKENS, SHARED_OUTCOME_FRACTION * own):
+        others = max(request.times.prefill_step_tokens - own, 0)
+        if others:
             self.counters.add(shared_step_outcomes=1)
-            return
         measured = sum(phases.get(k, 0.0) for k in ("load", "prefill_wait", "prefill_compute"))
         self.cost_model.observe_outcome(
-            request.kv_decision, request.num_prompt_tokens, plan["predicted_s"], measured
+            request.kv_decision,
+            request.num_prompt_tokens,
+            plan["predicted_s"] + self.cost_model.step_share_s(others),
+            measured,
         )
 
     def save_pending(self) -> None:

@@ -48,7 +48,7 @@ class OffloadStats:
     lookup_blocks: int = 0  # blocks those lookups asked about (over loaded_blocks: the waste)
     in_step_deferred_loads: int = 0  # host loads made async: their step had its in-step loads
     shared_step_decisions: int = 0  # cost decisions with no overlap offered (a shared step)
-    shared_step_outcomes: int = 0  # first tokens not taught to the cost model: shared steps
+    shared_step_outcomes: int = 0  # outcomes taught with others' step tokens priced in
     backlog_decisions: int = 0  # cost decisions priced behind other loads' queued reads
     load_backlog_blocks: int = 0  # gauge: lower-tier blocks of async loads in flight
     prefetched_blocks: int = 0  # read up into the host tier while their request waited

@@ -204,6 +204,21 @@ def test_prefill_scale_ewma_and_its_effect_on_decisions() -> None:
     assert snap["predicted_saved_s"] == 0.0 and snap["prefill"]["num_samples"] == 1
 
 
+def test_others_tokens_in_a_step_are_priced_without_its_fixed_part_and_learn_the_scale() -> None:
+    m = OnlineCostModel(
+        {"host": HOST},
+        PrefillCost(fixed_s=5e-3, per_token_s=1e-4, attention_s=1e-8),
+        block_bytes=1000,
+        block_tokens=16,
+        alpha=0.5,
+    )
+    # 200 tokens as one chunk from an empty context: 200 * 1e-4 + 1e-8 * 200 * 100, no 5 ms
+    assert m.step_share_s(200) == pytest.approx(0.0202, rel=1e-12)
+    assert m.step_share_s(0) == 0.0 and m.step_share_s(-3) == 0.0
+    m.observe_prefill(100, 0, 2 * (5e-3 + 1e-2 + 5e-5))  # twice the price: scale 1.5
+    assert m.step_share_s(200) == pytest.approx(1.5 * 0.0202, rel=1e-12)
+
+
 def test_h200_prior_matches_design_figures() -> None:
     p = default_priors("h200-llama-3-8b")
     assert p.block_bytes == 2 << 20 and p.block_tokens == 16
