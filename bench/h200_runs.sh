@@ -25,7 +25,8 @@
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
-# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "on256": on with
+# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "smallwait": small with
+# --load-wait-step-tokens LOAD_WAIT_TOKENS [512]; "on256": on with
 # --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "fill": on with -1 (the old fill); "layered": on, with
 # in-step loads landing layer by layer (LAYERS_PER_COPY [0: automatic]); "perblock": on with whole-block in-step copies (layered_loads: false, the default for raw blocks); "allinstep": on, every reload of a step in-step, the default since the ninth session; "onestep": at most one in-step load a step, the sixth to eighth sessions' default; "onestephold": that, with async copies held until the forward is queued; "coalesced": on with coalesced_loads (a run of consecutive host slots as one copy into device staging, then one scatter: a few copy commands a load instead of one a block)) and the client's TTFT by
 # round (bench/qa_rounds.py, later rounds against the first mode). FI_CACHE_OUT=1 hands the
@@ -123,8 +124,10 @@ if [[ "$STAGES" == *,qa,* ]]; then
       onestephold) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestephold.yaml ;;
       lossless) printf 'compression: lossless\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_lossless.yaml ;;
       coalesced) printf 'coalesced_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_coalesced.yaml ;;
-      small) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
-        printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > /tmp/qa_small.yaml ;;
+      small|smallwait) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
+        printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > "/tmp/qa_$mode.yaml"
+        # smallwait: steps stay short while a request waits for its LMDB load (docs/scheduling.md)
+        if [ "$mode" = smallwait ]; then flags+=(--load-wait-step-tokens "${LOAD_WAIT_TOKENS:-512}"); fi ;;
     esac
     [ "$mode" != off ] && flags+=(--kv-offload --kv-offload-config "/tmp/qa_$mode.yaml")
     stamp "qa $mode"

@@ -54,6 +54,10 @@ class SchedulerConfig:
     # advance by it); -1 fills the step up to first_token_step_tokens, at least a quarter of
     # it (the default before the ninth session; docs/scheduling.md).
     first_token_step_others: int = 64
+    # While a request waits for a KV load from a tier below the host (an asynchronous load),
+    # steps carry at most this many prefill tokens, so the step that sees the load end comes
+    # soon after it ends (docs/scheduling.md). 0: off.
+    load_wait_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -62,6 +66,8 @@ class SchedulerConfig:
             raise ValueError("first_token_step_tokens must be >= 0")
         if self.first_token_step_others < -1:
             raise ValueError("first_token_step_others must be -1 (fill to the cap) or >= 0")
+        if self.load_wait_step_tokens < 0:
+            raise ValueError("load_wait_step_tokens must be >= 0")
 
 
 # Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).

@@ -49,6 +49,7 @@ def engine_stats(
         "schedule_seconds_total": s.schedule_seconds_total,
         "num_blocked_skips": s.num_blocked_skips,
         "num_first_token_deferred_tokens": s.num_first_token_deferred_tokens,
+        "num_load_wait_deferred_tokens": s.num_load_wait_deferred_tokens,
         "gpu_blocks_total": pool.num_blocks,
         "gpu_blocks_free": pool.num_free_blocks,
         "gpu_cache_usage": pool.usage(),

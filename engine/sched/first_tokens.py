@@ -60,3 +60,31 @@ def shorten_for_first_tokens(
     for i in reversed(drop):
         del scheduled[i]
     return deferred
+
+
+def cap_prefill_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
+    """Cut the step's prefill chunks (more than one token) so that they carry at most ``cap``
+    tokens in all, in the step's order (decodes first, then the shortest prefills: a short
+    suffix that samples keeps its chunk); a cut chunk samples nothing, one cut to nothing
+    leaves the step (its request stays RUNNING with its blocks). Decodes are never cut.
+    Mutates ``scheduled``; returns the tokens given back (0 when ``cap`` <= 0)."""
+    if cap <= 0:
+        return 0
+    room, deferred = cap, 0
+    drop: list[int] = []
+    for i, old in enumerate(scheduled):
+        n = len(old.token_ids)
+        if n <= 1:
+            continue
+        keep = min(n, room)
+        room -= keep
+        if keep == n:
+            continue
+        deferred += n - keep
+        if keep == 0:
+            drop.append(i)
+        else:
+            scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep], sample=False)
+    for i in reversed(drop):
+        del scheduled[i]
+    return deferred

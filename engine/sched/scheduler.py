@@ -35,7 +35,7 @@ from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutp
 from engine.kv_connector import SchedulerConnector
 from engine.request import Request, RequestStatus
 from engine.sched.admission import Admission, Admit, Wait
-from engine.sched.first_tokens import shorten_for_first_tokens
+from engine.sched.first_tokens import cap_prefill_tokens, shorten_for_first_tokens
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.kv_loads import KVLoads
 
@@ -54,6 +54,8 @@ class SchedulerStats:
     num_blocked_skips: int = 0
     # Unfinished prefill tokens deferred so that a step could yield a first token sooner.
     num_first_token_deferred_tokens: int = 0
+    # Prefill tokens deferred so that a step ended soon after a waiting request's KV load.
+    num_load_wait_deferred_tokens: int = 0
     num_schedule_steps: int = 0
     schedule_seconds_total: float = 0.0  # the scheduler's own time (schedule())
 
@@ -170,6 +172,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         budget = self._top_up(budget, scheduled, capped)
         budget += self._shorten_for_first_tokens(scheduled)
+        budget += self._shorten_for_loads(scheduled)
 
         if self.debug and not self.requests:
             self.kv.pool.check_integrity()
@@ -244,6 +247,24 @@ class Scheduler:
             scheduled, self.config.first_token_step_tokens, self.config.first_token_step_others
         )
         self.stats.num_first_token_deferred_tokens += deferred
+        return deferred
+
+    def _shorten_for_loads(self, scheduled: list[ScheduledRequest]) -> int:
+        """While a request waits for its asynchronous KV load, the step's prefill chunks carry
+        at most ``load_wait_step_tokens`` tokens (``cap_prefill_tokens``): the load's end is
+        seen at the next step boundary, so a long step started while it reads holds the
+        request back by what is left of that step. Counted. Mutates ``scheduled``; returns
+        the tokens given back."""
+        cap = self.config.load_wait_step_tokens
+        if cap <= 0 or not self.config.enable_chunked_prefill:
+            return 0
+        if not any(
+            r.status is RequestStatus.WAITING_FOR_KV and not self.loads.has_ended(r.req_id)
+            for r in self.waiting
+        ):
+            return 0
+        deferred = cap_prefill_tokens(scheduled, cap)
+        self.stats.num_load_wait_deferred_tokens += deferred
         return deferred
 
     def _prefill_reserve(self) -> int:

@@ -86,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             first_token_step_tokens=args.first_token_step_tokens,
             first_token_step_others=args.first_token_step_others,
+            load_wait_step_tokens=args.load_wait_step_tokens,
         ),
         # A tier file is a request for offload: vLLM's --kv-transfer-config needs no second flag.
         kv_offload=args.kv_offload or args.kv_offload_config is not None,

@@ -108,6 +108,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "step up to --first-token-step-tokens (docs/scheduling.md)",
     )
     parser.add_argument(
+        "--load-wait-step-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="while a request waits for a KV load from below the host tier, steps carry at "
+        "most N prefill tokens, so its load's end is seen sooner; 0: off (docs/scheduling.md)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,

@@ -100,6 +100,10 @@ SNAPSHOT_FAMILIES = (
         "Prefill tokens deferred so that a step could yield a short prefill's first token",
     ),
     _c(
+        "kvtier_scheduler_load_wait_deferred_tokens_total",
+        "Prefill tokens deferred so that a step ended soon after a waiting request's KV load",
+    ),
+    _c(
         "kvtier_prompt_tokens_cached_by_tier_total",
         "Prompt tokens whose KV came from a tier at admission (gpu: the prefix cache)",
         _T,

@@ -45,6 +45,7 @@ _ENGINE = {
     "kvtier_scheduler_seconds_total": "schedule_seconds_total",
     "kvtier_scheduler_blocked_skips_total": "num_blocked_skips",
     "kvtier_scheduler_first_token_deferred_tokens_total": "num_first_token_deferred_tokens",
+    "kvtier_scheduler_load_wait_deferred_tokens_total": "num_load_wait_deferred_tokens",
 }
 # Families read from one connector counter or gauge (kv_<key>_total, or kv[key]).
 _CONNECTOR = {

@@ -769,3 +769,70 @@ def test_a_head_waiting_for_blocks_is_not_looked_up_again_each_step() -> None:
     assert sched.stats.num_blocked_skips >= 19  # every step of a's decode
     assert len(outs["a"]) == 20 and len(outs["b"]) == 2
     assert sched.stats.num_schedule_steps == len(steps)
+
+
+class SlowLoadConnector(FakeConnector):
+    """FakeConnector's asynchronous load of tokens [32, 48), reported ended only by the
+    ``steps``-th schedule() after the one that began it."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.age: dict[str, int] = {}
+
+    def get_finished_loading(self) -> dict[str, int]:
+        for req_id in self.pending:
+            self.age[req_id] = self.age.get(req_id, 0) + 1
+        done = {r for r in self.pending if self.age[r] >= self.steps}
+        self.pending -= done
+        return {req_id: 48 for req_id in done}
+
+
+def _a_load_beside_a_long_prompt(cap: int) -> tuple[Scheduler, list[SchedulerOutput], Request]:
+    """A 256-token budget, ``load_wait_step_tokens=cap`` (first-token steps off): "long" (900
+    tokens) prefills; "b" arrives in its second step, its tokens [32, 48) loading for three
+    steps. Returns (the scheduler, every step from long's first, b)."""
+    conn = SlowLoadConnector(steps=3)
+    config = SchedulerConfig(
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        first_token_step_tokens=0,
+        load_wait_step_tokens=cap,
+    )
+    sched, runner = _make_with(config, 128, conn)
+    conn.runner = runner
+    base = prompt(60)
+    sched.add_request(req("a", base, max_tokens=1))
+    run_all(sched, runner)
+    sched.add_request(req("long", prompt(900, base=5), max_tokens=3))
+    first = sched.schedule()
+    sched.update_from_output(first, runner.execute_model(first))
+    b = req("b", base[:32] + prompt(30, base=9), max_tokens=3)
+    sched.add_request(b)
+    _, steps = run_all(sched, runner)
+    return sched, [first, *steps], b
+
+
+def test_steps_stay_short_while_a_request_waits_for_its_kv_load() -> None:
+    """While b's load runs (the step that began it and the two after), long's chunks carry 32
+    tokens, not 256: the load's end is seen one short step after it ends instead of after a
+    long one. The step that admits b once loaded is whole again (b's 14 tokens and long's
+    242). Off (0): long's chunks are whole and b runs in the same step as with the cap.
+    Outputs unchanged."""
+    capped, steps, b = _a_load_beside_a_long_prompt(32)
+    sizes = [{s.req_id: len(s.token_ids) for s in so.requests} for so in steps[:5]]
+    assert sizes == [
+        {"long": 256},
+        {"long": 32},  # b's load begins
+        {"long": 32},
+        {"long": 32},
+        {"b": 14, "long": 242},  # ended: b admitted, the step whole again
+    ]
+    assert capped.stats.num_load_wait_deferred_tokens == 3 * (256 - 32)
+    plain, plain_steps, plain_b = _a_load_beside_a_long_prompt(0)
+    plain_sizes = [{s.req_id: len(s.token_ids) for s in so.requests} for so in plain_steps[:5]]
+    assert plain_sizes == [{"long": 256}] * 3 + [{"long": 132}, {"long": 1, "b": 14}]
+    assert plain.stats.num_load_wait_deferred_tokens == 0
+    assert b.output_token_ids == plain_b.output_token_ids
+    with pytest.raises(ValueError, match="load_wait_step_tokens"):
+        SchedulerConfig(load_wait_step_tokens=-1)
