@@ -29,6 +29,12 @@ _FLAGS = {
 
 
 def cache_dir() -> str:
+    """``$KVTIER_CACHE_DIR/cpu_kernels``, else ``kvtier/cpu_kernels`` under ``$XDG_CACHE_HOME``
+    or ``~/.cache``: kvtier's one cache directory, as the README says (converted models, the
+    default LMDB tier)."""
+    explicit = os.environ.get("KVTIER_CACHE_DIR")
+    if explicit:
+        return os.path.join(explicit, "cpu_kernels")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvtier", "cpu_kernels")
 
