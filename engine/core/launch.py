@@ -2,7 +2,9 @@
 stopping it. ``EngineCoreClient`` owns one; nothing here touches requests.
 
 The API process binds both sockets (ipc:// in a fresh temp dir by default) before spawning,
-so the core only connects. Spawn, never fork: the API process may already hold torch state
+so the core only connects. That directory names its owner's pid (``OWNER_FILE``): one left by
+an API process killed before it could remove it (``kill -9``) is removed by the next start on
+the machine (``sweep_stale_ipc_dirs``). Spawn, never fork: the API process may already hold torch state
 and threads.
 """
 
@@ -11,10 +13,12 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -24,6 +28,8 @@ from engine.core.messages import Ready, StartupFailed, decode_event
 from engine.core.proc import CoreAddresses, run_engine_core
 
 logger = logging.getLogger(__name__)
+IPC_DIR_PREFIX = "kvtier-core-"  # the sockets' temp directory, one per API process
+OWNER_FILE = "owner.pid"  # in it: the API process's pid (sweep_stale_ipc_dirs)
 _LAST_EVENT_GRACE_MS = 200  # after the core exits, how long its last message may trail
 
 
@@ -81,7 +87,11 @@ class CoreProcess:
     @classmethod
     def spawn(cls, config: EngineConfig, proc_config: CoreProcConfig) -> CoreProcess:
         """Binds the sockets and starts the process (returns at once; see ``wait_ready``)."""
-        owned_dir = None if proc_config.ipc_dir else tempfile.mkdtemp(prefix="kvtier-core-")
+        owned_dir = None
+        if not proc_config.ipc_dir:
+            sweep_stale_ipc_dirs(tempfile.gettempdir())
+            owned_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+            Path(owned_dir, OWNER_FILE).write_text(str(os.getpid()))
         ipc_dir = proc_config.ipc_dir or owned_dir
         addresses = CoreAddresses(f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/events")
         zmq_ctx = zmq.Context()
@@ -152,3 +162,40 @@ class CoreProcess:
         self.zmq_ctx.term()
         if self._owned_dir is not None:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+def sweep_stale_ipc_dirs(parent: str) -> int:
+    """Remove the socket directories (``kvtier-core-*`` in ``parent``) of API processes that
+    died without closing them (``kill -9``: no ``close`` ran): each names its owner's pid in
+    ``OWNER_FILE``, and one whose owner is gone is removed. A directory without that file, or
+    whose owner lives (or whose pid was reused), is left alone. Returns how many were
+    removed; never raises."""
+    removed = 0
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(IPC_DIR_PREFIX)]
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+            pid = int(Path(entry.path, OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += 1
+    if removed:
+        logger.info("removed %d socket directories of engines that died unclosed", removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
