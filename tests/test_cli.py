@@ -227,6 +227,18 @@ def test_demo_runs_and_later_turns_hit_the_prefix_cache(
     assert loaded > 0, out
 
 
+def test_demo_takes_the_max_model_len_its_pool_warning_names() -> None:
+    """The demo's small pool cuts the model's context with a warning that says "pass
+    --max-model-len to choose": the demo has that flag, and it reaches the engine's config."""
+    from engine.demo import run as demo
+
+    args = build_parser(["demo"]).parse_args(["demo", "--max-model-len", "1000"])
+    assert args.max_model_len == 1000
+    assert demo.engine_config(args, None).scheduler.max_model_len == 1000
+    default = build_parser(["demo"]).parse_args(["demo"])
+    assert demo.engine_config(default, None).scheduler.max_model_len is None
+
+
 def test_percentile_nearest_rank() -> None:
     from engine.demo.run import percentile
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat
 
@@ -188,7 +188,7 @@ def format_summary(model_name: str, records: list[TurnRecord], wall_s: float) ->
         f"{'hit rate %':20}{100 * first.hit_rate:>14.1f}{100 * later.hit_rate:>14.1f}",
         f"{'TTFT p50 ms':20}{1e3 * first.ttft_p50_s:>14.1f}{1e3 * later.ttft_p50_s:>14.1f}",
         f"{'TTFT p90 ms':20}{1e3 * first.ttft_p90_s:>14.1f}{1e3 * later.ttft_p90_s:>14.1f}",
-        f"wall time           {wall_s:.2f} s",
+        f"wall time           {wall_s:.2f} s (the offload run's turns)",
     ]
     return "\n".join(lines)
 
@@ -280,6 +280,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fit; one history must)",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt plus reply in tokens (default: what --num-gpu-blocks holds, "
+        "at most the model's context length)",
+    )
+    parser.add_argument(
         "--host-capacity",
         default=None,
         help="host tier size (default: about half the demo's KV, so both tiers "
@@ -305,6 +312,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _DEFAULTS = {True: (3, 40, 480, "64MiB"), False: (4, 12, 300, "12MiB")}
 
 
+def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """The demo's engine: ``model`` (None: the embedded one) on its small pool."""
+    return EngineConfig(
+        model=model,
+        device=args.device,
+        cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks),
+        scheduler=SchedulerConfig(max_model_len=args.max_model_len),
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     from engine.demo.chat import (
         Phases,
@@ -328,11 +345,7 @@ def main(args: argparse.Namespace) -> int:
         print("kvtier demo: --users, --turns and --num-gpu-blocks must be >= 1, --notes-words >= 0")
         return 2
     message = real_user_message if chosen.real else user_message
-    config = EngineConfig(
-        model=chosen.path,
-        device=args.device,
-        cache=CacheConfig(num_gpu_blocks=args.num_gpu_blocks),
-    )
+    config = engine_config(args, chosen.path)
     print(chosen.note or describe_model(chosen), flush=True)  # real replies or noise
     phases = Phases(1 if args.no_baseline else 2, args.turns)
     baseline = None
