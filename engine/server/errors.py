@@ -81,6 +81,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
+def _content_type_hint(request: Request, exc: RequestValidationError) -> str | None:
+    """The message for a body that is not a JSON object because it was not sent as JSON
+    (``curl -d`` without ``-H 'Content-Type: application/json'`` sends a form): FastAPI then
+    only says "Input should be a valid dictionary". None for anything else."""
+    errors = exc.errors()
+    if not errors or tuple(errors[0].get("loc", ())) != ("body",):
+        return None
+    sent = request.headers.get("content-type", "")
+    if "json" in sent.lower():
+        return None
+    return (
+        "expected a JSON object body sent with Content-Type: application/json, "
+        f"got Content-Type: {sent or 'none'}"
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Mutates ``app``: registers handlers for the exception types the server raises."""
 
@@ -89,8 +105,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, exc.message, param=exc.param, code=exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        hint = _content_type_hint(request, exc)
+        if hint:
+            message, param = hint, None
         return error_response(400, message, param=param)
 
     @app.exception_handler(ProtocolError)
