@@ -270,7 +270,11 @@ def main(args: argparse.Namespace) -> int:
         check_outputs(args)
         trace = read_trace(args.trace, args.format, args.block_tokens, args.tokenizer)
         cfg = build_config(args, trace)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # the trace (or --tokenizer) cannot be read: name it, one line
+        where = exc.filename or args.trace
+        print(f"kvtier analyze: cannot read {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"kvtier analyze: {exc}", file=sys.stderr)
         return 2
     bar = None

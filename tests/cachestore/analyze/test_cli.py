@@ -310,3 +310,12 @@ def test_stored_bytes_per_token_matches_the_codec_and_refuses_bad_geometry() -> 
         stored_bytes_per_token(1000, 3, "lossless")
     with pytest.raises(ValueError, match="unknown KV compression"):
         stored_bytes_per_token(1000, 3, "zstd")
+
+
+def test_a_trace_that_cannot_be_read_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    missing = tmp_path / "nope.jsonl"
+    assert kvtier(["analyze", str(missing), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvtier analyze: cannot read {missing}: No such file or directory\n"
