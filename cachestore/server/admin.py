@@ -10,6 +10,8 @@ dashboard in deploy/ uses exactly these; tests/deploy checks it):
     kvtier_server_bytes_total{op,path}           counter   path = tcp | shm
     kvtier_server_put_races_total                counter   put keys left to a concurrent put
                                                            of the same key (not stored by it)
+    kvtier_server_handshakes_denied_total        counter   ZMQ connections refused in the
+                                                           handshake: token not in --tokens
     kvtier_server_inflight_requests              gauge
     kvtier_server_namespace_bytes{namespace}     gauge
     kvtier_server_namespace_keys{namespace}      gauge
@@ -55,6 +57,7 @@ METRIC_NAMES = (
     "kvtier_server_leased_bytes",
     "kvtier_server_leased_blocks_total",
     "kvtier_server_put_races_total",
+    "kvtier_server_handshakes_denied_total",
 )
 
 
@@ -119,6 +122,12 @@ class _LiveCollector:
         server = self._get_server()
         if server is None:
             return
+        denied = CounterMetricFamily(
+            "kvtier_server_handshakes_denied",
+            "ZMQ connections refused in the handshake (token not in --tokens)",
+        )
+        denied.add_metric([], server.handshakes_denied)
+        yield denied
         inflight = GaugeMetricFamily("kvtier_server_inflight_requests", "Requests in flight")
         inflight.add_metric([], server.inflight)
         yield inflight
@@ -230,6 +239,7 @@ def create_app(server: CacheServer, metrics: AdminMetrics, token: str | None = N
             "tier_usage": usage,
             "namespaces": server.handler.usage.snapshot(),
             "inflight": server.inflight,
+            "handshakes_denied": server.handshakes_denied,
         }
 
     @app.get("/namespaces")

@@ -148,6 +148,12 @@ class CacheServer:
         return self._leases
 
     @property
+    def handshakes_denied(self) -> int:
+        """ZMQ connections refused in the handshake (a token not in ``tokens``) since start;
+        the ZAP handler also logs them (``tiers.remote.zap``)."""
+        return self.zap.num_denied if self.zap is not None else 0
+
+    @property
     def stream(self) -> Doorbell | None:
         """The TCP stream listener (None when off); ``port`` is set while it runs."""
         return self._stream

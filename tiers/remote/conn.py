@@ -25,12 +25,18 @@
   instead of copies (a miss or a cap reached: copies, as before). The first request of the
   thread's next call on the doorbell carries ``release: true``; closing the doorbell (or the
   process dying) releases the rest on the daemon's side.
+- A refused token: the daemon's ZAP handler ends the handshake with an ERROR (400) and the
+  socket never becomes writable (``IMMEDIATE``), which alone reads as an unreachable daemon.
+  Each socket therefore has a monitor for libzmq's ``EVENT_HANDSHAKE_FAILED_AUTH``: a waiting
+  call fails at once with "token refused (authentication failed)" instead of "not reachable"
+  at its timeout, and so does the fail-fast window after it.
 
 Thread-safe (per-thread connections); ``close`` must not race with calls in flight.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -38,6 +44,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tiers.base import TierError, Value
 from tiers.remote import shm
@@ -62,13 +69,18 @@ _Replies = list[tuple[dict[str, Any], list[memoryview]]]
 # A ZMQ call spins for its replies only when neither its request frames nor the last reply of
 # the same op carried more payload bytes than this (``Connections._call_zmq``).
 SPIN_MAX_BYTES = 256 << 10
+# Names of the sockets' monitor endpoints: unique in the process (pyzmq's default, the socket's
+# descriptor number, can be reused by a new socket before libzmq unbinds the old endpoint).
+_MONITOR_IDS = itertools.count()
 
 
 class Conn:
     """One thread's socket, segment, doorbell and negotiated limits."""
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         self.sock = sock
+        self.monitor = monitor  # sock's EVENT_HANDSHAKE_FAILED_AUTH events
+        self.refused = False  # the daemon refused our token (seen on ``monitor``)
         self.next_id = 1
         self.hello_done = False
         self.segment: shm.ShmSegment | None = None
@@ -123,14 +135,19 @@ class Connections:
         conn: Conn | None = getattr(self._local, "conn", None)
         if conn is None:
             if time.monotonic() < getattr(self._local, "down_until", 0.0):
+                if getattr(self._local, "refused", False):
+                    raise TierError(f"{self._refused_text()}, retrying shortly")
                 raise TierError(f"cache server {self.url} unavailable (retrying shortly)")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a server not there
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             secure_client(sock, self._token)  # the daemon's ZAP checks it before any message
+            monitor = sock.get_monitor_socket(  # before connect: the first handshake's events
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH, f"inproc://kvtier-conn-{next(_MONITOR_IDS)}"
+            )
             sock.connect(self.url)
-            conn = Conn(sock)
+            conn = Conn(sock, monitor)
             self._local.conn = conn
             with self._lock:
                 self._conns.append(conn)
@@ -277,12 +294,13 @@ class Connections:
                 try:  # the common case: the pipe has room, no poll round trip needed
                     conn.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    if not conn.sock.poll(_ms_left(deadline), zmq.POLLOUT):
-                        raise TierError(f"cache server {self.url} not reachable") from None
+                    self._wait_out(conn, deadline)
                     conn.sock.send_multipart(parts, copy=False)
             replies: dict[int, tuple[dict[str, Any], list[memoryview]]] = {}
             while len(replies) < len(ids):
                 if not self._wait_in(conn.sock, deadline, spin):
+                    if _refused(conn):  # a reconnect to a daemon that took another token
+                        raise TierError(self._refused_text())
                     raise TierError(f"cache server {self.url} timed out after {self.timeout_s}s")
                 frames = conn.sock.recv_multipart(copy=False)
                 reply = msgpack.unpackb(frames[0].buffer, raw=False)
@@ -298,6 +316,25 @@ class Connections:
             self._reset(conn)
             raise TierError(f"cache server {self.url}: {exc}") from exc
         return [replies[i] for i in ids]
+
+    def _wait_out(self, conn: Conn, deadline: float) -> None:
+        """Block until ``conn``'s socket takes a message (with ``IMMEDIATE``: once a handshake
+        succeeded). Raises TierError: "token refused" as soon as the monitor reports the
+        daemon's refusal, else "not reachable" at ``deadline``."""
+        poller = zmq.Poller()
+        poller.register(conn.sock, zmq.POLLOUT)
+        poller.register(conn.monitor, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(_ms_left(deadline)))
+            if conn.sock in events:
+                return
+            if _refused(conn):
+                raise TierError(self._refused_text())
+            if not events:
+                raise TierError(f"cache server {self.url} not reachable")
+
+    def _refused_text(self) -> str:
+        return f"cache server {self.url}: token refused (authentication failed)"
 
     def _wait_in(self, sock: zmq.Socket[bytes], deadline: float, spin: bool) -> bool:
         """Whether a reply arrived before ``deadline``: polled without blocking for up to
@@ -320,9 +357,11 @@ class Connections:
             conn.segment.close()
         if conn.bell is not None:
             conn.bell.close()
+        conn.monitor.close(linger=0)
         conn.sock.close(linger=0)
         self._local.conn = None
         self._local.down_until = time.monotonic() + self.retry_interval_s
+        self._local.refused = conn.refused  # the fail-fast error says so too
 
     def close(self) -> None:
         """Say bye for each shared segment, close every socket and the context. Idempotent."""
@@ -347,6 +386,7 @@ class Connections:
                 conn.segment.close()
             if conn.bell is not None:
                 conn.bell.close()
+            conn.monitor.close(linger=0)
             conn.sock.close(linger=100)
         self._ctx.term()
 
@@ -364,6 +404,19 @@ def _check(conn: Conn, out: _Replies) -> _Replies:
         if code != ErrorCode.OK:
             raise TierError(f"cache server error {ErrorCode(code).name}: {reply.get('error')}")
     return out
+
+
+def _refused(conn: Conn) -> bool:
+    """Whether the daemon refused ``conn``'s token in a handshake (reads the monitor's queued
+    events without blocking)."""
+    while not conn.refused:
+        try:
+            frames = conn.monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        if parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            conn.refused = True
+    return conn.refused
 
 
 def _ms_left(deadline: float) -> int:

@@ -15,13 +15,21 @@ PLAIN carries the token as the password (username ``kvtier``), in the clear like
 request headers do; an open (token-less) daemon accepts any password. Every request is
 still authenticated by its own header token (``OpHandler.parse``).
 
+A refusal is counted (``num_denied``, the daemon's ``kvtier_server_handshakes_denied_total``)
+and logged as one WARNING per peer address at most every ``WARN_INTERVAL_S`` (a client retrying
+a wrong token reconnects every few seconds), naming the address, never the password. The
+client learns of it from its socket monitor (libzmq's ``EVENT_HANDSHAKE_FAILED_AUTH``, the
+ERROR command's 400): ``tiers.remote.conn`` says "token refused", not "not reachable".
+
 Thread-safe: the handler runs on its own thread with its own REP socket; ``start`` before the
 ROUTER binds, ``stop`` before the context terminates (it also stops the ``guard``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -31,6 +39,10 @@ from tiers.remote.handshake_guard import HandshakeGuard
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27: one handler per context
 ZAP_DOMAIN = b"kvtier"
 PLAIN_USERNAME = b"kvtier"
+WARN_INTERVAL_S = 60.0  # one refusal WARNING per peer address at most this often
+_MAX_WARNED_PEERS = 4096  # addresses remembered for that (a scan of many: forgotten in bulk)
+
+log = logging.getLogger(__name__)
 
 
 def plain_password(token: str | None) -> bytes:
@@ -63,8 +75,9 @@ class ZapHandler:
         self._accept = accept
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-zap", daemon=True)
-        self.num_denied = 0  # handshakes refused (tests, diagnostics)
+        self.num_denied = 0  # handshakes refused (the admin port's metric, tests)
         self.handshake_guard: HandshakeGuard | None = None
+        self._warned: dict[bytes, tuple[float, int]] = {}  # address -> (last WARNING, since)
 
     def guard(self, router: zmq.Socket[bytes], max_pending: int, handshake_s: float) -> None:
         """Cap ``router``'s connections still in their handshake at ``max_pending``
@@ -90,21 +103,44 @@ class ZapHandler:
             frames = self._sock.recv_multipart()
             # version, request id, domain, address, routing id, mechanism, credentials...
             version, request_id = frames[0], frames[1] if len(frames) > 1 else b""
-            tenant = None
+            tenant, why = None, "not a kvtier PLAIN client"
             if (
                 len(frames) == 8
                 and frames[2] == ZAP_DOMAIN
                 and frames[5] == b"PLAIN"
                 and frames[6] == PLAIN_USERNAME
             ):
-                tenant = self._accept(frames[7])
+                tenant, why = self._accept(frames[7]), "token not in --tokens"
             if tenant is None:
                 self.num_denied += 1
                 self._sock.send_multipart([version, request_id, b"400", b"unknown token", b"", b""])
+                self._warn(frames[3] if len(frames) > 3 else b"", why)
             else:
                 self._sock.send_multipart(
                     [version, request_id, b"200", b"OK", tenant.encode(), b""]
                 )
+
+    def _warn(self, address: bytes, why: str) -> None:
+        """Log a refusal of ``address`` (the peer's IP, from the ZAP request): the first at
+        once, then at most one WARNING per ``WARN_INTERVAL_S`` with the count since."""
+        now = time.monotonic()
+        last, since = self._warned.get(address, (float("-inf"), 0))
+        since += 1
+        if now - last < WARN_INTERVAL_S:
+            self._warned[address] = (last, since)
+            return
+        if len(self._warned) >= _MAX_WARNED_PEERS:
+            self._warned.clear()
+        self._warned[address] = (now, 0)
+        peer = address.decode(errors="replace") or "an unknown address"
+        log.warning(
+            "refused %d ZMQ connection(s) from %s in the handshake: %s "
+            "(at most one such warning per address every %.0f s)",
+            since,
+            peer,
+            why,
+            WARN_INTERVAL_S,
+        )
 
 
 def secure_server(sock: zmq.Socket[bytes], handshake_s: float) -> None:
