@@ -29,7 +29,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cachestore.server.flags import add_arguments, admin_token, server_config
+from cachestore.server.flags import (
+    TIER_REQUIRED,
+    add_arguments,
+    admin_token,
+    require_a_tier,
+    server_config,
+)
 from cachestore.server.startup import (
     check_binds,
     daemon_host_tier,
@@ -82,7 +88,7 @@ def stack_configs(args: argparse.Namespace) -> list[TierConfig]:
         at = 1 if configs and configs[0].kind == "host" else 0
         configs.insert(at, lmdb)
     if not configs:
-        raise ValueError("give --data-dir (LMDB) and/or --config (tiers YAML)")
+        raise ValueError(f"no tiers in --config {args.config}: {TIER_REQUIRED}")
     return configs
 
 
@@ -132,6 +138,15 @@ def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
     return HierarchicalStore(tiers, config, on_drop=usage.remove)
 
 
+def read_tokens(path: str) -> str:
+    """The text of the ``--tokens`` file. Raises ValueError naming the flag and the path."""
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"--tokens: cannot read {path}: {why}") from None
+
+
 def _fail(message: object) -> int:
     print(f"kvtier cache-server: {message}", file=sys.stderr, flush=True)
     return 2
@@ -147,11 +162,12 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging()
     try:
+        require_a_tier(args)
         token = admin_token(args)
         check_binds(args)
         tokens = None
-        if args.tokens:
-            tokens = TokenTable.parse(Path(args.tokens).read_text(), args.tokens)
+        if args.tokens:  # a malformed line is named "--tokens FILE:LINE: ..."
+            tokens = TokenTable.parse(read_tokens(args.tokens), f"--tokens {args.tokens}")
         config = server_config(args)
         usage = NamespaceUsage()
         # A mappable slab only where leases may be offered (one namespace in it).

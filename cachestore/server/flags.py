@@ -1,6 +1,7 @@
 """``kvtier cache-server``'s flags: their parsers, their help, and the checks across flags.
 
 ``add_arguments`` adds every flag, in four groups (binds, tiers, tenants and limits, transports);
+``require_a_tier`` refuses a daemon with no tier (one of three flags is required);
 ``admin_token`` reads ``--admin-token-file`` and refuses an exposed admin port without one;
 ``server_config`` maps the flags one-to-one onto ``ServerConfig`` (``cachestore.server.config``).
 Reads no file but the admin token's. Raises ValueError with a one-line message naming the flag.
@@ -16,6 +17,10 @@ from tiers.config import parse_size
 
 if TYPE_CHECKING:
     from cachestore.server.config import ServerConfig
+
+
+# Which flags give the daemon a tier: at least one of them is required (``require_a_tier``).
+TIER_REQUIRED = "one of --data-dir, --config or --host-capacity is required"
 
 
 def port_number(text: str) -> int:
@@ -80,7 +85,7 @@ def _add_tier_flags(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         default=None,
         metavar="DIR",
-        help="LMDB directory (persistence); default: none",
+        help=f"LMDB directory (persistence); default: none, but {TIER_REQUIRED}",
     )
     parser.add_argument(
         "--lmdb-capacity",
@@ -174,6 +179,13 @@ def _add_transport_flags(parser: argparse.ArgumentParser) -> None:
         help="run the ZMQ loop thread and ZMQ's I/O thread on this one CPU "
         "(faster TCP on small VMs); default: unpinned",
     )
+
+
+def require_a_tier(args: argparse.Namespace) -> None:
+    """Raises ValueError (one line naming the flags) when no flag gives the daemon a tier; the
+    first check, as argparse checks required flags before anything else."""
+    if not (args.data_dir or args.config or args.host_capacity):
+        raise ValueError(f"{TIER_REQUIRED} (LMDB, a tiers YAML, host memory)")
 
 
 def admin_token(args: argparse.Namespace) -> str | None:

@@ -243,3 +243,38 @@ def test_help_shows_every_default() -> None:
         "(default: 64MiB)",
     ):
         assert default in flat, default
+
+
+def test_a_missing_tokens_file_and_no_tier_are_one_line_naming_the_flags(tmp_path: Path) -> None:
+    """Audit: ``--tokens /nope`` printed a bare ``[Errno 2]``; a bare ``kvtier cache-server``
+    asked for --data-dir, which its help said defaults to none."""
+    nope = tmp_path / "nope"
+    line = _one_error(
+        _cli(
+            "--port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path), "--tokens", str(nope)
+        )
+    )
+    assert line == f"kvtier cache-server: --tokens: cannot read {nope}: No such file or directory"
+    (tmp_path / "tokens").write_text("tok-alice-0001\n")
+    line = _one_error(
+        _cli(
+            "--port",
+            "0",
+            "--admin-port",
+            "-1",
+            "--host-capacity",
+            "1MiB",
+            "--tokens",
+            str(tmp_path / "tokens"),
+        )
+    )
+    assert line.startswith(f"kvtier cache-server: --tokens {tmp_path / 'tokens'}:1: expected")
+    required = "one of --data-dir, --config or --host-capacity is required"
+    assert (
+        _one_error(_cli()) == f"kvtier cache-server: {required} (LMDB, a tiers YAML, host memory)"
+    )
+    help_text = " ".join(_cli("--help").stdout.split())
+    assert (
+        f"--data-dir DIR LMDB directory (persistence); default: none, but {required}" in help_text
+    )
+    assert not (tmp_path / "lmdb").exists()
