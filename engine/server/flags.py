@@ -6,7 +6,7 @@ override. Turning the parsed flags into configs is ``engine.server.cli``'s.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.config import GRAPH_DECODE_CHOICES
 
@@ -235,10 +235,17 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _config_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exits 2 with ``kvtier serve: error: MESSAGE`` alone on stderr, one line naming the file
+    as ``--kv-offload-config`` errors do. Not ``parser.error``: its 26 lines of usage come
+    first, bury that line, and say nothing about what the YAML may hold."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 class _ConfigFile(argparse.Action):
     """``--config FILE``: sets every flag the YAML mapping names (``max-model-len`` or
     ``max_model_len``) that the command line has not set before it; later flags override.
-    Unknown keys and unreadable files are argparse errors naming the file."""
+    Unknown keys and unreadable files are one-line errors naming the file (exit code 2)."""
 
     def __call__(
         self,
@@ -252,15 +259,15 @@ class _ConfigFile(argparse.Action):
         try:
             data = read_yaml(values) or {}
         except ValueError as exc:  # "FILE: line L, column C: problem"
-            parser.error(f"--config {exc}")
+            _config_error(parser, f"--config {exc}")
         if not isinstance(data, dict):
-            parser.error(f"--config {values}: expected a mapping of flag names to values")
+            _config_error(parser, f"--config {values}: expected a mapping of flag names to values")
         actions = {a.dest: a for a in parser._actions if a.option_strings}
         for key, value in data.items():
             dest = str(key).lstrip("-").replace("-", "_")
             action = actions.get(dest)
             if action is None or dest == "config":
-                parser.error(f"--config {values}: unknown serve flag {key!r}")
+                _config_error(parser, f"--config {values}: unknown serve flag {key!r}")
             if getattr(namespace, dest, None) == action.default:  # not given before --config
                 if action.type is not None and value is not None and not isinstance(value, bool):
                     value = action.type(value)

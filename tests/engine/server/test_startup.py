@@ -151,9 +151,30 @@ def test_bad_yaml_in_config_is_one_line_with_the_file_and_the_line(tmp_path: Pat
     bad.write_text("port: 9000\nmodel: [a, b\n")
     result = _serve("--config", str(bad), timeout=60)
     assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    assert re.match(rf"kvtier serve: error: --config {bad}: line \d+, column \d+: ", last), last
+    (line,) = result.stderr.strip().splitlines()  # no usage text before it
+    assert re.match(rf"kvtier serve: error: --config {bad}: line \d+, column \d+: ", line), line
     assert "<unicode string>" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("prot: 9000\n", "unknown serve flag 'prot'"),
+        ("config: other.yaml\n", "unknown serve flag 'config'"),
+        ("- port\n", "expected a mapping of flag names to values"),
+    ],
+)
+def test_config_file_errors_are_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
+) -> None:
+    from engine.cli import main
+
+    bad = tmp_path / "serve.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--port", "9001", "--config", str(bad)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"kvtier serve: error: --config {bad}: {problem}\n"
 
 
 def test_usage_errors_exit_2_before_loading(model_dir: str, tmp_path: Path) -> None:
