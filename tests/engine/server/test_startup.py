@@ -12,11 +12,14 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
+from engine.models.sources import find_packaged_gguf
 from engine.server.startup import UsageError, one_line, preflight
 from tests.engine.hf_models import make_tiny_model
 from tests.servers import python_env, wait_until_healthy
@@ -103,6 +106,7 @@ def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) ->
         f"--tokenizer {missing}: no such directory"
     )
     assert refused(EngineConfig(model=model_dir), "{% if %}").startswith("--chat-template: line 1:")
+    assert refused(EngineConfig(model=model_dir, device="tpu")).startswith("--device tpu: ")
     bad = tmp_path / "tiers.yaml"
     bad.write_text("tiers:\n  - {kind: host, capacity: 4MiB\n")
     message = refused(EngineConfig(model=model_dir, kv_offload_config=str(bad)))
@@ -175,6 +179,27 @@ def test_config_file_errors_are_one_line_naming_the_file(
         main(["serve", "--port", "9001", "--config", str(bad)])
     assert info.value.code == 2
     assert capsys.readouterr().err == f"kvtier serve: error: --config {bad}: {problem}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_device_cuda_without_cuda_fails_before_any_conversion(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """The device is checked first: a GGUF is not converted into the cache (18 s and 260 MB
+    for the packaged SmolLM2) only for the engine core to find no CUDA."""
+    model = find_packaged_gguf() or model_dir
+    cache = tmp_path / "cache"
+    start = time.monotonic()
+    result = _serve(model, "--device", "cuda", env={"KVTIER_CACHE_DIR": str(cache)}, timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert line.endswith(
+        " ERROR --device cuda: device 'cuda' requested but CUDA is not available"
+    ), line
+    assert "loading" not in result.stderr and "converting" not in result.stderr
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.rglob("*"))
+    assert elapsed < 8.0, elapsed  # the interpreter and torch's import; a conversion took 18 s
 
 
 def test_usage_errors_exit_2_before_loading(model_dir: str, tmp_path: Path) -> None:
