@@ -1,11 +1,16 @@
 """``kvtier serve``: flags (``engine.server.flags``) -> EngineConfig and CoreProcConfig
 (one-to-one), then uvicorn on the FastAPI app. The engine core runs in its own process unless ``--engine-in-process``.
 
-Start-up order: flags, the port (refused at once when busy), every file the flags name
-(``engine.server.startup.preflight``), then the model load (progress on stderr) and the
-engine's summary block (model, KV budget, tier stack; ``engine.startup_log``). A usage or
+Start-up order: flags, the port (refused at once when busy), the device and every file the
+flags name (``engine.server.startup.preflight``), then the model load (progress on stderr) and
+the engine's summary block (model, KV budget, tier stack; ``engine.startup_log``). A usage or
 configuration error is one line naming the flag or file, exit code 2; any other start-up
-failure one line, exit code 1; the traceback only with ``--log-level debug``."""
+failure one line, exit code 1; the traceback only with ``--log-level debug``.
+
+Stop order (SIGTERM/SIGINT): uvicorn stops accepting, lets the requests in flight run for up
+to ``--shutdown-timeout`` seconds, then cancels the rest (their streams end; the engine
+generators' cleanup sends the core their aborts, which free their blocks); only then is the
+engine shut down, and its core drains the KV offload (engine.core.drain)."""
 
 from __future__ import annotations
 
@@ -129,7 +134,12 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.server.api import build_app
-    from engine.server.lifecycle import EngineWatchdog, Terminated, raise_terminated
+    from engine.server.lifecycle import (
+        EngineWatchdog,
+        QuietShutdownCancel,
+        Terminated,
+        raise_terminated,
+    )
     from engine.server.return_log import return_log_path
     from engine.server.startup import FAILURE_EXIT, USAGE_EXIT, UsageError, one_line, preflight
 
@@ -183,8 +193,16 @@ def main(args: argparse.Namespace) -> int:
         gc.freeze()
         logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
         server = uvicorn.Server(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                # Bounded: the KV drain below must still fit the supervisor's stop timeout.
+                timeout_graceful_shutdown=args.shutdown_timeout,
+            )
         )
+        logging.getLogger("uvicorn.error").addFilter(QuietShutdownCancel())
         watchdog = EngineWatchdog(engine, server)
         watchdog.start()
         server.run()

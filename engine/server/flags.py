@@ -190,6 +190,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads of the engine core process (default: torch's choice)",
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=10,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long the requests in flight may still run; those left "
+        "then are aborted (their streams end) before the engine drains its KV offload; 0: "
+        "abort at once. 10 s plus the drain's 2 x drain_timeout_s fits a 30 s stop grace "
+        "(Docker, Kubernetes) and systemd's TimeoutStopSec=90 (docs/offload.md)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -224,6 +234,17 @@ def port_number(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {port}: a number 1..65535")
     return port
+
+
+def _seconds(text: str) -> int:
+    """A whole number of seconds, 0 or more (uvicorn's ``timeout_graceful_shutdown``)."""
+    try:
+        seconds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: a whole number >= 0") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"invalid seconds {seconds}: a whole number >= 0")
+    return seconds
 
 
 def _size(text: str) -> int:

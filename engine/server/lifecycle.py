@@ -1,8 +1,10 @@
 """``kvtier serve``'s stop path: the SIGTERM handler that leads ``main`` into its graceful
-shutdown, and the watchdog that stops the HTTP server once the engine died."""
+shutdown, the log filter that keeps its deadline's aborts to one line, and the watchdog that
+stops the HTTP server once the engine died."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any
@@ -17,6 +19,18 @@ class Terminated(Exception):
 
 def raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
+
+
+class QuietShutdownCancel(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" traceback for a request task it
+    cancelled itself when ``--shutdown-timeout`` ran out: its one "Cancel N running task(s),
+    timeout graceful shutdown exceeded" line already says so, and a long stream cut there is
+    the flag working, not a failure (40 lines each, per stream). Install it on
+    ``uvicorn.error`` after ``uvicorn.Config`` configured logging."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, asyncio.CancelledError)
 
 
 class EngineWatchdog:

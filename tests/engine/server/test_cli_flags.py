@@ -46,6 +46,7 @@ def test_help_shows_the_defaults() -> None:
         "(default: 127.0.0.1)",
         "(default: auto)",
         "(default: info)",
+        "(docs/offload.md) (default: 10)",
     ):
         assert text in flat, text
     flat = " ".join(_kvtier("analyze", "--help").stdout.split())
@@ -61,6 +62,11 @@ def test_help_shows_the_defaults() -> None:
             "kvtier serve: error: argument --port: invalid port 70000: a number 1..65535",
         ),
         (["serve", "--bogus"], "kvtier serve: error: unrecognized arguments: --bogus"),
+        (
+            ["serve", "--shutdown-timeout", "-1"],
+            "kvtier serve: error: argument --shutdown-timeout: invalid seconds -1: a whole "
+            "number >= 0",
+        ),
         (
             ["cache-server", "--admin-port", "99999"],
             "kvtier cache-server: error: argument --admin-port: invalid port 99999: a number 0..65535",

@@ -52,9 +52,10 @@ def offload_config(lmdb: Path, drain_timeout_s: float = 5.0) -> dict[str, Any]:
 
 
 def start_serve(
-    model_dir: str, tmp_path: Path, config: dict[str, Any]
+    model_dir: str, tmp_path: Path, config: dict[str, Any], *extra: str
 ) -> tuple[subprocess.Popen[str], str]:
-    """``kvtier serve`` in a new session (its own process group), up and healthy; stderr piped."""
+    """``kvtier serve`` in a new session (its own process group), up and healthy; stderr piped.
+    ``extra``: more flags (a flag given twice: the last wins)."""
     (tmp_path / "offload.json").write_text(json.dumps(config))
     port = free_port()
     cmd = [
@@ -81,6 +82,7 @@ def start_serve(
         "--kv-offload",
         "--kv-offload-config",
         str(tmp_path / "offload.json"),
+        *extra,
     ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=python_env(), stderr=subprocess.PIPE, text=True, start_new_session=True
