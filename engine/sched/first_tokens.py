@@ -44,22 +44,7 @@ def shorten_for_first_tokens(
     room = (
         max(cap - sum(len(s.token_ids) for s in first), cap // 4) if others_cap < 0 else others_cap
     )
-    deferred = 0
-    drop: list[int] = []
-    for i in others:
-        old = scheduled[i]
-        keep = min(len(old.token_ids), room)
-        room -= keep
-        if keep == len(old.token_ids):
-            continue
-        deferred += len(old.token_ids) - keep
-        if keep == 0:
-            drop.append(i)
-        else:
-            scheduled[i] = dataclasses.replace(old, token_ids=old.token_ids[:keep], sample=False)
-    for i in reversed(drop):
-        del scheduled[i]
-    return deferred
+    return _cut(scheduled, others, room)
 
 
 def cap_prefill_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
@@ -70,17 +55,22 @@ def cap_prefill_tokens(scheduled: list[ScheduledRequest], cap: int) -> int:
     Mutates ``scheduled``; returns the tokens given back (0 when ``cap`` <= 0)."""
     if cap <= 0:
         return 0
-    room, deferred = cap, 0
+    return _cut(scheduled, [i for i, s in enumerate(scheduled) if len(s.token_ids) > 1], cap)
+
+
+def _cut(scheduled: list[ScheduledRequest], chunks: list[int], room: int) -> int:
+    """The chunks at ``chunks`` (ascending indices into ``scheduled``) keep ``room`` tokens
+    between them, in that order; a cut chunk samples nothing, one cut to nothing leaves the
+    step. Mutates ``scheduled``; returns the tokens given back."""
+    deferred = 0
     drop: list[int] = []
-    for i, old in enumerate(scheduled):
-        n = len(old.token_ids)
-        if n <= 1:
-            continue
-        keep = min(n, room)
+    for i in chunks:
+        old = scheduled[i]
+        keep = min(len(old.token_ids), room)
         room -= keep
-        if keep == n:
+        if keep == len(old.token_ids):
             continue
-        deferred += n - keep
+        deferred += len(old.token_ids) - keep
         if keep == 0:
             drop.append(i)
         else:

@@ -20,8 +20,7 @@ def test_the_capped_engine_defers_prefill_while_the_reload_runs(tmp_path: Path) 
         for t in report["modes"][mode]["trials"]:
             assert t["reused_lmdb_tokens"] == 64  # the whole history, from LMDB
             assert t["reused_phases_s"]["load"] > 0  # asynchronously
-    # only the capped engine cut steps, and only while a load ran: at most the step that
-    # began each reload's and the one after it, each by less than the budget
+    # only the capped engine cut steps (the long prompt's chunks while a reload ran)
     assert report["load_wait_deferred_tokens"]["off"] == 0
-    assert 0 < report["load_wait_deferred_tokens"]["cap"] < 2 * 2 * 128
+    assert report["load_wait_deferred_tokens"]["cap"] > 0
     assert report["reused_ttft_ratio"] > 0 and report["summary"].startswith("load_wait (")
