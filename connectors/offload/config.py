@@ -15,7 +15,7 @@ One YAML file (or the same dict) holds both::
                             # (auto: on, as true; false: whole blocks)
     layers_per_copy: 0      # layer-wise loads: layers a copy moves (0: automatic)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
-    load_chunk_bytes: 67108864  # lower-tier loads: read and copy overlap in chunks this big
+    load_chunk_bytes: 64MiB  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
     load_pipeline_depth: 2  # staging slots of that pipeline (chunks in flight)
     load_read_threads: 0    # reader threads a chunk is split over (0: one per core, at most 8)
@@ -58,6 +58,7 @@ from tiers.config import (
     mem_available_bytes,
     parse_tier_config,
 )
+from tiers.sizes import parse_size
 
 DECISIONS = ("cost", "load", "recompute", "overlap")
 DEFAULT_HOST_CAP_BYTES = 8 << 30
@@ -193,6 +194,19 @@ class OffloadConfig:
             )
 
 
+def _bytes(data: Mapping[str, object], name: str, default: int) -> object:
+    """A byte count given as a size with its unit (``64MiB``, as tier capacities are) or as
+    an integer number of bytes (``0``: off); anything else is left for ``__post_init__`` to
+    refuse. Raises ConfigError for a size string that does not parse."""
+    value = data.get(name, default)
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value, f"kv offload: {name}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "in_step_loads_per_step": ..., "async_copies_after_forward": ...,
@@ -227,7 +241,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         compression=str(data.get("compression", "none")),
         prefetch=flags["prefetch"],
         prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
-        load_chunk_bytes=data.get("load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
+        load_chunk_bytes=_bytes(data, "load_chunk_bytes", DEFAULT_CHUNK_BYTES),
         load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
         load_read_threads=data.get("load_read_threads", 0),  # type: ignore[arg-type]
         placement=str(data.get("placement", "all")),

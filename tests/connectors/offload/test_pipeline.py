@@ -277,10 +277,16 @@ def test_pipeline_knobs_are_checked() -> None:
     assert parse_offload_config({"tiers": tiers}).load_read_threads == 0
     assert parse_offload_config({"tiers": tiers, "load_read_threads": 3}).load_read_threads == 3
     assert pipeline_readers(3) == 3 and 1 <= pipeline_readers() <= READ_THREADS
+    # a size with its unit, as tier capacities take (a user's `64MiB` was refused before)
+    for given, want in (("64MiB", 64 << 20), ("16MB", 16 * 10**6), (1 << 20, 1 << 20), (0, 0)):
+        config = parse_offload_config({"tiers": tiers, "load_chunk_bytes": given})
+        assert config.load_chunk_bytes == want
     for bad in (
         {"load_chunk_bytes": -1},
         {"load_pipeline_depth": 0},
         {"load_chunk_bytes": "big"},
+        {"load_chunk_bytes": "32blocks"},
+        {"load_chunk_bytes": 1.5},
         {"load_read_threads": -1},
     ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
