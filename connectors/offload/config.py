@@ -241,7 +241,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         compression=str(data.get("compression", "none")),
         prefetch=flags["prefetch"],
         prefetch_budget_blocks=data.get("prefetch_budget_blocks", 0),  # type: ignore[arg-type]
-        load_chunk_bytes=_bytes(data, "load_chunk_bytes", DEFAULT_CHUNK_BYTES),
+        load_chunk_bytes=_bytes(data, "load_chunk_bytes", DEFAULT_CHUNK_BYTES),  # type: ignore[arg-type]
         load_pipeline_depth=data.get("load_pipeline_depth", DEFAULT_DEPTH),  # type: ignore[arg-type]
         load_read_threads=data.get("load_read_threads", 0),  # type: ignore[arg-type]
         placement=str(data.get("placement", "all")),
