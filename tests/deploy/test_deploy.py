@@ -220,6 +220,16 @@ def test_compose_pins_images_and_orders_start_by_health() -> None:
     assert services["cache-server"]["image"] == "kvtier:cpu"
 
 
+def test_compose_mounts_the_model_where_the_engine_loads_it() -> None:
+    """docs/deploy.md: ``KVTIER_MODEL_DIR`` is the HF directory itself, mounted at
+    /models/model, the engine's --model (it was mounted at /models, so the engine looked for
+    /models/model inside the user's directory)."""
+    engine = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["engine"]
+    model = engine["command"][engine["command"].index("--model") + 1]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in engine["volumes"]}
+    assert "KVTIER_MODEL_DIR" in mounts[model]
+
+
 def test_tier_yamls_parse_with_the_real_parser() -> None:
     configmap = next(d for d in _manifests() if d["kind"] == "ConfigMap")
     texts = [
