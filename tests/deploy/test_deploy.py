@@ -226,7 +226,10 @@ def test_compose_mounts_the_model_where_the_engine_loads_it() -> None:
     /models/model inside the user's directory)."""
     engine = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["engine"]
     model = engine["command"][engine["command"].index("--model") + 1]
-    mounts = {v.split(":")[1]: v.split(":")[0] for v in engine["volumes"]}
+    mounts = {}
+    for volume in engine["volumes"]:  # SOURCE:TARGET[:ro]; SOURCE may hold ${VAR:-default}
+        parts = volume.rsplit(":", 2 if volume.endswith((":ro", ":rw")) else 1)
+        mounts[parts[1]] = parts[0]
     assert "KVTIER_MODEL_DIR" in mounts[model]
 
 
