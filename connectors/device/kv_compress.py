@@ -70,7 +70,10 @@ class Hi4Codec:
         """Raises ValueError unless the cache holds 2-byte values (bf16, fp16)."""
         spec = kv_cache.spec
         if torch.empty((), dtype=spec.dtype).element_size() != 2:
-            raise ValueError(f"lossless KV compression needs a 2-byte dtype, not {spec.dtype}")
+            raise ValueError(
+                f"kv offload: compression: lossless needs a 2-byte KV dtype (bfloat16, float16), "
+                f"and this engine's is {spec.dtype}: pass --dtype bfloat16, or drop compression"
+            )
         return cls(spec.num_layers * 2, spec.block_size * spec.num_kv_heads * spec.head_dim)
 
     # -- layout ----------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def test_overflow_is_reported_and_a_damaged_index_stays_in_its_segment() -> None
 
 def test_codec_needs_a_two_byte_cache_and_config_names_its_choices() -> None:
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    with pytest.raises(ValueError, match="2-byte"):
+    with pytest.raises(
+        ValueError, match="compression: lossless needs a 2-byte KV dtype .* --dtype bfloat16"
+    ):
         Hi4Codec.for_cache(KVCache(spec, 4, "cpu"))
     bf16 = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
     codec = Hi4Codec.for_cache(KVCache(bf16, 4, "cpu"))
