@@ -266,7 +266,8 @@ def _config_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 class _ConfigFile(argparse.Action):
     """``--config FILE``: sets every flag the YAML mapping names (``max-model-len`` or
     ``max_model_len``) that the command line has not set before it; later flags override.
-    Unknown keys and unreadable files are one-line errors naming the file (exit code 2)."""
+    Unknown keys, unreadable files and bad values are one-line errors naming the file (exit
+    code 2); a value goes through the flag's own check (``config_value``)."""
 
     def __call__(
         self,
@@ -283,14 +284,58 @@ class _ConfigFile(argparse.Action):
             _config_error(parser, f"--config {exc}")
         if not isinstance(data, dict):
             _config_error(parser, f"--config {values}: expected a mapping of flag names to values")
-        actions = {a.dest: a for a in parser._actions if a.option_strings}
+        actions = {
+            a.dest: a
+            for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)
+        }
         for key, value in data.items():
             dest = str(key).lstrip("-").replace("-", "_")
             action = actions.get(dest)
             if action is None or dest == "config":
                 _config_error(parser, f"--config {values}: unknown serve flag {key!r}")
             if getattr(namespace, dest, None) == action.default:  # not given before --config
-                if action.type is not None and value is not None and not isinstance(value, bool):
-                    value = action.type(value)
+                try:
+                    value = config_value(action, value)
+                except ValueError as exc:
+                    _config_error(parser, f"--config {values}: {key}: {exc}")
                 setattr(namespace, dest, value)
         setattr(namespace, self.dest, values)
+
+
+def config_value(action: argparse.Action, value: Any) -> Any:
+    """``value`` of a ``--config`` key checked as the command line checks the flag's text.
+    A switch takes only a YAML boolean (the string "no" is truthy: it would turn a switch
+    on); any other flag one scalar, converted by the flag's type and held to its choices.
+    Raises ValueError saying why, in one line."""
+    if action.nargs == 0:  # store_true, store_false, --flag/--no-flag
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value if not isinstance(action, argparse._StoreFalseAction) else not value
+    if value is None:
+        if action.default is not None:
+            raise ValueError("expected a value, got nothing (null)")
+        return None
+    if isinstance(value, (bool, list, dict)):
+        raise ValueError(f"expected a single value, got {_yaml_kind(value)}")
+    text = str(value)
+    if action.type is not None:
+        try:
+            converted = action.type(text)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+        except (TypeError, ValueError):
+            name = getattr(action.type, "__name__", repr(action.type))
+            raise ValueError(f"invalid {name} value: {text!r}") from None
+    else:
+        converted = text
+    if action.choices is not None and converted not in action.choices:
+        choices = ", ".join(map(repr, action.choices))
+        raise ValueError(f"invalid choice: {converted!r} (choose from {choices})")
+    return converted
+
+
+def _yaml_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    return "a list" if isinstance(value, list) else "a mapping"

@@ -181,6 +181,55 @@ def test_config_file_errors_are_one_line_naming_the_file(
     assert capsys.readouterr().err == f"kvtier serve: error: --config {bad}: {problem}\n"
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("max-num-seqs: abc\n", "max-num-seqs: invalid int value: 'abc'"),
+        ("port: 99999\n", "port: invalid port 99999: a number 1..65535"),
+        ("cpu-kv-cache-bytes: 4096\n", "cpu-kv-cache-bytes: '4096' has no unit; "),
+        ("max-num-seqs: [4]\n", "max-num-seqs: expected a single value, got a list"),
+        ('kv-offload: "no"\n', "kv-offload: expected true or false, got 'no'"),
+        ("served-model-name: [a, b]\n", "served-model-name: expected a single value, got a list"),
+        ("seed: true\n", "seed: expected a single value, got a boolean (true)"),
+        ("dtype: float8\n", "dtype: invalid choice: 'float8' (choose from 'auto', "),
+        ("port:\n", "port: expected a value, got nothing (null)"),
+    ],
+)
+def test_config_file_bad_values_are_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, problem: str
+) -> None:
+    """A value goes through the flag's own check (a port's range, a size's unit, a choice), a
+    switch takes only true/false, and a list is no scalar: never a traceback, never a
+    truthy string turning a switch on."""
+    from engine.cli import main
+
+    bad = tmp_path / "serve.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--config", str(bad)])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvtier serve: error: --config {bad}: {problem}"), line
+
+
+def test_config_file_values_are_converted_as_the_flags_text_is(tmp_path: Path) -> None:
+    import argparse
+
+    from engine.server.flags import add_arguments
+
+    good = tmp_path / "serve.yaml"
+    good.write_text(
+        "port: 9001\nkv-offload: false\nenable-prefix-caching: false\n"
+        "cpu-kv-cache-bytes: 64MiB\ngpu-memory-utilization: 0.5\nserved-model-name: 7\n"
+    )
+    parser = argparse.ArgumentParser(prog="kvtier serve")
+    add_arguments(parser)
+    args = parser.parse_args(["--config", str(good)])
+    assert (args.port, args.kv_offload, args.enable_prefix_caching) == (9001, False, False)
+    assert (args.cpu_kv_cache_bytes, args.gpu_memory_utilization) == (64 << 20, 0.5)
+    assert args.served_model_name == "7"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_device_cuda_without_cuda_fails_before_any_conversion(
     model_dir: str, tmp_path: Path
