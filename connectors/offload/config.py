@@ -284,6 +284,22 @@ def load_offload_config(source: str | os.PathLike[str] | Mapping[str, object]) -
     return load_config_file(source, parse_offload_config)
 
 
+def lmcache_settings_note(env: Mapping[str, str] | None = None) -> str | None:
+    """One line for a user who set LMCache's environment variables (``LMCACHE_CONFIG_FILE``,
+    ``LMCACHE_*``) expecting kvtier to read them: it does not, and saying so beats applying
+    nothing silently. None when none is set. Its settings (``chunk_size``, ``local_cpu``, ...)
+    are refused by name in the offload YAML; docs/offload.md maps them."""
+    env = os.environ if env is None else env
+    names = sorted(k for k in env if k.startswith("LMCACHE_"))
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"kv offload: {shown} set: kvtier does not read LMCache's settings; its tiers are in "
+        "the offload YAML (docs/offload.md, 'Coming from LMCache')"
+    )
+
+
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     """``$KVTIER_CACHE_DIR``, else ``~/.cache/kvtier``."""
     env = os.environ if env is None else env

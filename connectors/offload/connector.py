@@ -42,7 +42,12 @@ from cachestore.store.types import write_policies
 from connectors.device.kv_compress import Hi4Codec
 from connectors.offload import calibration as cal
 from connectors.offload import tp as tp_offload  # builds on this class, handed to it
-from connectors.offload.config import OffloadConfig, default_offload_config, load_offload_config
+from connectors.offload.config import (
+    OffloadConfig,
+    default_offload_config,
+    lmcache_settings_note,
+    load_offload_config,
+)
 from connectors.offload.metadata import KVConnectorMetadata
 from connectors.offload.pipeline import pipeline_readers
 from connectors.offload.scheduler import OffloadScheduler
@@ -126,6 +131,9 @@ class OffloadConnector:
         runner and before any request: calibration uses the cache's blocks as scratch.
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         config = resolve_config(source, namespace)
+        note = lmcache_settings_note()
+        if note:
+            log.warning(note)
         if tp is not None or 0 < config.kv_head_group < kv_cache.spec.num_kv_heads:
             return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration, tp)
         codec = _codec(config, kv_cache)

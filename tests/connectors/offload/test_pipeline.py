@@ -387,3 +387,16 @@ def test_the_staging_ring_is_ready_before_the_first_load(
         assert loader._pipeline._ring.data_ptr() == before  # type: ignore[union-attr]
     finally:
         worker.close()
+
+
+def test_lmcache_environment_is_named_not_read() -> None:
+    from connectors.offload.config import lmcache_settings_note
+
+    assert lmcache_settings_note({"HOME": "/root"}) is None
+    note = lmcache_settings_note(
+        {"LMCACHE_CONFIG_FILE": "/etc/lmc.yaml", "LMCACHE_CHUNK_SIZE": "256"}
+    )
+    assert note is not None and "\n" not in note
+    assert "LMCACHE_CHUNK_SIZE, LMCACHE_CONFIG_FILE set" in note and "does not read" in note
+    many = {f"LMCACHE_X{i}": "1" for i in range(6)}
+    assert "and 2 more" in (lmcache_settings_note(many) or "")
