@@ -5,7 +5,9 @@ the tiers of ``--config`` (YAML, ``tiers.config``) and, with ``--data-dir``, an 
 tier there (unless the YAML already has one). Puts write through to the first LMDB tier
 (``StoreConfig.write_through_to``): LMDB commits before ``put_many`` returns, so a put the daemon
 acknowledged survives SIGKILL of the daemon and a restart on the same ``--data-dir`` serves it
-again. Host-tier evictions demote to LMDB, LMDB's to Redis/S3 below, in the background.
+again. The tiers below get each tier's ``write_policy`` from the YAML, as in the engine
+(``daemon_write_policies``; default write-through: a put is queued for Redis/S3 at once), and
+host-tier evictions demote to LMDB, LMDB's to Redis/S3 below, in the background.
 
 SIGTERM/SIGINT drain: requests already received are answered, then everything closes.
 The only module of the daemon that reads files named on the command line (tokens, YAML).
@@ -47,10 +49,13 @@ from cachestore.server.startup import (
 from cachestore.server.trim import start_trimming
 from cachestore.server.usage import NamespaceUsage
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
+from cachestore.store.types import WritePolicy, write_policies
 from tiers.base import Tier
-from tiers.config import TierConfig, parse_size
+from tiers.config import TierConfig, TierStackConfig, parse_size
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from cachestore.server.admin import AdminMetrics, AdminServer
     from cachestore.server.daemon import CacheServer
 
@@ -128,14 +133,37 @@ def durable_index(tiers: list[Tier]) -> int | None:
     return durable if durable else None
 
 
-def build_store(tiers: list[Tier], usage: NamespaceUsage) -> HierarchicalStore:
-    """The daemon's store over ``tiers`` (owned from here on), writing through to the first
-    LMDB tier below the top; blocks dropped at the bottom leave ``usage``."""
+def daemon_write_policies(
+    configs: list[TierConfig], durable: int | None
+) -> tuple[WritePolicy, ...]:
+    """Each tier's write policy, top first: the tiers file's ``write_policy`` fields, as the
+    engine's store reads them (``write_policies``: write-through below the host tier unless
+    the file says otherwise), so Redis/S3 get a put's blocks at once, not only once LMDB
+    evicts them. The durable tier is the exception: ``put_many`` already writes it
+    synchronously, a queued copy would only find every block there."""
+    policies = write_policies(TierStackConfig(tiers=tuple(configs)))
+    return tuple(WritePolicy() if i == durable else p for i, p in enumerate(policies))
+
+
+def build_store(
+    tiers: list[Tier],
+    configs: list[TierConfig],
+    usage: NamespaceUsage,
+    registry: CollectorRegistry | None = None,
+) -> HierarchicalStore:
+    """The daemon's store over ``tiers`` (owned from here on; built from ``configs``),
+    writing through to the first LMDB tier below the top synchronously and to the others
+    as their write policies say; blocks dropped at the bottom leave ``usage``. With
+    ``registry``, the per-tier ``kvtier_store_*`` counters are exported there (``/metrics``)."""
+    durable = durable_index(tiers)
     # Keys are ``tenant/`` + the client's key: blocks carry the client's (codec version 2).
     config = StoreConfig(
-        write_through_to=durable_index(tiers), block_key_skip=1, queue_batches=DAEMON_QUEUE_BATCHES
+        write_through_to=durable,
+        block_key_skip=1,
+        queue_batches=DAEMON_QUEUE_BATCHES,
+        write_policies=daemon_write_policies(configs, durable),
     )
-    return HierarchicalStore(tiers, config, on_drop=usage.remove)
+    return HierarchicalStore(tiers, config, registry=registry, on_drop=usage.remove)
 
 
 def read_tokens(path: str) -> str:
@@ -181,10 +209,10 @@ def main(args: argparse.Namespace) -> int:
         configs = stack_configs(args)
         ignored = load_daemon_tiers(args.config)[1] if args.config else []
         tiers = build_tiers_for(configs, args.config, shared_host=shared)
-        store = build_store(tiers, usage)
+        metrics = AdminMetrics()
+        store = build_store(tiers, configs, usage, metrics.registry)
     except (OSError, ValueError) as exc:
         return _fail(exc)
-    metrics = AdminMetrics()
     try:
         server = CacheServer(config, store, tokens, on_request=metrics.record, usage=usage)
     except ValueError as exc:

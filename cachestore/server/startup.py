@@ -138,13 +138,18 @@ def startup_block(
     source: str | None,
 ) -> list[str]:
     """The lines printed once the daemon listens: the listening line first, then each tier
-    (the write-through target marked), then what the tier file held for the engine only."""
+    (the synchronous write-through target marked, the tiers below the top with their
+    ``write_policy``, as the engine prints them), then what the tier file held for the engine
+    only."""
     lines = [
         f"kvtier cache-server listening on {bound_url}"
         + (f", admin {admin_url}" if admin_url else ", admin port off")
     ]
     for i, cfg in enumerate(configs):
-        note = ", write-through (puts commit here first)" if i == durable else ""
+        policy = getattr(cfg, "write_policy", None) if i > 0 else None
+        note = f", {policy}" if policy else ""
+        if i == durable:
+            note = ", write-through (puts commit here first)"
         lines.append(f"  tier {i}  {describe_tier(cfg)}{note}")
     if ignored:
         lines.append(f"  {source}: engine settings ignored here: {', '.join(ignored)}")
