@@ -2,8 +2,9 @@
 (the response models are ``engine.server.responses``'s). Field names follow the OpenAI API; ``top_k``, ``min_tokens``, ``ignore_eos``,
 ``repetition_penalty`` and ``stop_token_ids`` are vLLM-style extensions. Unknown fields are
 ignored, as OpenAI clients send fields this server does not implement, except the fields that
-change what a response means (``tools``, ``logit_bias``, ``suffix``, ...): those are declared
-and refused with a 400 naming the field rather than silently dropped."""
+change what a response means (``tools``, ``logit_bias``, ``suffix``, vLLM's ``guided_json``,
+``use_beam_search``, ...): those are declared and refused with a 400 naming the field rather
+than silently dropped (served at their neutral values)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; declared to be refused when true
+
+
+# vLLM's request extensions that change what a response means, which kvtier does not
+# implement: (field, why it is refused). Each is a 400 naming it unless absent or at its
+# neutral value (``_NEUTRAL``), never dropped: a client asking for a regex-constrained answer
+# must not get free text that looks like a success.
+_VLLM_REFUSED = (
+    ("guided_json", "use response_format {'type': 'json_schema', ...} instead"),
+    ("guided_choice", "no choice-constrained decoding"),
+    ("guided_regex", "no regex-constrained decoding"),
+    ("guided_grammar", "no grammar-constrained decoding"),
+    ("structured_outputs", "use response_format 'json_schema' or 'json_object' instead"),
+    ("include_stop_str_in_output", "the stop string is never part of the output"),
+    ("use_beam_search", "no beam search"),
+    ("prompt_logprobs", "use /v1/completions with echo: true and logprobs: k instead"),
+)
+_NEUTRAL: dict[str, Any] = {"include_stop_str_in_output": False, "use_beam_search": False}
 
 
 MAX_N = 128  # OpenAI's bound on ``n``
@@ -99,6 +118,14 @@ class SamplingRequest(_Request):
     # Declared to be refused (check_supported): ignoring them would answer another question.
     logit_bias: dict[str, Any] | None = None
     best_of: Int64 | None = None
+    guided_json: Any = None
+    guided_choice: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    prompt_logprobs: Int64 | None = None
     _grammar: tuple[str | None, bool] | None = PrivateAttr(default=None)
 
     def requested_max_tokens(self) -> int | None:
@@ -114,6 +141,15 @@ class SamplingRequest(_Request):
             raise ProtocolError(f"n must be in [1, {MAX_N}], got n={self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options requires stream=true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise ProtocolError(
+                "stream_options.continuous_usage_stats is not supported; include_usage "
+                "gives the usage in the last chunk",
+                "stream_options.continuous_usage_stats",
+            )
+        for name, why in _VLLM_REFUSED:
+            if getattr(self, name) != _NEUTRAL.get(name):
+                raise ProtocolError(f"{name} is not supported ({why})", name)
         self.grammar()  # raises for an unsupported or invalid response_format
         if self.logit_bias:
             raise ProtocolError("logit_bias is not supported", "logit_bias")
@@ -279,6 +315,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM's chat-template switches; the server always opens the assistant's turn.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -293,6 +332,18 @@ class ChatCompletionRequest(SamplingRequest):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise ProtocolError(f"{name} is not supported (no tool calling)", name)
+        if not self.add_generation_prompt:
+            raise ProtocolError(
+                "add_generation_prompt: false is not supported on /v1/chat/completions "
+                "(the assistant's turn is always opened)",
+                "add_generation_prompt",
+            )
+        if self.continue_final_message:
+            raise ProtocolError(
+                "continue_final_message: true is not supported on /v1/chat/completions "
+                "(the assistant's turn is always a new one)",
+                "continue_final_message",
+            )
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):

@@ -421,9 +421,44 @@ def test_errors_are_openai_shaped(
     assert error["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "hint"),
+    [
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json", "response_format"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "response_format"),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", None),
+        ("/v1/completions", {"guided_regex": "[0-9]+"}, "guided_regex", None),
+        ("/v1/chat/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar", None),
+        ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs", "response_format"),
+        ("/v1/completions", {"include_stop_str_in_output": True, "stop": ["."]}, "include_stop_str_in_output", None),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", None),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
+        ("/v1/chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs", "echo"),
+        ("/v1/chat/completions", {"add_generation_prompt": False}, "add_generation_prompt", None),
+        ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message", None),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", "include_usage"),
+    ],
+)  # fmt: skip
+def test_vllm_fields_that_change_the_answer_are_refused_by_name(
+    server: Server, path: str, extra: dict[str, object], param: str, hint: str | None
+) -> None:
+    """vLLM's extensions kvtier does not implement were ignored with a 200: a client asking
+    for a regex-constrained or beam-searched answer got free text that looked like one."""
+    base = {"model": MODEL, "max_tokens": 2}
+    base.update({"messages": MESSAGES} if "chat" in path else {"prompt": "x"})
+    resp = httpx.post(f"{server.base_url}{path}", json={**base, **extra}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(param) and "\n" not in error["message"], error
+    if hint:
+        assert hint in error["message"], error
+
+
 def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None:
-    """``response_format: text``, ``tool_choice: none`` and text-only content parts change
-    nothing, so they are served (and answer as the plain request does)."""
+    """``response_format: text``, ``tool_choice: none``, text-only content parts and vLLM's
+    extensions at their neutral values change nothing, so they are served (and answer as the
+    plain request does)."""
     plain = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
     want = httpx.post(f"{server.base_url}/v1/chat/completions", json=plain, timeout=60).json()
     parts = [
@@ -433,6 +468,9 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
         {"response_format": {"type": "text"}},
         {"tool_choice": "none", "tools": []},
         {"messages": parts},
+        # vLLM's extensions at their neutral values (what vLLM does without them).
+        {"include_stop_str_in_output": False, "use_beam_search": False, "prompt_logprobs": None},
+        {"add_generation_prompt": True, "continue_final_message": False, "guided_json": None},
     ):
         got = httpx.post(
             f"{server.base_url}/v1/chat/completions", json={**plain, **extra}, timeout=60
