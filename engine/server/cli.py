@@ -45,11 +45,18 @@ def port_in_use(host: str, port: int) -> str | None:
 
 
 def api_key_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
-    """``--api-key``, else ``$KVTIER_API_KEY`` (the one place serve reads the environment)."""
+    """``--api-key``, else ``$KVTIER_API_KEY``, else ``$VLLM_API_KEY`` (the one place serve
+    reads the environment). vLLM's variable too, so that a deployment moved from ``vllm serve``
+    keeps its key rather than silently serving without one."""
     import os
 
     env = os.environ if environ is None else environ
-    return getattr(args, "api_key", None) or env.get("KVTIER_API_KEY") or None
+    return (
+        getattr(args, "api_key", None)
+        or env.get("KVTIER_API_KEY")
+        or env.get("VLLM_API_KEY")
+        or None
+    )
 
 
 def origins_from(args: argparse.Namespace) -> tuple[str, ...]:

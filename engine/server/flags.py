@@ -209,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1/* (default: "
-        "$KVTIER_API_KEY; unset: no key)",
+        "$KVTIER_API_KEY, else vLLM's $VLLM_API_KEY; unset: no key)",
     )
     parser.add_argument(
         "--allowed-origins",

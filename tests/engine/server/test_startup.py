@@ -324,3 +324,35 @@ def test_start_up_logs_model_kv_budget_and_where_the_default_lmdb_lives(
     assert lmdb.group(1).startswith(str(tmp_path / "cache" / "lmdb"))
     assert re.search(r"tier 0    host  ~?[0-9.]+[KMG]iB of host memory", block), block
     assert "loaded " in stderr and " of weights from 1 file(s)" in stderr  # the load's progress
+
+
+def test_vllm_api_key_is_read_when_kvtier_s_is_absent(model_dir: str, tmp_path: Path) -> None:
+    """A deployment moved from ``vllm serve`` keeps its ``VLLM_API_KEY``: the server requires
+    it rather than serving /v1/* to anyone. ``KVTIER_API_KEY`` and ``--api-key`` come first."""
+    import argparse
+
+    import httpx
+
+    from engine.server.cli import api_key_from
+
+    flag = argparse.Namespace(api_key="sk-flag")
+    both = {"KVTIER_API_KEY": "sk-kvtier", "VLLM_API_KEY": "sk-vllm"}
+    assert api_key_from(flag, both) == "sk-flag"
+    assert api_key_from(argparse.Namespace(api_key=None), both) == "sk-kvtier"
+    port = _free_port()
+    cmd = [sys.executable, "-m", "engine.cli", "serve", model_dir, "--port", str(port)]
+    cmd += ["--device", "cpu", "--num-gpu-blocks", "40", "--engine-num-threads", "1"]
+    env = python_env(VLLM_API_KEY="sk-vllm", KVTIER_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("KVTIER_API_KEY", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base, proc, 120)
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-other"})
+        assert wrong.status_code == 401
+        right = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-vllm"})
+        assert right.status_code == 200, right.text
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
