@@ -326,8 +326,10 @@ class ChatCompletionRequest(SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs=true", "top_logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
+        # tools with tool_choice "none" (functions with function_call "none") cannot be
+        # called: the answer is the one without them, so they are ignored, not refused.
+        for name, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            if getattr(self, name) and getattr(self, choice) != "none":
                 raise ProtocolError(f"{name} (tool calling) is not supported", name)
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):

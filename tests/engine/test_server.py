@@ -404,6 +404,8 @@ def test_client_disconnect_aborts_streaming_request(server: Server) -> None:
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema"}}, 400, "response_format"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, 400, "tools"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.1"),
@@ -456,7 +458,7 @@ def test_vllm_fields_that_change_the_answer_are_refused_by_name(
 
 
 def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None:
-    """``response_format: text``, ``tool_choice: none``, text-only content parts and vLLM's
+    """``response_format: text``, ``tool_choice: none`` (with tools: none can be called), text-only content parts and vLLM's
     extensions at their neutral values change nothing, so they are served (and answer as the
     plain request does)."""
     plain = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -467,6 +469,8 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
     for extra in (
         {"response_format": {"type": "text"}},
         {"tool_choice": "none", "tools": []},
+        {"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"function_call": "none", "functions": [{"name": "f", "parameters": {}}]},
         {"messages": parts},
         # vLLM's extensions at their neutral values (what vLLM does without them).
         {"include_stop_str_in_output": False, "use_beam_search": False, "prompt_logprobs": None},
