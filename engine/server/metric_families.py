@@ -156,6 +156,10 @@ SNAPSHOT_FAMILIES = (
         "Cost decisions made with no overlap split offered: the last step computed other prompts",
     ),
     _c(
+        "kvtier_kv_shared_step_outcomes_total",
+        "Plan outcomes taught to the cost model whose steps carried other requests' tokens",
+    ),
+    _c(
         "kvtier_kv_backlog_decisions_total",
         "Cost decisions priced behind other loads' reads queued on the load thread",
     ),

@@ -70,6 +70,7 @@ _CONNECTOR = {
     "kvtier_kv_prefetch_wasted_blocks_total": "prefetch_wasted_blocks",
     "kvtier_kv_in_step_deferred_loads_total": "in_step_deferred_loads",
     "kvtier_kv_shared_step_decisions_total": "shared_step_decisions",
+    "kvtier_kv_shared_step_outcomes_total": "shared_step_outcomes",
     "kvtier_kv_backlog_decisions_total": "backlog_decisions",
     "kvtier_kv_load_backlog_blocks": "load_backlog_blocks",  # a gauge, read the same way
 }
