@@ -45,7 +45,7 @@ grep -E '^kvtier_(scheduler_[a-z_]+|kv_lookup[a-z_]*|kv_loaded_blocks|num_preemp
   "$out.metrics.txt" | tr '\n' ' '; echo
 # Per tier: what it held and served, what it evicted, what reached the tier below, and the
 # cost model's read-rate estimate (why a held prefix was recomputed).
-grep -E '^kvtier_kv_(tier_(hits|evictions|demoted|demotions_dropped|written_back|inflight_hits|written_through|write_queue_dropped|write_present|placement_skipped|resave_bypassed)_total|cost_model_tier_bandwidth_bytes_per_second|cost_model_outcome_ratio|recomputed_tokens_total|loaded_tokens_total|saved_blocks_total|save_skipped_blocks_total|decisions_total)[{ ]' \
+grep -E '^kvtier_kv_(tier_(hits|evictions|demoted|demotions_dropped|written_back|inflight_hits|written_through|write_queue_dropped|write_present|placement_skipped|resave_bypassed)_total|cost_model_tier_bandwidth_bytes_per_second|cost_model_outcome_ratio|recomputed_tokens_total|loaded_tokens_total|saved_blocks_total|save_skipped_blocks_total|decisions_total|shared_step_outcomes_total|backlog_decisions_total)[{ ]' \
   "$out.metrics.txt" | sed 's/model_name="qa",\?//' | tr '\n' ' '; echo
 if [ "$server_rc" != 0 ] || [ "$health" != 200 ]; then  # why the server went down
   echo "third_party_qa: server log (last lines but requests):"
