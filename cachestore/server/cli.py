@@ -225,7 +225,13 @@ def main(args: argparse.Namespace) -> int:
         return _fail(error)
     admin_url = f"http://{args.admin_host}:{args.admin_port}" if admin else None
     for line in startup_block(
-        server.bound_url, admin_url, configs, durable_index(tiers), ignored, args.config
+        server.bound_url,
+        admin_url,
+        configs,
+        durable_index(tiers),
+        ignored,
+        args.config,
+        store.config.write_policies,
     ):
         say(line)
     return _serve_until_stopped(server, store, admin)

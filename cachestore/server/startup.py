@@ -23,8 +23,8 @@ import logging
 import socket
 import sys
 import time
-from collections.abc import Mapping
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
 
 from tiers.config import (
     HostTierConfig,
@@ -33,6 +33,9 @@ from tiers.config import (
     load_config_file,
     parse_tier_config,
 )
+
+if TYPE_CHECKING:
+    from cachestore.store.types import WritePolicy
 
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 _SECRET_FIELDS = ("token", "access_key_id", "secret_access_key")
@@ -136,18 +139,18 @@ def startup_block(
     durable: int | None,
     ignored: list[str],
     source: str | None,
+    policies: Sequence[WritePolicy] = (),
 ) -> list[str]:
     """The lines printed once the daemon listens: the listening line first, then each tier
-    (the synchronous write-through target marked, the tiers below the top with their
-    ``write_policy``, as the engine prints them), then what the tier file held for the engine
-    only."""
+    (the synchronous write-through target marked, the tiers below the top with the write
+    policy the store applies, ``policies``, as the engine prints them), then what the tier
+    file held for the engine only."""
     lines = [
         f"kvtier cache-server listening on {bound_url}"
         + (f", admin {admin_url}" if admin_url else ", admin port off")
     ]
     for i, cfg in enumerate(configs):
-        policy = getattr(cfg, "write_policy", None) if i > 0 else None
-        note = f", {policy}" if policy else ""
+        note = f", {policies[i].policy}" if 0 < i < len(policies) else ""
         if i == durable:
             note = ", write-through (puts commit here first)"
         lines.append(f"  tier {i}  {describe_tier(cfg)}{note}")
