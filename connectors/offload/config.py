@@ -43,6 +43,7 @@ environment (``KVTIER_CACHE_DIR``, ``HOME``); /proc/meminfo is read by
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from tiers.config import (
 from tiers.sizes import parse_size
 
 DECISIONS = ("cost", "load", "recompute", "overlap")
+log = logging.getLogger(__name__)
 DEFAULT_HOST_CAP_BYTES = 8 << 30
 DEFAULT_LMDB_CAPACITY_BYTES = 32 << 30  # a sparse file: unused capacity costs nothing
 # Lower-tier load pipeline (connectors/offload/pipeline.py): 32 blocks of Llama-3-8B a chunk,
@@ -298,6 +300,13 @@ def lmcache_settings_note(env: Mapping[str, str] | None = None) -> str | None:
         f"kv offload: {shown} set: kvtier does not read LMCache's settings; its tiers are in "
         "the offload YAML (docs/offload.md, 'Coming from LMCache')"
     )
+
+
+def warn_lmcache_settings() -> None:
+    """Log ``lmcache_settings_note`` as a WARNING when there is one (at a connector's start)."""
+    note = lmcache_settings_note()
+    if note:
+        log.warning(note)
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -45,8 +45,8 @@ from connectors.offload import tp as tp_offload  # builds on this class, handed 
 from connectors.offload.config import (
     OffloadConfig,
     default_offload_config,
-    lmcache_settings_note,
     load_offload_config,
+    warn_lmcache_settings,
 )
 from connectors.offload.metadata import KVConnectorMetadata
 from connectors.offload.pipeline import pipeline_readers
@@ -131,9 +131,7 @@ class OffloadConnector:
         runner and before any request: calibration uses the cache's blocks as scratch.
         Raises ConfigError on a bad config; a tier that cannot be built raises its error."""
         config = resolve_config(source, namespace)
-        note = lmcache_settings_note()
-        if note:
-            log.warning(note)
+        warn_lmcache_settings()
         if tp is not None or 0 < config.kv_head_group < kv_cache.spec.num_kv_heads:
             return tp_offload.create_tp_connector(cls, config, kv_cache, namespace, calibration, tp)
         codec = _codec(config, kv_cache)

@@ -22,18 +22,16 @@ stack needs at least one tier that is not ``host``. Errors are ``ConfigError`` n
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.offload.config import OffloadConfig, lmcache_settings_note, load_offload_config
+from connectors.offload.config import OffloadConfig, load_offload_config, warn_lmcache_settings
 from tiers.config import ConfigError, HostTierConfig
 
 CONNECTOR_KEYS = ("kvtier_config", "stats_file", "stats_interval_s", "cost_profile")
 COST_PROFILES = ("cpu", "h200-llama-3-8b")
 DECISIONS = ("cost", "load", "recompute")
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +72,7 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> VllmConnectorConf
             f"kvtier vLLM connector: 'kvtier_config' must be a path or a mapping, got {source!r}"
         )
     offload = load_offload_config(source)
-    note = lmcache_settings_note()
-    if note:
-        log.warning(note)
+    warn_lmcache_settings()
     if offload.decision not in DECISIONS:
         raise ConfigError(
             f"kvtier vLLM connector: decision {offload.decision!r}; choose one of "
