@@ -205,7 +205,11 @@ class LLMEngine:
         detok = None
         if self.detokenize:
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, params.min_tokens
+                self.tokenizer,
+                prompt_ids,
+                params.stop,
+                params.min_tokens,
+                include_stop=params.include_stop_str_in_output,
             )
         self.scheduler.add_request(request)
         self._states[req_id] = RequestState(

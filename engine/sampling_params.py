@@ -11,8 +11,9 @@ MAX_LOGPROBS = 20  # top-k alternatives per token, as OpenAI's chat API allows
 class SamplingParams:
     """``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1``
     disables top-p. ``seed`` makes a request's sampling reproducible regardless of batching.
-    ``stop`` strings end generation and are not included in ``.text``; ``stop_token_ids`` and
-    EOS (unless ``ignore_eos``) end it too. Raises ValueError on bad values.
+    ``stop`` strings end generation and are not included in ``.text`` unless
+    ``include_stop_str_in_output`` (vLLM's name; the text then ends with the stop string);
+    ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too. Raises ValueError on bad values.
 
     Penalties act on the logits before temperature, greedy included, in vLLM's order:
     ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``: over prompt and output
@@ -36,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float = 0.0

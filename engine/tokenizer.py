@@ -247,7 +247,8 @@ class IncrementalDetokenizer:
 
     ``text`` is everything emitted so far. Stop strings are searched only in text not yet
     emitted and only once ``min_tokens`` outputs exist; the held-back tail is released by
-    ``flush`` when the request ends for another reason.
+    ``flush`` when the request ends for another reason. ``include_stop``: the text ends with
+    the stop string that ended it, and nothing is held back (it would be emitted either way).
     """
 
     def __init__(
@@ -257,6 +258,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
@@ -266,6 +268,7 @@ class IncrementalDetokenizer:
         self._num_outputs = 0
         self._min_tokens = min_tokens
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._decoded = ""  # all complete output text, held-back tail included
         self.text = ""  # emitted so far
 
@@ -296,19 +299,26 @@ class IncrementalDetokenizer:
     def _emit(self) -> DetokenizerUpdate:
         emitted = len(self.text)
         if self._stop and self._num_outputs >= self._min_tokens:
-            found = [(self._decoded.find(s, emitted), s) for s in self._stop]
+            found = [(self._decoded.find(s, self._search_from(emitted, s)), s) for s in self._stop]
             hits = [(i, s) for i, s in found if i >= 0]
             if hits:
                 index, stop = min(hits)
-                new_text = self._decoded[emitted:index]
+                end = index + len(stop) if self._include_stop else index
+                new_text = self._decoded[emitted:end]
                 self.text += new_text
                 return DetokenizerUpdate(new_text, stop)
-            end = len(self._decoded) - self._held_back_len(emitted)
+            held = 0 if self._include_stop else self._held_back_len(emitted)
+            end = len(self._decoded) - held
         else:
             end = len(self._decoded)
         new_text = self._decoded[emitted:end] if end > emitted else ""
         self.text += new_text
         return DetokenizerUpdate(new_text)
+
+    def _search_from(self, emitted: int, stop: str) -> int:
+        """Where to look for ``stop``: in text not yet emitted, or, when nothing is held back
+        (``include_stop``), also in a tail of emitted text that a stop string may end after."""
+        return max(0, emitted - len(stop) + 1) if self._include_stop else emitted
 
     def _held_back_len(self, emitted: int) -> int:
         """Length of the longest unemitted tail that is a proper prefix of a stop string."""

@@ -52,7 +52,13 @@ class RequestState:
         params: SamplingParams,
         arrival_time: float,
     ) -> RequestState:
-        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
+        detok = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.min_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
         return cls(
             req_id,
             prompt_token_ids,

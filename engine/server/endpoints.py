@@ -39,6 +39,7 @@ from engine.server.serving import (
     merge,
     new_request_id,
     sse,
+    stop_reason,
     unless_disconnected,
     usage_of,
 )
@@ -132,6 +133,7 @@ async def create_completion(
                 index=i,
                 text=(echo or "") + o.text,
                 finish_reason=finish_reason(o),
+                stop_reason=stop_reason(o),
                 logprobs=_completion_logprobs(ctx, request, o, echo),
             )
         )
@@ -171,6 +173,7 @@ async def _completion_stream(
                             index=index,
                             text=text,
                             finish_reason=finish_reason(output),
+                            stop_reason=stop_reason(output),
                             logprobs=logprobs,
                         )
                     ],
@@ -220,6 +223,7 @@ async def create_chat_completion(
                 index=i,
                 message=AssistantMessage(content=o.text),
                 finish_reason=finish_reason(o),
+                stop_reason=stop_reason(o),
                 logprobs=formatter.chat(o.logprobs or []) if request.logprobs else None,
             )
             for i, o in enumerate(finals)
@@ -236,9 +240,19 @@ async def _chat_stream(
     started: list[StartedRequest],
 ) -> AsyncIterator[str]:
     def chunk(
-        index: int, delta: DeltaMessage, reason: str | None, logprobs: ChatLogprobs | None = None
+        index: int,
+        delta: DeltaMessage,
+        reason: str | None,
+        logprobs: ChatLogprobs | None = None,
+        stopped_by: int | str | None = None,
     ) -> str:
-        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=reason, logprobs=logprobs)
+        choice = ChatStreamChoice(
+            index=index,
+            delta=delta,
+            finish_reason=reason,
+            stop_reason=stopped_by,
+            logprobs=logprobs,
+        )
         return sse(
             ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[choice])
         )
@@ -256,7 +270,7 @@ async def _chat_stream(
                 yield chunk(index, DeltaMessage(content=output.new_text), None, logprobs)
             if output.finished:
                 finals[index] = output
-                yield chunk(index, DeltaMessage(), finish_reason(output))
+                yield chunk(index, DeltaMessage(), finish_reason(output), None, stop_reason(output))
     except Exception as exc:  # noqa: BLE001 - status 200 is already sent: report in-band
         logger.warning("chat stream %s failed: %r", request_id, exc)
         async for line in _error_tail(exc):

@@ -83,11 +83,10 @@ _VLLM_REFUSED = (
     ("guided_regex", "no regex-constrained decoding"),
     ("guided_grammar", "no grammar-constrained decoding"),
     ("structured_outputs", "use response_format 'json_schema' or 'json_object' instead"),
-    ("include_stop_str_in_output", "the stop string is never part of the output"),
     ("use_beam_search", "no beam search"),
     ("prompt_logprobs", "use /v1/completions with echo: true and logprobs: k instead"),
 )
-_NEUTRAL: dict[str, Any] = {"include_stop_str_in_output": False, "use_beam_search": False}
+_NEUTRAL: dict[str, Any] = {"use_beam_search": False}
 
 
 MAX_N = 128  # OpenAI's bound on ``n``
@@ -108,6 +107,7 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ends the text
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension (HF's definition)
@@ -123,7 +123,6 @@ class SamplingRequest(_Request):
     guided_regex: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     prompt_logprobs: Int64 | None = None
     _grammar: tuple[str | None, bool] | None = PrivateAttr(default=None)
@@ -220,6 +219,7 @@ class SamplingRequest(_Request):
                 seed=None if self.seed is None else self.seed + sample_index,
                 stop=stop,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 presence_penalty=self.presence_penalty or 0.0,

@@ -45,6 +45,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     logprobs: CompletionLogprobs | None = None
 
 
@@ -87,6 +88,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
 
 
@@ -105,6 +107,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: ChatLogprobs | None = None
 
 

@@ -270,6 +270,12 @@ def finish_reason(output: RequestOutput) -> str | None:
     return output.finish_reason or "stop"
 
 
+def stop_reason(output: RequestOutput) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the request; None
+    for EOS, a length limit or one still running."""
+    return output.stop_reason if output.finished else None
+
+
 async def collect_final(started: StartedRequest) -> RequestOutput:
     """Consumes a request to its end and returns its last output (cumulative text/ids)."""
     last = started.first

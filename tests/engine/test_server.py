@@ -178,6 +178,20 @@ def test_token_id_prompt_and_stop_string(server: Server) -> None:
     assert got_stop.choices[0].text == ref_stop.text
     assert got_stop.choices[0].finish_reason == "stop"
     assert stop not in got_stop.choices[0].text
+    # vLLM's include_stop_str_in_output: the same cut, the stop string kept, streamed or not.
+    with_stop = ref_stop.text + stop
+    assert ref.text.startswith(with_stop)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0, "stop": [stop],
+            "ignore_eos": True, "include_stop_str_in_output": True}  # fmt: skip
+    got_kept = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).json()
+    assert got_kept["choices"][0]["text"] == with_stop, got_kept
+    assert got_kept["choices"][0]["finish_reason"] == "stop"
+    assert got_kept["choices"][0]["stop_reason"] == stop
+    chunks = server.client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, temperature=0, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == with_stop
 
 
 def test_chat_matches_llm_streamed_and_not(server: Server) -> None:
@@ -432,7 +446,6 @@ def test_errors_are_openai_shaped(
         ("/v1/completions", {"guided_regex": "[0-9]+"}, "guided_regex", None),
         ("/v1/chat/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar", None),
         ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs", "response_format"),
-        ("/v1/completions", {"include_stop_str_in_output": True, "stop": ["."]}, "include_stop_str_in_output", None),
         ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search", None),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
         ("/v1/chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs", "echo"),
@@ -473,7 +486,7 @@ def test_harmless_forms_of_the_refused_fields_are_served(server: Server) -> None
         {"function_call": "none", "functions": [{"name": "f", "parameters": {}}]},
         {"messages": parts},
         # vLLM's extensions at their neutral values (what vLLM does without them).
-        {"include_stop_str_in_output": False, "use_beam_search": False, "prompt_logprobs": None},
+        {"use_beam_search": False, "prompt_logprobs": None},
         {"add_generation_prompt": True, "continue_final_message": False, "guided_json": None},
     ):
         got = httpx.post(

@@ -89,6 +89,28 @@ def test_stop_string_excluded_and_held_back(tok: Any) -> None:
     assert all("s" not in d for d in deltas)
 
 
+@pytest.mark.parametrize("min_tokens", [0, 3])
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(
+    tok: Any, min_tokens: int
+) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string, and a stop
+    string whose start was already emitted (nothing is held back) is still found."""
+    ids = tok.encode("hello world, stop here please", add_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        tok, [1], stop=("stop",), min_tokens=min_tokens, include_stop=True
+    )
+    deltas: list[str] = []
+    for t in ids:
+        update = detok.update([t])
+        deltas.append(update.new_text)
+        if update.stop_string is not None:
+            break
+    assert update.stop_string == "stop"
+    assert detok.text == "hello world, stop" == "".join(deltas)
+    # "s" went out before "top" came: without the hold-back the start is in emitted text.
+    assert any(d.endswith("s") or d.endswith("st") or d.endswith("sto") for d in deltas[:-1])
+
+
 def test_false_start_of_stop_string_is_released(tok: Any) -> None:
     deltas, detok, stop = stream(tok, "a sto b stop c", stop=("stop",))
     assert stop == "stop"
