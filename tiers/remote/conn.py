@@ -89,6 +89,16 @@ class Conn:
         self.max_request_bytes = 1 << 30
         self.reply_bytes: dict[str, int] = {}  # op -> payload bytes of its last ZMQ reply
 
+    def close(self, linger_ms: int) -> None:
+        """Unmap the segment, close the doorbell, the monitor and the socket (``linger_ms``:
+        how long unsent messages may still go out)."""
+        if self.segment is not None:
+            self.segment.close()
+        if self.bell is not None:
+            self.bell.close()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=linger_ms)
+
 
 class Connections:
     """Per-thread connections to one daemon, with the hello/shm handshake."""
@@ -353,12 +363,7 @@ class Connections:
         with self._lock:
             if conn in self._conns:
                 self._conns.remove(conn)
-        if conn.segment is not None:
-            conn.segment.close()
-        if conn.bell is not None:
-            conn.bell.close()
-        conn.monitor.close(linger=0)
-        conn.sock.close(linger=0)
+        conn.close(linger_ms=0)
         self._local.conn = None
         self._local.down_until = time.monotonic() + self.retry_interval_s
         self._local.refused = conn.refused  # the fail-fast error says so too
@@ -383,11 +388,7 @@ class Connections:
                     conn.sock.send(pack(msg), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
-                conn.segment.close()
-            if conn.bell is not None:
-                conn.bell.close()
-            conn.monitor.close(linger=0)
-            conn.sock.close(linger=100)
+            conn.close(linger_ms=100)  # the bye may still go out
         self._ctx.term()
 
 
