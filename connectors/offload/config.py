@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachestore.kv_format import COMPRESSIONS
+from engine.cache_dir import default_cache_dir
 from tiers.config import (
     ConfigError,
     HostTierConfig,
@@ -307,15 +308,6 @@ def warn_lmcache_settings() -> None:
     note = lmcache_settings_note()
     if note:
         log.warning(note)
-
-
-def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$KVTIER_CACHE_DIR``, else ``~/.cache/kvtier``."""
-    env = os.environ if env is None else env
-    explicit = env.get("KVTIER_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(env.get("HOME") or Path.home()) / ".cache" / "kvtier"
 
 
 def default_offload_config(

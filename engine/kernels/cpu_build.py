@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.cache_dir import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 _FLAGS = {
@@ -29,14 +31,9 @@ _FLAGS = {
 
 
 def cache_dir() -> str:
-    """``$KVTIER_CACHE_DIR/cpu_kernels``, else ``kvtier/cpu_kernels`` under ``$XDG_CACHE_HOME``
-    or ``~/.cache``: kvtier's one cache directory, as the README says (converted models, the
-    default LMDB tier)."""
-    explicit = os.environ.get("KVTIER_CACHE_DIR")
-    if explicit:
-        return os.path.join(explicit, "cpu_kernels")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvtier", "cpu_kernels")
+    """``cpu_kernels`` under kvtier's one cache directory (``engine.cache_dir``: converted
+    models and the default LMDB tier are there too)."""
+    return str(default_cache_dir() / "cpu_kernels")
 
 
 class CKernel:

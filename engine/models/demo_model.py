@@ -15,6 +15,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from engine.cache_dir import default_cache_dir
+
 DEMO_SUBDIR = "demo-model-v1"
 DEMO_SEED = 1234
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -161,13 +163,6 @@ DEMO_ARCH: dict[str, object] = {
     "pad_token_id": 0,
     "torch_dtype": "float32",
 }
-
-
-def default_cache_dir() -> str:
-    """``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier`` (read only when no directory is given)."""
-    return os.environ.get("KVTIER_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kvtier"
-    )
 
 
 def _demo_weights() -> dict:  # name -> torch.Tensor

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models.demo_model import default_cache_dir
+from engine.cache_dir import default_cache_dir
 
 GGUF_SUBDIR = "gguf"
 MARKER_FILE = "kvtier-gguf.json"

@@ -15,7 +15,6 @@ from cachestore.cost.online import OnlineCostModel, default_priors
 from cachestore.hashing import BlockKey, Namespace, block_key, hash_request_tokens
 from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from connectors.offload.config import (
-    default_cache_dir,
     default_offload_config,
     load_offload_config,
     mem_available_bytes,
@@ -29,6 +28,7 @@ from connectors.offload.metadata import (
 )
 from connectors.offload.scheduler import OffloadScheduler
 from connectors.offload.stats import OffloadStats
+from engine.cache_dir import default_cache_dir
 from engine.core_types import SchedulerOutput
 from engine.kv_connector import ExternalHit
 from engine.request import Request
