@@ -56,6 +56,7 @@ class EngineClient(Protocol):
         api_times: dict[str, float] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
     async def abort(self, req_id: str) -> None: ...
+    def end_in_flight(self, reason: str) -> int: ...
     def shutdown(self, timeout_s: float = 10.0) -> str | None:
         """Stops the engine and drains its KV offload; None when that completed, else why
         not (one line). Idempotent."""
@@ -148,6 +149,17 @@ class StreamingFrontEnd:
         aborts it."""
         async for output in stream.iterate(lambda: self._abort_nowait(req_id)):
             yield output
+
+    def end_in_flight(self, reason: str) -> int:
+        """Ends every live request now: the engine aborts it (its blocks are freed) and its
+        stream raises ``EngineDeadError(reason)`` (a 503, or an error event on a stream that
+        already started). Any thread. Returns how many were live."""
+        with self._lock:
+            entries = list(self._entries.items())
+        for req_id, entry in entries:
+            self._abort_nowait(req_id)
+            entry.stream.put(EngineDeadError(reason))
+        return len(entries)
 
     def _fail_all(self, error: BaseException) -> None:
         """Every live request's stream raises ``error``; none is live afterwards."""

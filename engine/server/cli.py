@@ -8,8 +8,9 @@ configuration error is one line naming the flag or file, exit code 2; any other 
 failure one line, exit code 1; the traceback only with ``--log-level debug``.
 
 Stop order (SIGTERM/SIGINT): uvicorn stops accepting, lets the requests in flight run for up
-to ``--shutdown-timeout`` seconds, then cancels the rest (their streams end; the engine
-generators' cleanup sends the core their aborts, which free their blocks); only then is the
+to ``--shutdown-timeout`` seconds, then the watchdog ends the rest (``end_in_flight``: aborted
+in the core, which frees their blocks; each client gets a 503 or, on a stream, an error event
+and ``[DONE]``); uvicorn cancels whatever is still open ``STOP_GRACE_S`` later. Only then is the
 engine shut down, and its core drains the KV offload (engine.core.drain)."""
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
 
     from engine.server.api import build_app
     from engine.server.lifecycle import (
+        STOP_GRACE_S,
         EngineWatchdog,
         QuietShutdownCancel,
         Terminated,
@@ -205,12 +207,14 @@ def main(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 log_level=args.log_level,
-                # Bounded: the KV drain below must still fit the supervisor's stop timeout.
-                timeout_graceful_shutdown=args.shutdown_timeout,
+                # Bounded: the KV drain below must still fit the supervisor's stop timeout. The
+                # watchdog ends the requests still running at --shutdown-timeout; uvicorn's
+                # deadline only cancels what did not finish STOP_GRACE_S after that.
+                timeout_graceful_shutdown=args.shutdown_timeout + STOP_GRACE_S,
             )
         )
         logging.getLogger("uvicorn.error").addFilter(QuietShutdownCancel())
-        watchdog = EngineWatchdog(engine, server)
+        watchdog = EngineWatchdog(engine, server, shutdown_timeout_s=args.shutdown_timeout)
         watchdog.start()
         server.run()
     except (KeyboardInterrupt, Terminated):

@@ -1,12 +1,14 @@
 """``kvtier serve``'s stop path: the SIGTERM handler that leads ``main`` into its graceful
-shutdown, the log filter that keeps its deadline's aborts to one line, and the watchdog that
-stops the HTTP server once the engine died."""
+shutdown, the log filter that keeps uvicorn's own deadline's cancellations to one line, and
+the watchdog that stops the HTTP server once the engine died and ends the requests still
+running when ``--shutdown-timeout`` has passed since a stop began."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -33,16 +35,35 @@ class QuietShutdownCancel(logging.Filter):
         return not isinstance(error, asyncio.CancelledError)
 
 
+# After the stop deadline ended the requests in flight, how long uvicorn still waits for their
+# responses (the error event, [DONE]) to go out before it cancels what is left.
+STOP_GRACE_S = 1.0
+_STOPPING_INTERVAL_S = 0.05  # how often the deadline is checked once a stop began
+
+
 class EngineWatchdog:
     """Stops the HTTP server once the engine can no longer run (its core process or thread
     died), so that ``kvtier serve`` exits non-zero within ``interval_s`` and a supervisor
     restarts it, as vLLM's API server does. Requests in flight have already been failed by the
-    engine client (503). ``engine_error`` is the engine's error once that happened."""
+    engine client (503). ``engine_error`` is the engine's error once that happened.
 
-    def __init__(self, engine: Any, server: Any, interval_s: float = 0.5) -> None:
+    Once a stop began (uvicorn's ``should_exit``: SIGTERM/SIGINT), the requests still running
+    ``shutdown_timeout_s`` later are ended through the engine (``end_in_flight``): each is
+    aborted in the core and its client gets a 503, or an error event and ``[DONE]`` on a stream,
+    saying the server stopped, instead of a connection cut mid-stream. uvicorn's own deadline
+    (``STOP_GRACE_S`` later) stays as the backstop."""
+
+    def __init__(
+        self,
+        engine: Any,
+        server: Any,
+        interval_s: float = 0.5,
+        shutdown_timeout_s: float | None = None,
+    ) -> None:
         self._engine = engine
         self._server = server
         self._interval_s = interval_s
+        self._shutdown_timeout_s = shutdown_timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._watch, name="kvtier-engine-watchdog", daemon=True
@@ -57,7 +78,9 @@ class EngineWatchdog:
         self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        stopping_since: float | None = None
+        interval = self._interval_s
+        while not self._stop.wait(interval):
             if not self._engine.is_running:
                 self.engine_error = self._engine.dead_error or "the engine stopped"
                 logger.error(
@@ -65,3 +88,21 @@ class EngineWatchdog:
                 )
                 self._server.should_exit = True
                 return
+            if self._shutdown_timeout_s is None or not self._server.should_exit:
+                continue
+            if stopping_since is None:
+                stopping_since = time.monotonic()
+                interval = min(interval, _STOPPING_INTERVAL_S)
+            if time.monotonic() - stopping_since >= self._shutdown_timeout_s:
+                self._end_in_flight()
+                return
+
+    def _end_in_flight(self) -> None:
+        timeout = self._shutdown_timeout_s
+        ended = self._engine.end_in_flight(
+            f"the server is shutting down: request ended after --shutdown-timeout {timeout:g} s"
+        )
+        if ended:
+            logger.warning(
+                "--shutdown-timeout %g s passed: ended %d request(s) still running", timeout, ended
+            )

@@ -1,7 +1,8 @@
 """``--shutdown-timeout``: a SIGTERM while a long stream runs stops ``kvtier serve`` within the
-timeout, not when the stream's last token is out. The stream is cut at the deadline, the engine
-core aborts its request (the request log gets its line, written only when the core ends a
-request) and still drains the KV offload, and the exit code is 0.
+timeout, not when the stream's last token is out. At the deadline the stream ends with an error
+event saying the server is shutting down, then ``[DONE]`` (not a connection cut mid-stream),
+the engine core aborts its request (the request log gets its line, written only when the core
+ends a request) and still drains the KV offload, and the exit code is 0.
 
 A tiny random model on CPU with a 32K context streams up to 31K tokens (tens of seconds at a
 few hundred tokens a second); the server gets ``--shutdown-timeout 1`` and the SIGTERM once the
@@ -38,7 +39,8 @@ def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 class Stream:
     """One streaming /v1/completions read on a thread: ``going`` once 20 chunks came, then
-    ``chunks`` and how it ended (``done``: the [DONE] line came; ``error``: what cut it)."""
+    ``chunks`` and how it ended (``done``: the [DONE] line came; ``events``: in-band error
+    events; ``error``: what cut it)."""
 
     def __init__(self, base: str) -> None:
         self.body = {
@@ -52,6 +54,7 @@ class Stream:
         self.base = base
         self.chunks = 0
         self.done = False
+        self.events: list[dict[str, object]] = []
         self.error: BaseException | None = None
         self.going = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
@@ -64,6 +67,9 @@ class Stream:
             ) as reply:
                 for line in reply.iter_lines():
                     self.done = self.done or line == "data: [DONE]"
+                    if line.startswith("data: {") and '"error"' in line[:16]:
+                        self.events.append(json.loads(line[6:])["error"])
+                        continue
                     self.chunks += line.startswith("data: {")
                     if self.chunks >= 20:
                         self.going.set()
@@ -101,8 +107,13 @@ def test_sigterm_aborts_a_long_stream_at_the_timeout_and_still_drains(
     stream.thread.join(10)
     assert code == 0, err
     assert SHUTDOWN_TIMEOUT_S <= elapsed < SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S, elapsed
-    assert not stream.done and 20 <= stream.chunks < MAX_TOKENS, (stream.chunks, stream.error)
-    assert "timeout graceful shutdown exceeded" in err, err
+    assert stream.error is None, stream.error  # ended in-band, not cut
+    assert stream.done and 20 <= stream.chunks < MAX_TOKENS, stream.chunks
+    (event,) = stream.events
+    assert event["type"] == "service_unavailable", event
+    assert "shutting down" in str(event["message"]), event
+    assert "ended 1 request(s) still running" in err, err
+    assert "timeout graceful shutdown exceeded" not in err, err  # uvicorn cut nothing
     assert "Exception in ASGI application" not in err, err  # one line, not a traceback
     assert "KV drain complete" in err, err
     (line,) = request_log.read_text().splitlines()  # the core ended (aborted) the request
