@@ -126,6 +126,23 @@ class ChatTokenCache:
             self._store(chain[-1], new)
         return EncodedChat(list(new.token_ids), reused, t1 - t0, time.perf_counter() - t1)
 
+    def encode_once(
+        self,
+        conversation: Sequence[dict[str, Any]],
+        max_tokens: int | None = None,
+        **template_options: Any,
+    ) -> EncodedChat:
+        """``encode`` with ``render_chat``'s other options (``add_generation_prompt``,
+        ``continue_final_message``, ``template_kwargs``), tokenized whole and not cached:
+        the cache's entries are renderings with the default options."""
+        t0 = time.perf_counter()
+        text = render_chat(self._tokenizer, conversation, self.chat_template, **template_options)
+        t1 = time.perf_counter()
+        if max_tokens is not None:
+            check_token_bound(self._tokenizer, text, max_tokens)
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        return EncodedChat(ids, 0, t1 - t0, time.perf_counter() - t1)
+
     def _lookup(self, chain: list[bytes], text: str) -> _Entry | None:
         """The longest cached rendering of a message prefix that ``text`` extends."""
         for key in reversed(chain):

@@ -159,12 +159,14 @@ def render_chat(
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """``conversation`` rendered by ``chat_template`` (else the tokenizer's own), with the
     assistant generation prompt unless told otherwise (``continue_final_message``: the last
-    message left open, for the model to continue). Raises ValueError when there is no
-    template, or when the template fails on these messages (``raise_exception``, a bad
-    variable)."""
+    message left open, for the model to continue). ``template_kwargs``: more variables for
+    the template (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``). Raises
+    ValueError when there is no template, or when the template fails on these messages
+    (``raise_exception``, a bad variable)."""
     from jinja2 import TemplateError
 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -176,6 +178,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from exc

@@ -17,7 +17,12 @@ from engine.core.base import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.server.errors import error_body
 from engine.server.logprobs import merge_completion
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    SamplingRequest,
+)
 from engine.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -50,18 +55,31 @@ logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _encode_chat(ctx: ServingContext, conversation: list[dict[str, str]]) -> EncodedChat:
+def _token_bound(ctx: ServingContext, request: SamplingRequest) -> int | None:
+    """The length past which a prompt is refused before it is tokenized whole; None when
+    ``truncate_prompt_tokens`` keeps only its tail (``ServingContext.prepare``)."""
+    return None if request.truncate_prompt_tokens is not None else ctx.engine.max_model_len
+
+
+def _encode_chat(ctx: ServingContext, request: ChatCompletionRequest) -> EncodedChat:
+    conversation, options = request.conversation(), request.template_options()
+    bound = _token_bound(ctx, request)
     try:
-        return ctx.chat_tokens.encode(conversation, ctx.engine.max_model_len)
+        if options:  # rendered with other options than the token cache's entries
+            return ctx.chat_tokens.encode_once(conversation, bound, **options)
+        return ctx.chat_tokens.encode(conversation, bound)
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, "messages") from None
     except ValueError as exc:  # no chat template, or the template rejected the messages
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
 
 
-def _encode_prompts(ctx: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
+def _encode_prompts(
+    ctx: ServingContext, request: CompletionRequest, prompts: list[str | list[int]]
+) -> list[list[int]]:
+    bound = _token_bound(ctx, request)
     try:
-        return [encode_prompt(ctx.engine.tokenizer, p, ctx.engine.max_model_len) for p in prompts]
+        return [encode_prompt(ctx.engine.tokenizer, p, bound) for p in prompts]
     except TooManyTokens as exc:
         raise ctx.too_long(exc.at_least, "prompt") from None
 
@@ -71,8 +89,13 @@ async def _error_tail(exc: BaseException) -> AsyncIterator[str]:
     yield sse(error_body(str(exc), kind))
 
 
-def _echo_text(ctx: ServingContext, prompt: str | list[int], token_ids: list[int]) -> str:
-    return prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(token_ids)
+def _echo_text(
+    ctx: ServingContext, prompt: str | list[int], token_ids: list[int], request: CompletionRequest
+) -> str:
+    """The prompt as sent, or the text of the tokens kept when it was truncated."""
+    if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
+        return prompt
+    return ctx.engine.tokenizer.decode(token_ids)
 
 
 def _completion_logprobs(
@@ -109,11 +132,11 @@ async def create_completion(
     request.check_supported()
     t0 = time.perf_counter()
     raw_prompts = request.prompts()
-    encoded = await ctx.run_tokenizer(_encode_prompts, ctx, raw_prompts)
+    encoded = await ctx.run_tokenizer(_encode_prompts, ctx, request, raw_prompts)
     prompts = [ctx.prepare(request, ids) for ids in encoded]
     times = api_times(0.0, time.perf_counter() - t0)
     echoes = [
-        _echo_text(ctx, p, prepared.token_ids) if request.echo else None
+        _echo_text(ctx, p, prepared.token_ids, request) if request.echo else None
         for p, prepared in zip(raw_prompts, prompts, strict=True)
     ]
     request_id = new_request_id("cmpl")
@@ -202,7 +225,7 @@ async def create_chat_completion(
     request.check_text()
     ctx.check_model(request)
     request.check_supported()
-    encoded = await ctx.run_tokenizer(_encode_chat, ctx, request.conversation())
+    encoded = await ctx.run_tokenizer(_encode_chat, ctx, request)
     prompts = [ctx.prepare(request, encoded.token_ids)]
     times = api_times(encoded.template_s, encoded.tokenize_s)
     request_id = new_request_id("chatcmpl")
@@ -266,11 +289,12 @@ async def _chat_stream(
             logprobs = None
             if request.logprobs and output.new_logprobs:
                 logprobs = formatter.chat(output.new_logprobs)
-            if output.new_text or logprobs is not None:
-                yield chunk(index, DeltaMessage(content=output.new_text), None, logprobs)
-            if output.finished:
+            delta = DeltaMessage(content=output.new_text)
+            if output.finished:  # its last text, if any, in the chunk that ends it (as vLLM)
                 finals[index] = output
-                yield chunk(index, DeltaMessage(), finish_reason(output), None, stop_reason(output))
+                yield chunk(index, delta, finish_reason(output), logprobs, stop_reason(output))
+            elif output.new_text or logprobs is not None:
+                yield chunk(index, delta, None, logprobs)
     except Exception as exc:  # noqa: BLE001 - status 200 is already sent: report in-band
         logger.warning("chat stream %s failed: %r", request_id, exc)
         async for line in _error_tail(exc):

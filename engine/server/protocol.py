@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.runner.structured_output import check_grammar
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -46,6 +46,20 @@ class _Request(BaseModel):
     # Strict types, as OpenAI's API: "max_tokens": "5", 5.0 or true is a 400 naming the field,
     # not a 5 (an int is still a valid float).
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """An explicit null on a field whose default is not null (``"n": null``, ``"stream":
+        null``) means that default, as vLLM and OpenAI's clients read optional fields."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].default is None
+        }
 
     def texts(self) -> Iterator[tuple[str, str]]:
         """Every free-text field value with its name (``check_text``)."""
@@ -84,9 +98,14 @@ _VLLM_REFUSED = (
     ("guided_grammar", "no grammar-constrained decoding"),
     ("structured_outputs", "use response_format 'json_schema' or 'json_object' instead"),
     ("use_beam_search", "no beam search"),
+    ("bad_words", "no banned-word lists"),
+    (
+        "cache_salt",
+        "no per-request cache salt: every request of this server shares its prefix cache",
+    ),
     ("prompt_logprobs", "use /v1/completions with echo: true and logprobs: k instead"),
 )
-_NEUTRAL: dict[str, Any] = {"use_beam_search": False}
+_NEUTRAL: dict[str, Any] = {"use_beam_search": False, "bad_words": []}
 
 
 MAX_N = 128  # OpenAI's bound on ``n``
@@ -108,6 +127,10 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ends the text
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context leaves room for)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    bad_words: list[str] | None = None  # declared to be refused
+    cache_salt: str | None = None  # declared to be refused
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension (HF's definition)
@@ -146,8 +169,13 @@ class SamplingRequest(_Request):
                 "gives the usage in the last chunk",
                 "stream_options.continuous_usage_stats",
             )
+        if self.truncate_prompt_tokens == 0:
+            raise ProtocolError(
+                "truncate_prompt_tokens must be -1 (all that fit) or >= 1", "truncate_prompt_tokens"
+            )
         for name, why in _VLLM_REFUSED:
-            if getattr(self, name) != _NEUTRAL.get(name):
+            value = getattr(self, name)
+            if value is not None and value != _NEUTRAL.get(name):
                 raise ProtocolError(f"{name} is not supported ({why})", name)
         self.grammar()  # raises for an unsupported or invalid response_format
         if self.logit_bias:
@@ -315,9 +343,13 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    # vLLM's chat-template switches; the server always opens the assistant's turn.
+    # vLLM's chat-template switches: continue_final_message leaves the last message open
+    # (an assistant prefill the model continues); chat_template_kwargs are more template
+    # variables (e.g. enable_thinking). A per-request chat_template is refused.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -334,17 +366,16 @@ class ChatCompletionRequest(SamplingRequest):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise ProtocolError(f"{name} is not supported (no tool calling)", name)
-        if not self.add_generation_prompt:
+        if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError(
-                "add_generation_prompt: false is not supported on /v1/chat/completions "
-                "(the assistant's turn is always opened)",
-                "add_generation_prompt",
-            )
-        if self.continue_final_message:
-            raise ProtocolError(
-                "continue_final_message: true is not supported on /v1/chat/completions "
-                "(the assistant's turn is always a new one)",
+                "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
+            )
+        if self.chat_template is not None:
+            raise ProtocolError(
+                "chat_template: a per-request template is not supported; start the server "
+                "with --chat-template",
+                "chat_template",
             )
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
@@ -375,3 +406,15 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def template_options(self) -> dict[str, Any]:
+        """``render_chat``'s options that differ from its defaults (empty: the default
+        rendering, which the chat token cache serves)."""
+        options: dict[str, Any] = {}
+        if not self.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        if self.chat_template_kwargs:
+            options["template_kwargs"] = dict(self.chat_template_kwargs)
+        return options

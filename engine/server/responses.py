@@ -6,9 +6,9 @@ request models are ``engine.server.protocol``'s."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def _now() -> int:
@@ -99,8 +99,16 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(BaseModel):
+    """A stream chunk's delta. A field that is None is left out of the JSON, as OpenAI and
+    vLLM send it: ``role`` only in the first chunk, ``content`` (a string, ``""`` at
+    least) in every other, so that a client's ``text += delta.content`` never meets null."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -135,11 +135,16 @@ class ServingContext:
         )
 
     def prepare(self, request: SamplingRequest, token_ids: list[int]) -> PreparedPrompt:
-        """Resolves ``max_tokens`` and enforces ``prompt + max_tokens <= max_model_len``.
-        Raises ProtocolError (400)."""
+        """Resolves ``max_tokens``: at most what the context has left after the prompt (an
+        explicit budget beyond it is capped there, as vLLM does, and the reply ends with
+        ``finish_reason: "length"``). Raises ProtocolError (400) for an empty prompt or one
+        that leaves no room for a generated token."""
         max_len = self.engine.max_model_len
         if not token_ids:
             raise ProtocolError("prompt must not be empty", "prompt")
+        keep = request.truncate_prompt_tokens
+        if keep is not None:  # vLLM's: the prompt's last k tokens (-1: all that fit)
+            token_ids = token_ids[-(max_len - 1 if keep == -1 else min(keep, max_len - 1)) :]
         if len(token_ids) >= max_len:
             raise ProtocolError(
                 f"prompt is {len(token_ids)} tokens long but this model's maximum context "
@@ -147,24 +152,13 @@ class ServingContext:
                 "prompt" if hasattr(request, "prompt") else "messages",
             )
         requested = request.requested_max_tokens()
-        explicit = requested is not None and (
-            "max_tokens" in request.model_fields_set
-            or "max_completion_tokens" in request.model_fields_set
-        )
         remaining = max_len - len(token_ids)
-        if not explicit or requested is None:
-            # An unset budget means "as much as fits"; OpenAI's completions default (16) is
-            # clamped to the context rather than turned into an error.
-            max_tokens = remaining if requested is None else min(requested, remaining)
+        # Unset: as much as fits. Set: capped to what fits (vLLM's get_max_tokens); a value
+        # below 1 is left for SamplingParams to refuse, naming the field.
+        if requested is None:
+            max_tokens = remaining
         else:
-            max_tokens = requested
-            if requested >= 1 and len(token_ids) + requested > max_len:
-                raise ProtocolError(
-                    f"this model's maximum context length is {max_len} tokens, but "
-                    f"{len(token_ids) + requested} were requested ({len(token_ids)} in the "
-                    f"prompt, {requested} for the completion)",
-                    "max_tokens",
-                )
+            max_tokens = min(requested, remaining) if requested >= 1 else requested
         return PreparedPrompt(token_ids, max_tokens)
 
     async def start(

