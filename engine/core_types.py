@@ -43,6 +43,9 @@ class ScheduledRequest:
     # A decode of a request whose outputs show no text yet (``Request.awaits_text``): its step
     # is kept short like a first token's (``engine/sched/first_tokens.py``).
     awaits_text: bool = False
+    # The ids this slice's sample must not produce (``Request.min_tokens_stop_ids``: stop ids
+    # and EOS while under ``sampling.min_tokens`` outputs); empty for everyone else.
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,8 +172,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         api_times: dict[str, float] | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError for a duplicate id, an empty prompt, token ids
-        outside the vocabulary, or a prompt of max_model_len tokens or more. ``api_times``:
+        """Queue a request. Raises ValueError for a duplicate id, an empty prompt, prompt
+        token ids or ``params.allowed_token_ids`` outside the vocabulary (the runner masks
+        logits by them), or a prompt of max_model_len tokens or more. ``api_times``:
         the caller's own TTFT phases (``ttft.API_PHASES``), kept for the request log."""
         if req_id in self._states:
             raise ValueError(f"duplicate request id {req_id!r}")
@@ -184,6 +185,12 @@ class LLMEngine:
         if bad:
             raise ValueError(
                 f"prompt token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})"
+            )
+        allowed = params.allowed_token_ids or ()
+        bad = [t for t in allowed if t >= self._vocab_size]
+        if bad:
+            raise ValueError(
+                f"allowed_token_ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})"
             )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(

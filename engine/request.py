@@ -125,6 +125,16 @@ class Request:
         its user has seen no first token."""
         return not self.has_text and bool(self.output_token_ids)
 
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """The ids the next sample may not take: while fewer than ``min_tokens`` outputs
+        exist, every ``stop_token_ids`` entry and EOS (vLLM's ``all_stop_token_ids``, which
+        holds EOS even with ``ignore_eos``); else none. Sorted, so a step's mask is the same
+        whatever the set order."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        return tuple(sorted(self.eos_token_ids.union(params.stop_token_ids)))
+
     def check_token_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status implied by the last generated token, or None to continue.
         Token-level only: stop *strings* are the detokenizer's job (engine)."""

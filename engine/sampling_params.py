@@ -10,10 +10,19 @@ MAX_LOGPROBS = 20  # top-k alternatives per token, as OpenAI's chat API allows
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1``
-    disables top-p. ``seed`` makes a request's sampling reproducible regardless of batching.
+    disables top-p; ``min_p`` (0 = off) drops every token whose probability is below ``min_p``
+    times the most likely token's, on the distribution after temperature and before top-k /
+    top-p, as vLLM orders them (greedy ignores it: the top token always stays). ``seed``
+    makes a request's sampling reproducible regardless of batching.
     ``stop`` strings end generation and are not included in ``.text`` unless
     ``include_stop_str_in_output`` (vLLM's name; the text then ends with the stop string);
-    ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too. Raises ValueError on bad values.
+    ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too. While fewer than
+    ``min_tokens`` tokens are out, EOS and every ``stop_token_ids`` entry are masked from
+    sampling (vLLM's ``MinTokensLogitsProcessor`` over ``all_stop_token_ids``: EOS even with
+    ``ignore_eos``), greedy included, so the output cannot end early or hold them.
+    ``allowed_token_ids`` (None = all): only these ids may be sampled, every other logit is
+    masked (before penalties, as vLLM does); ids past the vocabulary are rejected when the
+    request is added (``LLMEngine.add_request``). Raises ValueError on bad values.
 
     Penalties act on the logits before temperature, greedy included, in vLLM's order:
     ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``: over prompt and output
@@ -34,9 +43,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -55,6 +66,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.allowed_token_ids is not None:  # a list (the wire, the API) becomes a tuple
+            allowed = tuple(self.allowed_token_ids)
+            object.__setattr__(self, "allowed_token_ids", allowed)
+            if not allowed or any(not isinstance(t, int) or t < 0 for t in allowed):
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids >= 0, got {allowed!r}"
+                )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):  # also rejects NaN
@@ -63,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):  # also rejects NaN
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any(not s for s in self.stop):

@@ -1,5 +1,9 @@
-"""What the model runner does to a step's logits besides sampling: penalties (before the
-sampler) and log-probabilities (of the raw logits, for the response).
+"""What the model runner does to a step's logits besides sampling: token masks and penalties
+(before the sampler) and log-probabilities (of the raw logits, for the response).
+
+Token masks follow vLLM: ``allowed_token_ids`` leaves only those ids, and ``min_tokens``
+(``MinTokensLogitsProcessor``) bans the stop ids and EOS until enough outputs exist; both set
+logits to -inf before the penalties, so greedy rows obey them too.
 
 Penalties follow Hugging Face's ``RepetitionPenaltyLogitsProcessor`` (over prompt and output
 tokens) and OpenAI's definition of ``frequency_penalty`` / ``presence_penalty`` (over the
@@ -16,6 +20,42 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class MaskRow:
+    """One logits row to mask: the only ids it may sample (None: all) and the ids it may not
+    (applied after ``allowed``, so a banned id stays banned even when allowed)."""
+
+    allowed: Sequence[int] | None = None
+    banned: Sequence[int] = ()
+
+
+def mask_tokens(logits: torch.Tensor, rows: Sequence[MaskRow | None]) -> torch.Tensor:
+    """``logits [n, vocab]`` with each non-None row's masked ids at -inf. Returns ``logits``
+    itself when no row has a mask, else a float32 copy (the raw logits stay for logprobs).
+    Ids must be inside the vocabulary (checked when the request is added)."""
+    if all(r is None for r in rows):
+        return logits
+    out = logits.float().clone()
+    allowed = [(i, r.allowed) for i, r in enumerate(rows) if r is not None and r.allowed]
+    if allowed:
+        keep = torch.zeros(len(allowed), out.shape[-1], dtype=torch.bool)
+        for k, (_, ids) in enumerate(allowed):
+            keep[k, list(ids)] = True
+        # Non-blocking host-to-device copies: no sync before the step's one (the sampled ids).
+        index = torch.tensor([i for i, _ in allowed], dtype=torch.int64)
+        index = index.to(out.device, non_blocking=True)
+        keep = keep.to(out.device, non_blocking=True)
+        masked = out.index_select(0, index).masked_fill_(~keep, float("-inf"))
+        out.index_copy_(0, index, masked)
+    banned_rows = [i for i, r in enumerate(rows) if r is not None for _ in r.banned]
+    if banned_rows:
+        banned_ids = [t for r in rows if r is not None for t in r.banned]
+        pairs = torch.tensor([banned_rows, banned_ids], dtype=torch.int64)
+        pairs = pairs.to(out.device, non_blocking=True)
+        out[pairs[0], pairs[1]] = float("-inf")
+    return out
 
 
 @dataclass(frozen=True, slots=True)

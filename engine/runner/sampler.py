@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with batch-independent per-request seeds.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with batch-independent
+per-request seeds. Min-p comes after temperature and before top-k/top-p, as in vLLM.
 
 Every non-greedy row is sampled by inverse CDF over its sorted, filtered distribution with
 ONE uniform number. For a request with a seed that number comes from a fresh CPU generator
@@ -36,6 +37,21 @@ def seeded_uniform(seed: int, num_output_tokens: int) -> float:
     digest = hashlib.blake2b(f"{seed}:{num_output_tokens}".encode(), digest_size=8).digest()
     gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
     return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def apply_min_p(scaled: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """``scaled`` (logits after temperature, one row per request) with every token whose
+    probability is below ``min_p`` times the top token's at -inf; ``scaled`` itself when no
+    row sets min_p. In logit space, where softmax's normalizer cancels: ``p_i < min_p * p_max``
+    iff ``s_i - s_max < log(min_p)``, so no extra softmax, and min_p 0 (log = -inf) keeps
+    every token of its row."""
+    min_p = [r.params.min_p for r in requests]
+    if not any(min_p):
+        return scaled
+    log_min_p = torch.tensor(min_p, dtype=torch.float64).log().to(scaled.dtype)
+    log_min_p = log_min_p.to(scaled.device, non_blocking=True).unsqueeze(1)
+    below = scaled - scaled.amax(dim=-1, keepdim=True) < log_min_p
+    return scaled.masked_fill(below, float("-inf"))
 
 
 def _flashinfer_sampling() -> object | None:
@@ -104,7 +120,7 @@ class Sampler:
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int32)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         picked = self._gpu_kernels.top_k_top_p_sampling_from_logits(  # type: ignore[attr-defined]
-            logits / temps.unsqueeze(1),
+            apply_min_p(logits / temps.unsqueeze(1), requests),
             top_k.to(device, non_blocking=True),
             top_p.to(device, non_blocking=True),
             filter_apply_order="top_k_first",
@@ -117,7 +133,7 @@ class Sampler:
         device = logits.device
         vocab = logits.shape[-1]
         temps = torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1)
-        probs = torch.softmax(logits / temps, dim=-1)
+        probs = torch.softmax(apply_min_p(logits / temps, requests), dim=-1)
         # Stable sort: equal probabilities keep vocab order, so results are reproducible.
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)
         top_k = torch.tensor(

@@ -1,10 +1,10 @@
 """The sampling end of a step: from the rows of hidden states that sample to the step's tokens
 and logprobs, written into its ``ModelRunnerOutput``.
 
-``sample_tokens``: penalties, grammar masks, sampling (the step's one host sync), then the
-logprobs of the raw logits for the requests that asked. ``prompt_logprobs``: the logprobs of
-the prompt tokens this step's chunks predict. Both run under the runner's inference mode, on
-rank 0 only under tensor parallelism.
+``sample_tokens``: token masks (``allowed_token_ids``, ``min_tokens``), penalties, grammar
+masks, sampling (the step's one host sync), then the logprobs of the raw logits for the
+requests that asked. ``prompt_logprobs``: the logprobs of the prompt tokens this step's chunks
+predict. Both run under the runner's inference mode, on rank 0 only under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from collections.abc import Callable
 import torch
 
 from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.runner.logits_processors import PenaltyRow, apply_penalties, token_logprobs
+from engine.runner.logits_processors import (
+    MaskRow,
+    PenaltyRow,
+    apply_penalties,
+    mask_tokens,
+    token_logprobs,
+)
 from engine.runner.sampler import Sampler, SampleRequest
 from engine.runner.structured_output import RequestGrammars
 
@@ -27,13 +33,22 @@ def sample_tokens(
     grammars: Callable[[], RequestGrammars],
     before_sync: Callable[[], None] | None = None,
 ) -> None:
-    """Penalties, grammar masks, sampling, then logprobs of the raw ``logits``; fills
-    ``result``. The one host sync of a plain step is the sampled ids' copy. ``grammars``:
-    the runner's grammar state, built on the first constrained request; ``before_sync``:
-    called once the sampling is queued, before that copy (the connector's
+    """Token masks, penalties (vLLM's order), grammar masks, sampling, then logprobs of the
+    raw ``logits``; fills ``result``. The one host sync of a plain step is the sampled ids'
+    copy. ``grammars``: the runner's grammar state, built on the first constrained request;
+    ``before_sync``: called once the sampling is queued, before that copy (the connector's
     ``forward_queued``)."""
-    processed = apply_penalties(
+    processed = mask_tokens(
         logits,
+        [
+            MaskRow(s.sampling.allowed_token_ids, s.min_tokens_stop_ids)
+            if s.sampling.allowed_token_ids is not None or s.min_tokens_stop_ids
+            else None
+            for s in sliced
+        ],
+    )
+    processed = apply_penalties(
+        processed,
         [
             PenaltyRow(s.sampling, s.all_token_ids, s.num_output_tokens)
             if s.sampling.has_penalties

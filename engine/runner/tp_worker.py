@@ -183,7 +183,7 @@ def _for_workers(out: SchedulerOutput) -> SchedulerOutput:
     requests = [
         r
         if r.sampling is _PLAIN and not r.all_token_ids
-        else dataclasses.replace(r, sampling=_PLAIN, all_token_ids=[])
+        else dataclasses.replace(r, sampling=_PLAIN, all_token_ids=[], min_tokens_stop_ids=())
         for r in out.requests
     ]
     return dataclasses.replace(out, requests=requests)

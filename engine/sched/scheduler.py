@@ -155,6 +155,7 @@ class Scheduler:
             all_token_ids=request.all_token_ids if request.sampling_params.needs_history else [],
             num_prompt_tokens=request.num_prompt_tokens,
             awaits_text=request.awaits_text,
+            min_tokens_stop_ids=request.min_tokens_stop_ids(),
         )
 
     def schedule(self) -> SchedulerOutput:

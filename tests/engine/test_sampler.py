@@ -100,3 +100,46 @@ def test_sampler_does_not_mutate_and_checks_rows() -> None:
     with pytest.raises(ValueError, match="2 logits rows for 1 requests"):
         Sampler(0)(logits, [SampleRequest(SamplingParams(), 0)])
     assert Sampler(0)(torch.empty(0, 10), []) == []
+
+
+def test_min_p_keeps_tokens_above_min_p_times_the_top() -> None:
+    probs = [0.05, 0.5, 0.15, 0.3]  # min_p x 0.5 is the bar
+    row = logits_from_probs(probs).unsqueeze(0)
+    cases = {0.0: {0, 1, 2, 3}, 0.2: {1, 2, 3}, 0.5: {1, 3}, 0.7: {1}, 1.0: {1}}
+    for min_p, kept in cases.items():
+        seen = {
+            Sampler(0)(row, [SampleRequest(SamplingParams(min_p=min_p, seed=s), 0)])[0]
+            for s in range(400)
+        }
+        assert seen == kept, min_p
+
+
+def test_min_p_applies_after_temperature_and_before_top_k_top_p() -> None:
+    row = logits_from_probs([0.5, 0.3, 0.2]).unsqueeze(0)
+
+    def seen(**kwargs: object) -> set[int]:
+        reqs = [SampleRequest(SamplingParams(seed=s, **kwargs), 0) for s in range(300)]  # type: ignore[arg-type]
+        return set(Sampler(0)(row.expand(len(reqs), 3), reqs))
+
+    assert seen(min_p=0.5) == {0, 1}  # bar 0.25 on the raw distribution
+    # T = 0.5 squares then renormalizes: 0.66, 0.24, 0.11; the bar is 0.33, only token 0.
+    assert seen(min_p=0.5, temperature=0.5) == {0}
+    # T = 2 flattens (0.42, 0.32, 0.26): all clear the bar of 0.21.
+    assert seen(min_p=0.5, temperature=2.0) == {0, 1, 2}
+    # Top-p acts on what min_p kept, renormalized (0.625, 0.375): 0.6 is reached by token 0
+    # alone, where the raw 0.5 needs token 1 too.
+    assert seen(top_p=0.6) == {0, 1}
+    assert seen(min_p=0.5, top_p=0.6) == {0}
+    assert seen(min_p=0.5, top_k=1) == {0}
+
+
+def test_min_p_rows_leave_their_batch_neighbours_alone() -> None:
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(4))
+    hot = [SampleRequest(SamplingParams(temperature=8.0, seed=s), s) for s in range(4)]
+    plain = Sampler(0)(logits, hot)
+    mixed = [hot[0], SampleRequest(SamplingParams(temperature=8.0, seed=1, min_p=1.0), 1)]
+    mixed += hot[2:]
+    got = Sampler(0)(logits, mixed)
+    assert got[1] == int(logits[1].argmax())  # min_p 1 at any temperature: the top token
+    assert [got[0], *got[2:]] == [plain[0], *plain[2:]]
+    assert plain[1] != got[1]  # and without it, temperature 8 wanders
