@@ -216,6 +216,7 @@ class LLMEngine:
                 prompt_ids,
                 params.stop,
                 params.min_tokens,
+                skip_special_tokens=params.skip_special_tokens,
                 include_stop=params.include_stop_str_in_output,
             )
         self.scheduler.add_request(request)

@@ -16,7 +16,8 @@ class SamplingParams:
     makes a request's sampling reproducible regardless of batching.
     ``stop`` strings end generation and are not included in ``.text`` unless
     ``include_stop_str_in_output`` (vLLM's name; the text then ends with the stop string);
-    ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too. While fewer than
+    ``stop_token_ids`` and EOS (unless ``ignore_eos``) end it too. ``skip_special_tokens``
+    (vLLM's, on by default): special tokens are left out of the text. While fewer than
     ``min_tokens`` tokens are out, EOS and every ``stop_token_ids`` entry are masked from
     sampling (vLLM's ``MinTokensLogitsProcessor`` over ``all_stop_token_ids``: EOS even with
     ``ignore_eos``), greedy included, so the output cannot end early or hold them.
@@ -49,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float = 0.0

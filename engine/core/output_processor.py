@@ -57,6 +57,7 @@ class RequestState:
             prompt_token_ids,
             params.stop,
             params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
             include_stop=params.include_stop_str_in_output,
         )
         return cls(

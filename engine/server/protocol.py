@@ -118,6 +118,7 @@ class SamplingRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
+    min_p: float | None = None  # vLLM's: drop tokens below min_p x the top token's probability
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]] | None = None
@@ -127,6 +128,9 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string ends the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    # vLLM's: only these ids may be sampled
+    allowed_token_ids: list[Annotated[int, Field(ge=0, lt=TOKEN_ID_LIMIT)]] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context leaves room for)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     bad_words: list[str] | None = None  # declared to be refused
@@ -244,6 +248,11 @@ class SamplingRequest(_Request):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=-1 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                allowed_token_ids=(
+                    None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+                ),
+                skip_special_tokens=self.skip_special_tokens,
                 seed=None if self.seed is None else self.seed + sample_index,
                 stop=stop,
                 stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -141,3 +141,23 @@ def test_chat_template_kwargs_reach_the_template(tmp_path: Any) -> None:
     assert tok.decode(plain) == "hello there|"
     assert tok.decode(tailed) == "hello there| the end"
     assert len(cache) == 1 and cache.encode(conversation).token_ids == plain
+
+
+def test_min_p_allowed_token_ids_and_skip_special_tokens(server: Server) -> None:
+    """vLLM's sampling fields reach the engine: ``min_p: 1`` samples as greedy does,
+    ``allowed_token_ids`` is all that comes out, ``skip_special_tokens: false`` shows the
+    special tokens the text otherwise leaves out; an id past the vocabulary is a 400."""
+    body = {"prompt": "The cache", "max_tokens": 8, "ignore_eos": True}
+    greedy = _post(server, "/v1/completions", {**body, "temperature": 0}).json()
+    hot = _post(server, "/v1/completions", {**body, "temperature": 2.0, "min_p": 1.0, "seed": 1})
+    assert hot.status_code == 200, hot.text
+    assert hot.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    tok = server.llm.tokenizer  # type: ignore[attr-defined]
+    eos = tok.eos_token_id
+    only_eos = {**body, "allowed_token_ids": [eos], "return_tokens_as_token_ids": True}
+    shown = _post(server, "/v1/completions", {**only_eos, "skip_special_tokens": False}).json()
+    hidden = _post(server, "/v1/completions", only_eos).json()
+    assert shown["choices"][0]["text"] == tok.eos_token * 8
+    assert hidden["choices"][0]["text"] == "" and hidden["usage"]["completion_tokens"] == 8
+    outside = _post(server, "/v1/completions", {**body, "allowed_token_ids": [10**6]})
+    assert outside.status_code == 400 and "allowed_token_ids" in outside.text, outside.text
