@@ -48,7 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML of serve flags (`port: 9000`, `kv-offload: true`, ...); flags "
         "given on the command line after it win",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP bind address; loopback only unless told, as SGLang's (vLLM binds every "
+        "interface): pass 0.0.0.0 in a container or behind a load balancer",
+    )
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (1..65535)")
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: the model's)"
