@@ -163,7 +163,7 @@ def test_serve_flags_map_one_to_one() -> None:
         kv_offload_config="tiers.yaml",
         request_log="req.jsonl",
     )
-    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, "m1")
+    assert (args.host, args.port, args.served_model_name) == ("0.0.0.0", 9001, ["m1"])
     assert core_proc_config_from_args(args) == CoreProcConfig(num_threads=3, log_level="info")
     assert args.engine_in_process is True
 

@@ -175,16 +175,20 @@ def build_app(
     chat_template: str | None = None,
     model_info: dict[str, Any] | None = None,
     return_log: str | None = None,
+    model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
     ``chat_template`` as the module docstring says; ``model_info`` (path, dtype, layers) is
     shown by ``/health?verbose=1``; ``return_log``: a file for each request's return and
     first-text times (``engine.server.return_log``; ``kvtier serve --request-log`` sets it;
-    one that cannot be opened is logged and left out: it never stops the server)."""
+    one that cannot be opened is logged and left out: it never stops the server);
+    ``model_aliases``: more names requests may use (``--served-model-name A B``, as vLLM's:
+    responses and metrics carry the first)."""
     metrics = ServerMetrics(engine.stats, served_model_name)
     log = _open_return_log(return_log)
-    ctx = ServingContext(engine, served_model_name, metrics, chat_template, log)
+    ctx = ServingContext(engine, served_model_name, metrics, chat_template, log, model_aliases)
+    names = (served_model_name, *model_aliases)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -219,19 +223,19 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=name, max_model_len=engine.max_model_len) for name in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != served_model_name:
+        if model_id not in names:
             return error_response(
                 404,
                 f"The model `{model_id}` does not exist.",
                 param="model",
                 code="model_not_found",
             )
-        card = ModelCard(id=served_model_name, max_model_len=engine.max_model_len)
+        card = ModelCard(id=model_id, max_model_len=engine.max_model_len)
         return JSONResponse(card.model_dump())
 
     @app.post("/tokenize")

@@ -177,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
         logger.debug("engine start-up failed", exc_info=True)
         logger.error("%s", one_line(exc))
         return FAILURE_EXIT
-    name = args.served_model_name or engine.model_name
+    names = args.served_model_name or [engine.model_name]
+    name = names[0]
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler that
     # was in place before it: with the default one this process would die there, before the
     # engine is shut down and the KV offload drained (write-through queues, host-only blocks).
@@ -195,6 +196,7 @@ def main(args: argparse.Namespace) -> int:
             chat_template=checked.chat_template,
             model_info=checked.model_info,
             return_log=str(return_log_path(args.request_log)) if args.request_log else None,
+            model_aliases=tuple(names[1:]),
         )
         # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
         # its whole life: keep them out of the collector's full passes, as the engine does.

@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (1..65535)")
     parser.add_argument(
-        "--served-model-name", default=None, help="name clients use (default: the model's)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients use, as vLLM's: any is accepted as a request's model, the first "
+        "is in responses and metrics (default: the model's)",
     )
     parser.add_argument(
         "--dtype",
@@ -311,7 +316,8 @@ class _ConfigFile(argparse.Action):
 def config_value(action: argparse.Action, value: Any) -> Any:
     """``value`` of a ``--config`` key checked as the command line checks the flag's text.
     A switch takes only a YAML boolean (the string "no" is truthy: it would turn a switch
-    on); any other flag one scalar, converted by the flag's type and held to its choices.
+    on); any other flag one scalar (a flag of several values: a list, or one), converted by
+    the flag's type and held to its choices.
     Raises ValueError saying why, in one line."""
     if action.nargs == 0:  # store_true, store_false, --flag/--no-flag
         if not isinstance(value, bool):
@@ -321,6 +327,16 @@ def config_value(action: argparse.Action, value: Any) -> Any:
         if action.default is not None:
             raise ValueError("expected a value, got nothing (null)")
         return None
+    if action.nargs == "+":  # a list of values, or one
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise ValueError("expected at least one value, got an empty list")
+        return [_scalar_value(action, item) for item in items]
+    return _scalar_value(action, value)
+
+
+def _scalar_value(action: argparse.Action, value: Any) -> Any:
+    """One value of a ``--config`` key, converted by the flag's type, held to its choices."""
     if isinstance(value, (bool, list, dict)):
         raise ValueError(f"expected a single value, got {_yaml_kind(value)}")
     text = str(value)

@@ -93,12 +93,15 @@ class ServingContext:
         metrics: ServerMetrics,
         chat_template: str | None = None,
         return_log: ReturnLog | None = None,
+        model_aliases: tuple[str, ...] = (),
     ):
         """``return_log``: each request's ``return`` and ``first_text`` times, by engine
-        request id (``engine.server.return_log``)."""
+        request id (``engine.server.return_log``); ``model_aliases``: more names a request
+        may give as its ``model``."""
         self.engine = engine
         self.return_log = return_log
         self.served_model_name = served_model_name
+        self.model_names = frozenset((served_model_name, *model_aliases))
         self.metrics = metrics
         self.chat_tokens = ChatTokenCache(engine.tokenizer, chat_template=chat_template)
         self.logprobs = LogprobFormatter(engine.tokenizer)
@@ -116,8 +119,8 @@ class ServingContext:
             self.return_log.close()
 
     def check_model(self, request: Any) -> None:
-        """Raises APIError (404) unless ``request.model`` is unset or the served name."""
-        if request.model is not None and request.model != self.served_model_name:
+        """Raises APIError (404) unless ``request.model`` is unset or a served name."""
+        if request.model is not None and request.model not in self.model_names:
             raise APIError(
                 404,
                 f"The model `{request.model}` does not exist.",

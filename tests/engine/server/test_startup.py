@@ -150,6 +150,24 @@ def test_tokenizer_and_chat_template_flags(tmp_path: Path) -> None:
     )
 
 
+def test_several_served_model_names(tmp_path: Path) -> None:
+    """``--served-model-name A B`` (vLLM's aliases) is a list, not a second model."""
+    from engine.cli import build_parser
+
+    def parse(*argv: str):
+        return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+    args = parse("/models/m", "--served-model-name", "llama3", "meta-llama/Llama-3-8B")
+    assert args.served_model_name == ["llama3", "meta-llama/Llama-3-8B"]
+    cfg = tmp_path / "serve.yaml"
+    for text, names in (
+        ("served-model-name: [a, b]\n", ["a", "b"]),
+        ("served-model-name: a\n", ["a"]),
+    ):
+        cfg.write_text(text)
+        assert parse("--config", str(cfg)).served_model_name == names
+
+
 def test_bad_yaml_in_config_is_one_line_with_the_file_and_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "serve.yaml"
     bad.write_text("port: 9000\nmodel: [a, b\n")
@@ -189,7 +207,11 @@ def test_config_file_errors_are_one_line_naming_the_file(
         ("cpu-kv-cache-bytes: 4096\n", "cpu-kv-cache-bytes: '4096' has no unit; "),
         ("max-num-seqs: [4]\n", "max-num-seqs: expected a single value, got a list"),
         ('kv-offload: "no"\n', "kv-offload: expected true or false, got 'no'"),
-        ("served-model-name: [a, b]\n", "served-model-name: expected a single value, got a list"),
+        (
+            "served-model-name: []\n",
+            "served-model-name: expected at least one value, got an empty list",
+        ),
+        ("served-model-name: [a, [b]]\n", "served-model-name: expected a single value, got a list"),
         ("seed: true\n", "seed: expected a single value, got a boolean (true)"),
         ("dtype: float8\n", "dtype: invalid choice: 'float8' (choose from 'auto', "),
         ("port:\n", "port: expected a value, got nothing (null)"),
@@ -227,7 +249,7 @@ def test_config_file_values_are_converted_as_the_flags_text_is(tmp_path: Path) -
     args = parser.parse_args(["--config", str(good)])
     assert (args.port, args.kv_offload, args.enable_prefix_caching) == (9001, False, False)
     assert (args.cpu_kv_cache_bytes, args.gpu_memory_utilization) == (64 << 20, 0.5)
-    assert args.served_model_name == "7"
+    assert args.served_model_name == ["7"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")

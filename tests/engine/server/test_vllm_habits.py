@@ -161,3 +161,19 @@ def test_min_p_allowed_token_ids_and_skip_special_tokens(server: Server) -> None
     assert hidden["choices"][0]["text"] == "" and hidden["usage"]["completion_tokens"] == 8
     outside = _post(server, "/v1/completions", {**body, "allowed_token_ids": [10**6]})
     assert outside.status_code == 400 and "allowed_token_ids" in outside.text, outside.text
+
+
+def test_model_aliases_are_each_served_under_the_first_name(server: Server) -> None:
+    """``--served-model-name A B``: every name is a model a request may ask for and one of
+    /v1/models; responses carry the first, as vLLM's do."""
+    from tests.engine.test_server import run_server
+
+    with run_server(server.engine, MODEL, model_aliases=("alias-a",)) as base:
+        listed = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        assert [card["id"] for card in listed] == [MODEL, "alias-a"]
+        assert httpx.get(f"{base}/v1/models/alias-a", timeout=10).status_code == 200
+        body = {"model": "alias-a", "prompt": "x", "max_tokens": 1}
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200 and got.json()["model"] == MODEL, got.text
+        other = httpx.post(f"{base}/v1/completions", json={**body, "model": "nope"}, timeout=60)
+        assert other.status_code == 404
