@@ -101,12 +101,20 @@ class RedisTierConfig:
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in {"redis", "rediss", "unix", *REDIS_CLUSTER_SCHEMES}:
+        parts = urlsplit(self.url)
+        if parts.scheme not in {"redis", "rediss", "unix", *REDIS_CLUSTER_SCHEMES}:
             raise ValueError(
                 f"redis url must be redis://, rediss://, unix:// or "
                 f"redis+cluster://, got {redact_url(self.url)!r}"
             )
+        if parts.scheme != "unix":
+            url_port("url", self.url, redact_url(self.url))
+            db = parts.path.strip("/")
+            if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+                raise ValueError(
+                    f"field 'url': the database must be a number (redis://HOST:PORT/0), "
+                    f"got {redact_url(self.url)!r}"
+                )
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or None, got {self.ttl_s}")
         if self.max_value_bytes <= 0:
@@ -124,12 +132,24 @@ class RedisTierConfig:
             raise ValueError(f"read_connections must be positive, got {self.read_connections}")
         if self.capacity is not None and self.capacity <= 0:
             raise ValueError(f"capacity must be positive or None, got {self.capacity}")
-        if self.capacity is not None and (self.cluster or scheme in REDIS_CLUSTER_SCHEMES):
+        if self.capacity is not None and (self.cluster or parts.scheme in REDIS_CLUSTER_SCHEMES):
             # Its LRU scripts touch keys in many hash slots.
             raise ValueError(
                 "field 'capacity' needs a single Redis server, not a cluster "
                 "(bound each shard with maxmemory instead)"
             )
+
+
+def url_port(field: str, url: str, shown: str) -> int | None:
+    """``url``'s port, None when it names none. Raises ValueError naming ``field`` for a port
+    that is not a number in 1..65535 (``shown``: the URL as an error may print it)."""
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"field '{field}': the port must be a number 1..65535, got {shown!r}")
+    return port
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +182,13 @@ class S3TierConfig:
     def __post_init__(self) -> None:
         if not self.bucket:
             raise ValueError("s3 tier needs a bucket")
+        if self.endpoint_url is not None:
+            parts = urlsplit(self.endpoint_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"field 'endpoint_url' must be http(s)://HOST[:PORT], got {self.endpoint_url!r}"
+                )
+            url_port("endpoint_url", self.endpoint_url, self.endpoint_url)
         if self.blocks_per_object <= 0 or self.max_pool_connections <= 0:
             raise ValueError("blocks_per_object and max_pool_connections must be positive")
         if self.read_chunk_bytes <= 0:
@@ -193,6 +220,12 @@ class RemoteTierConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("tcp://", "ipc://")):
             raise ValueError(f"field 'url' must be tcp://HOST:PORT or ipc://PATH, got {self.url!r}")
+        if self.url.startswith("tcp://"):
+            parts = urlsplit(self.url)
+            if not parts.hostname or url_port("url", self.url, self.url) is None:
+                raise ValueError(f"field 'url' must be tcp://HOST:PORT, got {self.url!r}")
+        elif self.url == "ipc://":
+            raise ValueError("field 'url': ipc:// needs a path (ipc:///run/kvtier/cache.sock)")
         if self.token is not None and self.token_file is not None:
             raise ValueError("fields 'token' and 'token_file' are mutually exclusive")
         if self.timeout_s is not None and self.timeout_ms is not None:

@@ -409,6 +409,10 @@ def test_backend_defaults_match_the_backends() -> None:
             "field 'capacity' needs a single Redis server",
         ),
         ({"read_connections": 0}, "field 'read_connections': expected a positive integer, got 0"),
+        # Caught at start-up, not after the model loaded (they failed in the engine core).
+        ({"url": "redis://h:99999/0"}, "field 'url': the port must be a number 1..65535"),
+        ({"url": "redis://h:port/0"}, "field 'url': the port must be a number 1..65535"),
+        ({"url": "redis://:pw@h:6379/x"}, "field 'url': the database must be a number"),
         ({"read_connections": "4"}, "field 'read_connections': expected a positive integer"),
         (
             {"read_connections": 9, "max_connections": 8},
@@ -437,6 +441,9 @@ def test_redis_field_errors(entry: dict, message: str) -> None:
         ({"read_chunk_bytes": 8388608}, "field 'read_chunk_bytes': 8388608 has no unit"),
         ({"read_chunk_bytes": "0MiB"}, "field 'read_chunk_bytes': expected a positive size"),
         ({"read_chunk_bytes": "8 blocks"}, "field 'read_chunk_bytes': '8 blocks' is in blocks"),
+        ({"endpoint_url": "not a url"}, "field 'endpoint_url' must be http(s)://HOST[:PORT]"),
+        ({"endpoint_url": "s3.amazonaws.com"}, "field 'endpoint_url' must be http(s)://HOST"),
+        ({"endpoint_url": "http://minio:0"}, "field 'endpoint_url': the port must be a number"),
     ],
 )
 def test_s3_field_errors(entry: dict, message: str) -> None:
@@ -515,6 +522,9 @@ def test_remote_fields_parse_with_defaults() -> None:
         ({"timeout_s": -2}, "field 'timeout_s': expected a positive number"),
         ({"token_file": ""}, "field 'token_file': expected a non-empty string"),
         ({"url": "http://cache:7000"}, "field 'url' must be tcp://HOST:PORT or ipc://PATH"),
+        ({"url": "tcp://127.0.0.1"}, "field 'url' must be tcp://HOST:PORT, got"),
+        ({"url": "tcp://cache:70000"}, "field 'url': the port must be a number 1..65535"),
+        ({"url": "ipc://"}, "field 'url': ipc:// needs a path"),
         ({"timeout": 3}, "unknown field(s) ['timeout']"),
     ],
 )
