@@ -70,6 +70,13 @@ class SchedulerConfig:
             raise ValueError("load_wait_step_tokens must be >= 0")
 
 
+# A ready engine core that sends nothing for this long is declared stalled (``CoreProcConfig``,
+# ``kvtier serve --engine-stall-timeout``). Generous: one step is silent however long it runs,
+# and a 4K-token prefill of a 135M model took ~15 s on a 2-core CPU; a request of a new shape
+# may also build kernels inside its step. vLLM gives one step of its TP workers 300 s
+# (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
+DEFAULT_STALL_TIMEOUT_S = 120.0
+
 # Kernel choices of the flashinfer backend (engine/attention/flashinfer_backend.py).
 GRAPH_DECODE_CHOICES = ("auto", "triton", "flashinfer")
 SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")

@@ -31,7 +31,19 @@ def test_serve_defaults_map_to_default_engine_config() -> None:
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
     assert engine_config_from_args(args) == EngineConfig()
     assert core_proc_config_from_args(args) == CoreProcConfig(log_level="info")
+    assert core_proc_config_from_args(args).stall_timeout_s == 120.0
     assert args.engine_in_process is False  # the core runs in its own process by default
+
+
+def test_engine_stall_timeout_maps_to_the_core_config_and_0_turns_it_off() -> None:
+    stall = core_proc_config_from_args(_serve_args(["--engine-stall-timeout", "3"]))
+    assert stall.stall_timeout_s == 3.0
+    off = core_proc_config_from_args(_serve_args(["--engine-stall-timeout", "0"]))
+    assert off.stall_timeout_s is None
+    with pytest.raises(SystemExit):
+        _serve_args(["--engine-stall-timeout", "-5"])
+    with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
+        CoreProcConfig(stall_timeout_s=0)
 
 
 def test_vllm_habits_positional_model_prefix_caching_flags_config_file(tmp_path: Path) -> None:

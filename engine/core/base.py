@@ -33,6 +33,13 @@ class EngineDeadError(RuntimeError):
     progress."""
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine core's process still runs but has sent nothing for longer than its stall
+    timeout (a step stuck in a CUDA call or a collective, the process stopped): treated as
+    dead, since no request it holds can finish, and killed at shutdown, since it cannot
+    drain."""
+
+
 class EngineClient(Protocol):
     """The engine as the HTTP endpoints see it. Every method may be called from any thread;
     ``generate`` from an asyncio loop."""

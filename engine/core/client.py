@@ -9,6 +9,17 @@ dies, every pending and later request fails with ``EngineDeadError`` and ``is_ru
 False (``/health`` answers 503). The API process never runs model work, so it stays
 responsive during long prefills.
 
+A core that still runs but says nothing is as useless as a dead one: a step stuck in a CUDA
+call or a collective, a process stopped (``kill -STOP``). The same thread watches for that
+(``StallWatch``): every message from the core is progress (each step's outputs, the idle
+core's stats every few seconds, its answer to a ``StatsRequest`` this thread sends once half
+the timeout passed in silence, which covers timeouts shorter than the idle period). After
+``stall_timeout_s`` of silence the core is declared stalled: ``EngineStalledError`` for every
+pending and later request, ``is_running`` False, a SIGUSR1 to the core so that its threads'
+stacks (where it is stuck) reach the log, and ``shutdown`` kills it at once instead of waiting
+for a drain it cannot do. A single step longer than the timeout is indistinguishable from a
+stuck one, hence a generous default (``DEFAULT_STALL_TIMEOUT_S``).
+
 Why a thread rather than an asyncio task: one client serves whichever event loops call it
 (uvicorn's, or several successive ``asyncio.run`` in tests), and the thread blocks in
 ``zmq.Poller`` on the socket and the process sentinel together.
@@ -18,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,9 +39,10 @@ from typing import Any
 
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_STALL_TIMEOUT_S, EngineConfig
 from engine.core.base import (
     EngineDeadError,
+    EngineStalledError,
     EngineStats,
     OutputStream,
     StreamEntry,
@@ -54,9 +68,51 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt, load_tokenizer
 
-__all__ = ["CoreProcConfig", "EngineCoreClient", "EngineStartupError"]
+__all__ = ["CoreProcConfig", "EngineCoreClient", "EngineStartupError", "StallWatch"]
 logger = logging.getLogger(__name__)
 _LAST_EVENTS_GRACE_MS = 200  # after the core exits, how long its last messages may trail
+_STALL_TICK_MAX_S = 1.0  # how often, at most, the output thread wakes to judge the silence
+
+
+class StallWatch:
+    """How long the engine core has said nothing, as the output thread saw it, and what to do
+    about it. The thread calls ``heard`` on every message and ``tick`` on every other wake-up
+    (it polls at least every ``tick_s``); ``tick`` answers ``PING`` once the silence reached
+    half of ``timeout_s`` (ask the core for its stats: an idle one answers at once, a busy one
+    after its step), ``STALLED`` once it reached ``timeout_s``, else None.
+
+    Silence counts only time this thread was awake to watch: a wake-up adds the time since the
+    one before, but at most one tick. A whole process group stopped and resumed (Ctrl-Z and
+    ``fg``, ``docker pause``, a cgroup freezer) would otherwise find, on waking, minutes of
+    silence that the core, stopped too, is not to blame for; after such a pause the core still
+    has most of a timeout to answer the ping. An API process too busy to wake this thread on
+    time only delays the verdict. Not thread-safe: the output thread's."""
+
+    PING = "ping"
+    STALLED = "stalled"
+
+    def __init__(self, timeout_s: float, now: float) -> None:
+        self.timeout_s = timeout_s
+        self.tick_s = min(_STALL_TICK_MAX_S, timeout_s / 8)
+        self.silent_s = 0.0  # watched silence, what the verdict goes by
+        self.heard_at = now  # the last message (the client's start: Ready)
+        self._seen_at = now  # this thread's last wake-up
+        self._pinged = False
+
+    def heard(self, now: float) -> None:
+        self.silent_s = 0.0
+        self.heard_at = self._seen_at = now
+        self._pinged = False
+
+    def tick(self, now: float) -> str | None:
+        self.silent_s += min(max(0.0, now - self._seen_at), self.tick_s)
+        self._seen_at = now
+        if self.silent_s >= self.timeout_s:
+            return self.STALLED
+        if not self._pinged and self.silent_s >= self.timeout_s / 2:
+            self._pinged = True
+            return self.PING
+        return None
 
 
 @dataclass(slots=True)
@@ -67,7 +123,15 @@ class _Entry(StreamEntry):
 class EngineCoreClient(StreamingFrontEnd):
     """Satisfies ``engine.core.base.EngineClient``; build it with ``start``. Thread-safe."""
 
-    def __init__(self, core: CoreProcess, tokenizer: Any, ready: Ready) -> None:
+    def __init__(
+        self,
+        core: CoreProcess,
+        tokenizer: Any,
+        ready: Ready,
+        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
+        """``stall_timeout_s``: how long the core may send nothing before it is declared
+        stalled (module docstring); None: never."""
         self._core = core
         self._requests_sock = core.requests  # guarded by _send_lock
         self._events_sock = core.events  # owned by the output thread
@@ -82,6 +146,7 @@ class EngineCoreClient(StreamingFrontEnd):
         self._dead: BaseException | None = None
         self._stopping = False
         self._shutdown_problem: str | None = None  # what shutdown() returned
+        self._stall_timeout_s = stall_timeout_s
         self._thread = threading.Thread(
             target=self._output_loop, name="kvtier-core-outputs", daemon=True
         )
@@ -115,7 +180,7 @@ class EngineCoreClient(StreamingFrontEnd):
         except BaseException:
             core.close()
             raise
-        return cls(core, tokenizer, ready)
+        return cls(core, tokenizer, ready, proc_config.stall_timeout_s)
 
     # --- the EngineClient interface -----------------------------------------------------------
 
@@ -171,13 +236,18 @@ class EngineCoreClient(StreamingFrontEnd):
             died_before = self._dead
         if already:
             return self._shutdown_problem
+        stalled = isinstance(died_before, EngineStalledError)
         try:
             self._send(encode_request(Shutdown()))
         except EngineDeadError:
             pass  # already gone
-        code = self._core.stop(timeout_s)
+        if stalled:  # it would not read Shutdown, let alone drain: no use waiting
+            logger.error("killing the stalled engine core (pid %d)", self.core_pid)
+        code = self._core.stop(0.0 if stalled else timeout_s)
         problem = describe_exit(code)
-        if died_before is not None:
+        if stalled:
+            problem = f"{died_before}; {problem or 'it stopped by itself before the kill'}"
+        elif died_before is not None:
             problem = f"the engine core died before shutdown ({died_before})"
         self._shutdown_problem = problem
         if threading.current_thread() is not self._thread:
@@ -217,13 +287,18 @@ class EngineCoreClient(StreamingFrontEnd):
         poller = zmq.Poller()
         poller.register(self._events_sock, zmq.POLLIN)
         poller.register(self._core.sentinel, zmq.POLLIN)
+        watch = None
+        if self._stall_timeout_s is not None:
+            watch = StallWatch(self._stall_timeout_s, time.monotonic())
+        poll_ms = None if watch is None else max(1, round(watch.tick_s * 1000))
         try:
             while True:
-                events = dict(poller.poll())
-                if self._events_sock in events:
-                    self._drain_events()
+                events = dict(poller.poll(poll_ms))
+                heard = self._events_sock in events and self._drain_events()
                 if self._core.sentinel in events:
                     break
+                if watch is not None and not self._watch_progress(watch, heard):
+                    watch, poll_ms = None, None  # stalled or stopping: nothing left to watch
             # The core exited: take the messages it sent last, then fail what is left.
             while self._events_sock.poll(_LAST_EVENTS_GRACE_MS):
                 self._drain_events()
@@ -237,12 +312,56 @@ class EngineCoreClient(StreamingFrontEnd):
             self._set_dead(EngineDeadError(f"engine core process died (exit code {code})"))
         self._fail_all(self._dead or EngineDeadError("engine shut down"))
 
-    def _drain_events(self) -> None:
+    def _watch_progress(self, watch: StallWatch, heard: bool) -> bool:
+        """One wake-up of the stall watch (module docstring); False once watching is over."""
+        if self._stopping or self._dead is not None:
+            return False  # shutdown has its own deadline; a dead core has its own verdict
+        now = time.monotonic()
+        if heard:
+            watch.heard(now)
+            return True
+        verdict = watch.tick(now)
+        if verdict == StallWatch.PING:
+            try:
+                self._send(encode_request(StatsRequest()))
+            except EngineDeadError:
+                pass  # shut down meanwhile: the next wake-up ends the watch
+        elif verdict == StallWatch.STALLED:
+            self._declare_stalled(watch)
+            return False
+        return True
+
+    def _declare_stalled(self, watch: StallWatch) -> None:
+        error = EngineStalledError(
+            f"engine core stalled: no message from it for "
+            f"{time.monotonic() - watch.heard_at:.1f} s "
+            f"(stall timeout {watch.timeout_s:g} s)"
+        )
+        with self._lock:
+            if self._dead is not None or self._stopping:
+                return
+            self._dead = error
+        logger.error(
+            "%s: a step stuck, or its process (pid %d) stopped; failing its requests. Its "
+            "threads' stacks follow if it can still take a signal (SIGUSR1)",
+            error,
+            self.core_pid,
+        )
+        try:  # the core's faulthandler writes them to stderr, the server's log
+            os.kill(self.core_pid, signal.SIGUSR1)
+        except OSError:
+            pass  # exited meanwhile: the sentinel says so next
+        self._fail_all(error)
+
+    def _drain_events(self) -> bool:
+        """Handles every message waiting; True when there was one."""
+        heard = False
         while True:
             try:
                 data = self._events_sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return heard
+            heard = True
             try:
                 event = decode_event(data)
             except ValueError:

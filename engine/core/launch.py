@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_STALL_TIMEOUT_S, EngineConfig
 from engine.core.messages import Ready, StartupFailed, decode_event
 from engine.core.proc import CoreAddresses, run_engine_core
 
@@ -42,18 +42,24 @@ class CoreProcConfig:
     """How the core process runs. ``num_threads``: torch intra-op threads in the core (None:
     torch's default); ``startup_timeout_s``: None waits as long as the model takes to load;
     ``ipc_dir``: where the ipc:// sockets live (None: a fresh temp dir, removed at close);
-    ``log_level``: the core's logging level (None: logging left unconfigured there)."""
+    ``log_level``: the core's logging level (None: logging left unconfigured there);
+    ``stall_timeout_s``: once the core is ready, how long it may send nothing before it is
+    declared stalled (``EngineCoreClient``: its requests fail, it is killed at shutdown); None:
+    never."""
 
     num_threads: int | None = None
     startup_timeout_s: float | None = None
     ipc_dir: str | None = None
     log_level: str | None = None
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.startup_timeout_s is not None and self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0 (None: off), got {self.stall_timeout_s}")
 
 
 class CoreProcess:

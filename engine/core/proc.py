@@ -62,7 +62,9 @@ logger = logging.getLogger(__name__)
 _LAST_EVENTS_LINGER_MS = 5000  # time to deliver the final events (CoreFailed) before exiting
 _IDLE_STATS_DELAY_S = 1.0  # after going idle, stats are sent once more this much later
 # ... and then every this many seconds while idle: the store's prober keeps the tiers' health
-# current without requests (cachestore/store/prober.py), and /health reads it from these.
+# current without requests (cachestore/store/prober.py), and /health reads it from these. They
+# are also the idle core's sign of life to the API process's stall watch (engine.core.client),
+# which asks for stats (StatsRequest) when its timeout is shorter than this.
 _IDLE_STATS_PERIOD_S = 5.0
 
 

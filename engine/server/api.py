@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes:
 ``engine.server.tokenization``), ``GET /version``, ``GET /health`` (200 while the engine runs,
-with each KV tier's state, ``engine.server.health``; 503 once its thread or process died),
+with each KV tier's state, ``engine.server.health``; 503 once its thread or process died, or its
+core stalled: ``--engine-stall-timeout``),
 ``GET /metrics`` (Prometheus text format). With ``api_key``, every ``/v1/*`` route and
 ``/tokenize`` / ``/detokenize`` need ``Authorization: Bearer <key>`` (401 otherwise;
 ``/health``, ``/metrics`` and ``/version`` stay open for probes). vLLM leaves its two

@@ -20,7 +20,7 @@ import gc
 import logging
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.base import EngineClient
+from engine.core.base import EngineClient, EngineStalledError
 from engine.core.client import CoreProcConfig
 from engine.server.flags import add_arguments as add_arguments  # ``kvtier serve``'s flags
 
@@ -114,7 +114,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def core_proc_config_from_args(args: argparse.Namespace) -> CoreProcConfig:
     """Pure mapping of the engine-process flags; raises ValueError on bad values."""
-    return CoreProcConfig(num_threads=args.engine_num_threads, log_level=args.log_level)
+    stall = args.engine_stall_timeout
+    return CoreProcConfig(
+        num_threads=args.engine_num_threads,
+        log_level=args.log_level,
+        stall_timeout_s=float(stall) if stall else None,  # 0: off
+    )
 
 
 def start_engine(
@@ -134,8 +139,9 @@ def start_engine(
 
 def main(args: argparse.Namespace) -> int:
     """Runs ``kvtier serve``. Exit codes: 0 once a SIGTERM/SIGINT stopped the server and the
-    engine's KV offload drained; 1 when the engine died first, was killed, or its drain lost
-    blocks (or any start-up failure); 2 for a usage or configuration error."""
+    engine's KV offload drained; 1 when the engine died first, stalled (killed after
+    ``--engine-stall-timeout`` of silence), was killed, or its drain lost blocks (or any
+    start-up failure); 2 for a usage or configuration error."""
     import faulthandler
     import signal
 
@@ -228,6 +234,10 @@ def main(args: argparse.Namespace) -> int:
         if watchdog is not None:
             watchdog.stop()
         problem = engine.shutdown(ENGINE_STOP_TIMEOUT_S)
+    if watchdog is not None and isinstance(watchdog.engine_error, EngineStalledError):
+        # shutdown() killed it; its answer names the stall, how long, and the kill.
+        logger.error("exiting: %s (--engine-stall-timeout)", problem)
+        return FAILURE_EXIT
     if watchdog is not None and watchdog.engine_error is not None:
         # The core's own exit (killed by a signal, drain incomplete) says more than the
         # stream's end: give both, whichever the API saw first.

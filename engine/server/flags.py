@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from engine.config import GRAPH_DECODE_CHOICES
+from engine.config import DEFAULT_STALL_TIMEOUT_S, GRAPH_DECODE_CHOICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +198,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="torch threads of the engine core process (default: torch's choice)",
+    )
+    parser.add_argument(
+        "--engine-stall-timeout",
+        type=_seconds,
+        default=int(DEFAULT_STALL_TIMEOUT_S),
+        metavar="SECONDS",
+        help="declare the engine core stalled when it has sent nothing for this long (a step "
+        "stuck in a CUDA call, the process stopped): requests fail with 503, /health turns "
+        "503, the core is killed and serve exits 1 for its supervisor to restart it. One "
+        "step is silent however long it runs: keep this above the longest step (a big "
+        "prefill on CPU); an idle core is asked for a sign of life, so idle is never a "
+        "stall. 0: off. Not with --engine-in-process (docs/offload.md)",
     )
     parser.add_argument(
         "--shutdown-timeout",

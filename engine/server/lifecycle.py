@@ -1,7 +1,7 @@
 """``kvtier serve``'s stop path: the SIGTERM handler that leads ``main`` into its graceful
 shutdown, the log filter that keeps uvicorn's own deadline's cancellations to one line, and
-the watchdog that stops the HTTP server once the engine died and ends the requests still
-running when ``--shutdown-timeout`` has passed since a stop began."""
+the watchdog that stops the HTTP server once the engine died (or its core stalled) and ends the
+requests still running when ``--shutdown-timeout`` has passed since a stop began."""
 
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ _STOPPING_INTERVAL_S = 0.05  # how often the deadline is checked once a stop beg
 
 class EngineWatchdog:
     """Stops the HTTP server once the engine can no longer run (its core process or thread
-    died), so that ``kvtier serve`` exits non-zero within ``interval_s`` and a supervisor
-    restarts it, as vLLM's API server does. Requests in flight have already been failed by the
-    engine client (503). ``engine_error`` is the engine's error once that happened.
+    died, or its core stalled: ``engine.core.client``'s stall watch), so that ``kvtier serve``
+    exits non-zero within ``interval_s`` and a supervisor restarts it, as vLLM's API server
+    does. Requests in flight have already been failed by the engine client (503).
+    ``engine_error`` is the engine's error once that happened.
 
     Once a stop began (uvicorn's ``should_exit``: SIGTERM/SIGINT), the requests still running
     ``shutdown_timeout_s`` later are ended through the engine (``end_in_flight``): each is

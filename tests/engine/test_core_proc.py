@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ import msgpack
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.base import EngineDeadError
+from engine.core.base import EngineDeadError, EngineStalledError
 from engine.core.client import CoreProcConfig, EngineCoreClient, EngineStartupError
 from engine.core.messages import (
     AbortRequests,
@@ -271,6 +272,65 @@ def test_shutdown_reports_a_core_that_died_first(model_dir: str) -> None:
     assert problem == (
         "the engine core died before shutdown (engine core process died (exit code -9))"
     )
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_stopped_core_is_declared_stalled_and_shutdown_kills_it_at_once(model_dir: str) -> None:
+    """SIGSTOP: the core process lives on but says nothing, as one stuck in a CUDA call. Once
+    ``stall_timeout_s`` passed, the waiting request fails naming the stall, the client stops
+    running, and ``shutdown`` kills the core at once instead of waiting for a drain (30 s here)."""
+    engine = EngineCoreClient.start(_config(model_dir), replace(ONE_THREAD, stall_timeout_s=1.0))
+    pid = engine.core_pid
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(EngineStalledError) as stalled:
+            asyncio.run(_collect(engine, [1, 2, 3], params, "stall1"))
+        assert time.monotonic() - stopped_at < 1.0 + 2.0
+        assert re.fullmatch(
+            r"engine core stalled: no message from it for \d+\.\d s \(stall timeout 1 s\)",
+            str(stalled.value),
+        ), stalled.value
+        assert not engine.is_running and engine.dead_error is stalled.value
+        with pytest.raises(EngineDeadError, match="stalled"):  # later requests: at once
+            asyncio.run(_collect(engine, [1, 2, 3], params, "stall2"))
+        start = time.monotonic()
+        problem = engine.shutdown(timeout_s=30)
+        assert time.monotonic() - start < 5
+        assert problem == f"{stalled.value}; the engine core was killed by signal 9: its KV " \
+            "offload was not drained"  # fmt: skip
+        assert _gone(pid)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        engine.shutdown()
+
+
+def test_an_idle_core_is_no_stall_even_with_a_timeout_below_its_idle_stats_period(
+    model_dir: str,
+) -> None:
+    """An idle core sends its stats every 5 s (engine.core.proc); with a 1 s stall timeout the
+    client asks it for them after 0.5 s of silence, so 6 s of idling (one 5 s gap and six
+    timeouts) is no stall and the core still serves."""
+    engine = EngineCoreClient.start(_config(model_dir), replace(ONE_THREAD, stall_timeout_s=1.0))
+    try:
+        time.sleep(6)
+        assert engine.is_running, engine.dead_error
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outs = asyncio.run(_collect(engine, [1, 2, 3], params, "idle1"))
+        assert outs[-1].finished
+    finally:
+        problem = engine.shutdown()
+    assert problem is None
 
 
 def test_startup_error_carries_the_core_message(model_dir: str) -> None:

@@ -47,6 +47,7 @@ def test_help_shows_the_defaults() -> None:
         "(default: auto)",
         "(default: info)",
         "(docs/offload.md) (default: 10)",
+        "(docs/offload.md) (default: 120)",
     ):
         assert text in flat, text
     flat = " ".join(_kvtier("analyze", "--help").stdout.split())
@@ -66,6 +67,11 @@ def test_help_shows_the_defaults() -> None:
             ["serve", "--shutdown-timeout", "-1"],
             "kvtier serve: error: argument --shutdown-timeout: invalid seconds -1: a whole "
             "number >= 0",
+        ),
+        (
+            ["serve", "--engine-stall-timeout", "2.5"],
+            "kvtier serve: error: argument --engine-stall-timeout: invalid seconds '2.5': a "
+            "whole number >= 0",
         ),
         (
             ["cache-server", "--admin-port", "99999"],
