@@ -103,6 +103,7 @@ ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
                 "tokenizer",
                 "chat_tokens",
                 "startup_log",
+                "cache_dir",
                 "kv_stats",
             )
         ),
