@@ -30,12 +30,16 @@
   a read that misses an indexed key (another process evicted it) drops it from the index.
   Recency sequences are per process, so the order rebuilt on open mixes them.
 - Every ``lmdb.Error`` becomes ``TierError``.
+- The files (``tiers.lmdb_files``): before each write transaction the writer allocates the disk
+  blocks it may need (with ``writemap`` a page the disk cannot back is a SIGBUS; out of space it
+  is a TierError, ``DiskFull``).
 
 Thread-safe.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import OrderedDict, deque
@@ -45,7 +49,15 @@ from typing import Any
 
 from tiers.base import Evicted, Tier, TierUsage, Value, writable_views
 from tiers.buffers import ReadBuffers, copy_into
+from tiers.lmdb_files import (
+    DataFile,
+    DiskFull,
+    warn_if_disk_smaller,
+    write_need,
+)
 from tiers.lmdb_writer import SEQ, STOP, USED, LmdbWriter, WriteOp, guard
+
+log = logging.getLogger(__name__)
 
 _DRAIN_AT = 4096  # queued read hits past which a reader applies them itself (if the lock is free)
 
@@ -72,31 +84,13 @@ class LmdbTier(LmdbWriter, Tier):
         calls (LMDB's ``MDB_WRITEMAP``). With 2 MiB values that is 2.3x (fresh file) to 8x
         (evictions freeing and reusing pages) the put rate on the 2-core CI machine, the rate
         a write-through tier must keep up with. The data file is then as large as the map
-        (sparse: unwritten pages take no disk).
+        (sparse: unwritten pages take no disk), its blocks allocated a step ahead of the
+        writes (``tiers.lmdb_files``).
         Raises TierError when LMDB cannot open ``path``.
         """
-        import lmdb
-
         self.path = str(path)
         self.capacity_bytes = capacity_bytes
         Path(self.path).mkdir(parents=True, exist_ok=True)
-        # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
-        # readers dominate small tiers. The file is sparse, so unused map costs nothing.
-        map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
-        with guard("open", self.path):
-            self._env = lmdb.open(
-                self.path,
-                map_size=map_size,
-                max_dbs=3,
-                sync=sync,
-                metasync=sync,
-                readahead=False,
-                writemap=writemap,
-                max_readers=256,
-            )
-            self._blocks = self._env.open_db(b"blocks")
-            self._recency = self._env.open_db(b"recency")
-            self._meta = self._env.open_db(b"meta")  # the directory's byte count (USED)
         self._lock = threading.Lock()  # guards the index, dirty recency and _seq (pins: _pin_lock)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> nbytes, least recent first
         self._pins: dict[str, int] = {}
@@ -110,7 +104,11 @@ class LmdbTier(LmdbWriter, Tier):
         self._seq = 0
         self._hits: deque[str] = deque()  # read hits not yet applied to the index (lock-free)
         self._buffers = ReadBuffers(max_idle_bytes=read_buffer_bytes)
-        self._rebuild_index()
+        # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
+        # readers dominate small tiers. The file is sparse, so unused map costs nothing.
+        map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
+        self._open(map_size, sync, writemap)
+        warn_if_disk_smaller(self.path, capacity_bytes, self._file)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
         self._closed = False
         self._writer = threading.Thread(
@@ -134,8 +132,53 @@ class LmdbTier(LmdbWriter, Tier):
             **extra,
         )
 
-    def _rebuild_index(self) -> None:
-        """Reset the in-memory index from disk (at open, and after an aborted write)."""
+    def _open(self, map_size: int, sync: bool, writemap: bool) -> None:
+        """Open the environment and its sub-databases and rebuild the index; on failure close
+        what was opened and raise TierError."""
+        import lmdb
+
+        with guard("open", self.path):
+            self._env = lmdb.open(
+                self.path,
+                map_size=map_size,
+                max_dbs=3,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                writemap=writemap,
+                max_readers=256,
+            )
+        data_file: DataFile | None = None
+        try:
+            self._psize = self._env.stat()["psize"]
+            data_file = DataFile(self.path, map_size, self._psize)
+            # Opening writes a few pages (new sub-databases, the byte count): with no disk
+            # for them, open read-only instead; writes fail (DiskFull) until space is freed.
+            try:
+                data_file.reserve(self._high_water(), write_need([], 0, self._psize))
+                room = True
+            except DiskFull as exc:
+                log.warning("%s; opened without writing", exc)
+                room = False
+            with guard("open", self.path):  # (a new sub-database is a write)
+                self._blocks = self._env.open_db(b"blocks", create=room)
+                self._recency = self._env.open_db(b"recency", create=room)
+                self._meta = self._env.open_db(b"meta", create=room)  # USED
+            self._rebuild_index(write=room)
+        except BaseException:
+            self._env.close()
+            if data_file is not None:
+                data_file.close()
+            raise
+        self._file = data_file
+
+    def _high_water(self) -> int:
+        """Bytes of the data file LMDB has used so far (exact inside a write transaction)."""
+        return int(self._env.info()["last_pgno"] + 1) * self._psize
+
+    def _rebuild_index(self, write: bool = True) -> None:
+        """Reset the in-memory index from disk (at open, and after an aborted write).
+        ``write``: store the directory's byte count if it is off (False: no disk to write)."""
         self._index.clear()
         self._dirty.clear()
         order: list[tuple[int, str]] = []
@@ -143,14 +186,14 @@ class LmdbTier(LmdbWriter, Tier):
         # One write transaction, so no other process writes meanwhile: the byte count it
         # stores is the sum of the sizes read here, exact however the directory was written
         # before (an older kvtier kept no count).
-        with guard("open", self.path), self._env.begin(write=True, buffers=True) as txn:
+        with guard("open", self.path), self._env.begin(write=write, buffers=True) as txn:
             for raw_key, raw_seq in txn.cursor(db=self._recency):
                 order.append((SEQ.unpack(raw_seq)[0], bytes(raw_key).decode()))
             for raw_key, raw_value in txn.cursor(db=self._blocks):
                 sizes[bytes(raw_key).decode()] = len(raw_value)
             used = sum(sizes.values())
             raw = txn.get(USED, db=self._meta)
-            if raw is None or SEQ.unpack(raw)[0] != used:
+            if write and (raw is None or SEQ.unpack(raw)[0] != used):
                 txn.put(USED, SEQ.pack(used), db=self._meta)
         self._used_bytes = used
         # A block without a recency record (crash between the two puts cannot happen: both go
@@ -318,6 +361,7 @@ class LmdbTier(LmdbWriter, Tier):
         self._queue.put(STOP)
         self._writer.join()
         self._env.close()
+        self._file.close()
 
     # -- pins ----------------------------------------------------------------------------
 

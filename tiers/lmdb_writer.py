@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiers.base import Evicted, TierError, Value
+from tiers.lmdb_files import DataFile, DiskFull, write_need
 from tiers.shared import backend_errors
 
 SEQ = struct.Struct("<Q")
@@ -55,6 +56,9 @@ class LmdbWriter:
     _seq: int
     _queue: queue.Queue[Any]
     _closed: bool
+    _file: DataFile
+    _psize: int
+    _high_water: Callable[[], int]  # bytes of the data file LMDB has used (tiers.lmdb)
     _rebuild_index: Callable[[], None]  # reset the index from disk after an aborted write
     _apply_hits: Callable[[], None]  # fold queued read hits into the index (lock held)
     _fold_adopted: Callable[[], None]  # keys found on disk in, keys found gone out (lock held)
@@ -92,6 +96,7 @@ class LmdbWriter:
             self._apply_hits()  # reads so far count before any eviction is chosen
             try:
                 with guard("write", self.path), self._env.begin(write=True, buffers=True) as txn:
+                    self._make_room(op)
                     # Several processes may write this directory (engines of one machine, the
                     # ranks of a tensor-parallel engine): the byte count is the directory's,
                     # kept in the same transactions as the blocks, so the capacity bounds
@@ -111,9 +116,19 @@ class LmdbWriter:
                     if self._used_bytes != before or raw is None:
                         txn.put(USED, SEQ.pack(self._used_bytes), db=self._meta)
                 self._dirty.clear()
+            except DiskFull:
+                raise  # raised before anything was written: the index is still exact
             except BaseException:
                 self._rebuild_index()
                 raise
+
+    def _make_room(self, op: WriteOp | None) -> None:  # lock held, a write transaction open
+        """Before the transaction writes anything: DiskFull when the disk has no blocks for
+        what the transaction may add to the file (with ``writemap`` the write would be a
+        SIGBUS: ``tiers.lmdb_files``)."""
+        sizes = [memoryview(v).nbytes for _, v in op.puts] if op is not None else []
+        others = len(self._dirty) + (len(op.deletes) if op is not None else 0)
+        self._file.reserve(self._high_water(), write_need(sizes, others, self._psize))
 
     def _put_one(self, txn: Any, key: str, value: memoryview, op: WriteOp) -> None:
         # Lock held, inside the write transaction. Victims are this process's least recent

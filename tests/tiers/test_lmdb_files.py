@@ -1,0 +1,139 @@
+"""The LMDB tier under an operator's faults (``tiers.lmdb_files``), on real LMDB files: a full
+disk fails the writes past it with TierError instead of killing the process with SIGBUS."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tiers import create_tier
+from tiers.base import TierError
+from tiers.config import LmdbTierConfig
+from tiers.lmdb import LmdbTier
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+
+
+def _val(i: int, n: int = MIB) -> bytes:
+    return bytes([i % 256]) * n
+
+
+@contextmanager
+def _small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (a filesystem the test can fill); skips the
+    test where mounting is not permitted (not root, no CAP_SYS_ADMIN)."""
+    where.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until the filesystem is full."""
+    with open(path, "wb") as fh:
+        try:
+            while True:
+                fh.write(bytes(256 << 10))
+                fh.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+def _read_at_once(tier: LmdbTier, n: int) -> None:
+    """``n`` read transactions open at once on ``tier``'s environment: LMDB's reader table
+    (``lock.mdb``, mapped, sparse past its first page of ~60 slots) takes a slot for each."""
+    import threading
+
+    together = threading.Barrier(n)
+
+    def read() -> None:
+        with tier._env.begin():
+            together.wait(30)
+
+    threads = [threading.Thread(target=read) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _open(db: Path, how: str) -> LmdbTier:
+    if how == "config":  # the YAML path: LmdbTierConfig's defaults (writemap on)
+        tier = create_tier(LmdbTierConfig(path=str(db), capacity=1 << 30))
+        assert isinstance(tier, LmdbTier)
+        return tier
+    return LmdbTier(db, capacity_bytes=1 << 30, writemap=how == "writemap")
+
+
+def fill_the_disk(fs: str, how: str) -> None:
+    """Run in a child process (a SIGBUS would end the test run): a 1 GiB tier on a 16 MiB
+    tmpfs takes 1 MiB puts until the disk is full, then refuses them with TierError; what it
+    wrote still reads; after a file there is deleted, puts work again; reopened on a disk full
+    to the last block, it starts and serves (100 readers at once too), and refuses puts (past
+    the blocks it had reserved)."""
+    db, filler = Path(fs) / "db", Path(fs) / "filler"
+    filler.write_bytes(bytes(4 * MIB))  # what the operator deletes
+    tier = _open(db, how)
+    written: list[int] = []
+    with pytest.raises(TierError, match="the disk is full") as failed:
+        for i in range(32):  # 32 MiB, twice the filesystem
+            tier.put_many([(f"k{i}", _val(i))])
+            written.append(i)
+    assert str(db) in str(failed.value) and "MiB free" in str(failed.value)
+    assert len(written) >= 3, written
+    keys = [f"k{i}" for i in written]
+    assert tier.get_many(keys) == [_val(i) for i in written]
+    with pytest.raises(TierError, match="the disk is full"):  # still full: still refused
+        tier.put_many([("more", _val(1))])
+    filler.unlink()
+    tier.put_many([("after", _val(99))])
+    assert tier.get_many(["after", keys[0]]) == [_val(99), _val(written[0])]
+    tier.close()
+    _fill(filler)  # the disk full again, and the engine restarts
+    tier = _open(db, how)
+    assert tier.get_many(["after", keys[-1]]) == [_val(99), _val(written[-1])]
+    _read_at_once(tier, 100)  # reader slots past lock.mdb's first page: backed too
+    with pytest.raises(TierError, match="the disk is full"):  # blocks it had reserved: a few
+        for i in range(8):
+            tier.put_many([(f"restarted{i}", _val(i))])
+    tier.close()
+
+
+@pytest.mark.parametrize("how", ["writemap", "config", "write_calls"])
+def test_a_full_disk_fails_the_puts_past_it_and_the_process_lives(tmp_path: Path, how: str) -> None:
+    """The audit: writemap (the default) on a full filesystem was a SIGBUS (the engine core
+    died, exit -7, on every restart). ``write_calls``: ``writemap: false``, where LMDB's own
+    error said ``Input/output error``."""
+    with _small_tmpfs(tmp_path / "fs", "16m") as fs:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from tests.tiers.test_lmdb_files import fill_the_disk\n"
+                f"fill_the_disk({str(fs)!r}, {how!r})",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode != -signal.SIGBUS, "SIGBUS: LMDB wrote a page the disk had no block for"
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stderr.count("is more than the disk can give it") == 2  # one per open
