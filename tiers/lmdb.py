@@ -32,7 +32,8 @@
 - Every ``lmdb.Error`` becomes ``TierError``.
 - The files (``tiers.lmdb_files``): before each write transaction the writer allocates the disk
   blocks it may need (with ``writemap`` a page the disk cannot back is a SIGBUS; out of space it
-  is a TierError, ``DiskFull``).
+  is a TierError, ``DiskFull``). An environment LMDB cannot read is moved aside at open and an
+  empty one started.
 
 Thread-safe.
 """
@@ -52,6 +53,7 @@ from tiers.buffers import ReadBuffers, copy_into
 from tiers.lmdb_files import (
     DataFile,
     DiskFull,
+    open_or_move_aside,
     warn_if_disk_smaller,
     write_need,
 )
@@ -86,7 +88,10 @@ class LmdbTier(LmdbWriter, Tier):
         a write-through tier must keep up with. The data file is then as large as the map
         (sparse: unwritten pages take no disk), its blocks allocated a step ahead of the
         writes (``tiers.lmdb_files``).
-        Raises TierError when LMDB cannot open ``path``.
+        An environment LMDB cannot read (corrupt, another version) is moved aside to
+        ``<path>.corrupt-<UTC time>`` and an empty one opened (``open_or_move_aside``).
+        Raises TierError when LMDB cannot open ``path`` otherwise, or it is unreadable and
+        another live process has it open.
         """
         self.path = str(path)
         self.capacity_bytes = capacity_bytes
@@ -107,7 +112,9 @@ class LmdbTier(LmdbWriter, Tier):
         # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
         # readers dominate small tiers. The file is sparse, so unused map costs nothing.
         map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
-        self._open(map_size, sync, writemap)
+        # An unreadable directory (corrupt, another LMDB version) is moved aside: a cache
+        # that cannot be read must not keep the engine from starting (tiers.lmdb_files).
+        open_or_move_aside(self.path, lambda: self._open(map_size, sync, writemap))
         warn_if_disk_smaller(self.path, capacity_bytes, self._file)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=writer_queue_size)
         self._closed = False
@@ -134,7 +141,7 @@ class LmdbTier(LmdbWriter, Tier):
 
     def _open(self, map_size: int, sync: bool, writemap: bool) -> None:
         """Open the environment and its sub-databases and rebuild the index; on failure close
-        what was opened and raise TierError."""
+        what was opened (so the directory can be moved aside) and raise TierError."""
         import lmdb
 
         with guard("open", self.path):

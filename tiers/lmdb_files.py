@@ -1,5 +1,6 @@
-"""The LMDB tier's files (``tiers.lmdb``): disk blocks for every write. It keeps the tier's
-contract: a cache that fails degrades to misses, and never takes the process down.
+"""The LMDB tier's files (``tiers.lmdb``): disk blocks for every write, and an environment that
+is no longer readable. Each keeps the tier's contract: a cache that fails degrades to misses,
+and never takes the process down or keeps it from starting.
 
 - **Room for a write** (``DataFile.reserve``). With ``writemap`` LMDB writes pages through a
   shared mapping of a sparse file: a page with no disk block behind it gets one when it is first
@@ -15,15 +16,25 @@ contract: a cache that fails degrades to misses, and never takes the process dow
   each transaction instead ran no faster and another process can race it. Where the
   filesystem cannot allocate ahead, glibc's emulation writes a byte per block (slower, still
   safe). On copy-on-write filesystems (btrfs, ZFS) a rewritten page needs a new block too.
+- **An unreadable environment** (``open_or_move_aside``): a corrupt or foreign-version
+  ``data.mdb`` stopped every start. It is a cache: the directory is renamed to
+  ``<path>.corrupt-<UTC time>`` (kept for a post-mortem) and an empty one opened, unless a live
+  process has the environment open (LMDB's lock on ``lock.mdb``), which stays a start-up error.
 
-Linux (``posix_fallocate``); torch-free.
+Linux (``F_OFD_SETLK``, ``posix_fallocate``); torch-free.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from tiers.base import TierError
 
@@ -38,6 +49,8 @@ RESERVE_STEP = 64 << 20
 # an eviction it causes. Per transaction: page splits and the free list's own record.
 PAGES_PER_ITEM = 16
 WRITE_SLACK = 256 << 10
+
+T = TypeVar("T")
 
 
 class DiskFull(TierError):
@@ -157,3 +170,97 @@ def warn_if_disk_smaller(directory: str, capacity: int, data_file: DataFile) -> 
             _size(free),
             _size(held),
         )
+
+
+def open_or_move_aside(directory: str, open_env: Callable[[], T]) -> T:
+    """``open_env()``; if LMDB finds the files unreadable (``unreadable_errors``), move the
+    directory aside (``move_aside``) and ``open_env()`` again on an empty one. Raises TierError
+    when the environment stays unreadable while a live process has it open, or the move fails.
+    A live process may also be one that just moved it aside itself and opened a fresh one: so
+    then this opens it once more before giving up."""
+    try:
+        return open_env()
+    except TierError as exc:
+        if not isinstance(exc.__cause__, unreadable_errors()):
+            raise
+        why = str(exc.__cause__)
+    lock = _exclusive_lock(directory)
+    if lock is None:
+        try:
+            return open_env()
+        except TierError as exc:
+            if not isinstance(exc.__cause__, unreadable_errors()):
+                raise
+            raise TierError(
+                f"lmdb at {directory}: unreadable ({why}) and open by another process: stop "
+                "it, or move or remove the directory, then start again"
+            ) from exc
+    try:
+        move_aside(directory, why)
+    finally:
+        if lock >= 0:
+            os.close(lock)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return open_env()
+
+
+def unreadable_errors() -> tuple[type[BaseException], ...]:
+    """LMDB's errors that mean the files are not (or no longer) a readable environment, as
+    opposed to the system's (permissions, a missing directory), which stay start-up errors."""
+    import lmdb
+
+    return (
+        lmdb.InvalidError,
+        lmdb.CorruptedError,
+        lmdb.VersionMismatchError,
+        lmdb.PageNotFoundError,
+    )
+
+
+def move_aside(directory: str, why: str) -> str:
+    """Rename ``directory`` to ``<directory>.corrupt-<UTC time>`` next to it (kept for a
+    post-mortem) and log one WARNING naming both; the new name. The caller holds the
+    environment's exclusive lock (``_exclusive_lock``), so no process opens it meanwhile.
+    Raises TierError when the rename fails."""
+    directory = str(Path(directory))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = f"{directory}.corrupt-{stamp}"
+    n = 0
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{directory}.corrupt-{stamp}-{n}"
+    try:
+        os.rename(directory, aside)
+    except OSError as exc:
+        raise TierError(
+            f"lmdb at {directory}: unreadable ({why}) and cannot be moved aside to {aside}: "
+            f"{exc.strerror or exc}"
+        ) from None
+    log.warning(
+        "lmdb at %s was unreadable (%s): moved aside to %s, starting empty", directory, why, aside
+    )
+    return aside
+
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and aarch64
+
+
+def _exclusive_lock(directory: str) -> int | None:
+    """An fd holding an open-file-description write lock on byte 0 of ``lock.mdb``, the byte
+    every process with the environment open holds a lock on (LMDB's ``mdb_env_excl_lock``);
+    -1 when there is no lock file (nobody can have it open); None when another holder exists
+    or the file cannot be locked. An OFD lock conflicts with LMDB's record locks whoever holds
+    them, this process too. Closing the fd drops this process's record locks on the file: only
+    a second environment on this path in this process, which LMDB forbids, would have any."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return -1
+    except OSError:
+        return None
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

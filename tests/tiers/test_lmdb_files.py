@@ -1,9 +1,12 @@
 """The LMDB tier under an operator's faults (``tiers.lmdb_files``), on real LMDB files: a full
-disk fails the writes past it with TierError instead of killing the process with SIGBUS."""
+disk fails the writes past it with TierError instead of killing the process with SIGBUS; an
+unreadable directory is moved aside at open instead of stopping every start."""
 
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import signal
 import subprocess
 import sys
@@ -137,3 +140,87 @@ def test_a_full_disk_fails_the_puts_past_it_and_the_process_lives(tmp_path: Path
     assert done.returncode != -signal.SIGBUS, "SIGBUS: LMDB wrote a page the disk had no block for"
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stderr.count("is more than the disk can give it") == 2  # one per open
+
+
+def _stored(path: Path, n: int = 300) -> dict[str, bytes]:
+    """An environment at ``path`` holding ``n`` small values (several pages of B-tree)."""
+    values = {f"k{i}": os.urandom(3000 + i) for i in range(n)}
+    tier = LmdbTier(path, capacity_bytes=64 * MIB)
+    tier.put_many(list(values.items()))
+    tier.close()
+    return values
+
+
+@pytest.mark.parametrize("damage", ["meta", "tree"])
+def test_an_unreadable_directory_is_moved_aside_and_the_tier_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """The audit: ``dd if=/dev/urandom of=data.mdb bs=4096 count=4 conv=notrunc`` (``meta``:
+    LMDB's meta pages) stopped the engine from starting, on every restart (TierError
+    MDB_INVALID). ``tree``: the meta pages intact, every other page LMDB used zeroed (as a
+    lost write leaves it), which LMDB finds while the index is rebuilt (MDB_CORRUPTED)."""
+    path = tmp_path / "db"
+    _stored(path)
+    with open(path / "data.mdb", "r+b") as fh:
+        if damage == "meta":
+            fh.write(os.urandom(4 * 4096))
+            error = "MDB_INVALID"
+        else:
+            fh.seek(2 * 4096)
+            fh.write(bytes(2 * MIB))  # past every page the 300 values took
+            error = "MDB_CORRUPTED"
+    with caplog.at_level(logging.WARNING, logger="tiers.lmdb_files"):
+        tier = LmdbTier(path, capacity_bytes=64 * MIB)
+    try:
+        aside = list(tmp_path.glob("db.corrupt-*"))
+        assert len(aside) == 1 and (aside[0] / "data.mdb").stat().st_size > 0
+        moved = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+        assert len(moved) == 1 and str(path) in moved[0] and str(aside[0]) in moved[0]
+        assert error in moved[0]
+        assert tier.usage().num_entries == 0 and tier.get_many(["k1"]) == [None]
+        tier.put_many([("new", _val(1, 1000))])
+        assert tier.get_many(["new"]) == [_val(1, 1000)]
+    finally:
+        tier.close()
+    reopened = LmdbTier(path, capacity_bytes=64 * MIB)  # the fresh one persists, as any
+    try:
+        assert reopened.get_many(["new"]) == [_val(1, 1000)]
+        assert len(list(tmp_path.glob("db.corrupt-*"))) == 1
+    finally:
+        reopened.close()
+
+
+def test_an_unreadable_directory_another_process_has_open_stays_a_start_up_error(
+    tmp_path: Path,
+) -> None:
+    """Two engines of one machine share the default directory: one that finds it unreadable
+    while the other has it open does not move it from under the other (LMDB's lock on
+    ``lock.mdb`` tells), and says so in one line."""
+    path = tmp_path / "db"
+    _stored(path, 10)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import lmdb, sys\n"
+            f"env = lmdb.open({str(path)!r}, max_dbs=3, map_size=1 << 30)\n"
+            "print('open', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        with open(path / "data.mdb", "r+b") as fh:
+            fh.write(os.urandom(4 * 4096))
+        with pytest.raises(TierError, match="open by another process") as failed:
+            LmdbTier(path, capacity_bytes=64 * MIB)
+        assert str(path) in str(failed.value) and "MDB_INVALID" in str(failed.value)
+        assert not list(tmp_path.glob("db.corrupt-*")) and (path / "data.mdb").exists()
+    finally:
+        holder.communicate("", timeout=30)
+    tier = LmdbTier(path, capacity_bytes=64 * MIB)  # the other process gone: moved aside
+    tier.close()
+    assert len(list(tmp_path.glob("db.corrupt-*"))) == 1
