@@ -32,8 +32,9 @@
 - Every ``lmdb.Error`` becomes ``TierError``.
 - The files (``tiers.lmdb_files``): before each write transaction the writer allocates the disk
   blocks it may need (with ``writemap`` a page the disk cannot back is a SIGBUS; out of space it
-  is a TierError, ``DiskFull``). An environment LMDB cannot read is moved aside at open and an
-  empty one started.
+  is a TierError, ``DiskFull``), and checks that the data file at ``path`` is still the one open
+  (deleted or replaced: ``ping`` and every call raise from then on, restart). An environment
+  LMDB cannot read is moved aside at open and an empty one started.
 
 Thread-safe.
 """
@@ -48,10 +49,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiers.base import Evicted, Tier, TierUsage, Value, writable_views
+from tiers.base import Evicted, Tier, TierError, TierUsage, Value, writable_views
 from tiers.buffers import ReadBuffers, copy_into
 from tiers.lmdb_files import (
     DataFile,
+    DataFileLost,
     DiskFull,
     open_or_move_aside,
     warn_if_disk_smaller,
@@ -109,6 +111,7 @@ class LmdbTier(LmdbWriter, Tier):
         self._seq = 0
         self._hits: deque[str] = deque()  # read hits not yet applied to the index (lock-free)
         self._buffers = ReadBuffers(max_idle_bytes=read_buffer_bytes)
+        self._lost: str | None = None  # why the data file is not this tier's any more (ping)
         # A fixed 64 MiB on top: page-granular copy-on-write overhead and pages held by open
         # readers dominate small tiers. The file is sparse, so unused map costs nothing.
         map_size = int(capacity_bytes * (1 + map_headroom)) + (64 << 20)
@@ -221,6 +224,7 @@ class LmdbTier(LmdbWriter, Tier):
         the write in progress: a key it evicts may still count, and its read then misses
         (that block and the rest are recomputed). Recency is refreshed through the hit queue,
         which the writer applies before it chooses what to evict."""
+        self._refuse_if_lost()
         index, adopted = self._index, self._adopted
         n = 0
         for key in keys:
@@ -249,11 +253,12 @@ class LmdbTier(LmdbWriter, Tier):
         """From memory without the lock (the writer holds it for a whole write transaction):
         dict lookups, atomic under the GIL, stale by at most that write (and by what another
         process wrote since this one last looked)."""
-        return key in self._index or key in self._adopted
+        return (key in self._index or key in self._adopted) and self._lost is None
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """From the in-memory index, then the directory for the keys it lacks (another
         process's writes, adopted into the index); recency is not refreshed."""
+        self._refuse_if_lost()
         with self._lock:
             self._fold_adopted()
             out = [key in self._index for key in keys]
@@ -273,6 +278,7 @@ class LmdbTier(LmdbWriter, Tier):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         """Memoryviews into one recycled buffer per call (one copy out of the map), valid for
         as long as they are held. Takes no lock: never waits for the writer."""
+        self._refuse_if_lost()
         encoded = [key.encode() for key in keys]
         out: list[Value | None] = [None] * len(keys)
         with guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
@@ -292,6 +298,7 @@ class LmdbTier(LmdbWriter, Tier):
 
     def get_many_into(self, keys: Sequence[str], out: Sequence[Any]) -> list[int | None]:
         """Straight from the map into ``out`` (see ``Tier.get_many_into``); no lock taken."""
+        self._refuse_if_lost()
         views = writable_views(keys, out)
         lengths: list[int | None] = []
         with guard("get", self.path), self._env.begin(db=self._blocks, buffers=True) as txn:
@@ -359,6 +366,26 @@ class LmdbTier(LmdbWriter, Tier):
             if raw is not None:
                 used = SEQ.unpack(raw)[0]
         return TierUsage(used, self.capacity_bytes, entries)
+
+    def ping(self) -> None:
+        """The store's idle probe (``cachestore.store.prober``): TierError when the data file
+        at ``path`` is no longer the one this tier has open (its directory was deleted or
+        replaced while it ran: what it writes goes to an unlinked file, lost at exit). From
+        then on every call raises it too, so the tier stays down in /health until the process
+        is restarted, which opens the directory afresh."""
+        if self._closed:
+            raise TierError(f"lmdb tier at {self.path} is closed")
+        self._refuse_if_lost()
+        try:
+            self._file.check_same()
+        except DataFileLost as exc:
+            self._lost = str(exc)
+            raise
+
+    def _refuse_if_lost(self) -> None:
+        """TierError once ``ping`` or the writer found the data file gone (``_lost``)."""
+        if self._lost is not None:
+            raise TierError(self._lost)
 
     def close(self) -> None:
         """Finish queued writes, persist recency, close the environment. Idempotent."""

@@ -1,6 +1,6 @@
-"""The LMDB tier's files (``tiers.lmdb``): disk blocks for every write, and an environment that
-is no longer readable. Each keeps the tier's contract: a cache that fails degrades to misses,
-and never takes the process down or keeps it from starting.
+"""The LMDB tier's files (``tiers.lmdb``): disk blocks for every write, the data file it has
+open, and an environment that is no longer readable. Each keeps the tier's contract: a cache
+that fails degrades to misses, and never takes the process down or keeps it from starting.
 
 - **Room for a write** (``DataFile.reserve``). With ``writemap`` LMDB writes pages through a
   shared mapping of a sparse file: a page with no disk block behind it gets one when it is first
@@ -16,6 +16,9 @@ and never takes the process down or keeps it from starting.
   each transaction instead ran no faster and another process can race it. Where the
   filesystem cannot allocate ahead, glibc's emulation writes a byte per block (slower, still
   safe). On copy-on-write filesystems (btrfs, ZFS) a rewritten page needs a new block too.
+- **The file it has open** (``DataFile.check_same``): a directory deleted or replaced under a
+  running tier left it writing into an unlinked file, reported healthy, and lost everything at
+  the next restart. The tier compares the file at its path with the one it opened.
 - **An unreadable environment** (``open_or_move_aside``): a corrupt or foreign-version
   ``data.mdb`` stopped every start. It is a cache: the directory is renamed to
   ``<path>.corrupt-<UTC time>`` (kept for a post-mortem) and an empty one opened, unless a live
@@ -57,6 +60,10 @@ class DiskFull(TierError):
     """The filesystem has no room for what a write may need; nothing was written."""
 
 
+class DataFileLost(TierError):
+    """The data file at the tier's path is not the one it has open (deleted or replaced)."""
+
+
 def write_need(value_sizes: list[int], other_items: int, psize: int) -> int:
     """Bytes a write transaction may add past the file's high-water mark: each value's overflow
     pages (a 16-byte page header first), ``PAGES_PER_ITEM`` pages per value and per other item
@@ -69,9 +76,9 @@ def write_need(value_sizes: list[int], other_items: int, psize: int) -> int:
 
 
 class DataFile:
-    """The environment's ``data.mdb``, opened once more (for ``posix_fallocate``). LMDB locks
-    ``lock.mdb``, never this file, so closing it drops no lock of theirs. Not thread-safe: the
-    tier's writer uses it."""
+    """The environment's ``data.mdb``, opened once more (for ``posix_fallocate`` and its
+    identity). LMDB locks ``lock.mdb``, never this file, so closing it drops no lock of theirs.
+    Not thread-safe: the tier's writer (and ``ping``, which only reads the identity) use it."""
 
     def __init__(self, directory: str, map_size: int, psize: int) -> None:
         self.path = os.path.join(directory, DATA_FILE)
@@ -81,6 +88,8 @@ class DataFile:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise TierError(f"lmdb open at {self.path}: {exc.strerror or exc}") from None
+        st = os.fstat(self._fd)
+        self._identity = (st.st_dev, st.st_ino)
         self._reserved_end = 0  # this process's allocations reach this far (at least)
         # LMDB maps ``lock.mdb`` too (the reader table, sparse past its first page): a reader
         # slot on a page without a block is a SIGBUS on a full disk, as a data page is. It
@@ -96,6 +105,24 @@ class DataFile:
     def allocated_bytes(self) -> int:
         """Disk blocks the file holds now (it is sparse: its size is the map's)."""
         return os.fstat(self._fd).st_blocks * 512
+
+    def check_same(self) -> None:
+        """Raise DataFileLost when ``path`` is gone or another file; TierError when it cannot
+        be read (an operator's chmod, an unreachable mount)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise DataFileLost(
+                f"lmdb at {os.path.dirname(self.path)}: {self.path} was deleted while the tier "
+                "ran; what it writes is lost at exit: restart the process to start afresh"
+            ) from None
+        except OSError as exc:
+            raise TierError(f"lmdb at {self.path}: cannot stat: {exc.strerror or exc}") from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise DataFileLost(
+                f"lmdb at {os.path.dirname(self.path)}: {self.path} is no longer the file this "
+                "tier has open (the directory was replaced); restart the process to use it"
+            )
 
     def reserve(self, high_water: int, need: int) -> None:
         """Make the file own blocks from ``high_water`` to ``high_water + need`` (and, when it

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiers.base import Evicted, TierError, Value
-from tiers.lmdb_files import DataFile, DiskFull, write_need
+from tiers.lmdb_files import DataFile, DataFileLost, DiskFull, write_need
 from tiers.shared import backend_errors
 
 SEQ = struct.Struct("<Q")
@@ -58,6 +58,7 @@ class LmdbWriter:
     _closed: bool
     _file: DataFile
     _psize: int
+    _lost: str | None
     _high_water: Callable[[], int]  # bytes of the data file LMDB has used (tiers.lmdb)
     _rebuild_index: Callable[[], None]  # reset the index from disk after an aborted write
     _apply_hits: Callable[[], None]  # fold queued read hits into the index (lock held)
@@ -66,6 +67,8 @@ class LmdbWriter:
     def _submit(self, op: WriteOp) -> WriteOp:
         if self._closed:
             raise TierError(f"lmdb tier at {self.path} is closed")
+        if self._lost is not None:
+            raise TierError(self._lost)
         self._queue.put(op)
         op.done.wait()
         if op.error is not None:
@@ -116,16 +119,23 @@ class LmdbWriter:
                     if self._used_bytes != before or raw is None:
                         txn.put(USED, SEQ.pack(self._used_bytes), db=self._meta)
                 self._dirty.clear()
-            except DiskFull:
+            except (DiskFull, DataFileLost):
                 raise  # raised before anything was written: the index is still exact
             except BaseException:
                 self._rebuild_index()
                 raise
 
     def _make_room(self, op: WriteOp | None) -> None:  # lock held, a write transaction open
-        """Before the transaction writes anything: DiskFull when the disk has no blocks for
-        what the transaction may add to the file (with ``writemap`` the write would be a
-        SIGBUS: ``tiers.lmdb_files``)."""
+        """Before the transaction writes anything: DataFileLost (and the tier refuses every
+        call from then on) when the data file at ``path`` is not the one open (deleted or
+        replaced: what it writes would be lost), DiskFull when the disk has no blocks for what
+        the transaction may add to the file (with ``writemap`` the write would be a SIGBUS:
+        ``tiers.lmdb_files``)."""
+        try:
+            self._file.check_same()
+        except DataFileLost as exc:
+            self._lost = str(exc)
+            raise
         sizes = [memoryview(v).nbytes for _, v in op.puts] if op is not None else []
         others = len(self._dirty) + (len(op.deletes) if op is not None else 0)
         self._file.reserve(self._high_water(), write_need(sizes, others, self._psize))

@@ -1,12 +1,15 @@
 """The LMDB tier under an operator's faults (``tiers.lmdb_files``), on real LMDB files: a full
 disk fails the writes past it with TierError instead of killing the process with SIGBUS; an
-unreadable directory is moved aside at open instead of stopping every start."""
+unreadable directory is moved aside at open instead of stopping every start; a directory deleted
+under a running tier is reported by ``ping`` (and the tier is down) instead of losing its
+writes silently."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from cachestore.store.guarded_tiers import GuardedTiers
+from cachestore.store.types import StoreConfig
 from tiers import create_tier
 from tiers.base import TierError
 from tiers.config import LmdbTierConfig
@@ -224,3 +229,58 @@ def test_an_unreadable_directory_another_process_has_open_stays_a_start_up_error
     tier = LmdbTier(path, capacity_bytes=64 * MIB)  # the other process gone: moved aside
     tier.close()
     assert len(list(tmp_path.glob("db.corrupt-*"))) == 1
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_directory_deleted_under_a_running_tier_is_down(tmp_path: Path, replaced: bool) -> None:
+    """The audit: ``rm -rf`` of the directory left the tier writing into the unlinked file,
+    /health said ok, and a restart found nothing. Now ``ping`` (the store's idle probe) raises
+    TierError naming the path, and every call after it, so the tier stays down until the
+    process restarts. ``replaced``: a new directory at the path (another process made it)."""
+    path = tmp_path / "db"
+    tier = LmdbTier(path, capacity_bytes=64 * MIB)
+    clock = _Clock()
+    tiers = GuardedTiers([tier], StoreConfig(backoff_initial_s=1.0), clock)
+    try:
+        tier.put_many([("a", _val(1, 1000))])
+        tier.ping()
+        shutil.rmtree(path)
+        if replaced:
+            LmdbTier(path, capacity_bytes=64 * MIB).close()
+        with pytest.raises(TierError, match=str(path / "data.mdb")) as lost:
+            tier.ping()
+        assert ("no longer the file" if replaced else "was deleted") in str(lost.value)
+        assert "restart" in str(lost.value)
+        with pytest.raises(TierError, match="restart"):
+            tier.get_many(["a"])
+        with pytest.raises(TierError, match="restart"):
+            tier.put_many([("b", _val(2, 1000))])
+        assert not tier.holds_hint("a")
+        clock.now += 5.0  # the store's view: its idle probe marks the tier down
+        assert tiers.probe_idle(5.0) == [0] and tiers.health[0].consecutive_failures == 1
+    finally:
+        tier.close()
+
+
+def test_a_put_finds_the_deleted_directory_without_a_probe(tmp_path: Path) -> None:
+    """A busy tier is never idle, so never probed: its writer checks the file before each
+    write, and a put is the first call to fail."""
+    path = tmp_path / "db"
+    tier = LmdbTier(path, capacity_bytes=64 * MIB)
+    try:
+        tier.put_many([("a", _val(1, 1000))])
+        shutil.rmtree(path)
+        with pytest.raises(TierError, match="was deleted"):
+            tier.put_many([("b", _val(2, 1000))])
+        with pytest.raises(TierError, match="was deleted"):
+            tier.ping()
+    finally:
+        tier.close()
