@@ -175,17 +175,20 @@ def read_tokens(path: str) -> str:
         raise ValueError(f"--tokens: cannot read {path}: {why}") from None
 
 
-def _fail(message: object) -> int:
+def _fail(message: object, code: int = 2) -> int:
     print(f"kvtier cache-server: {message}", file=sys.stderr, flush=True)
-    return 2
+    return code
 
 
 def main(args: argparse.Namespace) -> int:
     """Runs the daemon. Exit codes: 0 after a SIGTERM/SIGINT drained cleanly; 1 when the
-    drain lost blocks; 2 for a usage or start-up error (one line on stderr, printed before
-    anything is bound or allocated where the flags show it: taken ports, bad addresses)."""
+    drain lost blocks, or a tier failed to start (TierError: one line on stderr, as the
+    engine's other start-up failures); 2 for a usage or start-up error (one line on stderr,
+    printed before anything is bound or allocated where the flags show it: taken ports, bad
+    addresses)."""
     from cachestore.server.admin import AdminMetrics
     from cachestore.server.daemon import CacheServer
+    from tiers.base import TierError
     from tiers.remote.protocol import TokenTable
 
     setup_logging()
@@ -213,6 +216,8 @@ def main(args: argparse.Namespace) -> int:
         store = build_store(tiers, configs, usage, metrics.registry)
     except (OSError, ValueError) as exc:
         return _fail(exc)
+    except TierError as exc:  # an LMDB directory another process holds unreadable, ...
+        return _fail(exc, 1)
     try:
         server = CacheServer(config, store, tokens, on_request=metrics.record, usage=usage)
     except ValueError as exc:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.cachestore.server.daemon_procs import CACHE_SERVER, ROOT, spawn_daemon
 from tests.servers import free_port, python_env
+from tiers.lmdb import LmdbTier
 
 pytestmark = pytest.mark.timeout(120)
 STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
@@ -278,3 +279,44 @@ def test_a_missing_tokens_file_and_no_tier_are_one_line_naming_the_flags(tmp_pat
         f"--data-dir DIR LMDB directory (persistence); default: none, but {required}" in help_text
     )
     assert not (tmp_path / "lmdb").exists()
+
+
+def test_an_unreadable_lmdb_directory_starts_empty_and_a_deleted_one_is_down(
+    tmp_path: Path,
+) -> None:
+    """The ops audit: ``--data-dir`` over a corrupt LMDB printed a 42-line traceback and never
+    started. Held open by another process (which LMDB's lock shows) it is still not moved:
+    one line, exit 1. Once free it is moved aside and the daemon starts on an empty one; that
+    directory deleted under the running daemon, its ``/health`` says the tier is down."""
+    import os
+    import shutil
+
+    import lmdb
+
+    data = tmp_path / "lmdb"
+    LmdbTier(data, capacity_bytes=1 << 20).close()
+    held = lmdb.open(str(data), max_dbs=3, map_size=1 << 26)  # another engine's
+    with open(data / "data.mdb", "r+b") as fh:
+        fh.write(os.urandom(4 * 4096))  # dd if=/dev/urandom bs=4096 count=4 conv=notrunc
+    failed = _cli("--port", "0", "--admin-port", "-1", "--data-dir", str(tmp_path))
+    held.close()
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    line = failed.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvtier cache-server: lmdb at {data}: unreadable (")
+    assert "MDB_INVALID" in line and "open by another process" in line
+    assert not list(tmp_path.glob("lmdb.corrupt-*"))
+    admin = free_port()
+    proc = _spawn("--port", "0", "--admin-port", str(admin), "--data-dir", str(tmp_path))
+    try:
+        assert _wait_health(admin, proc)["status"] == "ok"
+        assert len(list(tmp_path.glob("lmdb.corrupt-*"))) == 1
+        shutil.rmtree(data)
+        deadline = time.monotonic() + 20  # the store's prober pings idle tiers every 5 s
+        while (health := _wait_health(admin, proc))["status"] == "ok":
+            assert time.monotonic() < deadline, health
+            time.sleep(0.5)
+        assert {"name": "lmdb", "state": "down"} in health["tiers"]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "moved aside to" in err and "was deleted while the tier ran" in err
