@@ -25,7 +25,8 @@
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
-# QA_MODES (default "off on"; "small": a 2 GiB host tier over LMDB; "smallwait": small with
+# QA_MODES (default "off on"; "on": a host tier of QA_HOST_CAPACITY [48GiB], whose pinning and
+# release take tens of seconds: 16GiB holds the ten histories too; "small": a 2 GiB host tier over LMDB; "smallwait": small with
 # --load-wait-step-tokens LOAD_WAIT_TOKENS [512]; "on256": on with
 # --first-token-step-tokens 256; "lean": on with --first-token-step-others LEAN_OTHERS [64]; "fill": on with -1 (the old fill); "layered": on, with
 # in-step loads landing layer by layer (LAYERS_PER_COPY [0: automatic]); "perblock": on with whole-block in-step copies (layered_loads: false, the default for raw blocks); "allinstep": on, every reload of a step in-step, the default since the ninth session; "onestep": at most one in-step load a step, the sixth to eighth sessions' default; "onestephold": that, with async copies held until the forward is queued; "coalesced": on with coalesced_loads (a run of consecutive host slots as one copy into device staging, then one scatter: a few copy commands a load instead of one a block)) and the client's TTFT by
@@ -113,7 +114,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     spy_s=""; [[ " ${QA_PYSPY_MODES:-} " == *" $mode "* ]] && spy_s=${QA_PYSPY_S:-40}
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     case "$mode" in
-      on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: 48GiB}\n' > "/tmp/qa_$mode.yaml"
+      on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: %s}\n' "${QA_HOST_CAPACITY:-48GiB}" > "/tmp/qa_$mode.yaml"
         if [ "$mode" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
         if [ "$mode" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi
         if [ "$mode" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
