@@ -354,6 +354,38 @@ def test_gpu_sampling_contracts() -> None:
     assert alone == batched == on_cpu
 
 
+def test_gpu_min_p_and_token_masks() -> None:
+    """vLLM's min_p and the allowed/banned masks on the FlashInfer sampling path: min_p 1 keeps
+    only the top token, 0.9 keeps the tokens within 10% of it (exp(-0.1) = 0.905 of the top
+    probability, not exp(-0.2)); a masked row samples only its allowed ids and never a banned
+    one, its neighbours untouched; the same on CPU."""
+    from engine.runner.logits_processors import MaskRow, mask_tokens
+
+    sampler = Sampler(seed=0, device="cuda")
+    assert sampler.uses_flashinfer
+    logits = torch.full((3, 300), -5.0, device="cuda")
+    logits[:, 10], logits[:, 20], logits[:, 30] = 3.0, 2.9, 2.8
+    only_top = SampleRequest(SamplingParams(temperature=1.0, min_p=1.0), 0)
+    near_top = SampleRequest(SamplingParams(temperature=1.0, min_p=0.9), 0)
+    free = SampleRequest(SamplingParams(temperature=1.0, top_k=3), 0)
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(200):
+        for i, tok in enumerate(sampler(logits, [only_top, near_top, free])):
+            seen[i].add(tok)
+    assert seen == [{10}, {10, 20}, {10, 20, 30}]
+    rows = [MaskRow(allowed=(30, 40)), None, MaskRow(banned=(10, 20))]
+    masked = mask_tokens(logits, rows)
+    assert torch.equal(masked[1], logits[1].float())
+    picked: list[set[int]] = [set(), set(), set()]
+    plain = [SampleRequest(SamplingParams(temperature=1.0, top_k=3), 0)] * 3
+    for _ in range(100):
+        for i, tok in enumerate(sampler(masked, plain)):
+            picked[i].add(tok)
+    assert picked[0] <= {30, 40} and 30 in picked[0]
+    assert picked[1] == {10, 20, 30} and picked[2] <= {30, *range(300)} - {10, 20}
+    assert torch.equal(mask_tokens(logits.cpu(), rows), masked.cpu())
+
+
 def test_fused_kernels_equal_the_torch_path_on_gpu(gpu_model) -> None:
     """Triton fused norm/activation (the CUDA default) vs the torch path: same greedy tokens,
     logits within bf16 noise, through prefill, mixed and (graph) decode steps."""
