@@ -46,6 +46,7 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     chat_template: str | None = None  # declared to be refused: the server's template rules
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, as on chat
 
     def texts(self) -> Iterator[tuple[str, str]]:
         yield from super().texts()
@@ -117,6 +118,7 @@ def _chat_text(ctx: ServingContext, request: TokenizeChatRequest) -> str:
             ctx.chat_tokens.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
         )
     except ValueError as exc:
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc

@@ -177,3 +177,19 @@ def test_model_aliases_are_each_served_under_the_first_name(server: Server) -> N
         assert got.status_code == 200 and got.json()["model"] == MODEL, got.text
         other = httpx.post(f"{base}/v1/completions", json={**body, "model": "nope"}, timeout=60)
         assert other.status_code == 404
+
+
+def test_tokenize_renders_chat_as_chat_completions_does(server: Server) -> None:
+    """/tokenize with the chat options (an assistant prefill, template variables) counts the
+    tokens chat completions then computes, as vLLM's /tokenize does."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "It goes to"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False,
+               "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    counted = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": messages, **options}, timeout=60
+    )
+    assert counted.status_code == 200, counted.text
+    body = {"messages": messages, "max_tokens": 1, **options}
+    got = _post(server, "/v1/chat/completions", body)
+    assert got.status_code == 200, got.text
+    assert counted.json()["count"] == got.json()["usage"]["prompt_tokens"]
