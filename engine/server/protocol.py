@@ -342,7 +342,45 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(_Request):
+    """vLLM's chat-template switches, shared by chat completions and ``/tokenize``:
+    ``continue_final_message`` leaves the last message open (an assistant prefill the model
+    continues), ``chat_template_kwargs`` are more template variables (e.g. enable_thinking).
+    A per-request ``chat_template`` is refused."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    def check_template_options(self) -> None:
+        """Raises ProtocolError naming the field for options that cannot be rendered."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        if self.chat_template is not None:
+            raise ProtocolError(
+                "chat_template: a per-request template is not supported; start the server "
+                "with --chat-template",
+                "chat_template",
+            )
+
+    def template_options(self) -> dict[str, Any]:
+        """``render_chat``'s options that differ from its defaults (empty: the default
+        rendering, which the chat token cache serves)."""
+        options: dict[str, Any] = {}
+        if not self.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        if self.chat_template_kwargs:
+            options["template_kwargs"] = dict(self.chat_template_kwargs)
+        return options
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
@@ -352,13 +390,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    # vLLM's chat-template switches: continue_final_message leaves the last message open
-    # (an assistant prefill the model continues); chat_template_kwargs are more template
-    # variables (e.g. enable_thinking). A per-request chat_template is refused.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: str | None = None
 
     def logprob_settings(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -375,17 +406,7 @@ class ChatCompletionRequest(SamplingRequest):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise ProtocolError(f"{name} is not supported (no tool calling)", name)
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ProtocolError(
-                "continue_final_message and add_generation_prompt cannot both be true",
-                "continue_final_message",
-            )
-        if self.chat_template is not None:
-            raise ProtocolError(
-                "chat_template: a per-request template is not supported; start the server "
-                "with --chat-template",
-                "chat_template",
-            )
+        self.check_template_options()
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
@@ -415,15 +436,3 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-    def template_options(self) -> dict[str, Any]:
-        """``render_chat``'s options that differ from its defaults (empty: the default
-        rendering, which the chat token cache serves)."""
-        options: dict[str, Any] = {}
-        if not self.add_generation_prompt:
-            options["add_generation_prompt"] = False
-        if self.continue_final_message:
-            options["continue_final_message"] = True
-        if self.chat_template_kwargs:
-            options["template_kwargs"] = dict(self.chat_template_kwargs)
-        return options

@@ -22,7 +22,13 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
-from engine.server.protocol import TOKEN_ID_LIMIT, ChatMessage, ProtocolError, _Request
+from engine.server.protocol import (
+    TOKEN_ID_LIMIT,
+    ChatMessage,
+    ChatTemplateOptions,
+    ProtocolError,
+    _Request,
+)
 from engine.server.serving import ServingContext
 from engine.tokenizer import TooManyTokens, encode_within, render_chat
 
@@ -38,15 +44,11 @@ class TokenizeCompletionRequest(_Request):
         yield "prompt", self.prompt
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(ChatTemplateOptions):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
-    chat_template: str | None = None  # declared to be refused: the server's template rules
-    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, as on chat
 
     def texts(self) -> Iterator[tuple[str, str]]:
         yield from super().texts()
@@ -92,16 +94,7 @@ async def _parse(raw: Request, models: tuple[type[_Request], ...]) -> _Request:
 
 
 def _chat_text(ctx: ServingContext, request: TokenizeChatRequest) -> str:
-    if request.chat_template is not None:
-        raise ProtocolError(
-            "a per-request chat_template is not supported; start the server with --chat-template",
-            "chat_template",
-        )
-    if request.continue_final_message and request.add_generation_prompt:
-        raise ProtocolError(
-            "continue_final_message and add_generation_prompt cannot both be true",
-            "continue_final_message",
-        )
+    request.check_template_options()
     for i, m in enumerate(request.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
@@ -116,9 +109,7 @@ def _chat_text(ctx: ServingContext, request: TokenizeChatRequest) -> str:
             ctx.engine.tokenizer,
             conversation,
             ctx.chat_tokens.chat_template,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            template_kwargs=request.chat_template_kwargs,
+            **request.template_options(),
         )
     except ValueError as exc:
         raise ProtocolError(f"cannot apply the chat template: {exc}", "messages") from exc
