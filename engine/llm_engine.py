@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from cachestore.hashing import Namespace
@@ -163,6 +163,12 @@ class LLMEngine:
         """The KV connector ``--kv-offload`` built (``kv_connector``), None without one."""
         return self.kv_connector
 
+    def _check_in_vocab(self, what: str, ids: Sequence[int]) -> None:
+        """Raises ValueError naming ``what`` for ids outside the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(f"{what} {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
+
     def add_request(
         self,
         req_id: str,
@@ -181,17 +187,8 @@ class LLMEngine:
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})"
-            )
-        allowed = params.allowed_token_ids or ()
-        bad = [t for t in allowed if t >= self._vocab_size]
-        if bad:
-            raise ValueError(
-                f"allowed_token_ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})"
-            )
+        self._check_in_vocab("prompt token ids", prompt_ids)
+        self._check_in_vocab("allowed_token_ids", params.allowed_token_ids or ())
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens; it must be shorter than "
@@ -211,14 +208,7 @@ class LLMEngine:
         request.times.api = clean_api_times(api_times)
         detok = None
         if self.detokenize:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_ids,
-                params.stop,
-                params.min_tokens,
-                skip_special_tokens=params.skip_special_tokens,
-                include_stop=params.include_stop_str_in_output,
-            )
+            detok = IncrementalDetokenizer.for_params(self.tokenizer, prompt_ids, params)
         self.scheduler.add_request(request)
         self._states[req_id] = RequestState(
             request,

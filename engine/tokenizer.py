@@ -14,7 +14,10 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +277,21 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop
         self._decoded = ""  # all complete output text, held-back tail included
         self.text = ""  # emitted so far
+
+    @classmethod
+    def for_params(
+        cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """The detokenizer of a request sampled with ``params`` (its stop strings,
+        ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``)."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            params.stop,
+            params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop=params.include_stop_str_in_output,
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(

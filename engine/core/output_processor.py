@@ -52,14 +52,7 @@ class RequestState:
         params: SamplingParams,
         arrival_time: float,
     ) -> RequestState:
-        detok = IncrementalDetokenizer(
-            tokenizer,
-            prompt_token_ids,
-            params.stop,
-            params.min_tokens,
-            skip_special_tokens=params.skip_special_tokens,
-            include_stop=params.include_stop_str_in_output,
-        )
+        detok = IncrementalDetokenizer.for_params(tokenizer, prompt_token_ids, params)
         return cls(
             req_id,
             prompt_token_ids,
