@@ -53,7 +53,6 @@ from tiers.base import Evicted, Tier, TierError, TierUsage, Value, writable_view
 from tiers.buffers import ReadBuffers, copy_into
 from tiers.lmdb_files import (
     DataFile,
-    DataFileLost,
     DiskFull,
     open_or_move_aside,
     warn_if_disk_smaller,
@@ -376,16 +375,7 @@ class LmdbTier(LmdbWriter, Tier):
         if self._closed:
             raise TierError(f"lmdb tier at {self.path} is closed")
         self._refuse_if_lost()
-        try:
-            self._file.check_same()
-        except DataFileLost as exc:
-            self._lost = str(exc)
-            raise
-
-    def _refuse_if_lost(self) -> None:
-        """TierError once ``ping`` or the writer found the data file gone (``_lost``)."""
-        if self._lost is not None:
-            raise TierError(self._lost)
+        self._check_file()
 
     def close(self) -> None:
         """Finish queued writes, persist recency, close the environment. Idempotent."""

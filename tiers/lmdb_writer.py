@@ -67,8 +67,7 @@ class LmdbWriter:
     def _submit(self, op: WriteOp) -> WriteOp:
         if self._closed:
             raise TierError(f"lmdb tier at {self.path} is closed")
-        if self._lost is not None:
-            raise TierError(self._lost)
+        self._refuse_if_lost()
         self._queue.put(op)
         op.done.wait()
         if op.error is not None:
@@ -126,19 +125,29 @@ class LmdbWriter:
                 raise
 
     def _make_room(self, op: WriteOp | None) -> None:  # lock held, a write transaction open
-        """Before the transaction writes anything: DataFileLost (and the tier refuses every
-        call from then on) when the data file at ``path`` is not the one open (deleted or
-        replaced: what it writes would be lost), DiskFull when the disk has no blocks for what
-        the transaction may add to the file (with ``writemap`` the write would be a SIGBUS:
-        ``tiers.lmdb_files``)."""
+        """Before the transaction writes anything (``op`` None: recency only):
+        DataFileLost (``_check_file``) when the data file at ``path`` is not the one open, DiskFull when the disk has no blocks for
+        what the transaction may add to the file (with ``writemap`` the write would be a
+        SIGBUS: ``tiers.lmdb_files``)."""
+        self._check_file()
+        sizes = [memoryview(v).nbytes for _, v in op.puts] if op is not None else []
+        others = len(self._dirty) + (len(op.deletes) if op is not None else 0)
+        self._file.reserve(self._high_water(), write_need(sizes, others, self._psize))
+
+    def _check_file(self) -> None:
+        """DataFileLost when the data file at ``path`` is no longer the one open (deleted or
+        replaced: what the tier writes would be lost); the tier refuses every call from then
+        on (``_refuse_if_lost``), until a restart opens the directory afresh."""
         try:
             self._file.check_same()
         except DataFileLost as exc:
             self._lost = str(exc)
             raise
-        sizes = [memoryview(v).nbytes for _, v in op.puts] if op is not None else []
-        others = len(self._dirty) + (len(op.deletes) if op is not None else 0)
-        self._file.reserve(self._high_water(), write_need(sizes, others, self._psize))
+
+    def _refuse_if_lost(self) -> None:
+        """TierError once the data file was found gone (``_check_file``)."""
+        if self._lost is not None:
+            raise TierError(self._lost)
 
     def _put_one(self, txn: Any, key: str, value: memoryview, op: WriteOp) -> None:
         # Lock held, inside the write transaction. Victims are this process's least recent
