@@ -218,8 +218,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long the requests in flight may still run; those left "
         "then are aborted and answered 503 (a stream: an error event, then [DONE]) before "
-        "the engine drains its KV offload; 0: at once. 10 s plus the drain's 2 x drain_timeout_s fits a 30 s stop grace "
-        "(Docker, Kubernetes) and systemd's TimeoutStopSec=90 (docs/offload.md)",
+        "the engine drains its KV offload; 0: at once. 10 s plus the drain's 2 x "
+        "drain_timeout_s fits a 30 s stop grace (Docker, Kubernetes) and systemd's "
+        "TimeoutStopSec=90 (docs/offload.md)",
     )
     parser.add_argument(
         "--log-level",
