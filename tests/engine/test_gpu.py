@@ -329,11 +329,17 @@ def test_kv_budget_from_the_memory_profile(gpu_model) -> None:
     assert torch.cuda.memory_allocated() >= budget.kv_bytes
 
 
+def _three_peaks(rows: int) -> torch.Tensor:
+    """``rows`` rows of 300 logits on the GPU: 3.0, 2.9 and 2.8 at ids 10, 20, 30, -5 else."""
+    logits = torch.full((rows, 300), -5.0, device="cuda")
+    logits[:, 10], logits[:, 20], logits[:, 30] = 3.0, 2.9, 2.8
+    return logits
+
+
 def test_gpu_sampling_contracts() -> None:
     sampler = Sampler(seed=0, device="cuda")
     assert sampler.uses_flashinfer
-    logits = torch.full((4, 300), -5.0, device="cuda")
-    logits[:, 10], logits[:, 20], logits[:, 30] = 3.0, 2.9, 2.8
+    logits = _three_peaks(4)
     top1 = SampleRequest(SamplingParams(temperature=1.0, top_k=1), 0)
     top2 = SampleRequest(SamplingParams(temperature=1.0, top_k=2), 0)
     greedy = SampleRequest(GREEDY, 0)
@@ -363,8 +369,7 @@ def test_gpu_min_p_and_token_masks() -> None:
 
     sampler = Sampler(seed=0, device="cuda")
     assert sampler.uses_flashinfer
-    logits = torch.full((3, 300), -5.0, device="cuda")
-    logits[:, 10], logits[:, 20], logits[:, 30] = 3.0, 2.9, 2.8
+    logits = _three_peaks(3)
     only_top = SampleRequest(SamplingParams(temperature=1.0, min_p=1.0), 0)
     near_top = SampleRequest(SamplingParams(temperature=1.0, min_p=0.9), 0)
     free = SampleRequest(SamplingParams(temperature=1.0, top_k=3), 0)

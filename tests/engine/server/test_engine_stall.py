@@ -33,6 +33,7 @@ from tests.engine.server.test_group_sigterm import (
     stop_group,
 )
 from tests.engine.server.test_shutdown_timeout import Stream
+from tests.engine.test_core_proc import _gone
 
 pytestmark = pytest.mark.timeout(180)
 STALL_TIMEOUT_S = 3
@@ -44,14 +45,6 @@ def long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(
         tmp_path_factory.mktemp("engine_stall"), "llama", seed=33, max_position_embeddings=32768
     )
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def test_a_stopped_core_fails_requests_and_serve_exits_1_naming_the_stall(
