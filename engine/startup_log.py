@@ -10,7 +10,7 @@ its engine core process; ``LLM`` users see it with INFO logging on)::
         tier 0    host  8GiB
         tier 1    lmdb  max 32GiB at /root/.cache/kvtier/lmdb/LlamaForCausalLM-..., write_through
 
-Capacities use ``tiers.config.format_size`` (approximate when not a whole unit); URLs lose
+Capacities use ``tiers.sizes.config_size`` (approximate when not a whole unit); URLs lose
 their password and secret query values (``redact_url``); tokens and keys are never shown.
 Pure formatting: reads the engine's attributes, changes nothing.
 """
@@ -20,19 +20,9 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from tiers.config import format_size
+from tiers.sizes import config_size
 
 _SECRET_WORDS = ("pass", "secret", "token", "key", "auth", "credential")
-
-
-def human_size(num_bytes: int) -> str:
-    """In the largest binary unit it reaches: ``format_size``'s exact form when whole
-    ('8GiB'), else rounded to one decimal ('~5.7GiB')."""
-    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if num_bytes >= scale:
-            exact = format_size(num_bytes)
-            return exact if exact.endswith(unit) else f"~{num_bytes / scale:.1f}{unit}"
-    return format_size(num_bytes)
 
 
 def redact_url(url: str) -> str:
@@ -62,11 +52,11 @@ def describe_tier(tier: Any) -> str:
     kind = type(tier).kind
     capacity = getattr(tier, "capacity", None)
     if kind == "host":
-        return f"host  {human_size(tier.capacity)} of host memory"
+        return f"host  {config_size(tier.capacity)} of host memory"
     if kind == "lmdb":
-        return f"lmdb  max {human_size(tier.capacity)} at {tier.path}"
+        return f"lmdb  max {config_size(tier.capacity)} at {tier.path}"
     if kind == "redis":
-        size = human_size(capacity) if capacity else "bounded by the server's maxmemory"
+        size = config_size(capacity) if capacity else "bounded by the server's maxmemory"
         ttl = f", ttl {tier.ttl_s:g}s" if tier.ttl_s else ""
         cluster = " (cluster)" if tier.cluster else ""
         return f"redis {size} at {redact_url(tier.url)}{cluster}{ttl}"
@@ -133,7 +123,7 @@ def describe_engine(engine: Any) -> str:
     caching = "on" if engine.config.cache.enable_prefix_caching else "off"
     lines.append(
         f"  KV cache    {blocks} blocks x {block_size} tokens = {blocks * block_size} "
-        f"tokens ({human_size(kv_bytes)}), max_model_len {engine.max_model_len}, "
+        f"tokens ({config_size(kv_bytes)}), max_model_len {engine.max_model_len}, "
         f"prefix caching {caching}"
     )
     lines += describe_offload(engine.kv_connector)

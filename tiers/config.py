@@ -59,6 +59,7 @@ from tiers.sizes import (
     TOKENS,
     UNBOUNDED,
     Size,
+    approx_size,
     format_size,
     parse_quantity,
     parse_size,
@@ -231,8 +232,8 @@ def check_resources(
             mem = mem_available_bytes() if mem_available is None else mem_available
             if cfg.capacity > mem:
                 raise ConfigError(
-                    f"{where}: field 'capacity': {_gib(cfg.capacity)} is more than the memory "
-                    f"available on this machine ({_gib(mem)}, /proc/meminfo MemAvailable)"
+                    f"{where}: field 'capacity': {approx_size(cfg.capacity)} is more than the memory "
+                    f"available on this machine ({approx_size(mem)}, /proc/meminfo MemAvailable)"
                 )
         elif isinstance(cfg, LmdbTierConfig):
             try:
@@ -244,7 +245,3 @@ def check_resources(
                     f"{where}: field 'path': cannot use {cfg.path!r} as the LMDB "
                     f"directory: {exc.strerror or exc}"
                 ) from None
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from tiers.base import TierError
+from tiers.sizes import approx_size
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +173,6 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else _mib(n)
-
-
 def free_bytes(path: str) -> int:
     """Bytes an unprivileged process may still allocate on ``path``'s filesystem."""
     st = os.statvfs(path)
@@ -193,9 +190,9 @@ def warn_if_disk_smaller(directory: str, capacity: int, data_file: DataFile) -> 
             "lmdb at %s: capacity %s is more than the disk can give it (%s free plus %s in its "
             "data file): writes past that fail (the disk is full) and are recomputed instead",
             directory,
-            _size(capacity),
-            _size(free),
-            _size(held),
+            approx_size(capacity),
+            approx_size(free),
+            approx_size(held),
         )
 
 

@@ -133,3 +133,25 @@ def format_size(num_bytes: int) -> str:
         if num_bytes >= scale and num_bytes % scale == 0:
             return f"{num_bytes // scale}{unit}"
     return f"{num_bytes}B"
+
+
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def config_size(num_bytes: int) -> str:
+    """For a start-up line, in the config's own syntax: ``format_size``'s exact form when whole
+    in the largest unit reached ('8GiB'), else that unit to one decimal ('~5.7GiB')."""
+    for unit, scale in _UNITS:
+        if num_bytes >= scale:
+            exact = format_size(num_bytes)
+            return exact if exact.endswith(unit) else f"~{num_bytes / scale:.1f}{unit}"
+    return format_size(num_bytes)
+
+
+def approx_size(num_bytes: int) -> str:
+    """For a log or error sentence: the largest unit reached, one decimal ('15.0 GiB',
+    '3.0 MiB', '512 B')."""
+    for unit, scale in _UNITS:
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"

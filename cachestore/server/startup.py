@@ -33,6 +33,7 @@ from tiers.config import (
     load_config_file,
     parse_tier_config,
 )
+from tiers.sizes import config_size
 
 if TYPE_CHECKING:
     from cachestore.store.types import WritePolicy
@@ -100,27 +101,20 @@ def daemon_host_tier(cfg: HostTierConfig, slot_bytes: int) -> HostTierConfig:
     return dataclasses.replace(cfg, slot_bytes=cfg.slot_bytes or slot_bytes, pin_memory=False)
 
 
-def human_size(n: int) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.4g}{unit}"
-    return f"{n}B"
-
-
 def describe_tier(cfg: TierConfig) -> str:
     """One tier for the start-up block: kind, size, where (passwords and tokens hidden)."""
     from tiers.config import redact_url
 
     kind = type(cfg).kind
     if isinstance(cfg, HostTierConfig):
-        slot = f", slots of {human_size(cfg.slot_bytes)}" if cfg.slot_bytes else ""
-        return f"host   {human_size(cfg.capacity)} of memory{slot}"
+        slot = f", slots of {config_size(cfg.slot_bytes)}" if cfg.slot_bytes else ""
+        return f"host   {config_size(cfg.capacity)} of memory{slot}"
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     if kind == "lmdb":
-        where = f"max {human_size(fields['capacity'])} at {fields['path']}"
+        where = f"max {config_size(fields['capacity'])} at {fields['path']}"
     elif kind == "redis":
         cap = fields.get("capacity")
-        where = (f"{human_size(cap)} at " if cap else "") + redact_url(fields["url"])
+        where = (f"{config_size(cap)} at " if cap else "") + redact_url(fields["url"])
     elif kind == "s3":
         where = f"s3://{fields['bucket']}/{fields['prefix']}"
         if fields.get("endpoint_url"):

@@ -30,6 +30,7 @@ import torch
 
 from engine.models import ModelArchConfig, get_model_class
 from engine.models.parallel import TPShard
+from tiers.sizes import approx_size
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -129,7 +130,7 @@ class WeightProgress:
                 "loading weights from %s: %d file(s), %s",
                 os.path.dirname(files[0]),
                 len(files),
-                human_bytes(self._total),
+                approx_size(self._total),
             )
 
     def tensor(self, nbytes: int) -> None:
@@ -145,8 +146,8 @@ class WeightProgress:
                 self._done_files,
                 len(self._files),
                 os.path.basename(path),
-                human_bytes(self._bytes),
-                human_bytes(self._total),
+                approx_size(self._bytes),
+                approx_size(self._total),
                 time.perf_counter() - self._t0,
             )
 
@@ -155,18 +156,10 @@ class WeightProgress:
             self._bar.close()
         logger.info(
             "loaded %s of weights from %d file(s) in %.1f s",
-            human_bytes(self._bytes),
+            approx_size(self._bytes),
             len(self._files),
             time.perf_counter() - self._t0,
         )
-
-
-def human_bytes(n: int) -> str:
-    """``n`` bytes for a log line: '15.0 GiB', '3.2 MiB', '512 B'."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 _INIT_LOCK = threading.Lock()

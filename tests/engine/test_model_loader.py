@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.loader import WeightProgress, human_bytes, load_model, safetensors_files
+from engine.models.loader import WeightProgress, load_model, safetensors_files
 from tests.engine.hf_models import build_tiny_hf_model, make_tiny_model
 from tests.servers import python_env
+from tiers.sizes import approx_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,4 +94,4 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_no_lines(
     progress.done()
     assert "loading weights" in stream.getvalue()
     assert [r.getMessage() for r in caplog.records][:-1] == []  # only the closing summary
-    assert [human_bytes(n) for n in (512, 3 << 20, 15 << 30)] == ["512 B", "3.0 MiB", "15.0 GiB"]
+    assert [approx_size(n) for n in (512, 3 << 20, 15 << 30)] == ["512 B", "3.0 MiB", "15.0 GiB"]

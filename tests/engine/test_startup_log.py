@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.startup_log import describe_tier, human_size, redact_url
+from engine.startup_log import describe_tier, redact_url
 from tests.engine.hf_models import make_tiny_model
 from tiers.config import parse_tier_entry
+from tiers.sizes import config_size
 
 
 def test_sizes_and_urls_for_humans() -> None:
-    assert [human_size(n) for n in (1000, 1024, 8 << 30, (8 << 30) + 1, 5982974 * 1024)] == [
+    assert [config_size(n) for n in (1000, 1024, 8 << 30, (8 << 30) + 1, 5982974 * 1024)] == [
         "1000B",
         "1KiB",
         "8GiB",
@@ -79,7 +80,7 @@ def test_engine_logs_one_block_with_model_kv_budget_and_tiers(
     assert block.splitlines() == [
         "kvtier engine ready",
         f"  model       {model_dir} (LlamaForCausalLM, float32, 2 layers, cpu)",
-        f"  KV cache    24 blocks x 16 tokens = 384 tokens ({human_size(kv_bytes)}), "
+        f"  KV cache    24 blocks x 16 tokens = 384 tokens ({config_size(kv_bytes)}), "
         "max_model_len 384, prefix caching on",
         "  KV offload  2 tier(s), decision policy cost",
         "    tier 0    host  2MiB of host memory",

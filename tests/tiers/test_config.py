@@ -542,7 +542,7 @@ def test_start_checks_name_the_tier_and_field(tmp_path: Path) -> None:
     host = parse_tier_config({"tiers": [{"kind": "host", "capacity": "4TiB"}]})
     with pytest.raises(
         ConfigError,
-        match=r"tiers\[0\] \(host\): field 'capacity': 4096.0 GiB "
+        match=r"tiers\[0\] \(host\): field 'capacity': 4.0 TiB "
         r"is more than .*24.0 GiB.*MemAvailable",
     ):
         check_resources(host, mem_available=24 << 30)
@@ -586,7 +586,7 @@ def test_start_checks_name_the_file_they_came_from(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         check_resources(config, mem_available=24 << 30, source=path)
     assert str(info.value) == (
-        f"{path}: tiers[0] (host): field 'capacity': 4096.0 GiB is more "
+        f"{path}: tiers[0] (host): field 'capacity': 4.0 TiB is more "
         "than the memory available on this machine (24.0 GiB, "
         "/proc/meminfo MemAvailable)"
     )
