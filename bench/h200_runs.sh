@@ -125,8 +125,10 @@ if [[ "$STAGES" == *,qa,* ]]; then
       onestephold) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestephold.yaml ;;
       lossless) printf 'compression: lossless\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_lossless.yaml ;;
       coalesced) printf 'coalesced_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_coalesced.yaml ;;
-      small|smallwait) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
-        printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB}\n' > "/tmp/qa_$mode.yaml"
+      small|smallwait|smallwm) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
+        # smallwm: LMDB writing through its map (writemap, the default until the 21st session)
+        wm=false; [ "$mode" = smallwm ] && wm=true
+        printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB, writemap: %s}\n' "$wm" > "/tmp/qa_$mode.yaml"
         # smallwait: steps stay short while a request waits for its LMDB load (docs/scheduling.md)
         if [ "$mode" = smallwait ]; then flags+=(--load-wait-step-tokens "${LOAD_WAIT_TOKENS:-512}"); fi ;;
     esac

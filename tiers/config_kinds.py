@@ -57,7 +57,7 @@ class LmdbTierConfig:
     writer_queue_size: int = _f(_pos_int, 256)
     sync: bool = _f(_bool, False)  # a cache: losing the last writes on power loss is fine
     read_buffer_bytes: int = _f(_size, 256 << 20)  # idle recycled read buffers kept (get_many)
-    writemap: bool = _f(_bool, True)  # pages written through the map (LmdbTier's docstring)
+    writemap: bool = _f(_bool, False)  # pages written through the map (LmdbTier's docstring)
     write_policy: str = _f(_policy, WRITE_THROUGH)
     write_through_hits: int = _f(_pos_int, 2)  # write_through_selective: copied at this hit
     write_queue_blocks: int = _f(_pos_int, 1024)  # write-through queue bound, in blocks

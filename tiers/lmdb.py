@@ -78,17 +78,19 @@ class LmdbTier(LmdbWriter, Tier):
         writer_queue_size: int = 256,
         sync: bool = False,
         read_buffer_bytes: int = 256 << 20,
-        writemap: bool = True,
+        writemap: bool = False,
     ) -> None:
         """Open (creating if needed) the environment and rebuild the LRU index.
 
         ``read_buffer_bytes``: idle read buffers ``get_many`` keeps for reuse (``tiers.buffers``).
         ``writemap``: the writer writes pages through the shared map instead of ``write(2)``
-        calls (LMDB's ``MDB_WRITEMAP``). With 2 MiB values that is 2.3x (fresh file) to 8x
-        (evictions freeing and reusing pages) the put rate on the 2-core CI machine, the rate
-        a write-through tier must keep up with. The data file is then as large as the map
-        (sparse: unwritten pages take no disk), its blocks allocated a step ahead of the
-        writes (``tiers.lmdb_files``).
+        calls (LMDB's ``MDB_WRITEMAP``). Off by default: faster (2 MiB puts 2.3x into a fresh
+        file, up to 8x reusing freed pages on the 2-core CI machine) only while the map's dirty
+        pages stay under the kernel's background writeback threshold; past it (a tier larger
+        than ~10% of RAM, e.g. any write-through LMDB of a long QA run) the puts fell below
+        the ``write(2)`` path's (0.22 against 0.37 GB/s) and the engine thread's steps slowed
+        up to 4x beside them (docs/tiers.md). The data file's blocks are allocated a step
+        ahead of the writes either way (``tiers.lmdb_files``).
         An environment LMDB cannot read (corrupt, another version) is moved aside to
         ``<path>.corrupt-<UTC time>`` and an empty one opened (``open_or_move_aside``).
         Raises TierError when LMDB cannot open ``path`` otherwise, or it is unreadable and

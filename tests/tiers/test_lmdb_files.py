@@ -83,7 +83,7 @@ def _read_at_once(tier: LmdbTier, n: int) -> None:
 
 
 def _open(db: Path, how: str) -> LmdbTier:
-    if how == "config":  # the YAML path: LmdbTierConfig's defaults (writemap on)
+    if how == "config":  # the YAML path: LmdbTierConfig's defaults (writemap off)
         tier = create_tier(LmdbTierConfig(path=str(db), capacity=1 << 30))
         assert isinstance(tier, LmdbTier)
         return tier
