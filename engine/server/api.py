@@ -177,6 +177,7 @@ def build_app(
     model_info: dict[str, Any] | None = None,
     return_log: str | None = None,
     model_aliases: tuple[str, ...] = (),
+    vllm_metric_names: bool = False,
 ) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
@@ -185,8 +186,9 @@ def build_app(
     first-text times (``engine.server.return_log``; ``kvtier serve --request-log`` sets it;
     one that cannot be opened is logged and left out: it never stops the server);
     ``model_aliases``: more names requests may use (``--served-model-name A B``, as vLLM's:
-    responses and metrics carry the first)."""
-    metrics = ServerMetrics(engine.stats, served_model_name)
+    responses and metrics carry the first); ``vllm_metric_names``: ``/metrics`` also carries
+    the families with a vLLM equivalent under vLLM's names (``--vllm-metric-names``)."""
+    metrics = ServerMetrics(engine.stats, served_model_name, vllm_names=vllm_metric_names)
     log = _open_return_log(return_log)
     ctx = ServingContext(engine, served_model_name, metrics, chat_template, log, model_aliases)
     names = (served_model_name, *model_aliases)

@@ -164,6 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL log of every request (ids, lengths, cached tokens, timings); default: none",
     )
     parser.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="/metrics also carries the families that have a vLLM equivalent under vLLM's "
+        "names (vllm:num_requests_running ...), for routers and dashboards built for vLLM",
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
     )
     parser.add_argument(

@@ -279,3 +279,29 @@ def sample_names() -> frozenset[str]:
         for suffix in _SUFFIXES[f.kind]:
             out.add(f.name if suffix == "" else base + suffix)
     return frozenset(out)
+
+
+# ``kvtier serve --vllm-metric-names``: the families whose meaning is vLLM's, exported a second
+# time under vLLM 0.32's names (same type, labels and values), for the routers, autoscalers and
+# dashboards written against vLLM's ``/metrics`` (the production-stack router, KEDA rules,
+# Grafana boards). Only one-to-one equivalents; docs/metrics.md lists the rest.
+VLLM_NAMES: dict[str, str] = {
+    "kvtier_request_success_total": "vllm:request_success_total",
+    "kvtier_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "kvtier_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "kvtier_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "kvtier_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "kvtier_request_generation_tokens": "vllm:request_generation_tokens",
+    "kvtier_num_requests_running": "vllm:num_requests_running",
+    "kvtier_num_requests_waiting": "vllm:num_requests_waiting",
+    "kvtier_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "kvtier_generation_tokens_total": "vllm:generation_tokens_total",
+    "kvtier_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "kvtier_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "kvtier_num_preemptions_total": "vllm:num_preemptions_total",
+    "kvtier_gpu_cache_usage_ratio": "vllm:kv_cache_usage_perc",  # vLLM's is 0-1 too
+    "kvtier_kv_loaded_tokens_total": "vllm:external_prefix_cache_hits_total",
+}
+for _ours, _theirs in VLLM_NAMES.items():
+    if _ours not in BY_NAME or _ours.endswith("_total") != _theirs.endswith("_total"):
+        raise RuntimeError(f"bad vLLM alias {_ours} -> {_theirs}")

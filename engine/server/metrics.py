@@ -20,7 +20,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from engine.outputs import RequestOutput
-from engine.server.metric_families import BY_NAME
+from engine.server.metric_families import BY_NAME, VLLM_NAMES
 from engine.server.return_log import ReturnLog
 from engine.server.stats_export import snapshot_families
 from engine.ttft import ALL_PHASES, FIRST_TEXT_PHASE, RETURN_PHASE
@@ -69,7 +69,15 @@ def _histogram(name: str, registry: CollectorRegistry, buckets: tuple[float, ...
 class ServerMetrics:
     """All server metrics. Thread-safe (prometheus-client metrics are)."""
 
-    def __init__(self, read_stats: Callable[[], Mapping[str, Any]], model_name: str) -> None:
+    def __init__(
+        self,
+        read_stats: Callable[[], Mapping[str, Any]],
+        model_name: str,
+        *,
+        vllm_names: bool = False,
+    ) -> None:
+        """``vllm_names``: also export the families of ``VLLM_NAMES`` under vLLM's names."""
+        self._vllm_names = vllm_names
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(read_stats, model_name))
         m = model_name
@@ -104,20 +112,41 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The text exposition format of every metric in this registry, without the
         ``*_created`` timestamps (as vLLM: in the text format they would be extra gauge
-        families that no dashboard uses)."""
-        return generate_latest(_WithoutCreated(self.registry))
+        families that no dashboard uses); with ``vllm_names``, followed by the vLLM-named
+        copies."""
+        return generate_latest(_WithoutCreated(self.registry, self._vllm_names))
 
 
 class _WithoutCreated(Collector):
-    """A view of a registry whose families lose their ``_created`` samples."""
+    """A view of a registry whose families lose their ``_created`` samples; with
+    ``vllm_names``, each family of ``VLLM_NAMES`` is followed by its copy under vLLM's name."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, vllm_names: bool = False) -> None:
         self._registry = registry
+        self._vllm_names = vllm_names
 
     def collect(self) -> Iterator[Metric]:
+        aliases = []
         for metric in self._registry.collect():
             metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
             yield metric
+            theirs = VLLM_NAMES.get(_exposed_name(metric)) if self._vllm_names else None
+            if theirs is not None:
+                aliases.append(_renamed(metric, theirs.removesuffix("_total")))
+        yield from aliases
+
+
+def _exposed_name(metric: Metric) -> str:
+    """A family's name as declared (prometheus-client drops a counter's ``_total``)."""
+    return metric.name + "_total" if metric.type == "counter" else metric.name
+
+
+def _renamed(metric: Metric, name: str) -> Metric:
+    """A copy of ``metric`` named ``name`` (its samples' suffixes kept). No unit: vLLM's
+    names carry none of ours (``kv_cache_usage_perc`` is a ratio)."""
+    copy = Metric(name, metric.documentation, metric.type)
+    copy.samples = [s._replace(name=name + s.name[len(metric.name) :]) for s in metric.samples]
+    return copy
 
 
 class RequestTimer:

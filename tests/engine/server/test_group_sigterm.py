@@ -145,8 +145,17 @@ def loaded_after_restart(model_dir: str, lmdb: Path) -> dict[str, Any]:
 def test_group_sigterm_drains_the_host_tier_and_a_restart_loads_it(
     model_dir: str, tmp_path: Path
 ) -> None:
-    proc, base = start_serve(model_dir, tmp_path, offload_config(tmp_path / "lmdb"))
+    proc, base = start_serve(
+        model_dir, tmp_path, offload_config(tmp_path / "lmdb"), "--vllm-metric-names"
+    )
     complete(base, PROMPTS)
+    # --vllm-metric-names: a router written for vLLM finds its gauges and counters
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics, metrics
+    done = (
+        f'vllm:request_success_total{{finished_reason="length",model_name="tiny"}} {len(PROMPTS)}'
+    )
+    assert done in metrics, metrics
     time.sleep(0.5)  # let the idle core save the last blocks (it does so at once anyway)
     code, err = stop_group(proc, signal.SIGTERM)
     assert code == 0, err

@@ -3,7 +3,8 @@ runs it, the tiny random llama) without and with ``--kv-offload``: the same fami
 same types in both modes, exactly the declared ones (engine.server.metric_families), counters
 ending in ``_total``, and values that match what was sent. Offload: a 24-block GPU pool and
 five 100-token prompts evict the first prompt's 6 full blocks to the host tier; sending it
-again loads them back (as tests/engine/test_core_proc.py does)."""
+again loads them back (as tests/engine/test_core_proc.py does). The offload server also runs
+with ``vllm_metric_names`` (``--vllm-metric-names``): vLLM's names beside ours."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.client import CoreProcConfig, EngineCoreClient
-from engine.server.metric_families import ALL_FAMILIES, SNAPSHOT_FAMILIES
+from engine.server.metric_families import ALL_FAMILIES, SNAPSHOT_FAMILIES, VLLM_NAMES
 from engine.server.metrics import ServerMetrics
 from engine.ttft import ALL_PHASES
 from tests.engine.hf_models import make_tiny_model
@@ -61,7 +62,7 @@ def _scrape(model_dir: str, kv_offload: bool) -> Families:
         config = replace(config, kv_offload=True, kv_offload_config=OFFLOAD)
     engine = EngineCoreClient.start(config, CoreProcConfig(num_threads=1))
     try:
-        with run_server(engine, MODEL) as url:
+        with run_server(engine, MODEL, vllm_metric_names=kv_offload) as url:
             for prompt in SENT:
                 body = {
                     "model": MODEL,
@@ -87,14 +88,36 @@ def _declared() -> dict[str, str]:
     return {f.name.removesuffix("_total"): f.kind for f in ALL_FAMILIES}
 
 
+def _ours(families: Families) -> Families:
+    return {n: f for n, f in families.items() if not n.startswith("vllm:")}
+
+
 def test_both_modes_expose_exactly_the_declared_families_and_types(scraped) -> None:
-    plain, offload = ({n: t for n, (t, _) in scraped[m].items()} for m in (False, True))
+    plain, offload = ({n: t for n, (t, _) in _ours(scraped[m]).items()} for m in (False, True))
     assert plain == offload
     assert plain == _declared()
     for families in scraped.values():
         for name, (kind, samples) in families.items():
             if kind == "counter":
                 assert all(s.endswith("_total") for s, _ in samples), name
+
+
+def test_vllm_names_carry_the_same_samples_as_ours_only_when_asked(scraped) -> None:
+    """``--vllm-metric-names``: each family of ``VLLM_NAMES`` again under vLLM's name, the same
+    type and samples (a router reading ``vllm:num_requests_running`` sees ours); without the
+    flag, no ``vllm:`` family."""
+    plain, offload = scraped[False], scraped[True]
+    assert not [n for n in plain if n.startswith("vllm:")]
+    theirs = {n: f for n, f in offload.items() if n.startswith("vllm:")}
+    assert set(theirs) == {v.removesuffix("_total") for v in VLLM_NAMES.values()}
+    for ours, vllm in VLLM_NAMES.items():
+        kind, samples = offload[ours.removesuffix("_total")]
+        base_ours, base_theirs = ours.removesuffix("_total"), vllm.removesuffix("_total")
+        renamed = {(base_theirs + s[len(base_ours) :], lb): v for (s, lb), v in samples.items()}
+        assert theirs[base_theirs] == (kind, renamed), vllm
+        assert renamed, vllm
+    assert _value(offload, "vllm:external_prefix_cache_hits_total") == 6 * 16
+    assert _value(offload, "vllm:request_success_total", finished_reason="length") == len(SENT)
 
 
 def test_values_match_what_was_sent(scraped) -> None:
