@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,7 +41,7 @@ from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.responses import ModelCard, ModelList
 from engine.server.return_log import ReturnLog
-from engine.server.serving import ClientDisconnected, ServingContext
+from engine.server.serving import REQUEST_ID_HEADER, ClientDisconnected, ServingContext
 from engine.server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,29 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+class _RequestIdHeader:
+    """ASGI middleware (``--enable-request-id-headers``, as vLLM's): every HTTP response carries
+    ``X-Request-Id``, the request's own header when it has one, else a new uuid."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        name = REQUEST_ID_HEADER.lower().encode()
+        given = next((v for k, v in scope.get("headers", ()) if k == name), b"")
+        value = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (name, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class _RequestCounter:
     """ASGI middleware counting HTTP requests by endpoint and response status. Pure ASGI
     (not BaseHTTPMiddleware) so streamed responses pass through untouched."""
@@ -178,6 +202,7 @@ def build_app(
     return_log: str | None = None,
     model_aliases: tuple[str, ...] = (),
     vllm_metric_names: bool = False,
+    request_id_headers: bool = False,
 ) -> FastAPI:
     """A new app (with its own metrics registry) serving ``engine`` as ``served_model_name``;
     request bodies over ``max_body_bytes`` get 413; ``api_key``, ``allowed_origins`` and
@@ -187,7 +212,9 @@ def build_app(
     one that cannot be opened is logged and left out: it never stops the server);
     ``model_aliases``: more names requests may use (``--served-model-name A B``, as vLLM's:
     responses and metrics carry the first); ``vllm_metric_names``: ``/metrics`` also carries
-    the families with a vLLM equivalent under vLLM's names (``--vllm-metric-names``)."""
+    the families with a vLLM equivalent under vLLM's names (``--vllm-metric-names``);
+    ``request_id_headers``: every response carries ``X-Request-Id``
+    (``--enable-request-id-headers``)."""
     metrics = ServerMetrics(engine.stats, served_model_name, vllm_names=vllm_metric_names)
     log = _open_return_log(return_log)
     ctx = ServingContext(engine, served_model_name, metrics, chat_template, log, model_aliases)
@@ -206,6 +233,8 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKey, api_key=api_key)
     app.add_middleware(_RequestCounter, metrics=metrics)
+    if request_id_headers:  # outside the key check and the body limit: 401s and 413s too
+        app.add_middleware(_RequestIdHeader)
     if allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 

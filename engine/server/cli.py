@@ -204,6 +204,7 @@ def main(args: argparse.Namespace) -> int:
             return_log=str(return_log_path(args.request_log)) if args.request_log else None,
             model_aliases=tuple(names[1:]),
             vllm_metric_names=args.vllm_metric_names,
+            request_id_headers=args.enable_request_id_headers,
         )
         # The API process holds the tokenizer, FastAPI and (imported) torch/transformers for
         # its whole life: keep them out of the collector's full passes, as the engine does.

@@ -41,6 +41,7 @@ from engine.server.serving import (
     StartedRequest,
     collect_final,
     finish_reason,
+    given_request_id,
     merge,
     new_request_id,
     sse,
@@ -139,8 +140,8 @@ async def create_completion(
         _echo_text(ctx, p, prepared.token_ids, request) if request.echo else None
         for p, prepared in zip(raw_prompts, prompts, strict=True)
     ]
-    request_id = new_request_id("cmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
+    request_id, engine_id = new_request_id("cmpl", given_request_id(raw, request))
+    started = await unless_disconnected(raw, ctx.start(engine_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _completion_stream(ctx, request_id, request, started, echoes),
@@ -228,8 +229,8 @@ async def create_chat_completion(
     encoded = await ctx.run_tokenizer(_encode_chat, ctx, request)
     prompts = [ctx.prepare(request, encoded.token_ids)]
     times = api_times(encoded.template_s, encoded.tokenize_s)
-    request_id = new_request_id("chatcmpl")
-    started = await unless_disconnected(raw, ctx.start(request_id, prompts, request, times))
+    request_id, engine_id = new_request_id("chatcmpl", given_request_id(raw, request))
+    started = await unless_disconnected(raw, ctx.start(engine_id, prompts, request, times))
     if request.stream:
         return StreamingResponse(
             _chat_stream(ctx, request_id, request, started),

