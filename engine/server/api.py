@@ -4,10 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's shapes:
 ``engine.server.tokenization``), ``GET /version``, ``GET /health`` (200 while the engine runs,
 with each KV tier's state, ``engine.server.health``; 503 once its thread or process died, or its
-core stalled: ``--engine-stall-timeout``),
-``GET /metrics`` (Prometheus text format). With ``api_key``, every ``/v1/*`` route and
+core stalled: ``--engine-stall-timeout``), ``GET``/``POST /ping`` (vLLM's: the same status, no
+body), ``GET /metrics`` (Prometheus text format). With ``api_key``, every ``/v1/*`` route and
 ``/tokenize`` / ``/detokenize`` need ``Authorization: Bearer <key>`` (401 otherwise;
-``/health``, ``/metrics`` and ``/version`` stay open for probes). vLLM leaves its two
+``/health``, ``/ping``, ``/metrics`` and ``/version`` stay open for probes). vLLM leaves its two
 tokenizer routes open; here they are closed too, since they run the tokenizer (and the chat
 template) on caller input, and a client that sends its key everywhere works with both.
 ``allowed_origins`` turns CORS on; ``chat_template`` replaces the tokenizer's template for
@@ -52,6 +52,7 @@ _ENDPOINTS = frozenset(
         "/v1/chat/completions",
         "/v1/models",
         "/health",
+        "/ping",
         "/metrics",
         "/version",
         "/tokenize",
@@ -284,10 +285,20 @@ def build_app(
 
         return JSONResponse({"version": package_version()})
 
+    def engine_down() -> Response | None:
+        if engine.is_running:
+            return None
+        return error_response(503, f"engine is not running: {engine.dead_error!r}")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: 200 with no body while the engine runs."""
+        return engine_down() or Response(status_code=200)
+
     @app.get("/health")
     async def health(verbose: str | None = None) -> Response:
-        if not engine.is_running:
-            return error_response(503, f"engine is not running: {engine.dead_error!r}")
+        if (down := engine_down()) is not None:
+            return down
         refresh = getattr(engine, "request_stats", None)
         if refresh is not None:  # the core's next snapshot, for the next probe
             refresh()

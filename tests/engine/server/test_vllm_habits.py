@@ -275,3 +275,15 @@ def test_request_id_headers_echo_the_client_s_or_a_new_one(server: Server) -> No
         bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x",
                          "max_tokens": "5"}, headers={"X-Request-Id": "t-2"}, timeout=60)  # fmt: skip
         assert bad.status_code == 400 and bad.headers["x-request-id"] == "t-2"
+
+
+def test_ping_answers_like_health(server: Server) -> None:
+    """vLLM's ``/ping`` (GET and POST, as SageMaker probes it): 200, no body, counted."""
+    for method in ("GET", "POST"):
+        reply = httpx.request(method, f"{server.base_url}/ping", timeout=10)
+        assert reply.status_code == 200 and reply.content == b"", (method, reply.text)
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert (
+        'kvtier_requests_total{endpoint="/ping",model_name="tiny-llama",status="200"} 2.0'
+        in metrics
+    )
