@@ -65,23 +65,42 @@ class EngineWatchdog:
         self._server = server
         self._interval_s = interval_s
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stopped = False
+        # When uvicorn's signal handler ran: the --shutdown-timeout clock starts there, not when
+        # the next poll notices ``should_exit`` (up to ``interval_s`` later).
+        self._exit_requested_at: float | None = None
         self._thread = threading.Thread(
             target=self._watch, name="kvtier-engine-watchdog", daemon=True
         )
         self.engine_error: BaseException | str | None = None
+        handle_exit = getattr(server, "handle_exit", None)
+        if handle_exit is not None:  # uvicorn installs it as the SIGTERM/SIGINT handler in run()
+
+            def on_exit_signal(sig: int, frame: Any) -> None:
+                if self._exit_requested_at is None:
+                    self._exit_requested_at = time.monotonic()
+                self._wake.set()
+                handle_exit(sig, frame)
+
+            server.handle_exit = on_exit_signal
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopped = True
+        self._wake.set()
         self._thread.join(timeout=5)
 
     def _watch(self) -> None:
         stopping_since: float | None = None
         interval = self._interval_s
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stopped:
+                return
             if not self._engine.is_running:
                 self.engine_error = self._engine.dead_error or "the engine stopped"
                 logger.error(
@@ -92,7 +111,7 @@ class EngineWatchdog:
             if self._shutdown_timeout_s is None or not self._server.should_exit:
                 continue
             if stopping_since is None:
-                stopping_since = time.monotonic()
+                stopping_since = self._exit_requested_at or time.monotonic()
                 interval = min(interval, _STOPPING_INTERVAL_S)
             if time.monotonic() - stopping_since >= self._shutdown_timeout_s:
                 self._end_in_flight()

@@ -56,6 +56,7 @@ class Stream:
         self.done = False
         self.events: list[dict[str, object]] = []
         self.error: BaseException | None = None
+        self.ended_at: float | None = None  # when the in-band error event came
         self.going = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -69,6 +70,7 @@ class Stream:
                     self.done = self.done or line == "data: [DONE]"
                     if line.startswith("data: {") and '"error"' in line[:16]:
                         self.events.append(json.loads(line[6:])["error"])
+                        self.ended_at = time.monotonic()
                         continue
                     self.chunks += line.startswith("data: {")
                     if self.chunks >= 20:
@@ -107,6 +109,11 @@ def test_sigterm_aborts_a_long_stream_at_the_timeout_and_still_drains(
     stream.thread.join(10)
     assert code == 0, err
     assert SHUTDOWN_TIMEOUT_S <= elapsed < SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S, elapsed
+    # ended at the timeout counted from the signal (the watchdog's 0.5 s poll no longer adds)
+    assert stream.ended_at is not None
+    assert SHUTDOWN_TIMEOUT_S <= stream.ended_at - start < SHUTDOWN_TIMEOUT_S + 0.35, (
+        stream.ended_at - start
+    )
     assert stream.error is None, stream.error  # ended in-band, not cut
     assert stream.done and 20 <= stream.chunks < MAX_TOKENS, stream.chunks
     (event,) = stream.events
