@@ -8,10 +8,11 @@ configuration error is one line naming the flag or file, exit code 2; any other 
 failure one line, exit code 1; the traceback only with ``--log-level debug``.
 
 Stop order (SIGTERM/SIGINT): uvicorn stops accepting, lets the requests in flight run for up
-to ``--shutdown-timeout`` seconds (counted from the signal), then the watchdog ends the rest (``end_in_flight``: aborted
-in the core, which frees their blocks; each client gets a 503 or, on a stream, an error event
-and ``[DONE]``); uvicorn cancels whatever is still open ``STOP_GRACE_S`` later. Only then is the
-engine shut down, and its core drains the KV offload (engine.core.drain)."""
+to ``--shutdown-timeout`` seconds (counted from the signal), then the watchdog ends the rest
+(``end_in_flight``: aborted in the core, which frees their blocks; each client gets a 503 or, on
+a stream, an error event and ``[DONE]``); uvicorn cancels whatever is still open
+``STOP_GRACE_S`` later. Only then is the engine shut down, and its core drains the KV offload
+(engine.core.drain)."""
 
 from __future__ import annotations
 
