@@ -44,6 +44,7 @@ from engine.server.serving import (
     given_request_id,
     merge,
     new_request_id,
+    running_usage,
     sse,
     stop_reason,
     unless_disconnected,
@@ -201,6 +202,7 @@ async def _completion_stream(
                             logprobs=logprobs,
                         )
                     ],
+                    usage=running_usage(output) if request.continuous_usage else None,
                 )
                 yield sse(chunk)
             if output.finished:
@@ -269,7 +271,10 @@ async def _chat_stream(
         reason: str | None,
         logprobs: ChatLogprobs | None = None,
         stopped_by: int | str | None = None,
+        output: RequestOutput | None = None,
     ) -> str:
+        """``output``: the choice's state, for ``continuous_usage_stats`` (None: the role
+        chunk, before any token)."""
         choice = ChatStreamChoice(
             index=index,
             delta=delta,
@@ -277,13 +282,18 @@ async def _chat_stream(
             stop_reason=stopped_by,
             logprobs=logprobs,
         )
+        usage = None
+        if request.continuous_usage and output is not None:
+            usage = running_usage(output, count_tokens=delta.role is None)
         return sse(
-            ChatCompletionChunk(id=request_id, model=ctx.served_model_name, choices=[choice])
+            ChatCompletionChunk(
+                id=request_id, model=ctx.served_model_name, choices=[choice], usage=usage
+            )
         )
 
     formatter = ctx.logprobs.for_request(request.return_tokens_as_token_ids)
     for s in started:
-        yield chunk(s.index, DeltaMessage(role="assistant", content=""), None)
+        yield chunk(s.index, DeltaMessage(role="assistant", content=""), None, output=s.first)
     finals = {}
     try:
         async for index, output in merge(started):
@@ -293,9 +303,11 @@ async def _chat_stream(
             delta = DeltaMessage(content=output.new_text)
             if output.finished:  # its last text, if any, in the chunk that ends it (as vLLM)
                 finals[index] = output
-                yield chunk(index, delta, finish_reason(output), logprobs, stop_reason(output))
+                yield chunk(
+                    index, delta, finish_reason(output), logprobs, stop_reason(output), output
+                )
             elif output.new_text or logprobs is not None:
-                yield chunk(index, delta, None, logprobs)
+                yield chunk(index, delta, None, logprobs, output=output)
     except Exception as exc:  # noqa: BLE001 - status 200 is already sent: report in-band
         logger.warning("chat stream %s failed: %r", request_id, exc)
         async for line in _error_tail(exc):

@@ -84,7 +84,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; declared to be refused when true
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 # vLLM's request extensions that change what a response means, which kvtier does not
@@ -170,12 +171,6 @@ class SamplingRequest(_Request):
             raise ProtocolError(f"n must be in [1, {MAX_N}], got n={self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options requires stream=true", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise ProtocolError(
-                "stream_options.continuous_usage_stats is not supported; include_usage "
-                "gives the usage in the last chunk",
-                "stream_options.continuous_usage_stats",
-            )
         if self.truncate_prompt_tokens == 0:
             raise ProtocolError(
                 "truncate_prompt_tokens must be -1 (all that fit) or >= 1", "truncate_prompt_tokens"
@@ -280,6 +275,11 @@ class SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (only with ``include_usage``, as there)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
 
 class CompletionRequest(SamplingRequest):

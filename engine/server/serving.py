@@ -261,6 +261,17 @@ class ServingContext:
         ]
 
 
+def running_usage(output: RequestOutput, count_tokens: bool = True) -> UsageInfo:
+    """One choice's usage so far, for a chunk under vLLM's ``continuous_usage_stats``: its
+    prompt and the tokens it generated up to this output (none for a chat stream's role
+    chunk: ``count_tokens`` False)."""
+    prompt = len(output.prompt_token_ids)
+    completion = len(output.token_ids) if count_tokens else 0
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
 def usage_of(finals: list[RequestOutput], n: int = 1) -> UsageInfo:
     """Usage of a response whose choice ``k`` is ``finals[k]`` (``n`` samples per prompt):
     each prompt counts once, with the cached tokens of its first sample (the one that

@@ -452,7 +452,6 @@ def test_errors_are_openai_shaped(
         ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message", None),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "echo"),
         ("/v1/chat/completions", {"prompt_logprobs": 0}, "prompt_logprobs", "echo"),
-        ("/v1/chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", "include_usage"),
     ],
 )  # fmt: skip
 def test_vllm_fields_that_change_the_answer_are_refused_by_name(

@@ -287,3 +287,33 @@ def test_ping_answers_like_health(server: Server) -> None:
         'kvtier_requests_total{endpoint="/ping",model_name="tiny-llama",status="200"} 2.0'
         in metrics
     )
+
+
+def test_continuous_usage_stats_count_each_choice_as_it_goes(server: Server) -> None:
+    """vLLM's ``stream_options: {include_usage, continuous_usage_stats}``: every chunk carries
+    its choice's prompt tokens and the tokens generated so far (a chat role chunk 0), the last
+    usage chunk the whole request's; without ``include_usage`` no chunk has usage (as vLLM)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    ids = list(range(40, 60))
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "stream_options": opts, "return_tokens_as_token_ids": True, "logprobs": 0}  # fmt: skip
+    events = _events(server, "/v1/completions", body)
+    *chunks, last = events
+    seen = {0: 0, 1: 0}
+    for event in chunks:
+        (choice,) = event["choices"]
+        seen[choice["index"]] += len(choice["logprobs"]["tokens"])
+        assert event["usage"] == {"prompt_tokens": 20, "completion_tokens": seen[choice["index"]],
+                                  "total_tokens": 20 + seen[choice["index"]],
+                                  "prompt_tokens_details": None}, event  # fmt: skip
+    assert seen == {0: 6, 1: 6}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+    chat = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream_options": opts}  # fmt: skip
+    *chunks, last = _events(server, "/v1/chat/completions", chat)
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts), counts
+    assert {e["usage"]["prompt_tokens"] for e in chunks} == {last["usage"]["prompt_tokens"]}
+    plain = _events(server, "/v1/chat/completions", {**chat, "stream_options": {
+        "continuous_usage_stats": True}})  # fmt: skip
+    assert all(e.get("usage") is None for e in plain), plain[0]
