@@ -122,8 +122,10 @@ def lmdb_backend(block: int, num: int, scratch: str, staging: Staging) -> Backen
     from tiers.lmdb import LmdbTier
 
     tier = LmdbTier(os.path.join(scratch, "lmdb"), capacity_bytes=2 * num * block + (64 << 20))
+    # the plain environment writes as the tier's does (writemap or write(2): its default)
     raw = lmdb.open(os.path.join(scratch, "raw"), map_size=4 * num * block + (64 << 20),
-                    sync=False, metasync=False, readahead=False, writemap=True)  # fmt: skip
+                    sync=False, metasync=False, readahead=False,
+                    writemap=tier._env.flags()["writemap"])  # fmt: skip
 
     def put(items: Items) -> None:
         with raw.begin(write=True) as txn:
