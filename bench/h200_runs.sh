@@ -144,6 +144,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.requests.api.jsonl" "$OUT_DIR/qa_${mode}_requests_api.jsonl" 2>/dev/null
+    cp "/tmp/qa_$mode.steps.jsonl" "$OUT_DIR/qa_${mode}_steps.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.csv" "$OUT_DIR/qa_${mode}.csv" 2>/dev/null
     cp "/tmp/qa_$mode.pyspy.txt" "$OUT_DIR/qa_${mode}_pyspy.txt" 2>/dev/null
     # the whole /metrics and the server's warnings (a tier's failures, queue drops) for the tarball
@@ -156,8 +157,8 @@ if [[ "$STAGES" == *,qa,* ]]; then
   "$PY" -m bench.qa_rounds "${runs[@]}" "${logs[@]}" --out "$OUT_DIR/qa_rounds.json" | tail -n 1 | tee -a "$S"
   # QA_TAR=1: the client CSVs and request logs as one file (the device hands back ~8 files)
   if [ -n "${QA_TAR:-}" ]; then
-    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl qa_*_requests_api.jsonl qa_*_pyspy.txt qa_*_metrics.txt qa_*_warnings.txt 2>/dev/null) \
-      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_requests_api.jsonl "$OUT_DIR"/qa_*_breakdown.json "$OUT_DIR"/qa_*_pyspy.txt \
+    tar -czf "$OUT_DIR/qa_files.tgz" -C "$OUT_DIR" $(cd "$OUT_DIR" && ls qa_*.csv qa_*_requests.jsonl qa_*_requests_api.jsonl qa_*_steps.jsonl qa_*_pyspy.txt qa_*_metrics.txt qa_*_warnings.txt 2>/dev/null) \
+      && rm -f "$OUT_DIR"/qa_*.csv "$OUT_DIR"/qa_*_requests.jsonl "$OUT_DIR"/qa_*_requests_api.jsonl "$OUT_DIR"/qa_*_steps.jsonl "$OUT_DIR"/qa_*_breakdown.json "$OUT_DIR"/qa_*_pyspy.txt \
         "$OUT_DIR"/qa_*_metrics.txt "$OUT_DIR"/qa_*_warnings.txt
   fi
 fi

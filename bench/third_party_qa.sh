@@ -5,7 +5,7 @@
 # Usage: bench/third_party_qa.sh CLIENT_DIR MODEL_DIR OUT_PREFIX [kvtier serve flags...]
 # Env: QA_ARGS (client flags; default the long-context issue's shape), PORT (default: free).
 # Writes OUT_PREFIX.server.log, OUT_PREFIX.client.log, OUT_PREFIX.csv, OUT_PREFIX.requests.jsonl (the
-# engine's request log; OUT_PREFIX.requests.api.jsonl: the API's return and first-text times), OUT_PREFIX.breakdown.json (bench/ttft_breakdown.py) and OUT_PREFIX.metrics.txt
+# engine's request log; OUT_PREFIX.requests.api.jsonl: the API's return and first-text times; OUT_PREFIX.steps.jsonl: the engine's step log), OUT_PREFIX.breakdown.json (bench/ttft_breakdown.py) and OUT_PREFIX.metrics.txt
 # (the server's /metrics at the end); prints the client's summary, the engine-side TTFT breakdown of
 # reused and fresh requests, the scheduler's and lookups' counters, and a last line
 # "third_party_qa: N responses by status {...}, health H" from the server's access log.
@@ -15,9 +15,9 @@ PY="${PYTHON:-python3}"
 case "$PY" in */*) [[ "$PY" = /* ]] || PY="$PWD/$PY" ;; esac  # the client runs from its own folder
 port=${PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 qa_args=${QA_ARGS:---num-users 10 --shared-system-prompt 1000 --user-history-prompt 2000 --answer-len 100 --num-rounds 5 --qps 1 --time 90}
-rm -f "$out.requests.jsonl" "$out.requests.api.jsonl"  # both appended to by the server
+rm -f "$out.requests.jsonl" "$out.requests.api.jsonl" "$out.steps.jsonl"  # appended to by the server
 "$PY" -m engine.cli serve --model "$model" --port "$port" --served-model-name qa --log-level info \
-  --request-log "$out.requests.jsonl" "$@" >"$out.server.log" 2>&1 &
+  --request-log "$out.requests.jsonl" --step-log "$out.steps.jsonl" "$@" >"$out.server.log" 2>&1 &
 server=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break

@@ -107,6 +107,7 @@ class EngineConfig:
     # ``kv_offload_config`` as its config.
     kv_connector: str = "offload"
     request_log: str | None = None
+    step_log: str | None = None  # one JSON line per engine step (engine/step_log.py)
     # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
     enforce_eager: bool = False
     # Ranks the model is split over (engine/runner/distributed.py, docs/tp.md): one process each, the

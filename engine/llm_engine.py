@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.block_pool import BlockPool
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.scheduler import Scheduler
+from engine.step_log import StepLog
 from engine.tokenizer import (
     IncrementalDetokenizer,
     encode_prompt,
@@ -99,6 +100,7 @@ class LLMEngine:
             debug=debug,
         )
         self.request_log = RequestLog(config.request_log) if config.request_log else None
+        self.step_log = StepLog(config.step_log) if config.step_log else None
         self._closed = False
         # The model's (generation_config.json, config.json), else the tokenizer's.
         eos = self.runner.eos_token_ids or (self.tokenizer.eos_token_id,)
@@ -241,8 +243,19 @@ class LLMEngine:
             self.scheduler.wait_pending(_NOT_YET_WAIT_S)
         t0 = time.perf_counter()
         step_start = time.monotonic()
+        wall_start = time.time()
         runner_out = self.runner.execute_model(sched_out)
-        self._stamp_prefill(sched_out, step_start, time.monotonic(), runner_out.step_parts)
+        step_end = time.monotonic()
+        self._stamp_prefill(sched_out, step_start, step_end, runner_out.step_parts)
+        if self.step_log is not None:
+            self.step_log.write(
+                wall_start,
+                step_end - step_start,
+                sched_out,
+                runner_out,
+                self.scheduler.num_waiting,
+                self.scheduler.num_running,
+            )
         if self.kv_connector is not None:
             self.kv_connector.observe_step(sched_out, time.perf_counter() - t0)
         now = time.monotonic()
@@ -364,6 +377,8 @@ class LLMEngine:
         finally:
             if self.request_log is not None:
                 self.request_log.close()
+            if self.step_log is not None:
+                self.step_log.close()
             if self.tp is not None:
                 self.tp.close()
             gc.unfreeze()  # process-wide: other live engines just lose the optimization

@@ -100,6 +100,7 @@ ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
                 "kv_connector",
                 "kv_cache",
                 "request_log",
+                "step_log",
                 "tokenizer",
                 "chat_tokens",
                 "startup_log",

@@ -106,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offload=args.kv_offload or args.kv_offload_config is not None,
         kv_offload_config=args.kv_offload_config,
         request_log=args.request_log,
+        step_log=args.step_log,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,

@@ -164,6 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL log of every request (ids, lengths, cached tokens, timings); default: none",
     )
     parser.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="JSONL log of every engine step (prompt chunks, decodes, finished loads, the "
+        "runner's times); for reading a slow request against its steps; default: none",
+    )
+    parser.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="every response carries X-Request-Id (the request's own, else a new one), as "

@@ -145,8 +145,14 @@ def loaded_after_restart(model_dir: str, lmdb: Path) -> dict[str, Any]:
 def test_group_sigterm_drains_the_host_tier_and_a_restart_loads_it(
     model_dir: str, tmp_path: Path
 ) -> None:
+    steps = tmp_path / "steps.jsonl"
     proc, base = start_serve(
-        model_dir, tmp_path, offload_config(tmp_path / "lmdb"), "--vllm-metric-names"
+        model_dir,
+        tmp_path,
+        offload_config(tmp_path / "lmdb"),
+        "--vllm-metric-names",
+        "--step-log",
+        str(steps),
     )
     complete(base, PROMPTS)
     # --vllm-metric-names: a router written for vLLM finds its gauges and counters
@@ -161,6 +167,10 @@ def test_group_sigterm_drains_the_host_tier_and_a_restart_loads_it(
     assert code == 0, err
     assert "KV drain complete" in err, err
     assert "engine is not running" not in err and "leaked" not in err, err
+    # --step-log: every prompt's chunks are in the engine's step log, flushed at exit
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]
+    assert sum(c[1] for line in lines for c in line["prefill"]) == sum(len(p) for p in PROMPTS)
+    assert sum(line["decodes"] for line in lines) == len(PROMPTS) * 3  # 4 tokens, 1 from prefill
     kv = loaded_after_restart(model_dir, tmp_path / "lmdb")
     assert kv["loaded_tokens"] >= 0.9 * LOADABLE_TOKENS, kv
     assert kv["failed_loads"] == 0
