@@ -141,6 +141,9 @@ if [[ "$STAGES" == *,qa,* ]]; then
     # the API side of the client's TTFT (template, tokenize, core -> first chunk): sums, counts
     grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|first_text|to_core)"' \
       "/tmp/qa_$mode.metrics.txt" 2>/dev/null | sed 's/model_name="qa",//' | tr '\n' ' ' | tee -a "$S"; echo | tee -a "$S"
+    # the steps around each reused request's first token (its logs are in qa_files.tgz)
+    "$PY" -m bench.step_context "/tmp/qa_$mode.requests.jsonl" "/tmp/qa_$mode.steps.jsonl" 2>/dev/null \
+      | tail -n 1 | tee -a "$S"
     cp "/tmp/qa_$mode.breakdown.json" "$OUT_DIR/qa_${mode}_breakdown.json" 2>/dev/null
     cp "/tmp/qa_$mode.requests.jsonl" "$OUT_DIR/qa_${mode}_requests.jsonl" 2>/dev/null
     cp "/tmp/qa_$mode.requests.api.jsonl" "$OUT_DIR/qa_${mode}_requests_api.jsonl" 2>/dev/null
