@@ -67,6 +67,16 @@ REQUEST_FAMILIES = (
     ),
     _h("kvtier_e2e_request_latency_seconds", "Request arrival to its last token", unit="seconds"),
     _h(
+        "kvtier_request_decode_time_seconds",
+        "A request's first token to its last (requests of two tokens or more)",
+        unit="seconds",
+    ),
+    _h(
+        "kvtier_request_time_per_output_token_seconds",
+        "A request's decode time over its tokens after the first (two tokens or more)",
+        unit="seconds",
+    ),
+    _h(
         "kvtier_request_ttft_phase_seconds",
         "Per-request TTFT phase (engine/ttft.py)",
         "phase",
@@ -290,6 +300,8 @@ VLLM_NAMES: dict[str, str] = {
     "kvtier_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "kvtier_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "kvtier_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "kvtier_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "kvtier_request_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
     "kvtier_request_prompt_tokens": "vllm:request_prompt_tokens",
     "kvtier_request_generation_tokens": "vllm:request_generation_tokens",
     "kvtier_num_requests_running": "vllm:num_requests_running",

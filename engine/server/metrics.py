@@ -92,6 +92,12 @@ class ServerMetrics:
             "kvtier_inter_token_latency_seconds", r, _LATENCY_BUCKETS_S
         ).labels(m)
         self.e2e = _histogram("kvtier_e2e_request_latency_seconds", r, _LATENCY_BUCKETS_S).labels(m)
+        self.decode_time = _histogram(
+            "kvtier_request_decode_time_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
+        self.time_per_output_token = _histogram(
+            "kvtier_request_time_per_output_token_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
         phases = _histogram("kvtier_request_ttft_phase_seconds", r, _PHASE_BUCKETS_S)
         self.ttft_phases = {phase: phases.labels(m, phase) for phase in ALL_PHASES}
         self.prompt_tokens = _histogram("kvtier_request_prompt_tokens", r, _TOKEN_BUCKETS).labels(m)
@@ -157,6 +163,8 @@ class RequestTimer:
         "_metrics",
         "_arrival_s",
         "_last_token_s",
+        "_first_token_s",
+        "_num_tokens",
         "_breakdown_done",
         "_text_done",
         "_return_s",
@@ -175,6 +183,8 @@ class RequestTimer:
         self._metrics = metrics
         self._arrival_s = arrival_s
         self._last_token_s: float | None = None
+        self._first_token_s: float | None = None
+        self._num_tokens = 0
         self._breakdown_done = False
         self._text_done = False
         self._return_s = 0.0
@@ -210,7 +220,9 @@ class RequestTimer:
     def on_tokens(self, num_new_tokens: int, now_s: float) -> None:
         if num_new_tokens <= 0:
             return
+        self._num_tokens += num_new_tokens
         if self._last_token_s is None:
+            self._first_token_s = now_s
             self._metrics.ttft.observe(now_s - self._arrival_s)
         else:
             # Tokens that arrive together (one output carrying several) share the interval.
@@ -220,4 +232,11 @@ class RequestTimer:
         self._last_token_s = now_s
 
     def on_finished(self, now_s: float) -> None:
+        """The request's end: its e2e latency; with two tokens or more, its decode time (first
+        token to last) and that over the tokens after the first (vLLM's per-request TPOT)."""
         self._metrics.e2e.observe(now_s - self._arrival_s)
+        if self._first_token_s is not None and self._last_token_s is not None:
+            if self._num_tokens >= 2:
+                decode = self._last_token_s - self._first_token_s
+                self._metrics.decode_time.observe(decode)
+                self._metrics.time_per_output_token.observe(decode / (self._num_tokens - 1))

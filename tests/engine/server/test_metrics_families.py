@@ -129,6 +129,12 @@ def test_values_match_what_was_sent(scraped) -> None:
         assert _value(f, "kvtier_request_success_total", finished_reason="stop") == 0
         assert _value(f, "kvtier_request_prompt_tokens_sum") == sent_tokens
         assert _value(f, "kvtier_e2e_request_latency_seconds_count") == len(SENT)
+        # every request had MAX_TOKENS tokens: a decode time each, over MAX_TOKENS - 1 tokens
+        assert _value(f, "kvtier_request_decode_time_seconds_count") == len(SENT)
+        decode = _value(f, "kvtier_request_decode_time_seconds_sum")
+        tpot = _value(f, "kvtier_request_time_per_output_token_seconds_sum")
+        assert decode > 0 and tpot == pytest.approx(decode / (MAX_TOKENS - 1))
+        assert decode < _value(f, "kvtier_e2e_request_latency_seconds_sum")
         assert _value(f, "kvtier_requests_total", endpoint="/v1/completions", status="200") == len(
             SENT
         )
