@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
-from bench.ttft_breakdown import BLOCK_TOKENS
+from bench.ttft_breakdown import is_reused
 
 FIELDS = (
     "ttft_ms",
@@ -40,20 +40,25 @@ def _read(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def request_context(request: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The context of one request's first token, or None when no step sampled its prompt's
-    last chunk (``steps`` sorted by start)."""
+def request_context(
+    request: dict[str, Any], steps: list[dict[str, Any]], starts: list[float]
+) -> dict[str, Any] | None:
+    """The context of one request's first token, or None when no step after its arrival
+    sampled its prompt's last chunk (``steps`` sorted by start, ``starts`` their starts)."""
     req_id = request["req_id"]
-    own = None
-    for step in steps:
-        if any(c[0] == req_id and c[3] for c in step["prefill"]):
-            own = step
-            break
-    if own is None:
-        return None
     arrival = request["ts"]
-    starts = [s["t"] for s in steps]
-    before = steps[bisect.bisect_left(starts, arrival) : bisect.bisect_left(starts, own["t"])]
+    first = bisect.bisect_left(starts, arrival)
+    at = next(
+        (
+            i
+            for i in range(first, len(steps))
+            if any(c[0] == req_id and c[3] for c in steps[i]["prefill"])
+        ),
+        None,
+    )
+    if at is None:
+        return None
+    own, before = steps[at], steps[first:at]
     other = sum(c[1] for c in own["prefill"] if c[0] != req_id)
     return {
         "req_id": req_id,
@@ -74,13 +79,12 @@ def step_context(
     requests: list[dict[str, Any]], steps: list[dict[str, Any]], reused: float
 ) -> dict[str, Any]:
     steps = sorted(steps, key=lambda s: s["t"])
+    starts = [s["t"] for s in steps]
     rows = []
     for r in requests:
-        if r.get("ttft_s") is None:
+        if r.get("ttft_s") is None or not is_reused(r, reused):
             continue
-        if len(r["hit_tiers"]) * BLOCK_TOKENS < reused * max(r["prompt_tokens"], 1):
-            continue
-        row = request_context(r, steps)
+        row = request_context(r, steps, starts)
         if row is not None:
             rows.append(row)
     stats = {

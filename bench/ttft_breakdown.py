@@ -109,11 +109,15 @@ def _options_line(options: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def is_reused(row: dict[str, Any], reused: float) -> bool:
+    """A request-log entry at least ``reused`` of whose prompt came from a cache tier (the GPU
+    included)."""
+    return len(row["hit_tiers"]) * BLOCK_TOKENS >= reused * max(row["prompt_tokens"], 1)
+
+
 def breakdown(lines: list[dict[str, Any]], reused: float) -> dict[str, Any]:
     rows = [r for r in lines if r.get("ttft_s") is not None and r.get("ttft_breakdown_s")]
-    hit = [
-        r for r in rows if len(r["hit_tiers"]) * BLOCK_TOKENS >= reused * max(r["prompt_tokens"], 1)
-    ]
+    hit = [r for r in rows if is_reused(r, reused)]
     fresh = [r for r in rows if r not in hit]
     return {"reused": group_report(hit), "fresh": group_report(fresh)}
 
