@@ -120,12 +120,12 @@ class ServerMetrics:
         ``*_created`` timestamps (as vLLM: in the text format they would be extra gauge
         families that no dashboard uses); with ``vllm_names``, followed by the vLLM-named
         copies."""
-        return generate_latest(_WithoutCreated(self.registry, self._vllm_names))
+        return generate_latest(_Exposition(self.registry, self._vllm_names))
 
 
-class _WithoutCreated(Collector):
-    """A view of a registry whose families lose their ``_created`` samples; with
-    ``vllm_names``, each family of ``VLLM_NAMES`` is followed by its copy under vLLM's name."""
+class _Exposition(Collector):
+    """What ``/metrics`` shows of a registry: its families without their ``_created`` samples;
+    with ``vllm_names``, then the copies of ``VLLM_NAMES``'s families under vLLM's names."""
 
     def __init__(self, registry: CollectorRegistry, vllm_names: bool = False) -> None:
         self._registry = registry
@@ -235,8 +235,7 @@ class RequestTimer:
         """The request's end: its e2e latency; with two tokens or more, its decode time (first
         token to last) and that over the tokens after the first (vLLM's per-request TPOT)."""
         self._metrics.e2e.observe(now_s - self._arrival_s)
-        if self._first_token_s is not None and self._last_token_s is not None:
-            if self._num_tokens >= 2:
-                decode = self._last_token_s - self._first_token_s
-                self._metrics.decode_time.observe(decode)
-                self._metrics.time_per_output_token.observe(decode / (self._num_tokens - 1))
+        first, last = self._first_token_s, self._last_token_s
+        if self._num_tokens >= 2 and first is not None and last is not None:
+            self._metrics.decode_time.observe(last - first)
+            self._metrics.time_per_output_token.observe((last - first) / (self._num_tokens - 1))

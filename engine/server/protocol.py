@@ -279,7 +279,8 @@ class SamplingRequest(_Request):
     @property
     def continuous_usage(self) -> bool:
         """vLLM's ``continuous_usage_stats`` (only with ``include_usage``, as there)."""
-        return self.include_usage and bool(self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
