@@ -10,9 +10,12 @@ that fails degrades to misses, and never takes the process down or keeps it from
   grow it, with ``posix_fallocate`` in steps of ``RESERVE_STEP``. Out of space, that is a clean
   ``DiskFull`` for the write (nothing written); puts work again once space is freed. Pages
   below the mark are backed already (LMDB wrote every page it used), so a full tier reusing the
-  pages its evictions freed needs no new block and keeps writing on a full disk. Allocating
-  ahead costs nothing measurable (docs/tiers.md: fresh-file 2 MiB puts at 0.57-0.59 GB/s
-  median with it, 0.51-0.53 without, same process, interleaved); a ``statvfs`` check before
+  pages its evictions freed needs no new block and keeps writing on a full disk. Through
+  ``write(2)`` (``writemap: false``, the default) a full disk is no SIGBUS but an ``ENOSPC`` in
+  the middle of LMDB's commit; the same reservation makes it that ``DiskFull``, before anything
+  is written. Allocating ahead cost nothing measurable (docs/tiers.md, with ``writemap``:
+  fresh-file 2 MiB puts at 0.57-0.59 GB/s median with it, 0.51-0.53 without, same process,
+  interleaved); a ``statvfs`` check before
   each transaction instead ran no faster and another process can race it. Where the
   filesystem cannot allocate ahead, glibc's emulation writes a byte per block (slower, still
   safe). On copy-on-write filesystems (btrfs, ZFS) a rewritten page needs a new block too.

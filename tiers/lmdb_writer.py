@@ -125,10 +125,10 @@ class LmdbWriter:
                 raise
 
     def _make_room(self, op: WriteOp | None) -> None:  # lock held, a write transaction open
-        """Before the transaction writes anything (``op`` None: recency only):
-        DataFileLost (``_check_file``) when the data file at ``path`` is not the one open, DiskFull when the disk has no blocks for
-        what the transaction may add to the file (with ``writemap`` the write would be a
-        SIGBUS: ``tiers.lmdb_files``)."""
+        """Before the transaction writes anything (``op`` None: recency only): DataFileLost
+        (``_check_file``) when the data file at ``path`` is not the one open, DiskFull when the
+        disk has no blocks for what the transaction may add to the file (with ``writemap`` the
+        write would be a SIGBUS: ``tiers.lmdb_files``)."""
         self._check_file()
         sizes = [memoryview(v).nbytes for _, v in op.puts] if op is not None else []
         others = len(self._dirty) + (len(op.deletes) if op is not None else 0)
