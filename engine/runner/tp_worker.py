@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -173,6 +174,32 @@ class TPDriver:
         _kill(self._procs)
 
 
+def exit_with_parent(rank: int) -> None:
+    """End this rank's process as soon as the process that started it is gone.
+
+    A driver that exits normally stops its ranks (``close``, the finalizer); one that is killed
+    (``kill -9``, the OOM killer, the API's stall watch killing a stuck core) cannot. A rank
+    waiting on the control group then fails at once on gloo's closed socket, but one inside an
+    NCCL collective, or stuck on its GPU, waits for the group's timeout while it holds its GPU's
+    memory, and the supervisor's restart of ``kvtier serve`` cannot allocate the cache it needs.
+    A daemon thread waits on the parent's sentinel (readable once the parent is gone) and exits
+    the process from under whatever the main thread is stuck in."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        logger.error(
+            "tensor-parallel rank %d: its driver (pid %s) is gone; exiting", rank, parent.pid
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"kvtier-tp{rank}-parent", daemon=True).start()
+
+
 _PLAIN = SamplingParams()
 
 
@@ -194,7 +221,7 @@ def _children_allowed() -> Iterator[None]:
     """Let a daemonic process (``kvtier serve``'s engine core, engine/core/launch.py) start the
     ranks: multiprocessing refuses because a daemon's children are not waited for at exit.
     Here they need not be: they are killed by ``close``, by the finalizer, or end on their own
-    when a collective with the gone driver times out."""
+    once the driver's process is gone (``exit_with_parent``)."""
     me = mp.current_process()
     daemonic = me.daemon
     if daemonic:
@@ -235,6 +262,7 @@ def worker_main(
     from engine.runner.model_runner import ModelRunner
     from engine.runner.model_setup import resolve_device
 
+    exit_with_parent(rank)
     try:
         device = resolve_device(config.device)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:

@@ -1,10 +1,17 @@
 """Tensor parallelism on CPU (gloo, 2 ranks, one process each): greedy outputs at TP=2 equal
 TP=1 on random-weight Llama and Qwen2 models with 2 KV heads (GQA), and a bad degree is one
-clear error before any process starts."""
+clear error before any process starts; a rank whose driver's process is killed exits even when
+it is stuck."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +145,56 @@ def test_a_refused_step_leaves_the_ranks_in_step(tmp_path) -> None:
             llm.engine.runner.execute_model(bad)
         out = llm.generate([[5, 6, 7]], GREEDY)[0]  # every rank still answers
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+def _stuck_rank() -> None:
+    """A rank stuck for good (an NCCL collective whose peer died, a hung GPU) once started."""
+    from engine.runner.tp_worker import exit_with_parent
+
+    exit_with_parent(1)
+    time.sleep(3600)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_a_stuck_rank_exits_when_its_driver_is_killed() -> None:
+    """The driver (here a plain process that started one rank the way ``TPDriver`` does:
+    ``spawn``) is killed with SIGKILL, so nothing stops its rank; the rank's main thread never
+    returns, yet the rank is gone within seconds instead of holding its GPU."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import multiprocessing as mp, time\n"
+            "from tests.engine.test_tp import _stuck_rank\n"
+            "if __name__ == '__main__':\n"
+            "    p = mp.get_context('spawn').Process(target=_stuck_rank, daemon=True)\n"
+            "    p.start()\n"
+            "    print(p.pid, flush=True)\n"
+            "    time.sleep(3600)\n"
+        )],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    rank = None
+    try:
+        assert driver.stdout is not None
+        rank = int(driver.stdout.readline())
+        time.sleep(1.0)  # the rank imported engine and started its watch
+        assert not _gone(rank)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(rank) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(rank), "the rank outlived its killed driver"
+    finally:
+        driver.kill()
+        driver.wait()
+        if rank is not None and not _gone(rank):
+            os.kill(rank, signal.SIGKILL)
