@@ -292,6 +292,9 @@ class LLMEngine:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             metrics.ttft_breakdown = request.times.breakdown(metrics.arrival_time, now)
+            metrics.queued_time, metrics.scheduled_time = request.times.queued_scheduled(
+                metrics.arrival_time
+            )
             if self.kv_connector is not None:
                 self.kv_connector.observe_first_token(request, metrics.ttft_breakdown)
             self._prompt_tokens_total += request.num_prompt_tokens

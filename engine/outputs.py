@@ -13,6 +13,11 @@ class RequestMetrics:
     finished_time: float | None = None
     # Phase -> seconds (engine/ttft.py), set with the first token.
     ttft_breakdown: dict[str, float] | None = None
+    # The core's stamps, set with the first token (vLLM's QUEUED and SCHEDULED events): the
+    # request reached the core's waiting queue; it could first compute (admitted, its KV
+    # load, if one was asynchronous, done).
+    queued_time: float | None = None
+    scheduled_time: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -143,6 +143,13 @@ class RequestTimes:
         if timing.in_step:
             self.in_step_load_s += timing.copy_s
 
+    def queued_scheduled(self, arrival: float) -> tuple[float, float]:
+        """When the request reached the core and when it could first compute (the stamps
+        vLLM's queue and prefill times run between); missing stamps fall back as in
+        ``breakdown``."""
+        added = _or(self.added, arrival)
+        return added, _or(self.ready, _or(self.admitted, added))
+
     def breakdown(self, arrival: float, first_token: float) -> dict[str, float]:
         """The phases of a request whose first token came at ``first_token``. Pure. Missing
         stamps (a request admitted before this bookkeeping, a test's bare scheduler) make

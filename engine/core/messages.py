@@ -75,6 +75,9 @@ class CoreOutput:
     prompt_logprobs: list[Any] | None = None
     # This output's tokens' logprobs (``TokenLogprob.to_plain`` lists) if asked.
     new_logprobs: list[Any] | None = None
+    # On the first token's output only: ``RequestMetrics.queued_time`` / ``scheduled_time``.
+    queued_time: float | None = None
+    scheduled_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,8 @@ class RequestState:
             m.first_token_time = core.first_token_time
         if core.ttft_breakdown is not None:
             m.ttft_breakdown = core.ttft_breakdown
+        if core.scheduled_time is not None:
+            m.queued_time, m.scheduled_time = core.queued_time, core.scheduled_time
         m.last_token_time = core.last_token_time or m.last_token_time
         if finished:
             m.finished_time = core.finished_time or core.last_token_time

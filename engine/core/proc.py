@@ -185,6 +185,8 @@ def to_core_output(output: RequestOutput) -> CoreOutput:
         prompt_logprobs=None
         if output.prompt_logprobs is None or not first
         else [None if e is None else e.to_plain() for e in output.prompt_logprobs],
+        queued_time=m.queued_time if m is not None and first else None,
+        scheduled_time=m.scheduled_time if m is not None and first else None,
     )
 
 

@@ -67,6 +67,21 @@ REQUEST_FAMILIES = (
     ),
     _h("kvtier_e2e_request_latency_seconds", "Request arrival to its last token", unit="seconds"),
     _h(
+        "kvtier_request_queue_time_seconds",
+        "A request's wait in the core's queue: its arrival there to when it could first compute",
+        unit="seconds",
+    ),
+    _h(
+        "kvtier_request_prefill_time_seconds",
+        "A request's prefill: when it could first compute to its first token",
+        unit="seconds",
+    ),
+    _h(
+        "kvtier_request_inference_time_seconds",
+        "A request's prefill and decode: when it could first compute to its last token",
+        unit="seconds",
+    ),
+    _h(
         "kvtier_request_decode_time_seconds",
         "A request's first token to its last (requests of two tokens or more)",
         unit="seconds",
@@ -300,6 +315,9 @@ VLLM_NAMES: dict[str, str] = {
     "kvtier_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "kvtier_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "kvtier_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "kvtier_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "kvtier_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "kvtier_request_inference_time_seconds": "vllm:request_inference_time_seconds",
     "kvtier_request_decode_time_seconds": "vllm:request_decode_time_seconds",
     "kvtier_request_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
     "kvtier_request_prompt_tokens": "vllm:request_prompt_tokens",

@@ -92,6 +92,15 @@ class ServerMetrics:
             "kvtier_inter_token_latency_seconds", r, _LATENCY_BUCKETS_S
         ).labels(m)
         self.e2e = _histogram("kvtier_e2e_request_latency_seconds", r, _LATENCY_BUCKETS_S).labels(m)
+        self.queue_time = _histogram(
+            "kvtier_request_queue_time_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
+        self.prefill_time = _histogram(
+            "kvtier_request_prefill_time_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
+        self.inference_time = _histogram(
+            "kvtier_request_inference_time_seconds", r, _LATENCY_BUCKETS_S
+        ).labels(m)
         self.decode_time = _histogram(
             "kvtier_request_decode_time_seconds", r, _LATENCY_BUCKETS_S
         ).labels(m)
@@ -165,6 +174,8 @@ class RequestTimer:
         "_last_token_s",
         "_first_token_s",
         "_num_tokens",
+        "_scheduled_s",
+        "_core_last_token_s",
         "_breakdown_done",
         "_text_done",
         "_return_s",
@@ -185,6 +196,8 @@ class RequestTimer:
         self._last_token_s: float | None = None
         self._first_token_s: float | None = None
         self._num_tokens = 0
+        self._scheduled_s: float | None = None  # the core's stamps (RequestMetrics)
+        self._core_last_token_s: float | None = None
         self._breakdown_done = False
         self._text_done = False
         self._return_s = 0.0
@@ -201,9 +214,15 @@ class RequestTimer:
         m = output.metrics
         if m is None or m.first_token_time is None:
             return
+        self._core_last_token_s = m.last_token_time
         since_first = max(0.0, now_s - m.first_token_time)
         if not self._breakdown_done:
             self._breakdown_done = True
+            if m.scheduled_time is not None:  # vLLM's queue and prefill times, core stamps
+                self._scheduled_s = m.scheduled_time
+                if m.queued_time is not None:
+                    self._metrics.queue_time.observe(max(0.0, m.scheduled_time - m.queued_time))
+                self._metrics.prefill_time.observe(max(0.0, m.first_token_time - m.scheduled_time))
             phases = self._metrics.ttft_phases
             for phase, seconds in (m.ttft_breakdown or {}).items():
                 histogram = phases.get(phase)
@@ -233,8 +252,13 @@ class RequestTimer:
 
     def on_finished(self, now_s: float) -> None:
         """The request's end: its e2e latency; with two tokens or more, its decode time (first
-        token to last) and that over the tokens after the first (vLLM's per-request TPOT)."""
+        token to last) and that over the tokens after the first (vLLM's per-request TPOT); its
+        inference time (the core's stamps: when it could first compute to its last token)."""
         self._metrics.e2e.observe(now_s - self._arrival_s)
+        if self._scheduled_s is not None and self._core_last_token_s is not None:
+            self._metrics.inference_time.observe(
+                max(0.0, self._core_last_token_s - self._scheduled_s)
+            )
         first, last = self._first_token_s, self._last_token_s
         if self._num_tokens >= 2 and first is not None and last is not None:
             self._metrics.decode_time.observe(last - first)

@@ -135,6 +135,26 @@ def test_values_match_what_was_sent(scraped) -> None:
         tpot = _value(f, "kvtier_request_time_per_output_token_seconds_sum")
         assert decode > 0 and tpot == pytest.approx(decode / (MAX_TOKENS - 1))
         assert decode < _value(f, "kvtier_e2e_request_latency_seconds_sum")
+        # vLLM's split of a request by the core's stamps: queue + prefill is the core's part of
+        # the TTFT, inference its prefill and decode
+        for name in ("queue", "prefill", "inference"):
+            assert _value(f, f"kvtier_request_{name}_time_seconds_count") == len(SENT), name
+        queue = _value(f, "kvtier_request_queue_time_seconds_sum")
+        prefill = _value(f, "kvtier_request_prefill_time_seconds_sum")
+        inference = _value(f, "kvtier_request_inference_time_seconds_sum")
+        core_ttft = sum(
+            _value(f, "kvtier_request_ttft_phase_seconds_sum", phase=p)
+            for p in (
+                "queue",
+                "schedule",
+                "load",
+                "prefill_wait",
+                "prefill_compute",
+                "first_sample",
+            )
+        )
+        assert 0 < prefill and queue + prefill == pytest.approx(core_ttft, rel=0.05)
+        assert prefill < inference < _value(f, "kvtier_e2e_request_latency_seconds_sum")
         assert _value(f, "kvtier_requests_total", endpoint="/v1/completions", status="200") == len(
             SENT
         )
