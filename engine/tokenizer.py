@@ -248,6 +248,25 @@ class DetokenizerUpdate:
     stop_string: str | None = None
 
 
+def rust_decoder(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` under a transformers fast tokenizer whose ``decode`` adds
+    nothing to it once ``clean_up_tokenization_spaces=False`` (the class does not override
+    ``_decode``), else None. The detokenizer decodes twice per token of every stream; through
+    the wrapper each call cost ~33 us on the 2-core CPU (argument conversion, kwargs
+    plumbing), on the API's output thread, against ~8 us for the Rust call itself."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or not isinstance(tokenizer, TokenizersBackend):
+        return None
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Per-request streaming detokenizer with stop-string handling.
 
@@ -267,6 +286,7 @@ class IncrementalDetokenizer:
         include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._backend = rust_decoder(tokenizer)
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_PREFIX_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -294,6 +314,9 @@ class IncrementalDetokenizer:
         )
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            text: str = self._backend.decode(ids, skip_special_tokens=self._skip_special)
+            return text
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
         )

@@ -215,11 +215,13 @@ class AsyncEngine(StreamingFrontEnd):
                 entry.stream.put(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            with self._cond:
+        ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+        with self._cond:
+            for output in outputs:
                 if output.finished:
                     entry = self._entries.pop(output.req_id, None)
                 else:
                     entry = self._entries.get(output.req_id)
-            if entry is not None:
-                entry.stream.put(output)
+                if entry is not None:
+                    ready.append((entry.stream, output))
+        OutputStream.put_all(ready)

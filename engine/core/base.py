@@ -85,6 +85,22 @@ class OutputStream:
         except RuntimeError:
             pass
 
+    @staticmethod
+    def put_all(items: list[tuple[OutputStream, RequestOutput | BaseException]]) -> None:
+        """``put`` for every ``(stream, item)`` of one engine step, with one wake-up of each
+        event loop instead of one per item: every ``call_soon_threadsafe`` writes the loop's
+        self-pipe, a system call that hands the GIL to the loop thread and back. Per output on
+        the 2-core CPU that cost ~70 us of the output thread's time, so a first token waited
+        for the whole batch's hand-offs before its coroutine ran. Items keep their order."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, Any]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_batch, batch)
+            except RuntimeError:
+                pass  # a closed loop (client gone at shutdown) drops its items
+
     async def iterate(self, on_abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
         """Yields outputs until one has ``finished=True``; raises a queued exception. If the
         consumer stops early (close, cancel), calls ``on_abandon`` (which aborts the request)."""
@@ -102,6 +118,11 @@ class OutputStream:
         finally:
             if not finished:
                 on_abandon()
+
+
+def _put_batch(batch: list[tuple[OutputStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 @dataclass(slots=True)

@@ -373,6 +373,7 @@ class EngineCoreClient(StreamingFrontEnd):
         if isinstance(event, StepOutputs):
             # Stats first: a client that sees its output sees the stats of that step with it.
             self._stats = event.stats
+            ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
             for core_output in event.outputs:
                 with self._lock:
                     entry = self._entries.get(core_output.req_id)
@@ -385,7 +386,8 @@ class EngineCoreClient(StreamingFrontEnd):
                         self._entries.pop(core_output.req_id, None)
                 if processed.abort_in_core:
                     self._send_abort(core_output.req_id)
-                entry.stream.put(processed.output)
+                ready.append((entry.stream, processed.output))
+            OutputStream.put_all(ready)
         elif isinstance(event, RequestRejected):
             with self._lock:
                 entry = self._entries.pop(event.req_id, None)

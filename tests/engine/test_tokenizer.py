@@ -15,6 +15,7 @@ from engine.tokenizer import (
     encode_prompt,
     eos_token_ids,
     load_tokenizer,
+    rust_decoder,
     textless_token_ids,
 )
 
@@ -79,6 +80,32 @@ def test_random_tokens_concatenate_to_the_full_decode(tok: Any) -> None:
         assert "".join(deltas) == tok.decode(out_ids, skip_special_tokens=True)
         # Before the flush no delta ends in the middle of a character.
         assert all(not d.endswith("\ufffd") for d in deltas[:-1])
+
+
+def test_the_detokenizer_decodes_through_the_rust_tokenizer_as_the_wrapper_does(tok: Any) -> None:
+    """The output thread's decodes skip transformers' wrapper where it adds nothing: the same
+    text for special tokens kept or skipped; a class with its own ``_decode`` keeps it."""
+    backend = rust_decoder(tok)
+    assert backend is not None and IncrementalDetokenizer(tok, [1])._backend is backend
+    rng = random.Random(11)
+    for skip in (True, False):
+        for _ in range(20):
+            ids = [rng.randrange(0, len(tok)) for _ in range(rng.randrange(1, 30))]
+            want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert backend.decode(ids, skip_special_tokens=skip) == want
+            detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+            assert detok._decode(ids) == want
+
+    class OwnDecode(type(tok)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return "own"
+
+    tok.__class__, cls = OwnDecode, tok.__class__
+    try:
+        assert rust_decoder(tok) is None
+        assert IncrementalDetokenizer(tok, [])._decode([5, 6]) == "own"
+    finally:
+        tok.__class__ = cls
 
 
 def test_stop_string_excluded_and_held_back(tok: Any) -> None:
