@@ -217,7 +217,8 @@ class AsyncEngine(StreamingFrontEnd):
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
         with self._cond:
-            for output in outputs:
+            # First tokens first (stable): their requests' coroutines run before the decodes'.
+            for output in sorted(outputs, key=lambda o: len(o.token_ids) != len(o.new_token_ids)):
                 if output.finished:
                     entry = self._entries.pop(output.req_id, None)
                 else:

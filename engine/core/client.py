@@ -374,7 +374,8 @@ class EngineCoreClient(StreamingFrontEnd):
             # Stats first: a client that sees its output sees the stats of that step with it.
             self._stats = event.stats
             ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
-            for core_output in event.outputs:
+            # First tokens first (stable): their requests' coroutines run before the decodes'.
+            for core_output in sorted(event.outputs, key=lambda o: o.ttft_breakdown is None):
                 with self._lock:
                     entry = self._entries.get(core_output.req_id)
                 if entry is None:
