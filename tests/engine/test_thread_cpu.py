@@ -31,7 +31,10 @@ def test_a_busy_thread_is_counted_and_named_and_an_idle_one_is_not() -> None:
         assert spent["busy-one"] >= 0.2  # its CPU time, not the wall time it lived
         assert spent["idle-one"] < 0.05
         assert others.total() - before >= 0.2
-        assert others.busiest(1)[0][0] == "busy-one"
+        # Ranked by CPU so far; threads earlier tests left in this process (a kernel's worker
+        # pool) may rank above both, so only the order of these two is asserted.
+        ranked = [name for name, _ in others.busiest(threading.active_count())]
+        assert ranked.index("busy-one") < ranked.index("idle-one")
         assert threading.current_thread().name not in spent  # the reader's own thread is left out
     finally:
         stop.set()
