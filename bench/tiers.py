@@ -330,6 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.add_argument("--s3-endpoint", default=None, help="default: a private moto server")
+    p.add_argument(
+        "--s3-latency-ms",
+        type=float,
+        default=0.0,
+        help="add this delay to every S3 request, tier and raw alike (bench/latency_proxy.py): "
+        "a loopback moto answering like a remote endpoint",
+    )
     args = p.parse_args(argv)
     names = [t.strip() for t in args.tiers.split(",") if t.strip()]
     sizes = [parse_size(s.strip()) for s in args.sizes.split(",")]
@@ -354,7 +361,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.s3_endpoint is None:
             s3.start()
             started.append(s3)
-        makers["s3"] = s3_backend(args.s3_endpoint or s3.endpoint_url, s3.credentials())
+        endpoint = args.s3_endpoint or s3.endpoint_url
+        if args.s3_latency_ms > 0:
+            from urllib.parse import urlsplit
+
+            from bench.latency_proxy import DelayProxy
+
+            where = urlsplit(endpoint)
+            proxy = DelayProxy(where.hostname or "127.0.0.1", where.port or 80,
+                               args.s3_latency_ms / 1e3)  # fmt: skip
+            endpoint = f"http://127.0.0.1:{proxy.start()}"
+            started.append(proxy)
+        makers["s3"] = s3_backend(endpoint, s3.credentials())
     rows: list[Row] = []
     try:
         for name in names:
@@ -368,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "ratio": round(r.tier_gbps / plain[(r.block_bytes, r.mode, r.op)], 3)}
                     for r in rows if r.tier == "redis-lru" and plain.get((r.block_bytes, r.mode, r.op))]  # fmt: skip
     print(json.dumps({"benchmark": "tiers", "machine": machine_info(), "baselines": BASELINES,
+                      "s3_latency_ms": args.s3_latency_ms,
                       "rows": [asdict(r) for r in rows], "lru_vs_plain": lru_vs_plain},
                      indent=1))  # fmt: skip
     parts = [f"{r.tier} {r.op} {r.tier_gbps:.2f}GB/s = {r.ratio:.2f}x {BASELINES[r.tier]}"
@@ -376,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               if c["mode"] == "batched" and c["block_bytes"] == 2 << 20]  # fmt: skip
     machine = machine_info()
     where = f"{machine['cpu_count']} CPUs, {machine['cpu_model'] or machine['platform']}"
+    if args.s3_latency_ms > 0 and "s3" in names:
+        where += f"; S3 requests +{args.s3_latency_ms:g} ms"
     print(
         f"summary ({where}; batched 2 MiB blocks, median of {args.repeats}): "
         + "; ".join(parts or [f"{len(rows)} rows"])

@@ -80,6 +80,26 @@ def test_long_chain_costs_one_request_per_group(tier: S3Tier) -> None:
     assert log.take() == ["GET"] * 4 + ["GET range"] * 4
 
 
+def test_a_put_many_is_two_rounds_of_parallel_requests_deep(tier: S3Tier) -> None:
+    """Every request waits ``delay`` before it is sent (a remote endpoint's round trip, in the
+    sending thread): 32 blocks (2 groups + 32 pointers) take about two delays, where one
+    pointer after another behind each group took 1 + 16."""
+    delay = 0.2
+
+    def slow(**_: Any) -> None:
+        time.sleep(delay)
+
+    tier._s3.meta.events.register("before-send.s3", slow)
+    keys = keys_of(32)
+    log = RequestLog(tier)
+    start = time.monotonic()
+    tier.put_many([(k, val(k)) for k in keys])
+    elapsed = time.monotonic() - start
+    assert log.take() == ["PUT"] * 34
+    assert elapsed < 8 * delay, f"put_many took {elapsed:.2f} s: requests in sequence"
+    assert [bytes(v) for v in tier.get_many(keys)] == [val(k) for k in keys]  # type: ignore[arg-type]
+
+
 def test_chains_written_in_misaligned_calls_still_resolve(tier: S3Tier) -> None:
     keys = keys_of(45)
     tier.put_many([(k, val(k)) for k in keys[:10]])
