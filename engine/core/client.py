@@ -364,8 +364,17 @@ class EngineCoreClient(StreamingFrontEnd):
             heard = True
             try:
                 event = decode_event(data)
-            except ValueError:
-                logger.exception("dropping a malformed message from the engine core")
+            except ValueError as exc:
+                # Which requests' outputs it carried is unknown: dropping it would leave them
+                # waiting for good. The core and the API disagree (a version mismatch, a
+                # corrupted frame): the engine cannot go on, so its requests fail and the
+                # server exits for its supervisor to restart it.
+                logger.error("engine core sent a malformed message: %s", exc)
+                error = EngineDeadError(
+                    f"engine core sent a malformed message ({exc}); the API and the core disagree"
+                )
+                self._set_dead(error)
+                self._fail_all(self._dead or error)
                 continue
             self._handle(event)
 

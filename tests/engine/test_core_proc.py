@@ -274,6 +274,42 @@ def test_shutdown_reports_a_core_that_died_first(model_dir: str) -> None:
     )
 
 
+def test_a_malformed_message_from_the_core_fails_its_requests_instead_of_losing_them(
+    model_dir: str, tmp_path
+) -> None:
+    """A message the API cannot decode (a version mismatch between the two processes, a
+    corrupted frame) may have carried any request's outputs: the engine is declared dead and
+    the request in flight fails at once rather than waiting for good."""
+    import zmq
+
+    engine = EngineCoreClient.start(_config(model_dir), replace(ONE_THREAD, ipc_dir=str(tmp_path)))
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.connect(f"ipc://{tmp_path}/events")
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+    async def run() -> BaseException | None:
+        started = time.monotonic()
+        try:
+            async for out in engine.generate([1, 5, 6, 7], params, "victim"):
+                if len(out.token_ids) == 1:  # in flight: now the bad frame
+                    rogue.send(msgpack.packb([13, [["victim", "not a list"]], {}]))
+        except EngineDeadError as exc:
+            assert time.monotonic() - started < 30
+            return exc
+        return None
+
+    try:
+        error = asyncio.run(run())
+        assert isinstance(error, EngineDeadError), "the request finished as if nothing happened"
+        assert "malformed" in str(error)
+        assert engine.dead_error is error
+    finally:
+        rogue.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
