@@ -240,8 +240,16 @@ class EngineCoreLoop:
             if self._parent_sentinel is not None and self._parent_sentinel in events:
                 logger.warning("API process is gone; engine core drains its KV offload and exits")
                 return EXIT_OK
-            if not self._drain_requests():
-                return EXIT_OK
+            try:
+                if not self._drain_requests():
+                    return EXIT_OK
+            except ValueError as exc:
+                # A request message this core cannot decode (the API and the core disagree: a
+                # version mismatch): whichever request it carried would wait for good. Fatal,
+                # as a failed step is: the API fails every request and exits.
+                logger.error("malformed request message from the API: %s", exc)
+                self._send(CoreFailed(f"engine core got a malformed request message: {exc}"))
+                return EXIT_FAILED
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -259,17 +267,14 @@ class EngineCoreLoop:
                 refresh_at = time.monotonic() + _IDLE_STATS_DELAY_S
 
     def _drain_requests(self) -> bool:
-        """Applies every queued request; False once Shutdown arrived."""
+        """Applies every queued request; False once Shutdown arrived. Raises ValueError for a
+        message that does not decode."""
         while True:
             try:
                 data = self._inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            try:
-                msg = decode_request(data)
-            except ValueError:
-                logger.exception("dropping a malformed request message")
-                continue
+            msg = decode_request(data)  # ValueError: malformed (``_loop``)
             if isinstance(msg, Shutdown):
                 return False
             self._apply(msg)

@@ -310,6 +310,31 @@ def test_a_malformed_message_from_the_core_fails_its_requests_instead_of_losing_
         engine.shutdown()
 
 
+def test_a_malformed_request_message_ends_the_core_and_fails_what_it_ran(model_dir: str) -> None:
+    """The other way: a request message the core cannot decode may have been any request
+    (an AddRequest lost is a request that never answers), so the core reports it and exits,
+    and the request in flight fails at once."""
+    engine = EngineCoreClient.start(_config(model_dir), ONE_THREAD)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+    async def run() -> BaseException | None:
+        try:
+            async for out in engine.generate([1, 5, 6, 7], params, "victim"):
+                if len(out.token_ids) == 1:
+                    engine._send(msgpack.packb([1, "not an AddRequest"]))
+        except EngineDeadError as exc:
+            return exc
+        return None
+
+    try:
+        error = asyncio.run(run())
+        assert isinstance(error, EngineDeadError), "the request finished as if nothing happened"
+        assert "malformed request message" in str(error)
+        assert engine.shutdown() is not None  # the core failed: shutdown says so
+    finally:
+        engine.shutdown()
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
