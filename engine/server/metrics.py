@@ -85,28 +85,18 @@ class ServerMetrics:
         self.success = _counter("kvtier_request_success_total", r)
         for reason in FINISH_REASONS:  # every finish reason exported from the start (0)
             self.success.labels(m, reason)
-        self.ttft = _histogram("kvtier_time_to_first_token_seconds", r, _LATENCY_BUCKETS_S).labels(
-            m
-        )
-        self.inter_token = _histogram(
-            "kvtier_inter_token_latency_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
-        self.e2e = _histogram("kvtier_e2e_request_latency_seconds", r, _LATENCY_BUCKETS_S).labels(m)
-        self.queue_time = _histogram(
-            "kvtier_request_queue_time_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
-        self.prefill_time = _histogram(
-            "kvtier_request_prefill_time_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
-        self.inference_time = _histogram(
-            "kvtier_request_inference_time_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
-        self.decode_time = _histogram(
-            "kvtier_request_decode_time_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
-        self.time_per_output_token = _histogram(
-            "kvtier_request_time_per_output_token_seconds", r, _LATENCY_BUCKETS_S
-        ).labels(m)
+
+        def latency(name: str) -> Any:
+            return _histogram(name, r, _LATENCY_BUCKETS_S).labels(m)
+
+        self.ttft = latency("kvtier_time_to_first_token_seconds")
+        self.inter_token = latency("kvtier_inter_token_latency_seconds")
+        self.e2e = latency("kvtier_e2e_request_latency_seconds")
+        self.queue_time = latency("kvtier_request_queue_time_seconds")
+        self.prefill_time = latency("kvtier_request_prefill_time_seconds")
+        self.inference_time = latency("kvtier_request_inference_time_seconds")
+        self.decode_time = latency("kvtier_request_decode_time_seconds")
+        self.time_per_output_token = latency("kvtier_request_time_per_output_token_seconds")
         phases = _histogram("kvtier_request_ttft_phase_seconds", r, _PHASE_BUCKETS_S)
         self.ttft_phases = {phase: phases.labels(m, phase) for phase in ALL_PHASES}
         self.prompt_tokens = _histogram("kvtier_request_prompt_tokens", r, _TOKEN_BUCKETS).labels(m)
