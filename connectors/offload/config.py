@@ -4,7 +4,7 @@ One YAML file (or the same dict) holds both::
 
     decision: cost          # cost | load | recompute | overlap (forced Cake split)
     load_timeout_s: 5.0     # a load still running after this falls back to recompute
-    calibrate: true         # measure prefill and tier speeds at start-up (< 2 s on CPU)
+    calibrate: true         # measure prefill and tier speeds at start-up (13 s for SmolLM2-135M on 2 CPU cores)
     in_step_host_loads: true  # host-tier hits load in the admitting step (false: async, +1 step)
     in_step_loads_per_step: 0  # at most this many in-step loads a step (0, the default: no
                                # limit); past it a host hit loads async and computes a step later

@@ -188,7 +188,12 @@ def test_greedy_chat_equals_hf_and_stops_at_eos(llm, hf_reference) -> None:
 def test_offload_with_an_evicting_pool_gives_hf_tokens(smollm2_dir, hf_reference, tmp_path):
     from engine.llm import LLM
 
-    offload = {"decision": "load", "tiers": [{"kind": "host", "capacity": "512MiB"}]}
+    # decision: load needs no calibration (13 s of this test on the 2-core CPU).
+    offload = {
+        "decision": "load",
+        "calibrate": False,
+        "tiers": [{"kind": "host", "capacity": "512MiB"}],
+    }
     # 120 blocks hold one ~1.5K-token document conversation (98 blocks) but not two.
     with LLM(
         smollm2_dir, device="cpu", num_gpu_blocks=120, kv_offload=True, kv_offload_config=offload
