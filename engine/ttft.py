@@ -143,20 +143,23 @@ class RequestTimes:
         if timing.in_step:
             self.in_step_load_s += timing.copy_s
 
+    def _stamps(self, arrival: float) -> tuple[float, float, float]:
+        """(added, admitted, ready), each missing stamp (a request admitted before this
+        bookkeeping, a test's bare scheduler) taken as the one before it."""
+        added = _or(self.added, arrival)
+        admitted = _or(self.admitted, added)
+        return added, admitted, _or(self.ready, admitted)
+
     def queued_scheduled(self, arrival: float) -> tuple[float, float]:
         """When the request reached the core and when it could first compute (the stamps
-        vLLM's queue and prefill times run between); missing stamps fall back as in
-        ``breakdown``."""
-        added = _or(self.added, arrival)
-        return added, _or(self.ready, _or(self.admitted, added))
+        vLLM's queue and prefill times run between)."""
+        added, _, ready = self._stamps(arrival)
+        return added, ready
 
     def breakdown(self, arrival: float, first_token: float) -> dict[str, float]:
         """The phases of a request whose first token came at ``first_token``. Pure. Missing
-        stamps (a request admitted before this bookkeeping, a test's bare scheduler) make
-        their phases 0 rather than failing."""
-        added = _or(self.added, arrival)
-        admitted = _or(self.admitted, added)
-        ready = _or(self.ready, admitted)
+        stamps make their phases 0 rather than failing."""
+        added, admitted, ready = self._stamps(arrival)
         prefill_end = _or(self.last_prefill_end, first_token)
         schedule = self.hash_s + self.lookup_s + self.decide_s
         # In-step copies ran inside its prefill steps: moved from compute to load, so the
