@@ -58,7 +58,7 @@ def measure(streams: int, requests: int) -> dict[str, list[float]]:
         req_id = f"r{i}-{max_tokens}"
         async for output in engine.generate([1, *range(5 + i, 60 + i)], params, req_id):
             first = output.metrics.first_token_time if output.metrics else None
-            if record and first is not None and len(output.token_ids) == len(output.new_token_ids):
+            if record and first is not None and output.carries_first_token:
                 at_thread, core_first = received[req_id]
                 out["to_coroutine_ms"].append((time.monotonic() - first) * 1e3)
                 out["to_output_thread_ms"].append((at_thread - (core_first or first)) * 1e3)

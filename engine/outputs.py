@@ -78,3 +78,9 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics | None = None
+
+    @property
+    def carries_first_token(self) -> bool:
+        """This output brings the request's first generated token (and any others of the same
+        step)."""
+        return len(self.token_ids) == len(self.new_token_ids) > 0

@@ -217,8 +217,7 @@ class AsyncEngine(StreamingFrontEnd):
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
         with self._cond:
-            # First tokens first (stable): their requests' coroutines run before the decodes'.
-            for output in sorted(outputs, key=lambda o: len(o.token_ids) != len(o.new_token_ids)):
+            for output in outputs:
                 if output.finished:
                     entry = self._entries.pop(output.req_id, None)
                 else:

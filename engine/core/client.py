@@ -367,15 +367,12 @@ class EngineCoreClient(StreamingFrontEnd):
             except ValueError as exc:
                 # Which requests' outputs it carried is unknown: dropping it would leave them
                 # waiting for good. The core and the API disagree (a version mismatch, a
-                # corrupted frame): the engine cannot go on, so its requests fail and the
-                # server exits for its supervisor to restart it.
+                # corrupted frame): handled as the core's own failure report, so its
+                # requests fail and the server exits for its supervisor to restart it.
                 logger.error("engine core sent a malformed message: %s", exc)
-                error = EngineDeadError(
+                event = CoreFailed(
                     f"engine core sent a malformed message ({exc}); the API and the core disagree"
                 )
-                self._set_dead(error)
-                self._fail_all(self._dead or error)
-                continue
             self._handle(event)
 
     def _handle(self, event: CoreEvent) -> None:
@@ -383,8 +380,7 @@ class EngineCoreClient(StreamingFrontEnd):
             # Stats first: a client that sees its output sees the stats of that step with it.
             self._stats = event.stats
             ready: list[tuple[OutputStream, RequestOutput | BaseException]] = []
-            # First tokens first (stable): their requests' coroutines run before the decodes'.
-            for core_output in sorted(event.outputs, key=lambda o: o.ttft_breakdown is None):
+            for core_output in event.outputs:
                 with self._lock:
                     entry = self._entries.get(core_output.req_id)
                 if entry is None:

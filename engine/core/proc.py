@@ -165,7 +165,7 @@ def _build_engine(config: EngineConfig, num_threads: int | None) -> LLMEngine:
 
 def to_core_output(output: RequestOutput) -> CoreOutput:
     m = output.metrics
-    first = len(output.token_ids) == len(output.new_token_ids) > 0
+    first = output.carries_first_token
     return CoreOutput(
         req_id=output.req_id,
         new_token_ids=list(output.new_token_ids),
