@@ -237,12 +237,10 @@ class S3Tier(Tier):
             lambda gc: self._put(gc[0], b"".join(v for _, v in gc[1])),
             zip(groups, chunks, strict=True),
         )
-        pointers = [
-            (self._pointer_name(key), body)
-            for group, chunk in zip(groups, chunks, strict=True)
-            for body in [Pointer.for_group(group, chunk).pack()]
-            for key, _ in chunk
-        ]
+        pointers: list[tuple[str, bytes]] = []
+        for group, chunk in zip(groups, chunks, strict=True):
+            body = Pointer.for_group(group, chunk).pack()
+            pointers += [(self._pointer_name(key), body) for key, _ in chunk]
         self._parallel(lambda nb: self._put(*nb), pointers)
         return []
 
