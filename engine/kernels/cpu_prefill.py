@@ -6,11 +6,15 @@ The torch path of a CPU prompt chunk runs two GEMMs and a softmax pass per chunk
 is flash attention written for the vector unit: per KV head its keys are packed once,
 transposed in blocks of 64 and scaled into log2 units, its values copied row by row; a tile of
 ~32 query rows (positions x the query heads that share the KV head) walks the key blocks up to
-its last position, scoring a block with 4-row x 64-key register tiles, folding it into a
-running max and sum (``exp2`` as a degree-7 polynomial on the vector), and adding the weighted
-values with 4-row x 64-wide register tiles; the causal mask only touches the blocks a tile's
-diagonal crosses. Same layer: ~16 ms (~74 GFLOP/s). GCC's vector extensions, no intrinsics:
-AVX-512 or AVX2 where torch finds them (``engine/kernels/cpu_build.py``).
+its last position, scoring a block with register tiles of a few rows x 64 keys (AVX-512) or 32
+(AVX2), folding it into a running max and sum (``exp2`` as a degree-7 polynomial on the vector),
+and adding the weighted values with register tiles of the same shape; the causal mask only
+touches the blocks a tile's diagonal crosses. Same layer: ~16 ms (~74 GFLOP/s) on AVX-512.
+GCC's vector extensions, no intrinsics, the vector as wide as the ISA torch finds
+(``engine/kernels/cpu_build.py``): a 16-float vector built for AVX2 went through the stack
+element by element, and a 1,024-token layer (SmolLM2's heads, one thread, a 2-core AMD EPYC
+VM without AVX-512) took 644 ms against 48 ms with 8-float vectors and 3 x 4 register tiles
+(``python -m bench.cpu_attention``).
 
 Several threads (``torch.get_num_threads()``) split a call into (KV head, query range) parts
 of equal causal work, each a ctypes call on a pool thread (ctypes lets the GIL go).
@@ -32,10 +36,24 @@ _SOURCE = r"""
 #include <string.h>
 #include <math.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64), aligned(4)));
+/* The vector width follows the ISA it is built for: a tile's accumulators must fit its
+   registers (AVX-512: 32 x 16 floats; AVX2: 16 x 8; SSE: 16 x 4). GCC lowers a vector wider
+   than the ISA's through the stack (an AVX2 build of 16-float vectors ran ~40x slower). */
+#if defined(__AVX512F__)
+#define VW 16
+#define QR 4             /* query rows a register tile */
+#elif defined(__AVX2__)
+#define VW 8
+#define QR 3
+#else
+#define VW 4
+#define QR 2
+#endif
+typedef float v16 __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(VW * 4), aligned(4)));
 #define KB 64            /* keys a block */
-#define KV (KB / 16)     /* vectors a block row */
+#define KV (KB / VW)     /* vectors a block row */
+#define CG 4             /* vectors a register tile's row: CG * VW keys (or value columns) */
 #define NEG (-1e30f)
 #define RT 32           /* query rows (positions x heads) a tile */
 
@@ -62,56 +80,58 @@ static inline v16 exp2v(v16 x) {
     return (v16)((i16)r & ~lo);
 }
 
+/* Sc[r][0:CG*VW] = Q[r] . Kt[:, 0:CG*VW] for a tile of nr <= QR rows; Kt rows KB apart */
 static inline __attribute__((always_inline)) void qk_rows(
     const int nr, const float *Q, int64_t D, const float *Kt, float *Sc)
 {
-    v16 acc[4][KV];
-    for (int i = 0; i < nr; i++) for (int j = 0; j < KV; j++) acc[i][j] = (v16){};
+    v16 acc[QR][CG];
+    for (int i = 0; i < nr; i++) for (int j = 0; j < CG; j++) acc[i][j] = (v16){};
     for (int64_t d = 0; d < D; d++) {
-        v16 kv[KV];
-        for (int j = 0; j < KV; j++) kv[j] = *(const v16 *)(Kt + d * KB + 16 * j);
+        v16 kv[CG];
+        for (int j = 0; j < CG; j++) kv[j] = *(const v16 *)(Kt + d * KB + VW * j);
         for (int i = 0; i < nr; i++) {
             const v16 qb = (v16){} + Q[i * D + d];
-            for (int j = 0; j < KV; j++) acc[i][j] += qb * kv[j];
+            for (int j = 0; j < CG; j++) acc[i][j] += qb * kv[j];
         }
     }
-    for (int i = 0; i < nr; i++) for (int j = 0; j < KV; j++) *(v16 *)(Sc + i * KB + 16 * j) = acc[i][j];
+    for (int i = 0; i < nr; i++) for (int j = 0; j < CG; j++) *(v16 *)(Sc + i * KB + VW * j) = acc[i][j];
 }
 
-/* O[r][d0:d0+64] += P[r][:nk] @ V[:nk][d0:d0+64] */
+/* O[r][d0:d0+CG*VW] += P[r][:nk] @ V[:nk][d0:d0+CG*VW] */
 static inline __attribute__((always_inline)) void pv_rows(
     const int nr, const float *P, const float *V, int64_t D, int64_t nk, float *O)
 {
-    v16 acc[4][4];
-    for (int i = 0; i < nr; i++) for (int j = 0; j < 4; j++) acc[i][j] = *(const v16 *)(O + i * D + 16 * j);
+    v16 acc[QR][CG];
+    for (int i = 0; i < nr; i++) for (int j = 0; j < CG; j++) acc[i][j] = *(const v16 *)(O + i * D + VW * j);
     for (int64_t k = 0; k < nk; k++) {
-        v16 vv[4];
-        for (int j = 0; j < 4; j++) vv[j] = *(const v16 *)(V + k * D + 16 * j);
+        v16 vv[CG];
+        for (int j = 0; j < CG; j++) vv[j] = *(const v16 *)(V + k * D + VW * j);
         for (int i = 0; i < nr; i++) {
             const v16 pb = (v16){} + P[i * KB + k];
-            for (int j = 0; j < 4; j++) acc[i][j] += pb * vv[j];
+            for (int j = 0; j < CG; j++) acc[i][j] += pb * vv[j];
         }
     }
-    for (int i = 0; i < nr; i++) for (int j = 0; j < 4; j++) *(v16 *)(O + i * D + 16 * j) = acc[i][j];
+    for (int i = 0; i < nr; i++) for (int j = 0; j < CG; j++) *(v16 *)(O + i * D + VW * j) = acc[i][j];
 }
 
+/* the tile functions for a row count known at compile time: nr is 1..QR */
+#define ROWS(F, nr, ...) do { switch (nr) { \
+    case 1: F(1, __VA_ARGS__); break; \
+    case 2: F(2, __VA_ARGS__); break; \
+    case 3: if (QR >= 3) F(3, __VA_ARGS__); break; \
+    case 4: if (QR >= 4) F(4, __VA_ARGS__); break; \
+    default: break; } } while (0)
+
+/* a block's scores, CG * VW keys at a time */
 static void qk(int nr, const float *Q, int64_t D, const float *Kt, float *Sc) {
-    switch (nr) {
-    case 4: qk_rows(4, Q, D, Kt, Sc); break;
-    case 3: qk_rows(3, Q, D, Kt, Sc); break;
-    case 2: qk_rows(2, Q, D, Kt, Sc); break;
-    default: qk_rows(1, Q, D, Kt, Sc); break;
-    }
+    for (int c = 0; c < KB; c += CG * VW) ROWS(qk_rows, nr, Q, D, Kt + c, Sc + c);
 }
 
 static void pv(int nr, const float *P, const float *V, int64_t D, int64_t nk, float *O) {
-    switch (nr) {
-    case 4: pv_rows(4, P, V, D, nk, O); break;
-    case 3: pv_rows(3, P, V, D, nk, O); break;
-    case 2: pv_rows(2, P, V, D, nk, O); break;
-    default: pv_rows(1, P, V, D, nk, O); break;
-    }
+    ROWS(pv_rows, nr, P, V, D, nk, O);
 }
+
+int64_t kvtier_prefill_vector_floats(void) { return VW; }
 
 int64_t kvtier_prefill_scratch(int64_t S, int64_t D, int64_t G) {
     const int64_t nb = (S + KB - 1) / KB, R = RT + G;
@@ -163,8 +183,8 @@ void kvtier_prefill_attention(
             for (int64_t kb = 0; kb <= last; kb += KB) {
                 const float *kt = Kt + (kb / KB) * KB * D, *vb = Vs + kb * D;
                 const int64_t nk = last + 1 - kb < KB ? last + 1 - kb : KB;
-                for (int64_t r = 0; r < R; r += 4) {
-                    const int nr = R - r < 4 ? (int)(R - r) : 4;
+                for (int64_t r = 0; r < R; r += QR) {
+                    const int nr = R - r < QR ? (int)(R - r) : QR;
                     qk(nr, Qt + r * D, D, kt, Sc + r * KB);
                 }
                 const int masked = kb + KB - 1 > first;
@@ -175,24 +195,24 @@ void kvtier_prefill_attention(
                         for (int64_t j = 0; j < KB; j++) if (kb + j > pos) sr[j] = NEG;
                     }
                     v16 mx = *(v16 *)sr;
-                    for (int j = 1; j < KV; j++) { v16 x = *(v16 *)(sr + 16 * j); mx = sel(x > mx, x, mx); }
+                    for (int j = 1; j < KV; j++) { v16 x = *(v16 *)(sr + VW * j); mx = sel(x > mx, x, mx); }
                     float mnew = m[r];
-                    for (int j = 0; j < 16; j++) mnew = mx[j] > mnew ? mx[j] : mnew;
+                    for (int j = 0; j < VW; j++) mnew = mx[j] > mnew ? mx[j] : mnew;
                     const float alpha = exp2f(m[r] - mnew);
                     v16 sum = (v16){};
                     for (int j = 0; j < KV; j++) {
-                        v16 p = exp2v(*(v16 *)(sr + 16 * j) - mnew);
-                        *(v16 *)(sr + 16 * j) = p; sum += p;
+                        v16 p = exp2v(*(v16 *)(sr + VW * j) - mnew);
+                        *(v16 *)(sr + VW * j) = p; sum += p;
                     }
                     float ssum = 0.f;
-                    for (int j = 0; j < 16; j++) ssum += sum[j];
+                    for (int j = 0; j < VW; j++) ssum += sum[j];
                     l[r] = l[r] * alpha + ssum;
                     m[r] = mnew;
                     if (alpha != 1.f) for (int64_t d = 0; d < D; d++) O[r * D + d] *= alpha;
                 }
-                for (int64_t r = 0; r < R; r += 4) {
-                    const int nr = R - r < 4 ? (int)(R - r) : 4;
-                    for (int64_t d0 = 0; d0 < D; d0 += 64)
+                for (int64_t r = 0; r < R; r += QR) {
+                    const int nr = R - r < QR ? (int)(R - r) : QR;
+                    for (int64_t d0 = 0; d0 < D; d0 += CG * VW)
                         pv(nr, Sc + r * KB, vb + d0, D, nk, O + r * D + d0);
                 }
             }
@@ -223,6 +243,14 @@ MIN_PART_QUERIES = 32
 def enabled() -> bool:
     """Built here and not turned off with ``KVTIER_CPU_PREFILL_KERNEL=0``."""
     return _KERNEL.enabled()
+
+
+def vector_floats() -> int:
+    """Floats in one vector of the built kernel (16 AVX-512, 8 AVX2, 4 otherwise)."""
+    if not _KERNEL.function():
+        raise RuntimeError("CPU prefill attention is not available here")
+    width = _KERNEL.symbol_of("kvtier_prefill_vector_floats", [], _i64)
+    return int(width())  # type: ignore[operator]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
