@@ -5,6 +5,7 @@ reported (``CacheServer.drain_problem``), which makes the command exit 1."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from cachestore.store.hierarchical import HierarchicalStore, StoreConfig
 from tests.cachestore.server.daemon_procs import start_daemon
 from tests.cachestore.store_helpers import sized_block
 from tests.servers import free_port
+from tiers.base import TierError
 from tiers.lmdb import LmdbTier
 from tiers.remote.tier import RemoteTier
 
@@ -105,11 +107,17 @@ def test_a_drain_past_its_timeout_is_reported(tmp_path: Path) -> None:
     store = HierarchicalStore([slow], StoreConfig())
     server = CacheServer(ServerConfig(url="tcp://127.0.0.1:0", drain_timeout_s=0.2), store)
     server.start()
+    # the put's reply never comes (the server stops under it): its timeout ends the thread
     tier = RemoteTier(
-        server.bound_url, timeout_s=10, use_shm=False, use_doorbell=False, use_stream=False
+        server.bound_url, timeout_s=3, use_shm=False, use_doorbell=False, use_stream=False
     )
+
+    def put_one() -> None:
+        with contextlib.suppress(TierError):  # the server stops under it: no reply comes
+            tier.put_many([("ns/01", sized_block("ns/01", 500))])
+
     try:
-        put = threading.Thread(target=tier.put_many, args=([("ns/01", sized_block("ns/01", 500))],))
+        put = threading.Thread(target=put_one)
         put.start()
         # The put itself in flight (not any request: a connection's first exchange also
         # counts in ``inflight``, and stopping on that one let the put arrive too late).
@@ -124,6 +132,7 @@ def test_a_drain_past_its_timeout_is_reported(tmp_path: Path) -> None:
         store.close()
     assert server.drain_problem is not None
     assert "1 requests still in flight after drain_timeout_s (0.2 s)" in server.drain_problem
+    assert not put.is_alive()
 
 
 def test_a_clean_drain_reports_nothing(tmp_path: Path) -> None:
