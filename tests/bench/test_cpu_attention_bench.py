@@ -23,23 +23,8 @@ def test_a_point_times_every_path_and_the_kernel_matches_sdpa() -> None:
 
 def test_the_report_is_json_with_a_summary_line(tmp_path, capsys) -> None:
     out = tmp_path / "attn.json"
-    assert (
-        cpu_attention.main(
-            [
-                "--lengths",
-                "70",
-                "--threads",
-                "1",
-                "--shapes",
-                "llama3",
-                "--reps",
-                "1",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    argv = "--lengths 70 --threads 1 --shapes llama3 --reps 1 --out".split() + [str(out)]
+    assert cpu_attention.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["vector_floats"] == cpu_prefill.vector_floats()
     assert [r["length"] for r in report["rows"]] == [70]
