@@ -7,8 +7,8 @@
 #   --platform manylinux2014_x86_64 --platform any -d .whl openai==1.109.1 distro jiter sniffio`
 #   (openai 3.57 imports httpx2, which the image lacks)
 #   (SUITE_INSTALL=0 skips that when the caller already did);
-# - keeps FlashInfer's JIT cache inside the repo (.flashinfer-cache/, git-excluded) so a
-#   second run on the same host skips the ~90 s compile;
+# - keeps FlashInfer's JIT cache in /tmp/kvtier-flashinfer-cache (outside the working tree,
+#   which the device replaces each call) so a second run on the same host skips the ~90 s compile;
 # - writes into OUT_DIR (at most 8 files): warmup.json, gpu_tests.txt, and per benchmark
 #   NAME.json + NAME.log.
 # Selection and budgets, all by environment (defaults in brackets):
@@ -61,10 +61,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # FlashInfer reads FLASHINFER_WORKSPACE_BASE (flashinfer/jit/env.py): cache = $BASE/.cache/flashinfer
-export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-cache}"
-if [ -d .git ] && ! grep -qx '/.flashinfer-cache/' .git/info/exclude 2>/dev/null; then
-  echo '/.flashinfer-cache/' >> .git/info/exclude
-fi
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/kvtier-flashinfer-cache}"
 
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 "$PY" -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' || exit 1

@@ -65,7 +65,9 @@ if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.kvtier ]; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && touch /tmp/site/.kvtier
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$PWD/.flashinfer-cache}"
+# outside the working tree: the device replaces the tree with each call's copy, so a cache
+# inside it was lost between two calls on the same warm machine (~220 s of warm-up again)
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/kvtier-flashinfer-cache}"
 # Triton's JIT cache (the fused kernels) beside FlashInfer's, so fi-cache.tgz carries both: on a
 # fresh machine the first server start otherwise compiles them (the first QA mode of a run ran
 # past a 145-175 s limit where later modes took ~90 s).
