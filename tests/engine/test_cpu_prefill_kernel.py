@@ -139,3 +139,27 @@ def test_the_kernel_is_built_with_vectors_as_wide_as_the_isa() -> None:
     capability = torch.backends.cpu.get_cpu_capability()
     expected = {"AVX512": 16, "AVX2": 8}.get(capability, 4)
     assert cpu_prefill.vector_floats() == expected, capability
+
+
+def test_a_build_without_vector_flags_matches_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU where torch finds neither AVX-512 nor AVX2 gets the baseline build (4-float
+    # vectors, 2-row tiles): the same results, read through another tiling of the keys.
+    from engine.kernels import cpu_build
+
+    monkeypatch.setitem(cpu_build._FLAGS, torch.backends.cpu.get_cpu_capability(), [])
+    kernel = cpu_build.CKernel(
+        "prefill_attention",
+        cpu_prefill._SOURCE,
+        cpu_prefill._KERNEL.symbol,
+        cpu_prefill._KERNEL.argtypes,
+        cpu_prefill._KERNEL.env,
+    )
+    monkeypatch.setattr(cpu_prefill, "_KERNEL", kernel)
+    assert cpu_prefill.vector_floats() == 4
+    gen = torch.Generator().manual_seed(11)
+    for num_q, num_keys, hkv, group, dim in [(70, 200, 2, 4, 128), (129, 129, 3, 3, 64)]:
+        q = torch.randn(num_q, hkv * group, dim, generator=gen)
+        k = torch.randn(num_keys, hkv, dim, generator=gen)
+        v = torch.randn(num_keys, hkv, dim, generator=gen)
+        got = cpu_prefill.prefill_attention(q, k, v, dim**-0.5, threads=1)
+        torch.testing.assert_close(got, reference(q, k, v, dim**-0.5), rtol=1e-5, atol=2e-5)
