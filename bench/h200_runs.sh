@@ -11,7 +11,8 @@
 #   serial, cost, overlap) beside recompute and the host tier (TTFT_MODES); OFFLOAD_SECTIONS
 #   adds sections (e.g. "pipeline,ttft"), OFFLOAD_LOGS=1 keeps each mode's request log.
 # - lone: a lone host reload of a reused QA request's shape (6272 cached + 224 new tokens);
-#   LONE_MODES [host] (e.g. host,host_layered).
+#   LONE_MODES [host] (e.g. host,host_layered); LONE_REPS repetitions [the bench's 3: on one
+#   H100 they spread 20.9-33.0 ms, so take 5 or more where the median decides a line].
 # - mixed: bench.profile_gpu's mixed section: a pair of such reloads while 8 requests decode,
 #   the pair alone, one alone; step times, breakdowns, kernels (mixed.json), then the same
 #   with at most one in-step reload a step (the sixth to eighth sessions' default:
@@ -184,7 +185,7 @@ if [[ "$STAGES" == *,lone,* ]]; then
   mkdir -p "$OUT_DIR/lone"
   timeout -k 5 "${T_LONE:-150}" "$PY" -m bench.offload --sections ttft --ttft-modes "${LONE_MODES:-host}" \
     --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
-    > /tmp/lone.log 2>&1
+    ${LONE_REPS:+--reps "$LONE_REPS"} > /tmp/lone.log 2>&1
   tail -n 1 /tmp/lone.log | tee -a "$S"
   # the milliseconds in the summary: the device may leave lone/offload.json out (its file count)
   "$PY" - "$OUT_DIR/lone/offload.json" <<'PYEOF' 2>&1 | tee -a "$S"
