@@ -13,7 +13,7 @@ touches the blocks a tile's diagonal crosses. Same layer: ~16 ms (~74 GFLOP/s) o
 GCC's vector extensions, no intrinsics, the vector as wide as the ISA torch finds
 (``engine/kernels/cpu_build.py``): a 16-float vector built for AVX2 went through the stack
 element by element, and a 1,024-token layer (SmolLM2's heads, one thread, a 2-core AMD EPYC
-VM without AVX-512) took 644 ms against 48 ms with 8-float vectors and 3 x 4 register tiles
+VM without AVX-512) took 628 ms against 48 ms with 8-float vectors and 3 x 4 register tiles
 (``python -m bench.cpu_attention``).
 
 Several threads (``torch.get_num_threads()``) split a call into (KV head, query range) parts
@@ -38,7 +38,7 @@ _SOURCE = r"""
 
 /* The vector width follows the ISA it is built for: a tile's accumulators must fit its
    registers (AVX-512: 32 x 16 floats; AVX2: 16 x 8; SSE: 16 x 4). GCC lowers a vector wider
-   than the ISA's through the stack (an AVX2 build of 16-float vectors ran ~40x slower). */
+   than the ISA's through the stack (an AVX2 build of 16-float vectors ran ~13x slower). */
 #if defined(__AVX512F__)
 #define VW 16
 #define QR 4             /* query rows a register tile */
