@@ -461,6 +461,14 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
             }
         stats = llm.kv_stats()
         per_len["decisions"] = stats.get("decisions", {})
+        cost = stats.get("cost_model")
+        if cost and sum(per_len["decisions"].values()):
+            # what the decisions were made on (prefill curve, tier rates, outcome ratios),
+            # kept without a request log (an H100 run's ``decision: cost`` loaded everything
+            # six times out of six at 16K, and nothing said why)
+            per_len["cost_model"] = {
+                k: cost.get(k) for k in ("prefill", "tiers", "outcome_ratios", "decisions")
+            }
         per_len["tier_hit_blocks"] = {
             k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()
         }

@@ -50,7 +50,12 @@ from cachestore.cost.model import (
     hops_to_gpu,
     reload_time,
 )
-from cachestore.cost.outcomes import OutcomeRatios, length_bucket, rerank
+from cachestore.cost.outcomes import (
+    MEASURED_OVERLAP_MARGIN,
+    OutcomeRatios,
+    length_bucket,
+    rerank,
+)
 from cachestore.cost.prefill_learner import PrefillLearner
 
 log = logging.getLogger(__name__)
@@ -255,8 +260,14 @@ class OnlineCostModel:
             priced = decision.best.strategy
             with self._lock:
                 outcomes = self._outcomes
+                measured = outcomes.measured(Strategy.OVERLAP, bucket)
                 decision = rerank(
-                    decision, lambda o: outcomes.ratio(o.strategy, bucket), self.overlap_margin
+                    decision,
+                    lambda o: outcomes.ratio(o.strategy, bucket),
+                    self.overlap_margin,
+                    measured_margin=(
+                        min(self.overlap_margin, MEASURED_OVERLAP_MARGIN) if measured else None
+                    ),
                 )
                 kinds = dict.fromkeys(
                     str(o.strategy) for o in (decision.best, *decision.alternatives)

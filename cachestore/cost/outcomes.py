@@ -48,12 +48,24 @@ it is 7x the load and stays out. With a 2 GiB host tier over LMDB in the same ru
 measured 1.9-2.2x their prices beside a recompute priced 1.9x the cheapest split: the span
 lets that correction through.
 
-And ratios may take an overlap split away, never bring one in: a split competes only when the
-model chose it on raw prices (with its margin). A split of a host-tier prefix saves a few
-percent on paper (computing 14 blocks instead of copying them: 20.5 against 21.1 ms, inside
-the margin), while a load measured beside other requests reads 1.8x and an unmeasured split 1;
-on the H200 QA runs the host-tier mode took 27 such splits in one run (2.38x better than no
-offload) and none in another (3.49x).
+And ratios may take an unmeasured overlap split away, never bring one in: a split competes
+only when the model chose it on raw prices (with its margin). A split of a host-tier prefix
+saves a few percent on paper (computing 14 blocks instead of copying them: 20.5 against 21.1
+ms, inside the margin), while a load measured beside other requests reads 1.8x and an
+unmeasured split 1; on the H200 QA runs the host-tier mode took 27 such splits in one run
+(2.38x better than no offload) and none in another (3.49x).
+
+A split measured at this length is another matter: its ratio is evidence, not a default of 1,
+so it competes whether or not the raw prices chose it, and against the smaller
+``MEASURED_OVERLAP_MARGIN`` (``measured_margin``). The full margin covers an unmeasured
+prediction (two of them at once: the head's compute and the tail's load); once the split's
+outcome is measured, the adjusted price already carries that error, and a margin of 15% on
+top would keep a split that is truly 9% faster from ever running. On an H100 (twenty-third
+session, ``bench.offload`` at 16K tokens from LMDB) the forced split took 158.0 ms and
+load-all 174.0, and ``decision: cost`` loaded all six times (167.8 ms, 1.06x the best): a split
+measured there could only win by 15%. With 4% a measured split and a measured load within 4%
+of each other are both "at par" (either is within 1.04x of the other, inside issue 28's
+1.05x), and noise cannot flip the choice at every request.
 Pure (the ranking) and not thread-safe (the ratios: the cost model holds its lock). No torch.
 """
 
@@ -71,6 +83,8 @@ OUTCOME_RELAX = 0.8  # a ratio above 1 of a strategy not taken, per outcome of a
 RATIO_CLAMP = 4.0  # one sample's ratio is kept within [1/4, 4]
 OUTCOME_SPAN = 2.5  # ratios choose only among options priced within this of the cheapest
 UNMEASURED_DECISIONS = 3  # decisions at a length without an outcome before ``decided`` relaxes
+# The overlap margin once the split's own outcome was measured at that length (module docstring).
+MEASURED_OVERLAP_MARGIN = 0.04
 
 
 def length_bucket(num_prompt_tokens: int, block_tokens: int) -> int:
@@ -147,6 +161,12 @@ class OutcomeRatios:
             cur.value += self.alpha * (r - cur.value)
             cur.num_samples += 1
 
+    def measured(self, strategy: str, bucket: int) -> bool:
+        """Whether an outcome of ``strategy`` was measured at this length (its own samples, not
+        the fallback to its ratio over every length)."""
+        hit = self._by_key.get((str(strategy), bucket))
+        return hit is not None and hit.num_samples > 0
+
     def ratio(self, strategy: str, bucket: int) -> float:
         """The adjustment for an option of ``strategy`` at this length (1: none known)."""
         hit = self._by_key.get((str(strategy), bucket)) or self._by_strategy.get(str(strategy))
@@ -167,12 +187,16 @@ def rerank(
     factor: Callable[[Option], float],
     overlap_margin: float,
     span: float | None = None,
+    measured_margin: float | None = None,
 ) -> Decision:
     """``decision``'s options ordered by ``predicted_s * factor(option)``: the cheapest
     non-overlap option (ties: fewer loaded blocks), replaced by the cheapest overlap split when
     that is at least ``overlap_margin`` cheaper. Only options priced at most ``span`` (default
-    ``OUTCOME_SPAN``) times the cheapest price compete (the model's own choice always does). With every factor 1 this is
-    ``choose_split``'s own choice. Pure."""
+    ``OUTCOME_SPAN``) times the cheapest price compete (the model's own choice always does).
+    A split competes only as the model's own choice, unless ``measured_margin`` is given (the
+    split's outcome was measured at this length): then it competes in any case, against that
+    margin instead. With every factor 1 and no ``measured_margin`` this is ``choose_split``'s
+    own choice. Pure."""
     span = OUTCOME_SPAN if span is None else span
     everything = list(dict.fromkeys((decision.best, *decision.alternatives)))
     floor = min(o.predicted_s for o in everything)
@@ -182,14 +206,18 @@ def rerank(
         return (o.predicted_s * factor(o), o.num_load_blocks)
 
     plain = [o for o in options if o.strategy != Strategy.OVERLAP]
-    # A split competes only where the model chose it: ratios may take a split away, not
-    # bring one in (module docstring).
-    splits = [o for o in options if o.strategy == Strategy.OVERLAP and o == decision.best]
+    # An unmeasured split competes only where the model chose it: ratios may take it away,
+    # not bring it in; a measured one competes on its ratio (module docstring).
+    measured = measured_margin is not None
+    splits = [
+        o for o in options if o.strategy == Strategy.OVERLAP and (measured or o == decision.best)
+    ]
+    margin = overlap_margin if measured_margin is None else measured_margin
     if not plain:
         return decision
     best = min(plain, key=key)
     if splits:
         split = min(splits, key=key)
-        if key(split) < key(best) and key(split)[0] <= (1.0 - overlap_margin) * key(best)[0]:
+        if key(split) < key(best) and key(split)[0] <= (1.0 - margin) * key(best)[0]:
             best = split
     return replace(decision, best=best, alternatives=tuple(o for o in everything if o != best))

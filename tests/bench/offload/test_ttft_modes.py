@@ -23,6 +23,12 @@ def test_only_the_chosen_modes_run_with_the_chosen_suffix(tmp_path: Path) -> Non
     assert modes["host"]["256"]["cached_tokens"] == 256
     assert modes["recompute"]["256"]["cached_tokens"] == 0
     assert "host_256" in res["ttft"]["speedup_vs_recompute"]
+    # the cost model's state beside the decisions, for a run without a request log (under
+    # ``decision: load`` the connector decides without consulting it)
+    cost = modes["host"]["cost_model"]
+    assert modes["host"]["decisions"] == {"load_prefix": 1} and cost["decisions"] == {}
+    assert "host" in cost["tiers"] and "trusted" in cost["prefill"]
+    assert "cost_model" not in modes["recompute"]
 
 
 @pytest.mark.parametrize("bad", [["--ttft-modes", "host,nope"], ["--suffix-tokens", "0"]])

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from cachestore.cost.model import Decision, Option, Strategy
-from cachestore.cost.outcomes import OutcomeRatios, length_bucket, rerank
+from cachestore.cost.outcomes import (
+    MEASURED_OVERLAP_MARGIN,
+    OutcomeRatios,
+    length_bucket,
+    rerank,
+)
 
 LOAD = Option(Strategy.LOAD_PREFIX, 0, 256, 0.060)
 SPLIT = Option(Strategy.OVERLAP, 64, 256, 0.050)
@@ -136,3 +141,37 @@ def test_ratios_take_a_split_away_but_never_bring_one_in() -> None:
     ratios = {Strategy.LOAD_PREFIX: 1.0, Strategy.OVERLAP: 2.0, Strategy.RECOMPUTE: 1.0}
     d = rerank(Decision(best=SPLIT, alternatives=(LOAD, NONE)), lambda o: ratios[o.strategy], 0.15)
     assert d.best == LOAD
+
+
+def test_a_split_measured_at_its_length_competes_on_its_ratio_with_the_smaller_margin() -> None:
+    """An H100's 16K LMDB reload: load-all priced 185 ms took 174, the split priced 132 took
+    158 (9% faster). Measured, the split's adjusted 158 ms is not 15% under the load's 174, so
+    the full margin kept the load for good; the measured margin (4%) lets the faster plan run.
+    Measured slower than the load, it still loses; and a measured split the raw prices passed
+    over competes too (its ratio is evidence)."""
+    load = Option(Strategy.LOAD_PREFIX, 0, 1023, 0.185)
+    split = Option(Strategy.OVERLAP, 301, 1023, 0.132)
+    scratch = Option(Strategy.RECOMPUTE, 0, 0, 0.526)
+    ratios = {Strategy.LOAD_PREFIX: 174 / 185, Strategy.OVERLAP: 158 / 132, Strategy.RECOMPUTE: 1}
+    d = Decision(best=split, alternatives=(load, scratch))
+
+    def pick(decision: Decision, measured_margin: float | None) -> Option:
+        return rerank(decision, lambda o: ratios[o.strategy], 0.15, None, measured_margin).best
+
+    assert pick(d, None) == load  # 158 > 0.85 x 174: the full margin
+    assert pick(d, MEASURED_OVERLAP_MARGIN) == split  # 158 <= 0.96 x 174
+    passed_over = Decision(best=load, alternatives=(split, scratch))
+    assert pick(passed_over, None) == load  # unmeasured: never brought in
+    assert pick(passed_over, MEASURED_OVERLAP_MARGIN) == split
+    ratios[Strategy.OVERLAP] = 170 / 132  # 2% faster than the load: inside 4%, the load stays
+    assert pick(d, MEASURED_OVERLAP_MARGIN) == load
+    ratios[Strategy.OVERLAP] = 190 / 132  # slower: the load
+    assert pick(d, MEASURED_OVERLAP_MARGIN) == load
+    # measured means this length's own samples, not the strategy's ratio over every length
+    r = OutcomeRatios()
+    assert not r.measured(Strategy.OVERLAP, 10)
+    r.observe(Strategy.OVERLAP, 8, 0.05, 0.06)
+    assert r.measured(Strategy.OVERLAP, 8) and not r.measured(Strategy.OVERLAP, 10)
+    assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(1.2)  # the fallback, not a sample
+    r.observe(Strategy.LOAD_PREFIX, 10, 0.05, 0.05)  # relaxes the split's prior at 10 ...
+    assert not r.measured(Strategy.OVERLAP, 10)  # ... which is still not a sample there
