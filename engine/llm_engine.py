@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -39,6 +40,8 @@ from engine.tokenizer import (
     encode_prompt,
     load_tokenizer,
     textless_token_ids,
+    textless_token_ids_from_file,
+    tokenizer_dir_problem,
 )
 from engine.ttft import clean_api_times
 
@@ -72,7 +75,17 @@ class LLMEngine:
         self.model_name = config.model or "kvtier-demo"
         self.tp: TPDriver | None = None
         self.runner = self._build_runner(model_dir)
-        self.tokenizer: Any = load_tokenizer(config.tokenizer or model_dir)
+        # The engine core (``detokenize=False``: the API process tokenizes and detokenizes)
+        # loads the tokenizer only if something asks for it (``tokenizer``): transformers'
+        # AutoTokenizer cost ~3.5 CPU s of its ~6 s start on the 2-core CPU, beside the API
+        # process's own load. Its directory is checked here all the same.
+        self._tokenizer_dir = config.tokenizer or model_dir
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        if detokenize:
+            self._tokenizer = load_tokenizer(self._tokenizer_dir)
+        elif (problem := tokenizer_dir_problem(self._tokenizer_dir)) is not None:
+            raise ValueError(f"cannot load a tokenizer from {self._tokenizer_dir!r}: {problem}")
         cache_cfg, sched_cfg = config.cache, config.scheduler
         bs = cache_cfg.block_size
         self.max_model_len = check_max_model_len(
@@ -109,9 +122,7 @@ class LLMEngine:
         # Outputs that show no text alone: a request of only those keeps its steps short
         # (engine/sched/first_tokens.py); without first-token steps nothing reads them.
         self.textless_token_ids = (
-            textless_token_ids(self.tokenizer, self._vocab_size)
-            if sched_cfg.first_token_step_tokens > 0
-            else frozenset()
+            self._textless_token_ids() if sched_cfg.first_token_step_tokens > 0 else frozenset()
         )
         self._states: dict[str, RequestState] = {}
         self._aborted: list[RequestOutput] = []
@@ -127,6 +138,24 @@ class LLMEngine:
         # count are still freed; ``close`` unfreezes (a closed engine's cycles can go).
         gc.collect()
         gc.freeze()
+
+    @property
+    def tokenizer(self) -> Any:  # -> transformers.PreTrainedTokenizerBase
+        """The model's tokenizer, loaded on first use where the constructor did not."""
+        if self._tokenizer is None:
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self._tokenizer_dir)
+        return self._tokenizer
+
+    def _textless_token_ids(self) -> frozenset[int]:
+        """``textless_token_ids`` through the tokenizer when it is loaded, else from its
+        ``tokenizer.json`` alone (no transformers), else through the tokenizer after all."""
+        if self._tokenizer is None:
+            found = textless_token_ids_from_file(self._tokenizer_dir, self._vocab_size)
+            if found is not None:
+                return found
+        return textless_token_ids(self.tokenizer, self._vocab_size)
 
     def _build_runner(self, model_dir: str) -> ModelRunner:
         """The model runner; under tensor parallelism rank 0's driver (``self.tp``), ranks

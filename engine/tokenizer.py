@@ -235,6 +235,32 @@ def textless_token_ids(tokenizer: Any, vocab_size: int) -> frozenset[int]:
     return frozenset(out)
 
 
+def textless_token_ids_from_file(tokenizer_dir: str, vocab_size: int) -> frozenset[int] | None:
+    """``textless_token_ids`` from the directory's ``tokenizer.json`` through the Rust
+    ``tokenizers`` library alone, without transformers (whose AutoTokenizer imports cost the
+    engine core ~3.5 CPU s at start); None where there is no such file or it cannot be read.
+    The same single-token decodes as through a fast tokenizer (``skip_special_tokens``, no
+    clean-up); a class that decodes otherwise (one that overrides ``_decode``) may differ
+    here, which would only shift which first steps are kept short, never an output."""
+    path = os.path.join(tokenizer_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(path)
+        size = min(vocab_size, tok.get_vocab_size(with_added_tokens=True))
+        out: set[int] = set()
+        for start in range(0, size, TEXTLESS_BATCH):
+            ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
+            texts = tok.decode_batch([[t] for t in ids], skip_special_tokens=True)
+            out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+    except Exception:  # unreadable here: the caller goes through transformers instead
+        log.debug("tokenizer.json at %s not read directly", tokenizer_dir, exc_info=True)
+        return None
+    return frozenset(out)
+
+
 def _textless(text: str) -> bool:
     return not text or text.strip(_REPLACEMENT_CHAR) == ""
 

@@ -17,6 +17,7 @@ from engine.tokenizer import (
     load_tokenizer,
     rust_decoder,
     textless_token_ids,
+    textless_token_ids_from_file,
 )
 
 
@@ -230,6 +231,21 @@ def test_textless_tokens_are_the_ones_a_stream_emits_nothing_for(tok: Any, monke
     first_byte = tok.encode("\u00e9", add_special_tokens=False)  # é: two bytes
     assert len(first_byte) == 2 and first_byte[0] in textless
     assert textless_token_ids(tok, 10) == {t for t in textless if t < 10}
+
+
+def test_textless_tokens_from_tokenizer_json_alone_equal_the_tokenizers(
+    tok: Any, tmp_path: Path, monkeypatch
+) -> None:
+    """The engine core finds them from ``tokenizer.json`` through the Rust library, without
+    transformers: the same set as through the loaded tokenizer (in batches, and cut at the
+    model's vocabulary); None where there is no such file or it is not a tokenizer."""
+    save_demo_tokenizer(str(tmp_path))
+    monkeypatch.setattr("engine.tokenizer.TEXTLESS_BATCH", 100)
+    assert textless_token_ids_from_file(str(tmp_path), 10**6) == textless_token_ids(tok, 10**6)
+    assert textless_token_ids_from_file(str(tmp_path), 10) == textless_token_ids(tok, 10)
+    assert textless_token_ids_from_file(str(tmp_path / "absent"), 10) is None
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert textless_token_ids_from_file(str(tmp_path), 10) is None
 
 
 def test_a_tokenizer_that_cannot_decode_alone_gives_no_textless_tokens() -> None:
