@@ -215,7 +215,12 @@ class LLMEngine:
         the caller's own TTFT phases (``ttft.API_PHASES``), kept for the request log."""
         if req_id in self._states:
             raise ValueError(f"duplicate request id {req_id!r}")
-        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        # token ids need no tokenizer (the engine core's only kind: it loads none unless asked)
+        prompt_ids = (
+            encode_prompt(self.tokenizer, prompt)
+            if isinstance(prompt, str)
+            else [int(t) for t in prompt]
+        )
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         self._check_in_vocab("prompt token ids", prompt_ids)

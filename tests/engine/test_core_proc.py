@@ -575,8 +575,9 @@ def test_killing_the_core_fails_pending_requests_and_health(slow_server: SlowSer
 
 
 def test_the_core_engine_loads_no_tokenizer_unless_asked(model_dir: str, tmp_path) -> None:
-    """The core (``detokenize=False``) builds without transformers' AutoTokenizer (~3.5 CPU s
-    of its start): its textless tokens come from tokenizer.json alone and equal the
+    """The core (``detokenize=False``) builds and serves token ids without transformers'
+    AutoTokenizer (~3.5 CPU s of its start; loaded at a first request, it stalled the core
+    that long): its textless tokens come from tokenizer.json alone and equal the
     tokenizer's; the tokenizer loads when something asks for it; a directory without
     tokenizer files is still refused at construction. In a fresh interpreter, where nothing
     imported transformers before."""
@@ -591,6 +592,10 @@ from engine.tokenizer import textless_token_ids
 cfg = EngineConfig(model={model_dir!r}, device="cpu", cache=CacheConfig(num_gpu_blocks=64),
                    scheduler=SchedulerConfig(max_model_len=128))
 engine = LLMEngine(cfg, detokenize=False)
+from engine.sampling_params import SamplingParams
+engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+while engine.has_unfinished_requests():
+    engine.step()  # token ids in, token ids out: still no tokenizer
 assert engine._tokenizer is None and "transformers" not in sys.modules, "loaded"
 found = engine.textless_token_ids
 assert found and found == textless_token_ids(engine.tokenizer, engine._vocab_size), "differ"
