@@ -467,7 +467,8 @@ def bench_ttft(setup: Setup) -> dict[str, Any]:
             # kept without a request log (an H100 run's ``decision: cost`` loaded everything
             # six times out of six at 16K, and nothing said why)
             per_len["cost_model"] = {
-                k: cost.get(k) for k in ("prefill", "tiers", "outcome_ratios", "decisions")
+                k: cost.get(k)
+                for k in ("prefill", "tiers", "outcome_ratios", "explored_splits", "decisions")
             }
         per_len["tier_hit_blocks"] = {
             k: v.get("hit_blocks", 0) for k, v in stats.get("tiers", {}).items()

@@ -269,6 +269,8 @@ class OnlineCostModel:
                         min(self.overlap_margin, MEASURED_OVERLAP_MARGIN) if measured else None
                     ),
                 )
+                if overlap:  # an unmeasured split under a plan measured slow: tried once
+                    decision = outcomes.explore(decision, bucket, self.overlap_margin)
                 kinds = dict.fromkeys(
                     str(o.strategy) for o in (decision.best, *decision.alternatives)
                 )
@@ -392,6 +394,7 @@ class OnlineCostModel:
                     "outcomes": c.outcomes_ignored,
                 },
                 "outcome_ratios": self._outcomes.snapshot(),
+                "explored_splits": self._outcomes.explored(),
             }
 
 

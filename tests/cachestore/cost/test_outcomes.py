@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cachestore.cost.model import Decision, Option, Strategy
@@ -33,8 +35,15 @@ def test_first_sample_sets_a_key_later_ones_move_it_and_unknown_keys_fall_back()
     assert r.observe(Strategy.LOAD_PREFIX, 8, 0.010, 10.0)  # a stall: clamped to 4x
     assert r.ratio(Strategy.LOAD_PREFIX, 8) == 4.0
     snap = r.snapshot()
-    # the load's outcome at 8 relaxed the split's ratio there: 1 + 0.4 * 0.8
-    assert snap["overlap"]["8"] == pytest.approx(1.32) and snap["load_prefix"]["all"] == 4.0
+    # the load's outcome at 8 (4x) left the split's 1.4 there: others relax toward the
+    # observed ratio when it is above 1, and 1.4 is under it
+    assert snap["overlap"]["8"] == pytest.approx(1.4) and snap["load_prefix"]["all"] == 4.0
+    r.observe(Strategy.RECOMPUTE, 8, 0.1, 0.1)  # a plan at its price: toward 1 (1 + 0.4 * 0.8)
+    assert r.ratio(Strategy.OVERLAP, 8) == pytest.approx(1.32)
+    # toward a plan's own ratio above 1: the load's 4 relaxes toward the split's 2.5 at 9
+    r.observe(Strategy.LOAD_PREFIX, 9, 0.010, 0.040)
+    r.observe(Strategy.OVERLAP, 9, 0.020, 0.050)
+    assert r.ratio(Strategy.LOAD_PREFIX, 9) == pytest.approx(2.5 + (4.0 - 2.5) * 0.8)
 
 
 def test_buckets_are_powers_of_two_of_blocks() -> None:
@@ -175,3 +184,28 @@ def test_a_split_measured_at_its_length_competes_on_its_ratio_with_the_smaller_m
     assert r.ratio(Strategy.OVERLAP, 10) == pytest.approx(1.2)  # the fallback, not a sample
     r.observe(Strategy.LOAD_PREFIX, 10, 0.05, 0.05)  # relaxes the split's prior at 10 ...
     assert not r.measured(Strategy.OVERLAP, 10)  # ... which is still not a sample there
+
+
+def test_an_unmeasured_split_under_a_plan_measured_slow_is_tried_once_per_length() -> None:
+    """Load-all priced 61 ms measured 2.8x its price at this length; the split, priced 54
+    (cheaper, but inside the 15% margin), was never taken, so never measured: it is tried
+    once, then left to its measured ratio. Not where the chosen plan's ratio is within the
+    margin, nor where the split is not cheaper on paper, nor once it was measured."""
+    load = Option(Strategy.LOAD_PREFIX, 0, 1023, 0.061)
+    split = Option(Strategy.OVERLAP, 134, 1023, 0.054)
+    scratch = Option(Strategy.RECOMPUTE, 0, 0, 0.526)
+    d = Decision(best=load, alternatives=(split, scratch))
+    r = OutcomeRatios()
+    assert r.explore(d, 10, 0.15) == d  # the load not measured yet: nothing known to be off
+    r.observe(Strategy.LOAD_PREFIX, 10, 0.061, 0.167)
+    tried = r.explore(d, 10, 0.15)
+    assert tried.best == split and set(tried.alternatives) == {load, scratch}
+    assert r.explore(d, 10, 0.15) == d and r.explored() == [10]  # once per length
+    r.observe(Strategy.LOAD_PREFIX, 8, 0.061, 0.070)  # 1.15x: inside the margin
+    assert r.explore(d, 8, 0.15) == d
+    r.observe(Strategy.LOAD_PREFIX, 9, 0.061, 0.167)
+    dearer = Decision(best=load, alternatives=(replace(split, predicted_s=0.065), scratch))
+    assert r.explore(dearer, 9, 0.15) == dearer
+    r.observe(Strategy.OVERLAP, 9, 0.054, 0.158)  # measured: rerank's business, not explore's
+    assert r.explore(d, 9, 0.15) == d
+    assert r.explore(Decision(best=split, alternatives=(load, scratch)), 11, 0.15).best == split
