@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -220,18 +220,28 @@ def textless_token_ids(tokenizer: Any, vocab_size: int) -> frozenset[int]:
     whose outputs are all such tokens has shown its user nothing yet: the scheduler keeps its
     next step short (``engine/sched/first_tokens.py``). Alone is an approximation: two such
     pieces may complete a character, and then the request is counted one step late."""
-    out: set[int] = set()
     try:
-        size = min(vocab_size, len(tokenizer))
-        for start in range(0, size, TEXTLESS_BATCH):
-            ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
-            texts = tokenizer.batch_decode(
+        return _textless_in_batches(
+            min(vocab_size, len(tokenizer)),
+            lambda ids: tokenizer.batch_decode(
                 [[t] for t in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-            out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+            ),
+        )
     except Exception:  # a tokenizer that cannot: no step is kept short for text, as before
         log.warning("could not find the tokens that decode to no text", exc_info=True)
         return frozenset()
+
+
+def _textless_in_batches(
+    size: int, decode_each: Callable[[list[int]], Sequence[str]]
+) -> frozenset[int]:
+    """The ids below ``size`` whose text alone (``decode_each``: one text per id, in order) is
+    empty or only part of a character, decoded ``TEXTLESS_BATCH`` ids at a time."""
+    out: set[int] = set()
+    for start in range(0, size, TEXTLESS_BATCH):
+        ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
+        texts = decode_each(ids)
+        out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
     return frozenset(out)
 
 
@@ -249,16 +259,13 @@ def textless_token_ids_from_file(tokenizer_dir: str, vocab_size: int) -> frozens
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(path)
-        size = min(vocab_size, tok.get_vocab_size(with_added_tokens=True))
-        out: set[int] = set()
-        for start in range(0, size, TEXTLESS_BATCH):
-            ids = list(range(start, min(size, start + TEXTLESS_BATCH)))
-            texts = tok.decode_batch([[t] for t in ids], skip_special_tokens=True)
-            out.update(t for t, text in zip(ids, texts, strict=True) if _textless(text))
+        return _textless_in_batches(
+            min(vocab_size, tok.get_vocab_size(with_added_tokens=True)),
+            lambda ids: tok.decode_batch([[t] for t in ids], skip_special_tokens=True),
+        )
     except Exception:  # unreadable here: the caller goes through transformers instead
         log.debug("tokenizer.json at %s not read directly", tokenizer_dir, exc_info=True)
         return None
-    return frozenset(out)
 
 
 def _textless(text: str) -> bool:

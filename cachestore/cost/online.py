@@ -269,8 +269,9 @@ class OnlineCostModel:
                         min(self.overlap_margin, MEASURED_OVERLAP_MARGIN) if measured else None
                     ),
                 )
-                if overlap:  # an unmeasured split under a plan measured slow: tried once
-                    decision = outcomes.explore(decision, bucket, self.overlap_margin)
+                # an unmeasured split under a plan measured slow: tried once (``overlap``
+                # False prices no split, so there is none to try)
+                decision = outcomes.explore(decision, bucket, self.overlap_margin)
                 kinds = dict.fromkeys(
                     str(o.strategy) for o in (decision.best, *decision.alternatives)
                 )

