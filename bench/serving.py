@@ -203,6 +203,7 @@ def server_counters(base_url: str) -> dict[str, float]:
         "kvtier_kv_lookup_blocks_total",
         "kvtier_kv_loaded_blocks_total",
         "kvtier_num_preemptions_total",
+        "kvtier_scheduler_released_loads_total",
         "kvtier_scheduler_first_token_deferred_tokens_total",
     )
     try:
@@ -226,6 +227,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         if loaded
         else None,
         "preemptions": int(d["kvtier_num_preemptions_total"]),
+        "released_loads": int(d.get("kvtier_scheduler_released_loads_total", 0)),
         "first_token_deferred_tokens": int(d["kvtier_scheduler_first_token_deferred_tokens_total"]),
     }
 

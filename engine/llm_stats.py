@@ -45,6 +45,7 @@ def engine_stats(
         "prefix_cache_hit_tokens_total": s.prefix_cache_hit_tokens_total,
         "prefix_cache_queried_tokens_total": s.prefix_cache_queried_tokens_total,
         "num_preemptions_total": s.num_preemptions_total,
+        "num_released_loads_total": s.num_released_loads_total,
         "num_schedule_steps": s.num_schedule_steps,
         "schedule_seconds_total": s.schedule_seconds_total,
         "num_blocked_skips": s.num_blocked_skips,

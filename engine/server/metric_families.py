@@ -111,6 +111,10 @@ SNAPSHOT_FAMILIES = (
     _c("kvtier_prefix_cache_queries_total", "Prompt tokens looked up in the GPU prefix cache"),
     _c("kvtier_prefix_cache_hits_total", "Prompt tokens found in the GPU prefix cache"),
     _c("kvtier_num_preemptions_total", "Requests preempted for lack of GPU blocks"),
+    _c(
+        "kvtier_scheduler_released_loads_total",
+        "Loading requests whose blocks went to running work (load cancelled, request waits again)",
+    ),
     _g("kvtier_gpu_cache_usage_ratio", "Fraction of GPU KV blocks in use (0-1)", unit="ratio"),
     _g("kvtier_gpu_cache_blocks", "KV blocks in the GPU pool"),
     _g("kvtier_gpu_cache_free_blocks", "GPU KV blocks free or cached-evictable"),

@@ -38,6 +38,7 @@ _ENGINE = {
     "kvtier_prefix_cache_queries_total": "prefix_cache_queried_tokens_total",
     "kvtier_prefix_cache_hits_total": "prefix_cache_hit_tokens_total",
     "kvtier_num_preemptions_total": "num_preemptions_total",
+    "kvtier_scheduler_released_loads_total": "num_released_loads_total",
     "kvtier_gpu_cache_usage_ratio": "gpu_cache_usage",
     "kvtier_gpu_cache_blocks": "gpu_blocks_total",
     "kvtier_gpu_cache_free_blocks": "gpu_blocks_free",
