@@ -18,7 +18,7 @@ through a tier of this process a ``get_many`` refreshes it). ``lmdb.Error`` beco
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,26 +73,33 @@ class LmdbReadView(Tier):
                 self._env.close()
                 self._env = self._blocks = None
 
-    def _keys_present(self, keys: Sequence[str], stop_at_miss: bool) -> list[bool]:
+    def _read(self, op: str, read: Callable[[Any], list[Any]], missing: list[Any]) -> list[Any]:
+        """``read(txn)`` in a read transaction of the own environment, under ``_lock``;
+        ``missing`` while the environment does not exist yet. ``lmdb.Error`` -> ``TierError``."""
         import lmdb
 
-        if not keys:
-            return []
         with self._lock:
             if not self._open():
-                return [False] * len(keys)
-            out: list[bool] = []
+                return missing
             with (
-                backend_errors(
-                    (lmdb.Error,), "lmdb", "lookup", f"at {self.path}", closed=self._closed
-                ),
+                backend_errors((lmdb.Error,), "lmdb", op, f"at {self.path}", closed=self._closed),
                 self._env.begin(db=self._blocks, buffers=True) as txn,
             ):
-                for key in keys:
-                    present = txn.get(key.encode()) is not None
-                    out.append(present)
-                    if stop_at_miss and not present:
-                        break
+                return read(txn)
+
+    def _keys_present(self, keys: Sequence[str], stop_at_miss: bool) -> list[bool]:
+        if not keys:
+            return []
+
+        def read(txn: Any) -> list[bool]:
+            out: list[bool] = []
+            for key in keys:
+                out.append(txn.get(key.encode()) is not None)
+                if stop_at_miss and not out[-1]:
+                    break
+            return out
+
+        out = self._read("lookup", read, [])
         return out + [False] * (len(keys) - len(out))
 
     def lookup(self, keys: Sequence[str]) -> int:
@@ -109,21 +116,14 @@ class LmdbReadView(Tier):
         return self._keys_present(keys, stop_at_miss=False)
 
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        import lmdb
-
         tier = self._tier()
         if tier is not None:
             return [None if v is None else bytes(v) for v in tier.get_many(keys)]
-        with self._lock:
-            if not self._open():
-                return [None] * len(keys)
-            with (
-                backend_errors(
-                    (lmdb.Error,), "lmdb", "get", f"at {self.path}", closed=self._closed
-                ),
-                self._env.begin(db=self._blocks, buffers=True) as txn,
-            ):
-                return [None if (b := txn.get(k.encode())) is None else bytes(b) for k in keys]
+        return self._read(
+            "get",
+            lambda txn: [None if (b := txn.get(k.encode())) is None else bytes(b) for k in keys],
+            [None] * len(keys),
+        )
 
     def put_many(self, items: Sequence[tuple[str, Value]]) -> list[Evicted]:
         raise TierError(f"lmdb view at {self.path} is read-only")
