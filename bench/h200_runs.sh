@@ -127,7 +127,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
       onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;
       onestephold) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestephold.yaml ;;
       lossless) printf 'compression: lossless\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_lossless.yaml ;;
-      coalesced) printf 'coalesced_loads: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_coalesced.yaml ;;
+      coalesced) printf "coalesced_loads: true\ntiers:\n  - {kind: host, capacity: %s}\n" "${QA_HOST_CAPACITY:-48GiB}" > /tmp/qa_coalesced.yaml ;;
       small|smallwait|smallwm) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         # smallwm: LMDB writing through its map (writemap, the default until the 21st session)
         wm=false; [ "$mode" = smallwm ] && wm=true
