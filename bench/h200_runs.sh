@@ -25,6 +25,8 @@
 #   stream (~10 s).
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
+# - lonesweep: the lone reload at LONE_SUFFIXES new tokens [176 224] per SWEEP_MODES
+#   [host,host_layered,host_coalesced], one summary line each (~40 s a suffix).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "on": a host tier of QA_HOST_CAPACITY [48GiB], whose pinning and
 # release take tens of seconds: 16GiB holds the ten histories too; "small": a 2 GiB host tier over LMDB; "smallwait": small with
@@ -177,6 +179,29 @@ if [[ "$STAGES" == *,offload,* ]]; then
     --ttft-modes "${TTFT_MODES:-host,lmdb,lmdb_serial,lmdb_overlap,lmdb_cost}" \
     --lmdb-max-len 16384 ${OFFLOAD_REPS:+--reps "$OFFLOAD_REPS"} --out "$OUT_DIR" > "$OUT_DIR/offload.log" 2>&1
   tail -n 1 "$OUT_DIR/offload.log" | tee -a "$S"
+fi
+if [[ "$STAGES" == *,lonesweep,* ]]; then
+  # The lone reload of a QA turn's shape at several new-token counts (LONE_SUFFIXES) and host
+  # paths (SWEEP_MODES): in the twenty-fifth session's QA run reused steps with 173-223 new
+  # tokens blocked 10-18 ms in the forward's launches where 232-252 did not.
+  for suffix in ${LONE_SUFFIXES:-176 224}; do
+    stamp "lone sweep: suffix $suffix"
+    rm -rf "/tmp/lonesweep_$suffix"
+    timeout -k 5 "${T_LONESWEEP:-120}" "$PY" -m bench.offload --sections ttft --interleave \
+      --ttft-modes "${SWEEP_MODES:-host,host_layered,host_coalesced}" --lengths "${LONE_LENGTH:-6272}" \
+      --suffix-tokens "$suffix" --reps "${LONE_REPS:-5}" --out "/tmp/lonesweep_$suffix" > "/tmp/lonesweep_$suffix.log" 2>&1
+    "$PY" - "/tmp/lonesweep_$suffix/offload.json" "$suffix" <<'PYEOF' 2>&1 | tee -a "$S"
+import json, sys
+modes = json.load(open(sys.argv[1]))["ttft"]["modes"]
+parts = []
+for mode, by_len in modes.items():
+    for n, v in by_len.items():
+        if isinstance(v, dict) and "ttft_s" in v:
+            runs = ", ".join("%.1f" % (x * 1e3) for x in v["all_ttft_s"])
+            parts.append("%s: %.1f (%s)" % (mode, v["ttft_s"] * 1e3, runs))
+print("lone sweep, %s new tokens, TTFT ms: %s" % (sys.argv[2], "; ".join(parts)))
+PYEOF
+  done
 fi
 if [[ "$STAGES" == *,lone,* ]]; then
   # A lone host reload of a reused QA request's shape (~6.3K cached, ~230 computed): the
