@@ -26,7 +26,7 @@
 # - lmdbprobe: bench.lmdb_first_read, the first read of freshly written LMDB values, and reads
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - lonesweep: the lone reload at LONE_SUFFIXES new tokens [176 224] per SWEEP_MODES
-#   [host,host_layered,host_coalesced], one summary line each (~40 s a suffix).
+#   [host,host_whole,host_coalesced], one summary line each (~40 s a suffix).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "on": a host tier of QA_HOST_CAPACITY [48GiB], whose pinning and
 # release take tens of seconds: 16GiB holds the ten histories too; "small": a 2 GiB host tier over LMDB; "smallwait": small with
@@ -188,7 +188,7 @@ if [[ "$STAGES" == *,lonesweep,* ]]; then
     stamp "lone sweep: suffix $suffix"
     rm -rf "/tmp/lonesweep_$suffix"
     timeout -k 5 "${T_LONESWEEP:-120}" "$PY" -m bench.offload --sections ttft --interleave \
-      --ttft-modes "${SWEEP_MODES:-host,host_layered,host_coalesced}" --lengths "${LONE_LENGTH:-6272}" \
+      --ttft-modes "${SWEEP_MODES:-host,host_whole,host_coalesced}" --lengths "${LONE_LENGTH:-6272}" \
       --suffix-tokens "$suffix" --reps "${LONE_REPS:-5}" --out "/tmp/lonesweep_$suffix" > "/tmp/lonesweep_$suffix.log" 2>&1
     "$PY" - "/tmp/lonesweep_$suffix/offload.json" "$suffix" <<'PYEOF' 2>&1 | tee -a "$S"
 import json, sys

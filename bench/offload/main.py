@@ -364,6 +364,7 @@ def _offload_config(setup: Setup, mode: str, slot_bytes: int, tag: str) -> dict[
     return {
         "decision": "cost" if mode == "cost" else "load",
         **({"layered_loads": True} if mode == "host_layered" else {}),
+        **({"layered_loads": False} if mode in ("host_whole", "host_coalesced") else {}),
         **({"coalesced_loads": True} if mode == "host_coalesced" else {}),
         "tiers": [{"kind": "host", "capacity": host_cap}],
     }
@@ -392,12 +393,15 @@ def _prefix_in_tiers_only(llm: Any, rng: random.Random, length: int, setup: Setu
 # lmdb: the pipelined lower-tier load (the default; lmdb_1reader: its chunks read by one
 # thread, not split over load_read_threads); lmdb_serial: read all, then copy;
 # lmdb_cost / lmdb_overlap: ``decision: cost`` / the forced Cake split over the same LMDB stack;
-# host_layered: the host reload with in-step loads landing layer by layer (raw blocks);
-# host_coalesced: with runs of consecutive host slots copied whole (``coalesced_loads``, CUDA).
+# host_layered: the host reload with in-step loads landing layer by layer (raw blocks; the
+# default, ``layered_loads: auto``, is the same on CUDA); host_whole: whole-block in-step copies
+# the forward waits for; host_coalesced: those, with runs of consecutive host slots copied whole
+# into staging and scattered (``coalesced_loads``, CUDA).
 TTFT_MODES = (
     "recompute",
     "host",
     "host_layered",
+    "host_whole",
     "host_coalesced",
     "host_lossless",
     "host_lossless_whole",
@@ -410,7 +414,9 @@ TTFT_MODES = (
     "cost_lossless",
 )
 # diagnostics, run when named
-DEFAULT_TTFT_MODES = tuple(m for m in TTFT_MODES if m not in ("lmdb_1reader", "host_coalesced"))
+DEFAULT_TTFT_MODES = tuple(
+    m for m in TTFT_MODES if m not in ("lmdb_1reader", "host_whole", "host_coalesced")
+)
 
 
 def _modes(modes: tuple[str, ...] | list[str], setup: Setup) -> list[str]:
@@ -768,6 +774,7 @@ def _summary(res: dict[str, Any], setup: Setup) -> str:
         named = (
             ("host", "host"),
             ("host_layered", "host layered"),
+            ("host_whole", "host whole blocks"),
             ("host_coalesced", "host coalesced"),
             ("host_lossless", "host lossless"),
             ("cost", "cost"),
