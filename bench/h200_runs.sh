@@ -172,6 +172,9 @@ if [[ "$STAGES" == *,qa,* ]]; then
 fi
 if [[ "$STAGES" == *,offload,* ]]; then
   stamp "offload ttft"
+  # the QA stage's LMDB (up to 64 GiB in `small`) beside the 16 GB model filled the 64 GiB
+  # disk before bench.offload's own LMDB (twenty-fifth session: "No space left on device")
+  rm -rf /tmp/qa_lmdb
   # --interleave: the modes' engines alive at once, taking turns each repetition (the same
   # plan measured in two modes differed by 15% when run one mode after the other)
   timeout -k 5 "${T_OFFLOAD:-400}" "$PY" -m bench.offload --sections "${OFFLOAD_SECTIONS:-ttft}" --interleave \
