@@ -23,14 +23,26 @@ def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_model_class(architecture: str) -> type:
-    """The model class for an HF architecture name. Raises ValueError if unsupported."""
+def check_architecture(architecture: str) -> None:
+    """Raises ValueError if there is no model class for this HF architecture name (imports
+    nothing: the API process checks a model without torch)."""
     if architecture not in _REGISTRY:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
         )
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class for an HF architecture name. Raises ValueError if unsupported."""
+    check_architecture(architecture)
     module, cls = _REGISTRY[architecture]
     return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["CausalLM", "ModelArchConfig", "get_model_class", "supported_architectures"]
+__all__ = [
+    "CausalLM",
+    "ModelArchConfig",
+    "check_architecture",
+    "get_model_class",
+    "supported_architectures",
+]

@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from engine.models import ModelArchConfig, get_model_class
+from engine.models.hf_files import DTYPE_NAMES, dtype_name, read_hf_config, safetensors_files
 from engine.models.parallel import TPShard
 from tiers.sizes import approx_size
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_INDEX_FILE = "model.safetensors.index.json"
+assert set(_DTYPES) == set(DTYPE_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,41 +46,9 @@ class LoadedModel:
     hf_config: dict
 
 
-def read_hf_config(model_dir: str) -> dict:
-    """Parse ``model_dir/config.json``. Raises FileNotFoundError / ValueError with the path."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from e
-
-
 def resolve_dtype(dtype: str, hf_config: dict) -> torch.dtype:
     """``auto`` -> the config's ``dtype``/``torch_dtype`` (float32 if absent); else the name."""
-    if dtype == "auto":
-        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-        if name not in _DTYPES:
-            raise ValueError(f"config.json dtype {name!r} not supported; pass an explicit dtype")
-        return _DTYPES[name]
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def safetensors_files(model_dir: str) -> list[str]:
-    """The weight files in load order: the index's shards if sharded, else every *.safetensors."""
-    index = os.path.join(model_dir, _INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, s) for s in shards]
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in model directory {model_dir!r}")
-    return [os.path.join(model_dir, f) for f in files]
+    return _DTYPES[dtype_name(dtype, hf_config)]
 
 
 def iter_weights(

@@ -21,36 +21,10 @@ from typing import Any
 
 import torch
 
+from engine.grammar import INSTALL_HINT, check_grammar, xgrammar_available
 from engine.sampling_params import SamplingParams
 
-INSTALL_HINT = "pip install 'kvtier[structured]' (xgrammar)"
-
-
-def xgrammar_available() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def check_grammar(params_schema: str | None, json_object: bool) -> None:
-    """Raises ImportError (xgrammar missing) or ValueError (a schema xgrammar cannot turn
-    into a grammar, in one line) for a request's constraint. No tokenizer needed: the API
-    process calls it before the request reaches the engine, so a bad schema never reaches
-    the model runner."""
-    if params_schema is None and not json_object:
-        return
-    try:
-        import xgrammar as xgr
-    except ImportError as exc:
-        raise ImportError(f"structured output needs xgrammar: {INSTALL_HINT}") from exc
-    if params_schema is not None:
-        try:
-            xgr.Grammar.from_json_schema(params_schema, any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"invalid JSON schema: {first}") from exc
+__all__ = ["INSTALL_HINT", "RequestGrammars", "check_grammar", "xgrammar_available"]
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from engine.runner.structured_output import check_grammar
+from engine.grammar import check_grammar
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

@@ -69,25 +69,25 @@ def _check_model(model: str | None, dtype: str) -> dict[str, Any]:
             f"model {model}: not a directory (an HF model directory, a .gguf "
             "file or a Hugging Face model id)"
         )
-    from engine.models import ModelArchConfig, get_model_class
-    from engine.models.loader import read_hf_config, resolve_dtype, safetensors_files
+    from engine.models import ModelArchConfig, check_architecture
+    from engine.models.hf_files import dtype_name, read_hf_config, safetensors_files
 
     try:
         hf_config = read_hf_config(model_dir)
         # The architecture first: another family's config may lack fields ours read.
-        get_model_class((hf_config.get("architectures") or ["(none in config.json)"])[0])
+        check_architecture((hf_config.get("architectures") or ["(none in config.json)"])[0])
         arch = ModelArchConfig.from_hf(hf_config)
         safetensors_files(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"model {model}: {one_line(exc)}") from None
     try:
-        torch_dtype = resolve_dtype(dtype, hf_config)
+        dtype_used = dtype_name(dtype, hf_config)
     except ValueError as exc:
         raise UsageError(f"--dtype {dtype}: {exc}") from None
     info = {
         "path": model,
         "architecture": arch.architecture,
-        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype": dtype_used,
         "layers": arch.num_layers,
     }
     if model_dir != model:
@@ -114,7 +114,11 @@ def _check_offload(source: str | dict | None, connector: str) -> None:
 def _check_device(device: str) -> None:
     """The engine core's own device check (``resolve_device``), run first: otherwise a GGUF
     is converted to a bfloat16 directory in the cache (18 s, 260 MB for SmolLM2-135M) before
-    the core finds ``--device cuda`` on a host without CUDA."""
+    the core finds ``--device cuda`` on a host without CUDA. ``auto`` and ``cpu`` cannot fail
+    it, so they are not checked here: the check imports torch, ~2 s of the API process's
+    start, which otherwise never needs it."""
+    if device in ("auto", "cpu"):
+        return
     from engine.runner.model_setup import resolve_device
 
     try:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.models.demo_model import save_demo_tokenizer
+from engine.models.demo_model import DEMO_ARCH, save_demo_tokenizer
 from engine.tokenizer import (
     IncrementalDetokenizer,
+    _backend_class,
     encode_chat,
     encode_prompt,
     eos_token_ids,
@@ -259,3 +263,82 @@ def test_a_tokenizer_that_cannot_decode_alone_gives_no_textless_tokens() -> None
             raise RuntimeError("no")
 
     assert textless_token_ids(Broken(), 10) == frozenset()
+
+
+def _tokenizer_dir(path: Path, model_type: str = "llama", **tok_config: Any) -> str:
+    """The demo tokenizer beside a model config of ``model_type`` (tokenizer_config.json
+    entries overridden by ``tok_config``)."""
+    save_demo_tokenizer(str(path))
+    (path / "config.json").write_text(json.dumps({**DEMO_ARCH, "model_type": model_type}))
+    if tok_config:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**cfg, **tok_config}))
+    return str(path)
+
+
+@pytest.mark.parametrize("declared", ["TokenizersBackend", "PreTrainedTokenizerFast"])
+def test_a_tokenizers_backend_directory_loads_as_autotokenizer_would(
+    tmp_path: Path, declared: str
+) -> None:
+    """A Llama directory whose tokenizer_config names the plain tokenizer.json class is loaded
+    through that class directly (no AutoConfig, whose import pulls in torch): the same class,
+    vocabulary, special tokens, encodings, chat template and decoding as AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    d = _tokenizer_dir(tmp_path, tokenizer_class=declared)
+    assert _backend_class(d) is not None
+    direct = load_tokenizer(d)
+    auto = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    assert type(direct) is type(auto)
+    assert direct.get_vocab() == auto.get_vocab()
+    assert direct.all_special_ids == auto.all_special_ids
+    assert (direct.bos_token_id, direct.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+    rng = random.Random(3)
+    texts = ["hello world", "  two  spaces\nand a line", "naïve café 日本語 🙂", "</s><s> raw"]
+    for text in texts:
+        for special in (True, False):
+            assert direct.encode(text, add_special_tokens=special) == auto.encode(
+                text, add_special_tokens=special
+            )
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": texts[2]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ]
+    assert encode_chat(direct, chat) == encode_chat(auto, chat)
+    ids = [rng.randrange(len(auto)) for _ in range(200)]
+    for skip in (True, False):
+        assert direct.decode(ids, skip_special_tokens=skip) == auto.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+def test_other_tokenizer_directories_take_autotokenizers_path(tmp_path: Path) -> None:
+    """Only the case above is loaded directly: another model type (qwen2 gets its own class
+    from AutoTokenizer whatever the directory says), another declared class, remote code, or
+    no model config all go through AutoTokenizer."""
+    assert _backend_class(_tokenizer_dir(tmp_path / "q", model_type="qwen2")) is None
+    assert _backend_class(_tokenizer_dir(tmp_path / "g", tokenizer_class="GPT2Tokenizer")) is None
+    remote = _tokenizer_dir(tmp_path / "r", auto_map={"AutoTokenizer": ["x.T", None]})
+    assert _backend_class(remote) is None
+    save_demo_tokenizer(str(tmp_path / "n"))
+    assert _backend_class(str(tmp_path / "n")) is None
+    assert type(load_tokenizer(str(tmp_path / "q"))).__name__  # AutoTokenizer's pick, loaded
+
+
+def test_loading_a_llama_tokenizer_imports_no_torch(tmp_path: Path) -> None:
+    """What the direct load is for: the API process's tokenizer without torch (its import was
+    most of the process's start)."""
+    d = _tokenizer_dir(tmp_path)
+    code = (
+        "import sys; from engine.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer({d!r}); assert t.encode('hi'); "
+        "print('torch' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -67,6 +67,33 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if " ERROR " in ln or ln.startswith("kvtier serve:")]
 
 
+def test_the_api_process_checks_the_model_and_loads_its_tokenizer_without_torch(
+    model_dir: str,
+) -> None:
+    """What `kvtier serve`'s API process does before it answers: the preflight (device, model
+    files, dtype) and the tokenizer, with the default device and an explicit cpu, import no
+    torch (it was ~4 of the process's ~6.6 CPU s at start; the engine core imports it)."""
+    code = (
+        "import sys; from engine.config import EngineConfig; "
+        "from engine.server.startup import preflight; from engine.tokenizer import load_tokenizer; "
+        "import engine.server.api; "
+        f"info = preflight(EngineConfig(model={model_dir!r})).model_info; "
+        f"preflight(EngineConfig(model={model_dir!r}, device='cpu')); "
+        f"assert load_tokenizer({model_dir!r}).encode('hi'); "
+        "print(info['dtype'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=python_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["float32", "False"]
+
+
 def test_preflight_names_the_flag_or_the_file(model_dir: str, tmp_path: Path) -> None:
     def refused(config: EngineConfig, chat_template: str | None = None) -> str:
         with pytest.raises(UsageError) as info:
