@@ -96,6 +96,7 @@ def _last_request(log: Path) -> dict[str, Any]:
         "decision": row.get("decision"),
         "tier_blocks": sum(1 for t in row["hit_tiers"] if t != "gpu"),
         "ttft_s": row["ttft_s"],
+        "kv_plan": row.get("kv_plan"),  # what the cost model weighed (None without a lookup)
     }
 
 
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
             _wait_durable(engines[0][1], _full_blocks(logs[0]), DURABLE_WAIT_S)
             answer_b = _ask(engines[1][1], messages)
             a, b = _last_request(logs[0]), _last_request(logs[1])
+            if not b["tier_blocks"]:  # B found nothing: what the servers said (tiers, LMDB)
+                for log in logs:
+                    out = Path(f"{log}.out")
+                    lines = out.read_text(errors="replace").splitlines() if out.exists() else []
+                    for line in [ln for ln in lines if "WARNING" in ln or "ERROR" in ln][:20]:
+                        print(f"two_engines: {log.stem}: {line}", file=sys.stderr)
         finally:
             codes = [stop_server(proc, 120) for proc, _ in engines]
     ratio = a["ttft_s"] / b["ttft_s"] if b["ttft_s"] > 0 else 0.0

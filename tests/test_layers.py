@@ -106,6 +106,7 @@ ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
                 "startup_log",
                 "cache_dir",
                 "kv_stats",
+                "grammar",
             )
         ),
     ),
