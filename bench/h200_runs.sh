@@ -90,6 +90,21 @@ fi
 if [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
   stamp "warm FlashInfer"; "$PY" -m bench.engine --warm --warm-parts prefill,decode,sampling >/dev/null 2>&1
 fi
+# ttft_line FILE LABEL: a bench.offload report's TTFT per mode and length, in milliseconds with
+# every run, as one summary line (the device may leave the JSON itself out: its file count)
+ttft_line() {
+  "$PY" - "$1" "$2" <<'PYEOF' 2>&1 | tee -a "$S"
+import json, sys
+modes = json.load(open(sys.argv[1]))["ttft"]["modes"]
+parts = []
+for mode, by_len in modes.items():
+    for n, v in by_len.items():
+        if isinstance(v, dict) and "ttft_s" in v:
+            runs = ", ".join("%.1f" % (x * 1e3) for x in v["all_ttft_s"])
+            parts.append("%s %s: %.1f (runs %s)" % (mode, n, v["ttft_s"] * 1e3, runs))
+print(sys.argv[2] + ": " + "; ".join(parts))
+PYEOF
+}
 if [[ "$STAGES" == *,copyorder,* ]]; then
   # does a small upload wait behind a large copy issued before it on another stream?
   stamp "copy order"
@@ -193,17 +208,7 @@ if [[ "$STAGES" == *,lonesweep,* ]]; then
     timeout -k 5 "${T_LONESWEEP:-120}" "$PY" -m bench.offload --sections ttft --interleave \
       --ttft-modes "${SWEEP_MODES:-host,host_whole,host_coalesced}" --lengths "${LONE_LENGTH:-6272}" \
       --suffix-tokens "$suffix" --reps "${LONE_REPS:-5}" --out "/tmp/lonesweep_$suffix" > "/tmp/lonesweep_$suffix.log" 2>&1
-    "$PY" - "/tmp/lonesweep_$suffix/offload.json" "$suffix" <<'PYEOF' 2>&1 | tee -a "$S"
-import json, sys
-modes = json.load(open(sys.argv[1]))["ttft"]["modes"]
-parts = []
-for mode, by_len in modes.items():
-    for n, v in by_len.items():
-        if isinstance(v, dict) and "ttft_s" in v:
-            runs = ", ".join("%.1f" % (x * 1e3) for x in v["all_ttft_s"])
-            parts.append("%s: %.1f (%s)" % (mode, v["ttft_s"] * 1e3, runs))
-print("lone sweep, %s new tokens, TTFT ms: %s" % (sys.argv[2], "; ".join(parts)))
-PYEOF
+    ttft_line "/tmp/lonesweep_$suffix/offload.json" "lone sweep, $suffix new tokens, TTFT ms"
   done
 fi
 if [[ "$STAGES" == *,lone,* ]]; then
@@ -215,18 +220,7 @@ if [[ "$STAGES" == *,lone,* ]]; then
     --lengths "${LONE_LENGTH:-6272}" --suffix-tokens "${LONE_SUFFIX:-224}" --out "$OUT_DIR/lone" \
     ${LONE_REPS:+--reps "$LONE_REPS"} > /tmp/lone.log 2>&1
   tail -n 1 /tmp/lone.log | tee -a "$S"
-  # the milliseconds in the summary: the device may leave lone/offload.json out (its file count)
-  "$PY" - "$OUT_DIR/lone/offload.json" <<'PYEOF' 2>&1 | tee -a "$S"
-import json, sys
-modes = json.load(open(sys.argv[1]))["ttft"]["modes"]
-parts = []
-for mode, by_len in modes.items():
-    for n, v in by_len.items():
-        if isinstance(v, dict) and "ttft_s" in v:
-            runs = ", ".join("%.1f" % (x * 1e3) for x in v["all_ttft_s"])
-            parts.append("%s %s: %.1f (runs %s)" % (mode, n, v["ttft_s"] * 1e3, runs))
-print("lone TTFT ms: " + "; ".join(parts))
-PYEOF
+  ttft_line "$OUT_DIR/lone/offload.json" "lone TTFT ms"
 fi
 if [[ "$STAGES" == *,mixed,* ]]; then
   # the QA run's reused step reproduced offline: a pair of host reloads of the lone shape
