@@ -34,8 +34,7 @@ from engine.models.parallel import TPShard
 from tiers.sizes import approx_size
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-assert set(_DTYPES) == set(DTYPE_NAMES)
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -325,20 +323,3 @@ def test_other_tokenizer_directories_take_autotokenizers_path(tmp_path: Path) ->
     save_demo_tokenizer(str(tmp_path / "n"))
     assert _backend_class(str(tmp_path / "n")) is None
     assert type(load_tokenizer(str(tmp_path / "q"))).__name__  # AutoTokenizer's pick, loaded
-
-
-def test_loading_a_llama_tokenizer_imports_no_torch(tmp_path: Path) -> None:
-    """What the direct load is for: the API process's tokenizer without torch (its import was
-    most of the process's start)."""
-    d = _tokenizer_dir(tmp_path)
-    code = (
-        "import sys; from engine.tokenizer import load_tokenizer; "
-        f"t = load_tokenizer({d!r}); assert t.encode('hi'); "
-        "print('torch' in sys.modules)"
-    )
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
