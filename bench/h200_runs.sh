@@ -27,6 +27,8 @@
 #   split over PROBE_THREADS reader threads beside a plain memcpy (~40 s).
 # - lonesweep: the lone reload at LONE_SUFFIXES new tokens [176 224] per SWEEP_MODES
 #   [host,host_whole,host_coalesced], one summary line each (~40 s a suffix).
+# - newshapes: bench.new_shapes, prefill steps of token counts run before and not, per
+#   NEWSHAPES_VARIANTS [default,eager,expandable] (~30 s a variant).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "on": a host tier of QA_HOST_CAPACITY [48GiB], whose pinning and
 # release take tens of seconds: 16GiB holds the ten histories too; "small": a 2 GiB host tier over LMDB; "smallwait": small with
@@ -210,6 +212,12 @@ if [[ "$STAGES" == *,lonesweep,* ]]; then
       --suffix-tokens "$suffix" --reps "${LONE_REPS:-5}" --out "/tmp/lonesweep_$suffix" > "/tmp/lonesweep_$suffix.log" 2>&1
     ttft_line "/tmp/lonesweep_$suffix/offload.json" "lone sweep, $suffix new tokens, TTFT ms"
   done
+fi
+if [[ "$STAGES" == *,newshapes,* ]]; then
+  stamp "new shapes (${NEWSHAPES_VARIANTS:-default,eager,expandable})"
+  timeout -k 5 "${T_NEWSHAPES:-300}" "$PY" -m bench.new_shapes --variants "${NEWSHAPES_VARIANTS:-default,eager,expandable}" \
+    --out "$OUT_DIR/new_shapes.json" > /tmp/new_shapes.log 2>&1
+  tail -n 1 /tmp/new_shapes.log | tee -a "$S"
 fi
 if [[ "$STAGES" == *,lone,* ]]; then
   # A lone host reload of a reused QA request's shape (~6.3K cached, ~230 computed): the
