@@ -28,7 +28,7 @@
 # - lonesweep: the lone reload at LONE_SUFFIXES new tokens [176 224] per SWEEP_MODES
 #   [host,host_whole,host_coalesced], one summary line each (~40 s a suffix).
 # - newshapes: bench.new_shapes, prefill steps of token counts run before and not, per
-#   NEWSHAPES_VARIANTS [default,eager,expandable] (~30 s a variant).
+#   NEWSHAPES_VARIANTS [default,eager,warm] (~30 s a variant).
 # - tests: the GPU tests of the load pipeline and the engine (pytest -m gpu on chosen files).
 # QA_MODES (default "off on"; "on": a host tier of QA_HOST_CAPACITY [48GiB], whose pinning and
 # release take tens of seconds: 16GiB holds the ten histories too; "small": a 2 GiB host tier over LMDB; "smallwait": small with
@@ -135,11 +135,15 @@ if [[ "$STAGES" == *,qa,* ]]; then
     # QA_PYSPY_MODES: the modes py-spy samples (QA_PYSPY_S seconds each, third_party_qa.sh)
     spy_s=""; [[ " ${QA_PYSPY_MODES:-} " == *" $mode "* ]] && spy_s=${QA_PYSPY_S:-40}
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
-    case "$mode" in
+    # a mode name ending in "warm" (offwarm, onwarm, smallwarm): that mode with --gemm-warmup
+    base=${mode%warm}; [ "$base" != "$mode" ] && [ -n "$base" ] && flags+=(--gemm-warmup)
+    # a mode name ending in "cold": that mode with --no-gemm-warmup
+    b2=${base%cold}; [ "$b2" != "$base" ] && [ -n "$b2" ] && { base=$b2; flags+=(--no-gemm-warmup); }
+    case "$base" in
       on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: %s}\n' "${QA_HOST_CAPACITY:-48GiB}" > "/tmp/qa_$mode.yaml"
-        if [ "$mode" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
-        if [ "$mode" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi
-        if [ "$mode" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
+        if [ "$base" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
+        if [ "$base" = lean ]; then flags+=(--first-token-step-others "${LEAN_OTHERS:-64}"); fi
+        if [ "$base" = fill ]; then flags+=(--first-token-step-others -1); fi ;;
       layered) printf 'layered_loads: true\nlayers_per_copy: %s\ntiers:\n  - {kind: host, capacity: 48GiB}\n' "${LAYERS_PER_COPY:-0}" > /tmp/qa_layered.yaml ;;
       perblock) printf 'layered_loads: false\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_perblock.yaml ;;
       allinstep) printf 'in_step_loads_per_step: 0\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_allinstep.yaml ;;
@@ -149,12 +153,12 @@ if [[ "$STAGES" == *,qa,* ]]; then
       coalesced) printf "coalesced_loads: true\ntiers:\n  - {kind: host, capacity: %s}\n" "${QA_HOST_CAPACITY:-48GiB}" > /tmp/qa_coalesced.yaml ;;
       small|smallwait|smallwm) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         # smallwm: LMDB writing through its map (writemap, the default until the 21st session)
-        wm=false; [ "$mode" = smallwm ] && wm=true
+        wm=false; [ "$base" = smallwm ] && wm=true
         printf 'tiers:\n  - {kind: host, capacity: 2GiB}\n  - {kind: lmdb, path: /tmp/qa_lmdb, capacity: 64GiB, writemap: %s}\n' "$wm" > "/tmp/qa_$mode.yaml"
         # smallwait: steps stay short while a request waits for its LMDB load (docs/scheduling.md)
-        if [ "$mode" = smallwait ]; then flags+=(--load-wait-step-tokens "${LOAD_WAIT_TOKENS:-512}"); fi ;;
+        if [ "$base" = smallwait ]; then flags+=(--load-wait-step-tokens "${LOAD_WAIT_TOKENS:-512}"); fi ;;
     esac
-    [ "$mode" != off ] && flags+=(--kv-offload --kv-offload-config "/tmp/qa_$mode.yaml")
+    [ "$base" != off ] && flags+=(--kv-offload --kv-offload-config "/tmp/qa_$mode.yaml")
     stamp "qa $mode"
     # The first server start of a machine compiles and reads what later ones find cached.
     limit=$(( ${T_QA:-240} + (${#runs[@]} == 0 ? ${T_QA_FIRST_EXTRA:-90} : 0) ))
@@ -214,8 +218,8 @@ if [[ "$STAGES" == *,lonesweep,* ]]; then
   done
 fi
 if [[ "$STAGES" == *,newshapes,* ]]; then
-  stamp "new shapes (${NEWSHAPES_VARIANTS:-default,eager,expandable})"
-  timeout -k 5 "${T_NEWSHAPES:-300}" "$PY" -m bench.new_shapes --variants "${NEWSHAPES_VARIANTS:-default,eager,expandable}" \
+  stamp "new shapes (${NEWSHAPES_VARIANTS:-default,eager,warm})"
+  timeout -k 5 "${T_NEWSHAPES:-300}" "$PY" -m bench.new_shapes --variants "${NEWSHAPES_VARIANTS:-default,eager,warm}" \
     --out "$OUT_DIR/new_shapes.json" > /tmp/new_shapes.log 2>&1
   tail -n 1 /tmp/new_shapes.log | tee -a "$S"
 fi

@@ -1,6 +1,6 @@
 """Does a prefill step of a token count the process has not run before cost more? (CUDA diagnostics)
 
-    python -m bench.new_shapes [--variants default,eager,expandable] [--counts 24] [--out FILE]
+    python -m bench.new_shapes [--variants default,eager,warm] [--counts 24] [--out FILE]
 
 The twenty-fifth session's QA run (docs/scheduling.md) showed prefill steps whose forward took
 22-40 ms to launch where the same shape of step took 11-13: every one of them had a total token
@@ -41,6 +41,7 @@ VARIANT_ENV = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "warm": {},
     "smoke": {},
+    "smokewarm": {},
 }
 STATS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -58,7 +59,7 @@ def _measure(variant: str, num_counts: int, seed: int) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     t_start = time.perf_counter()
-    smoke = variant == "smoke"  # a CPU check of this script on a tiny shape
+    smoke = variant.startswith("smoke")  # a CPU check of this script on a tiny shape
     cuda = not smoke
     device = torch.device("cuda" if cuda else "cpu")
     cfg_shape = dict(SHAPES["llama3-8b"])
@@ -137,7 +138,7 @@ def _measure(variant: str, num_counts: int, seed: int) -> dict[str, Any]:
     res["side_copy_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
     for n in (256, 512, 256, 512):
         step(n, copy=False)
-    if variant == "warm":
+    if variant.endswith("warm"):
         warm = getattr(runner, "warm_prefill_shapes", None)
         if warm is None:
             res["warm"] = "ModelRunner has no warm_prefill_shapes"
@@ -189,7 +190,7 @@ def _measure(variant: str, num_counts: int, seed: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="default,eager,expandable")
+    ap.add_argument("--variants", default="default,eager,warm")
     ap.add_argument("--counts", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per variant")

@@ -82,6 +82,9 @@ GRAPH_DECODE_CHOICES = ("auto", "triton", "flashinfer")
 SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")
 
 
+DEFAULT_GEMM_WARMUP = False
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded demo model
@@ -110,6 +113,9 @@ class EngineConfig:
     step_log: str | None = None  # one JSON line per engine step (engine/step_log.py)
     # No CUDA graphs: every step runs eagerly (debugging; a backend that cannot capture).
     enforce_eager: bool = False
+    # At start-up on CUDA, run the first layer's linears at every row count a step can have, so
+    # no step loads a GEMM kernel mid-forward (engine/runner/gemm_warmup.py says why).
+    gemm_warmup: bool = DEFAULT_GEMM_WARMUP
     # Ranks the model is split over (engine/runner/distributed.py, docs/tp.md): one process each, the
     # scheduler in rank 0's. 1: the single-process engine, no collective anywhere.
     tensor_parallel_size: int = 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -209,6 +210,19 @@ class ModelRunner:
                 self.model, self.attn_backend, self.kv_cache, sizes, max_blocks_per_seq
             )
             self.cuda_graphs.capture()
+        self.gemm_warmup: dict[str, Any] | None = None
+        if config.gemm_warmup and device.type == "cuda":
+            self.warm_prefill_shapes()
+
+    def warm_prefill_shapes(self) -> dict[str, Any]:
+        """Load the GEMM kernels of every step size now (engine/runner/gemm_warmup.py)."""
+        from engine.runner.gemm_warmup import warm_gemm_shapes
+
+        sched = self.config.scheduler
+        self.gemm_warmup = warm_gemm_shapes(
+            self.model, sched.max_num_batched_tokens, sched.max_num_seqs
+        )
+        return self.gemm_warmup
 
     def set_kv_connector(self, worker: KVConnectorWorker | None) -> None:
         """Attach (or detach with None) the worker side of a KV connector. Each step then calls

@@ -108,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         request_log=args.request_log,
         step_log=args.step_log,
         enforce_eager=args.enforce_eager,
+        gemm_warmup=args.gemm_warmup,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
         graph_decode=args.graph_decode,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-from engine.config import DEFAULT_STALL_TIMEOUT_S, GRAPH_DECODE_CHOICES
+from engine.config import DEFAULT_GEMM_WARMUP, DEFAULT_STALL_TIMEOUT_S, GRAPH_DECODE_CHOICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)"
+    )
+    parser.add_argument(
+        "--gemm-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_GEMM_WARMUP,
+        help="on CUDA, load every step size's GEMM kernels at start-up (no kernel loads mid-step)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
