@@ -137,6 +137,9 @@ if [[ "$STAGES" == *,qa,* ]]; then
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
     # a mode name ending in "warm" (offwarm, onwarm, smallwarm): that mode with --gemm-warmup
     base=${mode%warm}; [ "$base" != "$mode" ] && [ -n "$base" ] && flags+=(--gemm-warmup)
+    # a mode name ending in "eager" (oneager): that mode with CUDA_MODULE_LOADING=EAGER (every
+    # kernel loaded when CUDA starts, none on a step's first launch of it)
+    qa_env=(); b1=${base%eager}; [ "$b1" != "$base" ] && [ -n "$b1" ] && { base=$b1; qa_env=(CUDA_MODULE_LOADING=EAGER); }
     # a mode name ending in "cold": that mode with --no-gemm-warmup
     b2=${base%cold}; [ "$b2" != "$base" ] && [ -n "$b2" ] && { base=$b2; flags+=(--no-gemm-warmup); }
     case "$base" in
@@ -162,7 +165,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
     stamp "qa $mode"
     # The first server start of a machine compiles and reads what later ones find cached.
     limit=$(( ${T_QA:-240} + (${#runs[@]} == 0 ? ${T_QA_FIRST_EXTRA:-90} : 0) ))
-    QA_PYSPY_S=$spy_s PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
+    env "${qa_env[@]}" QA_PYSPY_S=$spy_s PYTHON="$PY" timeout -k 5 "$limit" bench/third_party_qa.sh .qa-client "$MODEL_DIR" "/tmp/qa_$mode" "${flags[@]}" \
       2>&1 | tee -a "$S"
     # the API side of the client's TTFT (template, tokenize, core -> first chunk): sums, counts
     grep -E '^kvtier_request_ttft_phase_seconds_(sum|count)\{.*phase="(api_template|api_tokenize|return|first_text|to_core)"' \
