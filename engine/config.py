@@ -82,7 +82,7 @@ GRAPH_DECODE_CHOICES = ("auto", "triton", "flashinfer")
 SMALL_QUERY_CHOICES = ("auto", "flashinfer", "triton")
 
 
-DEFAULT_GEMM_WARMUP = False
+DEFAULT_GEMM_WARMUP = True
 
 
 @dataclass(frozen=True, slots=True)
