@@ -8,14 +8,17 @@ parts took). One line:
     {"t": 1796474503.4512, "ms": 31.52, "tokens": 418, "decodes": 3,
      "prefill": [["chatcmpl-...-0", 209, 6272, true], ...],
      "parts": {"inputs": 1.4, "hook": 2.4, "forward": 15.2, ...},
-     "loads": [["chatcmpl-...-0", 10.1, true]], "waiting": 0, "running": 5}
+     "loads": [["chatcmpl-...-0", 10.1, true]], "waiting": 0, "running": 5, "gc": [12.3, 2]}
 
 ``t``: wall-clock start (the request log's ``ts`` clock); ``ms``: the step's wall time;
 ``tokens``: tokens computed; ``decodes``: requests that fed one sampled token; ``prefill``:
 each prompt chunk as [request id, tokens, tokens already computed, samples its first token];
 ``parts``: the runner's ``step_parts`` in ms (engine/ttft.py ``STEP_PARTS``); ``loads``: the KV
 loads that finished in the step as [request id, copy ms, in-step]; ``waiting`` / ``running``:
-the scheduler's queues after the step was scheduled. Empty steps are not written.
+the scheduler's queues after the step was scheduled; ``gc`` (only when some ran): the ms of
+the process's garbage collections that started during the step and the oldest generation
+among them (``engine.gc_clock``: a collection on the engine thread stalls the step, and
+nothing else in the line would say so). Empty steps are not written.
 
 Lines are buffered and flushed every ``FLUSH_LINES`` and at close (a crash may lose the last
 few): a decode step every few ms must not pay a flush each. Not thread-safe: the engine thread
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import IO
 
 from engine.core_types import ModelRunnerOutput, SchedulerOutput
+from engine.gc_clock import GcClock
 
 FLUSH_LINES = 64
 
@@ -47,6 +51,7 @@ class StepLog:
         self._fh: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._pending = 0
         self.num_written = 0
+        self._gc = GcClock()
 
     def write(
         self,
@@ -59,7 +64,10 @@ class StepLog:
     ) -> None:
         """One step: scheduled as ``out``, run in ``seconds`` from ``wall_start``. Ignored once
         closed."""
-        if self._fh is None or out.is_empty:
+        if self._fh is None:
+            return
+        gc_seconds, gc_generation = self._gc.take(wall_start)
+        if out.is_empty:
             return
         prefill = []
         decodes = 0
@@ -91,6 +99,8 @@ class StepLog:
             "waiting": num_waiting,
             "running": num_running,
         }
+        if gc_generation >= 0:
+            line["gc"] = [_ms(gc_seconds), gc_generation]
         self._fh.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.num_written += 1
         self._pending += 1
@@ -100,6 +110,7 @@ class StepLog:
 
     def close(self) -> None:
         """Flushes and closes; idempotent."""
+        self._gc.close()
         if self._fh is not None:
             self._fh.close()
             self._fh = None

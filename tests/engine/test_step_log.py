@@ -80,3 +80,31 @@ def test_a_reloaded_prompt_s_load_is_in_its_step(model_dir: str, tmp_path: Path)
     (step,) = [line for line in again if line["loads"]]
     ((req_id, n, computed, sample),) = step["prefill"]
     assert req_id == loads[0][0] and computed == 6 * 16 and n == 100 - 96 and sample
+
+
+def test_a_collection_during_a_step_is_in_its_line_and_one_before_it_is_not(
+    tmp_path: Path,
+) -> None:
+    import gc
+    import time
+
+    from engine.core_types import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+    from engine.step_log import StepLog
+
+    log = StepLog(tmp_path / "steps.jsonl")
+    out = SchedulerOutput(
+        [ScheduledRequest("r", [1, 2, 3], 0, [0], True, SamplingParams(temperature=0.0))], 3
+    )
+    runner_out = ModelRunnerOutput(sampled_token_ids={}, logits=None)
+    gc.collect()  # before the first step: in no line
+    start = time.time()
+    garbage = [[i] for i in range(200_000)]  # something for the collection to walk
+    gc.collect()
+    del garbage
+    log.write(start, 0.01, out, runner_out, 0, 1)
+    log.write(time.time(), 0.01, out, runner_out, 0, 1)  # nothing collected during it
+    log.close()
+    lines = _lines(tmp_path / "steps.jsonl")
+    assert lines[0]["gc"][1] == 2 and lines[0]["gc"][0] > 0
+    assert "gc" not in lines[1]
+    assert log._gc._callback not in gc.callbacks  # closed: the callback is gone
