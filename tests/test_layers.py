@@ -101,6 +101,7 @@ ENGINE_FLOORS: dict[str, tuple[int, tuple[str, ...]]] = {
                 "kv_cache",
                 "request_log",
                 "step_log",
+                "gc_clock",
                 "tokenizer",
                 "chat_tokens",
                 "startup_log",
