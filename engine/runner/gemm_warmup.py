@@ -63,7 +63,7 @@ def warm_gemm_shapes(model: nn.Module, max_rows: int, max_head_rows: int) -> dic
     linears = _distinct_linears(layers[0]) if layers is not None and len(layers) else []
     rows = row_counts(max_rows)
     launches = 0
-    for mod in linears:
+    for mod in linears if rows else ():  # max_rows 1: a step's one row goes through the gemv
         x = torch.zeros(rows[-1], mod.in_features, dtype=mod.weight.dtype, device=mod.weight.device)
         for m in rows:
             linear(x[:m], mod)

@@ -1,6 +1,6 @@
 """engine.runner.gemm_warmup: every distinct linear of the first layer at every row count a step
 can have, the output head at every count of sampled rows (CPU here: the same calls as on CUDA,
-counted through forward hooks)."""
+counted through the forward's ``linear`` and a hook on the head)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ def test_each_distinct_linear_of_the_first_layer_at_every_row_count(
     assert model.head_rows == [2, 3, 4, 5, 6] == calls["head"]
     assert out["launches"] == 4 * 39 + 5
     assert out["linears"] == [(32, 16), (16, 16), (64, 16), (16, 32)]
+
+
+def test_a_one_token_step_budget_warms_only_the_head() -> None:
+    """max_num_batched_tokens 1: no row count for the linears (one row takes the gemv)."""
+    model = _Model()
+    out = warm_gemm_shapes(model, max_rows=1, max_head_rows=3)
+    assert out["rows"] == [] and model.head_rows == [2, 3] and out["launches"] == 2
 
 
 def test_a_model_without_layers_or_a_head_warms_nothing() -> None:
