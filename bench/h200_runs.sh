@@ -135,13 +135,18 @@ if [[ "$STAGES" == *,qa,* ]]; then
     # QA_PYSPY_MODES: the modes py-spy samples (QA_PYSPY_S seconds each, third_party_qa.sh)
     spy_s=""; [[ " ${QA_PYSPY_MODES:-} " == *" $mode "* ]] && spy_s=${QA_PYSPY_S:-40}
     flags=(--num-gpu-blocks 1200 --first-token-step-tokens "${FIRST_TOKEN_STEP_TOKENS:-512}")
-    # a mode name ending in "warm" (offwarm, onwarm, smallwarm): that mode with --gemm-warmup
-    base=${mode%warm}; [ "$base" != "$mode" ] && [ -n "$base" ] && flags+=(--gemm-warmup)
-    # a mode name ending in "eager" (oneager): that mode with CUDA_MODULE_LOADING=EAGER (every
-    # kernel loaded when CUDA starts, none on a step's first launch of it)
-    qa_env=(); b1=${base%eager}; [ "$b1" != "$base" ] && [ -n "$b1" ] && { base=$b1; qa_env=(CUDA_MODULE_LOADING=EAGER); }
-    # a mode name ending in "cold": that mode with --no-gemm-warmup
-    b2=${base%cold}; [ "$b2" != "$base" ] && [ -n "$b2" ] && { base=$b2; flags+=(--no-gemm-warmup); }
+    # suffixes of a mode name, in any order (onwarm, offcold, oneager): that mode with
+    # --gemm-warmup (warm), --no-gemm-warmup (cold), or CUDA_MODULE_LOADING=EAGER for the server
+    # (eager: every kernel loaded when CUDA starts, none on a step's first launch of it)
+    base=$mode; qa_env=()
+    while :; do
+      case "$base" in
+        ?*warm) base=${base%warm}; flags+=(--gemm-warmup) ;;
+        ?*cold) base=${base%cold}; flags+=(--no-gemm-warmup) ;;
+        ?*eager) base=${base%eager}; qa_env=(CUDA_MODULE_LOADING=EAGER) ;;
+        *) break ;;
+      esac
+    done
     case "$base" in
       on|on256|lean|fill) printf 'tiers:\n  - {kind: host, capacity: %s}\n' "${QA_HOST_CAPACITY:-48GiB}" > "/tmp/qa_$mode.yaml"
         if [ "$base" = on256 ]; then flags=(--num-gpu-blocks 1200 --first-token-step-tokens 256); fi
