@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from bench.common import emit_report, machine_info, percentile
-from engine.ttft import ENGINE_PHASES, STEP_CPU_PARTS, STEP_PARTS, SUB_PHASES
+from engine.ttft import ENGINE_PHASES, STEP_CPU_PARTS, STEP_PARTS, STEP_SUB_PARTS, SUB_PHASES
 
 BLOCK_TOKENS = 16
 # Phases that add up to the engine TTFT (the parts of ``schedule`` and ``load`` aside).
@@ -70,7 +70,7 @@ def group_report(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # Where its prefill steps' time went in the model runner (engine/ttft.py STEP_PARTS).
         "step_parts_p50_ms": {
             k: _p([(r.get("prefill_step_parts_s") or {}).get(k, 0.0) for r in rows], 50)
-            for k in (*STEP_PARTS, *STEP_CPU_PARTS)
+            for k in (*STEP_PARTS, *STEP_CPU_PARTS, *STEP_SUB_PARTS)
         }
         if any(r.get("prefill_step_parts_s") for r in rows)
         else None,

@@ -81,6 +81,11 @@ STEP_PARTS = ("inputs", "hook", "forward", "sample", "after")
 # seal thread, a load thread, a tier's writer): each of them holding the GIL delays every
 # torch call of the launches (engine/runner/thread_cpu.py).
 STEP_CPU_PARTS = ("forward_cpu", "others_cpu")
+# Beside them too, not summed: where ``inputs`` went (``inputs_upload``: the inputs' pinned
+# staging and host->device copy; ``inputs_plan``: the attention plan, its staging fence's wait
+# included) and the thread's CPU time over ``inputs`` and ``hook``. A part whose CPU time
+# equals its wall time while nothing of it should wait was spinning in a blocking driver call.
+STEP_SUB_PARTS = ("inputs_upload", "inputs_plan", "inputs_cpu", "hook_cpu")
 # Sub-phases of ``schedule`` and of ``load``: never added to the others.
 SCHEDULE_PARTS = ("hash", "lookup", "decide")
 LOAD_PARTS = ("load_copy",)

@@ -56,7 +56,7 @@ from engine.runner.sampling_step import prompt_logprobs, sample_tokens
 from engine.runner.structured_output import RequestGrammars
 from engine.runner.thread_cpu import OtherThreadsCpu
 from engine.sampling_params import SamplingParams
-from engine.ttft import STEP_CPU_PARTS, STEP_PARTS
+from engine.ttft import STEP_CPU_PARTS, STEP_PARTS, STEP_SUB_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -362,12 +362,14 @@ class ModelRunner:
         return_logits: bool,
         t0: float,
     ) -> ModelRunnerOutput:
+        c0 = time.thread_time()
         host = self._host_batch(out)
         # The step's inputs go up (and the attention is planned) before the connector issues
         # KV copies: on the copy engine they come first, so the forward never waits behind a
         # load it does not read.
-        batch = self._prepare_forward(host)
+        batch, upload_s, plan_s = self._prepare_forward(host)
         t1 = time.perf_counter()
+        c1 = time.thread_time()
         if connector is not None:
             connector.start_load_kv(out.kv_connector_metadata)
         t2 = time.perf_counter()
@@ -411,6 +413,8 @@ class ModelRunner:
         result.step_parts = dict(zip(STEP_PARTS, spans, strict=True))
         result.step_parts[STEP_CPU_PARTS[0]] = c3 - c2  # the thread's CPU time in ``forward``
         result.step_parts[STEP_CPU_PARTS[1]] = max(o3 - o2, 0.0)  # other threads', meanwhile
+        subs = (upload_s, plan_s, c1 - c0, c2 - c1)
+        result.step_parts.update(zip(STEP_SUB_PARTS, subs, strict=True))
         return result
 
     def _launches_queued(self) -> None:
@@ -445,14 +449,17 @@ class ModelRunner:
             return None
         return graphs.padded_size(len(host.query_lens))
 
-    def _prepare_forward(self, host: HostBatch) -> BatchInputs | None:
+    def _prepare_forward(self, host: HostBatch) -> tuple[BatchInputs | None, float, float]:
         """An eager step's device inputs, uploaded, and its attention planned (None: a graph
-        replay, whose inputs go up with it). Touches no KV block."""
+        replay, whose inputs go up with it), with the seconds the upload and the plan took.
+        Touches no KV block."""
         if self._graph_size(host) is not None:
-            return None
+            return None, 0.0, 0.0
+        t0 = time.perf_counter()
         batch = self._device_batch(host)
+        t1 = time.perf_counter()
         self.attn_backend.plan(batch.metadata)
-        return batch
+        return batch, t1 - t0, time.perf_counter() - t1
 
     def _forward(
         self, host: HostBatch, batch: BatchInputs | None

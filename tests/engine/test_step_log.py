@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from engine.ttft import STEP_CPU_PARTS, STEP_PARTS
+from engine.ttft import STEP_CPU_PARTS, STEP_PARTS, STEP_SUB_PARTS
 from tests.connectors.offload.test_connector import make_llm
 from tests.engine.hf_models import make_tiny_model
 
@@ -40,7 +40,13 @@ def test_every_step_is_a_line_with_its_chunks_decodes_and_parts(
     chunks: dict[str, list[list]] = {}
     for line in lines:
         assert line["tokens"] == line["decodes"] + sum(c[1] for c in line["prefill"]), line
-        assert set(line["parts"]) <= {*STEP_PARTS, *STEP_CPU_PARTS}, line["parts"]
+        parts = line["parts"]
+        assert set(parts) == {*STEP_PARTS, *STEP_CPU_PARTS, *STEP_SUB_PARTS}, parts
+        # the sub-parts of ``inputs`` lie inside it; one thread spends no more CPU than wall time
+        # (ms, rounded to 3 decimals in the log, hence the slack)
+        assert parts["inputs_upload"] + parts["inputs_plan"] <= parts["inputs"] + 0.01, parts
+        assert 0 < parts["inputs_upload"] and 0 <= parts["inputs_cpu"] <= parts["inputs"] + 2
+        assert 0 <= parts["hook_cpu"] <= parts["hook"] + 2, parts
         assert line["loads"] == [] and line["waiting"] >= 0 and line["running"] >= 1
         for chunk in line["prefill"]:
             chunks.setdefault(chunk[0], []).append(chunk)

@@ -30,6 +30,7 @@ from engine.ttft import (
     ENGINE_PHASES,
     SCHEDULE_PARTS,
     STEP_PARTS,
+    STEP_SUB_PARTS,
     SUB_PHASES,
     LoadTiming,
     RequestTimes,
@@ -138,6 +139,8 @@ def test_engine_logs_a_breakdown_that_adds_up_to_ttft(model_dir: str, tmp_path: 
         parts = dict(row["prefill_step_parts_s"])
         cpu = parts.pop("forward_cpu")  # the thread's CPU time inside ``forward``: not summed
         others = parts.pop("others_cpu")  # other Python threads' meanwhile: not summed either
+        subs = {k: parts.pop(k) for k in STEP_SUB_PARTS}  # inside ``inputs``/``hook``: not summed
+        assert subs["inputs_upload"] + subs["inputs_plan"] <= parts["inputs"] + 1e-6
         assert set(parts) == set(STEP_PARTS) and parts["forward"] > 0
         assert 0 < cpu <= parts["forward"] + 2e-3  # one thread: no more CPU than wall time
         assert others >= 0.0
