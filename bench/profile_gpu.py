@@ -310,32 +310,48 @@ def profile_reload(length: int) -> dict[str, Any]:
 
 
 def _step_until_first_tokens(eng: Any, rids: set[str], timeout_s: float) -> dict[str, Any]:
-    """Step ``eng`` until every request in ``rids`` has its first token: each step's wall time
-    and batch size, and each request's TTFT and breakdown (ms)."""
+    """Step ``eng`` until every request in ``rids`` has its first token: each step's wall time,
+    batch size and the model runner's parts (ms: ``engine.ttft`` STEP_PARTS and the CPU and
+    sub-parts beside them; forward_cpu equal to forward is a thread held in its launches),
+    and each request's TTFT and breakdown (ms)."""
     steps: list[dict[str, Any]] = []
     sched = eng.scheduler
     seen: dict[str, Any] = {}
     last: list[Any] = [None]
+    parts: list[dict[str, float]] = [{}]
     schedule = sched.schedule
+    runner = eng.runner
+    execute = runner.execute_model
 
     def scheduled() -> Any:
         last[0] = schedule()
         return last[0]
 
+    def executed(*args: Any, **kwargs: Any) -> Any:
+        out = execute(*args, **kwargs)
+        parts[0] = dict(getattr(out, "step_parts", None) or {})
+        return out
+
     sched.schedule = scheduled  # this call only
+    runner.execute_model = executed
     t0 = time.perf_counter()
     try:
         while len(seen) < len(rids):
             s0 = time.perf_counter()
+            parts[0] = {}
             outs = eng.step()
             wall = time.perf_counter() - s0
             tokens = getattr(last[0], "num_batched_tokens", None)
-            steps.append({"ms": round(wall * 1e3, 2), "tokens": tokens})
+            row: dict[str, Any] = {"ms": round(wall * 1e3, 2), "tokens": tokens}
+            if parts[0]:
+                row["parts_ms"] = {k: round(v * 1e3, 2) for k, v in parts[0].items()}
+            steps.append(row)
             _first_tokens(outs, rids, seen)
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"no first tokens after {len(steps)} steps")
     finally:
         del sched.schedule  # the class's method again
+        del runner.execute_model
     return {"steps": steps, "requests": list(seen.values())}
 
 
@@ -483,7 +499,17 @@ def _mixed_summary(m: dict[str, Any]) -> str:
         by_rank = [statistics.median(x) for x in zip(*ranks, strict=False)]
         step = statistics.median(s["ms"] for r in runs for s in r["steps"])
         mean = statistics.fmean(by_rank)
-        return f"TTFT {'/'.join(f'{t:.1f}' for t in by_rank)} ms (mean {mean:.1f}; step {step:.1f})"
+        # the first step of each run (the loads' step): its launches' wall and CPU time
+        first = [r["steps"][0].get("parts_ms", {}) for r in runs if r["steps"]]
+        fwd = [(p["forward"], p["forward_cpu"], p["sample"]) for p in first if "forward" in p]
+        launch = ""
+        if fwd:
+            f, c, smp = (statistics.median(x) for x in zip(*fwd, strict=True))
+            launch = f", its forward {f:.1f} (cpu {c:.1f}) sample {smp:.1f}"
+        return (
+            f"TTFT {'/'.join(f'{t:.1f}' for t in by_rank)} ms (mean {mean:.1f}; step {step:.1f}"
+            f"{launch})"
+        )
 
     by = m.get("mixed_by_copy_programs", {})
     parts = [f"mixed {med(m['mixed'])}"]
