@@ -158,6 +158,7 @@ if [[ "$STAGES" == *,qa,* ]]; then
       onestep) printf 'in_step_loads_per_step: 1\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestep.yaml ;;
       onestephold) printf 'in_step_loads_per_step: 1\nasync_copies_after_forward: true\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_onestephold.yaml ;;
       lossless) printf 'compression: lossless\ntiers:\n  - {kind: host, capacity: 48GiB}\n' > /tmp/qa_lossless.yaml ;;
+      ahead) printf 'load_issue_ahead: %s\ntiers:\n  - {kind: host, capacity: %s}\n' "${ISSUE_AHEAD:-4}" "${QA_HOST_CAPACITY:-48GiB}" > "/tmp/qa_$mode.yaml" ;;
       coalesced) printf "coalesced_loads: true\ntiers:\n  - {kind: host, capacity: %s}\n" "${QA_HOST_CAPACITY:-48GiB}" > /tmp/qa_coalesced.yaml ;;
       small|smallwait|smallwm) rm -rf /tmp/qa_lmdb  # issue 28's shape: a 2 GiB host tier over LMDB
         # smallwm: LMDB writing through its map (writemap, the default until the 21st session)
@@ -253,6 +254,7 @@ if [[ "$STAGES" == *,mixed,* ]]; then
       allinstep) flag=(--in-step-loads-per-step 0); name=mixed_allinstep ;;  # the default
       onestep) flag=(--in-step-loads-per-step 1); name=mixed_onestep ;;
       coalesced) flag=(--coalesced); name=mixed_coalesced ;;  # runs of host slots whole
+      ahead) flag=(--issue-ahead "${ISSUE_AHEAD:-4}"); name=mixed_ahead ;;  # load_issue_ahead
     esac
     timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
       --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \

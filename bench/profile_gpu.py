@@ -377,6 +377,7 @@ def profile_mixed(
     layered: bool = False,
     in_step_per_step: int | None = None,
     coalesced: bool = False,
+    issue_ahead: int = 0,
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -388,7 +389,8 @@ def profile_mixed(
     copy kernel on a fixed number of looping programs. ``in_step_per_step``: the connector's
     ``in_step_loads_per_step`` (None: its default). ``coalesced``: ``coalesced_loads: true``
     (a run of consecutive host slots moves as one copy into device staging and one scatter, a
-    few copy commands a load where per-block copies queue one a block)."""
+    few copy commands a load where per-block copies queue one a block). ``issue_ahead``:
+    ``load_issue_ahead`` (the layer groups issued as the forward reaches them; 0: all first)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -411,6 +413,8 @@ def profile_mixed(
         offload["in_step_loads_per_step"] = in_step_per_step
     if coalesced:
         offload["coalesced_loads"] = True
+    if issue_ahead:
+        offload["load_issue_ahead"] = issue_ahead
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
@@ -423,6 +427,7 @@ def profile_mixed(
         "pair": pair,
         "layered": layered,
         "coalesced": coalesced,
+        "issue_ahead": issue_ahead,
         "in_step_loads_per_step": offload.get("in_step_loads_per_step", 0),
     }
     ids = iter(range(10**6))
@@ -517,7 +522,8 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     parts += [f"pair alone {med([m['alone_pair']])}", f"one alone {med([m['alone_one']])}"]
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
-        f"{m['layered']}, coalesced {m.get('coalesced', False)}, in-step loads a step "
+        f"{m['layered']}, coalesced {m.get('coalesced', False)}, issue ahead "
+        f"{m.get('issue_ahead', 0)}, in-step loads a step "
         f"{m.get('in_step_loads_per_step')}, decode step "
         f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
@@ -543,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="mixed: the connector's in_step_loads_per_step (default: its own, 0)",
     )
+    ap.add_argument(
+        "--issue-ahead", type=int, default=0, help="mixed: load_issue_ahead (0: groups first)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.setup == "full":
@@ -563,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.layered,
                     args.in_step_loads_per_step,
                     args.coalesced,
+                    args.issue_ahead,
                 )
             else:
                 res[name] = profile_reload(args.length)

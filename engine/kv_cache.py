@@ -13,6 +13,7 @@ touches a real block. ``attention_view(i)`` is the layer view including it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ class KVCache:
         # The blocks the scheduler manages: a contiguous prefix view of the storage.
         self.tensor = self._storage[:num_blocks]
         self._layer_ready: list[Any] | None = None  # see set_layer_ready
+        self._ensure_layer: Callable[[int], None] | None = None
 
     @property
     def scratch_block_id(self) -> int:
@@ -89,30 +91,43 @@ class KVCache:
         """Like ``layer_view`` but ``num_blocks + 1`` blocks long: the scratch block included,
         so attention may address ``scratch_block_id``. What the models hand to attention.
         With layer events set (``set_layer_ready``), the current stream first waits for this
-        layer's event."""
+        layer's event (its copies issued first where they are issued on demand)."""
         if self._layer_ready is not None:
+            if self._ensure_layer is not None:
+                self._ensure_layer(layer_idx)
             torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer_idx])
         return self._storage[:, layer_idx]
 
-    def set_layer_ready(self, events: list[Any]) -> None:
+    def set_layer_ready(
+        self, events: list[Any], ensure: Callable[[int], None] | None = None
+    ) -> None:
         """CUDA events, one per layer, that reads of each layer wait for until
         ``clear_layer_ready``: blocks landing layer by layer from a side stream while the
-        forward that reads them runs (the KV connector's in-step loads). Raises ValueError
-        unless one event per layer."""
+        forward that reads them runs (the KV connector's in-step loads). ``ensure(layer)``:
+        called before a read of ``layer`` waits, to issue the copies its event follows (an
+        event waited for before it is recorded would not hold the read back); the last
+        layer's at ``wait_all_layers`` and ``clear_layer_ready``. Raises ValueError unless one
+        event per layer."""
         if len(events) != self.spec.num_layers:
             raise ValueError(f"{len(events)} layer events for {self.spec.num_layers} layers")
         self._layer_ready = events
+        self._ensure_layer = ensure
 
     def wait_all_layers(self) -> None:
         """The current stream waits for every pending layer (a forward that cannot wait layer
         by layer, e.g. a CUDA-graph replay); then clears them."""
         if self._layer_ready is not None:
+            if self._ensure_layer is not None:
+                self._ensure_layer(self.spec.num_layers - 1)
             torch.cuda.current_stream(self.device).wait_event(self._layer_ready[-1])
-        self._layer_ready = None
+        self._layer_ready = self._ensure_layer = None
 
     def clear_layer_ready(self) -> None:
-        """After the forward that read the loaded blocks was enqueued."""
-        self._layer_ready = None
+        """After the forward that read the loaded blocks was enqueued (every copy left is
+        issued now)."""
+        if self._layer_ready is not None and self._ensure_layer is not None:
+            self._ensure_layer(self.spec.num_layers - 1)
+        self._layer_ready = self._ensure_layer = None
 
     def gather_blocks(self, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
         """Copy whole blocks out: ``[n, num_layers, 2, block_size, kv_heads, head_dim]``, a new

@@ -75,11 +75,14 @@ class SlabCopier:
         codec: Hi4Codec | None = None,
         layers_per_copy: int = 0,
         force_layers: bool = False,
+        issue_ahead: int = 0,
     ) -> None:
         """``host``: a 1-D uint8 tensor (the slab). ``layered``: enable ``to_device_layers``
         where it can run. ``coalesce``: ``to_device`` moves runs of consecutive slots as one
         copy each. ``codec``: the slab holds its payloads (module docstring).
-        ``force_layers``: run the staged layer-wise path on the CPU too (tests). Raises
+        ``force_layers``: run the staged layer-wise path on the CPU too (tests).
+        ``issue_ahead``: raw blocks' staged layer-wise copies issued as the forward reaches
+        that many layers before them (``StagedLayers.issue_ahead``; 0: all before it). Raises
         ValueError for anything else."""
         if host.dtype != torch.uint8 or host.dim() != 1:
             raise ValueError("host buffer must be a 1-D uint8 tensor")
@@ -123,6 +126,7 @@ class SlabCopier:
                 layers=layered,
                 force_layers=force_layers,
                 layers_per_copy=layers_per_copy,
+                issue_ahead=issue_ahead,
             )
             if codec is None and (layered or force_layers)
             else None

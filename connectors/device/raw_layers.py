@@ -29,6 +29,7 @@ caller (the engine thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -63,16 +64,21 @@ class StagedLayers:
         layers: bool = False,
         force_layers: bool = False,
         layers_per_copy: int = 0,
+        issue_ahead: int = 0,
     ) -> None:
         """``rows``: the cache as ``[num_blocks, bytes_per_block]`` uint8 (layer-major rows);
         ``host``: the slab (1-D uint8); ``whole_blocks(block_ids, offsets)``: whole-block
         copies on the current stream (the fallback). ``layers``: run where it can
         (CUDA, the driver's 2-D copies, a pinned slab); ``force_layers``: on the CPU too
-        (tests); ``layers_per_copy``: see ``layer_groups`` (0: automatic)."""
+        (tests); ``layers_per_copy``: see ``layer_groups`` (0: automatic); ``issue_ahead``:
+        see ``to_device_layers`` (0: every group issued at once)."""
         if layers_per_copy < 0:
             raise ValueError(f"layers_per_copy must be >= 0, got {layers_per_copy}")
+        if issue_ahead < 0:
+            raise ValueError(f"issue_ahead must be >= 0, got {issue_ahead}")
         self.num_layers = num_layers
         self.layers_per_copy = layers_per_copy
+        self.issue_ahead = issue_ahead
         self.per_layer = rows.shape[1] // num_layers
         self._rows = rows
         self._host = host
@@ -105,8 +111,12 @@ class StagedLayers:
         """Copy the payload at slab byte ``offsets[i]`` into cache block ``block_ids[i]``, a
         group of layers at a time (module docstring). Returns one CUDA event per layer,
         recorded after its group landed (the last one with timing); CPU: ``[]``, done on
-        return. Raises ValueError for a block id outside the cache or a payload outside the
-        slab (before anything is copied), or when not ``layered``."""
+        return. With ``issue_ahead`` > 0 only the first groups are issued now and the result
+        is a ``LayerEvents``: its ``ensure(layer)`` issues every group up to ``issue_ahead``
+        layers past ``layer`` (the forward calls it before it waits for a layer), its
+        ``finish()`` the rest; each event is recorded when its group is issued. Raises
+        ValueError for a block id outside the cache or a payload outside the slab (before
+        anything is copied), or when not ``layered``."""
         if not self._layers_ok:
             raise ValueError(
                 "layer-wise loads of raw blocks need CUDA, the driver's 2-D copies and a "
@@ -122,6 +132,13 @@ class StagedLayers:
             streams = (torch.cuda.current_stream(device), self._scatter_stream())
             streams[1].wait_stream(streams[0])  # the upload, the blocks' previous owner
             index.record_stream(streams[1])
+        if self.issue_ahead > 0:
+            try:
+                return _LazyGroups(self, runs, index, streams, (block_ids, offsets)).events
+            except RuntimeError:  # no memory for the staging
+                if streams is None:
+                    raise
+                return self._whole_blocks(block_ids, offsets, streams)
         try:
             # The staging comes out of the memory the KV budget left (gpu_memory_utilization's
             # rest); an engine without room for it loads whole blocks instead of failing.
@@ -165,28 +182,47 @@ class StagedLayers:
         staging: torch.Tensor,
         streams: Streams | None,
     ) -> list[object]:
-        """Every group of layers, chunk by chunk through the two buffers in turn: the 2-D
-        copies, then the scatter; one event per layer (CUDA)."""
-        n, size = index.numel(), staging.numel() // 2
+        """Every group of layers (``_copy_group``); one event per layer (CUDA)."""
+        turns = _Turns()
         events: list[object] = []
-        free: list[torch.cuda.Event | None] = [None, None]  # a buffer's last scatter, done
-        c = 0
-        for a, b in self.layer_groups():
-            width = (b - a) * self.per_layer
-            per_chunk = size // width  # >= 1: a buffer holds a whole block
-            for r0 in range(0, n, per_chunk):
-                r1, p = min(n, r0 + per_chunk), c % 2
-                if streams is not None and (done := free[p]) is not None:
-                    streams[0].wait_event(done)
-                self._stage(runs, staging, p * size, a, width, (r0, r1))
-                staged = staging[p * size : p * size + (r1 - r0) * width]
-                free[p] = self._scatter_after_copy(streams, staged, index[r0:r1], a, width)
-                c += 1
-            if streams is not None:
-                event = torch.cuda.Event(enable_timing=b == self.num_layers)  # the last times it
-                event.record(streams[1])
-                events.extend([event] * (b - a))
+        for group in self.layer_groups():
+            event = self._copy_group(runs, index, staging, streams, group, turns)
+            if event is not None:
+                events.extend([event] * (group[1] - group[0]))
         return events
+
+    def _copy_group(
+        self,
+        runs: Runs,
+        index: torch.Tensor,
+        staging: torch.Tensor,
+        streams: Streams | None,
+        group: tuple[int, int],
+        turns: _Turns,
+        event: torch.cuda.Event | None = None,
+    ) -> torch.cuda.Event | None:
+        """Layers ``[a, b)`` of every staged row, chunk by chunk through the two buffers in
+        turn (``turns``: whose turn, and each buffer's last scatter): the 2-D copies, then the
+        scatter. CUDA: records ``event`` (a new one if None; the last group's times the load)
+        on the scatter stream after the group's last chunk and returns it; CPU: None."""
+        a, b = group
+        n, size = index.numel(), staging.numel() // 2
+        width = (b - a) * self.per_layer
+        per_chunk = size // width  # >= 1: a buffer holds a whole block
+        for r0 in range(0, n, per_chunk):
+            r1, p = min(n, r0 + per_chunk), turns.count % 2
+            if streams is not None and (done := turns.free[p]) is not None:
+                streams[0].wait_event(done)
+            self._stage(runs, staging, p * size, a, width, (r0, r1))
+            staged = staging[p * size : p * size + (r1 - r0) * width]
+            turns.free[p] = self._scatter_after_copy(streams, staged, index[r0:r1], a, width)
+            turns.count += 1
+        if streams is None:
+            return None
+        if event is None:
+            event = torch.cuda.Event(enable_timing=b == self.num_layers)
+        event.record(streams[1])
+        return event
 
     def _stage(
         self,
@@ -259,3 +295,104 @@ class StagedLayers:
         event = torch.cuda.Event(enable_timing=True)
         event.record(current)
         return [event] * self.num_layers
+
+
+class _Turns:
+    """Which of the two staging buffers a load's next chunk takes, and each one's last
+    scatter (an event; None: free)."""
+
+    __slots__ = ("count", "free")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.free: list[torch.cuda.Event | None] = [None, None]
+
+
+class LayerEvents(list):
+    """``StagedLayers.to_device_layers``' events when its groups are issued as the forward
+    reaches them: ``ensure(layer)`` before the forward waits for ``layer``, ``finish()`` once
+    the forward is queued (both idempotent)."""
+
+    ensure: Callable[[int], None]
+    finish: Callable[[], None]
+
+
+class _LazyGroups:
+    """One load's layer groups, issued in order as ``ensure`` asks (``StagedLayers.issue_ahead``
+    layers ahead of the forward's reads), on the streams current at the load (CUDA: the side
+    and scatter streams; the CPU runs each group at once, as the eager path does). Every
+    group's event is made now and recorded when its group is issued. A group the driver
+    refuses turns the rest into whole-block copies (``StagedLayers._whole_blocks``), after
+    which every event left is recorded."""
+
+    def __init__(
+        self,
+        owner: StagedLayers,
+        runs: Runs,
+        index: torch.Tensor,
+        streams: Streams | None,
+        load: tuple[Sequence[int], Sequence[int]],
+    ) -> None:
+        self._owner = owner
+        self._runs = runs
+        self._index = index  # held until the last group is issued
+        self._streams = streams
+        self._load = load
+        self._staging = owner._buffers()
+        self._turns = _Turns()
+        self._groups = owner.layer_groups()
+        self._group_of = [i for i, (a, b) in enumerate(self._groups) for _ in range(a, b)]
+        self._issued = 0  # groups issued so far
+        n = owner.num_layers
+        self._events: list[torch.cuda.Event | None] = [
+            torch.cuda.Event(enable_timing=b == n) if streams is not None else None
+            for _, b in self._groups
+        ]
+        self.events = LayerEvents()
+        if streams is not None:
+            self.events.extend(self._events[g] for g in self._group_of)
+        self.events.ensure = self.ensure
+        self.events.finish = self.finish
+        self.ensure(0)
+
+    @property
+    def issued_groups(self) -> int:
+        return self._issued
+
+    def ensure(self, layer: int) -> None:
+        """Issue every group up to the one holding ``layer + issue_ahead`` (the forward is
+        about to wait for ``layer``'s)."""
+        last = self._owner.num_layers - 1
+        target = self._group_of[min(max(layer, 0) + self._owner.issue_ahead, last)]
+        while self._issued <= target:
+            self._issue_next()
+
+    def finish(self) -> None:
+        """Issue every group left."""
+        self.ensure(self._owner.num_layers - 1)
+
+    def _issue_next(self) -> None:
+        i, streams = self._issued, self._streams
+        ctx = torch.cuda.stream(streams[0]) if streams is not None else contextlib.nullcontext()
+        with ctx:
+            try:
+                self._owner._copy_group(
+                    self._runs,
+                    self._index,
+                    self._staging,
+                    streams,
+                    self._groups[i],
+                    self._turns,
+                    self._events[i],
+                )
+            except RuntimeError:  # a 2-D copy refused: whole blocks, every event after them
+                if streams is None:
+                    raise
+                self._owner._whole_blocks(*self._load, streams)
+                for event in self._events[i:]:
+                    event.record(streams[0])  # type: ignore[union-attr]
+                self._issued = len(self._groups)
+            else:
+                self._issued += 1
+        if self._issued == len(self._groups) and streams is not None:
+            streams[0].wait_stream(streams[1])  # the staging is reused by the next load

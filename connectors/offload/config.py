@@ -14,6 +14,9 @@ One YAML file (or the same dict) holds both::
     layered_loads: auto     # CUDA: in-step loads land layer by layer under the forward
                             # (auto: on, as true; false: whole blocks)
     layers_per_copy: 0      # layer-wise loads: layers a copy moves (0: automatic)
+    load_issue_ahead: 0     # layer-wise raw loads: 0 issues every group's copies before the
+                            # forward; N > 0 issues each group as the forward reaches N layers
+                            # before it (a short driver queue; not yet measured on a GPU)
     coalesced_loads: false  # host loads copy runs of consecutive slots whole (one copy a run)
     load_chunk_bytes: 64MiB  # lower-tier loads: read and copy overlap in chunks this big
                                 # (0: read all, then copy all)
@@ -121,6 +124,13 @@ class OffloadConfig:
     # 128 KiB, connectors/device/decode.py). Fewer layers a copy overlap more of the forward
     # but make more, smaller copies (bench/h2d_pieces.py).
     layers_per_copy: int = 0
+    # Layer-wise loads of raw blocks (the staged path, connectors/device/raw_layers.py): 0
+    # issues every layer group's copies before the forward; N > 0 issues the groups while the
+    # forward is launched, each once the forward's reads come within N layers of it, so the
+    # driver never holds a whole load's copies ahead of the forward's launches (the H100's
+    # engine thread was held in its launches until a reload's copies ended: docs/scheduling.md,
+    # twenty-seventh session). Off until measured on a GPU.
+    load_issue_ahead: int = 0
     # Host-tier loads move each run of consecutive slab slots as one copy plus a device
     # scatter instead of one copy per block (connectors/device/copy.py). Off by default
     # until bench/offload/main.py "load_path" has measured it on a GPU.
@@ -173,6 +183,7 @@ class OffloadConfig:
             )
         for name, low in (
             ("layers_per_copy", 0),
+            ("load_issue_ahead", 0),
             ("load_chunk_bytes", 0),
             ("load_pipeline_depth", 1),
             ("load_read_threads", 0),
@@ -214,7 +225,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
     """``{"tiers": [...], "decision": ..., "load_timeout_s": ..., "calibrate": ...,
     "in_step_host_loads": ..., "in_step_loads_per_step": ..., "async_copies_after_forward": ...,
     "layered_loads": ...,
-    "layers_per_copy": ...,
+    "layers_per_copy": ..., "load_issue_ahead": ...,
     "coalesced_loads": ..., "compression": ..., "drain_timeout_s": ..., "health_probe_s": ...,
     "prefetch": ..., "prefetch_budget_blocks": ..., "load_chunk_bytes": ...,
     "load_pipeline_depth": ..., "load_read_threads": ..., "placement": ..., "kv_head_group": ...}``
@@ -240,6 +251,7 @@ def parse_offload_config(data: object) -> OffloadConfig:
         async_copies_after_forward=flags["async_copies_after_forward"],
         layered_loads=data.get("layered_loads", "auto"),  # type: ignore[arg-type]
         layers_per_copy=data.get("layers_per_copy", 0),  # type: ignore[arg-type]
+        load_issue_ahead=data.get("load_issue_ahead", 0),  # type: ignore[arg-type]
         coalesced_loads=flags["coalesced_loads"],
         compression=str(data.get("compression", "none")),
         prefetch=flags["prefetch"],

@@ -100,6 +100,7 @@ class OffloadConnector:
             cost_model=cost_model,
             layered_loads=config.layer_wise,
             layers_per_copy=config.layers_per_copy,
+            load_issue_ahead=config.load_issue_ahead,
             coalesced_loads=config.coalesced_loads,
             codec=codec,
             load_chunk_bytes=config.load_chunk_bytes,

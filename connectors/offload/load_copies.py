@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,9 @@ class SlabToCache:
         self._header_size = header_size
         self._held: list[tuple[PendingLoad, list[int], list[int]]] = []  # ``hold``
         self._held_after: object | None = None  # the compute stream when the first was held
+        # In-step loads whose layer groups the forward issues (``copy_in_step``): each
+        # load's finish and its loads, until ``finish_in_step``.
+        self._on_demand: list[tuple[Callable[[], None], list[PendingLoad]]] = []
 
     @property
     def layered(self) -> bool:
@@ -128,12 +132,19 @@ class SlabToCache:
             self._side.wait_stream(compute)  # type: ignore[attr-defined]
             begin.record(self._side)  # type: ignore[arg-type]
             events = self.copier.to_device_layers(ids, payload)
-        self.kv_cache.set_layer_ready(events)
+        # Groups issued as the forward reaches them (``load_issue_ahead``): its layer reads
+        # issue them; the loads stay held (not reported, pins kept) until ``finish_in_step``.
+        ensure = getattr(events, "ensure", None)
+        self.kv_cache.set_layer_ready(list(events), ensure)
         end = events[-1]
         for pending in loads:
             pending.copied += len(pending.load.slab_offsets)
             pending.event = end
             pending.shared = (begin, end)
+        if ensure is not None:
+            for pending in loads:
+                pending.held += 1
+            self._on_demand.append((events.finish, loads))  # type: ignore[attr-defined]
         # One transfer: observed once (by the first load), with all its bytes.
         loads[0].timings.append((begin, end, len(ids) * self.kv_cache.bytes_per_block))
 
@@ -163,9 +174,20 @@ class SlabToCache:
         pending.held += 1
         self._held.append((pending, ids, payload))
 
+    def finish_in_step(self) -> None:
+        """Issue whatever this step's in-step loads left for the forward to issue (the
+        forward's ``clear_layer_ready`` normally did) and let those loads be reported.
+        Idempotent."""
+        on_demand, self._on_demand = self._on_demand, []
+        for finish, loads in on_demand:
+            finish()
+            for pending in loads:
+                pending.held -= 1
+
     def release_held(self) -> None:
         """Issue every held copy (``hold``). Idempotent; a load's ``held`` count drops as its
         copies are issued, so it is not reported before."""
+        self.finish_in_step()
         held, self._held = self._held, []
         after, self._held_after = self._held_after, None
         for pending, ids, payload in held:

@@ -65,6 +65,7 @@ class HostLoader:
         coalesced: bool = False,
         codec: Hi4Codec | None = None,
         layers_per_copy: int = 0,
+        issue_ahead: int = 0,
         chunk_blocks: int = 0,
         depth: int = 2,
         readers: int = 0,
@@ -73,7 +74,7 @@ class HostLoader:
         """``hold_async`` (CUDA): an async load's copies from the host tier are issued once the
         step's forward is queued (``release_held``), not before it;
         ``layered``: in-step loads land layer by layer when the copier can (CUDA;
-        ``layers_per_copy``: see ``StagedDecoder``);
+        ``layers_per_copy``: see ``StagedDecoder``; ``issue_ahead``: see ``StagedLayers``);
         ``coalesced``: runs of consecutive slots move as one copy (``SlabCopier``);
         ``codec``: stored payloads are encoded (decoded into the blocks on arrival);
         ``chunk_blocks`` > 0 (raw blocks only): lower-tier loads are pipelined in chunks of that
@@ -100,6 +101,7 @@ class HostLoader:
                 coalesce=coalesced,
                 codec=codec,
                 layers_per_copy=layers_per_copy,
+                issue_ahead=issue_ahead,
             )
             if host is not None
             else None

@@ -207,6 +207,106 @@ def test_staged_layer_copies_equal_per_block_copies(
     assert torch.equal(cache.byte_rows(), want)
 
 
+@pytest.mark.parametrize(("per", "ahead"), [(3, 1), (3, 4), (1, 2), (0, 9), (0, 30)])
+@pytest.mark.parametrize("small_buffers", [False, True])
+def test_staged_layer_copies_issued_on_demand_land_group_by_group(
+    monkeypatch: pytest.MonkeyPatch, per: int, ahead: int, small_buffers: bool
+) -> None:
+    """``issue_ahead``: the load issues only the groups its first layer and the look-ahead
+    need; each ``ensure(layer)`` (what the forward calls before it waits for a layer) issues
+    every group up to ``layer + ahead`` and no further; ``finish`` the rest. At every point
+    the layers issued hold the loaded bytes and the others are untouched; in the end the
+    cache equals the eager path's, with as many 2-D copies."""
+    if small_buffers:
+        monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1)
+    copies: list[object] = []
+
+    def counted(*args: object) -> None:
+        copies.append(args)
+        copy2d(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(raw_layers, "copy2d", counted)
+    cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS["mixed"])
+    start = cache.byte_rows().clone()
+    per_layer = N_LAYERED // LAYERED_SPEC.num_layers
+    copier = SlabCopier(
+        cache, host, layered=True, layers_per_copy=per, force_layers=True, issue_ahead=ahead
+    )
+    groups = copier.layer_groups()
+    last = LAYERED_SPEC.num_layers - 1
+
+    def landed_through() -> int:
+        """The last layer whose bytes are loaded; every layer after it must be untouched."""
+        rows = cache.byte_rows()
+        done = -1
+        for layer in range(LAYERED_SPEC.num_layers):
+            cols = slice(layer * per_layer, (layer + 1) * per_layer)
+            if torch.equal(rows[:, cols], want[:, cols]):
+                assert done == layer - 1, f"layer {layer} landed after a gap"
+                done = layer
+            else:
+                assert torch.equal(rows[:, cols], start[:, cols]), f"layer {layer} half done"
+        return done
+
+    def group_end(layer: int) -> int:  # the last layer of the group holding ``layer``
+        return next(b - 1 for a, b in groups if a <= layer < b)
+
+    events = copier.to_device_layers(LAYER_IDS, offsets)
+    assert events == []  # CPU: no events, the groups issued are done on return
+    assert landed_through() == group_end(min(ahead, last))
+    for layer in range(LAYERED_SPEC.num_layers):
+        events.ensure(layer)  # type: ignore[attr-defined]
+        assert landed_through() == group_end(min(layer + ahead, last))
+    events.finish()  # type: ignore[attr-defined]
+    events.finish()  # type: ignore[attr-defined]  # idempotent
+    assert torch.equal(cache.byte_rows(), want)
+    eager_copies = len(copies)
+    copies.clear()
+    cache.byte_rows().copy_(start)
+    SlabCopier(cache, host, layered=True, layers_per_copy=per, force_layers=True).to_device_layers(
+        LAYER_IDS, offsets
+    )
+    assert len(copies) == eager_copies and torch.equal(cache.byte_rows(), want)
+    with pytest.raises(ValueError, match="issue_ahead must be >= 0"):
+        SlabCopier(cache, host, layered=True, force_layers=True, issue_ahead=-1)
+
+
+def test_layer_reads_issue_their_copies_before_they_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVCache.set_layer_ready(events, ensure)``: a read of layer ``i`` calls ``ensure(i)``
+    before its stream waits for event ``i`` (a wait for an event not yet recorded would not
+    hold the read back); ``clear_layer_ready`` and ``wait_all_layers`` ensure the last layer,
+    so every copy is issued once the forward is queued. Without ``ensure``, reads only wait."""
+    calls: list[tuple[str, object]] = []
+
+    class Stream:
+        def wait_event(self, event: object) -> None:
+            calls.append(("wait", event))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    spec = LAYERED_SPEC
+    cache = KVCache(spec, 4, "cpu")
+    events = [f"e{i}" for i in range(spec.num_layers)]
+    cache.set_layer_ready(events, lambda layer: calls.append(("ensure", layer)))
+    cache.attention_view(0)
+    cache.attention_view(1)
+    assert calls == [("ensure", 0), ("wait", "e0"), ("ensure", 1), ("wait", "e1")]
+    calls.clear()
+    cache.clear_layer_ready()
+    assert calls == [("ensure", spec.num_layers - 1)]
+    calls.clear()
+    cache.attention_view(2)  # cleared: no wait, no ensure
+    assert calls == []
+    cache.set_layer_ready(events, lambda layer: calls.append(("ensure", layer)))
+    cache.wait_all_layers()
+    assert calls == [("ensure", spec.num_layers - 1), ("wait", events[-1])]
+    calls.clear()
+    cache.clear_layer_ready()
+    cache.set_layer_ready(events)
+    cache.attention_view(3)
+    cache.clear_layer_ready()
+    assert calls == [("wait", "e3")]
+
+
 def test_staged_layer_copies_refuse_what_would_leave_their_bounds() -> None:
     """A block id outside the cache or a payload outside the slab is a ValueError before
     anything is copied; layers that are not whole 8-byte words get no staged path; without
@@ -260,6 +360,44 @@ def _assert_whole_block_fallback(
     assert len(events) == LAYERED_SPEC.num_layers and len(set(map(id, events))) == 1
     torch.cuda.synchronize()
     assert torch.equal(cache.byte_rows().cpu(), want) and not copier.layered
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("refuse_at", [None, 2])
+def test_cuda_staged_layer_copies_issued_on_demand(
+    monkeypatch: pytest.MonkeyPatch, refuse_at: int | None
+) -> None:
+    """On CUDA with ``issue_ahead``: one event per group, made at the load; a group's event is
+    recorded when ``ensure`` issues it (before, an event was never recorded: the groups past
+    the look-ahead have none yet, whose ``query`` would read done); after ``finish`` the cache
+    holds exactly the loaded bytes. A 2-D copy refused at group ``refuse_at``: the load ends in
+    whole blocks and every event left is recorded after them."""
+    _skip_without_2d_copies()
+    monkeypatch.setattr(raw_layers, "LAYER_BYTES", 1)
+    cache, host, offsets, want = layered_slab(LAYERED_SPEC, LAYOUTS["mixed"], "cuda")
+    host = host.pin_memory()
+    copier = SlabCopier(cache, host, layered=True, layers_per_copy=3, issue_ahead=1)
+    groups = copier.layer_groups()  # (0, 3), (3, 6), (6, 9), (9, 10)
+    if refuse_at is not None:
+        real = raw_layers.StagedLayers._copy_group
+
+        def refusing(self: object, *args: object) -> object:
+            if args[4] == groups[refuse_at]:  # the group's (first) 2-D copy refused
+                raise RuntimeError("cuMemcpy2DAsync failed with CUresult 1")
+            return real(self, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(raw_layers.StagedLayers, "_copy_group", refusing)
+    events = _load_on_side_stream(copier, offsets)
+    assert len(events) == LAYERED_SPEC.num_layers
+    assert len({id(e) for e in events}) == len(groups)
+    events.ensure(0)  # type: ignore[attr-defined]
+    events.ensure(5)  # type: ignore[attr-defined]
+    events.finish()  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    assert all(e.query() for e in events)  # type: ignore[attr-defined]
+    assert torch.equal(cache.byte_rows().cpu(), want)
+    if refuse_at is not None:
+        assert not copier.layered  # whole blocks from then on
 
 
 @pytest.mark.gpu

@@ -133,13 +133,15 @@ def test_scheduler_keys_equal_block_key(model_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("flag", ["layered_loads", "coalesced_loads"])
+@pytest.mark.parametrize("flag", ["layered_loads", "coalesced_loads", "load_issue_ahead"])
 def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, flag: str) -> None:
     """On CUDA, ``layered_loads`` (the default): the in-step copies move a group of layers of
     every block at a time (driver 2-D copies per run of slots into device staging, then a
     scatter), each layer's attention waiting for its own group; ``coalesced_loads``: the
     host blocks move as runs (one pinned copy per run into the device staging, one word
-    scatter). Either way: same tokens as without offload, all three blocks loaded."""
+    scatter); ``load_issue_ahead`` (1 layer): the layer-wise groups issued as the forward
+    reaches them, the load held until all are. Each way: same tokens as without offload, all
+    three blocks loaded, every pin released."""
     import torch
 
     if not torch.cuda.is_available():
@@ -148,19 +150,22 @@ def test_cuda_in_step_reload_variants_keep_outputs(model_dir: str, dtype: str, f
     kw = dict(dtype=dtype, device="cuda", attention_backend="torch")
     reference = LLM(model_dir, num_gpu_blocks=10, **kw).generate([p], ONE)[0].token_ids
     # coalesced runs are the whole-block path: layer-wise loads (the default) off for them
-    config = {**offload(True), flag: True, "layered_loads": flag == "layered_loads"}
+    layered = flag != "coalesced_loads"
+    config = {**offload(True), flag: 1 if flag == "load_issue_ahead" else True}
+    config["layered_loads"] = layered
     with LLM(model_dir, num_gpu_blocks=10, kv_offload=True, kv_offload_config=config, **kw) as llm:
         copier = llm.engine.offload.worker._loader._copier  # type: ignore[union-attr]
         assert copier is not None
-        assert copier.layered if flag == "layered_loads" else copier.coalesce
-        if flag == "layered_loads":
+        assert copier.layered if layered else copier.coalesce
+        if layered:
             from connectors.device.copy2d import copy_many_available
 
             assert copier._driver_layers == copy_many_available()
             assert copier._staged is not None  # the staged 2-D copies (raw_layers)
+            assert copier._staged.issue_ahead == (flag == "load_issue_ahead")
         assert evict_p_to_host(llm) == reference
         assert steps_to_first_token(llm, p) == (1, reference)
-        assert flag == "layered_loads" or copier._staging is not None  # the run path ran
+        assert layered or copier._staging is not None  # the run path ran
         kv = llm.kv_stats()
         assert host_pins(llm) == 0
         assert llm.engine.runner.kv_cache._layer_ready is None

@@ -309,6 +309,11 @@ def test_offload_config_parsing_and_defaults(tmp_path: Path) -> None:
     for bad in (-1, 2.5, True, "8"):
         with pytest.raises(ConfigError, match="layers_per_copy must be an integer >= 0"):
             load_offload_config({"tiers": host, "layers_per_copy": bad})
+    assert cfg.load_issue_ahead == 0  # every group issued before the forward
+    assert load_offload_config({"tiers": host, "load_issue_ahead": 4}).load_issue_ahead == 4
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ConfigError, match="load_issue_ahead must be an integer >= 0"):
+            load_offload_config({"tiers": host, "load_issue_ahead": bad})
     assert cfg.coalesced_loads is False
     assert load_offload_config({"tiers": host, "coalesced_loads": True}).coalesced_loads
     with pytest.raises(ConfigError, match="coalesced_loads must be true or false"):
