@@ -255,6 +255,8 @@ if [[ "$STAGES" == *,mixed,* ]]; then
       onestep) flag=(--in-step-loads-per-step 1); name=mixed_onestep ;;
       coalesced) flag=(--coalesced); name=mixed_coalesced ;;  # runs of host slots whole
       ahead) flag=(--issue-ahead "${ISSUE_AHEAD:-4}"); name=mixed_ahead ;;  # load_issue_ahead
+      kernel) flag=(--layer-path kernel); name=mixed_kernel ;;  # the Triton copy kernel
+      driver) flag=(--layer-path driver); name=mixed_driver ;;  # a driver copy per block
     esac
     timeout -k 5 "${T_MIXED:-150}" "$PY" -m bench.profile_gpu --sections mixed "${flag[@]}" \
       --length "${LONE_LENGTH:-6272}" --suffix "${LONE_SUFFIX:-224}" --out "$OUT_DIR/$name.json" \

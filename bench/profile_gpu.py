@@ -378,6 +378,7 @@ def profile_mixed(
     in_step_per_step: int | None = None,
     coalesced: bool = False,
     issue_ahead: int = 0,
+    layer_path: str = "staged",
 ) -> dict[str, Any]:
     """The QA run's reused step, reproduced: ``pair`` requests whose ``length``-token prefixes
     sit in the host tier only arrive together (``suffix`` new tokens each) while ``decoders``
@@ -390,7 +391,8 @@ def profile_mixed(
     ``in_step_loads_per_step`` (None: its default). ``coalesced``: ``coalesced_loads: true``
     (a run of consecutive host slots moves as one copy into device staging and one scatter, a
     few copy commands a load where per-block copies queue one a block). ``issue_ahead``:
-    ``load_issue_ahead`` (the layer groups issued as the forward reaches them; 0: all first)."""
+    ``load_issue_ahead`` (the layer groups issued as the forward reaches them; 0: all first).
+    ``layer_path``: how layer-wise loads move (``_force_layer_path``)."""
     from bench.offload.main import _prefix_in_tiers_only
     from bench.offload.parts import build_setup, bytes_per_block, close_llm, make_llm, random_tokens
     from engine.sampling_params import SamplingParams
@@ -418,6 +420,8 @@ def profile_mixed(
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
+    if layer_path != "staged":
+        _force_layer_path(eng, layer_path)
     rng = random.Random(11)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     res: dict[str, Any] = {
@@ -428,6 +432,7 @@ def profile_mixed(
         "layered": layered,
         "coalesced": coalesced,
         "issue_ahead": issue_ahead,
+        "layer_path": layer_path,
         "in_step_loads_per_step": offload.get("in_step_loads_per_step", 0),
     }
     ids = iter(range(10**6))
@@ -493,6 +498,27 @@ def profile_mixed(
     return res
 
 
+def _force_layer_path(eng: Any, path: str) -> None:
+    """Make the engine's layer-wise host loads take ``path`` (CUDA): ``driver``, one driver
+    copy per block and group of layers; ``kernel``, the Triton kernel reading the pinned slab
+    itself, one launch per layer (``engine.kernels.copy_layer_from_host``: kernel launches,
+    not copy commands); the default, ``staged``, the 2-D copies through device staging. Raises
+    ValueError where the path cannot run."""
+    copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
+    if copier is None or not copier.layered or not torch.cuda.is_available():
+        raise ValueError(f"layer path {path}: no layer-wise CUDA copier")
+    copier.staged_layers = False
+    if path == "driver":
+        if not copier._driver_layers:
+            raise ValueError("layer path driver: no driver copies here")
+    elif path == "kernel":
+        kv = eng.runner.kv_cache
+        copier._driver_layers = False
+        copier._words = kv.tensor.reshape(kv.num_blocks, -1).view(torch.int32)
+    else:
+        raise ValueError(f"layer path {path!r}: staged, driver or kernel")
+
+
 def _mixed_summary(m: dict[str, Any]) -> str:
     """One line: each run's TTFTs (the medians over repetitions of the first, second, ...
     request to get its token, and their mean) and its step."""
@@ -523,7 +549,7 @@ def _mixed_summary(m: dict[str, Any]) -> str:
     return (
         f"mixed ({m['length']}+{m['suffix']}, {m['decoders']} decoding, layered "
         f"{m['layered']}, coalesced {m.get('coalesced', False)}, issue ahead "
-        f"{m.get('issue_ahead', 0)}, in-step loads a step "
+        f"{m.get('issue_ahead', 0)}, layer path {m.get('layer_path', 'staged')}, in-step loads a step "
         f"{m.get('in_step_loads_per_step')}, decode step "
         f"{m['decode_step_ms']} ms): " + "; ".join(parts) + f"; all loaded {m['all_loaded']}"
     )
@@ -552,6 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--issue-ahead", type=int, default=0, help="mixed: load_issue_ahead (0: groups first)"
     )
+    ap.add_argument(
+        "--layer-path",
+        default="staged",
+        choices=("staged", "driver", "kernel"),
+        help="mixed: how layer-wise loads move (staged 2-D copies, per-block driver copies, "
+        "the Triton kernel)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.setup == "full":
@@ -573,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.in_step_loads_per_step,
                     args.coalesced,
                     args.issue_ahead,
+                    args.layer_path,
                 )
             else:
                 res[name] = profile_reload(args.length)
