@@ -420,8 +420,6 @@ def profile_mixed(
     blocks = per_req * (decoders + pair * (reps + 1 + len(variants)) + 2) + 64
     llm = make_llm(setup, blocks, offload)
     eng = llm.engine
-    if layer_path != "staged":
-        _force_layer_path(eng, layer_path)
     rng = random.Random(11)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     res: dict[str, Any] = {
@@ -437,6 +435,8 @@ def profile_mixed(
     }
     ids = iter(range(10**6))
     try:
+        if layer_path != "staged":
+            _force_layer_path(eng, layer_path)
         # every prefix the runs reload, each in the host tier only (needs an idle pool)
         groups = [
             [_prefix_in_tiers_only(llm, rng, length, setup) for _ in range(pair)]
