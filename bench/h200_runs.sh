@@ -314,7 +314,7 @@ fi
 if [[ "$STAGES" == *,tests,* ]]; then
   stamp "gpu tests"
   timeout -k 5 "${T_TESTS:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu \
-    ${GPU_TEST_FILES:-tests/connectors/offload/test_pipeline.py tests/connectors/offload/test_in_step.py tests/engine/test_gpu.py} \
+    ${GPU_TEST_FILES:-tests/connectors/offload/test_pipeline.py tests/connectors/offload/test_in_step.py tests/connectors/device/test_copy.py tests/engine/test_gpu.py} \
     > "$OUT_DIR/gpu_tests.txt" 2>&1
   tail -n 5 "$OUT_DIR/gpu_tests.txt" | tee -a "$S"
 fi
