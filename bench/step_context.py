@@ -9,8 +9,12 @@ it (``own``: its time, ``forward``, tokens, decodes, the other requests' prompt 
 whether a load finished in it) and the time from its arrival to that step's start
 (``before_own_ms``) with the longest step that started meanwhile (``longest_before_ms``): a
 reused request slow because its own step was heavy reads differently from one that waited
-behind another request's chunk. Prints JSON (per request and p50 / p90 of each) and a one-line
-summary.
+behind another request's chunk. ``by_loads``: the requests whose own step finished loads, by
+how many loads it finished (1: loaded alone; 2: a pair), with the p50 of their TTFT, own step,
+its forward, the engine thread's CPU in that forward and its ``sample``: a forward whose CPU
+equals its wall time followed by a ``sample`` near zero was held in its launches until the
+GPU caught up (docs/scheduling.md, twenty-seventh session). Prints JSON (per request and
+p50 / p90 of each) and a one-line summary.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ FIELDS = (
     "own_other_prefill_tokens",
     "own_decodes",
 )
+# the p50s ``by_loads`` gives per number of loads a step finished
+BY_LOADS = ("ttft_ms", "own_ms", "own_forward_ms", "own_forward_cpu_ms", "own_sample_ms")
 
 
 def _read(path: str) -> list[dict[str, Any]]:
@@ -68,6 +74,9 @@ def request_context(
         "longest_before_ms": max((s["ms"] for s in before), default=0.0),
         "own_ms": own["ms"],
         "own_forward_ms": own["parts"].get("forward", 0.0),
+        "own_forward_cpu_ms": own["parts"].get("forward_cpu", 0.0),
+        "own_sample_ms": own["parts"].get("sample", 0.0),
+        "own_loads": len(own["loads"]),
         "own_tokens": own["tokens"],
         "own_other_prefill_tokens": other,
         "own_decodes": own["decodes"],
@@ -91,7 +100,13 @@ def step_context(
         f: {q: round(percentile(sorted(float(x[f]) for x in rows), q), 3) for q in (50, 90)}
         for f in FIELDS
     }
-    return {"requests": rows, "stats": stats if rows else {}}
+    by_loads: dict[str, dict[str, Any]] = {}
+    for n in sorted({x["own_loads"] for x in rows if x["own_has_load"]}):
+        group = [x for x in rows if x["own_has_load"] and x["own_loads"] == n]
+        by_loads[str(n)] = {"n": len(group)} | {
+            f: round(percentile(sorted(float(x[f]) for x in group), 50), 3) for f in BY_LOADS
+        }
+    return {"requests": rows, "stats": stats if rows else {}, "by_loads": by_loads}
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -105,6 +120,12 @@ def summary(result: dict[str, Any]) -> str:
         f"{p['longest_before_ms']:.1f}), own step {p['own_ms']:.1f} ms (forward "
         f"{p['own_forward_ms']:.1f}; {p['own_tokens']:.0f} tokens, of them "
         f"{p['own_other_prefill_tokens']:.0f} other prompts', {p['own_decodes']:.0f} decodes)"
+        + "".join(
+            f"; {n} load(s) a step: {g['n']} req, TTFT {g['ttft_ms']:.1f}, step {g['own_ms']:.1f}, "
+            f"forward {g['own_forward_ms']:.1f} (cpu {g['own_forward_cpu_ms']:.1f}), sample "
+            f"{g['own_sample_ms']:.1f} ms"
+            for n, g in result.get("by_loads", {}).items()
+        )
     )
 
 

@@ -33,7 +33,13 @@ def test_the_reloaded_request_s_own_step_is_the_one_that_loaded_it(tmp_path: Pat
     assert row["own_other_prefill_tokens"] == 0 and row["own_decodes"] == 0
     assert 0 <= row["before_own_ms"] <= row["ttft_ms"]
     assert result["stats"]["own_tokens"] == {50: 4.0, 90: 4.0}
+    assert row["own_loads"] == len(own["loads"]) == 1
+    assert row["own_forward_cpu_ms"] == own["parts"]["forward_cpu"] > 0
+    assert row["own_sample_ms"] == own["parts"]["sample"]
+    by = result["by_loads"]
+    assert list(by) == ["1"] and by["1"]["n"] == 1 and by["1"]["own_ms"] == own["ms"]
     assert main([str(requests), str(steps), "--out", str(tmp_path / "ctx.json")]) == 0
-    assert json.loads((tmp_path / "ctx.json").read_text())["summary"].startswith(
-        "step_context: 1 reused requests"
+    text = json.loads((tmp_path / "ctx.json").read_text())["summary"]
+    assert (
+        text.startswith("step_context: 1 reused requests") and "; 1 load(s) a step: 1 req" in text
     )
