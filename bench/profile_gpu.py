@@ -476,7 +476,7 @@ def profile_mixed(
         res["mixed_cpu"] = _cpu_table(
             prof, ("Synchronize", "cudaMemcpy", "cudaLaunchKernel", "aten::copy_", "plan")
         )
-        copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
+        copier = _host_copier(eng)
         if copier is not None and copier.layered and copier._words is not None:  # the kernel
             res["mixed_by_copy_programs"] = {}
             for v, g in zip(variants, groups[reps + 1 :], strict=True):
@@ -498,13 +498,18 @@ def profile_mixed(
     return res
 
 
+def _host_copier(eng: Any) -> Any | None:
+    """The offload worker's host-tier copier (``SlabCopier``), None without one."""
+    return getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
+
+
 def _force_layer_path(eng: Any, path: str) -> None:
     """Make the engine's layer-wise host loads take ``path`` (CUDA): ``driver``, one driver
     copy per block and group of layers; ``kernel``, the Triton kernel reading the pinned slab
     itself, one launch per layer (``engine.kernels.copy_layer_from_host``: kernel launches,
     not copy commands); the default, ``staged``, the 2-D copies through device staging. Raises
     ValueError where the path cannot run."""
-    copier = getattr(getattr(eng.offload.worker, "_loader", None), "_copier", None)
+    copier = _host_copier(eng)
     if copier is None or not copier.layered or not torch.cuda.is_available():
         raise ValueError(f"layer path {path}: no layer-wise CUDA copier")
     copier.staged_layers = False

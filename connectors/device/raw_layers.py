@@ -132,14 +132,9 @@ class StagedLayers:
             streams = (torch.cuda.current_stream(device), self._scatter_stream())
             streams[1].wait_stream(streams[0])  # the upload, the blocks' previous owner
             index.record_stream(streams[1])
-        if self.issue_ahead > 0:
-            try:
-                return _LazyGroups(self, runs, index, streams, (block_ids, offsets)).events
-            except RuntimeError:  # no memory for the staging
-                if streams is None:
-                    raise
-                return self._whole_blocks(block_ids, offsets, streams)
         try:
+            if self.issue_ahead > 0:  # a later group the driver refuses: _LazyGroups falls back
+                return _LazyGroups(self, runs, index, streams, (block_ids, offsets)).events
             # The staging comes out of the memory the KV budget left (gpu_memory_utilization's
             # rest); an engine without room for it loads whole blocks instead of failing.
             events = self._copy_groups(runs, index, self._buffers(), streams)
@@ -354,10 +349,6 @@ class _LazyGroups:
         self.events.ensure = self.ensure
         self.events.finish = self.finish
         self.ensure(0)
-
-    @property
-    def issued_groups(self) -> int:
-        return self._issued
 
     def ensure(self, layer: int) -> None:
         """Issue every group up to the one holding ``layer + issue_ahead`` (the forward is
